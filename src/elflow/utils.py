@@ -1,0 +1,53 @@
+"""Small shared helpers: atomic file writes, devices, seeding."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+
+from elflow.cli import ELFError
+
+__all__ = ["ELFError", "atomic_write", "atomic_write_text", "atomic_write_json", "default_device"]
+
+
+@contextmanager
+def atomic_write(path: str | os.PathLike, mode: str = "wb"):
+    """Open a temporary file next to `path`; on success rename it over `path`, on error remove it.
+
+    A reader never sees a half-written file, and a crash leaves the previous version intact.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, mode) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def atomic_write_text(path, text: str) -> None:
+    with atomic_write(path, "w") as f:
+        f.write(text)
+
+
+def atomic_write_json(path, obj) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+def default_device() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return "cuda"
+    return "cpu"
