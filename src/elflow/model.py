@@ -1,0 +1,338 @@
+"""The ELF network: one transformer that denoises embeddings and, in decode mode, reads them out as tokens.
+
+Knows nothing of training, data or distributed code. Every detail follows the authors' released PyTorch
+port (see shared/reference/forward_semantics.md) so their checkpoints load with a key map and no
+compatibility code in the forward pass:
+
+    input   [z, x_prev] (B, L, 2C) -> Linear(2C, C) -> Linear(C, 128, no bias) -> Linear(128, H)
+    prefix  [4 time tokens + e(t) | 4 omega tokens + e(omega) | 4 mode tokens * gate] + L sequence tokens
+    blocks  pre-norm: h += Attn(RMSNorm(h)); h += SwiGLU(RMSNorm(h)); QK-norm, interleaved RoPE on text only
+    heads   x_pred = Linear(RMSNorm(h))           (B, L, C), zero-initialised
+            logits = Linear(GELU_tanh(Linear(h)))  (B, L, V), on the un-normalised stream
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields, replace
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+__all__ = ["ELFConfig", "PRESETS", "ELF", "Block", "RMSNorm", "rope_tables", "timestep_features", "get_config"]
+
+
+@dataclass(frozen=True)
+class ELFConfig:
+    """Network shape. `dim`, `vocab_size` and `max_length` come from the embedding space and data."""
+
+    depth: int = 12
+    hidden: int = 768
+    heads: int = 12
+    dim: int = 512  # encoder output dimension C
+    vocab_size: int = 32100
+    max_length: int = 1024  # longest sequence the RoPE table covers; any L <= max_length works
+    bottleneck: int = 128
+    mlp_ratio: float = 4.0
+    time_tokens: int = 4
+    omega_tokens: int = 4
+    mode_tokens: int = 4
+    rope_theta: float = 10000.0
+    self_cond: bool = True  # input is [z, x_prev]; False only for the authors' self_cond_prob = 0 models
+    grad_checkpoint: bool = False  # recompute each block in backward (memory for compute)
+
+    def __post_init__(self):
+        for f in ("depth", "hidden", "heads", "dim", "vocab_size", "max_length", "bottleneck"):
+            if getattr(self, f) < 1:
+                raise ValueError(f"ELFConfig.{f} must be >= 1, got {getattr(self, f)}")
+        if self.hidden % self.heads:
+            raise ValueError(f"ELFConfig: hidden {self.hidden} is not divisible by heads {self.heads}")
+        if (self.hidden // self.heads) % 2:
+            raise ValueError(f"ELFConfig: head dim {self.hidden // self.heads} must be even for RoPE pairs")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def mlp_hidden(self) -> int:
+        # SwiGLU width rule of the released configs: int(int(4H) * 2/3)
+        return int(int(self.hidden * self.mlp_ratio) * 2 / 3)
+
+    @property
+    def num_prefix(self) -> int:
+        return self.time_tokens + self.omega_tokens + self.mode_tokens
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ELFConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"ELFConfig: unknown fields {unknown}")
+        return cls(**d)
+
+    def replace(self, **kw) -> "ELFConfig":
+        return replace(self, **kw)
+
+
+PRESETS: dict[str, ELFConfig] = {
+    # seconds on CPU: for tests
+    "tiny": ELFConfig(depth=2, hidden=64, heads=4, bottleneck=16, dim=32, vocab_size=100, max_length=32),
+    # the offline quick-start: MiniLM-L6 space (384 dims, BERT vocabulary), L = 64, minutes on 2 cores
+    "demo": ELFConfig(depth=4, hidden=256, heads=4, bottleneck=128, dim=384, vocab_size=30522, max_length=64),
+    # the paper's sizes (T5-small space: 512 dims, vocabulary 32,100, L = 1024)
+    "elf-b": ELFConfig(depth=12, hidden=768, heads=12),
+    "elf-m": ELFConfig(depth=24, hidden=1056, heads=16),
+    "elf-l": ELFConfig(depth=32, hidden=1280, heads=16),
+}
+
+
+def get_config(name: str, **overrides) -> ELFConfig:
+    """A preset by name, with field overrides (e.g. dim/vocab_size from the embedding space)."""
+    if name not in PRESETS:
+        raise KeyError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+    return PRESETS[name].replace(**{k: v for k, v in overrides.items() if v is not None})
+
+
+# ----------------------------------------------------------------------------------------------------------
+# building blocks
+
+
+class RMSNorm(nn.Module):
+    """y = w * x / sqrt(mean(x^2) + eps); statistics in fp32."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * self.weight.float()).to(x.dtype)
+
+
+def rope_tables(length: int, head_dim: int, num_prefix: int, theta: float = 10000.0):
+    """cos/sin tables (num_prefix + length, head_dim) for interleaved-pair RoPE.
+
+    Pair (2i, 2i+1) turns with frequency theta^(-2i/d); each frequency is repeated twice [f0, f0, f1, f1, ...].
+    The prefix tokens are not rotated (cos 1, sin 0); text token j (from 0) takes angle j * f_i.
+    """
+    freqs = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)  # (d/2,)
+    angles = torch.arange(length, dtype=torch.float64)[:, None] * freqs[None, :]  # (L, d/2)
+    angles = angles.repeat_interleave(2, dim=-1)  # (L, d)
+    cos = torch.cat([torch.ones(num_prefix, head_dim, dtype=torch.float64), angles.cos()])
+    sin = torch.cat([torch.zeros(num_prefix, head_dim, dtype=torch.float64), angles.sin()])
+    return cos.float(), sin.float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (B, nh, N, d); (a, b) -> (a cos - b sin, b cos + a sin) on interleaved pairs."""
+    a, b = x[..., 0::2], x[..., 1::2]
+    rotated = torch.stack((-b, a), dim=-1).flatten(-2)  # (B, nh, N, d): [-b0, a0, -b1, a1, ...]
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, hidden: int, heads: int, causal: bool = False):
+        super().__init__()
+        self.heads, self.head_dim, self.causal = heads, hidden // heads, causal
+        self.qkv = nn.Linear(hidden, 3 * hidden, bias=True)
+        self.q_norm = RMSNorm(self.head_dim)
+        self.k_norm = RMSNorm(self.head_dim)
+        self.proj = nn.Linear(hidden, hidden, bias=True)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, N, H = h.shape
+        qkv = self.qkv(h).view(B, N, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)  # (3, B, nh, N, d)
+        q, k, v = qkv.unbind(0)
+        q = apply_rope(self.q_norm(q), cos, sin).to(v.dtype)
+        k = apply_rope(self.k_norm(k), cos, sin).to(v.dtype)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)  # (B, nh, N, d)
+        return self.proj(out.transpose(1, 2).reshape(B, N, H))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, hidden: int, mlp_hidden: int):
+        super().__init__()
+        self.w12 = nn.Linear(hidden, 2 * mlp_hidden, bias=True)
+        self.w3 = nn.Linear(mlp_hidden, hidden, bias=True)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        gate, value = self.w12(h).chunk(2, dim=-1)  # first half is the gate
+        return self.w3(F.silu(gate) * value)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block; `causal=True` gives the autoregressive variant used by the judge."""
+
+    def __init__(self, hidden: int, heads: int, mlp_hidden: int, causal: bool = False):
+        super().__init__()
+        self.norm1 = RMSNorm(hidden)
+        self.attn = Attention(hidden, heads, causal=causal)
+        self.norm2 = RMSNorm(hidden)
+        self.mlp = SwiGLU(hidden, mlp_hidden)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = h + self.attn(self.norm1(h), cos, sin)
+        return h + self.mlp(self.norm2(h))
+
+
+def timestep_features(t: torch.Tensor, size: int = 256, max_period: float = 10000.0) -> torch.Tensor:
+    """(B,) -> (B, size): [cos(t f_k), sin(t f_k)], f_k = exp(-ln(max_period) k / (size/2)); t not rescaled."""
+    half = size // 2
+    freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
+    args = t.float()[:, None] * freqs[None, :]
+    return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+
+
+class ScalarEmbedder(nn.Module):
+    """A scalar (t or omega) -> sinusoid features -> Linear -> SiLU -> Linear."""
+
+    def __init__(self, hidden: int, freq_size: int = 256):
+        super().__init__()
+        self.freq_size = freq_size
+        self.fc1 = nn.Linear(freq_size, hidden)
+        self.fc2 = nn.Linear(hidden, hidden)
+
+    def forward(self, s: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.silu(self.fc1(timestep_features(s, self.freq_size))))
+
+
+class DecodeHead(nn.Module):
+    """Token readout on the un-normalised residual stream: Linear(H, C) -> GELU(tanh) -> Linear(C, V)."""
+
+    def __init__(self, hidden: int, dim: int, vocab_size: int):
+        super().__init__()
+        self.proj = nn.Linear(hidden, dim)
+        self.unembed = nn.Linear(dim, vocab_size)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.unembed(F.gelu(self.proj(h), approximate="tanh"))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the network
+
+
+class ELF(nn.Module):
+    """net(z, t, omega, x_prev=None, decode=False) -> x_pred (B, L, C), or logits (B, L, V) if decode."""
+
+    def __init__(self, config: ELFConfig):
+        super().__init__()
+        self.config = c = config
+        if c.self_cond:
+            self.self_cond_proj = nn.Linear(2 * c.dim, c.dim)
+        self.bottleneck_in = nn.Linear(c.dim, c.bottleneck, bias=False)
+        self.bottleneck_out = nn.Linear(c.bottleneck, c.hidden)
+        self.time_embed = ScalarEmbedder(c.hidden)
+        self.omega_embed = ScalarEmbedder(c.hidden)
+        self.time_tokens = nn.Parameter(torch.zeros(1, c.time_tokens, c.hidden))
+        self.omega_tokens = nn.Parameter(torch.zeros(1, c.omega_tokens, c.hidden))
+        self.mode_tokens = nn.Parameter(torch.zeros(1, c.mode_tokens, c.hidden))
+        self.blocks = nn.ModuleList(Block(c.hidden, c.heads, c.mlp_hidden) for _ in range(c.depth))
+        self.final_norm = RMSNorm(c.hidden)
+        self.x_head = nn.Linear(c.hidden, c.dim)
+        self.decode_head = DecodeHead(c.hidden, c.dim, c.vocab_size)
+        cos, sin = rope_tables(c.max_length, c.head_dim, c.num_prefix, c.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.xavier_uniform_(m.weight)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+            elif isinstance(m, RMSNorm):
+                nn.init.ones_(m.weight)
+        for emb in (self.time_embed, self.omega_embed):
+            for lin in (emb.fc1, emb.fc2):
+                nn.init.normal_(lin.weight, std=0.02)
+                nn.init.zeros_(lin.bias)
+        for tok in (self.time_tokens, self.omega_tokens, self.mode_tokens):
+            nn.init.normal_(tok, std=0.02)
+        nn.init.zeros_(self.x_head.weight)
+        nn.init.zeros_(self.x_head.bias)
+
+    # -- the shared trunk ----------------------------------------------------------------------------------
+    def trunk(self, z, t, omega, x_prev=None, decode_gate=None) -> torch.Tensor:
+        """The transformer's output at the L text positions, (B, L, H).
+
+        decode_gate: None (denoise), a float, or a (B,) tensor (per-row mode for mixed training batches).
+        """
+        c = self.config
+        B, L, C = self._check_inputs(z, t, omega, x_prev)
+        dev = z.device.type
+        with torch.autocast(dev, enabled=False):  # input path and prefix in fp32, as the reference
+            z = z.float()
+            if c.self_cond:
+                x_prev = torch.zeros_like(z) if x_prev is None else x_prev.float()
+                z = self.self_cond_proj(torch.cat([z, x_prev], dim=-1))
+            elif x_prev is not None:
+                raise ValueError("this network was built without self-conditioning; pass x_prev=None")
+            h = self.bottleneck_out(self.bottleneck_in(z))  # (B, L, H)
+            time = self.time_tokens + self.time_embed(t.to(z.device))[:, None, :]  # (B, 4, H)
+            om = self.omega_tokens + self.omega_embed(omega.to(z.device))[:, None, :]  # (B, 4, H)
+            if decode_gate is None:
+                gate = torch.zeros(B, 1, 1, device=z.device)
+            elif isinstance(decode_gate, torch.Tensor):
+                gate = decode_gate.to(z.device, torch.float32).reshape(-1, 1, 1).expand(B, 1, 1)
+            else:
+                gate = torch.full((B, 1, 1), float(decode_gate), device=z.device)
+            mode = self.mode_tokens * gate  # zero vectors in denoise mode, still in the sequence
+            h = torch.cat([time, om, mode, h], dim=1)  # (B, 12 + L, H)
+        n = c.num_prefix + L
+        cos, sin = self.rope_cos[:n], self.rope_sin[:n]
+        for block in self.blocks:
+            if c.grad_checkpoint and self.training and torch.is_grad_enabled():
+                h = checkpoint(block, h, cos, sin, use_reentrant=False)
+            else:
+                h = block(h, cos, sin)
+        return h[:, c.num_prefix:]  # drop the prefix: (B, L, H)
+
+    def denoise_head(self, h: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(h.device.type, enabled=False):
+            return self.x_head(self.final_norm(h.float()))  # (B, L, C)
+
+    def logits_head(self, h: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(h.device.type, enabled=False):
+            return self.decode_head(h.float())  # (B, L, V)
+
+    def forward(self, z, t, omega, x_prev=None, decode: bool = False, decode_gate=None):
+        """z (B, L, C), t (B,), omega (B,), x_prev (B, L, C) or None (zeros).
+
+        Returns x_pred (B, L, C); with decode=True the token logits (B, L, V) with the mode gate on.
+        `decode_gate` overrides the gate (a float or a (B,) tensor) without changing which head is returned.
+        """
+        gate = decode_gate if decode_gate is not None else (1.0 if decode else None)
+        h = self.trunk(z, t, omega, x_prev, gate)
+        return self.logits_head(h) if decode else self.denoise_head(h)
+
+    def _check_inputs(self, z, t, omega, x_prev):
+        c = self.config
+        if z.dim() != 3 or z.shape[-1] != c.dim:
+            raise ValueError(f"ELF: z must have shape (B, L, {c.dim}), got {tuple(z.shape)}")
+        B, L, C = z.shape
+        if L > c.max_length:
+            raise ValueError(f"ELF: sequence length {L} exceeds this network's max_length {c.max_length}")
+        for name, s in (("t", t), ("omega", omega)):
+            if not isinstance(s, torch.Tensor) or s.shape != (B,):
+                shape = tuple(s.shape) if isinstance(s, torch.Tensor) else type(s).__name__
+                raise ValueError(f"ELF: {name} must be a tensor of shape ({B},), got {shape}")
+        if x_prev is not None and x_prev.shape != z.shape:
+            raise ValueError(f"ELF: x_prev must have the shape of z {tuple(z.shape)}, got {tuple(x_prev.shape)}")
+        return B, L, C
+
+    def num_params(self, exclude_decode_head: bool = False) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        if exclude_decode_head:
+            n -= sum(p.numel() for p in self.decode_head.parameters())
+        return n

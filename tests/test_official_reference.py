@@ -1,0 +1,105 @@
+"""elflow's network reproduces the authors' released PyTorch port exactly (shared/reference/)."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from elflow.model import ELF
+from elflow.official import (build_from_state_dict, elflow_to_official, infer_config, official_to_elflow,
+                             read_official_checkpoint)
+from elflow.utils import ELFError
+
+REF = Path(__file__).resolve().parents[2] / "shared" / "reference"
+if not REF.exists():  # CI lays shared/ beside the clone
+    REF = Path(__file__).resolve().parents[1].parent / "shared" / "reference"
+pytestmark = pytest.mark.skipif(not (REF / "official_tiny.safetensors").exists(), reason="shared/reference missing")
+
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def ref():
+    return load_file(REF / "official_tiny.safetensors")
+
+
+@pytest.fixture(scope="module")
+def net(ref):
+    sd = official_to_elflow({k[len("params."):]: v for k, v in ref.items() if k.startswith("params.")})
+    return build_from_state_dict(sd, max_length=16).eval()
+
+
+def close(a, b):
+    return (a - b).abs().max().item()
+
+
+def test_inferred_shape(net):
+    c = net.config
+    assert (c.depth, c.hidden, c.heads, c.dim, c.vocab_size, c.bottleneck) == (4, 64, 4, 32, 100, 16)
+    assert c.mlp_hidden == 170 and c.num_prefix == 12
+
+
+def test_rope_tables_match(net, ref):
+    assert close(net.rope_cos, ref["buffers.feat_rope.freqs_cos"]) < 1e-6
+    assert close(net.rope_sin, ref["buffers.feat_rope.freqs_sin"]) < 1e-6
+
+
+@torch.no_grad()
+def test_denoise_outputs(net, ref):
+    z, xp, t, w = ref["in.z"], ref["in.x_prev"], ref["in.t"], ref["in.w"]
+    assert close(net(z, t, w, x_prev=xp), ref["out.denoise_sc"]) < TOL
+    assert close(net(z, t, w), ref["out.denoise_nosc"]) < TOL  # x_prev None = zeros
+
+
+@torch.no_grad()
+def test_decode_outputs(net, ref):
+    z, t, w = ref["in.z_decode"], ref["in.t_decode"], ref["in.w_decode"]
+    assert close(net(z, t, w, decode=True), ref["out.decode_logits"]) < TOL
+    assert close(net(z, t, w, decode_gate=1.0), ref["out.decode_x"]) < TOL
+
+
+@torch.no_grad()
+def test_mixed_per_row_gate(net, ref):
+    h = net.trunk(ref["in.z"], ref["in.t_mixed"], ref["in.w"], ref["in.x_prev"], ref["in.decoder_step_active_mixed"])
+    assert close(net.denoise_head(h), ref["out.mixed_x"]) < TOL
+    assert close(net.logits_head(h), ref["out.mixed_logits"]) < TOL
+
+
+@torch.no_grad()
+def test_plain_input_without_self_conditioning(ref):
+    sd = official_to_elflow({k[len("params."):]: v for k, v in ref.items() if k.startswith("params.")})
+    sd = {k: v for k, v in sd.items() if not k.startswith("self_cond_proj")}
+    plain = build_from_state_dict(sd, max_length=16).eval()
+    assert not plain.config.self_cond
+    assert close(plain(ref["in.z"], ref["in.t"], ref["in.w"]), ref["out.denoise_plain_c"]) < TOL
+
+
+@torch.no_grad()
+def test_released_checkpoint_file_uses_ema(ref):
+    sd = read_official_checkpoint(REF / "checkpoint_7")
+    net = build_from_state_dict(sd, max_length=16).eval()
+    assert close(net(ref["in.z"], ref["in.t"], ref["in.w"], x_prev=ref["in.x_prev"]), ref["out.denoise_sc"]) < TOL
+    # a folder resolves to its checkpoint_<N>
+    assert read_official_checkpoint(REF).keys() == sd.keys()
+
+
+def test_key_map_round_trip(ref):
+    theirs = {k[len("params."):]: v for k, v in ref.items() if k.startswith("params.")}
+    back = elflow_to_official(official_to_elflow(theirs))
+    assert back.keys() == theirs.keys()
+    assert all(torch.equal(back[k], theirs[k]) for k in theirs)
+
+
+def test_unknown_key_is_refused(ref):
+    theirs = {k[len("params."):]: v for k, v in ref.items() if k.startswith("params.")}
+    theirs["blocks.0.attn.extra.weight"] = torch.zeros(2)
+    with pytest.raises(ELFError, match="unexpected keys"):
+        official_to_elflow(theirs)
+
+
+def test_wrong_shape_is_refused(ref):
+    sd = official_to_elflow({k[len("params."):]: v for k, v in ref.items() if k.startswith("params.")})
+    sd["blocks.1.mlp.w3.weight"] = torch.zeros(64, 99)
+    with pytest.raises(ELFError):
+        build_from_state_dict(sd, max_length=16, config=infer_config(sd, max_length=16))
