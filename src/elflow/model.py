@@ -306,14 +306,17 @@ class ELF(nn.Module):
         with torch.autocast(h.device.type, enabled=False):
             return self.decode_head(h.float())  # (B, L, V)
 
-    def forward(self, z, t, omega, x_prev=None, decode: bool = False, decode_gate=None):
+    def forward(self, z, t, omega, x_prev=None, decode: bool = False, decode_gate=None, logits_rows=None):
         """z (B, L, C), t (B,), omega (B,), x_prev (B, L, C) or None (zeros).
 
         Returns x_pred (B, L, C); with decode=True the token logits (B, L, V) with the mode gate on.
-        `decode_gate` overrides the gate (a float or a (B,) tensor) without changing which head is returned.
+        For mixed training batches: `decode_gate` (a float or a (B,) tensor) sets the mode gate per row, and
+        `logits_rows` (an index tensor) returns the pair (x_pred of every row, logits of those rows).
         """
         gate = decode_gate if decode_gate is not None else (1.0 if decode else None)
         h = self.trunk(z, t, omega, x_prev, gate)
+        if logits_rows is not None:
+            return self.denoise_head(h), self.logits_head(h[logits_rows])
         return self.logits_head(h) if decode else self.denoise_head(h)
 
     def _check_inputs(self, z, t, omega, x_prev):

