@@ -5,3 +5,12 @@ passages and, at the last step, reads them out as tokens.
 """
 
 __version__ = "0.1.0"
+
+
+def load(path_or_hub_id, device=None, max_length=None):
+    """The network of an elflow run or checkpoint, or of the authors' released checkpoint (a checkpoint_<step>
+    file, a folder holding one, or a hub id such as embedded-language-flows/ELF-B-owt-torch), with its EMA
+    weights, in eval mode."""
+    from elflow.generate import load_network
+
+    return load_network(path_or_hub_id, device=device, max_length=max_length)

@@ -600,7 +600,8 @@ def build_dataset(source, space, length: int, layout: str = "packed", val_fracti
         ids = space.tokenize(docs)
         if layout == "packed":
             tokens = pack(ids, length, space.eos_id)
-            mask = attention = torch.ones_like(tokens, dtype=torch.bool)
+            mask = torch.ones_like(tokens, dtype=torch.bool)
+            attention = mask.clone()
         else:
             tokens, mask, attention = layout_documents(ids, length, space.pad_id, space.eos_id, pad_in_loss)
         return tokens, mask, attention, {"documents": len(docs), "corpus_tokens": sum(map(len, ids))}

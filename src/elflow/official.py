@@ -190,3 +190,35 @@ def build_from_state_dict(sd: dict[str, torch.Tensor], max_length: int = 1024, h
         raise ELFError(f"weights have shapes that fit no ELF network of this shape: {wrong[:4]}")
     net.load_state_dict(sd)
     return net
+
+
+# ----------------------------------------------------------------------------------------------------------
+# `elflow convert`
+
+
+def convert(src: str | os.PathLike, out: str | os.PathLike, max_length: int = 1024) -> Path:
+    """An authors' checkpoint -> an elflow checkpoint folder (safetensors + JSON) that samples, not resumes."""
+    from elflow.checkpoint import write_checkpoint
+    from elflow.generate import AUTHORS_SPACE
+
+    f = find_official_file(src)
+    ema = read_official_checkpoint(f, which="ema_params1")
+    params = read_official_checkpoint(f, which="params")
+    cfg = infer_config(ema, max_length=max_length)
+    build_from_state_dict(ema, config=cfg)  # refuses weights that fit no network
+    step = int(m.group(1)) if (m := re.fullmatch(r"checkpoint_(\d+)", f.name)) else 0
+    state = {"format": "elflow-checkpoint-1", "step": step, "model": cfg.to_dict(), "space": dict(AUTHORS_SPACE),
+             "train": {"preset": preset_name(cfg), "converted_from": str(f)}, "data_position": None}
+    return write_checkpoint(out, params, ema, None, state)
+
+
+def add_arguments(p) -> None:
+    p.add_argument("checkpoint", help="the authors' checkpoint_<step> file, or a folder holding one")
+    p.add_argument("out", help="the elflow checkpoint folder to write")
+    p.add_argument("--max-length", type=int, default=1024, help="longest sequence the converted model samples")
+
+
+def run(args) -> int:
+    out = convert(args.checkpoint, args.out, args.max_length)
+    print(f"wrote {out}")
+    return 0

@@ -1,0 +1,154 @@
+"""elflow's checkpoints: a folder of plain data, written atomically, verified on load.
+
+    run/checkpoints/step_0001000/
+        model.safetensors      the trained weights (network, and a learned embedding table if any)
+        ema.safetensors        the EMA weights (used for sampling)
+        optimizer.pt           optimiser state and RNG states (tensors and numbers: loads with weights_only=True)
+        state.json             step, config (model, space, data, recipe, training), data position,
+                               and the sha256 of every other file
+
+The folder is written under a temporary name and renamed, so a kill during a save leaves the previous
+checkpoint intact; the last K are kept. A file that does not match its recorded hash is refused by name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from elflow.utils import ELFError, atomic_write_json
+
+__all__ = ["write_checkpoint", "save_checkpoint", "load_checkpoint", "list_checkpoints", "latest_checkpoint", "resolve_checkpoint",
+           "is_elflow_checkpoint"]
+
+STEP_DIR = re.compile(r"step_(\d+)")
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_checkpoint(folder: str | os.PathLike, model_sd: dict, ema_sd: dict, optimizer_state, state: dict) -> Path:
+    """Write one checkpoint folder atomically: built under a temporary sibling name, then renamed."""
+    final = Path(folder)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
+    try:
+        contig = lambda sd: {k: v.detach().contiguous().cpu() for k, v in sd.items()}  # noqa: E731
+        save_file(contig(model_sd), tmp / "model.safetensors")
+        save_file(contig(ema_sd), tmp / "ema.safetensors")
+        names = ["model.safetensors", "ema.safetensors"]
+        if optimizer_state is not None:
+            torch.save(optimizer_state, tmp / "optimizer.pt")
+            names.append("optimizer.pt")
+        files = {name: _sha256(tmp / name) for name in names}
+        atomic_write_json(tmp / "state.json", {**state, "files": files})
+        for f in tmp.iterdir():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        if final.exists():  # re-saving the same step (e.g. the final save of a resumed run)
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def save_checkpoint(run_dir: str | os.PathLike, step: int, model_sd: dict, ema_sd: dict, optimizer_state,
+                    state: dict, keep: int = 3) -> Path:
+    """Write checkpoints/step_<step>/ atomically and keep the newest `keep`."""
+    final = write_checkpoint(Path(run_dir) / "checkpoints" / f"step_{step:07d}", model_sd, ema_sd,
+                             optimizer_state, {**state, "step": step})
+    for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
+    """Finished checkpoint folders of a run, oldest first (temporary folders are ignored)."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := STEP_DIR.fullmatch(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def is_elflow_checkpoint(path: Path) -> bool:
+    return path.is_dir() and (path / "state.json").exists() and (path / "model.safetensors").exists()
+
+
+def verify_checkpoint(ckpt: Path) -> dict:
+    """state.json, with every file's hash checked; ELFError naming the first bad file."""
+    state_path = ckpt / "state.json"
+    try:
+        state = json.loads(state_path.read_text())
+    except FileNotFoundError:
+        raise ELFError(f"{state_path}: missing; {ckpt} is not a complete checkpoint") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ELFError(f"{state_path}: corrupted ({e})") from None
+    for name, digest in state.get("files", {}).items():
+        f = ckpt / name
+        if not f.exists():
+            raise ELFError(f"{f}: missing from the checkpoint")
+        if _sha256(f) != digest:
+            raise ELFError(f"{f}: corrupted or truncated (its sha256 does not match the one recorded at save)")
+    return state
+
+
+def load_checkpoint(ckpt: str | os.PathLike, with_optimizer: bool = True, map_location="cpu") -> dict:
+    """Read and verify a checkpoint folder: {"state", "model", "ema", "optimizer"}."""
+    ckpt = Path(ckpt)
+    state = verify_checkpoint(ckpt)
+    out = {"state": state, "path": ckpt}
+    try:
+        out["model"] = load_file(ckpt / "model.safetensors", device=str(map_location))
+        out["ema"] = load_file(ckpt / "ema.safetensors", device=str(map_location))
+    except Exception as e:  # safetensors raises its own error types on bad headers
+        raise ELFError(f"{ckpt}: weights cannot be read ({e})") from None
+    if with_optimizer:
+        if not (ckpt / "optimizer.pt").exists():
+            raise ELFError(f"{ckpt}: holds no optimiser state (a converted checkpoint?); it can sample, not resume")
+        try:
+            out["optimizer"] = torch.load(ckpt / "optimizer.pt", map_location=map_location, weights_only=True)
+        except Exception as e:
+            raise ELFError(f"{ckpt / 'optimizer.pt'}: cannot be read with weights_only=True ({e})") from None
+    return out
+
+
+def latest_checkpoint(run_dir: str | os.PathLike, verify: bool = True, warn=print) -> Path | None:
+    """The newest checkpoint that passes verification; bad ones are reported and skipped."""
+    for ckpt in reversed(list_checkpoints(run_dir)):
+        if not verify:
+            return ckpt
+        try:
+            verify_checkpoint(ckpt)
+            return ckpt
+        except ELFError as e:
+            warn(f"warning: skipping a bad checkpoint: {e}")
+    return None
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """A run folder (its newest good checkpoint) or a checkpoint folder -> the checkpoint folder."""
+    path = Path(path)
+    if is_elflow_checkpoint(path):
+        return path
+    if path.is_dir() and (path / "checkpoints").is_dir():
+        ckpt = latest_checkpoint(path)
+        if ckpt is None:
+            raise ELFError(f"{path}: this run has no usable checkpoint yet")
+        return ckpt
+    raise ELFError(f"{path}: neither an elflow run folder nor a checkpoint folder")

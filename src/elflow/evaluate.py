@@ -1,0 +1,456 @@
+"""Evaluation: generative perplexity under a judge LM with unigram entropy, BLEU and ROUGE.
+
+The unconditional protocol (spec "Evaluation protocol", reference section 9), as `protocol="elf"`:
+  - drop empty texts (counted); retokenise all remaining texts together with the judge's tokenizer,
+    no BOS, truncated to the judge's context (1,024 for GPT-2 Large), right-padded with EOS (pad = EOS)
+    to the longest sample of the whole set, so the batch size cannot change the result;
+  - NLL of tokens 1..n-1 given their prefix; counted targets: every non-EOS token plus the row's first EOS
+    (so a padded sample is also scored on ending, and the longest sample is not);
+  - gen_ppl = exp(sum NLL / number of counted targets) over the whole set (token-weighted);
+  - entropy = mean over samples of -sum p ln p of the unigram frequencies of each sample's non-pad ids.
+Other protocols (see docs/evaluation.md): "elf-official" weights targets as the authors' metric code does
+(first-EOS flag + non-EOS flag, summed: tokens after an EOS inside a text count twice); "mdlm" takes the
+entropy over the whole padded row, EOS padding included, as MDLM/Duo do over their fixed-length samples.
+
+    load_judge(path_or_id, dtype)             -> (model, tokenizer)
+    generative_perplexity(texts, model, tok)  -> {"gen_ppl", "entropy", "num_samples", "num_empty", ...}
+    unigram_entropy(ids), bleu(hyps, refs), rouge(hyps, refs), read_texts(path, field)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Iterable, Sequence
+from urllib.parse import urlparse
+
+import torch
+import torch.nn.functional as F
+
+from elflow.utils import ELFError, atomic_write_json, atomic_write_text
+
+__all__ = [
+    "PROTOCOLS",
+    "DTYPES",
+    "read_texts",
+    "unigram_entropy",
+    "target_weights",
+    "load_judge",
+    "judge_context",
+    "generative_perplexity",
+    "bleu",
+    "rouge",
+    "mean_and_stderr",
+]
+
+PROTOCOLS = ("elf", "elf-official", "mdlm")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# inputs
+
+
+def read_texts(jsonl_path: str | os.PathLike, field: str = "text") -> list[str]:
+    """The `field` of every line of a JSONL file (as `elflow sample` writes them); blank lines are skipped."""
+    path = Path(jsonl_path).expanduser()
+    if not path.is_file():
+        raise ELFError(f"samples file {str(path)!r} does not exist; pass a .jsonl file written by `elflow sample`")
+    texts = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ELFError(f"{path}:{lineno}: not valid JSON ({e.msg}); each line must be one JSON object")
+            if not isinstance(obj, dict) or field not in obj:
+                keys = ", ".join(obj) if isinstance(obj, dict) else type(obj).__name__
+                raise ELFError(f"{path}:{lineno}: no {field!r} field (found: {keys}); choose the field with --field")
+            if not isinstance(obj[field], str):
+                raise ELFError(f"{path}:{lineno}: field {field!r} is {type(obj[field]).__name__}, not a string")
+            texts.append(obj[field])
+    return texts
+
+
+def _read_references(path: str | os.PathLike, field: str) -> list[str]:
+    """References: a .jsonl file (read from `field`) or a text file with one reference per line."""
+    path = Path(path).expanduser()
+    if path.suffix in (".jsonl", ".json"):
+        return read_texts(path, field)
+    if not path.is_file():
+        raise ELFError(f"references file {str(path)!r} does not exist")
+    lines = path.read_text(encoding="utf-8").split("\n")
+    if lines and lines[-1] == "":  # the final newline ends the last line; it does not start a new one
+        lines.pop()
+    return [line.rstrip("\r") for line in lines]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# metrics
+
+
+def unigram_entropy(ids: Sequence[int] | torch.Tensor) -> float:
+    """-sum_v p_v ln p_v over the unigram frequencies p_v of the ids (natural log); 0 for no ids."""
+    ids = torch.as_tensor(ids).reshape(-1)
+    if ids.numel() == 0:
+        return 0.0
+    _, counts = torch.unique(ids, return_counts=True)
+    p = counts.double() / ids.numel()
+    return float(-(p * p.log()).sum())
+
+
+def target_weights(ids: torch.Tensor, eos_id: int, protocol: str = "elf") -> torch.Tensor:
+    """(N, L) padded ids -> (N, L-1) weights of the targets ids[:, 1:].
+
+    "elf"/"mdlm": 1 for a non-EOS target or the first EOS of the row, else 0 (MDLM's `first_eos + token_mask`
+    on bool tensors is a logical or, which is the same set). "elf-official": [cumulative EOS count == 1] +
+    [target != EOS] as integers, so a token between the first and second EOS of a row counts twice.
+    """
+    is_eos = ids == eos_id
+    count = is_eos.cumsum(-1)
+    if protocol in ("elf", "mdlm"):
+        w = (~is_eos) | (is_eos & (count == 1))
+    elif protocol == "elf-official":
+        w = (count == 1).long() + (~is_eos).long()
+    else:
+        raise ELFError(f"unknown protocol {protocol!r}; choose one of {', '.join(PROTOCOLS)}")
+    return w[:, 1:].long()
+
+
+def bleu(hyps: Sequence[str], refs: Sequence[str] | Sequence[Sequence[str]]) -> float:
+    """sacrebleu corpus BLEU, lowercase, effective order. refs: one string per hypothesis, or a list of
+    references per hypothesis (all hypotheses must have the same number)."""
+    import sacrebleu
+
+    hyps, refs = list(hyps), list(refs)
+    if len(hyps) != len(refs):
+        raise ELFError(f"{len(hyps)} hypotheses but {len(refs)} references; they must pair up line by line")
+    if refs and not isinstance(refs[0], str):
+        k = len(refs[0])
+        if any(len(r) != k for r in refs):
+            raise ELFError("every hypothesis needs the same number of references")
+        streams = [[r[j] for r in refs] for j in range(k)]
+    else:
+        streams = [refs]
+    return float(sacrebleu.corpus_bleu(hyps, streams, lowercase=True, use_effective_order=True).score)
+
+
+def rouge(hyps: Sequence[str], refs: Sequence[str]) -> dict[str, float]:
+    """rouge-score ROUGE-1/2/L with the Porter stemmer: mean F1 x 100 over the pairs."""
+    from rouge_score import rouge_scorer
+
+    hyps, refs = list(hyps), list(refs)
+    if len(hyps) != len(refs):
+        raise ELFError(f"{len(hyps)} hypotheses but {len(refs)} references; they must pair up line by line")
+    if not hyps:
+        raise ELFError("no hypotheses to score")
+    keys = ("rouge1", "rouge2", "rougeL")
+    scorer = rouge_scorer.RougeScorer(list(keys), use_stemmer=True)
+    totals = dict.fromkeys(keys, 0.0)
+    for h, r in zip(hyps, refs):
+        scores = scorer.score(r, h)  # (target, prediction)
+        for k in keys:
+            totals[k] += scores[k].fmeasure
+    return {k: 100.0 * v / len(hyps) for k, v in totals.items()}
+
+
+def mean_and_stderr(values: Sequence[float]) -> tuple[float, float | None]:
+    """Mean and standard error (sample std / sqrt(n)); no standard error for a single value."""
+    v = torch.tensor(list(values), dtype=torch.float64)
+    if v.numel() == 0:
+        return float("nan"), None
+    if v.numel() == 1:
+        return float(v[0]), None
+    return float(v.mean()), float(v.std(unbiased=True) / math.sqrt(v.numel()))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the judge
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    """A cheap check before transformers' own retries (which take about 30 s to give up)."""
+    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return True  # the proxy decides; let transformers try
+    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def load_judge(path_or_id: str | os.PathLike, dtype: str = "fp32", device: str | torch.device | None = None):
+    """A causal LM and its tokenizer from a local folder or a hub id (never with remote code).
+
+    The tokenizer's pad is set to its EOS (the protocol pads with EOS). dtype: "fp32" or "bf16".
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if dtype not in DTYPES:
+        raise ELFError(f"judge dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
+    if device is None:
+        from elflow.utils import default_device
+        device = default_device()
+    name = str(path_or_id)
+    folder = Path(name).expanduser()
+    kw = dict(trust_remote_code=False)
+    if folder.is_dir():
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(folder, **kw)
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=DTYPES[dtype], **kw)
+        except (OSError, ValueError, KeyError) as e:
+            raise ELFError(f"judge folder {str(folder)!r} does not hold a loadable causal LM and tokenizer "
+                           f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); it needs "
+                           "config.json, the weights and the tokenizer files (save_pretrained writes them)")
+    elif folder.exists() or name.startswith((".", "/", "~")) or name.endswith(os.sep) or name.count("/") > 1:
+        raise ELFError(f"judge folder {name!r} does not exist; pass a folder holding a causal LM and its "
+                       "tokenizer, or a hub id such as gpt2-large")
+    else:
+        def load(local_only: bool):
+            tok = AutoTokenizer.from_pretrained(name, local_files_only=local_only, **kw)
+            lm = AutoModelForCausalLM.from_pretrained(name, dtype=DTYPES[dtype], local_files_only=local_only, **kw)
+            return lm, tok
+
+        hint = (f"No local folder is called {name!r} and the judge is not in the Hugging Face cache. Without "
+                "the hub, train the offline judge (`elflow train-judge --out runs/judge`) and pass "
+                "`--judge runs/judge`; its numbers are comparable only with each other, not with GPT-2 Large.")
+        try:
+            model, tokenizer = load(local_only=True)
+        except (OSError, ValueError):
+            offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0", "false", "False")
+            if offline or not _hub_reachable():
+                raise ELFError(f"cannot load judge {name!r}: the Hugging Face hub is not reachable"
+                               f"{' (HF_HUB_OFFLINE is set)' if offline else ''}. {hint}") from None
+            try:
+                model, tokenizer = load(local_only=False)
+            except (OSError, ValueError) as e:
+                raise ELFError(f"cannot load judge {name!r} from the hub ({str(e).splitlines()[0]}). {hint}")
+    if tokenizer.eos_token_id is None:
+        raise ELFError(f"the judge tokenizer of {name!r} has no EOS token; the protocol pads with EOS")
+    tokenizer.pad_token = tokenizer.eos_token
+    model.eval().to(device)
+    return model, tokenizer
+
+
+def judge_context(model, tokenizer) -> int:
+    """The judge's context length: the model's position limit, else the tokenizer's, else 1024."""
+    for name in ("n_positions", "max_position_embeddings", "n_ctx"):
+        v = getattr(model.config, name, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    m = getattr(tokenizer, "model_max_length", None)
+    return int(m) if isinstance(m, int) and 0 < m < 1_000_000 else 1024
+
+
+# ----------------------------------------------------------------------------------------------------------
+# generative perplexity
+
+
+@torch.no_grad()
+def generative_perplexity(texts: Iterable[str], model, tokenizer, batch_size: int = 8, protocol: str = "elf",
+                          max_length: int | None = None, progress: bool = False) -> dict:
+    """Generative perplexity and mean unigram entropy of `texts` under a causal LM `model` (see module doc).
+
+    Returns gen_ppl, entropy, num_samples (scored), num_empty (skipped), num_tokens (sum of target weights),
+    nll_sum, num_truncated, seq_len (the common padded length), max_length, protocol, judge_dtype, and
+    per_sample {"nll", "tokens", "entropy", "length"} in the order of the non-empty texts.
+    """
+    from tqdm.auto import tqdm
+
+    if protocol not in PROTOCOLS:
+        raise ELFError(f"unknown protocol {protocol!r}; choose one of {', '.join(PROTOCOLS)}")
+    if batch_size < 1:
+        raise ELFError(f"batch size must be at least 1, got {batch_size}")
+    texts = list(texts)
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise ELFError("the judge tokenizer has no EOS token; the protocol pads with EOS")
+    max_length = int(max_length or judge_context(model, tokenizer))
+    encoded = tokenizer([t for t in texts if t], add_special_tokens=False, verbose=False)["input_ids"] if any(texts) else []
+    num_truncated = sum(len(x) > max_length for x in encoded)
+    seqs = [x[:max_length] for x in encoded if len(x) > 0]
+    num_empty = len(texts) - len(seqs)
+    result = {"protocol": protocol, "max_length": max_length, "num_samples": len(seqs), "num_empty": num_empty,
+              "num_truncated": num_truncated, "judge_dtype": str(next(model.parameters()).dtype).replace("torch.", "")}
+    if not seqs:
+        return {**result, "gen_ppl": float("nan"), "entropy": float("nan"), "num_tokens": 0, "nll_sum": 0.0,
+                "seq_len": 0, "per_sample": {"nll": [], "tokens": [], "entropy": [], "length": []}}
+
+    # one padded matrix for the whole set: (N, L), EOS-padded on the right
+    lengths = torch.tensor([len(s) for s in seqs])
+    L = int(lengths.max())
+    ids = torch.full((len(seqs), L), eos, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)] = torch.tensor(s, dtype=torch.long)
+    weights = target_weights(ids, eos, protocol)  # (N, L-1)
+
+    if protocol == "mdlm":
+        entropies = [unigram_entropy(row) for row in ids]
+    else:
+        entropies = [unigram_entropy(row[:n]) for row, n in zip(ids, lengths.tolist())]
+
+    # Every weight past a row's first pad position is zero and the judge is causal, so each batch only needs
+    # its columns up to (longest row in the batch) + 1; longest rows first so memory peaks at once.
+    device = next(model.parameters()).device
+    order = torch.argsort(lengths, descending=True, stable=True)
+    nll_sum = torch.zeros(len(seqs), dtype=torch.float64)
+    for start in tqdm(range(0, len(seqs), batch_size), disable=not progress, desc="judging", unit="batch"):
+        idx = order[start:start + batch_size]
+        width = min(int(lengths[idx].max()) + 1, L)
+        rows = ids[idx, :width].to(device)  # (b, width)
+        attn = (torch.arange(width)[None, :] < lengths[idx][:, None]).long().to(device)
+        logits = model(input_ids=rows, attention_mask=attn).logits  # (b, width, V)
+        nll = F.cross_entropy(logits[:, :-1].float().transpose(1, 2), rows[:, 1:], reduction="none")  # (b, width-1)
+        w = weights[idx, :width - 1].to(device)
+        nll = torch.where(w > 0, nll, torch.zeros_like(nll))  # a masked pad position may hold inf/nan
+        nll_sum[idx] = (nll.double() * w).sum(-1).cpu()
+    tokens = weights.sum(-1)  # (N,)
+    total_nll, total_tokens = float(nll_sum.sum()), int(tokens.sum())
+    gen_ppl = math.exp(total_nll / total_tokens) if total_tokens > 0 else float("nan")
+    return {**result, "gen_ppl": gen_ppl, "entropy": float(sum(entropies) / len(entropies)),
+            "num_tokens": total_tokens, "nll_sum": total_nll, "seq_len": L,
+            "per_sample": {"nll": nll_sum.tolist(), "tokens": tokens.tolist(), "entropy": entropies,
+                           "length": lengths.tolist()}}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# command line
+
+
+def add_arguments(p) -> None:
+    p.add_argument("samples", nargs="?", help="JSONL of samples (the `text` field, as `elflow sample` writes)")
+    p.add_argument("--field", default="text", help="JSONL field holding each sample's text")
+    p.add_argument("--task", choices=("unconditional", "translation", "summarization"), default="unconditional",
+                   help="unconditional: Gen-PPL + entropy; translation: BLEU; summarization: ROUGE-1/2/L")
+    p.add_argument("--references", help="references for --task translation/summarization: a .jsonl file "
+                   "(--reference-field) or a text file with one reference per line")
+    p.add_argument("--reference-field", default="text", help="JSONL field of the references")
+    g = p.add_argument_group("judge")
+    g.add_argument("--judge", default="gpt2-large",
+                   help="hub id or local folder with a causal LM and its tokenizer (offline: `elflow train-judge`)")
+    g.add_argument("--judge-dtype", choices=tuple(DTYPES), default="fp32", help="judge precision")
+    g.add_argument("--batch-size", type=int, default=8, help="judge batch size (does not change the result)")
+    g.add_argument("--protocol", choices=PROTOCOLS, default="elf",
+                   help="elf: the spec; elf-official: the authors' target weights; mdlm: MDLM/Duo entropy")
+    g.add_argument("--max-length", type=int, default=None, help="truncation length (default: judge context)")
+    g.add_argument("--device", default=None, help="cuda / cpu (default: cuda when available)")
+    o = p.add_argument_group("output")
+    o.add_argument("--json", action="store_true", help="print one JSON object instead of a summary")
+    o.add_argument("--report", default=None, help="report file (default: next to the samples, or in --out)")
+    s = p.add_argument_group("generate first (instead of SAMPLES)")
+    s.add_argument("--checkpoint", default=None, help="run folder, checkpoint or hub id to sample from")
+    s.add_argument("--num", type=int, default=1000, help="samples per seed")
+    s.add_argument("--length", type=int, default=None, help="sequence length (default: the model's)")
+    s.add_argument("--steps", type=int, default=32)
+    s.add_argument("--sampler", choices=("ode", "sde"), default="sde")
+    s.add_argument("--gamma", type=float, default=1.5, help="SDE noise re-injection")
+    s.add_argument("--omega", type=float, default=3.0, help="self-conditioning guidance scale")
+    s.add_argument("--grid", default="logit_normal", help="sampling time grid")
+    s.add_argument("--seeds", type=int, nargs="+", default=[0], help="one sample set per seed; mean +- s.e.")
+    s.add_argument("--gen-batch-size", type=int, default=8, help="sampling batch size")
+    s.add_argument("--out", default=None, help="folder for the samples and the report")
+
+
+def _settings(args) -> dict:
+    return {"judge": str(args.judge), "judge_dtype": args.judge_dtype, "batch_size": args.batch_size,
+            "protocol": args.protocol}
+
+
+def _public(res: dict) -> dict:
+    return {k: v for k, v in res.items() if k != "per_sample"}
+
+
+def _emit(report: dict, path: Path, as_json: bool, summary: str) -> None:
+    clean = json.loads(json.dumps(report, default=str), parse_constant=lambda c: None)
+    atomic_write_json(path, clean)
+    if as_json:
+        print(json.dumps(clean))
+    else:
+        print(summary)
+        print(f"report: {path}")
+
+
+def _format(res: dict) -> str:
+    return (f"gen_ppl {res['gen_ppl']:.3f}  entropy {res['entropy']:.4f}  "
+            f"({res['num_samples']} samples, {res['num_empty']} empty skipped, {res['num_tokens']} tokens, "
+            f"{res['num_truncated']} truncated at {res['max_length']})")
+
+
+def _run_text_task(args) -> int:
+    if not args.samples:
+        raise ELFError(f"--task {args.task} needs a SAMPLES.jsonl file of hypotheses")
+    hyps = read_texts(args.samples, args.field)
+    if args.references is None:
+        raise ELFError(f"--task {args.task} needs --references FILE (.jsonl or one reference per line)")
+    refs = _read_references(args.references, args.reference_field)
+    if len(refs) != len(hyps):
+        raise ELFError(f"{args.samples} has {len(hyps)} hypotheses but {args.references} has {len(refs)} "
+                       "references; they must pair up line by line")
+    if args.task == "translation":
+        res = {"bleu": bleu(hyps, refs), "tokenize": "13a", "lowercase": True, "effective_order": True}
+        summary = f"BLEU {res['bleu']:.2f} ({len(hyps)} pairs)"
+    else:
+        res = {**rouge(hyps, refs), "stemmer": True, "f1_x100": True}
+        summary = f"ROUGE-1 {res['rouge1']:.2f}  ROUGE-2 {res['rouge2']:.2f}  ROUGE-L {res['rougeL']:.2f}"
+    report = {"task": args.task, **res, "num_pairs": len(hyps), "samples": str(args.samples),
+              "references": str(args.references)}
+    path = Path(args.report) if args.report else Path(args.samples).with_suffix(f".{args.task}.json")
+    _emit(report, path, args.json, summary)
+    return 0
+
+
+def run(args) -> int:
+    if args.task != "unconditional":
+        return _run_text_task(args)
+    if (args.samples is None) == (args.checkpoint is None):
+        raise ELFError("pass either SAMPLES.jsonl to judge, or --checkpoint RUN to sample first (not both)")
+    t0 = time.time()
+    if args.samples is not None:
+        texts = read_texts(args.samples, args.field)  # before loading the judge: fail fast on bad input
+        model, tok = load_judge(args.judge, args.judge_dtype, args.device)
+        res = generative_perplexity(texts, model, tok, args.batch_size, args.protocol, args.max_length,
+                                    progress=not args.json)
+        report = {**_public(res), **_settings(args), "samples": str(args.samples), "seconds": time.time() - t0}
+        path = Path(args.report) if args.report else Path(args.samples).with_suffix(".eval.json")
+        _emit(report, path, args.json, _format(res))
+        return 0
+
+    from elflow.generate import generate_texts, load_for_sampling
+
+    model, tok = load_judge(args.judge, args.judge_dtype, args.device)
+    net, space = load_for_sampling(args.checkpoint, device=args.device)
+    ckpt = Path(args.checkpoint).expanduser()
+    tag = f"{args.sampler}_steps{args.steps}_omega{args.omega:g}" + (f"_gamma{args.gamma:g}" if args.sampler == "sde" else "")
+    out = Path(args.out) if args.out else (ckpt if ckpt.is_dir() else Path("eval-" + ckpt.name)) / "eval" / tag
+    per_seed = []
+    for seed in args.seeds:
+        texts = generate_texts(net, space, args.num, length=args.length, steps=args.steps, sampler=args.sampler,
+                               gamma=args.gamma, omega=args.omega, batch_size=args.gen_batch_size, seed=seed,
+                               grid=args.grid, device=args.device, progress=not args.json)
+        atomic_write_text(out / f"samples_seed{seed}.jsonl",
+                          "".join(json.dumps({"text": t, "seed": seed}) + "\n" for t in texts))
+        res = generative_perplexity(texts, model, tok, args.batch_size, args.protocol, args.max_length)
+        per_seed.append({"seed": seed, **_public(res)})
+        if not args.json:
+            print(f"seed {seed}: {_format(res)}")
+    ppl, ppl_se = mean_and_stderr([r["gen_ppl"] for r in per_seed])
+    ent, ent_se = mean_and_stderr([r["entropy"] for r in per_seed])
+    report = {"gen_ppl": ppl, "gen_ppl_stderr": ppl_se, "entropy": ent, "entropy_stderr": ent_se,
+              "num_samples": sum(r["num_samples"] for r in per_seed), "num_empty": sum(r["num_empty"] for r in per_seed),
+              "num_tokens": sum(r["num_tokens"] for r in per_seed), "num_seeds": len(per_seed), **_settings(args),
+              "checkpoint": str(args.checkpoint), "num": args.num, "length": args.length, "steps": args.steps,
+              "sampler": args.sampler, "gamma": args.gamma, "omega": args.omega, "grid": args.grid,
+              "seeds": list(args.seeds), "per_seed": per_seed, "seconds": time.time() - t0}
+    se = lambda x: f" +- {x:.3f}" if x is not None else ""  # noqa: E731
+    summary = (f"gen_ppl {ppl:.3f}{se(ppl_se)}  entropy {ent:.4f}{se(ent_se)}  over {len(per_seed)} seed(s) "
+               f"({args.sampler}, {args.steps} steps, omega {args.omega:g})")
+    _emit(report, Path(args.report) if args.report else out / "report.json", args.json, summary)
+    return 0

@@ -1,0 +1,538 @@
+"""`elflow train`: one entry point, alone or under torchrun (DDP: NCCL on GPUs, Gloo on CPUs).
+
+A global batch of `--batch` rows is cut into shards of `--micro-batch` rows: rank r runs shards
+r*A .. r*A + A - 1 (A = accumulation steps). Each shard draws its noise from a generator seeded by
+(seed, step, shard), so a run's numbers depend on the global batch only, not on how it is spread over
+ranks and accumulation steps, and a resumed run needs no generator state to continue exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from elflow.flow import TIME_BINS, Recipe, draw_training_noise, elf_loss
+from elflow.model import ELF, PRESETS, ELFConfig, get_config
+from elflow.optim import EMA, ELFOptimizer, base_lr, lr_at
+from elflow.utils import ELFError, atomic_write, atomic_write_json
+
+__all__ = ["TrainConfig", "train", "train_step", "shard_generators", "add_arguments", "run"]
+
+# the default embedding space of each preset
+DEFAULT_SPACE = {"tiny": "minilm", "demo": "minilm"}
+
+
+@dataclass
+class TrainConfig:
+    """Everything a run needs besides the network shape; stored in every checkpoint."""
+
+    preset: str = "demo"
+    data: str = "builtin"
+    field: str = "text"
+    space: str = "minilm"
+    latent_std: str | None = None  # a number, "auto", or None for the space's default
+    length: int | None = None  # defaults to the preset's max_length
+    layout: str = "packed"
+    batch: int = 32  # global batch (rows per optimiser step, over all ranks)
+    micro_batch: int | None = None  # rows per forward/backward; batch / (world * micro) accumulation steps
+    steps: int = 1000
+    lr: float | None = None  # default 1e-3 * batch / 256
+    warmup: int = 100
+    ema_decay: float = 0.9999
+    adam_heads: bool = False
+    grad_clip: float = 1.0
+    dtype: str = "bf16"  # autocast dtype: bf16 or fp32
+    compile: bool = False
+    grad_checkpoint: bool = False
+    seed: int = 0
+    val_fraction: float = 0.02
+    log_every: int = 10
+    ckpt_every: int = 500
+    keep: int = 3
+    sample_every: int = 0
+    sample_steps: int = 32
+    sample_sampler: str = "sde"
+    sample_omega: float = 3.0
+    tensorboard: bool = False
+    recipe: dict = field(default_factory=dict)
+    model: dict = field(default_factory=dict)  # ELFConfig overrides (depth, hidden, heads, ...)
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the step
+
+
+def shard_generators(seed: int, step: int, shard: int, device) -> tuple[torch.Generator, torch.Generator]:
+    """(device generator, CPU generator) for one shard of one step, independent of ranks and resumes."""
+    s = (seed * 1_000_003 + step) * 4099 + shard
+    g = torch.Generator(device=device).manual_seed(s)
+    c = torch.Generator().manual_seed(s ^ 0x5DEECE66D)
+    return g, c
+
+
+def autocast_ctx(device: torch.device, dtype: str):
+    if dtype == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return nullcontext()
+
+
+def train_step(model, space, shards: list[dict], recipe: Recipe, optimizer: ELFOptimizer, ema: EMA | None,
+               step: int, seed: int, first_shard: int, dtype: str = "bf16", grad_clip: float = 1.0,
+               world_size: int = 1, device=None, params=None) -> dict:
+    """One optimiser step over this rank's shards (gradient accumulation); returns metric tensors summed
+    over the shards plus the gradient norm. `model` may be a DDP wrapper; the loss of each shard is a mean
+    over its rows, divided by the number of shards of the whole global batch."""
+    device = device or next(model.parameters()).device
+    n_shards = len(shards) * world_size
+    totals: dict[str, torch.Tensor] = {}
+    for a, batch in enumerate(shards):
+        tokens = batch["tokens"].to(device, non_blocking=True)
+        mask = batch.get("mask")
+        mask = mask.to(device, non_blocking=True) if mask is not None else None
+        source_len = int(batch.get("source_len", 0) or 0)
+        g, c = shard_generators(seed, step, first_shard + a, device)
+        B, L = tokens.shape
+        draw = draw_training_noise((B, L, space.dim), recipe, generator=g, cpu_generator=c, device=device,
+                                   conditional=bool(source_len))
+        sync = a == len(shards) - 1 or not hasattr(model, "no_sync")
+        with (nullcontext() if sync else model.no_sync()):
+            with autocast_ctx(device, dtype):
+                with torch.no_grad() if not any(p.requires_grad for p in space.parameters()) else nullcontext():
+                    x = space.encode(tokens, attention_mask=mask, source_len=source_len or None,
+                                     drop_source=draw.drop_source if source_len else None)
+                loss, metrics = elf_loss(model, x.float(), tokens, draw, recipe, mask=mask, source_len=source_len)
+            (loss / n_shards * world_size).backward()  # DDP averages over ranks: mean over all shards
+        for k, v in metrics.items():
+            totals[k] = totals[k] + v if k in totals else v
+    params = params if params is not None else [p for p in model.parameters() if p.requires_grad]
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
+    totals["grad_norm"] = grad_norm.detach()
+    totals["loss"] = totals["loss"] / len(shards)
+    if not torch.isfinite(grad_norm) or not torch.isfinite(totals["loss"]):
+        optimizer.zero_grad()
+        totals["nonfinite"] = torch.ones(())
+        return totals
+    optimizer.step()
+    optimizer.zero_grad()
+    if ema is not None:
+        ema.update(model.module if hasattr(model, "module") else model)
+    return totals
+
+
+# ----------------------------------------------------------------------------------------------------------
+# set-up helpers
+
+
+def setup_distributed():
+    """(rank, world_size, local_rank, device) from torchrun's environment, or a single process."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+        if torch.cuda.is_available():
+            torch.cuda.set_device(local)
+            device = torch.device("cuda", local)
+            dist.init_process_group("nccl", device_id=device)
+        else:
+            device = torch.device("cpu")
+            dist.init_process_group("gloo")
+        return rank, world, local, device
+    return 0, 1, 0, torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def space_spec(name: str, latent_std) -> dict | str:
+    """--space value -> a build_space spec. "minilm", "t5-small", "t5:PATH", "hf:PATH", "token-table:BASE",
+    "random-table:BASE", "learned-table:BASE"."""
+    spec: dict = {}
+    if name == "minilm":
+        spec = {"kind": "minilm"}
+    elif name.startswith(("t5-", "google/t5", "google-t5/")):
+        spec = {"kind": "t5", "name": name}
+    elif ":" in name:
+        kind, _, arg = name.partition(":")
+        if kind not in ("t5", "hf", "token-table", "random-table", "learned-table"):
+            raise ELFError(f"--space {name!r}: unknown kind {kind!r}; use minilm, t5-small, t5:PATH, hf:PATH, "
+                           "token-table:BASE, random-table:BASE or learned-table:BASE")
+        spec = {"kind": kind, "name": arg} if kind in ("t5", "hf") else {"kind": kind, "base": arg}
+    else:
+        raise ELFError(f"--space {name!r}: use minilm, t5-small, t5:PATH, hf:PATH, token-table:BASE, "
+                       "random-table:BASE or learned-table:BASE")
+    if latent_std is not None:
+        spec["latent_std"] = latent_std if latent_std == "auto" else float(latent_std)
+    return spec
+
+
+def trainable_space_params(space) -> dict:
+    return {"space." + n: p for n, p in space.named_parameters() if p.requires_grad}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the run
+
+
+class RunLogger:
+    """Rank 0's output: a progress bar, metrics.jsonl, optional TensorBoard, the loss-curve PNG."""
+
+    def __init__(self, out: Path, total: int, start: int, enabled: bool, tensorboard: bool):
+        self.out, self.enabled = out, enabled
+        self.bar = None
+        self.tb = None
+        if enabled:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True,
+                            file=sys.stderr)
+            if tensorboard:
+                try:
+                    from torch.utils.tensorboard import SummaryWriter
+
+                    self.tb = SummaryWriter(str(out / "tb"))
+                except ImportError:
+                    print("warning: TensorBoard is not installed (pip install tensorboard); logging to JSONL only")
+
+    def log(self, rec: dict) -> None:
+        if not self.enabled:
+            return
+        with open(self.out / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        if self.tb is not None:
+            for k, v in rec.items():
+                if isinstance(v, (int, float)) and k != "step":
+                    self.tb.add_scalar(k, v, rec["step"])
+
+    def advance(self, n: int, postfix: dict) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+            self.bar.set_postfix(postfix, refresh=False)
+
+    def write(self, msg: str) -> None:
+        if self.enabled:
+            (self.bar.write if self.bar is not None else print)(msg)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def plot_losses(run_dir: Path) -> None:
+    """loss.png: total, denoise and decode losses, and the denoising loss per time bin."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return
+    recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    recs = [r for r in recs if r.get("kind", "train") == "train"]
+    if not recs:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in recs]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.8))
+    for key in ("loss", "loss_denoise", "loss_decode"):
+        ys = [r.get(key) for r in recs]
+        pts = [(s, y) for s, y in zip(steps, ys) if y is not None]
+        if pts:
+            a.plot(*zip(*pts), label=key, lw=1)
+    a.set_yscale("log")
+    a.set_xlabel("step")
+    a.legend()
+    a.set_title("training loss")
+    for i in range(len(TIME_BINS) - 1):
+        key = f"loss_t{TIME_BINS[i]:.1f}-{TIME_BINS[i + 1]:.1f}"
+        pts = [(r["step"], r[key]) for r in recs if r.get(key) is not None]
+        if pts:
+            b.plot(*zip(*pts), label=f"t in [{TIME_BINS[i]}, {TIME_BINS[i + 1]})", lw=1)
+    b.set_yscale("log")
+    b.set_xlabel("step")
+    b.legend(fontsize=7)
+    b.set_title("denoising loss per time bin")
+    fig.tight_layout()
+    with atomic_write(run_dir / "loss.png") as f:
+        fig.savefig(f, format="png", dpi=100)
+    plt.close(fig)
+
+
+def summarize(totals: dict, n_steps: int) -> dict:
+    """Metric tensors summed over steps (and ranks) -> the numbers of one log line."""
+    t = {k: v.item() if v.numel() == 1 else v.tolist() for k, v in totals.items()}
+    rec = {"loss": t["loss"] / max(n_steps, 1), "grad_norm": t["grad_norm"] / max(n_steps, 1)}
+    if t["denoise_n"]:
+        rec["loss_denoise"] = t["denoise_sum"] / t["denoise_n"]
+    if t["decode_n"]:
+        rec["loss_decode"] = t["decode_sum"] / t["decode_n"]
+    if t["decode_tokens"]:
+        rec["decode_acc"] = t["decode_correct"] / t["decode_tokens"]
+    for i, (s, n) in enumerate(zip(t["bin_sum"], t["bin_n"])):
+        rec[f"loss_t{TIME_BINS[i]:.1f}-{TIME_BINS[i + 1]:.1f}"] = s / n if n else None
+    return rec
+
+
+def check_run_dir(out: Path, cfg: TrainConfig, resume: bool, overwrite: bool, is_main: bool) -> None:
+    existing = out / "run.json"
+    if not existing.exists():
+        if out.exists() and any(out.iterdir()) and not (resume or overwrite):
+            raise ELFError(f"{out} exists and is not an elflow run folder; choose another --out or pass --overwrite")
+        return
+    if overwrite:
+        if is_main:
+            shutil.rmtree(out)
+        return
+    if not resume:
+        raise ELFError(f"{out} already holds a run; pass --resume to continue it or --overwrite to replace it")
+    stored = json.loads(existing.read_text())["train"]
+    keys = ("preset", "space", "length", "layout", "batch", "model", "data", "latent_std")
+    diff = [f"{k}: {stored.get(k)!r} -> {cfg.to_dict().get(k)!r}" for k in keys if stored.get(k) != cfg.to_dict().get(k)]
+    if diff:
+        raise ELFError(f"{out} holds a different run ({'; '.join(diff)}); resume it with its own settings, "
+                       "or choose another --out")
+
+
+def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwrite: bool = False,
+          cache_dir=None, quiet: bool = False, stop_after: int | None = None) -> dict:
+    """Train; returns a summary dict (rank 0). `stop_after` ends the process's work after that many steps
+    of this invocation (for tests and time-boxed runs) while keeping the schedule of `cfg.steps`."""
+    from elflow.data import Batches, build_dataset
+    from elflow.encoders import build_space, check_compatible
+
+    out = Path(out)
+    rank, world, local, device = setup_distributed()
+    is_main = rank == 0
+    try:
+        if cfg.preset not in PRESETS:
+            raise ELFError(f"unknown preset {cfg.preset!r}; choose one of {', '.join(PRESETS)}")
+        micro = cfg.micro_batch or max(1, cfg.batch // world)
+        if cfg.batch % (world * micro):
+            raise ELFError(f"--batch {cfg.batch} is not divisible by world size {world} x --micro-batch {micro}; "
+                           f"choose a batch that is a multiple of {world * micro}")
+        accum = cfg.batch // (world * micro)
+        check_run_dir(out, cfg, resume, overwrite, is_main)
+        if world > 1:
+            dist.barrier()
+
+        torch.manual_seed(cfg.seed)
+        space = build_space(space_spec(cfg.space, cfg.latent_std), device=device)
+        length = cfg.length or PRESETS[cfg.preset].max_length
+        if space.max_length is not None and length > space.max_length:
+            raise ELFError(f"--length {length} is longer than the encoder accepts ({space.max_length})")
+        train_set, val_set = build_dataset(cfg.data, space, length, layout=cfg.layout, val_fraction=cfg.val_fraction,
+                                           seed=cfg.seed, cache_dir=cache_dir, field=cfg.field)
+        mcfg = get_config(cfg.preset, dim=space.dim, vocab_size=space.vocab_size, max_length=length,
+                          grad_checkpoint=cfg.grad_checkpoint, **cfg.model)
+        recipe = Recipe.from_dict(cfg.recipe)
+        net = ELF(mcfg).to(device)
+        space_params = trainable_space_params(space)
+        named = list(net.named_parameters()) + list(space_params.items())
+        lr = cfg.lr if cfg.lr is not None else base_lr(cfg.batch)
+        optimizer = ELFOptimizer(named, lr=lr, adam_heads=cfg.adam_heads)
+        ema = EMA(net, cfg.ema_decay)
+        batches = Batches(train_set, micro * accum, seed=cfg.seed, rank=rank, world_size=world)
+        start = 0
+
+        if resume and (out / "checkpoints").exists():
+            from elflow.checkpoint import latest_checkpoint, load_checkpoint
+
+            ckpt = latest_checkpoint(out, warn=lambda m: is_main and print(m, file=sys.stderr))
+            if ckpt is not None:
+                blob = load_checkpoint(ckpt, map_location=device)
+                check_compatible(blob["state"]["space_id"], space)
+                net.load_state_dict({k: v for k, v in blob["model"].items() if not k.startswith("space.")})
+                for k, p in space_params.items():
+                    p.data.copy_(blob["model"][k])
+                ema.load_state_dict(blob["ema"])
+                optimizer.load_state_dict(blob["optimizer"]["optimizer"])
+                torch.set_rng_state(blob["optimizer"]["rng"]["torch"].cpu())
+                if "cuda" in blob["optimizer"]["rng"] and torch.cuda.is_available():
+                    torch.cuda.set_rng_state(blob["optimizer"]["rng"]["cuda"].cpu())
+                batches.load_state_dict(blob["state"]["data_position"])
+                start = blob["state"]["step"]
+                if is_main and not quiet:
+                    print(f"resuming from {ckpt} (step {start})", file=sys.stderr)
+        if is_main:
+            out.mkdir(parents=True, exist_ok=True)
+            atomic_write_json(out / "run.json", {"train": cfg.to_dict(), "model": mcfg.to_dict(),
+                                                 "space": space.config(), "space_id": space.space_id,
+                                                 "world_size": world})
+
+        model = net
+        if cfg.compile:
+            model = torch.compile(net)
+        if world > 1:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            model = DDP(model, device_ids=[local] if device.type == "cuda" else None)
+        params = [p for _, p in named]
+        log = RunLogger(out, cfg.steps, start, is_main and not quiet, cfg.tensorboard)
+        tokens_per_step = cfg.batch * length
+        totals, n_logged, t_log = {}, 0, time.perf_counter()
+        last_good, step = None, start
+        end = cfg.steps if stop_after is None else min(cfg.steps, start + stop_after)
+        summary = {"start_step": start}
+        for step in range(start, end):
+            optimizer.set_lr(lr_at(step, lr, cfg.warmup))
+            global_batch = next(batches)
+            shards = [{k: (v[a * micro:(a + 1) * micro] if torch.is_tensor(v) else v)
+                       for k, v in global_batch.items()} for a in range(accum)]
+            m = train_step(model, space, shards, recipe, optimizer, ema, step, cfg.seed, rank * accum,
+                           cfg.dtype, cfg.grad_clip, world, device, params)
+            nonfinite = m.pop("nonfinite", None)
+            if world > 1:
+                flag = torch.tensor([1.0 if nonfinite is not None else 0.0], device=device)
+                dist.all_reduce(flag)
+                nonfinite = flag.item() > 0 or None
+            if nonfinite is not None:
+                msg = (f"non-finite loss or gradient at step {step}; stopping without saving. "
+                       f"The last good checkpoint is {last_good or 'none (no checkpoint was saved yet)'}; "
+                       "try a lower --lr or --dtype fp32, then --resume.")
+                log.write(msg)
+                raise ELFError(msg)
+            for k, v in m.items():
+                totals[k] = totals[k] + v if k in totals else v
+            n_logged += 1
+            done = step + 1
+            if done % cfg.log_every == 0 or done == end:
+                if world > 1:
+                    keys = sorted(totals)
+                    flat = torch.cat([totals[k].reshape(-1).float() for k in keys])
+                    dist.all_reduce(flat)
+                    sizes = [totals[k].numel() for k in keys]
+                    parts = flat.split(sizes)
+                    totals = {k: p.reshape(totals[k].shape) / (world if k in ("loss", "grad_norm") else 1)
+                              for k, p, in zip(keys, parts)}
+                rec = summarize(totals, n_logged)
+                dt = time.perf_counter() - t_log
+                rec.update(step=done, lr=lr_at(step, lr, cfg.warmup), tokens_per_s=tokens_per_step * n_logged / dt,
+                           elapsed=dt)
+                log.log({"kind": "train", **rec})
+                log.advance(n_logged, {"loss": f"{rec['loss']:.3f}", "tok/s": f"{rec['tokens_per_s']:.0f}"})
+                summary["last"] = rec
+                totals, n_logged, t_log = {}, 0, time.perf_counter()
+            if cfg.sample_every and done % cfg.sample_every == 0 and is_main and not quiet:
+                show_samples(net, ema, space, length, cfg, log, done)
+            if (done % cfg.ckpt_every == 0 or done == end) and is_main:
+                last_good = save_run_checkpoint(out, done, net, space, space_params, ema, optimizer, batches,
+                                                cfg, mcfg, world, cfg.keep)
+                plot_losses(out)
+            if world > 1 and (done % cfg.ckpt_every == 0 or done == end):
+                dist.barrier()
+        log.close()
+        summary.update(end_step=end, out=str(out))
+        return summary
+    finally:
+        if world > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def save_run_checkpoint(out, step, net, space, space_params, ema, optimizer, batches, cfg, mcfg, world, keep):
+    from elflow.checkpoint import save_checkpoint
+
+    model_sd = dict(net.state_dict())
+    model_sd.update({k: p.detach() for k, p in space_params.items()})
+    ema_sd = ema.state_dict()
+    state = {"format": "elflow-checkpoint-1", "train": cfg.to_dict(), "model": mcfg.to_dict(),
+             "space": space.config(), "space_id": space.space_id, "data_position": batches.state_dict(),
+             "world_size": world}
+    rng = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    return save_checkpoint(out, step, model_sd, ema_sd, {"optimizer": optimizer.state_dict(), "rng": rng},
+                           state, keep=keep)
+
+
+@torch.no_grad()
+def show_samples(net, ema, space, length, cfg, log, step, num: int = 2):
+    from elflow.flow import generate_tokens
+
+    sampler_net = ELF(net.config).to(next(net.parameters()).device)
+    ema.copy_to(sampler_net)
+    sampler_net.eval()
+    g = torch.Generator(device=next(net.parameters()).device).manual_seed(cfg.seed)
+    tokens, _ = generate_tokens(sampler_net, num, length, cfg.sample_steps, cfg.sample_sampler,
+                                omega=cfg.sample_omega, generator=g)
+    for i, text in enumerate(space.decode(tokens.cpu())):
+        log.write(f"[step {step}] sample {i}: {text[:300]}")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# CLI
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--preset", default="demo", help=f"network size: {', '.join(PRESETS)}")
+    p.add_argument("--data", default="builtin",
+                   help="'builtin' (Shakespeare), a .txt file or folder, a .jsonl file, or a hub dataset name")
+    p.add_argument("--field", default="text", help="the text field of .jsonl / hub records")
+    p.add_argument("--space", default=None,
+                   help="embedding space: minilm (offline default), t5-small, t5:PATH, hf:PATH, "
+                        "token-table:BASE, random-table:BASE, learned-table:BASE (default: minilm for tiny/demo, "
+                        "t5-small otherwise)")
+    p.add_argument("--latent-std", default=None, help="divide encoder outputs by this ('auto' estimates it)")
+    p.add_argument("--length", type=int, default=None, help="sequence length L (default: the preset's)")
+    p.add_argument("--layout", choices=["packed", "document"], default="packed")
+    p.add_argument("--batch", type=int, default=32, help="global batch: rows per optimiser step, all ranks")
+    p.add_argument("--micro-batch", type=int, default=None, help="rows per forward/backward (accumulation)")
+    p.add_argument("--steps", type=int, default=1000, help="optimiser steps")
+    p.add_argument("--lr", type=float, default=None, help="learning rate (default 1e-3 * batch / 256)")
+    p.add_argument("--warmup", type=int, default=100, help="linear warm-up steps")
+    p.add_argument("--ema-decay", type=float, default=None, help="EMA decay (default 0.9999; demo 0.995)")
+    p.add_argument("--adam-heads", action="store_true",
+                   help="optimise output heads and embedders with Adam instead of Muon (cheaper on CPU)")
+    p.add_argument("--grad-clip", type=float, default=1.0)
+    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="autocast precision")
+    p.add_argument("--compile", action="store_true", help="torch.compile the network")
+    p.add_argument("--grad-checkpoint", action="store_true", help="activation checkpointing per block")
+    p.add_argument("--depth", type=int, default=None)
+    p.add_argument("--hidden", type=int, default=None)
+    p.add_argument("--heads", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="run folder (default runs/<preset>)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
+    p.add_argument("--overwrite", action="store_true", help="replace the run in --out")
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--ckpt-every", type=int, default=500)
+    p.add_argument("--keep", type=int, default=3, help="checkpoints to keep")
+    p.add_argument("--sample-every", type=int, default=0, help="print samples every N steps (0: never)")
+    p.add_argument("--decode-noise-scale", type=float, default=None, help="decode corruption scale (5; 1 for cond.)")
+    p.add_argument("--tensorboard", action="store_true")
+    p.add_argument("--cache-dir", default=None, help="tokenization and download cache")
+
+
+def config_from_args(args) -> TrainConfig:
+    model = {k: getattr(args, k) for k in ("depth", "hidden", "heads") if getattr(args, k) is not None}
+    recipe = {} if args.decode_noise_scale is None else {"decode_noise_scale": args.decode_noise_scale}
+    ema = args.ema_decay if args.ema_decay is not None else (0.995 if args.preset in ("tiny", "demo") else 0.9999)
+    for name in ("batch", "steps", "log_every", "ckpt_every"):
+        if getattr(args, name) < 1:
+            raise ELFError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    return TrainConfig(
+        preset=args.preset, data=args.data, field=args.field,
+        space=args.space or DEFAULT_SPACE.get(args.preset, "t5-small"), latent_std=args.latent_std,
+        length=args.length, layout=args.layout, batch=args.batch, micro_batch=args.micro_batch, steps=args.steps,
+        lr=args.lr, warmup=args.warmup, ema_decay=ema, adam_heads=args.adam_heads, grad_clip=args.grad_clip,
+        dtype=args.dtype, compile=args.compile, grad_checkpoint=args.grad_checkpoint, seed=args.seed,
+        log_every=args.log_every, ckpt_every=args.ckpt_every, keep=args.keep, sample_every=args.sample_every,
+        tensorboard=args.tensorboard, recipe=recipe, model=model)
+
+
+def run(args) -> int:
+    cfg = config_from_args(args)
+    out = args.out or f"runs/{cfg.preset}"
+    summary = train(cfg, out, resume=args.resume, overwrite=args.overwrite, cache_dir=args.cache_dir)
+    if summary.get("last"):
+        print(f"done: step {summary['end_step']}, loss {summary['last']['loss']:.4f}; run folder {out}")
+    return 0
