@@ -21,7 +21,6 @@ one document per play or poem), or a Hugging Face dataset name (streamed; needs 
 from __future__ import annotations
 
 import hashlib
-import io
 import itertools
 import json
 import math
@@ -34,7 +33,7 @@ import tarfile
 import tempfile
 from dataclasses import dataclass, field as dc_field
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterator
 
 import torch
 

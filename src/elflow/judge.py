@@ -40,10 +40,10 @@ NOT_GPT2_NOTE = ("elflow offline judge: a small causal LM trained by `elflow tra
 @dataclass(frozen=True)
 class JudgeConfig:
     vocab_size: int = 50257  # GPT-2
-    hidden: int = 192
-    depth: int = 3
-    heads: int = 3
-    context: int = 256  # the judge's context: `elflow eval` truncates to it
+    hidden: int = 128
+    depth: int = 2
+    heads: int = 2
+    context: int = 128  # the judge's context: `elflow eval` truncates to it
     rope_theta: float = 10000.0
     mlp_ratio: float = 4.0
     eos_id: int = 50256
@@ -230,7 +230,7 @@ def heldout_perplexity(judge: CausalJudge, stream: torch.Tensor, context: int, b
     return math.exp(total / count)
 
 
-def train_judge(out: str | Path, cfg: JudgeConfig = JudgeConfig(), data: str = "builtin", steps: int = 300,
+def train_judge(out: str | Path, cfg: JudgeConfig = JudgeConfig(), data: str = "builtin", steps: int = 200,
                 batch_size: int = 8, lr: float = 3e-3, warmup: int = 30, seed: int = 0, val_every: int = 10,
                 device: str | None = None, cache_dir=None, progress: bool = True) -> dict:
     """Train the offline judge on `data` (minus its held-out documents) and save it to `out`; returns info."""
@@ -281,7 +281,8 @@ def train_judge(out: str | Path, cfg: JudgeConfig = JudgeConfig(), data: str = "
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
-        loss_ema = float(loss) if loss_ema is None else 0.9 * loss_ema + 0.1 * float(loss)
+        value = loss.item()
+        loss_ema = value if loss_ema is None else 0.9 * loss_ema + 0.1 * value
         bar.set_postfix(loss=f"{loss_ema:.3f}")
     judge = judge.cpu()
     ppl = heldout_perplexity(judge, val_ids, cfg.context, max_windows=64)
@@ -301,7 +302,7 @@ def add_arguments(p) -> None:
     p.add_argument("--out", default="runs/judge", help="folder for the Hugging Face causal-LM judge")
     p.add_argument("--data", default="builtin",
                    help="training text: 'builtin' (Shakespeare), a .txt file, a folder or a .jsonl file")
-    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--steps", type=int, default=200)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=30)

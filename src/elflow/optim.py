@@ -5,15 +5,23 @@
     Adam  biases, norms, prefix tokens, learned embedding tables; betas (0.9, 0.999), eps 1e-8
     both  weight decay 0, lr = 1e-3 * batch / 256, linear warm-up then constant
 
+The update is torch.optim.Muon's. Its Newton-Schulz step runs in bf16 on GPUs (as torch's does) and in fp32
+on CPUs without native bf16 matrix units (AVX2, most AVX-512), where bf16 matmuls run 20-50x slower than
+fp32 (benchmarks/RESULTS.md); `ns_precision` selects it.
+
 `adam_heads=True` moves the output heads and the input/scalar embedders to Adam (the usual Muon practice,
 and far cheaper on a CPU: Newton-Schulz on the 512 x 32,100 readout alone is ~170 GFLOP per step).
 """
 
 from __future__ import annotations
 
-import torch
+import contextlib
+import warnings
 
-__all__ = ["ELFOptimizer", "EMA", "base_lr", "lr_at", "HEAD_PREFIXES"]
+import torch
+import torch.optim._muon as _muon_impl
+
+__all__ = ["ELFOptimizer", "newton_schulz", "ns_precision", "fast_bf16", "EMA", "base_lr", "lr_at", "HEAD_PREFIXES"]
 
 HEAD_PREFIXES = ("x_head.", "decode_head.", "self_cond_proj.", "bottleneck_in.", "bottleneck_out.",
                  "time_embed.", "omega_embed.")
@@ -31,13 +39,73 @@ def lr_at(step: int, lr: float, warmup: int) -> float:
     return lr * min(1.0, (step + 1) / warmup)
 
 
+def newton_schulz(g: torch.Tensor, ns_coefficients=(3.4445, -4.7750, 2.0315), ns_steps: int = 5,
+                  eps: float = 1e-7, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The quintic Newton-Schulz orthogonalisation of torch.optim.Muon (the same operations), in `dtype`.
+
+    The signature matches torch's private `_zeropower_via_newtonschulz(grad, coefficients, steps, eps)`,
+    which always runs in bf16. g (m, n). Cost: ns_steps * (4 k^2 N + 2 k^3) FLOPs, k = min(m, n), N = max(m, n).
+    """
+    a, b, c = ns_coefficients
+    x = g.to(dtype)
+    tall = g.size(0) > g.size(1)
+    if tall:
+        x = x.T
+    x = x / x.norm().clamp(min=eps)  # spectral norm <= 1
+    for _ in range(ns_steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
+
+
+@contextlib.contextmanager
+def ns_precision(dtype: torch.dtype | None):
+    """Inside the block, torch.optim.Muon runs its Newton-Schulz step in `dtype` (None: torch's bf16).
+
+    NOTE to contributors (the lead's decision): the Muon update is torch.optim.Muon's own, unmodified;
+    only its Newton-Schulz precision is chosen here. Do not re-implement Muon's step.
+    """
+    original = getattr(_muon_impl, "_zeropower_via_newtonschulz", None)
+    if dtype is None or dtype == torch.bfloat16 or original is None:
+        if original is None and dtype not in (None, torch.bfloat16):
+            warnings.warn("this torch version's Muon offers no Newton-Schulz hook; it runs in its own precision")
+        yield
+        return
+    _muon_impl._zeropower_via_newtonschulz = lambda g, coef, steps, eps: newton_schulz(g, coef, steps, eps, dtype)
+    try:
+        yield
+    finally:
+        _muon_impl._zeropower_via_newtonschulz = original
+
+
+def _cpu_flag(flag: str) -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(flag in line.split() for line in f if line.startswith("flags"))
+    except OSError:
+        return False
+
+
+def fast_bf16(device) -> bool:
+    """Whether bf16 matmuls are fast on this device: GPUs, and CPUs with AMX or AVX512-BF16."""
+    if torch.device(device).type == "cuda":
+        return True
+    return _cpu_flag("amx_bf16") or _cpu_flag("avx512_bf16")
+
+
+def default_ns_dtype(device) -> torch.dtype:
+    return torch.bfloat16 if fast_bf16(device) else torch.float32
+
+
 class ELFOptimizer:
     """Muon + Adam behind one step/zero_grad/state_dict interface."""
 
     def __init__(self, named_params, lr: float, adam_heads: bool = False, betas=(0.9, 0.999),
-                 eps: float = 1e-8, momentum: float = 0.95, ns_steps: int = 5):
+                 eps: float = 1e-8, momentum: float = 0.95, ns_steps: int = 5, ns_dtype: torch.dtype | None = None):
         muon, adam = [], []
         self.muon_names, self.adam_names = [], []
+        named_params = list(named_params)
+        self.ns_dtype = ns_dtype or (default_ns_dtype(named_params[0][1].device) if named_params else torch.float32)
         for name, p in named_params:
             if not p.requires_grad:
                 continue
@@ -61,8 +129,9 @@ class ELFOptimizer:
                 g["lr"] = lr
 
     def step(self) -> None:
-        for opt in self.optimizers:
-            opt.step()
+        with ns_precision(self.ns_dtype):
+            for opt in self.optimizers:
+                opt.step()
 
     def zero_grad(self) -> None:
         for opt in self.optimizers:

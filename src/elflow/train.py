@@ -38,7 +38,7 @@ class TrainConfig:
 
     preset: str = "demo"
     data: str = "builtin"
-    field: str = "text"
+    text_field: str = "text"
     space: str = "minilm"
     latent_std: str | None = None  # a number, "auto", or None for the space's default
     length: int | None = None  # defaults to the preset's max_length
@@ -51,7 +51,7 @@ class TrainConfig:
     ema_decay: float = 0.9999
     adam_heads: bool = False
     grad_clip: float = 1.0
-    dtype: str = "bf16"  # autocast dtype: bf16 or fp32
+    dtype: str = "auto"  # autocast dtype: bf16, fp32, or auto (bf16 where bf16 matmuls are fast)
     compile: bool = False
     grad_checkpoint: bool = False
     seed: int = 0
@@ -83,8 +83,15 @@ def shard_generators(seed: int, step: int, shard: int, device) -> tuple[torch.Ge
     return g, c
 
 
+def resolve_dtype(dtype: str, device) -> str:
+    """"auto" -> bf16 on GPUs and CPUs with native bf16 matmuls (AMX, AVX512-BF16), fp32 elsewhere."""
+    from elflow.optim import fast_bf16
+
+    return ("bf16" if fast_bf16(device) else "fp32") if dtype == "auto" else dtype
+
+
 def autocast_ctx(device: torch.device, dtype: str):
-    if dtype == "bf16":
+    if resolve_dtype(dtype, device) == "bf16":
         return torch.autocast(device.type, dtype=torch.bfloat16)
     return nullcontext()
 
@@ -100,8 +107,10 @@ def train_step(model, space, shards: list[dict], recipe: Recipe, optimizer: ELFO
     totals: dict[str, torch.Tensor] = {}
     for a, batch in enumerate(shards):
         tokens = batch["tokens"].to(device, non_blocking=True)
-        mask = batch.get("mask")
+        mask = batch.get("mask")  # positions scored by the loss
         mask = mask.to(device, non_blocking=True) if mask is not None else None
+        attention = batch.get("attention_mask")  # positions the encoder may attend to
+        attention = attention.to(device, non_blocking=True) if attention is not None else None
         source_len = int(batch.get("source_len", 0) or 0)
         g, c = shard_generators(seed, step, first_shard + a, device)
         B, L = tokens.shape
@@ -111,7 +120,7 @@ def train_step(model, space, shards: list[dict], recipe: Recipe, optimizer: ELFO
         with (nullcontext() if sync else model.no_sync()):
             with autocast_ctx(device, dtype):
                 with torch.no_grad() if not any(p.requires_grad for p in space.parameters()) else nullcontext():
-                    x = space.encode(tokens, attention_mask=mask, source_len=source_len or None,
+                    x = space.encode(tokens, attention_mask=attention, source_len=source_len or None,
                                      drop_source=draw.drop_source if source_len else None)
                 loss, metrics = elf_loss(model, x.float(), tokens, draw, recipe, mask=mask, source_len=source_len)
             (loss / n_shards * world_size).backward()  # DDP averages over ranks: mean over all shards
@@ -152,25 +161,19 @@ def setup_distributed():
     return 0, 1, 0, torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def space_spec(name: str, latent_std) -> dict | str:
-    """--space value -> a build_space spec. "minilm", "t5-small", "t5:PATH", "hf:PATH", "token-table:BASE",
-    "random-table:BASE", "learned-table:BASE"."""
-    spec: dict = {}
-    if name == "minilm":
-        spec = {"kind": "minilm"}
-    elif name.startswith(("t5-", "google/t5", "google-t5/")):
-        spec = {"kind": "t5", "name": name}
-    elif ":" in name:
-        kind, _, arg = name.partition(":")
-        if kind not in ("t5", "hf", "token-table", "random-table", "learned-table"):
-            raise ELFError(f"--space {name!r}: unknown kind {kind!r}; use minilm, t5-small, t5:PATH, hf:PATH, "
-                           "token-table:BASE, random-table:BASE or learned-table:BASE")
-        spec = {"kind": kind, "name": arg} if kind in ("t5", "hf") else {"kind": kind, "base": arg}
-    else:
-        raise ELFError(f"--space {name!r}: use minilm, t5-small, t5:PATH, hf:PATH, token-table:BASE, "
-                       "random-table:BASE or learned-table:BASE")
+def space_spec(name: str, latent_std) -> dict:
+    """--space value -> a build_space spec: minilm, t5-small (or any T5 hub id / folder), t5:PATH, hf:PATH,
+    or a non-contextual table over a base encoder's vocabulary: token-table[:BASE], random-table[:BASE],
+    learned-table[:BASE]."""
+    from elflow.encoders import TABLE_KINDS, _normalise_spec
+
+    kind, sep, base = name.partition(":")
+    spec = {"kind": kind, "name": base} if sep and kind in TABLE_KINDS else _normalise_spec(name)
     if latent_std is not None:
-        spec["latent_std"] = latent_std if latent_std == "auto" else float(latent_std)
+        try:
+            spec["latent_std"] = latent_std if latent_std in ("auto", "table") else float(latent_std)
+        except ValueError:
+            raise ELFError(f"--latent-std must be a number, 'auto' or 'table', got {latent_std!r}") from None
     return spec
 
 
@@ -331,7 +334,7 @@ def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwr
         if space.max_length is not None and length > space.max_length:
             raise ELFError(f"--length {length} is longer than the encoder accepts ({space.max_length})")
         train_set, val_set = build_dataset(cfg.data, space, length, layout=cfg.layout, val_fraction=cfg.val_fraction,
-                                           seed=cfg.seed, cache_dir=cache_dir, field=cfg.field)
+                                           seed=cfg.seed, cache_dir=cache_dir, field=cfg.text_field)
         mcfg = get_config(cfg.preset, dim=space.dim, vocab_size=space.vocab_size, max_length=length,
                           grad_checkpoint=cfg.grad_checkpoint, **cfg.model)
         recipe = Recipe.from_dict(cfg.recipe)
@@ -493,7 +496,8 @@ def add_arguments(p) -> None:
     p.add_argument("--adam-heads", action="store_true",
                    help="optimise output heads and embedders with Adam instead of Muon (cheaper on CPU)")
     p.add_argument("--grad-clip", type=float, default=1.0)
-    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="autocast precision")
+    p.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto",
+                   help="autocast precision; auto: bf16 on GPUs and CPUs with native bf16 matmuls, else fp32")
     p.add_argument("--compile", action="store_true", help="torch.compile the network")
     p.add_argument("--grad-checkpoint", action="store_true", help="activation checkpointing per block")
     p.add_argument("--depth", type=int, default=None)
@@ -520,7 +524,7 @@ def config_from_args(args) -> TrainConfig:
         if getattr(args, name) < 1:
             raise ELFError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     return TrainConfig(
-        preset=args.preset, data=args.data, field=args.field,
+        preset=args.preset, data=args.data, text_field=args.field,
         space=args.space or DEFAULT_SPACE.get(args.preset, "t5-small"), latent_std=args.latent_std,
         length=args.length, layout=args.layout, batch=args.batch, micro_batch=args.micro_batch, steps=args.steps,
         lr=args.lr, warmup=args.warmup, ema_decay=ema, adam_heads=args.adam_heads, grad_clip=args.grad_clip,

@@ -1,0 +1,181 @@
+"""Sampler x steps x omega sweeps, judged cell by cell, and the paper's Figure 3 trade-off plot.
+
+`elflow sweep RUN --omega 0.5 1 2 3 4 --steps 8 16 32 --sampler ode sde` samples every cell with
+`elflow.generate`, judges it with `elflow.evaluate.generative_perplexity`, appends a row to
+OUT/sweep.csv after each cell (a rerun skips finished cells) and draws OUT/tradeoff.png: generative
+perplexity against unigram entropy, one curve per sampler and step count, each point labelled by omega.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import time
+from pathlib import Path
+
+from elflow.utils import ELFError, atomic_write_text
+
+__all__ = ["COLUMNS", "write_csv", "read_csv", "plot_tradeoff", "run_sweep"]
+
+COLUMNS = ["sampler", "steps", "omega", "gamma", "seed", "num", "gen_ppl", "entropy", "num_samples", "num_empty",
+           "num_tokens", "protocol", "judge", "seconds"]
+_INT = {"steps", "seed", "num", "num_samples", "num_empty", "num_tokens"}
+_FLOAT = {"omega", "gamma", "gen_ppl", "entropy", "seconds"}
+
+
+def write_csv(path: str | Path, rows: list[dict]) -> Path:
+    """Rows as CSV with the sweep's columns (missing fields left empty), written atomically."""
+    import io
+
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=COLUMNS, extrasaction="ignore", lineterminator="\n")
+    w.writeheader()
+    for r in rows:
+        w.writerow({k: r.get(k, "") for k in COLUMNS})
+    atomic_write_text(path, buf.getvalue())
+    return Path(path)
+
+
+def read_csv(path: str | Path) -> list[dict]:
+    """The rows of a sweep CSV, numbers parsed back."""
+    rows = []
+    with open(path, newline="") as f:
+        for r in csv.DictReader(f):
+            row = {}
+            for k, v in r.items():
+                if v == "" or v is None:
+                    row[k] = None
+                elif k in _INT:
+                    row[k] = int(float(v))
+                elif k in _FLOAT:
+                    row[k] = float(v)
+                else:
+                    row[k] = v
+            rows.append(row)
+    return rows
+
+
+def plot_tradeoff(rows: list[dict], path: str | Path, title: str | None = None) -> Path:
+    """Gen-PPL (y) against entropy (x): one curve per (sampler, steps), points in omega order, labelled."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in rows if r.get("gen_ppl") is not None and r.get("entropy") is not None]
+    if not rows:
+        raise ELFError("no finished sweep cells to plot")
+    fig, ax = plt.subplots(figsize=(7, 5))
+    curves = sorted({(r["sampler"], int(r["steps"])) for r in rows})
+    for i, (sampler, steps) in enumerate(curves):
+        pts = sorted((r for r in rows if r["sampler"] == sampler and int(r["steps"]) == steps),
+                     key=lambda r: r["omega"])
+        xs, ys = [p["entropy"] for p in pts], [p["gen_ppl"] for p in pts]
+        ax.plot(xs, ys, marker="o" if sampler == "sde" else "s", linestyle="-" if sampler == "sde" else "--",
+                color=f"C{i}", label=f"{sampler.upper()}, {steps} steps")
+        for p in pts:
+            ax.annotate(f"{p['omega']:g}", (p["entropy"], p["gen_ppl"]), textcoords="offset points",
+                        xytext=(4, 4), fontsize=7, color=f"C{i}")
+    ys = [r["gen_ppl"] for r in rows]
+    if max(ys) / max(min(ys), 1e-9) > 5:
+        ax.set_yscale("log")
+    lo = min(r["entropy"] for r in rows)
+    if lo < 5.0:  # the paper's appendix shades entropy below 5.0 as degenerate
+        ax.axvspan(min(lo, 5.0) - 0.05, 5.0, color="0.9", zorder=0, label="entropy < 5 (degenerate)")
+    ax.set_xlabel("unigram entropy (mean over samples)")
+    ax.set_ylabel("generative perplexity")
+    ax.set_title(title or "Gen-PPL vs entropy (labels: omega)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=150)
+    plt.close(fig)
+    return path
+
+
+def _key(r: dict) -> tuple:
+    return (r["sampler"], int(r["steps"]), float(r["omega"]), float(r["gamma"]), int(r["seed"]), int(r["num"]))
+
+
+def run_sweep(checkpoint: str, omegas: list[float], steps_list: list[int], samplers: list[str], out: str | Path,
+              num: int = 1000, seed: int = 0, gamma: float = 1.5, length: int | None = None,
+              judge: str = "gpt2-large", judge_dtype: str = "fp32", batch_size: int = 8, gen_batch_size: int = 8,
+              protocol: str = "elf", grid: str = "logit_normal", device: str | None = None,
+              progress: bool = True) -> list[dict]:
+    """Run (or finish) the grid; returns all rows of OUT/sweep.csv. Samples go to OUT/samples/<cell>.jsonl."""
+    from elflow.evaluate import generative_perplexity, load_judge
+    from elflow.generate import generate_texts, load_for_sampling
+
+    out = Path(out)
+    csv_path = out / "sweep.csv"
+    rows = read_csv(csv_path) if csv_path.exists() else []
+    done = {_key(r) for r in rows}
+    cells = [(s, n, w) for s in samplers for n in steps_list for w in omegas]
+    todo = [c for c in cells if (c[0], c[1], float(c[2]), float(gamma), seed, num) not in done]
+    if todo:
+        model, tok = load_judge(judge, judge_dtype, device)
+        net, space = load_for_sampling(checkpoint, device=device)
+    for k, (sampler, steps, omega) in enumerate(todo):
+        t0 = time.time()
+        texts = generate_texts(net, space, num, length=length, steps=steps, sampler=sampler, gamma=gamma,
+                               omega=omega, batch_size=gen_batch_size, seed=seed, grid=grid, device=device,
+                               progress=progress)
+        name = f"{sampler}_steps{steps}_omega{omega:g}_gamma{gamma:g}_seed{seed}"
+        atomic_write_text(out / "samples" / f"{name}.jsonl", "".join(json.dumps({"text": t}) + "\n" for t in texts))
+        res = generative_perplexity(texts, model, tok, batch_size, protocol)
+        row = {"sampler": sampler, "steps": steps, "omega": float(omega), "gamma": float(gamma), "seed": seed,
+               "num": num, "protocol": protocol, "judge": str(judge), "seconds": round(time.time() - t0, 2),
+               **{k2: res[k2] for k2 in ("gen_ppl", "entropy", "num_samples", "num_empty", "num_tokens")}}
+        rows.append(row)
+        write_csv(csv_path, rows)
+        if progress:
+            print(f"[{k + 1}/{len(todo)}] {sampler} {steps} steps omega {omega:g}: gen_ppl {row['gen_ppl']:.2f} "
+                  f"entropy {row['entropy']:.3f}")
+    return rows
+
+
+def add_arguments(p) -> None:
+    p.add_argument("checkpoint", nargs="?", help="run folder, checkpoint or hub id (not needed with --plot-only)")
+    p.add_argument("--omega", type=float, nargs="+", default=[0.5, 1.0, 2.0, 3.0, 4.0])
+    p.add_argument("--steps", type=int, nargs="+", default=[8, 16, 32])
+    p.add_argument("--sampler", choices=("ode", "sde"), nargs="+", default=["ode", "sde"])
+    p.add_argument("--gamma", type=float, default=1.5, help="SDE noise re-injection")
+    p.add_argument("--num", type=int, default=1000, help="samples per cell")
+    p.add_argument("--length", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--grid", default="logit_normal")
+    p.add_argument("--judge", default="gpt2-large", help="hub id or folder (offline: `elflow train-judge`)")
+    p.add_argument("--judge-dtype", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument("--batch-size", type=int, default=8, help="judge batch size")
+    p.add_argument("--gen-batch-size", type=int, default=8, help="sampling batch size")
+    p.add_argument("--protocol", choices=("elf", "elf-official", "mdlm"), default="elf")
+    p.add_argument("--device", default=None)
+    p.add_argument("--out", default=None, help="output folder (default: RUN/sweep, or ./sweep)")
+    p.add_argument("--plot-only", action="store_true", help="redraw the plot from OUT/sweep.csv")
+
+
+def run(args) -> int:
+    if args.out:
+        out = Path(args.out)
+    elif args.checkpoint and Path(args.checkpoint).expanduser().is_dir():
+        out = Path(args.checkpoint).expanduser() / "sweep"
+    else:
+        out = Path("sweep")
+    if args.plot_only:
+        if not (out / "sweep.csv").exists():
+            raise ELFError(f"{out / 'sweep.csv'} does not exist; run the sweep first or pass --out")
+        rows = read_csv(out / "sweep.csv")
+    else:
+        if not args.checkpoint:
+            raise ELFError("pass the run folder, checkpoint or hub id to sweep (or --plot-only)")
+        if args.num < 1 or min(args.steps) < 1:
+            raise ELFError("--num and every --steps value must be at least 1")
+        rows = run_sweep(args.checkpoint, args.omega, args.steps, args.sampler, out, num=args.num, seed=args.seed,
+                         gamma=args.gamma, length=args.length, judge=args.judge, judge_dtype=args.judge_dtype,
+                         batch_size=args.batch_size, gen_batch_size=args.gen_batch_size, protocol=args.protocol,
+                         grid=args.grid, device=args.device)
+    png = plot_tradeoff(rows, out / "tradeoff.png", title=f"judge: {rows[0].get('judge') or args.judge}")
+    print(f"{len(rows)} cells in {out / 'sweep.csv'}; plot: {png}")
+    return 0

@@ -1,0 +1,76 @@
+"""Shared test fixtures. Tests run offline: the hub is switched off before anything imports it."""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+from pathlib import Path
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+try:  # run from a checkout without `pip install -e .`
+    import elflow  # noqa: F401
+except ImportError:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+import pytest
+
+_WORDS = (
+    "the of and to in a is that for it as was with be by on not he this are or his from at which but have an "
+    "they you were her she there one all we their been has when who will more no if out so said what up its "
+    "about into than them can only other new some could time these two may then do first any my now such like "
+    "our over man me even most made after also did many before must through back years where much your way "
+    "well down should because each just those people how too little state good very make world still own see "
+    "men work long get here between both life being under never day same another know while last might us "
+    "great old year off come since against go came right used take three love night king lord sweet heart"
+).split()
+
+
+def tiny_corpus_text(n_sentences: int = 300, seed: int = 0) -> str:
+    """A few kilobytes of deterministic lowercase English-like text."""
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(n_sentences):
+        words = [rng.choice(_WORDS) for _ in range(rng.randint(4, 12))]
+        lines.append(" ".join(words).capitalize() + rng.choice([".", ".", ",", "?", "!"]))
+    return "\n".join(lines) + "\n"
+
+
+@pytest.fixture(scope="session")
+def tiny_t5_dir(tmp_path_factory) -> Path:
+    """A tiny random T5 encoder + a sentencepiece tokenizer trained on a few KB, saved like a hub folder.
+
+    T5 conventions: pad 0, EOS 1, unk 2, and 100 extra ids on top of the 200 sentencepiece pieces, so
+    len(tokenizer) = 300 while the model's table has 320 rows (as t5-small has 32,128 rows for 32,100 tokens).
+    """
+    import sentencepiece as spm
+    import torch
+    from transformers import T5Config, T5EncoderModel, T5Tokenizer
+
+    folder = tmp_path_factory.mktemp("tiny_t5")
+    train_txt = folder / "train.txt"
+    train_txt.write_text(tiny_corpus_text())
+    spm.SentencePieceTrainer.train(
+        input=str(train_txt), model_prefix=str(folder / "spiece"), vocab_size=200, model_type="unigram",
+        pad_id=0, eos_id=1, unk_id=2, bos_id=-1, character_coverage=1.0, minloglevel=2,
+    )
+    train_txt.unlink()
+    # transformers 5 ignores T5Tokenizer(vocab_file=...): load the sentencepiece model from the folder.
+    tokenizer = T5Tokenizer.from_pretrained(str(folder))
+    tokenizer.save_pretrained(str(folder))
+    torch.manual_seed(0)
+    config = T5Config(d_model=32, d_kv=16, num_layers=2, num_heads=2, d_ff=64, vocab_size=320,
+                      dropout_rate=0.1, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
+    model = T5EncoderModel(config)
+    model.save_pretrained(str(folder))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_corpus_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("tiny_corpus") / "corpus.txt"
+    path.write_text(tiny_corpus_text(400, seed=1))
+    return path
