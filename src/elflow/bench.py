@@ -245,7 +245,8 @@ def bench(mode: str, preset: str = "tiny", depth=None, hidden=None, heads=None, 
           steps: int = 32, dtype: str = "fp32", compile: bool = False, device=None, warmup: int = 1,
           iters: int = 3, accum: int = 1, space: str = "standin", grad_checkpoint: bool = False,
           adam_heads: bool = False, ns_dtype: str = "auto", peak_size: int | None = None,
-          breakdown: bool = False, seed: int = 0) -> dict:
+          breakdown: bool = False, seed: int = 0, threads: int | None = None,
+          vocab_size: int | None = None) -> dict:
     """Run one benchmark and return its record (see docs/performance.md for the fields)."""
     if mode not in MODES:
         raise ELFError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
@@ -262,12 +263,14 @@ def bench(mode: str, preset: str = "tiny", depth=None, hidden=None, heads=None, 
         raise ELFError(f"--space must be standin or none, got {space!r}")
     if ns_dtype not in ("auto", "fp32", "bf16"):
         raise ELFError(f"--ns-dtype must be auto, fp32 or bf16, got {ns_dtype!r}")
+    if threads:
+        torch.set_num_threads(threads)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     L = length or PRESETS[preset].max_length
     if L < 1:
         raise ELFError(f"--length must be >= 1, got {L}")
     try:
-        cfg = get_config(preset, depth=depth, hidden=hidden, heads=heads, max_length=max(L, PRESETS[preset].max_length),
+        cfg = get_config(preset, depth=depth, hidden=hidden, heads=heads, vocab_size=vocab_size, max_length=max(L, PRESETS[preset].max_length),
                          grad_checkpoint=grad_checkpoint)
     except ValueError as e:
         raise ELFError(str(e)) from e
@@ -400,6 +403,7 @@ def add_arguments(p) -> None:
     p.add_argument("--depth", type=int, default=None)
     p.add_argument("--hidden", type=int, default=None)
     p.add_argument("--heads", type=int, default=None)
+    p.add_argument("--vocab-size", type=int, default=None, help="decode-head vocabulary (default: the preset's)")
     p.add_argument("--length", type=int, default=None, help="sequence length L (default: the preset's)")
     p.add_argument("--batch", type=int, default=4, help="rows per pass (train: per micro-batch)")
     p.add_argument("--steps", type=int, default=32, help="sample: sampling steps (the decode pass is extra)")
@@ -418,13 +422,15 @@ def add_arguments(p) -> None:
     p.add_argument("--peak-size", type=int, default=None, help="matmul size of the peak measurement")
     p.add_argument("--breakdown", action="store_true", help="train: time encoder/passes/backward/optimiser/EMA")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def run(args) -> int:
     rec = bench(args.mode, args.preset, args.depth, args.hidden, args.heads, args.length, args.batch, args.steps,
                 args.dtype, args.compile, args.device, args.warmup, args.iters, args.accum, args.space,
-                args.grad_checkpoint, args.adam_heads, args.ns_dtype, args.peak_size, args.breakdown, args.seed)
+                args.grad_checkpoint, args.adam_heads, args.ns_dtype, args.peak_size, args.breakdown, args.seed,
+                args.threads, args.vocab_size)
     if args.json:
         print(json.dumps(rec))
         return 0

@@ -79,9 +79,10 @@ def plot_tradeoff(rows: list[dict], path: str | Path, title: str | None = None) 
     ys = [r["gen_ppl"] for r in rows]
     if max(ys) / max(min(ys), 1e-9) > 5:
         ax.set_yscale("log")
-    lo = min(r["entropy"] for r in rows)
-    if lo < 5.0:  # the paper's appendix shades entropy below 5.0 as degenerate
-        ax.axvspan(min(lo, 5.0) - 0.05, 5.0, color="0.9", zorder=0, label="entropy < 5 (degenerate)")
+    x0, x1 = ax.get_xlim()
+    if x0 < 5.0 < x1:  # the paper's appendix shades entropy below 5.0 as degenerate
+        ax.axvspan(x0, 5.0, color="0.92", zorder=0, label="entropy < 5 (degenerate)")
+        ax.set_xlim(x0, x1)
     ax.set_xlabel("unigram entropy (mean over samples)")
     ax.set_ylabel("generative perplexity")
     ax.set_title(title or "Gen-PPL vs entropy (labels: omega)")

@@ -188,11 +188,11 @@ def trainable_space_params(space) -> dict:
 class RunLogger:
     """Rank 0's output: a progress bar, metrics.jsonl, optional TensorBoard, the loss-curve PNG."""
 
-    def __init__(self, out: Path, total: int, start: int, enabled: bool, tensorboard: bool):
-        self.out, self.enabled = out, enabled
+    def __init__(self, out: Path, total: int, start: int, enabled: bool, tensorboard: bool, show: bool = True):
+        self.out, self.enabled, self.show = out, enabled, show
         self.bar = None
         self.tb = None
-        if enabled:
+        if enabled and show:
             from tqdm.auto import tqdm
 
             self.bar = tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True,
@@ -221,7 +221,7 @@ class RunLogger:
             self.bar.set_postfix(postfix, refresh=False)
 
     def write(self, msg: str) -> None:
-        if self.enabled:
+        if self.enabled and self.show:
             (self.bar.write if self.bar is not None else print)(msg)
 
     def close(self) -> None:
@@ -378,9 +378,10 @@ def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwr
         if world > 1:
             from torch.nn.parallel import DistributedDataParallel as DDP
 
-            model = DDP(model, device_ids=[local] if device.type == "cuda" else None)
+            # the only buffers are constant RoPE tables: no per-forward broadcast (forward counts differ by rank)
+            model = DDP(model, device_ids=[local] if device.type == "cuda" else None, broadcast_buffers=False)
         params = [p for _, p in named]
-        log = RunLogger(out, cfg.steps, start, is_main and not quiet, cfg.tensorboard)
+        log = RunLogger(out, cfg.steps, start, is_main, cfg.tensorboard, show=not quiet)
         tokens_per_step = cfg.batch * length
         totals, n_logged, t_log = {}, 0, time.perf_counter()
         last_good, step = None, start
