@@ -23,7 +23,6 @@ import json
 import math
 import os
 import socket
-import sys
 import time
 from pathlib import Path
 from typing import Iterable, Sequence
