@@ -20,8 +20,8 @@ from elflow.utils import ELFError, atomic_write_json
 __all__ = ["add_arguments", "run", "report"]
 
 # measured on the 2-core CPU this project is developed on (README: "The offline default")
-DEMO_STEPS = 600
-DEMO_SAMPLER = "sde"
+DEMO_STEPS = 250
+DEMO_SAMPLER = "vc"
 
 
 def add_arguments(p) -> None:
@@ -46,7 +46,7 @@ def demo_config(args):
     from elflow.train import TrainConfig
 
     return TrainConfig(preset="demo", data="builtin", space="minilm", length=args.length, batch=args.batch,
-                       steps=args.steps, lr=args.lr if args.lr is not None else 1e-3, warmup=50, ema_decay=0.995,
+                       steps=args.steps, lr=args.lr if args.lr is not None else 1e-3, warmup=50, ema_decay=0.98,
                        adam_heads=True, dtype="auto", seed=args.seed, log_every=10,
                        ckpt_every=max(args.steps // 4, 1), keep=2, sample_every=max(args.steps // 4, 1),
                        sample_steps=args.sample_steps, sample_sampler=args.sampler, sample_omega=args.omega)
