@@ -103,3 +103,42 @@ def test_wrong_shape_is_refused(ref):
     sd["blocks.1.mlp.w3.weight"] = torch.zeros(64, 99)
     with pytest.raises(ELFError):
         build_from_state_dict(sd, max_length=16, config=infer_config(sd, max_length=16))
+
+
+@torch.no_grad()
+def test_convert_writes_an_elflow_checkpoint_with_the_same_network(ref, tmp_path):
+    from elflow.cli import main
+    from elflow.generate import load_network
+
+    out = tmp_path / "converted"
+    assert main(["convert", str(REF / "checkpoint_7"), str(out), "--max-length", "16"]) == 0
+    assert (out / "model.safetensors").exists() and (out / "ema.safetensors").exists()
+    net = load_network(out)
+    assert close(net(ref["in.z"], ref["in.t"], ref["in.w"], x_prev=ref["in.x_prev"]), ref["out.denoise_sc"]) < TOL
+    import elflow
+
+    direct = elflow.load(REF / "checkpoint_7", max_length=16)
+    assert not direct.training
+    assert close(direct(ref["in.z"], ref["in.t"], ref["in.w"]), ref["out.denoise_nosc"]) < TOL
+
+
+def test_files_that_are_not_checkpoints_are_refused(tmp_path):
+    import pickle
+
+    junk = tmp_path / "checkpoint_3"
+    junk.write_bytes(b"not a checkpoint at all")
+    with pytest.raises(ELFError, match="cannot be read as a tensors-only checkpoint"):
+        read_official_checkpoint(junk)
+
+    class Evil:
+        def __reduce__(self):
+            return (print, ("unpickled!",))
+
+    evil = tmp_path / "evil" / "checkpoint_1"
+    evil.parent.mkdir()
+    evil.write_bytes(pickle.dumps({"params": Evil()}))
+    with pytest.raises(ELFError, match="never unpickles"):
+        read_official_checkpoint(evil.parent)
+    torch.save({"weights": {}}, tmp_path / "checkpoint_9")
+    with pytest.raises(ELFError, match="not an ELF checkpoint"):
+        read_official_checkpoint(tmp_path / "checkpoint_9")

@@ -193,3 +193,28 @@ def test_sample_cli_is_reproducible_and_writes_jsonl(uninterrupted, tmp_path):
     assert len(ra) == 3 and all("text" in r and r["steps"] == 4 and r["sampler"] == "sde" for r in ra)
     assert [r["text"] for r in ra] == [r["text"] for r in rb]
     assert main(["sample", str(run), "--steps", "0", "--out", str(a)]) == 2  # a clear error, not a traceback
+
+
+def test_quickstart_report_on_a_trained_run(uninterrupted):
+    from elflow.quickstart import report
+
+    run, cache, _ = uninterrupted
+    lines = []
+    out = report(run, sampler="vc", steps=2, num=2, cache_dir=cache, printer=lines.append)
+    v = out["validation"]
+    assert v["bins"] and all(b["model"] > 0 and b["baseline"] > 0 for b in v["bins"])
+    assert set(v["decode_accuracy"]) == {"p=1.0", "p=0.9", "p=0.7"}
+    assert 0 <= out["real_text"]["corpus_word_share"] <= 1 and out["samples"]["texts"] <= 2
+    assert any("baseline" in line for line in lines)
+    assert (run / "report.json").exists() and len((run / "samples.jsonl").read_text().splitlines()) == 2
+
+
+def test_word_stats_by_hand():
+    import math
+
+    from elflow.diagnostics import word_stats
+
+    s = word_stats(["a a b", "c"], vocab={"a", "c"})
+    h = -(2 / 3 * math.log(2 / 3) + 1 / 3 * math.log(1 / 3))
+    assert s["word_entropy"] == pytest.approx((h + 0.0) / 2)
+    assert s["corpus_word_share"] == pytest.approx(3 / 4)
