@@ -6,7 +6,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from elflow.model import ELF
 from elflow.official import (build_from_state_dict, elflow_to_official, infer_config, official_to_elflow,
                              read_official_checkpoint)
 from elflow.utils import ELFError

@@ -13,7 +13,6 @@ checkpoint intact; the last K are kept. A file that does not match its recorded 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -24,20 +23,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from elflow.utils import ELFError, atomic_write_json
+from elflow.utils import ELFError, atomic_write_json, sha256_file as _sha256
 
 __all__ = ["write_checkpoint", "save_checkpoint", "load_checkpoint", "list_checkpoints", "latest_checkpoint", "resolve_checkpoint",
            "is_elflow_checkpoint"]
 
 STEP_DIR = re.compile(r"step_(\d+)")
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def write_checkpoint(folder: str | os.PathLike, model_sd: dict, ema_sd: dict, optimizer_state, state: dict) -> Path:

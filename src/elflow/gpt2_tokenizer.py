@@ -23,7 +23,7 @@ import tempfile
 from functools import lru_cache
 from pathlib import Path
 
-from elflow.utils import ELFError, atomic_write
+from elflow.utils import ELFError, atomic_write, cache_root
 
 __all__ = [
     "EOS_TOKEN",
@@ -45,14 +45,6 @@ WHISPER_ARCHIVE_SHA256 = "37a91a3921809d9f44748ffc73c0a55c9f366c85a3ef5c2ae0cc09
 RANKS_MEMBER = f"openai_whisper-{WHISPER_VERSION}/whisper/assets/gpt2.tiktoken"
 # equal to tiktoken's expected hash for r50k_base.tiktoken (the GPT-2 ranks)
 RANKS_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
-
-
-def cache_root(path: str | os.PathLike | None = None) -> Path:
-    """`path`, else $ELFLOW_CACHE, else ~/.cache/elflow."""
-    if path is not None:
-        return Path(path).expanduser()
-    env = os.environ.get("ELFLOW_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "elflow"
 
 
 def _sha256(data: bytes) -> str:

@@ -56,7 +56,7 @@ def demo_config(args):
 def report(run_dir, sampler: str = DEMO_SAMPLER, steps: int = 32, omega: float = 3.0, num: int = 32, seed: int = 0,
            cache_dir=None, printer=print) -> dict:
     """Samples and learning figures for a trained run; written to <run>/report.json and samples.jsonl."""
-    from elflow.data import build_dataset, read_documents
+    from elflow.data import build_dataset
     from elflow.diagnostics import corpus_vocabulary, validation_report, word_stats
     from elflow.generate import generate_texts, load_for_sampling
 

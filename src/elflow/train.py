@@ -9,7 +9,6 @@ ranks and accumulation steps, and a resumed run needs no generator state to cont
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import sys
@@ -22,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from elflow.flow import TIME_BINS, Recipe, draw_training_noise, elf_loss
-from elflow.model import ELF, PRESETS, ELFConfig, get_config
+from elflow.model import ELF, PRESETS, get_config
 from elflow.optim import EMA, ELFOptimizer, base_lr, lr_at
 from elflow.utils import ELFError, atomic_write, atomic_write_json
 

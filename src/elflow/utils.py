@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
@@ -10,7 +11,8 @@ from pathlib import Path
 
 from elflow.cli import ELFError
 
-__all__ = ["ELFError", "atomic_write", "atomic_write_text", "atomic_write_json", "default_device"]
+__all__ = ["ELFError", "atomic_write", "atomic_write_text", "atomic_write_json", "default_device", "sha256_file",
+           "cache_root"]
 
 
 @contextmanager
@@ -51,3 +53,20 @@ def default_device() -> str:
     if torch.cuda.is_available():
         return "cuda"
     return "cpu"
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    """The hex sha256 of a file, read in 1 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
+    """elflow's cache folder: `cache_dir`, else $ELFLOW_CACHE, else ~/.cache/elflow."""
+    if cache_dir is not None:
+        return Path(cache_dir).expanduser()
+    env = os.environ.get("ELFLOW_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "elflow"
