@@ -349,13 +349,15 @@ def add_arguments(p) -> None:
     s.add_argument("--num", type=int, default=1000, help="samples per seed")
     s.add_argument("--length", type=int, default=None, help="sequence length (default: the model's)")
     s.add_argument("--steps", type=int, default=32)
-    s.add_argument("--sampler", choices=("ode", "sde"), default="sde")
+    s.add_argument("--sampler", choices=("ode", "sde", "vc"), default="sde")
     s.add_argument("--gamma", type=float, default=1.5, help="SDE noise re-injection")
     s.add_argument("--omega", type=float, default=3.0, help="self-conditioning guidance scale")
     s.add_argument("--grid", default="logit_normal", help="sampling time grid")
     s.add_argument("--seeds", type=int, nargs="+", default=[0], help="one sample set per seed; mean +- s.e.")
     s.add_argument("--gen-batch-size", type=int, default=8, help="sampling batch size")
     s.add_argument("--out", default=None, help="folder for the samples and the report")
+    s.add_argument("--encoder", default=None,
+                   help="T5 encoder folder or hub id for the authors' checkpoints (default t5-small)")
 
 
 def _settings(args) -> dict:
@@ -425,7 +427,7 @@ def run(args) -> int:
     from elflow.generate import generate_texts, load_for_sampling
 
     model, tok = load_judge(args.judge, args.judge_dtype, args.device)
-    net, space = load_for_sampling(args.checkpoint, device=args.device)
+    net, space = load_for_sampling(args.checkpoint, device=args.device, space=getattr(args, "encoder", None))
     ckpt = Path(args.checkpoint).expanduser()
     tag = f"{args.sampler}_steps{args.steps}_omega{args.omega:g}" + (f"_gamma{args.gamma:g}" if args.sampler == "sde" else "")
     out = Path(args.out) if args.out else (ckpt if ckpt.is_dir() else Path("eval-" + ckpt.name)) / "eval" / tag

@@ -141,7 +141,7 @@ def add_arguments(p) -> None:
     p.add_argument("checkpoint", nargs="?", help="run folder, checkpoint or hub id (not needed with --plot-only)")
     p.add_argument("--omega", type=float, nargs="+", default=[0.5, 1.0, 2.0, 3.0, 4.0])
     p.add_argument("--steps", type=int, nargs="+", default=[8, 16, 32])
-    p.add_argument("--sampler", choices=("ode", "sde"), nargs="+", default=["ode", "sde"])
+    p.add_argument("--sampler", choices=("ode", "sde", "vc"), nargs="+", default=["ode", "sde"])
     p.add_argument("--gamma", type=float, default=1.5, help="SDE noise re-injection")
     p.add_argument("--num", type=int, default=1000, help="samples per cell")
     p.add_argument("--length", type=int, default=None)
