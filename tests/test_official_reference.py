@@ -141,3 +141,17 @@ def test_files_that_are_not_checkpoints_are_refused(tmp_path):
     torch.save({"weights": {}}, tmp_path / "checkpoint_9")
     with pytest.raises(ELFError, match="not an ELF checkpoint"):
         read_official_checkpoint(tmp_path / "checkpoint_9")
+
+
+def test_sampling_from_an_authors_checkpoint_with_a_local_t5_folder(tiny_t5_dir, tmp_path):
+    """The authors' format goes straight into `elflow sample`, with a local T5 folder standing in for t5-small."""
+    import json
+
+    from elflow.cli import main
+
+    out = tmp_path / "s.jsonl"
+    rc = main(["sample", str(REF / "checkpoint_7"), "--encoder", str(tiny_t5_dir), "--length", "16", "--steps", "3",
+               "--num", "2", "--quiet", "--out", str(out)])
+    assert rc == 0
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len(rows) == 2 and all(isinstance(r["text"], str) and r["ema"] for r in rows)
