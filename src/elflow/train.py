@@ -38,6 +38,7 @@ class TrainConfig:
     preset: str = "demo"
     data: str = "builtin"
     text_field: str = "text"
+    on_bad: str = "stop"  # empty / binary / non-UTF-8 files and bad jsonl lines: stop, or skip with a warning
     space: str = "minilm"
     latent_std: str | None = None  # a number, "auto", or None for the space's default
     length: int | None = None  # defaults to the preset's max_length
@@ -333,7 +334,8 @@ def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwr
         if space.max_length is not None and length > space.max_length:
             raise ELFError(f"--length {length} is longer than the encoder accepts ({space.max_length})")
         train_set, val_set = build_dataset(cfg.data, space, length, layout=cfg.layout, val_fraction=cfg.val_fraction,
-                                           seed=cfg.seed, cache_dir=cache_dir, field=cfg.text_field)
+                                           seed=cfg.seed, cache_dir=cache_dir, field=cfg.text_field,
+                                           on_bad=cfg.on_bad)
         mcfg = get_config(cfg.preset, dim=space.dim, vocab_size=space.vocab_size, max_length=length,
                           grad_checkpoint=cfg.grad_checkpoint, **cfg.model)
         recipe = Recipe.from_dict(cfg.recipe)
@@ -480,6 +482,8 @@ def add_arguments(p) -> None:
     p.add_argument("--data", default="builtin",
                    help="'builtin' (Shakespeare), a .txt file or folder, a .jsonl file, or a hub dataset name")
     p.add_argument("--field", default="text", help="the text field of .jsonl / hub records")
+    p.add_argument("--on-bad", choices=["stop", "skip"], default="stop",
+                   help="empty, binary or non-UTF-8 files and bad jsonl lines: stop with an error, or skip them")
     p.add_argument("--space", default=None,
                    help="embedding space: minilm (offline default), t5-small, t5:PATH, hf:PATH, "
                         "token-table:BASE, random-table:BASE, learned-table:BASE (default: minilm for tiny/demo, "
@@ -524,7 +528,7 @@ def config_from_args(args) -> TrainConfig:
         if getattr(args, name) < 1:
             raise ELFError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     return TrainConfig(
-        preset=args.preset, data=args.data, text_field=args.field,
+        preset=args.preset, data=args.data, text_field=args.field, on_bad=args.on_bad,
         space=args.space or DEFAULT_SPACE.get(args.preset, "t5-small"), latent_std=args.latent_std,
         length=args.length, layout=args.layout, batch=args.batch, micro_batch=args.micro_batch, steps=args.steps,
         lr=args.lr, warmup=args.warmup, ema_decay=ema, adam_heads=args.adam_heads, grad_clip=args.grad_clip,
