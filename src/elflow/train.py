@@ -418,7 +418,7 @@ def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwr
                     sizes = [totals[k].numel() for k in keys]
                     parts = flat.split(sizes)
                     totals = {k: p.reshape(totals[k].shape) / (world if k in ("loss", "grad_norm") else 1)
-                              for k, p, in zip(keys, parts)}
+                              for k, p in zip(keys, parts)}
                 rec = summarize(totals, n_logged)
                 dt = time.perf_counter() - t_log
                 rec.update(step=done, lr=lr_at(step, lr, cfg.warmup), tokens_per_s=tokens_per_step * n_logged / dt,
