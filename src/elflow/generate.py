@@ -43,14 +43,13 @@ def _download(repo_id: str) -> Path:
 
 
 def _official_length(folder: Path, default: int = 1024) -> int:
-    """max_length from a config file next to the authors' checkpoint, if there is one."""
-    for name in ("config.json",):
-        f = folder / name
-        if f.exists():
-            try:
-                return int(json.loads(f.read_text()).get("max_length", default))
-            except (ValueError, json.JSONDecodeError, AttributeError):
-                pass
+    """max_length from a config.json next to the authors' checkpoint, if there is one."""
+    f = folder / "config.json"
+    if f.exists():
+        try:
+            return int(json.loads(f.read_text()).get("max_length", default))
+        except (ValueError, json.JSONDecodeError, AttributeError):
+            pass
     return default
 
 

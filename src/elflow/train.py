@@ -119,7 +119,7 @@ def train_step(model, space, shards: list[dict], recipe: Recipe, optimizer: ELFO
         sync = a == len(shards) - 1 or not hasattr(model, "no_sync")
         with (nullcontext() if sync else model.no_sync()):
             with autocast_ctx(device, dtype):
-                with torch.no_grad() if not any(p.requires_grad for p in space.parameters()) else nullcontext():
+                with nullcontext() if space.trainable else torch.no_grad():
                     x = space.encode(tokens, attention_mask=attention, source_len=source_len or None,
                                      drop_source=draw.drop_source if source_len else None)
                 loss, metrics = elf_loss(model, x.float(), tokens, draw, recipe, mask=mask, source_len=source_len)
