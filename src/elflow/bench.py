@@ -168,6 +168,8 @@ class StandInSpace(nn.Module):
         self.encoder = T5EncoderModel(cfg).to(device).eval().requires_grad_(False)
         self.dim, self.vocab_size, self.max_length = dim, vocab_size, max_length
 
+    trainable = False  # frozen, like the real encoder
+
     @torch.no_grad()
     def encode(self, tokens, attention_mask=None, source_len=None, drop_source=None):
         return self.encoder(input_ids=tokens, attention_mask=attention_mask).last_hidden_state / 0.2
@@ -180,6 +182,8 @@ class NoSpace(nn.Module):
         super().__init__()
         self.dim, self.vocab_size, self.max_length = dim, vocab_size, max_length
         self.table = torch.randn(vocab_size, dim, device=device)
+
+    trainable = False  # nothing here learns, so train_step encodes under no_grad as for a frozen encoder
 
     def encode(self, tokens, attention_mask=None, source_len=None, drop_source=None):
         return self.table[tokens]
