@@ -11,11 +11,14 @@ the authors' JAX code), not the authors' code, which we cannot run. What it keep
     step and an EMA update after every batch (no amortisation).
 Its expected step time is 0.8 x (denoise step) + 0.2 x (decode step).
 
-elflow's step is `elflow.train.train_step` as `elflow bench train` runs it (both branches mixed per row,
-the xs pass reused from the trained pass, Newton-Schulz in fp32 on a CPU), once with one optimiser step
-per batch (the same configuration) and once with --accum micro-batches per optimiser step.
+The reference evaluates Newton-Schulz as torch's Muon does (five iterations, `--ns-method iterate`), in fp32.
 
-    python benchmarks/reference_step.py               # both configurations of the issue (~10 min on 2 cores)
+elflow's step is `elflow.train.train_step` as `elflow bench train` runs it (both branches mixed per row,
+the xs pass reused from the trained pass, Newton-Schulz in fp32 on a CPU evaluated spectrally), three times:
+one optimiser step per batch (the same configuration), the same with the iterated Newton-Schulz (to
+separate the two gains), and --accum micro-batches per optimiser step.
+
+    python benchmarks/reference_step.py               # both configurations of the issue (~15 min on 2 cores)
     python benchmarks/reference_step.py --quick       # tiny sizes, seconds (a smoke test)
 """
 
@@ -84,7 +87,7 @@ def time_reference(overrides, L, B, iters: int, warmup: int) -> dict:
     cfg = get_config("elf-b", max_length=max(L, 1024), **overrides)
     net = ELF(cfg).train()
     space = StandInSpace(cfg.dim, cfg.vocab_size, L)
-    opt = ELFOptimizer(list(net.named_parameters()), lr=1e-4, ns_dtype=torch.float32)
+    opt = ELFOptimizer(list(net.named_parameters()), lr=1e-4, ns_dtype=torch.float32, ns_method="iterate")
     ema = EMA(net)
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, cfg.vocab_size, (B, L), generator=g)
@@ -108,10 +111,12 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
     ap.add_argument("--accum", type=int, default=4, help="elflow's amortised variant: micro-batches per step")
     ap.add_argument("--only", default=None, help="run only the configuration whose name contains this")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed steps before timing (each branch, each run)")
+    ap.add_argument("--iters", type=int, default=2, help="timed steps (the minimum is reported for the reference)")
     ap.add_argument("--out", default="benchmarks/results/reference_step.jsonl")
     args = ap.parse_args(argv)
     configs = QUICK if args.quick else CONFIGS
-    iters, warmup = (1, 1) if args.quick else (1, 0)
+    iters, warmup = (1, 1) if args.quick else (args.iters, args.warmup)
     results = []
     for name, (ov, L, B) in configs.items():
         if args.only and args.only not in name:
@@ -121,13 +126,16 @@ def main(argv=None) -> int:
         common = dict(preset="elf-b", depth=ov.get("depth"), hidden=ov.get("hidden"), heads=ov.get("heads"),
                       vocab_size=ov.get("vocab_size"), length=L, batch=B, device="cpu", warmup=warmup, iters=iters)
         one = bench("train", breakdown=True, **common)
+        iterated = bench("train", ns_method="iterate", breakdown=True, **common)
         amort = bench("train", accum=args.accum, **common)
         rec = {"config": name, "L": L, "batch": B, "peak_flops_per_s": peak["flops_per_s"],
                "authors_quoted_step_s": QUOTED_AUTHORS_S.get(name),
                "reference_reimpl": ref,
                "elflow_step_s": one["seconds_per_iter"], "elflow_tokens_per_s": one["tokens_per_s"],
                "elflow_breakdown_s": one["breakdown_seconds"], "elflow_utilisation": one["utilisation"],
-               "elflow_flops_breakdown": one["flops_breakdown"],
+               "elflow_flops_breakdown": one["flops_breakdown"], "elflow_ns_method": one["ns_method"],
+               "elflow_iterated_ns_step_s": iterated["seconds_per_iter"],
+               "elflow_iterated_ns_breakdown_s": iterated["breakdown_seconds"],
                "elflow_accum": args.accum, "elflow_accum_step_s": amort["seconds_per_iter"],
                "elflow_accum_tokens_per_s": amort["tokens_per_s"], "elflow_accum_utilisation": amort["utilisation"]}
         rec["speedup_vs_reimpl_same_config"] = rec["elflow_tokens_per_s"] / ref["tokens_per_s"]
@@ -136,6 +144,7 @@ def main(argv=None) -> int:
             quoted_tps = B * L / rec["authors_quoted_step_s"]
             rec["speedup_vs_quoted_same_config"] = rec["elflow_tokens_per_s"] / quoted_tps
             rec["speedup_vs_quoted_amortised"] = rec["elflow_accum_tokens_per_s"] / quoted_tps
+        rec["warmup"], rec["iters"] = warmup, iters
         print(json.dumps(rec), flush=True)
         results.append(rec)
     if not args.quick:

@@ -182,3 +182,52 @@ def test_sampling_is_reproducible_and_checks_its_arguments():
         generate_tokens(net, 1, 4, steps=2, omega=9.0)
     with pytest.raises(ValueError, match="unknown sampler"):
         generate_tokens(net, 1, 4, steps=2, sampler="heun")
+
+
+@pytest.mark.parametrize("sampler", ["sde", "vc", "ode"])
+def test_sampling_loop_has_no_host_sync_no_buffer_per_step_and_one_decode_pass(monkeypatch, sampler):
+    """Inside the loop: no tensor -> Python conversion (a host sync on a GPU) and no random or grid buffer
+    allocated per step; one network pass per step and a single decode pass at the end."""
+    import elflow.flow as flow
+
+    net = tiny_net().eval()
+    passes = []
+    forward = net.forward
+    monkeypatch.setattr(net, "forward", lambda *a, **k: passes.append(bool(k.get("decode"))) or forward(*a, **k))
+    state = {"in_loop": False, "buffers": 0}
+
+    def no_sync(name):
+        original = getattr(torch.Tensor, name)
+
+        def guarded(self, *a, **k):
+            if state["in_loop"]:
+                raise AssertionError(f"Tensor.{name} (a host sync) inside the sampling loop")
+            return original(self, *a, **k)
+        monkeypatch.setattr(torch.Tensor, name, guarded)
+
+    for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__"):
+        no_sync(name)
+    for name in ("randn", "randn_like", "rand", "rand_like", "empty", "empty_like", "linspace", "normal"):
+        original = getattr(torch, name)
+
+        def counted(*a, _original=original, **k):
+            state["buffers"] += state["in_loop"]
+            return _original(*a, **k)
+        monkeypatch.setattr(torch, name, counted)
+    loop = flow.sample_loop
+
+    def watched(*a, **k):
+        state["in_loop"] = True
+        try:
+            return loop(*a, **k)
+        finally:
+            state["in_loop"] = False
+    monkeypatch.setattr(flow, "sample_loop", watched)
+    buffers = {}
+    for steps in (3, 9):
+        passes.clear()
+        state["buffers"] = 0
+        generate_tokens(net, 2, 8, steps=steps, sampler=sampler, generator=torch.Generator().manual_seed(0))
+        assert passes == [False] * steps + [True]  # one pass per step, then the decode pass once
+        buffers[steps] = state["buffers"]
+    assert buffers[3] == buffers[9] <= (0 if sampler == "ode" else 1)  # the noise buffer, once

@@ -12,7 +12,8 @@ not looked up. The FLOP counts are model FLOPs by formula (below), not hardware 
     training   each no-grad pass counts 1x, each trained pass 3x (backward = 2x forward), with the pass
                mix of the actual draws (self-conditioned rows add one no-grad pass; decode rows add the
                decode head), plus the frozen encoder's forward (2 x matmul params x L + 4 L^2 d per layer)
-               and Newton-Schulz: 5 (4 k^2 n + 2 k^3) per Muon matrix (k, n = the smaller, larger side)
+               and Newton-Schulz per Muon matrix (k, n = the smaller, larger side): iterate 5 (4 k^2 n + 2 k^3);
+               spectral 4 k^2 n + 2 k^3 + 9 k^3 (the eigendecomposition counted as 9 k^3, Golub & Van Loan)
     sampling   N network passes with the x head + one decode pass with the decode head
 
 Elementwise work (norms, RoPE, activations, the loss, Adam, EMA) is not counted.
@@ -39,7 +40,8 @@ __all__ = ["add_arguments", "run", "bench", "pass_flops", "encoder_flops", "newt
 MODES = ("forward", "train", "sample")
 FLOP_FORMULA = ("pass/row = 2L(2C^2 + Cb + bH) + depth(2N(4H^2 + 3HM) + 4N^2 H) + 4(256H + H^2) + head "
                 "[x: 2LHC; decode: 2L(HC + CV)], N = L + prefix; train: no-grad pass 1x, trained pass 3x, "
-                "+ encoder forward + Newton-Schulz 5(4k^2 n + 2k^3) per Muon matrix; sample: steps x pass + decode")
+                "+ encoder forward + Newton-Schulz per Muon matrix [iterate: 5(4k^2 n + 2k^3); "
+                "spectral: 4k^2 n + 11k^3]; sample: steps x pass + decode")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -70,12 +72,15 @@ def encoder_flops(space, length: int) -> int:
     return 2 * lin * length + 4 * length * length * inner * cfg.num_layers
 
 
-def newton_schulz_flops(shapes, steps: int = 5) -> int:
-    """FLOPs of Muon's Newton-Schulz on matrices of these shapes: steps x (4 k^2 n + 2 k^3)."""
+def newton_schulz_flops(shapes, steps: int = 5, method: str = "iterate") -> int:
+    """FLOPs of Muon's Newton-Schulz on matrices of these shapes (k, n = smaller, larger side):
+    iterate steps x (4 k^2 n + 2 k^3); spectral 4 k^2 n + 2 k^3 + 9 k^3 (eigh counted as 9 k^3)."""
+    if method not in ("iterate", "spectral"):
+        raise ValueError(f"method must be iterate or spectral, got {method!r}")
     total = 0
     for m, n in shapes:
         k, n_ = min(m, n), max(m, n)
-        total += steps * (4 * k * k * n_ + 2 * k ** 3)
+        total += steps * (4 * k * k * n_ + 2 * k ** 3) if method == "iterate" else 4 * k * k * n_ + 11 * k ** 3
     return total
 
 
@@ -248,7 +253,7 @@ class _TimedNet(nn.Module):
 def bench(mode: str, preset: str = "tiny", depth=None, hidden=None, heads=None, length=None, batch: int = 4,
           steps: int = 32, dtype: str = "fp32", compile: bool = False, device=None, warmup: int = 1,
           iters: int = 3, accum: int = 1, space: str = "standin", grad_checkpoint: bool = False,
-          adam_heads: bool = False, ns_dtype: str = "auto", peak_size: int | None = None,
+          adam_heads: bool = False, ns_dtype: str = "auto", ns_method: str = "auto", peak_size: int | None = None,
           breakdown: bool = False, seed: int = 0, threads: int | None = None,
           vocab_size: int | None = None) -> dict:
     """Run one benchmark and return its record (see docs/performance.md for the fields)."""
@@ -267,6 +272,8 @@ def bench(mode: str, preset: str = "tiny", depth=None, hidden=None, heads=None, 
         raise ELFError(f"--space must be standin or none, got {space!r}")
     if ns_dtype not in ("auto", "fp32", "bf16"):
         raise ELFError(f"--ns-dtype must be auto, fp32 or bf16, got {ns_dtype!r}")
+    if ns_method not in ("auto", "iterate", "spectral"):
+        raise ELFError(f"--ns-method must be auto, iterate or spectral, got {ns_method!r}")
     if threads:
         torch.set_num_threads(threads)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -332,7 +339,8 @@ def bench(mode: str, preset: str = "tiny", depth=None, hidden=None, heads=None, 
         net.train()
         recipe = Recipe()
         nsd = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16}[ns_dtype]
-        opt = ELFOptimizer(list(net.named_parameters()), lr=1e-4, adam_heads=adam_heads, ns_dtype=nsd)
+        opt = ELFOptimizer(list(net.named_parameters()), lr=1e-4, adam_heads=adam_heads, ns_dtype=nsd,
+                           ns_method=ns_method)
         ema = EMA(net, 0.9999)
         params = [p for p in net.parameters() if p.requires_grad]
         tok = torch.randint(0, cfg.vocab_size, (accum, B, L), device=device, generator=g)
@@ -359,11 +367,12 @@ def bench(mode: str, preset: str = "tiny", depth=None, hidden=None, heads=None, 
         muon_shapes = [tuple(p.shape) for name, p in net.named_parameters() if name in opt.muon_names]
         fb = {k: v / n for k, v in net_f.items()}
         fb["encoder"] = B * accum * encoder_flops(sp, L)
-        fb["newton_schulz"] = newton_schulz_flops(muon_shapes)
+        fb["newton_schulz"] = newton_schulz_flops(muon_shapes, method=opt.ns_method)
         flops = sum(fb.values())
         tokens = B * accum * L
         extra.update(flops_breakdown=fb, accum=accum, tokens_per_optimizer_step=tokens, space=space,
                      grad_checkpoint=grad_checkpoint, adam_heads=adam_heads, ns_dtype=ns_dtype,
+                     ns_method=opt.ns_method, ns_dtype_resolved=str(opt.ns_dtype).removeprefix("torch."),
                      selfcond_rows=sc_rows / n, decode_rows=dec_rows / n,
                      network_passes_per_token=(B * accum * n + sc_rows) / (B * accum * n),
                      reference_recipe=reference_recipe_flops(cfg, L))
@@ -423,6 +432,8 @@ def add_arguments(p) -> None:
     p.add_argument("--adam-heads", action="store_true", help="train: heads and embedders on Adam, not Muon")
     p.add_argument("--ns-dtype", choices=["auto", "fp32", "bf16"], default="auto",
                    help="train: Newton-Schulz dtype (auto: bf16 on CUDA, fp32 on CPU)")
+    p.add_argument("--ns-method", choices=["auto", "iterate", "spectral"], default="auto",
+                   help="train: Newton-Schulz evaluation (auto: spectral for fp32 on CPU, iterate otherwise)")
     p.add_argument("--peak-size", type=int, default=None, help="matmul size of the peak measurement")
     p.add_argument("--breakdown", action="store_true", help="train: time encoder/passes/backward/optimiser/EMA")
     p.add_argument("--seed", type=int, default=0)
@@ -433,8 +444,8 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     rec = bench(args.mode, args.preset, args.depth, args.hidden, args.heads, args.length, args.batch, args.steps,
                 args.dtype, args.compile, args.device, args.warmup, args.iters, args.accum, args.space,
-                args.grad_checkpoint, args.adam_heads, args.ns_dtype, args.peak_size, args.breakdown, args.seed,
-                args.threads, args.vocab_size)
+                args.grad_checkpoint, args.adam_heads, args.ns_dtype, args.ns_method, args.peak_size,
+                args.breakdown, args.seed, args.threads, args.vocab_size)
     if args.json:
         print(json.dumps(rec))
         return 0

@@ -9,6 +9,22 @@ The update is torch.optim.Muon's. Its Newton-Schulz step runs in bf16 on GPUs (a
 on CPUs without native bf16 matrix units (AVX2, most AVX-512), where bf16 matmuls run 20-50x slower than
 fp32 (benchmarks/RESULTS.md); `ns_precision` selects it.
 
+How the Newton-Schulz polynomial is evaluated (`ns_method`):
+
+    iterate   torch's five steps X <- a X + (b A + c A^2) X, A = X X^T, on the m x n matrix (m <= n):
+              5 (4 m^2 n + 2 m^3) FLOPs.
+    spectral  the same five steps applied to the eigenvalues of the Gram matrix G = X X^T. Every iterate is
+              X_k = h_k(G) X_0 with h_k a polynomial (h_0 = 1, h_{k+1}(l) = h_k(l) p(h_k(l)^2 l), p(q) = a + b q
+              + c q^2), so X_5 = V h_5(diag l) V^T X_0 with G = V diag(l) V^T: one Gram product, one symmetric
+              eigendecomposition, two products; 4 m^2 n + 2 m^3 FLOPs plus the eigendecomposition (~9 m^3).
+              Exact in float64. In fp32 it squares the condition number (it diagonalises X X^T): against a
+              float64 SVD evaluation it is 1e-5..1e-4 off on ELF-B's matrices and up to 3e-3 on matrices with
+              singular values spanning 1e-6..1, where fp32 `iterate` is ~1e-5 off and torch's bf16 `iterate`
+              (the GPU default) 1e-2..0.5 off (tests/test_optim.py). 2-4x faster than fp32 `iterate` on a
+              CPU for ELF's matrices (the 512 x 32,100 readout: 170 -> 38 GFLOP). Not used on GPUs, where
+              bf16 `iterate` is fast and eigendecompositions are not.
+    auto      spectral when Newton-Schulz runs in fp32 on a CPU, iterate otherwise.
+
 `adam_heads=True` moves the output heads and the input/scalar embedders to Adam (the usual Muon practice,
 and far cheaper on a CPU: Newton-Schulz on the 512 x 32,100 readout alone is ~170 GFLOP per step).
 """
@@ -21,7 +37,8 @@ import warnings
 import torch
 import torch.optim._muon as _muon_impl
 
-__all__ = ["ELFOptimizer", "newton_schulz", "ns_precision", "fast_bf16", "EMA", "base_lr", "lr_at", "HEAD_PREFIXES"]
+__all__ = ["ELFOptimizer", "newton_schulz", "ns_precision", "NS_METHODS", "resolve_ns_method", "fast_bf16", "EMA",
+           "base_lr", "lr_at", "HEAD_PREFIXES"]
 
 HEAD_PREFIXES = ("x_head.", "decode_head.", "self_cond_proj.", "bottleneck_in.", "bottleneck_out.",
                  "time_embed.", "omega_embed.")
@@ -39,39 +56,74 @@ def lr_at(step: int, lr: float, warmup: int) -> float:
     return lr * min(1.0, (step + 1) / warmup)
 
 
+NS_METHODS = ("auto", "iterate", "spectral")
+
+
 def newton_schulz(g: torch.Tensor, ns_coefficients=(3.4445, -4.7750, 2.0315), ns_steps: int = 5,
-                  eps: float = 1e-7, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The quintic Newton-Schulz orthogonalisation of torch.optim.Muon (the same operations), in `dtype`.
+                  eps: float = 1e-7, dtype: torch.dtype = torch.float32, method: str = "iterate") -> torch.Tensor:
+    """The quintic Newton-Schulz orthogonalisation of torch.optim.Muon, in `dtype`, evaluated by `method`.
 
     The signature matches torch's private `_zeropower_via_newtonschulz(grad, coefficients, steps, eps)`,
-    which always runs in bf16. g (m, n). Cost: ns_steps * (4 k^2 N + 2 k^3) FLOPs, k = min(m, n), N = max(m, n).
+    which always runs in bf16 and iterates. g (m, n). See the module docstring for the two methods.
     """
+    if method not in ("iterate", "spectral"):
+        raise ValueError(f"Newton-Schulz method must be iterate or spectral, got {method!r}")
     a, b, c = ns_coefficients
     x = g.to(dtype)
     tall = g.size(0) > g.size(1)
     if tall:
         x = x.T
     x = x / x.norm().clamp(min=eps)  # spectral norm <= 1
+    if method == "spectral":  # eigh needs fp32 or wider
+        out = _spectral_newton_schulz(x if x.dtype in (torch.float32, torch.float64) else x.float(), a, b, c, ns_steps)
+        if out is not None:
+            out = out.to(x.dtype)
+            return out.T if tall else out
     for _ in range(ns_steps):
         gram = x @ x.T
         x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
     return x.T if tall else x
 
 
+def _spectral_newton_schulz(x: torch.Tensor, a: float, b: float, c: float, steps: int) -> torch.Tensor | None:
+    """X_steps = V h(diag l) V^T X for the wide, normalised x, G = x x^T = V diag(l) V^T; None if eigh fails."""
+    gram = x @ x.T
+    try:
+        lam, vec = torch.linalg.eigh(gram)
+    except RuntimeError:  # torch.linalg.LinAlgError (no convergence, non-finite input): iterate instead
+        return None
+    h = torch.ones_like(lam)
+    for _ in range(steps):  # on m scalars; q = (singular value of the k-th iterate)^2
+        q = h * h * lam
+        h = h * (a + q * (b + c * q))
+    return ((vec * h) @ vec.T) @ x
+
+
+def resolve_ns_method(method: str, dtype: torch.dtype, device) -> str:
+    """`auto` -> spectral for fp32 Newton-Schulz on a CPU, iterate otherwise."""
+    if method not in NS_METHODS:
+        raise ValueError(f"Newton-Schulz method must be one of {', '.join(NS_METHODS)}, got {method!r}")
+    if method != "auto":
+        return method
+    return "spectral" if dtype == torch.float32 and torch.device(device).type == "cpu" else "iterate"
+
+
 @contextlib.contextmanager
-def ns_precision(dtype: torch.dtype | None):
-    """Inside the block, torch.optim.Muon runs its Newton-Schulz step in `dtype` (None: torch's bf16).
+def ns_precision(dtype: torch.dtype | None, method: str = "iterate"):
+    """Inside the block, torch.optim.Muon runs its Newton-Schulz step in `dtype` (None: torch's bf16),
+    evaluated by `method` (iterate or spectral; see the module docstring).
 
     NOTE to contributors (the lead's decision): the Muon update is torch.optim.Muon's own, unmodified;
-    only its Newton-Schulz precision is chosen here. Do not re-implement Muon's step.
+    only how its Newton-Schulz polynomial is evaluated is chosen here. Do not re-implement Muon's step.
     """
     original = getattr(_muon_impl, "_zeropower_via_newtonschulz", None)
-    if dtype is None or dtype == torch.bfloat16 or original is None:
-        if original is None and dtype not in (None, torch.bfloat16):
+    if (dtype is None or dtype == torch.bfloat16) and method == "iterate" or original is None:
+        if original is None and (dtype not in (None, torch.bfloat16) or method != "iterate"):
             warnings.warn("this torch version's Muon offers no Newton-Schulz hook; it runs in its own precision")
         yield
         return
-    _muon_impl._zeropower_via_newtonschulz = lambda g, coef, steps, eps: newton_schulz(g, coef, steps, eps, dtype)
+    dt = dtype or torch.bfloat16
+    _muon_impl._zeropower_via_newtonschulz = lambda g, coef, steps, eps: newton_schulz(g, coef, steps, eps, dt, method)
     try:
         yield
     finally:
@@ -101,11 +153,14 @@ class ELFOptimizer:
     """Muon + Adam behind one step/zero_grad/state_dict interface."""
 
     def __init__(self, named_params, lr: float, adam_heads: bool = False, betas=(0.9, 0.999),
-                 eps: float = 1e-8, momentum: float = 0.95, ns_steps: int = 5, ns_dtype: torch.dtype | None = None):
+                 eps: float = 1e-8, momentum: float = 0.95, ns_steps: int = 5, ns_dtype: torch.dtype | None = None,
+                 ns_method: str = "auto"):
         muon, adam = [], []
         self.muon_names, self.adam_names = [], []
         named_params = list(named_params)
-        self.ns_dtype = ns_dtype or (default_ns_dtype(named_params[0][1].device) if named_params else torch.float32)
+        device = named_params[0][1].device if named_params else torch.device("cpu")
+        self.ns_dtype = ns_dtype or default_ns_dtype(device)
+        self.ns_method = resolve_ns_method(ns_method, self.ns_dtype, device)
         for name, p in named_params:
             if not p.requires_grad:
                 continue
@@ -129,7 +184,7 @@ class ELFOptimizer:
                 g["lr"] = lr
 
     def step(self) -> None:
-        with ns_precision(self.ns_dtype):
+        with ns_precision(self.ns_dtype, self.ns_method):
             for opt in self.optimizers:
                 opt.step()
 
