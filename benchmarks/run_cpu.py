@@ -27,7 +27,7 @@ GROUPS = {
         ["sample", "--preset", "demo", "--batch", "8", "--steps", "32", "--iters", "1"],
         ["forward", "--preset", "elf-b", "--length", "1024", "--batch", "1", "--warmup", "1", "--iters", "2"],
         ["forward", "--preset", "elf-b", "--length", "1024", "--batch", "1", "--dtype", "bf16", *B1],
-        ["sample", "--preset", "elf-b", "--length", "1024", "--batch", "1", "--steps", "8", *B1],
+        ["sample", "--preset", "elf-b", "--length", "1024", "--batch", "1", "--steps", "32", *B1],
         ["forward", "--preset", "tiny", "--batch", "8", "--iters", "5", "--dtype", "bf16"],
         ["forward", "--preset", "demo", "--batch", "8", "--dtype", "bf16"],
     ],

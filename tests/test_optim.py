@@ -6,7 +6,7 @@ import torch.optim._muon as muon_impl
 from torch.utils.flop_counter import FlopCounterMode
 
 from elflow.bench import newton_schulz_flops
-from elflow.optim import ELFOptimizer, fast_bf16, newton_schulz, ns_precision, resolve_ns_method
+from elflow.optim import ELFOptimizer, fast_bf16, method_for, newton_schulz, ns_precision, resolve_ns_method
 
 COEF = (3.4445, -4.7750, 2.0315)
 
@@ -66,7 +66,7 @@ def test_spectral_falls_back_on_non_finite_input_and_zero_is_zero():
     bad[2, 3] = float("nan")
     assert torch.isnan(newton_schulz(bad, method="spectral")).all()  # as the iteration gives, no exception
     assert torch.equal(newton_schulz(torch.zeros(6, 9), method="spectral"), torch.zeros(6, 9))
-    with pytest.raises(ValueError, match="iterate or spectral"):
+    with pytest.raises(ValueError, match="iterate, spectral or by-shape"):
         newton_schulz(bad, method="svd")
 
 
@@ -76,17 +76,27 @@ def test_spectral_in_bf16_computes_in_fp32_and_returns_bf16():
     assert out.dtype == torch.bfloat16 and rel(out.float(), svd_reference(g)) < 1e-2
 
 
-def test_resolve_and_flop_formula():
-    assert resolve_ns_method("auto", torch.float32, "cpu") == "spectral"
+def test_resolve_by_shape_rule_and_flop_formula():
+    assert resolve_ns_method("auto", torch.float32, "cpu") == "by-shape"
     assert resolve_ns_method("auto", torch.bfloat16, "cpu") == "iterate"
     assert resolve_ns_method("iterate", torch.float32, "cpu") == "iterate"
     with pytest.raises(ValueError, match="auto, iterate, spectral"):
         resolve_ns_method("fast", torch.float32, "cpu")
+    # by-shape: large or elongated matrices spectrally, small square ones by iteration
+    assert [method_for(s, "by-shape") for s in [(768, 768), (32100, 512), (128, 512), (256, 256), (64, 256)]] == \
+        ["spectral", "spectral", "spectral", "iterate", "iterate"]
+    g = torch.randn(64, 256)
+    assert torch.equal(newton_schulz(g, method="by-shape"), newton_schulz(g, method="iterate"))
+    g = torch.randn(600, 40)
+    assert torch.equal(newton_schulz(g, method="by-shape"), newton_schulz(g, method="spectral"))
     for m, n in [(48, 80), (96, 32)]:
         with FlopCounterMode(display=False) as fc:  # counts the three matmuls; eigh is counted as 9 k^3
             newton_schulz(torch.randn(m, n), method="spectral")
         k = min(m, n)
         assert fc.get_total_flops() + 9 * k ** 3 == newton_schulz_flops([(m, n)], method="spectral")
+    shapes = [(768, 768), (256, 256)]
+    assert newton_schulz_flops(shapes, method="by-shape") == \
+        newton_schulz_flops(shapes[:1], method="spectral") + newton_schulz_flops(shapes[1:])
     # the reason for spectral: the ELF readout costs 4.4x fewer FLOPs
     assert newton_schulz_flops([(32100, 512)]) / newton_schulz_flops([(32100, 512)], method="spectral") > 4
 
@@ -117,7 +127,7 @@ def test_muon_step_is_the_same_with_either_method_and_torch_is_restored():
     moved = (results["iterate"] - start).norm()
     assert moved > 0.1  # the steps did something
     assert (results["spectral"] - results["iterate"]).norm() < 1e-4 * moved
-    expected = "iterate" if fast_bf16("cpu") else "spectral"  # bf16 Newton-Schulz iterates on AMX CPUs
+    expected = "iterate" if fast_bf16("cpu") else "by-shape"  # bf16 Newton-Schulz iterates on AMX CPUs
     assert ELFOptimizer(torch.nn.Linear(4, 4).named_parameters(), lr=0.1).ns_method == expected
     with ns_precision(torch.float32, "spectral"):
         assert muon_impl._zeropower_via_newtonschulz is not original

@@ -13,7 +13,8 @@ not looked up. The FLOP counts are model FLOPs by formula (below), not hardware 
                mix of the actual draws (self-conditioned rows add one no-grad pass; decode rows add the
                decode head), plus the frozen encoder's forward (2 x matmul params x L + 4 L^2 d per layer)
                and Newton-Schulz per Muon matrix (k, n = the smaller, larger side): iterate 5 (4 k^2 n + 2 k^3);
-               spectral 4 k^2 n + 2 k^3 + 9 k^3 (the eigendecomposition counted as 9 k^3, Golub & Van Loan)
+               spectral 4 k^2 n + 2 k^3 + 9 k^3 (the eigendecomposition counted as 9 k^3, Golub & Van Loan);
+               by-shape: each matrix by the method elflow.optim.method_for gives it
     sampling   N network passes with the x head + one decode pass with the decode head
 
 Elementwise work (norms, RoPE, activations, the loss, Adam, EMA) is not counted.
@@ -74,13 +75,19 @@ def encoder_flops(space, length: int) -> int:
 
 def newton_schulz_flops(shapes, steps: int = 5, method: str = "iterate") -> int:
     """FLOPs of Muon's Newton-Schulz on matrices of these shapes (k, n = smaller, larger side):
-    iterate steps x (4 k^2 n + 2 k^3); spectral 4 k^2 n + 2 k^3 + 9 k^3 (eigh counted as 9 k^3)."""
-    if method not in ("iterate", "spectral"):
-        raise ValueError(f"method must be iterate or spectral, got {method!r}")
+    iterate steps x (4 k^2 n + 2 k^3); spectral 4 k^2 n + 2 k^3 + 9 k^3 (eigh counted as 9 k^3);
+    by-shape: each matrix as elflow.optim.method_for evaluates it."""
+    from elflow.optim import method_for
+
+    if method not in ("iterate", "spectral", "by-shape"):
+        raise ValueError(f"method must be iterate, spectral or by-shape, got {method!r}")
     total = 0
     for m, n in shapes:
         k, n_ = min(m, n), max(m, n)
-        total += steps * (4 * k * k * n_ + 2 * k ** 3) if method == "iterate" else 4 * k * k * n_ + 11 * k ** 3
+        if method_for((m, n), method) == "iterate":
+            total += steps * (4 * k * k * n_ + 2 * k ** 3)
+        else:
+            total += 4 * k * k * n_ + 11 * k ** 3
     return total
 
 
@@ -116,8 +123,11 @@ def _sync(device) -> None:
 
 
 def _best_time(fn, device, min_time: float = 0.5, min_iters: int = 3) -> float:
+    s = time.perf_counter()
     fn()
     _sync(device)
+    if time.perf_counter() - s > min_time:  # one call is already long (bf16 on AVX2: a minute): time one more
+        min_iters = 1
     best, n, t0 = float("inf"), 0, time.perf_counter()
     while n < min_iters or time.perf_counter() - t0 < min_time:
         s = time.perf_counter()
@@ -272,8 +282,8 @@ def bench(mode: str, preset: str = "tiny", depth=None, hidden=None, heads=None, 
         raise ELFError(f"--space must be standin or none, got {space!r}")
     if ns_dtype not in ("auto", "fp32", "bf16"):
         raise ELFError(f"--ns-dtype must be auto, fp32 or bf16, got {ns_dtype!r}")
-    if ns_method not in ("auto", "iterate", "spectral"):
-        raise ELFError(f"--ns-method must be auto, iterate or spectral, got {ns_method!r}")
+    if ns_method not in ("auto", "iterate", "spectral", "by-shape"):
+        raise ELFError(f"--ns-method must be auto, iterate, spectral or by-shape, got {ns_method!r}")
     if threads:
         torch.set_num_threads(threads)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -432,8 +442,8 @@ def add_arguments(p) -> None:
     p.add_argument("--adam-heads", action="store_true", help="train: heads and embedders on Adam, not Muon")
     p.add_argument("--ns-dtype", choices=["auto", "fp32", "bf16"], default="auto",
                    help="train: Newton-Schulz dtype (auto: bf16 on CUDA, fp32 on CPU)")
-    p.add_argument("--ns-method", choices=["auto", "iterate", "spectral"], default="auto",
-                   help="train: Newton-Schulz evaluation (auto: spectral for fp32 on CPU, iterate otherwise)")
+    p.add_argument("--ns-method", choices=["auto", "iterate", "spectral", "by-shape"], default="auto",
+                   help="train: Newton-Schulz evaluation (auto: by-shape for fp32 on CPU, iterate otherwise)")
     p.add_argument("--peak-size", type=int, default=None, help="matmul size of the peak measurement")
     p.add_argument("--breakdown", action="store_true", help="train: time encoder/passes/backward/optimiser/EMA")
     p.add_argument("--seed", type=int, default=0)

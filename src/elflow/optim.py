@@ -18,12 +18,16 @@ How the Newton-Schulz polynomial is evaluated (`ns_method`):
               + c q^2), so X_5 = V h_5(diag l) V^T X_0 with G = V diag(l) V^T: one Gram product, one symmetric
               eigendecomposition, two products; 4 m^2 n + 2 m^3 FLOPs plus the eigendecomposition (~9 m^3).
               Exact in float64. In fp32 it squares the condition number (it diagonalises X X^T): against a
-              float64 SVD evaluation it is 1e-5..1e-4 off on ELF-B's matrices and up to 3e-3 on matrices with
-              singular values spanning 1e-6..1, where fp32 `iterate` is ~1e-5 off and torch's bf16 `iterate`
-              (the GPU default) 1e-2..0.5 off (tests/test_optim.py). 2-4x faster than fp32 `iterate` on a
+              float64 SVD evaluation it is 3e-4..8e-4 off on gradient-like matrices of ELF-B's shapes and up
+              to 3e-3 on matrices whose singular values span 1e-6..1, where fp32 `iterate` is 5e-6..5e-5 off
+              and torch's bf16 `iterate` (the GPU default) 1.2-1.6% (up to 50% on the ill-conditioned ones)
+              (benchmarks/muon_accuracy.py, tests/test_optim.py). 2-4x faster than fp32 `iterate` on a
               CPU for ELF's matrices (the 512 x 32,100 readout: 170 -> 38 GFLOP). Not used on GPUs, where
               bf16 `iterate` is fast and eigendecompositions are not.
-    auto      spectral when Newton-Schulz runs in fp32 on a CPU, iterate otherwise.
+    by-shape  per matrix, spectral where it pays on a CPU and iterate elsewhere: spectral iff the smaller side
+              k >= 384 or the larger side n >= max(2k, 512) (the crossover measured on a 2-core Zen 3,
+              benchmarks/RESULTS.md; small square matrices iterate faster than `eigh` runs).
+    auto      by-shape when Newton-Schulz runs in fp32 on a CPU, iterate otherwise.
 
 `adam_heads=True` moves the output heads and the input/scalar embedders to Adam (the usual Muon practice,
 and far cheaper on a CPU: Newton-Schulz on the 512 x 32,100 readout alone is ~170 GFLOP per step).
@@ -37,7 +41,8 @@ import warnings
 import torch
 import torch.optim._muon as _muon_impl
 
-__all__ = ["ELFOptimizer", "newton_schulz", "ns_precision", "NS_METHODS", "resolve_ns_method", "fast_bf16", "EMA",
+__all__ = ["ELFOptimizer", "newton_schulz", "ns_precision", "NS_METHODS", "resolve_ns_method", "method_for",
+           "spectral_pays", "fast_bf16", "EMA",
            "base_lr", "lr_at", "HEAD_PREFIXES"]
 
 HEAD_PREFIXES = ("x_head.", "decode_head.", "self_cond_proj.", "bottleneck_in.", "bottleneck_out.",
@@ -56,7 +61,20 @@ def lr_at(step: int, lr: float, warmup: int) -> float:
     return lr * min(1.0, (step + 1) / warmup)
 
 
-NS_METHODS = ("auto", "iterate", "spectral")
+NS_METHODS = ("auto", "iterate", "spectral", "by-shape")
+
+
+def spectral_pays(m: int, n: int) -> bool:
+    """The by-shape rule: evaluate an m x n matrix spectrally iff k >= 384 or N >= max(2k, 512)."""
+    k, big = min(m, n), max(m, n)
+    return k >= 384 or big >= max(2 * k, 512)
+
+
+def method_for(shape, method: str) -> str:
+    """The evaluation (iterate or spectral) that a matrix of this shape gets under `method`."""
+    if method == "by-shape":
+        return "spectral" if spectral_pays(*shape) else "iterate"
+    return method
 
 
 def newton_schulz(g: torch.Tensor, ns_coefficients=(3.4445, -4.7750, 2.0315), ns_steps: int = 5,
@@ -66,8 +84,9 @@ def newton_schulz(g: torch.Tensor, ns_coefficients=(3.4445, -4.7750, 2.0315), ns
     The signature matches torch's private `_zeropower_via_newtonschulz(grad, coefficients, steps, eps)`,
     which always runs in bf16 and iterates. g (m, n). See the module docstring for the two methods.
     """
-    if method not in ("iterate", "spectral"):
-        raise ValueError(f"Newton-Schulz method must be iterate or spectral, got {method!r}")
+    if method not in ("iterate", "spectral", "by-shape"):
+        raise ValueError(f"Newton-Schulz method must be iterate, spectral or by-shape, got {method!r}")
+    method = method_for(g.shape, method)
     a, b, c = ns_coefficients
     x = g.to(dtype)
     tall = g.size(0) > g.size(1)
@@ -100,18 +119,18 @@ def _spectral_newton_schulz(x: torch.Tensor, a: float, b: float, c: float, steps
 
 
 def resolve_ns_method(method: str, dtype: torch.dtype, device) -> str:
-    """`auto` -> spectral for fp32 Newton-Schulz on a CPU, iterate otherwise."""
+    """`auto` -> by-shape for fp32 Newton-Schulz on a CPU, iterate otherwise."""
     if method not in NS_METHODS:
         raise ValueError(f"Newton-Schulz method must be one of {', '.join(NS_METHODS)}, got {method!r}")
     if method != "auto":
         return method
-    return "spectral" if dtype == torch.float32 and torch.device(device).type == "cpu" else "iterate"
+    return "by-shape" if dtype == torch.float32 and torch.device(device).type == "cpu" else "iterate"
 
 
 @contextlib.contextmanager
 def ns_precision(dtype: torch.dtype | None, method: str = "iterate"):
     """Inside the block, torch.optim.Muon runs its Newton-Schulz step in `dtype` (None: torch's bf16),
-    evaluated by `method` (iterate or spectral; see the module docstring).
+    evaluated by `method` (iterate, spectral or by-shape; see the module docstring).
 
     NOTE to contributors (the lead's decision): the Muon update is torch.optim.Muon's own, unmodified;
     only how its Newton-Schulz polynomial is evaluated is chosen here. Do not re-implement Muon's step.

@@ -50,7 +50,7 @@ class TrainConfig:
     warmup: int = 100
     ema_decay: float = 0.9999
     adam_heads: bool = False
-    ns_method: str = "auto"  # how Muon's Newton-Schulz is evaluated: auto, iterate, spectral (elflow.optim)
+    ns_method: str = "auto"  # how Muon's Newton-Schulz is evaluated: auto, iterate, spectral, by-shape
     grad_clip: float = 1.0
     dtype: str = "auto"  # autocast dtype: bf16, fp32, or auto (bf16 where bf16 matmuls are fast)
     compile: bool = False
@@ -500,10 +500,11 @@ def add_arguments(p) -> None:
     p.add_argument("--ema-decay", type=float, default=None, help="EMA decay (default 0.9999; demo 0.995)")
     p.add_argument("--adam-heads", action="store_true",
                    help="optimise output heads and embedders with Adam instead of Muon (cheaper on CPU)")
-    p.add_argument("--ns-method", choices=["auto", "iterate", "spectral"], default="auto",
-                   help="how Muon's Newton-Schulz polynomial is evaluated: iterate (torch's five steps) or "
-                        "spectral (the same polynomial on the Gram matrix's eigenvalues, 2-4x faster on a CPU); "
-                        "auto: spectral for fp32 Newton-Schulz on CPUs, iterate on GPUs")
+    p.add_argument("--ns-method", choices=["auto", "iterate", "spectral", "by-shape"], default="auto",
+                   help="how Muon's Newton-Schulz polynomial is evaluated: iterate (torch's five steps), "
+                        "spectral (the same polynomial on the Gram matrix's eigenvalues, 2-4x faster on a CPU for "
+                        "large matrices) or by-shape (spectral where it pays); auto: by-shape for fp32 "
+                        "Newton-Schulz on CPUs, iterate on GPUs")
     p.add_argument("--grad-clip", type=float, default=1.0)
     p.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto",
                    help="autocast precision; auto: bf16 on GPUs and CPUs with native bf16 matmuls, else fp32")
