@@ -42,8 +42,7 @@ import torch
 import torch.optim._muon as _muon_impl
 
 __all__ = ["ELFOptimizer", "newton_schulz", "ns_precision", "NS_METHODS", "resolve_ns_method", "method_for",
-           "spectral_pays", "fast_bf16", "EMA",
-           "base_lr", "lr_at", "HEAD_PREFIXES"]
+           "spectral_pays", "fast_bf16", "EMA", "base_lr", "lr_at", "HEAD_PREFIXES"]
 
 HEAD_PREFIXES = ("x_head.", "decode_head.", "self_cond_proj.", "bottleneck_in.", "bottleneck_out.",
                  "time_embed.", "omega_embed.")
@@ -82,7 +81,7 @@ def newton_schulz(g: torch.Tensor, ns_coefficients=(3.4445, -4.7750, 2.0315), ns
     """The quintic Newton-Schulz orthogonalisation of torch.optim.Muon, in `dtype`, evaluated by `method`.
 
     The signature matches torch's private `_zeropower_via_newtonschulz(grad, coefficients, steps, eps)`,
-    which always runs in bf16 and iterates. g (m, n). See the module docstring for the two methods.
+    which always runs in bf16 and iterates. g (m, n). See the module docstring for the methods.
     """
     if method not in ("iterate", "spectral", "by-shape"):
         raise ValueError(f"Newton-Schulz method must be iterate, spectral or by-shape, got {method!r}")
@@ -94,7 +93,8 @@ def newton_schulz(g: torch.Tensor, ns_coefficients=(3.4445, -4.7750, 2.0315), ns
         x = x.T
     x = x / x.norm().clamp(min=eps)  # spectral norm <= 1
     if method == "spectral":  # eigh needs fp32 or wider
-        out = _spectral_newton_schulz(x if x.dtype in (torch.float32, torch.float64) else x.float(), a, b, c, ns_steps)
+        wide = x if x.dtype in (torch.float32, torch.float64) else x.float()
+        out = _spectral_newton_schulz(wide, a, b, c, ns_steps)
         if out is not None:
             out = out.to(x.dtype)
             return out.T if tall else out
