@@ -33,6 +33,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from elflow.model import ELF, PRESETS, ELFConfig, get_config
+from elflow.optim import NS_METHODS, method_for
 from elflow.utils import ELFError
 
 __all__ = ["add_arguments", "run", "bench", "pass_flops", "encoder_flops", "newton_schulz_flops",
@@ -77,10 +78,8 @@ def newton_schulz_flops(shapes, steps: int = 5, method: str = "iterate") -> int:
     """FLOPs of Muon's Newton-Schulz on matrices of these shapes (k, n = smaller, larger side):
     iterate steps x (4 k^2 n + 2 k^3); spectral 4 k^2 n + 2 k^3 + 9 k^3 (eigh counted as 9 k^3);
     by-shape: each matrix as elflow.optim.method_for evaluates it."""
-    from elflow.optim import method_for
-
-    if method not in ("iterate", "spectral", "by-shape"):
-        raise ValueError(f"method must be iterate, spectral or by-shape, got {method!r}")
+    if method not in NS_METHODS[1:]:
+        raise ValueError(f"method must be one of {', '.join(NS_METHODS[1:])}, got {method!r}")
     total = 0
     for m, n in shapes:
         k, n_ = min(m, n), max(m, n)
@@ -266,7 +265,7 @@ def bench(mode: str, preset: str = "tiny", depth=None, hidden=None, heads=None, 
           adam_heads: bool = False, ns_dtype: str = "auto", ns_method: str = "auto", peak_size: int | None = None,
           breakdown: bool = False, seed: int = 0, threads: int | None = None,
           vocab_size: int | None = None) -> dict:
-    """Run one benchmark and return its record (see docs/performance.md for the fields)."""
+    """Run one benchmark and return its record (the fields: README, "Performance and `elflow bench`")."""
     if mode not in MODES:
         raise ELFError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
     if preset not in PRESETS:
@@ -282,8 +281,8 @@ def bench(mode: str, preset: str = "tiny", depth=None, hidden=None, heads=None, 
         raise ELFError(f"--space must be standin or none, got {space!r}")
     if ns_dtype not in ("auto", "fp32", "bf16"):
         raise ELFError(f"--ns-dtype must be auto, fp32 or bf16, got {ns_dtype!r}")
-    if ns_method not in ("auto", "iterate", "spectral", "by-shape"):
-        raise ELFError(f"--ns-method must be auto, iterate, spectral or by-shape, got {ns_method!r}")
+    if ns_method not in NS_METHODS:
+        raise ELFError(f"--ns-method must be one of {', '.join(NS_METHODS)}, got {ns_method!r}")
     if threads:
         torch.set_num_threads(threads)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -442,7 +441,7 @@ def add_arguments(p) -> None:
     p.add_argument("--adam-heads", action="store_true", help="train: heads and embedders on Adam, not Muon")
     p.add_argument("--ns-dtype", choices=["auto", "fp32", "bf16"], default="auto",
                    help="train: Newton-Schulz dtype (auto: bf16 on CUDA, fp32 on CPU)")
-    p.add_argument("--ns-method", choices=["auto", "iterate", "spectral", "by-shape"], default="auto",
+    p.add_argument("--ns-method", choices=NS_METHODS, default="auto",
                    help="train: Newton-Schulz evaluation (auto: by-shape for fp32 on CPU, iterate otherwise)")
     p.add_argument("--peak-size", type=int, default=None, help="matmul size of the peak measurement")
     p.add_argument("--breakdown", action="store_true", help="train: time encoder/passes/backward/optimiser/EMA")

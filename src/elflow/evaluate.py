@@ -8,9 +8,10 @@ The unconditional protocol (spec "Evaluation protocol", reference section 9), as
     (so a padded sample is also scored on ending, and the longest sample is not);
   - gen_ppl = exp(sum NLL / number of counted targets) over the whole set (token-weighted);
   - entropy = mean over samples of -sum p ln p of the unigram frequencies of each sample's non-pad ids.
-Other protocols (see docs/evaluation.md): "elf-official" weights targets as the authors' metric code does
-(first-EOS flag + non-EOS flag, summed: tokens after an EOS inside a text count twice); "mdlm" takes the
-entropy over the whole padded row, EOS padding included, as MDLM/Duo do over their fixed-length samples.
+Other protocols (README, "How this differs from MDLM's and Duo's evaluation"): "elf-official" weights targets
+as the authors' metric code does (first-EOS flag + non-EOS flag, summed: tokens after an EOS inside a text
+count twice); "mdlm" takes the entropy over the whole padded row, EOS padding included, as MDLM/Duo do over
+their fixed-length samples.
 
     load_judge(path_or_id, dtype)             -> (model, tokenizer)
     generative_perplexity(texts, model, tok)  -> {"gen_ppl", "entropy", "num_samples", "num_empty", ...}

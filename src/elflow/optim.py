@@ -83,7 +83,7 @@ def newton_schulz(g: torch.Tensor, ns_coefficients=(3.4445, -4.7750, 2.0315), ns
     The signature matches torch's private `_zeropower_via_newtonschulz(grad, coefficients, steps, eps)`,
     which always runs in bf16 and iterates. g (m, n). See the module docstring for the methods.
     """
-    if method not in ("iterate", "spectral", "by-shape"):
+    if method not in NS_METHODS[1:]:  # "auto" is resolved by the optimiser (resolve_ns_method)
         raise ValueError(f"Newton-Schulz method must be iterate, spectral or by-shape, got {method!r}")
     method = method_for(g.shape, method)
     a, b, c = ns_coefficients

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from elflow.flow import TIME_BINS, Recipe, draw_training_noise, elf_loss
 from elflow.model import ELF, PRESETS, get_config
-from elflow.optim import EMA, ELFOptimizer, base_lr, lr_at
+from elflow.optim import EMA, NS_METHODS, ELFOptimizer, base_lr, lr_at
 from elflow.utils import ELFError, atomic_write, atomic_write_json
 
 __all__ = ["TrainConfig", "train", "train_step", "shard_generators", "add_arguments", "run"]
@@ -500,7 +500,7 @@ def add_arguments(p) -> None:
     p.add_argument("--ema-decay", type=float, default=None, help="EMA decay (default 0.9999; demo 0.995)")
     p.add_argument("--adam-heads", action="store_true",
                    help="optimise output heads and embedders with Adam instead of Muon (cheaper on CPU)")
-    p.add_argument("--ns-method", choices=["auto", "iterate", "spectral", "by-shape"], default="auto",
+    p.add_argument("--ns-method", choices=NS_METHODS, default="auto",
                    help="how Muon's Newton-Schulz polynomial is evaluated: iterate (torch's five steps), "
                         "spectral (the same polynomial on the Gram matrix's eigenvalues, 2-4x faster on a CPU for "
                         "large matrices) or by-shape (spectral where it pays); auto: by-shape for fp32 "
