@@ -40,6 +40,12 @@ def assert_same(a: dict, b: dict, exact=True):
             assert torch.allclose(a[k], b[k], atol=2e-5, rtol=1e-4), (k, (a[k] - b[k]).abs().max())
 
 
+def assert_same_runs(run_a: Path, run_b: Path, step: int, exact=True):
+    """The two runs' checkpoints at `step` hold the same weights and the same EMA."""
+    for a, b in zip(final_weights(run_a, step), final_weights(run_b, step)):
+        assert_same(a, b, exact)
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, tiny_t5_dir, tiny_corpus_file):
     run = tmp_path_factory.mktemp("full") / "run"
@@ -71,8 +77,7 @@ def test_resume_continues_exactly(uninterrupted, tmp_path, tiny_t5_dir, tiny_cor
     assert [p.name for p in list_checkpoints(run)] == ["step_0000003"]
     summary = train(cfg, run, resume=True, cache_dir=cache, quiet=True)
     assert summary["start_step"] == 3
-    for a, b in zip(final_weights(run, 6), final_weights(full, 6)):
-        assert_same(a, b)
+    assert_same_runs(run, full, 6)
 
 
 def test_sigkill_after_a_checkpoint_then_resume_is_exact(uninterrupted, tmp_path, tiny_t5_dir, tiny_corpus_file):
@@ -101,8 +106,7 @@ def test_sigkill_after_a_checkpoint_then_resume_is_exact(uninterrupted, tmp_path
     summary = train(cfg, run, resume=True, cache_dir=cache, quiet=True, stop_after=6 - int(start.name[5:]))
     assert summary["end_step"] == 6
     # same schedule (steps=600 only changes nothing in the first 6 steps: warm-up 2, constant lr)
-    for a, b in zip(final_weights(run, 6), final_weights(full, 6)):
-        assert_same(a, b)
+    assert_same_runs(run, full, 6)
 
 
 def test_corrupted_checkpoint_is_refused_and_resume_falls_back(uninterrupted, tmp_path, tiny_t5_dir,
@@ -121,8 +125,7 @@ def test_corrupted_checkpoint_is_refused_and_resume_falls_back(uninterrupted, tm
     assert "step_0000006" in warnings[0]
     summary = train(cfg_for(tiny_t5_dir, tiny_corpus_file), run, resume=True, cache_dir=cache, quiet=True)
     assert summary["start_step"] == 3
-    for a, b in zip(final_weights(run, 6), final_weights(full, 6)):
-        assert_same(a, b)
+    assert_same_runs(run, full, 6)
 
 
 def test_two_gloo_ranks_equal_one_process_with_the_same_global_batch(uninterrupted, tmp_path, tiny_t5_dir,
@@ -139,8 +142,7 @@ def test_two_gloo_ranks_equal_one_process_with_the_same_global_batch(uninterrupt
                         "-m", "elflow.cli", "train", *common, "--out", str(two)], env=env, capture_output=True,
                        text=True)
     assert r.returncode == 0, r.stderr[-3000:]
-    for a, b in zip(final_weights(one, 3), final_weights(two, 3)):
-        assert_same(a, b, exact=False)
+    assert_same_runs(one, two, 3, exact=False)
     m1 = [json.loads(x)["loss"] for x in (one / "metrics.jsonl").read_text().splitlines()]
     m2 = [json.loads(x)["loss"] for x in (two / "metrics.jsonl").read_text().splitlines()]
     assert m1 == pytest.approx(m2, rel=1e-4)  # losses averaged across ranks before logging
