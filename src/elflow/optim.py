@@ -136,8 +136,9 @@ def ns_precision(dtype: torch.dtype | None, method: str = "iterate"):
     only how its Newton-Schulz polynomial is evaluated is chosen here. Do not re-implement Muon's step.
     """
     original = getattr(_muon_impl, "_zeropower_via_newtonschulz", None)
-    if (dtype is None or dtype == torch.bfloat16) and method == "iterate" or original is None:
-        if original is None and (dtype not in (None, torch.bfloat16) or method != "iterate"):
+    torchs_own = dtype in (None, torch.bfloat16) and method == "iterate"
+    if torchs_own or original is None:
+        if not torchs_own:
             warnings.warn("this torch version's Muon offers no Newton-Schulz hook; it runs in its own precision")
         yield
         return
