@@ -10,6 +10,8 @@ import argparse
 import importlib
 import sys
 
+from elflow.utils import ELFError
+
 # name -> (module, one-line help). Order is the order shown by `elflow --help`.
 COMMANDS: dict[str, tuple[str, str]] = {
     "quickstart": ("elflow.quickstart", "the offline default: fetch corpus + encoder, train the demo model, sample"),
@@ -23,10 +25,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "toy": ("elflow.toy", "Figure 1: the 2-D toy with an exact denoiser"),
     "schedules": ("elflow.schedules", "Figure 2: the training distributions and sampling grids"),
 }
-
-
-class ELFError(Exception):
-    """An error caused by the user's input: printed as one clear message, without a traceback."""
 
 
 def _load(name: str):

@@ -9,10 +9,13 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
-from elflow.cli import ELFError
 
 __all__ = ["ELFError", "atomic_write", "atomic_write_text", "atomic_write_json", "default_device", "sha256_file",
            "cache_root"]
+
+
+class ELFError(Exception):
+    """An error caused by the user's input: printed as one clear message, without a traceback."""
 
 
 @contextmanager
