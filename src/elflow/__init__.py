@@ -11,6 +11,6 @@ def load(path_or_hub_id, device=None, max_length=None):
     """The network of an elflow run or checkpoint, or of the authors' released checkpoint (a checkpoint_<step>
     file, a folder holding one, or a hub id such as embedded-language-flows/ELF-B-owt-torch), with its EMA
     weights, in eval mode."""
-    from elflow.generate import load_network
+    from elflow.checkpoint import load as _load
 
-    return load_network(path_or_hub_id, device=device, max_length=max_length)
+    return _load(path_or_hub_id, device=device, max_length=max_length).net

@@ -18,12 +18,15 @@ import os
 import re
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from elflow.utils import ELFError, atomic_write_json, sha256_file as _sha256
+from elflow.model import ELF, ELFConfig
+from elflow.official import infer_config, official_to_elflow, preset_name
+from elflow.utils import ELFError, atomic_write_json, default_device, sha256_file as _sha256
 
 __all__ = ["write_checkpoint", "save_checkpoint", "load_checkpoint", "list_checkpoints", "latest_checkpoint", "resolve_checkpoint",
            "is_elflow_checkpoint"]
@@ -81,8 +84,9 @@ def is_elflow_checkpoint(path: Path) -> bool:
     return path.is_dir() and (path / "state.json").exists() and (path / "model.safetensors").exists()
 
 
-def verify_checkpoint(ckpt: Path) -> dict:
-    """state.json, with every file's hash checked; ELFError naming the first bad file."""
+def verify_checkpoint(ckpt: Path, names=None) -> dict:
+    """state.json, with the hash of every file (or of those in `names`) checked; ELFError naming the first
+    bad file."""
     state_path = ckpt / "state.json"
     try:
         state = json.loads(state_path.read_text())
@@ -91,6 +95,8 @@ def verify_checkpoint(ckpt: Path) -> dict:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ELFError(f"{state_path}: corrupted ({e})") from None
     for name, digest in state.get("files", {}).items():
+        if names is not None and name not in names:
+            continue
         f = ckpt / name
         if not f.exists():
             raise ELFError(f"{f}: missing from the checkpoint")
@@ -102,7 +108,7 @@ def verify_checkpoint(ckpt: Path) -> dict:
 def load_checkpoint(ckpt: str | os.PathLike, with_optimizer: bool = True, map_location="cpu") -> dict:
     """Read and verify a checkpoint folder: {"state", "model", "ema", "optimizer"}."""
     ckpt = Path(ckpt)
-    state = verify_checkpoint(ckpt)
+    state = verify_checkpoint(ckpt, None if with_optimizer else ("model.safetensors", "ema.safetensors"))
     out = {"state": state, "path": ckpt}
     try:
         out["model"] = load_file(ckpt / "model.safetensors", device=str(map_location))
@@ -143,3 +149,243 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
             raise ELFError(f"{path}: this run has no usable checkpoint yet")
         return ckpt
     raise ELFError(f"{path}: neither an elflow run folder nor a checkpoint folder")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the authors' released checkpoints: one torch.save file `checkpoint_<step>` holding a dict with "params" (the
+# model state dict), "ema_params1" (the EMA weights, used for sampling), optimiser state and the step. Read
+# with torch.load(weights_only=True), which refuses anything but tensors and plain containers.
+
+
+def find_official_file(path: str | os.PathLike) -> Path:
+    """A `checkpoint_<N>` file, or the one with the largest N in a folder."""
+    path = Path(path)
+    if path.is_file():
+        return path
+    if path.is_dir():
+        found = [(int(m.group(1)), p) for p in path.iterdir() if (m := re.fullmatch(r"checkpoint_(\d+)", p.name))]
+        if found:
+            return max(found)[1]
+        raise ELFError(f"{path}: no checkpoint_<step> file in this folder")
+    raise ELFError(f"{path}: no such file or folder")
+
+
+def read_official_checkpoint(path: str | os.PathLike, which: str = "ema_params1") -> dict[str, torch.Tensor]:
+    """Their checkpoint file -> elflow-named state dict of `which` ("ema_params1" or "params")."""
+    path = find_official_file(path)
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # pickle.UnpicklingError for foreign objects, RuntimeError for truncated files
+        raise ELFError(f"{path}: cannot be read as a tensors-only checkpoint ({type(e).__name__}: "
+                       f"{str(e).splitlines()[0][:200]}). It is truncated, corrupted, or holds arbitrary "
+                       "Python objects, which elflow never unpickles.") from None
+    if not isinstance(ckpt, dict) or "params" not in ckpt:
+        keys = sorted(ckpt)[:8] if isinstance(ckpt, dict) else type(ckpt).__name__
+        raise ELFError(f"{path}: not an ELF checkpoint (expected a dict with 'params' and 'ema_params1', got {keys})")
+    sd = ckpt.get(which) or ckpt["params"]
+    if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
+        raise ELFError(f"{path}: '{which}' is not a dict of tensors")
+    return official_to_elflow(dict(sd))
+
+
+def build_from_state_dict(sd: dict[str, torch.Tensor], max_length: int = 1024, heads: int | None = None,
+                          config: ELFConfig | None = None) -> ELF:
+    """An ELF network holding these (elflow-named) weights, its shape inferred unless `config` is given."""
+    cfg = config or infer_config(sd, max_length=max_length, heads=heads)
+    net = ELF(cfg)
+    expected = net.state_dict()
+    missing = [k for k in expected if k not in sd]
+    unexpected = [k for k in sd if k not in expected]
+    if missing or unexpected:
+        raise ELFError(f"weights do not fit an ELF network of shape {cfg}: missing {missing[:6]}, "
+                       f"unexpected {unexpected[:6]}")
+    wrong = [f"{k}: {tuple(sd[k].shape)} (expected {tuple(v.shape)})" for k, v in expected.items()
+             if sd[k].shape != v.shape]
+    if wrong:
+        raise ELFError(f"weights have shapes that fit no ELF network of this shape: {wrong[:4]}")
+    net.load_state_dict(sd)
+    return net
+
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the one loader
+
+
+AUTHORS_SPACE = {"kind": "t5", "name": "t5-small", "latent_std": 0.2}  # the released models' space
+
+# the released conditional and distilled models: their layout and sampling defaults (known without flags)
+CONDITIONAL_SAMPLING = {"sampler": "ode", "steps": 64, "guidance": 2.0, "omega": 1.0, "gamma": 0.0}
+RELEASES = {
+    "ELF-B-de-en-torch": {"task": "wmt14-de-en", "length": 128, "source_length": 64,
+                          "sampling": CONDITIONAL_SAMPLING},
+    "ELF-B-xsum-torch": {"task": "xsum", "length": 1088, "source_length": 1024, "sampling": CONDITIONAL_SAMPLING},
+    "ELF-B-PD-owt-torch": {"distilled": True},
+}
+
+
+def few_step_defaults(steps: int) -> dict:
+    """Sampling defaults of a progressively distilled model at `steps` steps (SDE)."""
+    if steps <= 8:
+        return {"sampler": "sde", "steps": steps, "gamma": 1.5, "omega": 2.5}
+    return {"sampler": "sde", "steps": steps, "gamma": 2.0, "omega": 2.0}
+
+
+def is_hub_id(s: str) -> bool:
+    """owner/name, not an existing local path."""
+    return (s.count("/") == 1 and not s.startswith((".", "/", "~")) and not s.endswith("/")
+            and not os.path.exists(s))
+
+
+def _download(repo_id: str) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise ELFError(f"{repo_id!r} is no local path, and fetching it as a Hugging Face Hub id needs "
+                       "huggingface_hub: pip install huggingface_hub") from None
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=["checkpoint_*", "*.json", "*.yml", "*.yaml", "*.md"]))
+    except Exception as e:
+        first = " ".join(str(e).split())
+        raise ELFError(f"{repo_id!r} is no local path, and fetching it from the Hugging Face Hub failed "
+                       f"({type(e).__name__}: {first[:300]}). If you meant a local run, check the path; without a "
+                       "network, download the checkpoint_<step> file elsewhere and pass its path.") from None
+
+
+def _authors_settings(folder: Path, name: str) -> dict:
+    """Layout and sampling defaults of an authors' checkpoint: its release's, then a config.json beside it
+    (max_length, max_input_length)."""
+    out = dict(next((v for k, v in RELEASES.items() if k in name), {}))
+    f = folder / "config.json"
+    if f.exists():
+        try:
+            cfg = json.loads(f.read_text())
+        except (ValueError, UnicodeDecodeError):
+            cfg = {}
+        if isinstance(cfg, dict):
+            for key, ours in (("max_length", "length"), ("max_input_length", "source_length")):
+                if isinstance(cfg.get(key), int):
+                    out[ours] = cfg[key]
+    return out
+
+
+@dataclass
+class Loaded:
+    """A network with what it needs to be used: its embedding space's spec, its recipe and its settings.
+
+    settings: "length" (the trained sequence length), "source_length" (conditional models), "task",
+    "sampling" (default sampler settings), "distilled_steps", plus where it came from ("format",
+    "checkpoint", "space_id")."""
+
+    net: ELF
+    space: dict
+    recipe: dict
+    settings: dict
+
+    @property
+    def conditional(self) -> bool:
+        return bool(self.settings.get("source_length"))
+
+
+def load(path_or_hub_id: str | os.PathLike, device=None, use_ema: bool = True,
+         max_length: int | None = None) -> Loaded:
+    """Every format through one function: an elflow run folder (its newest good checkpoint), an elflow
+    checkpoint folder, an authors' checkpoint_<step> file or a folder holding one, or a hub id. The network is
+    in eval mode with its EMA weights (unless use_ema=False); `max_length` widens its position table."""
+    s = str(path_or_hub_id)
+    p = Path(s).expanduser()
+    name = s
+    if not p.exists():
+        if not is_hub_id(s):
+            raise ELFError(f"{s}: no such file or folder (nor a hub id of the form owner/name)")
+        p = _download(s)
+    if is_elflow_checkpoint(p) or (p / "checkpoints").is_dir() or (p / "run.json").exists():
+        ckpt = resolve_checkpoint(p)
+        blob = load_checkpoint(ckpt, with_optimizer=False)
+        st = blob["state"]
+        cfg = ELFConfig.from_dict({**st["model"], "grad_checkpoint": False})
+        sd = blob["ema" if use_ema else "model"]
+        sd = {k: v for k, v in sd.items() if not k.startswith("space.")}
+        settings = {"length": cfg.max_length, **st.get("settings", {}), "format": "elflow",
+                    "checkpoint": str(ckpt), "space_id": st.get("space_id")}
+        recipe, space = dict(st.get("train", {}).get("recipe", {})), st["space"]
+    else:
+        f = find_official_file(p)
+        sd = read_official_checkpoint(f, which="ema_params1" if use_ema else "params")
+        settings = {"length": 1024, **_authors_settings(f.parent, name), "format": "official",
+                    "checkpoint": str(f)}
+        cfg = infer_config(sd, max_length=settings["length"])
+        recipe, space = {}, dict(AUTHORS_SPACE)
+        if settings.get("source_length"):
+            recipe["decode_noise_scale"] = 1.0
+    if max_length and max_length > cfg.max_length:
+        cfg = cfg.replace(max_length=max_length)
+    net = build_from_state_dict(sd, config=cfg).to(device or "cpu").eval()
+    return Loaded(net, space, recipe, settings)
+
+
+def load_network(path: str | os.PathLike, device=None, use_ema: bool = True, max_length: int | None = None) -> ELF:
+    """The network alone (see `load`)."""
+    return load(path, device=device, use_ema=use_ema, max_length=max_length).net
+
+
+def load_for_sampling(path_or_hub_id, device=None, space=None, use_ema: bool = True,
+                      max_length: int | None = None):
+    """(Loaded, embedding space). `space` overrides the stored one: a build_space spec, a folder or hub id of a
+    T5 encoder (for the authors' checkpoints offline), or a ready space object."""
+    from elflow.encoders import EmbeddingSpace, build_space, check_compatible
+
+    device = torch.device(device or default_device())
+    loaded = load(path_or_hub_id, device=device, use_ema=use_ema, max_length=max_length)
+    spec = loaded.space
+    if isinstance(space, EmbeddingSpace):
+        sp = space
+    elif isinstance(space, dict):
+        sp = build_space(space, device=device)
+    elif isinstance(space, str) and space:
+        kind = spec.get("kind") if spec.get("kind") in ("t5", "hf") else "t5"
+        sp = build_space({**spec, "kind": kind, "name": space, "latent_std": spec.get("latent_std", 0.2)},
+                         device=device)
+    else:
+        sp = build_space(spec, device=device)
+    if loaded.settings.get("space_id"):
+        check_compatible(loaded.settings["space_id"], sp)
+    cfg = loaded.net.config
+    if sp.dim != cfg.dim or sp.vocab_size < cfg.vocab_size:
+        raise ELFError(f"the embedding space ({sp.space_id}: dim {sp.dim}, vocabulary {sp.vocab_size}) does not fit "
+                       f"the network (dim {cfg.dim}, vocabulary {cfg.vocab_size})")
+    return loaded, sp
+
+
+# ----------------------------------------------------------------------------------------------------------
+# `elflow convert`
+
+
+def convert(src: str | os.PathLike, out: str | os.PathLike, max_length: int | None = None) -> Path:
+    """An authors' checkpoint -> an elflow checkpoint folder (safetensors + JSON) that samples, not resumes.
+    The layout and sampling defaults of a released conditional or distilled model are kept."""
+    f = find_official_file(src)
+    ema = read_official_checkpoint(f, which="ema_params1")
+    params = read_official_checkpoint(f, which="params")
+    settings = _authors_settings(f.parent, str(src))
+    cfg = infer_config(ema, max_length=max_length or settings.get("length", 1024))
+    build_from_state_dict(ema, config=cfg)  # refuses weights that fit no network
+    step = int(m.group(1)) if (m := re.fullmatch(r"checkpoint_(\d+)", f.name)) else 0
+    state = {"format": "elflow-checkpoint-1", "step": step, "model": cfg.to_dict(), "space": dict(AUTHORS_SPACE),
+             "train": {"preset": preset_name(cfg), "converted_from": str(f),
+                       "recipe": {"decode_noise_scale": 1.0} if settings.get("source_length") else {}},
+             "settings": settings, "data_position": None}
+    return write_checkpoint(out, params, ema, None, state)
+
+
+def add_arguments(p) -> None:
+    p.add_argument("checkpoint", help="the authors' checkpoint_<step> file, or a folder holding one")
+    p.add_argument("out", help="the elflow checkpoint folder to write")
+    p.add_argument("--max-length", type=int, default=None,
+                   help="longest sequence the converted model samples (default: its release's, else 1024)")
+
+
+def run(args) -> int:
+    out = convert(args.checkpoint, args.out, args.max_length)
+    print(f"wrote {out}")
+    return 0

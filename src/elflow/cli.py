@@ -20,7 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("elflow.evaluate", "generative perplexity and entropy, BLEU, ROUGE"),
     "train-judge": ("elflow.judge", "train a small offline autoregressive judge"),
     "sweep": ("elflow.sweep", "sampler x steps x omega grid, judged and plotted (paper Figure 3)"),
-    "convert": ("elflow.official", "convert an authors' checkpoint to an elflow checkpoint folder"),
+    "convert": ("elflow.checkpoint", "convert an authors' checkpoint to an elflow checkpoint folder"),
     "bench": ("elflow.bench", "time forward / train / sample against the device's matmul peak"),
     "toy": ("elflow.toy", "Figure 1: the 2-D toy with an exact denoiser"),
     "schedules": ("elflow.schedules", "Figure 2: the training distributions and sampling grids"),

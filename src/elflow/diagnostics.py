@@ -16,7 +16,7 @@ from collections import Counter
 
 import torch
 
-from elflow.flow import TIME_BINS, Recipe
+from elflow.flow import TIME_BINS, Recipe, time_bin, time_bin_labels
 from elflow.schedules import sample_time
 
 __all__ = ["latent_moments", "validation_report", "word_stats", "corpus_vocabulary"]
@@ -66,7 +66,7 @@ def validation_report(net, space, dataset, recipe: Recipe = Recipe(), moments=No
         x_model = net(z, t, torch.ones(B, device=device)).float()  # unconditional prediction, omega = 1
         gain = tt * var / (tt ** 2 * var + (1 - tt) ** 2 * recipe.noise_scale ** 2)
         x_base = mu + gain * (z - tt * mu)
-        bins = torch.bucketize(t.cpu(), torch.tensor(TIME_BINS[1:-1]))
+        bins = time_bin(t.cpu())
         for name, pred in (("model", x_model), ("baseline", x_base)):
             err = ((pred - x) / clip).pow(2).mean(-1)  # (B, L)
             row = ((err * mask).sum(-1) / mask.sum(-1).clamp_min(1)).double().cpu()
@@ -74,13 +74,13 @@ def validation_report(net, space, dataset, recipe: Recipe = Recipe(), moments=No
         counts.index_add_(0, bins, torch.ones(B, dtype=torch.float64))
         for p in decode_levels:
             noisy = p * x + (1 - p) * recipe.decode_noise_scale * torch.randn(B, L, C, generator=g).to(device)
-            pred = net(noisy, torch.ones(B, device=device), torch.ones(B, device=device), decode=True).argmax(-1)
+            pred = net.decode(noisy, torch.ones(B, device=device)).argmax(-1)
             correct[p] += ((pred == tokens).float() * mask).sum().item()
         total_tokens += mask.sum().item()
     out = {"bins": [], "decode_accuracy": {f"p={p}": correct[p] / max(total_tokens, 1) for p in decode_levels}}
     for k in range(nb):
         if counts[k] > 0:
-            out["bins"].append({"t": f"[{TIME_BINS[k]}, {TIME_BINS[k + 1]})", "rows": int(counts[k]),
+            out["bins"].append({"t": time_bin_labels()[k], "rows": int(counts[k]),
                                 "model": (sums["model"][k] / counts[k]).item(),
                                 "baseline": (sums["baseline"][k] / counts[k]).item()})
     tot = counts.sum()

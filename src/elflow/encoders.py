@@ -284,14 +284,14 @@ class EmbeddingSpace(nn.Module):
         return f"space_id={self.space_id!r}, dim={self.dim}, vocab_size={self.vocab_size}"
 
     # --- text <-> ids -------------------------------------------------------------------------------------
-    def tokenize(self, texts: list[str]) -> list[list[int]]:
-        """Token ids per text, no padding, no tokenizer specials, one EOS appended to each."""
+    def tokenize(self, texts: list[str], eos: bool = True) -> list[list[int]]:
+        """Token ids per text, no padding, no tokenizer specials; one EOS appended to each if `eos`."""
         if isinstance(texts, str):
             texts = [texts]
         if not texts:
             return []
         ids = self.tokenizer(list(texts), add_special_tokens=False)["input_ids"]
-        return [list(row) + [self.eos_id] for row in ids]
+        return [list(row) + [self.eos_id] if eos else list(row) for row in ids]
 
     def decode(self, ids) -> list[str]:
         """Per row: cut at the first EOS, drop special tokens, detokenize."""
@@ -315,57 +315,35 @@ class EmbeddingSpace(nn.Module):
                            f"({self.max_length} positions): use --length {self.max_length} or less, or a T5 "
                            "encoder (relative positions, no fixed limit)")
 
-    def encode(self, ids: torch.Tensor, attention_mask: torch.Tensor | None = None, source_len: int | None = None,
-               drop_source: torch.Tensor | None = None) -> torch.Tensor:
+    def encode(self, ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Scaled vectors x (B, L, D) in float32 for token ids (B, L).
 
-        attention_mask: (B, L) bool, True at real tokens (keys that may be attended to); None = all.
-        source_len: for conditional data, positions < source_len are the source: source queries attend only
-            to source keys, target queries to every valid key.
-        drop_source: (B,) bool; for those rows target queries cannot see the source and the source vectors
-            are zeroed (the paper's source dropout for classifier-free guidance).
+        attention_mask: None (every token sees every token), (B, L) bool True at real tokens (the keys that
+        may be attended to), or (B, L, L) bool, [i, j] = query i may see key j (the conditional pattern of
+        `data.encoder_mask`). Non-contextual spaces ignore it.
         """
         if ids.dim() != 2:
             raise ValueError(f"encode expects token ids of shape (B, L), got {tuple(ids.shape)}")
         B, L = ids.shape
         self.check_length(L)
-        if drop_source is not None and source_len is None:
-            raise ValueError("drop_source needs source_len")
-        attention = None
-        if self.contextual:
-            attention = self._attention(ids, attention_mask, source_len, drop_source)
+        attention = self._attention(attention_mask, ids.device) if self.contextual else None
         if self.trainable:
             h = self._embed(ids, attention)
         else:
             with torch.no_grad():
                 h = self._embed(ids, attention)
-        x = (h.float() - self.shift) / self.scale  # (B, L, D)
-        if drop_source is not None:
-            keep = torch.ones(B, L, 1, dtype=x.dtype, device=x.device)
-            keep[:, :source_len] = (~drop_source.to(x.device).bool()).to(x.dtype)[:, None, None]
-            x = x * keep
-        return x
+        return (h.float() - self.shift) / self.scale  # (B, L, D)
 
-    def _attention(self, ids, attention_mask, source_len, drop_source):
-        """None, a (B, L) padding mask, or an additive (B, 1, L, L) mask for the conditional pattern."""
-        B, L = ids.shape
-        device = ids.device
-        valid = None if attention_mask is None else attention_mask.to(device=device, dtype=torch.bool)
-        if source_len is None:
-            if valid is None or bool(valid.all()):
-                return None
-            return valid.long()
-        if valid is None:
-            valid = torch.ones(B, L, dtype=torch.bool, device=device)
-        is_src = torch.arange(L, device=device) < source_len  # (L,)
-        q_src, k_src = is_src[:, None], is_src[None, :]  # (L, 1), (1, L)
-        allowed = valid[:, None, :] & (~q_src | k_src)  # (B, L, L): source queries see only source keys
-        if drop_source is not None:
-            drop = drop_source.to(device=device, dtype=torch.bool)[:, None, None]  # (B, 1, 1)
-            allowed = allowed & ~(drop & ~q_src & k_src)  # dropped rows: targets cannot see the source
+    def _attention(self, mask, device):
+        """None, a (B, L) padding mask, or an additive (B, 1, L, L) mask for a per-query pattern."""
+        if mask is None:
+            return None
+        mask = mask.to(device=device, dtype=torch.bool)
+        if mask.dim() == 2:
+            return None if bool(mask.all()) else mask.long()
         dtype = self._compute_dtype()
-        additive = torch.zeros(B, 1, L, L, dtype=dtype, device=device)
-        return additive.masked_fill(~allowed[:, None], torch.finfo(dtype).min)
+        additive = torch.zeros(mask.shape[0], 1, *mask.shape[1:], dtype=dtype, device=device)
+        return additive.masked_fill(~mask[:, None], torch.finfo(dtype).min)
 
     def _compute_dtype(self) -> torch.dtype:
         for p in self.parameters():

@@ -1,6 +1,6 @@
 """Evaluation: generative perplexity under a judge LM with unigram entropy, BLEU and ROUGE.
 
-The unconditional protocol (spec "Evaluation protocol", reference section 9), as `protocol="elf"`:
+The unconditional protocol of the paper, as `protocol="elf"`:
   - drop empty texts (counted); retokenise all remaining texts together with the judge's tokenizer,
     no BOS, truncated to the judge's context (1,024 for GPT-2 Large), right-padded with EOS (pad = EOS)
     to the longest sample of the whole set, so the batch size cannot change the result;
@@ -25,6 +25,7 @@ import math
 import os
 import socket
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Iterable, Sequence
 from urllib.parse import urlparse
@@ -32,7 +33,7 @@ from urllib.parse import urlparse
 import torch
 import torch.nn.functional as F
 
-from elflow.utils import ELFError, atomic_write_json, atomic_write_text
+from elflow.utils import ELFError, atomic_write_json, check_output
 
 __all__ = [
     "PROTOCOLS",
@@ -325,37 +326,61 @@ def generative_perplexity(texts: Iterable[str], model, tokenizer, batch_size: in
 # command line
 
 
+def sample_and_judge(net, space, settings, num: int, model, tokenizer, samples_path, length=None,
+                     batch_size: int = 8, protocol: str = "elf", max_length=None, progress: bool = True,
+                     meta: dict | None = None) -> dict:
+    """Generate `num` samples with `settings`, write them (generate.write_samples) and judge them: the
+    generative_perplexity result without its per-sample lists."""
+    from elflow.generate import generate, write_samples
+
+    records = generate(net, space, num, settings, length, progress=progress)
+    write_samples(samples_path, records, {**settings.to_dict(), **(meta or {})})
+    res = generative_perplexity([r["text"] for r in records], model, tokenizer, batch_size, protocol, max_length,
+                                progress=False)
+    return _public(res)
+
+
+TEXT_TASKS = ("translation", "summarization")
+
+
 def add_arguments(p) -> None:
+    from elflow.generate import add_sampling_arguments
+
     p.add_argument("samples", nargs="?", help="JSONL of samples (the `text` field, as `elflow sample` writes)")
     p.add_argument("--field", default="text", help="JSONL field holding each sample's text")
-    p.add_argument("--task", choices=("unconditional", "translation", "summarization"), default="unconditional",
-                   help="unconditional: Gen-PPL + entropy; translation: BLEU; summarization: ROUGE-1/2/L")
+    p.add_argument("--task", default="unconditional", metavar="TASK",
+                   help="unconditional: Gen-PPL + entropy of SAMPLES or of --checkpoint's samples; "
+                        "translation / summarization: BLEU / ROUGE of SAMPLES against --references; "
+                        "wmt14-de-en, xsum or a FILE.jsonl of {input, output} pairs: generate with --checkpoint "
+                        "(a conditional model) on the validation set and score BLEU (wmt14-de-en, files by "
+                        "default) or ROUGE (xsum, or --metric rouge)")
+    p.add_argument("--metric", choices=("bleu", "rouge"), default=None,
+                   help="the score of a FILE.jsonl task (default bleu)")
     p.add_argument("--references", help="references for --task translation/summarization: a .jsonl file "
                    "(--reference-field) or a text file with one reference per line")
-    p.add_argument("--reference-field", default="text", help="JSONL field of the references")
+    p.add_argument("--reference-field", default=None,
+                   help="JSONL field of the references (default: text; output for a pairs FILE.jsonl)")
+    p.add_argument("--source-field", default="input", help="the source field of a pairs FILE.jsonl")
     g = p.add_argument_group("judge")
     g.add_argument("--judge", default="gpt2-large",
                    help="hub id or local folder with a causal LM and its tokenizer (offline: `elflow train-judge`)")
     g.add_argument("--judge-dtype", choices=tuple(DTYPES), default="fp32", help="judge precision")
     g.add_argument("--batch-size", type=int, default=8, help="judge batch size (does not change the result)")
     g.add_argument("--protocol", choices=PROTOCOLS, default="elf",
-                   help="elf: the spec; elf-official: the authors' target weights; mdlm: MDLM/Duo entropy")
+                   help="elf: the paper's; elf-official: the authors' target weights; mdlm: MDLM/Duo entropy")
     g.add_argument("--max-length", type=int, default=None, help="truncation length (default: judge context)")
     g.add_argument("--device", default=None, help="cuda / cpu (default: cuda when available)")
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print one JSON object instead of a summary")
     o.add_argument("--report", default=None, help="report file (default: next to the samples, or in --out)")
+    o.add_argument("--overwrite", action="store_true", help="replace an existing report and samples")
     s = p.add_argument_group("generate first (instead of SAMPLES)")
     s.add_argument("--checkpoint", default=None, help="run folder, checkpoint or hub id to sample from")
-    s.add_argument("--num", type=int, default=1000, help="samples per seed")
+    s.add_argument("--num", type=int, default=1000, help="samples per seed (conditional tasks: examples)")
     s.add_argument("--length", type=int, default=None, help="sequence length (default: the model's)")
-    s.add_argument("--steps", type=int, default=32)
-    s.add_argument("--sampler", choices=("ode", "sde", "vc"), default="sde")
-    s.add_argument("--gamma", type=float, default=1.5, help="SDE noise re-injection")
-    s.add_argument("--omega", type=float, default=3.0, help="self-conditioning guidance scale")
-    s.add_argument("--grid", default="logit_normal", help="sampling time grid")
-    s.add_argument("--seeds", type=int, nargs="+", default=[0], help="one sample set per seed; mean +- s.e.")
-    s.add_argument("--gen-batch-size", type=int, default=8, help="sampling batch size")
+    add_sampling_arguments(s)
+    s.add_argument("--seeds", type=int, nargs="+", default=None,
+                   help="one sample set per seed; mean +- s.e. (default: --seed, else 0)")
     s.add_argument("--out", default=None, help="folder for the samples and the report")
     s.add_argument("--encoder", default=None,
                    help="T5 encoder folder or hub id for the authors' checkpoints (default t5-small)")
@@ -392,7 +417,7 @@ def _run_text_task(args) -> int:
     hyps = read_texts(args.samples, args.field)
     if args.references is None:
         raise ELFError(f"--task {args.task} needs --references FILE (.jsonl or one reference per line)")
-    refs = _read_references(args.references, args.reference_field)
+    refs = _read_references(args.references, args.reference_field or "text")
     if len(refs) != len(hyps):
         raise ELFError(f"{args.samples} has {len(hyps)} hypotheses but {args.references} has {len(refs)} "
                        "references; they must pair up line by line")
@@ -409,9 +434,74 @@ def _run_text_task(args) -> int:
     return 0
 
 
+def _score(metric: str, hyps: list[str], refs: list[str]) -> tuple[dict, str]:
+    if metric == "bleu":
+        res = {"bleu": bleu(hyps, refs), "tokenize": "13a", "lowercase": True, "effective_order": True}
+        return res, f"BLEU {res['bleu']:.2f} ({len(hyps)} pairs)"
+    res = {**rouge(hyps, refs), "stemmer": True, "f1_x100": True}
+    return res, f"ROUGE-1 {res['rouge1']:.2f}  ROUGE-2 {res['rouge2']:.2f}  ROUGE-L {res['rougeL']:.2f}"
+
+
+def _validation_pairs(task: str, num: int, source_field: str, reference_field: str) -> tuple[list, list]:
+    from elflow.data import read_pairs
+    from elflow.generate import read_sources
+
+    if task.endswith(".jsonl"):
+        sources, refs = read_sources(task, source_field, reference_field)
+        if any(r is None for r in refs):
+            raise ELFError(f"{task}: every record needs a reference in {reference_field!r}")
+    else:
+        pairs = list(read_pairs(task, split="validation", max_documents=num))
+        sources, refs = [s for s, _ in pairs], [t for _, t in pairs]
+    return sources[:num], refs[:num]
+
+
+def _run_conditional_task(args) -> int:
+    from elflow.checkpoint import load_for_sampling
+    from elflow.data import PAIR_TASKS
+    from elflow.generate import generate, sampling_from_args, write_samples
+
+    task = args.task
+    if task not in PAIR_TASKS and not task.endswith(".jsonl"):
+        raise ELFError(f"unknown --task {task!r}: choose unconditional, translation, summarization, "
+                       f"{', '.join(PAIR_TASKS)} or a FILE.jsonl of pairs")
+    if args.checkpoint is None:
+        raise ELFError(f"--task {task} generates first: pass --checkpoint RUN (a conditional model)")
+    if args.num < 1:
+        raise ELFError(f"--num must be >= 1, got {args.num}")
+    metric = args.metric or (PAIR_TASKS[task]["metric"] if task in PAIR_TASKS else "bleu")
+    ckpt = Path(args.checkpoint).expanduser()
+    out = Path(args.out) if args.out else (ckpt if ckpt.is_dir() else Path("eval-" + ckpt.name)) / "eval"
+    name = Path(task).stem if task.endswith(".jsonl") else task
+    samples_path, report_path = out / f"{name}.samples.jsonl", Path(args.report or out / f"{name}.{metric}.json")
+    for path in (samples_path, report_path):
+        check_output(path, args.overwrite)
+    sources, refs = _validation_pairs(task, args.num, args.source_field, args.reference_field or "output")
+    loaded, space = load_for_sampling(args.checkpoint, device=args.device, space=args.encoder)
+    if not loaded.conditional:
+        raise ELFError(f"{args.checkpoint} is not a conditional model (it was not trained on pairs); "
+                       f"--task {task} needs one")
+    settings = sampling_from_args(loaded, args)
+    t0 = time.time()
+    records = generate(loaded.net, space, len(sources), settings, args.length, sources,
+                       loaded.settings["source_length"], progress=not args.json)
+    for r, ref in zip(records, refs):
+        r["reference"] = ref
+    write_samples(samples_path, records, {**settings.to_dict(), "checkpoint": str(args.checkpoint)},
+                  overwrite=args.overwrite)
+    res, summary = _score(metric, [r["text"] for r in records], refs)
+    report = {"task": task, "metric": metric, **res, "num_examples": len(records), **settings.to_dict(),
+              "checkpoint": str(args.checkpoint), "samples": str(samples_path), "seconds": time.time() - t0}
+    _emit(report, report_path, args.json, f"{summary}  ({len(records)} examples, {settings.sampler}, "
+          f"{settings.steps} steps, guidance {settings.guidance:g}, omega {settings.omega:g})")
+    return 0
+
+
 def run(args) -> int:
-    if args.task != "unconditional":
+    if args.task in TEXT_TASKS:
         return _run_text_task(args)
+    if args.task != "unconditional":
+        return _run_conditional_task(args)
     if (args.samples is None) == (args.checkpoint is None):
         raise ELFError("pass either SAMPLES.jsonl to judge, or --checkpoint RUN to sample first (not both)")
     t0 = time.time()
@@ -425,22 +515,28 @@ def run(args) -> int:
         _emit(report, path, args.json, _format(res))
         return 0
 
-    from elflow.generate import generate_texts, load_for_sampling
+    from elflow.checkpoint import load_for_sampling
+    from elflow.generate import sampling_from_args
 
-    model, tok = load_judge(args.judge, args.judge_dtype, args.device)
-    net, space = load_for_sampling(args.checkpoint, device=args.device, space=getattr(args, "encoder", None))
+    loaded, space = load_for_sampling(args.checkpoint, device=args.device, space=args.encoder,
+                                      max_length=args.length)
+    settings = sampling_from_args(loaded, args)
+    seeds = args.seeds or [settings.seed]
     ckpt = Path(args.checkpoint).expanduser()
-    tag = f"{args.sampler}_steps{args.steps}_omega{args.omega:g}" + (f"_gamma{args.gamma:g}" if args.sampler == "sde" else "")
+    tag = (f"{settings.sampler}_steps{settings.steps}_omega{settings.omega:g}"
+           + (f"_gamma{settings.gamma:g}" if settings.sampler != "ode" else ""))
     out = Path(args.out) if args.out else (ckpt if ckpt.is_dir() else Path("eval-" + ckpt.name)) / "eval" / tag
+    report_path = Path(args.report) if args.report else out / "report.json"
+    for path in [report_path] + [out / f"samples_seed{seed}.jsonl" for seed in seeds]:
+        check_output(path, args.overwrite)
+    model, tok = load_judge(args.judge, args.judge_dtype, args.device)
     per_seed = []
-    for seed in args.seeds:
-        texts = generate_texts(net, space, args.num, length=args.length, steps=args.steps, sampler=args.sampler,
-                               gamma=args.gamma, omega=args.omega, batch_size=args.gen_batch_size, seed=seed,
-                               grid=args.grid, device=args.device, progress=not args.json)
-        atomic_write_text(out / f"samples_seed{seed}.jsonl",
-                          "".join(json.dumps({"text": t, "seed": seed}) + "\n" for t in texts))
-        res = generative_perplexity(texts, model, tok, args.batch_size, args.protocol, args.max_length)
-        per_seed.append({"seed": seed, **_public(res)})
+    for seed in seeds:
+        s = replace(settings, seed=seed)
+        res = sample_and_judge(loaded.net, space, s, args.num, model, tok, out / f"samples_seed{seed}.jsonl",
+                               args.length, args.batch_size, args.protocol, args.max_length, not args.json,
+                               {"checkpoint": str(args.checkpoint)})
+        per_seed.append({"seed": seed, **res})
         if not args.json:
             print(f"seed {seed}: {_format(res)}")
     ppl, ppl_se = mean_and_stderr([r["gen_ppl"] for r in per_seed])
@@ -448,11 +544,10 @@ def run(args) -> int:
     report = {"gen_ppl": ppl, "gen_ppl_stderr": ppl_se, "entropy": ent, "entropy_stderr": ent_se,
               "num_samples": sum(r["num_samples"] for r in per_seed), "num_empty": sum(r["num_empty"] for r in per_seed),
               "num_tokens": sum(r["num_tokens"] for r in per_seed), "num_seeds": len(per_seed), **_settings(args),
-              "checkpoint": str(args.checkpoint), "num": args.num, "length": args.length, "steps": args.steps,
-              "sampler": args.sampler, "gamma": args.gamma, "omega": args.omega, "grid": args.grid,
-              "seeds": list(args.seeds), "per_seed": per_seed, "seconds": time.time() - t0}
+              "checkpoint": str(args.checkpoint), "num": args.num, "length": args.length, **settings.to_dict(),
+              "seeds": list(seeds), "per_seed": per_seed, "seconds": time.time() - t0}
     se = lambda x: f" +- {x:.3f}" if x is not None else ""  # noqa: E731
     summary = (f"gen_ppl {ppl:.3f}{se(ppl_se)}  entropy {ent:.4f}{se(ent_se)}  over {len(per_seed)} seed(s) "
-               f"({args.sampler}, {args.steps} steps, omega {args.omega:g})")
-    _emit(report, Path(args.report) if args.report else out / "report.json", args.json, summary)
+               f"({settings.sampler}, {settings.steps} steps, omega {settings.omega:g})")
+    _emit(report, report_path, args.json, summary)
     return 0

@@ -15,6 +15,7 @@ trained pass is reused, detached (exact when dropout is 0, as in every released 
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from dataclasses import asdict, dataclass, fields
@@ -26,8 +27,9 @@ import torch.nn.functional as F
 from elflow.schedules import sample_decode_level, sample_guidance, sample_time, time_grid
 
 __all__ = [
-    "Recipe", "Draw", "draw_training_noise", "elf_loss", "TIME_BINS",
-    "euler_step", "ode_step", "sde_step", "vc_step", "STEPS", "sample_loop", "generate_tokens", "decode_tokens",
+    "Recipe", "Draw", "draw_training_noise", "elf_loss", "TIME_BINS", "time_bin", "time_bin_labels",
+    "euler_step", "ode_step", "sde_step", "SAMPLERS", "check_sampling_args", "sample", "decode_tokens",
+    "generate_tokens",
 ]
 
 
@@ -92,91 +94,77 @@ def _index(mask: torch.Tensor, device) -> torch.Tensor:
 
 
 def elf_loss(net, x: torch.Tensor, tokens: torch.Tensor, draw: Draw, recipe: Recipe = Recipe(),
-             mask: torch.Tensor | None = None, source_len: int = 0):
-    """The ELF objective of one batch, both branches mixed per row.
+             valid: torch.Tensor | None = None, known: torch.Tensor | None = None, trained=None):
+    """The ELF objective of one batch whose rows are in either branch. Returns (loss, rows).
 
-    x (B, L, C) clean embeddings, tokens (B, L) their ids, mask (B, L) positions that count in the loss
-    (padding excluded), source_len: the first positions hold a clean source (conditional data) that is
-    never noised and never scored. Returns (loss, metrics) with metrics as tensors (no host sync):
-    sums and counts, so that they add up across steps and ranks.
+    x (B, L, C) clean embeddings, tokens (B, L) their ids, valid (B, L) bool positions scored (None: all),
+    known (B, L) bool positions of a clean source (conditional data): pinned to x on denoise rows, never
+    scored, zeroed on rows whose source is dropped. `trained` is the trained pass (net.mixed, or a wrapper
+    of it such as DistributedDataParallel(MixedPass(net))). rows holds per-row tensors (no host sync):
+    "denoise" and "decode" losses (0 on rows of the other branch), "correct" and "scored" decode tokens.
     """
     B, L, C = x.shape
     dev = x.device
-    dec_rows = draw.decode.to(dev)[:, None, None]
+    trained = trained if trained is not None else net.mixed
+    is_dec = draw.decode.to(dev)
     t = draw.t[:, None, None]
     clip = (1 - t).clamp_min(recipe.t_eps)  # (B, 1, 1)
+    known = torch.zeros(B, L, dtype=torch.bool, device=dev) if known is None else known.to(dev, torch.bool)
+    x = x.masked_fill((known & draw.drop_source.to(dev)[:, None])[..., None], 0.0)  # a dropped source is zeros
+    pin = (known & ~is_dec[:, None])[..., None]  # (B, L, 1): the source stays clean on denoise rows
 
-    if source_len:
-        keep = (~draw.drop_source).to(dev, x.dtype)[:, None, None]
-        source = torch.arange(L, device=dev)[None, :, None] < source_len  # (1, L, 1)
-        x = torch.where(source, x * keep, x)  # a dropped source is zeroed
-    z_denoise = t * x + (1 - t) * recipe.noise_scale * draw.eps
-    z_decode = draw.p * x + (1 - draw.p) * recipe.decode_noise_scale * draw.eps
-    z = torch.where(dec_rows, z_decode, z_denoise)  # (B, L, C)
-    if source_len:
-        z = torch.where(source, x, z)  # the source stays clean
+    # noise: the flow path on denoise rows, per-token corruption of every position on decode rows
+    z = torch.where(is_dec[:, None, None], draw.p * x + (1 - draw.p) * recipe.decode_noise_scale * draw.eps,
+                    t * x + (1 - t) * recipe.noise_scale * draw.eps)
+    z = torch.where(pin, x, z)
 
-    # the self-conditioning input: x0 = net([z, 0]) without gradient, on the self-conditioned rows only
-    x_prev = torch.zeros_like(z)
+    # self-conditioning slot: the clean source, and on self-conditioned rows the guess of a no-grad pass
+    slot = torch.where(pin, x, torch.zeros_like(x))
     sc = _index(draw.self_cond, dev)
     if len(sc):
         with torch.no_grad():
-            x0 = net(z[sc], draw.t[sc], draw.omega[sc])
-        x_prev = x_prev.index_copy(0, sc, x0.to(x_prev.dtype))
+            guess = net(z[sc], draw.t[sc], draw.omega[sc], slot[sc])
+        slot = slot.index_copy(0, sc, torch.where(pin[sc], x[sc], guess.to(x.dtype)))
 
-    # the trained pass: one forward for every row, each with its own mode gate
-    # (through forward, so that a DistributedDataParallel wrapper sees it); logits only on decode rows,
-    # since the vocabulary projection is the costly part, and empty when there is none (DDP's graph stays whole)
+    # the trained pass, every row with its own mode gate; logits only on decode rows
     dec = _index(draw.decode, dev)
-    x_pred, logits = net(z, draw.t, draw.omega, x_prev, decode_gate=draw.decode.to(dev, torch.float32),
-                         logits_rows=dec)  # (B, L, C), (Bd, L, V)
+    x_pred, logits = trained(z, draw.t, draw.omega, slot, is_dec.float(), dec)  # (B, L, C), (Bd, L, V)
 
-    # target = v + (1 - 1/omega)(v_cond - v_uncond), with v_cond from this very pass (detached) and
-    # v_uncond from the x0 pass; rows without self-conditioning keep the plain target v.
+    # target = v + (1 - 1/omega)(v_cond - v_uncond) on self-conditioned rows: v_cond from this pass (detached),
+    # v_uncond from the slot's pass; other rows keep v
     v = (x - z) / clip
     v_pred = (x_pred - z) / clip
     v_cond = (x_pred.detach() - z) / clip
-    v_uncond = (x_prev - z) / clip
+    v_uncond = (slot - z) / clip
     k = torch.where(draw.self_cond.to(dev), 1 - 1 / draw.omega, torch.zeros_like(draw.omega))[:, None, None]
-    target = v + k * (v_cond - v_uncond)
-    err = (v_pred - target).pow(2).mean(-1)  # (B, L)
+    err = (v_pred - (v + k * (v_cond - v_uncond))).pow(2).mean(-1)  # (B, L)
 
-    valid = torch.ones(B, L, dtype=torch.bool, device=dev) if mask is None else mask.to(dev, torch.bool)
-    if source_len:
-        valid = valid & ~source[..., 0]
-    w = valid.float()
-    n_valid = w.sum(-1).clamp_min(1)
-    denoise_row = (err * w).sum(-1) / n_valid  # (B,)
+    w = (~known).float() if valid is None else (valid.to(dev, torch.bool) & ~known).float()
+    n = w.sum(-1).clamp_min(1)
+    denoise = torch.where(is_dec, torch.zeros_like(n), (err * w).sum(-1) / n)  # (B,)
+    ce = F.cross_entropy(logits.float().transpose(1, 2), tokens[dec], reduction="none")  # (Bd, L)
+    decode = torch.zeros_like(n).index_copy(0, dec, (ce * w[dec]).sum(-1) / n[dec])
+    correct = torch.zeros_like(n).index_copy(0, dec, ((logits.argmax(-1) == tokens[dec]).float() * w[dec]).sum(-1))
+    loss = (denoise.sum() + decode.sum()) / B  # expected weights 0.8 / 0.2, as one branch per device
+    rows = {"denoise": denoise.detach(), "decode": decode.detach(), "correct": correct,
+            "scored": w.sum(-1) * is_dec.float()}
+    return loss, rows
 
-    # decode branch
-    ce = F.cross_entropy(logits.transpose(1, 2), tokens[dec], reduction="none")  # (Bd, L)
-    decode_row = (ce * w[dec]).sum(-1) / n_valid[dec]
-    correct = ((logits.argmax(-1) == tokens[dec]).float() * w[dec]).sum()
 
-    is_dec = draw.decode.to(dev)
-    denoise_row = torch.where(is_dec, torch.zeros_like(denoise_row), denoise_row)
-    loss = (denoise_row.sum() + decode_row.sum()) / B  # expected weights 0.8 / 0.2, as one branch per device
+def time_bin(t: torch.Tensor) -> torch.Tensor:
+    """The index of each time's bin in TIME_BINS, (B,) long."""
+    return torch.bucketize(t, torch.tensor(TIME_BINS[1:-1], device=t.device, dtype=t.dtype))
 
-    # per-bin denoising loss, as sums and counts
-    edges = torch.tensor(TIME_BINS[1:-1], device=dev)
-    bins = torch.bucketize(draw.t.detach(), edges)
-    den = (~is_dec).float()
-    nb = len(TIME_BINS) - 1
-    metrics = {
-        "loss": loss.detach(),
-        "denoise_sum": denoise_row.detach().sum(), "denoise_n": den.sum(),
-        "decode_sum": decode_row.detach().sum(), "decode_n": is_dec.float().sum(),
-        "decode_correct": correct.detach(), "decode_tokens": w[dec].sum(),
-        "bin_sum": torch.zeros(nb, device=dev).index_add(0, bins, denoise_row.detach() * den),
-        "bin_n": torch.zeros(nb, device=dev).index_add(0, bins, den),
-    }
-    return loss, metrics
+
+def time_bin_labels() -> list[str]:
+    return [f"t{TIME_BINS[i]:.1f}-{TIME_BINS[i + 1]:.1f}" for i in range(len(TIME_BINS) - 1)]
 
 
 # ----------------------------------------------------------------------------------------------------------
-# samplers: a loop over a time grid with a swappable step
+# sampling: one loop over a time grid with a swappable step
 #
-# A denoiser is any callable (z, t, x_prev) -> x_pred with z (B, L, C), t (B,), x_prev (B, L, C) or None.
+# A step maps (denoise, z, t, t_next, x_prev) -> (z_next, x); denoise(z, t, x_prev) -> (x, v) is the network
+# with everything else bound (omega, guidance, known positions). The velocity is v = (x - z) / max(1 - t, t_eps).
 
 
 def euler_step(z, t, t_next, x_pred, t_eps: float = 0.05):
@@ -184,78 +172,43 @@ def euler_step(z, t, t_next, x_pred, t_eps: float = 0.05):
     return z + (t_next - t) * (x_pred - z) / (1 - t).clamp_min(t_eps)
 
 
-def ode_step(denoise, z, t, t_next, x_prev, noise, gamma, noise_scale, t_eps, generator):
-    x_pred = denoise(z, t.expand(z.shape[0]), x_prev)
-    return euler_step(z, t, t_next, x_pred, t_eps), x_pred
+def ode_step(denoise, z, t, t_next, x_prev):
+    """Euler: z' = z + (t' - t) v(z, t)."""
+    x, v = denoise(z, t, x_prev)
+    return z + (t_next - t) * v, x
 
 
-def _backed_off_step(denoise, z, t, t_next, x_prev, noise, gamma, noise_scale, t_eps, generator, consistent):
+def sde_step(denoise, z, t, t_next, x_prev, *, gamma, noise, generator, noise_scale, pin, consistent=False):
+    """Back off to t_b = alpha t, alpha = clip(1 - gamma (t' - t), 0, 1), re-noise z_b = alpha z + std e, then
+    Euler from t_b to t'. The released step has std = (1 - alpha) noise_scale; the variance-consistent one
+    (consistent=True) has std = noise_scale sqrt((1 - t_b)^2 - alpha^2 (1 - t)^2), so that z_b carries exactly
+    the path's noise level at t_b. `pin` puts known positions back after the re-noising."""
     alpha = (1 - gamma * (t_next - t)).clamp(0, 1)
     t_b = alpha * t
-    if consistent:  # fresh noise so that z_b carries exactly the path's noise level at t_b
+    if consistent:
         std = noise_scale * ((1 - t_b) ** 2 - (alpha * (1 - t)) ** 2).clamp_min(0).sqrt()
-    else:  # the released code's version
+    else:
         std = (1 - alpha) * noise_scale
-    noise.normal_(generator=generator)
-    z_b = alpha * z + std * noise
-    x_pred = denoise(z_b, t_b.expand(z.shape[0]), x_prev)
-    return euler_step(z_b, t_b, t_next, x_pred, t_eps), x_pred
+    noise.normal_(generator=generator)  # one N(0, 1) draw of z's shape per step, into a buffer made once
+    z_b = pin(alpha * z + std * noise)
+    x, v = denoise(z_b, t_b, x_prev)
+    return z_b + (t_next - t_b) * v, x
 
 
-def sde_step(*args):
-    """The released SDE-style step: back off to t_b = alpha t, z_b = alpha z + (1 - alpha) 2 e, then Euler."""
-    return _backed_off_step(*args, consistent=False)
+SAMPLERS = ("ode", "sde", "vc")
 
 
-def vc_step(*args):
-    """Variance-consistent re-noising: like sde_step, with noise std 2 sqrt((1 - t_b)^2 - alpha^2 (1 - t)^2)."""
-    return _backed_off_step(*args, consistent=True)
-
-
-STEPS: dict[str, Callable] = {"ode": ode_step, "sde": sde_step, "vc": vc_step}
-
-
-def sample_loop(denoise, z: torch.Tensor, grid: torch.Tensor, step: str = "sde", gamma: float = 1.5,
-                noise_scale: float = 2.0, t_eps: float = 0.05, generator: torch.Generator | None = None,
-                callback: Callable | None = None):
-    """Integrate from z at grid[0] to grid[-1] = 1. Returns (z_final, x_pred_last).
-
-    Every interval but the last uses `step`; the last is a plain Euler step (it lands on the guess).
-    The previous guess is fed back as the self-conditioning input. `callback(i, t, z, x_pred)` sees each
-    step's guess. Grid and noise buffers are allocated once; no host sync inside the loop.
-    """
-    if step not in STEPS:
-        raise ValueError(f"unknown sampler step {step!r}; choose one of {', '.join(STEPS)}")
-    if gamma < 0:
-        raise ValueError(f"gamma must be >= 0, got {gamma}")
-    grid = grid.to(z.device, torch.float32)
-    n = grid.numel() - 1
-    if n < 1:
-        raise ValueError("the time grid needs at least two points (steps >= 1)")
-    step_fn = STEPS[step]
-    noise = torch.empty_like(z) if step != "ode" else None
-    x_prev = None
-    for i in range(n - 1):
-        z, x_prev = step_fn(denoise, z, grid[i], grid[i + 1], x_prev, noise, gamma, noise_scale, t_eps, generator)
-        if callback is not None:
-            callback(i, grid[i], z, x_prev)
-    x_prev = denoise(z, grid[n - 1].expand(z.shape[0]), x_prev)
-    z = euler_step(z, grid[n - 1], grid[n], x_prev, t_eps)
-    if callback is not None:
-        callback(n - 1, grid[n - 1], z, x_prev)
-    return z, x_prev
-
-
-def decode_tokens(net, z: torch.Tensor, omega: torch.Tensor) -> torch.Tensor:
-    """The single decode pass at t = 1 with a zero self-conditioning input: (B, L, C) -> token ids (B, L)."""
-    return net(z, torch.ones(z.shape[0], device=z.device), omega, decode=True).argmax(-1)
-
-
-def check_sampling_args(steps: int, gamma: float, omega: float, recipe: Recipe = Recipe()) -> None:
+def check_sampling_args(steps: int, gamma: float, omega: float, guidance: float = 1.0, sampler: str = "sde",
+                        recipe: Recipe = Recipe()) -> None:
+    """ValueError for settings no sampler can use; a warning for an omega outside the trained range."""
+    if sampler not in SAMPLERS:
+        raise ValueError(f"unknown sampler {sampler!r}; choose one of {', '.join(SAMPLERS)}")
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
     if not math.isfinite(gamma) or gamma < 0:
         raise ValueError(f"gamma must be a finite number >= 0, got {gamma}")
+    if not math.isfinite(guidance) or guidance < 0:
+        raise ValueError(f"guidance must be a finite number >= 0, got {guidance}")
     if not math.isfinite(omega):
         raise ValueError(f"omega must be finite, got {omega}")
     if not recipe.omega_low <= omega <= recipe.omega_high:
@@ -263,20 +216,90 @@ def check_sampling_args(steps: int, gamma: float, omega: float, recipe: Recipe =
                       f"[{recipe.omega_low}, {recipe.omega_high}]; results may be poor", stacklevel=3)
 
 
+def sample(net, z0: torch.Tensor, grid: torch.Tensor, *, sampler: str = "sde", gamma: float = 1.5,
+           omega=3.0, guidance: float = 1.0, known: torch.Tensor | None = None,
+           known_mask: torch.Tensor | None = None, generator: torch.Generator | None = None,
+           noise_scale: float = 2.0, t_eps: float = 0.05, callback: Callable | None = None):
+    """Integrate z0 (B, L, C) over the time grid (grid[0] = 0 ... grid[-1] = 1): returns (z_final, x_last).
+
+    net(z, t, omega, x_prev) -> x is called once per step (twice when guidance != 1 with known positions).
+    Every interval but the last uses `sampler` ("ode", "sde" or "vc"); the last is a plain Euler step, which
+    lands on the guess. The previous guess fills the self-conditioning slot (zeros at the first step).
+
+    known (B, L, C) clean embeddings and known_mask (B, L) bool mark positions held fixed (a conditional
+    model's source, a prompt, a suffix): z and the guess are the clean values there and v = 0, and the first
+    slot holds them. With guidance g != 1 a second pass sees z and the slot with the known positions zeroed
+    (the source dropped) and v = v_u + g (v_c - v_u), x = x_u + g (x_c - x_u). Without known positions
+    guidance has nothing to act on and costs no pass. `callback(i, t, z, x)` sees each step's guess.
+    No host sync inside the loop; the noise buffer is allocated once.
+    """
+    n = grid.numel() - 1
+    if n < 1:
+        raise ValueError("the time grid needs at least two points (steps >= 1)")
+    if sampler not in SAMPLERS:
+        raise ValueError(f"unknown sampler {sampler!r}; choose one of {', '.join(SAMPLERS)}")
+    B = z0.shape[0]
+    grid = grid.to(z0.device, torch.float32)
+    w = omega if isinstance(omega, torch.Tensor) else torch.full((B,), float(omega), device=z0.device)
+    if known is None:
+        keep = None
+        def pin(a):  # noqa: E301
+            return a
+        x_prev = None
+    else:
+        keep = known_mask.to(z0.device, torch.bool)[..., None]  # (B, L, 1)
+        known = known.to(z0.device, z0.dtype)
+        def pin(a):  # noqa: E301
+            return torch.where(keep, known, a)
+        x_prev = torch.where(keep, known, torch.zeros_like(z0))
+    guided = keep is not None and guidance != 1.0
+
+    def denoise(z, t, slot):
+        tt = t.expand(B)
+        clip = (1 - t).clamp_min(t_eps)
+        x = net(z, tt, w, slot)
+        if keep is None:
+            return x, (x - z) / clip
+        v = torch.where(keep, 0.0, (x - z) / clip)
+        if guided:  # the unconditional pass: the known positions dropped, its outputs zero there
+            z_u, s_u = z.masked_fill(keep, 0.0), slot.masked_fill(keep, 0.0)
+            x_u = net(z_u, tt, w, s_u).masked_fill(keep, 0.0)
+            v_u = ((x_u - z_u) / clip).masked_fill(keep, 0.0)
+            v = v_u + guidance * (v - v_u)
+            x = x_u + guidance * (x - x_u)
+        return pin(x), v
+
+    if sampler == "ode":
+        step = ode_step
+    else:
+        step = functools.partial(sde_step, gamma=gamma, noise=torch.empty_like(z0), generator=generator,
+                                 noise_scale=noise_scale, pin=pin, consistent=sampler == "vc")
+    z = pin(z0)
+    for i in range(n):
+        z, x_prev = (step if i < n - 1 else ode_step)(denoise, z, grid[i], grid[i + 1], x_prev)
+        if callback is not None:
+            callback(i, grid[i], z, x_prev)
+    return z, x_prev
+
+
+def decode_tokens(net, z: torch.Tensor, omega) -> torch.Tensor:
+    """The single decode pass (t = 1, zero self-conditioning slot, mode tokens on): (B, L, C) -> ids (B, L)."""
+    w = omega if isinstance(omega, torch.Tensor) else torch.full((z.shape[0],), float(omega), device=z.device)
+    return net.decode(z, w).argmax(-1)
+
+
 @torch.no_grad()
 def generate_tokens(net, batch: int, length: int, steps: int = 32, sampler: str = "sde", gamma: float = 1.5,
-                    omega: float = 3.0, grid: str = "logit_normal", generator: torch.Generator | None = None,
-                    recipe: Recipe = Recipe(), device=None, callback: Callable | None = None):
-    """Sample `batch` passages of `length` positions: returns (tokens (B, L), z_final (B, L, C))."""
-    check_sampling_args(steps, gamma, omega, recipe)
+                    omega: float = 3.0, grid: str = "logit_normal", guidance: float = 1.0, known=None,
+                    known_mask=None, generator: torch.Generator | None = None, recipe: Recipe = Recipe(),
+                    device=None, callback: Callable | None = None):
+    """Draw z0 = noise_scale N(0, 1) and a fresh time grid, sample, decode: (ids (B, L), z_final (B, L, C))."""
+    check_sampling_args(steps, gamma, omega, guidance, sampler, recipe)
     device = device or next(net.parameters()).device
-    C = net.config.dim
-    z = recipe.noise_scale * torch.randn(batch, length, C, generator=generator, device=device)
-    times = time_grid(steps, grid, generator=generator, device=device)  # a fresh grid per batch
+    z0 = recipe.noise_scale * torch.randn(batch, length, net.config.dim, generator=generator, device=device)
+    times = time_grid(steps, grid, generator=generator, device=device)
     w = torch.full((batch,), float(omega), device=device)
-
-    def denoise(z_, t_, x_prev):
-        return net(z_, t_, w, x_prev)
-
-    z, _ = sample_loop(denoise, z, times, sampler, gamma, recipe.noise_scale, recipe.t_eps, generator, callback)
+    z, _ = sample(net, z0, times, sampler=sampler, gamma=gamma, omega=w, guidance=guidance, known=known,
+                  known_mask=known_mask, generator=generator, noise_scale=recipe.noise_scale, t_eps=recipe.t_eps,
+                  callback=callback)
     return decode_tokens(net, z, w), z

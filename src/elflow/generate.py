@@ -1,207 +1,300 @@
-"""`elflow sample`: load a network (an elflow run or checkpoint, or the authors' released checkpoint) with its
-EMA weights and embedding space, generate passages, and write them as JSONL.
+"""From a loaded model to texts: `elflow sample`.
 
-    load_network(path)        -> ELF in eval mode with the EMA weights
-    load_for_sampling(path)   -> (ELF, embedding space)
-    generate_texts(net, space, num, ...) -> list of texts (cut at the first EOS, special tokens skipped)
+    SamplingSettings             the sampler's settings, defined once (sample, eval, sweep, quickstart)
+    conditioning(...)            texts -> the positions held fixed: a source, a prompt, a suffix
+    generate(net, space, n, s)   -> records {"index", "text", ...}; batch i is seeded by (seed, i)
+    write_samples(path, ...)     the one JSONL writer (atomic; every line holds the settings it was made with)
+
+A conditional model's source, an unconditional model's prompt (fixed at the start) and suffix (fixed at the
+end) all take one path: their positions are encoded so that known tokens attend only to known tokens, held
+at their clean embeddings during sampling (`flow.sample(known=..., known_mask=...)`), and kept as they are in
+the output.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import sys
+import warnings
 from contextlib import nullcontext
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import torch
 
-from elflow.flow import Recipe, check_sampling_args, decode_tokens, generate_tokens
-from elflow.model import ELF, ELFConfig
-from elflow.utils import ELFError, atomic_write
+from elflow.checkpoint import Loaded, few_step_defaults, load_for_sampling
+from elflow.data import encoder_mask, pair_layout
+from elflow.flow import check_sampling_args, decode_tokens, generate_tokens
+from elflow.utils import ELFError, atomic_write, check_output
 
-__all__ = ["load_network", "load_for_sampling", "generate_texts", "generate_batch", "add_arguments", "run"]
-
-AUTHORS_SPACE = {"kind": "t5", "name": "t5-small", "latent_std": 0.2}  # the released models' space
-
-
-def _is_hub_id(s: str) -> bool:
-    return "/" in s and not os.path.exists(s) and s.count("/") == 1 and not s.startswith((".", "/", "~"))
+__all__ = ["SamplingSettings", "settings_for", "conditioning", "extract_targets", "generate", "write_samples",
+           "add_sampling_arguments", "add_arguments", "run"]
 
 
-def _download(repo_id: str) -> Path:
-    try:
-        from huggingface_hub import snapshot_download
-    except ImportError:
-        raise ELFError("loading from the Hugging Face Hub needs huggingface_hub: pip install huggingface_hub") from None
-    try:
-        return Path(snapshot_download(repo_id, allow_patterns=["checkpoint_*", "*.json", "*.yml", "*.yaml", "*.md"]))
-    except Exception as e:
-        raise ELFError(f"cannot fetch {repo_id!r} from the Hugging Face Hub ({type(e).__name__}: "
-                       f"{str(e).splitlines()[0][:160]}). Without a hub, download the checkpoint_<step> file "
-                       "elsewhere and pass its path.") from None
+@dataclass(frozen=True)
+class SamplingSettings:
+    """How to sample: the step count, the step kind and its back-off gamma, the self-conditioning guidance
+    omega, the source guidance (conditional models), the time grid, the seed, the batch size and the
+    autocast precision."""
 
+    steps: int = 32
+    sampler: str = "sde"
+    gamma: float = 1.5
+    omega: float = 3.0
+    guidance: float = 1.0
+    grid: str = "logit_normal"
+    seed: int = 0
+    batch_size: int = 8
+    dtype: str = "fp32"
 
-def _official_length(folder: Path, default: int = 1024) -> int:
-    """max_length from a config.json next to the authors' checkpoint, if there is one."""
-    f = folder / "config.json"
-    if f.exists():
+    def check(self) -> "SamplingSettings":
         try:
-            return int(json.loads(f.read_text()).get("max_length", default))
-        except (ValueError, json.JSONDecodeError, AttributeError):
-            pass
-    return default
+            check_sampling_args(self.steps, self.gamma, self.omega, self.guidance, self.sampler)
+        except ValueError as e:
+            raise ELFError(str(e)) from None
+        if self.batch_size < 1:
+            raise ELFError(f"the batch size must be >= 1, got {self.batch_size}")
+        if self.grid not in ("logit_normal", "uniform"):
+            raise ELFError(f"grid must be 'logit_normal' or 'uniform', got {self.grid!r}")
+        return self
+
+    def to_dict(self) -> dict:
+        return asdict(self)
 
 
-def load_weights(path: str | os.PathLike, use_ema: bool = True, max_length: int | None = None):
-    """-> (ELFConfig, state dict, space spec, info dict) for an elflow run/checkpoint or the authors' format."""
-    from elflow.checkpoint import is_elflow_checkpoint, load_checkpoint, resolve_checkpoint
-    from elflow.official import find_official_file, infer_config, read_official_checkpoint
-
-    s = str(path)
-    p = Path(s).expanduser()
-    if _is_hub_id(s):
-        p = _download(s)
-    if not p.exists():
-        raise ELFError(f"{s}: no such file or folder (nor a hub id of the form owner/name)")
-    if is_elflow_checkpoint(p) or (p / "checkpoints").is_dir():
-        ckpt = resolve_checkpoint(p)
-        blob = load_checkpoint(ckpt, with_optimizer=False)
-        st = blob["state"]
-        cfg = ELFConfig.from_dict({**st["model"], "grad_checkpoint": False})
-        sd = blob["ema" if use_ema else "model"]
-        sd = {k: v for k, v in sd.items() if not k.startswith("space.")}
-        if max_length and max_length > cfg.max_length:
-            cfg = cfg.replace(max_length=max_length)
-        return cfg, sd, st["space"], {"format": "elflow", "checkpoint": str(ckpt), "space_id": st.get("space_id"),
-                                       "recipe": st.get("train", {}).get("recipe", {})}
-    f = find_official_file(p)
-    sd = read_official_checkpoint(f, which="ema_params1" if use_ema else "params")
-    length = max_length or _official_length(f.parent)
-    cfg = infer_config(sd, max_length=length)
-    return cfg, sd, dict(AUTHORS_SPACE), {"format": "official", "checkpoint": str(f), "recipe": {}}
+def settings_for(loaded: Loaded, **given) -> SamplingSettings:
+    """The model's own defaults (a conditional or distilled model's recipe), overridden by the values given
+    (None = not given)."""
+    stored = dict(loaded.settings.get("sampling") or {})
+    steps = given.get("steps") or stored.get("steps")
+    if loaded.settings.get("distilled_steps") or loaded.settings.get("distilled"):
+        n = steps or loaded.settings.get("distilled_steps") or 8
+        stored = {**few_step_defaults(n), **stored, "steps": n}
+    names = {f.name for f in fields(SamplingSettings)}
+    chosen = {k: v for k, v in stored.items() if k in names}
+    chosen.update({k: v for k, v in given.items() if k in names and v is not None})
+    return replace(SamplingSettings(), **chosen).check()
 
 
-def load_network(path: str | os.PathLike, device=None, use_ema: bool = True, max_length: int | None = None) -> ELF:
-    """The network of a run, checkpoint or released model, with its EMA weights, in eval mode."""
-    from elflow.official import build_from_state_dict
-
-    cfg, sd, _, _ = load_weights(path, use_ema=use_ema, max_length=max_length)
-    net = build_from_state_dict(sd, config=cfg)
-    return net.to(device or "cpu").eval()
+# ----------------------------------------------------------------------------------------------------------
+# known positions
 
 
-def load_for_sampling(path_or_hub_id, device=None, dtype=None, space=None, use_ema: bool = True,
-                      max_length: int | None = None):
-    """(network, embedding space). `space` overrides the stored one: a build_space spec, a folder or hub id
-    of a T5 encoder (for the authors' checkpoints offline), or a ready space object."""
-    from elflow.encoders import EmbeddingSpace, build_space, check_compatible
-    from elflow.official import build_from_state_dict
-
-    cfg, sd, spec, info = load_weights(path_or_hub_id, use_ema=use_ema, max_length=max_length)
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    net = build_from_state_dict(sd, config=cfg).to(device).eval()
-    if isinstance(space, EmbeddingSpace):
-        sp = space
-    elif isinstance(space, dict):
-        sp = build_space(space, device=device)
-    elif isinstance(space, str) and space:
-        sp = build_space({**spec, "name": space} if spec.get("kind") in ("t5", "hf") else {"kind": "t5", "name": space,
-                                                                                         "latent_std": 0.2},
-                         device=device)
+def conditioning(space, length: int, batch: int, sources: list[str] | None = None, source_length: int | None = None,
+                 prompt: str | None = None, suffix: str | None = None, device=None):
+    """(known ids (B, L) long, known_mask (B, L) bool, known (B, L, C) clean embeddings), or None if nothing
+    is held fixed. `sources` (one per row) fill the first positions of a conditional model's rows, cut to
+    `source_length`; `prompt` the first positions and `suffix` the last positions of every row."""
+    if sources is None and prompt is None and suffix is None:
+        return None
+    pad = space.pad_id
+    if sources is not None:
+        if not source_length:
+            raise ELFError("this model was not trained on pairs: a source means nothing to it; "
+                           "to continue a text, pass --prompt")
+        src_ids = space.tokenize(sources, eos=False)
+        empty = [i for i, s in enumerate(src_ids) if not s]
+        if empty:
+            raise ELFError(f"source {empty[0] + 1} is empty (after tokenization); every row needs a source")
+        cut = sum(len(s) > source_length for s in src_ids)
+        if cut:
+            print(f"warning: {cut} of {len(src_ids)} sources are longer than {source_length} tokens and were cut",
+                  file=sys.stderr)
+        lay = pair_layout(src_ids, [[] for _ in src_ids], length, source_length, pad)
+        ids, known_mask = lay["ids"], lay["source_mask"]
     else:
-        sp = build_space(spec, device=device)
-    if info.get("space_id"):
-        check_compatible(info["space_id"], sp)
-    if sp.dim != cfg.dim or sp.vocab_size < cfg.vocab_size:
-        raise ELFError(f"the embedding space ({sp.space_id}: dim {sp.dim}, vocabulary {sp.vocab_size}) does not fit "
-                       f"the network (dim {cfg.dim}, vocabulary {cfg.vocab_size})")
-    net.elflow_info = info
-    return net, sp
+        head = space.tokenize([prompt], eos=False)[0] if prompt else []
+        tail = space.tokenize([suffix], eos=False)[0] if suffix else []
+        if prompt is not None and not head or suffix is not None and not tail:
+            raise ELFError("the prompt or suffix is empty after tokenization")
+        if len(head) + len(tail) >= length:
+            raise ELFError(f"the prompt and suffix take {len(head) + len(tail)} tokens, but a sample has "
+                           f"{length} positions: shorten them or pass a larger --length")
+        row = torch.full((length,), pad, dtype=torch.long)
+        mask = torch.zeros(length, dtype=torch.bool)
+        row[: len(head)] = torch.tensor(head, dtype=torch.long)
+        mask[: len(head)] = True
+        if tail:
+            row[length - len(tail):] = torch.tensor(tail, dtype=torch.long)
+            mask[length - len(tail):] = True
+        ids, known_mask = row.expand(batch, length).clone(), mask.expand(batch, length).clone()
+    ids, known_mask = ids.to(device), known_mask.to(device)
+    x = space.encode(ids, encoder_mask(known_mask, known_mask)).float()  # known tokens see only known tokens
+    return ids, known_mask, x * known_mask[..., None]
 
 
-def _autocast(device, dtype):
-    if dtype in ("bf16", torch.bfloat16):
+def extract_targets(ids: torch.Tensor, source_len: torch.Tensor, keep: int, eos_id: int) -> torch.Tensor:
+    """A conditional model's outputs: each row shifted left by its source length, the first `keep` positions
+    kept (positions past the row's end read `eos_id`), every id from the first EOS on set to EOS. (B, keep)."""
+    B, L = ids.shape
+    pos = source_len.to(ids.device)[:, None] + torch.arange(keep, device=ids.device)[None, :]  # (B, keep)
+    out = ids.gather(1, pos.clamp(max=L - 1)).masked_fill(pos >= L, eos_id)
+    after = (out == eos_id).long().cumsum(1) > 0
+    return out.masked_fill(after, eos_id)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# texts
+
+
+def _autocast(device, dtype: str):
+    if dtype == "bf16":
         return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
     return nullcontext()
 
 
+def _texts(space, ids: torch.Tensor, known_ids, known_mask, source_len, keep: int | None) -> list[str]:
+    """Decoded texts: a conditional model's target; otherwise the whole row with the known tokens as given and
+    the generated stretch between prompt and suffix cut at its first EOS."""
+    if source_len is not None:
+        return space.decode(extract_targets(ids, source_len, keep, space.eos_id).cpu())
+    if known_mask is None:
+        return space.decode(ids.cpu())
+    eos = space.eos_id
+    texts = []
+    for row, k, m in zip(ids.cpu().tolist(), known_ids.cpu().tolist(), known_mask.cpu().tolist()):
+        head = m.index(False)
+        tail = len(m) - m[::-1].index(False)
+        middle = row[head:tail]
+        middle = middle[: middle.index(eos)] if eos in middle else middle
+        texts.append(space.tokenizer.decode(k[:head] + middle + k[tail:], skip_special_tokens=True))
+    return texts
+
+
 @torch.no_grad()
-def generate_batch(net, batch: int, length: int, steps: int = 32, sampler: str = "sde", gamma: float = 1.5,
-                   omega: float = 3.0, seed: int = 0, grid: str = "logit_normal", dtype=None,
-                   trajectory_steps=None, recipe: Recipe = Recipe()):
-    """One batch of token ids (B, L), and the decoded guesses at the chosen steps if asked."""
-    device = next(net.parameters()).device
-    g = torch.Generator(device=device).manual_seed(seed)
-    seen = {}
-
-    def keep(i, t, z, x_pred):
-        if trajectory_steps is not None and i in trajectory_steps:
-            seen[i] = (float(t), x_pred.clone())
-
-    with _autocast(device, dtype):
-        tokens, _ = generate_tokens(net, batch, length, steps, sampler, gamma, omega, grid, g, recipe,
-                                    device, callback=keep if trajectory_steps is not None else None)
-        traj = {}
-        w = torch.full((batch,), float(omega), device=device)
-        for i, (t, x_pred) in sorted(seen.items()):
-            traj[i] = (t, decode_tokens(net, x_pred, w))
-    return tokens, traj
-
-
-def generate_texts(net, space, num: int, length: int | None = None, steps: int = 32, sampler: str = "sde",
-                   gamma: float = 1.5, omega: float = 3.0, batch_size: int = 8, seed: int = 0,
-                   grid: str = "logit_normal", device=None, progress: bool = True, dtype=None) -> list[str]:
-    """`num` texts; batch i is seeded by (seed, i), so the same settings give the same texts."""
-    return [r["text"] for r in _generate(net, space, num, length, steps, sampler, gamma, omega, batch_size, seed,
-                                         grid, progress, dtype)[0]]
-
-
-def _generate(net, space, num, length, steps, sampler, gamma, omega, batch_size, seed, grid, progress, dtype,
-              trajectory_steps=None):
-    if num < 1 or batch_size < 1:
-        raise ELFError(f"--num and --batch must be >= 1 (got {num}, {batch_size})")
-    length = length or net.config.max_length
-    if length > net.config.max_length:
-        raise ELFError(f"--length {length} exceeds the network's max_length {net.config.max_length}")
-    try:
-        check_sampling_args(steps, gamma, omega)
-    except ValueError as e:
-        raise ELFError(str(e)) from None
+def generate(net, space, num: int, settings: SamplingSettings = SamplingSettings(), length: int | None = None,
+             sources: list[str] | None = None, source_length: int | None = None, prompt: str | None = None,
+             suffix: str | None = None, progress: bool = True, trajectory: set[int] | None = None):
+    """`num` samples as records {"index", "text"} (+ "source"); with `trajectory` also the decode readout of
+    the first batch's guesses at those steps, {step: (t, texts)}. Batch i draws from a generator seeded by
+    (seed, i), so the same settings give the same texts in any batch split of the same size."""
+    settings.check()
+    if num < 1:
+        raise ELFError(f"the number of samples must be >= 1, got {num}")
+    if sources is not None and len(sources) != num:
+        raise ELFError(f"{len(sources)} sources for {num} samples")
+    trained = net.config.max_length
+    length = length or trained
+    if length > trained:
+        raise ELFError(f"--length {length} exceeds the longest sequence this network covers ({trained})")
     from tqdm.auto import tqdm
 
-    records, traj_out = [], None
-    n_batches = (num + batch_size - 1) // batch_size
+    device = next(net.parameters()).device
+    records, traj_out = [], {}
     bar = tqdm(total=num, desc="sample", unit="text", disable=not progress, file=sys.stderr)
-    for b in range(n_batches):
-        bs = min(batch_size, num - b * batch_size)
-        tokens, traj = generate_batch(net, bs, length, steps, sampler, gamma, omega, seed * 100_003 + b, grid,
-                                      dtype, trajectory_steps if b == 0 else None)
-        for j, text in enumerate(space.decode(tokens.cpu())):
-            records.append({"text": text, "index": b * batch_size + j})
-        if traj:
-            traj_out = {i: (t, space.decode(tok.cpu())) for i, (t, tok) in traj.items()}
+    for b, start in enumerate(range(0, num, settings.batch_size)):
+        bs = min(settings.batch_size, num - start)
+        g = torch.Generator(device=device).manual_seed(settings.seed * 100_003 + b)
+        batch_sources = sources[start:start + bs] if sources is not None else None
+        cond = conditioning(space, length, bs, batch_sources, source_length, prompt, suffix, device)
+        known_ids, known_mask, known = cond if cond is not None else (None, None, None)
+        seen = {}
+
+        def keep(i, t, z, x):
+            if b == 0 and trajectory and i in trajectory:
+                seen[i] = (float(t), x.clone())
+
+        with _autocast(device, settings.dtype):
+            ids, _ = generate_tokens(net, bs, length, settings.steps, settings.sampler, settings.gamma,
+                                     settings.omega, settings.grid, settings.guidance, known, known_mask, g,
+                                     device=device, callback=keep if trajectory else None)
+            for i, (t, x) in sorted(seen.items()):
+                traj_out[i] = (t, space.decode(decode_tokens(net, x, settings.omega).cpu()))
+        if known_mask is not None:
+            ids = torch.where(known_mask, known_ids, ids)  # known tokens are given, not generated
+        src_len = known_mask.sum(1) if batch_sources is not None else None
+        keep_n = length - source_length if batch_sources is not None else None
+        for j, text in enumerate(_texts(space, ids, known_ids, known_mask, src_len, keep_n)):
+            rec = {"index": start + j, "text": text}
+            if batch_sources is not None:
+                rec["source"] = batch_sources[j]
+            records.append(rec)
         bar.update(bs)
     bar.close()
-    return records, traj_out
+    return (records, traj_out) if trajectory else records
+
+
+def write_samples(path, records: list[dict], settings: dict, overwrite: bool = True) -> Path:
+    """The samples JSONL: one object per sample, {"index", "text", (source, reference), then the settings}.
+    Written atomically (a reader never sees half a file)."""
+    path = Path(path)
+    check_output(path, overwrite)
+    with atomic_write(path, "w") as f:
+        for r in records:
+            f.write(json.dumps({**r, **settings}) + "\n")
+    return path
+
+
+# ----------------------------------------------------------------------------------------------------------
+# `elflow sample`
+
+
+def add_sampling_arguments(p) -> None:
+    """The sampler flags; unset ones take the model's own defaults (a conditional or distilled model's),
+    else SamplingSettings'."""
+    d = SamplingSettings()
+    p.add_argument("--steps", type=int, default=None, help=f"sampling steps N (default {d.steps})")
+    p.add_argument("--sampler", choices=["ode", "sde", "vc"], default=None,
+                   help=f"ode: Euler; sde: the released SDE-style step; vc: variance-consistent re-noising "
+                        f"(default {d.sampler})")
+    p.add_argument("--gamma", type=float, default=None, help=f"SDE back-off scale (default {d.gamma})")
+    p.add_argument("--omega", type=float, default=None, help=f"self-conditioning guidance scale (default {d.omega})")
+    p.add_argument("--guidance", type=float, default=None,
+                   help="source guidance of conditional models: v = v_u + g (v_c - v_u) (default 1; 2 for the "
+                        "released conditional models)")
+    p.add_argument("--grid", choices=["logit_normal", "uniform"], default=None,
+                   help=f"time grid (default {d.grid})")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default 0)")
+    p.add_argument("--batch", type=int, default=None, help=f"samples per batch (default {d.batch_size})")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default=None, help="autocast precision (default fp32)")
+
+
+def sampling_from_args(loaded: Loaded, args) -> SamplingSettings:
+    return settings_for(loaded, steps=args.steps, sampler=args.sampler, gamma=args.gamma, omega=args.omega,
+                        guidance=args.guidance, grid=args.grid, seed=args.seed, batch_size=args.batch,
+                        dtype=args.dtype)
+
+
+def read_sources(value: str, field: str = "input", reference_field: str = "output") -> tuple[list[str], list]:
+    """--source: a .jsonl file of records (the source in `field`, a reference in `reference_field` if there)
+    or one source text. Returns (sources, references or None per row)."""
+    path = Path(value).expanduser()
+    if not path.suffix == ".jsonl":
+        return [value], [None]
+    if not path.is_file():
+        raise ELFError(f"--source {value}: no such file")
+    sources, refs = [], []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ELFError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get(field), str):
+            raise ELFError(f"{path}:{n}: no text field {field!r} (pass --source-field)")
+        sources.append(obj[field])
+        refs.append(obj.get(reference_field))
+    if not sources:
+        raise ELFError(f"{path} holds no sources")
+    return sources, refs
 
 
 def add_arguments(p) -> None:
     p.add_argument("checkpoint", metavar="RUN_OR_CHECKPOINT",
                    help="an elflow run folder or checkpoint folder, an authors' checkpoint_<step> file or its "
                         "folder, or a hub id such as embedded-language-flows/ELF-B-owt-torch")
-    p.add_argument("--steps", type=int, default=32, help="sampling steps N")
-    p.add_argument("--sampler", choices=["ode", "sde", "vc"], default="sde",
-                   help="ode: Euler; sde: the released SDE-style step; vc: variance-consistent re-noising")
-    p.add_argument("--gamma", type=float, default=1.5, help="SDE back-off scale")
-    p.add_argument("--omega", type=float, default=3.0, help="self-conditioning guidance scale")
-    p.add_argument("--grid", choices=["logit_normal", "uniform"], default="logit_normal")
-    p.add_argument("--num", type=int, default=16, help="number of samples")
-    p.add_argument("--batch", type=int, default=8, help="samples per batch")
+    add_sampling_arguments(p)
+    p.add_argument("--num", type=int, default=16, help="number of samples (with --source: one per source)")
     p.add_argument("--length", type=int, default=None, help="positions per sample (default: the model's)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--source", default=None, metavar="FILE.jsonl|TEXT",
+                   help="conditional models: the sources to translate / summarise (a .jsonl file or one text)")
+    p.add_argument("--source-field", default="input", help="the source field of --source records")
+    p.add_argument("--reference-field", default="output", help="the reference field of --source records")
+    p.add_argument("--prompt", default=None, help="text held fixed at the start of every sample (continuation)")
+    p.add_argument("--suffix", default=None, help="text held fixed at the end of every sample (infilling)")
     p.add_argument("--out", default="samples.jsonl", help="JSONL output (one object per sample)")
-    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="autocast precision")
+    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--raw-weights", action="store_true", help="use the trained weights instead of the EMA")
     p.add_argument("--encoder", default=None,
@@ -212,27 +305,53 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    net, space = load_for_sampling(args.checkpoint, device=args.device, space=args.encoder,
-                                   use_ema=not args.raw_weights,
-                                   max_length=args.length if args.length and args.length > 0 else None)
-    traj_steps = None
+    check_output(args.out, args.overwrite)  # before any work
+    if args.length is not None and args.length < 1:
+        raise ELFError(f"--length must be >= 1, got {args.length}")
+    loaded, space = load_for_sampling(args.checkpoint, device=args.device, space=args.encoder,
+                                      use_ema=not args.raw_weights, max_length=args.length)
+    settings = sampling_from_args(loaded, args)
+    trained = loaded.settings.get("length") or loaded.net.config.max_length
+    if args.length is not None and args.length > trained:
+        warnings.warn(f"--length {args.length} is longer than the {trained} positions this model was trained on; "
+                      "samples past that length are untested territory")
+    source_length = loaded.settings.get("source_length")
+    sources = refs = None
+    if args.source is not None:
+        if not loaded.conditional:
+            raise ELFError("this model was not trained on pairs: a source means nothing to it; "
+                           "to continue a text, pass --prompt")
+        if args.prompt or args.suffix:
+            raise ELFError("--source cannot be combined with --prompt or --suffix")
+        sources, refs = read_sources(args.source, args.source_field, args.reference_field)
+        args.num = len(sources)
+    elif loaded.conditional and (args.prompt or args.suffix):
+        raise ELFError("this is a conditional model: pass --source, not --prompt / --suffix")
+    traj = None
     if args.trajectory is not None:
-        n = args.steps
-        traj_steps = set(args.trajectory) if args.trajectory else {round(i * (n - 1) / 5) for i in range(6)}
-        bad = [s for s in traj_steps if not 0 <= s < n]
+        n = settings.steps
+        traj = set(args.trajectory) if args.trajectory else {round(i * (n - 1) / 5) for i in range(6)}
+        bad = [s for s in traj if not 0 <= s < n]
         if bad:
             raise ELFError(f"--trajectory steps must lie in 0..{n - 1}, got {sorted(bad)}")
-    records, traj = _generate(net, space, args.num, args.length, args.steps, args.sampler, args.gamma, args.omega,
-                              args.batch, args.seed, args.grid, not args.quiet, args.dtype, traj_steps)
-    settings = {"steps": args.steps, "sampler": args.sampler, "gamma": args.gamma, "omega": args.omega,
-                "grid": args.grid, "seed": args.seed, "length": args.length or net.config.max_length,
-                "dtype": args.dtype, "ema": not args.raw_weights, "checkpoint": str(args.checkpoint)}
-    with atomic_write(args.out, "w") as f:
-        for r in records:
-            f.write(json.dumps({**r, **settings}) + "\n")
-    if traj:
+    net = loaded.net
+    out = generate(net, space, args.num, settings, args.length, sources, source_length, args.prompt, args.suffix,
+                   progress=not args.quiet, trajectory=traj)
+    records, seen = out if traj else (out, {})
+    if refs is not None:
+        for r, ref in zip(records, refs):
+            if ref is not None:
+                r["reference"] = ref
+    meta = {**settings.to_dict(), "length": args.length or net.config.max_length, "ema": not args.raw_weights,
+            "checkpoint": str(args.checkpoint)}
+    if args.prompt is not None:
+        meta["prompt"] = args.prompt
+    if args.suffix is not None:
+        meta["suffix"] = args.suffix
+    write_samples(args.out, records, meta)
+    if seen:
         print("how sample 0 emerges (decode readout of the guess at each chosen step):")
-        for i, (t, texts) in sorted(traj.items()):
+        for i, (t, texts) in sorted(seen.items()):
             print(f"  step {i:>3} (t = {t:.3f}): {texts[0][:200]}")
     if not args.quiet:
         for r in records:

@@ -1,11 +1,11 @@
 """The ELF network: one transformer that denoises embeddings and, in decode mode, reads them out as tokens.
 
 Knows nothing of training, data or distributed code. Every detail follows the authors' released PyTorch
-port (see shared/reference/forward_semantics.md) so their checkpoints load with a key map and no
-compatibility code in the forward pass:
+port, so their checkpoints load with a key map and no compatibility code in the forward pass:
 
-    input   [z, x_prev] (B, L, 2C) -> Linear(2C, C) -> Linear(C, 128, no bias) -> Linear(128, H)
-    prefix  [4 time tokens + e(t) | 4 omega tokens + e(omega) | 4 mode tokens * gate] + L sequence tokens
+    input   [z, x_prev] (B, L, 2C) -> Linear(2C, C) -> Linear(C, b, no bias) -> Linear(b, H)
+    prefix  P = T + W + M tokens: [T time tokens + e(t) | W omega tokens + e(omega) | M mode tokens * gate],
+            then the L sequence tokens (T = W = M = 4 in every released model)
     blocks  pre-norm: h += Attn(RMSNorm(h)); h += SwiGLU(RMSNorm(h)); QK-norm, interleaved RoPE on text only
     heads   x_pred = Linear(RMSNorm(h))           (B, L, C), zero-initialised
             logits = Linear(GELU_tanh(Linear(h)))  (B, L, V), on the un-normalised stream
@@ -21,7 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["ELFConfig", "PRESETS", "ELF", "Block", "RMSNorm", "rope_tables", "timestep_features", "get_config"]
+__all__ = ["ELFConfig", "PRESETS", "ELF", "MixedPass", "Block", "RMSNorm", "rope_tables", "timestep_features", "get_config"]
 
 
 @dataclass(frozen=True)
@@ -216,12 +216,25 @@ class DecodeHead(nn.Module):
         return self.unembed(F.gelu(self.proj(h), approximate="tanh"))
 
 
+class MixedPass(nn.Module):
+    """Makes an ELF network's mixed training pass the module's forward, so that wrappers that only see
+    forward (DistributedDataParallel, torch.compile) see it; it holds no parameters of its own."""
+
+    def __init__(self, net: "ELF"):
+        super().__init__()
+        self.net = net
+
+    def forward(self, z, t, omega, x_prev, gate, logits_rows):
+        return self.net.mixed(z, t, omega, x_prev, gate, logits_rows)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # the network
 
 
 class ELF(nn.Module):
-    """net(z, t, omega, x_prev=None, decode=False) -> x_pred (B, L, C), or logits (B, L, V) if decode."""
+    """net(z, t, omega, x_prev=None) -> x_pred (B, L, C); net.decode(z, omega) -> logits (B, L, V);
+    net.mixed(...) -> (x_pred, logits) for training batches that mix both modes."""
 
     def __init__(self, config: ELFConfig):
         super().__init__()
@@ -263,15 +276,14 @@ class ELF(nn.Module):
         nn.init.zeros_(self.x_head.bias)
 
     # -- the shared trunk ----------------------------------------------------------------------------------
-    def trunk(self, z, t, omega, x_prev=None, decode_gate=None) -> torch.Tensor:
-        """The transformer's output at the L text positions, (B, L, H).
+    def trunk(self, z, t, omega, x_prev, gate) -> torch.Tensor:
+        """The transformer's output at the L text positions, (B, L, H); P = num_prefix tokens come first.
 
-        decode_gate: None (denoise), a float, or a (B,) tensor (per-row mode for mixed training batches).
+        gate (B,) float: 1 switches a row to decode mode (its mode tokens on), 0 keeps it in denoise mode.
         """
         c = self.config
         B, L, C = self._check_inputs(z, t, omega, x_prev)
-        dev = z.device.type
-        with torch.autocast(dev, enabled=False):  # input path and prefix in fp32, as the reference
+        with torch.autocast(z.device.type, enabled=False):  # input path and prefix in fp32, as the reference
             z = z.float()
             if c.self_cond:
                 x_prev = torch.zeros_like(z) if x_prev is None else x_prev.float()
@@ -279,16 +291,10 @@ class ELF(nn.Module):
             elif x_prev is not None:
                 raise ValueError("this network was built without self-conditioning; pass x_prev=None")
             h = self.bottleneck_out(self.bottleneck_in(z))  # (B, L, H)
-            time = self.time_tokens + self.time_embed(t.to(z.device))[:, None, :]  # (B, 4, H)
-            om = self.omega_tokens + self.omega_embed(omega.to(z.device))[:, None, :]  # (B, 4, H)
-            if decode_gate is None:
-                gate = torch.zeros(B, 1, 1, device=z.device)
-            elif isinstance(decode_gate, torch.Tensor):
-                gate = decode_gate.to(z.device, torch.float32).reshape(-1, 1, 1).expand(B, 1, 1)
-            else:
-                gate = torch.full((B, 1, 1), float(decode_gate), device=z.device)
-            mode = self.mode_tokens * gate  # zero vectors in denoise mode, still in the sequence
-            h = torch.cat([time, om, mode, h], dim=1)  # (B, 12 + L, H)
+            time = self.time_tokens + self.time_embed(t.to(z.device))[:, None, :]  # (B, T, H)
+            om = self.omega_tokens + self.omega_embed(omega.to(z.device))[:, None, :]  # (B, W, H)
+            mode = self.mode_tokens * gate.to(z.device, torch.float32)[:, None, None]  # zeros in denoise mode
+            h = torch.cat([time, om, mode, h], dim=1)  # (B, P + L, H)
         n = c.num_prefix + L
         cos, sin = self.rope_cos[:n], self.rope_sin[:n]
         for block in self.blocks:
@@ -306,18 +312,23 @@ class ELF(nn.Module):
         with torch.autocast(h.device.type, enabled=False):
             return self.decode_head(h.float())  # (B, L, V)
 
-    def forward(self, z, t, omega, x_prev=None, decode: bool = False, decode_gate=None, logits_rows=None):
-        """z (B, L, C), t (B,), omega (B,), x_prev (B, L, C) or None (zeros).
+    def forward(self, z, t, omega, x_prev=None) -> torch.Tensor:
+        """Denoise: z (B, L, C) at times t (B,) with guidance scales omega (B,) and the self-conditioning
+        input x_prev (B, L, C) (None: zeros) -> the predicted clean embeddings x_pred (B, L, C)."""
+        return self.denoise_head(self.trunk(z, t, omega, x_prev, z.new_zeros(z.shape[0])))
 
-        Returns x_pred (B, L, C); with decode=True the token logits (B, L, V) with the mode gate on.
-        For mixed training batches: `decode_gate` (a float or a (B,) tensor) sets the mode gate per row, and
-        `logits_rows` (an index tensor) returns the pair (x_pred of every row, logits of those rows).
-        """
-        gate = decode_gate if decode_gate is not None else (1.0 if decode else None)
+    def decode(self, z, omega) -> torch.Tensor:
+        """Read out tokens: the pass at t = 1 with a zero self-conditioning input and the mode tokens on.
+        z (B, L, C), omega (B,) -> logits (B, L, V)."""
+        ones = z.new_ones(z.shape[0])
+        return self.logits_head(self.trunk(z, ones, omega, None, ones))
+
+    def mixed(self, z, t, omega, x_prev, gate, logits_rows) -> tuple[torch.Tensor, torch.Tensor]:
+        """One pass over a training batch whose rows are in either mode: gate (B,) float (1 = decode),
+        logits_rows an index tensor of the rows whose logits are wanted.
+        -> (x_pred of every row (B, L, C), logits of the chosen rows (len(logits_rows), L, V))."""
         h = self.trunk(z, t, omega, x_prev, gate)
-        if logits_rows is not None:
-            return self.denoise_head(h), self.logits_head(h[logits_rows])
-        return self.logits_head(h) if decode else self.denoise_head(h)
+        return self.denoise_head(h), self.logits_head(h[logits_rows])
 
     def _check_inputs(self, z, t, omega, x_prev):
         c = self.config

@@ -1,30 +1,22 @@
-"""The authors' released checkpoints: read them safely, map their keys onto elflow's network, infer the size.
+"""The authors' parameter names mapped onto elflow's network, and the network's shape inferred from weights.
 
-Their checkpoint is one `torch.save` file `checkpoint_<step>` holding a dict with "params" (the model
-state dict), "ema_params1" (the EMA weights, used for sampling), optimiser state and the step. It is read
-with `torch.load(weights_only=True)`, which refuses anything but tensors and plain containers.
-
-The only layout differences live here: names, and the decode head, which they store as (in, out)
-kernels where elflow uses nn.Linear (out, in).
+The only layout differences live here: names, and the decode head, which they store as (in, out) kernels
+where elflow uses nn.Linear (out, in). Reading their files is `checkpoint`'s job.
 """
 
 from __future__ import annotations
 
-import os
 import re
-from pathlib import Path
 
 import torch
 
-from elflow.model import ELF, PRESETS, ELFConfig
+from elflow.model import PRESETS, ELFConfig
 from elflow.utils import ELFError
 
 __all__ = [
     "official_to_elflow",
     "elflow_to_official",
     "infer_config",
-    "read_official_checkpoint",
-    "find_official_file",
     "is_official_state_dict",
 ]
 
@@ -140,85 +132,3 @@ def preset_name(cfg: ELFConfig) -> str | None:
         if (p.depth, p.hidden, p.heads) == (cfg.depth, cfg.hidden, cfg.heads):
             return name
     return None
-
-
-def find_official_file(path: str | os.PathLike) -> Path:
-    """A `checkpoint_<N>` file, or the one with the largest N in a folder."""
-    path = Path(path)
-    if path.is_file():
-        return path
-    if path.is_dir():
-        found = [(int(m.group(1)), p) for p in path.iterdir() if (m := re.fullmatch(r"checkpoint_(\d+)", p.name))]
-        if found:
-            return max(found)[1]
-        raise ELFError(f"{path}: no checkpoint_<step> file in this folder")
-    raise ELFError(f"{path}: no such file or folder")
-
-
-def read_official_checkpoint(path: str | os.PathLike, which: str = "ema_params1") -> dict[str, torch.Tensor]:
-    """Their checkpoint file -> elflow-named state dict of `which` ("ema_params1" or "params")."""
-    path = find_official_file(path)
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # pickle.UnpicklingError for foreign objects, RuntimeError for truncated files
-        raise ELFError(f"{path}: cannot be read as a tensors-only checkpoint ({type(e).__name__}: "
-                       f"{str(e).splitlines()[0][:200]}). It is truncated, corrupted, or holds arbitrary "
-                       "Python objects, which elflow never unpickles.") from None
-    if not isinstance(ckpt, dict) or "params" not in ckpt:
-        keys = sorted(ckpt)[:8] if isinstance(ckpt, dict) else type(ckpt).__name__
-        raise ELFError(f"{path}: not an ELF checkpoint (expected a dict with 'params' and 'ema_params1', got {keys})")
-    sd = ckpt.get(which) or ckpt["params"]
-    if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
-        raise ELFError(f"{path}: '{which}' is not a dict of tensors")
-    return official_to_elflow(dict(sd))
-
-
-def build_from_state_dict(sd: dict[str, torch.Tensor], max_length: int = 1024, heads: int | None = None,
-                          config: ELFConfig | None = None) -> ELF:
-    """An ELF network holding these (elflow-named) weights, its shape inferred unless `config` is given."""
-    cfg = config or infer_config(sd, max_length=max_length, heads=heads)
-    net = ELF(cfg)
-    expected = net.state_dict()
-    missing = [k for k in expected if k not in sd]
-    unexpected = [k for k in sd if k not in expected]
-    if missing or unexpected:
-        raise ELFError(f"weights do not fit an ELF network of shape {cfg}: missing {missing[:6]}, "
-                       f"unexpected {unexpected[:6]}")
-    wrong = [f"{k}: {tuple(sd[k].shape)} (expected {tuple(v.shape)})" for k, v in expected.items()
-             if sd[k].shape != v.shape]
-    if wrong:
-        raise ELFError(f"weights have shapes that fit no ELF network of this shape: {wrong[:4]}")
-    net.load_state_dict(sd)
-    return net
-
-
-# ----------------------------------------------------------------------------------------------------------
-# `elflow convert`
-
-
-def convert(src: str | os.PathLike, out: str | os.PathLike, max_length: int = 1024) -> Path:
-    """An authors' checkpoint -> an elflow checkpoint folder (safetensors + JSON) that samples, not resumes."""
-    from elflow.checkpoint import write_checkpoint
-    from elflow.generate import AUTHORS_SPACE
-
-    f = find_official_file(src)
-    ema = read_official_checkpoint(f, which="ema_params1")
-    params = read_official_checkpoint(f, which="params")
-    cfg = infer_config(ema, max_length=max_length)
-    build_from_state_dict(ema, config=cfg)  # refuses weights that fit no network
-    step = int(m.group(1)) if (m := re.fullmatch(r"checkpoint_(\d+)", f.name)) else 0
-    state = {"format": "elflow-checkpoint-1", "step": step, "model": cfg.to_dict(), "space": dict(AUTHORS_SPACE),
-             "train": {"preset": preset_name(cfg), "converted_from": str(f)}, "data_position": None}
-    return write_checkpoint(out, params, ema, None, state)
-
-
-def add_arguments(p) -> None:
-    p.add_argument("checkpoint", help="the authors' checkpoint_<step> file, or a folder holding one")
-    p.add_argument("out", help="the elflow checkpoint folder to write")
-    p.add_argument("--max-length", type=int, default=1024, help="longest sequence the converted model samples")
-
-
-def run(args) -> int:
-    out = convert(args.checkpoint, args.out, args.max_length)
-    print(f"wrote {out}")
-    return 0

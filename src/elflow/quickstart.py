@@ -58,28 +58,29 @@ def report(run_dir, sampler: str = DEMO_SAMPLER, steps: int = 32, omega: float =
     """Samples and learning figures for a trained run; written to <run>/report.json and samples.jsonl."""
     from elflow.data import build_dataset
     from elflow.diagnostics import corpus_vocabulary, validation_report, word_stats
-    from elflow.generate import generate_texts, load_for_sampling
+    from elflow.checkpoint import load_for_sampling
+    from elflow.generate import SamplingSettings, generate, write_samples
 
     run_dir = Path(run_dir)
     meta = json.loads((run_dir / "run.json").read_text())
     tc = meta["train"]
-    net, space = load_for_sampling(run_dir, device="cpu")
+    loaded, space = load_for_sampling(run_dir, device="cpu")
+    net = loaded.net
     length = tc["length"] or net.config.max_length
     train_set, val_set = build_dataset(tc["data"], space, length, layout=tc["layout"], val_fraction=tc["val_fraction"],
                                        seed=tc["seed"], cache_dir=cache_dir)
     t0 = time.perf_counter()
     val = validation_report(net, space, val_set, seed=seed)
-    texts = generate_texts(net, space, num, length, steps, sampler, omega=omega, batch_size=16, seed=seed,
-                           progress=False)
+    settings = SamplingSettings(steps=steps, sampler=sampler, omega=omega, seed=seed, batch_size=16)
+    records = generate(net, space, num, settings, length, progress=False)
+    texts = [r["text"] for r in records]
     real = space.decode(val_set.tokens[:num])
     vocab = corpus_vocabulary(space.decode(train_set.tokens[: min(len(train_set), 4000)]))
     gen_stats, real_stats = word_stats(texts, vocab), word_stats(real, vocab)
     out = {"validation": val, "samples": gen_stats, "real_text": real_stats, "sampler": sampler, "steps": steps,
            "omega": omega, "num": num, "seconds": time.perf_counter() - t0}
     atomic_write_json(run_dir / "report.json", out)
-    with open(run_dir / "samples.jsonl", "w") as f:
-        for t in texts:
-            f.write(json.dumps({"text": t, "sampler": sampler, "steps": steps, "omega": omega, "seed": seed}) + "\n")
+    write_samples(run_dir / "samples.jsonl", records, {**settings.to_dict(), "length": length})
 
     printer("\n=== samples (" + f"{sampler}, {steps} steps, omega {omega}) ===")
     for t in texts[:4]:

@@ -106,8 +106,9 @@ def run_sweep(checkpoint: str, omegas: list[float], steps_list: list[int], sampl
               protocol: str = "elf", grid: str = "logit_normal", device: str | None = None,
               progress: bool = True) -> list[dict]:
     """Run (or finish) the grid; returns all rows of OUT/sweep.csv. Samples go to OUT/samples/<cell>.jsonl."""
-    from elflow.evaluate import generative_perplexity, load_judge
-    from elflow.generate import generate_texts, load_for_sampling
+    from elflow.checkpoint import load_for_sampling
+    from elflow.evaluate import load_judge, sample_and_judge
+    from elflow.generate import SamplingSettings
 
     out = Path(out)
     csv_path = out / "sweep.csv"
@@ -117,15 +118,15 @@ def run_sweep(checkpoint: str, omegas: list[float], steps_list: list[int], sampl
     todo = [c for c in cells if (c[0], c[1], float(c[2]), float(gamma), seed, num) not in done]
     if todo:
         model, tok = load_judge(judge, judge_dtype, device)
-        net, space = load_for_sampling(checkpoint, device=device)
+        loaded, space = load_for_sampling(checkpoint, device=device)
     for k, (sampler, steps, omega) in enumerate(todo):
         t0 = time.time()
-        texts = generate_texts(net, space, num, length=length, steps=steps, sampler=sampler, gamma=gamma,
-                               omega=omega, batch_size=gen_batch_size, seed=seed, grid=grid, device=device,
-                               progress=progress)
+        settings = SamplingSettings(steps=steps, sampler=sampler, gamma=gamma, omega=omega, grid=grid, seed=seed,
+                                    batch_size=gen_batch_size).check()
         name = f"{sampler}_steps{steps}_omega{omega:g}_gamma{gamma:g}_seed{seed}"
-        atomic_write_text(out / "samples" / f"{name}.jsonl", "".join(json.dumps({"text": t}) + "\n" for t in texts))
-        res = generative_perplexity(texts, model, tok, batch_size, protocol)
+        res = sample_and_judge(loaded.net, space, settings, num, model, tok, out / "samples" / f"{name}.jsonl",
+                               length, batch_size, protocol, progress=progress,
+                               meta={"checkpoint": str(checkpoint)})
         row = {"sampler": sampler, "steps": steps, "omega": float(omega), "gamma": float(gamma), "seed": seed,
                "num": num, "protocol": protocol, "judge": str(judge), "seconds": round(time.time() - t0, 2),
                **{k2: res[k2] for k2 in ("gen_ppl", "entropy", "num_samples", "num_empty", "num_tokens")}}

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from elflow.flow import sample_loop
+from elflow.flow import sample
 from elflow.schedules import time_grid
 
 __all__ = ["GaussianMixture", "ring_mixture", "grid_mixture", "run_toy"]
@@ -80,9 +80,9 @@ def run_toy(mixture: GaussianMixture, steps_list=(1, 2, 4, 8, 16), num: int = 44
             path.append(z[:, 0].clone())
             guesses.append(x_pred[:, 0].clone())
 
-        z, _ = sample_loop(mixture.posterior_mean, z0.clone(), times, sampler, gamma,
-                           noise_scale=mixture.noise_scale, generator=torch.Generator().manual_seed(seed + 2),
-                           callback=record)
+        z, _ = sample(lambda z_, t_, w_, x_prev: mixture.posterior_mean(z_, t_), z0.clone(), times,
+                      sampler=sampler, gamma=gamma, noise_scale=mixture.noise_scale,
+                      generator=torch.Generator().manual_seed(seed + 2), callback=record)
         out[n] = {"final": z[:, 0], "path": torch.stack(path), "guesses": torch.stack(guesses),
                   "inside": int(mixture.inside(z[:, 0]).sum())}
     return out

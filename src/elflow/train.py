@@ -20,8 +20,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from elflow.flow import TIME_BINS, Recipe, draw_training_noise, elf_loss
-from elflow.model import ELF, PRESETS, get_config
+from elflow.data import encoder_mask
+from elflow.flow import TIME_BINS, Recipe, draw_training_noise, elf_loss, time_bin, time_bin_labels
+from elflow.model import ELF, PRESETS, MixedPass, get_config
 from elflow.optim import EMA, NS_METHODS, ELFOptimizer, base_lr, lr_at
 from elflow.utils import ELFError, atomic_write, atomic_write_json
 
@@ -104,28 +105,33 @@ def train_step(model, space, shards: list[dict], recipe: Recipe, optimizer: ELFO
     over the shards plus the gradient norm. `model` may be a DDP wrapper; the loss of each shard is a mean
     over its rows, divided by the number of shards of the whole global batch."""
     device = device or next(model.parameters()).device
+    net, trained = unwrap(model)
     n_shards = len(shards) * world_size
     totals: dict[str, torch.Tensor] = {}
     for a, batch in enumerate(shards):
         tokens = batch["tokens"].to(device, non_blocking=True)
         mask = batch.get("mask")  # positions scored by the loss
         mask = mask.to(device, non_blocking=True) if mask is not None else None
-        attention = batch.get("attention_mask")  # positions the encoder may attend to
+        attention = batch.get("attention_mask")  # real tokens: the keys the encoder may attend to
         attention = attention.to(device, non_blocking=True) if attention is not None else None
-        source_len = int(batch.get("source_len", 0) or 0)
+        known = batch.get("known")  # the source positions of conditional data
+        known = known.to(device, non_blocking=True) if known is not None else None
         g, c = shard_generators(seed, step, first_shard + a, device)
         B, L = tokens.shape
         draw = draw_training_noise((B, L, space.dim), recipe, generator=g, cpu_generator=c, device=device,
-                                   conditional=bool(source_len))
+                                   conditional=known is not None)
+        if known is not None:
+            valid = attention if attention is not None else torch.ones_like(known)
+            attention = encoder_mask(known, valid, draw.drop_source)
         sync = a == len(shards) - 1 or not hasattr(model, "no_sync")
         with (nullcontext() if sync else model.no_sync()):
             with autocast_ctx(device, dtype):
                 with nullcontext() if space.trainable else torch.no_grad():
-                    x = space.encode(tokens, attention_mask=attention, source_len=source_len or None,
-                                     drop_source=draw.drop_source if source_len else None)
-                loss, metrics = elf_loss(model, x.float(), tokens, draw, recipe, mask=mask, source_len=source_len)
+                    x = space.encode(tokens, attention)
+                loss, rows = elf_loss(net, x.float(), tokens, draw, recipe, valid=mask, known=known,
+                                      trained=trained)
             (loss / n_shards * world_size).backward()  # DDP averages over ranks: mean over all shards
-        for k, v in metrics.items():
+        for k, v in step_metrics(loss, rows, draw).items():
             totals[k] = totals[k] + v if k in totals else v
     params = params if params is not None else [p for p in model.parameters() if p.requires_grad]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
@@ -138,8 +144,35 @@ def train_step(model, space, shards: list[dict], recipe: Recipe, optimizer: ELFO
     optimizer.step()
     optimizer.zero_grad()
     if ema is not None:
-        ema.update(model.module if hasattr(model, "module") else model)
+        ema.update(net)
     return totals
+
+
+def unwrap(model):
+    """(the ELF network, the trained pass) of a network or of its MixedPass under DDP / torch.compile."""
+    inner = model.module if hasattr(model, "module") else model
+    inner = getattr(inner, "_orig_mod", inner)
+    if isinstance(inner, MixedPass):
+        return inner.net, model
+    return inner, inner.mixed
+
+
+def step_metrics(loss: torch.Tensor, rows: dict, draw) -> dict:
+    """Per-row losses of one shard -> sums and counts (overall, per branch, per time bin) that add up across
+    shards, steps and ranks; no host sync."""
+    dev = loss.device
+    is_dec = draw.decode.to(dev)
+    den = (~is_dec).float()
+    bins = time_bin(draw.t.detach())
+    nb = len(TIME_BINS) - 1
+    return {
+        "loss": loss.detach(),
+        "denoise_sum": rows["denoise"].sum(), "denoise_n": den.sum(),
+        "decode_sum": rows["decode"].sum(), "decode_n": is_dec.float().sum(),
+        "decode_correct": rows["correct"].sum(), "decode_tokens": rows["scored"].sum(),
+        "bin_sum": torch.zeros(nb, device=dev).index_add(0, bins, rows["denoise"] * den),
+        "bin_n": torch.zeros(nb, device=dev).index_add(0, bins, den),
+    }
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -257,8 +290,8 @@ def plot_losses(run_dir: Path) -> None:
     a.set_xlabel("step")
     a.legend()
     a.set_title("training loss")
-    for i in range(len(TIME_BINS) - 1):
-        key = f"loss_t{TIME_BINS[i]:.1f}-{TIME_BINS[i + 1]:.1f}"
+    for i, label in enumerate(time_bin_labels()):
+        key = f"loss_{label}"
         pts = [(r["step"], r[key]) for r in recs if r.get(key) is not None]
         if pts:
             b.plot(*zip(*pts), label=f"t in [{TIME_BINS[i]}, {TIME_BINS[i + 1]})", lw=1)
@@ -283,7 +316,7 @@ def summarize(totals: dict, n_steps: int) -> dict:
     if t["decode_tokens"]:
         rec["decode_acc"] = t["decode_correct"] / t["decode_tokens"]
     for i, (s, n) in enumerate(zip(t["bin_sum"], t["bin_n"])):
-        rec[f"loss_t{TIME_BINS[i]:.1f}-{TIME_BINS[i + 1]:.1f}"] = s / n if n else None
+        rec[f"loss_{time_bin_labels()[i]}"] = s / n if n else None
     return rec
 
 
@@ -374,9 +407,9 @@ def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwr
                                                  "space": space.config(), "space_id": space.space_id,
                                                  "world_size": world})
 
-        model = net
+        model = MixedPass(net)  # the trained pass as a module's forward, for torch.compile and DDP
         if cfg.compile:
-            model = torch.compile(net)
+            model = torch.compile(model)
         if world > 1:
             from torch.nn.parallel import DistributedDataParallel as DDP
 

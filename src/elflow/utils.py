@@ -10,8 +10,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 
-__all__ = ["ELFError", "atomic_write", "atomic_write_text", "atomic_write_json", "default_device", "sha256_file",
-           "cache_root"]
+__all__ = ["ELFError", "atomic_write", "atomic_write_text", "atomic_write_json", "check_output", "default_device",
+           "sha256_file", "cache_root"]
 
 
 class ELFError(Exception):
@@ -39,6 +39,24 @@ def atomic_write(path: str | os.PathLike, mode: str = "wb"):
         except FileNotFoundError:
             pass
         raise
+
+
+def check_output(path: str | os.PathLike, overwrite: bool = False) -> Path:
+    """Refuse an output file that exists (unless `overwrite`) or cannot be written, before any work is done."""
+    path = Path(path)
+    if path.is_dir():
+        raise ELFError(f"{path} is a folder; pass a file name for the output")
+    if path.exists() and not overwrite:
+        raise ELFError(f"{path} exists; pass --overwrite to replace it, or choose another output name")
+    parent = path.parent
+    for p in [parent, *parent.parents]:
+        if p.exists():
+            if not p.is_dir():
+                raise ELFError(f"cannot write {path}: {p} is a file, not a folder")
+            if not os.access(p, os.W_OK | os.X_OK):
+                raise ELFError(f"cannot write {path}: {p} is not writable (read-only file system or no permission)")
+            break
+    return path
 
 
 def atomic_write_text(path, text: str) -> None:
