@@ -18,7 +18,9 @@ from elflow.data import (
     builtin_corpus,
     clean_gutenberg,
     layout_documents,
-    layout_pairs,
+    encoder_mask,
+    pair_layout,
+    pretokenized_pairs,
     pack,
     read_documents,
     read_pairs,
@@ -234,16 +236,16 @@ def test_document_layout_token_by_token():
 
 
 def test_pair_layout_token_by_token():
-    pairs = [(_ids("abcdef"), _ids("x")), (_ids("p"), _ids("uvwxyz"))]
-    tokens, mask, attention = layout_pairs(pairs, source_length=4, length=8, pad_id=EOS, eos_id=EOS)
     o = lambda s: [ord(ch) + 10 for ch in s]  # noqa: E731
-    assert tokens.tolist() == [o("abc") + [EOS] + o("x") + [EOS, EOS, EOS],
-                               o("p") + [EOS, EOS, EOS] + o("uvw") + [EOS]]
-    assert mask.tolist() == [[False] * 4 + [True] * 4] * 2
-    assert attention.tolist() == [[True] * 4 + [True, True, False, False],
-                                  [True, True, False, False] + [True] * 4]
+    lay = pair_layout([o("abcdef"), o("p")], [o("x"), o("uvwxyz")], length=8, max_source_length=4, pad_id=EOS)
+    assert lay["ids"].tolist() == [o("abcd") + o("x") + [EOS] * 3, o("p") + o("uvwxyz") + [EOS]]
+    assert lay["source_mask"].tolist() == [[True] * 4 + [False] * 4, [True] + [False] * 7]
+    assert lay["valid"].tolist() == [[True] * 5 + [False] * 3, [True] * 7 + [False]]
+    m = lay["encoder_mask"][1]
+    assert m[0].tolist() == [True] + [False] * 7  # the source sees only the source
+    assert m[3].tolist() == [True] * 7 + [False]  # a target position sees every real token
     with pytest.raises(ELFError, match="source length"):
-        layout_pairs(pairs, 8, 8, EOS, EOS)
+        pair_layout([o("a")], [o("b")], 8, 8, EOS)
 
 
 def test_packed_dataset_with_the_real_tokenizer(tiny_t5_dir, tiny_corpus_file, tmp_path):
@@ -256,29 +258,48 @@ def test_packed_dataset_with_the_real_tokenizer(tiny_t5_dir, tiny_corpus_file, t
     both = torch.cat([train.tokens, val.tokens])
     assert len(both) == len(expected) and len(val) == round(0.1 * len(expected))
     assert sorted(map(tuple, both.tolist())) == sorted(map(tuple, expected.tolist()))
-    assert train.mask.all() and train.attention_mask.all() and train.source_len is None
+    assert train.mask.all() and train.attention_mask.all() and train.known is None
     x = space.encode(train.tokens[:4], train.attention_mask[:4])
     assert x.shape == (4, 16, 32)
 
 
-def test_pairs_dataset(tiny_t5_dir, tmp_path):
+def test_pairs_dataset(tiny_t5_dir, tmp_path, capsys):
     from elflow.encoders import build_space
 
     space = build_space({"kind": "t5", "name": str(tiny_t5_dir), "latent_std": 0.5})
     jl = tmp_path / "pairs.jsonl"
-    rows = [{"source": f"the king {i} of love", "target": "sweet night " * (i % 4 + 1)} for i in range(20)]
+    rows = [{"input": f"the king {i} of love " * (3 if i == 0 else 1), "output": "sweet night " * (i % 4 + 1)}
+            for i in range(20)]
     jl.write_text("".join(json.dumps(r) + "\n" for r in rows))
     train, val = build_pairs(jl, space, source_length=8, length=16, val_fraction=0.1, cache_dir=tmp_path)
-    assert train.source_len == val.source_len == 8 and len(train) == 18 and len(val) == 2
+    assert "1 of 20 sources are longer than 8 tokens" in capsys.readouterr().err
+    assert len(train) == 18 and len(val) == 2
+    full = torch.cat([train.tokens, val.tokens])
+    src = space.tokenize([r["input"] for r in rows], eos=False)
+    tgt = space.tokenize([r["output"] for r in rows], eos=False)
+    expected = pair_layout(src, tgt, 16, 8, space.pad_id)
+    assert sorted(map(tuple, full.tolist())) == sorted(map(tuple, expected["ids"].tolist()))
     b = next(Batches(train, 3, seed=0))
-    assert b["source_len"] == 8 and b["tokens"].shape == (3, 16)
-    assert not b["mask"][:, :8].any() and b["mask"][:, 8:].all()
-    x = space.encode(b["tokens"], b["attention_mask"], source_len=b["source_len"],
-                     drop_source=torch.tensor([True, False, False]))
-    assert x.shape == (3, 16, 32) and torch.all(x[0, :8] == 0)
-    (tmp_path / "bad.jsonl").write_text('{"source": "a"}\n')
-    with pytest.raises(ELFError, match="no field 'target'"):
+    assert b["tokens"].shape == (3, 16) and b["known"].shape == (3, 16) and b["mask"].all()
+    assert b["known"][:, 0].all() and not b["known"][:, -1].any()
+    x = space.encode(b["tokens"], encoder_mask(b["known"], b["attention_mask"]))
+    assert x.shape == (3, 16, 32)
+    # a cache hit gives the same data, source mask included
+    again, _ = build_pairs(jl, space, source_length=8, length=16, val_fraction=0.1, cache_dir=tmp_path)
+    assert again.info["cache"] == "hit" and torch.equal(again.known, train.known)
+    (tmp_path / "bad.jsonl").write_text('{"input": "a"}\n')
+    with pytest.raises(ELFError, match="no field 'output'"):
         build_pairs(tmp_path / "bad.jsonl", space, 8, 16, cache_dir=tmp_path)
+    (tmp_path / "empty.jsonl").write_text('{"input": " ", "output": "b"}\n')
+    with pytest.raises(ELFError, match="field 'input' is empty"):
+        build_pairs(tmp_path / "empty.jsonl", space, 8, 16, cache_dir=tmp_path)
+
+
+def test_pretokenized_pairs_read_the_authors_columns():
+    rows = [{"input_ids": [30, 31], "condition_input_ids": [5, 6, 7], "input": "x", "target": "y"}]
+    assert pretokenized_pairs(rows) == ([[5, 6, 7]], [[30, 31]])
+    with pytest.raises(ELFError, match="condition_input_ids"):
+        pretokenized_pairs([{"input_ids": [1]}])
 
 
 # ----------------------------------------------------------------------------------------------------

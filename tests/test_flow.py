@@ -6,9 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from elflow.flow import (Recipe, draw_training_noise, elf_loss, euler_step, generate_tokens, sample_loop)
+from elflow.flow import Recipe, draw_training_noise, elf_loss, euler_step, generate_tokens, sample
 from elflow.model import ELF, get_config
 from elflow.schedules import time_grid
+from elflow.train import step_metrics
 
 
 def tiny_net(seed=0):
@@ -27,7 +28,7 @@ def listing_loss(net, x, tokens, d, r: Recipe):
         xi, ei, ti, wi = x[i:i + 1], d.eps[i:i + 1], d.t[i:i + 1], d.omega[i:i + 1]
         if d.decode[i]:
             zt = d.p[i:i + 1] * xi + (1 - d.p[i:i + 1]) * r.decode_noise_scale * ei
-            logits = net(zt, torch.ones(1), wi, decode=True)
+            logits = net.decode(zt, wi)
             total = total + F.cross_entropy(logits[0], tokens[i])
             continue
         t = ti[:, None, None]
@@ -59,7 +60,8 @@ def test_pass_reuse_equals_the_three_pass_listing_in_loss_and_gradient():
                             cpu_generator=torch.Generator().manual_seed(4))
     assert d.decode.any() and d.self_cond.any() and (~d.self_cond & ~d.decode).any()  # all three kinds of row
 
-    loss, metrics = elf_loss(net, x, tokens, d, r)
+    loss, rows = elf_loss(net, x, tokens, d, r)
+    metrics = step_metrics(loss, rows, d)
     grads = torch.autograd.grad(loss, list(net.parameters()), allow_unused=True)
     ref = listing_loss(net, x, tokens, d, r)
     ref_grads = torch.autograd.grad(ref, list(net.parameters()), allow_unused=True)
@@ -100,11 +102,11 @@ class PointwiseNet(torch.nn.Module):
         self.lin = torch.nn.Linear(32, 32)
         self.config = get_config("tiny")
 
-    def forward(self, z, t, omega, x_prev=None, decode=False, decode_gate=None, logits_rows=None):
-        x_pred = self.lin(z)
-        if logits_rows is not None:
-            return x_pred, torch.zeros(len(logits_rows), z.shape[1], 100)
-        return x_pred
+    def forward(self, z, t, omega, x_prev=None):
+        return self.lin(z)
+
+    def mixed(self, z, t, omega, x_prev, gate, logits_rows):
+        return self.lin(z), torch.zeros(len(logits_rows), z.shape[1], 100)
 
 
 def test_mask_and_source_positions_are_not_scored():
@@ -121,13 +123,22 @@ def test_mask_and_source_positions_are_not_scored():
     z = t * x + (1 - t) * 2 * d.eps
     with torch.no_grad():
         err = ((net(z, d.t, d.omega) - x) ** 2 / (1 - t).clamp_min(0.05) ** 2).mean(-1)  # (B, L)
-    loss, _ = elf_loss(net, x, tokens, d, r, mask=mask)
+    loss, _ = elf_loss(net, x, tokens, d, r, valid=mask)
     expected = (err[0, :7].mean() + err[1].mean()) / 2
     assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
 
     # a source prefix: clean (z = x there), never scored; the targets keep their own noise
-    loss_src, _ = elf_loss(net, x, tokens, d, r, source_len=4)
+    known = torch.zeros(2, 10, dtype=torch.bool)
+    known[:, :4] = True
+    loss_src, _ = elf_loss(net, x, tokens, d, r, known=known)
     assert loss_src.item() == pytest.approx(err[:, 4:].mean().item(), rel=1e-5)
+    # variable-length sources, as pair_layout makes them: whatever the source holds, the loss is the same
+    known[1, 4:7] = True
+    x2 = torch.where(known[..., None], torch.randn_like(x) * 5, x)
+    a, _ = elf_loss(net, x, tokens, d, r, known=known)
+    b, _ = elf_loss(net, x2, tokens, d, r, known=known)
+    assert a.item() == pytest.approx(b.item(), rel=1e-6)
+    assert a.item() == pytest.approx(((err[0, 4:].mean() + err[1, 7:].mean()) / 2).item(), rel=1e-5)
 
 
 def test_euler_step_moves_the_right_fraction_and_lands_on_the_guess():
@@ -137,8 +148,8 @@ def test_euler_step_moves_the_right_fraction_and_lands_on_the_guess():
     assert torch.allclose(euler_step(z, torch.tensor(0.75), torch.tensor(1.0), x_hat), x_hat)
     # a whole run: the last Euler step returns the last guess, with any grid and any step kind
     for step in ("ode", "sde", "vc"):
-        out, last = sample_loop(lambda z_, t_, xp: 0.5 * z_ + 1.0, torch.randn(2, 4, 3), time_grid(6, "uniform"),
-                                step, 1.5, generator=torch.Generator().manual_seed(0))
+        out, last = sample(lambda z_, t_, w_, xp: 0.5 * z_ + 1.0, torch.randn(2, 4, 3), time_grid(6, "uniform"),
+                           sampler=step, gamma=1.5, generator=torch.Generator().manual_seed(0))
         assert torch.allclose(out, last)
 
 
@@ -146,14 +157,14 @@ def _backed_off_std(step):
     """Run one step from t = 0.10 to 0.12 on states with noise level 2 (1 - t) = 1.8, record z_b's std."""
     seen = {}
 
-    def denoise(z, t, xp):
+    def denoise(z, t, w, xp):
         seen["z"], seen["t"] = z, t
         return torch.zeros_like(z)
 
     z = 1.8 * torch.randn(400_000, 1, 1, generator=torch.Generator().manual_seed(0))
     grid = torch.tensor([0.10, 0.12, 1.0])
-    sample_loop(denoise, z, grid, step, gamma=1.5, generator=torch.Generator().manual_seed(1),
-                callback=lambda i, t, z_, x: seen.setdefault("first", (seen["z"].std().item(), seen["t"][0].item())))
+    sample(denoise, z, grid, sampler=step, gamma=1.5, generator=torch.Generator().manual_seed(1),
+           callback=lambda i, t, z_, x: seen.setdefault("first", (seen["z"].std().item(), seen["t"][0].item())))
     return seen["first"]
 
 
@@ -193,7 +204,9 @@ def test_sampling_loop_has_no_host_sync_no_buffer_per_step_and_one_decode_pass(m
     net = tiny_net().eval()
     passes = []
     forward = net.forward
-    monkeypatch.setattr(net, "forward", lambda *a, **k: passes.append(bool(k.get("decode"))) or forward(*a, **k))
+    decode = net.decode
+    monkeypatch.setattr(net, "forward", lambda *a, **k: passes.append(False) or forward(*a, **k))
+    monkeypatch.setattr(net, "decode", lambda *a, **k: passes.append(True) or decode(*a, **k))
     state = {"in_loop": False, "buffers": 0}
 
     def no_sync(name):
@@ -214,7 +227,7 @@ def test_sampling_loop_has_no_host_sync_no_buffer_per_step_and_one_decode_pass(m
             state["buffers"] += state["in_loop"]
             return _original(*a, **k)
         monkeypatch.setattr(torch, name, counted)
-    loop = flow.sample_loop
+    loop = flow.sample
 
     def watched(*a, **k):
         state["in_loop"] = True
@@ -222,7 +235,7 @@ def test_sampling_loop_has_no_host_sync_no_buffer_per_step_and_one_decode_pass(m
             return loop(*a, **k)
         finally:
             state["in_loop"] = False
-    monkeypatch.setattr(flow, "sample_loop", watched)
+    monkeypatch.setattr(flow, "sample", watched)
     buffers = {}
     for steps in (3, 9):
         passes.clear()

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from elflow.model import ELF, PRESETS, ELFConfig, get_config
+from elflow.model import ELF, PRESETS, ELFConfig, MixedPass, get_config
 
 COUNTS = Path(__file__).resolve().parents[2] / "shared" / "reference" / "param_counts.json"
 
@@ -44,7 +44,7 @@ def test_call_contract_shapes_and_free_length():
         t, w = torch.rand(3), torch.full((3,), 3.0)
         assert net(z, t, w).shape == (3, L, 32)
         assert net(z, t, w, x_prev=torch.randn_like(z)).shape == (3, L, 32)
-        assert net(z, t, w, decode=True).shape == (3, L, 100)
+        assert net.decode(z, w).shape == (3, L, 100)
 
 
 def test_x_prev_none_means_zeros_and_init_is_zero_head():
@@ -62,11 +62,17 @@ def test_sequence_positions_are_independent_of_length_beyond_attention():
     torch.nn.init.normal_(net.x_head.weight)
     z, t, w = torch.randn(4, 6, 32), torch.rand(4), torch.rand(4) * 4
     gate = torch.tensor([1.0, 0.0, 1.0, 0.0])
-    mixed = net(z, t, w, decode_gate=gate)
-    on = net(z, t, w, decode_gate=1.0)
+    rows = torch.tensor([0, 2])
+    mixed, logits = net.mixed(z, t, w, None, gate, rows)
+    on, _ = net.mixed(z, t, w, None, torch.ones(4), rows)
     off = net(z, t, w)
     assert torch.allclose(mixed[gate == 1], on[gate == 1], atol=1e-6)
     assert torch.allclose(mixed[gate == 0], off[gate == 0], atol=1e-6)
+    # the logits of the chosen rows are the decode pass's when those rows are at t = 1
+    t1 = t.clone()
+    t1[rows] = 1.0
+    _, logits = net.mixed(z, t1, w, None, gate, rows)
+    assert torch.allclose(logits, net.decode(z[rows], w[rows]), atol=1e-5)
     assert not torch.allclose(net(z, t + 0.3, w), off)
 
 
@@ -101,7 +107,11 @@ def test_torch_compile_works():
     net = tiny()
     compiled = torch.compile(net, backend="eager")
     z, t, w = torch.randn(2, 8, 32), torch.rand(2), torch.ones(2)
-    assert torch.allclose(compiled(z, t, w, decode=True), net(z, t, w, decode=True))
+    assert torch.allclose(compiled(z, t, w), net(z, t, w))
+    pair = torch.compile(MixedPass(net), backend="eager")
+    gate, rows = torch.tensor([1.0, 0.0]), torch.tensor([0])
+    for a, b in zip(pair(z, t, w, None, gate, rows), net.mixed(z, t, w, None, gate, rows)):
+        assert torch.allclose(a, b)
 
 
 @pytest.mark.parametrize("bad,match", [
