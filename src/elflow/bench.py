@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from elflow.model import ELF, PRESETS, ELFConfig, get_config
+from elflow.model import ELF, PRESETS, ELFConfig, MixedPass, get_config
 from elflow.optim import NS_METHODS, method_for
 from elflow.utils import ELFError
 
@@ -248,15 +248,17 @@ class _Timer:
 
 
 class _TimedNet(nn.Module):
-    """Forwards to the network, timing no-grad calls (the self-conditioning pass) and trained calls apart."""
+    """Forwards to the network, timing the self-conditioning pass (forward) and the trained pass (mixed)."""
 
     def __init__(self, net, timer):
         super().__init__()
         self.net, self.timer = net, timer
 
-    def forward(self, *a, **k):
-        name = "trained_pass_forward" if torch.is_grad_enabled() else "selfcond_pass"
-        return self.timer.wrap(name, self.net)(*a, **k)
+    def forward(self, *a):
+        return self.timer.wrap("selfcond_pass", self.net)(*a)
+
+    def mixed(self, *a):
+        return self.timer.wrap("trained_pass_forward", self.net.mixed)(*a)
 
 
 def bench(mode: str, preset: str = "tiny", depth=None, hidden=None, heads=None, length=None, batch: int = 4,
@@ -357,7 +359,9 @@ def bench(mode: str, preset: str = "tiny", depth=None, hidden=None, heads=None, 
         counter = iter(range(10 ** 9))
         done_steps: list[int] = []
 
-        def fn(m=model, o=opt, e=ema):
+        trained = torch.compile(MixedPass(net)) if compile else net  # what the trainer compiles
+
+        def fn(m=trained, o=opt, e=ema):
             s = next(counter)
             done_steps.append(s)
             train_step(m, sp, shards, recipe, o, e, s, seed, 0, dtype, 1.0, 1, device, params)
@@ -387,7 +391,7 @@ def bench(mode: str, preset: str = "tiny", depth=None, hidden=None, heads=None, 
                      reference_recipe=reference_recipe_flops(cfg, L))
         if breakdown:  # one more step with every phase synced and timed
             timer = _Timer(device)
-            tnet = _TimedNet(model, timer)
+            tnet = _TimedNet(net, timer)
             sp.encode = timer.wrap("encoder", sp.encode)
             opt.step = timer.wrap("optimizer", opt.step)
             ema.update = timer.wrap("ema", ema.update)
