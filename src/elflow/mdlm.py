@@ -20,8 +20,9 @@ Sampler (ancestral, `steps` equal steps from t = 1 to 0, starting from all-mask)
 position is unmasked with probability (alpha_s - alpha_t) / (1 - alpha_t) = (t - s) / t, taking an id drawn
 from p(x_0 | x_t); unmasked positions are kept; the final step (s = 0) unmasks all that remain. Draws are
 float64 inverse-CDF categoricals from the caller's generator (utils.sample_categorical): the float32
-Gumbel-max trick lowers the samples' entropy and so flatters their generative perplexity. As the network
-has no time input, its output is reused across steps in which no position changed.
+Gumbel-max trick lowers the samples' entropy and so flatters their generative perplexity. Ids are drawn
+only at the positions being unmasked, and as the network has no time input, it runs again only after a
+position has changed.
 
 The method interface (the same in every baseline module; see elflow.ar for the full description):
 
@@ -144,18 +145,19 @@ def sample_tokens(model: TokenTransformer, batch: int, length: int, settings: MD
     device = model.embed.weight.device
     m = mask_id(model)
     x = torch.full((batch, length), m, dtype=torch.long, device=device)
-    times = torch.linspace(1.0, 0.0, settings.steps + 1, dtype=torch.float64)
-    weights = None
+    times = torch.linspace(1.0, 0.0, settings.steps + 1, dtype=torch.float64).tolist()
+    logits = None
     for i in range(settings.steps):
-        if weights is None:  # the network has no time input: recompute only after a change
-            logits = _subs_logits(model(x), m).to(torch.float64)
-            weights = torch.softmax(logits / settings.temperature, dim=-1)  # (B, L, V + 1), mask weight 0
-        x0 = sample_categorical(weights, generator)  # (B, L)
+        t, s = times[i], times[i + 1]
         u = torch.rand(batch, length, dtype=torch.float64, generator=generator, device=device)
-        t, s = float(times[i]), float(times[i + 1])
         last = i == settings.steps - 1
-        unmask = (x == m) & (torch.ones_like(u, dtype=torch.bool) if last else u < (t - s) / t)
-        if bool(unmask.any()):
-            x = torch.where(unmask, x0, x)
-            weights = None
+        unmask = (x == m) & (True if last else u < (t - s) / t)
+        rows, cols = unmask.nonzero(as_tuple=True)
+        if len(rows) == 0:
+            continue
+        if logits is None:  # the network has no time input: its output holds until a position changes
+            logits = _subs_logits(model(x), m)  # (B, L, V + 1)
+        weights = torch.softmax(logits[rows, cols].to(torch.float64) / settings.temperature, dim=-1)  # mask: 0
+        x = x.index_put((rows, cols), sample_categorical(weights, generator))
+        logits = None
     return x
