@@ -203,6 +203,13 @@ def test_fit_config_matches_an_elf_parameter_count(module, tie):
     assert cfg.head_dim == 64 and cfg.vocab_size == 30522
     with pytest.raises(ValueError, match="within"):
         fit_token_lm(1000, 30523, 30522, base)  # the tables alone are larger
+    with torch.device("meta"):
+        trunk_target = ELF(get_config("demo")).num_params(exclude_decode_head=True)
+    cfg = module.fit_config(trunk_target, space, base, tables=False)
+    with torch.device("meta"):
+        model = module.build(cfg, space)
+    trunk = num_params(model) - sum(num_params(m) for m in (model.embed, model.lm_head) if m is not None)
+    assert abs(trunk - trunk_target) / trunk_target <= 0.03
 
 
 def test_unknown_method_is_a_one_line_error_listing_the_choices():
@@ -267,10 +274,10 @@ def test_compare_trains_three_matched_methods_and_judges_them(tmp_path, tiny_t5_
                       sample_steps=4, sample_sampler="vc")
     lines = []
     res = compare(cfg, tmp_path, num=4, judge=(judge, tok), elf_steps=(4,), ar_temperatures=(0.8, 1.0),
-                  mdlm_steps=(4,), cache_dir=tmp_path / "cache", printer=lines.append)
+                  mdlm_steps=(4,), match="trunk", cache_dir=tmp_path / "cache", printer=lines.append)
     info = res["methods"]
     for name in ("ar", "mdlm"):
-        assert abs(info[name]["params"] - info["elf"]["params"]) / info["elf"]["params"] <= 0.05
+        assert abs(info[name]["trunk_params"] - info["elf"]["trunk_params"]) / info["elf"]["trunk_params"] <= 0.05
         assert info[name]["steps"] == 3 and math.isfinite(info[name]["heldout_loss"])
     assert [(r["method"], r["setting"]) for r in res["rows"]] == [
         ("elf", "steps=4"), ("ar", "temperature=0.8"), ("ar", "temperature=1.0"), ("mdlm", "steps=4"),

@@ -3,7 +3,10 @@
 `compare(cfg, out, ...)` trains the three methods on the same token stream (cfg's data, embedding space,
 length, layout, validation split and seed), with the same blocks, optimiser (Muon + Adam), learning rate,
 warm-up, batch and EMA, and with matched parameter counts: ELF trains first through `elflow.train`, then each
-baseline gets the width and depth whose parameter count is closest to ELF's (model.fit_token_lm). Budgets:
+baseline gets the width and depth whose parameter count is closest to ELF's (model.fit_token_lm), either in
+all (`match="total"`) or without the token tables (`match="trunk"`: ELF without its decode head against the
+baselines without their input and output tables; with a large vocabulary the tables dominate the total and
+a total match gives the baselines a wider trunk than ELF's). Budgets:
 
     "tokens"  every method takes cfg.steps optimiser steps of cfg.batch rows of L tokens
     "time"    ELF takes cfg.steps steps; each baseline trains until it has used ELF's training wall-clock
@@ -31,9 +34,10 @@ from elflow.model import TokenLMConfig, num_params
 from elflow.optim import base_lr
 from elflow.utils import ELFError, atomic_write, atomic_write_json
 
-__all__ = ["BUDGETS", "distinct_ngrams", "judge_texts", "compare", "format_table", "plot_tradeoff"]
+__all__ = ["BUDGETS", "MATCHES", "distinct_ngrams", "judge_texts", "compare", "format_table", "plot_tradeoff"]
 
 BUDGETS = ("tokens", "time")
+MATCHES = ("total", "trunk")
 
 
 def distinct_ngrams(texts: list[str], n: int) -> float:
@@ -71,11 +75,14 @@ def _elf_train_seconds(run_dir: Path) -> float | None:
 
 
 def _train_one(name, cfg, mcfg_base, target, space, train_set, length, device, dtype, lr, budget, elf_seconds,
-               tol, chunk: int = 10):
+               tol, match, chunk: int = 10):
     from elflow.data import Batches
 
     module = methods.get_method(name)
-    shape = module.fit_config(target, space, mcfg_base, tol=tol)
+    try:
+        shape = module.fit_config(target, space, mcfg_base, tol=tol, tables=match == "total")
+    except ValueError as e:
+        raise ELFError(f"{name}: {e}") from None
     torch.manual_seed(cfg.seed)
     model = module.build(shape, space).to(device)
     batches = Batches(train_set, cfg.batch, seed=cfg.seed)
@@ -94,12 +101,14 @@ def _train_one(name, cfg, mcfg_base, target, space, train_set, length, device, d
     sampler = module.build(shape, space).to(device)
     state["ema"].copy_to(sampler)
     return sampler.eval(), {"steps": steps, "seconds": seconds, "params": num_params(sampler),
+                            "trunk_params": num_params(sampler) - num_params(sampler.embed) - (
+                                0 if sampler.lm_head is None else num_params(sampler.lm_head)),
                             "shape": {"depth": shape.depth, "hidden": shape.hidden, "heads": shape.heads}}
 
 
 def compare(cfg, out, budget: str = "tokens", num: int = 32, judge=None, elf_steps=(8, 32),
             ar_temperatures=(0.7, 0.85, 1.0), mdlm_steps=(16, 64), omega: float | None = None, tol: float = 0.05,
-            seed: int = 0, cache_dir=None, printer=print) -> dict:
+            match: str = "total", seed: int = 0, cache_dir=None, printer=print) -> dict:
     """Train ELF (cfg, a train.TrainConfig), AR and MDLM on the same data and judge their samples.
 
     judge: None (no perplexities), a folder or hub id for evaluate.load_judge, or a (model, tokenizer) pair.
@@ -111,6 +120,8 @@ def compare(cfg, out, budget: str = "tokens", num: int = 32, judge=None, elf_ste
 
     if budget not in BUDGETS:
         raise ELFError(f"unknown budget {budget!r}; choose one of {', '.join(BUDGETS)}")
+    if match not in MATCHES:
+        raise ELFError(f"unknown parameter match {match!r}; choose one of {', '.join(MATCHES)}")
     if num < 1:
         raise ELFError(f"num must be >= 1, got {num}")
     out = Path(out)
@@ -130,8 +141,9 @@ def compare(cfg, out, budget: str = "tokens", num: int = 32, judge=None, elf_ste
     length = cfg.length or mcfg.max_length
     train_set, val_set = build_dataset(cfg.data, space, length, layout=cfg.layout, val_fraction=cfg.val_fraction,
                                        seed=cfg.seed, cache_dir=cache_dir, field=cfg.text_field, on_bad=cfg.on_bad)
-    target = num_params(net)
-    info = {"elf": {"steps": cfg.steps, "seconds": elf_seconds, "params": target,
+    trunk = net.num_params(exclude_decode_head=True)
+    target = num_params(net) if match == "total" else trunk
+    info = {"elf": {"steps": cfg.steps, "seconds": elf_seconds, "params": num_params(net), "trunk_params": trunk,
                     "shape": {"depth": mcfg.depth, "hidden": mcfg.hidden, "heads": mcfg.heads}}}
 
     base = TokenLMConfig(depth=mcfg.depth, hidden=mcfg.hidden, heads=mcfg.heads, vocab_size=space.vocab_size,
@@ -141,7 +153,7 @@ def compare(cfg, out, budget: str = "tokens", num: int = 32, judge=None, elf_ste
     models = {}
     for name in methods.BASELINES:
         models[name], info[name] = _train_one(name, cfg, base, target, space, train_set, length, device, dtype, lr,
-                                              budget, elf_seconds, tol)
+                                              budget, elf_seconds, tol, match)
         info[name]["heldout_loss"] = methods.heldout_loss(name, models[name], val_set, seed=seed)
 
     # samples at each setting, judged alike
@@ -167,7 +179,7 @@ def compare(cfg, out, budget: str = "tokens", num: int = 32, judge=None, elf_ste
     for name, lines in samples.items():
         with atomic_write(out / f"samples_{name}.jsonl", "w") as f:
             f.write("\n".join(lines) + "\n")
-    result = {"budget": budget, "rows": rows, "methods": info, "out": str(out), "num": num}
+    result = {"budget": budget, "match": match, "rows": rows, "methods": info, "out": str(out), "num": num}
     atomic_write_json(out / "compare.json", result)
     if judge is not None:
         plot_tradeoff(rows, out / "compare.png")
@@ -187,7 +199,8 @@ def format_table(rows: list[dict], info: dict) -> str:
     lines.append("")
     for name, m in info.items():
         extra = f", held-out loss {m['heldout_loss']:.3f}" if "heldout_loss" in m else ""
-        lines.append(f"{name}: {m['params']:,} parameters (depth {m['shape']['depth']}, width "
+        lines.append(f"{name}: {m['params']:,} parameters, {m['trunk_params']:,} without token tables / decode "
+                     f"head (depth {m['shape']['depth']}, width "
                      f"{m['shape']['hidden']}), {m['steps']} steps in {m['seconds']:.0f} s{extra}")
     return "\n".join(lines)
 

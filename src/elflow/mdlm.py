@@ -21,8 +21,8 @@ position is unmasked with probability (alpha_s - alpha_t) / (1 - alpha_t) = (t -
 from p(x_0 | x_t); unmasked positions are kept; the final step (s = 0) unmasks all that remain. Draws are
 float64 inverse-CDF categoricals from the caller's generator (utils.sample_categorical): the float32
 Gumbel-max trick lowers the samples' entropy and so flatters their generative perplexity. Ids are drawn
-only at the positions being unmasked, and as the network has no time input, it runs again only after a
-position has changed.
+only at the positions being unmasked, and as the network has no time input, a step that unmasks nothing
+needs no forward pass.
 
 The method interface (the same in every baseline module; see elflow.ar for the full description):
 
@@ -146,18 +146,15 @@ def sample_tokens(model: TokenTransformer, batch: int, length: int, settings: MD
     m = mask_id(model)
     x = torch.full((batch, length), m, dtype=torch.long, device=device)
     times = torch.linspace(1.0, 0.0, settings.steps + 1, dtype=torch.float64).tolist()
-    logits = None
     for i in range(settings.steps):
         t, s = times[i], times[i + 1]
         u = torch.rand(batch, length, dtype=torch.float64, generator=generator, device=device)
         last = i == settings.steps - 1
         unmask = (x == m) & (True if last else u < (t - s) / t)
         rows, cols = unmask.nonzero(as_tuple=True)
-        if len(rows) == 0:
+        if len(rows) == 0:  # no time input: a step that unmasks nothing needs no forward pass
             continue
-        if logits is None:  # the network has no time input: its output holds until a position changes
-            logits = _subs_logits(model(x), m)  # (B, L, V + 1)
-        weights = torch.softmax(logits[rows, cols].to(torch.float64) / settings.temperature, dim=-1)  # mask: 0
+        logits = _subs_logits(model(x)[rows, cols], m)  # (n, V + 1), the mask id's logit -inf
+        weights = torch.softmax(logits.to(torch.float64) / settings.temperature, dim=-1)
         x = x.index_put((rows, cols), sample_categorical(weights, generator))
-        logits = None
     return x

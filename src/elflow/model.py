@@ -467,15 +467,17 @@ def _block_params(config: TokenLMConfig) -> int:
         return num_params(Block(config.hidden, config.heads, config.mlp_hidden))
 
 
-def token_lm_params(config: TokenLMConfig, in_vocab: int, out_vocab: int) -> int:
-    """The parameter count of TokenTransformer(config, ., in_vocab, out_vocab), without building it."""
-    tables = in_vocab * config.hidden + (0 if config.tie_embeddings else config.hidden * out_vocab)
-    return tables + config.depth * _block_params(config) + config.hidden  # + the final norm
+def token_lm_params(config: TokenLMConfig, in_vocab: int, out_vocab: int, tables: bool = True) -> int:
+    """The parameter count of TokenTransformer(config, ., in_vocab, out_vocab), without building it;
+    `tables=False` leaves out the token tables (input embedding and untied read-out)."""
+    n_tables = in_vocab * config.hidden + (0 if config.tie_embeddings else config.hidden * out_vocab)
+    return n_tables * tables + config.depth * _block_params(config) + config.hidden  # + the final norm
 
 
 def fit_token_lm(target: int, in_vocab: int, out_vocab: int, base: TokenLMConfig, head_dim: int | None = None,
-                 tol: float = 0.03, max_depth: int = 48, max_hidden: int = 4096) -> TokenLMConfig:
-    """The width and depth whose parameter count is within `tol` (relative) of `target`.
+                 tol: float = 0.03, max_depth: int = 48, max_hidden: int = 4096, tables: bool = True) -> TokenLMConfig:
+    """The width and depth whose parameter count (without the token tables if not `tables`) is within `tol`
+    (relative) of `target`.
 
     Widths are multiples of `head_dim` (default: base's), heads = width / head_dim. Among the shapes within
     `tol`, the one whose depth is closest to base.depth wins, then the closest count. Other fields (vocab,
@@ -488,7 +490,7 @@ def fit_token_lm(target: int, in_vocab: int, out_vocab: int, base: TokenLMConfig
     for hidden in range(head_dim, max_hidden + 1, head_dim):
         cfg = base.replace(hidden=hidden, heads=hidden // head_dim, depth=1)
         block = _block_params(cfg)
-        fixed = token_lm_params(cfg, in_vocab, out_vocab) - block  # tables and final norm
+        fixed = token_lm_params(cfg, in_vocab, out_vocab, tables) - block  # tables and final norm
         for depth in range(1, max_depth + 1):
             err = abs(fixed + depth * block - target) / target
             closest = min(closest, (err, (depth, hidden)))
