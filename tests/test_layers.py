@@ -14,7 +14,7 @@ LAYERS = [
     ["model", "optim", "gpt2_tokenizer"],
     ["official", "schedules"],
     ["flow", "ar", "mdlm"],
-    ["data"],
+    ["data", "methods"],
     ["encoders"],
     ["checkpoint"],
     ["train", "generate", "diagnostics", "toy", "judge"],

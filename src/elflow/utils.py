@@ -1,4 +1,4 @@
-"""Small shared helpers: atomic file writes, devices, seeding."""
+"""Small shared helpers: atomic file writes, devices, seeding, float64 categorical draws."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 
 __all__ = ["ELFError", "atomic_write", "atomic_write_text", "atomic_write_json", "check_output", "default_device",
-           "sha256_file", "cache_root"]
+           "sha256_file", "cache_root", "sample_categorical"]
 
 
 class ELFError(Exception):
@@ -91,3 +91,21 @@ def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
         return Path(cache_dir).expanduser()
     env = os.environ.get("ELFLOW_CACHE")
     return Path(env).expanduser() if env else Path.home() / ".cache" / "elflow"
+
+
+def sample_categorical(weights, generator=None):
+    """One draw per row of `weights` (..., V): non-negative, not necessarily normalised. Returns (...) ids.
+
+    Inverse CDF in float64: u ~ U[0, 1) scaled by the row's total, the first index whose cumulative weight
+    exceeds it. A zero-weight id is never drawn. Float64 matters: the float32 Gumbel-max trick
+    (argmax of log p + Gumbel noise, with u in float32) truncates the Gumbel tail, so low-probability ids are
+    drawn too rarely: samples lose entropy and their generative perplexity looks better than the model's.
+    """
+    import torch
+
+    cdf = weights.to(torch.float64).cumsum(-1)
+    u = torch.rand(cdf.shape[:-1] + (1,), dtype=torch.float64, generator=generator, device=cdf.device)
+    total = cdf[..., -1:].contiguous()
+    ids = torch.searchsorted(cdf, u * total, right=True)
+    last = torch.searchsorted(cdf, total, right=False)  # the last id of positive weight (u * total may round up)
+    return torch.minimum(ids, last).squeeze(-1)

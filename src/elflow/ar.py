@@ -1,0 +1,175 @@
+"""The autoregressive baseline: a causal transformer LM over the embedding space's token ids.
+
+Same blocks, norms and RoPE as ELF (`model.TokenTransformer` with causal attention), same tokenizer and token
+stream, so its figures sit next to ELF's. The network reads ids through its own embedding table, which has
+one extra row: the row-start id `vocab_size` (BOS). Every training row is read as [BOS, x_0 .. x_{L-2}] and
+scored on predicting x_0 .. x_{L-1}, so all L positions count and the sampler generates whole rows from BOS,
+exactly the L-token rows ELF learns. The read-out covers the real vocabulary only (BOS is never emitted).
+
+The method interface (the same in every baseline module; the trainer calls only these):
+
+    build(config, space)                               -> nn.Module (config: TokenLMConfig; the vocabulary
+                                                          comes from space.vocab_size)
+    loss(model, tokens, mask, generator)               -> (loss, metrics): tokens (B, L) ids, mask (B, L)
+                                                          bool positions scored (None: all); metrics are
+                                                          tensors, sums and counts that add up across steps:
+                                                          loss, nll_sum, tokens, correct
+    sample_tokens(model, batch, length, settings, generator) -> (B, L) ids
+    SETTINGS                                           the sampler's settings class (ARSampling)
+    fit_config(target, space, base, **kw)              -> TokenLMConfig with about `target` parameters
+
+Loss: next-token cross-entropy, the mean over the batch's scored positions (sum of NLL / scored count);
+`generator` is unused (the loss is deterministic) and accepted for the common interface.
+
+Sampler: ancestral, one position at a time for the whole batch, with temperature and top-p (nucleus); each
+draw is a float64 inverse-CDF categorical from `generator` (utils.sample_categorical), so a seed fixes the
+samples. It keeps a key/value cache: every step runs the blocks on the one new position against the cached
+keys and values of the earlier ones (`cached_logits`), the same function as the full causal forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from elflow.model import TokenLMConfig, TokenTransformer, apply_rope, fit_token_lm
+from elflow.utils import ELFError, sample_categorical
+
+__all__ = ["ARSampling", "SETTINGS", "build", "loss", "sample_tokens", "fit_config", "bos_id", "shifted_inputs",
+           "next_token_probs", "top_p_filter", "cached_logits"]
+
+
+@dataclass(frozen=True)
+class ARSampling:
+    """temperature > 0 divides the logits; top_p in (0, 1] keeps the smallest set of ids holding that mass."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        if not self.temperature > 0:
+            raise ELFError(f"AR sampling: temperature must be > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ELFError(f"AR sampling: top_p must lie in (0, 1], got {self.top_p}")
+
+
+SETTINGS = ARSampling
+
+
+def build(config: TokenLMConfig, space) -> TokenTransformer:
+    """A causal TokenTransformer over space.vocab_size ids plus the row-start id."""
+    cfg = config.replace(vocab_size=space.vocab_size)
+    return TokenTransformer(cfg, causal=True, in_vocab=cfg.vocab_size + 1, out_vocab=cfg.vocab_size)
+
+
+def fit_config(target: int, space, base: TokenLMConfig, **kw) -> TokenLMConfig:
+    """The shape (width, depth) of an AR model with about `target` parameters (see model.fit_token_lm)."""
+    V = space.vocab_size
+    return fit_token_lm(target, V + 1, V, base.replace(vocab_size=V), **kw)
+
+
+def bos_id(model: TokenTransformer) -> int:
+    return model.config.vocab_size
+
+
+def shifted_inputs(model: TokenTransformer, tokens: torch.Tensor) -> torch.Tensor:
+    """(B, L) rows -> (B, L) inputs [BOS, x_0 .. x_{L-2}]: position j reads the ids before x_j."""
+    bos = torch.full_like(tokens[:, :1], bos_id(model))
+    return torch.cat([bos, tokens[:, :-1]], dim=1)
+
+
+def loss(model: TokenTransformer, tokens: torch.Tensor, mask: torch.Tensor | None = None,
+         generator: torch.Generator | None = None):
+    """Next-token cross-entropy averaged over the scored positions. Returns (loss, metrics)."""
+    logits = model(shifted_inputs(model, tokens))  # (B, L, V)
+    nll = F.cross_entropy(logits.float().transpose(1, 2), tokens, reduction="none")  # (B, L)
+    w = torch.ones_like(nll) if mask is None else mask.to(nll.device, nll.dtype)
+    n = w.sum()
+    nll_sum = (nll * w).sum()
+    value = nll_sum / n.clamp_min(1)
+    correct = ((logits.detach().argmax(-1) == tokens).float() * w).sum()
+    return value, {"loss": value.detach(), "nll_sum": nll_sum.detach(), "tokens": n, "correct": correct}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# sampling
+
+
+def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Zero every id outside the nucleus: the most probable ids whose mass before them is below top_p (the
+    most probable id is always kept). probs (..., V), normalised; returns unnormalised weights."""
+    if top_p >= 1:
+        return probs
+    sorted_p, order = probs.sort(-1, descending=True)
+    keep_sorted = (sorted_p.cumsum(-1) - sorted_p) < top_p
+    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+    return torch.where(keep, probs, torch.zeros_like(probs))
+
+
+def next_token_probs(logits: torch.Tensor, settings: ARSampling) -> torch.Tensor:
+    """(..., V) logits -> float64 sampling weights after temperature and top-p."""
+    probs = torch.softmax(logits.to(torch.float64) / settings.temperature, dim=-1)
+    return top_p_filter(probs, settings.top_p)
+
+
+def _attend_cached(attn, h, cos, sin, keys, values, pos: int):
+    """Attention of the one new position `pos` (h: (B, 1, H)) over the cached positions 0..pos; writes its
+    key and value into the caches (B, heads, L, head_dim). The projections are `Attention.forward`'s."""
+    B, N, H = h.shape
+    qkv = attn.qkv(h).view(B, N, 3, attn.heads, attn.head_dim).permute(2, 0, 3, 1, 4)
+    q, k, v = qkv.unbind(0)
+    q = apply_rope(attn.q_norm(q), cos, sin).to(keys.dtype)  # the caches' dtype (autocast may differ)
+    keys[:, :, pos:pos + 1] = apply_rope(attn.k_norm(k), cos, sin)
+    values[:, :, pos:pos + 1] = v
+    out = F.scaled_dot_product_attention(q, keys[:, :, :pos + 1], values[:, :, :pos + 1])  # (B, nh, 1, d)
+    return attn.proj(out.transpose(1, 2).reshape(B, N, H))
+
+
+class _Cache:
+    """Per-block key/value buffers for `length` positions; `step` runs one position through the network."""
+
+    def __init__(self, model: TokenTransformer, batch: int, length: int, device, dtype):
+        c = model.config
+        if length > c.max_length:
+            raise ELFError(f"cannot sample {length} positions: this network's max_length is {c.max_length}")
+        self.model = model
+        shape = (batch, c.heads, length, c.head_dim)
+        self.kv = [(torch.empty(shape, device=device, dtype=dtype), torch.empty(shape, device=device, dtype=dtype))
+                   for _ in model.blocks]
+
+    def step(self, ids: torch.Tensor, pos: int) -> torch.Tensor:
+        """ids (B,) at position `pos` -> logits (B, V) of the next id."""
+        m = self.model
+        h = m.embed(ids[:, None])  # (B, 1, H)
+        cos, sin = m.rope_cos[pos:pos + 1], m.rope_sin[pos:pos + 1]
+        for block, (keys, values) in zip(m.blocks, self.kv):
+            h = h + _attend_cached(block.attn, block.norm1(h), cos, sin, keys, values, pos)
+            h = h + block.mlp(block.norm2(h))
+        return m.head(m.norm(h))[:, 0]
+
+
+@torch.no_grad()
+def cached_logits(model: TokenTransformer, inputs: torch.Tensor) -> torch.Tensor:
+    """The causal forward pass one position at a time through the key/value cache: (B, N) -> (B, N, V).
+    Equal to model(inputs); the sampler runs exactly these steps."""
+    cache = _Cache(model, inputs.shape[0], inputs.shape[1], inputs.device, model.embed.weight.dtype)
+    return torch.stack([cache.step(inputs[:, i], i) for i in range(inputs.shape[1])], dim=1)
+
+
+@torch.no_grad()
+def sample_tokens(model: TokenTransformer, batch: int, length: int, settings: ARSampling = ARSampling(),
+                  generator: torch.Generator | None = None) -> torch.Tensor:
+    """`batch` rows of `length` ids, drawn ancestrally from BOS (see the module docstring)."""
+    if batch < 1 or length < 1:
+        raise ELFError(f"AR sampling needs batch and length >= 1, got {batch}, {length}")
+    device = model.embed.weight.device
+    cache = _Cache(model, batch, length, device, model.embed.weight.dtype)
+    out = torch.empty(batch, length, dtype=torch.long, device=device)
+    current = torch.full((batch,), bos_id(model), dtype=torch.long, device=device)
+    for pos in range(length):
+        weights = next_token_probs(cache.step(current, pos), settings)  # (B, V) float64
+        current = sample_categorical(weights, generator)
+        out[:, pos] = current
+    return out

@@ -1,0 +1,160 @@
+"""The masked diffusion baseline (MDLM): a bidirectional transformer that unmasks tokens.
+
+Same blocks, norms and RoPE as ELF (`model.TokenTransformer`, bidirectional), same tokenizer and token
+stream. The input table has one extra id, the mask id `vocab_size`; the read-out covers it too, but its
+logit is always -inf.
+
+Forward process (log-linear schedule): alpha_t = 1 - t; each position of x_0 is replaced by the mask id
+independently with probability t. Reverse model, SUBS parameterisation: p(x_0 | x_t) is the softmax of the
+network's logits with the mask logit set to -inf (the model never predicts a mask), and a position that is
+not masked in x_t carries its id over (its distribution is one-hot on it). The network takes no time input:
+under SUBS with masking, x_t alone determines p(x_0 | x_t).
+
+Objective, the continuous-time NELBO: NELBO = E_t [ (1/t) sum over masked positions of -log p(x_0 | x_t) ],
+with t ~ U(eps, 1). Unmasked positions carry over and cost nothing. The loss divides the sum by the number
+of scored positions (a per-token NELBO, an upper bound on the per-token NLL; exp of it bounds perplexity).
+Times are drawn low-discrepancy by default: t_i = eps + (1 - eps) ((u + i / B) mod 1), one u per batch,
+which covers [eps, 1) evenly within a batch and lowers the variance of the 1/t-weighted loss.
+
+Sampler (ancestral, `steps` equal steps from t = 1 to 0, starting from all-mask): from t to s every masked
+position is unmasked with probability (alpha_s - alpha_t) / (1 - alpha_t) = (t - s) / t, taking an id drawn
+from p(x_0 | x_t); unmasked positions are kept; the final step (s = 0) unmasks all that remain. Draws are
+float64 inverse-CDF categoricals from the caller's generator (utils.sample_categorical): the float32
+Gumbel-max trick lowers the samples' entropy and so flatters their generative perplexity. Ids are drawn
+only at the positions being unmasked, and as the network has no time input, a step that unmasks nothing
+needs no forward pass.
+
+The method interface (the same in every baseline module; see elflow.ar for the full description):
+
+    build(config, space) -> nn.Module
+    loss(model, tokens, mask, generator) -> (loss, metrics)    metrics: loss, nll_sum, tokens, masked
+    sample_tokens(model, batch, length, settings, generator) -> (B, L) ids
+    SETTINGS (MDLMSampling), fit_config(target, space, base, **kw)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from elflow.model import TokenLMConfig, TokenTransformer, fit_token_lm
+from elflow.utils import ELFError, sample_categorical
+
+__all__ = ["MDLMSampling", "SETTINGS", "EPS", "build", "loss", "sample_tokens", "fit_config", "mask_id",
+           "draw_times", "draw_masking", "nelbo"]
+
+EPS = 1e-3  # the smallest training time: the loss weight 1/t stays below 1/EPS
+
+
+@dataclass(frozen=True)
+class MDLMSampling:
+    """steps >= 1 reverse steps; temperature > 0 divides the logits before each draw."""
+
+    steps: int = 64
+    temperature: float = 1.0
+
+    def __post_init__(self):
+        if not isinstance(self.steps, int) or self.steps < 1:
+            raise ELFError(f"MDLM sampling: steps must be an integer >= 1, got {self.steps!r}")
+        if not self.temperature > 0:
+            raise ELFError(f"MDLM sampling: temperature must be > 0, got {self.temperature}")
+
+
+SETTINGS = MDLMSampling
+
+
+def build(config: TokenLMConfig, space) -> TokenTransformer:
+    """A bidirectional TokenTransformer over space.vocab_size ids plus the mask id (read-out included)."""
+    cfg = config.replace(vocab_size=space.vocab_size)
+    return TokenTransformer(cfg, causal=False, in_vocab=cfg.vocab_size + 1, out_vocab=cfg.vocab_size + 1)
+
+
+def fit_config(target: int, space, base: TokenLMConfig, **kw) -> TokenLMConfig:
+    """The shape (width, depth) of an MDLM model with about `target` parameters (see model.fit_token_lm)."""
+    V = space.vocab_size
+    return fit_token_lm(target, V + 1, V + 1, base.replace(vocab_size=V), **kw)
+
+
+def mask_id(model: TokenTransformer) -> int:
+    return model.config.vocab_size
+
+
+def _subs_logits(logits: torch.Tensor, mask: int) -> torch.Tensor:
+    """SUBS at a masked position: float32 logits with the mask id's logit at -inf. (Carry-over at unmasked
+    positions needs no computation: the loss skips them and the sampler keeps them.)"""
+    logits = logits.float()
+    return logits.index_fill(-1, torch.tensor([mask], device=logits.device), float("-inf"))
+
+
+def draw_times(batch: int, generator: torch.Generator | None = None, eps: float = EPS,
+               low_discrepancy: bool = True, device=None) -> torch.Tensor:
+    """(B,) times in [eps, 1): low-discrepancy (one uniform shifted by i / B) or independent uniforms."""
+    device = device if device is not None else (generator.device if generator is not None else None)
+    if low_discrepancy:
+        u = torch.rand(1, generator=generator, device=device)
+        u = (u + torch.arange(batch, device=device) / batch) % 1.0
+    else:
+        u = torch.rand(batch, generator=generator, device=device)
+    return eps + (1 - eps) * u
+
+
+def draw_masking(tokens: torch.Tensor, t: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """(B, L) bool: each position masked independently with probability t of its row."""
+    u = torch.rand(tokens.shape, generator=generator, device=tokens.device)
+    return u < t.to(tokens.device)[:, None]
+
+
+def nelbo(model: TokenTransformer, tokens: torch.Tensor, t: torch.Tensor, masked: torch.Tensor,
+          mask: torch.Tensor | None = None):
+    """The loss for given times t (B,) and masked positions (B, L): sum over masked and scored positions of
+    (1/t) (-log p(x_0 | x_t)), divided by the number of scored positions. Returns (loss, metrics).
+
+    Only the scored masked positions are read out (the vocabulary projection is the costly part)."""
+    m = mask_id(model)
+    x_t = torch.where(masked, torch.full_like(tokens, m), tokens)
+    scored = torch.ones_like(masked) if mask is None else mask.to(masked.device, torch.bool)
+    hit = masked & scored
+    rows, cols = hit.nonzero(as_tuple=True)
+    h = model.features(x_t)[rows, cols]  # (n, H)
+    nll = F.cross_entropy(_subs_logits(model.head(h), m), tokens[rows, cols], reduction="none")  # (n,)
+    weighted = nll / t.to(nll.device)[rows]
+    n = scored.sum().to(nll.dtype)
+    nll_sum = weighted.sum()
+    value = nll_sum / n.clamp_min(1)
+    return value, {"loss": value.detach(), "nll_sum": nll_sum.detach(), "tokens": n,
+                   "masked": torch.as_tensor(float(len(rows)), device=nll.device)}
+
+
+def loss(model: TokenTransformer, tokens: torch.Tensor, mask: torch.Tensor | None = None,
+         generator: torch.Generator | None = None, eps: float = EPS, low_discrepancy: bool = True):
+    """The NELBO of one batch with times and masks drawn from `generator` (on the tokens' device)."""
+    t = draw_times(tokens.shape[0], generator, eps, low_discrepancy, device=tokens.device)
+    return nelbo(model, tokens, t, draw_masking(tokens, t, generator), mask)
+
+
+@torch.no_grad()
+def sample_tokens(model: TokenTransformer, batch: int, length: int, settings: MDLMSampling = MDLMSampling(),
+                  generator: torch.Generator | None = None) -> torch.Tensor:
+    """`batch` rows of `length` ids by ancestral unmasking from all-mask (see the module docstring)."""
+    if batch < 1 or length < 1:
+        raise ELFError(f"MDLM sampling needs batch and length >= 1, got {batch}, {length}")
+    if length > model.config.max_length:
+        raise ELFError(f"cannot sample {length} positions: this network's max_length is {model.config.max_length}")
+    device = model.embed.weight.device
+    m = mask_id(model)
+    x = torch.full((batch, length), m, dtype=torch.long, device=device)
+    times = torch.linspace(1.0, 0.0, settings.steps + 1, dtype=torch.float64).tolist()
+    for i in range(settings.steps):
+        t, s = times[i], times[i + 1]
+        u = torch.rand(batch, length, dtype=torch.float64, generator=generator, device=device)
+        last = i == settings.steps - 1
+        unmask = (x == m) & (True if last else u < (t - s) / t)
+        rows, cols = unmask.nonzero(as_tuple=True)
+        if len(rows) == 0:  # no time input: a step that unmasks nothing needs no forward pass
+            continue
+        logits = _subs_logits(model(x)[rows, cols], m)  # (n, V + 1), the mask id's logit -inf
+        weights = torch.softmax(logits.to(torch.float64) / settings.temperature, dim=-1)
+        x = x.index_put((rows, cols), sample_categorical(weights, generator))
+    return x
