@@ -115,7 +115,8 @@ def compare(cfg, out, budget: str = "tokens", num: int = 32, judge=None, elf_ste
     Returns {"rows": [...], "methods": {...}, "budget", "out"}; see the module docstring for the files.
     """
     from elflow.data import build_dataset
-    from elflow.generate import generate_texts, load_for_sampling
+    from elflow.checkpoint import load_for_sampling
+    from elflow.generate import SamplingSettings, generate
     from elflow.train import resolve_dtype, train
 
     if budget not in BUDGETS:
@@ -136,7 +137,8 @@ def compare(cfg, out, budget: str = "tokens", num: int = 32, judge=None, elf_ste
     train(cfg, out / "elf", overwrite=True, quiet=True, cache_dir=cache_dir)
     elf_seconds = _elf_train_seconds(out / "elf") or time.perf_counter() - t0
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    net, space = load_for_sampling(out / "elf", device=device)
+    loaded, space = load_for_sampling(out / "elf", device=device)
+    net = loaded.net
     mcfg = net.config
     length = cfg.length or mcfg.max_length
     train_set, val_set = build_dataset(cfg.data, space, length, layout=cfg.layout, val_fraction=cfg.val_fraction,
@@ -159,9 +161,11 @@ def compare(cfg, out, budget: str = "tokens", num: int = 32, judge=None, elf_ste
     # samples at each setting, judged alike
     vocab = corpus_vocabulary(space.decode(train_set.tokens[: min(len(train_set), 4000)]))
     omega = omega if omega is not None else cfg.sample_omega
-    runs = [("elf", f"steps={s}", lambda s=s: generate_texts(net, space, num, length, s, cfg.sample_sampler,
-                                                             omega=omega, batch_size=16, seed=seed, progress=False))
-            for s in elf_steps]
+    def elf_texts(steps):
+        settings = SamplingSettings(steps=steps, sampler=cfg.sample_sampler, omega=omega, seed=seed, batch_size=16)
+        return [r["text"] for r in generate(net, space, num, settings, length, progress=False)]
+
+    runs = [("elf", f"steps={s}", lambda s=s: elf_texts(s)) for s in elf_steps]
     runs += [("ar", f"temperature={t}", lambda t=t: methods.sample_texts(
         "ar", models["ar"], space, num, length, ar.ARSampling(temperature=t), seed)) for t in ar_temperatures]
     runs += [("mdlm", f"steps={s}", lambda s=s: methods.sample_texts(
