@@ -45,6 +45,8 @@ class Recipe:
     omega_low: float = 0.5
     omega_high: float = 5.0
     source_drop_prob: float = 0.1  # conditional data only
+    t_mean: float = -1.5  # training times t = sigmoid(N(t_mean, t_std^2))
+    t_std: float = 0.8
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -81,7 +83,7 @@ def draw_training_noise(shape, recipe: Recipe, generator: torch.Generator | None
     decode = r[0] < recipe.decode_prob
     self_cond = (r[1] < recipe.self_cond_prob) & ~decode
     drop_source = (r[2] < recipe.source_drop_prob) & torch.tensor(conditional)
-    t = sample_time(B, generator).to(device)
+    t = sample_time(B, generator, recipe.t_mean, recipe.t_std).to(device)
     omega = sample_guidance(B, generator, recipe.omega_low, recipe.omega_high).to(device)
     eps = torch.randn(B, L, C, generator=generator, device=device)
     p = sample_decode_level((B, L, 1), generator).to(device)
