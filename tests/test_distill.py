@@ -7,6 +7,7 @@ import torch
 from safetensors.torch import load_file
 
 from elflow import distill
+from elflow.utils import ELFError
 
 REF = Path(__file__).resolve().parents[2] / "shared" / "reference"
 if not REF.exists():  # CI lays shared/ beside the clone
@@ -69,3 +70,127 @@ def test_pd_target_matches_the_authors(official_net, case, kind):
     target = distill.pd_target(official_net, case["z_t_s"], case["t_s"], case["t_t"], case["omega"],
                                case["sc_half"], case["x0"], known, steps, sub_step_times=times, t_eps=0.05)
     assert close(target, case[f"target_{kind}"]) < TOL
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the student's side
+
+
+def test_sub_step_times_run_from_t_s_to_t_t_in_order():
+    g = torch.Generator().manual_seed(0)
+    t_s = torch.tensor([0.0, 0.3, 0.75])
+    t_t = t_s + 0.25
+    times = distill.sample_sub_step_times(t_s, t_t, 8, g)
+    assert times.shape == (3, 9)
+    assert torch.equal(times[:, 0], t_s) and torch.equal(times[:, -1], t_t)
+    assert (times.diff(dim=1) >= 0).all()
+    # the interior points are t_s + s u with u logit-normal: mapped back they are sorted sigmoid(N(-1.5, 0.8))
+    u = (times[:, 1:-1] - t_s[:, None]) / 0.25
+    g2 = torch.Generator().manual_seed(0)
+    expect = torch.sigmoid(-1.5 + 0.8 * torch.randn(3 * 7, generator=g2)).reshape(3, 7).sort(dim=1).values
+    assert torch.allclose(u, expect, atol=1e-5)
+
+
+@torch.no_grad()
+def test_pd_target_of_an_exact_straight_line_teacher_is_its_guess():
+    """A teacher that always answers the same x makes every Euler step head for that x: the K-step
+    endpoint read back as a one-step prediction is that x, for any sub-step times."""
+    x_star = torch.randn(2, 5, 3)
+
+    def teacher(z, t, omega, x_prev):
+        return x_star
+
+    t_s, t_t = torch.tensor([0.1, 0.5]), torch.tensor([0.35, 0.75])
+    z = torch.randn(2, 5, 3)
+    known = torch.zeros(2, 5, dtype=torch.bool)
+    times = distill.sample_sub_step_times(t_s, t_t, 4, torch.Generator().manual_seed(1))
+    tgt = distill.pd_target(teacher, z, t_s, t_t, torch.ones(2), torch.zeros_like(z), z, known, 4, times)
+    assert torch.allclose(tgt, x_star, atol=1e-5)
+    # an interval below 1e-3 returns the teacher's last guess
+    tgt = distill.pd_target(teacher, z, t_s, t_s + 1e-4, torch.ones(2), torch.zeros_like(z), z, known, 4)
+    assert torch.equal(tgt, x_star)
+
+
+def _tiny_pair(seed=0):
+    from elflow.model import ELF, get_config
+
+    torch.manual_seed(seed)
+    teacher = ELF(get_config("tiny", max_length=8))
+    for p in teacher.parameters():  # a teacher whose x head is not zero
+        p.data.add_(0.05 * torch.randn_like(p))
+    teacher.eval().requires_grad_(False)
+    student = ELF(teacher.config)
+    student.load_state_dict(teacher.state_dict())
+    return teacher, student
+
+
+def test_one_optimiser_step_lowers_the_distillation_error_on_a_fixed_batch():
+    from elflow.flow import Recipe
+
+    teacher, student = _tiny_pair()
+    B, L, C = 6, 8, teacher.config.dim
+    recipe = Recipe(decode_prob=0.0)
+    g = torch.Generator().manual_seed(3)
+    draw = distill.draw_distill_noise((B, L, C), recipe, 0.25, 4, g, torch.Generator().manual_seed(4))
+    x = torch.randn(B, L, C, generator=g)
+    tokens = torch.randint(0, teacher.config.vocab_size, (B, L), generator=g)
+    mask = torch.ones(B, L, dtype=torch.bool)
+    mask[0, -2:] = False
+
+    def loss():
+        return distill.distill_loss(student, teacher, x, tokens, draw, recipe, mask, source_len=2, teacher_steps=4)
+
+    before, metrics = loss()
+    assert metrics["denoise_n"].item() == B and metrics["decode_n"].item() == 0
+    opt = torch.optim.SGD(student.parameters(), lr=0.05)
+    before.backward()
+    opt.step()
+    with torch.no_grad():
+        after, _ = loss()
+    assert after.item() < before.item() * 0.999
+    # the loss is the per-row masked token mean of the squared error to pd_target, averaged over rows
+    with torch.no_grad():
+        known = (torch.arange(L) < 2)[None].expand(B, L)
+        kn = known[..., None]
+        t = draw.t[:, None, None]
+        z = torch.where(kn, x, t * x + (1 - t) * 2.0 * draw.eps)
+        slot = torch.where(kn, x, torch.zeros_like(x))
+        init = distill.teacher_init(teacher, z, draw.t, draw.omega, x, known)
+        slot = torch.where(draw.self_cond[:, None, None] & ~kn, init, slot)
+        tgt = distill.pd_target(teacher, z, draw.t, draw.t_next, draw.omega, slot, x, known, 4, draw.sub_times)
+        err = (student(z, draw.t, draw.omega, slot) - tgt).pow(2).mean(-1)
+        w = (mask & ~known).float()
+        expect = ((err * w).sum(-1) / w.sum(-1)).mean()
+    assert after.item() == pytest.approx(expect.item(), rel=1e-5)
+
+
+def test_decode_rows_score_the_cross_entropy():
+    from elflow.flow import Recipe
+
+    teacher, student = _tiny_pair(1)
+    B, L, C = 4, 8, teacher.config.dim
+    recipe = Recipe(decode_prob=1.0)
+    g = torch.Generator().manual_seed(5)
+    draw = distill.draw_distill_noise((B, L, C), recipe, 0.5, 2, g, torch.Generator().manual_seed(6))
+    assert draw.decode.all() and not draw.self_cond.any() and (draw.t == 1).all()
+    x = torch.randn(B, L, C, generator=g)
+    tokens = torch.randint(0, teacher.config.vocab_size, (B, L), generator=g)
+    with torch.no_grad():
+        loss, m = distill.distill_loss(student, teacher, x, tokens, draw, recipe, teacher_steps=2)
+        z = draw.p * x + (1 - draw.p) * recipe.decode_noise_scale * draw.eps
+        logits = student(z, torch.ones(B), draw.omega, decode=True)
+        expect = torch.nn.functional.cross_entropy(logits.transpose(1, 2), tokens)
+    assert loss.item() == pytest.approx(expect.item(), rel=1e-5)
+    assert m["decode_n"].item() == B
+
+
+def test_schedule_checks():
+    assert distill.check_schedule([16, 8, 4, 2, 1], 64) == [16, 8, 4, 2, 1]
+    with pytest.raises(ELFError, match="decrease strictly"):
+        distill.check_schedule([4, 4, 2], 8)
+    with pytest.raises(ELFError, match="decrease strictly"):
+        distill.check_schedule([2, 4], 8)
+    with pytest.raises(ELFError, match="do not divide"):
+        distill.check_schedule([16, 8, 3], 64)
+    assert distill.sampling_defaults(4) == {"steps": 4, "sampler": "sde", "gamma": 1.5, "omega": 2.5}
+    assert distill.sampling_defaults(16)["gamma"] == 2.0 and distill.sampling_defaults(16)["omega"] == 2.0

@@ -106,7 +106,8 @@ def load_checkpoint(ckpt: str | os.PathLike, with_optimizer: bool = True, map_lo
     out = {"state": state, "path": ckpt}
     try:
         out["model"] = load_file(ckpt / "model.safetensors", device=str(map_location))
-        out["ema"] = load_file(ckpt / "ema.safetensors", device=str(map_location))
+        ema = ckpt / "ema.safetensors"  # a recorded file was checked above; an unrecorded one may be absent
+        out["ema"] = load_file(ema, device=str(map_location)) if ema.exists() else {}
     except Exception as e:  # safetensors raises its own error types on bad headers
         raise ELFError(f"{ckpt}: weights cannot be read ({e})") from None
     if with_optimizer:

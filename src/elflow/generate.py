@@ -190,11 +190,13 @@ def add_arguments(p) -> None:
     p.add_argument("checkpoint", metavar="RUN_OR_CHECKPOINT",
                    help="an elflow run folder or checkpoint folder, an authors' checkpoint_<step> file or its "
                         "folder, or a hub id such as embedded-language-flows/ELF-B-owt-torch")
-    p.add_argument("--steps", type=int, default=32, help="sampling steps N")
+    p.add_argument("--steps", type=int, default=None,
+                   help="sampling steps N (default: the checkpoint's stored default, e.g. a distilled model's, else 32)")
     p.add_argument("--sampler", choices=["ode", "sde", "vc"], default="sde",
                    help="ode: Euler; sde: the released SDE-style step; vc: variance-consistent re-noising")
-    p.add_argument("--gamma", type=float, default=1.5, help="SDE back-off scale")
-    p.add_argument("--omega", type=float, default=3.0, help="self-conditioning guidance scale")
+    p.add_argument("--gamma", type=float, default=None, help="SDE back-off scale (default: stored, else 1.5)")
+    p.add_argument("--omega", type=float, default=None,
+                   help="self-conditioning guidance scale (default: stored, else 3.0)")
     p.add_argument("--grid", choices=["logit_normal", "uniform"], default="logit_normal")
     p.add_argument("--num", type=int, default=16, help="number of samples")
     p.add_argument("--batch", type=int, default=8, help="samples per batch")
@@ -211,10 +213,23 @@ def add_arguments(p) -> None:
     p.add_argument("--quiet", action="store_true", help="do not print the texts")
 
 
+SAMPLING_DEFAULTS = {"steps": 32, "gamma": 1.5, "omega": 3.0}
+
+
+def fill_sampling_defaults(args, recipe: dict) -> None:
+    """Settings the user left unset: the checkpoint's stored sampling defaults (recipe["sampling"], written by
+    distillation), else SAMPLING_DEFAULTS."""
+    stored = recipe.get("sampling") or {}
+    for name, fallback in SAMPLING_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, type(fallback)(stored.get(name, fallback)))
+
+
 def run(args) -> int:
     net, space = load_for_sampling(args.checkpoint, device=args.device, space=args.encoder,
                                    use_ema=not args.raw_weights,
                                    max_length=args.length if args.length and args.length > 0 else None)
+    fill_sampling_defaults(args, net.elflow_info.get("recipe", {}))
     traj_steps = None
     if args.trajectory is not None:
         n = args.steps
