@@ -1,5 +1,6 @@
 """Progressive distillation: the teacher's side against the authors' vectors, the student's loss, the rounds."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -194,3 +195,179 @@ def test_schedule_checks():
         distill.check_schedule([16, 8, 3], 64)
     assert distill.sampling_defaults(4) == {"steps": 4, "sampler": "sde", "gamma": 1.5, "omega": 2.5}
     assert distill.sampling_defaults(16)["gamma"] == 2.0 and distill.sampling_defaults(16)["omega"] == 2.0
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the rounds, end to end on a tiny teacher
+
+
+def _files(run: Path, step: int):
+    ck = run / "checkpoints" / f"step_{step:07d}"
+    return load_file(ck / "model.safetensors"), load_file(ck / "ema.safetensors")
+
+
+@pytest.fixture(scope="module")
+def teacher_run(tmp_path_factory, tiny_t5_dir, tiny_corpus_file):
+    from elflow.train import TrainConfig, train
+
+    run = tmp_path_factory.mktemp("teacher") / "run"
+    cache = tmp_path_factory.mktemp("cache")
+    cfg = TrainConfig(preset="tiny", data=str(tiny_corpus_file), space=f"t5:{tiny_t5_dir}", length=16, batch=4,
+                      steps=2, warmup=1, ema_decay=0.9, log_every=1, ckpt_every=2, dtype="fp32", seed=1)
+    train(cfg, run, cache_dir=cache, quiet=True)
+    return run, cache
+
+
+ROUND = dict(student_steps=[2, 1], teacher_steps=2, steps_per_round=3, ckpt_every=2, keep=5, log_every=1,
+             dtype="fp32", seed=3, ema_decay=0.5, quiet=True)
+
+
+@pytest.fixture(scope="module")
+def full_distillation(teacher_run, tmp_path_factory):
+    teacher, cache = teacher_run
+    out = tmp_path_factory.mktemp("distill") / "out"
+    rounds = distill.distill(teacher, out, cache_dir=cache, **ROUND)
+    return out, rounds
+
+
+def test_rounds_are_ordinary_runs_with_few_step_sampling_defaults(full_distillation, teacher_run):
+    from elflow.generate import load_weights
+
+    out, rounds = full_distillation
+    assert list(rounds) == [2, 1] and rounds[2] == out / "round-2" and rounds[1] == out / "round-1"
+    for n in (2, 1):
+        cfg, sd, spec, info = load_weights(out / f"round-{n}")
+        assert info["checkpoint"].endswith("step_0000003")
+        assert info["recipe"]["distilled_steps"] == n and info["recipe"]["sampling"] == distill.sampling_defaults(n)
+    run1 = json.loads((out / "round-1" / "run.json").read_text())["train"]
+    run2 = json.loads((out / "round-2" / "run.json").read_text())["train"]
+    assert run2["init_from"].startswith(str(teacher_run[0]))  # round 1: the teacher
+    assert run1["init_from"] == str(out / "round-2")  # round k + 1: round k's student (its EMA)
+    assert run1["warmup_frac"] == 0.1 and run1["ema_decay"] == 0.5
+    recs = [json.loads(r) for r in (out / "round-1" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == [1, 2, 3] and recs[0]["lr"] == pytest.approx(1e-3 * 4 / 256)
+
+
+def test_an_interrupted_distillation_resumes_bit_identically(full_distillation, teacher_run, tmp_path):
+    teacher, cache = teacher_run
+    full, _ = full_distillation
+    out = tmp_path / "out"
+    distill.distill(teacher, out, cache_dir=cache, stop_after=4, **ROUND)  # round 2 done, one step into round 1
+    assert (out / "round-1" / "checkpoints" / "step_0000001").exists()
+    assert not (out / "round-1" / "checkpoints" / "step_0000003").exists()
+    distill.distill(teacher, out, cache_dir=cache, resume=True, **ROUND)
+    for n in (2, 1):
+        for a, b in zip(_files(out / f"round-{n}", 3), _files(full / f"round-{n}", 3)):
+            assert a.keys() == b.keys()
+            assert all(torch.equal(a[k], b[k]) for k in a), n
+
+
+def test_init_from_starts_from_the_stored_ema(teacher_run, tmp_path, tiny_t5_dir, tiny_corpus_file):
+    from elflow.train import TrainConfig, train
+
+    teacher, cache = teacher_run
+    run = tmp_path / "run"
+    cfg = TrainConfig(preset="tiny", data=str(tiny_corpus_file), space=f"t5:{tiny_t5_dir}", length=16, batch=4,
+                      steps=1, warmup=1, ema_decay=0.9, lr=0.0, log_every=1, ckpt_every=1, dtype="fp32", seed=5,
+                      init_from=str(teacher))
+    train(cfg, run, cache_dir=cache, quiet=True)
+    model, ema = _files(run, 1)
+    _, teacher_ema = _files(teacher, 2)
+    teacher_model, _ = _files(teacher, 2)
+    assert all(torch.equal(model[k], teacher_ema[k]) for k in teacher_ema)  # lr 0: the start weights stay
+    assert all(torch.equal(ema[k], teacher_ema[k]) for k in teacher_ema)  # a fresh EMA of those weights
+    assert any(not torch.equal(teacher_model[k], teacher_ema[k]) for k in teacher_ema)  # EMA, not raw weights
+
+
+def _cli(argv, capsys):
+    from elflow.cli import main
+
+    rc = main(argv)
+    err = capsys.readouterr().err
+    return rc, err
+
+
+def _distill_argv(teacher, out, cache, *extra):
+    return ["distill", str(teacher), "--out", str(out), "--cache-dir", str(cache), "--quiet", "--dtype", "fp32",
+            "--batch", "4", *extra]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--student-steps", "2,2", "--teacher-steps", "4"], "decrease strictly"),
+    (["--student-steps", "1,2", "--teacher-steps", "4"], "decrease strictly"),
+    (["--student-steps", "4,3", "--teacher-steps", "8"], "do not divide"),
+    (["--student-steps", "two"], "comma-separated"),
+    (["--student-steps", "1", "--teacher-steps", "1", "--latent-std", "0.5"], "embedding space"),
+])
+def test_bad_distillation_input_is_one_line_and_writes_nothing(teacher_run, tmp_path, capsys, extra, message):
+    teacher, cache = teacher_run
+    out = tmp_path / "out"
+    rc, err = _cli(_distill_argv(teacher, out, cache, "--steps-per-round", "1", *extra), capsys)
+    assert rc == 2
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("elflow distill: error:") and message in lines[0]
+    assert not out.exists()
+
+
+def test_resume_into_another_distillation_is_refused(full_distillation, teacher_run, capsys):
+    teacher, cache = teacher_run
+    out, _ = full_distillation
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
+    manifest = (out / "distill.json").read_bytes()
+    rc, err = _cli(_distill_argv(teacher, out, cache, "--student-steps", "4,2,1", "--teacher-steps", "4",
+                                 "--steps-per-round", "3", "--resume"), capsys)
+    assert rc == 2 and "holds another distillation" in err and len(err.strip().splitlines()) == 1
+    rc, err = _cli(_distill_argv(teacher, out, cache, "--student-steps", "2,1", "--teacher-steps", "2",
+                                 "--steps-per-round", "3"), capsys)
+    assert rc == 2 and "already holds a distillation" in err
+    assert (out / "distill.json").read_bytes() == manifest
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before
+
+
+def test_a_teacher_without_ema_teaches_with_its_raw_weights_and_a_warning(teacher_run, tmp_path, capsys):
+    import shutil
+
+    teacher, cache = teacher_run
+    ck = tmp_path / "no_ema"
+    shutil.copytree(teacher / "checkpoints" / "step_0000002", ck)
+    (ck / "ema.safetensors").unlink()
+    state = json.loads((ck / "state.json").read_text())
+    del state["files"]["ema.safetensors"]
+    (ck / "state.json").write_text(json.dumps(state))
+    out = tmp_path / "out"
+    rc, err = _cli(_distill_argv(ck, out, cache, "--student-steps", "1", "--teacher-steps", "1",
+                                 "--steps-per-round", "1", "--ckpt-every", "1", "--lr", "1e-9"), capsys)
+    assert rc == 0 and "holds no EMA weights" in err
+    assert json.loads((out / "distill.json").read_text())["teacher_ema"] is False
+    # the round started from the raw weights (one step at lr 1e-9 since), not from the teacher's EMA
+    raw = load_file(ck / "model.safetensors")
+    _, ema = _files(teacher, 2)
+    model, _ = _files(out / "round-1", 1)
+
+    def dist(a):
+        return sum((model[k] - a[k]).pow(2).sum().item() for k in a)
+
+    assert dist(raw) < 1e-6 * dist(ema)
+
+
+def test_init_from_a_network_of_another_shape_is_refused(teacher_run, tmp_path, capsys, tiny_t5_dir,
+                                                         tiny_corpus_file):
+    teacher, cache = teacher_run
+    out = tmp_path / "run"
+    rc, err = _cli(["train", "--preset", "tiny", "--data", str(tiny_corpus_file), "--space", f"t5:{tiny_t5_dir}",
+                    "--length", "16", "--batch", "4", "--steps", "1", "--depth", "3", "--dtype", "fp32",
+                    "--init-from", str(teacher), "--out", str(out), "--cache-dir", str(cache)], capsys)
+    assert rc == 2 and "another shape" in err and "depth 2 vs 3" in err and len(err.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+def test_sample_uses_the_stored_few_step_defaults(full_distillation, teacher_run, tmp_path, capsys):
+    out, _ = full_distillation
+    teacher, _ = teacher_run
+    for src, extra, expect in [(out / "round-1", [], (1, 1.5, 2.5)), (out / "round-1", ["--steps", "3"], (3, 1.5, 2.5)),
+                               (teacher, ["--steps", "2"], (2, 1.5, 3.0))]:
+        dest = tmp_path / "s.jsonl"
+        rc, _ = _cli(["sample", str(src), "--num", "1", "--quiet", "--device", "cpu", "--out", str(dest), *extra],
+                     capsys)
+        rec = json.loads(dest.read_text().splitlines()[0])
+        assert rc == 0 and (rec["steps"], rec["gamma"], rec["omega"]) == expect

@@ -290,6 +290,9 @@ def _base_config(teacher_info: dict, overrides: dict):
     keep = ("preset", "data", "text_field", "on_bad", "space", "latent_std", "length", "layout", "batch",
             "micro_batch", "adam_heads", "ns_method", "grad_clip", "dtype", "compile", "model")
     base = {k: stored[k] for k in keep if k in stored and k in known}
+    scale = teacher_info.get("space", {}).get("latent_std")
+    if isinstance(scale, (int, float)) and base.get("space") is not None:
+        base["latent_std"] = repr(float(scale))  # the teacher's resolved scale: no re-estimate, the same space
     base.update({k: v for k, v in overrides.items() if v is not None})
     if "data" not in base or "space" not in base:
         raise ELFError(f"{teacher_info['checkpoint']} stores no training data settings (a converted checkpoint?); "
