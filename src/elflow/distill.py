@@ -19,7 +19,6 @@ sampling defaults that `elflow sample` picks up.
 from __future__ import annotations
 
 import json
-import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,8 +31,8 @@ from elflow.schedules import T_MEAN, T_STD, sample_decode_level, sample_guidance
 from elflow.utils import ELFError, atomic_write_json
 
 __all__ = ["teacher_init", "pd_target", "sample_sub_step_times", "DistillDraw", "draw_distill_noise",
-           "distill_loss", "DistillObjective", "sampling_defaults", "check_schedule", "distill", "add_arguments",
-           "run"]
+           "distill_loss", "DistillObjective", "sampling_defaults", "check_schedule", "load_teacher", "distill",
+           "add_arguments", "run"]
 
 SUB_STEP_MIN_SPAN = 1e-3  # below this interval the extrapolation to t = 1 is ill-conditioned: use the guess
 STEP_SIZE_FLOOR = 1e-6  # t_s = u max(1 - s, floor): a one-step student still sees a (tiny) spread of t_s
@@ -383,8 +382,8 @@ def distill(teacher, out, student_steps=(16, 8, 4, 2, 1), teacher_steps: int = 6
 def _round_config(cfg, n: int, teacher_steps: int, init: str):
     from dataclasses import replace
 
-    recipe = {**cfg.recipe, "distilled_steps": n, "teacher_steps": teacher_steps, "sampling": sampling_defaults(n)}
     s = sampling_defaults(n)
+    recipe = {**cfg.recipe, "distilled_steps": n, "teacher_steps": teacher_steps, "sampling": s}
     return replace(cfg, init_from=init, recipe=recipe, sample_steps=s["steps"], sample_sampler=s["sampler"],
                    sample_omega=s["omega"])
 

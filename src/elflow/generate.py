@@ -191,7 +191,7 @@ def add_arguments(p) -> None:
                    help="an elflow run folder or checkpoint folder, an authors' checkpoint_<step> file or its "
                         "folder, or a hub id such as embedded-language-flows/ELF-B-owt-torch")
     p.add_argument("--steps", type=int, default=None,
-                   help="sampling steps N (default: the checkpoint's stored default, e.g. a distilled model's, else 32)")
+                   help="sampling steps N (default: the checkpoint's stored one, as a distilled model has, else 32)")
     p.add_argument("--sampler", choices=["ode", "sde", "vc"], default="sde",
                    help="ode: Euler; sde: the released SDE-style step; vc: variance-consistent re-noising")
     p.add_argument("--gamma", type=float, default=None, help="SDE back-off scale (default: stored, else 1.5)")
