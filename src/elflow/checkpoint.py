@@ -112,7 +112,8 @@ def load_checkpoint(ckpt: str | os.PathLike, with_optimizer: bool = True, map_lo
     out = {"state": state, "path": ckpt}
     try:
         out["model"] = load_file(ckpt / "model.safetensors", device=str(map_location))
-        out["ema"] = load_file(ckpt / "ema.safetensors", device=str(map_location))
+        ema = ckpt / "ema.safetensors"  # a recorded file was checked above; an unrecorded one may be absent
+        out["ema"] = load_file(ema, device=str(map_location)) if ema.exists() else {}
     except Exception as e:  # safetensors raises its own error types on bad headers
         raise ELFError(f"{ckpt}: weights cannot be read ({e})") from None
     if with_optimizer:
@@ -287,14 +288,13 @@ class Loaded:
         return bool(self.settings.get("source_length"))
 
 
-def load(path_or_hub_id: str | os.PathLike, device=None, use_ema: bool = True,
-         max_length: int | None = None) -> Loaded:
+def read_weights(path_or_hub_id: str | os.PathLike, use_ema: bool = True, max_length: int | None = None):
     """Every format through one function: an elflow run folder (its newest good checkpoint), an elflow
-    checkpoint folder, an authors' checkpoint_<step> file or a folder holding one, or a hub id. The network is
-    in eval mode with its EMA weights (unless use_ema=False); `max_length` widens its position table."""
+    checkpoint folder, an authors' checkpoint_<step> file or a folder holding one, or a hub id.
+    Returns (ELFConfig, state dict, space spec, recipe, settings); the state dict is empty when EMA weights
+    were asked for and none were stored. `max_length` widens the position table."""
     s = str(path_or_hub_id)
     p = Path(s).expanduser()
-    name = s
     if not p.exists():
         if not is_hub_id(s):
             raise ELFError(f"{s}: no such file or folder (nor a hub id of the form owner/name)")
@@ -306,20 +306,31 @@ def load(path_or_hub_id: str | os.PathLike, device=None, use_ema: bool = True,
         cfg = ELFConfig.from_dict({**st["model"], "grad_checkpoint": False})
         sd = blob["ema" if use_ema else "model"]
         sd = {k: v for k, v in sd.items() if not k.startswith("space.")}
-        settings = {"length": cfg.max_length, **st.get("settings", {}), "format": "elflow",
-                    "checkpoint": str(ckpt), "space_id": st.get("space_id")}
         recipe, space = dict(st.get("train", {}).get("recipe", {})), st["space"]
+        stored = {k: recipe[k] for k in ("sampling", "distilled_steps") if k in recipe}  # a distilled model's
+        settings = {"length": cfg.max_length, **stored, **st.get("settings", {}), "format": "elflow",
+                    "checkpoint": str(ckpt), "space_id": st.get("space_id")}
     else:
         f = find_official_file(p)
         sd = read_official_checkpoint(f, which="ema_params1" if use_ema else "params")
-        settings = {"length": 1024, **_authors_settings(f.parent, name), "format": "official",
-                    "checkpoint": str(f)}
+        settings = {"length": 1024, **_authors_settings(f.parent, s), "format": "official", "checkpoint": str(f)}
         cfg = infer_config(sd, max_length=settings["length"])
         recipe, space = {}, dict(AUTHORS_SPACE)
         if settings.get("source_length"):
             recipe["decode_noise_scale"] = 1.0
     if max_length and max_length > cfg.max_length:
         cfg = cfg.replace(max_length=max_length)
+    return cfg, sd, space, recipe, settings
+
+
+def load(path_or_hub_id: str | os.PathLike, device=None, use_ema: bool = True,
+         max_length: int | None = None) -> Loaded:
+    """The network of any checkpoint `read_weights` reads, in eval mode with its EMA weights (unless
+    use_ema=False), with its space spec, recipe and settings."""
+    cfg, sd, space, recipe, settings = read_weights(path_or_hub_id, use_ema, max_length)
+    if not sd:
+        raise ELFError(f"{path_or_hub_id} holds no {'EMA ' if use_ema else ''}weights"
+                       + ("; pass --raw-weights to use the trained ones" if use_ema else ""))
     net = build_from_state_dict(sd, config=cfg).to(device or "cpu").eval()
     return Loaded(net, space, recipe, settings)
 

@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "quickstart": ("elflow.quickstart", "the offline default: fetch corpus + encoder, train the demo model, sample"),
     "train": ("elflow.train", "train an ELF model (alone or under torchrun)"),
     "sample": ("elflow.generate", "generate text from a run, a checkpoint or a released model"),
+    "distill": ("elflow.distill", "progressive distillation into few-step students (16 -> 8 -> 4 -> 2 -> 1)"),
     "eval": ("elflow.evaluate", "generative perplexity and entropy, BLEU, ROUGE"),
     "train-judge": ("elflow.judge", "train a small offline autoregressive judge"),
     "sweep": ("elflow.sweep", "sampler x steps x omega grid, judged and plotted (paper Figure 3)"),

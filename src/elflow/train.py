@@ -9,6 +9,7 @@ ranks and accumulation steps, and a resumed run needs no generator state to cont
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import sys
@@ -16,6 +17,7 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -26,7 +28,8 @@ from elflow.model import ELF, PRESETS, MixedPass, get_config
 from elflow.optim import EMA, NS_METHODS, ELFOptimizer, base_lr, lr_at
 from elflow.utils import ELFError, atomic_write, atomic_write_json
 
-__all__ = ["TrainConfig", "train", "train_step", "shard_generators", "add_arguments", "run"]
+__all__ = ["TrainConfig", "Objective", "train", "train_step", "shard_generators", "load_init_weights",
+           "add_arguments", "run"]
 
 # the default embedding space of each preset
 DEFAULT_SPACE = {"tiny": "minilm", "demo": "minilm"}
@@ -47,8 +50,10 @@ class TrainConfig:
     batch: int = 32  # global batch (rows per optimiser step, over all ranks)
     micro_batch: int | None = None  # rows per forward/backward; batch / (world * micro) accumulation steps
     steps: int = 1000
+    epochs: float | None = None  # if set, the run's length in passes over the data (overrides steps)
     lr: float | None = None  # default 1e-3 * batch / 256
     warmup: int = 100
+    warmup_frac: float | None = None  # if set, the warm-up as a fraction of the run (overrides warmup)
     ema_decay: float = 0.9999
     adam_heads: bool = False
     ns_method: str = "auto"  # how Muon's Newton-Schulz is evaluated: auto, iterate, spectral, by-shape
@@ -68,6 +73,7 @@ class TrainConfig:
     tensorboard: bool = False
     recipe: dict = field(default_factory=dict)
     model: dict = field(default_factory=dict)  # ELFConfig overrides (depth, hidden, heads, ...)
+    init_from: str | None = None  # start from these weights (a run or checkpoint: its EMA), fresh optimiser
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -98,14 +104,26 @@ def autocast_ctx(device: torch.device, dtype: str):
     return nullcontext()
 
 
+@dataclass(frozen=True)
+class Objective:
+    """What a training step minimises. `draw(shape, recipe, generator=, cpu_generator=, device=, conditional=)`
+    draws a batch's randomness (with `t`, `decode` and a `drop_source` (B,) CPU bool tensor, read by the
+    encoder); `loss(net, x, tokens, draw, recipe, valid=, known=, trained=)` returns (loss, rows) as elf_loss
+    does. The default is the ELF objective; distillation passes its own."""
+
+    draw: Callable = draw_training_noise
+    loss: Callable = elf_loss
+
+
 def train_step(model, space, shards: list[dict], recipe: Recipe, optimizer: ELFOptimizer, ema: EMA | None,
                step: int, seed: int, first_shard: int, dtype: str = "bf16", grad_clip: float = 1.0,
-               world_size: int = 1, device=None, params=None) -> dict:
+               world_size: int = 1, device=None, params=None, objective: Objective | None = None) -> dict:
     """One optimiser step over this rank's shards (gradient accumulation); returns metric tensors summed
     over the shards plus the gradient norm. `model` may be a DDP wrapper; the loss of each shard is a mean
     over its rows, divided by the number of shards of the whole global batch."""
     device = device or next(model.parameters()).device
     net, trained = unwrap(model)
+    objective = objective or Objective()
     n_shards = len(shards) * world_size
     totals: dict[str, torch.Tensor] = {}
     for a, batch in enumerate(shards):
@@ -118,8 +136,8 @@ def train_step(model, space, shards: list[dict], recipe: Recipe, optimizer: ELFO
         known = known.to(device, non_blocking=True) if known is not None else None
         g, c = shard_generators(seed, step, first_shard + a, device)
         B, L = tokens.shape
-        draw = draw_training_noise((B, L, space.dim), recipe, generator=g, cpu_generator=c, device=device,
-                                   conditional=known is not None)
+        draw = objective.draw((B, L, space.dim), recipe, generator=g, cpu_generator=c, device=device,
+                              conditional=known is not None)
         if known is not None:
             valid = attention if attention is not None else torch.ones_like(known)
             attention = encoder_mask(known, valid, draw.drop_source)
@@ -128,8 +146,8 @@ def train_step(model, space, shards: list[dict], recipe: Recipe, optimizer: ELFO
             with autocast_ctx(device, dtype):
                 with nullcontext() if space.trainable else torch.no_grad():
                     x = space.encode(tokens, attention)
-                loss, rows = elf_loss(net, x.float(), tokens, draw, recipe, valid=mask, known=known,
-                                      trained=trained)
+                loss, rows = objective.loss(net, x.float(), tokens, draw, recipe, valid=mask, known=known,
+                                            trained=trained)
             (loss / n_shards * world_size).backward()  # DDP averages over ranks: mean over all shards
         for k, v in step_metrics(loss, rows, draw).items():
             totals[k] = totals[k] + v if k in totals else v
@@ -209,6 +227,35 @@ def space_spec(name: str, latent_std) -> dict:
         except ValueError:
             raise ELFError(f"--latent-std must be a number, 'auto' or 'table', got {latent_std!r}") from None
     return spec
+
+
+def load_init_weights(path, warn=None):
+    """(ELFConfig, state dict, info) of the weights a run starts from: the EMA of an elflow run or checkpoint
+    (or of an authors' checkpoint). Where no EMA was stored, the trained weights, with a warning."""
+    from elflow.checkpoint import read_weights
+
+    cfg, sd, spec, recipe, info = read_weights(path, use_ema=True)
+    if not sd:
+        (warn or (lambda m: print(m, file=sys.stderr)))(
+            f"warning: {path} holds no EMA weights; using its trained (raw) weights instead")
+        cfg, sd, spec, recipe, info = read_weights(path, use_ema=False)
+        info = {**info, "ema": False}
+    return cfg, sd, {**info, "space": spec, "recipe": recipe}
+
+
+SHAPE_FREE = ("max_length", "grad_checkpoint")  # ELFConfig fields that do not change the weights
+
+
+def check_init_compatible(path, init_cfg, info: dict, mcfg, space) -> None:
+    """Refuse starting weights of another embedding space or another network shape."""
+    stored = info.get("space_id")
+    if stored and stored != space.space_id:
+        raise ELFError(f"{path} was trained in the embedding space {stored!r}, this run uses {space.space_id!r}; "
+                       "pass the matching --space / --latent-std")
+    a, b = init_cfg.to_dict(), mcfg.to_dict()
+    diff = [f"{k} {a[k]} vs {b[k]}" for k in a if k not in SHAPE_FREE and a[k] != b.get(k)]
+    if diff:
+        raise ELFError(f"{path} holds a network of another shape than this run's ({', '.join(diff)})")
 
 
 def trainable_space_params(space) -> dict:
@@ -341,9 +388,11 @@ def check_run_dir(out: Path, cfg: TrainConfig, resume: bool, overwrite: bool, is
 
 
 def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwrite: bool = False,
-          cache_dir=None, quiet: bool = False, stop_after: int | None = None) -> dict:
+          cache_dir=None, quiet: bool = False, stop_after: int | None = None,
+          objective: Objective | None = None) -> dict:
     """Train; returns a summary dict (rank 0). `stop_after` ends the process's work after that many steps
-    of this invocation (for tests and time-boxed runs) while keeping the schedule of `cfg.steps`."""
+    of this invocation (for tests and time-boxed runs) while keeping the schedule of `cfg.steps`.
+    `objective` replaces the ELF loss (distillation); `cfg.init_from` starts a fresh run from stored weights."""
     from elflow.data import Batches, build_dataset
     from elflow.encoders import build_space, check_compatible
 
@@ -374,33 +423,44 @@ def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwr
                           grad_checkpoint=cfg.grad_checkpoint, **cfg.model)
         recipe = Recipe.from_dict(cfg.recipe)
         net = ELF(mcfg).to(device)
+        resume_from = None
+        if resume and (out / "checkpoints").exists():
+            from elflow.checkpoint import latest_checkpoint
+
+            resume_from = latest_checkpoint(out, warn=lambda m: is_main and print(m, file=sys.stderr))
+        if cfg.init_from and resume_from is None:  # weights only; the optimiser and the EMA start afresh
+            init_cfg, init_sd, info = load_init_weights(cfg.init_from,
+                                                        warn=lambda m: is_main and print(m, file=sys.stderr))
+            check_init_compatible(cfg.init_from, init_cfg, info, mcfg, space)
+            net.load_state_dict(init_sd)
         space_params = trainable_space_params(space)
         named = list(net.named_parameters()) + list(space_params.items())
         lr = cfg.lr if cfg.lr is not None else base_lr(cfg.batch)
         optimizer = ELFOptimizer(named, lr=lr, adam_heads=cfg.adam_heads, ns_method=cfg.ns_method)
         ema = EMA(net, cfg.ema_decay)
         batches = Batches(train_set, micro * accum, seed=cfg.seed, rank=rank, world_size=world)
+        total = cfg.steps if cfg.epochs is None else max(1, math.ceil(cfg.epochs * batches.per_epoch))
+        warmup = cfg.warmup if cfg.warmup_frac is None else math.ceil(cfg.warmup_frac * total)
         start = 0
 
-        if resume and (out / "checkpoints").exists():
-            from elflow.checkpoint import latest_checkpoint, load_checkpoint
+        if resume_from is not None:
+            from elflow.checkpoint import load_checkpoint
 
-            ckpt = latest_checkpoint(out, warn=lambda m: is_main and print(m, file=sys.stderr))
-            if ckpt is not None:
-                blob = load_checkpoint(ckpt, map_location=device)
-                check_compatible(blob["state"]["space_id"], space)
-                net.load_state_dict({k: v for k, v in blob["model"].items() if not k.startswith("space.")})
-                for k, p in space_params.items():
-                    p.data.copy_(blob["model"][k])
-                ema.load_state_dict(blob["ema"])
-                optimizer.load_state_dict(blob["optimizer"]["optimizer"])
-                torch.set_rng_state(blob["optimizer"]["rng"]["torch"].cpu())
-                if "cuda" in blob["optimizer"]["rng"] and torch.cuda.is_available():
-                    torch.cuda.set_rng_state(blob["optimizer"]["rng"]["cuda"].cpu())
-                batches.load_state_dict(blob["state"]["data_position"])
-                start = blob["state"]["step"]
-                if is_main and not quiet:
-                    print(f"resuming from {ckpt} (step {start})", file=sys.stderr)
+            ckpt = resume_from
+            blob = load_checkpoint(ckpt, map_location=device)
+            check_compatible(blob["state"]["space_id"], space)
+            net.load_state_dict({k: v for k, v in blob["model"].items() if not k.startswith("space.")})
+            for k, p in space_params.items():
+                p.data.copy_(blob["model"][k])
+            ema.load_state_dict(blob["ema"])
+            optimizer.load_state_dict(blob["optimizer"]["optimizer"])
+            torch.set_rng_state(blob["optimizer"]["rng"]["torch"].cpu())
+            if "cuda" in blob["optimizer"]["rng"] and torch.cuda.is_available():
+                torch.cuda.set_rng_state(blob["optimizer"]["rng"]["cuda"].cpu())
+            batches.load_state_dict(blob["state"]["data_position"])
+            start = blob["state"]["step"]
+            if is_main and not quiet:
+                print(f"resuming from {ckpt} (step {start})", file=sys.stderr)
         if is_main:
             out.mkdir(parents=True, exist_ok=True)
             atomic_write_json(out / "run.json", {"train": cfg.to_dict(), "model": mcfg.to_dict(),
@@ -416,19 +476,19 @@ def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwr
             # the only buffers are constant RoPE tables: no per-forward broadcast (forward counts differ by rank)
             model = DDP(model, device_ids=[local] if device.type == "cuda" else None, broadcast_buffers=False)
         params = [p for _, p in named]
-        log = RunLogger(out, cfg.steps, start, is_main, cfg.tensorboard, show=not quiet)
+        log = RunLogger(out, total, start, is_main, cfg.tensorboard, show=not quiet)
         tokens_per_step = cfg.batch * length
         totals, n_logged, t_log = {}, 0, time.perf_counter()
         last_good, step = None, start
-        end = cfg.steps if stop_after is None else min(cfg.steps, start + stop_after)
+        end = total if stop_after is None else min(total, start + stop_after)
         summary = {"start_step": start}
         for step in range(start, end):
-            optimizer.set_lr(lr_at(step, lr, cfg.warmup))
+            optimizer.set_lr(lr_at(step, lr, warmup))
             global_batch = next(batches)
             shards = [{k: (v[a * micro:(a + 1) * micro] if torch.is_tensor(v) else v)
                        for k, v in global_batch.items()} for a in range(accum)]
             m = train_step(model, space, shards, recipe, optimizer, ema, step, cfg.seed, rank * accum,
-                           cfg.dtype, cfg.grad_clip, world, device, params)
+                           cfg.dtype, cfg.grad_clip, world, device, params, objective)
             nonfinite = m.pop("nonfinite", None)
             if world > 1:
                 flag = torch.tensor([1.0 if nonfinite is not None else 0.0], device=device)
@@ -455,7 +515,7 @@ def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwr
                               for k, p in zip(keys, parts)}
                 rec = summarize(totals, n_logged)
                 dt = time.perf_counter() - t_log
-                rec.update(step=done, lr=lr_at(step, lr, cfg.warmup), tokens_per_s=tokens_per_step * n_logged / dt,
+                rec.update(step=done, lr=lr_at(step, lr, warmup), tokens_per_s=tokens_per_step * n_logged / dt,
                            elapsed=dt)
                 log.log({"kind": "train", **rec})
                 log.advance(n_logged, {"loss": f"{rec['loss']:.3f}", "tok/s": f"{rec['tokens_per_s']:.0f}"})
@@ -528,6 +588,7 @@ def add_arguments(p) -> None:
     p.add_argument("--batch", type=int, default=32, help="global batch: rows per optimiser step, all ranks")
     p.add_argument("--micro-batch", type=int, default=None, help="rows per forward/backward (accumulation)")
     p.add_argument("--steps", type=int, default=1000, help="optimiser steps")
+    p.add_argument("--epochs", type=float, default=None, help="run length in passes over the data (overrides --steps)")
     p.add_argument("--lr", type=float, default=None, help="learning rate (default 1e-3 * batch / 256)")
     p.add_argument("--warmup", type=int, default=100, help="linear warm-up steps")
     p.add_argument("--ema-decay", type=float, default=None, help="EMA decay (default 0.9999; demo 0.995)")
@@ -549,6 +610,8 @@ def add_arguments(p) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="run folder (default runs/<preset>)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
+    p.add_argument("--init-from", default=None, metavar="CKPT",
+                   help="start from the weights of this run or checkpoint (its EMA; fresh optimiser, EMA and step)")
     p.add_argument("--overwrite", action="store_true", help="replace the run in --out")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--ckpt-every", type=int, default=500)
@@ -566,6 +629,8 @@ def config_from_args(args) -> TrainConfig:
     for name in ("batch", "steps", "log_every", "ckpt_every"):
         if getattr(args, name) < 1:
             raise ELFError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.epochs is not None and not args.epochs > 0:
+        raise ELFError(f"--epochs must be > 0, got {args.epochs}")
     return TrainConfig(
         preset=args.preset, data=args.data, text_field=args.field, on_bad=args.on_bad,
         space=args.space or DEFAULT_SPACE.get(args.preset, "t5-small"), latent_std=args.latent_std,
@@ -574,7 +639,7 @@ def config_from_args(args) -> TrainConfig:
         grad_clip=args.grad_clip,
         dtype=args.dtype, compile=args.compile, grad_checkpoint=args.grad_checkpoint, seed=args.seed,
         log_every=args.log_every, ckpt_every=args.ckpt_every, keep=args.keep, sample_every=args.sample_every,
-        tensorboard=args.tensorboard, recipe=recipe, model=model)
+        tensorboard=args.tensorboard, recipe=recipe, model=model, epochs=args.epochs, init_from=args.init_from)
 
 
 def run(args) -> int:

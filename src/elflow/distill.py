@@ -1,0 +1,468 @@
+"""Progressive distillation: a student that takes one step of size s = 1/N where its frozen teacher takes K.
+
+Per training row (decode rows, with probability 0.2, keep the ordinary decode cross-entropy):
+
+    t_s = u max(1 - s, 1e-6), u ~ logit-normal(-1.5, 0.8),   t_t = t_s + s
+    z_t_s = t_s x0 + (1 - t_s) 2 eps                          (known positions hold x0)
+    slot  = the teacher's guess at (z_t_s, t_s) on half the rows, zeros on the rest (known positions x0)
+    z_K   = K teacher Euler steps from t_s to t_t, each guess fed back as the next slot
+    x~    = z_t_s + (1 - t_s) / (t_t - t_s) (z_K - z_t_s)    (the x whose single Euler step lands on z_K)
+    loss  = || student(z_t_s, t_s, omega, slot) - x~ ||^2 / C, a masked token mean per row
+
+`elflow distill TEACHER --student-steps 16,8,4,2,1 --teacher-steps 64` runs the rounds: round 1's student
+copies the teacher's EMA weights, round k+1 starts from round k's student EMA (fresh optimiser and EMA). The
+teacher stays the original one in every round. Each round is an ordinary elflow run folder (OUT/round-<N>)
+trained by `elflow.train.train` with this module's objective; its stored recipe carries the few-step
+sampling defaults that `elflow sample` picks up.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from elflow.flow import Recipe, _index, euler_step
+from elflow.schedules import T_MEAN, T_STD, sample_decode_level, sample_guidance, sample_time
+from elflow.utils import ELFError, atomic_write_json
+
+__all__ = ["teacher_init", "pd_target", "sample_sub_step_times", "DistillDraw", "draw_distill_noise",
+           "distill_loss", "DistillObjective", "sampling_defaults", "check_schedule", "load_teacher", "distill",
+           "add_arguments", "run"]
+
+SUB_STEP_MIN_SPAN = 1e-3  # below this interval the extrapolation to t = 1 is ill-conditioned: use the guess
+STEP_SIZE_FLOOR = 1e-6  # t_s = u max(1 - s, floor): a one-step student still sees a (tiny) spread of t_s
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the teacher's side
+
+
+def _rows(v: torch.Tensor) -> torch.Tensor:
+    return v.reshape(-1, 1, 1)
+
+
+def teacher_init(teacher, z_t_s, t_s, omega, x0, known_mask) -> torch.Tensor:
+    """The teacher's guess of x at (z_t_s, t_s, omega) from a slot holding x0 at the known positions and zeros
+    elsewhere: (B, L, C). The guess is returned as the network gives it; whoever uses it as a
+    self-conditioning slot puts x0 back at the known positions."""
+    known = known_mask[..., None]
+    slot = torch.where(known, x0, torch.zeros_like(x0))
+    return teacher(z_t_s, t_s, omega, slot)
+
+
+def pd_target(teacher, z_t_s, t_s, t_t, omega, sc_half, x0, known_mask, steps: int, sub_step_times=None,
+              t_eps: float = 0.05) -> torch.Tensor:
+    """The distillation target x~ (B, L, C): `steps` teacher Euler steps from t_s to t_t, read back as the x
+    prediction whose single Euler step from (z_t_s, t_s) lands on the same point.
+
+    sc_half (B, L, C) is the first self-conditioning slot (shared with the student); each later slot is the
+    previous guess with x0 at the known positions, where z stays x0 as well. sub_step_times (B, steps + 1)
+    runs from t_s to t_t (uniform steps if None). One step returns the teacher's guess itself, as does an
+    interval shorter than 1e-3.
+    """
+    if steps < 1:
+        raise ValueError(f"pd_target: steps must be >= 1, got {steps}")
+    B = z_t_s.shape[0]
+    if sub_step_times is None:
+        frac = torch.arange(steps + 1, device=z_t_s.device, dtype=t_s.dtype) / steps
+        sub_step_times = t_s[:, None] + (t_t - t_s)[:, None] * frac[None]
+    if sub_step_times.shape != (B, steps + 1):
+        raise ValueError(f"pd_target: sub_step_times must have shape ({B}, {steps + 1}), "
+                         f"got {tuple(sub_step_times.shape)}")
+    known = known_mask[..., None]
+    z, slot, guess = z_t_s, sc_half, None
+    for k in range(steps):
+        tau, tau_next = sub_step_times[:, k], sub_step_times[:, k + 1]
+        guess = teacher(z, tau, omega, slot)
+        if steps == 1:
+            return guess
+        slot = torch.where(known, x0, guess)
+        z = euler_step(z, _rows(tau), _rows(tau_next), slot, t_eps)
+        z = torch.where(known, x0, z)
+    span = _rows(t_t - t_s)
+    scale = (1 - _rows(t_s)) / span.clamp_min(SUB_STEP_MIN_SPAN)
+    return torch.where(span < SUB_STEP_MIN_SPAN, guess, z_t_s + scale * (z - z_t_s))
+
+
+def sample_sub_step_times(t_s, t_t, steps: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    """(B, steps + 1) times t_s = tau_0 < ... < tau_steps = t_t: the interior ones are sorted logit-normal
+    (-1.5, 0.8) draws u mapped to tau = t_s + (t_t - t_s) u."""
+    B = t_s.shape[0]
+    u = sample_time(B * (steps - 1), generator, T_MEAN, T_STD).reshape(B, steps - 1).to(t_s.device)
+    u = u.sort(dim=1).values
+    zero, one = torch.zeros(B, 1, device=t_s.device), torch.ones(B, 1, device=t_s.device)
+    frac = torch.cat([zero, u, one], dim=1)
+    times = t_s[:, None] + (t_t - t_s)[:, None] * frac
+    times[:, 0], times[:, -1] = t_s, t_t  # exact end points
+    return times
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the student's loss
+
+
+@dataclass
+class DistillDraw:
+    """All randomness of one distillation batch (discrete choices on the CPU, as in flow.Draw)."""
+
+    t: torch.Tensor  # (B,) student time t_s (1 on decode rows)
+    t_next: torch.Tensor  # (B,) t_t = t_s + s (1 on decode rows)
+    omega: torch.Tensor  # (B,)
+    eps: torch.Tensor  # (B, L, C) standard normal
+    p: torch.Tensor  # (B, L, 1) decode corruption level
+    sub_times: torch.Tensor  # (B, K + 1) the teacher's sub-step times
+    decode: torch.Tensor  # (B,) bool, CPU
+    self_cond: torch.Tensor  # (B,) bool, CPU, never on decode rows
+    drop_source: torch.Tensor  # (B,) bool, CPU: always False (the source stays in distillation)
+
+
+def draw_distill_noise(shape, recipe: Recipe, step_size: float, teacher_steps: int,
+                       generator: torch.Generator | None = None, cpu_generator: torch.Generator | None = None,
+                       device=None) -> DistillDraw:
+    """The randomness of a (B, L, C) batch for a student step of `step_size` and `teacher_steps` sub-steps."""
+    B, L, C = shape
+    r = torch.rand(2, B, generator=cpu_generator)
+    decode = r[0] < recipe.decode_prob
+    self_cond = (r[1] < recipe.self_cond_prob) & ~decode
+    u = sample_time(B, generator).to(device)
+    omega = sample_guidance(B, generator, recipe.omega_low, recipe.omega_high).to(device)
+    eps = torch.randn(B, L, C, generator=generator, device=device)
+    p = sample_decode_level((B, L, 1), generator).to(device)
+    t_s = u * max(1.0 - step_size, STEP_SIZE_FLOOR)
+    t_t = t_s + step_size
+    sub = sample_sub_step_times(t_s, t_t, teacher_steps, generator)
+    dec = decode.to(device)
+    t_s = torch.where(dec, torch.ones_like(t_s), t_s)
+    t_t = torch.where(dec, torch.ones_like(t_t), t_t)
+    return DistillDraw(t=t_s, t_next=t_t, omega=omega, eps=eps, p=p, sub_times=sub, decode=decode,
+                       self_cond=self_cond, drop_source=torch.zeros(B, dtype=torch.bool))
+
+
+def distill_loss(student, teacher, x, tokens, draw: DistillDraw, recipe: Recipe = Recipe(), valid=None,
+                 known=None, trained=None, teacher_steps: int = 1):
+    """The distillation objective of one batch; returns (loss, rows) as flow.elf_loss does.
+
+    x (B, L, C) clean embeddings, tokens (B, L), valid (B, L) positions that count (None: all), known (B, L)
+    bool positions of a clean source, neither noised nor scored. `trained` is the student's mixed pass.
+    """
+    B, L, C = x.shape
+    dev = x.device
+    trained = trained if trained is not None else student.mixed
+    known = torch.zeros(B, L, dtype=torch.bool, device=dev) if known is None else known.to(dev, torch.bool)
+    kn = known[..., None]
+    is_dec = draw.decode.to(dev)
+    t = _rows(draw.t)
+    z_distill = t * x + (1 - t) * recipe.noise_scale * draw.eps
+    z_decode = draw.p * x + (1 - draw.p) * recipe.decode_noise_scale * draw.eps
+    z = torch.where(kn, x, torch.where(_rows(is_dec), z_decode, z_distill))
+
+    # the shared self-conditioning slot: x0 at known positions; the teacher's first guess on half the
+    # distillation rows; zeros elsewhere (decode rows get an all-zero slot)
+    slot = torch.where(kn, x, torch.zeros_like(x))
+    sc = _index(draw.self_cond, dev)
+    with torch.no_grad():
+        if len(sc):
+            guess = teacher_init(teacher, z[sc], draw.t[sc], draw.omega[sc], x[sc], known[sc])
+            slot = slot.index_copy(0, sc, torch.where(kn[sc], x[sc], guess.to(slot.dtype)))
+        slot = torch.where(_rows(is_dec), torch.zeros_like(slot), slot)
+
+        rows = _index(~draw.decode, dev)
+        target = torch.zeros_like(x)
+        if len(rows):
+            tgt = pd_target(teacher, z[rows], draw.t[rows], draw.t_next[rows], draw.omega[rows], slot[rows],
+                            x[rows], known[rows], teacher_steps, draw.sub_times[rows], recipe.t_eps)
+            target = target.index_copy(0, rows, tgt.to(target.dtype))
+
+    dec = _index(draw.decode, dev)
+    x_pred, logits = trained(z, draw.t, draw.omega, slot, is_dec.float(), dec)
+    err = (x_pred.float() - target).pow(2).mean(-1)  # (B, L)
+
+    w = (~known).float() if valid is None else (valid.to(dev, torch.bool) & ~known).float()
+    n = w.sum(-1).clamp_min(1)
+    distill = torch.where(is_dec, torch.zeros_like(n), (err * w).sum(-1) / n)
+    ce = F.cross_entropy(logits.float().transpose(1, 2), tokens[dec], reduction="none")  # (Bd, L)
+    decode = torch.zeros_like(n).index_copy(0, dec, (ce * w[dec]).sum(-1) / n[dec])
+    correct = torch.zeros_like(n).index_copy(0, dec, ((logits.argmax(-1) == tokens[dec]).float() * w[dec]).sum(-1))
+    loss = (distill.sum() + decode.sum()) / B
+    return loss, {"denoise": distill.detach(), "decode": decode.detach(), "correct": correct,
+                  "scored": w.sum(-1) * is_dec.float()}
+
+
+class DistillObjective:
+    """The distillation objective in the shape elflow.train.train_step takes: draw(...) and loss(...)."""
+
+    def __init__(self, teacher, student_steps: int, teacher_steps: int):
+        self.teacher = teacher
+        self.step_size = 1.0 / student_steps
+        self.sub_steps = teacher_steps // student_steps
+
+    def draw(self, shape, recipe, generator=None, cpu_generator=None, device=None, conditional=False):
+        return draw_distill_noise(shape, recipe, self.step_size, self.sub_steps, generator, cpu_generator, device)
+
+    def loss(self, net, x, tokens, draw, recipe, valid=None, known=None, trained=None):
+        return distill_loss(net, self.teacher, x, tokens, draw, recipe, valid, known, trained, self.sub_steps)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the rounds
+
+
+def sampling_defaults(steps: int) -> dict:
+    """The few-step sampler settings stored with a distilled model (SDE; gamma 1.5 and omega 2.5 up to
+    8 steps, gamma 2.0 and omega 2.0 beyond)."""
+    gamma, omega = (1.5, 2.5) if steps <= 8 else (2.0, 2.0)
+    return {"steps": int(steps), "sampler": "sde", "gamma": gamma, "omega": omega}
+
+
+def check_schedule(student_steps, teacher_steps: int) -> list[int]:
+    """The student step counts as a list; ELFError unless they fall strictly and each divides the teacher's."""
+    steps = list(student_steps)
+    if not isinstance(teacher_steps, int) or teacher_steps < 1:
+        raise ELFError(f"--teacher-steps must be an integer >= 1, got {teacher_steps!r}")
+    if not steps or any(not isinstance(n, int) or n < 1 for n in steps):
+        raise ELFError(f"--student-steps must be integers >= 1, got {steps}")
+    if any(b >= a for a, b in zip(steps, steps[1:])):
+        raise ELFError(f"--student-steps must decrease strictly from round to round, got {steps}")
+    bad = [n for n in steps if teacher_steps % n]
+    if bad:
+        raise ELFError(f"--student-steps {bad} do not divide --teacher-steps {teacher_steps}: every student step "
+                       "must span a whole number of teacher steps")
+    return steps
+
+
+def _teacher_device():
+    import os
+
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def load_teacher(path, length: int | None = None, device=None):
+    """(frozen network, info): the EMA weights of a run or checkpoint (its trained weights, with a warning,
+    where it stored no EMA), in eval mode and without gradients."""
+    from elflow.checkpoint import build_from_state_dict
+    from elflow.train import load_init_weights
+
+    cfg, sd, info = load_init_weights(path)
+    if length and length > cfg.max_length:
+        cfg = cfg.replace(max_length=length)
+    net = build_from_state_dict(sd, config=cfg.replace(grad_checkpoint=False)).to(device or "cpu").eval()
+    net.requires_grad_(False)
+    return net, info
+
+
+MANIFEST = "distill.json"
+# settings a resumed distillation must share with the stored one
+SAME_ON_RESUME = ("preset", "model", "data", "space", "latent_std", "length", "layout", "batch", "steps", "epochs",
+                  "seed", "lr", "ema_decay", "warmup_frac")
+
+
+def _base_config(teacher_info: dict, overrides: dict):
+    """The rounds' TrainConfig: the teacher's stored data and network settings, then the overrides."""
+    from dataclasses import fields
+
+    from elflow.model import PRESETS
+    from elflow.train import TrainConfig
+
+    tcfg_path = Path(teacher_info["checkpoint"]) / "state.json"
+    stored = json.loads(tcfg_path.read_text()).get("train", {}) if teacher_info["format"] == "elflow" else {}
+    known = {f.name for f in fields(TrainConfig)}
+    keep = ("preset", "data", "text_field", "on_bad", "space", "latent_std", "length", "layout", "batch",
+            "micro_batch", "adam_heads", "ns_method", "grad_clip", "dtype", "compile", "model")
+    base = {k: stored[k] for k in keep if k in stored and k in known}
+    scale = teacher_info.get("space", {}).get("latent_std")
+    if isinstance(scale, (int, float)) and base.get("space") is not None:
+        base["latent_std"] = repr(float(scale))  # the teacher's resolved scale: no re-estimate, the same space
+    base.update({k: v for k, v in overrides.items() if v is not None})
+    if "data" not in base or "space" not in base:
+        raise ELFError(f"{teacher_info['checkpoint']} stores no training data settings (a converted checkpoint?); "
+                       "pass --data and --space")
+    if base.get("preset") not in PRESETS:
+        base["preset"] = "elf-b"  # every shape field is set from the teacher below
+    shape = {k: v for k, v in teacher_info["config"].items()
+             if k not in ("dim", "vocab_size", "max_length", "grad_checkpoint")}
+    base["model"] = shape
+    base["length"] = base.get("length") or teacher_info["config"]["max_length"]
+    recipe = {k: v for k, v in stored.get("recipe", {}).items() if k in Recipe().to_dict()}
+    base["recipe"] = recipe
+    base["sample_every"] = 0
+    return TrainConfig(**base)
+
+
+def distill(teacher, out, student_steps=(16, 8, 4, 2, 1), teacher_steps: int = 64, steps_per_round: int | None = None,
+            epochs: float | None = None, warmup_frac: float = 0.1, ema_decay: float = 0.9999, lr: float | None = None,
+            resume: bool = False, overwrite: bool = False, cache_dir=None, quiet: bool = False,
+            stop_after: int | None = None, **overrides) -> dict:
+    """Run the distillation rounds into `out`/round-<N>; returns {N: the round's run folder}.
+
+    One round per student step count; a round lasts `steps_per_round` optimiser steps or `epochs` passes
+    (one pass by default), warms up over `warmup_frac` of it. `overrides` are TrainConfig fields (data,
+    space, batch, seed, dtype, log_every, ckpt_every, keep, ...). `stop_after` ends this invocation after
+    that many optimiser steps in all; `resume` continues exactly where a stopped or killed one ended.
+    """
+    from elflow.train import train
+
+    steps = check_schedule(student_steps, teacher_steps)
+    if steps_per_round is not None and epochs is not None:
+        raise ELFError("pass either --steps-per-round or --epochs, not both")
+    if steps_per_round is not None and steps_per_round < 1:
+        raise ELFError(f"--steps-per-round must be >= 1, got {steps_per_round}")
+    if epochs is not None and not epochs > 0:
+        raise ELFError(f"--epochs must be > 0, got {epochs}")
+    if not 0 <= warmup_frac <= 1:
+        raise ELFError(f"--warmup-frac must lie in [0, 1], got {warmup_frac}")
+    if steps_per_round is None and epochs is None:
+        epochs = 1.0
+    out = Path(out)
+
+    device = _teacher_device()
+    teacher_net, info = load_teacher(teacher, device=device)
+    info = {**info, "config": teacher_net.config.to_dict()}
+    cfg = _base_config(info, overrides)
+    cfg.steps = steps_per_round or cfg.steps
+    cfg.epochs = None if steps_per_round else epochs
+    cfg.warmup_frac = warmup_frac
+    cfg.ema_decay = ema_decay
+    if lr is not None:
+        cfg.lr = lr
+    if cfg.length > teacher_net.config.max_length:
+        teacher_net = load_teacher(teacher, cfg.length, device)[0]
+
+    manifest = {"format": "elflow-distill-1", "teacher": info["checkpoint"], "teacher_space_id": info.get("space_id"),
+                "teacher_ema": info.get("ema", True), "student_steps": steps, "teacher_steps": teacher_steps,
+                "train": {k: cfg.to_dict()[k] for k in SAME_ON_RESUME}}
+    fresh = _prepare_out(out, manifest, resume, overwrite)
+    created = fresh and not out.exists()
+    if fresh:
+        atomic_write_json(out / MANIFEST, manifest)
+
+    rounds, left = {}, stop_after
+    try:
+        for i, n in enumerate(steps):
+            rdir = out / f"round-{n}"
+            init = info["checkpoint"] if i == 0 else str(rounds[steps[i - 1]])
+            rcfg = _round_config(cfg, n, teacher_steps, init)
+            summary = train(rcfg, rdir, resume=(rdir / "run.json").exists(), cache_dir=cache_dir, quiet=quiet,
+                            stop_after=left, objective=DistillObjective(teacher_net, n, teacher_steps))
+            rounds[n] = rdir
+            if left is not None:
+                left -= summary["end_step"] - summary["start_step"]
+                if left <= 0:
+                    break
+            if not quiet:
+                print(f"round {i + 1}/{len(steps)}: {n}-step student in {rdir}", file=sys.stderr)
+    except ELFError:
+        if fresh and not any((out / f"round-{n}" / "run.json").exists() for n in steps):
+            (out / MANIFEST).unlink(missing_ok=True)  # a refused start leaves nothing behind
+            if created and not any(out.iterdir()):
+                out.rmdir()
+        raise
+    return rounds
+
+
+def _round_config(cfg, n: int, teacher_steps: int, init: str):
+    from dataclasses import replace
+
+    s = sampling_defaults(n)
+    recipe = {**cfg.recipe, "distilled_steps": n, "teacher_steps": teacher_steps, "sampling": s}
+    return replace(cfg, init_from=init, recipe=recipe, sample_steps=s["steps"], sample_sampler=s["sampler"],
+                   sample_omega=s["omega"])
+
+
+def _prepare_out(out: Path, manifest: dict, resume: bool, overwrite: bool) -> bool:
+    """Check `out` against a stored distillation; True when this is a fresh start."""
+    import shutil
+
+    stored_path = out / MANIFEST
+    if stored_path.exists():
+        if overwrite:
+            shutil.rmtree(out)
+            return True
+        if not resume:
+            raise ELFError(f"{out} already holds a distillation; pass --resume to continue it or --overwrite "
+                           "to replace it")
+        try:
+            stored = json.loads(stored_path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ELFError(f"{stored_path}: corrupted ({e})") from None
+        diff = [k for k in ("teacher", "student_steps", "teacher_steps") if stored.get(k) != manifest[k]]
+        diff += [f"train.{k}" for k in SAME_ON_RESUME if stored.get("train", {}).get(k) != manifest["train"][k]]
+        if diff:
+            raise ELFError(f"{out} holds another distillation (differs in {', '.join(diff)}); resume it with its "
+                           "own settings, or choose another --out")
+        return False
+    if out.exists() and any(out.iterdir()):
+        if overwrite:
+            shutil.rmtree(out)
+            return True
+        raise ELFError(f"{out} exists and is not an elflow distillation folder; choose another --out or pass "
+                       "--overwrite")
+    return True
+
+
+# ----------------------------------------------------------------------------------------------------------
+# CLI
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(s) for s in str(text).split(",") if s.strip()]
+    except ValueError:
+        raise ELFError(f"--student-steps must be a comma-separated list of integers such as 16,8,4,2,1, "
+                       f"got {text!r}") from None
+
+
+def add_arguments(p) -> None:
+    p.add_argument("teacher", metavar="TEACHER", help="an elflow run or checkpoint folder (its EMA weights teach)")
+    p.add_argument("--student-steps", default="16,8,4,2,1", help="the students' step counts, one round each")
+    p.add_argument("--teacher-steps", type=int, default=64, help="teacher steps over [0, 1] (sub-steps per "
+                   "student step: this / student steps)")
+    length = p.add_mutually_exclusive_group()
+    length.add_argument("--steps-per-round", type=int, default=None, help="optimiser steps per round")
+    length.add_argument("--epochs", type=float, default=None, help="passes over the data per round (default 1)")
+    p.add_argument("--out", default="runs/distill", help="folder of the rounds (OUT/round-<N>)")
+    p.add_argument("--batch", type=int, default=None, help="global batch (default: the teacher's)")
+    p.add_argument("--micro-batch", type=int, default=None, help="rows per forward/backward (accumulation)")
+    p.add_argument("--lr", type=float, default=None, help="learning rate (default 1e-3 * batch / 256)")
+    p.add_argument("--ema-decay", type=float, default=0.9999, help="EMA decay of each round's student")
+    p.add_argument("--warmup-frac", type=float, default=0.1, help="warm-up as a fraction of each round")
+    p.add_argument("--data", default=None, help="training text (default: the teacher's)")
+    p.add_argument("--space", default=None, help="embedding space (default: the teacher's)")
+    p.add_argument("--latent-std", default=None, help="latent std of the space (default: the teacher's)")
+    p.add_argument("--length", type=int, default=None, help="sequence length (default: the teacher's)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default=None, help="autocast (default: the teacher's)")
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--ckpt-every", type=int, default=500)
+    p.add_argument("--keep", type=int, default=3, help="checkpoints kept per round")
+    p.add_argument("--resume", action="store_true", help="continue the distillation in --out")
+    p.add_argument("--overwrite", action="store_true", help="replace the distillation in --out")
+    p.add_argument("--cache-dir", default=None, help="tokenization cache")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def run(args) -> int:
+    for name in ("batch", "micro_batch", "log_every", "ckpt_every"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            raise ELFError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    if args.lr is not None and not args.lr > 0:
+        raise ELFError(f"--lr must be > 0, got {args.lr}")
+    if not 0 <= args.ema_decay < 1:
+        raise ELFError(f"--ema-decay must lie in [0, 1), got {args.ema_decay}")
+    overrides = {k: getattr(args, k) for k in ("batch", "micro_batch", "data", "space", "latent_std", "length",
+                                               "dtype")}
+    overrides.update(seed=args.seed, log_every=args.log_every, ckpt_every=args.ckpt_every, keep=args.keep)
+    rounds = distill(args.teacher, args.out, _int_list(args.student_steps), args.teacher_steps,
+                     steps_per_round=args.steps_per_round, epochs=args.epochs, warmup_frac=args.warmup_frac,
+                     ema_decay=args.ema_decay, lr=args.lr, resume=args.resume, overwrite=args.overwrite,
+                     cache_dir=args.cache_dir, quiet=args.quiet, **overrides)
+    for n, rdir in rounds.items():
+        print(f"{n}-step student: {rdir} (elflow sample {rdir})")
+    return 0

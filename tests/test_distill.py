@@ -1,0 +1,377 @@
+"""Progressive distillation: the teacher's side against the authors' vectors, the student's loss, the rounds."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from elflow import distill
+from elflow.utils import ELFError
+
+REF = Path(__file__).resolve().parents[2] / "shared" / "reference"
+if not REF.exists():  # CI lays shared/ beside the clone
+    REF = Path(__file__).resolve().parents[1].parent / "shared" / "reference"
+HAVE_REF = (REF / "authors_cond_distill.safetensors").exists() and (REF / "official_tiny.safetensors").exists()
+needs_ref = pytest.mark.skipif(not HAVE_REF, reason="shared/reference missing")
+
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def official_net():
+    from elflow.checkpoint import build_from_state_dict
+    from elflow.official import official_to_elflow
+
+    ref = load_file(REF / "official_tiny.safetensors")
+    sd = official_to_elflow({k[len("params."):]: v for k, v in ref.items() if k.startswith("params.")})
+    return build_from_state_dict(sd, max_length=16).eval()
+
+
+@pytest.fixture(scope="module")
+def case():
+    ref = load_file(REF / "authors_cond_distill.safetensors")
+    return {k[len("distill."):]: v for k, v in ref.items() if k.startswith("distill.")}
+
+
+def close(a, b):
+    return (a - b).abs().max().item()
+
+
+def _slot(case, init):
+    known = case["cond_seq_mask"].bool()
+    use = case["use_self_cond"].bool()[:, None, None]
+    slot = torch.where(use, init, torch.zeros_like(init))
+    return torch.where(known[..., None], case["x0"], slot)
+
+
+@needs_ref
+def test_reference_case_has_rows_with_and_without_a_source(case):
+    n_known = case["cond_seq_mask"].sum(-1)
+    assert (n_known == 0).any() and (n_known > 0).any()
+    assert case["use_self_cond"].bool().any() and (~case["use_self_cond"].bool()).any()
+
+
+@needs_ref
+@torch.no_grad()
+def test_teacher_init_and_slot_match_the_authors(official_net, case):
+    known = case["cond_seq_mask"].bool()
+    init = distill.teacher_init(official_net, case["z_t_s"], case["t_s"], case["omega"], case["x0"], known)
+    assert close(init, case["teacher_init"]) < TOL
+    assert close(_slot(case, init), case["sc_half"]) < TOL
+
+
+@needs_ref
+@torch.no_grad()
+@pytest.mark.parametrize("kind", ["sub_steps", "uniform", "one_step"])
+def test_pd_target_matches_the_authors(official_net, case, kind):
+    known = case["cond_seq_mask"].bool()
+    K = case["sub_step_times"].shape[1] - 1
+    steps, times = {"sub_steps": (K, case["sub_step_times"]), "uniform": (K, None), "one_step": (1, None)}[kind]
+    target = distill.pd_target(official_net, case["z_t_s"], case["t_s"], case["t_t"], case["omega"],
+                               case["sc_half"], case["x0"], known, steps, sub_step_times=times, t_eps=0.05)
+    assert close(target, case[f"target_{kind}"]) < TOL
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the student's side
+
+
+def test_sub_step_times_run_from_t_s_to_t_t_in_order():
+    g = torch.Generator().manual_seed(0)
+    t_s = torch.tensor([0.0, 0.3, 0.75])
+    t_t = t_s + 0.25
+    times = distill.sample_sub_step_times(t_s, t_t, 8, g)
+    assert times.shape == (3, 9)
+    assert torch.equal(times[:, 0], t_s) and torch.equal(times[:, -1], t_t)
+    assert (times.diff(dim=1) >= 0).all()
+    # the interior points are t_s + s u with u logit-normal: mapped back they are sorted sigmoid(N(-1.5, 0.8))
+    u = (times[:, 1:-1] - t_s[:, None]) / 0.25
+    g2 = torch.Generator().manual_seed(0)
+    expect = torch.sigmoid(-1.5 + 0.8 * torch.randn(3 * 7, generator=g2)).reshape(3, 7).sort(dim=1).values
+    assert torch.allclose(u, expect, atol=1e-5)
+
+
+@torch.no_grad()
+def test_pd_target_of_an_exact_straight_line_teacher_is_its_guess():
+    """A teacher that always answers the same x makes every Euler step head for that x: the K-step
+    endpoint read back as a one-step prediction is that x, for any sub-step times."""
+    x_star = torch.randn(2, 5, 3)
+
+    def teacher(z, t, omega, x_prev):
+        return x_star
+
+    t_s, t_t = torch.tensor([0.1, 0.5]), torch.tensor([0.35, 0.75])
+    z = torch.randn(2, 5, 3)
+    known = torch.zeros(2, 5, dtype=torch.bool)
+    times = distill.sample_sub_step_times(t_s, t_t, 4, torch.Generator().manual_seed(1))
+    tgt = distill.pd_target(teacher, z, t_s, t_t, torch.ones(2), torch.zeros_like(z), z, known, 4, times)
+    assert torch.allclose(tgt, x_star, atol=1e-5)
+    # an interval below 1e-3 returns the teacher's last guess
+    tgt = distill.pd_target(teacher, z, t_s, t_s + 1e-4, torch.ones(2), torch.zeros_like(z), z, known, 4)
+    assert torch.equal(tgt, x_star)
+
+
+def _tiny_pair(seed=0):
+    from elflow.model import ELF, get_config
+
+    torch.manual_seed(seed)
+    teacher = ELF(get_config("tiny", max_length=8))
+    for p in teacher.parameters():  # a teacher whose x head is not zero
+        p.data.add_(0.05 * torch.randn_like(p))
+    teacher.eval().requires_grad_(False)
+    student = ELF(teacher.config)
+    student.load_state_dict(teacher.state_dict())
+    return teacher, student
+
+
+def test_one_optimiser_step_lowers_the_distillation_error_on_a_fixed_batch():
+    from elflow.flow import Recipe
+
+    teacher, student = _tiny_pair()
+    B, L, C = 6, 8, teacher.config.dim
+    recipe = Recipe(decode_prob=0.0)
+    g = torch.Generator().manual_seed(3)
+    draw = distill.draw_distill_noise((B, L, C), recipe, 0.25, 4, g, torch.Generator().manual_seed(4))
+    x = torch.randn(B, L, C, generator=g)
+    tokens = torch.randint(0, teacher.config.vocab_size, (B, L), generator=g)
+    mask = torch.ones(B, L, dtype=torch.bool)
+    mask[0, -2:] = False
+
+    source = (torch.arange(L) < 2)[None].expand(B, L)
+
+    def loss():
+        return distill.distill_loss(student, teacher, x, tokens, draw, recipe, mask, known=source, teacher_steps=4)
+
+    before, rows = loss()
+    assert rows["denoise"].gt(0).all() and not rows["decode"].any()
+    opt = torch.optim.SGD(student.parameters(), lr=0.05)
+    before.backward()
+    opt.step()
+    with torch.no_grad():
+        after, _ = loss()
+    assert after.item() < before.item() * 0.999
+    # the loss is the per-row masked token mean of the squared error to pd_target, averaged over rows
+    with torch.no_grad():
+        known = (torch.arange(L) < 2)[None].expand(B, L)
+        kn = known[..., None]
+        t = draw.t[:, None, None]
+        z = torch.where(kn, x, t * x + (1 - t) * 2.0 * draw.eps)
+        slot = torch.where(kn, x, torch.zeros_like(x))
+        init = distill.teacher_init(teacher, z, draw.t, draw.omega, x, known)
+        slot = torch.where(draw.self_cond[:, None, None] & ~kn, init, slot)
+        tgt = distill.pd_target(teacher, z, draw.t, draw.t_next, draw.omega, slot, x, known, 4, draw.sub_times)
+        err = (student(z, draw.t, draw.omega, slot) - tgt).pow(2).mean(-1)
+        w = (mask & ~known).float()
+        expect = ((err * w).sum(-1) / w.sum(-1)).mean()
+    assert after.item() == pytest.approx(expect.item(), rel=1e-5)
+
+
+def test_decode_rows_score_the_cross_entropy():
+    from elflow.flow import Recipe
+
+    teacher, student = _tiny_pair(1)
+    B, L, C = 4, 8, teacher.config.dim
+    recipe = Recipe(decode_prob=1.0)
+    g = torch.Generator().manual_seed(5)
+    draw = distill.draw_distill_noise((B, L, C), recipe, 0.5, 2, g, torch.Generator().manual_seed(6))
+    assert draw.decode.all() and not draw.self_cond.any() and (draw.t == 1).all()
+    x = torch.randn(B, L, C, generator=g)
+    tokens = torch.randint(0, teacher.config.vocab_size, (B, L), generator=g)
+    with torch.no_grad():
+        loss, rows = distill.distill_loss(student, teacher, x, tokens, draw, recipe, teacher_steps=2)
+        z = draw.p * x + (1 - draw.p) * recipe.decode_noise_scale * draw.eps
+        logits = student.decode(z, draw.omega)
+        expect = torch.nn.functional.cross_entropy(logits.transpose(1, 2), tokens)
+    assert loss.item() == pytest.approx(expect.item(), rel=1e-5)
+    assert rows["decode"].gt(0).all() and not rows["denoise"].any()
+
+
+def test_schedule_checks():
+    assert distill.check_schedule([16, 8, 4, 2, 1], 64) == [16, 8, 4, 2, 1]
+    with pytest.raises(ELFError, match="decrease strictly"):
+        distill.check_schedule([4, 4, 2], 8)
+    with pytest.raises(ELFError, match="decrease strictly"):
+        distill.check_schedule([2, 4], 8)
+    with pytest.raises(ELFError, match="do not divide"):
+        distill.check_schedule([16, 8, 3], 64)
+    assert distill.sampling_defaults(4) == {"steps": 4, "sampler": "sde", "gamma": 1.5, "omega": 2.5}
+    assert distill.sampling_defaults(16)["gamma"] == 2.0 and distill.sampling_defaults(16)["omega"] == 2.0
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the rounds, end to end on a tiny teacher
+
+
+def _files(run: Path, step: int):
+    ck = run / "checkpoints" / f"step_{step:07d}"
+    return load_file(ck / "model.safetensors"), load_file(ck / "ema.safetensors")
+
+
+@pytest.fixture(scope="module")
+def teacher_run(tmp_path_factory, tiny_t5_dir, tiny_corpus_file):
+    from elflow.train import TrainConfig, train
+
+    run = tmp_path_factory.mktemp("teacher") / "run"
+    cache = tmp_path_factory.mktemp("cache")
+    cfg = TrainConfig(preset="tiny", data=str(tiny_corpus_file), space=f"t5:{tiny_t5_dir}", length=16, batch=4,
+                      steps=2, warmup=1, ema_decay=0.9, log_every=1, ckpt_every=2, dtype="fp32", seed=1)
+    train(cfg, run, cache_dir=cache, quiet=True)
+    return run, cache
+
+
+ROUND = dict(student_steps=[2, 1], teacher_steps=2, steps_per_round=3, ckpt_every=2, keep=5, log_every=1,
+             dtype="fp32", seed=3, ema_decay=0.5, quiet=True)
+
+
+@pytest.fixture(scope="module")
+def full_distillation(teacher_run, tmp_path_factory):
+    teacher, cache = teacher_run
+    out = tmp_path_factory.mktemp("distill") / "out"
+    rounds = distill.distill(teacher, out, cache_dir=cache, **ROUND)
+    return out, rounds
+
+
+def test_rounds_are_ordinary_runs_with_few_step_sampling_defaults(full_distillation, teacher_run):
+    from elflow.checkpoint import read_weights
+
+    out, rounds = full_distillation
+    assert list(rounds) == [2, 1] and rounds[2] == out / "round-2" and rounds[1] == out / "round-1"
+    for n in (2, 1):
+        cfg, sd, spec, recipe, info = read_weights(out / f"round-{n}")
+        assert info["checkpoint"].endswith("step_0000003")
+        assert recipe["distilled_steps"] == n and recipe["sampling"] == distill.sampling_defaults(n)
+        assert info["distilled_steps"] == n and info["sampling"] == distill.sampling_defaults(n)
+    run1 = json.loads((out / "round-1" / "run.json").read_text())["train"]
+    run2 = json.loads((out / "round-2" / "run.json").read_text())["train"]
+    assert run2["init_from"].startswith(str(teacher_run[0]))  # round 1: the teacher
+    assert run1["init_from"] == str(out / "round-2")  # round k + 1: round k's student (its EMA)
+    assert run1["warmup_frac"] == 0.1 and run1["ema_decay"] == 0.5
+    recs = [json.loads(r) for r in (out / "round-1" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == [1, 2, 3] and recs[0]["lr"] == pytest.approx(1e-3 * 4 / 256)
+
+
+def test_an_interrupted_distillation_resumes_bit_identically(full_distillation, teacher_run, tmp_path):
+    teacher, cache = teacher_run
+    full, _ = full_distillation
+    out = tmp_path / "out"
+    distill.distill(teacher, out, cache_dir=cache, stop_after=4, **ROUND)  # round 2 done, one step into round 1
+    assert (out / "round-1" / "checkpoints" / "step_0000001").exists()
+    assert not (out / "round-1" / "checkpoints" / "step_0000003").exists()
+    distill.distill(teacher, out, cache_dir=cache, resume=True, **ROUND)
+    for n in (2, 1):
+        for a, b in zip(_files(out / f"round-{n}", 3), _files(full / f"round-{n}", 3)):
+            assert a.keys() == b.keys()
+            assert all(torch.equal(a[k], b[k]) for k in a), n
+
+
+def test_init_from_starts_from_the_stored_ema(teacher_run, tmp_path, tiny_t5_dir, tiny_corpus_file):
+    from elflow.train import TrainConfig, train
+
+    teacher, cache = teacher_run
+    run = tmp_path / "run"
+    cfg = TrainConfig(preset="tiny", data=str(tiny_corpus_file), space=f"t5:{tiny_t5_dir}", length=16, batch=4,
+                      steps=1, warmup=1, ema_decay=0.9, lr=0.0, log_every=1, ckpt_every=1, dtype="fp32", seed=5,
+                      init_from=str(teacher))
+    train(cfg, run, cache_dir=cache, quiet=True)
+    model, ema = _files(run, 1)
+    _, teacher_ema = _files(teacher, 2)
+    teacher_model, _ = _files(teacher, 2)
+    assert all(torch.equal(model[k], teacher_ema[k]) for k in teacher_ema)  # lr 0: the start weights stay
+    assert all(torch.equal(ema[k], teacher_ema[k]) for k in teacher_ema)  # a fresh EMA of those weights
+    assert any(not torch.equal(teacher_model[k], teacher_ema[k]) for k in teacher_ema)  # EMA, not raw weights
+
+
+def _cli(argv, capsys):
+    from elflow.cli import main
+
+    rc = main(argv)
+    err = capsys.readouterr().err
+    return rc, err
+
+
+def _distill_argv(teacher, out, cache, *extra):
+    return ["distill", str(teacher), "--out", str(out), "--cache-dir", str(cache), "--quiet", "--dtype", "fp32",
+            "--batch", "4", *extra]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--student-steps", "2,2", "--teacher-steps", "4"], "decrease strictly"),
+    (["--student-steps", "1,2", "--teacher-steps", "4"], "decrease strictly"),
+    (["--student-steps", "4,3", "--teacher-steps", "8"], "do not divide"),
+    (["--student-steps", "two"], "comma-separated"),
+    (["--student-steps", "1", "--teacher-steps", "1", "--latent-std", "0.5"], "embedding space"),
+])
+def test_bad_distillation_input_is_one_line_and_writes_nothing(teacher_run, tmp_path, capsys, extra, message):
+    teacher, cache = teacher_run
+    out = tmp_path / "out"
+    rc, err = _cli(_distill_argv(teacher, out, cache, "--steps-per-round", "1", *extra), capsys)
+    assert rc == 2
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("elflow distill: error:") and message in lines[0]
+    assert not out.exists()
+
+
+def test_resume_into_another_distillation_is_refused(full_distillation, teacher_run, capsys):
+    teacher, cache = teacher_run
+    out, _ = full_distillation
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
+    manifest = (out / "distill.json").read_bytes()
+    rc, err = _cli(_distill_argv(teacher, out, cache, "--student-steps", "4,2,1", "--teacher-steps", "4",
+                                 "--steps-per-round", "3", "--resume"), capsys)
+    assert rc == 2 and "holds another distillation" in err and len(err.strip().splitlines()) == 1
+    rc, err = _cli(_distill_argv(teacher, out, cache, "--student-steps", "2,1", "--teacher-steps", "2",
+                                 "--steps-per-round", "3"), capsys)
+    assert rc == 2 and "already holds a distillation" in err
+    assert (out / "distill.json").read_bytes() == manifest
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before
+
+
+def test_a_teacher_without_ema_teaches_with_its_raw_weights_and_a_warning(teacher_run, tmp_path, capsys):
+    import shutil
+
+    teacher, cache = teacher_run
+    ck = tmp_path / "no_ema"
+    shutil.copytree(teacher / "checkpoints" / "step_0000002", ck)
+    (ck / "ema.safetensors").unlink()
+    state = json.loads((ck / "state.json").read_text())
+    del state["files"]["ema.safetensors"]
+    (ck / "state.json").write_text(json.dumps(state))
+    out = tmp_path / "out"
+    rc, err = _cli(_distill_argv(ck, out, cache, "--student-steps", "1", "--teacher-steps", "1",
+                                 "--steps-per-round", "1", "--ckpt-every", "1", "--lr", "1e-9"), capsys)
+    assert rc == 0 and "holds no EMA weights" in err
+    assert json.loads((out / "distill.json").read_text())["teacher_ema"] is False
+    # the round started from the raw weights (one step at lr 1e-9 since), not from the teacher's EMA
+    raw = load_file(ck / "model.safetensors")
+    _, ema = _files(teacher, 2)
+    model, _ = _files(out / "round-1", 1)
+
+    def dist(a):
+        return sum((model[k] - a[k]).pow(2).sum().item() for k in a)
+
+    assert dist(raw) < 1e-6 * dist(ema)
+
+
+def test_init_from_a_network_of_another_shape_is_refused(teacher_run, tmp_path, capsys, tiny_t5_dir,
+                                                         tiny_corpus_file):
+    teacher, cache = teacher_run
+    out = tmp_path / "run"
+    rc, err = _cli(["train", "--preset", "tiny", "--data", str(tiny_corpus_file), "--space", f"t5:{tiny_t5_dir}",
+                    "--length", "16", "--batch", "4", "--steps", "1", "--depth", "3", "--dtype", "fp32",
+                    "--init-from", str(teacher), "--out", str(out), "--cache-dir", str(cache)], capsys)
+    assert rc == 2 and "another shape" in err and "depth 2 vs 3" in err and len(err.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+def test_sample_uses_the_stored_few_step_defaults(full_distillation, teacher_run, tmp_path, capsys):
+    out, _ = full_distillation
+    teacher, _ = teacher_run
+    for src, extra, expect in [(out / "round-1", [], (1, 1.5, 2.5)), (out / "round-1", ["--steps", "3"], (3, 1.5, 2.5)),
+                               (teacher, ["--steps", "2"], (2, 1.5, 3.0))]:
+        dest = tmp_path / "s.jsonl"
+        rc, _ = _cli(["sample", str(src), "--num", "1", "--quiet", "--device", "cpu", "--out", str(dest),
+                      "--overwrite", *extra], capsys)
+        rec = json.loads(dest.read_text().splitlines()[0])
+        assert rc == 0 and (rec["steps"], rec["gamma"], rec["omega"]) == expect
