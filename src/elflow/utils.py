@@ -1,17 +1,21 @@
-"""Small shared helpers: atomic file writes, devices, seeding."""
+"""Small shared helpers: atomic file writes, output checks, folder locks, devices."""
 
 from __future__ import annotations
 
+import errno
+import functools
 import hashlib
 import json
 import os
+import socket
 import tempfile
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
 
 __all__ = ["ELFError", "atomic_write", "atomic_write_text", "atomic_write_json", "default_device", "sha256_file",
-           "cache_root"]
+           "cache_root", "cpu_flags", "fast_bf16", "resolve_dtype", "check_device", "check_output", "FolderLock"]
 
 
 class ELFError(Exception):
@@ -73,3 +77,174 @@ def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
         return Path(cache_dir).expanduser()
     env = os.environ.get("ELFLOW_CACHE")
     return Path(env).expanduser() if env else Path.home() / ".cache" / "elflow"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# devices and precision
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_flags() -> frozenset:
+    """The CPU feature flags of /proc/cpuinfo (empty where there is none); read once per process."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def fast_bf16(device) -> bool:
+    """Whether bf16 matmuls are fast on this device: GPUs, and CPUs with AMX or AVX512-BF16."""
+    import torch
+
+    if torch.device(device).type == "cuda":
+        return True
+    return bool(cpu_flags() & {"amx_bf16", "avx512_bf16"})
+
+
+def resolve_dtype(dtype: str, device) -> str:
+    """"auto" -> bf16 on GPUs and CPUs with native bf16 matmuls (AMX, AVX512-BF16), fp32 elsewhere."""
+    return ("bf16" if fast_bf16(device) else "fp32") if dtype == "auto" else dtype
+
+
+def check_device(device: str | None, flag: str = "--device") -> str | None:
+    """A --device value that this machine can use (None: the default); ELFError otherwise."""
+    if device is None:
+        return None
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise ELFError(f"{flag} {device!r} is not a device; use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch is built without CUDA" if torch.version.cuda is None else "no GPU is visible"
+            raise ELFError(f"{flag} {device}: CUDA is not available here ({why}); use --device cpu or leave "
+                           "--device out")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ELFError(f"{flag} {device}: there are only {torch.cuda.device_count()} GPU(s)")
+    elif dev.type != "cpu":
+        raise ELFError(f"{flag} {device!r}: elflow runs on cpu or cuda")
+    return str(dev)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# output paths
+
+
+def _probe_writable(folder: Path) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=".elflow-probe-", dir=folder)
+    os.close(fd)
+    os.unlink(tmp)
+
+
+def check_output(path: str | os.PathLike, overwrite: bool = False, flag: str = "--out",
+                 folder: bool = False) -> Path:
+    """Refuse an output path before any work is done: an existing file (unless `overwrite`), a folder where a
+    file is wanted (or the reverse), a path under a regular file, a place that cannot be written.
+    A folder output may exist; what may be replaced inside it is the command's decision."""
+    path = Path(path).expanduser()
+    if path.exists():
+        if folder and not path.is_dir():
+            raise ELFError(f"{flag} {path} is a file, not a folder; choose another {flag}")
+        if not folder:
+            if path.is_dir():
+                raise ELFError(f"{flag} {path} is a folder; pass a file name")
+            if not overwrite:
+                raise ELFError(f"{flag} {path} already exists; pass --overwrite to replace it, or choose another "
+                               f"{flag}")
+    base = path if folder and path.is_dir() else path.parent
+    while not base.exists() and base != base.parent:
+        base = base.parent
+    if not base.is_dir():
+        raise ELFError(f"{flag} {path} lies under {base}, which is a file, not a folder; choose another {flag}")
+    try:
+        _probe_writable(base)
+    except OSError as e:
+        raise ELFError(f"{flag} {path}: cannot write in {base} ({e.strerror or e}); choose a writable place") from None
+    return path
+
+
+def no_space_error(e: OSError) -> bool:
+    return e.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# a folder's lock
+
+
+class FolderLock:
+    """An exclusive hold on a folder: `.lock`, created with O_EXCL, holding pid, host and command.
+
+    A lock whose process no longer runs on this host (a killed command) is stale and taken over."""
+
+    NAME = ".lock"
+
+    def __init__(self, folder: str | os.PathLike, command: str):
+        self.path = Path(folder) / self.NAME
+        self.info = {"pid": os.getpid(), "host": socket.gethostname(), "command": command, "time": time.time()}
+        self.held = False
+
+    def _holder(self) -> dict | None:
+        try:
+            info = json.loads(self.path.read_text())
+            return info if isinstance(info, dict) and isinstance(info.get("pid"), int) else None
+        except (OSError, ValueError):
+            return None
+
+    def _stale(self, holder: dict | None) -> bool:
+        if holder is None:  # empty or garbled: a holder killed while writing it, unless it is being written now
+            try:
+                return time.time() - self.path.stat().st_mtime > 10
+            except FileNotFoundError:
+                return True
+        if holder.get("host") != self.info["host"]:
+            return False  # another machine's process: cannot be checked from here
+        pid = holder["pid"]
+        if pid == os.getpid():
+            return True  # this process's own leftover
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
+
+    def acquire(self) -> "FolderLock":
+        for _ in range(3):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                holder = self._holder()
+                if self._stale(holder):
+                    try:
+                        os.unlink(self.path)
+                    except FileNotFoundError:
+                        pass
+                    continue
+                who = (f"pid {holder['pid']} on {holder.get('host')}: {holder.get('command', '?')}" if holder
+                       else "a process that is starting")
+                raise ELFError(f"{self.path.parent} is in use by another elflow command ({who}); wait for it to "
+                               f"finish, or, if it no longer runs, delete {self.path}") from None
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(self.info) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            self.held = True
+            return self
+        raise ELFError(f"cannot take the lock {self.path}: other commands keep taking it")
+
+    def release(self) -> None:
+        if self.held:
+            holder = self._holder()
+            if holder is not None and holder.get("pid") == self.info["pid"]:
+                try:
+                    os.unlink(self.path)
+                except FileNotFoundError:
+                    pass
+            self.held = False
