@@ -32,7 +32,7 @@ from urllib.parse import urlparse
 import torch
 import torch.nn.functional as F
 
-from elflow.utils import ELFError, atomic_write_json, atomic_write_text
+from elflow.utils import ELFError, atomic_write_json, atomic_write_text, check_device, check_output
 
 __all__ = [
     "PROTOCOLS",
@@ -359,6 +359,7 @@ def add_arguments(p) -> None:
     s.add_argument("--out", default=None, help="folder for the samples and the report")
     s.add_argument("--encoder", default=None,
                    help="T5 encoder folder or hub id for the authors' checkpoints (default t5-small)")
+    o.add_argument("--overwrite", action="store_true", help="replace an existing report (and samples with --checkpoint)")
 
 
 def _settings(args) -> dict:
@@ -386,10 +387,25 @@ def _format(res: dict) -> str:
             f"{res['num_truncated']} truncated at {res['max_length']})")
 
 
+def _check_texts(texts: list[str], where: str) -> None:
+    """A sample set that would give no number (no texts, or only empty ones) is an error, not a NaN."""
+    if not texts:
+        raise ELFError(f"{where} holds no samples; nothing to evaluate")
+    if not any(t.strip() for t in texts):
+        raise ELFError(f"all {len(texts)} samples of {where} are empty; nothing to evaluate")
+
+
+def _check_result(res: dict, where: str) -> None:
+    if not math.isfinite(res["gen_ppl"]) or not math.isfinite(res["entropy"]):
+        raise ELFError(f"the samples of {where} give no finite score ({res['num_samples']} scored, "
+                       f"{res['num_tokens']} tokens counted); nothing is written")
+
+
 def _run_text_task(args) -> int:
     if not args.samples:
         raise ELFError(f"--task {args.task} needs a SAMPLES.jsonl file of hypotheses")
     hyps = read_texts(args.samples, args.field)
+    _check_texts(hyps, args.samples)
     if args.references is None:
         raise ELFError(f"--task {args.task} needs --references FILE (.jsonl or one reference per line)")
     refs = _read_references(args.references, args.reference_field)
@@ -405,6 +421,7 @@ def _run_text_task(args) -> int:
     report = {"task": args.task, **res, "num_pairs": len(hyps), "samples": str(args.samples),
               "references": str(args.references)}
     path = Path(args.report) if args.report else Path(args.samples).with_suffix(f".{args.task}.json")
+    check_output(path, args.overwrite, "--report")
     _emit(report, path, args.json, summary)
     return 0
 
@@ -414,24 +431,34 @@ def run(args) -> int:
         return _run_text_task(args)
     if (args.samples is None) == (args.checkpoint is None):
         raise ELFError("pass either SAMPLES.jsonl to judge, or --checkpoint RUN to sample first (not both)")
+    args.device = check_device(args.device)
     t0 = time.time()
     if args.samples is not None:
         texts = read_texts(args.samples, args.field)  # before loading the judge: fail fast on bad input
+        _check_texts(texts, args.samples)
+        check_output(Path(args.report) if args.report else Path(args.samples).with_suffix(".eval.json"),
+                     args.overwrite, "--report")
         model, tok = load_judge(args.judge, args.judge_dtype, args.device)
         res = generative_perplexity(texts, model, tok, args.batch_size, args.protocol, args.max_length,
                                     progress=not args.json)
+        _check_result(res, args.samples)
         report = {**_public(res), **_settings(args), "samples": str(args.samples), "seconds": time.time() - t0}
         path = Path(args.report) if args.report else Path(args.samples).with_suffix(".eval.json")
         _emit(report, path, args.json, _format(res))
         return 0
 
-    from elflow.generate import generate_texts, load_for_sampling
+    from elflow.generate import check_checkpoint_path, generate_texts, load_for_sampling
 
-    model, tok = load_judge(args.judge, args.judge_dtype, args.device)
-    net, space = load_for_sampling(args.checkpoint, device=args.device, space=getattr(args, "encoder", None))
+    check_checkpoint_path(args.checkpoint)
     ckpt = Path(args.checkpoint).expanduser()
     tag = f"{args.sampler}_steps{args.steps}_omega{args.omega:g}" + (f"_gamma{args.gamma:g}" if args.sampler == "sde" else "")
     out = Path(args.out) if args.out else (ckpt if ckpt.is_dir() else Path("eval-" + ckpt.name)) / "eval" / tag
+    for f in [Path(args.report) if args.report else out / "report.json"] + [out / f"samples_seed{seed}.jsonl"
+                                                                           for seed in args.seeds]:
+        check_output(f, args.overwrite, "--report" if f.name == "report.json" and args.report else "--out")
+    # the network first: a mistyped checkpoint fails before the judge is loaded
+    net, space = load_for_sampling(args.checkpoint, device=args.device, space=getattr(args, "encoder", None))
+    model, tok = load_judge(args.judge, args.judge_dtype, args.device)
     per_seed = []
     for seed in args.seeds:
         texts = generate_texts(net, space, args.num, length=args.length, steps=args.steps, sampler=args.sampler,
@@ -440,6 +467,7 @@ def run(args) -> int:
         atomic_write_text(out / f"samples_seed{seed}.jsonl",
                           "".join(json.dumps({"text": t, "seed": seed}) + "\n" for t in texts))
         res = generative_perplexity(texts, model, tok, args.batch_size, args.protocol, args.max_length)
+        _check_result(res, f"seed {seed} ({out / f'samples_seed{seed}.jsonl'})")
         per_seed.append({"seed": seed, **_public(res)})
         if not args.json:
             print(f"seed {seed}: {_format(res)}")

@@ -34,12 +34,18 @@ def _download(repo_id: str) -> Path:
         from huggingface_hub import snapshot_download
     except ImportError:
         raise ELFError("loading from the Hugging Face Hub needs huggingface_hub: pip install huggingface_hub") from None
+    from elflow.utils import hub_offline, hub_reachable, hub_unavailable_reason
+
+    if not hub_offline() and not hub_reachable():
+        raise ELFError(f"{repo_id}: no such local file or folder; read as a Hugging Face Hub id, it cannot be "
+                       f"fetched ({hub_unavailable_reason()}). Check the path.")
     try:
         return Path(snapshot_download(repo_id, allow_patterns=["checkpoint_*", "*.json", "*.yml", "*.yaml", "*.md"]))
     except Exception as e:
-        raise ELFError(f"cannot fetch {repo_id!r} from the Hugging Face Hub ({type(e).__name__}: "
-                       f"{str(e).splitlines()[0][:160]}). Without a hub, download the checkpoint_<step> file "
-                       "elsewhere and pass its path.") from None
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise ELFError(f"{repo_id}: no such local file or folder; read as a Hugging Face Hub id, it could not be "
+                       f"fetched ({type(e).__name__}: {first}). Check the path, or, without a hub, download the "
+                       "checkpoint_<step> file elsewhere and pass its path.") from None
 
 
 def _official_length(folder: Path, default: int = 1024) -> int:
@@ -186,6 +192,18 @@ def _generate(net, space, num, length, steps, sampler, gamma, omega, batch_size,
     return records, traj_out
 
 
+def _trained_length(net) -> int | None:
+    """The sequence length the network was trained at, from its checkpoint's state.json (None if unknown)."""
+    info = getattr(net, "elflow_info", {}) or {}
+    if info.get("format") != "elflow":
+        return None
+    try:
+        state = json.loads((Path(info["checkpoint"]) / "state.json").read_text())
+        return int(state["train"].get("length") or state["model"]["max_length"])
+    except (OSError, KeyError, TypeError, ValueError):
+        return None
+
+
 def add_arguments(p) -> None:
     p.add_argument("checkpoint", metavar="RUN_OR_CHECKPOINT",
                    help="an elflow run folder or checkpoint folder, an authors' checkpoint_<step> file or its "
@@ -209,12 +227,35 @@ def add_arguments(p) -> None:
     p.add_argument("--trajectory", nargs="*", type=int, default=None, metavar="STEP",
                    help="print the decode readout of the current guess at these steps (default: 6 spread out)")
     p.add_argument("--quiet", action="store_true", help="do not print the texts")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
+
+
+def check_checkpoint_path(path) -> None:
+    """Refuse, before anything is loaded, a path that is a file but no checkpoint (a text file, say)."""
+    p = Path(str(path)).expanduser()
+    if p.is_file():
+        with open(p, "rb") as f:
+            head = f.read(4)
+        if not (head.startswith(b"PK\x03\x04") or head[:1] == b"\x80"):  # torch.save's zip, or a pickle
+            raise ELFError(f"{p}: not a checkpoint; pass an elflow run or checkpoint folder, or an authors' "
+                           "checkpoint_<step> file")
 
 
 def run(args) -> int:
+    from elflow.utils import check_device, check_output
+
+    args.device = check_device(args.device)
+    check_checkpoint_path(args.checkpoint)
+    check_output(args.out, args.overwrite)  # before any sampling work
+    if args.length is not None and args.length < 1:
+        raise ELFError(f"--length must be >= 1, got {args.length}")
     net, space = load_for_sampling(args.checkpoint, device=args.device, space=args.encoder,
                                    use_ema=not args.raw_weights,
                                    max_length=args.length if args.length and args.length > 0 else None)
+    trained = _trained_length(net)
+    if args.length and trained and args.length > trained:
+        print(f"warning: --length {args.length} is longer than the {trained} positions the model was trained on; "
+              "expect poorer samples", file=sys.stderr)
     traj_steps = None
     if args.trajectory is not None:
         n = args.steps
