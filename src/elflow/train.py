@@ -443,9 +443,15 @@ def check_run_dir(out: Path, cfg: TrainConfig, resume: bool, overwrite: bool) ->
 
 
 def stored_config(out: Path) -> TrainConfig:
-    """The resolved settings of the run in `out`."""
+    """The resolved settings of the run in `out` (of the run an interrupted --overwrite set aside, which the
+    next start brings back)."""
+    from elflow.checkpoint import list_checkpoints
+
+    src = out
+    if (out / REPLACED / "run.json").exists() and not list_checkpoints(out):
+        src = out / REPLACED
     try:
-        meta = json.loads((out / "run.json").read_text())
+        meta = json.loads((src / "run.json").read_text())
         return TrainConfig.from_dict(meta["train"]).resolved()
     except FileNotFoundError:
         raise ELFError(f"{out} holds no run to resume; check --out, or start the run without --resume") from None
