@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import time
 from pathlib import Path
 
@@ -127,6 +128,9 @@ def run_sweep(checkpoint: str, omegas: list[float], steps_list: list[int], sampl
         name = f"{sampler}_steps{steps}_omega{omega:g}_gamma{gamma:g}_seed{seed}"
         atomic_write_text(out / "samples" / f"{name}.jsonl", "".join(json.dumps({"text": t}) + "\n" for t in texts))
         res = generative_perplexity(texts, model, tok, batch_size, protocol)
+        if not math.isfinite(res["gen_ppl"]):  # e.g. every sample empty: no number, and no row that holds NaN
+            raise ELFError(f"cell {name}: its {num} samples give no finite perplexity ({res['num_empty']} empty); "
+                           f"they are in {out / 'samples' / (name + '.jsonl')}")
         row = {"sampler": sampler, "steps": steps, "omega": float(omega), "gamma": float(gamma), "seed": seed,
                "num": num, "protocol": protocol, "judge": str(judge), "seconds": round(time.time() - t0, 2),
                **{k2: res[k2] for k2 in ("gen_ppl", "entropy", "num_samples", "num_empty", "num_tokens")}}

@@ -317,8 +317,9 @@ def space_spec(name: str, latent_std, dim: int | None = None, seed: int = 0) -> 
     return spec
 
 
-def on_rank0(fn, rank: int, world: int):
-    """Run `fn` on rank 0 only; every rank raises if it failed there (so that no rank waits for it forever)."""
+def on_rank0(fn, rank: int, world: int, device=None):
+    """Run `fn` on rank 0 only; every rank raises if it failed there (so that no rank waits for it forever).
+    `device`: where the process group's collectives run (a GPU under NCCL)."""
     error = None
     if rank == 0:
         try:
@@ -326,7 +327,7 @@ def on_rank0(fn, rank: int, world: int):
         except BaseException as e:  # noqa: BLE001  (re-raised below, after the other ranks are told)
             error = e
     if world > 1:
-        flag = torch.tensor([0.0 if error is None else 1.0])
+        flag = torch.tensor([0.0 if error is None else 1.0], device=device)
         dist.all_reduce(flag)
         if flag.item() and error is None:
             raise ELFError("rank 0 stopped (its message says why)")
@@ -782,14 +783,14 @@ def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwr
     folder = RunFolder(out, command)
     ok = False
     try:
-        on_rank0(folder.open, rank, world)
+        on_rank0(folder.open, rank, world, dev)
         check_run_dir(out, cfg, resume, overwrite)
         if rank == 0 and cfg.steps < cfg.warmup:
             print(f"warning: --steps {cfg.steps} is shorter than --warmup {cfg.warmup}: the learning rate stops at "
                   f"{lr_at(cfg.steps - 1, cfg.lr, cfg.warmup):.3g}, never reaching {cfg.lr:.3g}", file=sys.stderr)
         run = setup_run(cfg, rank, world, local, dev, cache_dir)
         if overwrite and (out / "run.json").exists():
-            on_rank0(folder.set_aside, rank, world)
+            on_rank0(folder.set_aside, rank, world, dev)
         start = restore(run, out, quiet) if resume else 0
 
         def write_meta():
@@ -798,7 +799,7 @@ def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwr
                                                  "world_size": world})
 
         try:
-            on_rank0(write_meta, rank, world)
+            on_rank0(write_meta, rank, world, dev)
         except OSError as e:
             if no_space_error(e):
                 raise _no_space(e, out) from None
