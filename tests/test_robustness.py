@@ -466,3 +466,69 @@ def test_no_nan_in_train_config_checks():
     for bad in (dict(lr=math.nan), dict(grad_clip=math.inf), dict(sample_omega=math.nan)):
         with pytest.raises(utils.ELFError):
             TrainConfig(**bad).resolved().validate()
+
+
+def test_judge_and_sweep_outputs_are_not_replaced(capsys, tmp_path):
+    judge_out = tmp_path / "judge"
+    judge_out.mkdir()
+    (judge_out / "config.json").write_text("{}")
+    code, _, err = cli(capsys, ["train-judge", "--out", judge_out, "--steps", "1"])
+    assert_one_error(code, err, "train-judge", "is not empty", "--overwrite")
+    assert snapshot(judge_out) == {"config.json": b"{}"}
+
+    sweep_out = tmp_path / "sweep"
+    sweep_out.mkdir()
+    (sweep_out / "sweep.json").write_text(json.dumps({"checkpoint": "runs/a", "judge": "j", "protocol": "elf"}))
+    before = snapshot(sweep_out)
+    code, _, err = cli(capsys, ["sweep", "runs/b", "--out", sweep_out, "--judge", "j"])
+    assert_one_error(code, err, "sweep", "another checkpoint 'runs/a' (now 'runs/b')", "--overwrite")
+    assert snapshot(sweep_out) == before
+
+
+def test_learned_table_resumes_from_both_checkpoint_layouts(tmp_path, tiny_t5_dir, tiny_corpus_file, cache):
+    """The space's trained table is saved through its own trainable_state_dict (space.safetensors); a checkpoint
+    of the older layout ("space."-prefixed keys in model.safetensors) resumes to the same weights."""
+    from safetensors.torch import save_file
+
+    from elflow.utils import sha256_file
+
+    cfg = cfg_for(tiny_t5_dir, tiny_corpus_file, space=f"learned-table:{tiny_t5_dir}")
+    full, part = tmp_path / "full", tmp_path / "part"
+    train(cfg, full, cache_dir=cache, quiet=True)
+    train(cfg, part, cache_dir=cache, quiet=True, stop_after=3)
+    ck = part / "checkpoints" / "step_0000003"
+    table = load_file(ck / "space.safetensors")
+    assert list(table) == ["table"] and table["table"].shape[1] == 32
+    # rewrite step 3 in the older layout
+    model = load_file(ck / "model.safetensors")
+    assert not any(k.startswith("space.") for k in model)
+    save_file({**model, "space.table": table["table"]}, ck / "model.safetensors")
+    (ck / "space.safetensors").unlink()
+    state = json.loads((ck / "state.json").read_text())
+    del state["files"]["space.safetensors"]
+    state["files"]["model.safetensors"] = sha256_file(ck / "model.safetensors")
+    (ck / "state.json").write_text(json.dumps(state))
+
+    train(cfg, part, resume=True, cache_dir=cache, quiet=True)
+    assert_bit_identical(part, full, 6)
+    a, b = (load_file(r / "checkpoints" / "step_0000006" / "space.safetensors") for r in (part, full))
+    assert torch.equal(a["table"], b["table"])
+    assert not torch.equal(a["table"], table["table"])  # the table did train
+
+
+def test_cpu_flags_are_read_once(monkeypatch):
+    utils.cpu_flags.cache_clear()
+    import builtins
+
+    opened = []
+    real_open = builtins.open
+
+    def counting_open(path, *a, **k):
+        if str(path) == "/proc/cpuinfo":
+            opened.append(path)
+        return real_open(path, *a, **k)
+    monkeypatch.setattr(builtins, "open", counting_open)
+    answers = {utils.resolve_dtype("auto", "cpu") for _ in range(5)}
+    assert len(answers) == 1 and answers <= {"bf16", "fp32"}
+    assert len(opened) == (1 if Path("/proc/cpuinfo").exists() else 0)  # five answers, one read
+    assert utils.resolve_dtype("fp32", "cpu") == "fp32" and utils.resolve_dtype("auto", "cuda") == "bf16"
