@@ -455,6 +455,9 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
+    from elflow.utils import check_device
+
+    args.device = check_device(args.device)
     rec = bench(args.mode, args.preset, args.depth, args.hidden, args.heads, args.length, args.batch, args.steps,
                 args.dtype, args.compile, args.device, args.warmup, args.iters, args.accum, args.space,
                 args.grad_checkpoint, args.adam_heads, args.ns_dtype, args.ns_method, args.peak_size,

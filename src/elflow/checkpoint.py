@@ -3,12 +3,15 @@
     run/checkpoints/step_0001000/
         model.safetensors      the trained weights (network, and a learned embedding table if any)
         ema.safetensors        the EMA weights (used for sampling)
+        space.safetensors      the embedding space's trained parameters, if it has any (a learned table)
         optimizer.pt           optimiser state and RNG states (tensors and numbers: loads with weights_only=True)
         state.json             step, config (model, space, data, recipe, training), data position,
                                and the sha256 of every other file
 
 The folder is written under a temporary name and renamed, so a kill during a save leaves the previous
 checkpoint intact; the last K are kept. A file that does not match its recorded hash is refused by name.
+Checkpoints written before space.safetensors existed hold those parameters in model.safetensors under
+"space."-prefixed names; `split_space_state` reads both layouts.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,21 +33,27 @@ from elflow.official import infer_config, official_to_elflow, preset_name
 from elflow.utils import ELFError, atomic_write_json, default_device, sha256_file as _sha256
 
 __all__ = ["write_checkpoint", "save_checkpoint", "load_checkpoint", "list_checkpoints", "latest_checkpoint", "resolve_checkpoint",
-           "is_elflow_checkpoint"]
+           "is_elflow_checkpoint", "split_space_state", "remove_stale_temporaries"]
 
 STEP_DIR = re.compile(r"step_(\d+)")
+SPACE_PREFIX = "space."  # the older layout: space parameters inside model.safetensors
 
 
-def write_checkpoint(folder: str | os.PathLike, model_sd: dict, ema_sd: dict, optimizer_state, state: dict) -> Path:
+def write_checkpoint(folder: str | os.PathLike, model_sd: dict, ema_sd: dict, optimizer_state, state: dict,
+                     space_sd: dict | None = None) -> Path:
     """Write one checkpoint folder atomically: built under a temporary sibling name, then renamed."""
     final = Path(folder)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
+    old = None
     try:
         contig = lambda sd: {k: v.detach().contiguous().cpu() for k, v in sd.items()}  # noqa: E731
         save_file(contig(model_sd), tmp / "model.safetensors")
         save_file(contig(ema_sd), tmp / "ema.safetensors")
         names = ["model.safetensors", "ema.safetensors"]
+        if space_sd:
+            save_file(contig(space_sd), tmp / "space.safetensors")
+            names.append("space.safetensors")
         if optimizer_state is not None:
             torch.save(optimizer_state, tmp / "optimizer.pt")
             names.append("optimizer.pt")
@@ -52,20 +62,49 @@ def write_checkpoint(folder: str | os.PathLike, model_sd: dict, ema_sd: dict, op
         for f in tmp.iterdir():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
-        if final.exists():  # re-saving the same step (e.g. the final save of a resumed run)
-            shutil.rmtree(final)
+        if final.exists():  # re-saving the same step (the final save of a resumed run): the old one goes last
+            old = final.parent / f".tmp-{final.name}-replaced-{os.getpid()}"
+            os.rename(final, old)
         os.rename(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None and not final.exists():
+            os.rename(old, final)
         raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
     return final
 
 
+def split_space_state(model_sd: dict) -> tuple[dict, dict]:
+    """(network weights, space parameters) of a model state dict in the older layout (prefixed names)."""
+    net = {k: v for k, v in model_sd.items() if not k.startswith(SPACE_PREFIX)}
+    space = {k[len(SPACE_PREFIX):]: v for k, v in model_sd.items() if k.startswith(SPACE_PREFIX)}
+    return net, space
+
+
+def trained_space_state(ckpt: str | os.PathLike) -> dict:
+    """The embedding space's trained parameters stored in a checkpoint folder (either layout)."""
+    ckpt = Path(ckpt)
+    if (ckpt / "space.safetensors").exists():
+        return load_file(ckpt / "space.safetensors")
+    return split_space_state(load_file(ckpt / "model.safetensors"))[1]
+
+
+def remove_stale_temporaries(run_dir: str | os.PathLike) -> list[Path]:
+    """Remove the temporary folders of saves that were killed mid-way (`.tmp-step_*`); returns them."""
+    root = Path(run_dir) / "checkpoints"
+    stale = [p for p in root.glob(".tmp-step_*") if p.is_dir()] if root.is_dir() else []
+    for p in stale:
+        shutil.rmtree(p, ignore_errors=True)
+    return stale
+
+
 def save_checkpoint(run_dir: str | os.PathLike, step: int, model_sd: dict, ema_sd: dict, optimizer_state,
-                    state: dict, keep: int = 3) -> Path:
-    """Write checkpoints/step_<step>/ atomically and keep the newest `keep`."""
+                    state: dict, keep: int = 3, space_sd: dict | None = None) -> Path:
+    """Write checkpoints/step_<step>/ atomically, then keep the newest `keep` (0: keep all)."""
     final = write_checkpoint(Path(run_dir) / "checkpoints" / f"step_{step:07d}", model_sd, ema_sd,
-                             optimizer_state, {**state, "step": step})
+                             optimizer_state, {**state, "step": step}, space_sd)
     for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return final
@@ -84,9 +123,9 @@ def is_elflow_checkpoint(path: Path) -> bool:
     return path.is_dir() and (path / "state.json").exists() and (path / "model.safetensors").exists()
 
 
-def verify_checkpoint(ckpt: Path, names=None) -> dict:
-    """state.json, with the hash of every file (or of those in `names`) checked; ELFError naming the first
-    bad file."""
+def verify_checkpoint(ckpt: Path, need_optimizer: bool = True) -> dict:
+    """state.json, with every file's hash checked; ELFError naming the first bad file. Without
+    `need_optimizer`, a missing optimizer.pt is allowed (sampling needs only the weights)."""
     state_path = ckpt / "state.json"
     try:
         state = json.loads(state_path.read_text())
@@ -95,10 +134,10 @@ def verify_checkpoint(ckpt: Path, names=None) -> dict:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ELFError(f"{state_path}: corrupted ({e})") from None
     for name, digest in state.get("files", {}).items():
-        if names is not None and name not in names:
-            continue
         f = ckpt / name
         if not f.exists():
+            if name == "optimizer.pt" and not need_optimizer:
+                continue
             raise ELFError(f"{f}: missing from the checkpoint")
         if _sha256(f) != digest:
             raise ELFError(f"{f}: corrupted or truncated (its sha256 does not match the one recorded at save)")
@@ -108,7 +147,7 @@ def verify_checkpoint(ckpt: Path, names=None) -> dict:
 def load_checkpoint(ckpt: str | os.PathLike, with_optimizer: bool = True, map_location="cpu") -> dict:
     """Read and verify a checkpoint folder: {"state", "model", "ema", "optimizer"}."""
     ckpt = Path(ckpt)
-    state = verify_checkpoint(ckpt, None if with_optimizer else ("model.safetensors", "ema.safetensors"))
+    state = verify_checkpoint(ckpt, need_optimizer=with_optimizer)
     out = {"state": state, "path": ckpt}
     try:
         out["model"] = load_file(ckpt / "model.safetensors", device=str(map_location))
@@ -126,13 +165,18 @@ def load_checkpoint(ckpt: str | os.PathLike, with_optimizer: bool = True, map_lo
     return out
 
 
-def latest_checkpoint(run_dir: str | os.PathLike, verify: bool = True, warn=print) -> Path | None:
-    """The newest checkpoint that passes verification; bad ones are reported and skipped."""
+def _warn(msg: str) -> None:
+    print(msg, file=sys.stderr)
+
+
+def latest_checkpoint(run_dir: str | os.PathLike, verify: bool = True, warn=_warn,
+                      need_optimizer: bool = True) -> Path | None:
+    """The newest checkpoint that passes verification; bad ones are reported (on stderr) and skipped."""
     for ckpt in reversed(list_checkpoints(run_dir)):
         if not verify:
             return ckpt
         try:
-            verify_checkpoint(ckpt)
+            verify_checkpoint(ckpt, need_optimizer)
             return ckpt
         except ELFError as e:
             warn(f"warning: skipping a bad checkpoint: {e}")
@@ -145,7 +189,7 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     if is_elflow_checkpoint(path):
         return path
     if path.is_dir() and (path / "checkpoints").is_dir():
-        ckpt = latest_checkpoint(path)
+        ckpt = latest_checkpoint(path, need_optimizer=False)
         if ckpt is None:
             raise ELFError(f"{path}: this run has no usable checkpoint yet")
         return ckpt
@@ -244,13 +288,29 @@ def _download(repo_id: str) -> Path:
     except ImportError:
         raise ELFError(f"{repo_id!r} is no local path, and fetching it as a Hugging Face Hub id needs "
                        "huggingface_hub: pip install huggingface_hub") from None
+    from elflow.utils import hub_offline, hub_reachable, hub_unavailable_reason
+
+    if not hub_offline() and not hub_reachable():
+        raise ELFError(f"{repo_id}: no such local file or folder; read as a Hugging Face Hub id, it cannot be "
+                       f"fetched ({hub_unavailable_reason()}). Check the path.")
     try:
         return Path(snapshot_download(repo_id, allow_patterns=["checkpoint_*", "*.json", "*.yml", "*.yaml", "*.md"]))
     except Exception as e:
         first = " ".join(str(e).split())
-        raise ELFError(f"{repo_id!r} is no local path, and fetching it from the Hugging Face Hub failed "
-                       f"({type(e).__name__}: {first[:300]}). If you meant a local run, check the path; without a "
-                       "network, download the checkpoint_<step> file elsewhere and pass its path.") from None
+        raise ELFError(f"{repo_id}: no such local file or folder; read as a Hugging Face Hub id, it could not be "
+                       f"fetched ({type(e).__name__}: {first[:300]}). Check the path, or, without a hub, download "
+                       "the checkpoint_<step> file elsewhere and pass its path.") from None
+
+
+def check_checkpoint_path(path) -> None:
+    """Refuse, before anything is loaded, a path that is a file but no checkpoint (a text file, say)."""
+    p = Path(str(path)).expanduser()
+    if p.is_file():
+        with open(p, "rb") as f:
+            head = f.read(4)
+        if not (head.startswith(b"PK\x03\x04") or head[:1] == b"\x80"):  # torch.save's zip, or a pickle
+            raise ELFError(f"{p}: not a checkpoint; pass an elflow run or checkpoint folder, or an authors' "
+                           "checkpoint_<step> file")
 
 
 def _authors_settings(folder: Path, name: str) -> dict:
@@ -295,6 +355,7 @@ def read_weights(path_or_hub_id: str | os.PathLike, use_ema: bool = True, max_le
     were asked for and none were stored. `max_length` widens the position table."""
     s = str(path_or_hub_id)
     p = Path(s).expanduser()
+    check_checkpoint_path(p)
     if not p.exists():
         if not is_hub_id(s):
             raise ELFError(f"{s}: no such file or folder (nor a hub id of the form owner/name)")
@@ -359,6 +420,8 @@ def load_for_sampling(path_or_hub_id, device=None, space=None, use_ema: bool = T
                          device=device)
     else:
         sp = build_space(spec, device=device)
+    if sp.trainable and loaded.settings.get("format") == "elflow":  # a learned table trained with the network
+        sp.load_trainable_state_dict(trained_space_state(loaded.settings["checkpoint"]))
     if loaded.settings.get("space_id"):
         check_compatible(loaded.settings["space_id"], sp)
     cfg = loaded.net.config

@@ -44,9 +44,11 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         description="ELF: text generation by flow matching in a frozen encoder's embedding space.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parser.subcommands = {}
     for name, (_, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text,
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        parser.subcommands[name] = p
         if only is None or only == name:
             module = _load(name)
             if module is not None:
@@ -59,7 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     # Only import the module of the chosen subcommand (torch and friends are slow to import).
     chosen = next((a for a in argv if a in COMMANDS), None)
     parser = build_parser(only=chosen)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # reported with the usage of the subcommand they were given to
+        parser.subcommands.get(args.command, parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command is None:
         parser.print_help()
         return 0
@@ -72,6 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     except ELFError as e:
         print(f"elflow {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a system failure outside elflow's checks: one line, not a traceback
+        where = f": {e.filename}" if e.filename else ""
+        print(f"elflow {args.command}: error: {e.strerror or e}{where}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"elflow {args.command}: interrupted", file=sys.stderr)
         return 130

@@ -286,6 +286,12 @@ def _hub_stream(name: str, split: str, config: str | None = None):
     except ImportError as e:
         raise ELFError(f"{spec!r} is neither a local file nor the built-in corpus; reading it from the Hugging "
                        f"Face Hub needs `pip install datasets`. Otherwise {alternatives}") from e
+    from elflow.utils import hub_offline, hub_reachable, hub_unavailable_reason
+
+    if not hub_offline() and not hub_reachable():  # fail now, not after the client's retries
+        why = hub_unavailable_reason()
+        raise ELFError(f"{spec!r} is not a local file or folder, and the hub dataset of that name cannot be read "
+                       f"({why}); {alternatives}")
     try:
         return datasets.load_dataset(name, config, split=split, streaming=True)
     except Exception as e:  # datasets raises many kinds (ConnectionError, DatasetNotFoundError, ValueError...)

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from elflow.utils import ELFError
+from elflow.utils import ELFError, hub_local_only, hub_unavailable_reason
 
 __all__ = [
     "EmbeddingSpace",
@@ -101,8 +101,8 @@ def _resolve_name(name: str) -> tuple[str, bool, str]:
 
 
 def _hub_error(name: str, what: str, err: Exception) -> ELFError:
-    offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
-    why = "HF_HUB_OFFLINE is set" if offline else "the hub is not reachable or the id is wrong"
+    why = hub_unavailable_reason()
+    why = f"{why}, and it is not in the local cache" if why else "the hub is not reachable or the id is wrong"
     return ELFError(
         f"could not load the {what} {name!r} from the Hugging Face Hub ({why}: {type(err).__name__}: "
         f"{str(err).splitlines()[0] if str(err) else ''}). Use a local encoder folder (a save_pretrained copy "
@@ -121,7 +121,7 @@ def _load_tokenizer(target: str, local: bool, name: str):
             raise ELFError(f"folder {target} is not an encoder folder: it has no config.json and no tokenizer "
                            "files. Save one with model.save_pretrained(folder) and tokenizer.save_pretrained(folder)")
     try:
-        tok = AutoTokenizer.from_pretrained(target, local_files_only=local)
+        tok = AutoTokenizer.from_pretrained(target, local_files_only=hub_local_only(local))
     except (OSError, ValueError, KeyError, TypeError) as e:
         if local:
             raise ELFError(f"folder {target} has no usable tokenizer ({type(e).__name__}: {e}). Save the "
@@ -140,7 +140,7 @@ def _load_config(target: str, local: bool, name: str):
         raise ELFError(f"folder {target} is not an encoder folder: config.json is missing. Save a model there "
                        "with model.save_pretrained(folder)")
     try:
-        return AutoConfig.from_pretrained(target, local_files_only=local)
+        return AutoConfig.from_pretrained(target, local_files_only=hub_local_only(local))
     except (OSError, ValueError, KeyError) as e:
         if local:
             raise ELFError(f"folder {target} is not an encoder folder: its config.json cannot be read "
@@ -163,7 +163,7 @@ def _load_encoder(target: str, local: bool, name: str, dtype=None):
     if cls is AutoModel and getattr(config, "is_encoder_decoder", False):
         raise ELFError(f"{name!r} is an encoder-decoder model ({config.model_type}) that elflow cannot split: "
                        "use kind 't5' for T5 models, or an encoder-only folder")
-    kwargs = {"local_files_only": local}
+    kwargs = {"local_files_only": hub_local_only(local)}
     if dtype is not None:
         kwargs["dtype"] = dtype
     verbosity = hf_logging.get_verbosity()

@@ -33,7 +33,7 @@ from urllib.parse import urlparse
 import torch
 import torch.nn.functional as F
 
-from elflow.utils import ELFError, atomic_write_json, check_output
+from elflow.utils import ELFError, atomic_write_json, check_device, check_output
 
 __all__ = [
     "PROTOCOLS",
@@ -373,7 +373,6 @@ def add_arguments(p) -> None:
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print one JSON object instead of a summary")
     o.add_argument("--report", default=None, help="report file (default: next to the samples, or in --out)")
-    o.add_argument("--overwrite", action="store_true", help="replace an existing report and samples")
     s = p.add_argument_group("generate first (instead of SAMPLES)")
     s.add_argument("--checkpoint", default=None, help="run folder, checkpoint or hub id to sample from")
     s.add_argument("--num", type=int, default=1000, help="samples per seed (conditional tasks: examples)")
@@ -384,6 +383,7 @@ def add_arguments(p) -> None:
     s.add_argument("--out", default=None, help="folder for the samples and the report")
     s.add_argument("--encoder", default=None,
                    help="T5 encoder folder or hub id for the authors' checkpoints (default t5-small)")
+    o.add_argument("--overwrite", action="store_true", help="replace an existing report (and samples with --checkpoint)")
 
 
 def _settings(args) -> dict:
@@ -411,10 +411,25 @@ def _format(res: dict) -> str:
             f"{res['num_truncated']} truncated at {res['max_length']})")
 
 
+def _check_texts(texts: list[str], where: str) -> None:
+    """A sample set that would give no number (no texts, or only empty ones) is an error, not a NaN."""
+    if not texts:
+        raise ELFError(f"{where} holds no samples; nothing to evaluate")
+    if not any(t.strip() for t in texts):
+        raise ELFError(f"all {len(texts)} samples of {where} are empty; nothing to evaluate")
+
+
+def _check_result(res: dict, where: str) -> None:
+    if not math.isfinite(res["gen_ppl"]) or not math.isfinite(res["entropy"]):
+        raise ELFError(f"the samples of {where} give no finite score ({res['num_samples']} scored, "
+                       f"{res['num_tokens']} tokens counted); nothing is written")
+
+
 def _run_text_task(args) -> int:
     if not args.samples:
         raise ELFError(f"--task {args.task} needs a SAMPLES.jsonl file of hypotheses")
     hyps = read_texts(args.samples, args.field)
+    _check_texts(hyps, args.samples)
     if args.references is None:
         raise ELFError(f"--task {args.task} needs --references FILE (.jsonl or one reference per line)")
     refs = _read_references(args.references, args.reference_field or "text")
@@ -430,6 +445,7 @@ def _run_text_task(args) -> int:
     report = {"task": args.task, **res, "num_pairs": len(hyps), "samples": str(args.samples),
               "references": str(args.references)}
     path = Path(args.report) if args.report else Path(args.samples).with_suffix(f".{args.task}.json")
+    check_output(path, args.overwrite, "--report")
     _emit(report, path, args.json, summary)
     return 0
 
@@ -498,6 +514,7 @@ def _run_conditional_task(args) -> int:
 
 
 def run(args) -> int:
+    args.device = check_device(args.device)
     if args.task in TEXT_TASKS:
         return _run_text_task(args)
     if args.task != "unconditional":
@@ -507,9 +524,13 @@ def run(args) -> int:
     t0 = time.time()
     if args.samples is not None:
         texts = read_texts(args.samples, args.field)  # before loading the judge: fail fast on bad input
+        _check_texts(texts, args.samples)
+        check_output(Path(args.report) if args.report else Path(args.samples).with_suffix(".eval.json"),
+                     args.overwrite, "--report")
         model, tok = load_judge(args.judge, args.judge_dtype, args.device)
         res = generative_perplexity(texts, model, tok, args.batch_size, args.protocol, args.max_length,
                                     progress=not args.json)
+        _check_result(res, args.samples)
         report = {**_public(res), **_settings(args), "samples": str(args.samples), "seconds": time.time() - t0}
         path = Path(args.report) if args.report else Path(args.samples).with_suffix(".eval.json")
         _emit(report, path, args.json, _format(res))
@@ -536,6 +557,7 @@ def run(args) -> int:
         res = sample_and_judge(loaded.net, space, s, args.num, model, tok, out / f"samples_seed{seed}.jsonl",
                                args.length, args.batch_size, args.protocol, args.max_length, not args.json,
                                {"checkpoint": str(args.checkpoint)})
+        _check_result(res, f"seed {seed} ({out / f'samples_seed{seed}.jsonl'})")
         per_seed.append({"seed": seed, **res})
         if not args.json:
             print(f"seed {seed}: {_format(res)}")

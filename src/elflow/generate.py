@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import sys
-import warnings
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
@@ -25,7 +24,7 @@ import torch
 from elflow.checkpoint import Loaded, few_step_defaults, load_for_sampling
 from elflow.data import encoder_mask, pair_layout
 from elflow.flow import check_sampling_args, decode_tokens, generate_tokens
-from elflow.utils import ELFError, atomic_write, check_output
+from elflow.utils import ELFError, atomic_write, check_device, check_output
 
 __all__ = ["SamplingSettings", "settings_for", "conditioning", "extract_targets", "generate", "write_samples",
            "add_sampling_arguments", "add_arguments", "run"]
@@ -305,6 +304,7 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
+    args.device = check_device(args.device)
     check_output(args.out, args.overwrite)  # before any work
     if args.length is not None and args.length < 1:
         raise ELFError(f"--length must be >= 1, got {args.length}")
@@ -313,8 +313,8 @@ def run(args) -> int:
     settings = sampling_from_args(loaded, args)
     trained = loaded.settings.get("length") or loaded.net.config.max_length
     if args.length is not None and args.length > trained:
-        warnings.warn(f"--length {args.length} is longer than the {trained} positions this model was trained on; "
-                      "samples past that length are untested territory")
+        print(f"warning: --length {args.length} is longer than the {trained} positions the model was trained on; "
+              "expect poorer samples", file=sys.stderr)
     source_length = loaded.settings.get("source_length")
     sources = refs = None
     if args.source is not None:

@@ -274,7 +274,7 @@ def train_judge(out: str | Path, cfg: JudgeConfig = JudgeConfig(), data: str = "
         logits = judge(x[:, :-1])
         loss = F.cross_entropy(logits.flatten(0, 1).float(), x[:, 1:].flatten())
         if not torch.isfinite(loss):
-            raise RuntimeError(f"train-judge: non-finite loss at step {step}")
+            raise ELFError(f"non-finite loss at step {step}; nothing was saved. Try a lower --lr")
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
         opt.zero_grad(set_to_none=True)
@@ -314,13 +314,26 @@ def add_arguments(p) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None)
     p.add_argument("--cache-dir", default=None, help="where the GPT-2 ranks are cached ($ELFLOW_CACHE)")
+    p.add_argument("--overwrite", action="store_true", help="write into an --out folder that is not empty")
 
 
 def run(args) -> int:
-    cfg = JudgeConfig(hidden=args.hidden, depth=args.depth, heads=args.heads, context=args.context)
-    for name in ("steps", "batch_size", "context"):
+    from elflow.utils import check_device, check_output
+
+    for name in ("steps", "batch_size", "hidden", "depth", "heads"):
         if getattr(args, name) < 1:
             raise ELFError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.context < 2:
+        raise ELFError(f"--context must be at least 2 (a judge scores each token given the ones before it), "
+                       f"got {args.context}")
+    if not (math.isfinite(args.lr) and args.lr > 0) or args.warmup < 0:
+        raise ELFError(f"--lr must be a finite number > 0 and --warmup >= 0, got {args.lr} and {args.warmup}")
+    check_device(args.device)
+    out = check_output(args.out, folder=True)
+    if out.is_dir() and any(out.iterdir()) and not args.overwrite:
+        raise ELFError(f"--out {out} is not empty; pass --overwrite to write the judge into it (its files of the "
+                       "same names are replaced), or choose another --out")
+    cfg = JudgeConfig(hidden=args.hidden, depth=args.depth, heads=args.heads, context=args.context)
     info = train_judge(args.out, cfg, data=args.data, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                        warmup=args.warmup, seed=args.seed, val_every=args.val_every, device=args.device,
                        cache_dir=args.cache_dir)

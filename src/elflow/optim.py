@@ -41,6 +41,8 @@ import warnings
 import torch
 import torch.optim._muon as _muon_impl
 
+from elflow.utils import fast_bf16  # noqa: F401  (re-exported: the optimiser and the CLIs ask it)
+
 __all__ = ["ELFOptimizer", "newton_schulz", "ns_precision", "NS_METHODS", "resolve_ns_method", "method_for",
            "spectral_pays", "fast_bf16", "EMA", "base_lr", "lr_at", "HEAD_PREFIXES"]
 
@@ -148,21 +150,6 @@ def ns_precision(dtype: torch.dtype | None, method: str = "iterate"):
         yield
     finally:
         _muon_impl._zeropower_via_newtonschulz = original
-
-
-def _cpu_flag(flag: str) -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return any(flag in line.split() for line in f if line.startswith("flags"))
-    except OSError:
-        return False
-
-
-def fast_bf16(device) -> bool:
-    """Whether bf16 matmuls are fast on this device: GPUs, and CPUs with AMX or AVX512-BF16."""
-    if torch.device(device).type == "cuda":
-        return True
-    return _cpu_flag("amx_bf16") or _cpu_flag("avx512_bf16")
 
 
 def default_ns_dtype(device) -> torch.dtype:

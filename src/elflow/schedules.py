@@ -136,9 +136,15 @@ def add_arguments(p) -> None:
     p.add_argument("--out", default="schedules.png", help="where to write the PNG")
     p.add_argument("--samples", type=int, default=200_000, help="Monte-Carlo draws per distribution")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
 
 
 def run(args) -> int:
+    from elflow.utils import ELFError, check_output
+
+    if args.samples < 2:
+        raise ELFError(f"--samples must be at least 2 (medians and shares need draws), got {args.samples}")
+    check_output(args.out, args.overwrite)
     stats = schedule_statistics(n=args.samples, seed=args.seed)
     print(f"{'statistic':<22}{'measured':>10}{'explainer':>11}")
     for k, v in stats.items():

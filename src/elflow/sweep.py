@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import time
 from pathlib import Path
 
@@ -104,15 +105,16 @@ def run_sweep(checkpoint: str, omegas: list[float], steps_list: list[int], sampl
               num: int = 1000, seed: int = 0, gamma: float = 1.5, length: int | None = None,
               judge: str = "gpt2-large", judge_dtype: str = "fp32", batch_size: int = 8, gen_batch_size: int = 8,
               protocol: str = "elf", grid: str = "logit_normal", device: str | None = None,
-              progress: bool = True) -> list[dict]:
-    """Run (or finish) the grid; returns all rows of OUT/sweep.csv. Samples go to OUT/samples/<cell>.jsonl."""
+              progress: bool = True, fresh: bool = False) -> list[dict]:
+    """Run (or finish) the grid; returns all rows of OUT/sweep.csv. Samples go to OUT/samples/<cell>.jsonl.
+    `fresh`: ignore the rows of an existing sweep.csv (it is replaced when the first cell is done)."""
     from elflow.checkpoint import load_for_sampling
     from elflow.evaluate import load_judge, sample_and_judge
     from elflow.generate import SamplingSettings
 
     out = Path(out)
     csv_path = out / "sweep.csv"
-    rows = read_csv(csv_path) if csv_path.exists() else []
+    rows = read_csv(csv_path) if csv_path.exists() and not fresh else []
     done = {_key(r) for r in rows}
     cells = [(s, n, w) for s in samplers for n in steps_list for w in omegas]
     todo = [c for c in cells if (c[0], c[1], float(c[2]), float(gamma), seed, num) not in done]
@@ -127,6 +129,9 @@ def run_sweep(checkpoint: str, omegas: list[float], steps_list: list[int], sampl
         res = sample_and_judge(loaded.net, space, settings, num, model, tok, out / "samples" / f"{name}.jsonl",
                                length, batch_size, protocol, progress=progress,
                                meta={"checkpoint": str(checkpoint)})
+        if not math.isfinite(res["gen_ppl"]):  # e.g. every sample empty: no number, and no row that holds NaN
+            raise ELFError(f"cell {name}: its {num} samples give no finite perplexity ({res['num_empty']} empty); "
+                           f"they are in {out / 'samples' / (name + '.jsonl')}")
         row = {"sampler": sampler, "steps": steps, "omega": float(omega), "gamma": float(gamma), "seed": seed,
                "num": num, "protocol": protocol, "judge": str(judge), "seconds": round(time.time() - t0, 2),
                **{k2: res[k2] for k2 in ("gen_ppl", "entropy", "num_samples", "num_empty", "num_tokens")}}
@@ -156,6 +161,26 @@ def add_arguments(p) -> None:
     p.add_argument("--device", default=None)
     p.add_argument("--out", default=None, help="output folder (default: RUN/sweep, or ./sweep)")
     p.add_argument("--plot-only", action="store_true", help="redraw the plot from OUT/sweep.csv")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start a new sweep in an OUT that holds one of another checkpoint, judge or protocol")
+
+
+def _check_continuation(out: Path, args) -> dict:
+    """A rerun continues OUT/sweep.csv only for the same checkpoint, judge and protocol (the rows do not record
+    the checkpoint: OUT/sweep.json does)."""
+    wanted = {"checkpoint": str(args.checkpoint), "judge": str(args.judge), "protocol": args.protocol}
+    meta = out / "sweep.json"
+    stored = json.loads(meta.read_text()) if meta.exists() else {}
+    rows = read_csv(out / "sweep.csv") if (out / "sweep.csv").exists() else []
+    seen = {**{k: rows[0].get(k) for k in ("judge", "protocol") if rows}, **stored}
+    diff = [f"{k} {seen[k]!r} (now {v!r})" for k, v in wanted.items() if k in seen and str(seen[k]) != v]
+    if diff and not args.overwrite:
+        raise ELFError(f"{out} holds a sweep of another {', '.join(diff)}; choose another --out, or pass "
+                       "--overwrite to replace it")
+    from elflow.utils import check_output
+
+    check_output(out, folder=True)
+    return wanted
 
 
 def run(args) -> int:
@@ -174,10 +199,19 @@ def run(args) -> int:
             raise ELFError("pass the run folder, checkpoint or hub id to sweep (or --plot-only)")
         if args.num < 1 or min(args.steps) < 1:
             raise ELFError("--num and every --steps value must be at least 1")
+        from elflow.utils import atomic_write_json, check_device
+
+        args.device = check_device(args.device)
+        fresh = args.overwrite and (out / "sweep.csv").exists()
+        wanted = _check_continuation(out, args)
+        if not fresh:  # a new sweep's record replaces the old one only once the old rows are replaced
+            atomic_write_json(out / "sweep.json", wanted)
         rows = run_sweep(args.checkpoint, args.omega, args.steps, args.sampler, out, num=args.num, seed=args.seed,
                          gamma=args.gamma, length=args.length, judge=args.judge, judge_dtype=args.judge_dtype,
                          batch_size=args.batch_size, gen_batch_size=args.gen_batch_size, protocol=args.protocol,
-                         grid=args.grid, device=args.device)
+                         grid=args.grid, device=args.device, fresh=fresh)
+        if fresh:
+            atomic_write_json(out / "sweep.json", wanted)
     png = plot_tradeoff(rows, out / "tradeoff.png", title=f"judge: {rows[0].get('judge') or args.judge}")
     print(f"{len(rows)} cells in {out / 'sweep.csv'}; plot: {png}")
     return 0

@@ -129,13 +129,17 @@ def add_arguments(p) -> None:
     p.add_argument("--gamma", type=float, default=1.5, help="SDE back-off scale (sde/vc only)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="toy.png", help="where to write the PNG")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
 
 
 def run(args) -> int:
-    from elflow.utils import ELFError
+    from elflow.utils import ELFError, check_output
 
     if args.num < 1 or args.clusters < 1 or min(args.steps) < 1:
         raise ELFError("--num, --clusters and every --steps value must be >= 1")
+    if not (math.isfinite(args.gamma) and args.gamma >= 0):
+        raise ELFError(f"--gamma must be a finite number >= 0, got {args.gamma}")
+    check_output(args.out, args.overwrite)
     mix = ring_mixture(args.clusters) if args.layout == "ring" else grid_mixture(args.clusters)
     gamma = 0.0 if args.sampler == "ode" else args.gamma
     res = run_toy(mix, args.steps, args.num, args.seed, args.sampler, gamma)

@@ -1,17 +1,22 @@
-"""Small shared helpers: atomic file writes, devices, seeding, float64 categorical draws."""
+"""Small shared helpers: atomic file writes, output checks, folder locks, devices, float64 categorical draws."""
 
 from __future__ import annotations
 
+import errno
+import functools
 import hashlib
 import json
 import os
+import socket
 import tempfile
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
 
-__all__ = ["ELFError", "atomic_write", "atomic_write_text", "atomic_write_json", "check_output", "default_device",
-           "sha256_file", "cache_root", "sample_categorical"]
+__all__ = ["ELFError", "atomic_write", "atomic_write_text", "atomic_write_json", "default_device", "sha256_file",
+           "cache_root", "cpu_flags", "fast_bf16", "resolve_dtype", "check_device", "check_output", "FolderLock",
+           "sample_categorical"]
 
 
 class ELFError(Exception):
@@ -39,24 +44,6 @@ def atomic_write(path: str | os.PathLike, mode: str = "wb"):
         except FileNotFoundError:
             pass
         raise
-
-
-def check_output(path: str | os.PathLike, overwrite: bool = False) -> Path:
-    """Refuse an output file that exists (unless `overwrite`) or cannot be written, before any work is done."""
-    path = Path(path)
-    if path.is_dir():
-        raise ELFError(f"{path} is a folder; pass a file name for the output")
-    if path.exists() and not overwrite:
-        raise ELFError(f"{path} exists; pass --overwrite to replace it, or choose another output name")
-    parent = path.parent
-    for p in [parent, *parent.parents]:
-        if p.exists():
-            if not p.is_dir():
-                raise ELFError(f"cannot write {path}: {p} is a file, not a folder")
-            if not os.access(p, os.W_OK | os.X_OK):
-                raise ELFError(f"cannot write {path}: {p} is not writable (read-only file system or no permission)")
-            break
-    return path
 
 
 def atomic_write_text(path, text: str) -> None:
@@ -109,3 +96,214 @@ def sample_categorical(weights, generator=None):
     ids = torch.searchsorted(cdf, u * total, right=True)
     last = torch.searchsorted(cdf, total, right=False)  # the last id of positive weight (u * total may round up)
     return torch.minimum(ids, last).squeeze(-1)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# devices and precision
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_flags() -> frozenset:
+    """The CPU feature flags of /proc/cpuinfo (empty where there is none); read once per process."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def fast_bf16(device) -> bool:
+    """Whether bf16 matmuls are fast on this device: GPUs, and CPUs with AMX or AVX512-BF16."""
+    import torch
+
+    if torch.device(device).type == "cuda":
+        return True
+    return bool(cpu_flags() & {"amx_bf16", "avx512_bf16"})
+
+
+def resolve_dtype(dtype: str, device) -> str:
+    """"auto" -> bf16 on GPUs and CPUs with native bf16 matmuls (AMX, AVX512-BF16), fp32 elsewhere."""
+    return ("bf16" if fast_bf16(device) else "fp32") if dtype == "auto" else dtype
+
+
+def check_device(device: str | None, flag: str = "--device") -> str | None:
+    """A --device value that this machine can use (None: the default); ELFError otherwise."""
+    if device is None:
+        return None
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise ELFError(f"{flag} {device!r} is not a device; use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch is built without CUDA" if torch.version.cuda is None else "no GPU is visible"
+            raise ELFError(f"{flag} {device}: CUDA is not available here ({why}); use --device cpu or leave "
+                           "--device out")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ELFError(f"{flag} {device}: there are only {torch.cuda.device_count()} GPU(s)")
+    elif dev.type != "cpu":
+        raise ELFError(f"{flag} {device!r}: elflow runs on cpu or cuda")
+    return str(dev)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# output paths
+
+
+def _probe_writable(folder: Path) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=".elflow-probe-", dir=folder)
+    os.close(fd)
+    os.unlink(tmp)
+
+
+def check_output(path: str | os.PathLike, overwrite: bool = False, flag: str = "--out",
+                 folder: bool = False) -> Path:
+    """Refuse an output path before any work is done: an existing file (unless `overwrite`), a folder where a
+    file is wanted (or the reverse), a path under a regular file, a place that cannot be written.
+    A folder output may exist; what may be replaced inside it is the command's decision."""
+    path = Path(path).expanduser()
+    if path.exists():
+        if folder and not path.is_dir():
+            raise ELFError(f"{flag} {path} is a file, not a folder; choose another {flag}")
+        if not folder:
+            if path.is_dir():
+                raise ELFError(f"{flag} {path} is a folder; pass a file name")
+            if not overwrite:
+                raise ELFError(f"{flag} {path} already exists; pass --overwrite to replace it, or choose another "
+                               f"{flag}")
+    base = path if folder and path.is_dir() else path.parent
+    while not base.exists() and base != base.parent:
+        base = base.parent
+    if not base.is_dir():
+        raise ELFError(f"{flag} {path} lies under {base}, which is a file, not a folder; choose another {flag}")
+    try:
+        _probe_writable(base)
+    except OSError as e:
+        raise ELFError(f"{flag} {path}: cannot write in {base} ({e.strerror or e}); choose a writable place") from None
+    return path
+
+
+def no_space_error(e: OSError) -> bool:
+    return e.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# a folder's lock
+
+
+class FolderLock:
+    """An exclusive hold on a folder: `.lock`, created with O_EXCL, holding pid, host and command.
+
+    A lock whose process no longer runs on this host (a killed command) is stale and taken over."""
+
+    NAME = ".lock"
+
+    def __init__(self, folder: str | os.PathLike, command: str):
+        self.path = Path(folder) / self.NAME
+        self.info = {"pid": os.getpid(), "host": socket.gethostname(), "command": command, "time": time.time()}
+        self.held = False
+
+    def _holder(self) -> dict | None:
+        try:
+            info = json.loads(self.path.read_text())
+            return info if isinstance(info, dict) and isinstance(info.get("pid"), int) else None
+        except (OSError, ValueError):
+            return None
+
+    def _stale(self, holder: dict | None) -> bool:
+        if holder is None:  # empty or garbled: a holder killed while writing it, unless it is being written now
+            try:
+                return time.time() - self.path.stat().st_mtime > 10
+            except FileNotFoundError:
+                return True
+        if holder.get("host") != self.info["host"]:
+            return False  # another machine's process: cannot be checked from here
+        pid = holder["pid"]
+        if pid == os.getpid():
+            return True  # this process's own leftover
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
+
+    def acquire(self) -> "FolderLock":
+        for _ in range(3):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                holder = self._holder()
+                if self._stale(holder):
+                    try:
+                        os.unlink(self.path)
+                    except FileNotFoundError:
+                        pass
+                    continue
+                who = (f"pid {holder['pid']} on {holder.get('host')}: {holder.get('command', '?')}" if holder
+                       else "a process that is starting")
+                raise ELFError(f"{self.path.parent} is in use by another elflow command ({who}); wait for it to "
+                               f"finish, or, if it no longer runs, delete {self.path}") from None
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(self.info) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            self.held = True
+            return self
+        raise ELFError(f"cannot take the lock {self.path}: other commands keep taking it")
+
+    def release(self) -> None:
+        if self.held:
+            holder = self._holder()
+            if holder is not None and holder.get("pid") == self.info["pid"]:
+                try:
+                    os.unlink(self.path)
+                except FileNotFoundError:
+                    pass
+            self.held = False
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the Hugging Face Hub
+
+
+def hub_offline() -> bool:
+    """Whether HF_HUB_OFFLINE asks for the local cache only."""
+    return os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0", "false", "False")
+
+
+@functools.lru_cache(maxsize=None)
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """One cheap connection test per process, so that a machine without a network fails at once instead of
+    after the hub clients' retries (about 50 s)."""
+    from urllib.parse import urlparse
+
+    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return True  # the proxy decides; let the client try
+    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def hub_local_only(local: bool = False) -> bool:
+    """`local_files_only` for a from_pretrained call: a local folder, HF_HUB_OFFLINE, or no network."""
+    return local or hub_offline() or not hub_reachable()
+
+
+def hub_unavailable_reason() -> str | None:
+    """Why the hub cannot be asked (None when it can)."""
+    if hub_offline():
+        return "HF_HUB_OFFLINE is set"
+    if not hub_reachable():
+        return ("no network: the Hugging Face Hub cannot be reached from here (set HF_HUB_OFFLINE=1 to use the "
+                "local cache without this check)")
+    return None
