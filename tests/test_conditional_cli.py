@@ -139,3 +139,85 @@ def test_known_positions_are_encoded_from_known_tokens_only(uncond_run):
     alone = space.encode(ids[:1, :n])[0]
     torch.testing.assert_close(known[0, :n], alone, atol=1e-5, rtol=1e-5)
     assert torch.all(known[:, n:] == 0)
+
+
+@pytest.fixture(scope="module")
+def cond_run(tmp_path_factory, tiny_t5_dir):
+    """A tiny conditional model trained from the command line on a .jsonl of {input, output} pairs."""
+    root = tmp_path_factory.mktemp("cond")
+    pairs = root / "pairs.jsonl"
+    rows = [{"input": f"{a} {b}", "output": f"{b} {a}"} for a in ("king", "love", "night", "lord", "heart")
+            for b in ("sweet", "good", "old", "great", "little", "long")]
+    pairs.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = root / "run"
+    assert main(["train", "--preset", "tiny", "--space", f"t5:{tiny_t5_dir}", "--data", str(pairs),
+                 "--source-length", "6", "--length", "16", "--batch", "4", "--steps", "3", "--warmup", "1",
+                 "--dtype", "fp32", "--ckpt-every", "3", "--out", str(run), "--cache-dir", str(root / "cache"),
+                 "--quiet"]) == 0
+    return run, pairs
+
+
+def test_a_model_trained_on_pairs_is_conditional_and_samples_from_sources(cond_run, tmp_path):
+    run, pairs = cond_run
+    loaded = load(run)
+    assert loaded.conditional and loaded.settings["source_length"] == 6 and loaded.settings["length"] == 16
+    assert loaded.settings["sampling"]["guidance"] == 2.0
+    state = json.loads((run / "run.json").read_text())["train"]
+    assert state["source_length"] == 6 and state["source_field"] == "input"
+    out = tmp_path / "s.jsonl"
+    assert main(["sample", str(run), "--source", str(pairs), "--steps", "2", "--quiet", "--out", str(out)]) == 0
+    recs = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len(recs) == 30 and recs[0]["source"] == "king sweet" and recs[0]["reference"] == "sweet king"
+    report = tmp_path / "bleu.json"
+    assert main(["eval", "--task", str(pairs), "--checkpoint", str(run), "--steps", "2", "--num", "5",
+                 "--out", str(tmp_path / "ev"), "--report", str(report), "--json"]) == 0
+    assert json.loads(report.read_text())["num_examples"] == 5
+
+
+def test_a_dropped_rows_target_encodings_ignore_its_source(tiny_t5_dir):
+    from elflow.data import encoder_mask, pair_layout
+    from elflow.encoders import build_space
+
+    space = build_space({"kind": "t5", "name": str(tiny_t5_dir), "latent_std": 0.5})
+    tgt = space.tokenize(["sweet night"], eos=False)
+    srcs = [space.tokenize([s], eos=False)[0] for s in ("the king of love", "good heart")]
+    lays = [pair_layout([s], tgt, 16, 8, space.pad_id) for s in srcs]
+    drop = torch.tensor([True])
+    xs = [space.encode(l["ids"], encoder_mask(l["source_mask"], l["valid"], drop))[0] for l in lays]
+    kept = [space.encode(l["ids"], l["encoder_mask"])[0] for l in lays]
+    n0, n1 = (int(l["source_mask"].sum()) for l in lays)
+    t = len(tgt[0])
+    # dropped: the target's encodings are the same whatever the source says
+    torch.testing.assert_close(xs[0][n0:n0 + t], xs[1][n1:n1 + t], atol=1e-5, rtol=1e-5)
+    # kept: they depend on it
+    assert not torch.allclose(kept[0][n0:n0 + t], kept[1][n1:n1 + t], atol=1e-4)
+
+
+def test_shuffled_line_pairs_keep_the_words_and_hold_out_every_nth_line():
+    from elflow.data import shuffled_line_pairs
+
+    docs = ["one two three four\nshort\n" + "\n".join(f"w{i} a b c d" for i in range(9))]
+    train, held = shuffled_line_pairs(docs, min_words=4, max_words=6, every=5, seed=3)
+    assert len(train) + len(held) == 10 and len(held) == 2  # "short" is left out
+    for src, tgt in train + held:
+        assert sorted(src.split()) == sorted(tgt.split())
+    assert held[0][1] == "w3 a b c d"  # the 5th kept line
+    assert shuffled_line_pairs(docs, 4, 6, 5, seed=3) == (train, held)
+    assert any(s != t for s, t in train)
+
+
+def test_conditional_report_scores_copy_dropped_and_guided(cond_run):
+    from elflow.evaluate import bleu
+    from elflow.quickstart import conditional_report
+
+    run, pairs = cond_run
+    held = [(r["input"], r["output"]) for r in map(json.loads, pairs.read_text().splitlines())][:4]
+    lines = []
+    out = conditional_report(run, held, num=4, steps=2, printer=lines.append)
+    names = [r["model"] for r in out["rows"]]
+    assert names == ["copy the source", "source dropped (guidance 0)", "guidance 1", "guidance 2"]
+    assert out["rows"][0]["bleu"] == pytest.approx(bleu([s for s, _ in held], [t for _, t in held]))
+    assert [r["guidance"] for r in out["rows"][1:]] == [0.0, 1.0, 2.0]
+    g2 = [json.loads(x) for x in (run / "samples_guidance2.jsonl").read_text().splitlines()]
+    assert out["rows"][3]["bleu"] == pytest.approx(bleu([r["text"] for r in g2], [t for _, t in held]))
+    assert any("guidance 2" in line for line in lines)

@@ -643,6 +643,23 @@ PAIR_TASKS = {
 }
 
 
+def shuffled_line_pairs(docs: list[str], min_words: int = 4, max_words: int = 14, every: int = 50,
+                        seed: int = 0) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """A conditional task made from plain text: each line of `min_words`..`max_words` words is a target, its
+    words in a random order (fixed by `seed` and the line's index) the source. Returns (train, held out):
+    every `every`-th line is held out."""
+    import random
+
+    lines = [" ".join(l.split()) for d in docs for l in d.splitlines()]
+    lines = [l for l in lines if min_words <= len(l.split()) <= max_words]
+    train, held = [], []
+    for i, line in enumerate(lines):
+        words = line.split()
+        random.Random(seed * 1_000_003 + i).shuffle(words)
+        (held if i % every == every - 1 else train).append((" ".join(words), line))
+    return train, held
+
+
 def pretokenized_pairs(rows, name: str = "data") -> tuple[list[list[int]], list[list[int]]]:
     """(sources, targets) ids from records of the authors' pre-tokenized sets: condition_input_ids = the
     source, input_ids = the target (both already without special tokens)."""
