@@ -12,7 +12,7 @@ def stats():
     return schedule_statistics(n=200_000, grids=2000, steps=32, seed=0)
 
 
-# explainer value, tolerance (several Monte-Carlo standard errors, plus the explainer's rounding)
+# expected value, tolerance (several Monte-Carlo standard errors, plus the rounding of the published value)
 @pytest.mark.parametrize("key,value,tol", [
     ("t_median", 0.18, 0.006), ("t_below_2_3", 0.997, 0.001), ("t_above_half", 0.03, 0.003),
     ("p_median", 0.69, 0.006), ("p_below_half", 0.16, 0.006), ("omega_median", 2.0, 0.02),

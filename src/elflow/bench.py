@@ -26,7 +26,6 @@ import json
 import resource
 import statistics
 import time
-from contextlib import nullcontext
 
 import torch
 import torch.nn as nn
@@ -34,7 +33,7 @@ import torch.nn.functional as F
 
 from elflow.model import ELF, PRESETS, ELFConfig, MixedPass, get_config
 from elflow.optim import NS_METHODS, method_for
-from elflow.utils import ELFError
+from elflow.utils import ELFError, autocast, default_device
 
 __all__ = ["add_arguments", "run", "bench", "pass_flops", "encoder_flops", "newton_schulz_flops",
            "train_step_flops", "matmul_peak", "StandInSpace", "reference_recipe_flops"]
@@ -213,10 +212,6 @@ def _peak_memory(device) -> tuple[int, str]:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process_max_rss"
 
 
-def _autocast(device, dtype: str):
-    return torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bf16" else nullcontext()
-
-
 def _timed(fn, device, warmup: int, iters: int) -> list[float]:
     for _ in range(warmup):
         fn()
@@ -287,7 +282,7 @@ def bench(mode: str, preset: str = "tiny", depth=None, hidden=None, heads=None, 
         raise ELFError(f"--ns-method must be one of {', '.join(NS_METHODS)}, got {ns_method!r}")
     if threads:
         torch.set_num_threads(threads)
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = torch.device(device or default_device())
     L = length or PRESETS[preset].max_length
     if L < 1:
         raise ELFError(f"--length must be >= 1, got {L}")
@@ -318,7 +313,7 @@ def bench(mode: str, preset: str = "tiny", depth=None, hidden=None, heads=None, 
 
         @torch.no_grad()
         def fn():
-            with _autocast(device, dtype):
+            with autocast(device, dtype):
                 model(z, t, w, x_prev)
         times = _timed(fn, device, warmup, iters)
         tokens = B * L
@@ -331,7 +326,7 @@ def bench(mode: str, preset: str = "tiny", depth=None, hidden=None, heads=None, 
         net.eval()
 
         def fn():
-            with _autocast(device, dtype):
+            with autocast(device, dtype):
                 generate_tokens(model, B, L, steps=steps,
                                 generator=g, device=device)
         times = _timed(fn, device, warmup, iters)

@@ -30,12 +30,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 def _load(name: str):
     module_name, _ = COMMANDS[name]
-    try:
-        return importlib.import_module(module_name)
-    except ModuleNotFoundError as e:  # a subcommand whose module is not written yet
-        if e.name == module_name:
-            return None
-        raise
+    return importlib.import_module(module_name)
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
@@ -50,9 +45,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
         parser.subcommands[name] = p
         if only is None or only == name:
-            module = _load(name)
-            if module is not None:
-                module.add_arguments(p)
+            _load(name).add_arguments(p)
     return parser
 
 
@@ -68,9 +61,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     module = _load(args.command)
-    if module is None:
-        print(f"elflow {args.command}: not yet available in this version.", file=sys.stderr)
-        return 2
     try:
         return int(module.run(args) or 0)
     except ELFError as e:

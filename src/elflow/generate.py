@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import sys
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
@@ -24,7 +23,7 @@ import torch
 from elflow.checkpoint import Loaded, few_step_defaults, load_for_sampling
 from elflow.data import encoder_mask, pair_layout
 from elflow.flow import check_sampling_args, decode_tokens, generate_tokens
-from elflow.utils import ELFError, atomic_write, check_device, check_output
+from elflow.utils import ELFError, atomic_write, autocast, check_device, check_output
 
 __all__ = ["SamplingSettings", "settings_for", "conditioning", "extract_targets", "generate", "write_samples",
            "add_sampling_arguments", "add_arguments", "run"]
@@ -136,12 +135,6 @@ def extract_targets(ids: torch.Tensor, source_len: torch.Tensor, keep: int, eos_
 # texts
 
 
-def _autocast(device, dtype: str):
-    if dtype == "bf16":
-        return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
-    return nullcontext()
-
-
 def _texts(space, ids: torch.Tensor, known_ids, known_mask, source_len, keep: int | None) -> list[str]:
     """Decoded texts: a conditional model's target; otherwise the whole row with the known tokens as given and
     the generated stretch between prompt and suffix cut at its first EOS."""
@@ -193,7 +186,7 @@ def generate(net, space, num: int, settings: SamplingSettings = SamplingSettings
             if b == 0 and trajectory and i in trajectory:
                 seen[i] = (float(t), x.clone())
 
-        with _autocast(device, settings.dtype):
+        with autocast(device, settings.dtype):
             ids, _ = generate_tokens(net, bs, length, settings.steps, settings.sampler, settings.gamma,
                                      settings.omega, settings.grid, settings.guidance, known, known_mask, g,
                                      device=device, callback=keep if trajectory else None)

@@ -29,7 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from elflow.model import Block, RMSNorm, rope_tables
-from elflow.utils import ELFError, atomic_write_json
+from elflow.utils import ELFError, atomic_write_json, default_device
 
 __all__ = ["JudgeConfig", "CausalJudge", "hf_config", "to_hf", "save_judge", "train_judge", "NOT_GPT2_NOTE"]
 
@@ -239,7 +239,7 @@ def train_judge(out: str | Path, cfg: JudgeConfig = JudgeConfig(), data: str = "
     from elflow.gpt2_tokenizer import build_gpt2_tokenizer
 
     t0 = time.time()
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = device or default_device()
     tokenizer = build_gpt2_tokenizer(cache_dir)
     if len(tokenizer) != cfg.vocab_size or tokenizer.eos_token_id != cfg.eos_id:
         raise ELFError(f"the tokenizer has {len(tokenizer)} tokens (EOS {tokenizer.eos_token_id}); the judge "

@@ -6,8 +6,8 @@
     both  weight decay 0, lr = 1e-3 * batch / 256, linear warm-up then constant
 
 The update is torch.optim.Muon's. Its Newton-Schulz step runs in bf16 on GPUs (as torch's does) and in fp32
-on CPUs without native bf16 matrix units (AVX2, most AVX-512), where bf16 matmuls run 20-50x slower than
-fp32 (benchmarks/RESULTS.md); `ns_precision` selects it.
+on CPUs without native bf16 matrix units, where bf16 matmuls are many times slower than fp32; `ns_precision`
+selects it.
 
 How the Newton-Schulz polynomial is evaluated (`ns_method`):
 
@@ -17,20 +17,16 @@ How the Newton-Schulz polynomial is evaluated (`ns_method`):
               X_k = h_k(G) X_0 with h_k a polynomial (h_0 = 1, h_{k+1}(l) = h_k(l) p(h_k(l)^2 l), p(q) = a + b q
               + c q^2), so X_5 = V h_5(diag l) V^T X_0 with G = V diag(l) V^T: one Gram product, one symmetric
               eigendecomposition, two products; 4 m^2 n + 2 m^3 FLOPs plus the eigendecomposition (~9 m^3).
-              Exact in float64. In fp32 it squares the condition number (it diagonalises X X^T): against a
-              float64 SVD evaluation it is 3e-4..8e-4 off on gradient-like matrices of ELF-B's shapes and up
-              to 3e-3 on matrices whose singular values span 1e-6..1, where fp32 `iterate` is 5e-6..5e-5 off
-              and torch's bf16 `iterate` (the GPU default) 1.2-1.6% (up to 50% on the ill-conditioned ones)
-              (benchmarks/muon_accuracy.py, tests/test_optim.py). 2-4x faster than fp32 `iterate` on a
-              CPU for ELF's matrices (the 512 x 32,100 readout: 170 -> 38 GFLOP). Not used on GPUs, where
-              bf16 `iterate` is fast and eigendecompositions are not.
+              Exact in float64; in fp32 it squares the condition number, so it is less exact than the fp32
+              iteration and far more exact than torch's bf16 one (figures in benchmarks/RESULTS.md). Not used on
+              GPUs, where bf16 `iterate` is fast and eigendecompositions are not.
     by-shape  per matrix, spectral where it pays on a CPU and iterate elsewhere: spectral iff the smaller side
-              k >= 384 or the larger side n >= max(2k, 512) (the crossover measured on a 2-core Zen 3,
-              benchmarks/RESULTS.md; small square matrices iterate faster than `eigh` runs).
+              k >= 384 or the larger side n >= max(2k, 512) (the measured crossover; small square matrices
+              iterate faster than `eigh` runs).
     auto      by-shape when Newton-Schulz runs in fp32 on a CPU, iterate otherwise.
 
 `adam_heads=True` moves the output heads and the input/scalar embedders to Adam (the usual Muon practice,
-and far cheaper on a CPU: Newton-Schulz on the 512 x 32,100 readout alone is ~170 GFLOP per step).
+and far cheaper on a CPU, where Newton-Schulz on the 512 x 32,100 readout dominates a step).
 """
 
 from __future__ import annotations
@@ -134,8 +130,8 @@ def ns_precision(dtype: torch.dtype | None, method: str = "iterate"):
     """Inside the block, torch.optim.Muon runs its Newton-Schulz step in `dtype` (None: torch's bf16),
     evaluated by `method` (iterate, spectral or by-shape; see the module docstring).
 
-    NOTE to contributors (the lead's decision): the Muon update is torch.optim.Muon's own, unmodified;
-    only how its Newton-Schulz polynomial is evaluated is chosen here. Do not re-implement Muon's step.
+    The Muon update stays torch.optim.Muon's own; only how its Newton-Schulz polynomial is evaluated is
+    chosen here.
     """
     original = getattr(_muon_impl, "_zeropower_via_newtonschulz", None)
     torchs_own = dtype in (None, torch.bfloat16) and method == "iterate"

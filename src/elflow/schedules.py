@@ -71,7 +71,7 @@ def time_grid(steps: int, kind: str = "logit_normal", generator: torch.Generator
 
 
 def schedule_statistics(n: int = 200_000, grids: int = 2000, steps: int = 32, seed: int = 0) -> dict:
-    """Monte-Carlo statistics of the schedules, to compare with the explainer's numbers."""
+    """Monte-Carlo statistics of the schedules, to compare with the values the method's description gives."""
     g = torch.Generator().manual_seed(seed)
     t = sample_time(n, g)
     p = sample_decode_level((n,), g)
@@ -91,7 +91,7 @@ def schedule_statistics(n: int = 200_000, grids: int = 2000, steps: int = 32, se
     }
 
 
-EXPLAINER = {
+EXPECTED = {  # what the method's description says of these schedules
     "t_median": 0.18, "t_below_2_3": 0.997, "t_above_half": 0.03, "p_median": 0.69, "p_below_half": 0.16,
     "omega_median": 2.0, "omega_below_1": 0.21, "grid32_top_mean": 0.53,
 }
@@ -146,9 +146,9 @@ def run(args) -> int:
         raise ELFError(f"--samples must be at least 2 (medians and shares need draws), got {args.samples}")
     check_output(args.out, args.overwrite)
     stats = schedule_statistics(n=args.samples, seed=args.seed)
-    print(f"{'statistic':<22}{'measured':>10}{'explainer':>11}")
+    print(f"{'statistic':<22}{'measured':>10}{'expected':>11}")
     for k, v in stats.items():
-        ref = EXPLAINER.get(k)
+        ref = EXPECTED.get(k)
         print(f"{k:<22}{v:>10.3f}{'' if ref is None else f'{ref:>11.3f}'}")
     plot_schedules(args.out, seed=args.seed)
     print(f"wrote {args.out}")

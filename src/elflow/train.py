@@ -27,8 +27,8 @@ from elflow.data import PAIR_TASKS, encoder_mask
 from elflow.flow import TIME_BINS, Recipe, draw_training_noise, elf_loss, time_bin, time_bin_labels
 from elflow.model import ELF, PRESETS, MixedPass, get_config
 from elflow.optim import EMA, NS_METHODS, ELFOptimizer, base_lr, lr_at
-from elflow.utils import (ELFError, FolderLock, atomic_write, atomic_write_json, check_device, check_output,
-                          no_space_error, resolve_dtype)
+from elflow.utils import (ELFError, FolderLock, atomic_write, atomic_write_json, autocast, check_device,
+                          check_output, no_space_error, resolve_dtype)
 
 __all__ = ["TrainConfig", "RUN_PRESETS", "Objective", "train", "train_step", "shard_generators", "load_init_weights",
            "add_arguments", "run", "config_from_args"]
@@ -246,12 +246,6 @@ def shard_generators(seed: int, step: int, shard: int, device) -> tuple[torch.Ge
     return g, c
 
 
-def autocast_ctx(device: torch.device, dtype: str):
-    if resolve_dtype(dtype, device) == "bf16":
-        return torch.autocast(device.type, dtype=torch.bfloat16)
-    return nullcontext()
-
-
 @dataclass(frozen=True)
 class Objective:
     """What a training step minimises. `draw(shape, recipe, generator=, cpu_generator=, device=, conditional=)`
@@ -319,7 +313,7 @@ def train_step(model, space, shards: list[dict], recipe: Recipe, optimizer: ELFO
             attention = encoder_mask(known, valid, draw.drop_source)
         sync = a == len(shards) - 1 or not hasattr(model, "no_sync")
         with (nullcontext() if sync else model.no_sync()):
-            with autocast_ctx(device, dtype):
+            with autocast(device, dtype):
                 with nullcontext() if space.trainable else torch.no_grad():
                     x = space.encode(tokens, attention)
                 loss, rows = objective.loss(net, x.float(), tokens, draw, recipe, valid=mask, known=known,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 
 __all__ = ["ELFError", "atomic_write", "atomic_write_text", "atomic_write_json", "default_device", "sha256_file",
-           "cache_root", "cpu_flags", "fast_bf16", "resolve_dtype", "check_device", "check_output", "FolderLock",
+           "cache_root", "cpu_flags", "fast_bf16", "resolve_dtype", "autocast", "check_device", "check_output", "FolderLock",
            "sample_categorical"]
 
 
@@ -127,6 +127,18 @@ def fast_bf16(device) -> bool:
 def resolve_dtype(dtype: str, device) -> str:
     """"auto" -> bf16 on GPUs and CPUs with native bf16 matmuls (AMX, AVX512-BF16), fp32 elsewhere."""
     return ("bf16" if fast_bf16(device) else "fp32") if dtype == "auto" else dtype
+
+
+def autocast(device, dtype: str):
+    """A bf16 autocast context when `dtype` is (or "auto" resolves to) bf16 on `device`, else no context."""
+    import contextlib
+
+    import torch
+
+    device = torch.device(device)
+    if resolve_dtype(dtype, device) == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 def check_device(device: str | None, flag: str = "--device") -> str | None:
