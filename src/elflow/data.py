@@ -700,15 +700,16 @@ def build_pairs(source, space, source_length: int = 64, length: int = 128, val_f
     position, the padding included (that is how the model learns where a target ends).
 
     source: a .jsonl file of {source_field, target_field} records, a named task ("wmt14-de-en", "xsum")
-    or a hub dataset name read with the same fields; a folder saved with `datasets.save_to_disk`, or a hub
-    name, holding the pre-tokenized columns condition_input_ids / input_ids is used as it is."""
+    or a hub dataset name read with the same fields. In T5-small's space, a folder saved with
+    `datasets.save_to_disk` or a hub set holding the authors' pre-tokenized columns (condition_input_ids /
+    input_ids) is used as it is, and a named task reads the authors' pre-tokenized copy."""
     _check_on_bad(on_bad)
     if not 0 < source_length < length:
         raise ELFError(f"the source length {source_length} must be between 1 and the sequence length "
                        f"{length} - 1, so that a target fits")
 
     def make():
-        rows = _pretokenized_rows(source, split)
+        rows = _pretokenized_rows(source, split) if _is_t5_small(space) else None
         if rows is not None:
             src_ids, tgt_ids = pretokenized_pairs(rows, str(source))
         else:
@@ -724,6 +725,11 @@ def build_pairs(source, space, source_length: int = 64, length: int = 128, val_f
     extra = {"source_length": source_length, "fields": [source_field, target_field], "on_bad": on_bad,
              "split": split, "max_documents": max_documents}
     return _build("pairs", source, space, length, extra, make, val_fraction, seed, cache_dir, use_cache)
+
+
+def _is_t5_small(space) -> bool:
+    """The authors' pre-tokenized sets hold T5-small ids: usable only in a space with that tokenizer."""
+    return str(getattr(space, "name", "")).split("/")[-1] == "t5-small"
 
 
 def _pretokenized_rows(source, split: str):
