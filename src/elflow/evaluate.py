@@ -23,17 +23,15 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Iterable, Sequence
-from urllib.parse import urlparse
 
 import torch
 import torch.nn.functional as F
 
-from elflow.utils import ELFError, atomic_write_json, check_device, check_output
+from elflow.utils import ELFError, atomic_write_json, check_device, check_output, hub_reachable
 
 __all__ = [
     "PROTOCOLS",
@@ -176,18 +174,6 @@ def mean_and_stderr(values: Sequence[float]) -> tuple[float, float | None]:
 # the judge
 
 
-def _hub_reachable(timeout: float = 3.0) -> bool:
-    """A cheap check before transformers' own retries (which take about 30 s to give up)."""
-    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
-        return True  # the proxy decides; let transformers try
-    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
-    try:
-        socket.create_connection((host, 443), timeout=timeout).close()
-        return True
-    except OSError:
-        return False
-
-
 def load_judge(path_or_id: str | os.PathLike, dtype: str = "fp32", device: str | torch.device | None = None):
     """A causal LM and its tokenizer from a local folder or a hub id (never with remote code).
 
@@ -227,7 +213,7 @@ def load_judge(path_or_id: str | os.PathLike, dtype: str = "fp32", device: str |
             model, tokenizer = load(local_only=True)
         except (OSError, ValueError):
             offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0", "false", "False")
-            if offline or not _hub_reachable():
+            if offline or not hub_reachable():
                 raise ELFError(f"cannot load judge {name!r}: the Hugging Face hub is not reachable"
                                f"{' (HF_HUB_OFFLINE is set)' if offline else ''}. {hint}") from None
             try:
