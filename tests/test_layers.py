@@ -17,9 +17,9 @@ LAYERS = [
     ["data", "methods"],
     ["encoders"],
     ["checkpoint"],
-    ["train", "generate", "diagnostics", "toy", "judge"],
+    ["train", "generate", "diagnostics", "judge"],
     ["distill", "evaluate", "bench"],
-    ["sweep", "compare"],
+    ["sweep", "compare", "toy"],
     ["quickstart"],
     ["cli", "__init__"],
 ]

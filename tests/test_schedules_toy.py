@@ -73,3 +73,20 @@ def test_posterior_mean_is_exact_against_monte_carlo():
     w = torch.exp(-((z.double() - 0.4 * xs) ** 2).sum(-1) / (2 * var))
     mc = (w[:, None] * xs).sum(0) / w.sum()
     assert torch.allclose(mix.posterior_mean(z, t)[0].double(), mc, atol=5e-3)
+
+
+def test_toy_distillation_students_reach_clusters_in_one_step_where_the_teacher_cannot():
+    """A small trained teacher at N = 1 lands on the data mean (nothing inside a cluster); its distilled
+    one-step student lands inside clusters, as the teacher's own 16-step path does."""
+    from elflow.toy import distill_toy, ring_mixture, run_toy, train_toy_teacher
+
+    mix = ring_mixture()
+    teacher = train_toy_teacher(mix, steps=600, batch=512, seed=0)
+    students = distill_toy(teacher, mix, student_steps=(4, 2, 1), steps=300, batch=512, seed=0)
+    n = 100
+    at_one = run_toy(mix, (1,), n, seed=1, denoiser=teacher)[1]
+    assert at_one["inside"] == 0
+    assert at_one["final"].norm(dim=-1).max() < 1.0  # near the mean (the origin), the ring has radius 1.9
+    one_step = run_toy(mix, (1,), n, seed=1, denoiser=students[1])[1]
+    sixteen = run_toy(mix, (16,), n, seed=1, denoiser=teacher)[16]
+    assert one_step["inside"] >= 20 and one_step["inside"] >= sixteen["inside"] // 3

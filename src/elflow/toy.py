@@ -16,7 +16,8 @@ import torch
 from elflow.flow import sample
 from elflow.schedules import time_grid
 
-__all__ = ["GaussianMixture", "ring_mixture", "grid_mixture", "run_toy"]
+__all__ = ["GaussianMixture", "ring_mixture", "grid_mixture", "run_toy", "ToyNet", "train_toy_teacher", "distill_toy",
+           "distillation_table"]
 
 
 @dataclass
@@ -67,8 +68,10 @@ def grid_mixture(k: int = 4, spacing: float = 1.5, std: float = 0.1) -> Gaussian
 
 
 def run_toy(mixture: GaussianMixture, steps_list=(1, 2, 4, 8, 16), num: int = 44, seed: int = 0,
-            sampler: str = "ode", gamma: float = 0.0, grid: str = "uniform"):
-    """Sample with each step count from the same starting noise. Returns {N: dict(final, path, guesses)}."""
+            sampler: str = "ode", gamma: float = 0.0, grid: str = "uniform", denoiser=None):
+    """Sample with each step count from the same starting noise. Returns {N: dict(final, path, guesses)}.
+    `denoiser(z, t, omega, x_prev) -> x` defaults to the mixture's exact posterior mean."""
+    denoiser = denoiser or (lambda z_, t_, w_, x_prev: mixture.posterior_mean(z_, t_))
     g = torch.Generator().manual_seed(seed)
     z0 = mixture.noise_scale * torch.randn(num, 1, 2, generator=g)
     out = {}
@@ -80,12 +83,113 @@ def run_toy(mixture: GaussianMixture, steps_list=(1, 2, 4, 8, 16), num: int = 44
             path.append(z[:, 0].clone())
             guesses.append(x_pred[:, 0].clone())
 
-        z, _ = sample(lambda z_, t_, w_, x_prev: mixture.posterior_mean(z_, t_), z0.clone(), times,
+        z, _ = sample(denoiser, z0.clone(), times,
                       sampler=sampler, gamma=gamma, noise_scale=mixture.noise_scale,
                       generator=torch.Generator().manual_seed(seed + 2), callback=record)
         out[n] = {"final": z[:, 0], "path": torch.stack(path), "guesses": torch.stack(guesses),
                   "inside": int(mixture.inside(z[:, 0]).sum())}
     return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# a trained teacher and its progressively distilled students
+
+
+class ToyNet(torch.nn.Module):
+    """An x-predictor for 2-D points: (z (B, 1, 2), t (B,)) -> x (B, 1, 2), an MLP on z and Fourier features
+    of t. Called as the samplers and `distill.pd_target` call a network: net(z, t, omega, x_prev), the last
+    two ignored."""
+
+    def __init__(self, width: int = 256, depth: int = 3, freqs: int = 8):
+        super().__init__()
+        self.register_buffer("k", torch.arange(1, freqs + 1, dtype=torch.float32) * math.pi, persistent=False)
+        layers, size = [], 2 + 1 + 2 * freqs
+        for _ in range(depth):
+            layers += [torch.nn.Linear(size, width), torch.nn.SiLU()]
+            size = width
+        self.mlp = torch.nn.Sequential(*layers, torch.nn.Linear(size, 2))
+
+    def forward(self, z, t, omega=None, x_prev=None):
+        t = t.reshape(-1, 1).to(z.dtype)
+        feats = torch.cat([z.reshape(-1, 2), t, torch.sin(t * self.k), torch.cos(t * self.k)], dim=-1)
+        return self.mlp(feats).reshape(z.shape)
+
+
+def _fit(net, loss_fn, steps: int, lr: float, seed: int) -> list[float]:
+    """Adam with a cosine decay; returns the loss every 10% of the way."""
+    opt = torch.optim.Adam(net.parameters(), lr=lr)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps)
+    g = torch.Generator().manual_seed(seed)
+    trace = []
+    for i in range(steps):
+        loss = loss_fn(g)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+        if (i + 1) % max(steps // 10, 1) == 0:
+            trace.append(loss.item())
+    return trace
+
+
+def train_toy_teacher(mixture: GaussianMixture, steps: int = 3000, batch: int = 1024, lr: float = 2e-3,
+                      seed: int = 0, t_eps: float = 0.05) -> ToyNet:
+    """An x-predictor trained by flow matching on the mixture (uniform t, the v-space loss of ELF)."""
+    torch.manual_seed(seed)
+    net = ToyNet()
+
+    def loss_fn(g):
+        x = mixture.sample(batch, g)[:, None]
+        t = torch.rand(batch, generator=g)
+        tt = t[:, None, None]
+        z = tt * x + (1 - tt) * mixture.noise_scale * torch.randn(x.shape, generator=g)
+        return (((net(z, t) - x) / (1 - tt).clamp_min(t_eps)) ** 2).mean()
+
+    _fit(net, loss_fn, steps, lr, seed)
+    return net.eval().requires_grad_(False)
+
+
+def distill_toy(teacher: ToyNet, mixture: GaussianMixture, student_steps=(4, 2, 1), teacher_steps: int = 16,
+                steps: int = 1500, batch: int = 1024, lr: float = 1e-3, seed: int = 0) -> dict[int, ToyNet]:
+    """Progressive distillation of the toy teacher, as `elflow distill` runs it: round 1's student copies the
+    teacher, each later round starts from the previous student; the frozen teacher's `teacher_steps`-step
+    Euler path over [t_s, t_s + 1/N] gives the x-space target (`distill.pd_target`)."""
+    import copy
+
+    from elflow.distill import pd_target
+
+    students, current = {}, teacher
+    for n in student_steps:
+        s = 1.0 / n
+        student = copy.deepcopy(current).train().requires_grad_(True)
+
+        def loss_fn(g, student=student, s=s, n=n):
+            x = mixture.sample(batch, g)[:, None]
+            t_s = torch.rand(batch, generator=g) * (1 - s)
+            tt = t_s[:, None, None]
+            z = tt * x + (1 - tt) * mixture.noise_scale * torch.randn(x.shape, generator=g)
+            with torch.no_grad():
+                target = pd_target(teacher, z, t_s, t_s + s, torch.ones(batch), torch.zeros_like(z), x,
+                                   torch.zeros(batch, 1, dtype=torch.bool), teacher_steps // n)
+            return ((student(z, t_s) - target) ** 2).mean()
+
+        _fit(student, loss_fn, steps, lr, seed + n)
+        current = students[n] = student.eval().requires_grad_(False)
+    return students
+
+
+def distillation_table(mixture: GaussianMixture, num: int = 200, seed: int = 0, teacher_train_steps: int = 3000,
+                       distill_train_steps: int = 1500) -> list[dict]:
+    """Samples inside a cluster, of `num`, at N = 1, 2, 4 (and 16) steps: the exact denoiser, the trained
+    teacher, and each student at its own step count. ODE, uniform grid, the same starting noise."""
+    teacher = train_toy_teacher(mixture, teacher_train_steps, seed=seed)
+    students = distill_toy(teacher, mixture, steps=distill_train_steps, seed=seed)
+    rows = []
+    for name, denoiser, ns in (("exact denoiser", None, (1, 2, 4, 16)), ("trained teacher", teacher, (1, 2, 4, 16)),
+                               *((f"student ({n} steps)", students[n], (n,)) for n in (4, 2, 1))):
+        res = run_toy(mixture, ns, num, seed, denoiser=denoiser)
+        rows.append({"model": name, **{f"N={n}": r["inside"] for n, r in res.items()}, "results": res})
+    return rows
 
 
 def plot_toy(mixture: GaussianMixture, results: dict, path) -> None:
@@ -109,7 +213,7 @@ def plot_toy(mixture: GaussianMixture, results: dict, path) -> None:
         ax.scatter(g[:, 0], g[:, 1], s=6, c="tab:orange", alpha=0.5, label="guesses")
         ax.scatter(r["final"][:, 0], r["final"][:, 1], s=10, c="tab:red", label="samples")
         ax.plot(*mixture.mean.tolist(), "k+", ms=12, mew=2)
-        ax.set_title(f"N = {n}: {r['inside']}/{len(r['final'])} inside")
+        ax.set_title(f"{n if isinstance(n, str) else f'N = {n}'}: {r['inside']}/{len(r['final'])} inside")
         ax.set_aspect("equal")
         ax.set_xlim(-3.2, 3.2)
         ax.set_ylim(-3.2, 3.2)
@@ -128,6 +232,9 @@ def add_arguments(p) -> None:
     p.add_argument("--sampler", choices=["ode", "sde", "vc"], default="ode")
     p.add_argument("--gamma", type=float, default=1.5, help="SDE back-off scale (sde/vc only)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--distill", action="store_true",
+                   help="also train a small network on the mixture as a teacher, distil it progressively to 4, 2 and "
+                        "1 steps (teacher path: 16 Euler steps), and add their rows (about 3 CPU-minutes)")
     p.add_argument("--out", default="toy.png", help="where to write the PNG")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
 
@@ -146,6 +253,14 @@ def run(args) -> int:
     print(f"{'N':>4}  inside a cluster (of {args.num})")
     for n, r in res.items():
         print(f"{n:>4}  {r['inside']:>4}  {'#' * round(40 * r['inside'] / args.num)}")
+    if args.distill:
+        rows = distillation_table(mix, args.num, args.seed)
+        cols = ["N=1", "N=2", "N=4", "N=16"]
+        print(f"\n{'model':<22}" + "".join(f"{c:>7}" for c in cols) + f"   inside a cluster (of {args.num}), ODE")
+        for r in rows:
+            print(f"{r['model']:<22}" + "".join(f"{r.get(c, ''):>7}" for c in cols))
+        res = {**res, **{f"student {n}": r["results"][n] for r, n in zip(rows[2:], (4, 2, 1))},
+               "teacher 1": rows[1]["results"][1]}
     plot_toy(mix, res, args.out)
     print(f"wrote {args.out}")
     return 0
