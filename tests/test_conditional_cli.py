@@ -221,3 +221,22 @@ def test_conditional_report_scores_copy_dropped_and_guided(cond_run):
     g2 = [json.loads(x) for x in (run / "samples_guidance2.jsonl").read_text().splitlines()]
     assert out["rows"][3]["bleu"] == pytest.approx(bleu([r["text"] for r in g2], [t for _, t in held]))
     assert any("guidance 2" in line for line in lines)
+
+
+def test_a_released_distilled_model_samples_with_the_few_step_defaults(tmp_path, tiny_t5_dir):
+    folder = tmp_path / "ELF-B-PD-owt-torch"
+    folder.mkdir()
+    torch.manual_seed(0)
+    net = ELF(get_config("tiny", dim=32, vocab_size=300, max_length=16))
+    theirs = elflow_to_official(net.state_dict())
+    torch.save({"params": theirs, "ema_params1": theirs, "step": 1}, folder / "checkpoint_1")
+    (folder / "config.json").write_text(json.dumps({"max_length": 16}))
+    for steps, (gamma, omega) in ((None, (1.5, 2.5)), (1, (1.5, 2.5)), (4, (1.5, 2.5)), (16, (2.0, 2.0)),
+                                  (32, (2.0, 2.0))):
+        out = tmp_path / f"s{steps}.jsonl"
+        extra = [] if steps is None else ["--steps", str(steps)]
+        assert main(["sample", str(folder), "--encoder", str(tiny_t5_dir), "--num", "1", "--quiet",
+                     "--out", str(out), *extra]) == 0
+        rec = json.loads(out.read_text())
+        assert (rec["sampler"], rec["gamma"], rec["omega"]) == ("sde", gamma, omega)
+        assert rec["steps"] == (steps or 8)
