@@ -417,3 +417,17 @@ def test_a_distillation_killed_with_sigkill_resumes_bit_identically(teacher_run,
         distill.distill(teacher, out, cache_dir=cache, resume=True, stop_after=6 - done, **settings)
     for a, b in zip(_files(out / "round-2", 6), _files(full / "round-2", 6)):
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_distillation_report_puts_teacher_and_students_side_by_side(full_distillation, teacher_run):
+    from elflow.quickstart import distillation_report
+
+    out, rounds = full_distillation
+    teacher, cache = teacher_run
+    lines = []
+    rep = distillation_report(teacher, rounds, num=2, cache_dir=cache, printer=lines.append)
+    got = [(r["model"], r["steps"]) for r in rep["rows"]]
+    assert got == [("teacher", 1), ("teacher", 2), ("teacher", 4), ("student (2 steps)", 2), ("student (1 steps)", 1)]
+    assert all(r["sampler"] == "sde" and r["gamma"] == 1.5 and r["omega"] == 2.5 for r in rep["rows"])
+    assert all(0 <= r["decode_accuracy"] <= 1 and 0 <= r["corpus_word_share"] <= 1 for r in rep["rows"])
+    assert (out / "report.json").exists() and any("held-out text" in line for line in lines)

@@ -67,7 +67,7 @@ def settings_for(loaded: Loaded, **given) -> SamplingSettings:
     steps = given.get("steps") or stored.get("steps")
     if loaded.settings.get("distilled_steps") or loaded.settings.get("distilled"):
         n = steps or loaded.settings.get("distilled_steps") or 8
-        stored = {**few_step_defaults(n), **stored, "steps": n}
+        stored = {**stored, **few_step_defaults(n)}  # the few-step settings depend on the step count alone
     names = {f.name for f in fields(SamplingSettings)}
     chosen = {k: v for k, v in stored.items() if k in names}
     chosen.update({k: v for k, v in given.items() if k in names and v is not None})

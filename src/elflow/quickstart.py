@@ -45,6 +45,10 @@ def add_arguments(p) -> None:
                         "lines (source = the words shuffled, target = the line), scored with BLEU on held-out "
                         "lines beside copying the source and the same model with its source dropped "
                         "(default --out runs/demo-cond)")
+    p.add_argument("--distill", action="store_true",
+                   help="distil the quickstart model in --out (train it first) from a 16-step teacher grid to 4, 2 "
+                        "and 1 steps into OUT-pd, and report teacher and students at 1, 2 and 4 steps")
+    p.add_argument("--distill-steps", type=int, default=100, help="optimiser steps per distillation round")
 
 
 def demo_config(args):
@@ -188,11 +192,87 @@ def run_conditional(args) -> int:
     return 0
 
 
+PD_STUDENTS, PD_TEACHER_STEPS = (4, 2, 1), 16
+
+
+@torch.no_grad()
+def distillation_report(teacher_dir, rounds: dict, num: int = 32, seed: int = 0, cache_dir=None,
+                        printer=print) -> dict:
+    """Teacher and students side by side on held-out figures: decode accuracy of each network, and the word
+    statistics of its samples at 1, 2 and 4 steps (students at their own step count) beside real text."""
+    from elflow.checkpoint import load_for_sampling
+    from elflow.data import build_dataset
+    from elflow.diagnostics import corpus_vocabulary, validation_report, word_stats
+    from elflow.generate import generate, settings_for
+
+    teacher_dir = Path(teacher_dir)
+    tc = json.loads((teacher_dir / "run.json").read_text())["train"]
+    teacher, space = load_for_sampling(teacher_dir, device="cpu")
+    length = tc["length"] or teacher.net.config.max_length
+    train_set, val_set = build_dataset(tc["data"], space, length, layout=tc["layout"], val_fraction=tc["val_fraction"],
+                                       seed=tc["seed"], cache_dir=cache_dir)
+    vocab = corpus_vocabulary(space.decode(train_set.tokens[: min(len(train_set), 4000)]))
+    models = [("teacher", teacher, (1, 2, 4))]
+    models += [(f"student ({n} steps)", load_for_sampling(rounds[n], device="cpu", space=space)[0], (n,))
+               for n in sorted(rounds, reverse=True)]
+    rows = []
+    for name, loaded, counts in models:
+        acc = validation_report(loaded.net, space, val_set, rows=64, seed=seed)["decode_accuracy"]["p=1.0"]
+        for n in counts:
+            settings = settings_for(loaded, steps=n, sampler="sde", seed=seed, batch_size=16,
+                                    **({} if loaded.settings.get("distilled_steps") else {"gamma": 1.5, "omega": 2.5}))
+            texts = [r["text"] for r in generate(loaded.net, space, num, settings, length, progress=False)]
+            rows.append({"model": name, "steps": n, "decode_accuracy": acc, **word_stats(texts, vocab),
+                         **settings.to_dict()})
+    real = word_stats(space.decode(val_set.tokens[:num]), vocab)
+    out = {"rows": rows, "real_text": real, "num": num}
+    atomic_write_json(Path(rounds[min(rounds)]).parent / "report.json", out)
+    printer(f"\n=== teacher and students (SDE gamma 1.5, omega 2.5; {num} samples each) ===")
+    printer(f"  {'model':<20}{'steps':>6}{'word entropy':>14}{'corpus words':>14}{'decode acc.':>13}")
+    for r in rows:
+        printer(f"  {r['model']:<20}{r['steps']:>6}{r['word_entropy']:>14.2f}{r['corpus_word_share']:>14.1%}"
+                f"{r['decode_accuracy']:>13.1%}")
+    printer(f"  {'held-out text':<20}{'':>6}{real['word_entropy']:>14.2f}{real['corpus_word_share']:>14.1%}")
+    return out
+
+
+def run_distill(args) -> int:
+    from elflow.distill import distill
+
+    teacher = Path(args.out)
+    if not (teacher / "run.json").exists():
+        raise ELFError(f"{teacher} holds no run to distil; run `elflow quickstart` first (or pass its --out)")
+    if args.distill_steps < 1:
+        raise ELFError(f"--distill-steps must be >= 1, got {args.distill_steps}")
+    out = teacher.parent / f"{teacher.name}-pd"
+    t0 = time.perf_counter()
+    if not args.report_only:
+        print(f"elflow quickstart --distill: {teacher} (16-step grid) -> 4, 2, 1 steps, {args.distill_steps} steps "
+              f"per round, in {out}", file=sys.stderr)
+        rounds = distill(teacher, out, student_steps=PD_STUDENTS, teacher_steps=PD_TEACHER_STEPS,
+                         steps_per_round=args.distill_steps, ema_decay=0.98, resume=args.resume,
+                         overwrite=args.overwrite, cache_dir=args.cache_dir, batch=args.batch, seed=args.seed,
+                         log_every=10, ckpt_every=max(args.distill_steps // 2, 1), keep=2)
+    else:
+        rounds = {n: out / f"round-{n}" for n in PD_STUDENTS}
+        missing = [str(p) for p in rounds.values() if not (p / "run.json").exists()]
+        if missing:
+            raise ELFError(f"no distilled rounds in {out} ({', '.join(missing)}); run without --report-only first")
+    train_s = time.perf_counter() - t0
+    distillation_report(teacher, rounds, max(args.num, 1), args.seed, args.cache_dir)
+    print(f"\ntotal time {train_s / 60:.1f} min distillation + report; figures: {out / 'report.json'}")
+    return 0
+
+
 def run(args) -> int:
     from elflow.train import train
 
+    if args.conditional and args.distill:
+        raise ELFError("--conditional and --distill are separate demonstrations; pass one")
     if args.conditional:
         return run_conditional(args)
+    if args.distill:
+        return run_distill(args)
     out = Path(args.out)
     if args.num < 1 or args.sample_steps < 1:
         raise ELFError("--num and --sample-steps must be >= 1")
