@@ -189,7 +189,7 @@ def compare(cfg, out, steps: int | None = None, minutes: float | None = None, nu
 
     info = {}
     for method in METHODS:
-        printer(f"training {method} ({'%d steps' % steps if steps is not None else '%g minutes' % minutes})")
+        printer(f"training {method} ({f'{steps} steps' if steps is not None else f'{minutes:g} min'})")
         summary = train(replace(cfg, method=method), out / method, overwrite=overwrite, quiet=quiet,
                         cache_dir=cache_dir, device=device, command=f"elflow compare ({method})",
                         time_limit=minutes * 60 if minutes is not None else None)
@@ -241,7 +241,7 @@ def format_table(rows: list[dict], info: dict, budget: dict | None = None) -> st
     lines.append("")
     if budget:
         lines.append("budget: " + (f"{budget['steps']} steps each" if "steps" in budget
-                                   else f"{budget['minutes']:g} minutes of training each"))
+                                   else f"{budget['minutes']:g} min of training each"))
     for name, m in info.items():
         lines.append(f"{name}: {m['params']:,} parameters (ELF's: {m['elf_params']:,}; depth {m['shape']['depth']}, "
                      f"width {m['shape']['hidden']}), {m['steps']} steps ({m['tokens']:,} tokens) in "
