@@ -32,7 +32,8 @@ from elflow.optim import EMA, ELFOptimizer, lr_at
 from elflow.utils import ELFError
 
 __all__ = ["METHOD_NAMES", "BASELINES", "MATCHES", "get_method", "fit_shape", "table_names", "make_optimizer",
-           "train_baseline", "heldout_loss", "sample_texts", "step_seed", "BaselineSampling", "sampling_settings"]
+           "trunk_params", "train_baseline", "heldout_loss", "sample_texts", "sample_records", "step_seed",
+           "BaselineSampling", "sampling_settings"]
 
 BASELINES = {"ar": ar, "mdlm": mdlm}
 METHOD_NAMES = ("elf", *BASELINES)
