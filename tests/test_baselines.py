@@ -1,5 +1,6 @@
 """The AR and MDLM baselines against hand computations: losses, float64 draws, samplers, sizes, training."""
 
+import json
 import math
 import re
 import types
@@ -270,22 +271,31 @@ def test_compare_trains_three_matched_methods_and_judges_them(tmp_path, tiny_t5_
     judge = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=320, n_positions=64,
                                        bos_token_id=1, eos_token_id=1)).eval()
     cfg = TrainConfig(preset="tiny", data=str(tiny_corpus_file), space=f"t5:{tiny_t5_dir}", length=16, batch=4,
-                      steps=3, warmup=1, ema_decay=0.9, log_every=1, ckpt_every=3, dtype="fp32", seed=1,
-                      sample_steps=4, sample_sampler="vc")
+                      warmup=1, ema_decay=0.9, log_every=1, ckpt_every=3, dtype="fp32", seed=1, sample_sampler="vc",
+                      match="trunk")
     lines = []
-    res = compare(cfg, tmp_path, num=4, judge=(judge, tok), elf_steps=(4,), ar_temperatures=(0.8, 1.0),
-                  mdlm_steps=(4,), match="trunk", cache_dir=tmp_path / "cache", printer=lines.append)
+    res = compare(cfg, tmp_path, steps=3, num=4, judge=(judge, tok), elf_steps=(4,), omegas=(1.0,),
+                  ar_temperatures=(0.8, 1.0), mdlm_steps=(4,), cache_dir=tmp_path / "cache", device="cpu",
+                  printer=lines.append)
     info = res["methods"]
+    for name in ("elf", "ar", "mdlm"):  # every method: the same budget, through the one trainer
+        assert info[name]["steps"] == 3 and info[name]["tokens"] == 3 * 4 * 16
+        assert json.loads((tmp_path / name / "run.json").read_text())["method"] == name
+    with torch.device("meta"):
+        from elflow.checkpoint import read_weights
+
+        elf_trunk = ELF(read_weights(tmp_path / "elf")[0]).num_params(exclude_decode_head=True)
     for name in ("ar", "mdlm"):
-        assert abs(info[name]["trunk_params"] - info["elf"]["trunk_params"]) / info["elf"]["trunk_params"] <= 0.05
-        assert info[name]["steps"] == 3 and math.isfinite(info[name]["heldout_loss"])
+        model = methods.get_method(name).build(TokenLMConfig(**json.loads(
+            (tmp_path / name / "run.json").read_text())["model"]), types.SimpleNamespace(vocab_size=300))
+        assert abs(methods.trunk_params(model) - elf_trunk) / elf_trunk <= 0.05
     assert [(r["method"], r["setting"]) for r in res["rows"]] == [
-        ("elf", "steps=4"), ("ar", "temperature=0.8"), ("ar", "temperature=1.0"), ("mdlm", "steps=4"),
+        ("elf", "steps=4 omega=1"), ("ar", "temperature=0.8"), ("ar", "temperature=1"), ("mdlm", "steps=4"),
         ("held-out text", "")]
     for r in res["rows"]:  # ELF after 3 steps may emit (nearly) empty texts, which a judge cannot score
         assert set(r) >= {"gen_ppl", "judge_entropy", "word_entropy", "corpus_word_share", "distinct_2"}
         assert r["method"] == "elf" or (r["gen_ppl"] > 1 and r["judged"] == 4)
         assert 0 <= r["distinct_2"] <= 1 and 0 <= r["corpus_word_share"] <= 1
     assert (tmp_path / "compare.png").exists() and (tmp_path / "compare.json").exists()
-    assert len((tmp_path / "samples_ar.jsonl").read_text().splitlines()) == 8
-    assert "judge ppl" in lines[0]
+    assert len((tmp_path / "samples" / "ar_temperature0.8.jsonl").read_text().splitlines()) == 4
+    assert any("judge ppl" in line for line in lines)

@@ -12,6 +12,11 @@ The folder is written under a temporary name and renamed, so a kill during a sav
 checkpoint intact; the last K are kept. A file that does not match its recorded hash is refused by name.
 Checkpoints written before space.safetensors existed hold those parameters in model.safetensors under
 "space."-prefixed names; `split_space_state` reads both layouts.
+
+A token-level baseline's checkpoint (`elflow train --method ar|mdlm`) has the same layout; its state.json
+names the method ("method", absent in ELF's older checkpoints) and holds the baseline's TokenLMConfig as
+"model". `load` / `load_for_sampling` build either network (`Loaded.method` says which); `read_weights`
+alone, which feeds ELF-only uses (distillation, --init-from), refuses a baseline's.
 """
 
 from __future__ import annotations
@@ -28,12 +33,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from elflow.model import ELF, ELFConfig
+from elflow.methods import get_method
+from elflow.model import ELF, ELFConfig, TokenLMConfig
 from elflow.official import infer_config, official_to_elflow, preset_name
 from elflow.utils import ELFError, atomic_write_json, default_device, sha256_file as _sha256
 
 __all__ = ["write_checkpoint", "save_checkpoint", "load_checkpoint", "list_checkpoints", "latest_checkpoint", "resolve_checkpoint",
-           "is_elflow_checkpoint", "split_space_state", "remove_stale_temporaries"]
+           "is_elflow_checkpoint", "split_space_state", "remove_stale_temporaries", "method_of", "only_elf"]
 
 STEP_DIR = re.compile(r"step_(\d+)")
 SPACE_PREFIX = "space."  # the older layout: space parameters inside model.safetensors
@@ -347,12 +353,38 @@ class Loaded:
     def conditional(self) -> bool:
         return bool(self.settings.get("source_length"))
 
+    @property
+    def method(self) -> str:
+        """"elf", or the token-level baseline the network is ("ar", "mdlm")."""
+        return self.settings.get("method", "elf")
 
-def read_weights(path_or_hub_id: str | os.PathLike, use_ema: bool = True, max_length: int | None = None):
+
+def method_of(path: str | os.PathLike) -> str:
+    """The method of an elflow run or checkpoint folder without reading its weights; "elf" for any other
+    format (the authors' checkpoints, hub ids)."""
+    p = Path(str(path)).expanduser()
+    if is_elflow_checkpoint(p) or (p / "checkpoints").is_dir():
+        try:
+            return json.loads((resolve_checkpoint(p) / "state.json").read_text()).get("method", "elf")
+        except (ValueError, UnicodeDecodeError, OSError) as e:
+            raise ELFError(f"{p}: its state.json cannot be read ({e})") from None
+    return "elf"
+
+
+def only_elf(method: str, path, what: str = "this command") -> None:
+    """One-line refusal of a baseline checkpoint where only an ELF model makes sense."""
+    if method != "elf":
+        raise ELFError(f"{path} holds a token-level {method.upper()} baseline (--method {method}); {what} needs an "
+                       "ELF model")
+
+
+def read_weights(path_or_hub_id: str | os.PathLike, use_ema: bool = True, max_length: int | None = None,
+                 baselines: bool = False):
     """Every format through one function: an elflow run folder (its newest good checkpoint), an elflow
     checkpoint folder, an authors' checkpoint_<step> file or a folder holding one, or a hub id.
     Returns (ELFConfig, state dict, space spec, recipe, settings); the state dict is empty when EMA weights
-    were asked for and none were stored. `max_length` widens the position table."""
+    were asked for and none were stored. `max_length` widens the position table. A baseline's checkpoint is
+    refused (one line) unless `baselines`; then its config is a TokenLMConfig and settings["method"] names it."""
     s = str(path_or_hub_id)
     p = Path(s).expanduser()
     check_checkpoint_path(p)
@@ -364,13 +396,19 @@ def read_weights(path_or_hub_id: str | os.PathLike, use_ema: bool = True, max_le
         ckpt = resolve_checkpoint(p)
         blob = load_checkpoint(ckpt, with_optimizer=False)
         st = blob["state"]
-        cfg = ELFConfig.from_dict({**st["model"], "grad_checkpoint": False})
+        method = st.get("method", "elf")
+        if not baselines:
+            only_elf(method, path_or_hub_id)
+        if method == "elf":
+            cfg = ELFConfig.from_dict({**st["model"], "grad_checkpoint": False})
+        else:
+            cfg = TokenLMConfig.from_dict(st["model"])
         sd = blob["ema" if use_ema else "model"]
         sd = {k: v for k, v in sd.items() if not k.startswith("space.")}
         recipe, space = dict(st.get("train", {}).get("recipe", {})), st["space"]
         stored = {k: recipe[k] for k in ("sampling", "distilled_steps") if k in recipe}  # a distilled model's
         settings = {"length": cfg.max_length, **stored, **st.get("settings", {}), "format": "elflow",
-                    "checkpoint": str(ckpt), "space_id": st.get("space_id")}
+                    "checkpoint": str(ckpt), "space_id": st.get("space_id"), "method": method}
     else:
         f = find_official_file(p)
         sd = read_official_checkpoint(f, which="ema_params1" if use_ema else "params")
@@ -386,14 +424,31 @@ def read_weights(path_or_hub_id: str | os.PathLike, use_ema: bool = True, max_le
 
 def load(path_or_hub_id: str | os.PathLike, device=None, use_ema: bool = True,
          max_length: int | None = None) -> Loaded:
-    """The network of any checkpoint `read_weights` reads, in eval mode with its EMA weights (unless
-    use_ema=False), with its space spec, recipe and settings."""
-    cfg, sd, space, recipe, settings = read_weights(path_or_hub_id, use_ema, max_length)
+    """The network of any checkpoint `read_weights` reads, a baseline's too (`Loaded.method`), in eval mode
+    with its EMA weights (unless use_ema=False), with its space spec, recipe and settings."""
+    cfg, sd, space, recipe, settings = read_weights(path_or_hub_id, use_ema, max_length, baselines=True)
     if not sd:
         raise ELFError(f"{path_or_hub_id} holds no {'EMA ' if use_ema else ''}weights"
                        + ("; pass --raw-weights to use the trained ones" if use_ema else ""))
-    net = build_from_state_dict(sd, config=cfg).to(device or "cpu").eval()
+    method = settings.get("method", "elf")
+    if method == "elf":
+        net = build_from_state_dict(sd, config=cfg)
+    else:
+        net = get_method(method).build(cfg, _Vocabulary(cfg.vocab_size))
+        try:
+            net.load_state_dict(sd)
+        except RuntimeError as e:
+            raise ELFError(f"{path_or_hub_id}: the weights do not fit its stored {method} shape "
+                           f"({str(e).splitlines()[0][:200]})") from None
+    net = net.to(device or "cpu").eval()
     return Loaded(net, space, recipe, settings)
+
+
+@dataclass(frozen=True)
+class _Vocabulary:
+    """What a baseline's builder reads of a space: its vocabulary size."""
+
+    vocab_size: int
 
 
 def load_network(path: str | os.PathLike, device=None, use_ema: bool = True, max_length: int | None = None) -> ELF:
@@ -410,6 +465,9 @@ def load_for_sampling(path_or_hub_id, device=None, space=None, use_ema: bool = T
     device = torch.device(device or default_device())
     loaded = load(path_or_hub_id, device=device, use_ema=use_ema, max_length=max_length)
     spec = loaded.space
+    if loaded.method != "elf" and isinstance(space, str) and space:
+        raise ELFError(f"--encoder applies to the authors' ELF checkpoints; {path_or_hub_id} is a {loaded.method} "
+                       "baseline, which uses its stored tokenizer")
     if isinstance(space, EmbeddingSpace):
         sp = space
     elif isinstance(space, dict):
@@ -425,6 +483,11 @@ def load_for_sampling(path_or_hub_id, device=None, space=None, use_ema: bool = T
     if loaded.settings.get("space_id"):
         check_compatible(loaded.settings["space_id"], sp)
     cfg = loaded.net.config
+    if loaded.method != "elf":
+        if sp.vocab_size != cfg.vocab_size:
+            raise ELFError(f"the tokenizer ({sp.space_id}: vocabulary {sp.vocab_size}) does not fit the "
+                           f"{loaded.method} network (vocabulary {cfg.vocab_size})")
+        return loaded, sp
     if sp.dim != cfg.dim or sp.vocab_size < cfg.vocab_size:
         raise ELFError(f"the embedding space ({sp.space_id}: dim {sp.dim}, vocabulary {sp.vocab_size}) does not fit "
                        f"the network (dim {cfg.dim}, vocabulary {cfg.vocab_size})")

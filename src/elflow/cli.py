@@ -15,12 +15,13 @@ from elflow.utils import ELFError
 # name -> (module, one-line help). Order is the order shown by `elflow --help`.
 COMMANDS: dict[str, tuple[str, str]] = {
     "quickstart": ("elflow.quickstart", "the offline default: fetch corpus + encoder, train the demo model, sample"),
-    "train": ("elflow.train", "train an ELF model (alone or under torchrun)"),
+    "train": ("elflow.train", "train an ELF model, or an AR / MDLM baseline (alone or under torchrun)"),
     "sample": ("elflow.generate", "generate text from a run, a checkpoint or a released model"),
     "distill": ("elflow.distill", "progressive distillation into few-step students (16 -> 8 -> 4 -> 2 -> 1)"),
     "eval": ("elflow.evaluate", "generative perplexity and entropy, BLEU, ROUGE"),
     "train-judge": ("elflow.judge", "train a small offline autoregressive judge"),
     "sweep": ("elflow.sweep", "sampler x steps x omega grid, judged and plotted (paper Figure 3)"),
+    "compare": ("elflow.compare", "train ELF, an AR and an MDLM baseline for one budget and judge them alike"),
     "convert": ("elflow.checkpoint", "convert an authors' checkpoint to an elflow checkpoint folder"),
     "bench": ("elflow.bench", "time forward / train / sample against the device's matmul peak"),
     "toy": ("elflow.toy", "Figure 1: the 2-D toy with an exact denoiser"),

