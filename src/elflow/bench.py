@@ -421,9 +421,9 @@ def add_arguments(p) -> None:
     p.add_argument("mode", choices=MODES, help="forward: one no-grad pass; train: full optimiser steps; "
                                                 "sample: generation including the decode pass")
     p.add_argument("--preset", default="tiny", help=f"network size: {', '.join(PRESETS)}")
-    p.add_argument("--depth", type=int, default=None)
-    p.add_argument("--hidden", type=int, default=None)
-    p.add_argument("--heads", type=int, default=None)
+    p.add_argument("--depth", type=int, default=None, help="transformer blocks (default: the preset's)")
+    p.add_argument("--hidden", type=int, default=None, help="hidden width (default: the preset's)")
+    p.add_argument("--heads", type=int, default=None, help="attention heads (default: the preset's)")
     p.add_argument("--vocab-size", type=int, default=None, help="decode-head vocabulary (default: the preset's)")
     p.add_argument("--length", type=int, default=None, help="sequence length L (default: the preset's)")
     p.add_argument("--batch", type=int, default=4, help="rows per pass (train: per micro-batch)")
@@ -444,7 +444,7 @@ def add_arguments(p) -> None:
                    help="train: Newton-Schulz evaluation (auto: by-shape for fp32 on CPU, iterate otherwise)")
     p.add_argument("--peak-size", type=int, default=None, help="matmul size of the peak measurement")
     p.add_argument("--breakdown", action="store_true", help="train: time encoder/passes/backward/optimiser/EMA")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 

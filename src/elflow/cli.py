@@ -29,6 +29,16 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows an option's default once: not when its help already says it, and not when there is none."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS) or not text:
+            return text
+        return super()._get_help_string(action)
+
+
 def _load(name: str):
     module_name, _ = COMMANDS[name]
     return importlib.import_module(module_name)
@@ -43,7 +53,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     parser.subcommands = {}
     for name, (_, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text,
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                           formatter_class=HelpFormatter)
         parser.subcommands[name] = p
         if only is None or only == name:
             _load(name).add_arguments(p)

@@ -299,7 +299,7 @@ def add_arguments(p) -> None:
     b.add_argument("--lr", type=float, default=None, help="learning rate (default 1e-3, the quickstart's)")
     b.add_argument("--match", choices=MATCHES, default="total",
                    help="match ELF's parameter count in all, or without token tables and decode head")
-    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--seed", type=int, default=0, help="seed of training and sampling")
     g = b.add_mutually_exclusive_group()
     g.add_argument("--steps", type=int, default=None, help="budget: this many optimiser steps each (same tokens)")
     g.add_argument("--minutes", type=float, default=None,

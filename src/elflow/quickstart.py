@@ -27,19 +27,20 @@ DEMO_SAMPLER = "vc"
 def add_arguments(p) -> None:
     p.add_argument("--out", default="runs/demo", help="run folder")
     p.add_argument("--steps", type=int, default=DEMO_STEPS, help="training steps")
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--length", type=int, default=64)
+    p.add_argument("--batch", type=int, default=32, help="rows per optimiser step")
+    p.add_argument("--length", type=int, default=64, help="sequence length L")
     p.add_argument("--lr", type=float, default=None, help="learning rate (default: the demo's 1e-3)")
     p.add_argument("--sampler", choices=["ode", "sde", "vc"], default=DEMO_SAMPLER,
                    help="sampler for the final samples (chosen for the demo by measurement)")
-    p.add_argument("--sample-steps", type=int, default=32)
-    p.add_argument("--omega", type=float, default=3.0)
+    p.add_argument("--sample-steps", type=int, default=32, help="sampling steps of the final samples")
+    p.add_argument("--omega", type=float, default=3.0, help="guidance scale of the final samples")
     p.add_argument("--num", type=int, default=32, help="samples to generate and score")
     p.add_argument("--resume", action="store_true", help="continue an interrupted quickstart run")
     p.add_argument("--overwrite", action="store_true", help="start again, replacing --out")
     p.add_argument("--report-only", action="store_true", help="skip training; report on the run in --out")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--cache-dir", default=None)
+    p.add_argument("--seed", type=int, default=0, help="seed of training and sampling")
+    p.add_argument("--cache-dir", default=None,
+                   help="corpus and tokenization cache (default: $ELFLOW_CACHE or ~/.cache/elflow)")
     p.add_argument("--conditional", action="store_true",
                    help="the conditional demonstration instead: restore the word order of shuffled Shakespeare "
                         "lines (source = the words shuffled, target = the line), scored with BLEU on held-out "

@@ -135,7 +135,7 @@ def plot_schedules(path, n: int = 100_000, seed: int = 0, steps=(8, 32)) -> None
 def add_arguments(p) -> None:
     p.add_argument("--out", default="schedules.png", help="where to write the PNG")
     p.add_argument("--samples", type=int, default=200_000, help="Monte-Carlo draws per distribution")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the Monte-Carlo draws")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
 
 

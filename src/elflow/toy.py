@@ -229,9 +229,9 @@ def add_arguments(p) -> None:
     p.add_argument("--clusters", type=int, default=8, help="clusters on the ring (or per side of the grid)")
     p.add_argument("--num", type=int, default=44, help="samples per step count")
     p.add_argument("--steps", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="step counts N")
-    p.add_argument("--sampler", choices=["ode", "sde", "vc"], default="ode")
+    p.add_argument("--sampler", choices=["ode", "sde", "vc"], default="ode", help="ode: Euler; sde: the released step; vc: variance-consistent re-noising")
     p.add_argument("--gamma", type=float, default=1.5, help="SDE back-off scale (sde/vc only)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the starting noise")
     p.add_argument("--distill", action="store_true",
                    help="also train a small network on the mixture as a teacher, distil it progressively to 4, 2 and "
                         "1 steps (teacher path: 16 Euler steps), and add their rows (about 3 CPU-minutes)")
