@@ -81,8 +81,13 @@ def test_toy_distillation_students_reach_clusters_in_one_step_where_the_teacher_
     from elflow.toy import distill_toy, ring_mixture, run_toy, train_toy_teacher
 
     mix = ring_mixture()
-    teacher = train_toy_teacher(mix, steps=600, batch=512, seed=0)
-    students = distill_toy(teacher, mix, student_steps=(4, 2, 1), steps=300, batch=512, seed=0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a small MLP: threads only add synchronisation
+    try:
+        teacher = train_toy_teacher(mix, steps=600, batch=512, seed=0)
+        students = distill_toy(teacher, mix, student_steps=(4, 2, 1), steps=300, batch=512, seed=0)
+    finally:
+        torch.set_num_threads(threads)
     n = 100
     at_one = run_toy(mix, (1,), n, seed=1, denoiser=teacher)[1]
     assert at_one["inside"] == 0
