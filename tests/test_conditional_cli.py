@@ -240,3 +240,30 @@ def test_a_released_distilled_model_samples_with_the_few_step_defaults(tmp_path,
         rec = json.loads(out.read_text())
         assert (rec["sampler"], rec["gamma"], rec["omega"]) == ("sde", gamma, omega)
         assert rec["steps"] == (steps or 8)
+
+
+def test_sampling_starts_from_the_noise_scale_the_model_was_trained_with(uncond_run):
+    """A model trained with another noise scale samples from z0 = noise_scale N(0, 1) with its own scale."""
+    from elflow.generate import settings_for
+    import elflow.flow as flow
+
+    loaded, space = load_for_sampling(uncond_run, device="cpu")
+    assert settings_for(loaded).noise_scale == 2.0
+    loaded.recipe["noise_scale"] = 1.0
+    s = settings_for(loaded, steps=2)
+    assert s.noise_scale == 1.0
+    seen = {}
+    real = flow.sample
+
+    def spy(net, z0, grid, **kw):
+        seen["std"], seen["scale"] = z0.std().item(), kw["noise_scale"]
+        return real(net, z0, grid, **kw)
+
+    flow.sample, saved = spy, flow.sample
+    try:
+        from elflow.generate import generate
+
+        generate(loaded.net, space, 8, s, progress=False)
+    finally:
+        flow.sample = saved
+    assert seen["scale"] == 1.0 and 0.8 < seen["std"] < 1.2

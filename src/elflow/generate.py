@@ -23,7 +23,7 @@ import torch
 
 from elflow.checkpoint import Loaded, few_step_defaults, load_for_sampling
 from elflow.data import encoder_mask, pair_layout
-from elflow.flow import check_sampling_args, decode_tokens, generate_tokens
+from elflow.flow import Recipe, check_sampling_args, decode_tokens, generate_tokens
 from elflow.methods import BaselineSampling, sample_records as baseline_records, sampling_settings
 from elflow.utils import ELFError, atomic_write, autocast, check_device, check_output
 
@@ -46,6 +46,8 @@ class SamplingSettings:
     seed: int = 0
     batch_size: int = 8
     dtype: str = "fp32"
+    noise_scale: float = 2.0  # the model's own: z0 = noise_scale N(0, 1), as it was trained
+    t_eps: float = 0.05
 
     def check(self) -> "SamplingSettings":
         try:
@@ -71,7 +73,8 @@ def settings_for(loaded: Loaded, **given) -> SamplingSettings:
         n = steps or loaded.settings.get("distilled_steps") or 8
         stored = {**stored, **few_step_defaults(n)}  # the few-step settings depend on the step count alone
     names = {f.name for f in fields(SamplingSettings)}
-    chosen = {k: v for k, v in stored.items() if k in names}
+    chosen = {k: loaded.recipe[k] for k in ("noise_scale", "t_eps") if k in loaded.recipe}
+    chosen.update({k: v for k, v in stored.items() if k in names})
     chosen.update({k: v for k, v in given.items() if k in names and v is not None})
     return replace(SamplingSettings(), **chosen).check()
 
@@ -191,7 +194,8 @@ def generate(net, space, num: int, settings: SamplingSettings = SamplingSettings
         with autocast(device, settings.dtype):
             ids, _ = generate_tokens(net, bs, length, settings.steps, settings.sampler, settings.gamma,
                                      settings.omega, settings.grid, settings.guidance, known, known_mask, g,
-                                     device=device, callback=keep if trajectory else None)
+                                     Recipe(noise_scale=settings.noise_scale, t_eps=settings.t_eps), device=device,
+                                     callback=keep if trajectory else None)
             for i, (t, x) in sorted(seen.items()):
                 traj_out[i] = (t, space.decode(decode_tokens(net, x, settings.omega).cpu()))
         if known_mask is not None:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from elflow.flow import Recipe
 from elflow.utils import ELFError, FolderLock, atomic_write_json, atomic_write_text
 
 __all__ = ["add_arguments", "run", "report"]
@@ -70,7 +71,7 @@ def report(run_dir, sampler: str = DEMO_SAMPLER, steps: int = 32, omega: float =
     from elflow.data import build_dataset
     from elflow.diagnostics import corpus_vocabulary, validation_report, word_stats
     from elflow.checkpoint import load_for_sampling
-    from elflow.generate import SamplingSettings, generate, write_samples
+    from elflow.generate import generate, settings_for, write_samples
 
     run_dir = Path(run_dir)
     meta = json.loads((run_dir / "run.json").read_text())
@@ -81,8 +82,8 @@ def report(run_dir, sampler: str = DEMO_SAMPLER, steps: int = 32, omega: float =
     train_set, val_set = build_dataset(tc["data"], space, length, layout=tc["layout"], val_fraction=tc["val_fraction"],
                                        seed=tc["seed"], cache_dir=cache_dir)
     t0 = time.perf_counter()
-    val = validation_report(net, space, val_set, seed=seed)
-    settings = SamplingSettings(steps=steps, sampler=sampler, omega=omega, seed=seed, batch_size=16)
+    val = validation_report(net, space, val_set, Recipe.from_dict(loaded.recipe), seed=seed)
+    settings = settings_for(loaded, steps=steps, sampler=sampler, omega=omega, seed=seed, batch_size=16)
     records = generate(net, space, num, settings, length, progress=False)
     texts = [r["text"] for r in records]
     real = space.decode(val_set.tokens[:num])
@@ -218,7 +219,8 @@ def distillation_report(teacher_dir, rounds: dict, num: int = 32, seed: int = 0,
                for n in sorted(rounds, reverse=True)]
     rows = []
     for name, loaded, counts in models:
-        acc = validation_report(loaded.net, space, val_set, rows=64, seed=seed)["decode_accuracy"]["p=1.0"]
+        acc = validation_report(loaded.net, space, val_set, Recipe.from_dict(loaded.recipe), rows=64,
+                                seed=seed)["decode_accuracy"]["p=1.0"]
         for n in counts:
             settings = settings_for(loaded, steps=n, sampler="sde", seed=seed, batch_size=16,
                                     **({} if loaded.settings.get("distilled_steps") else {"gamma": 1.5, "omega": 2.5}))

@@ -132,7 +132,7 @@ def run_sweep(checkpoint: str, omegas: list[float], steps_list: list[int], sampl
     `method` "ar" sweeps `temperatures` (at `top_p`), "mdlm" sweeps `steps_list`; ELF's knobs are then unused."""
     from elflow.checkpoint import load_for_sampling
     from elflow.evaluate import load_judge, sample_and_judge
-    from elflow.generate import SamplingSettings
+    from elflow.generate import settings_for
     from elflow.methods import sampling_settings
 
     out = Path(out)
@@ -156,8 +156,8 @@ def run_sweep(checkpoint: str, omegas: list[float], steps_list: list[int], sampl
         t0 = time.time()
         if method == "elf":
             sampler, steps, omega = cell["sampler"], cell["steps"], cell["omega"]
-            settings = SamplingSettings(steps=steps, sampler=sampler, gamma=gamma, omega=omega, grid=grid,
-                                        seed=seed, batch_size=gen_batch_size).check()
+            settings = settings_for(loaded, steps=steps, sampler=sampler, gamma=gamma, omega=omega, grid=grid,
+                                    seed=seed, batch_size=gen_batch_size)
             name = f"{sampler}_steps{steps}_omega{omega:g}_gamma{gamma:g}_seed{seed}"
         else:
             settings = sampling_settings(method, steps=cell.get("steps"), temperature=cell["temperature"],
