@@ -1,5 +1,5 @@
 """Conditional generation against the authors' own layout, sampling loops and target extraction
-(shared/reference/authors_cond_distill.*, run on the tiny reference weights)."""
+(their reference vectors, run on the tiny reference weights, laid beside the checkout)."""
 
 import json
 from pathlib import Path

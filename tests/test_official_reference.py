@@ -1,4 +1,4 @@
-"""elflow's network reproduces the authors' released PyTorch port exactly (shared/reference/)."""
+"""elflow's network reproduces the authors' released PyTorch port exactly (their reference vectors, laid beside the checkout)."""
 
 from pathlib import Path
 
