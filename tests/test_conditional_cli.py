@@ -267,3 +267,18 @@ def test_sampling_starts_from_the_noise_scale_the_model_was_trained_with(uncond_
     finally:
         flow.sample = saved
     assert seen["scale"] == 1.0 and 0.8 < seen["std"] < 1.2
+
+
+def test_a_conditional_teacher_distils_into_conditional_students(cond_run, tmp_path):
+    from elflow import distill
+
+    run, pairs = cond_run
+    rounds = distill.distill(run, tmp_path / "pd", student_steps=[2, 1], teacher_steps=2, steps_per_round=2,
+                             ckpt_every=2, dtype="fp32", seed=1, quiet=True)
+    student = load(rounds[1])
+    assert student.conditional and student.settings["source_length"] == 6
+    assert student.settings["distilled_steps"] == 1
+    out = tmp_path / "s.jsonl"
+    assert main(["sample", str(rounds[1]), "--source", str(pairs), "--quiet", "--out", str(out)]) == 0
+    rec = json.loads(out.read_text().splitlines()[0])
+    assert rec["source"] == "king sweet" and rec["steps"] == 1 and rec["gamma"] == 1.5 and rec["omega"] == 2.5

@@ -274,7 +274,8 @@ def _base_config(teacher_info: dict, overrides: dict):
     stored = json.loads(tcfg_path.read_text()).get("train", {}) if teacher_info["format"] == "elflow" else {}
     known = {f.name for f in fields(TrainConfig)}
     keep = ("preset", "data", "text_field", "on_bad", "space", "latent_std", "length", "layout", "batch",
-            "micro_batch", "adam_heads", "ns_method", "grad_clip", "dtype", "compile", "model")
+            "micro_batch", "adam_heads", "ns_method", "grad_clip", "dtype", "compile", "model",
+            "task", "source_length", "source_field", "target_field", "space_dim", "space_seed", "val_fraction")
     base = {k: stored[k] for k in keep if k in stored and k in known}
     scale = teacher_info.get("space", {}).get("latent_std")
     if isinstance(scale, (int, float)) and base.get("space") is not None:

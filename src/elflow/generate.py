@@ -68,9 +68,8 @@ def settings_for(loaded: Loaded, **given) -> SamplingSettings:
     """The model's own defaults (a conditional or distilled model's recipe), overridden by the values given
     (None = not given)."""
     stored = dict(loaded.settings.get("sampling") or {})
-    steps = given.get("steps") or stored.get("steps")
     if loaded.settings.get("distilled_steps") or loaded.settings.get("distilled"):
-        n = steps or loaded.settings.get("distilled_steps") or 8
+        n = given.get("steps") or loaded.settings.get("distilled_steps") or 8
         stored = {**stored, **few_step_defaults(n)}  # the few-step settings depend on the step count alone
     names = {f.name for f in fields(SamplingSettings)}
     chosen = {k: loaded.recipe[k] for k in ("noise_scale", "t_eps") if k in loaded.recipe}

@@ -50,7 +50,7 @@ def add_arguments(p) -> None:
     p.add_argument("--distill", action="store_true",
                    help="distil the quickstart model in --out (train it first) from a 16-step teacher grid to 4, 2 "
                         "and 1 steps into OUT-pd, and report teacher and students at 1, 2 and 4 steps")
-    p.add_argument("--distill-steps", type=int, default=100, help="optimiser steps per distillation round")
+    p.add_argument("--distill-steps", type=int, default=40, help="optimiser steps per distillation round")
 
 
 def demo_config(args):
