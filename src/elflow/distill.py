@@ -19,11 +19,13 @@ sampling defaults that `elflow sample` picks up.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from elflow.flow import Recipe, _index, euler_step
@@ -338,10 +340,22 @@ def distill(teacher, out, student_steps=(16, 8, 4, 2, 1), teacher_steps: int = 6
     manifest = {"format": "elflow-distill-1", "teacher": info["checkpoint"], "teacher_space_id": info.get("space_id"),
                 "teacher_ema": info.get("ema", True), "student_steps": steps, "teacher_steps": teacher_steps,
                 "train": {k: cfg.to_dict()[k] for k in SAME_ON_RESUME}}
-    fresh = _prepare_out(out, manifest, resume, overwrite)
-    created = fresh and not out.exists()
-    if fresh:
-        atomic_write_json(out / MANIFEST, manifest)
+    group = _process_group()  # under torchrun: one group for all rounds; rank 0 alone reads and writes OUT
+    status = [None, None]
+    if group is None or dist.get_rank() == 0:
+        try:
+            fresh = _prepare_out(out, manifest, resume, overwrite)
+            created = fresh and not out.exists()
+            if fresh:
+                atomic_write_json(out / MANIFEST, manifest)
+            status = [fresh, created]
+        except ELFError as e:
+            status = [e, None]
+    if group is not None:
+        dist.broadcast_object_list(status, src=0)
+    if isinstance(status[0], ELFError):
+        raise status[0]
+    fresh, created = status
 
     rounds, left = {}, stop_after
     try:
@@ -349,7 +363,10 @@ def distill(teacher, out, student_steps=(16, 8, 4, 2, 1), teacher_steps: int = 6
             rdir = out / f"round-{n}"
             init = info["checkpoint"] if i == 0 else str(rounds[steps[i - 1]])
             rcfg = _round_config(cfg, n, teacher_steps, init)
-            summary = train(rcfg, rdir, resume=(rdir / "run.json").exists(), cache_dir=cache_dir, quiet=quiet,
+            again = [(rdir / "run.json").exists()]
+            if group is not None:  # every rank takes rank 0's view of the folder, before anyone writes it
+                dist.broadcast_object_list(again, src=0)
+            summary = train(rcfg, rdir, resume=again[0], cache_dir=cache_dir, quiet=quiet,
                             stop_after=left, objective=DistillObjective(teacher_net, n, teacher_steps))
             rounds[n] = rdir
             if left is not None:
@@ -359,12 +376,26 @@ def distill(teacher, out, student_steps=(16, 8, 4, 2, 1), teacher_steps: int = 6
             if not quiet:
                 print(f"round {i + 1}/{len(steps)}: {n}-step student in {rdir}", file=sys.stderr)
     except ELFError:
-        if fresh and not any((out / f"round-{n}" / "run.json").exists() for n in steps):
+        if (group is None or dist.get_rank() == 0) and fresh and not any(
+                (out / f"round-{n}" / "run.json").exists() for n in steps):
             (out / MANIFEST).unlink(missing_ok=True)  # a refused start leaves nothing behind
             if created and not any(out.iterdir()):
                 out.rmdir()
         raise
+    finally:
+        if group is not None:
+            dist.destroy_process_group()
     return rounds
+
+
+def _process_group():
+    """Under torchrun (WORLD_SIZE > 1) the process group every round trains in, else None."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    from elflow.train import setup_distributed
+
+    setup_distributed()
+    return dist.group.WORLD
 
 
 def _round_config(cfg, n: int, teacher_steps: int, init: str):

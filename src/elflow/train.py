@@ -410,6 +410,9 @@ def setup_distributed(device: str | None = None):
     wants_cpu = device is not None and torch.device(device).type == "cpu"
     if world > 1:
         rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+        if dist.is_initialized():  # a caller that runs several trainings (distillation's rounds) holds the group
+            gpu = dist.get_backend() == "nccl"
+            return rank, world, local, torch.device("cuda", local) if gpu else torch.device("cpu")
         if torch.cuda.is_available() and not wants_cpu:
             torch.cuda.set_device(local)
             dev = torch.device("cuda", local)
@@ -1007,6 +1010,7 @@ def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwr
     cfg.validate()
     device = check_device(device)
     check_output(out, folder=True)
+    owns_group = not dist.is_initialized()
     rank, world, local, dev = setup_distributed(device)
     folder = RunFolder(out, command)
     ok = False
@@ -1044,7 +1048,7 @@ def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwr
     finally:
         if rank == 0:
             folder.close(ok)
-        if world > 1 and dist.is_initialized():
+        if world > 1 and dist.is_initialized() and owns_group:
             dist.destroy_process_group()
 
 
