@@ -18,20 +18,17 @@ from elflow.model import ELF, TokenLMConfig, get_config, num_params
 from elflow.train import TrainConfig, train
 from elflow.utils import ELFError
 
+from helpers import checkpoint_weights, tiny_config
+
 ROOT = Path(__file__).resolve().parents[1]
 MODULES = {"ar": ar, "mdlm": mdlm}
 
 
 def cfg_for(t5_dir, corpus, **kw):
-    base = dict(preset="tiny", data=str(corpus), space=f"t5:{t5_dir}", length=16, batch=4, steps=4, warmup=2,
-                ema_decay=0.9, log_every=1, ckpt_every=2, keep=5, dtype="fp32", seed=1)
-    base.update(kw)
-    return TrainConfig(**base)
+    return tiny_config(t5_dir, corpus, **{"steps": 4, "ckpt_every": 2, **kw})
 
 
-def weights(run: Path, step: int):
-    ck = run / "checkpoints" / f"step_{step:07d}"
-    return load_file(ck / "model.safetensors"), load_file(ck / "ema.safetensors")
+weights = checkpoint_weights
 
 
 @pytest.fixture(scope="module")

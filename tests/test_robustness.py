@@ -20,6 +20,8 @@ from elflow.checkpoint import list_checkpoints
 from elflow.cli import main
 from elflow.train import TrainConfig, train
 
+from helpers import checkpoint_weights, tiny_config
+
 
 # ----------------------------------------------------------------------------------------------------------
 # helpers
@@ -63,16 +65,10 @@ def tiny_flags(t5_dir, corpus, cache, **kw):
     return [x for k, v in flags.items() for x in (f"--{k}", v)] + ["--quiet"]
 
 
-def cfg_for(t5_dir, corpus, **kw):
-    base = dict(preset="tiny", data=str(corpus), space=f"t5:{t5_dir}", length=16, batch=4, steps=6, warmup=2,
-                ema_decay=0.9, log_every=1, ckpt_every=3, keep=5, dtype="fp32", seed=1)
-    base.update(kw)
-    return TrainConfig(**base)
+cfg_for = tiny_config
 
 
-def weights(run: Path, step: int):
-    ck = run / "checkpoints" / f"step_{step:07d}"
-    return load_file(ck / "model.safetensors"), load_file(ck / "ema.safetensors")
+weights = checkpoint_weights
 
 
 def assert_bit_identical(run_a: Path, run_b: Path, step: int):

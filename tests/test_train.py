@@ -10,25 +10,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from elflow.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
-from elflow.train import TrainConfig, train
+from elflow.train import train
 from elflow.utils import ELFError
+
+from helpers import checkpoint_weights, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def cfg_for(t5_dir, corpus, **kw):
-    base = dict(preset="tiny", data=str(corpus), space=f"t5:{t5_dir}", length=16, batch=4, steps=6, warmup=2,
-                ema_decay=0.9, log_every=1, ckpt_every=3, keep=5, dtype="fp32", seed=1)
-    base.update(kw)
-    return TrainConfig(**base)
+cfg_for = tiny_config
 
 
-def final_weights(run: Path, step: int):
-    ck = run / "checkpoints" / f"step_{step:07d}"
-    return load_file(ck / "model.safetensors"), load_file(ck / "ema.safetensors")
+final_weights = checkpoint_weights
 
 
 def assert_same(a: dict, b: dict, exact=True):

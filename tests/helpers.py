@@ -1,0 +1,20 @@
+"""Small helpers shared by the training tests: a tiny run's settings and a checkpoint's weights."""
+
+from pathlib import Path
+
+from safetensors.torch import load_file
+
+from elflow.train import TrainConfig
+
+
+def tiny_config(t5_dir, corpus, **kw) -> TrainConfig:
+    """A run of the tiny preset on the tiny corpus in the tiny T5's space: 6 steps, a checkpoint every 3."""
+    base = dict(preset="tiny", data=str(corpus), space=f"t5:{t5_dir}", length=16, batch=4, steps=6, warmup=2,
+                ema_decay=0.9, log_every=1, ckpt_every=3, keep=5, dtype="fp32", seed=1)
+    return TrainConfig(**{**base, **kw})
+
+
+def checkpoint_weights(run: Path, step: int):
+    """(weights, EMA weights) of a run's checkpoint at `step`."""
+    ck = Path(run) / "checkpoints" / f"step_{step:07d}"
+    return load_file(ck / "model.safetensors"), load_file(ck / "ema.safetensors")
