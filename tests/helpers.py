@@ -18,3 +18,18 @@ def checkpoint_weights(run: Path, step: int):
     """(weights, EMA weights) of a run's checkpoint at `step`."""
     ck = Path(run) / "checkpoints" / f"step_{step:07d}"
     return load_file(ck / "model.safetensors"), load_file(ck / "ema.safetensors")
+
+
+def run_alone_and_on_two_ranks(args: list[str], one: Path, two: Path) -> None:
+    """`elflow ARGS --out ONE` in one process and `--out TWO` under torchrun with two Gloo ranks."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src"), "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-m", "elflow.cli", *args, "--out", str(one)], env=env, capture_output=True,
+                       text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        "-m", "elflow.cli", *args, "--out", str(two)], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]

@@ -436,22 +436,14 @@ def test_distillation_report_puts_teacher_and_students_side_by_side(full_distill
 def test_two_gloo_ranks_distil_as_one_process(teacher_run, tmp_path):
     """Under torchrun each round is an ordinary data-parallel run: two Gloo ranks give the weights of one
     process with the same global batch."""
-    import os
-    import subprocess
-    import sys
+    from helpers import run_alone_and_on_two_ranks
 
     teacher, cache = teacher_run
     common = ["distill", str(teacher), "--student-steps", "2,1", "--teacher-steps", "2", "--steps-per-round", "2",
               "--batch", "4", "--micro-batch", "2", "--ckpt-every", "2", "--dtype", "fp32", "--seed", "2",
               "--quiet", "--cache-dir", str(cache)]
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src"), "OMP_NUM_THREADS": "1"}
     one, two = tmp_path / "one", tmp_path / "two"
-    r = subprocess.run([sys.executable, "-m", "elflow.cli", *common, "--out", str(one)], env=env, capture_output=True,
-                       text=True)
-    assert r.returncode == 0, r.stderr[-3000:]
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                        "-m", "elflow.cli", *common, "--out", str(two)], env=env, capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-3000:]
+    run_alone_and_on_two_ranks(common, one, two)
     for n in (2, 1):
         for a, b in zip(_files(one / f"round-{n}", 2), _files(two / f"round-{n}", 2)):
             assert a.keys() == b.keys()

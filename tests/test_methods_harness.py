@@ -2,9 +2,6 @@
 `elflow sample` / `eval` / `sweep` on their runs, the one-line refusals, and `elflow compare` end to end."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,9 +15,8 @@ from elflow.model import ELF, TokenLMConfig, get_config, num_params
 from elflow.train import TrainConfig, train
 from elflow.utils import ELFError
 
-from helpers import checkpoint_weights, tiny_config
+from helpers import checkpoint_weights, run_alone_and_on_two_ranks, tiny_config
 
-ROOT = Path(__file__).resolve().parents[1]
 MODULES = {"ar": ar, "mdlm": mdlm}
 
 
@@ -107,13 +103,7 @@ def test_two_gloo_ranks_train_a_baseline_as_one_process(tmp_path, tiny_t5_dir, t
     common = ["--method", "mdlm", "--preset", "tiny", "--data", str(tiny_corpus_file), "--space", f"t5:{tiny_t5_dir}",
               "--length", "16", "--batch", "4", "--micro-batch", "2", "--steps", "2", "--warmup", "1",
               "--log-every", "1", "--ckpt-every", "2", "--dtype", "fp32", "--seed", "2", "--cache-dir", str(cache)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
-    subprocess.run([sys.executable, "-m", "elflow.cli", "train", *common, "--out", str(one)], env=env, check=True,
-                   capture_output=True)
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                        "-m", "elflow.cli", "train", *common, "--out", str(two)], env=env, capture_output=True,
-                       text=True)
-    assert r.returncode == 0, r.stderr[-3000:]
+    run_alone_and_on_two_ranks(["train", *common], one, two)
     for a, b in zip(weights(one, 2), weights(two, 2)):
         assert all(torch.allclose(a[k], b[k], atol=2e-5, rtol=1e-4) for k in a)
 

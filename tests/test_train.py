@@ -15,7 +15,7 @@ from elflow.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoi
 from elflow.train import train
 from elflow.utils import ELFError
 
-from helpers import checkpoint_weights, tiny_config
+from helpers import checkpoint_weights, run_alone_and_on_two_ranks, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -130,13 +130,7 @@ def test_two_gloo_ranks_equal_one_process_with_the_same_global_batch(uninterrupt
     common = ["--preset", "tiny", "--data", str(tiny_corpus_file), "--space", f"t5:{tiny_t5_dir}", "--length", "16",
               "--batch", "4", "--micro-batch", "2", "--steps", "3", "--warmup", "1", "--log-every", "1",
               "--ckpt-every", "3", "--dtype", "fp32", "--seed", "2", "--cache-dir", str(cache)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
-    subprocess.run([sys.executable, "-m", "elflow.cli", "train", *common, "--out", str(one)], env=env, check=True,
-                   capture_output=True)
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                        "-m", "elflow.cli", "train", *common, "--out", str(two)], env=env, capture_output=True,
-                       text=True)
-    assert r.returncode == 0, r.stderr[-3000:]
+    run_alone_and_on_two_ranks(["train", *common], one, two)
     assert_same_runs(one, two, 3, exact=False)
     m1 = [json.loads(x)["loss"] for x in (one / "metrics.jsonl").read_text().splitlines()]
     m2 = [json.loads(x)["loss"] for x in (two / "metrics.jsonl").read_text().splitlines()]
