@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from elflow.model import Block, RMSNorm, rope_tables
+from elflow.model import Block, RMSNorm, TransformerShape, rope_tables
 from elflow.utils import ELFError, atomic_write_json, default_device
 
 __all__ = ["JudgeConfig", "CausalJudge", "hf_config", "to_hf", "save_judge", "train_judge", "NOT_GPT2_NOTE"]
@@ -38,7 +38,7 @@ NOT_GPT2_NOTE = ("elflow offline judge: a small causal LM trained by `elflow tra
 
 
 @dataclass(frozen=True)
-class JudgeConfig:
+class JudgeConfig(TransformerShape):
     vocab_size: int = 50257  # GPT-2
     hidden: int = 128
     depth: int = 2
@@ -51,14 +51,6 @@ class JudgeConfig:
     def __post_init__(self):
         if self.hidden % self.heads or (self.hidden // self.heads) % 2:
             raise ELFError(f"judge hidden {self.hidden} must split into {self.heads} heads of even size")
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
-
-    @property
-    def mlp_hidden(self) -> int:
-        return int(int(self.hidden * self.mlp_ratio) * 2 / 3)  # the same SwiGLU width rule as ELF
 
     @classmethod
     def from_dict(cls, d: dict) -> "JudgeConfig":

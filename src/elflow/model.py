@@ -28,8 +28,21 @@ __all__ = ["ELFConfig", "PRESETS", "ELF", "MixedPass", "Block", "RMSNorm", "rope
            "get_config", "TokenLMConfig", "TokenTransformer", "num_params", "token_lm_params", "fit_token_lm"]
 
 
+class TransformerShape:
+    """What every transformer config here derives from its hidden width, heads and MLP ratio."""
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def mlp_hidden(self) -> int:
+        # SwiGLU width rule of the released configs: int(int(4H) * 2/3)
+        return int(int(self.hidden * self.mlp_ratio) * 2 / 3)
+
+
 @dataclass(frozen=True)
-class ELFConfig:
+class ELFConfig(TransformerShape):
     """Network shape. `dim`, `vocab_size` and `max_length` come from the embedding space and data."""
 
     depth: int = 12
@@ -55,15 +68,6 @@ class ELFConfig:
             raise ValueError(f"ELFConfig: hidden {self.hidden} is not divisible by heads {self.heads}")
         if (self.hidden // self.heads) % 2:
             raise ValueError(f"ELFConfig: head dim {self.hidden // self.heads} must be even for RoPE pairs")
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
-
-    @property
-    def mlp_hidden(self) -> int:
-        # SwiGLU width rule of the released configs: int(int(4H) * 2/3)
-        return int(int(self.hidden * self.mlp_ratio) * 2 / 3)
 
     @property
     def num_prefix(self) -> int:
@@ -366,7 +370,7 @@ def num_params(module: nn.Module) -> int:
 
 
 @dataclass(frozen=True)
-class TokenLMConfig:
+class TokenLMConfig(TransformerShape):
     """Shape of a token-level transformer. `vocab_size` is the embedding space's tokenizer size: the methods
     add their own extra input id (AR: the row-start id, MDLM: the mask id) on top of it."""
 
@@ -385,14 +389,6 @@ class TokenLMConfig:
                 raise ValueError(f"TokenLMConfig.{f} must be >= 1, got {getattr(self, f)}")
         if self.hidden % self.heads or (self.hidden // self.heads) % 2:
             raise ValueError(f"TokenLMConfig: hidden {self.hidden} must split into {self.heads} heads of even size")
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
-
-    @property
-    def mlp_hidden(self) -> int:
-        return int(int(self.hidden * self.mlp_ratio) * 2 / 3)  # the same SwiGLU width rule as ELF
 
     def to_dict(self) -> dict:
         return asdict(self)
