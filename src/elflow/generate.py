@@ -23,7 +23,7 @@ import torch
 
 from elflow.checkpoint import Loaded, few_step_defaults, load_for_sampling
 from elflow.data import encoder_mask, pair_layout
-from elflow.flow import Recipe, check_sampling_args, decode_tokens, generate_tokens
+from elflow.flow import SAMPLERS, Recipe, check_sampling_args, decode_tokens, generate_tokens
 from elflow.methods import BaselineSampling, sample_records as baseline_records, sampling_settings
 from elflow.utils import ELFError, atomic_write, autocast, check_device, check_output
 
@@ -238,7 +238,7 @@ def add_sampling_arguments(p) -> None:
     else SamplingSettings'."""
     d = SamplingSettings()
     p.add_argument("--steps", type=int, default=None, help=f"sampling steps N (default {d.steps})")
-    p.add_argument("--sampler", choices=["ode", "sde", "vc"], default=None,
+    p.add_argument("--sampler", choices=SAMPLERS, default=None,
                    help=f"ode: Euler; sde: the released SDE-style step; vc: variance-consistent re-noising "
                         f"(default {d.sampler})")
     p.add_argument("--gamma", type=float, default=None, help=f"SDE back-off scale (default {d.gamma})")

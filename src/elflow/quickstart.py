@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from elflow.flow import Recipe
+from elflow.flow import SAMPLERS, Recipe
 from elflow.utils import ELFError, FolderLock, atomic_write_json, atomic_write_text
 
 __all__ = ["add_arguments", "run", "report"]
@@ -31,7 +31,7 @@ def add_arguments(p) -> None:
     p.add_argument("--batch", type=int, default=32, help="rows per optimiser step")
     p.add_argument("--length", type=int, default=64, help="sequence length L")
     p.add_argument("--lr", type=float, default=None, help="learning rate (default: the demo's 1e-3)")
-    p.add_argument("--sampler", choices=["ode", "sde", "vc"], default=DEMO_SAMPLER,
+    p.add_argument("--sampler", choices=SAMPLERS, default=DEMO_SAMPLER,
                    help="sampler for the final samples (chosen for the demo by measurement)")
     p.add_argument("--sample-steps", type=int, default=32, help="sampling steps of the final samples")
     p.add_argument("--omega", type=float, default=3.0, help="guidance scale of the final samples")

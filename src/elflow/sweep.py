@@ -17,6 +17,7 @@ import math
 import time
 from pathlib import Path
 
+from elflow.flow import SAMPLERS
 from elflow.utils import ELFError, atomic_write_text
 
 __all__ = ["COLUMNS", "write_csv", "read_csv", "plot_tradeoff", "run_sweep"]
@@ -186,7 +187,7 @@ def add_arguments(p) -> None:
     p.add_argument("--omega", type=float, nargs="+", default=None, help=f"ELF (default {ELF_DEFAULTS['omega']})")
     p.add_argument("--steps", type=int, nargs="+", default=None,
                    help=f"ELF and MDLM sampling steps (default {ELF_DEFAULTS['steps']})")
-    p.add_argument("--sampler", choices=("ode", "sde", "vc"), nargs="+", default=None,
+    p.add_argument("--sampler", choices=SAMPLERS, nargs="+", default=None,
                    help=f"ELF (default {ELF_DEFAULTS['sampler']})")
     p.add_argument("--temperature", type=float, nargs="+", default=None,
                    help=f"AR baselines: the temperatures swept (default {AR_TEMPERATURES})")

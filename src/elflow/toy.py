@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from elflow.flow import sample
+from elflow.flow import SAMPLERS, sample
 from elflow.schedules import time_grid
 
 __all__ = ["GaussianMixture", "ring_mixture", "grid_mixture", "run_toy", "ToyNet", "train_toy_teacher", "distill_toy",
@@ -229,7 +229,8 @@ def add_arguments(p) -> None:
     p.add_argument("--clusters", type=int, default=8, help="clusters on the ring (or per side of the grid)")
     p.add_argument("--num", type=int, default=44, help="samples per step count")
     p.add_argument("--steps", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="step counts N")
-    p.add_argument("--sampler", choices=["ode", "sde", "vc"], default="ode", help="ode: Euler; sde: the released step; vc: variance-consistent re-noising")
+    p.add_argument("--sampler", choices=SAMPLERS, default="ode",
+                   help="ode: Euler; sde: the released step; vc: variance-consistent re-noising")
     p.add_argument("--gamma", type=float, default=1.5, help="SDE back-off scale (sde/vc only)")
     p.add_argument("--seed", type=int, default=0, help="seed of the starting noise")
     p.add_argument("--distill", action="store_true",

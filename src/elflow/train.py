@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from elflow.data import PAIR_TASKS, encoder_mask
-from elflow.flow import TIME_BINS, Recipe, draw_training_noise, elf_loss, time_bin, time_bin_labels
+from elflow.flow import SAMPLERS, TIME_BINS, Recipe, draw_training_noise, elf_loss, time_bin, time_bin_labels
 from elflow.methods import MATCHES, METHOD_NAMES, fit_shape, get_method, table_names
 from elflow.model import ELF, PRESETS, MixedPass, get_config, num_params
 from elflow.optim import EMA, NS_METHODS, ELFOptimizer, base_lr, lr_at
@@ -70,7 +70,6 @@ def setting(default=None, help: str = "", *, default_help: str | None = None, ch
     return field(default=default, metadata=meta)
 
 
-SAMPLERS = ("ode", "sde", "vc")
 # the embedding space of each preset when --space is not given; tiny is a 32-dim random table over the MiniLM
 # tokenizer (no encoder to run), so that it is cheap end to end
 DEFAULT_SPACE = {"tiny": "random-table:minilm", "demo": "minilm"}
