@@ -89,6 +89,62 @@ CONFIGS: dict[str, dict] = {
                          "train": {"space": "random-table:minilm", "lr": 3e-3, "ema_decay": 0.98}},
     "combined-raw": {"group": "full", "note": "random-table, lr 3e-3, raw weights", "steps": 250,
                      "train": {"space": "random-table:minilm", "lr": 3e-3, "ema_decay": 0.0}},
+    # ---- round 2, all at the full budget (250 x 32 x 64) from `combined` (random table, lr 3e-3, EMA 0.95):
+    # lower-dimensional random tables (no rank floor: dim <= width; no input compression: dim <= bottleneck)
+    "rt128": {"group": "round2", "note": "random-table 128-dim, lr 3e-3, EMA 0.95", "steps": 250,
+              "train": {"space": "random-table:minilm", "space_dim": 128, "lr": 3e-3, "ema_decay": 0.95}},
+    "rt64": {"group": "round2", "note": "random-table 64-dim, lr 3e-3, EMA 0.95", "steps": 250,
+             "train": {"space": "random-table:minilm", "space_dim": 64, "lr": 3e-3, "ema_decay": 0.95}},
+    # the network options for short runs (Gaussian skip, time scale, head modulation), the time draw, the
+    # decode branch (corruption scale, share of rows) and the lr decay
+    "rt-skip": {"group": "round2", "note": "random-table, lr 3e-3, EMA 0.95, Gaussian skip", "steps": 250,
+                "train": {"space": "random-table:minilm", "lr": 3e-3, "ema_decay": 0.95},
+                "model": {"skip": "gaussian"}},
+    "minilm-skip": {"group": "round2", "note": "MiniLM, lr 3e-3, EMA 0.95, Gaussian skip", "steps": 250,
+                    "train": {"lr": 3e-3, "ema_decay": 0.95}, "model": {"skip": "gaussian"}},
+    "rt-skip-cos": {"group": "round2", "note": "random-table, lr 3e-3 cosine, EMA 0.95, Gaussian skip", "steps": 250,
+                    "train": {"space": "random-table:minilm", "lr": 3e-3, "lr_decay": "cosine", "ema_decay": 0.95},
+                    "model": {"skip": "gaussian"}},
+    "rt-skip-cos-dec0.4": {"group": "round2", "note": "random-table, lr 3e-3 cosine, EMA 0.95, Gaussian skip, "
+                           "decode rows 40%", "steps": 250,
+                           "train": {"space": "random-table:minilm", "lr": 3e-3, "lr_decay": "cosine",
+                                     "ema_decay": 0.95}, "recipe": {"decode_prob": 0.4},
+                           "model": {"skip": "gaussian"}},
+    "rt-skip-ts1000": {"group": "round2", "note": "random-table, lr 3e-3, EMA 0.95, Gaussian skip, time scale 1000",
+                       "steps": 250, "train": {"space": "random-table:minilm", "lr": 3e-3, "ema_decay": 0.95},
+                       "model": {"skip": "gaussian", "time_scale": 1000.0}},
+    "rt-skip-tmean-2": {"group": "round2", "note": "random-table, lr 3e-3, EMA 0.95, Gaussian skip, t_mean -2",
+                        "steps": 250, "train": {"space": "random-table:minilm", "lr": 3e-3, "ema_decay": 0.95},
+                        "recipe": {"t_mean": -2.0}, "model": {"skip": "gaussian"}},
+    "ts-dn1": {"group": "round2", "note": "random-table, lr 3e-3, EMA 0.95, Gaussian skip, time scale 1000, decode "
+               "noise 1", "steps": 250, "train": {"space": "random-table:minilm", "lr": 3e-3, "ema_decay": 0.95},
+               "recipe": {"decode_noise_scale": 1.0}, "model": {"skip": "gaussian", "time_scale": 1000.0}},
+    "ts-dn1-ema0.98": {"group": "round2", "note": "as ts-dn1, EMA 0.98", "steps": 250,
+                       "train": {"space": "random-table:minilm", "lr": 3e-3, "ema_decay": 0.98},
+                       "recipe": {"decode_noise_scale": 1.0}, "model": {"skip": "gaussian", "time_scale": 1000.0}},
+    "ts-dn1-dec0.4": {"group": "round2", "note": "as ts-dn1, decode rows 40%", "steps": 250,
+                      "train": {"space": "random-table:minilm", "lr": 3e-3, "ema_decay": 0.95},
+                      "recipe": {"decode_noise_scale": 1.0, "decode_prob": 0.4},
+                      "model": {"skip": "gaussian", "time_scale": 1000.0}},
+    "ts-tmean-2": {"group": "round2", "note": "random-table, lr 3e-3, EMA 0.95, Gaussian skip, time scale 1000, "
+                   "t_mean -2", "steps": 250, "train": {"space": "random-table:minilm", "lr": 3e-3, "ema_decay": 0.95},
+                   "recipe": {"t_mean": -2.0}, "model": {"skip": "gaussian", "time_scale": 1000.0}},
+    "ts-tmean-2-dn2-dec0.3": {"group": "round2", "note": "as ts-tmean-2, decode noise 2, decode rows 30%",
+                              "steps": 250,
+                              "train": {"space": "random-table:minilm", "lr": 3e-3, "ema_decay": 0.95},
+                              "recipe": {"t_mean": -2.0, "decode_noise_scale": 2.0, "decode_prob": 0.3},
+                              "model": {"skip": "gaussian", "time_scale": 1000.0}},
+    "ts-mod": {"group": "round2", "note": "random-table, lr 3e-3, EMA 0.95, Gaussian skip, time scale 1000, head "
+               "modulation", "steps": 250, "train": {"space": "random-table:minilm", "lr": 3e-3, "ema_decay": 0.95},
+               "model": {"skip": "gaussian", "time_scale": 1000.0, "head_modulation": True}},
+    "ts-mod-dn1": {"group": "round2", "note": "as ts-mod, decode noise 1", "steps": 250,
+                   "train": {"space": "random-table:minilm", "lr": 3e-3, "ema_decay": 0.95},
+                   "recipe": {"decode_noise_scale": 1.0},
+                   "model": {"skip": "gaussian", "time_scale": 1000.0, "head_modulation": True}},
+    "ts-mod-dn1-dec0.3": {"group": "round2", "note": "as ts-mod, decode noise 1, decode rows 30%", "steps": 250,
+                          "train": {"space": "random-table:minilm", "lr": 3e-3, "ema_decay": 0.95},
+                          "recipe": {"decode_noise_scale": 1.0, "decode_prob": 0.3},
+                          "model": {"skip": "gaussian", "time_scale": 1000.0, "head_modulation": True}},
     # ---- references at the full budget: the quickstart itself, and the combination in MiniLM space
     "base-full": {"group": "full-ref", "note": "the quickstart's settings", "steps": 250},
     "minilm-combined": {"group": "full-ref", "note": "MiniLM, lr 3e-3, EMA 0.95", "steps": 250,
@@ -264,7 +320,8 @@ def draw_samples(net, space, recipe, num: int, length: int, steps: int = 32, sam
 def measure(name: str, spec: dict, cfg, run_dir: Path, train_rec: dict, rows: int, num: int, cache_dir=None) -> dict:
     from elflow.checkpoint import load_for_sampling
     from elflow.data import build_dataset
-    from elflow.diagnostics import corpus_vocabulary, latent_moments, validation_report, word_stats
+    from elflow.diagnostics import corpus_vocabulary, validation_report, word_stats
+    from elflow.encoders import latent_moments
     from elflow.flow import Recipe
 
     t0 = time.perf_counter()
@@ -322,6 +379,38 @@ def rank_floors(spaces=("minilm", "random-table:minilm"), length: int = 64, rows
     return out
 
 
+def sampler_sweep(name: str, specs: list[str], seeds=(0, 1), num: int = 32, work: Path = Path("runs/quickstart_study"),
+                  cache_dir=None) -> dict:
+    """Word statistics of one trained configuration's samples under other sampler settings
+    ("SAMPLER:STEPS[:OMEGA]"), each with several seeds: no training."""
+    from elflow.checkpoint import load_for_sampling
+    from elflow.data import build_dataset
+    from elflow.diagnostics import corpus_vocabulary, word_stats
+    from elflow.flow import Recipe
+
+    cfg = train_config(CONFIGS[name], 100)
+    run_dir = work / run_key(cfg)
+    loaded, space = load_for_sampling(run_dir, device="cpu")
+    net = loaded.net.eval()
+    recipe = Recipe.from_dict(cfg.recipe)
+    train_set, val_set = build_dataset(cfg.data, space, cfg.length, layout=cfg.layout, val_fraction=cfg.val_fraction,
+                                       seed=cfg.seed, cache_dir=cache_dir)
+    vocab = corpus_vocabulary(space.decode(train_set.tokens[: min(len(train_set), 4000)]))
+    rows = []
+    for spec in specs:
+        sampler, steps, *rest = spec.split(":")
+        omega = float(rest[0]) if rest else 3.0
+        for seed in seeds:
+            texts = draw_samples(net, space, recipe, num, cfg.length, steps=int(steps), sampler=sampler, omega=omega,
+                                 seed=seed)
+            rows.append({"sampler": sampler, "steps": int(steps), "omega": omega, "seed": seed,
+                         **word_stats(texts, vocab), "first": texts[0][:200]})
+            print(f"  {sampler} {steps} steps omega {omega:g} seed {seed}: word entropy "
+                  f"{rows[-1]['word_entropy']:.2f}, corpus words {rows[-1]['corpus_word_share']:.1%}", flush=True)
+    return {"name": name, "run": run_dir.name, "rows": rows, "real_text": word_stats(space.decode(val_set.tokens[:num]),
+                                                                                     vocab), "machine": machine()}
+
+
 # ----------------------------------------------------------------------------------------------------------
 # the table
 
@@ -374,6 +463,8 @@ def main(argv=None) -> int:
     p.add_argument("--list", action="store_true")
     p.add_argument("--floors", action="store_true", help="the rank floors of the top time bin (no training)")
     p.add_argument("--table-only", action="store_true", help="rewrite the table from the JSON files")
+    p.add_argument("--samplers", nargs="+", default=None, metavar="SAMPLER:STEPS[:OMEGA]",
+                   help="sample the one configuration named with these settings (seeds 0 and 1), no training")
     p.add_argument("--table", default=None, help="the table's file name in --out (default table-<names>.md)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -388,6 +479,13 @@ def main(argv=None) -> int:
         for f in floors:
             print(f"{f['space']:<22} rank {f['rank']:>4}: variance per dim outside {f['variance_outside']:.4f}, "
                   f"floor of the t in [0.5, 1) bin {f['floor_t0.5-1.0']:.2f}")
+        return 0
+    if args.samplers:
+        if len(args.names) != 1 or args.names[0] not in CONFIGS:
+            raise SystemExit("--samplers needs exactly one configuration name")
+        res = sampler_sweep(args.names[0], args.samplers, num=args.num, work=Path(args.work), cache_dir=args.cache_dir)
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / f"samplers-{args.names[0]}.json").write_text(json.dumps(res, indent=1))
         return 0
     wanted = args.names or ["screen"]
     names = []

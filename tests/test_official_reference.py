@@ -63,7 +63,7 @@ def test_decode_outputs(net, ref):
 @torch.no_grad()
 def test_mixed_per_row_gate(net, ref):
     h = net.trunk(ref["in.z"], ref["in.t_mixed"], ref["in.w"], ref["in.x_prev"], ref["in.decoder_step_active_mixed"])
-    assert close(net.denoise_head(h), ref["out.mixed_x"]) < TOL
+    assert close(net.denoise_head(h, ref["in.z"], ref["in.t_mixed"]), ref["out.mixed_x"]) < TOL
     assert close(net.logits_head(h), ref["out.mixed_logits"]) < TOL
 
 

@@ -133,3 +133,19 @@ def test_muon_step_is_the_same_with_either_method_and_torch_is_restored():
     with ns_precision(torch.float32, "spectral"):
         assert muon_impl._zeropower_via_newtonschulz is not original
     assert muon_impl._zeropower_via_newtonschulz is original
+
+
+def test_cosine_decay_after_warmup():
+    import math
+
+    from elflow.optim import lr_at
+
+    lr, warm, total = 3e-3, 10, 110
+    assert [lr_at(s, lr, warm) for s in (0, 9, 10, 109)] == [lr / 10, lr, lr, lr]  # the paper's: constant
+    cos = [lr_at(s, lr, warm, "cosine", total) for s in range(total)]
+    assert cos[:warm] == [lr_at(s, lr, warm) for s in range(warm)]
+    assert all(a >= b for a, b in zip(cos[warm:], cos[warm + 1:]))  # never rises after the warm-up
+    assert math.isclose(cos[warm + 49], lr / 2, rel_tol=1e-9)  # halfway through the decay
+    assert cos[-1] == 0.0
+    with pytest.raises(ValueError):
+        lr_at(50, lr, warm, "cosine")  # no total

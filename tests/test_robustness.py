@@ -230,20 +230,29 @@ def test_print_config_resolves_the_preset_defaults(capsys):
     assert cfg["space"] == "t5-small" and cfg["ema_decay"] == 0.9999 and cfg["lr"] == pytest.approx(2e-3)
 
 
-def test_quickstart_is_a_named_preset_with_its_old_values(capsys):
+def test_quickstart_settings_are_one_named_preset(capsys):
     from types import SimpleNamespace
 
     from elflow.quickstart import demo_config
 
-    args = SimpleNamespace(length=64, batch=32, steps=250, lr=None, seed=0, sample_steps=32, sampler="vc", omega=3.0)
+    args = SimpleNamespace(length=64, batch=32, steps=250, lr=None, space=None, seed=0, sample_steps=64, sampler="vc",
+                           omega=3.0)
     cfg = demo_config(args)
-    expected = dict(preset="demo", data="builtin", space="minilm", length=64, batch=32, steps=250, lr=1e-3,
-                    warmup=50, ema_decay=0.98, adam_heads=True, dtype="auto", seed=0, log_every=10, ckpt_every=62,
-                    keep=2, sample_every=62, sample_steps=32, sample_sampler="vc", sample_omega=3.0)
+    expected = dict(preset="demo", data="builtin", space="random-table:minilm", length=64, batch=32, steps=250,
+                    lr=3e-3, warmup=50, ema_decay=0.95, adam_heads=True, dtype="auto", seed=0, log_every=10,
+                    ckpt_every=62, keep=2, sample_every=62, sample_steps=64, sample_sampler="vc", sample_omega=3.0,
+                    model={"skip": "gaussian", "time_scale": 1000.0, "head_modulation": True}, recipe={})
     assert {k: getattr(cfg, k) for k in expected} == expected
     # the same settings from `elflow train --defaults quickstart`
     code, out, _ = cli(capsys, ["train", "--defaults", "quickstart", "--print-config"])
     assert json.loads(out) == cfg.resolved().to_dict()
+    # --lr and --space replace the preset's and nothing else; the preset itself is not changed
+    mine = demo_config(SimpleNamespace(**{**vars(args), "lr": 1e-3, "space": "minilm"}))
+    assert (mine.lr, mine.space) == (1e-3, "minilm")
+    assert {k: v for k, v in mine.to_dict().items() if k not in ("lr", "space")} == \
+        {k: v for k, v in cfg.to_dict().items() if k not in ("lr", "space")}
+    mine.model["skip"] = "none"
+    assert demo_config(args).model["skip"] == "gaussian"
 
 
 # ----------------------------------------------------------------------------------------------------------

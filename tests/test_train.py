@@ -209,3 +209,44 @@ def test_word_stats_by_hand():
     h = -(2 / 3 * math.log(2 / 3) + 1 / 3 * math.log(1 / 3))
     assert s["word_entropy"] == pytest.approx((h + 0.0) / 2)
     assert s["corpus_word_share"] == pytest.approx(3 / 4)
+
+
+def test_gaussian_skip_run_carries_the_training_moments(tmp_path, tiny_t5_dir, tiny_corpus_file):
+    """`--skip gaussian` from the CLI, with the cosine decay: the stored moments are the training split's
+    own (computed here directly over every scored position), stay frozen, and the run samples and resumes
+    exactly."""
+    from elflow.checkpoint import load_for_sampling
+    from elflow.cli import main
+    from elflow.data import build_dataset
+
+    run, cache = tmp_path / "skip", tmp_path / "cache"
+    args = ["train", "--preset", "tiny", "--data", str(tiny_corpus_file), "--space", f"t5:{tiny_t5_dir}",
+            "--length", "16", "--batch", "4", "--warmup", "2", "--ema-decay", "0.9", "--ckpt-every", "3",
+            "--dtype", "fp32", "--seed", "1", "--skip", "gaussian", "--lr-decay", "cosine", "--log-every", "1", "--quiet",
+            "--cache-dir", str(cache)]
+    assert main(args + ["--steps", "6", "--out", str(run)]) == 0
+    loaded, space = load_for_sampling(run)
+    train_set, _ = build_dataset(str(tiny_corpus_file), space, 16, val_fraction=0.02, seed=1, cache_dir=cache)
+    assert len(train_set) <= 512  # the moments then cover every row
+    x = space.encode(train_set.tokens, attention_mask=train_set.attention_mask).double()[train_set.mask]
+    net = loaded.net
+    assert net.config.skip == "gaussian"
+    assert torch.allclose(net.skip_mean.double(), x.mean(0), atol=1e-5)
+    assert torch.allclose(net.skip_var.double(), x.var(0, unbiased=False), rtol=1e-4)
+    assert net.skip_noise.item() == 2.0  # the recipe's noise scale
+    w3, e3 = checkpoint_weights(run, 3)
+    w6, e6 = checkpoint_weights(run, 6)
+    for k in ("skip_mean", "skip_var", "skip_noise"):
+        assert torch.equal(w3[k], w6[k]) and torch.equal(e6[k], w6[k])  # frozen, and carried by the EMA
+    assert not torch.equal(w3["x_head.weight"], w6["x_head.weight"])
+    lrs = [json.loads(x)["lr"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert lrs[1] == max(lrs) and lrs[-1] == 0.0  # the cosine decay ends at 0
+    # stopped after step 3 and resumed: the same weights as the uninterrupted run
+    from elflow.train import TrainConfig
+
+    cfg = TrainConfig.from_dict(json.loads((run / "run.json").read_text())["train"])
+    part = tmp_path / "part"
+    train(cfg, part, cache_dir=cache, quiet=True, stop_after=3)
+    train(cfg, part, resume=True, cache_dir=cache, quiet=True)
+    assert_same_runs(run, part, 6)
+    assert main(["sample", str(run), "--steps", "4", "--num", "2", "--quiet", "--out", str(tmp_path / "s.jsonl")]) == 0

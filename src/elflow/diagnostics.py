@@ -16,28 +16,14 @@ from collections import Counter
 
 import torch
 
+from elflow.encoders import latent_moments
 from elflow.flow import TIME_BINS, Recipe, time_bin, time_bin_labels
+from elflow.model import gaussian_posterior
 from elflow.schedules import sample_time
 
-__all__ = ["latent_moments", "validation_report", "word_stats", "corpus_vocabulary"]
+__all__ = ["validation_report", "word_stats", "corpus_vocabulary"]
 
 WORD = re.compile(r"[a-z]+(?:'[a-z]+)?")
-
-
-@torch.no_grad()
-def latent_moments(space, dataset, batch: int = 32, max_rows: int = 512, device="cpu"):
-    """Per-dimension mean and variance of the clean embeddings x over (part of) a dataset."""
-    s = s2 = None
-    n = 0
-    for i in range(0, min(len(dataset), max_rows), batch):
-        b = dataset.batch(torch.arange(i, min(i + batch, len(dataset), max_rows)))
-        x = space.encode(b["tokens"].to(device), attention_mask=b.get("attention_mask")).double()
-        m = b["mask"].to(device)[..., None].double()
-        s = (x * m).sum((0, 1)) if s is None else s + (x * m).sum((0, 1))
-        s2 = (x * x * m).sum((0, 1)) if s2 is None else s2 + (x * x * m).sum((0, 1))
-        n += m.sum().item()
-    mu = s / n
-    return mu.float(), (s2 / n - mu * mu).clamp_min(1e-8).float()
 
 
 @torch.no_grad()
@@ -64,8 +50,7 @@ def validation_report(net, space, dataset, recipe: Recipe = Recipe(), moments=No
         z = tt * x + (1 - tt) * recipe.noise_scale * eps
         clip = (1 - tt).clamp_min(recipe.t_eps)
         x_model = net(z, t, torch.ones(B, device=device)).float()  # unconditional prediction, omega = 1
-        gain = tt * var / (tt ** 2 * var + (1 - tt) ** 2 * recipe.noise_scale ** 2)
-        x_base = mu + gain * (z - tt * mu)
+        x_base = gaussian_posterior(z, t, mu, var, recipe.noise_scale)[0]
         bins = time_bin(t.cpu())
         for name, pred in (("model", x_model), ("baseline", x_base)):
             err = ((pred - x) / clip).pow(2).mean(-1)  # (B, L)

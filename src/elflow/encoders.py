@@ -42,6 +42,7 @@ __all__ = [
     "TableSpace",
     "TokenizerSpace",
     "build_space",
+    "latent_moments",
     "check_compatible",
     "minilm_dir",
     "DEFAULT_SPACE",
@@ -608,6 +609,26 @@ def build_space(spec: dict | str, device=None, dtype=None) -> EmbeddingSpace:
                                     int(spec.get("calibrate_sequences", 256)))
         space.calibrate(tokens)
     return space
+
+
+@torch.no_grad()
+def latent_moments(space, dataset, batch: int = 32, max_rows: int = 512, device="cpu"):
+    """Per-dimension mean and variance (C,) of a space's clean embeddings x at a dataset's loss positions,
+    over `max_rows` rows spread evenly over the dataset (all rows of a smaller one)."""
+    rows = torch.linspace(0, len(dataset) - 1, min(len(dataset), max_rows)).round().long().unique()
+    s = s2 = None
+    n = 0
+    for i in range(0, len(rows), batch):
+        b = dataset.batch(rows[i:i + batch])
+        x = space.encode(b["tokens"].to(device), attention_mask=b.get("attention_mask")).double()
+        m = b["mask"].to(device)[..., None].double()
+        s = (x * m).sum((0, 1)) if s is None else s + (x * m).sum((0, 1))
+        s2 = (x * x * m).sum((0, 1)) if s2 is None else s2 + (x * x * m).sum((0, 1))
+        n += m.sum().item()
+    if not n:
+        raise ELFError("the dataset has no scored positions to measure the embeddings' moments on")
+    mu = s / n
+    return mu.float(), (s2 / n - mu * mu).clamp_min(1e-8).float()
 
 
 def check_compatible(stored_space_id: str, space: EmbeddingSpace) -> None:

@@ -10,6 +10,16 @@ port, so their checkpoints load with a key map and no compatibility code in the 
     heads   x_pred = Linear(RMSNorm(h))           (B, L, C), zero-initialised
             logits = Linear(GELU_tanh(Linear(h)))  (B, L, V), on the un-normalised stream
 
+Options for short runs, off in every released model (docs/method.md):
+- `time_scale`: t's factor before its sinusoid features;
+- `head_modulation`: the denoise head's input scaled and shifted by t, as DiT's final layer;
+- `skip="gaussian"`: x_pred = mu + g(t) (z - t mu) + s(t) head(h), the posterior mean and std of a
+  per-dimension Gaussian model of the data (`gaussian_posterior`), so that a fresh network (zero head) is
+  exactly that baseline denoiser and the head learns what the Gaussian model misses, at a scale that shrinks
+  to 0 as t -> 1 (EDM's preconditioning, Karras et al. 2022, with the data's own moments). The moments are
+  frozen parameters set once before training (`set_gaussian_skip`): checkpoints, EMA and distillation carry
+  them like any weight.
+
 `TokenTransformer` is the token-level network of the baseline methods (elflow.ar, elflow.mdlm): the same
 blocks, read from and written to token ids (TokenLMConfig, fit_token_lm to match a parameter count).
 """
@@ -25,7 +35,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 __all__ = ["ELFConfig", "PRESETS", "ELF", "MixedPass", "Block", "RMSNorm", "rope_tables", "timestep_features",
-           "get_config", "TokenLMConfig", "TokenTransformer", "num_params", "token_lm_params", "fit_token_lm"]
+           "get_config", "gaussian_posterior", "SKIPS", "TokenLMConfig", "TokenTransformer", "num_params", "token_lm_params", "fit_token_lm"]
 
 
 class TransformerShape:
@@ -39,6 +49,9 @@ class TransformerShape:
     def mlp_hidden(self) -> int:
         # SwiGLU width rule of the released configs: int(int(4H) * 2/3)
         return int(int(self.hidden * self.mlp_ratio) * 2 / 3)
+
+
+SKIPS = ("none", "gaussian")
 
 
 @dataclass(frozen=True)
@@ -58,6 +71,9 @@ class ELFConfig(TransformerShape):
     mode_tokens: int = 4
     rope_theta: float = 10000.0
     self_cond: bool = True  # input is [z, x_prev]; False only for the authors' self_cond_prob = 0 models
+    skip: str = "none"  # "gaussian": x_pred = Gaussian posterior mean + posterior std * head (module docstring)
+    time_scale: float = 1.0  # t is multiplied by this before its sinusoid features (1 in the released models)
+    head_modulation: bool = False  # the denoise head's input scaled and shifted by t (DiT's final layer)
     grad_checkpoint: bool = False  # recompute each block in backward (memory for compute)
 
     def __post_init__(self):
@@ -68,6 +84,10 @@ class ELFConfig(TransformerShape):
             raise ValueError(f"ELFConfig: hidden {self.hidden} is not divisible by heads {self.heads}")
         if (self.hidden // self.heads) % 2:
             raise ValueError(f"ELFConfig: head dim {self.hidden // self.heads} must be even for RoPE pairs")
+        if not (math.isfinite(self.time_scale) and self.time_scale > 0):
+            raise ValueError(f"ELFConfig: time_scale must be a positive number, got {self.time_scale}")
+        if self.skip not in SKIPS:
+            raise ValueError(f"ELFConfig: skip must be one of {', '.join(SKIPS)}, got {self.skip!r}")
 
     @property
     def num_prefix(self) -> int:
@@ -191,6 +211,18 @@ class Block(nn.Module):
         return h + self.mlp(self.norm2(h))
 
 
+def gaussian_posterior(z, t, mean, var, noise_scale):
+    """Posterior mean and std of x given z = t x + (1 - t) noise_scale e for x ~ N(mean, var) per dimension:
+        E[x | z] = mean + g (z - t mean),  g = t var / (t^2 var + (1 - t)^2 noise_scale^2)
+        Std[x | z] = (1 - t) noise_scale sqrt(var) / sqrt(t^2 var + (1 - t)^2 noise_scale^2)
+    z (B, L, C), t (B,) or a number, mean / var (C,), noise_scale a number or a 0-dim tensor."""
+    t = torch.as_tensor(t, dtype=torch.float32, device=z.device)
+    t = t.reshape(-1, 1, 1) if t.dim() else t
+    spread = (1 - t) * noise_scale
+    total = t * t * var + spread * spread
+    return mean + t * var / total * (z - t * mean), spread * var.sqrt() / total.sqrt()
+
+
 def timestep_features(t: torch.Tensor, size: int = 256, max_period: float = 10000.0) -> torch.Tensor:
     """(B,) -> (B, size): [cos(t f_k), sin(t f_k)], f_k = exp(-ln(max_period) k / (size/2)); t not rescaled."""
     half = size // 2
@@ -259,7 +291,13 @@ class ELF(nn.Module):
         self.blocks = nn.ModuleList(Block(c.hidden, c.heads, c.mlp_hidden) for _ in range(c.depth))
         self.final_norm = RMSNorm(c.hidden)
         self.x_head = nn.Linear(c.hidden, c.dim)
+        if c.head_modulation:  # (shift, scale) of the head's input from the time embedding, zero-initialised
+            self.head_modulation = nn.Linear(c.hidden, 2 * c.hidden)
         self.decode_head = DecodeHead(c.hidden, c.dim, c.vocab_size)
+        if c.skip == "gaussian":  # the data's moments (unit Gaussian until set_gaussian_skip) and noise scale
+            self.skip_mean = nn.Parameter(torch.zeros(c.dim), requires_grad=False)
+            self.skip_var = nn.Parameter(torch.ones(c.dim), requires_grad=False)
+            self.skip_noise = nn.Parameter(torch.ones(()), requires_grad=False)
         cos, sin = rope_tables(c.max_length, c.head_dim, c.num_prefix, c.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -282,6 +320,9 @@ class ELF(nn.Module):
             nn.init.normal_(tok, std=0.02)
         nn.init.zeros_(self.x_head.weight)
         nn.init.zeros_(self.x_head.bias)
+        if self.config.head_modulation:
+            nn.init.zeros_(self.head_modulation.weight)
+            nn.init.zeros_(self.head_modulation.bias)
 
     # -- the shared trunk ----------------------------------------------------------------------------------
     def trunk(self, z, t, omega, x_prev, gate) -> torch.Tensor:
@@ -299,7 +340,7 @@ class ELF(nn.Module):
             elif x_prev is not None:
                 raise ValueError("this network was built without self-conditioning; pass x_prev=None")
             h = self.bottleneck_out(self.bottleneck_in(z))  # (B, L, H)
-            time = self.time_tokens + self.time_embed(t.to(z.device))[:, None, :]  # (B, T, H)
+            time = self.time_tokens + self.time_embed(t.to(z.device) * c.time_scale)[:, None, :]  # (B, T, H)
             om = self.omega_tokens + self.omega_embed(omega.to(z.device))[:, None, :]  # (B, W, H)
             mode = self.mode_tokens * gate.to(z.device, torch.float32)[:, None, None]  # zeros in denoise mode
             h = torch.cat([time, om, mode, h], dim=1)  # (B, P + L, H)
@@ -312,9 +353,36 @@ class ELF(nn.Module):
                 h = block(h, cos, sin)
         return h[:, c.num_prefix:]  # drop the prefix: (B, L, H)
 
-    def denoise_head(self, h: torch.Tensor) -> torch.Tensor:
+    @torch.no_grad()
+    def set_gaussian_skip(self, mean: torch.Tensor, var: torch.Tensor, noise_scale: float) -> None:
+        """Set the per-dimension data moments (C,) and the training path's noise scale of a skip="gaussian"
+        network (before training; they are then carried by its checkpoints)."""
+        if self.config.skip != "gaussian":
+            raise ValueError("set_gaussian_skip: this network was built with skip='none'")
+        C = self.config.dim
+        if mean.shape != (C,) or var.shape != (C,):
+            raise ValueError(f"set_gaussian_skip: mean and var must have shape ({C},), got "
+                             f"{tuple(mean.shape)} and {tuple(var.shape)}")
+        if not (var > 0).all() or not noise_scale > 0:
+            raise ValueError("set_gaussian_skip: var and noise_scale must be positive")
+        self.skip_mean.copy_(mean)
+        self.skip_var.copy_(var)
+        self.skip_noise.fill_(float(noise_scale))
+
+    def denoise_head(self, h: torch.Tensor, z: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """x_pred (B, L, C) from the trunk's output h; z and t are the network's inputs (for skip="gaussian")."""
         with torch.autocast(h.device.type, enabled=False):
-            return self.x_head(self.final_norm(h.float()))  # (B, L, C)
+            h = self.final_norm(h.float())
+            if self.config.head_modulation:
+                time = self.time_embed(t.to(h.device) * self.config.time_scale)  # (B, H)
+                shift, scale = self.head_modulation(F.silu(time)).chunk(2, dim=-1)
+                h = h * (1 + scale[:, None, :]) + shift[:, None, :]
+            out = self.x_head(h)  # (B, L, C)
+            if self.config.skip == "gaussian":
+                mean, std = gaussian_posterior(z.float(), t.to(z.device), self.skip_mean, self.skip_var,
+                                               self.skip_noise)
+                out = mean + std * out
+            return out
 
     def logits_head(self, h: torch.Tensor) -> torch.Tensor:
         with torch.autocast(h.device.type, enabled=False):
@@ -323,7 +391,7 @@ class ELF(nn.Module):
     def forward(self, z, t, omega, x_prev=None) -> torch.Tensor:
         """Denoise: z (B, L, C) at times t (B,) with guidance scales omega (B,) and the self-conditioning
         input x_prev (B, L, C) (None: zeros) -> the predicted clean embeddings x_pred (B, L, C)."""
-        return self.denoise_head(self.trunk(z, t, omega, x_prev, z.new_zeros(z.shape[0])))
+        return self.denoise_head(self.trunk(z, t, omega, x_prev, z.new_zeros(z.shape[0])), z, t)
 
     def decode(self, z, omega) -> torch.Tensor:
         """Read out tokens: the pass at t = 1 with a zero self-conditioning input and the mode tokens on.
@@ -336,7 +404,7 @@ class ELF(nn.Module):
         logits_rows an index tensor of the rows whose logits are wanted.
         -> (x_pred of every row (B, L, C), logits of the chosen rows (len(logits_rows), L, V))."""
         h = self.trunk(z, t, omega, x_prev, gate)
-        return self.denoise_head(h), self.logits_head(h[logits_rows])
+        return self.denoise_head(h, z, t), self.logits_head(h[logits_rows])
 
     def _check_inputs(self, z, t, omega, x_prev):
         c = self.config

@@ -33,6 +33,7 @@ further parameters for Adam explicitly (a token-level baseline's token table, sa
 from __future__ import annotations
 
 import contextlib
+import math
 import warnings
 
 import torch
@@ -41,10 +42,10 @@ import torch.optim._muon as _muon_impl
 from elflow.utils import fast_bf16  # noqa: F401  (re-exported: the optimiser and the CLIs ask it)
 
 __all__ = ["ELFOptimizer", "newton_schulz", "ns_precision", "NS_METHODS", "resolve_ns_method", "method_for",
-           "spectral_pays", "fast_bf16", "EMA", "base_lr", "lr_at", "HEAD_PREFIXES"]
+           "spectral_pays", "fast_bf16", "EMA", "base_lr", "lr_at", "LR_DECAYS", "HEAD_PREFIXES"]
 
-HEAD_PREFIXES = ("x_head.", "decode_head.", "self_cond_proj.", "bottleneck_in.", "bottleneck_out.",
-                 "time_embed.", "omega_embed.")
+HEAD_PREFIXES = ("x_head.", "head_modulation.", "decode_head.", "self_cond_proj.", "bottleneck_in.",
+                 "bottleneck_out.", "time_embed.", "omega_embed.")
 
 
 def base_lr(batch: int, blr: float = 1e-3) -> float:
@@ -52,11 +53,20 @@ def base_lr(batch: int, blr: float = 1e-3) -> float:
     return blr * batch / 256
 
 
-def lr_at(step: int, lr: float, warmup: int) -> float:
-    """Linear warm-up over `warmup` optimiser steps, then constant."""
-    if warmup <= 0:
+LR_DECAYS = ("constant", "cosine")
+
+
+def lr_at(step: int, lr: float, warmup: int, decay: str = "constant", total: int | None = None) -> float:
+    """Linear warm-up over `warmup` optimiser steps, then constant (the paper's schedule) or, with
+    decay="cosine", a half cosine from lr down to 0 at step `total` (steps counted from 0)."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    if decay == "constant":
         return lr
-    return lr * min(1.0, (step + 1) / warmup)
+    if decay != "cosine" or not total:
+        raise ValueError(f"lr_at: decay must be 'constant', or 'cosine' with a total step count; got {decay!r}")
+    done = min(1.0, (step - warmup + 1) / max(total - warmup, 1))
+    return lr * 0.5 * (1.0 + math.cos(math.pi * done))
 
 
 NS_METHODS = ("auto", "iterate", "spectral", "by-shape")

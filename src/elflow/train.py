@@ -32,8 +32,8 @@ import torch.distributed as dist
 from elflow.data import PAIR_TASKS, encoder_mask
 from elflow.flow import SAMPLERS, TIME_BINS, Recipe, draw_training_noise, elf_loss, time_bin, time_bin_labels
 from elflow.methods import MATCHES, METHOD_NAMES, fit_shape, get_method, table_names
-from elflow.model import ELF, PRESETS, MixedPass, get_config, num_params
-from elflow.optim import EMA, NS_METHODS, ELFOptimizer, base_lr, lr_at
+from elflow.model import ELF, PRESETS, SKIPS, MixedPass, get_config, num_params
+from elflow.optim import EMA, LR_DECAYS, NS_METHODS, ELFOptimizer, base_lr, lr_at
 from elflow.utils import (ELFError, FolderLock, atomic_write, atomic_write_json, autocast, check_device,
                           check_output, no_space_error, resolve_dtype)
 
@@ -114,6 +114,8 @@ class TrainConfig:
     steps: int = setting(1000, "optimiser steps (the schedule's length)", check=AT_LEAST_1, mutable=True)
     lr: float | None = setting(None, "learning rate", default_help="1e-3 x batch / 256", check=POSITIVE)
     warmup: int = setting(100, "linear warm-up steps", check=AT_LEAST_0)
+    lr_decay: str = setting("constant", "after the warm-up: constant (the paper's) or a cosine decay to 0 at the "
+                                        "run's last step (short runs)", choices=LR_DECAYS)
     ema_decay: float | None = setting(None, "EMA decay of the weights used for sampling",
                                       default_help=f"{SMALL_EMA} for tiny and demo, 0.9999 otherwise", check=UNIT)
     adam_heads: bool = setting(False, "optimise output heads and embedders with Adam instead of Muon "
@@ -171,7 +173,7 @@ class TrainConfig:
         if name not in RUN_PRESETS:
             raise ELFError(f"unknown settings preset {name!r}; choose one of {', '.join(RUN_PRESETS)}")
         base, derived = RUN_PRESETS[name]
-        values = {**base, **overrides}
+        values = {k: dict(v) if isinstance(v, dict) else v for k, v in {**base, **overrides}.items()}
         for key, fn in derived.items():
             if key not in overrides:
                 values[key] = fn(values)
@@ -217,16 +219,19 @@ class TrainConfig:
                            f"{self.length}; use a longer --length or a shorter --source-length")
         for key, (_, _, check, _) in NESTED_FLAGS.items():
             d = getattr(self, key[0])
-            if key[1] in d and d[key[1]] is not None and not check[0](d[key[1]]):
+            if check and key[1] in d and d[key[1]] is not None and not check[0](d[key[1]]):
                 raise ELFError(f"--{key[1].replace('_', '-')} must be a number {check[1]}, got {d[key[1]]!r}")
 
 
 # named presets of settings: (values, settings derived from the others unless given)
 RUN_PRESETS: dict[str, tuple[dict, dict]] = {
     # `elflow quickstart`: the demo network on the built-in corpus, tuned on a 2-core CPU (README)
+    # (benchmarks/RESULTS.md, section 8): a random table over MiniLM's tokenizer, lr 3e-3, EMA 0.95, and the
+    # network options for short runs (docs/method.md)
     "quickstart": (
-        dict(preset="demo", data="builtin", space="minilm", length=64, batch=32, steps=250, lr=1e-3, warmup=50,
-             ema_decay=0.98, adam_heads=True, dtype="auto", log_every=10, keep=2, sample_sampler="vc"),
+        dict(preset="demo", data="builtin", space="random-table:minilm", length=64, batch=32, steps=250, lr=3e-3,
+             warmup=50, ema_decay=0.95, adam_heads=True, dtype="auto", log_every=10, keep=2, sample_sampler="vc",
+             sample_steps=64, model={"skip": "gaussian", "time_scale": 1000.0, "head_modulation": True}),
         dict(ckpt_every=lambda v: max(v["steps"] // 4, 1), sample_every=lambda v: max(v["steps"] // 4, 1)),
     ),
     # the paper's conditional tasks: ELF-B in T5-small's space, decode corruption 1.0, warm-up 5,000
@@ -241,10 +246,24 @@ NESTED_FLAGS: dict[tuple[str, str], tuple] = {
     ("model", "depth"): (int, "transformer blocks", AT_LEAST_1, "the preset's"),
     ("model", "hidden"): (int, "hidden width", AT_LEAST_1, "the preset's"),
     ("model", "heads"): (int, "attention heads", AT_LEAST_1, "the preset's"),
+    ("model", "skip"): (SKIPS, "denoise head: none = the released networks' x = head(h); gaussian = the data's "
+                        "per-dimension Gaussian posterior mean + posterior std x head(h), a network that starts as "
+                        "that baseline denoiser", None, "the preset's"),
+    ("model", "time_scale"): (float, "factor on t before its sinusoid features (1 in the released networks, whose "
+                                     "features then barely change over t in [0, 0.1]; DiT uses 1000)", POSITIVE,
+                              "the preset's"),
+    ("model", "head_modulation"): (bool, "scale and shift the denoise head's input by t (DiT's final "
+                                                     "layer; absent from the released networks)", None, "the preset's"),
     ("recipe", "decode_noise_scale"): (float, "decode corruption scale", POSITIVE, "5; 1 for conditional runs"),
 }
 
 MUTABLE = tuple(f.name for f in fields(TrainConfig) if f.metadata.get("mutable"))
+
+
+def _true_or_false(text: str) -> bool:
+    if text.lower() not in ("true", "false"):
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return text.lower() == "true"
 
 
 def _flag(f) -> str:
@@ -729,11 +748,14 @@ class Setup:
     steps: int  # the schedule's length (cfg.steps, or cfg.epochs passes over the data)
     warmup: int
 
+    def lr_at(self, step: int) -> float:
+        return lr_at(step, self.lr, self.warmup, self.cfg.lr_decay, self.steps)
+
 
 def setup_run(cfg: TrainConfig, rank: int, world: int, local: int, device, cache_dir=None) -> Setup:
     """Build the space, the data, the network and the optimiser: every check that needs them happens here."""
     from elflow.data import Batches, build_dataset
-    from elflow.encoders import build_space
+    from elflow.encoders import build_space, latent_moments
 
     micro = cfg.micro_batch or max(1, cfg.batch // world)
     if cfg.batch % (world * micro):
@@ -764,6 +786,8 @@ def setup_run(cfg: TrainConfig, rank: int, world: int, local: int, device, cache
     recipe = Recipe.from_dict({"decode_noise_scale": 1.0, **cfg.recipe} if cfg.source_length else cfg.recipe)
     if cfg.method == "elf":
         net = ELF(mcfg).to(device)
+        if mcfg.skip == "gaussian":  # the Gaussian model's moments, from the training split
+            net.set_gaussian_skip(*latent_moments(space, train_set, device=device), recipe.noise_scale)
         params = {"model": net.num_params(), "elf": net.num_params(), "match": cfg.match}
         # the optimiser names a trainable space's parameters "space.<name>" beside the network's
         named = list(net.named_parameters()) + [("space." + n, p) for n, p in space.named_parameters()
@@ -926,7 +950,7 @@ def train_loop(run: Setup, out: Path, start: int, quiet: bool = False, stop_afte
     t_start = time.perf_counter()
     try:
         for step in range(start, end):
-            run.optimizer.set_lr(lr_at(step, run.lr, run.warmup))
+            run.optimizer.set_lr(run.lr_at(step))
             global_batch = next(run.batches)
             shards = [{k: (v[a * micro:(a + 1) * micro] if torch.is_tensor(v) else v)
                        for k, v in global_batch.items()} for a in range(run.accum)]
@@ -967,7 +991,7 @@ def train_loop(run: Setup, out: Path, start: int, quiet: bool = False, stop_afte
                               for k, p in zip(keys, parts)}
                 rec = summarize(totals, n_logged)
                 dt = time.perf_counter() - t_log
-                rec.update(step=done, lr=lr_at(step, run.lr, run.warmup),
+                rec.update(step=done, lr=run.lr_at(step),
                            tokens_per_s=tokens_per_step * n_logged / dt, elapsed=dt)
                 log.log({"kind": "train", **rec})
                 log.advance(n_logged, {"loss": f"{rec['loss']:.3f}", "tok/s": f"{rec['tokens_per_s']:.0f}"})
@@ -1108,8 +1132,14 @@ def add_arguments(p) -> None:
             kw["metavar"] = _flag(f)[2:].upper().replace("-", "_")
         cfg_group.add_argument(_flag(f), **kw)
     for (key, sub), (typ, text, _, default_text) in NESTED_FLAGS.items():
-        cfg_group.add_argument("--" + sub.replace("_", "-"), type=typ, default=S, dest=f"{key}.{sub}",
-                               metavar=sub.upper(), help=_help(text, default_text))
+        if isinstance(typ, tuple):
+            kind = {"choices": typ}
+        elif typ is bool:
+            kind = {"type": _true_or_false, "metavar": "true|false"}
+        else:
+            kind = {"type": typ, "metavar": sub.upper()}
+        cfg_group.add_argument("--" + sub.replace("_", "-"), default=S, dest=f"{key}.{sub}", **kind,
+                               help=_help(text, default_text))
     cfg_group.add_argument("--defaults", default=S, choices=tuple(RUN_PRESETS),
                            help=_help("start from a named set of settings (quickstart: what `elflow quickstart` "
                                       "trains); other flags override it", "none"))
