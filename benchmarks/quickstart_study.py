@@ -30,6 +30,9 @@ exist is not trained again.
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/quickstart_study.py screen --steps 100
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/quickstart_study.py full
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/quickstart_study.py full-ref rt-wide384
+    OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/quickstart_study.py round2
+    OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/quickstart_study.py rt-skip rt-skip-ts1000 ts-mod --fine-bins
+    OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/quickstart_study.py ts-mod --samplers vc:32 vc:64 vc:16 ode:32
     PYTHONPATH=src python benchmarks/quickstart_study.py --table-only screen --table table-screen.md
 """
 
@@ -174,15 +177,21 @@ def machine() -> dict:
             "torch": torch.__version__, "python": platform.python_version()}
 
 
+# where every configuration starts: the quickstart's settings before this study (round 1's `base`)
+STUDY_BASE = dict(space="minilm", lr=1e-3, ema_decay=0.98, model={}, recipe={})
+
+
 def train_config(spec: dict, steps: int, seed: int = 0):
-    """The quickstart's TrainConfig with the configuration's overrides; checkpoints at the end only."""
+    """The study's base TrainConfig with the configuration's overrides; checkpoints at the end only."""
     from elflow.quickstart import demo_config
 
     over = dict(spec.get("train", {}))
     n = spec.get("steps") or max(1, round(steps * spec.get("steps_scale", 1.0)))
-    args = SimpleNamespace(length=over.pop("length", 64), batch=over.pop("batch", 32), steps=n, lr=None, seed=seed,
-                           sample_steps=32, sampler="vc", omega=3.0)
+    args = SimpleNamespace(length=over.pop("length", 64), batch=over.pop("batch", 32), steps=n, lr=None, space=None,
+                           seed=seed, sample_steps=32, sampler="vc", omega=3.0)
     cfg = demo_config(args)
+    for k, v in STUDY_BASE.items():
+        setattr(cfg, k, dict(v) if isinstance(v, dict) else v)
     for k, v in over.items():
         if not hasattr(cfg, k):
             raise SystemExit(f"TrainConfig has no field {k!r}")
@@ -379,6 +388,14 @@ def rank_floors(spaces=("minilm", "random-table:minilm"), length: int = 64, rows
     return out
 
 
+def trained_run(name: str, cfg, work: Path) -> Path:
+    """The run folder a measured configuration was trained in (as its JSON records), else its key's."""
+    measured = ROOT / "results" / "quickstart_study" / f"{name}.json"
+    if measured.exists():
+        return work / json.loads(measured.read_text())["run"]
+    return work / run_key(cfg)
+
+
 def sampler_sweep(name: str, specs: list[str], seeds=(0, 1), num: int = 32, work: Path = Path("runs/quickstart_study"),
                   cache_dir=None) -> dict:
     """Word statistics of one trained configuration's samples under other sampler settings
@@ -389,7 +406,7 @@ def sampler_sweep(name: str, specs: list[str], seeds=(0, 1), num: int = 32, work
     from elflow.flow import Recipe
 
     cfg = train_config(CONFIGS[name], 100)
-    run_dir = work / run_key(cfg)
+    run_dir = trained_run(name, cfg, work)
     loaded, space = load_for_sampling(run_dir, device="cpu")
     net = loaded.net.eval()
     recipe = Recipe.from_dict(cfg.recipe)
@@ -409,6 +426,44 @@ def sampler_sweep(name: str, specs: list[str], seeds=(0, 1), num: int = 32, work
                   f"{rows[-1]['word_entropy']:.2f}, corpus words {rows[-1]['corpus_word_share']:.1%}", flush=True)
     return {"name": name, "run": run_dir.name, "rows": rows, "real_text": word_stats(space.decode(val_set.tokens[:num]),
                                                                                      vocab), "machine": machine()}
+
+
+@torch.no_grad()
+def fine_bins(name: str, edges=(0.0, 0.005, 0.02, 0.05, 0.1, 0.15, 0.2), rows: int = 128,
+              work: Path = Path("runs/quickstart_study"), cache_dir=None) -> list[dict]:
+    """The low-t end in finer bins for one trained configuration: its loss, the baseline's, and the variance
+    per dimension of what the network adds to its own Gaussian skip (a skip network's correction)."""
+    from elflow.checkpoint import load_for_sampling
+    from elflow.data import build_dataset
+    from elflow.encoders import latent_moments
+    from elflow.flow import Recipe
+    from elflow.model import gaussian_posterior
+
+    cfg = train_config(CONFIGS[name], 100)
+    loaded, space = load_for_sampling(trained_run(name, cfg, work), device="cpu")
+    net, recipe = loaded.net.eval(), Recipe.from_dict(cfg.recipe)
+    _, val_set = build_dataset(cfg.data, space, cfg.length, layout=cfg.layout, val_fraction=cfg.val_fraction,
+                               seed=cfg.seed, cache_dir=cache_dir)
+    mu, var = latent_moments(space, val_set)
+    x = space.encode(val_set.tokens[:rows]).float()
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for lo, hi in zip(edges, edges[1:]):
+        t = lo + (hi - lo) * torch.rand(len(x), generator=g)
+        tt = t[:, None, None]
+        z = tt * x + (1 - tt) * recipe.noise_scale * torch.randn(x.shape, generator=g)
+        pred = torch.cat([net(z[i:i + 32], t[i:i + 32], torch.ones(len(t[i:i + 32])))
+                          for i in range(0, len(x), 32)])
+        loss = lambda p: (((p - x) / (1 - tt).clamp_min(recipe.t_eps)) ** 2).mean().item()  # noqa: E731
+        row = {"t": f"{lo}-{hi}", "model": loss(pred),
+               "baseline": loss(gaussian_posterior(z, t, mu, var, recipe.noise_scale)[0])}
+        if net.config.skip == "gaussian":
+            own = gaussian_posterior(z, t, net.skip_mean, net.skip_var, net.skip_noise)[0]
+            row["correction_variance"] = (pred - own).var((0, 1)).mean().item()
+        out.append(row)
+        print(f"  t {lo}-{hi}: model {row['model']:.4f}, baseline {row['baseline']:.4f}"
+              + (f", correction variance {row['correction_variance']:.4f}" if "correction_variance" in row else ""))
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -463,6 +518,8 @@ def main(argv=None) -> int:
     p.add_argument("--list", action="store_true")
     p.add_argument("--floors", action="store_true", help="the rank floors of the top time bin (no training)")
     p.add_argument("--table-only", action="store_true", help="rewrite the table from the JSON files")
+    p.add_argument("--fine-bins", action="store_true",
+                   help="the low-t end in finer bins for the configurations named (trained already)")
     p.add_argument("--samplers", nargs="+", default=None, metavar="SAMPLER:STEPS[:OMEGA]",
                    help="sample the one configuration named with these settings (seeds 0 and 1), no training")
     p.add_argument("--table", default=None, help="the table's file name in --out (default table-<names>.md)")
@@ -486,6 +543,14 @@ def main(argv=None) -> int:
         res = sampler_sweep(args.names[0], args.samplers, num=args.num, work=Path(args.work), cache_dir=args.cache_dir)
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / f"samplers-{args.names[0]}.json").write_text(json.dumps(res, indent=1))
+        return 0
+    if args.fine_bins:
+        res = {}
+        for n in args.names:
+            print(n)
+            res[n] = fine_bins(n, work=Path(args.work), cache_dir=args.cache_dir)
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "fine_bins.json").write_text(json.dumps({"bins": res, "machine": machine()}, indent=1))
         return 0
     wanted = args.names or ["screen"]
     names = []

@@ -35,7 +35,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 __all__ = ["ELFConfig", "PRESETS", "ELF", "MixedPass", "Block", "RMSNorm", "rope_tables", "timestep_features",
-           "get_config", "gaussian_posterior", "SKIPS", "TokenLMConfig", "TokenTransformer", "num_params", "token_lm_params", "fit_token_lm"]
+           "get_config", "gaussian_posterior", "SKIPS", "TokenLMConfig", "TokenTransformer", "num_params",
+           "token_lm_params", "fit_token_lm"]
 
 
 class TransformerShape:
