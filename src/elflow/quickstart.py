@@ -33,10 +33,13 @@ def add_arguments(p) -> None:
     p.add_argument("--steps", type=int, default=DEMO_STEPS, help="training steps")
     p.add_argument("--batch", type=int, default=32, help="rows per optimiser step")
     p.add_argument("--length", type=int, default=64, help="sequence length L")
-    p.add_argument("--lr", type=float, default=None, help="learning rate (default: the quickstart preset's)")
+    from elflow.train import RUN_PRESETS
+
+    preset = RUN_PRESETS["quickstart"][0]
+    p.add_argument("--lr", type=float, default=None, help=f"learning rate (default: {preset['lr']:g})")
     p.add_argument("--space", default=None,
-                   help="embedding space (default: the quickstart preset's; e.g. minilm for the MiniLM-L6 encoder's "
-                        "own contextual space, which learns more slowly in this budget: README)")
+                   help=f"embedding space (default: {preset['space']}; minilm trains in the MiniLM-L6 encoder's own "
+                        "contextual space, which learns more slowly in this budget: README)")
     p.add_argument("--sampler", choices=SAMPLERS, default=DEMO_SAMPLER,
                    help="sampler for the final samples (chosen for the demo by measurement)")
     p.add_argument("--sample-steps", type=int, default=DEMO_SAMPLE_STEPS,
