@@ -282,6 +282,7 @@ def binned_loss(net, space, dataset, recipe, moments, rows: int = 128, batch: in
     """Held-out denoising loss per time bin, network vs the Gaussian posterior mean, t uniform in each bin.
     The same rows, times and noise for every network of a given length and width of space."""
     from elflow.flow import TIME_BINS, time_bin_labels
+    from elflow.model import gaussian_posterior
 
     mu, var = moments
     n = min(rows, len(dataset))
@@ -301,8 +302,7 @@ def binned_loss(net, space, dataset, recipe, moments, rows: int = 128, batch: in
             z = tt * x + (1 - tt) * recipe.noise_scale * eps
             clip = (1 - tt).clamp_min(recipe.t_eps)
             preds = {"model": net(z, t, torch.ones(B)).float(),
-                     "baseline": mu + tt * var / (tt ** 2 * var + (1 - tt) ** 2 * recipe.noise_scale ** 2)
-                     * (z - tt * mu)}
+                     "baseline": gaussian_posterior(z, t, mu, var, recipe.noise_scale)[0]}
             for name, pred in preds.items():
                 err = ((pred - x) / clip).pow(2).mean(-1)
                 sums[name][k] += ((err * mask).sum(-1) / mask.sum(-1).clamp_min(1)).double().sum().item()

@@ -326,6 +326,10 @@ class ELF(nn.Module):
             nn.init.zeros_(self.head_modulation.bias)
 
     # -- the shared trunk ----------------------------------------------------------------------------------
+    def embed_time(self, t: torch.Tensor) -> torch.Tensor:
+        """(B,) flow times -> (B, H): the time embedding of the prefix tokens (and of the head modulation)."""
+        return self.time_embed(t * self.config.time_scale)
+
     def trunk(self, z, t, omega, x_prev, gate) -> torch.Tensor:
         """The transformer's output at the L text positions, (B, L, H); P = num_prefix tokens come first.
 
@@ -341,7 +345,7 @@ class ELF(nn.Module):
             elif x_prev is not None:
                 raise ValueError("this network was built without self-conditioning; pass x_prev=None")
             h = self.bottleneck_out(self.bottleneck_in(z))  # (B, L, H)
-            time = self.time_tokens + self.time_embed(t.to(z.device) * c.time_scale)[:, None, :]  # (B, T, H)
+            time = self.time_tokens + self.embed_time(t.to(z.device))[:, None, :]  # (B, T, H)
             om = self.omega_tokens + self.omega_embed(omega.to(z.device))[:, None, :]  # (B, W, H)
             mode = self.mode_tokens * gate.to(z.device, torch.float32)[:, None, None]  # zeros in denoise mode
             h = torch.cat([time, om, mode, h], dim=1)  # (B, P + L, H)
@@ -375,8 +379,7 @@ class ELF(nn.Module):
         with torch.autocast(h.device.type, enabled=False):
             h = self.final_norm(h.float())
             if self.config.head_modulation:
-                time = self.time_embed(t.to(h.device) * self.config.time_scale)  # (B, H)
-                shift, scale = self.head_modulation(F.silu(time)).chunk(2, dim=-1)
+                shift, scale = self.head_modulation(F.silu(self.embed_time(t.to(h.device)))).chunk(2, dim=-1)
                 h = h * (1 + scale[:, None, :]) + shift[:, None, :]
             out = self.x_head(h)  # (B, L, C)
             if self.config.skip == "gaussian":

@@ -252,8 +252,8 @@ NESTED_FLAGS: dict[tuple[str, str], tuple] = {
     ("model", "time_scale"): (float, "factor on t before its sinusoid features (1 in the released networks, whose "
                                      "features then barely change over t in [0, 0.1]; DiT uses 1000)", POSITIVE,
                               "the preset's"),
-    ("model", "head_modulation"): (bool, "scale and shift the denoise head's input by t (DiT's final "
-                                                     "layer; absent from the released networks)", None, "the preset's"),
+    ("model", "head_modulation"): (bool, "scale and shift the denoise head's input by t (DiT's final layer; "
+                                         "absent from the released networks)", None, "the preset's"),
     ("recipe", "decode_noise_scale"): (float, "decode corruption scale", POSITIVE, "5; 1 for conditional runs"),
 }
 
