@@ -168,15 +168,17 @@ def test_one_optimiser_step_lowers_the_distillation_error_on_a_fixed_batch():
     assert after.item() == pytest.approx(expect.item(), rel=1e-5)
 
 
-def test_decode_rows_score_the_cross_entropy():
+@pytest.mark.parametrize("clean", [0.0, 0.5])
+def test_decode_rows_score_the_cross_entropy(clean):
     from elflow.flow import Recipe
 
     teacher, student = _tiny_pair(1)
     B, L, C = 4, 8, teacher.config.dim
-    recipe = Recipe(decode_prob=1.0)
+    recipe = Recipe(decode_prob=1.0, decode_clean_prob=clean)
     g = torch.Generator().manual_seed(5)
     draw = distill.draw_distill_noise((B, L, C), recipe, 0.5, 2, g, torch.Generator().manual_seed(6))
     assert draw.decode.all() and not draw.self_cond.any() and (draw.t == 1).all()
+    assert (draw.p == 1).any() == (clean > 0)  # the teacher's recipe decides the clean share
     x = torch.randn(B, L, C, generator=g)
     tokens = torch.randint(0, teacher.config.vocab_size, (B, L), generator=g)
     with torch.no_grad():

@@ -76,6 +76,32 @@ def test_pass_reuse_equals_the_three_pass_listing_in_loss_and_gradient():
     assert metrics["bin_n"].sum().item() == B - n_dec
 
 
+def test_clean_decode_tokens_change_only_the_decode_levels_they_pick():
+    """decode_clean_prob q sets about a share q of the levels to exactly 1 (the sigmoid draw never gives 1);
+    every other draw of the batch, and every level not picked, equals the released recipe's draw."""
+    shape = (64, 32, 8)
+    gens = lambda: dict(generator=torch.Generator().manual_seed(7), cpu_generator=torch.Generator().manual_seed(8))
+    base = draw_training_noise(shape, Recipe(), **gens())
+    d = draw_training_noise(shape, Recipe(decode_clean_prob=0.25), **gens())
+    assert not (base.p == 1).any()
+    clean = d.p == 1
+    n = clean.numel()
+    assert abs(clean.float().mean().item() - 0.25) < 4 * math.sqrt(0.25 * 0.75 / n)  # 4 binomial sigmas
+    assert torch.equal(d.p[~clean], base.p[~clean])
+    for name in ("t", "omega", "eps", "decode", "self_cond", "drop_source"):
+        assert torch.equal(getattr(d, name), getattr(base, name)), name
+    # a clean decode row is read from x itself: the loss equals the listing's with p = 1 there
+    r = Recipe(decode_clean_prob=0.5)
+    net = tiny_net(2)
+    x = torch.randn(16, 12, 32)
+    tokens = torch.randint(0, 100, (16, 12))
+    d = draw_training_noise((16, 12, 32), r, generator=torch.Generator().manual_seed(3),
+                            cpu_generator=torch.Generator().manual_seed(4))
+    assert (d.p[d.decode] == 1).any()
+    loss, _ = elf_loss(net, x, tokens, d, r)
+    assert loss.item() == pytest.approx(listing_loss(net, x, tokens, d, r).item(), rel=1e-5)
+
+
 def test_guidance_target_vanishes_at_omega_one_and_without_self_conditioning():
     """At omega = 1 the correction (1 - 1/omega) is zero, so the loss equals the plain-target loss."""
     r = Recipe(decode_prob=0.0, self_cond_prob=1.0)

@@ -123,6 +123,7 @@ CASES = [
     ("train-length-0", ["train", "--length", "0", "--print-config"], ["--length must be a number >= 1"]),
     ("train-val-fraction-1", ["train", "--val-fraction", "1", "--print-config"], ["--val-fraction"]),
     ("train-depth-0", ["train", "--depth", "0", "--print-config"], ["--depth must be a number >= 1"]),
+    ("train-decode-clean-1", ["train", "--decode-clean-prob", "1", "--print-config"], ["--decode-clean-prob", "[0, 1)"]),
     ("toy-gamma-negative", ["toy", "--gamma", "-1", "--sampler", "sde"], ["--gamma", ">= 0"]),
     ("toy-gamma-nan", ["toy", "--gamma", "nan", "--sampler", "sde"], ["--gamma", "nan"]),
     ("schedules-samples-0", ["schedules", "--samples", "0"], ["--samples must be at least 2"]),

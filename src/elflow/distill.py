@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from elflow.flow import Recipe, _index, euler_step
-from elflow.schedules import T_MEAN, T_STD, sample_decode_level, sample_guidance, sample_time
+from elflow.flow import Recipe, _index, decode_levels, euler_step
+from elflow.schedules import T_MEAN, T_STD, sample_guidance, sample_time
 from elflow.utils import ELFError, atomic_write_json
 
 __all__ = ["teacher_init", "pd_target", "sample_sub_step_times", "DistillDraw", "draw_distill_noise",
@@ -134,7 +134,7 @@ def draw_distill_noise(shape, recipe: Recipe, step_size: float, teacher_steps: i
     u = sample_time(B, generator).to(device)
     omega = sample_guidance(B, generator, recipe.omega_low, recipe.omega_high).to(device)
     eps = torch.randn(B, L, C, generator=generator, device=device)
-    p = sample_decode_level((B, L, 1), generator).to(device)
+    p = decode_levels((B, L, 1), recipe, generator, device)
     t_s = u * max(1.0 - step_size, STEP_SIZE_FLOOR)
     t_t = t_s + step_size
     sub = sample_sub_step_times(t_s, t_t, teacher_steps, generator)

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from elflow.schedules import sample_decode_level, sample_guidance, sample_time, time_grid
 
 __all__ = [
-    "Recipe", "Draw", "draw_training_noise", "elf_loss", "TIME_BINS", "time_bin", "time_bin_labels",
+    "Recipe", "Draw", "decode_levels", "draw_training_noise", "elf_loss", "TIME_BINS", "time_bin", "time_bin_labels",
     "euler_step", "ode_step", "sde_step", "SAMPLERS", "check_sampling_args", "sample", "decode_tokens",
     "generate_tokens",
 ]
@@ -42,6 +42,7 @@ class Recipe:
     decode_prob: float = 0.2
     self_cond_prob: float = 0.5
     decode_noise_scale: float = 5.0  # 1.0 for translation and summarisation
+    decode_clean_prob: float = 0.0  # share of decode-row tokens left clean (p = 1); 0 in the released recipe
     omega_low: float = 0.5
     omega_high: float = 5.0
     source_drop_prob: float = 0.1  # conditional data only
@@ -74,6 +75,20 @@ class Draw:
     drop_source: torch.Tensor  # (B,) bool, CPU, conditional data only
 
 
+def decode_levels(shape, recipe: Recipe, generator: torch.Generator | None = None, device=None) -> torch.Tensor:
+    """The decode branch's corruption levels p (one per token), a share recipe.decode_clean_prob of them set to
+    1 (clean). The clean draw comes after the levels, so that at share 0 the random stream is the released one."""
+    p = sample_decode_level(shape, generator).to(device)
+    if recipe.decode_clean_prob > 0:
+        clean = torch.rand(tuple(shape), generator=generator, device=_generator_device(generator, device))
+        p = torch.where(clean.to(p.device) < recipe.decode_clean_prob, torch.ones_like(p), p)
+    return p
+
+
+def _generator_device(generator, device):
+    return generator.device if generator is not None else device
+
+
 def draw_training_noise(shape, recipe: Recipe, generator: torch.Generator | None = None,
                         cpu_generator: torch.Generator | None = None, device=None,
                         conditional: bool = False) -> Draw:
@@ -86,7 +101,7 @@ def draw_training_noise(shape, recipe: Recipe, generator: torch.Generator | None
     t = sample_time(B, generator, recipe.t_mean, recipe.t_std).to(device)
     omega = sample_guidance(B, generator, recipe.omega_low, recipe.omega_high).to(device)
     eps = torch.randn(B, L, C, generator=generator, device=device)
-    p = sample_decode_level((B, L, 1), generator).to(device)
+    p = decode_levels((B, L, 1), recipe, generator, device)
     t = torch.where(decode.to(device), torch.ones_like(t), t)
     return Draw(t=t, omega=omega, eps=eps, p=p, decode=decode, self_cond=self_cond, drop_source=drop_source)
 

@@ -255,6 +255,9 @@ NESTED_FLAGS: dict[tuple[str, str], tuple] = {
     ("model", "head_modulation"): (bool, "scale and shift the denoise head's input by t (DiT's final layer; "
                                          "absent from the released networks)", None, "the preset's"),
     ("recipe", "decode_noise_scale"): (float, "decode corruption scale", POSITIVE, "5; 1 for conditional runs"),
+    ("recipe", "decode_clean_prob"): (float, "share of the decode rows' tokens given clean (p = 1) instead of a "
+                                             "corrupted level, so that the readout of clean embeddings is exact",
+                                      UNIT, "0, as released"),
 }
 
 MUTABLE = tuple(f.name for f in fields(TrainConfig) if f.metadata.get("mutable"))
