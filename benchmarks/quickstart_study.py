@@ -54,11 +54,11 @@ import torch
 
 ROOT = Path(__file__).resolve().parent
 
-def round3(note: str, steps: int = 250, **recipe) -> dict:
-    """A round-3 configuration: ts-mod (the quickstart's settings) with Recipe overrides."""
+def round3(note: str, steps: int = 250, model: dict | None = None, **recipe) -> dict:
+    """A round-3 configuration: ts-mod (the quickstart's settings) with ELFConfig and Recipe overrides."""
     return {"group": "round3", "note": note, "steps": steps, "recipe": recipe,
             "train": {"space": "random-table:minilm", "lr": 3e-3, "ema_decay": 0.95},
-            "model": {"skip": "gaussian", "time_scale": 1000.0, "head_modulation": True}}
+            "model": {"skip": "gaussian", "time_scale": 1000.0, "head_modulation": True, **(model or {})}}
 
 
 # name -> {"group", "note", "train": TrainConfig overrides, "recipe": Recipe overrides, "model": ELFConfig
@@ -158,9 +158,9 @@ CONFIGS: dict[str, dict] = {
     # ---- round 3: a readout that is exact on clean embeddings and still reads the sampler's blends in context
     "ts-mod-clean0.1": round3("as ts-mod, 10% of decode tokens clean", decode_clean_prob=0.1),
     "ts-mod-clean0.2": round3("as ts-mod, 20% of decode tokens clean", decode_clean_prob=0.2),
-    "ts-mod-dec0.3-clean0.3": round3("as ts-mod, decode rows 30%, 30% of decode tokens clean", decode_prob=0.3,
-                                     decode_clean_prob=0.3),
-    "ts-mod-clean0.2-500": round3("as ts-mod-clean0.2, 500 steps", steps=500, decode_clean_prob=0.2),
+    "ts-mod-tied": round3("as ts-mod, table readout", model={"table_readout": True}),
+    "ts-mod-tied-clean0.2": round3("as ts-mod, table readout, 20% of decode tokens clean",
+                                   model={"table_readout": True}, decode_clean_prob=0.2),
     # ---- references at the full budget: the quickstart itself, and the combination in MiniLM space
     "base-full": {"group": "full-ref", "note": "the quickstart's settings", "steps": 250},
     "minilm-combined": {"group": "full-ref", "note": "MiniLM, lr 3e-3, EMA 0.95", "steps": 250,

@@ -211,6 +211,33 @@ def test_word_stats_by_hand():
     assert s["corpus_word_share"] == pytest.approx(3 / 4)
 
 
+def test_table_readout_run_carries_the_token_vectors(tmp_path, tiny_t5_dir, tiny_corpus_file, capsys):
+    """`--table-readout true` in a random-table space: the stored readout table is each token's own vector,
+    frozen and carried by the EMA while the gate trains; the run samples; a contextual space is refused."""
+    from elflow.checkpoint import load_for_sampling
+    from elflow.cli import main
+
+    run, cache = tmp_path / "tied", tmp_path / "cache"
+    args = ["train", "--preset", "tiny", "--data", str(tiny_corpus_file), "--length", "16", "--batch", "4",
+            "--warmup", "1", "--ckpt-every", "2", "--dtype", "fp32", "--table-readout", "true", "--quiet",
+            "--cache-dir", str(cache), "--steps", "4"]
+    assert main(args + ["--space", f"random-table:{tiny_t5_dir}", "--out", str(run)]) == 0
+    loaded, space = load_for_sampling(run)
+    net = loaded.net
+    V = net.config.vocab_size
+    assert torch.equal(net.readout_table, space.table[:V])  # random-table: the rows themselves (scale 1)
+    w2, e2 = checkpoint_weights(run, 2)
+    w4, e4 = checkpoint_weights(run, 4)
+    assert torch.equal(w2["readout_table"], w4["readout_table"]) and torch.equal(e4["readout_table"], w4["readout_table"])
+    assert not torch.equal(w2["readout_gate"], w4["readout_gate"])
+    assert main(["sample", str(run), "--steps", "4", "--num", "2", "--quiet", "--out", str(tmp_path / "s.jsonl")]) == 0
+    capsys.readouterr()
+    code = main(args + ["--space", f"t5:{tiny_t5_dir}", "--out", str(tmp_path / "refused")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "table readout needs a space with one vector per token" in err[0]
+    assert not (tmp_path / "refused").exists()
+
+
 def test_gaussian_skip_run_carries_the_training_moments(tmp_path, tiny_t5_dir, tiny_corpus_file):
     """`--skip gaussian` from the CLI, with the cosine decay: the stored moments are the training split's
     own (computed here directly over every scored position), stay frozen, and the run samples and resumes

@@ -631,6 +631,20 @@ def latent_moments(space, dataset, batch: int = 32, max_rows: int = 512, device=
     return mu.float(), (s2 / n - mu * mu).clamp_min(1e-8).float()
 
 
+@torch.no_grad()
+def token_vectors(space, vocab_size: int, device="cpu", batch: int = 4096) -> torch.Tensor:
+    """The clean embedding of each token id alone, (vocab_size, C), for a space with one fixed vector per token
+    (a frozen table); the readout of `ELFConfig.table_readout` compares the decode input with these."""
+    if space.contextual or not isinstance(space, TableSpace):
+        raise ELFError(f"the table readout needs a space with one vector per token (random-table or token-table); "
+                       f"{space.space_id} embeds tokens in context. Pass --table-readout false, or choose a table space")
+    if space.trainable:
+        raise ELFError(f"the table readout needs fixed token vectors, but {space.space_id} trains its table; "
+                       "choose random-table or token-table, or pass --table-readout false")
+    ids = torch.arange(vocab_size, device=device)
+    return torch.cat([space.encode(ids[None, i:i + batch])[0].float() for i in range(0, vocab_size, batch)])
+
+
 def check_compatible(stored_space_id: str, space: EmbeddingSpace) -> None:
     """Refuse to run a checkpoint in an embedding space other than the one it was trained in."""
     if stored_space_id != space.space_id:

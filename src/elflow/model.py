@@ -18,7 +18,13 @@ Options for short runs, off in every released model (docs/method.md):
   exactly that baseline denoiser and the head learns what the Gaussian model misses, at a scale that shrinks
   to 0 as t -> 1 (EDM's preconditioning, Karras et al. 2022, with the data's own moments). The moments are
   frozen parameters set once before training (`set_gaussian_skip`): checkpoints, EMA and distillation carry
-  them like any weight.
+  them like any weight;
+- `table_readout`: logits += g(h) z . R_k / sqrt(C) for every token k, R_k the vector the space gives token k
+  alone (a table space's rows; Diffusion-LM's tied rounding), with a per-position gate g(h) = h . w + b that
+  starts at 1 (w = 0, b = 1). On a clean embedding the term alone reads the token exactly (its margin is about
+  sqrt(C) against ~1 for any other row), so the learned head only has to add what context says; rare tokens,
+  which the untied head sees too seldom to learn in a short run, are read from the start. R is a frozen
+  parameter set once from the space (`set_readout_table`), carried by checkpoints like the skip moments.
 
 `TokenTransformer` is the token-level network of the baseline methods (elflow.ar, elflow.mdlm): the same
 blocks, read from and written to token ids (TokenLMConfig, fit_token_lm to match a parameter count).
@@ -75,6 +81,7 @@ class ELFConfig(TransformerShape):
     skip: str = "none"  # "gaussian": x_pred = Gaussian posterior mean + posterior std * head (module docstring)
     time_scale: float = 1.0  # t is multiplied by this before its sinusoid features (1 in the released models)
     head_modulation: bool = False  # the denoise head's input scaled and shifted by t (DiT's final layer)
+    table_readout: bool = False  # decode logits + g(h) z . R / sqrt(C), R the space's token vectors (docstring)
     grad_checkpoint: bool = False  # recompute each block in backward (memory for compute)
 
     def __post_init__(self):
@@ -299,6 +306,10 @@ class ELF(nn.Module):
             self.skip_mean = nn.Parameter(torch.zeros(c.dim), requires_grad=False)
             self.skip_var = nn.Parameter(torch.ones(c.dim), requires_grad=False)
             self.skip_noise = nn.Parameter(torch.ones(()), requires_grad=False)
+        if c.table_readout:  # the space's vector for each token id (zeros until set_readout_table) and the gate
+            self.readout_table = nn.Parameter(torch.zeros(c.vocab_size, c.dim), requires_grad=False)
+            self.readout_gate = nn.Parameter(torch.zeros(c.hidden))
+            self.readout_bias = nn.Parameter(torch.ones(()))
         cos, sin = rope_tables(c.max_length, c.head_dim, c.num_prefix, c.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -324,6 +335,9 @@ class ELF(nn.Module):
         if self.config.head_modulation:
             nn.init.zeros_(self.head_modulation.weight)
             nn.init.zeros_(self.head_modulation.bias)
+        if self.config.table_readout:
+            nn.init.zeros_(self.readout_gate)
+            nn.init.ones_(self.readout_bias)
 
     # -- the shared trunk ----------------------------------------------------------------------------------
     def embed_time(self, t: torch.Tensor) -> torch.Tensor:
@@ -374,6 +388,19 @@ class ELF(nn.Module):
         self.skip_var.copy_(var)
         self.skip_noise.fill_(float(noise_scale))
 
+    @torch.no_grad()
+    def set_readout_table(self, table: torch.Tensor) -> None:
+        """Set the (vocab_size, C) token vectors of a table_readout network (before training; checkpoints then
+        carry them)."""
+        if not self.config.table_readout:
+            raise ValueError("set_readout_table: this network was built without table_readout")
+        shape = (self.config.vocab_size, self.config.dim)
+        if tuple(table.shape) != shape:
+            raise ValueError(f"set_readout_table: the table must have shape {shape}, got {tuple(table.shape)}")
+        if not torch.isfinite(table).all():
+            raise ValueError("set_readout_table: the table has non-finite entries")
+        self.readout_table.copy_(table)
+
     def denoise_head(self, h: torch.Tensor, z: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         """x_pred (B, L, C) from the trunk's output h; z and t are the network's inputs (for skip="gaussian")."""
         with torch.autocast(h.device.type, enabled=False):
@@ -388,9 +415,19 @@ class ELF(nn.Module):
                 out = mean + std * out
             return out
 
-    def logits_head(self, h: torch.Tensor) -> torch.Tensor:
+    def logits_head(self, h: torch.Tensor, z: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (B, L, V) from the trunk's output h; z (B, L, C), the decode pass's input, is needed with
+        table_readout."""
         with torch.autocast(h.device.type, enabled=False):
-            return self.decode_head(h.float())  # (B, L, V)
+            h = h.float()
+            logits = self.decode_head(h)  # (B, L, V)
+            if self.config.table_readout:
+                if z is None:
+                    raise ValueError("logits_head: a table_readout network needs the decode input z")
+                gate = h @ self.readout_gate + self.readout_bias  # (B, L)
+                match = z.float() @ self.readout_table.T  # (B, L, V)
+                logits = logits + (gate / math.sqrt(self.config.dim))[..., None] * match
+            return logits
 
     def forward(self, z, t, omega, x_prev=None) -> torch.Tensor:
         """Denoise: z (B, L, C) at times t (B,) with guidance scales omega (B,) and the self-conditioning
@@ -401,14 +438,14 @@ class ELF(nn.Module):
         """Read out tokens: the pass at t = 1 with a zero self-conditioning input and the mode tokens on.
         z (B, L, C), omega (B,) -> logits (B, L, V)."""
         ones = z.new_ones(z.shape[0])
-        return self.logits_head(self.trunk(z, ones, omega, None, ones))
+        return self.logits_head(self.trunk(z, ones, omega, None, ones), z)
 
     def mixed(self, z, t, omega, x_prev, gate, logits_rows) -> tuple[torch.Tensor, torch.Tensor]:
         """One pass over a training batch whose rows are in either mode: gate (B,) float (1 = decode),
         logits_rows an index tensor of the rows whose logits are wanted.
         -> (x_pred of every row (B, L, C), logits of the chosen rows (len(logits_rows), L, V))."""
         h = self.trunk(z, t, omega, x_prev, gate)
-        return self.denoise_head(h, z, t), self.logits_head(h[logits_rows])
+        return self.denoise_head(h, z, t), self.logits_head(h[logits_rows], z[logits_rows])
 
     def _check_inputs(self, z, t, omega, x_prev):
         c = self.config
@@ -426,7 +463,8 @@ class ELF(nn.Module):
         return B, L, C
 
     def num_params(self, exclude_decode_head: bool = False) -> int:
-        n = sum(p.numel() for p in self.parameters())
+        """The parameters that train (frozen ones, the skip moments and the readout table, are data)."""
+        n = sum(p.numel() for p in self.parameters() if p.requires_grad)
         if exclude_decode_head:
             n -= sum(p.numel() for p in self.decode_head.parameters())
         return n
@@ -437,8 +475,8 @@ class ELF(nn.Module):
 
 
 def num_params(module: nn.Module) -> int:
-    """Parameters of any network (ELF or TokenTransformer); a tied table counts once."""
-    return sum(p.numel() for p in module.parameters())
+    """Trainable parameters of any network (ELF or TokenTransformer); a tied table counts once."""
+    return sum(p.numel() for p in module.parameters() if p.requires_grad)
 
 
 @dataclass(frozen=True)

@@ -254,6 +254,9 @@ NESTED_FLAGS: dict[tuple[str, str], tuple] = {
                               "the preset's"),
     ("model", "head_modulation"): (bool, "scale and shift the denoise head's input by t (DiT's final layer; "
                                          "absent from the released networks)", None, "the preset's"),
+    ("model", "table_readout"): (bool, "add to the decode logits a gated match of the input with each token's "
+                                       "vector in the space (table spaces only; absent from the released "
+                                       "networks)", None, "the preset's"),
     ("recipe", "decode_noise_scale"): (float, "decode corruption scale", POSITIVE, "5; 1 for conditional runs"),
     ("recipe", "decode_clean_prob"): (float, "share of the decode rows' tokens given clean (p = 1) instead of a "
                                              "corrupted level, so that the readout of clean embeddings is exact",
@@ -758,7 +761,7 @@ class Setup:
 def setup_run(cfg: TrainConfig, rank: int, world: int, local: int, device, cache_dir=None) -> Setup:
     """Build the space, the data, the network and the optimiser: every check that needs them happens here."""
     from elflow.data import Batches, build_dataset
-    from elflow.encoders import build_space, latent_moments
+    from elflow.encoders import build_space, latent_moments, token_vectors
 
     micro = cfg.micro_batch or max(1, cfg.batch // world)
     if cfg.batch % (world * micro):
@@ -791,6 +794,8 @@ def setup_run(cfg: TrainConfig, rank: int, world: int, local: int, device, cache
         net = ELF(mcfg).to(device)
         if mcfg.skip == "gaussian":  # the Gaussian model's moments, from the training split
             net.set_gaussian_skip(*latent_moments(space, train_set, device=device), recipe.noise_scale)
+        if mcfg.table_readout:  # each token's own vector, for the decode readout
+            net.set_readout_table(token_vectors(space, mcfg.vocab_size, device=device))
         params = {"model": net.num_params(), "elf": net.num_params(), "match": cfg.match}
         # the optimiser names a trainable space's parameters "space.<name>" beside the network's
         named = list(net.named_parameters()) + [("space." + n, p) for n, p in space.named_parameters()
