@@ -33,6 +33,8 @@ exist is not trained again.
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/quickstart_study.py round2
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/quickstart_study.py rt-skip rt-skip-ts1000 ts-mod --fine-bins
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/quickstart_study.py ts-mod --samplers vc:32 vc:64 vc:16 ode:32
+    OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/quickstart_study.py round3
+    OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/quickstart_study.py ts-mod --readout 0 0.5 1 2 3
     PYTHONPATH=src python benchmarks/quickstart_study.py --table-only screen --table table-screen.md
 """
 
@@ -158,9 +160,7 @@ CONFIGS: dict[str, dict] = {
     # ---- round 3: a readout that is exact on clean embeddings and still reads the sampler's blends in context
     "ts-mod-clean0.1": round3("as ts-mod, 10% of decode tokens clean", decode_clean_prob=0.1),
     "ts-mod-clean0.2": round3("as ts-mod, 20% of decode tokens clean", decode_clean_prob=0.2),
-    "ts-mod-tied": round3("as ts-mod, table readout", model={"table_readout": True}),
-    "ts-mod-tied-clean0.2": round3("as ts-mod, table readout, 20% of decode tokens clean",
-                                   model={"table_readout": True}, decode_clean_prob=0.2),
+    "ts-mod-readout": round3("as ts-mod, table readout 1", model={"table_readout": 1.0}),
     # ---- references at the full budget: the quickstart itself, and the combination in MiniLM space
     "base-full": {"group": "full-ref", "note": "the quickstart's settings", "steps": 250},
     "minilm-combined": {"group": "full-ref", "note": "MiniLM, lr 3e-3, EMA 0.95", "steps": 250,
@@ -442,6 +442,58 @@ def sampler_sweep(name: str, specs: list[str], seeds=(0, 1), num: int = 32, work
 
 
 @torch.no_grad()
+def readout_sweep(name: str, weights: list[float], seeds=(0, 1), num: int = 32, steps: int = 64,
+                  work: Path = Path("runs/quickstart_study"), cache_dir=None) -> dict:
+    """One trained configuration read out with other table-readout weights: decode accuracy on the held-out
+    rows (diagnostics.validation_report) and the word statistics of samples (vc, `steps` steps, omega 3, each
+    seed). The readout weight does not change training, so the trained weights serve every weight."""
+    from elflow.checkpoint import load_for_sampling
+    from elflow.data import build_dataset
+    from elflow.diagnostics import corpus_vocabulary, validation_report, word_stats
+    from elflow.encoders import latent_moments, token_vectors
+    from elflow.flow import Recipe
+    from elflow.model import ELF
+
+    cfg = train_config(CONFIGS[name], 100)
+    run_dir = trained_run(name, cfg, work)
+    loaded, space = load_for_sampling(run_dir, device="cpu")
+    recipe = Recipe.from_dict(cfg.recipe)
+    train_set, val_set = build_dataset(cfg.data, space, cfg.length, layout=cfg.layout, val_fraction=cfg.val_fraction,
+                                       seed=cfg.seed, cache_dir=cache_dir)
+    vocab = corpus_vocabulary(space.decode(train_set.tokens[: min(len(train_set), 4000)]))
+    moments = latent_moments(space, val_set)
+    trained = {k: v for k, v in loaded.net.state_dict().items() if k != "readout_table"}
+    table = token_vectors(space, loaded.net.config.vocab_size)
+    # clean held-out tokens grouped by how often the training split holds them
+    counts = torch.bincount(train_set.tokens.flatten(), minlength=loaded.net.config.vocab_size)
+    held = val_set.tokens[:128]
+    seen = counts[held]
+    groups = {f"[{lo}, {hi})": (seen >= lo) & (seen < hi) for lo, hi in ((0, 10), (10, 100), (100, 1000), (1000, 10**9))}
+    rows = []
+    for w in weights:
+        net = ELF(loaded.net.config.replace(table_readout=float(w)))
+        net.load_state_dict(trained, strict=False)
+        if w:
+            net.set_readout_table(table)
+        net.eval()
+        val = validation_report(net, space, val_set, recipe=recipe, moments=moments)
+        right = torch.cat([net.decode(space.encode(held[i:i + 32]), torch.ones(len(held[i:i + 32]))).argmax(-1)
+                           for i in range(0, len(held), 32)]) == held
+        by_count = {k: {"share": m.float().mean().item(), "accuracy": right[m].float().mean().item()}
+                    for k, m in groups.items() if m.any()}
+        for seed in seeds:
+            texts = draw_samples(net, space, recipe, num, cfg.length, steps=steps, seed=seed)
+            rows.append({"weight": w, "seed": seed, "steps": steps, "decode_accuracy": val["decode_accuracy"],
+                         "clean_accuracy_by_training_count": by_count, **word_stats(texts, vocab),
+                         "first": texts[0][:200]})
+            print(f"  readout weight {w:g}, seed {seed}: decode p=1 {val['decode_accuracy']['p=1.0']:.1%}, word "
+                  f"entropy {rows[-1]['word_entropy']:.2f}, corpus words {rows[-1]['corpus_word_share']:.1%}",
+                  flush=True)
+    return {"name": name, "run": run_dir.name, "rows": rows, "real_text": word_stats(space.decode(val_set.tokens[:num]),
+                                                                                     vocab), "machine": machine()}
+
+
+@torch.no_grad()
 def fine_bins(name: str, edges=(0.0, 0.005, 0.02, 0.05, 0.1, 0.15, 0.2), rows: int = 128,
               work: Path = Path("runs/quickstart_study"), cache_dir=None) -> list[dict]:
     """The low-t end in finer bins for one trained configuration: its loss, the baseline's, and the variance
@@ -535,6 +587,8 @@ def main(argv=None) -> int:
                    help="the low-t end in finer bins for the configurations named (trained already)")
     p.add_argument("--samplers", nargs="+", default=None, metavar="SAMPLER:STEPS[:OMEGA]",
                    help="sample the one configuration named with these settings (seeds 0 and 1), no training")
+    p.add_argument("--readout", nargs="+", type=float, default=None, metavar="W",
+                   help="read the one configuration named out with these table-readout weights (no training)")
     p.add_argument("--table", default=None, help="the table's file name in --out (default table-<names>.md)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -550,13 +604,14 @@ def main(argv=None) -> int:
             print(f"{f['space']:<22} rank {f['rank']:>4}: variance per dim outside {f['variance_outside']:.4f}, "
                   f"floor of the t in [0.5, 1) bin {f['floor_t0.5-1.0']:.2f}")
         return 0
-    if args.samplers:
-        if len(args.names) != 1 or args.names[0] not in CONFIGS:
-            raise SystemExit("--samplers needs exactly one configuration name")
-        res = sampler_sweep(args.names[0], args.samplers, num=args.num, work=Path(args.work), cache_dir=args.cache_dir)
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / f"samplers-{args.names[0]}.json").write_text(json.dumps(res, indent=1))
-        return 0
+    for flag, sweep, prefix in (("samplers", sampler_sweep, "samplers"), ("readout", readout_sweep, "readout")):
+        if getattr(args, flag):  # one trained configuration, measured again under other settings
+            if len(args.names) != 1 or args.names[0] not in CONFIGS:
+                raise SystemExit(f"--{flag} needs exactly one configuration name")
+            res = sweep(args.names[0], getattr(args, flag), num=args.num, work=Path(args.work), cache_dir=args.cache_dir)
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            (Path(args.out) / f"{prefix}-{args.names[0]}.json").write_text(json.dumps(res, indent=1))
+            return 0
     if args.fine_bins:
         res = {}
         for n in args.names:

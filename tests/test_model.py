@@ -184,39 +184,37 @@ def test_gaussian_skip_starts_as_the_baseline_and_returns_clean_inputs_at_t1():
         get_config("tiny", skip="residual")
 
 
-def test_table_readout_adds_the_gated_match_and_reads_clean_rows_exactly():
-    net = tiny(table_readout=True)
+def test_table_readout_adds_the_table_match_to_the_readout_only():
+    net = tiny(table_readout=0.7)
     assert {n for n, p in net.named_parameters() if not p.requires_grad} == {"readout_table"}
-    assert net.num_params() == tiny().num_params() + 64 + 1  # the gate; the table is data, not trained
+    assert net.num_params() == tiny().num_params()  # the table is data, not trained
     table = torch.randn(100, 32, generator=torch.Generator().manual_seed(0))
     net.set_readout_table(table)
     ids = torch.randint(0, 100, (3, 7), generator=torch.Generator().manual_seed(1))
     w = torch.ones(3)
-    with torch.no_grad():  # the head silenced: a fresh gate (1) reads each clean row as its own token
+    with torch.no_grad():
+        z = torch.randn(3, 7, 32)
+        h = net.trunk(z, torch.ones(3), w, None, torch.ones(3))
+        head = net.decode_head(h)
+        expect = head.clone()  # logits = head(h) + 0.7 z . R_k / sqrt(C), written out per position and token
+        for b in range(3):
+            for i in range(7):
+                for k in range(100):
+                    expect[b, i, k] += 0.7 * float(z[b, i] @ table[k]) / math.sqrt(32)
+        assert torch.allclose(net.decode(z, w), expect, atol=1e-4)
+        rows = torch.tensor([2, 0])  # the training pass keeps the head's own logits
+        _, logits = net.mixed(z, torch.ones(3), w, None, torch.ones(3), rows)
+        assert torch.allclose(logits, head[rows], atol=1e-5)
+        # the head silenced: the table match alone reads each clean row as its own token
         net.decode_head.unembed.weight.zero_()
         net.decode_head.unembed.bias.zero_()
         assert torch.equal(net.decode(table[ids], w).argmax(-1), ids)
-        # any gate and head: logits = head(h) + (h . w + b) z . R / sqrt(C), written out per position
-        torch.nn.init.normal_(net.decode_head.unembed.weight)
-        torch.nn.init.normal_(net.readout_gate, std=0.1)
-        net.readout_bias.fill_(0.3)
-        z = torch.randn(3, 7, 32)
-        h = net.trunk(z, torch.ones(3), w, None, torch.ones(3))
-        expect = net.decode_head(h).clone()
-        for b in range(3):
-            for i in range(7):
-                g = float(h[b, i] @ net.readout_gate) + 0.3
-                expect[b, i] += g * (table @ z[b, i]) / math.sqrt(32)
-        assert torch.allclose(net.decode(z, w), expect, atol=1e-4)
-        rows = torch.tensor([2, 0])  # the training pass gives the same logits on its decode rows
-        _, logits = net.mixed(z, torch.ones(3), w, None, torch.ones(3), rows)
-        assert torch.allclose(logits, expect[rows], atol=1e-4)
     with pytest.raises(ValueError, match="shape"):
         net.set_readout_table(table[:10])
-    with pytest.raises(ValueError, match="needs the decode input"):
-        net.logits_head(h)
     with pytest.raises(ValueError, match="without table_readout"):
         tiny().set_readout_table(table)
+    with pytest.raises(ValueError, match="table_readout must be a number >= 0"):
+        get_config("tiny", table_readout=-1.0)
 
 
 def test_time_scale_multiplies_t_before_its_features():

@@ -124,6 +124,7 @@ CASES = [
     ("train-val-fraction-1", ["train", "--val-fraction", "1", "--print-config"], ["--val-fraction"]),
     ("train-depth-0", ["train", "--depth", "0", "--print-config"], ["--depth must be a number >= 1"]),
     ("train-decode-clean-1", ["train", "--decode-clean-prob", "1", "--print-config"], ["--decode-clean-prob", "[0, 1)"]),
+    ("train-table-readout-neg", ["train", "--table-readout", "-1", "--print-config"], ["--table-readout", ">= 0"]),
     ("toy-gamma-negative", ["toy", "--gamma", "-1", "--sampler", "sde"], ["--gamma", ">= 0"]),
     ("toy-gamma-nan", ["toy", "--gamma", "nan", "--sampler", "sde"], ["--gamma", "nan"]),
     ("schedules-samples-0", ["schedules", "--samples", "0"], ["--samples must be at least 2"]),
@@ -242,16 +243,22 @@ def test_quickstart_settings_are_one_named_preset(capsys):
     expected = dict(preset="demo", data="builtin", space="random-table:minilm", length=64, batch=32, steps=250,
                     lr=3e-3, warmup=50, ema_decay=0.95, adam_heads=True, dtype="auto", seed=0, log_every=10,
                     ckpt_every=62, keep=2, sample_every=62, sample_steps=64, sample_sampler="vc", sample_omega=3.0,
-                    model={"skip": "gaussian", "time_scale": 1000.0, "head_modulation": True}, recipe={})
+                    model={"skip": "gaussian", "time_scale": 1000.0, "head_modulation": True, "table_readout": 1.0},
+                    recipe={})
     assert {k: getattr(cfg, k) for k in expected} == expected
     # the same settings from `elflow train --defaults quickstart`
     code, out, _ = cli(capsys, ["train", "--defaults", "quickstart", "--print-config"])
     assert json.loads(out) == cfg.resolved().to_dict()
-    # --lr and --space replace the preset's and nothing else; the preset itself is not changed
-    mine = demo_config(SimpleNamespace(**{**vars(args), "lr": 1e-3, "space": "minilm"}))
-    assert (mine.lr, mine.space) == (1e-3, "minilm")
+    # --lr and --space replace the preset's and nothing else (a space without fixed token vectors also drops
+    # the table readout); the preset itself is not changed
+    mine = demo_config(SimpleNamespace(**{**vars(args), "lr": 1e-3, "space": "token-table:minilm"}))
+    assert (mine.lr, mine.space) == (1e-3, "token-table:minilm")
     assert {k: v for k, v in mine.to_dict().items() if k not in ("lr", "space")} == \
         {k: v for k, v in cfg.to_dict().items() if k not in ("lr", "space")}
+    mine = demo_config(SimpleNamespace(**{**vars(args), "space": "minilm"}))
+    assert mine.model == {**cfg.model, "table_readout": 0.0} and mine.space == "minilm"
+    assert {k: v for k, v in mine.to_dict().items() if k not in ("model", "space")} == \
+        {k: v for k, v in cfg.to_dict().items() if k not in ("model", "space")}
     mine.model["skip"] = "none"
     assert demo_config(args).model["skip"] == "gaussian"
 

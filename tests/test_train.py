@@ -212,27 +212,33 @@ def test_word_stats_by_hand():
 
 
 def test_table_readout_run_carries_the_token_vectors(tmp_path, tiny_t5_dir, tiny_corpus_file, capsys):
-    """`--table-readout true` in a random-table space: the stored readout table is each token's own vector,
-    frozen and carried by the EMA while the gate trains; the run samples; a contextual space is refused."""
+    """`--table-readout 1` in a random-table space: the stored readout table is each token's own vector,
+    frozen and carried by the EMA; training is the same as without the option (the same weights); the run
+    samples; a contextual space is refused."""
     from elflow.checkpoint import load_for_sampling
     from elflow.cli import main
 
-    run, cache = tmp_path / "tied", tmp_path / "cache"
+    cache = tmp_path / "cache"
     args = ["train", "--preset", "tiny", "--data", str(tiny_corpus_file), "--length", "16", "--batch", "4",
-            "--warmup", "1", "--ckpt-every", "2", "--dtype", "fp32", "--table-readout", "true", "--quiet",
-            "--cache-dir", str(cache), "--steps", "4"]
-    assert main(args + ["--space", f"random-table:{tiny_t5_dir}", "--out", str(run)]) == 0
-    loaded, space = load_for_sampling(run)
+            "--warmup", "1", "--ckpt-every", "2", "--dtype", "fp32", "--quiet", "--cache-dir", str(cache),
+            "--steps", "4", "--space", f"random-table:{tiny_t5_dir}"]
+    assert main(args + ["--table-readout", "1", "--out", str(tmp_path / "tied")]) == 0
+    assert main(args + ["--out", str(tmp_path / "plain")]) == 0
+    loaded, space = load_for_sampling(tmp_path / "tied")
     net = loaded.net
     V = net.config.vocab_size
+    assert net.config.table_readout == 1.0
     assert torch.equal(net.readout_table, space.table[:V])  # random-table: the rows themselves (scale 1)
-    w2, e2 = checkpoint_weights(run, 2)
-    w4, e4 = checkpoint_weights(run, 4)
+    w2, e2 = checkpoint_weights(tmp_path / "tied", 2)
+    w4, e4 = checkpoint_weights(tmp_path / "tied", 4)
     assert torch.equal(w2["readout_table"], w4["readout_table"]) and torch.equal(e4["readout_table"], w4["readout_table"])
-    assert not torch.equal(w2["readout_gate"], w4["readout_gate"])
-    assert main(["sample", str(run), "--steps", "4", "--num", "2", "--quiet", "--out", str(tmp_path / "s.jsonl")]) == 0
+    p4, q4 = checkpoint_weights(tmp_path / "plain", 4)
+    assert set(w4) == set(p4) | {"readout_table"}
+    assert all(torch.equal(w4[k], p4[k]) and torch.equal(e4[k], q4[k]) for k in p4)  # training unchanged
+    assert main(["sample", str(tmp_path / "tied"), "--steps", "4", "--num", "2", "--quiet",
+                 "--out", str(tmp_path / "s.jsonl")]) == 0
     capsys.readouterr()
-    code = main(args + ["--space", f"t5:{tiny_t5_dir}", "--out", str(tmp_path / "refused")])
+    code = main(args[:-1] + [f"t5:{tiny_t5_dir}", "--table-readout", "1", "--out", str(tmp_path / "refused")])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "table readout needs a space with one vector per token" in err[0]
     assert not (tmp_path / "refused").exists()

@@ -637,10 +637,10 @@ def token_vectors(space, vocab_size: int, device="cpu", batch: int = 4096) -> to
     (a frozen table); the readout of `ELFConfig.table_readout` compares the decode input with these."""
     if space.contextual or not isinstance(space, TableSpace):
         raise ELFError(f"the table readout needs a space with one vector per token (random-table or token-table); "
-                       f"{space.space_id} embeds tokens in context. Pass --table-readout false, or choose a table space")
+                       f"{space.space_id} embeds tokens in context. Pass --table-readout 0, or choose a table space")
     if space.trainable:
         raise ELFError(f"the table readout needs fixed token vectors, but {space.space_id} trains its table; "
-                       "choose random-table or token-table, or pass --table-readout false")
+                       "choose random-table or token-table, or pass --table-readout 0")
     ids = torch.arange(vocab_size, device=device)
     return torch.cat([space.encode(ids[None, i:i + batch])[0].float() for i in range(0, vocab_size, batch)])
 

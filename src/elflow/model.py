@@ -19,12 +19,13 @@ Options for short runs, off in every released model (docs/method.md):
   to 0 as t -> 1 (EDM's preconditioning, Karras et al. 2022, with the data's own moments). The moments are
   frozen parameters set once before training (`set_gaussian_skip`): checkpoints, EMA and distillation carry
   them like any weight;
-- `table_readout`: logits += g(h) z . R_k / sqrt(C) for every token k, R_k the vector the space gives token k
-  alone (a table space's rows; Diffusion-LM's tied rounding), with a per-position gate g(h) = h . w + b that
-  starts at 1 (w = 0, b = 1). On a clean embedding the term alone reads the token exactly (its margin is about
-  sqrt(C) against ~1 for any other row), so the learned head only has to add what context says; rare tokens,
-  which the untied head sees too seldom to learn in a short run, are read from the start. R is a frozen
-  parameter set once from the space (`set_readout_table`), carried by checkpoints like the skip moments.
+- `table_readout` = w > 0: the readout (`decode`) adds w z . R_k / sqrt(C) to the logit of every token k,
+  R_k the vector the space gives token k alone (a table space's rows; Diffusion-LM's tied rounding). On a
+  clean embedding that term alone reads the token exactly (the right row scores about w sqrt(C), any other
+  about w), rare tokens included, which the untied head sees too seldom to learn in a short run. Training is
+  unchanged (the training pass `mixed` returns the head's logits, so the head still learns to read on its
+  own; trained jointly with the term it learns only a prior over frequent words). R is a frozen parameter
+  set once from the space (`set_readout_table`), carried by checkpoints like the skip moments.
 
 `TokenTransformer` is the token-level network of the baseline methods (elflow.ar, elflow.mdlm): the same
 blocks, read from and written to token ids (TokenLMConfig, fit_token_lm to match a parameter count).
@@ -81,7 +82,7 @@ class ELFConfig(TransformerShape):
     skip: str = "none"  # "gaussian": x_pred = Gaussian posterior mean + posterior std * head (module docstring)
     time_scale: float = 1.0  # t is multiplied by this before its sinusoid features (1 in the released models)
     head_modulation: bool = False  # the denoise head's input scaled and shifted by t (DiT's final layer)
-    table_readout: bool = False  # decode logits + g(h) z . R / sqrt(C), R the space's token vectors (docstring)
+    table_readout: float = 0.0  # readout logits + table_readout z . R / sqrt(C), R the space's token vectors
     grad_checkpoint: bool = False  # recompute each block in backward (memory for compute)
 
     def __post_init__(self):
@@ -92,6 +93,8 @@ class ELFConfig(TransformerShape):
             raise ValueError(f"ELFConfig: hidden {self.hidden} is not divisible by heads {self.heads}")
         if (self.hidden // self.heads) % 2:
             raise ValueError(f"ELFConfig: head dim {self.hidden // self.heads} must be even for RoPE pairs")
+        if not (math.isfinite(self.table_readout) and self.table_readout >= 0):
+            raise ValueError(f"ELFConfig: table_readout must be a number >= 0, got {self.table_readout}")
         if not (math.isfinite(self.time_scale) and self.time_scale > 0):
             raise ValueError(f"ELFConfig: time_scale must be a positive number, got {self.time_scale}")
         if self.skip not in SKIPS:
@@ -306,10 +309,8 @@ class ELF(nn.Module):
             self.skip_mean = nn.Parameter(torch.zeros(c.dim), requires_grad=False)
             self.skip_var = nn.Parameter(torch.ones(c.dim), requires_grad=False)
             self.skip_noise = nn.Parameter(torch.ones(()), requires_grad=False)
-        if c.table_readout:  # the space's vector for each token id (zeros until set_readout_table) and the gate
+        if c.table_readout:  # the space's vector for each token id (zeros until set_readout_table)
             self.readout_table = nn.Parameter(torch.zeros(c.vocab_size, c.dim), requires_grad=False)
-            self.readout_gate = nn.Parameter(torch.zeros(c.hidden))
-            self.readout_bias = nn.Parameter(torch.ones(()))
         cos, sin = rope_tables(c.max_length, c.head_dim, c.num_prefix, c.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -335,9 +336,6 @@ class ELF(nn.Module):
         if self.config.head_modulation:
             nn.init.zeros_(self.head_modulation.weight)
             nn.init.zeros_(self.head_modulation.bias)
-        if self.config.table_readout:
-            nn.init.zeros_(self.readout_gate)
-            nn.init.ones_(self.readout_bias)
 
     # -- the shared trunk ----------------------------------------------------------------------------------
     def embed_time(self, t: torch.Tensor) -> torch.Tensor:
@@ -415,19 +413,14 @@ class ELF(nn.Module):
                 out = mean + std * out
             return out
 
-    def logits_head(self, h: torch.Tensor, z: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits (B, L, V) from the trunk's output h; z (B, L, C), the decode pass's input, is needed with
-        table_readout."""
+    def logits_head(self, h: torch.Tensor) -> torch.Tensor:
         with torch.autocast(h.device.type, enabled=False):
-            h = h.float()
-            logits = self.decode_head(h)  # (B, L, V)
-            if self.config.table_readout:
-                if z is None:
-                    raise ValueError("logits_head: a table_readout network needs the decode input z")
-                gate = h @ self.readout_gate + self.readout_bias  # (B, L)
-                match = z.float() @ self.readout_table.T  # (B, L, V)
-                logits = logits + (gate / math.sqrt(self.config.dim))[..., None] * match
-            return logits
+            return self.decode_head(h.float())  # (B, L, V)
+
+    def table_match(self, z: torch.Tensor) -> torch.Tensor:
+        """table_readout x z . R_k / sqrt(C) for every token k: (B, L, C) -> (B, L, V)."""
+        with torch.autocast(z.device.type, enabled=False):
+            return (z.float() @ self.readout_table.T) * (self.config.table_readout / math.sqrt(self.config.dim))
 
     def forward(self, z, t, omega, x_prev=None) -> torch.Tensor:
         """Denoise: z (B, L, C) at times t (B,) with guidance scales omega (B,) and the self-conditioning
@@ -435,17 +428,18 @@ class ELF(nn.Module):
         return self.denoise_head(self.trunk(z, t, omega, x_prev, z.new_zeros(z.shape[0])), z, t)
 
     def decode(self, z, omega) -> torch.Tensor:
-        """Read out tokens: the pass at t = 1 with a zero self-conditioning input and the mode tokens on.
-        z (B, L, C), omega (B,) -> logits (B, L, V)."""
+        """Read out tokens: the pass at t = 1 with a zero self-conditioning input and the mode tokens on (plus
+        the table match under table_readout). z (B, L, C), omega (B,) -> logits (B, L, V)."""
         ones = z.new_ones(z.shape[0])
-        return self.logits_head(self.trunk(z, ones, omega, None, ones), z)
+        logits = self.logits_head(self.trunk(z, ones, omega, None, ones))
+        return logits + self.table_match(z) if self.config.table_readout else logits
 
     def mixed(self, z, t, omega, x_prev, gate, logits_rows) -> tuple[torch.Tensor, torch.Tensor]:
         """One pass over a training batch whose rows are in either mode: gate (B,) float (1 = decode),
-        logits_rows an index tensor of the rows whose logits are wanted.
+        logits_rows an index tensor of the rows whose logits are wanted (the head's: no table match).
         -> (x_pred of every row (B, L, C), logits of the chosen rows (len(logits_rows), L, V))."""
         h = self.trunk(z, t, omega, x_prev, gate)
-        return self.denoise_head(h, z, t), self.logits_head(h[logits_rows], z[logits_rows])
+        return self.denoise_head(h, z, t), self.logits_head(h[logits_rows])
 
     def _check_inputs(self, z, t, omega, x_prev):
         c = self.config

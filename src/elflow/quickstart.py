@@ -39,7 +39,8 @@ def add_arguments(p) -> None:
     p.add_argument("--lr", type=float, default=None, help=f"learning rate (default: {preset['lr']:g})")
     p.add_argument("--space", default=None,
                    help=f"embedding space (default: {preset['space']}; minilm trains in the MiniLM-L6 encoder's own "
-                        "contextual space, which learns more slowly in this budget: README)")
+                        "contextual space, which learns more slowly in this budget: README; a space without fixed "
+                        "token vectors also turns the table readout off)")
     p.add_argument("--sampler", choices=SAMPLERS, default=DEMO_SAMPLER,
                    help="sampler for the final samples (chosen for the demo by measurement)")
     p.add_argument("--sample-steps", type=int, default=DEMO_SAMPLE_STEPS,
@@ -64,8 +65,16 @@ def add_arguments(p) -> None:
 
 
 def preset_overrides(args) -> dict:
-    """The quickstart preset's settings this command's flags replace when given (--lr, --space)."""
-    return {name: getattr(args, name) for name in ("lr", "space") if getattr(args, name, None) is not None}
+    """The quickstart preset's settings this command's flags replace when given (--lr, --space). The preset's
+    table readout needs fixed token vectors: a --space without them (an encoder, a learned table) drops it."""
+    from elflow.train import RUN_PRESETS, space_spec
+
+    over = {name: getattr(args, name) for name in ("lr", "space") if getattr(args, name, None) is not None}
+    model = RUN_PRESETS["quickstart"][0]["model"]
+    fixed_vectors = "space" not in over or space_spec(over["space"], None)["kind"] in ("random-table", "token-table")
+    if model.get("table_readout") and not fixed_vectors:
+        over["model"] = {**model, "table_readout": 0.0}
+    return over
 
 
 def demo_config(args):

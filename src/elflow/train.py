@@ -231,7 +231,8 @@ RUN_PRESETS: dict[str, tuple[dict, dict]] = {
     "quickstart": (
         dict(preset="demo", data="builtin", space="random-table:minilm", length=64, batch=32, steps=250, lr=3e-3,
              warmup=50, ema_decay=0.95, adam_heads=True, dtype="auto", log_every=10, keep=2, sample_sampler="vc",
-             sample_steps=64, model={"skip": "gaussian", "time_scale": 1000.0, "head_modulation": True}),
+             sample_steps=64,
+             model={"skip": "gaussian", "time_scale": 1000.0, "head_modulation": True, "table_readout": 1.0}),
         dict(ckpt_every=lambda v: max(v["steps"] // 4, 1), sample_every=lambda v: max(v["steps"] // 4, 1)),
     ),
     # the paper's conditional tasks: ELF-B in T5-small's space, decode corruption 1.0, warm-up 5,000
@@ -254,9 +255,9 @@ NESTED_FLAGS: dict[tuple[str, str], tuple] = {
                               "the preset's"),
     ("model", "head_modulation"): (bool, "scale and shift the denoise head's input by t (DiT's final layer; "
                                          "absent from the released networks)", None, "the preset's"),
-    ("model", "table_readout"): (bool, "add to the decode logits a gated match of the input with each token's "
-                                       "vector in the space (table spaces only; absent from the released "
-                                       "networks)", None, "the preset's"),
+    ("model", "table_readout"): (float, "weight w of the readout's table match: the decode logits gain "
+                                        "w z . R_k / sqrt(C), R_k token k's own vector in the space (table spaces "
+                                        "only; 0 in the released networks)", AT_LEAST_0, "the preset's"),
     ("recipe", "decode_noise_scale"): (float, "decode corruption scale", POSITIVE, "5; 1 for conditional runs"),
     ("recipe", "decode_clean_prob"): (float, "share of the decode rows' tokens given clean (p = 1) instead of a "
                                              "corrupted level, so that the readout of clean embeddings is exact",
