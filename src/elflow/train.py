@@ -260,8 +260,8 @@ NESTED_FLAGS: dict[tuple[str, str], tuple] = {
                                         "only; 0 in the released networks)", AT_LEAST_0, "the preset's"),
     ("recipe", "decode_noise_scale"): (float, "decode corruption scale", POSITIVE, "5; 1 for conditional runs"),
     ("recipe", "decode_clean_prob"): (float, "share of the decode rows' tokens given clean (p = 1) instead of a "
-                                             "corrupted level, so that the readout of clean embeddings is exact",
-                                      UNIT, "0, as released"),
+                                             "corrupted level (the released levels put p above 0.95 in 0.4% of "
+                                             "draws)", UNIT, "0, as released"),
 }
 
 MUTABLE = tuple(f.name for f in fields(TrainConfig) if f.metadata.get("mutable"))
