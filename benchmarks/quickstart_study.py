@@ -342,7 +342,7 @@ def draw_samples(net, space, recipe, num: int, length: int, steps: int = 32, sam
 def measure(name: str, spec: dict, cfg, run_dir: Path, train_rec: dict, rows: int, num: int, cache_dir=None) -> dict:
     from elflow.checkpoint import load_for_sampling
     from elflow.data import build_dataset
-    from elflow.diagnostics import corpus_vocabulary, validation_report, word_stats
+    from elflow.diagnostics import validation_report, word_stats
     from elflow.encoders import latent_moments
     from elflow.flow import Recipe
 
@@ -365,7 +365,7 @@ def measure(name: str, spec: dict, cfg, run_dir: Path, train_rec: dict, rows: in
     val = validation_report(net, space, val_set, recipe=recipe, moments=moments)
     texts = draw_samples(net, space, recipe, num, length)
     real = space.decode(val_set.tokens[:num])
-    vocab = corpus_vocabulary(space.decode(train_set.tokens[: min(len(train_set), 4000)]))
+    vocab = training_vocabulary(space, train_set)
     return {"name": name, "note": spec.get("note", ""), "group": spec.get("group"),
             "train_config": cfg.to_dict(), "run": run_dir.name, "training": train_rec,
             "tokens_seen": cfg.steps * cfg.batch * cfg.length, "bins": bins, "validation": val,
@@ -409,23 +409,37 @@ def trained_run(name: str, cfg, work: Path) -> Path:
     return work / run_key(cfg)
 
 
-def sampler_sweep(name: str, specs: list[str], seeds=(0, 1), num: int = 32, work: Path = Path("runs/quickstart_study"),
-                  cache_dir=None) -> dict:
-    """Word statistics of one trained configuration's samples under other sampler settings
-    ("SAMPLER:STEPS[:OMEGA]"), each with several seeds: no training."""
+def measured_run(name: str, work: Path, cache_dir=None) -> SimpleNamespace:
+    """A measured configuration's trained network (EMA, CPU) with its space, recipe and data splits."""
     from elflow.checkpoint import load_for_sampling
     from elflow.data import build_dataset
-    from elflow.diagnostics import corpus_vocabulary, word_stats
     from elflow.flow import Recipe
 
     cfg = train_config(CONFIGS[name], 100)
     run_dir = trained_run(name, cfg, work)
     loaded, space = load_for_sampling(run_dir, device="cpu")
-    net = loaded.net.eval()
-    recipe = Recipe.from_dict(cfg.recipe)
     train_set, val_set = build_dataset(cfg.data, space, cfg.length, layout=cfg.layout, val_fraction=cfg.val_fraction,
                                        seed=cfg.seed, cache_dir=cache_dir)
-    vocab = corpus_vocabulary(space.decode(train_set.tokens[: min(len(train_set), 4000)]))
+    return SimpleNamespace(cfg=cfg, run_dir=run_dir, net=loaded.net.eval(), space=space,
+                           recipe=Recipe.from_dict(cfg.recipe), train_set=train_set, val_set=val_set)
+
+
+def training_vocabulary(space, train_set) -> set:
+    """The words of (up to 4,000 rows of) the training split, as the samples' corpus-word share counts them."""
+    from elflow.diagnostics import corpus_vocabulary
+
+    return corpus_vocabulary(space.decode(train_set.tokens[: min(len(train_set), 4000)]))
+
+
+def sampler_sweep(name: str, specs: list[str], seeds=(0, 1), num: int = 32, work: Path = Path("runs/quickstart_study"),
+                  cache_dir=None) -> dict:
+    """Word statistics of one trained configuration's samples under other sampler settings
+    ("SAMPLER:STEPS[:OMEGA]"), each with several seeds: no training."""
+    from elflow.diagnostics import word_stats
+
+    run = measured_run(name, work, cache_dir)
+    cfg, net, space, recipe, val_set = run.cfg, run.net, run.space, run.recipe, run.val_set
+    vocab = training_vocabulary(space, run.train_set)
     rows = []
     for spec in specs:
         sampler, steps, *rest = spec.split(":")
@@ -437,8 +451,8 @@ def sampler_sweep(name: str, specs: list[str], seeds=(0, 1), num: int = 32, work
                          **word_stats(texts, vocab), "first": texts[0][:200]})
             print(f"  {sampler} {steps} steps omega {omega:g} seed {seed}: word entropy "
                   f"{rows[-1]['word_entropy']:.2f}, corpus words {rows[-1]['corpus_word_share']:.1%}", flush=True)
-    return {"name": name, "run": run_dir.name, "rows": rows, "real_text": word_stats(space.decode(val_set.tokens[:num]),
-                                                                                     vocab), "machine": machine()}
+    return {"name": name, "run": run.run_dir.name, "rows": rows,
+            "real_text": word_stats(space.decode(val_set.tokens[:num]), vocab), "machine": machine()}
 
 
 @torch.no_grad()
@@ -447,31 +461,24 @@ def readout_sweep(name: str, weights: list[float], seeds=(0, 1), num: int = 32, 
     """One trained configuration read out with other table-readout weights: decode accuracy on the held-out
     rows (diagnostics.validation_report) and the word statistics of samples (vc, `steps` steps, omega 3, each
     seed). The readout weight does not change training, so the trained weights serve every weight."""
-    from elflow.checkpoint import load_for_sampling
-    from elflow.data import build_dataset
-    from elflow.diagnostics import corpus_vocabulary, validation_report, word_stats
+    from elflow.diagnostics import validation_report, word_stats
     from elflow.encoders import latent_moments, token_vectors
-    from elflow.flow import Recipe
     from elflow.model import ELF
 
-    cfg = train_config(CONFIGS[name], 100)
-    run_dir = trained_run(name, cfg, work)
-    loaded, space = load_for_sampling(run_dir, device="cpu")
-    recipe = Recipe.from_dict(cfg.recipe)
-    train_set, val_set = build_dataset(cfg.data, space, cfg.length, layout=cfg.layout, val_fraction=cfg.val_fraction,
-                                       seed=cfg.seed, cache_dir=cache_dir)
-    vocab = corpus_vocabulary(space.decode(train_set.tokens[: min(len(train_set), 4000)]))
+    run = measured_run(name, work, cache_dir)
+    cfg, space, recipe, train_set, val_set = run.cfg, run.space, run.recipe, run.train_set, run.val_set
+    vocab = training_vocabulary(space, train_set)
     moments = latent_moments(space, val_set)
-    trained = {k: v for k, v in loaded.net.state_dict().items() if k != "readout_table"}
-    table = token_vectors(space, loaded.net.config.vocab_size)
+    trained = {k: v for k, v in run.net.state_dict().items() if k != "readout_table"}
+    table = token_vectors(space, run.net.config.vocab_size)
     # clean held-out tokens grouped by how often the training split holds them
-    counts = torch.bincount(train_set.tokens.flatten(), minlength=loaded.net.config.vocab_size)
+    counts = torch.bincount(train_set.tokens.flatten(), minlength=run.net.config.vocab_size)
     held = val_set.tokens[:128]
     seen = counts[held]
     groups = {f"[{lo}, {hi})": (seen >= lo) & (seen < hi) for lo, hi in ((0, 10), (10, 100), (100, 1000), (1000, 10**9))}
     rows = []
     for w in weights:
-        net = ELF(loaded.net.config.replace(table_readout=float(w)))
+        net = ELF(run.net.config.replace(table_readout=float(w)))
         net.load_state_dict(trained, strict=False)
         if w:
             net.set_readout_table(table)
@@ -489,7 +496,7 @@ def readout_sweep(name: str, weights: list[float], seeds=(0, 1), num: int = 32, 
             print(f"  readout weight {w:g}, seed {seed}: decode p=1 {val['decode_accuracy']['p=1.0']:.1%}, word "
                   f"entropy {rows[-1]['word_entropy']:.2f}, corpus words {rows[-1]['corpus_word_share']:.1%}",
                   flush=True)
-    return {"name": name, "run": run_dir.name, "rows": rows, "real_text": word_stats(space.decode(val_set.tokens[:num]),
+    return {"name": name, "run": run.run_dir.name, "rows": rows, "real_text": word_stats(space.decode(val_set.tokens[:num]),
                                                                                      vocab), "machine": machine()}
 
 
@@ -498,17 +505,11 @@ def fine_bins(name: str, edges=(0.0, 0.005, 0.02, 0.05, 0.1, 0.15, 0.2), rows: i
               work: Path = Path("runs/quickstart_study"), cache_dir=None) -> list[dict]:
     """The low-t end in finer bins for one trained configuration: its loss, the baseline's, and the variance
     per dimension of what the network adds to its own Gaussian skip (a skip network's correction)."""
-    from elflow.checkpoint import load_for_sampling
-    from elflow.data import build_dataset
     from elflow.encoders import latent_moments
-    from elflow.flow import Recipe
     from elflow.model import gaussian_posterior
 
-    cfg = train_config(CONFIGS[name], 100)
-    loaded, space = load_for_sampling(trained_run(name, cfg, work), device="cpu")
-    net, recipe = loaded.net.eval(), Recipe.from_dict(cfg.recipe)
-    _, val_set = build_dataset(cfg.data, space, cfg.length, layout=cfg.layout, val_fraction=cfg.val_fraction,
-                               seed=cfg.seed, cache_dir=cache_dir)
+    run = measured_run(name, work, cache_dir)
+    net, space, recipe, val_set = run.net, run.space, run.recipe, run.val_set
     mu, var = latent_moments(space, val_set)
     x = space.encode(val_set.tokens[:rows]).float()
     g = torch.Generator().manual_seed(1)

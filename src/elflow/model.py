@@ -458,7 +458,7 @@ class ELF(nn.Module):
 
     def num_params(self, exclude_decode_head: bool = False) -> int:
         """The parameters that train (frozen ones, the skip moments and the readout table, are data)."""
-        n = sum(p.numel() for p in self.parameters() if p.requires_grad)
+        n = num_params(self)
         if exclude_decode_head:
             n -= sum(p.numel() for p in self.decode_head.parameters())
         return n

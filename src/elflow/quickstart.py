@@ -67,11 +67,12 @@ def add_arguments(p) -> None:
 def preset_overrides(args) -> dict:
     """The quickstart preset's settings this command's flags replace when given (--lr, --space). The preset's
     table readout needs fixed token vectors: a --space without them (an encoder, a learned table) drops it."""
+    from elflow.encoders import FIXED_TABLE_KINDS
     from elflow.train import RUN_PRESETS, space_spec
 
     over = {name: getattr(args, name) for name in ("lr", "space") if getattr(args, name, None) is not None}
     model = RUN_PRESETS["quickstart"][0]["model"]
-    fixed_vectors = "space" not in over or space_spec(over["space"], None)["kind"] in ("random-table", "token-table")
+    fixed_vectors = "space" not in over or space_spec(over["space"], None)["kind"] in FIXED_TABLE_KINDS
     if model.get("table_readout") and not fixed_vectors:
         over["model"] = {**model, "table_readout": 0.0}
     return over
