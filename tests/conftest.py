@@ -74,3 +74,18 @@ def tiny_corpus_file(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("tiny_corpus") / "corpus.txt"
     path.write_text(tiny_corpus_text(400, seed=1))
     return path
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Under ELFLOW_STRICT_SKIPS=1 (CI), a test skipped because its data is missing fails the run."""
+    if os.environ.get("ELFLOW_STRICT_SKIPS") != "1":
+        return
+    from helpers import MISSING_DATA
+
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    reasons = [rep.longrepr[2] for rep in (reporter.stats.get("skipped", []) if reporter else [])
+               if isinstance(rep.longrepr, tuple) and MISSING_DATA in rep.longrepr[2]]
+    if reasons:
+        for reason in sorted(set(reasons)):
+            print(f"\nELFLOW_STRICT_SKIPS: a test was skipped for missing data: {reason}")
+        session.exitstatus = 1

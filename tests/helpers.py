@@ -1,10 +1,24 @@
-"""Small helpers shared by the training tests: a tiny run's settings and a checkpoint's weights."""
+"""Small helpers shared by the tests: the reference vectors' folder, a tiny run's settings, a checkpoint's weights."""
 
 from pathlib import Path
 
+import pytest
 from safetensors.torch import load_file
 
 from elflow.train import TrainConfig
+
+
+REFERENCE = Path(__file__).resolve().parent / "reference"
+MISSING_DATA = "missing data"  # the reason of a skip for absent files; ELFLOW_STRICT_SKIPS=1 turns it into a failure
+
+
+def reference_dir(*names: str) -> Path:
+    """tests/reference, after checking that it holds `names` (the authors' reference vectors: README there).
+    Usable at module level: a missing file skips the module with a reason that strict runs refuse."""
+    missing = [n for n in names if not (REFERENCE / n).exists()]
+    if missing:
+        pytest.skip(f"{MISSING_DATA}: tests/reference lacks {', '.join(missing)}", allow_module_level=True)
+    return REFERENCE
 
 
 def tiny_config(t5_dir, corpus, **kw) -> TrainConfig:

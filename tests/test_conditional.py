@@ -1,5 +1,5 @@
 """Conditional generation against the authors' own layout, sampling loops and target extraction
-(their reference vectors, run on the tiny reference weights, laid beside the checkout)."""
+(their reference vectors, run on the tiny reference weights: tests/reference)."""
 
 import json
 from pathlib import Path
@@ -14,9 +14,9 @@ from elflow.flow import decode_tokens, sample
 from elflow.generate import extract_targets
 from elflow.official import official_to_elflow
 
-REF = Path(__file__).resolve().parents[2] / "shared" / "reference"
-pytestmark = pytest.mark.skipif(not (REF / "authors_cond_distill.safetensors").exists(),
-                                reason="shared/reference missing")
+from helpers import reference_dir
+
+REF = reference_dir("authors_cond_distill.safetensors", "authors_cond_distill.json", "official_tiny.safetensors")
 EOS = 1
 
 

@@ -10,11 +10,9 @@ from safetensors.torch import load_file
 from elflow import distill
 from elflow.utils import ELFError
 
-REF = Path(__file__).resolve().parents[2] / "shared" / "reference"
-if not REF.exists():  # CI lays shared/ beside the clone
-    REF = Path(__file__).resolve().parents[1].parent / "shared" / "reference"
-HAVE_REF = (REF / "authors_cond_distill.safetensors").exists() and (REF / "official_tiny.safetensors").exists()
-needs_ref = pytest.mark.skipif(not HAVE_REF, reason="shared/reference missing")
+from helpers import reference_dir
+
+REF = reference_dir("authors_cond_distill.safetensors", "official_tiny.safetensors")
 
 TOL = 1e-5
 
@@ -46,14 +44,12 @@ def _slot(case, init):
     return torch.where(known[..., None], case["x0"], slot)
 
 
-@needs_ref
 def test_reference_case_has_rows_with_and_without_a_source(case):
     n_known = case["cond_seq_mask"].sum(-1)
     assert (n_known == 0).any() and (n_known > 0).any()
     assert case["use_self_cond"].bool().any() and (~case["use_self_cond"].bool()).any()
 
 
-@needs_ref
 @torch.no_grad()
 def test_teacher_init_and_slot_match_the_authors(official_net, case):
     known = case["cond_seq_mask"].bool()
@@ -62,7 +58,6 @@ def test_teacher_init_and_slot_match_the_authors(official_net, case):
     assert close(_slot(case, init), case["sc_half"]) < TOL
 
 
-@needs_ref
 @torch.no_grad()
 @pytest.mark.parametrize("kind", ["sub_steps", "uniform", "one_step"])
 def test_pd_target_matches_the_authors(official_net, case, kind):

