@@ -16,6 +16,7 @@ LAYERS = [
     ["flow", "ar", "mdlm"],
     ["data", "methods"],
     ["encoders"],
+    ["shortrun"],
     ["checkpoint"],
     ["train", "generate", "diagnostics", "judge"],
     ["distill", "evaluate", "bench"],

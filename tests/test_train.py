@@ -227,7 +227,7 @@ def test_table_readout_run_carries_the_token_vectors(tmp_path, tiny_t5_dir, tiny
     loaded, space = load_for_sampling(tmp_path / "tied")
     net = loaded.net
     V = net.config.vocab_size
-    assert net.config.table_readout == 1.0
+    assert net.options.table_readout == 1.0
     assert torch.equal(net.readout_table, space.table[:V])  # random-table: the rows themselves (scale 1)
     w2, e2 = checkpoint_weights(tmp_path / "tied", 2)
     w4, e4 = checkpoint_weights(tmp_path / "tied", 4)
@@ -263,7 +263,7 @@ def test_gaussian_skip_run_carries_the_training_moments(tmp_path, tiny_t5_dir, t
     assert len(train_set) <= 512  # the moments then cover every row
     x = space.encode(train_set.tokens, attention_mask=train_set.attention_mask).double()[train_set.mask]
     net = loaded.net
-    assert net.config.skip == "gaussian"
+    assert net.options.skip == "gaussian"
     assert torch.allclose(net.skip_mean.double(), x.mean(0), atol=1e-5)
     assert torch.allclose(net.skip_var.double(), x.var(0, unbiased=False), rtol=1e-4)
     assert net.skip_noise.item() == 2.0  # the recipe's noise scale

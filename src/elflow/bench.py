@@ -287,12 +287,13 @@ def bench(mode: str, preset: str = "tiny", depth=None, hidden=None, heads=None, 
     if L < 1:
         raise ELFError(f"--length must be >= 1, got {L}")
     try:
-        cfg = get_config(preset, depth=depth, hidden=hidden, heads=heads, vocab_size=vocab_size, max_length=max(L, PRESETS[preset].max_length),
-                         grad_checkpoint=grad_checkpoint)
+        cfg = get_config(preset, depth=depth, hidden=hidden, heads=heads, vocab_size=vocab_size,
+                         max_length=max(L, PRESETS[preset].max_length))
     except ValueError as e:
         raise ELFError(str(e)) from e
     torch.manual_seed(seed)
     net = ELF(cfg).to(device)
+    net.grad_checkpoint = grad_checkpoint
     model = torch.compile(net) if compile else net
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)

@@ -36,6 +36,7 @@ from safetensors.torch import load_file, save_file
 from elflow.methods import get_method
 from elflow.model import ELF, ELFConfig, TokenLMConfig
 from elflow.official import infer_config, official_to_elflow, preset_name
+from elflow.shortrun import network_from_state_dict, stored_network
 from elflow.utils import ELFError, atomic_write_json, default_device, sha256_file as _sha256
 
 __all__ = ["write_checkpoint", "save_checkpoint", "load_checkpoint", "list_checkpoints", "latest_checkpoint", "resolve_checkpoint",
@@ -240,22 +241,10 @@ def read_official_checkpoint(path: str | os.PathLike, which: str = "ema_params1"
 
 
 def build_from_state_dict(sd: dict[str, torch.Tensor], max_length: int = 1024, heads: int | None = None,
-                          config: ELFConfig | None = None) -> ELF:
-    """An ELF network holding these (elflow-named) weights, its shape inferred unless `config` is given."""
-    cfg = config or infer_config(sd, max_length=max_length, heads=heads)
-    net = ELF(cfg)
-    expected = net.state_dict()
-    missing = [k for k in expected if k not in sd]
-    unexpected = [k for k in sd if k not in expected]
-    if missing or unexpected:
-        raise ELFError(f"weights do not fit an ELF network of shape {cfg}: missing {missing[:6]}, "
-                       f"unexpected {unexpected[:6]}")
-    wrong = [f"{k}: {tuple(sd[k].shape)} (expected {tuple(v.shape)})" for k, v in expected.items()
-             if sd[k].shape != v.shape]
-    if wrong:
-        raise ELFError(f"weights have shapes that fit no ELF network of this shape: {wrong[:4]}")
-    net.load_state_dict(sd)
-    return net
+                          config: ELFConfig | None = None, options=None) -> ELF:
+    """An ELF network holding these (elflow-named) weights, its shape inferred unless `config` is given, with
+    the short-run `options` (elflow.shortrun) if any."""
+    return network_from_state_dict(sd, config, options, max_length=max_length, heads=heads)
 
 
 
@@ -399,8 +388,10 @@ def read_weights(path_or_hub_id: str | os.PathLike, use_ema: bool = True, max_le
         method = st.get("method", "elf")
         if not baselines:
             only_elf(method, path_or_hub_id)
+        short_run = {}
         if method == "elf":
-            cfg = ELFConfig.from_dict({**st["model"], "grad_checkpoint": False})
+            cfg, options = stored_network(st["model"], st.get("short_run"))
+            short_run = options.to_dict() if options.active else {}
         else:
             cfg = TokenLMConfig.from_dict(st["model"])
         sd = blob["ema" if use_ema else "model"]
@@ -408,7 +399,8 @@ def read_weights(path_or_hub_id: str | os.PathLike, use_ema: bool = True, max_le
         recipe, space = dict(st.get("train", {}).get("recipe", {})), st["space"]
         stored = {k: recipe[k] for k in ("sampling", "distilled_steps") if k in recipe}  # a distilled model's
         settings = {"length": cfg.max_length, **stored, **st.get("settings", {}), "format": "elflow",
-                    "checkpoint": str(ckpt), "space_id": st.get("space_id"), "method": method}
+                    "checkpoint": str(ckpt), "space_id": st.get("space_id"), "method": method,
+                    **({"short_run": short_run} if short_run else {})}
     else:
         f = find_official_file(p)
         sd = read_official_checkpoint(f, which="ema_params1" if use_ema else "params")
@@ -432,7 +424,7 @@ def load(path_or_hub_id: str | os.PathLike, device=None, use_ema: bool = True,
                        + ("; pass --raw-weights to use the trained ones" if use_ema else ""))
     method = settings.get("method", "elf")
     if method == "elf":
-        net = build_from_state_dict(sd, config=cfg)
+        net = build_from_state_dict(sd, config=cfg, options=settings.get("short_run"))
     else:
         net = get_method(method).build(cfg, _Vocabulary(cfg.vocab_size))
         try:

@@ -254,14 +254,14 @@ def load_teacher(path, length: int | None = None, device=None):
     cfg, sd, info = load_init_weights(path)
     if length and length > cfg.max_length:
         cfg = cfg.replace(max_length=length)
-    net = build_from_state_dict(sd, config=cfg.replace(grad_checkpoint=False)).to(device or "cpu").eval()
+    net = build_from_state_dict(sd, config=cfg, options=info.get("short_run")).to(device or "cpu").eval()
     net.requires_grad_(False)
     return net, info
 
 
 MANIFEST = "distill.json"
 # settings a resumed distillation must share with the stored one
-SAME_ON_RESUME = ("preset", "model", "data", "space", "latent_std", "length", "layout", "batch", "steps", "epochs",
+SAME_ON_RESUME = ("preset", "model", "short_run", "data", "space", "latent_std", "length", "layout", "batch", "steps", "epochs",
                   "seed", "lr", "ema_decay", "warmup_frac")
 
 
@@ -288,9 +288,9 @@ def _base_config(teacher_info: dict, overrides: dict):
                        "pass --data and --space")
     if base.get("preset") not in PRESETS:
         base["preset"] = "elf-b"  # every shape field is set from the teacher below
-    shape = {k: v for k, v in teacher_info["config"].items()
-             if k not in ("dim", "vocab_size", "max_length", "grad_checkpoint")}
+    shape = {k: v for k, v in teacher_info["config"].items() if k not in ("dim", "vocab_size", "max_length")}
     base["model"] = shape
+    base["short_run"] = dict(teacher_info.get("short_run") or {})  # the students are networks of the teacher's kind
     base["length"] = base.get("length") or teacher_info["config"]["max_length"]
     recipe = {k: v for k, v in stored.get("recipe", {}).items() if k in Recipe().to_dict()}
     base["recipe"] = recipe

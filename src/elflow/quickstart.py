@@ -71,10 +71,10 @@ def preset_overrides(args) -> dict:
     from elflow.train import RUN_PRESETS, space_spec
 
     over = {name: getattr(args, name) for name in ("lr", "space") if getattr(args, name, None) is not None}
-    model = RUN_PRESETS["quickstart"][0]["model"]
+    options = RUN_PRESETS["quickstart"][0]["short_run"]
     fixed_vectors = "space" not in over or space_spec(over["space"], None)["kind"] in FIXED_TABLE_KINDS
-    if model.get("table_readout") and not fixed_vectors:
-        over["model"] = {**model, "table_readout": 0.0}
+    if options.get("table_readout") and not fixed_vectors:
+        over["short_run"] = {**options, "table_readout": 0.0}
     return over
 
 

@@ -32,8 +32,9 @@ import torch.distributed as dist
 from elflow.data import PAIR_TASKS, encoder_mask
 from elflow.flow import SAMPLERS, TIME_BINS, Recipe, draw_training_noise, elf_loss, time_bin, time_bin_labels
 from elflow.methods import MATCHES, METHOD_NAMES, fit_shape, get_method, table_names
-from elflow.model import ELF, PRESETS, SKIPS, MixedPass, get_config, num_params
+from elflow.model import ELF, PRESETS, MixedPass, get_config, num_params
 from elflow.optim import EMA, LR_DECAYS, NS_METHODS, ELFOptimizer, base_lr, lr_at
+from elflow.shortrun import FIELDS as SHORT_RUN_FIELDS, SKIPS, build_network, describe_network
 from elflow.utils import (ELFError, FolderLock, atomic_write, atomic_write_json, autocast, check_device,
                           check_output, no_space_error, resolve_dtype)
 
@@ -155,15 +156,23 @@ class TrainConfig:
     recipe: dict = setting(help="flow-recipe overrides (elflow.flow.Recipe fields)", cli=False,
                            default_factory=dict)
     model: dict = setting(help="ELFConfig overrides (depth, hidden, heads, ...)", cli=False, default_factory=dict)
+    short_run: dict = setting(help="the network's options for short runs (elflow.shortrun.ShortRunOptions fields)",
+                              cli=False, default_factory=dict)
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
-        """From a stored config; keys it does not know are ignored, missing ones take their defaults."""
+        """From a stored config; keys it does not know are ignored, missing ones take their defaults. Short-run
+        options stored among the network settings (`model`) are read as `short_run`."""
         names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
+        d = {k: v for k, v in d.items() if k in names}
+        model = d.get("model") or {}
+        if any(k in SHORT_RUN_FIELDS for k in model):
+            d["model"] = {k: v for k, v in model.items() if k not in SHORT_RUN_FIELDS}
+            d["short_run"] = {**{k: v for k, v in model.items() if k in SHORT_RUN_FIELDS}, **d.get("short_run", {})}
+        return cls(**d)
 
     @classmethod
     def named(cls, name: str | None, **overrides) -> "TrainConfig":
@@ -232,7 +241,7 @@ RUN_PRESETS: dict[str, tuple[dict, dict]] = {
         dict(preset="demo", data="builtin", space="random-table:minilm", length=64, batch=32, steps=250, lr=3e-3,
              warmup=50, ema_decay=0.95, adam_heads=True, dtype="auto", log_every=10, keep=2, sample_sampler="vc",
              sample_steps=64,
-             model={"skip": "gaussian", "time_scale": 1000.0, "head_modulation": True, "table_readout": 1.0}),
+             short_run={"skip": "gaussian", "time_scale": 1000.0, "head_modulation": True, "table_readout": 1.0}),
         dict(ckpt_every=lambda v: max(v["steps"] // 4, 1), sample_every=lambda v: max(v["steps"] // 4, 1)),
     ),
     # the paper's conditional tasks: ELF-B in T5-small's space, decode corruption 1.0, warm-up 5,000
@@ -247,15 +256,15 @@ NESTED_FLAGS: dict[tuple[str, str], tuple] = {
     ("model", "depth"): (int, "transformer blocks", AT_LEAST_1, "the preset's"),
     ("model", "hidden"): (int, "hidden width", AT_LEAST_1, "the preset's"),
     ("model", "heads"): (int, "attention heads", AT_LEAST_1, "the preset's"),
-    ("model", "skip"): (SKIPS, "denoise head: none = the released networks' x = head(h); gaussian = the data's "
+    ("short_run", "skip"): (SKIPS, "denoise head: none = the released networks' x = head(h); gaussian = the data's "
                         "per-dimension Gaussian posterior mean + posterior std x head(h), a network that starts as "
                         "that baseline denoiser", None, "the preset's"),
-    ("model", "time_scale"): (float, "factor on t before its sinusoid features (1 in the released networks, whose "
+    ("short_run", "time_scale"): (float, "factor on t before its sinusoid features (1 in the released networks, whose "
                                      "features then barely change over t in [0, 0.1]; DiT uses 1000)", POSITIVE,
                               "the preset's"),
-    ("model", "head_modulation"): (bool, "scale and shift the denoise head's input by t (DiT's final layer; "
+    ("short_run", "head_modulation"): (bool, "scale and shift the denoise head's input by t (DiT's final layer; "
                                          "absent from the released networks)", None, "the preset's"),
-    ("model", "table_readout"): (float, "weight w of the readout's table match: the decode logits gain "
+    ("short_run", "table_readout"): (float, "weight w of the readout's table match: the decode logits gain "
                                         "w z . R_k / sqrt(C), R_k token k's own vector in the space (table spaces "
                                         "only; 0 in the released networks)", AT_LEAST_0, "the preset's"),
     ("recipe", "decode_noise_scale"): (float, "decode corruption scale", POSITIVE, "5; 1 for conditional runs"),
@@ -786,17 +795,15 @@ def setup_run(cfg: TrainConfig, rank: int, world: int, local: int, device, cache
         train_set, _ = build_dataset(cfg.data, space, length, layout=cfg.layout, val_fraction=cfg.val_fraction,
                                      seed=cfg.seed, cache_dir=cache_dir, field=cfg.text_field, on_bad=cfg.on_bad)
     try:
-        mcfg = get_config(cfg.preset, dim=space.dim, vocab_size=space.vocab_size, max_length=length,
-                          grad_checkpoint=cfg.grad_checkpoint, **cfg.model)
+        mcfg = get_config(cfg.preset, dim=space.dim, vocab_size=space.vocab_size, max_length=length, **cfg.model)
     except (TypeError, ValueError) as e:
         raise ELFError(f"the network settings do not fit together: {e}") from None
     recipe = Recipe.from_dict({"decode_noise_scale": 1.0, **cfg.recipe} if cfg.source_length else cfg.recipe)
     if cfg.method == "elf":
-        net = ELF(mcfg).to(device)
-        if mcfg.skip == "gaussian":  # the Gaussian model's moments, from the training split
-            net.set_gaussian_skip(*latent_moments(space, train_set, device=device), recipe.noise_scale)
-        if mcfg.table_readout:  # each token's own vector, for the decode readout
-            net.set_readout_table(token_vectors(space, mcfg.vocab_size, device=device))
+        net = build_network(mcfg, cfg.short_run).to(device)
+        net.grad_checkpoint = cfg.grad_checkpoint
+        if hasattr(net, "prepare"):
+            net.prepare(space, train_set, recipe.noise_scale)
         params = {"model": net.num_params(), "elf": net.num_params(), "match": cfg.match}
         # the optimiser names a trainable space's parameters "space.<name>" beside the network's
         named = list(net.named_parameters()) + [("space." + n, p) for n, p in space.named_parameters()
@@ -823,7 +830,7 @@ def setup_run(cfg: TrainConfig, rank: int, world: int, local: int, device, cache
 def start_from(run: Setup, path, quiet: bool = False) -> None:
     """Load stored weights into a fresh run (`--init-from`): its EMA starts from them; the optimiser is new."""
     init_cfg, init_sd, info = load_init_weights(path, warn=lambda m: run.rank == 0 and print(m, file=sys.stderr))
-    check_init_compatible(path, init_cfg, info, run.mcfg, run.space)
+    check_init_compatible(path, init_cfg, info, run.net, run.space)
     run.net.load_state_dict(init_sd)
     run.ema = EMA(run.net, run.cfg.ema_decay)
     if run.rank == 0 and not quiet:
@@ -844,16 +851,20 @@ def load_init_weights(path, warn=None):
     return cfg, sd, {**info, "space": spec, "recipe": recipe}
 
 
-SHAPE_FREE = ("max_length", "grad_checkpoint")  # ELFConfig fields that do not change the weights
+SHAPE_FREE = ("max_length",)  # ELFConfig fields that do not change the weights
 
 
-def check_init_compatible(path, init_cfg, info: dict, mcfg, space) -> None:
-    """Refuse starting weights of another embedding space or another network shape."""
+def check_init_compatible(path, init_cfg, info: dict, net, space) -> None:
+    """Refuse starting weights of another embedding space or another network (shape or short-run options)."""
+    from elflow.shortrun import options_of
+
     stored = info.get("space_id")
     if stored and stored != space.space_id:
         raise ELFError(f"{path} was trained in the embedding space {stored!r}, this run uses {space.space_id!r}; "
                        "pass the matching --space / --latent-std")
-    a, b = init_cfg.to_dict(), mcfg.to_dict()
+    shape, options = describe_network(net)
+    a = {**init_cfg.to_dict(), **options_of(info.get("short_run")).to_dict()}
+    b = {**shape, **options_of(options).to_dict()}
     diff = [f"{k} {a[k]} vs {b[k]}" for k in a if k not in SHAPE_FREE and a[k] != b.get(k)]
     if diff:
         raise ELFError(f"{path} holds a network of another shape than this run's ({', '.join(diff)})")
@@ -895,7 +906,7 @@ def save_run_checkpoint(out: Path, step: int, run: Setup) -> Path:
 
     cfg = run.cfg
     state = {"format": "elflow-checkpoint-1", "method": run.method, "params": run.params,
-             "train": cfg.to_dict(), "model": run.mcfg.to_dict(),
+             "train": cfg.to_dict(), **network_entries(run),
              "space": run.space.config(), "space_id": run.space.space_id, "data_position": run.batches.state_dict(),
              "world_size": run.world, "settings": model_settings(run)}
     rng = {"torch": torch.get_rng_state()}
@@ -904,6 +915,15 @@ def save_run_checkpoint(out: Path, step: int, run: Setup) -> Path:
     return save_checkpoint(out, step, run.net.state_dict(), run.ema.state_dict(),
                            {"optimizer": run.optimizer.state_dict(), "rng": rng}, state, keep=cfg.keep,
                            space_sd=run.space.trainable_state_dict())
+
+
+def network_entries(run: Setup) -> dict:
+    """The network's entries of run.json and state.json: "model" (its config) and, for an ELF network with
+    options for short runs, "short_run"."""
+    if run.method != "elf":
+        return {"model": run.mcfg.to_dict()}
+    shape, options = describe_network(run.net)
+    return {"model": shape, **({"short_run": options} if options else {})}
 
 
 def model_settings(run: Setup) -> dict:
@@ -1061,7 +1081,7 @@ def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwr
 
         def write_meta():
             atomic_write_json(out / "run.json", {"train": cfg.to_dict(), "method": cfg.method,
-                                                 "model": run.mcfg.to_dict(), "params": run.params,
+                                                 **network_entries(run), "params": run.params,
                                                  "space": run.space.config(), "space_id": run.space.space_id,
                                                  "world_size": world})
 

@@ -1,4 +1,5 @@
-"""Small shared helpers: atomic file writes, output checks, folder locks, devices, float64 categorical draws."""
+"""Small shared helpers: settings records, atomic file writes, output checks, folder locks, devices, float64
+categorical draws."""
 
 from __future__ import annotations
 
@@ -11,16 +12,36 @@ import socket
 import tempfile
 import time
 from contextlib import contextmanager
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 
 
-__all__ = ["ELFError", "atomic_write", "atomic_write_text", "atomic_write_json", "default_device", "sha256_file",
+__all__ = ["ELFError", "Record", "atomic_write", "atomic_write_text", "atomic_write_json", "default_device", "sha256_file",
            "cache_root", "cpu_flags", "fast_bf16", "resolve_dtype", "autocast", "check_device", "check_output", "FolderLock",
            "sample_categorical"]
 
 
 class ELFError(Exception):
     """An error caused by the user's input: printed as one clear message, without a traceback."""
+
+
+class Record:
+    """The serialisation of a settings dataclass: `to_dict`, `from_dict` (missing keys take their defaults,
+    unknown ones are a ValueError naming them) and `replace`."""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict):
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"{cls.__name__}: unknown fields {unknown}")
+        return cls(**d)
+
+    def replace(self, **kw):
+        return replace(self, **kw)
 
 
 @contextmanager
