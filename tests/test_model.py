@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from elflow.model import ELF, PRESETS, ELFConfig, MixedPass, get_config
+from elflow.model import ELF, PRESETS, ELFConfig, get_config
 
 from helpers import reference_dir
 
@@ -109,7 +109,7 @@ def test_torch_compile_works():
     compiled = torch.compile(net, backend="eager")
     z, t, w = torch.randn(2, 8, 32), torch.rand(2), torch.ones(2)
     assert torch.allclose(compiled(z, t, w), net(z, t, w))
-    pair = torch.compile(MixedPass(net), backend="eager")
+    pair = torch.compile(net.mixed, backend="eager")
     gate, rows = torch.tensor([1.0, 0.0]), torch.tensor([0])
     for a, b in zip(pair(z, t, w, None, gate, rows), net.mixed(z, t, w, None, gate, rows)):
         assert torch.allclose(a, b)

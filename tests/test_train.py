@@ -155,6 +155,7 @@ def test_nonfinite_step_does_not_update(tiny_t5_dir):
     from elflow.encoders import build_space
     from elflow.flow import Recipe
     from elflow.model import ELF, get_config
+    from elflow.methods import TrainedPass, get_method
     from elflow.optim import EMA, ELFOptimizer
     from elflow.train import train_step
 
@@ -165,7 +166,8 @@ def test_nonfinite_step_does_not_update(tiny_t5_dir):
     before = {k: v.clone() for k, v in net.state_dict().items()}
     opt = ELFOptimizer(net.named_parameters(), lr=1e-2)
     shards = [{"tokens": torch.randint(3, 200, (4, 16)), "mask": torch.ones(4, 16, dtype=torch.bool)}]
-    m = train_step(net, space, shards, Recipe(decode_prob=0.0), opt, EMA(net, 0.9), 0, 0, 0, "fp32")
+    m = train_step(TrainedPass(get_method("elf"), net, space, Recipe(decode_prob=0.0)), shards, opt, EMA(net, 0.9),
+                   0, 0, 0, "fp32")
     assert "nonfinite" in m
     after = net.state_dict()
     assert all(torch.equal(before[k], after[k]) or torch.isnan(before[k]).any() for k in before)

@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from elflow.model import ELF, PRESETS, ELFConfig, MixedPass, get_config
+from elflow.model import ELF, PRESETS, ELFConfig, get_config
 from elflow.optim import NS_METHODS, method_for
 from elflow.utils import ELFError, autocast, default_device
 
@@ -339,6 +339,7 @@ def bench(mode: str, preset: str = "tiny", depth=None, hidden=None, heads=None, 
 
     else:  # train
         from elflow.flow import Recipe, draw_training_noise
+        from elflow.methods import TrainedPass, get_method
         from elflow.optim import EMA, ELFOptimizer
         from elflow.train import shard_generators, train_step
 
@@ -355,12 +356,14 @@ def bench(mode: str, preset: str = "tiny", depth=None, hidden=None, heads=None, 
         counter = iter(range(10 ** 9))
         done_steps: list[int] = []
 
-        trained = torch.compile(MixedPass(net)) if compile else net  # what the trainer compiles
+        elf = get_method("elf")
+        trained = TrainedPass(elf, net, sp, recipe)
+        trained = torch.compile(trained) if compile else trained  # what the trainer compiles
 
         def fn(m=trained, o=opt, e=ema):
             s = next(counter)
             done_steps.append(s)
-            train_step(m, sp, shards, recipe, o, e, s, seed, 0, dtype, 1.0, 1, device, params)
+            train_step(m, shards, o, e, s, seed, 0, dtype, 1.0, 1, device, params)
         times = _timed(fn, device, warmup, iters)
         timed_steps = done_steps[warmup:]
         # the pass mix of the timed steps' actual draws
@@ -387,12 +390,12 @@ def bench(mode: str, preset: str = "tiny", depth=None, hidden=None, heads=None, 
                      reference_recipe=reference_recipe_flops(cfg, L))
         if breakdown:  # one more step with every phase synced and timed
             timer = _Timer(device)
-            tnet = _TimedNet(net, timer)
+            timed = TrainedPass(elf, _TimedNet(net, timer), sp, recipe)
             sp.encode = timer.wrap("encoder", sp.encode)
             opt.step = timer.wrap("optimizer", opt.step)
             ema.update = timer.wrap("ema", ema.update)
             t0 = time.perf_counter()
-            fn(tnet, opt, ema)
+            fn(timed, opt, ema)
             _sync(device)
             total = time.perf_counter() - t0
             sec = dict(timer.seconds)

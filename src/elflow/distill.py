@@ -29,11 +29,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from elflow.flow import Recipe, _index, decode_levels, euler_step
+from elflow.generate import distilled_defaults
 from elflow.schedules import T_MEAN, T_STD, sample_guidance, sample_time
 from elflow.utils import ELFError, atomic_write_json
 
 __all__ = ["teacher_init", "pd_target", "sample_sub_step_times", "DistillDraw", "draw_distill_noise",
-           "distill_loss", "DistillObjective", "sampling_defaults", "check_schedule", "load_teacher", "distill",
+           "distill_loss", "DistillObjective", "check_schedule", "load_teacher", "distill",
            "add_arguments", "run"]
 
 SUB_STEP_MIN_SPAN = 1e-3  # below this interval the extrapolation to t = 1 is ill-conditioned: use the guess
@@ -214,13 +215,6 @@ class DistillObjective:
 # the rounds
 
 
-def sampling_defaults(steps: int) -> dict:
-    """The few-step sampler settings stored with a distilled model (SDE; gamma 1.5 and omega 2.5 up to
-    8 steps, gamma 2.0 and omega 2.0 beyond)."""
-    gamma, omega = (1.5, 2.5) if steps <= 8 else (2.0, 2.0)
-    return {"steps": int(steps), "sampler": "sde", "gamma": gamma, "omega": omega}
-
-
 def check_schedule(student_steps, teacher_steps: int) -> list[int]:
     """The student step counts as a list; ELFError unless they fall strictly and each divides the teacher's."""
     steps = list(student_steps)
@@ -248,8 +242,7 @@ def _teacher_device():
 def load_teacher(path, length: int | None = None, device=None):
     """(frozen network, info): the EMA weights of a run or checkpoint (its trained weights, with a warning,
     where it stored no EMA), in eval mode and without gradients."""
-    from elflow.checkpoint import build_from_state_dict
-    from elflow.train import load_init_weights
+    from elflow.checkpoint import build_from_state_dict, load_init_weights
 
     cfg, sd, info = load_init_weights(path)
     if length and length > cfg.max_length:
@@ -401,7 +394,7 @@ def _process_group():
 def _round_config(cfg, n: int, teacher_steps: int, init: str):
     from dataclasses import replace
 
-    s = sampling_defaults(n)
+    s = distilled_defaults(n)
     recipe = {**cfg.recipe, "distilled_steps": n, "teacher_steps": teacher_steps, "sampling": s}
     return replace(cfg, init_from=init, recipe=recipe, sample_steps=s["steps"], sample_sampler=s["sampler"],
                    sample_omega=s["omega"])

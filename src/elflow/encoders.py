@@ -42,6 +42,7 @@ __all__ = [
     "TableSpace",
     "TokenizerSpace",
     "build_space",
+    "space_spec",
     "latent_moments",
     "check_compatible",
     "minilm_dir",
@@ -553,6 +554,24 @@ def _normalise_spec(spec) -> dict:
     spec.setdefault("name", DEFAULT_SPACE)
     if spec["kind"] not in KINDS:
         raise ELFError(f"unknown embedding space kind {spec['kind']!r}; choose one of {', '.join(KINDS)}")
+    return spec
+
+
+def space_spec(name: str, latent_std, dim: int | None = None, seed: int = 0) -> dict:
+    """--space value -> a build_space spec: minilm, t5-small (or any T5 hub id / folder), t5:PATH, hf:PATH,
+    or a non-contextual table over a base encoder's vocabulary: token-table[:BASE], random-table[:BASE],
+    learned-table[:BASE] (random and learned tables take --space-dim and --space-seed)."""
+    kind, sep, base = name.partition(":")
+    spec = {"kind": kind, "name": base} if sep and kind in TABLE_KINDS else _normalise_spec(name)
+    if spec["kind"] in ("random-table", "learned-table"):
+        spec.update(seed=seed, **({"dim": dim} if dim is not None else {}))
+    elif dim is not None:
+        raise ELFError(f"--space-dim applies to random-table and learned-table spaces, not to {name!r}")
+    if latent_std is not None:
+        try:
+            spec["latent_std"] = latent_std if latent_std in ("auto", "table") else float(latent_std)
+        except ValueError:
+            raise ELFError(f"--latent-std must be a number, 'auto' or 'table', got {latent_std!r}") from None
     return spec
 
 

@@ -29,7 +29,7 @@ from torch.utils.checkpoint import checkpoint
 
 from elflow.utils import Record
 
-__all__ = ["ELFConfig", "PRESETS", "ELF", "MixedPass", "Block", "RMSNorm", "rope_tables", "timestep_features",
+__all__ = ["ELFConfig", "PRESETS", "ELF", "Block", "RMSNorm", "rope_tables", "timestep_features",
            "get_config", "TokenLMConfig", "TokenTransformer", "num_params", "token_lm_params", "fit_token_lm"]
 
 
@@ -213,18 +213,6 @@ class DecodeHead(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return self.unembed(F.gelu(self.proj(h), approximate="tanh"))
-
-
-class MixedPass(nn.Module):
-    """Makes an ELF network's mixed training pass the module's forward, so that wrappers that only see
-    forward (DistributedDataParallel, torch.compile) see it; it holds no parameters of its own."""
-
-    def __init__(self, net: "ELF"):
-        super().__init__()
-        self.net = net
-
-    def forward(self, z, t, omega, x_prev, gate, logits_rows):
-        return self.net.mixed(z, t, omega, x_prev, gate, logits_rows)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -1,10 +1,10 @@
 """`elflow train`: one entry point, alone or under torchrun (DDP: NCCL on GPUs, Gloo on CPUs).
 
-`--method` chooses what is trained: ELF (the default), or a token-level baseline, an autoregressive LM (ar)
-or a masked diffusion LM (mdlm, elflow.methods). All share the data pipeline, the optimiser, the EMA, the
-checkpoints, exact resume and torchrun; a baseline reads the embedding space's token ids through its
-tokenizer alone (no encoder is loaded) and is sized to the parameter count of the ELF network that the same
-flags would build (`--match`).
+`--method` chooses what is trained (elflow.methods): ELF (the default), or a token-level baseline, an
+autoregressive LM (ar) or a masked diffusion LM (mdlm). All share the data pipeline, the optimiser, the EMA,
+the checkpoints, exact resume, torchrun and one step function (`train_step` over the method's
+`TrainedPass`); a baseline reads the embedding space's token ids through its tokenizer alone (no encoder is
+loaded) and is sized to the parameter count of the ELF network that the same flags would build (`--match`).
 
 A global batch of `--batch` rows is cut into shards of `--micro-batch` rows: rank r runs shards
 r*A .. r*A + A - 1 (A = accumulation steps). Each shard draws its noise from a generator seeded by
@@ -29,17 +29,17 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from elflow.data import PAIR_TASKS, encoder_mask
-from elflow.flow import SAMPLERS, TIME_BINS, Recipe, draw_training_noise, elf_loss, time_bin, time_bin_labels
-from elflow.methods import MATCHES, METHOD_NAMES, fit_shape, get_method, table_names
-from elflow.model import ELF, PRESETS, MixedPass, get_config, num_params
+from elflow.data import PAIR_TASKS
+from elflow.flow import SAMPLERS, TIME_BINS, Recipe, time_bin_labels
+from elflow.methods import MATCHES, METHOD_NAMES, Method, TrainedPass, check_run, get_method
+from elflow.model import PRESETS, get_config
 from elflow.optim import EMA, LR_DECAYS, NS_METHODS, ELFOptimizer, base_lr, lr_at
-from elflow.shortrun import FIELDS as SHORT_RUN_FIELDS, SKIPS, build_network, describe_network
+from elflow.shortrun import FIELDS as SHORT_RUN_FIELDS, SKIPS
 from elflow.utils import (ELFError, FolderLock, atomic_write, atomic_write_json, autocast, check_device,
                           check_output, no_space_error, resolve_dtype)
 
-__all__ = ["TrainConfig", "RUN_PRESETS", "Objective", "train", "train_step", "shard_generators", "load_init_weights",
-           "add_arguments", "run", "config_from_args"]
+__all__ = ["TrainConfig", "RUN_PRESETS", "train", "train_step", "shard_generators", "add_arguments", "run",
+           "config_from_args"]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -217,12 +217,7 @@ class TrainConfig:
                 ok, what = meta["check"]
                 if not isinstance(v, (int, float)) or not ok(v):
                     raise ELFError(f"{flag} must be a number {what}, got {v!r}")
-        if self.method != "elf":
-            only_elf = [flag for flag, given in (("--source-length", self.source_length), ("--task", self.task),
-                                                 ("--init-from", self.init_from),
-                                                 ("--grad-checkpoint", self.grad_checkpoint)) if given]
-            if only_elf:
-                raise ELFError(f"{only_elf[0]} applies to ELF runs only, not to --method {self.method}")
+        check_run(self)
         if self.source_length is not None and self.length is not None and self.source_length >= self.length:
             raise ELFError(f"--source-length {self.source_length} leaves no room for a target in --length "
                            f"{self.length}; use a longer --length or a shorter --source-length")
@@ -298,121 +293,36 @@ def shard_generators(seed: int, step: int, shard: int, device) -> tuple[torch.Ge
     return g, c
 
 
-@dataclass(frozen=True)
-class Objective:
-    """What a training step minimises. `draw(shape, recipe, generator=, cpu_generator=, device=, conditional=)`
-    draws a batch's randomness (with `t`, `decode` and a `drop_source` (B,) CPU bool tensor, read by the
-    encoder); `loss(net, x, tokens, draw, recipe, valid=, known=, trained=)` returns (loss, rows) as elf_loss
-    does. The default is the ELF objective; distillation passes its own."""
-
-    draw: Callable = draw_training_noise
-    loss: Callable = elf_loss
-
-
-def unwrap(model):
-    """(the ELF network, the trained pass) of a network or of its MixedPass under DDP / torch.compile."""
+def unwrap(model) -> TrainedPass:
+    """The TrainedPass of a pass under DDP and / or torch.compile."""
     inner = model.module if hasattr(model, "module") else model
-    inner = getattr(inner, "_orig_mod", inner)
-    if isinstance(inner, MixedPass):
-        return inner.net, model
-    return inner, inner.mixed
+    return getattr(inner, "_orig_mod", inner)
 
 
-def step_metrics(loss: torch.Tensor, rows: dict, draw) -> dict:
-    """Per-row losses of one shard -> sums and counts (overall, per branch, per time bin) that add up across
-    shards, steps and ranks; no host sync."""
-    dev = loss.device
-    is_dec = draw.decode.to(dev)
-    den = (~is_dec).float()
-    bins = time_bin(draw.t.detach())
-    nb = len(TIME_BINS) - 1
-    return {
-        "loss": loss.detach(),
-        "denoise_sum": rows["denoise"].sum(), "denoise_n": den.sum(),
-        "decode_sum": rows["decode"].sum(), "decode_n": is_dec.float().sum(),
-        "decode_correct": rows["correct"].sum(), "decode_tokens": rows["scored"].sum(),
-        "bin_sum": torch.zeros(nb, device=dev).index_add(0, bins, rows["denoise"] * den),
-        "bin_n": torch.zeros(nb, device=dev).index_add(0, bins, den),
-    }
-
-
-def train_step(model, space, shards: list[dict], recipe: Recipe, optimizer: ELFOptimizer, ema: EMA | None,
-               step: int, seed: int, first_shard: int, dtype: str = "bf16", grad_clip: float = 1.0,
-               world_size: int = 1, device=None, params=None, objective: Objective | None = None) -> dict:
-    """One optimiser step over this rank's shards (gradient accumulation); returns metric tensors summed
-    over the shards plus the gradient norm. `model` is the network, or its MixedPass (under DDP or
-    torch.compile); the loss of each shard is a mean over its rows, divided by the number of shards of the
-    whole global batch."""
-    device = device or next(model.parameters()).device
-    net, trained = unwrap(model)
-    objective = objective or Objective()
-    n_shards = len(shards) * world_size
-    totals: dict[str, torch.Tensor] = {}
-    for a, batch in enumerate(shards):
-        tokens = batch["tokens"].to(device, non_blocking=True)
-        mask = batch.get("mask")  # positions scored by the loss
-        mask = mask.to(device, non_blocking=True) if mask is not None else None
-        attention = batch.get("attention_mask")  # real tokens: the keys the encoder may attend to
-        attention = attention.to(device, non_blocking=True) if attention is not None else None
-        known = batch.get("known")  # the source positions of conditional data
-        known = known.to(device, non_blocking=True) if known is not None else None
-        g, c = shard_generators(seed, step, first_shard + a, device)
-        B, L = tokens.shape
-        draw = objective.draw((B, L, space.dim), recipe, generator=g, cpu_generator=c, device=device,
-                              conditional=known is not None)
-        if known is not None:
-            valid = attention if attention is not None else torch.ones_like(known)
-            attention = encoder_mask(known, valid, draw.drop_source)
-        sync = a == len(shards) - 1 or not hasattr(model, "no_sync")
-        with (nullcontext() if sync else model.no_sync()):
-            with autocast(device, dtype):
-                with nullcontext() if space.trainable else torch.no_grad():
-                    x = space.encode(tokens, attention)
-                loss, rows = objective.loss(net, x.float(), tokens, draw, recipe, valid=mask, known=known,
-                                            trained=trained)
-            (loss / n_shards * world_size).backward()  # DDP averages over ranks: mean over all shards
-        for k, v in step_metrics(loss, rows, draw).items():
-            totals[k] = totals[k] + v if k in totals else v
-    return finish_step(model, net, totals, len(shards), optimizer, ema, grad_clip, params)
-
-
-class TokenPass(torch.nn.Module):
-    """A token-level baseline's loss as a module's forward (for DDP and torch.compile):
-    (tokens, mask, generator) -> (loss, metrics) of the method's `loss`."""
-
-    def __init__(self, net, method: str):
-        super().__init__()
-        self.net = net
-        self.loss = get_method(method).loss
-
-    def forward(self, tokens, mask, generator):
-        return self.loss(self.net, tokens, mask, generator)
-
-
-def token_step(model, shards: list[dict], optimizer: ELFOptimizer, ema: EMA | None, step: int, seed: int,
+def train_step(model, shards: list[dict], optimizer: ELFOptimizer, ema: EMA | None, step: int, seed: int,
                first_shard: int, dtype: str = "bf16", grad_clip: float = 1.0, world_size: int = 1, device=None,
                params=None) -> dict:
-    """One optimiser step of a token-level baseline (`model`: its TokenPass, under DDP / torch.compile or
-    not), with the shards, accumulation and per-shard generators of `train_step`. Metrics: the loss, and the
-    summed loss terms and scored positions (their ratio is the token-weighted loss)."""
-    device = device or next(model.parameters()).device
-    inner = model.module if hasattr(model, "module") else model
-    net = getattr(inner, "_orig_mod", inner).net
+    """One optimiser step over this rank's shards (gradient accumulation), for every method. `model` is a
+    method's TrainedPass (under DDP or torch.compile or not). Each shard draws its randomness outside the
+    pass from generators seeded by (seed, step, shard); its loss is a mean over its rows, divided by the
+    number of shards of the whole global batch. Returns the method's sums over the shards (tensors, no host
+    sync) plus the gradient norm."""
+    passing = unwrap(model)
+    device = device or next(passing.net.parameters()).device
     n_shards = len(shards) * world_size
     totals: dict[str, torch.Tensor] = {}
-    for a, batch in enumerate(shards):
-        tokens = batch["tokens"].to(device, non_blocking=True)
-        mask = batch.get("mask")
-        mask = mask.to(device, non_blocking=True) if mask is not None else None
-        g, _ = shard_generators(seed, step, first_shard + a, device)
+    for a, shard in enumerate(shards):
+        batch = {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in shard.items()}
+        g, c = shard_generators(seed, step, first_shard + a, device)
+        draw = passing.draw(batch, g, c)
         sync = a == len(shards) - 1 or not hasattr(model, "no_sync")
         with (nullcontext() if sync else model.no_sync()):
             with autocast(device, dtype):
-                loss, m = model(tokens, mask, g)
-            (loss / n_shards * world_size).backward()
-        for k, v in (("loss", loss.detach()), ("nll_sum", m["nll_sum"].float()), ("nll_n", m["tokens"].float())):
+                loss, sums = model(batch, draw)
+            (loss / n_shards * world_size).backward()  # DDP averages over ranks: mean over all shards
+        for k, v in sums.items():
             totals[k] = totals[k] + v if k in totals else v
-    return finish_step(model, net, totals, len(shards), optimizer, ema, grad_clip, params)
+    return finish_step(model, passing.net, totals, len(shards), optimizer, ema, grad_clip, params)
 
 
 def finish_step(model, net, totals: dict, n_local: int, optimizer, ema, grad_clip: float, params=None) -> dict:
@@ -456,26 +366,6 @@ def setup_distributed(device: str | None = None):
             dist.init_process_group("gloo")
         return rank, world, local, dev
     return 0, 1, 0, torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-
-
-def space_spec(name: str, latent_std, dim: int | None = None, seed: int = 0) -> dict:
-    """--space value -> a build_space spec: minilm, t5-small (or any T5 hub id / folder), t5:PATH, hf:PATH,
-    or a non-contextual table over a base encoder's vocabulary: token-table[:BASE], random-table[:BASE],
-    learned-table[:BASE] (random and learned tables take --space-dim and --space-seed)."""
-    from elflow.encoders import TABLE_KINDS, _normalise_spec
-
-    kind, sep, base = name.partition(":")
-    spec = {"kind": kind, "name": base} if sep and kind in TABLE_KINDS else _normalise_spec(name)
-    if spec["kind"] in ("random-table", "learned-table"):
-        spec.update(seed=seed, **({"dim": dim} if dim is not None else {}))
-    elif dim is not None:
-        raise ELFError(f"--space-dim applies to random-table and learned-table spaces, not to {name!r}")
-    if latent_std is not None:
-        try:
-            spec["latent_std"] = latent_std if latent_std in ("auto", "table") else float(latent_std)
-        except ValueError:
-            raise ELFError(f"--latent-std must be a number, 'auto' or 'table', got {latent_std!r}") from None
-    return spec
 
 
 def on_rank0(fn, rank: int, world: int, device=None):
@@ -715,22 +605,12 @@ def plot_losses(run_dir: Path) -> None:
     plt.close(fig)
 
 
-def summarize(totals: dict, n_steps: int) -> dict:
-    """Metric tensors summed over steps (and ranks) -> the numbers of one log line."""
+def summarize(totals: dict, n_steps: int, method: Method) -> dict:
+    """Sums over steps (and ranks) -> the numbers of one log line: the mean loss and gradient norm, and the
+    method's own."""
     t = {k: v.item() if v.numel() == 1 else v.tolist() for k, v in totals.items()}
     rec = {"loss": t["loss"] / max(n_steps, 1), "grad_norm": t["grad_norm"] / max(n_steps, 1)}
-    if "nll_n" in t:  # a token-level baseline: its loss terms per scored position over the logged steps
-        rec["loss_per_token"] = t["nll_sum"] / t["nll_n"] if t["nll_n"] else None
-        return rec
-    if t["denoise_n"]:
-        rec["loss_denoise"] = t["denoise_sum"] / t["denoise_n"]
-    if t["decode_n"]:
-        rec["loss_decode"] = t["decode_sum"] / t["decode_n"]
-    if t["decode_tokens"]:
-        rec["decode_acc"] = t["decode_correct"] / t["decode_tokens"]
-    for i, (s, n) in enumerate(zip(t["bin_sum"], t["bin_n"])):
-        rec[f"loss_{time_bin_labels()[i]}"] = s / n if n else None
-    return rec
+    return {**rec, **method.summarize(t)}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -742,7 +622,7 @@ class Setup:
     """The objects of one run, built and checked before anything is written."""
 
     cfg: TrainConfig
-    method: str  # "elf", "ar" or "mdlm"
+    method: Method
     params: dict  # {"model": its count, "elf": the ELF network's count it is matched to, "match"}
     rank: int
     world: int
@@ -753,8 +633,7 @@ class Setup:
     length: int
     dtype: str  # "bf16" or "fp32" (cfg.dtype resolved for the device)
     space: object
-    net: ELF
-    mcfg: object
+    net: torch.nn.Module
     recipe: Recipe
     named: list
     lr: float
@@ -768,10 +647,10 @@ class Setup:
         return lr_at(step, self.lr, self.warmup, self.cfg.lr_decay, self.steps)
 
 
-def setup_run(cfg: TrainConfig, rank: int, world: int, local: int, device, cache_dir=None) -> Setup:
+def setup_run(cfg: TrainConfig, method: Method, rank: int, world: int, local: int, device, cache_dir=None) -> Setup:
     """Build the space, the data, the network and the optimiser: every check that needs them happens here."""
-    from elflow.data import Batches, build_dataset
-    from elflow.encoders import build_space, latent_moments, token_vectors
+    from elflow.data import Batches
+    from elflow.encoders import build_space, space_spec
 
     micro = cfg.micro_batch or max(1, cfg.batch // world)
     if cfg.batch % (world * micro):
@@ -780,94 +659,54 @@ def setup_run(cfg: TrainConfig, rank: int, world: int, local: int, device, cache
     accum = cfg.batch // (world * micro)
     torch.manual_seed(cfg.seed)
     spec = space_spec(cfg.space, cfg.latent_std, cfg.space_dim, cfg.space_seed)
-    # a baseline reads the space's token ids only: its tokenizer, without the encoder
-    space = build_space(spec if cfg.method == "elf" else {"kind": "tokens", "of": spec}, device=device)
+    space = build_space(method.space_spec(spec), device=device)
     length = cfg.length
     if space.max_length is not None and length > space.max_length:
         raise ELFError(f"--length {length} is longer than the encoder accepts ({space.max_length})")
-    if cfg.source_length:
-        from elflow.data import build_pairs
+    train_set = training_data(cfg, space, length, cache_dir)
+    try:  # the ELF network of these settings (a baseline is sized to it)
+        shape = get_config(cfg.preset, dim=space.dim, vocab_size=space.vocab_size, max_length=length, **cfg.model)
+    except (TypeError, ValueError) as e:
+        raise ELFError(f"the network settings do not fit together: {e}") from None
+    recipe = Recipe.from_dict({"decode_noise_scale": 1.0, **cfg.recipe} if cfg.source_length else cfg.recipe)
+    net, params = method.build(cfg, shape, space, train_set, recipe, device)
+    # the optimiser names a trainable space's parameters "space.<name>" beside the network's
+    named = list(net.named_parameters()) + [("space." + n, p) for n, p in space.named_parameters()
+                                            if p.requires_grad]
+    optimizer = ELFOptimizer(named, lr=cfg.lr, adam=method.adam_names(net, cfg), ns_method=cfg.ns_method)
+    ema = EMA(net, cfg.ema_decay)
+    batches = Batches(train_set, micro * accum, seed=cfg.seed, rank=rank, world_size=world)
+    steps = cfg.steps if cfg.epochs is None else max(1, math.ceil(cfg.epochs * batches.per_epoch))
+    warmup = cfg.warmup if cfg.warmup_frac is None else math.ceil(cfg.warmup_frac * steps)
+    return Setup(cfg, method, params, rank, world, local, device, micro, accum, length,
+                 resolve_dtype(cfg.dtype, device), space, net, recipe, named, cfg.lr, optimizer, ema, batches,
+                 steps, warmup)
 
+
+def training_data(cfg: TrainConfig, space, length: int, cache_dir=None):
+    """The training split of the run's data in `space`: (source, target) pairs or text, as data.TokenDataset."""
+    from elflow.data import build_dataset, build_pairs
+
+    if cfg.source_length:
         train_set, _ = build_pairs(cfg.data, space, cfg.source_length, length, val_fraction=cfg.val_fraction,
                                    seed=cfg.seed, cache_dir=cache_dir, source_field=cfg.source_field,
                                    target_field=cfg.target_field, on_bad=cfg.on_bad)
     else:
         train_set, _ = build_dataset(cfg.data, space, length, layout=cfg.layout, val_fraction=cfg.val_fraction,
                                      seed=cfg.seed, cache_dir=cache_dir, field=cfg.text_field, on_bad=cfg.on_bad)
-    try:
-        mcfg = get_config(cfg.preset, dim=space.dim, vocab_size=space.vocab_size, max_length=length, **cfg.model)
-    except (TypeError, ValueError) as e:
-        raise ELFError(f"the network settings do not fit together: {e}") from None
-    recipe = Recipe.from_dict({"decode_noise_scale": 1.0, **cfg.recipe} if cfg.source_length else cfg.recipe)
-    if cfg.method == "elf":
-        net = build_network(mcfg, cfg.short_run).to(device)
-        net.grad_checkpoint = cfg.grad_checkpoint
-        if hasattr(net, "prepare"):
-            net.prepare(space, train_set, recipe.noise_scale)
-        params = {"model": net.num_params(), "elf": net.num_params(), "match": cfg.match}
-        # the optimiser names a trainable space's parameters "space.<name>" beside the network's
-        named = list(net.named_parameters()) + [("space." + n, p) for n, p in space.named_parameters()
-                                                if p.requires_grad]
-        optimizer = ELFOptimizer(named, lr=cfg.lr, adam_heads=cfg.adam_heads, ns_method=cfg.ns_method)
-    else:
-        shape, target = fit_shape(cfg.method, mcfg, space, cfg.match)
-        torch.manual_seed(cfg.seed)
-        net = get_method(cfg.method).build(shape, space).to(device)
-        mcfg = net.config
-        params = {"model": num_params(net), "elf": target, "match": cfg.match}
-        named = list(net.named_parameters())
-        # Muon on the blocks' matrices; the token table (an embedding lookup, no matrix map) on Adam
-        optimizer = ELFOptimizer(named, lr=cfg.lr, adam=table_names(net), ns_method=cfg.ns_method)
-    ema = EMA(net, cfg.ema_decay)
-    batches = Batches(train_set, micro * accum, seed=cfg.seed, rank=rank, world_size=world)
-    steps = cfg.steps if cfg.epochs is None else max(1, math.ceil(cfg.epochs * batches.per_epoch))
-    warmup = cfg.warmup if cfg.warmup_frac is None else math.ceil(cfg.warmup_frac * steps)
-    return Setup(cfg, cfg.method, params, rank, world, local, device, micro, accum, length,
-                 resolve_dtype(cfg.dtype, device), space, net, mcfg, recipe, named, cfg.lr, optimizer, ema, batches,
-                 steps, warmup)
+    return train_set
 
 
 def start_from(run: Setup, path, quiet: bool = False) -> None:
     """Load stored weights into a fresh run (`--init-from`): its EMA starts from them; the optimiser is new."""
+    from elflow.checkpoint import check_init_compatible, load_init_weights
+
     init_cfg, init_sd, info = load_init_weights(path, warn=lambda m: run.rank == 0 and print(m, file=sys.stderr))
     check_init_compatible(path, init_cfg, info, run.net, run.space)
     run.net.load_state_dict(init_sd)
     run.ema = EMA(run.net, run.cfg.ema_decay)
     if run.rank == 0 and not quiet:
         print(f"starting from the weights of {info['checkpoint']}", file=sys.stderr)
-
-
-def load_init_weights(path, warn=None):
-    """(ELFConfig, state dict, info) of the weights a run starts from: the EMA of an elflow run or checkpoint
-    (or of an authors' checkpoint). Where no EMA was stored, the trained weights, with a warning."""
-    from elflow.checkpoint import read_weights
-
-    cfg, sd, spec, recipe, info = read_weights(path, use_ema=True)
-    if not sd:
-        (warn or (lambda m: print(m, file=sys.stderr)))(
-            f"warning: {path} holds no EMA weights; using its trained (raw) weights instead")
-        cfg, sd, spec, recipe, info = read_weights(path, use_ema=False)
-        info = {**info, "ema": False}
-    return cfg, sd, {**info, "space": spec, "recipe": recipe}
-
-
-SHAPE_FREE = ("max_length",)  # ELFConfig fields that do not change the weights
-
-
-def check_init_compatible(path, init_cfg, info: dict, net, space) -> None:
-    """Refuse starting weights of another embedding space or another network (shape or short-run options)."""
-    from elflow.shortrun import options_of
-
-    stored = info.get("space_id")
-    if stored and stored != space.space_id:
-        raise ELFError(f"{path} was trained in the embedding space {stored!r}, this run uses {space.space_id!r}; "
-                       "pass the matching --space / --latent-std")
-    shape, options = describe_network(net)
-    a = {**init_cfg.to_dict(), **options_of(info.get("short_run")).to_dict()}
-    b = {**shape, **options_of(options).to_dict()}
-    diff = [f"{k} {a[k]} vs {b[k]}" for k in a if k not in SHAPE_FREE and a[k] != b.get(k)]
-    if diff:
-        raise ELFError(f"{path} holds a network of another shape than this run's ({', '.join(diff)})")
 
 
 def restore(run: Setup, out: Path, quiet: bool = False) -> int:
@@ -905,8 +744,8 @@ def save_run_checkpoint(out: Path, step: int, run: Setup) -> Path:
     from elflow.checkpoint import save_checkpoint
 
     cfg = run.cfg
-    state = {"format": "elflow-checkpoint-1", "method": run.method, "params": run.params,
-             "train": cfg.to_dict(), **network_entries(run),
+    state = {"format": "elflow-checkpoint-1", "method": run.method.name, "params": run.params,
+             "train": cfg.to_dict(), **run.method.describe(run.net),
              "space": run.space.config(), "space_id": run.space.space_id, "data_position": run.batches.state_dict(),
              "world_size": run.world, "settings": model_settings(run)}
     rng = {"torch": torch.get_rng_state()}
@@ -915,15 +754,6 @@ def save_run_checkpoint(out: Path, step: int, run: Setup) -> Path:
     return save_checkpoint(out, step, run.net.state_dict(), run.ema.state_dict(),
                            {"optimizer": run.optimizer.state_dict(), "rng": rng}, state, keep=cfg.keep,
                            space_sd=run.space.trainable_state_dict())
-
-
-def network_entries(run: Setup) -> dict:
-    """The network's entries of run.json and state.json: "model" (its config) and, for an ELF network with
-    options for short runs, "short_run"."""
-    if run.method != "elf":
-        return {"model": run.mcfg.to_dict()}
-    shape, options = describe_network(run.net)
-    return {"model": shape, **({"short_run": options} if options else {})}
 
 
 def model_settings(run: Setup) -> dict:
@@ -954,21 +784,22 @@ def _no_space(e: OSError, out: Path) -> ELFError:
 
 
 def train_loop(run: Setup, out: Path, start: int, quiet: bool = False, stop_after: int | None = None,
-               on_checkpoint=None, objective: Objective | None = None, time_limit: float | None = None) -> dict:
+               on_checkpoint=None, time_limit: float | None = None) -> dict:
     """Steps start .. end of the schedule; rank 0 logs and saves. `on_checkpoint(path)` follows each save.
     `time_limit` (seconds): end (with a checkpoint) after the first step that finishes past it."""
     cfg, world, rank, device, micro = run.cfg, run.world, run.rank, run.device, run.micro
     is_main = rank == 0
-    elf = run.method == "elf"
-    # the trained pass as a module's forward, for torch.compile and DDP
-    model = MixedPass(run.net) if elf else TokenPass(run.net, run.method)
+    # the trained pass as a module's forward (the space's encode inside it), for torch.compile and DDP
+    model = TrainedPass(run.method, run.net, run.space, run.recipe)
     if cfg.compile:
         model = torch.compile(model)
     if world > 1:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        # the only buffers are constant RoPE tables: no per-forward broadcast (forward counts differ by rank)
-        model = DDP(model, device_ids=[run.local] if device.type == "cuda" else None, broadcast_buffers=False)
+        # the batch is on the device already and the draw's discrete choices stay on the CPU: no device_ids,
+        # so DDP moves no input; the only buffers are constant (RoPE tables, a frozen encoder's): no
+        # per-forward broadcast (forward counts differ by rank)
+        model = DDP(model, device_ids=None, broadcast_buffers=False)
     params = [p for _, p in run.named]
     log = RunLogger(out, run.steps, start, is_main, cfg.tensorboard, show=not quiet)
     tokens_per_step = cfg.batch * run.length
@@ -983,12 +814,8 @@ def train_loop(run: Setup, out: Path, start: int, quiet: bool = False, stop_afte
             global_batch = next(run.batches)
             shards = [{k: (v[a * micro:(a + 1) * micro] if torch.is_tensor(v) else v)
                        for k, v in global_batch.items()} for a in range(run.accum)]
-            if elf:
-                m = train_step(model, run.space, shards, run.recipe, run.optimizer, run.ema, step, cfg.seed,
-                               rank * run.accum, run.dtype, cfg.grad_clip, world, device, params, objective)
-            else:
-                m = token_step(model, shards, run.optimizer, run.ema, step, cfg.seed, rank * run.accum, run.dtype,
-                               cfg.grad_clip, world, device, params)
+            m = train_step(model, shards, run.optimizer, run.ema, step, cfg.seed, rank * run.accum, run.dtype,
+                           cfg.grad_clip, world, device, params)
             nonfinite = m.pop("nonfinite", None)
             if world > 1:
                 flag = torch.tensor([1.0 if nonfinite is not None else 0.0], device=device)
@@ -1018,7 +845,7 @@ def train_loop(run: Setup, out: Path, start: int, quiet: bool = False, stop_afte
                     parts = flat.split(sizes)
                     totals = {k: p.reshape(totals[k].shape) / (world if k in ("loss", "grad_norm") else 1)
                               for k, p in zip(keys, parts)}
-                rec = summarize(totals, n_logged)
+                rec = summarize(totals, n_logged, run.method)
                 dt = time.perf_counter() - t_log
                 rec.update(step=done, lr=run.lr_at(step),
                            tokens_per_s=tokens_per_step * n_logged / dt, elapsed=dt)
@@ -1049,19 +876,23 @@ def train_loop(run: Setup, out: Path, start: int, quiet: bool = False, stop_afte
 
 def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwrite: bool = False,
           cache_dir=None, quiet: bool = False, stop_after: int | None = None, device: str | None = None,
-          command: str = "elflow train", objective: Objective | None = None, time_limit: float | None = None) -> dict:
+          command: str = "elflow train", objective=None, time_limit: float | None = None) -> dict:
     """Train; returns a summary dict (rank 0). `stop_after` ends the process's work after that many steps
     of this invocation (for tests and time-boxed runs) while keeping the schedule of `cfg.steps`.
 
     Everything is checked before the run folder changes; --overwrite sets the old run aside and drops it
     only once the new run's first checkpoint is written (it comes back if the new run fails before).
-    `objective` replaces the ELF loss (distillation); `cfg.init_from` starts a fresh run from stored weights.
+    `objective` (an elflow.methods.elf.Objective) replaces ELF's own (distillation); `cfg.init_from` starts a
+    fresh run from stored weights.
     `time_limit` (seconds) ends this invocation after the first step past it (a wall-clock budget)."""
     out = Path(out)
     cfg = cfg.resolved()
     cfg.validate()
     device = check_device(device)
     check_output(out, folder=True)
+    method = get_method(cfg.method)
+    if objective is not None:
+        method = method.with_objective(objective)
     owns_group = not dist.is_initialized()
     rank, world, local, dev = setup_distributed(device)
     folder = RunFolder(out, command)
@@ -1072,7 +903,7 @@ def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwr
         if rank == 0 and cfg.epochs is None and cfg.warmup_frac is None and cfg.steps < cfg.warmup:
             print(f"warning: --steps {cfg.steps} is shorter than --warmup {cfg.warmup}: the learning rate stops at "
                   f"{lr_at(cfg.steps - 1, cfg.lr, cfg.warmup):.3g}, never reaching {cfg.lr:.3g}", file=sys.stderr)
-        run = setup_run(cfg, rank, world, local, dev, cache_dir)
+        run = setup_run(cfg, method, rank, world, local, dev, cache_dir)
         if overwrite and (out / "run.json").exists():
             on_rank0(folder.set_aside, rank, world, dev)
         start = restore(run, out, quiet) if resume else 0
@@ -1080,8 +911,8 @@ def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwr
             start_from(run, cfg.init_from, quiet)
 
         def write_meta():
-            atomic_write_json(out / "run.json", {"train": cfg.to_dict(), "method": cfg.method,
-                                                 **network_entries(run), "params": run.params,
+            atomic_write_json(out / "run.json", {"train": cfg.to_dict(), "method": run.method.name,
+                                                 **run.method.describe(run.net), "params": run.params,
                                                  "space": run.space.config(), "space_id": run.space.space_id,
                                                  "world_size": world})
 
@@ -1091,10 +922,8 @@ def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwr
             if no_space_error(e):
                 raise _no_space(e, out) from None
             raise
-        if objective is not None and cfg.method != "elf":
-            raise ELFError(f"a training objective replaces ELF's loss; --method {cfg.method} has its own")
         summary = train_loop(run, out, start, quiet, stop_after, on_checkpoint=lambda _: folder.commit(),
-                             objective=objective, time_limit=time_limit)
+                             time_limit=time_limit)
         ok = True
         return summary
     finally:
@@ -1104,28 +933,8 @@ def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwr
             dist.destroy_process_group()
 
 
-@torch.no_grad()
 def show_samples(run: Setup, log, step, num: int = 2):
-    from elflow.flow import generate_tokens
-
-    net, cfg = run.net, run.cfg
-    if run.method != "elf":
-        from elflow.methods import sample_texts, sampling_settings
-
-        module = get_method(run.method)
-        sampler_net = module.build(net.config, run.space).to(next(net.parameters()).device)
-        run.ema.copy_to(sampler_net)
-        settings = sampling_settings(run.method, steps=cfg.sample_steps if run.method == "mdlm" else None)
-        texts = sample_texts(run.method, sampler_net, run.space, num, run.length, settings.settings(), cfg.seed)
-    else:
-        sampler_net = ELF(net.config).to(next(net.parameters()).device)
-        run.ema.copy_to(sampler_net)
-        sampler_net.eval()
-        g = torch.Generator(device=next(net.parameters()).device).manual_seed(cfg.seed)
-        tokens, _ = generate_tokens(sampler_net, num, run.length, cfg.sample_steps, cfg.sample_sampler,
-                                    omega=cfg.sample_omega, generator=g)
-        texts = run.space.decode(tokens.cpu())
-    for i, text in enumerate(texts):
+    for i, text in enumerate(run.method.preview(run.net, run.ema, run.space, num, run.length, run.cfg)):
         log.write(f"[step {step}] sample {i}: {text[:300]}")
 
 
