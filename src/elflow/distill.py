@@ -197,7 +197,8 @@ def distill_loss(student, teacher, x, tokens, draw: DistillDraw, recipe: Recipe 
 
 
 class DistillObjective:
-    """The distillation objective in the shape elflow.train.train_step takes: draw(...) and loss(...)."""
+    """The distillation objective as an elflow.methods.elf.Objective: draw(...) and loss(...), for
+    `elflow.train.train(..., objective=...)`."""
 
     def __init__(self, teacher, student_steps: int, teacher_steps: int):
         self.teacher = teacher
@@ -385,7 +386,7 @@ def _process_group():
     """Under torchrun (WORLD_SIZE > 1) the process group every round trains in, else None."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return None
-    from elflow.train import setup_distributed
+    from elflow.utils import setup_distributed
 
     setup_distributed()
     return dist.group.WORLD
