@@ -263,6 +263,25 @@ def test_quickstart_settings_are_one_named_preset(capsys):
     assert demo_config(args).short_run["skip"] == "gaussian"
 
 
+def test_a_config_with_options_and_round_records_among_other_settings_reads_as_the_same_run():
+    """Short-run options stored among the network settings and a distillation round's record among the
+    recipe's constants are read into their own settings; the recipe refuses keys it does not know."""
+    from elflow.flow import Recipe
+
+    stored = TrainConfig(preset="tiny").to_dict()
+    stored.update(model={"depth": 3, "skip": "gaussian", "table_readout": 1.0}, short_run={}, distillation={},
+                  recipe={"decode_noise_scale": 1.0, "distilled_steps": 4, "teacher_steps": 16,
+                          "sampling": {"steps": 4, "sampler": "sde", "gamma": 1.5, "omega": 2.5}})
+    cfg = TrainConfig.from_dict(json.loads(json.dumps(stored)))
+    assert cfg.model == {"depth": 3} and cfg.short_run == {"skip": "gaussian", "table_readout": 1.0}
+    assert cfg.recipe == {"decode_noise_scale": 1.0} and cfg.distillation == {"student_steps": 4, "teacher_steps": 16}
+    assert TrainConfig.from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(ValueError, match="unknown fields"):
+        Recipe.from_dict({"noise": 2.0})
+    with pytest.raises(utils.ELFError, match="recipe"):
+        TrainConfig(recipe={"noise": 2.0}).resolved().validate()
+
+
 # ----------------------------------------------------------------------------------------------------------
 # train: data loss
 

@@ -34,7 +34,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from elflow.generate import SAMPLING_DEFAULTS, distilled_defaults
 from elflow.methods import get_method, require
+from elflow.runconfig import TrainConfig
 from elflow.model import ELF, ELFConfig
 from elflow.official import infer_config, official_to_elflow, preset_name
 from elflow.shortrun import describe_network, network_from_state_dict, options_of
@@ -257,20 +259,13 @@ def build_from_state_dict(sd: dict[str, torch.Tensor], max_length: int = 1024, h
 AUTHORS_SPACE = {"kind": "t5", "name": "t5-small", "latent_std": 0.2}  # the released models' space
 
 # the released conditional and distilled models: their layout and sampling defaults (known without flags)
-CONDITIONAL_SAMPLING = {"sampler": "ode", "steps": 64, "guidance": 2.0, "omega": 1.0, "gamma": 0.0}
 RELEASES = {
     "ELF-B-de-en-torch": {"task": "wmt14-de-en", "length": 128, "source_length": 64,
-                          "sampling": CONDITIONAL_SAMPLING},
-    "ELF-B-xsum-torch": {"task": "xsum", "length": 1088, "source_length": 1024, "sampling": CONDITIONAL_SAMPLING},
+                          "sampling": SAMPLING_DEFAULTS["conditional"]},
+    "ELF-B-xsum-torch": {"task": "xsum", "length": 1088, "source_length": 1024,
+                         "sampling": SAMPLING_DEFAULTS["conditional"]},
     "ELF-B-PD-owt-torch": {"distilled": True},
 }
-
-
-def few_step_defaults(steps: int) -> dict:
-    """Sampling defaults of a progressively distilled model at `steps` steps (SDE)."""
-    if steps <= 8:
-        return {"sampler": "sde", "steps": steps, "gamma": 1.5, "omega": 2.5}
-    return {"sampler": "sde", "steps": steps, "gamma": 2.0, "omega": 2.0}
 
 
 def is_hub_id(s: str) -> bool:
@@ -388,10 +383,14 @@ def read_weights(path_or_hub_id: str | os.PathLike, use_ema: bool = True, max_le
         cfg, extra = method.stored_config(st)
         sd = blob["ema" if use_ema else "model"]
         sd = {k: v for k, v in sd.items() if not k.startswith("space.")}
-        recipe, space = dict(st.get("train", {}).get("recipe", {})), st["space"]
-        stored = {k: recipe[k] for k in ("sampling", "distilled_steps") if k in recipe}  # a distilled model's
-        settings = {"length": cfg.max_length, **stored, **st.get("settings", {}), "format": "elflow",
+        train = TrainConfig.from_dict(st.get("train", {}))
+        recipe, space = dict(train.recipe), st["space"]
+        settings = {"length": cfg.max_length, **st.get("settings", {}), "format": "elflow",
                     "checkpoint": str(ckpt), "space_id": st.get("space_id"), "method": method.name, **extra}
+        if train.distillation:  # a distilled model: its step count and few-step defaults
+            n = train.distillation["student_steps"]
+            settings.setdefault("distilled_steps", n)
+            settings["sampling"] = {**settings.get("sampling", {}), **distilled_defaults(n)}
     else:
         f = find_official_file(p)
         sd = read_official_checkpoint(f, which="ema_params1" if use_ema else "params")

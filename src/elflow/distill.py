@@ -286,8 +286,7 @@ def _base_config(teacher_info: dict, overrides: dict):
     base["model"] = shape
     base["short_run"] = dict(teacher_info.get("short_run") or {})  # the students are networks of the teacher's kind
     base["length"] = base.get("length") or teacher_info["config"]["max_length"]
-    recipe = {k: v for k, v in stored.get("recipe", {}).items() if k in Recipe().to_dict()}
-    base["recipe"] = recipe
+    base["recipe"] = TrainConfig.from_dict(stored).recipe  # the teacher's recipe constants
     base["sample_every"] = 0
     return TrainConfig(**base)
 
@@ -396,9 +395,8 @@ def _round_config(cfg, n: int, teacher_steps: int, init: str):
     from dataclasses import replace
 
     s = distilled_defaults(n)
-    recipe = {**cfg.recipe, "distilled_steps": n, "teacher_steps": teacher_steps, "sampling": s}
-    return replace(cfg, init_from=init, recipe=recipe, sample_steps=s["steps"], sample_sampler=s["sampler"],
-                   sample_omega=s["omega"])
+    return replace(cfg, init_from=init, distillation={"student_steps": n, "teacher_steps": teacher_steps},
+                   sample_steps=s["steps"], sample_sampler=s["sampler"], sample_omega=s["omega"])
 
 
 def _prepare_out(out: Path, manifest: dict, resume: bool, overwrite: bool) -> bool:
@@ -417,8 +415,11 @@ def _prepare_out(out: Path, manifest: dict, resume: bool, overwrite: bool) -> bo
             stored = json.loads(stored_path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ELFError(f"{stored_path}: corrupted ({e})") from None
+        from elflow.train import TrainConfig
+
         diff = [k for k in ("teacher", "student_steps", "teacher_steps") if stored.get(k) != manifest[k]]
-        diff += [f"train.{k}" for k in SAME_ON_RESUME if stored.get("train", {}).get(k) != manifest["train"][k]]
+        train = TrainConfig.from_dict(stored.get("train", {})).to_dict()  # options read where they are stored
+        diff += [f"train.{k}" for k in SAME_ON_RESUME if train[k] != manifest["train"][k]]
         if diff:
             raise ELFError(f"{out} holds another distillation (differs in {', '.join(diff)}); resume it with its "
                            "own settings, or choose another --out")

@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import torch
 
 from elflow.data import encoder_mask, pair_layout
 from elflow.flow import SAMPLERS, Recipe, check_sampling_args, decode_tokens, generate_tokens
-from elflow.utils import ELFError, atomic_write, autocast, check_output
+from elflow.utils import ELFError, Record, atomic_write, autocast, check_output
 
 __all__ = ["SAMPLING_DEFAULTS", "distilled_defaults", "SamplingSettings", "ELF_KNOBS", "settings_for",
            "conditioning", "extract_targets", "generate", "write_samples", "add_sampling_arguments",
@@ -47,7 +47,7 @@ def distilled_defaults(steps: int) -> dict:
 
 
 @dataclass(frozen=True)
-class SamplingSettings:
+class SamplingSettings(Record):
     """How to sample: the step count, the step kind and its back-off gamma, the self-conditioning guidance
     omega, the source guidance (conditional models), the time grid, the seed, the batch size and the
     autocast precision."""
@@ -74,9 +74,6 @@ class SamplingSettings:
         if self.grid not in ("logit_normal", "uniform"):
             raise ELFError(f"grid must be 'logit_normal' or 'uniform', got {self.grid!r}")
         return self
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
     def tag(self) -> str:
         """A file-name tag of the settings that tell sample sets apart."""

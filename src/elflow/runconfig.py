@@ -15,13 +15,13 @@ import math
 from dataclasses import dataclass, field, fields, replace
 
 from elflow.data import PAIR_TASKS
-from elflow.flow import SAMPLERS
+from elflow.flow import SAMPLERS, Recipe
 from elflow.generate import SAMPLING_DEFAULTS
 from elflow.methods import MATCHES, METHOD_NAMES, check_run
 from elflow.model import PRESETS
 from elflow.optim import LR_DECAYS, NS_METHODS, base_lr
 from elflow.shortrun import FIELDS as SHORT_RUN_FIELDS, SKIPS
-from elflow.utils import ELFError
+from elflow.utils import ELFError, Record
 
 __all__ = ["TrainConfig", "RUN_PRESETS", "NESTED_FLAGS", "MUTABLE", "setting", "resume_conflicts",
            "add_setting_arguments", "given_settings", "mutable_flags", "with_default"]
@@ -60,7 +60,7 @@ SMALL_EMA = 0.995  # the EMA decay of the small presets (tiny, demo); the others
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(Record):
     """Everything a run needs besides the network shape; stored in run.json and in every checkpoint.
 
     `None` means "the preset's default" and is filled in by `resolved()`."""
@@ -142,20 +142,21 @@ class TrainConfig:
     model: dict = setting(help="ELFConfig overrides (depth, hidden, heads, ...)", cli=False, default_factory=dict)
     short_run: dict = setting(help="the network's options for short runs (elflow.shortrun.ShortRunOptions fields)",
                               cli=False, default_factory=dict)
-
-    def to_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+    distillation: dict = setting(help="a distillation round's record: its student_steps and teacher_steps "
+                                      "(elflow.distill)", cli=False, default_factory=dict)
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
         """From a stored config; keys it does not know are ignored, missing ones take their defaults. Short-run
-        options stored among the network settings (`model`) are read as `short_run`."""
+        options stored among the network settings (`model`) are read as `short_run`, a distillation round's
+        record stored among the recipe's constants as `distillation`."""
         names = {f.name for f in fields(cls)}
         d = {k: v for k, v in d.items() if k in names}
-        model = d.get("model") or {}
-        if any(k in SHORT_RUN_FIELDS for k in model):
-            d["model"] = {k: v for k, v in model.items() if k not in SHORT_RUN_FIELDS}
-            d["short_run"] = {**{k: v for k, v in model.items() if k in SHORT_RUN_FIELDS}, **d.get("short_run", {})}
+        d["model"], short_run = _split(d.get("model") or {}, SHORT_RUN_FIELDS)
+        d["short_run"] = {**short_run, **d.get("short_run", {})}
+        d["recipe"], record = _split(d.get("recipe") or {}, ("distilled_steps", "teacher_steps", "sampling"))
+        if "distilled_steps" in record and not d.get("distillation"):
+            d["distillation"] = {"student_steps": record["distilled_steps"], "teacher_steps": record.get("teacher_steps")}
         return cls(**d)
 
     @classmethod
@@ -205,6 +206,10 @@ class TrainConfig:
         if self.source_length is not None and self.length is not None and self.source_length >= self.length:
             raise ELFError(f"--source-length {self.source_length} leaves no room for a target in --length "
                            f"{self.length}; use a longer --length or a shorter --source-length")
+        try:
+            Recipe.from_dict(self.recipe)
+        except ValueError as e:
+            raise ELFError(f"the run's recipe cannot be read: {e}") from None
         for key, (_, _, check, _) in NESTED_FLAGS.items():
             d = getattr(self, key[0])
             if check and key[1] in d and d[key[1]] is not None and not check[0](d[key[1]]):
@@ -263,6 +268,11 @@ def _true_or_false(text: str) -> bool:
 
 def _flag(f) -> str:
     return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+
+
+def _split(d: dict, keys) -> tuple[dict, dict]:
+    """(the entries of `d` not in `keys`, those in `keys`)."""
+    return {k: v for k, v in d.items() if k not in keys}, {k: v for k, v in d.items() if k in keys}
 
 
 def resume_conflicts(stored: TrainConfig, cfg: TrainConfig) -> list[str]:

@@ -262,17 +262,20 @@ def save_run_checkpoint(out: Path, step: int, run: Setup) -> Path:
 
 
 def model_settings(run: Setup) -> dict:
-    """What a user of the model needs to know without flags: its length, and for a conditional model its
-    source length, task and sampling defaults."""
-    cfg = run.cfg
-    out = {"length": run.length}
-    if cfg.source_length:
-        from elflow.checkpoint import CONDITIONAL_SAMPLING
+    """What a user of the model needs to know without flags: its length; for a conditional model its source
+    length and task; for a distilled one its step count; and the sampling defaults of its kind
+    (generate.SAMPLING_DEFAULTS)."""
+    from elflow.generate import SAMPLING_DEFAULTS, distilled_defaults
 
-        out.update(source_length=cfg.source_length, sampling=dict(CONDITIONAL_SAMPLING))
-        if cfg.task:
-            out["task"] = cfg.task
-    return out
+    cfg = run.cfg
+    out, sampling = {"length": run.length}, {}
+    if cfg.source_length:
+        out.update(source_length=cfg.source_length, **({"task": cfg.task} if cfg.task else {}))
+        sampling = SAMPLING_DEFAULTS["conditional"]
+    if cfg.distillation:
+        out.update(distilled_steps=cfg.distillation["student_steps"], teacher_steps=cfg.distillation["teacher_steps"])
+        sampling = {**sampling, **distilled_defaults(cfg.distillation["student_steps"])}
+    return {**out, **({"sampling": dict(sampling)} if sampling else {})}
 
 
 # ----------------------------------------------------------------------------------------------------------
