@@ -262,7 +262,7 @@ def bench(mode: str, preset: str = "tiny", depth=None, hidden=None, heads=None, 
           adam_heads: bool = False, ns_dtype: str = "auto", ns_method: str = "auto", peak_size: int | None = None,
           breakdown: bool = False, seed: int = 0, threads: int | None = None,
           vocab_size: int | None = None) -> dict:
-    """Run one benchmark and return its record (the fields: README, "Performance and `elflow bench`")."""
+    """Run one benchmark and return its record (its fields: docs/performance.md)."""
     if mode not in MODES:
         raise ELFError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
     if preset not in PRESETS:

@@ -10,8 +10,8 @@
 
 The folder is written under a temporary name and renamed, so a kill during a save leaves the previous
 checkpoint intact; the last K are kept. A file that does not match its recorded hash is refused by name.
-Checkpoints written before space.safetensors existed hold those parameters in model.safetensors under
-"space."-prefixed names; `split_space_state` reads both layouts.
+A checkpoint may instead hold those parameters in model.safetensors under "space."-prefixed names;
+`split_space_state` reads both layouts.
 
 Every method's checkpoint (`elflow train --method elf|ar|mdlm`) has this layout; state.json names the method
 ("method"; a checkpoint without it is ELF's) and holds its network's config as "model" (and an ELF network's
@@ -47,7 +47,7 @@ __all__ = ["write_checkpoint", "save_checkpoint", "load_checkpoint", "list_check
            "load", "load_for_sampling", "load_init_weights", "check_init_compatible"]
 
 STEP_DIR = re.compile(r"step_(\d+)")
-SPACE_PREFIX = "space."  # the older layout: space parameters inside model.safetensors
+SPACE_PREFIX = "space."  # space parameters inside model.safetensors (the other layout)
 
 
 def write_checkpoint(folder: str | os.PathLike, model_sd: dict, ema_sd: dict, optimizer_state, state: dict,
@@ -88,7 +88,7 @@ def write_checkpoint(folder: str | os.PathLike, model_sd: dict, ema_sd: dict, op
 
 
 def split_space_state(model_sd: dict) -> tuple[dict, dict]:
-    """(network weights, space parameters) of a model state dict in the older layout (prefixed names)."""
+    """(network weights, space parameters) of a model state dict that holds both (prefixed names)."""
     net = {k: v for k, v in model_sd.items() if not k.startswith(SPACE_PREFIX)}
     space = {k[len(SPACE_PREFIX):]: v for k, v in model_sd.items() if k.startswith(SPACE_PREFIX)}
     return net, space

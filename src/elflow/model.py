@@ -82,7 +82,7 @@ class ELFConfig(Record, TransformerShape):
 PRESETS: dict[str, ELFConfig] = {
     # seconds on CPU: for tests
     "tiny": ELFConfig(depth=2, hidden=64, heads=4, bottleneck=16, dim=32, vocab_size=100, max_length=32),
-    # the offline quick-start: MiniLM-L6 space (384 dims, BERT vocabulary), L = 64, minutes on 2 cores
+    # the offline quick-start: MiniLM-L6 space (384 dims, BERT vocabulary), L = 64, minutes on a laptop CPU
     "demo": ELFConfig(depth=4, hidden=256, heads=4, bottleneck=128, dim=384, vocab_size=30522, max_length=64),
     # the paper's sizes (T5-small space: 512 dims, vocabulary 32,100, L = 1024)
     "elf-b": ELFConfig(depth=12, hidden=768, heads=12),

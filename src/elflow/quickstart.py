@@ -22,7 +22,7 @@ from elflow.utils import ELFError, FolderLock, atomic_write_json, atomic_write_t
 
 __all__ = ["add_arguments", "run", "report"]
 
-# measured on the 2-core CPU this project is developed on (README: "The offline default")
+# the quickstart's length and final sampler (its other settings are the "quickstart" preset of TrainConfig)
 DEMO_STEPS = 250
 DEMO_SAMPLER = "vc"
 DEMO_SAMPLE_STEPS = 64
@@ -39,12 +39,12 @@ def add_arguments(p) -> None:
     p.add_argument("--lr", type=float, default=None, help=f"learning rate (default: {preset['lr']:g})")
     p.add_argument("--space", default=None,
                    help=f"embedding space (default: {preset['space']}; minilm trains in the MiniLM-L6 encoder's own "
-                        "contextual space, which learns more slowly in this budget: README; a space without fixed "
+                        "contextual space, which learns more slowly in this budget; a space without fixed "
                         "token vectors also turns the table readout off)")
     p.add_argument("--sampler", choices=SAMPLERS, default=DEMO_SAMPLER,
-                   help="sampler for the final samples (chosen for the demo by measurement)")
+                   help="sampler of the final samples")
     p.add_argument("--sample-steps", type=int, default=DEMO_SAMPLE_STEPS,
-                   help="sampling steps of the final samples (chosen for the demo by measurement)")
+                   help="sampling steps of the final samples")
     p.add_argument("--omega", type=float, default=3.0, help="guidance scale of the final samples")
     p.add_argument("--num", type=int, default=32, help="samples to generate and score")
     p.add_argument("--resume", action="store_true", help="continue an interrupted quickstart run")

@@ -103,7 +103,7 @@ class TrainConfig(Record):
     adam_heads: bool = setting(False, "optimise output heads and embedders with Adam instead of Muon "
                                       "(cheaper on CPU)")
     ns_method: str = setting("auto", "how Muon's Newton-Schulz polynomial is evaluated: iterate (torch's five "
-                                     "steps), spectral (on the Gram matrix's eigenvalues, 2-4x faster on a CPU for "
+                                     "steps), spectral (on the Gram matrix's eigenvalues, faster on a CPU for "
                                      "large matrices), by-shape (spectral where it pays); auto: by-shape for fp32 "
                                      "Newton-Schulz on CPUs, iterate on GPUs", choices=NS_METHODS)
     grad_clip: float = setting(1.0, "gradient-norm clipping (0: none)", check=AT_LEAST_0)
@@ -218,9 +218,8 @@ class TrainConfig(Record):
 
 # named presets of settings: (values, settings derived from the others unless given)
 RUN_PRESETS: dict[str, tuple[dict, dict]] = {
-    # `elflow quickstart`: the demo network on the built-in corpus, tuned on a 2-core CPU (README)
-    # (benchmarks/RESULTS.md, section 8): a random table over MiniLM's tokenizer, lr 3e-3, EMA 0.95, and the
-    # network options for short runs (docs/method.md)
+    # `elflow quickstart`: the demo network on the built-in corpus for a few minutes on a CPU: a random table
+    # over MiniLM's tokenizer, lr 3e-3, EMA 0.95, and the network's options for short runs (elflow.shortrun)
     "quickstart": (
         dict(preset="demo", data="builtin", space="random-table:minilm", length=64, batch=32, steps=250, lr=3e-3,
              warmup=50, ema_decay=0.95, adam_heads=True, dtype="auto", log_every=10, keep=2, sample_sampler="vc",
@@ -253,8 +252,8 @@ NESTED_FLAGS: dict[tuple[str, str], tuple] = {
                                         "only; 0 in the released networks)", AT_LEAST_0, "the preset's"),
     ("recipe", "decode_noise_scale"): (float, "decode corruption scale", POSITIVE, "5; 1 for conditional runs"),
     ("recipe", "decode_clean_prob"): (float, "share of the decode rows' tokens given clean (p = 1) instead of a "
-                                             "corrupted level (the released levels put p above 0.95 in 0.4% of "
-                                             "draws)", UNIT, "0, as released"),
+                                             "corrupted level (the released levels almost never come near 1)",
+                                      UNIT, "0, as released"),
 }
 
 MUTABLE = tuple(f.name for f in fields(TrainConfig) if f.metadata.get("mutable"))

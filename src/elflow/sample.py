@@ -35,7 +35,8 @@ def add_arguments(p) -> None:
     p.add_argument("--encoder", default=None,
                    help="T5 encoder folder or hub id for the authors' checkpoints (default t5-small)")
     p.add_argument("--trajectory", nargs="*", type=int, default=None, metavar="STEP",
-                   help="print the decode readout of the current guess at these steps (default: 6 spread out)")
+                   help="the decode readout of the guess at these steps: printed for sample 0 and kept as "
+                        "\"trajectory\" in the records of the first batch (default: 6 steps spread out)")
     p.add_argument("--quiet", action="store_true", help="do not print the texts")
 
 

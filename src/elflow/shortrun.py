@@ -1,5 +1,5 @@
 """Options for short runs: four changes to ELF's network, each off in the paper's, for runs of a few hundred
-steps on a CPU (the quickstart trains with all four; how they were chosen: benchmarks/RESULTS.md, section 8).
+steps on a CPU (the quickstart trains with all four).
 
 A run turns them on with `ShortRunOptions` (`short_run` in elflow.train.TrainConfig: --skip, --time-scale,
 --head-modulation, --table-readout); `build_network` gives the paper's `model.ELF` when all are off and
