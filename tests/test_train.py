@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from elflow.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
 from elflow.train import train
@@ -135,6 +136,53 @@ def test_two_gloo_ranks_equal_one_process_with_the_same_global_batch(uninterrupt
     m1 = [json.loads(x)["loss"] for x in (one / "metrics.jsonl").read_text().splitlines()]
     m2 = [json.loads(x)["loss"] for x in (two / "metrics.jsonl").read_text().splitlines()]
     assert m1 == pytest.approx(m2, rel=1e-4)  # losses averaged across ranks before logging
+
+
+def test_two_gloo_ranks_train_a_learned_table_as_one_process(uninterrupted, tmp_path, tiny_t5_dir,
+                                                            tiny_corpus_file):
+    """The space's encode runs inside the DDP-wrapped pass: a learned table's gradients are averaged across ranks
+    like the network's, so the table of two ranks equals one process's."""
+    _, cache, _ = uninterrupted
+    one, two = tmp_path / "one", tmp_path / "two"
+    common = ["--preset", "tiny", "--data", str(tiny_corpus_file), "--space", f"learned-table:{tiny_t5_dir}",
+              "--space-dim", "16", "--length", "16", "--batch", "4", "--micro-batch", "2", "--steps", "3",
+              "--warmup", "1", "--log-every", "1", "--ckpt-every", "3", "--dtype", "fp32", "--seed", "2",
+              "--cache-dir", str(cache)]
+    run_alone_and_on_two_ranks(["train", *common], one, two)
+    assert_same_runs(one, two, 3, exact=False)
+    from elflow.encoders import build_space
+
+    start = build_space({"kind": "learned-table", "name": str(tiny_t5_dir), "dim": 16, "seed": 0}).table.detach()
+    a, b = (load_file(r / "checkpoints" / "step_0000003" / "space.safetensors")["table"] - start for r in (one, two))
+    assert a.abs().max() > 0  # the table trained, by a few learning rates (1.6e-5) per entry
+    assert torch.allclose(a, b, atol=1e-7, rtol=1e-3)  # the same updates (a rank's own gradients differ by ~lr)
+
+
+def test_a_compiled_pass_takes_the_same_step(tiny_t5_dir):
+    """torch.compile wraps the one trained pass (encode, self-conditioning pass, trained pass): the same
+    step, the same weights as the plain pass."""
+    from elflow.encoders import build_space
+    from elflow.flow import Recipe
+    from elflow.methods import TrainedPass, get_method
+    from elflow.model import ELF, get_config
+    from elflow.optim import EMA, ELFOptimizer
+    from elflow.train import train_step
+
+    space = build_space({"kind": "t5", "name": str(tiny_t5_dir), "latent_std": 0.2})
+    shards = [{"tokens": torch.randint(3, 200, (4, 16), generator=torch.Generator().manual_seed(0)),
+               "mask": torch.ones(4, 16, dtype=torch.bool)}]
+    weights = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        net = ELF(get_config("tiny", dim=space.dim, vocab_size=space.vocab_size, max_length=16))
+        opt = ELFOptimizer(net.named_parameters(), lr=1e-2)
+        model = TrainedPass(get_method("elf"), net, space, Recipe())
+        model = torch.compile(model, backend="eager") if compiled else model
+        for step in range(2):
+            m = train_step(model, shards, opt, EMA(net, 0.9), step, 0, 0, "fp32")
+            assert "nonfinite" not in m and m["decode_n"] + m["denoise_n"] == 4
+        weights.append(net.state_dict())
+    assert all(torch.allclose(weights[0][k], weights[1][k], atol=1e-6) for k in weights[0])
 
 
 def test_bad_input_is_refused_without_touching_the_run(uninterrupted, tmp_path, tiny_t5_dir, tiny_corpus_file):
