@@ -1,7 +1,6 @@
 """The network: exact parameter counts of the released sizes, the call contract, precision, bad input."""
 
 import json
-import math
 from pathlib import Path
 
 import pytest

@@ -654,7 +654,7 @@ def latent_moments(space, dataset, batch: int = 32, max_rows: int = 512, device=
 @torch.no_grad()
 def token_vectors(space, vocab_size: int, device="cpu", batch: int = 4096) -> torch.Tensor:
     """The clean embedding of each token id alone, (vocab_size, C), for a space with one fixed vector per token
-    (a frozen table); the readout of `ELFConfig.table_readout` compares the decode input with these."""
+    (a frozen table); the table readout (elflow.shortrun) compares the decode input with these."""
     if space.contextual or not isinstance(space, TableSpace):
         raise ELFError(f"the table readout needs a space with one vector per token (random-table or token-table); "
                        f"{space.space_id} embeds tokens in context. Pass --table-readout 0, or choose a table space")
