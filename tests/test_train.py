@@ -333,3 +333,26 @@ def test_gaussian_skip_run_carries_the_training_moments(tmp_path, tiny_t5_dir, t
     train(cfg, part, resume=True, cache_dir=cache, quiet=True)
     assert_same_runs(run, part, 6)
     assert main(["sample", str(run), "--steps", "4", "--num", "2", "--quiet", "--out", str(tmp_path / "s.jsonl")]) == 0
+
+
+@pytest.mark.parametrize("method,options", [
+    ("elf", {"skip": "gaussian", "time_scale": 1000.0, "head_modulation": True}), ("ar", {}), ("mdlm", {})])
+def test_samples_printed_during_training_come_from_the_ema_weights(method, options, tmp_path, tiny_t5_dir,
+                                                                    tiny_corpus_file, capsys):
+    """--sample-every prints samples of the EMA weights with the method's own sampler (an ELF network of the
+    run's own kind, short-run options included): for ELF, the texts the saved EMA weights give through the
+    loader and flow.generate_tokens with the run's sample settings and seed."""
+    from elflow.checkpoint import load_for_sampling
+    from elflow.flow import generate_tokens
+
+    run = tmp_path / "run"
+    cfg = cfg_for(tiny_t5_dir, tiny_corpus_file, method=method, short_run=options, steps=2, ckpt_every=2,
+                  sample_every=2, sample_steps=3)
+    train(cfg, run, cache_dir=tmp_path / "cache", quiet=False)
+    out = capsys.readouterr()
+    printed = [line.split(": ", 1)[1] for line in (out.out + out.err).splitlines() if "[step 2] sample" in line]
+    assert len(printed) == 2
+    if method == "elf":
+        loaded, space = load_for_sampling(run, device="cpu")
+        ids, _ = generate_tokens(loaded.net, 2, 16, 3, "sde", omega=3.0, generator=torch.Generator().manual_seed(1))
+        assert printed == [t[:300] for t in space.decode(ids)]

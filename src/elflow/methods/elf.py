@@ -138,7 +138,7 @@ class ELFMethod(Method):
         """`num` samples of the EMA weights with the run's sample_* settings, from one generator seeded by
         the run's seed."""
         device = next(net.parameters()).device
-        sampler_net = build_network(*describe_network(net)).to(device)
+        sampler_net = build_network(net.config, getattr(net, "options", None)).to(device)
         ema.copy_to(sampler_net)
         sampler_net.eval()
         g = torch.Generator(device=device).manual_seed(cfg.seed)
