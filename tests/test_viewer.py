@@ -221,6 +221,7 @@ def test_moving_the_slider_shows_each_steps_recorded_text(runs, tmp_path, browse
     # a link to a step opens there
     browser.get(page.as_uri() + "#step=1")
     assert [read_sample(s)["step"] for s in browser.find_elements(By.CSS_SELECTOR, "section.sample")] == [1, 1]
+    assert browser.find_element(By.ID, "held-key").is_displayed()  # the key for the shaded prompt
     assert browser.get_log("browser") == []  # no script error
 
 
@@ -247,3 +248,5 @@ def test_a_conditional_sample_shows_its_source_and_reference(runs, tmp_path, bro
         shown = read_sample(section)
         assert shown["text"] == sample["steps"][1]["text"] and shown["changed"] == changed_spans(doc, doc["samples"].index(sample), 1)
         assert not any(shown["known"])  # the target alone is shown; its source sits beside it
+    assert not browser.find_element(By.ID, "held-key").is_displayed()  # nothing shaded: no key for it
+    assert browser.get_log("browser") == []

@@ -412,7 +412,8 @@ def run(args) -> int:
         doc = trajectory_document(space.tokenizer, seen, first, {**meta, "space": space.space_id})
         atomic_write_json(traj_path, doc)
         print("how sample 0 emerges (decode readout of the guess at each chosen step):")
-        for k in sorted({round(j * (len(seen) - 1) / 5) for j in range(min(6, len(seen)))}):
+        m = min(6, len(seen))  # up to six of the recorded steps, spread out, the last one included
+        for k in sorted({round(j * (len(seen) - 1) / max(m - 1, 1)) for j in range(m)}):
             print(f"  step {seen[k]['step']:>3} (t = {seen[k]['t']:.3f}): {seen[k]['texts'][0][:200]}")
         print(f"wrote the trajectory of {len(first)} samples x {len(seen)} steps to {traj_path}", file=sys.stderr)
         if page_path is not None:

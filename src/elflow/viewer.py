@@ -253,6 +253,8 @@ _SCRIPT = r"""
     return show;
   });
 
+  const held = doc.samples.some((x) => x.steps[0].spans.some(([, ps]) => ps.every((p) => (x.known || []).includes(p))));
+  document.getElementById("held-key").hidden = !held;  // the key for shaded text only where some is
   const all = document.getElementById("all-steps"), allInfo = document.getElementById("all-info");
   all.max = last; all.value = last;
   const showAll = (k) => {
@@ -314,7 +316,7 @@ def render_page(doc: dict, title: str | None = None) -> str:
   <input id="all-steps" type="range" min="0" max="0" step="1" value="0">
   <span class="step-info" id="all-info"></span>
   <span class="legend"><span class="tok changed">changed since the previous step</span>
-    <span class="tok known">held fixed</span></span>
+    <span class="tok known" id="held-key">held fixed</span></span>
 </div>
 <div id="samples"></div>
 <script type="application/json" id="trajectory-data">{_inline_json(doc)}</script>
