@@ -77,7 +77,8 @@ def fresh_env(dist, tmp_path_factory):
                               capture_output=True, text=True, check=True).stdout.strip())
     outer = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
     (own / "outer_environment.pth").write_text("".join(f"{p}\n" for p in sorted(outer)))
-    proc = subprocess.run([str(python), "-m", "pip", "install", "--no-deps", "--no-index", "--quiet",
+    # --ignore-installed: the test environment's own elflow, visible through the .pth, is left alone
+    proc = subprocess.run([str(python), "-m", "pip", "install", "--no-deps", "--no-index", "--ignore-installed", "--quiet",
                            "--disable-pip-version-check", str(wheel)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return env
