@@ -11,7 +11,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "elflow"
 # bottom to top; a module may import from strictly lower layers only
 LAYERS = [
     ["utils"],
-    ["model", "optim", "gpt2_tokenizer"],
+    ["model", "optim", "gpt2_tokenizer", "viewer"],
     ["official", "schedules"],
     ["flow", "ar", "mdlm"],
     ["data", "methods"],

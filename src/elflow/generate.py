@@ -25,7 +25,7 @@ from elflow.checkpoint import Loaded, few_step_defaults, load_for_sampling
 from elflow.data import encoder_mask, pair_layout
 from elflow.flow import SAMPLERS, Recipe, check_sampling_args, decode_tokens, generate_tokens
 from elflow.methods import BaselineSampling, sample_records as baseline_records, sampling_settings
-from elflow.utils import ELFError, atomic_write, autocast, check_device, check_output
+from elflow.utils import ELFError, atomic_write, atomic_write_json, autocast, check_device, check_output
 
 __all__ = ["SamplingSettings", "settings_for", "conditioning", "extract_targets", "generate", "write_samples",
            "add_sampling_arguments", "add_arguments", "run"]
@@ -139,31 +139,42 @@ def extract_targets(ids: torch.Tensor, source_len: torch.Tensor, keep: int, eos_
 # texts
 
 
-def _texts(space, ids: torch.Tensor, known_ids, known_mask, source_len, keep: int | None) -> list[str]:
-    """Decoded texts: a conditional model's target; otherwise the whole row with the known tokens as given and
-    the generated stretch between prompt and suffix cut at its first EOS."""
+def _shown(ids: torch.Tensor, known_mask, source_len, keep: int | None, eos: int) -> list[list[int]]:
+    """Per row, the positions whose tokens make its text: a conditional model's target (the positions after
+    its source, up to the first EOS); otherwise the row up to its first EOS, or with known tokens (a prompt, a
+    suffix) all of them, and the generated stretch between them up to its first EOS."""
     if source_len is not None:
-        return space.decode(extract_targets(ids, source_len, keep, space.eos_id).cpu())
+        out = extract_targets(ids, source_len, keep, eos).cpu().tolist()
+        starts = source_len.cpu().tolist()
+        return [list(range(s, s + (r.index(eos) if eos in r else len(r)))) for r, s in zip(out, starts)]
+    rows = ids.cpu().tolist()
     if known_mask is None:
-        return space.decode(ids.cpu())
-    eos = space.eos_id
-    texts = []
-    for row, k, m in zip(ids.cpu().tolist(), known_ids.cpu().tolist(), known_mask.cpu().tolist()):
+        return [list(range(r.index(eos) if eos in r else len(r))) for r in rows]
+    shown = []
+    for row, m in zip(rows, known_mask.cpu().tolist()):
         head = m.index(False)
         tail = len(m) - m[::-1].index(False)
         middle = row[head:tail]
-        middle = middle[: middle.index(eos)] if eos in middle else middle
-        texts.append(space.tokenizer.decode(k[:head] + middle + k[tail:], skip_special_tokens=True))
-    return texts
+        end = head + (middle.index(eos) if eos in middle else len(middle))
+        shown.append([*range(head), *range(head, end), *range(tail, len(m))])
+    return shown
+
+
+def _texts(space, ids: torch.Tensor, shown: list[list[int]]) -> list[str]:
+    """Decoded texts of the shown positions (`_shown`), special tokens skipped."""
+    rows = ids.cpu().tolist()
+    return space.tokenizer.batch_decode([[r[p] for p in s] for r, s in zip(rows, shown)], skip_special_tokens=True)
 
 
 @torch.no_grad()
 def generate(net, space, num: int, settings: SamplingSettings = SamplingSettings(), length: int | None = None,
              sources: list[str] | None = None, source_length: int | None = None, prompt: str | None = None,
              suffix: str | None = None, progress: bool = True, trajectory: set[int] | None = None):
-    """`num` samples as records {"index", "text"} (+ "source"); with `trajectory` also the decode readout of
-    the first batch's guesses at those steps, {step: (t, texts)}. Batch i draws from a generator seeded by
-    (seed, i), so the same settings give the same texts in any batch split of the same size."""
+    """`num` samples as records {"index", "text"} (+ "source"); with `trajectory` also, for the rows of the
+    first batch, the decode readout of the sampler's guess at those steps (at the last step, of the sample
+    itself): a list of {"step", "t" (the time the guess was made at), "ids" (rows of ids, known positions as given), "shown" (per row, the positions its
+    text is made of), "known" (per row, the positions held fixed), "texts"}. Batch i draws from a generator seeded by (seed, i), so the same settings give
+    the same texts in any batch split of the same size."""
     settings.check()
     if num < 1:
         raise ELFError(f"the number of samples must be >= 1, got {num}")
@@ -176,7 +187,7 @@ def generate(net, space, num: int, settings: SamplingSettings = SamplingSettings
     from tqdm.auto import tqdm
 
     device = next(net.parameters()).device
-    records, traj_out = [], {}
+    records, traj_out = [], []
     bar = tqdm(total=num, desc="sample", unit="text", disable=not progress, file=sys.stderr)
     for b, start in enumerate(range(0, num, settings.batch_size)):
         bs = min(settings.batch_size, num - start)
@@ -184,24 +195,31 @@ def generate(net, space, num: int, settings: SamplingSettings = SamplingSettings
         batch_sources = sources[start:start + bs] if sources is not None else None
         cond = conditioning(space, length, bs, batch_sources, source_length, prompt, suffix, device)
         known_ids, known_mask, known = cond if cond is not None else (None, None, None)
+        src_len = known_mask.sum(1) if batch_sources is not None else None
+        keep_n = length - source_length if batch_sources is not None else None
         seen = {}
 
-        def keep(i, t, z, x):
+        def keep(i, t, z, x):  # the readout of this step's guess; at the last step of z, which is the sample
             if b == 0 and trajectory and i in trajectory:
-                seen[i] = (float(t), x.clone())
+                seen[i] = (float(t), decode_tokens(net, z if i == settings.steps - 1 else x, settings.omega))
+
+        def given(ids):  # known tokens are given, not generated
+            return ids if known_mask is None else torch.where(known_mask, known_ids, ids)
 
         with autocast(device, settings.dtype):
             ids, _ = generate_tokens(net, bs, length, settings.steps, settings.sampler, settings.gamma,
                                      settings.omega, settings.grid, settings.guidance, known, known_mask, g,
                                      Recipe(noise_scale=settings.noise_scale, t_eps=settings.t_eps), device=device,
                                      callback=keep if trajectory else None)
-            for i, (t, x) in sorted(seen.items()):
-                traj_out[i] = (t, space.decode(decode_tokens(net, x, settings.omega).cpu()))
-        if known_mask is not None:
-            ids = torch.where(known_mask, known_ids, ids)  # known tokens are given, not generated
-        src_len = known_mask.sum(1) if batch_sources is not None else None
-        keep_n = length - source_length if batch_sources is not None else None
-        for j, text in enumerate(_texts(space, ids, known_ids, known_mask, src_len, keep_n)):
+        for i, (t, guess) in sorted(seen.items()):
+            guess = given(guess)
+            shown = _shown(guess, known_mask, src_len, keep_n, space.eos_id)
+            held = [[] for _ in shown] if known_mask is None else [r.nonzero().flatten().tolist() for r in known_mask]
+            traj_out.append({"step": i, "t": t, "ids": guess.cpu().tolist(), "shown": shown, "known": held,
+                             "texts": _texts(space, guess, shown)})
+        ids = given(ids)
+        shown = _shown(ids, known_mask, src_len, keep_n, space.eos_id)
+        for j, text in enumerate(_texts(space, ids, shown)):
             rec = {"index": start + j, "text": text}
             if batch_sources is not None:
                 rec["source"] = batch_sources[j]
@@ -324,13 +342,24 @@ def add_arguments(p) -> None:
     p.add_argument("--encoder", default=None,
                    help="T5 encoder folder or hub id for the authors' checkpoints (default t5-small)")
     p.add_argument("--trajectory", nargs="*", type=int, default=None, metavar="STEP",
-                   help="print the decode readout of the current guess at these steps (default: 6 spread out)")
+                   help="record how the first batch's samples emerge: the decode readout of the sampler's guess "
+                        "at these steps (0-based; default: every step), written to OUT.trajectory.json (view it "
+                        "with `elflow view`); each recorded step costs one more network pass")
+    p.add_argument("--html", action="store_true",
+                   help="also write the trajectory viewer page OUT.trajectory.html (implies --trajectory)")
     p.add_argument("--quiet", action="store_true", help="do not print the texts")
 
 
 def run(args) -> int:
     args.device = check_device(args.device)
     check_output(args.out, args.overwrite)  # before any work
+    if args.html and args.trajectory is None:
+        args.trajectory = []
+    traj_path = Path(args.out).with_suffix(".trajectory.json") if args.trajectory is not None else None
+    page_path = Path(args.out).with_suffix(".trajectory.html") if args.html else None
+    for extra in (traj_path, page_path):
+        if extra is not None:
+            check_output(extra, args.overwrite)
     if args.length is not None and args.length < 1:
         raise ELFError(f"--length must be >= 1, got {args.length}")
     loaded, space = load_for_sampling(args.checkpoint, device=args.device, space=args.encoder,
@@ -357,14 +386,14 @@ def run(args) -> int:
     traj = None
     if args.trajectory is not None:
         n = settings.steps
-        traj = set(args.trajectory) if args.trajectory else {round(i * (n - 1) / 5) for i in range(6)}
+        traj = set(args.trajectory) if args.trajectory else set(range(n))
         bad = [s for s in traj if not 0 <= s < n]
         if bad:
             raise ELFError(f"--trajectory steps must lie in 0..{n - 1}, got {sorted(bad)}")
     net = loaded.net
     out = generate(net, space, args.num, settings, args.length, sources, source_length, args.prompt, args.suffix,
                    progress=not args.quiet, trajectory=traj)
-    records, seen = out if traj else (out, {})
+    records, seen = out if traj else (out, [])
     if refs is not None:
         for r, ref in zip(records, refs):
             if ref is not None:
@@ -376,10 +405,20 @@ def run(args) -> int:
     if args.suffix is not None:
         meta["suffix"] = args.suffix
     write_samples(args.out, records, meta)
-    if seen:
+    if traj:
+        from elflow.viewer import trajectory_document, write_page
+
+        first = records[: len(seen[0]["texts"])]
+        doc = trajectory_document(space.tokenizer, seen, first, {**meta, "space": space.space_id})
+        atomic_write_json(traj_path, doc)
         print("how sample 0 emerges (decode readout of the guess at each chosen step):")
-        for i, (t, texts) in sorted(seen.items()):
-            print(f"  step {i:>3} (t = {t:.3f}): {texts[0][:200]}")
+        m = min(6, len(seen))  # up to six of the recorded steps, spread out, the last one included
+        for k in sorted({round(j * (len(seen) - 1) / max(m - 1, 1)) for j in range(m)}):
+            print(f"  step {seen[k]['step']:>3} (t = {seen[k]['t']:.3f}): {seen[k]['texts'][0][:200]}")
+        print(f"wrote the trajectory of {len(first)} samples x {len(seen)} steps to {traj_path}", file=sys.stderr)
+        if page_path is not None:
+            write_page(doc, page_path)
+            print(f"wrote {page_path}; open it in a browser", file=sys.stderr)
     if not args.quiet:
         for r in records:
             print(f"--- sample {r['index']}\n{r['text']}")
@@ -392,7 +431,7 @@ def _run_baseline(args, loaded: Loaded, space, settings: BaselineSampling) -> in
     from elflow.checkpoint import only_elf
 
     for flag, value in (("--source", args.source), ("--prompt", args.prompt), ("--suffix", args.suffix),
-                        ("--trajectory", args.trajectory)):
+                        ("--html", args.html or None), ("--trajectory", args.trajectory)):
         if value is not None:
             only_elf(loaded.method, args.checkpoint, flag)
     length = args.length or loaded.net.config.max_length
