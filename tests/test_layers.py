@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "elflow"
 # their package ("methods.elf"); the package's __init__ by the package's name.
 LAYERS = [
     ["utils"],
-    ["model", "optim", "gpt2_tokenizer"],
+    ["model", "optim", "gpt2_tokenizer", "viewer"],
     ["official", "schedules"],
     ["flow"],
     ["data"],

@@ -108,3 +108,27 @@ def test_toy_distillation_students_reach_clusters_in_one_step_where_the_teacher_
     one_step = run_toy(mix, (1,), n, seed=1, denoiser=students[1])[1]
     sixteen = run_toy(mix, (16,), n, seed=1, denoiser=teacher)[16]
     assert one_step["inside"] >= 20 and one_step["inside"] >= sixteen["inside"] // 3
+
+
+def test_toy_figure_labels_its_axes_and_keeps_its_legend_clear_of_the_panels():
+    import matplotlib.pyplot as plt
+
+    from elflow.toy import toy_figure
+
+    mix = ring_mixture()
+    for steps in ((1,), (1, 4), (1, 2, 4, 8, 16)):
+        fig = toy_figure(mix, run_toy(mix, steps_list=steps, num=20), "title")
+        fig.canvas.draw()
+        *axes, key = fig.axes
+        assert [a.get_xlabel() for a in axes] == ["$x_1$"] * len(steps) and axes[0].get_ylabel() == "$x_2$"
+        assert all(len(a.get_xticklabels()) >= 5 and a.get_xticklabels()[0].get_fontsize() >= 9 for a in axes)
+        assert all(a.get_legend() is None for a in axes)  # no legend over a panel's points
+        legend = key.get_legend()
+        names = [t.get_text() for t in legend.get_texts()]
+        assert names == ["data (the mixture)", "path of z from noise", "guesses of x at each step",
+                         "samples (where z ends)", "data mean"]
+        box = legend.get_window_extent()
+        for a in axes:  # below every panel and its tick labels
+            assert box.y1 <= a.get_tightbbox().y0 + 1
+        assert box.x0 >= 0 and box.x1 <= fig.bbox.x1 and box.y0 >= 0  # inside the figure
+        plt.close(fig)

@@ -163,22 +163,31 @@ def extract_targets(ids: torch.Tensor, source_len: torch.Tensor, keep: int, eos_
 # texts
 
 
-def _texts(space, ids: torch.Tensor, known_ids, known_mask, source_len, keep: int | None) -> list[str]:
-    """Decoded texts: a conditional model's target; otherwise the whole row with the known tokens as given and
-    the generated stretch between prompt and suffix cut at its first EOS."""
+def _shown(ids: torch.Tensor, known_mask, source_len, keep: int | None, eos: int) -> list[list[int]]:
+    """Per row, the positions whose tokens make its text: a conditional model's target (the positions after
+    its source, up to the first EOS); otherwise the row up to its first EOS, or with known tokens (a prompt, a
+    suffix) all of them, and the generated stretch between them up to its first EOS."""
     if source_len is not None:
-        return space.decode(extract_targets(ids, source_len, keep, space.eos_id).cpu())
+        out = extract_targets(ids, source_len, keep, eos).cpu().tolist()
+        starts = source_len.cpu().tolist()
+        return [list(range(s, s + (r.index(eos) if eos in r else len(r)))) for r, s in zip(out, starts)]
+    rows = ids.cpu().tolist()
     if known_mask is None:
-        return space.decode(ids.cpu())
-    eos = space.eos_id
-    texts = []
-    for row, k, m in zip(ids.cpu().tolist(), known_ids.cpu().tolist(), known_mask.cpu().tolist()):
+        return [list(range(r.index(eos) if eos in r else len(r))) for r in rows]
+    shown = []
+    for row, m in zip(rows, known_mask.cpu().tolist()):
         head = m.index(False)
         tail = len(m) - m[::-1].index(False)
         middle = row[head:tail]
-        middle = middle[: middle.index(eos)] if eos in middle else middle
-        texts.append(space.tokenizer.decode(k[:head] + middle + k[tail:], skip_special_tokens=True))
-    return texts
+        end = head + (middle.index(eos) if eos in middle else len(middle))
+        shown.append([*range(head), *range(head, end), *range(tail, len(m))])
+    return shown
+
+
+def _texts(space, ids: torch.Tensor, shown: list[list[int]]) -> list[str]:
+    """Decoded texts of the shown positions (`_shown`), special tokens skipped."""
+    rows = ids.cpu().tolist()
+    return space.tokenizer.batch_decode([[r[p] for p in s] for r, s in zip(rows, shown)], skip_special_tokens=True)
 
 
 @torch.no_grad()
@@ -186,8 +195,10 @@ def generate(net, space, num: int, settings: SamplingSettings = SamplingSettings
              sources: list[str] | None = None, source_length: int | None = None, prompt: str | None = None,
              suffix: str | None = None, progress: bool = True, trajectory: set[int] | None = None) -> list[dict]:
     """`num` samples as records {"index", "text"} (+ "source"). With `trajectory` (sampling steps), each record
-    of the first batch also holds "trajectory": the decode readout of its guess at those steps, a list of
-    {"step", "t", "text"}. Batch i draws from a generator seeded by (seed, i), so the same settings give the
+    of the first batch also holds "trajectory": the decode readout of the sampler's guess at those steps (at
+    the last step, of the sample itself), a list of {"step", "t" (the time the guess was made at), "ids" (the
+    row's ids, known positions as given), "shown" (the positions its text is made of), "known" (the positions
+    held fixed), "text"}. Batch i draws from a generator seeded by (seed, i), so the same settings give the
     same texts in any batch split of the same size."""
     settings.check()
     if num < 1:
@@ -209,29 +220,37 @@ def generate(net, space, num: int, settings: SamplingSettings = SamplingSettings
         batch_sources = sources[start:start + bs] if sources is not None else None
         cond = conditioning(space, length, bs, batch_sources, source_length, prompt, suffix, device)
         known_ids, known_mask, known = cond if cond is not None else (None, None, None)
+        src_len = known_mask.sum(1) if batch_sources is not None else None
+        keep_n = length - source_length if batch_sources is not None else None
         seen = {}
 
-        def keep(i, t, z, x):
+        def keep(i, t, z, x):  # the readout of this step's guess; at the last step of z, which is the sample
             if b == 0 and i in trajectory:
-                seen[i] = (float(t), x.clone())
+                seen[i] = (float(t), decode_tokens(net, z if i == settings.steps - 1 else x, settings.omega))
+
+        def given(ids):  # known tokens are given, not generated
+            return ids if known_mask is None else torch.where(known_mask, known_ids, ids)
 
         with autocast(device, settings.dtype):
             ids, _ = generate_tokens(net, bs, length, settings.steps, settings.sampler, settings.gamma,
                                      settings.omega, settings.grid, settings.guidance, known, known_mask, g,
                                      Recipe(noise_scale=settings.noise_scale, t_eps=settings.t_eps), device=device,
                                      callback=keep if trajectory else None)
-            readouts = [(i, t, space.decode(decode_tokens(net, x, settings.omega).cpu())) for i, (t, x) in
-                        sorted(seen.items())]
-        if known_mask is not None:
-            ids = torch.where(known_mask, known_ids, ids)  # known tokens are given, not generated
-        src_len = known_mask.sum(1) if batch_sources is not None else None
-        keep_n = length - source_length if batch_sources is not None else None
-        for j, text in enumerate(_texts(space, ids, known_ids, known_mask, src_len, keep_n)):
+        held = [[] for _ in range(bs)] if known_mask is None else [r.nonzero().flatten().tolist() for r in known_mask]
+        readouts = []  # per recorded step, per row: (ids, shown positions, text)
+        for i, (t, guess) in sorted(seen.items()):
+            guess = given(guess)
+            shown = _shown(guess, known_mask, src_len, keep_n, space.eos_id)
+            readouts.append((i, t, guess.cpu().tolist(), shown, _texts(space, guess, shown)))
+        ids = given(ids)
+        shown = _shown(ids, known_mask, src_len, keep_n, space.eos_id)
+        for j, text in enumerate(_texts(space, ids, shown)):
             rec = {"index": start + j, "text": text}
             if batch_sources is not None:
                 rec["source"] = batch_sources[j]
             if readouts:
-                rec["trajectory"] = [{"step": i, "t": t, "text": texts[j]} for i, t, texts in readouts]
+                rec["trajectory"] = [{"step": i, "t": t, "ids": rows[j], "shown": cols[j], "known": held[j],
+                                      "text": texts[j]} for i, t, rows, cols, texts in readouts]
             records.append(rec)
         bar.update(bs)
     bar.close()
