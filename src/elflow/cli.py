@@ -17,7 +17,7 @@ from elflow.utils import ELFError
 COMMANDS: dict[str, tuple[str, str]] = {
     "quickstart": ("elflow.quickstart", "the offline default: fetch the corpus, train the demo model, sample and report"),
     "train": ("elflow.train", "train an ELF model, or an AR / MDLM baseline (alone or under torchrun)"),
-    "sample": ("elflow.generate", "generate text from a run, a checkpoint or a released model"),
+    "sample": ("elflow.sample", "generate text from a run, a checkpoint or a released model"),
     "view": ("elflow.viewer", "a sampling trajectory (sample --trajectory) as one self-contained HTML page"),
     "distill": ("elflow.distill", "progressive distillation into few-step students (16 -> 8 -> 4 -> 2 -> 1)"),
     "eval": ("elflow.evaluate", "generative perplexity and entropy, BLEU, ROUGE"),

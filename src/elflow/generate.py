@@ -1,47 +1,62 @@
-"""From a loaded model to texts: `elflow sample`.
+"""From a network to texts: the sampler's settings and the one text generator.
 
-    SamplingSettings             the sampler's settings, defined once (sample, eval, sweep, quickstart)
+    SAMPLING_DEFAULTS            the settings a model samples with when no flag is given, by kind of model
+                                 (one table: sample, eval, sweep, distill, the trainer and the loader read it)
+    SamplingSettings             the sampler's settings, defined once
+    settings_for(loaded, ...)    a loaded model's own defaults with the values given on top
     conditioning(...)            texts -> the positions held fixed: a source, a prompt, a suffix
     generate(net, space, n, s)   -> records {"index", "text", ...}; batch i is seeded by (seed, i)
     write_samples(path, ...)     the one JSONL writer (atomic; every line holds the settings it was made with)
-    sample_records(net, ...)     generate, or a token-level baseline's sampler for its settings (sample, eval)
 
 A conditional model's source, an unconditional model's prompt (fixed at the start) and suffix (fixed at the
 end) all take one path: their positions are encoded so that known tokens attend only to known tokens, held
 at their clean embeddings during sampling (`flow.sample(known=..., known_mask=...)`), and kept as they are in
-the output.
+the output. `elflow sample` itself is elflow.sample.
 """
 
 from __future__ import annotations
 
 import json
 import sys
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import torch
 
-from elflow.checkpoint import Loaded, few_step_defaults, load_for_sampling
 from elflow.data import encoder_mask, pair_layout
 from elflow.flow import SAMPLERS, Recipe, check_sampling_args, decode_tokens, generate_tokens
-from elflow.methods import BaselineSampling, sample_records as baseline_records, sampling_settings
-from elflow.utils import ELFError, atomic_write, atomic_write_json, autocast, check_device, check_output
+from elflow.utils import ELFError, Record, atomic_write, autocast, check_output
 
-__all__ = ["SamplingSettings", "settings_for", "conditioning", "extract_targets", "generate", "write_samples",
-           "add_sampling_arguments", "add_arguments", "run"]
+__all__ = ["SAMPLING_DEFAULTS", "distilled_defaults", "SamplingSettings", "ELF_KNOBS", "settings_for",
+           "conditioning", "extract_targets", "generate", "write_samples", "add_sampling_arguments",
+           "read_sources"]
+
+# the sampler settings of a model when no flag is given, by the kind of model
+SAMPLING_DEFAULTS = {
+    "text": {"sampler": "sde", "steps": 32, "gamma": 1.5, "omega": 3.0, "guidance": 1.0},
+    "conditional": {"sampler": "ode", "steps": 64, "gamma": 0.0, "omega": 1.0, "guidance": 2.0},
+    "distilled": {"sampler": "sde", "gamma": 1.5, "omega": 2.5},  # a progressively distilled student, <= 8 steps
+    "distilled-long": {"sampler": "sde", "gamma": 2.0, "omega": 2.0},  # the same beyond 8 steps
+}
+DISTILLED_STEPS = 8  # a distilled model's steps when none are given (the released few-step model's)
+
+
+def distilled_defaults(steps: int) -> dict:
+    """The settings of a distilled model sampled at `steps` steps."""
+    return {**SAMPLING_DEFAULTS["distilled" if steps <= 8 else "distilled-long"], "steps": int(steps)}
 
 
 @dataclass(frozen=True)
-class SamplingSettings:
+class SamplingSettings(Record):
     """How to sample: the step count, the step kind and its back-off gamma, the self-conditioning guidance
     omega, the source guidance (conditional models), the time grid, the seed, the batch size and the
     autocast precision."""
 
-    steps: int = 32
-    sampler: str = "sde"
-    gamma: float = 1.5
-    omega: float = 3.0
-    guidance: float = 1.0
+    steps: int = SAMPLING_DEFAULTS["text"]["steps"]
+    sampler: str = SAMPLING_DEFAULTS["text"]["sampler"]
+    gamma: float = SAMPLING_DEFAULTS["text"]["gamma"]
+    omega: float = SAMPLING_DEFAULTS["text"]["omega"]
+    guidance: float = SAMPLING_DEFAULTS["text"]["guidance"]
     grid: str = "logit_normal"
     seed: int = 0
     batch_size: int = 8
@@ -60,17 +75,26 @@ class SamplingSettings:
             raise ELFError(f"grid must be 'logit_normal' or 'uniform', got {self.grid!r}")
         return self
 
-    def to_dict(self) -> dict:
-        return asdict(self)
+    def tag(self) -> str:
+        """A file-name tag of the settings that tell sample sets apart."""
+        return (f"{self.sampler}_steps{self.steps}_omega{self.omega:g}"
+                + (f"_gamma{self.gamma:g}" if self.sampler != "ode" else ""))
+
+    def describe(self) -> str:
+        return f"{self.sampler}, {self.steps} steps, omega {self.omega:g}"
 
 
-def settings_for(loaded: Loaded, **given) -> SamplingSettings:
-    """The model's own defaults (a conditional or distilled model's recipe), overridden by the values given
-    (None = not given)."""
+# the sampling flags an ELF model's sampler takes (besides --seed and --batch)
+ELF_KNOBS = ("steps", "sampler", "gamma", "omega", "guidance", "grid", "dtype")
+
+
+def settings_for(loaded, **given) -> SamplingSettings:
+    """A loaded model's (checkpoint.Loaded) own defaults, a conditional or distilled model's from
+    SAMPLING_DEFAULTS, overridden by the values given (None = not given)."""
     stored = dict(loaded.settings.get("sampling") or {})
     if loaded.settings.get("distilled_steps") or loaded.settings.get("distilled"):
-        n = given.get("steps") or loaded.settings.get("distilled_steps") or 8
-        stored = {**stored, **few_step_defaults(n)}  # the few-step settings depend on the step count alone
+        n = given.get("steps") or loaded.settings.get("distilled_steps") or DISTILLED_STEPS
+        stored = {**stored, **distilled_defaults(n)}  # the few-step settings depend on the step count alone
     names = {f.name for f in fields(SamplingSettings)}
     chosen = {k: loaded.recipe[k] for k in ("noise_scale", "t_eps") if k in loaded.recipe}
     chosen.update({k: v for k, v in stored.items() if k in names})
@@ -169,12 +193,13 @@ def _texts(space, ids: torch.Tensor, shown: list[list[int]]) -> list[str]:
 @torch.no_grad()
 def generate(net, space, num: int, settings: SamplingSettings = SamplingSettings(), length: int | None = None,
              sources: list[str] | None = None, source_length: int | None = None, prompt: str | None = None,
-             suffix: str | None = None, progress: bool = True, trajectory: set[int] | None = None):
-    """`num` samples as records {"index", "text"} (+ "source"); with `trajectory` also, for the rows of the
-    first batch, the decode readout of the sampler's guess at those steps (at the last step, of the sample
-    itself): a list of {"step", "t" (the time the guess was made at), "ids" (rows of ids, known positions as given), "shown" (per row, the positions its
-    text is made of), "known" (per row, the positions held fixed), "texts"}. Batch i draws from a generator seeded by (seed, i), so the same settings give
-    the same texts in any batch split of the same size."""
+             suffix: str | None = None, progress: bool = True, trajectory: set[int] | None = None) -> list[dict]:
+    """`num` samples as records {"index", "text"} (+ "source"). With `trajectory` (sampling steps), each record
+    of the first batch also holds "trajectory": the decode readout of the sampler's guess at those steps (at
+    the last step, of the sample itself), a list of {"step", "t" (the time the guess was made at), "ids" (the
+    row's ids, known positions as given), "shown" (the positions its text is made of), "known" (the positions
+    held fixed), "text"}. Batch i draws from a generator seeded by (seed, i), so the same settings give the
+    same texts in any batch split of the same size."""
     settings.check()
     if num < 1:
         raise ELFError(f"the number of samples must be >= 1, got {num}")
@@ -187,7 +212,7 @@ def generate(net, space, num: int, settings: SamplingSettings = SamplingSettings
     from tqdm.auto import tqdm
 
     device = next(net.parameters()).device
-    records, traj_out = [], []
+    records = []
     bar = tqdm(total=num, desc="sample", unit="text", disable=not progress, file=sys.stderr)
     for b, start in enumerate(range(0, num, settings.batch_size)):
         bs = min(settings.batch_size, num - start)
@@ -200,7 +225,7 @@ def generate(net, space, num: int, settings: SamplingSettings = SamplingSettings
         seen = {}
 
         def keep(i, t, z, x):  # the readout of this step's guess; at the last step of z, which is the sample
-            if b == 0 and trajectory and i in trajectory:
+            if b == 0 and i in trajectory:
                 seen[i] = (float(t), decode_tokens(net, z if i == settings.steps - 1 else x, settings.omega))
 
         def given(ids):  # known tokens are given, not generated
@@ -211,29 +236,25 @@ def generate(net, space, num: int, settings: SamplingSettings = SamplingSettings
                                      settings.omega, settings.grid, settings.guidance, known, known_mask, g,
                                      Recipe(noise_scale=settings.noise_scale, t_eps=settings.t_eps), device=device,
                                      callback=keep if trajectory else None)
+        held = [[] for _ in range(bs)] if known_mask is None else [r.nonzero().flatten().tolist() for r in known_mask]
+        readouts = []  # per recorded step, per row: (ids, shown positions, text)
         for i, (t, guess) in sorted(seen.items()):
             guess = given(guess)
             shown = _shown(guess, known_mask, src_len, keep_n, space.eos_id)
-            held = [[] for _ in shown] if known_mask is None else [r.nonzero().flatten().tolist() for r in known_mask]
-            traj_out.append({"step": i, "t": t, "ids": guess.cpu().tolist(), "shown": shown, "known": held,
-                             "texts": _texts(space, guess, shown)})
+            readouts.append((i, t, guess.cpu().tolist(), shown, _texts(space, guess, shown)))
         ids = given(ids)
         shown = _shown(ids, known_mask, src_len, keep_n, space.eos_id)
         for j, text in enumerate(_texts(space, ids, shown)):
             rec = {"index": start + j, "text": text}
             if batch_sources is not None:
                 rec["source"] = batch_sources[j]
+            if readouts:
+                rec["trajectory"] = [{"step": i, "t": t, "ids": rows[j], "shown": cols[j], "known": held[j],
+                                      "text": texts[j]} for i, t, rows, cols, texts in readouts]
             records.append(rec)
         bar.update(bs)
     bar.close()
-    return (records, traj_out) if trajectory else records
-
-
-def sample_records(net, space, num: int, settings, length: int | None = None, progress: bool = True) -> list[dict]:
-    """Records {"index", "text"}: ELF's `generate`, or for BaselineSampling settings the baseline's sampler."""
-    if isinstance(settings, BaselineSampling):
-        return baseline_records(settings.method, net, space, num, settings, length or net.config.max_length)
-    return generate(net, space, num, settings, length, progress=progress)
+    return records
 
 
 def write_samples(path, records: list[dict], settings: dict, overwrite: bool = True) -> Path:
@@ -245,10 +266,6 @@ def write_samples(path, records: list[dict], settings: dict, overwrite: bool = T
         for r in records:
             f.write(json.dumps({**r, **settings}) + "\n")
     return path
-
-
-# ----------------------------------------------------------------------------------------------------------
-# `elflow sample`
 
 
 def add_sampling_arguments(p) -> None:
@@ -275,28 +292,6 @@ def add_sampling_arguments(p) -> None:
     p.add_argument("--top-p", type=float, default=None, help="AR baselines: nucleus sampling mass (default 1)")
 
 
-ELF_ONLY_SAMPLING = ("sampler", "gamma", "omega", "guidance", "grid", "dtype")  # flags a baseline's sampler lacks
-
-
-def sampling_from_args(loaded: Loaded, args):
-    """SamplingSettings for an ELF model, BaselineSampling for a baseline; a flag that the model's sampler
-    does not take is a one-line error."""
-    if loaded.method != "elf":
-        given = [n for n in ELF_ONLY_SAMPLING if getattr(args, n, None) is not None]
-        if given:
-            raise ELFError(f"--{given[0]} applies to ELF models; this is a {loaded.method.upper()} baseline, whose "
-                           f"sampler takes {'--temperature and --top-p' if loaded.method == 'ar' else '--steps and --temperature'}")
-        return sampling_settings(loaded.method, steps=args.steps, temperature=args.temperature,
-                                 top_p=args.top_p, seed=args.seed, batch_size=args.batch)
-    for name in ("temperature", "top_p"):
-        if getattr(args, name, None) is not None:
-            raise ELFError(f"--{name.replace('_', '-')} applies to the AR and MDLM baselines; an ELF model's sampler "
-                           "takes --steps, --sampler, --omega, --gamma")
-    return settings_for(loaded, steps=args.steps, sampler=args.sampler, gamma=args.gamma, omega=args.omega,
-                        guidance=args.guidance, grid=args.grid, seed=args.seed, batch_size=args.batch,
-                        dtype=args.dtype)
-
-
 def read_sources(value: str, field: str = "input", reference_field: str = "output") -> tuple[list[str], list]:
     """--source: a .jsonl file of records (the source in `field`, a reference in `reference_field` if there)
     or one source text. Returns (sources, references or None per row)."""
@@ -320,126 +315,3 @@ def read_sources(value: str, field: str = "input", reference_field: str = "outpu
     if not sources:
         raise ELFError(f"{path} holds no sources")
     return sources, refs
-
-
-def add_arguments(p) -> None:
-    p.add_argument("checkpoint", metavar="RUN_OR_CHECKPOINT",
-                   help="an elflow run folder or checkpoint folder, an authors' checkpoint_<step> file or its "
-                        "folder, or a hub id such as embedded-language-flows/ELF-B-owt-torch")
-    add_sampling_arguments(p)
-    p.add_argument("--num", type=int, default=16, help="number of samples (with --source: one per source)")
-    p.add_argument("--length", type=int, default=None, help="positions per sample (default: the model's)")
-    p.add_argument("--source", default=None, metavar="FILE.jsonl|TEXT",
-                   help="conditional models: the sources to translate / summarise (a .jsonl file or one text)")
-    p.add_argument("--source-field", default="input", help="the source field of --source records")
-    p.add_argument("--reference-field", default="output", help="the reference field of --source records")
-    p.add_argument("--prompt", default=None, help="text held fixed at the start of every sample (continuation)")
-    p.add_argument("--suffix", default=None, help="text held fixed at the end of every sample (infilling)")
-    p.add_argument("--out", default="samples.jsonl", help="JSONL output (one object per sample)")
-    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    p.add_argument("--raw-weights", action="store_true", help="use the trained weights instead of the EMA")
-    p.add_argument("--encoder", default=None,
-                   help="T5 encoder folder or hub id for the authors' checkpoints (default t5-small)")
-    p.add_argument("--trajectory", nargs="*", type=int, default=None, metavar="STEP",
-                   help="record how the first batch's samples emerge: the decode readout of the sampler's guess "
-                        "at these steps (0-based; default: every step), written to OUT.trajectory.json (view it "
-                        "with `elflow view`); each recorded step costs one more network pass")
-    p.add_argument("--html", action="store_true",
-                   help="also write the trajectory viewer page OUT.trajectory.html (implies --trajectory)")
-    p.add_argument("--quiet", action="store_true", help="do not print the texts")
-
-
-def run(args) -> int:
-    args.device = check_device(args.device)
-    check_output(args.out, args.overwrite)  # before any work
-    if args.html and args.trajectory is None:
-        args.trajectory = []
-    traj_path = Path(args.out).with_suffix(".trajectory.json") if args.trajectory is not None else None
-    page_path = Path(args.out).with_suffix(".trajectory.html") if args.html else None
-    for extra in (traj_path, page_path):
-        if extra is not None:
-            check_output(extra, args.overwrite)
-    if args.length is not None and args.length < 1:
-        raise ELFError(f"--length must be >= 1, got {args.length}")
-    loaded, space = load_for_sampling(args.checkpoint, device=args.device, space=args.encoder,
-                                      use_ema=not args.raw_weights, max_length=args.length)
-    settings = sampling_from_args(loaded, args)
-    if loaded.method != "elf":
-        return _run_baseline(args, loaded, space, settings)
-    trained = loaded.settings.get("length") or loaded.net.config.max_length
-    if args.length is not None and args.length > trained:
-        print(f"warning: --length {args.length} is longer than the {trained} positions the model was trained on; "
-              "expect poorer samples", file=sys.stderr)
-    source_length = loaded.settings.get("source_length")
-    sources = refs = None
-    if args.source is not None:
-        if not loaded.conditional:
-            raise ELFError("this model was not trained on pairs: a source means nothing to it; "
-                           "to continue a text, pass --prompt")
-        if args.prompt or args.suffix:
-            raise ELFError("--source cannot be combined with --prompt or --suffix")
-        sources, refs = read_sources(args.source, args.source_field, args.reference_field)
-        args.num = len(sources)
-    elif loaded.conditional and (args.prompt or args.suffix):
-        raise ELFError("this is a conditional model: pass --source, not --prompt / --suffix")
-    traj = None
-    if args.trajectory is not None:
-        n = settings.steps
-        traj = set(args.trajectory) if args.trajectory else set(range(n))
-        bad = [s for s in traj if not 0 <= s < n]
-        if bad:
-            raise ELFError(f"--trajectory steps must lie in 0..{n - 1}, got {sorted(bad)}")
-    net = loaded.net
-    out = generate(net, space, args.num, settings, args.length, sources, source_length, args.prompt, args.suffix,
-                   progress=not args.quiet, trajectory=traj)
-    records, seen = out if traj else (out, [])
-    if refs is not None:
-        for r, ref in zip(records, refs):
-            if ref is not None:
-                r["reference"] = ref
-    meta = {**settings.to_dict(), "length": args.length or net.config.max_length, "ema": not args.raw_weights,
-            "checkpoint": str(args.checkpoint)}
-    if args.prompt is not None:
-        meta["prompt"] = args.prompt
-    if args.suffix is not None:
-        meta["suffix"] = args.suffix
-    write_samples(args.out, records, meta)
-    if traj:
-        from elflow.viewer import trajectory_document, write_page
-
-        first = records[: len(seen[0]["texts"])]
-        doc = trajectory_document(space.tokenizer, seen, first, {**meta, "space": space.space_id})
-        atomic_write_json(traj_path, doc)
-        print("how sample 0 emerges (decode readout of the guess at each chosen step):")
-        m = min(6, len(seen))  # up to six of the recorded steps, spread out, the last one included
-        for k in sorted({round(j * (len(seen) - 1) / max(m - 1, 1)) for j in range(m)}):
-            print(f"  step {seen[k]['step']:>3} (t = {seen[k]['t']:.3f}): {seen[k]['texts'][0][:200]}")
-        print(f"wrote the trajectory of {len(first)} samples x {len(seen)} steps to {traj_path}", file=sys.stderr)
-        if page_path is not None:
-            write_page(doc, page_path)
-            print(f"wrote {page_path}; open it in a browser", file=sys.stderr)
-    if not args.quiet:
-        for r in records:
-            print(f"--- sample {r['index']}\n{r['text']}")
-    print(f"wrote {len(records)} samples to {args.out}", file=sys.stderr)
-    return 0
-
-
-def _run_baseline(args, loaded: Loaded, space, settings: BaselineSampling) -> int:
-    """`elflow sample` on a token-level baseline: its sampler, the same JSONL."""
-    from elflow.checkpoint import only_elf
-
-    for flag, value in (("--source", args.source), ("--prompt", args.prompt), ("--suffix", args.suffix),
-                        ("--html", args.html or None), ("--trajectory", args.trajectory)):
-        if value is not None:
-            only_elf(loaded.method, args.checkpoint, flag)
-    length = args.length or loaded.net.config.max_length
-    records = sample_records(loaded.net, space, args.num, settings, length)
-    meta = {**settings.to_dict(), "length": length, "ema": not args.raw_weights, "checkpoint": str(args.checkpoint)}
-    write_samples(args.out, records, meta)
-    if not args.quiet:
-        for r in records:
-            print(f"--- sample {r['index']}\n{r['text']}")
-    print(f"wrote {len(records)} samples to {args.out}", file=sys.stderr)
-    return 0
