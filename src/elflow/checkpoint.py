@@ -6,10 +6,12 @@
         space.safetensors      the embedding space's trained parameters, if it has any (a learned table)
         optimizer.pt           optimiser state and RNG states (tensors and numbers: loads with weights_only=True)
         state.json             step, config (model, space, data, recipe, training), data position,
-                               and the sha256 of every other file
+                               and the sha256 of every other file ("files": plain names in this folder)
+        state.sha256           the sha256 of state.json itself
 
 The folder is written under a temporary name and renamed, so a kill during a save leaves the previous
-checkpoint intact; the last K are kept. A file that does not match its recorded hash is refused by name.
+checkpoint intact; the last K are kept. A file that does not match its recorded hash is refused by name; so is a
+"files" entry that is not a plain name of a regular file in the folder (nothing outside it is ever read).
 A checkpoint may instead hold those parameters in model.safetensors under "space."-prefixed names;
 `split_space_state` reads both layouts.
 
@@ -22,9 +24,11 @@ by default every model but an ELF network.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
+import stat
 import shutil
 import sys
 import tempfile
@@ -40,24 +44,37 @@ from elflow.runconfig import TrainConfig
 from elflow.model import ELF, ELFConfig
 from elflow.official import infer_config, official_to_elflow, preset_name
 from elflow.shortrun import describe_network, network_from_state_dict, options_of
-from elflow.utils import ELFError, atomic_write_json, default_device, sha256_file as _sha256
+from elflow.utils import (ELFError, FolderLock, NoSpace, atomic_write_text, default_device,
+                          disk_full, first_line, folder_mode, read_json, sha256_file as _sha256)
 
 __all__ = ["write_checkpoint", "save_checkpoint", "load_checkpoint", "list_checkpoints", "latest_checkpoint", "resolve_checkpoint",
            "is_elflow_checkpoint", "split_space_state", "remove_stale_temporaries", "method_of", "read_weights",
-           "load", "load_for_sampling", "load_init_weights", "check_init_compatible"]
+           "load", "load_for_sampling", "load_init_weights", "check_init_compatible", "read_state", "write_state",
+           "newest_usable", "RUN_FILES", "REPLACED", "set_aside", "restore_aside", "recover_replaced",
+           "bring_back_replaced", "STATE_HASH"]
 
 STEP_DIR = re.compile(r"step_(\d+)")
 SPACE_PREFIX = "space."  # space parameters inside model.safetensors (the other layout)
+STATE_HASH = "state.sha256"  # beside state.json: its sha256
+REPLACED = ".replaced-run"  # a run's files that --overwrite set aside, kept until the new run's first checkpoint
 
 
 def write_checkpoint(folder: str | os.PathLike, model_sd: dict, ema_sd: dict, optimizer_state, state: dict,
                      space_sd: dict | None = None) -> Path:
-    """Write one checkpoint folder atomically: built under a temporary sibling name, then renamed."""
+    """Write one checkpoint folder atomically: built under a temporary sibling name, then renamed. A full disk
+    (whichever writer meets it: safetensors, torch.save, json) is a `NoSpace` error naming the checkpoint;
+    the previous checkpoints are untouched."""
     final = Path(folder)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
     old = None
     try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
+    except OSError as e:
+        if disk_full(e):
+            raise NoSpace(final) from None
+        raise
+    try:
+        os.chmod(tmp, folder_mode())
         contig = lambda sd: {k: v.detach().contiguous().cpu() for k, v in sd.items()}  # noqa: E731
         save_file(contig(model_sd), tmp / "model.safetensors")
         save_file(contig(ema_sd), tmp / "ema.safetensors")
@@ -66,10 +83,11 @@ def write_checkpoint(folder: str | os.PathLike, model_sd: dict, ema_sd: dict, op
             save_file(contig(space_sd), tmp / "space.safetensors")
             names.append("space.safetensors")
         if optimizer_state is not None:
-            torch.save(optimizer_state, tmp / "optimizer.pt")
+            with open(tmp / "optimizer.pt", "wb") as f:  # a Python file: its OSError is the cause torch reports
+                torch.save(optimizer_state, f)
             names.append("optimizer.pt")
         files = {name: _sha256(tmp / name) for name in names}
-        atomic_write_json(tmp / "state.json", {**state, "files": files})
+        write_state(tmp, {**state, "files": files})
         for f in tmp.iterdir():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
@@ -77,14 +95,25 @@ def write_checkpoint(folder: str | os.PathLike, model_sd: dict, ema_sd: dict, op
             old = final.parent / f".tmp-{final.name}-replaced-{os.getpid()}"
             os.rename(final, old)
         os.rename(tmp, final)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if old is not None and not final.exists():
             os.rename(old, final)
+        if isinstance(e, Exception) and disk_full(e):
+            raise NoSpace(final, f"no space left on device while writing the checkpoint {final}; it was not "
+                                 "written (the earlier checkpoints are intact)") from None
         raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def write_state(ckpt: str | os.PathLike, state: dict) -> None:
+    """state.json of a checkpoint folder and, beside it, its sha256 (state.sha256)."""
+    ckpt = Path(ckpt)
+    text = json.dumps(state, indent=2) + "\n"
+    atomic_write_text(ckpt / "state.json", text)
+    atomic_write_text(ckpt / STATE_HASH, hashlib.sha256(text.encode()).hexdigest() + "\n")
 
 
 def split_space_state(model_sd: dict) -> tuple[dict, dict]:
@@ -134,22 +163,64 @@ def is_elflow_checkpoint(path: Path) -> bool:
     return path.is_dir() and (path / "state.json").exists() and (path / "model.safetensors").exists()
 
 
-def verify_checkpoint(ckpt: Path, need_optimizer: bool = True) -> dict:
-    """state.json, with every file's hash checked; ELFError naming the first bad file. Without
-    `need_optimizer`, a missing optimizer.pt is allowed (sampling needs only the weights)."""
+ELFLOW_MARKS = ("checkpoints", "run.json", REPLACED, "state.json", STATE_HASH,
+                "model.safetensors", "ema.safetensors")
+
+
+def is_elflow_folder(path: Path) -> bool:
+    """An elflow run or checkpoint folder, complete or not (anything else is read as the authors' format)."""
+    return path.is_dir() and any((path / name).exists() for name in ELFLOW_MARKS)
+
+
+PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+
+
+def read_state(ckpt: Path) -> dict:
+    """A checkpoint's state.json, checked against state.sha256: a dict whose "files" maps plain file names of
+    this folder to sha256 digests. ELFError naming the file otherwise."""
     state_path = ckpt / "state.json"
+    if not state_path.is_file():
+        raise ELFError(f"{state_path}: missing; {ckpt} is not a complete checkpoint")
+    hash_path = ckpt / STATE_HASH
     try:
-        state = json.loads(state_path.read_text())
+        recorded = hash_path.read_text().strip()
     except FileNotFoundError:
-        raise ELFError(f"{state_path}: missing; {ckpt} is not a complete checkpoint") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ELFError(f"{state_path}: corrupted ({e})") from None
+        raise ELFError(f"{hash_path}: missing; {ckpt} is not a complete checkpoint (every save writes it)") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ELFError(f"{hash_path}: cannot be read ({e})") from None
+    if _sha256(state_path) != recorded:
+        raise ELFError(f"{state_path}: corrupted or edited (its sha256 does not match {hash_path})")
+    state = read_json(state_path)
+    files = state.get("files", {})
+    if not isinstance(files, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in files.items()):
+        raise ELFError(f"{state_path}: corrupted (\"files\" must map file names to sha256 digests)")
+    bad = [k for k in files if not PLAIN_NAME.fullmatch(k) or k in (".", "..")]
+    if bad:
+        raise ELFError(f"{state_path}: refused: its \"files\" name {bad[0]!r}, which is not a plain file name in the "
+                       "checkpoint folder (nothing outside it is read)")
+    if not isinstance(state.get("step", 0), int) or state.get("step", 0) < 0:
+        raise ELFError(f"{state_path}: corrupted (\"step\" must be an integer >= 0, got {state.get('step')!r})")
+    for key in ("model", "space", "train", "settings"):
+        if key in state and not isinstance(state[key], dict):
+            raise ELFError(f"{state_path}: corrupted ({key!r} must be a JSON object, got "
+                           f"{type(state[key]).__name__})")
+    return state
+
+
+def verify_checkpoint(ckpt: Path, need_optimizer: bool = True) -> dict:
+    """state.json (`read_state`), with every file's hash checked; ELFError naming the first bad file. Without
+    `need_optimizer`, a missing optimizer.pt is allowed (sampling needs only the weights)."""
+    state = read_state(ckpt)
     for name, digest in state.get("files", {}).items():
         f = ckpt / name
-        if not f.exists():
+        try:
+            mode = os.lstat(f).st_mode
+        except FileNotFoundError:
             if name == "optimizer.pt" and not need_optimizer:
                 continue
-            raise ELFError(f"{f}: missing from the checkpoint")
+            raise ELFError(f"{f}: missing from the checkpoint") from None
+        if not stat.S_ISREG(mode):
+            raise ELFError(f"{f}: not a regular file (a link, a device, a folder); refused")
         if _sha256(f) != digest:
             raise ELFError(f"{f}: corrupted or truncated (its sha256 does not match the one recorded at save)")
     return state
@@ -165,14 +236,15 @@ def load_checkpoint(ckpt: str | os.PathLike, with_optimizer: bool = True, map_lo
         ema = ckpt / "ema.safetensors"  # a recorded file was checked above; an unrecorded one may be absent
         out["ema"] = load_file(ema, device=str(map_location)) if ema.exists() else {}
     except Exception as e:  # safetensors raises its own error types on bad headers
-        raise ELFError(f"{ckpt}: weights cannot be read ({e})") from None
+        raise ELFError(f"{ckpt}: weights cannot be read ({first_line(e)})") from None
     if with_optimizer:
         if not (ckpt / "optimizer.pt").exists():
             raise ELFError(f"{ckpt}: holds no optimiser state (a converted checkpoint?); it can sample, not resume")
         try:
             out["optimizer"] = torch.load(ckpt / "optimizer.pt", map_location=map_location, weights_only=True)
         except Exception as e:
-            raise ELFError(f"{ckpt / 'optimizer.pt'}: cannot be read with weights_only=True ({e})") from None
+            raise ELFError(f"{ckpt / 'optimizer.pt'}: cannot be read with weights_only=True ({first_line(e)}); it is "
+                           "corrupted, or holds Python objects, which elflow never unpickles") from None
     return out
 
 
@@ -180,18 +252,89 @@ def _warn(msg: str) -> None:
     print(msg, file=sys.stderr)
 
 
+def newest_usable(run_dir: str | os.PathLike, need_optimizer: bool = True) -> tuple[Path | None, list[str]]:
+    """(the newest checkpoint of a run that passes verification, why each newer one does not). A checkpoint
+    removed while it was read (`--keep` of a training that runs) is passed over without a word."""
+    bad = []
+    for ckpt in reversed(list_checkpoints(run_dir)):
+        try:
+            verify_checkpoint(ckpt, need_optimizer)
+            return ckpt, bad
+        except ELFError as e:
+            if ckpt.exists():
+                bad.append(str(e))
+    return None, bad
+
+
 def latest_checkpoint(run_dir: str | os.PathLike, verify: bool = True, warn=_warn,
                       need_optimizer: bool = True) -> Path | None:
     """The newest checkpoint that passes verification; bad ones are reported (on stderr) and skipped."""
-    for ckpt in reversed(list_checkpoints(run_dir)):
-        if not verify:
-            return ckpt
-        try:
-            verify_checkpoint(ckpt, need_optimizer)
-            return ckpt
-        except ELFError as e:
-            warn(f"warning: skipping a bad checkpoint: {e}")
-    return None
+    if not verify:
+        found = list_checkpoints(run_dir)
+        return found[-1] if found else None
+    ckpt, bad = newest_usable(run_dir, need_optimizer)
+    for why in bad:
+        warn(f"warning: skipping a bad checkpoint: {why}")
+    return ckpt
+
+
+# ----------------------------------------------------------------------------------------------------------
+# a run replaced by --overwrite: its files wait in RUN/.replaced-run until the new run's first checkpoint
+
+
+RUN_FILES = ("run.json", "metrics.jsonl", "loss.png", "checkpoints", "tb", "report.json", "samples.jsonl")
+
+
+def set_aside(out: Path, names=RUN_FILES) -> None:
+    """Move the files `names` of the folder (never other files) into OUT/.replaced-run."""
+    aside = out / REPLACED
+    aside.mkdir()
+    for name in names:
+        if os.path.lexists(out / name):
+            os.rename(out / name, aside / name)
+
+
+def restore_aside(out: Path, names=RUN_FILES) -> None:
+    """Put the files set aside back: every one of `names` now in the folder was written by the command that
+    was replacing them (the old ones were all set aside), so it goes."""
+    aside = out / REPLACED
+    for name in names:
+        new = out / name
+        if new.is_dir() and not new.is_symlink():
+            shutil.rmtree(new)
+        elif os.path.lexists(new):
+            new.unlink()
+        if os.path.lexists(aside / name):
+            os.rename(aside / name, new)
+    for left in aside.iterdir():  # set aside under a name no longer listed
+        os.rename(left, out / left.name)
+    aside.rmdir()
+
+
+def recover_replaced(out: Path, done, names=RUN_FILES) -> str | None:
+    """A replacement that was interrupted (the folder is held by the caller): with `done(out)` (the new run
+    got as far as its first checkpoint) the files set aside go ("dropped"), else they come back
+    ("restored"). None when nothing was set aside."""
+    if not (out / REPLACED).is_dir():
+        return None
+    if done(out):
+        shutil.rmtree(out / REPLACED)
+        return "dropped"
+    restore_aside(out, names)
+    return "restored"
+
+
+def bring_back_replaced(run_dir: Path, command: str = "elflow") -> None:
+    """For a reader of a run folder: the run that an interrupted --overwrite set aside comes back first (under
+    the folder's lock; refused while the replacing command still runs)."""
+    if not (run_dir / REPLACED).is_dir() or list_checkpoints(run_dir):
+        return
+    lock = FolderLock(run_dir, f"{command} (restoring the run set aside)").acquire()
+    try:
+        if recover_replaced(run_dir, lambda d: bool(list_checkpoints(d))) == "restored":
+            _warn(f"restored the run in {run_dir} that an interrupted --overwrite was replacing")
+    finally:
+        lock.release()
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
@@ -199,11 +342,17 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     path = Path(path)
     if is_elflow_checkpoint(path):
         return path
+    if path.is_dir() and (path / REPLACED).is_dir():
+        bring_back_replaced(path)
     if path.is_dir() and (path / "checkpoints").is_dir():
         ckpt = latest_checkpoint(path, need_optimizer=False)
         if ckpt is None:
             raise ELFError(f"{path}: this run has no usable checkpoint yet")
         return ckpt
+    if path.is_dir() and (path / "state.json").exists():
+        return path  # a checkpoint folder missing its weights: its verification names what is missing
+    if is_elflow_folder(path):
+        raise ELFError(f"{path}: an incomplete elflow checkpoint folder (no state.json); it cannot be read")
     raise ELFError(f"{path}: neither an elflow run folder nor a checkpoint folder")
 
 
@@ -349,11 +498,9 @@ def method_of(path: str | os.PathLike) -> str:
     """The method of an elflow run or checkpoint folder without reading its weights; "elf" for any other
     format (the authors' checkpoints, hub ids)."""
     p = Path(str(path)).expanduser()
-    if is_elflow_checkpoint(p) or (p / "checkpoints").is_dir():
-        try:
-            return json.loads((resolve_checkpoint(p) / "state.json").read_text()).get("method", "elf")
-        except (ValueError, UnicodeDecodeError, OSError) as e:
-            raise ELFError(f"{p}: its state.json cannot be read ({e})") from None
+    if is_elflow_folder(p):
+        method = read_state(resolve_checkpoint(p)).get("method", "elf")
+        return method if isinstance(method, str) else "?"
     return "elf"
 
 
@@ -373,18 +520,20 @@ def read_weights(path_or_hub_id: str | os.PathLike, use_ema: bool = True, max_le
         if not is_hub_id(s):
             raise ELFError(f"{s}: no such file or folder (nor a hub id of the form owner/name)")
         p = _download(s)
-    if is_elflow_checkpoint(p) or (p / "checkpoints").is_dir() or (p / "run.json").exists():
-        ckpt = resolve_checkpoint(p)
-        blob = load_checkpoint(ckpt, with_optimizer=False)
+    if is_elflow_folder(p):
+        ckpt, blob = _load_newest(p)
         st = blob["state"]
         method = get_method(st.get("method", "elf"))
         if need is not None:
             require(method, need, "this command", path_or_hub_id)
-        cfg, extra = method.stored_config(st)
+        try:
+            cfg, extra = method.stored_config(st)
+            train = TrainConfig.from_dict(st.get("train", {}))
+            recipe, space = dict(train.recipe), dict(st["space"])
+        except (TypeError, ValueError, KeyError, AttributeError) as e:
+            raise ELFError(f"{ckpt / 'state.json'}: its settings cannot be read ({type(e).__name__}: {e})") from None
         sd = blob["ema" if use_ema else "model"]
         sd = {k: v for k, v in sd.items() if not k.startswith("space.")}
-        train = TrainConfig.from_dict(st.get("train", {}))
-        recipe, space = dict(train.recipe), st["space"]
         settings = {"length": cfg.max_length, **st.get("settings", {}), "format": "elflow",
                     "checkpoint": str(ckpt), "space_id": st.get("space_id"), "method": method.name, **extra}
         if train.distillation:  # a distilled model: its step count and few-step defaults
@@ -402,6 +551,18 @@ def read_weights(path_or_hub_id: str | os.PathLike, use_ema: bool = True, max_le
     if max_length and max_length > cfg.max_length:
         cfg = cfg.replace(max_length=max_length)
     return cfg, sd, space, recipe, settings
+
+
+def _load_newest(p: Path, tries: int = 5):
+    """(checkpoint folder, its blob) of a run or checkpoint folder; a checkpoint that vanishes between the
+    choice and the read (`--keep` of a training that runs) gives way to the next newest."""
+    for attempt in range(tries):
+        ckpt = resolve_checkpoint(p)
+        try:
+            return ckpt, load_checkpoint(ckpt, with_optimizer=False)
+        except ELFError:
+            if ckpt.exists() or attempt == tries - 1:
+                raise
 
 
 def load(path_or_hub_id: str | os.PathLike, device=None, use_ema: bool = True,
@@ -514,6 +675,12 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    out = convert(args.checkpoint, args.out, args.max_length)
+    from elflow.utils import check_output
+
+    out = check_output(args.out, folder=True)
+    if out.is_dir() and any(out.iterdir()):
+        raise ELFError(f"{out} exists and is not empty; the converted checkpoint goes into a new folder: choose "
+                       "another out")
+    out = convert(args.checkpoint, out, args.max_length)
     print(f"wrote {out}")
     return 0

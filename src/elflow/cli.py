@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
+import warnings
 
 import elflow  # the package itself, always loaded first: its version
-from elflow.utils import ELFError
+from elflow.utils import ELFError, check_seed
 
 # name -> (module, one-line help). Order is the order shown by `elflow --help`.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -75,8 +77,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     module = _load(args.command)
+    previous = _one_line_signals_and_warnings(args.command)
     try:
+        check_seeds(args)
         return int(module.run(args) or 0)
+    except Terminated:
+        print(f"elflow {args.command}: stopped by SIGTERM (what it was writing was left as it was)", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except ELFError as e:
         print(f"elflow {args.command}: error: {e}", file=sys.stderr)
         return 2
@@ -87,6 +94,47 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"elflow {args.command}: interrupted", file=sys.stderr)
         return 130
+    finally:
+        _restore(previous)
+
+
+def check_seeds(args) -> None:
+    """Every seed flag of every command (--seed, --seeds, --space-seed) in the range elflow's generators take."""
+    for name, value in vars(args).items():
+        if name in ("seed", "seeds") or name.endswith("_seed"):
+            for v in value if isinstance(value, list) else [value]:
+                if v is not None:
+                    check_seed(v, "--" + name.replace("_", "-"))
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised where the command is, so that its clean-up runs (temporary files go, a replaced run
+    comes back) as after Ctrl-C."""
+
+
+def _terminate(signum, frame):
+    raise Terminated()
+
+
+def _one_line_warnings(message, category, filename, lineno, file=None, line=None):
+    print(f"warning: {message}", file=sys.stderr)
+
+
+def _one_line_signals_and_warnings(command: str):
+    """SIGTERM becomes `Terminated`; a warning is one line, `warning: ...`. Returns what to restore."""
+    previous = {"showwarning": warnings.showwarning}
+    warnings.showwarning = _one_line_warnings
+    try:
+        previous["sigterm"] = signal.signal(signal.SIGTERM, _terminate)
+    except ValueError:  # not the main thread: the default stays
+        pass
+    return previous
+
+
+def _restore(previous: dict) -> None:
+    warnings.showwarning = previous["showwarning"]
+    if "sigterm" in previous:
+        signal.signal(signal.SIGTERM, previous["sigterm"])
 
 
 if __name__ == "__main__":

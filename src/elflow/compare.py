@@ -34,7 +34,7 @@ from pathlib import Path
 
 from elflow.diagnostics import WORD, corpus_vocabulary, word_stats
 from elflow.methods import METHOD_NAMES, get_method
-from elflow.utils import ELFError, atomic_write_json, cache_root, check_output
+from elflow.utils import ELFError, FolderHold, atomic_write_json, cache_root, check_output, read_json
 
 __all__ = ["distinct_ngrams", "judge_texts", "cached_judge", "compare", "format_table", "plot_rows", "add_arguments",
            "run"]
@@ -119,7 +119,9 @@ def cached_judge(documents: list[str], cache_dir=None, device=None, progress: bo
 def _train_seconds(run_dir: Path) -> float:
     """Training time of an elflow run: the sum of its logged intervals."""
     path = run_dir / "metrics.jsonl"
-    recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    from elflow.runfolder import read_metrics
+
+    recs = read_metrics(path)
     return sum(r.get("elapsed", 0.0) for r in recs if r.get("kind", "train") == "train")
 
 
@@ -138,11 +140,6 @@ def compare(cfg, out, steps: int | None = None, minutes: float | None = None, nu
     their samples (see the module docstring). `steps` or `minutes` (default: DEFAULT_MINUTES) sets the budget.
     judge: None (train or reuse the cached judge), a folder or hub id for evaluate.load_judge, or a
     (model, tokenizer) pair. Returns {"rows", "methods", "budget", "judge", "out"}."""
-    from elflow.checkpoint import load_for_sampling
-    from elflow.data import build_dataset
-    from elflow.evaluate import sample_and_score
-    from elflow.train import train
-    from elflow.utils import check_device
 
     if steps is not None and minutes is not None:
         raise ELFError("give one budget: --steps or --minutes")
@@ -157,6 +154,19 @@ def compare(cfg, out, steps: int | None = None, minutes: float | None = None, nu
     if taken and not overwrite:
         raise ELFError(f"{out} already holds a comparison ({', '.join(taken)}); pass --overwrite to replace it, or "
                        "choose another --out")
+    with FolderHold(out, "elflow compare"):
+        return _compare(cfg, out, steps, minutes, num, judge, elf_steps, omegas, ar_temperatures, mdlm_steps, seed,
+                        cache_dir, device, overwrite, judge_settings, quiet, printer)
+
+
+def _compare(cfg, out, steps, minutes, num, judge, elf_steps, omegas, ar_temperatures, mdlm_steps, seed, cache_dir,
+             device, overwrite, judge_settings, quiet, printer) -> dict:
+    from elflow.checkpoint import load_for_sampling
+    from elflow.data import build_dataset
+    from elflow.evaluate import sample_and_score
+    from elflow.train import train
+    from elflow.utils import check_device
+
     device = check_device(device)
     cfg = replace(cfg, steps=steps if steps is not None else BUDGET_CAP)
     if minutes is not None:  # derived settings that would scale with the cap
@@ -187,7 +197,7 @@ def compare(cfg, out, steps: int | None = None, minutes: float | None = None, nu
         summary = train(replace(cfg, method=method), out / method, overwrite=overwrite, quiet=quiet,
                         cache_dir=cache_dir, device=device, command=f"elflow compare ({method})",
                         time_limit=minutes * 60 if minutes is not None else None)
-        meta = json.loads((out / method / "run.json").read_text())
+        meta = read_json(out / method / "run.json")
         info[method] = {"steps": summary["end_step"], "seconds": _train_seconds(out / method),
                         "tokens": summary["end_step"] * cfg.batch * cfg.length, "params": meta["params"]["model"],
                         "elf_params": meta["params"]["elf"], "shape": {k: meta["model"][k] for k in

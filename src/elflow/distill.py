@@ -18,8 +18,8 @@ the model the few-step sampling defaults (generate.SAMPLING_DEFAULTS) that `elfl
 
 from __future__ import annotations
 
-import json
 import os
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +31,8 @@ import torch.nn.functional as F
 from elflow.flow import Recipe, _index, decode_levels, euler_step
 from elflow.generate import distilled_defaults
 from elflow.schedules import T_MEAN, T_STD, sample_guidance, sample_time
-from elflow.utils import ELFError, atomic_write_json
+from elflow.checkpoint import REPLACED
+from elflow.utils import ELFError, FolderHold, FolderLock, atomic_write_json, check_output, read_json
 
 __all__ = ["teacher_init", "pd_target", "sample_sub_step_times", "DistillDraw", "draw_distill_noise",
            "distill_loss", "DistillObjective", "check_schedule", "load_teacher", "distill",
@@ -266,8 +267,9 @@ def _base_config(teacher_info: dict, overrides: dict):
     from elflow.model import PRESETS
     from elflow.train import TrainConfig
 
-    tcfg_path = Path(teacher_info["checkpoint"]) / "state.json"
-    stored = json.loads(tcfg_path.read_text()).get("train", {}) if teacher_info["format"] == "elflow" else {}
+    from elflow.checkpoint import read_state
+
+    stored = read_state(Path(teacher_info["checkpoint"])).get("train", {}) if teacher_info["format"] == "elflow" else {}
     known = {f.name for f in fields(TrainConfig)}
     keep = ("preset", "data", "text_field", "on_bad", "space", "latent_std", "length", "layout", "batch",
             "micro_batch", "adam_heads", "ns_method", "grad_clip", "dtype", "compile", "model",
@@ -315,7 +317,8 @@ def distill(teacher, out, student_steps=(16, 8, 4, 2, 1), teacher_steps: int = 6
         raise ELFError(f"--warmup-frac must lie in [0, 1], got {warmup_frac}")
     if steps_per_round is None and epochs is None:
         epochs = 1.0
-    out = Path(out)
+    out = check_output(out, folder=True)
+    _check_out(out, [teacher])
 
     device = _teacher_device()
     teacher_net, info = load_teacher(teacher, device=device)
@@ -334,23 +337,28 @@ def distill(teacher, out, student_steps=(16, 8, 4, 2, 1), teacher_steps: int = 6
                 "teacher_ema": info.get("ema", True), "student_steps": steps, "teacher_steps": teacher_steps,
                 "train": {k: cfg.to_dict()[k] for k in SAME_ON_RESUME}}
     group = _process_group()  # under torchrun: one group for all rounds; rank 0 alone reads and writes OUT
-    status = [None, None]
-    if group is None or dist.get_rank() == 0:
+    main = group is None or dist.get_rank() == 0
+    hold = FolderHold(out, "elflow distill") if main else None
+    status = [None]
+    if main:
         try:
+            hold.open()  # held for the whole distillation: a second command on OUT is refused
             fresh = _prepare_out(out, manifest, resume, overwrite)
-            created = fresh and not out.exists()
             if fresh:
                 atomic_write_json(out / MANIFEST, manifest)
-            status = [fresh, created]
+            status = [fresh]
         except ELFError as e:
-            status = [e, None]
+            hold.close(False)
+            status = [e]
     if group is not None:
         dist.broadcast_object_list(status, src=0)
     if isinstance(status[0], ELFError):
+        if group is not None:
+            dist.destroy_process_group()
         raise status[0]
-    fresh, created = status
+    fresh = status[0]
 
-    rounds, left = {}, stop_after
+    rounds, left, ok = {}, stop_after, False
     try:
         for i, n in enumerate(steps):
             rdir = out / f"round-{n}"
@@ -368,14 +376,11 @@ def distill(teacher, out, student_steps=(16, 8, 4, 2, 1), teacher_steps: int = 6
                     break
             if not quiet:
                 print(f"round {i + 1}/{len(steps)}: {n}-step student in {rdir}", file=sys.stderr)
-    except ELFError:
-        if (group is None or dist.get_rank() == 0) and fresh and not any(
-                (out / f"round-{n}" / "run.json").exists() for n in steps):
-            (out / MANIFEST).unlink(missing_ok=True)  # a refused start leaves nothing behind
-            if created and not any(out.iterdir()):
-                out.rmdir()
-        raise
+        ok = True
     finally:
+        if main:
+            _settle(out, fresh, ok, steps)
+            hold.close(ok or _started(out))
         if group is not None:
             dist.destroy_process_group()
     return rounds
@@ -399,37 +404,85 @@ def _round_config(cfg, n: int, teacher_steps: int, init: str):
                    sample_steps=s["steps"], sample_sampler=s["sampler"], sample_omega=s["omega"])
 
 
-def _prepare_out(out: Path, manifest: dict, resume: bool, overwrite: bool) -> bool:
-    """Check `out` against a stored distillation; True when this is a fresh start."""
-    import shutil
+ROUND_DIR = re.compile(r"round-\d+")
 
+
+def _own_names(folder: Path) -> set[str]:
+    """The files of a distillation in `folder`: its record, its rounds, its report (never other files)."""
+    if not folder.is_dir():
+        return set()
+    return {p.name for p in folder.iterdir() if p.name in (MANIFEST, "report.json") or ROUND_DIR.fullmatch(p.name)}
+
+
+def _started(out: Path) -> bool:
+    """Whether the distillation in `out` got as far as a checkpoint (from then on it resumes)."""
+    from elflow.checkpoint import list_checkpoints
+
+    return any(list_checkpoints(out / name) for name in _own_names(out) if ROUND_DIR.fullmatch(name))
+
+
+def _settle(out: Path, fresh: bool, ok: bool, steps) -> None:
+    """After the rounds: a replaced distillation goes once the new one has a checkpoint and comes back if it
+    failed before; a refused or failed fresh start leaves no record behind."""
+    from elflow.checkpoint import recover_replaced
+
+    names = _own_names(out) | _own_names(out / REPLACED)
+    outcome = recover_replaced(out, lambda d: ok or _started(d), names)
+    if outcome is None and fresh and not ok and not _started(out) and (
+            not any((out / f"round-{n}" / "run.json").exists() for n in steps)):
+        (out / MANIFEST).unlink(missing_ok=True)
+
+
+def _check_out(out: Path, teacher) -> None:
+    """--out may not be the teacher's folder, nor a folder above it: a distillation never writes over its
+    teacher."""
+    out = out.expanduser().resolve()
+    for t in teacher:
+        t = Path(t).expanduser().resolve()
+        if out == t or out in t.parents:
+            raise ELFError(f"--out {out} holds the teacher ({t}); the distillation must go into a folder of its "
+                           "own: choose another --out")
+
+
+def _prepare_out(out: Path, manifest: dict, resume: bool, overwrite: bool) -> bool:
+    """Check `out` (held by this command) against a stored distillation; True when this is a fresh start. An
+    interrupted replacement is settled first; --overwrite sets the distillation's own files aside
+    (OUT/.replaced-run) until the new one has a checkpoint, and leaves every other file as it is."""
+    from elflow.checkpoint import recover_replaced, set_aside
+
+    names = _own_names(out) | _own_names(out / REPLACED)
+    if recover_replaced(out, _started, names) == "restored":
+        print(f"restored the distillation in {out} that an interrupted --overwrite was replacing", file=sys.stderr)
     stored_path = out / MANIFEST
     if stored_path.exists():
         if overwrite:
-            shutil.rmtree(out)
+            set_aside(out, sorted(_own_names(out)))
             return True
         if not resume:
             raise ELFError(f"{out} already holds a distillation; pass --resume to continue it or --overwrite "
-                           "to replace it")
-        try:
-            stored = json.loads(stored_path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ELFError(f"{stored_path}: corrupted ({e})") from None
+                           "to replace it (the old one is kept until the new one's first checkpoint)")
+        stored = read_json(stored_path)
         from elflow.train import TrainConfig
 
         diff = [k for k in ("teacher", "student_steps", "teacher_steps") if stored.get(k) != manifest[k]]
-        train = TrainConfig.from_dict(stored.get("train", {})).to_dict()  # options read where they are stored
+        try:
+            train = TrainConfig.from_dict(stored.get("train", {})).to_dict()  # options read where they are stored
+        except (TypeError, ValueError, AttributeError) as e:
+            raise ELFError(f"{stored_path}: corrupted ({type(e).__name__}: {e})") from None
         diff += [f"train.{k}" for k in SAME_ON_RESUME if train[k] != manifest["train"][k]]
         if diff:
             raise ELFError(f"{out} holds another distillation (differs in {', '.join(diff)}); resume it with its "
                            "own settings, or choose another --out")
         return False
-    if out.exists() and any(out.iterdir()):
-        if overwrite:
-            shutil.rmtree(out)
-            return True
-        raise ELFError(f"{out} exists and is not an elflow distillation folder; choose another --out or pass "
-                       "--overwrite")
+    if resume:
+        raise ELFError(f"{out} holds no distillation to resume; check --out, or start without --resume")
+    mine = _own_names(out)
+    if any(p.name != FolderLock.NAME for p in out.iterdir()):
+        if not overwrite:
+            raise ELFError(f"{out} exists and is not an elflow distillation folder; choose another --out or pass "
+                           "--overwrite (its files are left as they are)")
+        if mine:
+            set_aside(out, sorted(mine))
     return True
 
 

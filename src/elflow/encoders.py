@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from elflow.utils import ELFError, hub_local_only, hub_unavailable_reason
+from elflow.utils import ELFError, check_memory, hub_local_only, hub_unavailable_reason
 
 __all__ = [
     "EmbeddingSpace",
@@ -446,6 +446,8 @@ class TableSpace(EmbeddingSpace):
                 config = _load_config(target, local, name)
                 dim = getattr(config, "d_model", None) or getattr(config, "hidden_size")
             n_rows = len(tokenizer)
+            check_memory(n_rows * int(dim) * 4, f"the {kind} space of {n_rows} x {dim} vectors",
+                         hint="choose a smaller --space-dim")
             gen = torch.Generator().manual_seed(self.seed)
             weight = torch.randn(n_rows, int(dim), generator=gen)  # N(0, 1): unit scale by construction
             max_length = None

@@ -31,7 +31,8 @@ from typing import Iterable, Sequence
 import torch
 import torch.nn.functional as F
 
-from elflow.utils import ELFError, atomic_write_json, check_device, check_output, hub_reachable
+from elflow.utils import (ELFError, FolderHold, atomic_write_json, check_device, check_output, first_line,
+                          hub_reachable, utf8_lines)
 
 __all__ = [
     "sample_and_score",
@@ -64,20 +65,19 @@ def read_texts(jsonl_path: str | os.PathLike, field: str = "text") -> list[str]:
     if not path.is_file():
         raise ELFError(f"samples file {str(path)!r} does not exist; pass a .jsonl file written by `elflow sample`")
     texts = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ELFError(f"{path}:{lineno}: not valid JSON ({e.msg}); each line must be one JSON object")
-            if not isinstance(obj, dict) or field not in obj:
-                keys = ", ".join(obj) if isinstance(obj, dict) else type(obj).__name__
-                raise ELFError(f"{path}:{lineno}: no {field!r} field (found: {keys}); choose the field with --field")
-            if not isinstance(obj[field], str):
-                raise ELFError(f"{path}:{lineno}: field {field!r} is {type(obj[field]).__name__}, not a string")
-            texts.append(obj[field])
+    for lineno, line in enumerate(utf8_lines(path), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ELFError(f"{path}:{lineno}: not valid JSON ({e.msg}); each line must be one JSON object")
+        if not isinstance(obj, dict) or field not in obj:
+            keys = ", ".join(obj) if isinstance(obj, dict) else type(obj).__name__
+            raise ELFError(f"{path}:{lineno}: no {field!r} field (found: {keys}); choose the field with --field")
+        if not isinstance(obj[field], str):
+            raise ELFError(f"{path}:{lineno}: field {field!r} is {type(obj[field]).__name__}, not a string")
+        texts.append(obj[field])
     return texts
 
 
@@ -88,9 +88,7 @@ def _read_references(path: str | os.PathLike, field: str) -> list[str]:
         return read_texts(path, field)
     if not path.is_file():
         raise ELFError(f"references file {str(path)!r} does not exist")
-    lines = path.read_text(encoding="utf-8").split("\n")
-    if lines and lines[-1] == "":  # the final newline ends the last line; it does not start a new one
-        lines.pop()
+    lines = utf8_lines(path)
     return [line.rstrip("\r") for line in lines]
 
 
@@ -196,10 +194,10 @@ def load_judge(path_or_id: str | os.PathLike, dtype: str = "fp32", device: str |
         try:
             tokenizer = AutoTokenizer.from_pretrained(folder, **kw)
             model = AutoModelForCausalLM.from_pretrained(folder, dtype=DTYPES[dtype], **kw)
-        except (OSError, ValueError, KeyError) as e:
+        except Exception as e:  # transformers' own errors, and torch's refusal of pickled weights
             raise ELFError(f"judge folder {str(folder)!r} does not hold a loadable causal LM and tokenizer "
-                           f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); it needs "
-                           "config.json, the weights and the tokenizer files (save_pretrained writes them)")
+                           f"({first_line(e)}); it needs config.json, safetensors weights and the tokenizer "
+                           "files (save_pretrained writes them); pickled weights are never loaded") from None
     elif folder.exists() or name.startswith((".", "/", "~")) or name.endswith(os.sep) or name.count("/") > 1:
         raise ELFError(f"judge folder {name!r} does not exist; pass a folder holding a causal LM and its "
                        "tokenizer, or a hub id such as gpt2-large")
@@ -435,9 +433,9 @@ def _public(res: dict) -> dict:
     return {k: v for k, v in res.items() if k != "per_sample"}
 
 
-def _emit(report: dict, path: Path, as_json: bool, summary: str) -> None:
+def _emit(report: dict, path: Path, as_json: bool, summary: str, overwrite: bool) -> None:
     clean = json.loads(json.dumps(report, default=str), parse_constant=lambda c: None)
-    atomic_write_json(path, clean)
+    atomic_write_json(path, clean, overwrite)
     if as_json:
         print(json.dumps(clean))
     else:
@@ -486,7 +484,7 @@ def _run_text_task(args) -> int:
               "references": str(args.references)}
     path = Path(args.report) if args.report else Path(args.samples).with_suffix(f".{args.task}.json")
     check_output(path, args.overwrite, "--report")
-    _emit(report, path, args.json, summary)
+    _emit(report, path, args.json, summary, args.overwrite)
     return 0
 
 
@@ -515,7 +513,7 @@ def _validation_pairs(task: str, num: int, source_field: str, reference_field: s
 def _run_conditional_task(args) -> int:
     from elflow.checkpoint import load_for_sampling
     from elflow.data import PAIR_TASKS
-    from elflow.methods import get_method, settings_from_args
+    from elflow.methods import settings_from_args
 
     task = args.task
     if task not in PAIR_TASKS and not task.endswith(".jsonl"):
@@ -538,6 +536,14 @@ def _run_conditional_task(args) -> int:
         raise ELFError(f"{args.checkpoint} is not a conditional model (it was not trained on pairs); "
                        f"--task {task} needs one")
     settings = settings_from_args(loaded, args)
+    with FolderHold(out, "elflow eval"):
+        return _conditional_task(args, task, metric, loaded, space, settings, sources, refs, samples_path,
+                                 report_path)
+
+
+def _conditional_task(args, task, metric, loaded, space, settings, sources, refs, samples_path, report_path) -> int:
+    from elflow.methods import get_method
+
     t0 = time.time()
     records, (res, summary) = sample_and_score(
         get_method(loaded.method), loaded.net, space, len(sources), settings, lambda texts: _score(metric, texts, refs),
@@ -546,7 +552,7 @@ def _run_conditional_task(args) -> int:
     report = {"task": task, "metric": metric, **res, "num_examples": len(records), **settings.to_dict(),
               "checkpoint": str(args.checkpoint), "samples": str(samples_path), "seconds": time.time() - t0}
     _emit(report, report_path, args.json, f"{summary}  ({len(records)} examples, {settings.sampler}, "
-          f"{settings.steps} steps, guidance {settings.guidance:g}, omega {settings.omega:g})")
+          f"{settings.steps} steps, guidance {settings.guidance:g}, omega {settings.omega:g})", args.overwrite)
     return 0
 
 
@@ -570,11 +576,11 @@ def run(args) -> int:
         _check_result(res, args.samples)
         report = {**_public(res), **_settings(args), "samples": str(args.samples), "seconds": time.time() - t0}
         path = Path(args.report) if args.report else Path(args.samples).with_suffix(".eval.json")
-        _emit(report, path, args.json, _format(res))
+        _emit(report, path, args.json, _format(res), args.overwrite)
         return 0
 
     from elflow.checkpoint import load_for_sampling
-    from elflow.methods import get_method, settings_from_args
+    from elflow.methods import settings_from_args
 
     loaded, space = load_for_sampling(args.checkpoint, device=args.device, space=args.encoder,
                                       max_length=args.length)
@@ -586,13 +592,20 @@ def run(args) -> int:
     report_path = Path(args.report) if args.report else out / "report.json"
     for path in [report_path] + [out / f"samples_seed{seed}.jsonl" for seed in seeds]:
         check_output(path, args.overwrite)
+    with FolderHold(out, "elflow eval"):
+        return _sample_and_judge(args, loaded, space, settings, seeds, out, report_path, t0)
+
+
+def _sample_and_judge(args, loaded, space, settings, seeds, out, report_path, t0) -> int:
+    from elflow.methods import get_method
+
     model, tok = load_judge(args.judge, args.judge_dtype, args.device)
     judge = judge_score(model, tok, args.batch_size, args.protocol, args.max_length)
     per_seed = []
     for seed in seeds:
         _, res = sample_and_score(get_method(loaded.method), loaded.net, space, args.num, replace(settings, seed=seed),
                                   judge, out / f"samples_seed{seed}.jsonl", {"checkpoint": str(args.checkpoint)},
-                                  args.length, progress=not args.json)
+                                  args.length, progress=not args.json, overwrite=args.overwrite)
         _check_result(res, f"seed {seed} ({out / f'samples_seed{seed}.jsonl'})")
         per_seed.append({"seed": seed, **res})
         if not args.json:
@@ -608,5 +621,5 @@ def run(args) -> int:
     se = lambda x: f" +- {x:.3f}" if x is not None else ""  # noqa: E731
     summary = (f"gen_ppl {ppl:.3f}{se(ppl_se)}  entropy {ent:.4f}{se(ent_se)}  over {len(per_seed)} seed(s) "
                f"({settings.describe()})")
-    _emit(report, report_path, args.json, summary)
+    _emit(report, report_path, args.json, summary, args.overwrite)
     return 0

@@ -215,11 +215,11 @@ def check_sampling_args(steps: int, gamma: float, omega: float, guidance: float 
         raise ValueError(f"gamma must be a finite number >= 0, got {gamma}")
     if not math.isfinite(guidance) or guidance < 0:
         raise ValueError(f"guidance must be a finite number >= 0, got {guidance}")
-    if not math.isfinite(omega):
-        raise ValueError(f"omega must be finite, got {omega}")
+    if not math.isfinite(omega) or omega < 0:
+        raise ValueError(f"omega must be a finite number >= 0, got {omega}")
     if not recipe.omega_low <= omega <= recipe.omega_high:
         warnings.warn(f"omega {omega} lies outside the range the model was trained on "
-                      f"[{recipe.omega_low}, {recipe.omega_high}]; results may be poor", stacklevel=3)
+                      f"[{recipe.omega_low}, {recipe.omega_high}]; results may be poor", stacklevel=2)
 
 
 def sample(net, z0: torch.Tensor, grid: torch.Tensor, *, sampler: str = "sde", gamma: float = 1.5,

@@ -25,7 +25,7 @@ import torch
 
 from elflow.data import encoder_mask, pair_layout
 from elflow.flow import SAMPLERS, Recipe, check_sampling_args, decode_tokens, generate_tokens
-from elflow.utils import ELFError, Record, atomic_write, autocast, check_output
+from elflow.utils import ELFError, Record, atomic_write, autocast, check_output, check_seed, utf8_lines
 
 __all__ = ["SAMPLING_DEFAULTS", "distilled_defaults", "SamplingSettings", "ELF_KNOBS", "settings_for",
            "conditioning", "extract_targets", "generate", "write_samples", "add_sampling_arguments",
@@ -71,6 +71,7 @@ class SamplingSettings(Record):
             raise ELFError(str(e)) from None
         if self.batch_size < 1:
             raise ELFError(f"the batch size must be >= 1, got {self.batch_size}")
+        check_seed(self.seed)
         if self.grid not in ("logit_normal", "uniform"):
             raise ELFError(f"grid must be 'logit_normal' or 'uniform', got {self.grid!r}")
         return self
@@ -259,10 +260,11 @@ def generate(net, space, num: int, settings: SamplingSettings = SamplingSettings
 
 def write_samples(path, records: list[dict], settings: dict, overwrite: bool = True) -> Path:
     """The samples JSONL: one object per sample, {"index", "text", (source, reference), then the settings}.
-    Written atomically (a reader never sees half a file)."""
+    Written atomically (a reader never sees half a file), under the output rule at the start and at the end
+    (`utils.output_rule`: without `overwrite` a file at `path` is never replaced)."""
     path = Path(path)
     check_output(path, overwrite)
-    with atomic_write(path, "w") as f:
+    with atomic_write(path, "w", overwrite) as f:
         for r in records:
             f.write(json.dumps({**r, **settings}) + "\n")
     return path
@@ -301,7 +303,7 @@ def read_sources(value: str, field: str = "input", reference_field: str = "outpu
     if not path.is_file():
         raise ELFError(f"--source {value}: no such file")
     sources, refs = [], []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for n, line in enumerate(utf8_lines(path), 1):
         if not line.strip():
             continue
         try:

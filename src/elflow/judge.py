@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from elflow.model import Block, RMSNorm, TransformerShape, rope_tables
-from elflow.utils import ELFError, Record, atomic_write_json, default_device
+from elflow.utils import ELFError, NoSpace, Record, atomic_write_json, default_device, disk_full, file_mode
 
 __all__ = ["JudgeConfig", "CausalJudge", "hf_config", "to_hf", "save_judge", "train_judge", "NOT_GPT2_NOTE"]
 
@@ -153,14 +154,33 @@ def to_hf(judge: CausalJudge):
 
 
 def save_judge(judge: CausalJudge, tokenizer, folder: str | Path, info: dict | None = None) -> Path:
-    """Write a Hugging Face causal-LM folder (config, safetensors weights, tokenizer) plus elflow_judge.json."""
+    """Write a Hugging Face causal-LM folder (config, safetensors weights, tokenizer) plus elflow_judge.json.
+
+    Everything is written into a hidden temporary folder inside `folder` first, then each file is moved into
+    place, config.json last: a failure (a full disk) leaves `folder` as it was, and a folder with config.json
+    holds a complete judge."""
+    import shutil
+    import tempfile
+
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    to_hf(judge).save_pretrained(folder)
-    tokenizer.model_max_length = judge.cfg.context
-    tokenizer.save_pretrained(folder)
-    atomic_write_json(folder / "elflow_judge.json",
-                      {"note": NOT_GPT2_NOTE, "config": judge.cfg.to_dict(), **(info or {})})
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-judge-", dir=folder))
+    try:
+        to_hf(judge).save_pretrained(tmp)
+        tokenizer.model_max_length = judge.cfg.context
+        tokenizer.save_pretrained(tmp)
+        atomic_write_json(tmp / "elflow_judge.json",
+                          {"note": NOT_GPT2_NOTE, "config": judge.cfg.to_dict(), **(info or {})})
+        for f in sorted(tmp.iterdir(), key=lambda f: f.name == "config.json"):
+            os.chmod(f, file_mode())
+            os.replace(f, folder / f.name)
+    except Exception as e:
+        if disk_full(e):
+            raise NoSpace(folder, f"no space left on device while writing the judge into {folder}; nothing of it "
+                                  "was written there: free some space, then run the command again") from None
+        raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return folder
 
 
@@ -308,7 +328,7 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from elflow.utils import check_device, check_output
+    from elflow.utils import FolderHold, check_device, check_output
 
     for name in ("steps", "batch_size", "hidden", "depth", "heads"):
         if getattr(args, name) < 1:
@@ -324,9 +344,10 @@ def run(args) -> int:
         raise ELFError(f"--out {out} is not empty; pass --overwrite to write the judge into it (its files of the "
                        "same names are replaced), or choose another --out")
     cfg = JudgeConfig(hidden=args.hidden, depth=args.depth, heads=args.heads, context=args.context)
-    info = train_judge(args.out, cfg, data=args.data, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
-                       warmup=args.warmup, seed=args.seed, val_every=args.val_every, device=args.device,
-                       cache_dir=args.cache_dir)
+    with FolderHold(out, "elflow train-judge"):
+        info = train_judge(args.out, cfg, data=args.data, steps=args.steps, batch_size=args.batch_size,
+                           lr=args.lr, warmup=args.warmup, seed=args.seed, val_every=args.val_every,
+                           device=args.device, cache_dir=args.cache_dir)
     print(f"judge saved to {args.out} ({info['seconds']:.0f} s); held-out perplexity "
           f"{info['heldout_perplexity']:.2f} on {info['heldout_tokens']} tokens of {info['heldout_documents']} "
           f"held-out document(s)")

@@ -27,7 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from elflow.utils import Record
+from elflow.utils import Record, check_memory
 
 __all__ = ["ELFConfig", "PRESETS", "ELF", "Block", "RMSNorm", "rope_tables", "timestep_features",
            "get_config", "TokenLMConfig", "TokenTransformer", "num_params", "token_lm_params", "fit_token_lm"]
@@ -228,6 +228,7 @@ class ELF(nn.Module):
 
     def __init__(self, config: ELFConfig):
         super().__init__()
+        check_size(config, ELF, _describe(config, "dim", "vocab_size", "max_length"))
         self.config = c = config
         self.grad_checkpoint = False
         if c.self_cond:
@@ -364,6 +365,29 @@ def num_params(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters() if p.requires_grad)
 
 
+def _describe(config, *extra) -> str:
+    return ", ".join(f"{k} {getattr(config, k)}" for k in ("depth", "hidden", "heads", *extra))
+
+
+def network_bytes(config, cls, *args) -> int:
+    """The fp32 bytes of the weights and buffers of cls(config, *args), counted without memory: one block is
+    built on the meta device and the others counted as its copies."""
+    with torch.device("meta"):
+        one = cls(config.replace(depth=1), *args)
+        per = sum(t.numel() for t in list(one.blocks[0].parameters()) + list(one.blocks[0].buffers()))
+        total = sum(t.numel() for t in list(one.parameters()) + list(one.buffers()))
+    return 4 * (total + (config.depth - 1) * per)
+
+
+def check_size(config, cls, what: str, *args) -> None:
+    """Refuse, before anything is allocated, a network whose weights alone need more memory than this machine
+    has (a mistyped --depth, --hidden, or a stored config of such numbers)."""
+    if torch.get_default_device().type == "meta":  # counting (network_bytes) or built without memory
+        return
+    check_memory(network_bytes(config, cls, *args), f"a network of {what}",
+                 hint="choose a smaller --depth / --hidden / --length (or check the stored config)")
+
+
 @dataclass(frozen=True)
 class TokenLMConfig(Record, TransformerShape):
     """Shape of a token-level transformer. `vocab_size` is the embedding space's tokenizer size: the methods
@@ -399,6 +423,7 @@ class TokenTransformer(nn.Module):
         super().__init__()
         if config.tie_embeddings and out_vocab > in_vocab:
             raise ValueError(f"a tied read-out needs out_vocab <= in_vocab, got {out_vocab} > {in_vocab}")
+        check_size(config, TokenTransformer, _describe(config, "vocab_size", "max_length"), causal, in_vocab, out_vocab)
         self.config = c = config
         self.causal, self.in_vocab, self.out_vocab = causal, in_vocab, out_vocab
         self.embed = nn.Embedding(in_vocab, c.hidden)

@@ -98,14 +98,15 @@ def report(run_dir, sampler: str = DEMO_SAMPLER, steps: int = DEMO_SAMPLE_STEPS,
     from elflow.generate import settings_for
     from elflow.methods import get_method
 
+    from elflow.runfolder import stored_config
+
     run_dir = Path(run_dir)
-    meta = json.loads((run_dir / "run.json").read_text())
-    tc = meta["train"]
+    tc = stored_config(run_dir)
     loaded, space = load_for_sampling(run_dir, device="cpu")
     net = loaded.net
-    length = tc["length"] or net.config.max_length
-    train_set, val_set = build_dataset(tc["data"], space, length, layout=tc["layout"], val_fraction=tc["val_fraction"],
-                                       seed=tc["seed"], cache_dir=cache_dir)
+    length = tc.length or net.config.max_length
+    train_set, val_set = build_dataset(tc.data, space, length, layout=tc.layout, val_fraction=tc.val_fraction,
+                                       seed=tc.seed, cache_dir=cache_dir)
     t0 = time.perf_counter()
     val = validation_report(net, space, val_set, Recipe.from_dict(loaded.recipe), seed=seed)
     settings = settings_for(loaded, steps=steps, sampler=sampler, omega=omega, seed=seed, batch_size=16)
@@ -240,12 +241,14 @@ def distillation_report(teacher_dir, rounds: dict, num: int = 32, seed: int = 0,
     from elflow.generate import distilled_defaults, settings_for
     from elflow.methods import get_method
 
+    from elflow.runfolder import stored_config
+
     teacher_dir = Path(teacher_dir)
-    tc = json.loads((teacher_dir / "run.json").read_text())["train"]
+    tc = stored_config(teacher_dir)
     teacher, space = load_for_sampling(teacher_dir, device="cpu")
-    length = tc["length"] or teacher.net.config.max_length
-    train_set, val_set = build_dataset(tc["data"], space, length, layout=tc["layout"], val_fraction=tc["val_fraction"],
-                                       seed=tc["seed"], cache_dir=cache_dir)
+    length = tc.length or teacher.net.config.max_length
+    train_set, val_set = build_dataset(tc.data, space, length, layout=tc.layout, val_fraction=tc.val_fraction,
+                                       seed=tc.seed, cache_dir=cache_dir)
     vocab = corpus_vocabulary(space.decode(train_set.tokens[: min(len(train_set), 4000)]))
     models = [("teacher", teacher, (1, 2, 4))]
     models += [(f"student ({n} steps)", load_for_sampling(rounds[n], device="cpu", space=space)[0], (n,))

@@ -21,7 +21,7 @@ from elflow.methods import MATCHES, METHOD_NAMES, check_run
 from elflow.model import PRESETS
 from elflow.optim import LR_DECAYS, NS_METHODS, base_lr
 from elflow.shortrun import FIELDS as SHORT_RUN_FIELDS, SKIPS
-from elflow.utils import ELFError, Record
+from elflow.utils import SEED_MAX, ELFError, Record
 
 __all__ = ["TrainConfig", "RUN_PRESETS", "NESTED_FLAGS", "MUTABLE", "setting", "resume_conflicts",
            "add_setting_arguments", "given_settings", "mutable_flags", "with_default"]
@@ -39,6 +39,7 @@ POSITIVE = (_positive, "> 0")
 AT_LEAST_0 = (_at_least(0), ">= 0")
 AT_LEAST_1 = (_at_least(1), ">= 1")
 UNIT = (lambda v: 0 <= v < 1, "in [0, 1)")
+SEED = (lambda v: isinstance(v, int) and 0 <= v <= SEED_MAX, f"from 0 to {SEED_MAX}")
 
 
 def setting(default=None, help: str = "", *, default_help: str | None = None, choices=None, check=None,
@@ -84,7 +85,7 @@ class TrainConfig(Record):
     space_dim: int | None = setting(None, "vector size of a random-table / learned-table space",
                                     default_help="32 for tiny's default space, else the base encoder's",
                                     check=AT_LEAST_1)
-    space_seed: int = setting(0, "seed of a random-table / learned-table space's vectors")
+    space_seed: int = setting(0, "seed of a random-table / learned-table space's vectors", check=SEED)
     latent_std: str | None = setting(None, "divide encoder outputs by this: a number, 'auto' (estimated on a "
                                            "sample) or 'table' (a table's own std)", default_help="the space's")
     length: int | None = setting(None, "sequence length L", default_help="the preset's", check=AT_LEAST_1)
@@ -111,7 +112,7 @@ class TrainConfig(Record):
                                  "else fp32", choices=("auto", "bf16", "fp32"))
     compile: bool = setting(False, "torch.compile the network")
     grad_checkpoint: bool = setting(False, "activation checkpointing per block")
-    seed: int = setting(0, "seed of the initialisation, the data order and the noise")
+    seed: int = setting(0, "seed of the initialisation, the data order and the noise", check=SEED)
     val_fraction: float = setting(0.02, "share of sequences held out for validation (0: none)", check=UNIT)
     log_every: int = setting(10, "steps per metrics line", check=AT_LEAST_1, mutable=True)
     ckpt_every: int = setting(500, "steps per checkpoint (and one at the end)", check=AT_LEAST_1, mutable=True)
@@ -187,33 +188,54 @@ class TrainConfig(Record):
                        length=self.length if self.length is not None else (preset.max_length if preset else None),
                        lr=self.lr if self.lr is not None else base_lr(self.batch))
 
-    def validate(self) -> None:
-        """ELFError naming the first setting out of range (flags spelled as on the command line)."""
+    def validate(self, stored=None) -> None:
+        """ELFError naming the first setting out of range: as the flag (`--batch`), or, for the settings stored
+        in the file `stored` (run.json on --resume), as that file's setting."""
+        def name(flag_name: str) -> str:
+            return f"--{flag_name.replace('_', '-')}" if stored is None else f"{stored}: its setting {flag_name!r}"
+
         if self.preset not in PRESETS:
-            raise ELFError(f"unknown preset {self.preset!r}; choose one of {', '.join(PRESETS)}")
+            raise ELFError(f"{name('preset')} must be one of {', '.join(PRESETS)}, got {self.preset!r}")
         for f in fields(self):
             v, meta = getattr(self, f.name), f.metadata
-            flag = _flag(f)
-            if v is None or isinstance(v, (dict, bool)):
+            flag = name(f.name) if stored is not None else _flag(f)
+            if v is None:
+                continue
+            if f.type == "dict" and not isinstance(v, dict):
+                raise ELFError(f"{flag} must be a JSON object, got {v!r}")
+            if f.type == "bool" and not isinstance(v, bool):
+                raise ELFError(f"{flag} must be true or false, got {v!r}")
+            if f.type in ("str", "str | None") and not isinstance(v, str):
+                raise ELFError(f"{flag} must be a string, got {v!r}")
+            if isinstance(v, (dict, bool)):
                 continue
             if meta.get("choices") and v not in meta["choices"]:
                 raise ELFError(f"{flag} must be one of {', '.join(meta['choices'])}, got {v!r}")
             if meta.get("check"):
                 ok, what = meta["check"]
-                if not isinstance(v, (int, float)) or not ok(v):
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not ok(v):
                     raise ELFError(f"{flag} must be a number {what}, got {v!r}")
-        check_run(self)
+        try:
+            check_run(self)
+        except ELFError as e:
+            raise ELFError(f"{stored}: {e}" if stored is not None else str(e)) from None
         if self.source_length is not None and self.length is not None and self.source_length >= self.length:
-            raise ELFError(f"--source-length {self.source_length} leaves no room for a target in --length "
-                           f"{self.length}; use a longer --length or a shorter --source-length")
+            raise ELFError(f"{name('source_length')} {self.source_length} leaves no room for a target in "
+                           f"{name('length')} {self.length}; use a longer length or a shorter source length")
         try:
             Recipe.from_dict(self.recipe)
-        except ValueError as e:
-            raise ELFError(f"the run's recipe cannot be read: {e}") from None
-        for key, (_, _, check, _) in NESTED_FLAGS.items():
+        except (ValueError, TypeError) as e:
+            raise ELFError(f"{'the run' if stored is None else stored}'s recipe cannot be read: {e}") from None
+        for key, (typ, _, check, _) in NESTED_FLAGS.items():
             d = getattr(self, key[0])
-            if check and key[1] in d and d[key[1]] is not None and not check[0](d[key[1]]):
-                raise ELFError(f"--{key[1].replace('_', '-')} must be a number {check[1]}, got {d[key[1]]!r}")
+            v = d.get(key[1])
+            if v is None:
+                continue
+            if typ in (int, float) and (isinstance(v, bool) or not isinstance(v, (int, float))) or \
+                    typ is int and not isinstance(v, int):
+                raise ELFError(f"{name(key[1])} must be a number, got {v!r}")
+            if check and not check[0](v):
+                raise ELFError(f"{name(key[1])} must be a number {check[1]}, got {v!r}")
 
 
 # named presets of settings: (values, settings derived from the others unless given)

@@ -10,97 +10,62 @@ with the folder as it is, before anything changes; `stored_config` reads the set
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import sys
 from pathlib import Path
 
-from elflow.checkpoint import list_checkpoints, remove_stale_temporaries
+from elflow.checkpoint import (REPLACED, RUN_FILES, list_checkpoints, recover_replaced, remove_stale_temporaries,
+                               restore_aside, set_aside)
 from elflow.flow import TIME_BINS, time_bin_labels
 from elflow.runconfig import TrainConfig, mutable_flags, resume_conflicts
-from elflow.utils import ELFError, FolderLock, atomic_write
+from elflow.utils import ELFError, FolderHold, FolderLock, NoSpace, atomic_write, atomic_write_text, read_json
 
 __all__ = ["RUN_FILES", "REPLACED", "RunFolder", "check_run_dir", "stored_config", "RunLogger", "plot_losses",
-           "no_space"]
-
-
-RUN_FILES = ("run.json", "metrics.jsonl", "loss.png", "checkpoints", "tb", "report.json", "samples.jsonl")
-REPLACED = ".replaced-run"  # the run that --overwrite replaces, kept until the new run's first checkpoint
+           "no_space", "read_metrics", "trim_metrics"]
 
 
 class RunFolder:
-    """Rank 0's hold on the run folder: its lock, the clean-up of interrupted saves and replacements, and the
-    run being replaced, which is set aside and comes back if the new run fails before its first checkpoint."""
+    """Rank 0's hold on the run folder (`FolderHold`: made, locked, the folders it made removed after a
+    failure), the clean-up of interrupted saves and replacements, and the run being replaced, which is set
+    aside and comes back if the new run fails before its first checkpoint."""
 
     def __init__(self, out: Path, command: str):
         self.out, self.command = out, command
-        self.lock = None
-        self.created: list[Path] = []
+        self.hold = FolderHold(out, command)
         self.aside = out / REPLACED
 
+    @property
+    def lock(self):
+        return self.hold.lock
+
     def open(self) -> None:
-        p = self.out
-        while not p.exists() and p != p.parent:
-            self.created.append(p)
-            p = p.parent
-        try:
-            self.out.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise ELFError(f"--out {self.out}: cannot create it ({e.strerror or e})") from None
-        self.lock = FolderLock(self.out, self.command).acquire()
+        self.hold.open()
         self.recover()
         for p in remove_stale_temporaries(self.out):
             print(f"removed {p}, left by a save that was interrupted", file=sys.stderr)
 
     def recover(self) -> None:
         """A replacement interrupted before the new run's first checkpoint: the old run comes back."""
-        if not self.aside.is_dir():
-            return
-        if list_checkpoints(self.out):
-            shutil.rmtree(self.aside)
-        else:
-            self._restore_aside()
+        if recover_replaced(self.out, lambda d: bool(list_checkpoints(d))) == "restored":
             print(f"restored the run in {self.out} that an interrupted --overwrite was replacing", file=sys.stderr)
 
     def set_aside(self) -> None:
         """Move the run's own files (never other files) out of the way of the new run."""
-        self.aside.mkdir()
-        for name in RUN_FILES:
-            if (self.out / name).exists():
-                os.rename(self.out / name, self.aside / name)
+        set_aside(self.out)
 
     def commit(self) -> None:
         """The new run has a checkpoint: the replaced run is dropped."""
         if self.aside.is_dir():
             shutil.rmtree(self.aside)
 
-    def _restore_aside(self) -> None:
-        # every run file now in the folder was written by the new run: the old run's were all set aside
-        for name in RUN_FILES:
-            new = self.out / name
-            if new.is_dir():
-                shutil.rmtree(new)
-            elif new.exists():
-                new.unlink()
-            if (self.aside / name).exists():
-                os.rename(self.aside / name, new)
-        self.aside.rmdir()
-
     def close(self, ok: bool) -> None:
-        if self.lock is None:  # the folder was never ours (another command holds it)
+        if self.hold.lock is None:  # the folder was never ours (another command holds it)
             return
         try:
             if not ok and self.aside.is_dir():
-                self._restore_aside()
+                restore_aside(self.out)
         finally:
-            if self.lock is not None:
-                self.lock.release()
-            if not ok:
-                for p in self.created:  # folders this command made, if it left nothing in them
-                    try:
-                        p.rmdir()
-                    except OSError:
-                        break
+            self.hold.close(ok)
 
 
 def check_run_dir(out: Path, cfg: TrainConfig, resume: bool, overwrite: bool) -> None:
@@ -125,18 +90,81 @@ def check_run_dir(out: Path, cfg: TrainConfig, resume: bool, overwrite: bool) ->
 
 
 def stored_config(out: Path) -> TrainConfig:
-    """The resolved settings of the run in `out` (of the run an interrupted --overwrite set aside, which the
-    next start brings back)."""
+    """The resolved and checked settings of the run in `out` (of the run an interrupted --overwrite set aside,
+    which the next start brings back). A file that cannot be read, or a setting out of range, is a one-line
+    error naming run.json and the setting as it is stored."""
     src = out
     if (out / REPLACED / "run.json").exists() and not list_checkpoints(out):
         src = out / REPLACED
+    path = src / "run.json"
+    if not path.exists():
+        raise ELFError(f"{out} holds no run to resume; check --out, or start the run without --resume")
+    return read_train_config(read_json(path).get("train"), path)
+
+
+def read_train_config(train, path) -> TrainConfig:
+    """A stored run description ("train" of run.json or of a checkpoint's state.json) as a checked
+    TrainConfig; ELFError naming `path` and the stored setting."""
+    if not isinstance(train, dict):
+        raise ELFError(f"{path}: corrupted (\"train\" must be a JSON object of settings, got "
+                       f"{type(train).__name__})")
     try:
-        meta = json.loads((src / "run.json").read_text())
-        return TrainConfig.from_dict(meta["train"]).resolved()
-    except FileNotFoundError:
-        raise ELFError(f"{out} holds no run to resume; check --out, or start the run without --resume") from None
+        cfg = TrainConfig.from_dict(train).resolved()
     except (ValueError, KeyError, TypeError) as e:
-        raise ELFError(f"{out / 'run.json'} cannot be read ({type(e).__name__}: {e})") from None
+        raise ELFError(f"{path}: its settings cannot be read ({type(e).__name__}: {e})") from None
+    cfg.validate(stored=path)
+    return cfg
+
+
+def no_space(e: BaseException, out: Path) -> ELFError:
+    """The one-line error of a full disk while writing the run in `out`, naming its last good checkpoint."""
+    good = list_checkpoints(out)
+    last = f"step {int(good[-1].name[5:])}" if good else "none"
+    where = e.path if isinstance(e, NoSpace) else (getattr(e, "filename", None) or out)
+    return ELFError(f"no space left on device: {where}; last good checkpoint: {last}; free some space, "
+                    "then run again with --resume")
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The records of a metrics.jsonl; a line that is not a JSON object (the half-written last line of a
+    killed run) is passed over."""
+    recs = []
+    try:
+        lines = path.read_bytes().decode("utf-8", errors="replace").splitlines()
+    except FileNotFoundError:
+        return recs
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict):
+            recs.append(rec)
+    return recs
+
+
+def trim_metrics(out: Path, step: int) -> int:
+    """On resume from the checkpoint at `step`: metrics.jsonl keeps its records up to that step (a killed
+    run logged past its last checkpoint; those steps are trained again) and loses a half-written last line.
+    Returns how many lines went."""
+    path = out / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    raw = path.read_bytes().decode("utf-8", errors="replace")
+    kept, dropped = [], 0
+    for line in raw.splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            rec = None
+        steps = rec.get("step") if isinstance(rec, dict) else None
+        if not isinstance(rec, dict) or (isinstance(steps, (int, float)) and steps > step):
+            dropped += bool(line.strip())
+            continue
+        kept.append(line)
+    if dropped or (raw and not raw.endswith("\n")):
+        atomic_write_text(path, "".join(line + "\n" for line in kept))
+    return dropped
 
 
 class RunLogger:
@@ -188,11 +216,8 @@ class RunLogger:
 
 def plot_losses(run_dir: Path) -> None:
     """loss.png: total, denoise and decode losses, and the denoising loss per time bin."""
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return
-    recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    recs = [r for r in recs if r.get("kind", "train") == "train"]
+    recs = [r for r in read_metrics(run_dir / "metrics.jsonl") if r.get("kind", "train") == "train"
+            and isinstance(r.get("step"), (int, float))]
     if not recs:
         return
     import matplotlib
@@ -227,9 +252,3 @@ def plot_losses(run_dir: Path) -> None:
     plt.close(fig)
 
 
-def no_space(e: OSError, out: Path) -> ELFError:
-    """The one-line error of a full disk while writing the run in `out`, naming its last good checkpoint."""
-    good = list_checkpoints(out)
-    last = f"step {int(good[-1].name[5:])}" if good else "none"
-    return ELFError(f"no space left on device: {e.filename or out}; last good checkpoint: {last}; free some space, "
-                    "then run again with --resume")

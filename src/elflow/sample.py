@@ -96,21 +96,21 @@ def run(args) -> int:
     meta = {**settings.to_dict(), "length": args.length or net.config.max_length, "ema": not args.raw_weights,
             "checkpoint": str(args.checkpoint), **{k: known[k] for k in ("prompt", "suffix") if k in known}}
     rows = [r.pop("trajectory") for r in records if "trajectory" in r]  # kept apart from the samples file
-    write_samples(args.out, records, meta)
+    write_samples(args.out, records, meta, args.overwrite)
     if rows:
         from elflow.viewer import trajectory_document, write_page
 
         seen = [{"step": pts[0]["step"], "t": pts[0]["t"], **{k: [p[k] for p in pts] for k in ("ids", "shown", "known")},
                  "texts": [p["text"] for p in pts]} for pts in zip(*rows)]  # per recorded step, every row
         doc = trajectory_document(space.tokenizer, seen, records[:len(rows)], {**meta, "space": space.space_id})
-        atomic_write_json(traj_path, doc)
+        atomic_write_json(traj_path, doc, args.overwrite)
         print("how sample 0 emerges (decode readout of the guess at each chosen step):")
         m = min(6, len(seen))  # up to six of the recorded steps, spread out, the last one included
         for k in sorted({round(j * (len(seen) - 1) / max(m - 1, 1)) for j in range(m)}):
             print(f"  step {seen[k]['step']:>3} (t = {seen[k]['t']:.3f}): {seen[k]['texts'][0][:200]}")
         print(f"wrote the trajectory of {len(rows)} samples x {len(seen)} steps to {traj_path}", file=sys.stderr)
         if page_path is not None:
-            write_page(doc, page_path)
+            write_page(doc, page_path, args.overwrite)
             print(f"wrote {page_path}; open it in a browser", file=sys.stderr)
     if not args.quiet:
         for r in records:

@@ -97,7 +97,7 @@ EXPECTED = {  # what the method's description says of these schedules
 }
 
 
-def plot_schedules(path, n: int = 100_000, seed: int = 0, steps=(8, 32)) -> None:
+def plot_schedules(path, n: int = 100_000, seed: int = 0, steps=(8, 32), overwrite: bool = True) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -127,7 +127,7 @@ def plot_schedules(path, n: int = 100_000, seed: int = 0, steps=(8, 32)) -> None
     fig.tight_layout()
     from elflow.utils import atomic_write
 
-    with atomic_write(path) as f:
+    with atomic_write(path, overwrite=overwrite) as f:
         fig.savefig(f, format="png", dpi=110)
     plt.close(fig)
 
@@ -150,6 +150,6 @@ def run(args) -> int:
     for k, v in stats.items():
         ref = EXPECTED.get(k)
         print(f"{k:<22}{v:>10.3f}{'' if ref is None else f'{ref:>11.3f}'}")
-    plot_schedules(args.out, seed=args.seed)
+    plot_schedules(args.out, seed=args.seed, overwrite=args.overwrite)
     print(f"wrote {args.out}")
     return 0

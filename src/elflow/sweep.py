@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import csv
 import itertools
-import json
 import math
 import time
 from pathlib import Path
 
 from elflow.flow import SAMPLERS
 from elflow.methods import get_method
-from elflow.utils import ELFError, atomic_write_text
+from elflow.utils import ELFError, atomic_write_json, atomic_write_text, read_json
 
 __all__ = ["COLUMNS", "write_csv", "read_csv", "curves", "plot_sweep", "run_sweep"]
 
@@ -105,11 +104,12 @@ def _key(r: dict) -> tuple:
 def run_sweep(checkpoint: str, grid: dict, fixed: dict, out: str | Path, num: int = 1000, seed: int = 0,
               length: int | None = None, judge: str = "gpt2-large", judge_dtype: str = "fp32", batch_size: int = 8,
               gen_batch_size: int = 8, protocol: str = "elf", device: str | None = None, progress: bool = True,
-              fresh: bool = False, method: str = "elf") -> list[dict]:
+              fresh: bool = False, method: str = "elf", record: dict | None = None) -> list[dict]:
     """Run (or finish) the grid; returns all rows of OUT/sweep.csv. Samples go to OUT/samples/<cell>.jsonl.
     `grid` maps each of the method's sweep axes to its values (the cells are their product, in that order),
     `fixed` its other knobs to one value. `fresh`: ignore the rows of an existing sweep.csv (it is replaced
-    when the first cell is done)."""
+    when the first cell is done). `record` is written to OUT/sweep.json with the first row written (a sweep that
+    fails before its first row leaves no record behind). The checkpoint is read before the judge."""
     from elflow.checkpoint import load_for_sampling
     from elflow.evaluate import judge_score, load_judge, sample_and_score
 
@@ -123,11 +123,11 @@ def run_sweep(checkpoint: str, grid: dict, fixed: dict, out: str | Path, num: in
              for values in itertools.product(*grid.values())]
     todo = [c for c in cells if _key({**c, "seed": seed, "num": num}) not in done]
     if todo:
-        model, tok = load_judge(judge, judge_dtype, device)
-        score = judge_score(model, tok, batch_size, protocol)
         loaded, space = load_for_sampling(checkpoint, device=device)
         if loaded.method != chosen.name:
             raise ELFError(f"{checkpoint} holds a {loaded.method} model, not {chosen.name}")
+        model, tok = load_judge(judge, judge_dtype, device)
+        score = judge_score(model, tok, batch_size, protocol)
     for k, cell in enumerate(todo):
         t0 = time.time()
         knobs = {n: v for n, v in cell.items() if n in chosen.knobs}
@@ -143,6 +143,8 @@ def run_sweep(checkpoint: str, grid: dict, fixed: dict, out: str | Path, num: in
                **{k2: res[k2] for k2 in ("gen_ppl", "entropy", "num_samples", "num_empty", "num_tokens")}}
         rows.append(row)
         write_csv(csv_path, rows)
+        if record is not None and k == 0:
+            atomic_write_json(out / "sweep.json", record)
         if progress:
             print(f"[{k + 1}/{len(todo)}] {settings.describe()}: gen_ppl {row['gen_ppl']:.2f} "
                   f"entropy {row['entropy']:.3f}")
@@ -202,7 +204,7 @@ def _check_continuation(out: Path, args) -> dict:
     the checkpoint: OUT/sweep.json does)."""
     wanted = {"checkpoint": str(args.checkpoint), "judge": str(args.judge), "protocol": args.protocol}
     meta = out / "sweep.json"
-    stored = json.loads(meta.read_text()) if meta.exists() else {}
+    stored = read_json(meta) if meta.exists() else {}
     rows = read_csv(out / "sweep.csv") if (out / "sweep.csv").exists() else []
     seen = {**{k: rows[0].get(k) for k in ("judge", "protocol") if rows}, **stored}
     diff = [f"{k} {seen[k]!r} (now {v!r})" for k, v in wanted.items() if k in seen and str(seen[k]) != v]
@@ -226,6 +228,7 @@ def run(args) -> int:
         if not (out / "sweep.csv").exists():
             raise ELFError(f"{out / 'sweep.csv'} does not exist; run the sweep first or pass --out")
         rows = read_csv(out / "sweep.csv")
+        png = plot_sweep(rows, out / "tradeoff.png", title=f"judge: {rows[0].get('judge') or args.judge}")
     else:
         if not args.checkpoint:
             raise ELFError("pass the run folder, checkpoint or hub id to sweep (or --plot-only)")
@@ -235,19 +238,16 @@ def run(args) -> int:
         grid, fixed = _method_grid(args, get_method(method))
         if args.num < 1 or min(grid.get("steps", [1])) < 1:
             raise ELFError("--num and every --steps value must be at least 1")
-        from elflow.utils import atomic_write_json, check_device
+        from elflow.utils import FolderHold, check_device
 
         args.device = check_device(args.device)
         fresh = args.overwrite and (out / "sweep.csv").exists()
         wanted = _check_continuation(out, args)
-        if not fresh:  # a new sweep's record replaces the old one only once the old rows are replaced
-            atomic_write_json(out / "sweep.json", wanted)
-        rows = run_sweep(args.checkpoint, grid, fixed, out, num=args.num, seed=args.seed, length=args.length,
-                         judge=args.judge, judge_dtype=args.judge_dtype, batch_size=args.batch_size,
-                         gen_batch_size=args.gen_batch_size, protocol=args.protocol, device=args.device, fresh=fresh,
-                         method=method)
-        if fresh:
-            atomic_write_json(out / "sweep.json", wanted)
-    png = plot_sweep(rows, out / "tradeoff.png", title=f"judge: {rows[0].get('judge') or args.judge}")
+        with FolderHold(out, "elflow sweep"):
+            rows = run_sweep(args.checkpoint, grid, fixed, out, num=args.num, seed=args.seed, length=args.length,
+                             judge=args.judge, judge_dtype=args.judge_dtype, batch_size=args.batch_size,
+                             gen_batch_size=args.gen_batch_size, protocol=args.protocol, device=args.device,
+                             fresh=fresh, method=method, record=wanted)
+            png = plot_sweep(rows, out / "tradeoff.png", title=f"judge: {rows[0].get('judge') or args.judge}")
     print(f"{len(rows)} cells in {out / 'sweep.csv'}; plot: {png}")
     return 0

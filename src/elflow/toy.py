@@ -246,14 +246,15 @@ def toy_figure(mixture: GaussianMixture, results: dict, title: str | None = None
     return fig
 
 
-def plot_toy(mixture: GaussianMixture, results: dict, path, title: str | None = None) -> None:
-    """`toy_figure` written to a PNG (atomically)."""
+def plot_toy(mixture: GaussianMixture, results: dict, path, title: str | None = None,
+             overwrite: bool = True) -> None:
+    """`toy_figure` written to a PNG (atomically; an existing file only with `overwrite`)."""
     import matplotlib.pyplot as plt
 
     from elflow.utils import atomic_write
 
     fig = toy_figure(mixture, results, title)
-    with atomic_write(path) as f:
+    with atomic_write(path, overwrite=overwrite) as f:
         fig.savefig(f, format="png", dpi=110)
     plt.close(fig)
 
@@ -298,6 +299,6 @@ def run(args) -> int:
                "teacher 1": rows[1]["results"][1]}
     models = "the exact denoiser" if not args.distill else "the exact denoiser, the trained teacher and its students"
     plot_toy(mix, res, args.out, f"{args.clusters}-cluster {args.layout}: {args.sampler} sampling with {models}, "
-                                 "from the same starting noise")
+                                 "from the same starting noise", args.overwrite)
     print(f"wrote {args.out}")
     return 0

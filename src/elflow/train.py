@@ -40,8 +40,9 @@ from elflow.model import get_config
 from elflow.optim import EMA, ELFOptimizer, lr_at
 from elflow.runconfig import RUN_PRESETS, TrainConfig, add_setting_arguments, given_settings, mutable_flags, \
     resume_conflicts, with_default
-from elflow.runfolder import RunFolder, RunLogger, check_run_dir, no_space, plot_losses, stored_config
-from elflow.utils import (ELFError, atomic_write_json, autocast, check_device, check_output, no_space_error,
+from elflow.runfolder import RunFolder, RunLogger, check_run_dir, no_space, plot_losses, stored_config, trim_metrics
+from elflow.utils import (ELFError, NoSpace, atomic_write_json, autocast, check_device, check_output, first_line,
+                          no_space_error,
                           on_rank0, resolve_dtype, setup_distributed)
 
 __all__ = ["TrainConfig", "RUN_PRESETS", "train", "train_step", "shard_generators", "add_arguments", "run",
@@ -214,15 +215,37 @@ def start_from(run: Setup, path, quiet: bool = False) -> None:
         print(f"starting from the weights of {info['checkpoint']}", file=sys.stderr)
 
 
-def restore(run: Setup, out: Path, quiet: bool = False) -> int:
-    """Load the newest good checkpoint of `out` into the run; returns its step (0 when there is none)."""
+def resume_point(out: Path, cfg: TrainConfig) -> Path | None:
+    """The checkpoint a --resume continues from, chosen before anything is built or read: the newest that
+    passes verification (with its optimiser state), whose stored run is the one of run.json. None for a run
+    that saved none yet; ELFError when it saved some and none can be resumed, or for a checkpoint of another run
+    than run.json describes (an edited run.json)."""
+    from elflow.checkpoint import list_checkpoints, newest_usable, read_state
+    from elflow.runfolder import read_train_config
+
+    ckpt, bad = newest_usable(out, need_optimizer=True)
+    if ckpt is None:
+        if list_checkpoints(out):
+            raise ELFError(f"{out}: no checkpoint can be resumed ({'; '.join(bad)}); nothing was changed. Restore "
+                           "the files, or start the run again with --overwrite")
+        return None
+    for why in bad:
+        print(f"warning: skipping a bad checkpoint: {why}", file=sys.stderr)
+    stored = read_train_config(read_state(ckpt).get("train", {}), ckpt / "state.json")
+    diff = resume_conflicts(stored, cfg)
+    if diff:
+        raise ELFError(f"{out / 'run.json'} describes another run than its checkpoint {ckpt.name} "
+                       f"({'; '.join(diff)}); run.json was edited or replaced: restore it")
+    return ckpt
+
+
+def restore(run: Setup, ckpt: Path | None, quiet: bool = False) -> int:
+    """Load the checkpoint `ckpt` (`resume_point`) into the run; returns its step (0 when there is none)."""
     from safetensors.torch import load_file
 
-    from elflow.checkpoint import latest_checkpoint, load_checkpoint, split_space_state
+    from elflow.checkpoint import load_checkpoint, split_space_state
     from elflow.encoders import check_compatible
 
-    is_main = run.rank == 0
-    ckpt = latest_checkpoint(out, warn=lambda m: is_main and print(m, file=sys.stderr))
     if ckpt is None:
         return 0
     blob = load_checkpoint(ckpt, map_location=run.device)
@@ -230,17 +253,21 @@ def restore(run: Setup, out: Path, quiet: bool = False) -> int:
     net_sd, space_sd = split_space_state(blob["model"])  # checkpoints that keep the space in model.safetensors
     if (ckpt / "space.safetensors").exists():
         space_sd = load_file(ckpt / "space.safetensors", device=str(run.device))
-    run.net.load_state_dict(net_sd)
-    if space_sd or run.space.trainable:
-        run.space.load_trainable_state_dict(space_sd)
-    run.ema.load_state_dict(blob["ema"])
-    run.optimizer.load_state_dict(blob["optimizer"]["optimizer"])
-    torch.set_rng_state(blob["optimizer"]["rng"]["torch"].cpu())
-    if "cuda" in blob["optimizer"]["rng"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state(blob["optimizer"]["rng"]["cuda"].cpu())
-    run.batches.load_state_dict(blob["state"]["data_position"])
+    try:
+        run.net.load_state_dict(net_sd)
+        if space_sd or run.space.trainable:
+            run.space.load_trainable_state_dict(space_sd)
+        run.ema.load_state_dict(blob["ema"])
+        run.optimizer.load_state_dict(blob["optimizer"]["optimizer"])
+        torch.set_rng_state(blob["optimizer"]["rng"]["torch"].cpu())
+        if "cuda" in blob["optimizer"]["rng"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state(blob["optimizer"]["rng"]["cuda"].cpu())
+        run.batches.load_state_dict(blob["state"]["data_position"])
+    except (RuntimeError, KeyError, ValueError, TypeError, IndexError) as e:
+        raise ELFError(f"{ckpt}: does not fit this run ({first_line(e)}); it holds another network or state "
+                       "than run.json describes") from None
     start = blob["state"]["step"]
-    if is_main and not quiet:
+    if run.rank == 0 and not quiet:
         print(f"resuming from {ckpt} (step {start})", file=sys.stderr)
     return start
 
@@ -363,7 +390,7 @@ def train_loop(run: Setup, out: Path, start: int, quiet: bool = False, stop_afte
                 dist.barrier()
             if done == end:
                 break
-    except OSError as e:
+    except (OSError, NoSpace) as e:
         if no_space_error(e):
             raise no_space(e, out) from None
         raise
@@ -399,15 +426,23 @@ def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwr
     try:
         on_rank0(folder.open, rank, world, dev)
         check_run_dir(out, cfg, resume, overwrite)
+        ckpt = resume_point(out, cfg) if resume else None
+        if resume:
+            check_steps_left(out, ckpt, cfg)
+        check_writable(out)
         if rank == 0 and cfg.epochs is None and cfg.warmup_frac is None and cfg.steps < cfg.warmup:
             print(f"warning: --steps {cfg.steps} is shorter than --warmup {cfg.warmup}: the learning rate stops at "
                   f"{lr_at(cfg.steps - 1, cfg.lr, cfg.warmup):.3g}, never reaching {cfg.lr:.3g}", file=sys.stderr)
         run = setup_run(cfg, method, rank, world, local, dev, cache_dir)
+        if not resume and cfg.init_from:  # read before a replaced run is set aside (it may be the one in --out)
+            start_from(run, cfg.init_from, quiet)
         if overwrite and (out / "run.json").exists():
             on_rank0(folder.set_aside, rank, world, dev)
-        start = restore(run, out, quiet) if resume else 0
-        if start == 0 and cfg.init_from:
+        start = restore(run, ckpt, quiet) if resume else 0
+        if resume and start == 0 and cfg.init_from:
             start_from(run, cfg.init_from, quiet)
+        if resume and rank == 0:
+            trim_metrics(out, start)
 
         def write_meta():
             atomic_write_json(out / "run.json", {"train": cfg.to_dict(), "method": run.method.name,
@@ -421,6 +456,8 @@ def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwr
             if no_space_error(e):
                 raise no_space(e, out) from None
             raise
+        except NoSpace as e:
+            raise no_space(e, out) from None
         summary = train_loop(run, out, start, quiet, stop_after, on_checkpoint=lambda _: folder.commit(),
                              time_limit=time_limit)
         ok = True
@@ -430,6 +467,32 @@ def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwr
             folder.close(ok)
         if world > 1 and dist.is_initialized() and owns_group:
             dist.destroy_process_group()
+
+
+def check_steps_left(out: Path, ckpt: Path | None, cfg: TrainConfig) -> None:
+    """A --resume whose --steps the run has already passed changes nothing: ELFError saying so."""
+    from elflow.checkpoint import read_state
+
+    if ckpt is None or cfg.epochs is not None:
+        return
+    step = read_state(ckpt)["step"]
+    if step > cfg.steps:
+        raise ELFError(f"{out} is already at step {step}, past --steps {cfg.steps}; nothing was changed. Pass a "
+                       f"--steps above {step} to train further")
+
+
+def check_writable(out: Path) -> None:
+    """The run folder and its checkpoints/ take new files (an immutable or read-only checkpoints/ is found
+    before any step is trained)."""
+    from elflow.utils import _probe_writable
+
+    for folder in (out, out / "checkpoints"):
+        if folder.is_dir():
+            try:
+                _probe_writable(folder)
+            except OSError as e:
+                raise ELFError(f"{folder}: cannot write in it ({e.strerror or e}); nothing was trained. Make it "
+                               "writable, then run again") from None
 
 
 def show_samples(run: Setup, log, step, num: int = 2):
@@ -469,8 +532,8 @@ def config_from_args(args) -> TrainConfig:
     if getattr(args, "resume", False):
         if hasattr(args, "defaults"):
             raise ELFError("--defaults does not go with --resume: a resumed run keeps its stored settings")
-        out = Path(getattr(args, "out", None) or f"runs/{given.get('preset', TrainConfig.preset)}")
-        stored = stored_config(out)
+        out = args.out if hasattr(args, "out") else f"runs/{given.get('preset', TrainConfig.preset)}"
+        stored = stored_config(check_output(out, folder=True))
         merged = {**stored.to_dict()}
         for k, v in given.items():
             merged[k] = {**merged[k], **v} if isinstance(v, dict) else v
@@ -491,7 +554,8 @@ def run(args) -> int:
     if getattr(args, "print_config", False):
         print(json.dumps(cfg.to_dict(), indent=2))
         return 0
-    out = getattr(args, "out", None) or f"runs/{cfg.preset}"
+    out = args.out if hasattr(args, "out") else f"runs/{cfg.preset}"
+    check_output(out, folder=True)
     command = "elflow train " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["train"] else "elflow train"
     summary = train(cfg, out, resume=getattr(args, "resume", False), overwrite=getattr(args, "overwrite", False),
                     cache_dir=getattr(args, "cache_dir", None), quiet=getattr(args, "quiet", False),

@@ -329,7 +329,7 @@ def render_page(doc: dict, title: str | None = None) -> str:
 def write_page(doc: dict, path, overwrite: bool = True) -> Path:
     path = Path(path)
     check_output(path, overwrite)
-    atomic_write_text(path, render_page(doc))
+    atomic_write_text(path, render_page(doc), overwrite)
     return path
 
 
@@ -348,7 +348,7 @@ def run(args) -> int:
     out = Path(args.out) if args.out else Path(args.trajectory).with_suffix(".html")
     check_output(out, args.overwrite)
     doc = read_trajectory(args.trajectory)
-    write_page(doc, out)
+    write_page(doc, out, args.overwrite)
     print(f"wrote {out} ({len(doc['samples'])} samples x {len(doc['steps'])} steps); open it in a browser",
           file=sys.stderr)
     return 0
