@@ -8,6 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from elflow import distill
+from elflow.checkpoint import write_state
 from elflow.generate import distilled_defaults
 from elflow.utils import ELFError
 
@@ -338,7 +339,7 @@ def test_a_teacher_without_ema_teaches_with_its_raw_weights_and_a_warning(teache
     (ck / "ema.safetensors").unlink()
     state = json.loads((ck / "state.json").read_text())
     del state["files"]["ema.safetensors"]
-    (ck / "state.json").write_text(json.dumps(state))
+    write_state(ck, state)
     out = tmp_path / "out"
     rc, err = _cli(_distill_argv(ck, out, cache, "--student-steps", "1", "--teacher-steps", "1",
                                  "--steps-per-round", "1", "--ckpt-every", "1", "--lr", "1e-9"), capsys)

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from elflow import checkpoint as ckpt_mod
 from elflow import utils
-from elflow.checkpoint import list_checkpoints
+from elflow.checkpoint import list_checkpoints, write_state
 from elflow.cli import main
 from elflow.train import TrainConfig, train
 
@@ -539,7 +539,7 @@ def test_learned_table_resumes_from_both_checkpoint_layouts(tmp_path, tiny_t5_di
     state = json.loads((ck / "state.json").read_text())
     del state["files"]["space.safetensors"]
     state["files"]["model.safetensors"] = sha256_file(ck / "model.safetensors")
-    (ck / "state.json").write_text(json.dumps(state))
+    write_state(ck, state)
 
     train(cfg, part, resume=True, cache_dir=cache, quiet=True)
     assert_bit_identical(part, full, 6)
@@ -564,3 +564,247 @@ def test_cpu_flags_are_read_once(monkeypatch):
     assert len(answers) == 1 and answers <= {"bf16", "fp32"}
     assert len(opened) == (1 if Path("/proc/cpuinfo").exists() else 0)  # five answers, one read
     assert utils.resolve_dtype("fp32", "cpu") == "fp32" and utils.resolve_dtype("auto", "cuda") == "bf16"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# outputs that must never lose data: table-driven. Each case builds what stands at an output (a teacher, files of
+# the user's own, a device node, a fifo, links), runs one command and checks: exit 2, one line, no traceback, and
+# every pre-existing entry under the test folder unchanged (bytes, link targets, device numbers).
+
+
+def tree_state(root: Path) -> dict:
+    """Every entry under `root`, links and special files not followed: a regular file's bytes, a link's target,
+    a device's or fifo's type and numbers."""
+    import os
+    import stat as st
+
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            p = Path(dirpath) / name
+            s = os.lstat(p)
+            rel = str(p.relative_to(root))
+            if st.S_ISLNK(s.st_mode):
+                out[rel] = ("link", os.readlink(p))
+            elif st.S_ISREG(s.st_mode):
+                out[rel] = ("file", p.read_bytes())
+            elif st.S_ISDIR(s.st_mode):
+                out[rel] = ("dir",)
+            else:
+                out[rel] = ("special", st.S_IFMT(s.st_mode), s.st_rdev)
+    return out
+
+
+def _distill_args(teacher, out, cache, *extra):
+    return ["distill", teacher, "--out", out, "--cache-dir", cache, "--quiet", "--dtype", "fp32", "--batch", "4",
+            "--student-steps", "1", "--teacher-steps", "2", "--steps-per-round", "1", "--ckpt-every", "1", *extra]
+
+
+def _sample_args(run, out, *extra):
+    return ["sample", run, "--num", "1", "--steps", "1", "--quiet", "--out", out, *extra]
+
+
+def _char_device(path: Path) -> None:
+    import os
+
+    try:
+        os.mknod(path, 0o666 | __import__("stat").S_IFCHR, os.makedev(1, 3))  # as /dev/null
+    except PermissionError:
+        pytest.skip("making a device node needs root")
+
+
+def _fifo(path: Path) -> None:
+    import os
+
+    os.mkfifo(path)
+
+
+def _live_lock(folder: Path, holder) -> None:
+    (folder / ".lock").write_text(json.dumps({"pid": holder.pid, "host": socket.gethostname(),
+                                              "command": "elflow distill --out x"}))
+
+
+# (id, command, setup(tmp, run, cache, holder) -> argv, words of the error)
+LOSS_CASES = [
+    ("distill-out-is-the-teacher", "distill",
+     lambda t, run, c, h: _distill_args(run, run, c, "--overwrite"), ["holds the teacher", "folder of its own"]),
+    ("distill-out-above-the-teacher", "distill",
+     lambda t, run, c, h: _distill_args(run, t, c, "--overwrite"), ["holds the teacher"]),
+    ("distill-out-is-the-run-of-a-teacher-checkpoint", "distill",
+     lambda t, run, c, h: _distill_args(run / "checkpoints" / "step_0000006", run, c, "--overwrite"),
+     ["holds the teacher"]),
+    ("distill-out-of-own-files-without-overwrite", "distill",
+     lambda t, run, c, h: ((t / "mine").mkdir(), (t / "mine" / "notes.txt").write_text("keep"),
+                           _distill_args(run, t / "mine", c))[-1],
+     ["not an elflow distillation folder", "--overwrite"]),
+    ("distill-overwrite-while-another-runs", "distill",
+     lambda t, run, c, h: ((t / "d").mkdir(), (t / "d" / "distill.json").write_text("{}"), _live_lock(t / "d", h),
+                           _distill_args(run, t / "d", c, "--overwrite"))[-1],
+     ["in use by another elflow command", "elflow distill --out x"]),
+    ("sample-out-char-device-overwrite", "sample",
+     lambda t, run, c, h: (_char_device(t / "mynull"), _sample_args(run, t / "mynull", "--overwrite"))[-1],
+     ["is a character device", "not a regular file"]),
+    ("sample-out-fifo-overwrite", "sample",
+     lambda t, run, c, h: (_fifo(t / "pipe"), _sample_args(run, t / "pipe", "--overwrite"))[-1],
+     ["is a fifo", "not a regular file"]),
+    ("sample-out-link-overwrite", "sample",
+     lambda t, run, c, h: ((t / "keep").mkdir(), (t / "keep" / "target.jsonl").write_text("mine\n"),
+                           (t / "link.jsonl").symlink_to("keep/target.jsonl"),
+                           _sample_args(run, t / "link.jsonl", "--overwrite"))[-1],
+     ["is a symbolic link", "keep/target.jsonl", "does not write through links"]),
+    ("sample-out-dangling-link", "sample",
+     lambda t, run, c, h: ((t / "dangling.jsonl").symlink_to("nowhere.jsonl"),
+                           _sample_args(run, t / "dangling.jsonl"))[-1], ["is a symbolic link", "nowhere.jsonl"]),
+    ("sample-out-link-loop", "sample",
+     lambda t, run, c, h: ((t / "loop.jsonl").symlink_to("loop.jsonl"), _sample_args(run, t / "loop.jsonl"))[-1],
+     ["is a symbolic link"]),
+    ("sample-trajectory-out-fifo", "sample",
+     lambda t, run, c, h: (_fifo(t / "s.trajectory.json"), _sample_args(run, t / "s.jsonl", "--trajectory",
+                                                                          "--overwrite"))[-1], ["is a fifo"]),
+    ("toy-out-fifo", "toy",
+     lambda t, run, c, h: (_fifo(t / "toy.png"), ["toy", "--steps", "1", "--num", "2", "--out", t / "toy.png",
+                                                  "--overwrite"])[-1], ["is a fifo"]),
+    ("schedules-out-char-device", "schedules",
+     lambda t, run, c, h: (_char_device(t / "dev.png"), ["schedules", "--samples", "1000", "--out", t / "dev.png",
+                                                         "--overwrite"])[-1], ["is a character device"]),
+    ("eval-report-link", "eval",
+     lambda t, run, c, h: ((t / "s.jsonl").write_text('{"text": "a b"}\n'), (t / "r.json").write_text("{}"),
+                           (t / "report.json").symlink_to("r.json"),
+                           ["eval", t / "s.jsonl", "--report", t / "report.json", "--overwrite", "--judge",
+                            t / "no-judge"])[-1], ["--report", "is a symbolic link"]),
+    ("train-out-dangling-link", "train",
+     lambda t, run, c, h: ((t / "r").symlink_to("nowhere"), ["train", "--preset", "tiny", "--out", t / "r"])[-1],
+     ["is a symbolic link to nowhere", "not a folder"]),
+    ("train-out-link-loop", "train",
+     lambda t, run, c, h: ((t / "r").symlink_to("r"), ["train", "--preset", "tiny", "--out", t / "r"])[-1],
+     ["is a symbolic link", "not a folder"]),
+    ("train-out-fifo", "train",
+     lambda t, run, c, h: (_fifo(t / "r"), ["train", "--preset", "tiny", "--out", t / "r", "--overwrite"])[-1],
+     ["is a fifo"]),
+]
+
+
+@pytest.fixture
+def live_process():
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    yield holder
+    holder.kill()
+    holder.wait()
+
+
+@pytest.mark.parametrize("command,setup,needles", [c[1:] for c in LOSS_CASES], ids=[c[0] for c in LOSS_CASES])
+def test_outputs_never_replace_what_stands_there(capsys, tmp_path, trained, cache, live_process, command, setup,
+                                                 needles):
+    run = tmp_path / "t"
+    shutil.copytree(trained, run)
+    argv = setup(tmp_path, run, cache, live_process)
+    before = tree_state(tmp_path)
+    code, _, err = cli(capsys, argv)
+    assert_one_error(code, err, command, *needles)
+    assert tree_state(tmp_path) == before
+
+
+def test_distill_overwrite_replaces_only_its_own_files_and_restores_them_on_failure(
+        capsys, tmp_path, trained, cache, monkeypatch):
+    out = tmp_path / "stuff"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    (out / "round-9").mkdir()  # a name a distillation would write: set aside, then back
+    (out / "round-9" / "x").write_text("old")
+    (out / "distill.json").write_text(json.dumps({"teacher": "old"}))
+    before, teacher = tree_state(tmp_path), tree_state(trained)
+    real = ckpt_mod.save_file
+
+    def full_disk(sd, path, *a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+    monkeypatch.setattr(ckpt_mod, "save_file", full_disk)
+    code, _, err = cli(capsys, _distill_args(trained, out, cache, "--overwrite"))
+    assert_one_error(code, err, "distill", "no space left on device")
+    assert tree_state(tmp_path) == before  # the old distillation is back; the user's file untouched
+
+    monkeypatch.setattr(ckpt_mod, "save_file", real)
+    code, _, err = cli(capsys, _distill_args(trained, out, cache, "--overwrite"))
+    assert code == 0, err
+    assert (out / "notes.txt").read_text() == "mine"
+    assert not (out / "round-9").exists() and not (out / ".replaced-run").exists() and not (out / ".lock").exists()
+    assert json.loads((out / "distill.json").read_text())["student_steps"] == [1]
+    assert list_checkpoints(out / "round-1")
+    assert tree_state(trained) == teacher
+
+
+def test_an_output_that_appears_while_sampling_is_kept(capsys, tmp_path, trained, monkeypatch):
+    from elflow.methods.elf import ELFMethod
+
+    out = tmp_path / "s.jsonl"
+    real = ELFMethod.sample
+
+    def another_writer(self, *a, **k):
+        records = real(self, *a, **k)
+        out.write_text("the other command's samples\n")  # a second `elflow sample --out s.jsonl` finished first
+        return records
+    monkeypatch.setattr(ELFMethod, "sample", another_writer)
+    code, _, err = cli(capsys, _sample_args(trained, out))
+    assert_one_error(code, err, "sample", str(out), "appeared while this command ran", "--overwrite")
+    assert out.read_text() == "the other command's samples\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.jsonl"]  # no temporary left behind
+
+    code, _, err = cli(capsys, _sample_args(trained, out, "--overwrite"))  # with --overwrite it is replaced
+    assert code == 0, err
+    assert json.loads(out.read_text().splitlines()[0])["index"] == 0
+
+
+def _edit_state(ckpt: Path, change, rehash: bool = True) -> None:
+    state = json.loads((ckpt / "state.json").read_text())
+    change(state)
+    if rehash:  # as someone who knows the format would: state.sha256 matches the edited file
+        write_state(ckpt, state)
+    else:
+        (ckpt / "state.json").write_text(json.dumps(state, indent=2) + "\n")
+
+
+SECURITY_CASES = [
+    ("files-name-escapes-to-a-device", lambda s: s["files"].update({"../../../../../../../../dev/zero": "0" * 64}),
+     True, ["not a plain file name", "../../../../../../../../dev/zero", "nothing outside it is read"]),
+    ("files-name-escapes-to-a-file", lambda s: s["files"].update({"../../secret.txt": "0" * 64}), True,
+     ["not a plain file name", "../../secret.txt"]),
+    ("files-name-is-absolute", lambda s: s["files"].update({"/etc/passwd": "0" * 64}), True,
+     ["not a plain file name", "/etc/passwd"]),
+    ("state-edited-without-its-hash", lambda s: s.update(step=7), False, ["corrupted or edited", "state.sha256"]),
+    ("files-is-not-a-map", lambda s: s.update(files=["model.safetensors"]), True,
+     ["\"files\" must map file names"]),
+]
+
+
+@pytest.mark.parametrize("change,rehash,needles", [c[1:] for c in SECURITY_CASES], ids=[c[0] for c in SECURITY_CASES])
+def test_state_json_reads_nothing_outside_its_checkpoint(capsys, tmp_path, trained, change, rehash, needles,
+                                                          monkeypatch):
+    import builtins
+
+    run = tmp_path / "t"
+    shutil.copytree(trained, run)
+    (tmp_path / "secret.txt").write_text("secret")
+    for ck in list_checkpoints(run):
+        _edit_state(ck, change, rehash)
+    opened = []
+    real_open = builtins.open
+
+    def watch(path, *a, **k):
+        opened.append(str(path))
+        return real_open(path, *a, **k)
+    monkeypatch.setattr(builtins, "open", watch)
+    code, _, err = cli(capsys, _sample_args(run / "checkpoints" / "step_0000006", tmp_path / "s.jsonl"))
+    monkeypatch.setattr(builtins, "open", real_open)
+    assert_one_error(code, err, "sample", *needles)
+    assert not any("secret" in p or "/dev/zero" in p for p in opened)
+    assert not (tmp_path / "s.jsonl").exists()
+
+
+def test_a_checkpoint_file_that_is_a_link_is_refused(capsys, tmp_path, trained):
+    run = tmp_path / "t"
+    shutil.copytree(trained, run)
+    ck = run / "checkpoints" / "step_0000006"
+    (tmp_path / "elsewhere.safetensors").write_bytes((ck / "ema.safetensors").read_bytes())
+    (ck / "ema.safetensors").unlink()
+    (ck / "ema.safetensors").symlink_to(tmp_path / "elsewhere.safetensors")
+    code, _, err = cli(capsys, _sample_args(ck, tmp_path / "s.jsonl"))
+    assert_one_error(code, err, "sample", "ema.safetensors", "not a regular file")

@@ -185,10 +185,10 @@ def read_state(ckpt: Path) -> dict:
     try:
         recorded = hash_path.read_text().strip()
     except FileNotFoundError:
-        raise ELFError(f"{hash_path}: missing; {ckpt} is not a complete checkpoint (every save writes it)") from None
+        recorded = None  # a checkpoint saved without it (an earlier elflow): its names are still checked below
     except (OSError, UnicodeDecodeError) as e:
         raise ELFError(f"{hash_path}: cannot be read ({e})") from None
-    if _sha256(state_path) != recorded:
+    if recorded is not None and _sha256(state_path) != recorded:
         raise ELFError(f"{state_path}: corrupted or edited (its sha256 does not match {hash_path})")
     state = read_json(state_path)
     files = state.get("files", {})

@@ -25,7 +25,7 @@ import torch
 
 from elflow.data import encoder_mask, pair_layout
 from elflow.flow import SAMPLERS, Recipe, check_sampling_args, decode_tokens, generate_tokens
-from elflow.utils import ELFError, Record, atomic_write, autocast, check_output, check_seed, utf8_lines
+from elflow.utils import ELFError, Record, atomic_write, autocast, check_seed, utf8_lines
 
 __all__ = ["SAMPLING_DEFAULTS", "distilled_defaults", "SamplingSettings", "ELF_KNOBS", "settings_for",
            "conditioning", "extract_targets", "generate", "write_samples", "add_sampling_arguments",
@@ -260,10 +260,10 @@ def generate(net, space, num: int, settings: SamplingSettings = SamplingSettings
 
 def write_samples(path, records: list[dict], settings: dict, overwrite: bool = True) -> Path:
     """The samples JSONL: one object per sample, {"index", "text", (source, reference), then the settings}.
-    Written atomically (a reader never sees half a file), under the output rule at the start and at the end
-    (`utils.output_rule`: without `overwrite` a file at `path` is never replaced)."""
+    Written atomically (a reader never sees half a file) under the output rule (`utils.output_rule`: without
+    `overwrite` a file at `path` is never replaced, not even one that appeared while the samples were made);
+    the caller checks `path` with `check_output` before the work."""
     path = Path(path)
-    check_output(path, overwrite)
     with atomic_write(path, "w", overwrite) as f:
         for r in records:
             f.write(json.dumps({**r, **settings}) + "\n")

@@ -152,14 +152,14 @@ def place(tmp: str | os.PathLike, path: str | os.PathLike, overwrite: bool) -> N
     `overwrite` the move fails if anything is at `path` by then (a hard link, then the temporary's removal:
     no window in which another writer's file could be replaced)."""
     path = Path(path)
-    output_rule(path, overwrite, ended=True)
+    output_rule(path, overwrite, "", ended=True)
     if overwrite:
         os.replace(tmp, path)
         return
     try:
         os.link(tmp, path)
     except FileExistsError:
-        output_rule(path, overwrite, ended=True)  # names what appeared
+        output_rule(path, overwrite, "", ended=True)  # names what appeared
         raise
     except OSError as e:  # a file system without hard links: the check above, then the move
         if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
@@ -393,13 +393,16 @@ def output_rule(path: Path, overwrite: bool, flag: str = "--out", folder: bool =
 
     nothing; or, with `overwrite`, a regular file (a file output) or a folder (a folder output). Never a
     symbolic link where a file goes (dangling, looping or not: elflow does not write through links), never a
-    device, fifo or socket. A folder output may be a link to an existing folder, which is then written in."""
+    device, fifo or socket. A folder output may be a link to an existing folder, which is then written in.
+    `flag` names the option the path came from ("" for a file inside an output folder)."""
+    name = f"{flag} {path}" if flag else str(path)
+    other = f"choose another {flag}" if flag else "remove it"
     try:
         st = os.lstat(path)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # absent (a path under a file is refused by check_output)
         return
     except OSError as e:
-        raise ELFError(f"{flag} {path}: cannot be examined ({e.strerror or e}); choose another {flag}") from None
+        raise ELFError(f"{name}: cannot be examined ({e.strerror or e}); {other}") from None
     if stat.S_ISLNK(st.st_mode):
         target = os.readlink(path)
         if folder:
@@ -408,26 +411,26 @@ def output_rule(path: Path, overwrite: bool, flag: str = "--out", folder: bool =
                     return
             except OSError:  # a link loop
                 pass
-            raise ELFError(f"{flag} {path} is a symbolic link to {target}, which is not a folder (dangling, or a "
-                           f"loop); remove the link or choose another {flag}")
-        raise ELFError(f"{flag} {path} is a symbolic link (to {target}); elflow does not write through links: "
-                       "pass the target's own path, or remove the link")
+            raise ELFError(f"{name} is a symbolic link to {target}, which is not a folder (dangling, or a loop); "
+                           f"remove the link or {other}")
+        raise ELFError(f"{name} is a symbolic link (to {target}); elflow does not write through links: pass the "
+                       "target's own path, or remove the link")
     for test, kind in _KINDS:
         if test(st.st_mode):
-            raise ELFError(f"{flag} {path} is {kind}, not a regular file; elflow writes only regular files "
-                           f"(never into devices or pipes): choose another {flag}")
+            raise ELFError(f"{name} is {kind}, not a regular file{' or a folder' if folder else ''}; elflow writes "
+                           f"only regular files (never into devices or pipes): {other}")
     if stat.S_ISDIR(st.st_mode):
         if not folder:
-            raise ELFError(f"{flag} {path} is a folder; pass a file name")
+            raise ELFError(f"{name} is a folder; pass a file name")
         return
     if folder:
-        raise ELFError(f"{flag} {path} is a file, not a folder; choose another {flag}")
+        raise ELFError(f"{name} is a file, not a folder; {other}")
     if not overwrite:
         if ended:
-            raise ELFError(f"{flag} {path} appeared while this command ran (another program wrote it); it is left as "
-                           f"it is and this command's output is not written: pass --overwrite to replace it, or "
-                           f"choose another {flag}")
-        raise ELFError(f"{flag} {path} already exists; pass --overwrite to replace it, or choose another {flag}")
+            raise ELFError(f"{name} appeared while this command ran (another program wrote it); it is left as it "
+                           f"is and this command's output is not written: pass --overwrite to replace it, or "
+                           f"{other}")
+        raise ELFError(f"{name} already exists; pass --overwrite to replace it, or {other}")
 
 
 def check_output(path: str | os.PathLike, overwrite: bool = False, flag: str = "--out",

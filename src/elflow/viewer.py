@@ -328,8 +328,7 @@ def render_page(doc: dict, title: str | None = None) -> str:
 
 def write_page(doc: dict, path, overwrite: bool = True) -> Path:
     path = Path(path)
-    check_output(path, overwrite)
-    atomic_write_text(path, render_page(doc), overwrite)
+    atomic_write_text(path, render_page(doc), overwrite)  # the output rule, at the end (checked at the start)
     return path
 
 
