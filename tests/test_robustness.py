@@ -808,3 +808,83 @@ def test_a_checkpoint_file_that_is_a_link_is_refused(capsys, tmp_path, trained):
     (ck / "ema.safetensors").symlink_to(tmp_path / "elsewhere.safetensors")
     code, _, err = cli(capsys, _sample_args(ck, tmp_path / "s.jsonl"))
     assert_one_error(code, err, "sample", "ema.safetensors", "not a regular file")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# a real full disk: a small tmpfs (mounting needs root; skipped with the reason where it is not allowed)
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A 12 MiB tmpfs mounted at tmp_path/fs."""
+    import os
+
+    fs = tmp_path / "fs"
+    fs.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12m", "tmpfs", str(fs)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here ({(r.stderr or r.stdout).strip() or 'mount failed'})")
+    try:
+        yield fs
+    finally:
+        os.sync()
+        subprocess.run(["umount", "-l", str(fs)], check=False)
+
+
+def fill(fs: Path, leave: int = 0) -> Path:
+    """Take the free space of `fs` but `leave` bytes, in one file; returns it (delete it to free the space)."""
+    import os
+
+    st = os.statvfs(fs)
+    free = st.f_bavail * st.f_frsize
+    filler = fs / "filler"
+    with open(filler, "wb") as f:
+        if free - leave > 0:
+            os.posix_fallocate(f.fileno(), 0, free - leave)
+    return filler
+
+
+@pytest.mark.parametrize("writer", ["safetensors", "torch.save"])
+def test_a_real_full_disk_during_a_save_then_an_exact_resume(capsys, small_fs, trained, tiny_t5_dir,
+                                                             tiny_corpus_file, cache, writer):
+    run = small_fs / "run"
+    train(cfg_for(tiny_t5_dir, tiny_corpus_file), run, cache_dir=cache, quiet=True, stop_after=3)
+    ck = run / "checkpoints" / "step_0000003"
+    sizes = {p.name: p.stat().st_size for p in ck.iterdir()}
+    # the save at step 6 meets the full disk in the first weights file, or in optimizer.pt (torch.save)
+    leave = sizes["model.safetensors"] // 2 if writer == "safetensors" else \
+        sizes["model.safetensors"] + sizes["ema.safetensors"] + sizes["optimizer.pt"] // 2
+    filler = fill(small_fs, leave)
+    code, _, err = cli(capsys, ["train", "--resume", "--out", run, "--cache-dir", cache, "--quiet"])
+    assert_one_error(code, err, "train", "no space left on device", "step_0000006", "last good checkpoint: step 3",
+                     "--resume")
+    assert [p.name for p in list_checkpoints(run)] == ["step_0000003"]
+    assert not list((run / "checkpoints").glob(".tmp-*")) and not (run / ".lock").exists()
+    ckpt_mod.load_checkpoint(ck)  # intact: every file matches its hash
+
+    filler.unlink()
+    code, _, err = cli(capsys, ["train", "--resume", "--out", run, "--cache-dir", cache, "--quiet"])
+    assert code == 0, err
+    assert_bit_identical(run, trained, 6)
+    steps = [r["step"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+             if r.get("kind", "train") == "train"]
+    assert steps == sorted(set(steps)) and steps[-1] == 6  # each step logged once
+
+
+def test_a_real_full_disk_for_a_samples_file_and_an_eval_report(capsys, small_fs, trained, tmp_path):
+    samples, refs = tmp_path / "hyp.jsonl", tmp_path / "refs.txt"
+    samples.write_text('{"text": "the cat sat"}\n')
+    refs.write_text("the cat sat down\n")
+    filler = fill(small_fs)
+    commands = [("sample", _sample_args(trained, small_fs / "s.jsonl"), small_fs / "s.jsonl"),
+                ("eval", ["eval", samples, "--task", "translation", "--references", refs, "--report",
+                          small_fs / "r.json"], small_fs / "r.json")]
+    for command, argv, out in commands:
+        code, _, err = cli(capsys, argv)
+        assert_one_error(code, err, command, "no space left on device while writing", str(out), "free some space")
+        assert sorted(p.name for p in small_fs.iterdir()) == ["filler"]  # nothing half-written, no temporary
+    filler.unlink()
+    for command, argv, out in commands:
+        code, _, err = cli(capsys, argv)
+        assert code == 0, err
+        assert json.loads(out.read_text() if command == "eval" else out.read_text().splitlines()[0])

@@ -45,7 +45,7 @@ from elflow.model import ELF, ELFConfig
 from elflow.official import infer_config, official_to_elflow, preset_name
 from elflow.shortrun import describe_network, network_from_state_dict, options_of
 from elflow.utils import (ELFError, FolderLock, NoSpace, atomic_write_text, default_device,
-                          disk_full, first_line, folder_mode, read_json, sha256_file as _sha256)
+                          disk_full, file_mode, first_line, folder_mode, read_json, sha256_file as _sha256)
 
 __all__ = ["write_checkpoint", "save_checkpoint", "load_checkpoint", "list_checkpoints", "latest_checkpoint", "resolve_checkpoint",
            "is_elflow_checkpoint", "split_space_state", "remove_stale_temporaries", "method_of", "read_weights",
@@ -89,6 +89,7 @@ def write_checkpoint(folder: str | os.PathLike, model_sd: dict, ema_sd: dict, op
         files = {name: _sha256(tmp / name) for name in names}
         write_state(tmp, {**state, "files": files})
         for f in tmp.iterdir():
+            os.chmod(f, file_mode())  # safetensors makes its files 0600; a checkpoint's files get the umask's mode
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
         if final.exists():  # re-saving the same step (the final save of a resumed run): the old one goes last
@@ -345,9 +346,13 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     if path.is_dir() and (path / REPLACED).is_dir():
         bring_back_replaced(path)
     if path.is_dir() and (path / "checkpoints").is_dir():
-        ckpt = latest_checkpoint(path, need_optimizer=False)
+        ckpt, bad = newest_usable(path, need_optimizer=False)
         if ckpt is None:
-            raise ELFError(f"{path}: this run has no usable checkpoint yet")
+            if bad:
+                raise ELFError(f"{path}: none of its checkpoints can be read ({'; '.join(bad)})")
+            raise ELFError(f"{path}: this run has no checkpoint yet")
+        for why in bad:
+            _warn(f"warning: skipping a bad checkpoint: {why}")
         return ckpt
     if path.is_dir() and (path / "state.json").exists():
         return path  # a checkpoint folder missing its weights: its verification names what is missing
