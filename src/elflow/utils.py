@@ -200,7 +200,9 @@ def read_json(path: str | os.PathLike, what: str = "", kind: type = dict):
 
 def first_line(e: BaseException, width: int = 200) -> str:
     """An exception as one short line: its type and the first line of its message."""
-    text = str(e).strip().splitlines()
+    text = [line.strip() for line in str(e).splitlines() if line.strip()]
+    if len(text) > 1 and text[0].endswith(":"):  # a heading ("Error(s) in loading state_dict for ELF:")
+        text = [f"{text[0]} {text[1]}"]
     return f"{type(e).__name__}: {text[0][:width] if text else ''}"
 
 
