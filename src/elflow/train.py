@@ -761,8 +761,9 @@ class Setup:
 
 def setup_run(cfg: TrainConfig, rank: int, world: int, local: int, device, cache_dir=None) -> Setup:
     """Build the space, the data, the network and the optimiser: every check that needs them happens here."""
-    from elflow.data import Batches, build_dataset
+    from elflow.data import Batches
     from elflow.encoders import build_space, latent_moments, token_vectors
+    from elflow.ingest import build_dataset, build_pairs  # rows read from a token store, prepared once
 
     micro = cfg.micro_batch or max(1, cfg.batch // world)
     if cfg.batch % (world * micro):
@@ -777,8 +778,6 @@ def setup_run(cfg: TrainConfig, rank: int, world: int, local: int, device, cache
     if space.max_length is not None and length > space.max_length:
         raise ELFError(f"--length {length} is longer than the encoder accepts ({space.max_length})")
     if cfg.source_length:
-        from elflow.data import build_pairs
-
         train_set, _ = build_pairs(cfg.data, space, cfg.source_length, length, val_fraction=cfg.val_fraction,
                                    seed=cfg.seed, cache_dir=cache_dir, source_field=cfg.source_field,
                                    target_field=cfg.target_field, on_bad=cfg.on_bad)
