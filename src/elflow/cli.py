@@ -15,6 +15,7 @@ from elflow.utils import ELFError
 # name -> (module, one-line help). Order is the order shown by `elflow --help`.
 COMMANDS: dict[str, tuple[str, str]] = {
     "quickstart": ("elflow.quickstart", "the offline default: fetch the corpus, train the demo model, sample and report"),
+    "prepare": ("elflow.prepare", "tokenize a corpus once into a memory-mapped token store (train --data STORE)"),
     "train": ("elflow.train", "train an ELF model, or an AR / MDLM baseline (alone or under torchrun)"),
     "sample": ("elflow.generate", "generate text from a run, a checkpoint or a released model"),
     "distill": ("elflow.distill", "progressive distillation into few-step students (16 -> 8 -> 4 -> 2 -> 1)"),

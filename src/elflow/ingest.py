@@ -41,7 +41,7 @@ from elflow.data import (BUILTIN_NAMES, CLEAN_VERSION, SHAKESPEARE_SHA256, _bad,
                          check_on_bad, decode_text, field_text, is_saved_dataset, jsonl_object, local_files,
                          pretokenized_rows,
                          read_documents, read_pairs, split_rows)
-from elflow.store import (LOCK, STORE_FILES, StoreRows, StoreWriter, TokenStore, file_lock, is_store,
+from elflow.store import (LOCK, PARTIAL, STORE_FILES, StoreRows, StoreWriter, TokenStore, file_lock, is_store,
                           remove_store_files, store_lock)
 from elflow.utils import ELFError, cache_root, no_space_error, sha256_file
 
@@ -424,8 +424,8 @@ def _check_out(out: Path, source, overwrite: bool, cache_dir) -> None:
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         what = "a token store" if is_store(out) else "files"
         raise ELFError(f"--out {out} already holds {what}; pass --overwrite to replace the store (only a store's "
-                       f"own files: {', '.join(n for n in STORE_FILES if not n.startswith('.'))}), or choose "
-                       "another --out")
+                       f"own files: {', '.join(n for n in STORE_FILES if not n.startswith('.') and PARTIAL not in n)}"
+                       "), or choose another --out")
 
 
 def prepare_store(source, space, out, *, pairs: bool = False, layout: str = "packed", source_length: int | None = None,
@@ -513,9 +513,12 @@ def writer_tokens(writer) -> str:
 
 
 def _version() -> str:
-    from elflow import __version__
+    from importlib.metadata import PackageNotFoundError, version
 
-    return __version__
+    try:
+        return version("elflow")
+    except PackageNotFoundError:  # run from a checkout without `pip install`
+        return "unknown"
 
 
 def _fill(writer: StoreWriter, results: Iterator, eos_id: int, on_bad: str, max_documents, bar, t0) -> int:
@@ -572,13 +575,14 @@ def _cache_key(kind: str, source, space, options: dict, cache_dir) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
 
 
-def _complete(folder: Path) -> TokenStore | None:
+def _complete(folder: Path, warn: bool = False) -> TokenStore | None:
     if not (folder / "manifest.json").is_file():
         return None
     try:
         return TokenStore(folder)
     except ELFError as e:
-        _warn(f"ignoring the damaged cached store {folder} ({e}); preparing it again")
+        if warn:
+            _warn(f"ignoring the damaged cached store {folder} ({e}); preparing it again")
         return None
 
 
@@ -600,7 +604,7 @@ def _cached(kind: str, source, space, options: dict, cache_dir, use_cache: bool)
             return store, "hit"
         lock = file_lock(root / f"{folder.name}.lock")  # waits while another process prepares this store
         try:
-            store = _complete(folder)
+            store = _complete(folder, warn=True)
             if store is not None:
                 return store, "hit"
             return prepare_store(source, space, folder, pairs=kind == "pairs", cache_dir=cache_dir, overwrite=True,

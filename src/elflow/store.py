@@ -189,6 +189,7 @@ class StoreWriter:
                 "records": self.records, "tokens": self.tokens,
                 "bytes": {IDS: self.tokens * self.dtype.itemsize, OFFSETS: (PARTS[self.kind] * self.records + 1) * 8}}
         atomic_write_json(self.folder / MANIFEST, full)
+        os.chmod(self.folder / MANIFEST, 0o644)  # readable like the arrays (a temporary file is private)
         return self.folder
 
     def abort(self) -> None:
