@@ -215,7 +215,8 @@ def run(args) -> None:
                                "--sample-every", "0", "--out", str(run_dir), "--overwrite", "--quiet",
                                "--device", "cpu"], env)
             record({"what": "train_start", "store": store.name, "tokens": tokens, "wall_s": started["wall_s"],
-                    "peak_rss_mb": started["peak_main_rss_mb"], "load_before": started["load_before"],
+                    "cpu_s": started["cpu_s"], "peak_rss_mb": started["peak_main_rss_mb"],
+                    "load_before": started["load_before"],
                     **conditions()})
             if args.delete:
                 import shutil
@@ -239,7 +240,7 @@ def report(args) -> None:
               f"| {r['bytes_per_token']:.3f} | {r['load_before'][0]:.1f} |")
     print()
     print("| store | tokens | open + split + first batch (packed / document) | RSS added (packed / document) "
-          "| batch fetch, 64 x 1024 (packed / document) | `train --steps 1`: wall, peak RSS |")
+          "| batch fetch, 64 x 1024 (packed / document) | `train --steps 1`: wall, CPU, peak RSS |")
     print("|---|---|---|---|---|---|")
     starts = {r["store"]: r for r in rows if r["what"] == "train_start"}
     for r in (r for r in rows if r["what"] == "open"):
@@ -248,7 +249,7 @@ def report(args) -> None:
         print(f"| {r['store']} | {r['tokens'] / 1e6:,.1f}M | {p['open_split_first_batch_s']:.2f} / "
               f"{d['open_split_first_batch_s']:.2f} s | {p['rss_added_mb']:.0f} / {d['rss_added_mb']:.0f} MB "
               f"| {p['batch_ms']:.2f} / {d['batch_ms']:.2f} ms | {s.get('wall_s', float('nan')):.1f} s, "
-              f"{s.get('peak_rss_mb', float('nan')) / 1024:.2f} GB |")
+              f"{s.get('cpu_s', float('nan')):.1f} s, {s.get('peak_rss_mb', float('nan')) / 1024:.2f} GB |")
 
 
 def main() -> None:

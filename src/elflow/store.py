@@ -378,30 +378,25 @@ class StoreRows:
         L, s = self._length, self.store
         pos = np.arange(L, dtype=np.int64)[None, :]  # (1, L)
         if self.layout == "packed":
-            tokens = np.asarray(s.ids[rows[:, None] * L + pos])  # (B, L)
-            ones = torch.ones(tokens.shape, dtype=torch.bool)
-            return {"tokens": torch.from_numpy(tokens.astype(np.int64)), "mask": ones, "attention_mask": ones.clone()}
-        if self.layout == "document":
-            start = np.asarray(s.offsets[rows])[:, None]
-            n = np.minimum(np.asarray(s.offsets[rows + 1])[:, None] - start, L)  # real tokens per row (B, 1)
-            real = pos < n
+            tokens = np.asarray(s.ids[rows[:, None] * L + pos]).astype(np.int64)  # (B, L)
+            out = {"tokens": tokens, "mask": np.ones(tokens.shape, bool), "attention_mask": np.ones(tokens.shape, bool)}
+        elif self.layout == "document":
+            start, end = np.asarray(s.offsets[rows])[:, None], np.asarray(s.offsets[rows + 1])[:, None]
+            real = pos < np.minimum(end - start, L)  # (B, L): the document's tokens, its EOS included
             tokens = np.where(real, s.ids[np.where(real, start + pos, 0)], s.pad_id).astype(np.int64)
-            cut = (np.asarray(s.offsets[rows + 1]) - start[:, 0]) > L
-            tokens[cut, L - 1] = s.eos_id  # a cut document keeps its EOS
-            attention = torch.from_numpy(real)
-            mask = torch.ones_like(attention) if self.pad_in_loss else attention.clone()
-            return {"tokens": torch.from_numpy(tokens), "mask": mask, "attention_mask": attention}
-        s0 = np.asarray(s.offsets[2 * rows])[:, None]
-        s1 = np.asarray(s.offsets[2 * rows + 1])[:, None]
-        end = np.asarray(s.offsets[2 * rows + 2])[:, None]
-        src = np.minimum(s1 - s0, self.source_length)  # (B, 1)
-        total = np.minimum(src + end - s1, L)
-        known, valid = pos < src, pos < total
-        where = np.where(known, s0 + pos, s1 + pos - src)
-        tokens = np.where(valid, s.ids[np.where(valid, where, 0)], s.pad_id).astype(np.int64)
-        valid_t = torch.from_numpy(valid)
-        return {"tokens": torch.from_numpy(tokens), "mask": torch.ones_like(valid_t), "attention_mask": valid_t,
-                "known": torch.from_numpy(known)}
+            tokens[(end - start)[:, 0] > L, L - 1] = s.eos_id  # a cut document keeps its EOS
+            out = {"tokens": tokens, "mask": np.ones(real.shape, bool) if self.pad_in_loss else real.copy(),
+                   "attention_mask": real}
+        else:
+            s0 = np.asarray(s.offsets[2 * rows])[:, None]
+            s1 = np.asarray(s.offsets[2 * rows + 1])[:, None]
+            end = np.asarray(s.offsets[2 * rows + 2])[:, None]
+            src = np.minimum(s1 - s0, self.source_length)  # (B, 1)
+            known, valid = pos < src, pos < np.minimum(src + end - s1, L)
+            where = np.where(known, s0 + pos, s1 + pos - src)
+            tokens = np.where(valid, s.ids[np.where(valid, where, 0)], s.pad_id).astype(np.int64)
+            out = {"tokens": tokens, "mask": np.ones(valid.shape, bool), "attention_mask": valid, "known": known}
+        return {k: torch.from_numpy(v) for k, v in out.items()}  # numpy does the work: no thread pool
 
     def _all(self, key: str):
         return self.batch(np.arange(len(self)))[key]
