@@ -114,15 +114,17 @@ def _tree(pid: int) -> list[int]:
     return out
 
 
-def _rss(pid: int) -> int:
+def _rss(pid: int) -> tuple[int, int]:
+    """(resident bytes, of which anonymous) of a process; the rest is mapped files (the page cache)."""
+    out = {}
     try:
         with open(f"/proc/{pid}/status") as f:
             for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
+                if line.startswith(("VmRSS:", "RssAnon:")):
+                    out[line.split(":")[0]] = int(line.split()[1]) * 1024
     except OSError:
         pass
-    return 0
+    return out.get("VmRSS", 0), out.get("RssAnon", 0)
 
 
 def measure(cmd: list[str], env=None) -> dict:
@@ -131,10 +133,12 @@ def measure(cmd: list[str], env=None) -> dict:
     load = os.getloadavg()
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    peak_tree = peak_main = 0
+    peak_tree = peak_main = peak_anon = 0
     while proc.poll() is None:
         rss = [_rss(p) for p in _tree(proc.pid)]
-        peak_tree, peak_main = max(peak_tree, sum(rss)), max(peak_main, rss[0] if rss else 0)
+        peak_tree = max(peak_tree, sum(r for r, _ in rss))
+        peak_main = max(peak_main, rss[0][0] if rss else 0)
+        peak_anon = max(peak_anon, sum(a for _, a in rss))
         time.sleep(0.05)
     out, err = proc.communicate()
     wall = time.perf_counter() - t0
@@ -144,6 +148,7 @@ def measure(cmd: list[str], env=None) -> dict:
     return {"wall_s": round(wall, 2), "cpu_s": round((after.ru_utime - before.ru_utime)
                                                       + (after.ru_stime - before.ru_stime), 2),
             "peak_tree_rss_mb": round(peak_tree / 2**20, 1), "peak_main_rss_mb": round(peak_main / 2**20, 1),
+            "peak_tree_anon_mb": round(peak_anon / 2**20, 1),
             "max_process_rss_mb": round(after.ru_maxrss / 1024, 1), "load_before": [round(x, 2) for x in load],
             "load_after": [round(x, 2) for x in os.getloadavg()], "stdout": out[-2000:]}
 
@@ -155,12 +160,14 @@ import torch
 from elflow.data import Batches
 from elflow.encoders import build_space
 from elflow.ingest import build_dataset
-def rss():
-    return int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0]) * 1024
+def rss(key="RssAnon"):
+    return int(open("/proc/self/status").read().split(key + ":")[1].split()[0]) * 1024
 space = build_space({"kind": "tokens", "of": {"kind": "hf", "name": "minilm"}})
-base, t_import = rss(), time.perf_counter() - t0
+base, base_file, t_import = rss(), rss("RssFile"), time.perf_counter() - t0
 out = {"import_s": round(t_import, 2)}
-for layout in ("packed", "document"):
+import json as _json
+records = _json.load(open(sys.argv[1] + "/manifest.json"))["records"]
+for layout in ("packed", "document") if records >= 128 else ("packed",):  # a single document: no document rows
     t1 = time.perf_counter()
     train, val = build_dataset(sys.argv[1], space, 1024, layout=layout, val_fraction=0.0005, seed=0)
     batches = Batches(train, 64, seed=0)
@@ -171,8 +178,9 @@ for layout in ("packed", "document"):
         b = next(batches)
     out[layout] = {"rows": len(train), "open_split_first_batch_s": round(t_open, 3),
                    "batch_ms": round((time.perf_counter() - t2) / 50 * 1e3, 3),
-                   "rss_added_mb": round((rss() - base) / 2**20, 1)}
-out["rss_mb"] = round(rss() / 2**20, 1)
+                   "anon_added_mb": round((rss() - base) / 2**20, 1),
+                   "file_added_mb": round((rss("RssFile") - base_file) / 2**20, 1)}
+out["rss_mb"] = round(rss("VmRSS") / 2**20, 1)
 print(json.dumps(out))
 """
 
@@ -207,24 +215,39 @@ def run(args) -> None:
                    "tokens_per_cpu_s": round(tokens / max(m["cpu_s"], 1e-9)),
                    "main_cpu_s": main_cpu, **{k: v for k, v in m.items() if k != "stdout"}, **conditions()}
             record(rec)
-            opened = measure([sys.executable, "-c", OPEN_SCRIPT, str(store)], env)
-            record({"what": "open", "store": store.name, "tokens": tokens, **json.loads(opened["stdout"]),
-                    "wall_s": opened["wall_s"], "peak_rss_mb": opened["peak_main_rss_mb"], **conditions()})
-            run_dir = folder / f"run-{store.name}"
-            started = measure(["elflow", "train", "--defaults", "quickstart", "--data", str(store), "--steps", "1",
-                               "--sample-every", "0", "--out", str(run_dir), "--overwrite", "--quiet",
-                               "--device", "cpu"], env)
-            record({"what": "train_start", "store": store.name, "tokens": tokens, "wall_s": started["wall_s"],
-                    "cpu_s": started["cpu_s"], "peak_rss_mb": started["peak_main_rss_mb"],
-                    "load_before": started["load_before"],
-                    **conditions()})
+            measure_store(folder, store, tokens, env)
             if args.delete:
                 import shutil
 
                 shutil.rmtree(store, ignore_errors=True)
-                shutil.rmtree(run_dir, ignore_errors=True)
+                shutil.rmtree(folder / f"run-{store.name}", ignore_errors=True)
         if args.delete:
             corpus.unlink()
+
+
+def measure_store(folder: Path, store: Path, tokens: int, env) -> None:
+    """Open a store as training does, then start a one-step training on it."""
+    opened = measure([sys.executable, "-c", OPEN_SCRIPT, str(store)], env)
+    record({"what": "open", "store": store.name, "tokens": tokens, **json.loads(opened["stdout"]),
+            "wall_s": opened["wall_s"], "peak_rss_mb": opened["peak_main_rss_mb"], **conditions()})
+    run_dir = folder / f"run-{store.name}"
+    started = measure(["elflow", "train", "--defaults", "quickstart", "--data", str(store), "--steps", "1",
+                       "--sample-every", "0", "--out", str(run_dir), "--overwrite", "--quiet",
+                       "--device", "cpu"], env)
+    record({"what": "train_start", "store": store.name, "tokens": tokens, "wall_s": started["wall_s"],
+            "cpu_s": started["cpu_s"], "peak_rss_mb": started["peak_main_rss_mb"],
+            "peak_anon_mb": started["peak_tree_anon_mb"], "load_before": started["load_before"],
+            **conditions()})
+
+
+def reopen(args) -> None:
+    """`measure_store` again for stores already in --dir (named store-*)."""
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    folder = Path(args.dir)
+    for name in args.stores:
+        store = folder / name
+        tokens = json.loads((store / "manifest.json").read_text())["tokens"]
+        measure_store(folder, store, tokens, env)
 
 
 def report(args) -> None:
@@ -261,9 +284,12 @@ def main() -> None:
     r.add_argument("--dir", default=".bench", help="where corpora and stores are written (default: .bench)")
     r.add_argument("--text", action="store_true", help="one .txt file (a single document) instead of a .jsonl")
     r.add_argument("--delete", action="store_true", help="delete each corpus and store once measured")
+    o = sub.add_parser("reopen", help="open stores already prepared and start a training on each")
+    o.add_argument("stores", nargs="+", help="store folder names inside --dir")
+    o.add_argument("--dir", default=".bench", help="where the stores are (default: .bench)")
     sub.add_parser("report", help="print the tables of benchmarks/results/data_scale.jsonl")
     args = p.parse_args()
-    run(args) if args.cmd == "run" else report(args)
+    {"run": run, "reopen": reopen, "report": report}[args.cmd](args)
 
 
 if __name__ == "__main__":

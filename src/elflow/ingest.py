@@ -49,6 +49,8 @@ __all__ = ["CHUNK_BYTES", "PREPARE_TIMEOUT", "prepare_store", "text_store", "pai
            "build_dataset", "build_pairs", "auto_workers"]
 
 CHUNK_BYTES = 1 << 20  # text per task
+PIECE_CHARS = 1 << 16  # the longest text a tokenizer call sees
+GROUP_CHARS = 1 << 18  # text per tokenizer call
 STORE_KEY_VERSION = 1  # bump when what a cached store holds changes
 PREPARE_TIMEOUT = timedelta(days=7)  # how long the other ranks wait for rank 0's preparation
 WINDOW = 2  # tasks in flight per worker
@@ -113,13 +115,23 @@ def _cut_pieces(data, size: int, pattern) -> list:
 
 
 def _tokenize(space, texts: list[str], max_chars: int) -> list[np.ndarray]:
-    """Each text's ids followed by EOS; a text longer than `max_chars` is tokenized in pieces."""
+    """Each text's ids followed by EOS. Texts are cut into pieces of about `max_chars` (at most PIECE_CHARS:
+    tokenizers are faster on pieces of tens of KB than on one long string), and tokenized GROUP_CHARS at a
+    time, which bounds the tokenizer's own memory."""
+    size = min(max_chars, PIECE_CHARS)
     pieces, owner = [], []
     for i, text in enumerate(texts):
-        for piece in _cut_pieces(text, max_chars, _CUT_TEXT) if len(text) > max_chars else [text]:
+        for piece in _cut_pieces(text, size, _CUT_TEXT) if len(text) > size else [text]:
             pieces.append(piece)
             owner.append(i)
-    ids = space.tokenize(pieces, eos=False) if pieces else []
+    ids, group, chars = [], [], 0
+    for piece in pieces + [None]:
+        if piece is None or (group and chars + len(piece) > GROUP_CHARS):
+            ids.extend(space.tokenize(group, eos=False) if group else [])
+            group, chars = [], 0
+        if piece is not None:
+            group.append(piece)
+            chars += len(piece)
     out: list[list] = [[] for _ in texts]
     for i, row in zip(owner, ids):
         out[i].append(np.asarray(row, dtype=np.int64))
