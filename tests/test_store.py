@@ -339,7 +339,11 @@ def test_a_full_disk_is_one_line_and_leaves_nothing(tmp_path, monkeypatch, corpo
     monkeypatch.setattr(StoreWriter, "_write_ids", full)
     with pytest.raises(ELFError, match=r"^no space left on the device of .*free some space or choose another --out"):
         prepare_store(corpora["jsonl"], CharSpace(), tmp_path / "s", chunk_bytes=100, workers=1)
-    assert list((tmp_path / "s").iterdir()) == []
+    assert not (tmp_path / "s").exists()  # the folder it made goes too
+    (tmp_path / "t").mkdir()
+    with pytest.raises(ELFError, match="no space left"):
+        prepare_store(corpora["jsonl"], CharSpace(), tmp_path / "t", chunk_bytes=100, workers=1)
+    assert list((tmp_path / "t").iterdir()) == []  # a folder that was there stays, empty
 
 
 def test_a_failed_or_killed_prepare_leaves_no_store_that_looks_complete(tmp_path):
@@ -355,7 +359,7 @@ def test_a_failed_or_killed_prepare_leaves_no_store_that_looks_complete(tmp_path
 
     with pytest.raises(KeyboardInterrupt):
         prepare_store(src, Failing(), tmp_path / "a", chunk_bytes=200, workers=1)
-    assert list((tmp_path / "a").iterdir()) == []
+    assert not (tmp_path / "a").exists()
     # killed (SIGKILL) in the middle: the partial arrays stay, without a manifest, and are refused
     out, log = tmp_path / "b", tmp_path / "calls.log"
     code = ("import sys; sys.path[:0] = %r\nfrom helpers import SlowSpace\nfrom elflow.ingest import prepare_store\n"

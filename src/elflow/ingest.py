@@ -468,6 +468,7 @@ def prepare_store(source, space, out, *, pairs: bool = False, layout: str = "pac
     workers = auto_workers(how.get("total"), chunk_bytes) if workers is None else int(workers)
     if workers < 1:
         raise ELFError(f"--workers must be at least 1, got {workers}")
+    created = not out.exists()
     lock = store_lock(out, wait=False)
     if lock is None:
         raise ELFError(f"{out} is being written by another `elflow prepare`; wait for it, or choose another --out")
@@ -517,6 +518,8 @@ def prepare_store(source, space, out, *, pairs: bool = False, layout: str = "pac
         except FileNotFoundError:
             pass
         lock.close()
+        if created and writer is not None:  # failed: a folder this call made goes again
+            shutil.rmtree(out, ignore_errors=True)
     return TokenStore(out)
 
 

@@ -67,7 +67,7 @@ def run(args) -> int:
                           progress=not args.quiet, cache_dir=args.cache_dir, space_name=args.space)
     m = store.manifest
     size = sum(m["bytes"].values())
-    what = "pairs" if pairs else "documents"
+    what = ("pair" if pairs else "document") + ("" if store.count == 1 else "s")
     print(f"prepared {out}: {store.count:,} {what}, {store.num_tokens:,} tokens ({m['dtype']}, "
           f"{size / max(store.num_tokens, 1):.2f} bytes per token, {size / 2**20:,.1f} MiB) in "
           f"{m['build']['seconds']:.1f} s on {m['build']['workers']} worker(s)")
