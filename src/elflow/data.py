@@ -38,6 +38,7 @@ from dataclasses import dataclass, field as dc_field
 from pathlib import Path
 from typing import Iterator
 
+import numpy as np
 import torch
 
 from elflow.utils import ELFError, cache_root
@@ -547,9 +548,10 @@ def split_rows(full, val_fraction: float, seed: int):
         raise ELFError(f"only {n} sequences: too few for a training split and a validation split of "
                        f"{val_fraction:.0%}; use more text, a shorter --length, or --val-fraction 0")
     gen = torch.Generator().manual_seed(int(seed))
-    perm = torch.randperm(n, generator=gen)
-    val_idx, _ = perm[:n_val].sort()
-    train_idx, _ = perm[n_val:].sort()
+    perm = torch.randperm(n, generator=gen).numpy()
+    # np.sort: the sorted values without the int64 index array that torch.sort makes beside them
+    val_idx, train_idx = torch.from_numpy(np.sort(perm[:n_val])), torch.from_numpy(np.sort(perm[n_val:]))
+    del perm
     train, val = full.subset(train_idx), full.subset(val_idx)
     train.info["split"], val.info["split"] = "train", "val"
     return train, val
@@ -700,7 +702,10 @@ class Batches:
     def _permutation(self, epoch: int) -> torch.Tensor:
         if self._order_epoch != epoch:
             gen = torch.Generator().manual_seed(_epoch_seed(self.seed, epoch))
-            self._order, self._order_epoch = torch.randperm(len(self.dataset), generator=gen), epoch
+            order = torch.randperm(len(self.dataset), generator=gen)
+            # kept as int32 where the rows fit (4 bytes a row); the values are the same
+            self._order = order.to(torch.int32) if len(order) < 2**31 else order
+            self._order_epoch = epoch
         return self._order
 
     def __next__(self) -> dict:
@@ -716,7 +721,7 @@ class Batches:
             idx = torch.cat([idx, order.repeat(need // len(order) + 1)[:need]])
         mine = idx[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
         self.position += 1
-        return self.dataset.batch(mine)
+        return self.dataset.batch(mine.long())
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed,

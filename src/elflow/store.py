@@ -368,13 +368,15 @@ class StoreRows:
     def subset(self, idx) -> "StoreRows":
         idx = _as_index(idx)
         index = idx if self.index is None else self.index[idx]
+        if len(index) and int(index.max()) < 2**31:
+            index = index.astype(np.int32)  # 4 bytes a row
         return StoreRows(self.store, self.layout, self._length, self.pad_in_loss, self.source_length, index,
                          self.info)
 
     def batch(self, idx) -> dict:
         rows = _as_index(idx)
         if self.index is not None:
-            rows = self.index[rows]
+            rows = self.index[rows].astype(np.int64)
         L, s = self._length, self.store
         pos = np.arange(L, dtype=np.int64)[None, :]  # (1, L)
         if self.layout == "packed":
