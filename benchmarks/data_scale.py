@@ -18,6 +18,7 @@ average before and after (the machine is shared: wall times are slowed by other 
 
     python benchmarks/data_scale.py run --sizes 10M 100M 1G --workers 2 --dir .bench --delete
     python benchmarks/data_scale.py run --sizes 100M --text      # one 100 MB .txt file (a single document)
+    python benchmarks/data_scale.py rows store-5G-w2 --length 128   # millions of rows: the index's cost
     python benchmarks/data_scale.py report
 """
 
@@ -185,6 +186,38 @@ print(json.dumps(out))
 """
 
 
+ROWS_SCRIPT = r"""
+import json, sys, time
+from elflow.data import Batches
+from elflow.encoders import build_space
+from elflow.ingest import build_dataset
+def rss(key="RssAnon"):
+    return int(open("/proc/self/status").read().split(key + ":")[1].split()[0]) * 1024
+space = build_space({"kind": "tokens", "of": {"kind": "hf", "name": "minilm"}})
+base = rss()
+t = time.perf_counter()
+train, val = build_dataset(sys.argv[1], space, int(sys.argv[2]), val_fraction=0.0005, seed=0)
+t_split = time.perf_counter() - t
+after_split = rss()
+batches = Batches(train, 64, seed=0)
+next(batches)
+print(json.dumps({"rows": len(train) + len(val), "split_s": round(t_split, 2),
+                  "split_and_first_batch_s": round(time.perf_counter() - t, 2),
+                  "anon_after_split_mb": round((after_split - base) / 2**20, 1),
+                  "anon_after_first_batch_mb": round((rss() - base) / 2**20, 1),
+                  "peak_mb": round(int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0]) / 1024, 1)}))
+"""
+
+
+def rows(args) -> None:
+    """Open a store at a short L, for many rows: the split's and the permutation's cost per row."""
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    store = Path(args.dir) / args.store
+    m = measure([sys.executable, "-c", ROWS_SCRIPT, str(store), str(args.length)], env)
+    record({"what": "rows", "store": store.name, "length": args.length, **json.loads(m["stdout"]),
+            "wall_s": m["wall_s"], **conditions()})
+
+
 def record(rec: dict) -> None:
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     with open(RESULTS, "a") as f:
@@ -251,28 +284,38 @@ def reopen(args) -> None:
 
 
 def report(args) -> None:
+    """The tables of RESULTS.md, from the last record of each kind per corpus / store."""
     rows = [json.loads(line) for line in RESULTS.read_text().splitlines() if line.strip()]
-    prep = [r for r in rows if r["what"] == "prepare"]
-    print("| corpus | tokens | workers | wall | CPU (tree) | tokens/s per worker-CPU-s | peak RSS (tree / main) "
-          "| bytes/token | load before |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in prep:
-        print(f"| {r['corpus']} ({r['corpus_bytes'] / 1e6:,.0f} MB) | {r['tokens'] / 1e6:,.1f}M | {r['workers']} "
-              f"| {r['wall_s']:,.0f} s | {r['cpu_s']:,.0f} s | {r['tokens_per_cpu_s'] / 1e3:,.0f}k "
-              f"| {r['peak_tree_rss_mb'] / 1024:.2f} / {r['peak_main_rss_mb'] / 1024:.2f} GB "
-              f"| {r['bytes_per_token']:.3f} | {r['load_before'][0]:.1f} |")
+    last = {}
+    for r in rows:
+        last[(r["what"], r.get("corpus"), r.get("store"), r.get("workers"))] = r
+    print("| corpus | documents | tokens | workers | wall | CPU, all processes | tokens per CPU-second | peak RSS: all "
+          "processes (main) | bytes per token | load average |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in (v for k, v in last.items() if k[0] == "prepare"):
+        print(f"| {r['corpus']} ({r['corpus_bytes'] / 1e6:,.0f} MB) | {r['documents']:,} | {r['tokens'] / 1e6:,.1f}M "
+              f"| {r['workers']} | {r['wall_s']:,.0f} s | {r['cpu_s']:,.0f} s | {r['tokens_per_cpu_s'] / 1e3:,.0f}k "
+              f"| {r['peak_tree_rss_mb'] / 1024:.2f} ({r['peak_main_rss_mb'] / 1024:.2f}) GB "
+              f"| {r['bytes_per_token']:.3f} | {r['load_before'][0]:.1f}-{r['load_after'][0]:.1f} |")
     print()
-    print("| store | tokens | open + split + first batch (packed / document) | RSS added (packed / document) "
-          "| batch fetch, 64 x 1024 (packed / document) | `train --steps 1`: wall, CPU, peak RSS |")
-    print("|---|---|---|---|---|---|")
-    starts = {r["store"]: r for r in rows if r["what"] == "train_start"}
-    for r in (r for r in rows if r["what"] == "open"):
+    print("| store | rows at L = 1024 (packed / document) | open + split + first batch | memory added: anonymous "
+          "(mapped store pages) | batch of 64 x 1024 | `train --steps 1`: wall, CPU, peak RSS (anonymous) "
+          "| load average |")
+    print("|---|---|---|---|---|---|---|")
+    starts = {k[2]: v for k, v in last.items() if k[0] == "train_start"}
+    for r in (v for k, v in last.items() if k[0] == "open"):
         s = starts.get(r["store"], {})
-        p, d = r["packed"], r["document"]
-        print(f"| {r['store']} | {r['tokens'] / 1e6:,.1f}M | {p['open_split_first_batch_s']:.2f} / "
-              f"{d['open_split_first_batch_s']:.2f} s | {p['rss_added_mb']:.0f} / {d['rss_added_mb']:.0f} MB "
-              f"| {p['batch_ms']:.2f} / {d['batch_ms']:.2f} ms | {s.get('wall_s', float('nan')):.1f} s, "
-              f"{s.get('cpu_s', float('nan')):.1f} s, {s.get('peak_rss_mb', float('nan')) / 1024:.2f} GB |")
+        p, d = r["packed"], r.get("document")
+
+        def both(key, fmt, unit=""):
+            return f"{fmt.format(p[key])}" + (f" / {fmt.format(d[key])}" if d else "") + unit
+
+        mem = (f"{p['anon_added_mb']:.0f} ({p['file_added_mb']:.0f})"
+               + (f" / {d['anon_added_mb']:.0f} ({d['file_added_mb']:.0f})" if d else "") + " MB")
+        print(f"| {r['store']} | {both('rows', '{:,}')} | {both('open_split_first_batch_s', '{:.2f}', ' s')} "
+              f"| {mem} | {both('batch_ms', '{:.1f}', ' ms')} | {s.get('wall_s', float('nan')):.0f} s, "
+              f"{s.get('cpu_s', float('nan')):.0f} s, {s.get('peak_rss_mb', float('nan')) / 1024:.2f} "
+              f"({s.get('peak_anon_mb', float('nan')) / 1024:.2f}) GB | {r['load'][0]:.1f} |")
 
 
 def main() -> None:
@@ -287,9 +330,13 @@ def main() -> None:
     o = sub.add_parser("reopen", help="open stores already prepared and start a training on each")
     o.add_argument("stores", nargs="+", help="store folder names inside --dir")
     o.add_argument("--dir", default=".bench", help="where the stores are (default: .bench)")
+    w = sub.add_parser("rows", help="the cost per row of a store's split and batch permutation, at a short L")
+    w.add_argument("store", help="a store folder name inside --dir")
+    w.add_argument("--length", type=int, default=128, help="the row length (default: 128)")
+    w.add_argument("--dir", default=".bench", help="where the store is (default: .bench)")
     sub.add_parser("report", help="print the tables of benchmarks/results/data_scale.jsonl")
     args = p.parse_args()
-    {"run": run, "reopen": reopen, "report": report}[args.cmd](args)
+    {"run": run, "reopen": reopen, "rows": rows, "report": report}[args.cmd](args)
 
 
 if __name__ == "__main__":
