@@ -18,13 +18,14 @@ from __future__ import annotations
 import functools
 import math
 import warnings
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from elflow.schedules import sample_decode_level, sample_guidance, sample_time, time_grid
+from elflow.utils import Record
 
 __all__ = [
     "Recipe", "Draw", "decode_levels", "draw_training_noise", "elf_loss", "TIME_BINS", "time_bin", "time_bin_labels",
@@ -34,8 +35,9 @@ __all__ = [
 
 
 @dataclass(frozen=True)
-class Recipe:
-    """The training recipe's constants (released OpenWebText values by default)."""
+class Recipe(Record):
+    """The training recipe's constants (released OpenWebText values by default); `from_dict` refuses a key that
+    is none of them."""
 
     noise_scale: float = 2.0
     t_eps: float = 0.05
@@ -48,14 +50,6 @@ class Recipe:
     source_drop_prob: float = 0.1  # conditional data only
     t_mean: float = -1.5  # training times t = sigmoid(N(t_mean, t_std^2))
     t_std: float = 0.8
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "Recipe":
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in known})
 
 
 TIME_BINS = (0.0, 0.1, 0.2, 0.3, 0.5, 1.0)  # edges of the time bins the denoising loss is logged in
