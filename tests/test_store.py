@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -269,8 +270,8 @@ def small_store(tmp_path):
 def test_a_store_of_another_tokenizer_is_refused(small_store):
     other = CharSpace()
     other.tokenizer_id, other.name = "chars-v2", "other"
-    with pytest.raises(ELFError, match=r"was prepared with tokenizer chars-v1, but --space 'other' has tokenizer "
-                                       r"chars-v2"):
+    with pytest.raises(ELFError, match=r"was prepared with tokenizer chars-v1, but --space uses the tokenizer of "
+                                       r"'other' \(chars-v2\)"):
         build_dataset(small_store, other, 8)
 
 
@@ -300,6 +301,36 @@ def test_a_store_too_short_for_one_row_is_refused(small_store):
         build_dataset(small_store, CharSpace(), 1000)
     with pytest.raises(ELFError, match="holds text, not .source, target. pairs"):
         build_pairs(small_store, CharSpace(), 4, 8)
+
+
+@pytest.mark.parametrize("damage", ["tokenizer", "manifest", "truncated", "short"])
+def test_train_on_a_bad_store_says_so_in_one_line_and_writes_no_run(tmp_path, tiny_t5_dir, capsys, damage):
+    """`elflow train --data STORE` on each broken store: exit 2, one line naming what is wrong, no run folder."""
+    from elflow.cli import main
+
+    src, store, run = tmp_path / "a.txt", tmp_path / "store", tmp_path / "runs" / "x"
+    src.write_text("the king of love, sweet night. " * (1 if damage == "short" else 20))
+    assert main(["prepare", str(src), "--space", f"t5:{tiny_t5_dir}", "--out", str(store), "--quiet"]) == 0
+    space = f"t5:{tiny_t5_dir}"
+    if damage == "tokenizer":
+        space = "random-table:minilm"
+    elif damage == "manifest":
+        (store / "manifest.json").unlink()
+    elif damage == "truncated":
+        with open(store / "ids.bin", "r+b") as f:
+            f.truncate(10)
+    capsys.readouterr()
+    code = main(["train", "--preset", "tiny", "--data", str(store), "--space", space, "--length", "32", "--steps", "1",
+                 "--warmup", "0", "--out", str(run), "--cache-dir", str(tmp_path / "cache")])
+    err = capsys.readouterr().err.strip()
+    expected = {"tokenizer": r"was prepared with the tokenizer of 't5:.*' \(\w+\), but --space uses the "
+                             r"tokenizer of 'minilm' \(\w+\): train with the space the store was made for",
+                "manifest": "has no manifest.json: its prepare was stopped before it finished",
+                "truncated": r"ids.bin holds 10 bytes, but the manifest says [\d,]+ \([\d,]+ tokens",
+                "short": r"holds only \d+ tokens, shorter than one sequence of 32: use a smaller --length"}[damage]
+    assert code == 2 and len(err.splitlines()) == 1 and err.startswith("elflow train: error: "), err
+    assert re.search(expected, err), err
+    assert not (tmp_path / "runs").exists()  # nothing written: not even the folder
 
 
 def test_prepare_refuses_an_existing_out_and_overwrite_replaces_only_the_store(tmp_path, tiny_t5_dir, capsys):

@@ -48,8 +48,7 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from elflow.encoders import build_space
-    from elflow.train import space_spec
+    from elflow.encoders import build_space, space_spec
 
     if args.workers is not None and args.workers < 1:
         raise ELFError(f"--workers must be at least 1, got {args.workers}")

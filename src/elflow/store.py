@@ -293,9 +293,9 @@ class TokenStore:
         mine = getattr(space, "tokenizer_id", None)
         if mine != self.tokenizer_id:
             name = getattr(space, "name", None) or getattr(space, "label", "this space")
-            raise ELFError(f"{self.folder} was prepared with {self.describe_tokenizer()}, but {flag} {name!r} has "
-                           f"tokenizer {mine}: train with the space the store was made for, or prepare the store "
-                           f"again with `elflow prepare ... --space` of this run")
+            raise ELFError(f"{self.folder} was prepared with {self.describe_tokenizer()}, but {flag} uses the "
+                           f"tokenizer of {name!r} ({mine}): train with the space the store was made for, or "
+                           "prepare the store again with `elflow prepare ... --space` of this run")
 
     # --- records --------------------------------------------------------------------------------------
     def __len__(self) -> int:
