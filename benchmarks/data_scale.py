@@ -18,7 +18,8 @@ average before and after (the machine is shared: wall times are slowed by other 
 
     python benchmarks/data_scale.py run --sizes 10M 100M 1G --workers 2 --dir .bench --delete
     python benchmarks/data_scale.py run --sizes 100M --text      # one 100 MB .txt file (a single document)
-    python benchmarks/data_scale.py rows store-5G-w2 --length 128   # millions of rows: the index's cost
+    python benchmarks/data_scale.py reopen store-1G-w2              # open and start a training again
+    python benchmarks/data_scale.py rows store-1G-w2 --length 128   # millions of rows: the index's cost
     python benchmarks/data_scale.py report
 """
 
