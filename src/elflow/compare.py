@@ -162,7 +162,7 @@ def compare(cfg, out, steps: int | None = None, minutes: float | None = None, nu
 def _compare(cfg, out, steps, minutes, num, judge, elf_steps, omegas, ar_temperatures, mdlm_steps, seed, cache_dir,
              device, overwrite, judge_settings, quiet, printer) -> dict:
     from elflow.checkpoint import load_for_sampling
-    from elflow.data import build_dataset
+    from elflow.ingest import build_dataset
     from elflow.evaluate import sample_and_score
     from elflow.train import train
     from elflow.utils import check_device
