@@ -1061,6 +1061,9 @@ STATE_CASES = [
      lambda t, r, t5, c, k: _new_run(t5, c, k, f"{t}/nonexist/../x"), ["goes through", "nonexist", "does not exist"]),
     ("sample-omega-negative", "sample", lambda t, r, t5, c, k: _sample_args(r, t / "s.jsonl", "--omega", "-1"),
      ["omega must be a finite number >= 0"]),
+    ("sample-length-beyond-memory", "sample",
+     lambda t, r, t5, c, k: _sample_args(r, t / "s.jsonl", "--length", "10000000"),
+     ["--length 10000000", "needs", "more than the", "choose a smaller --length or --batch"]),
 ]
 
 
@@ -1178,3 +1181,57 @@ def test_init_from_the_run_being_overwritten(capsys, run_copy, tiny_t5_dir, tiny
     assert code == 0, err
     assert [p.name for p in list_checkpoints(run_copy)] == ["step_0000003"]
     assert json.loads((run_copy / "run.json").read_text())["train"]["seed"] == 2
+
+
+def test_a_warning_is_one_line_once(capsys, trained, tmp_path):
+    code, _, err = cli(capsys, _sample_args(trained, tmp_path / "s.jsonl", "--omega", "10"))
+    assert code == 0, err
+    assert [line for line in err.splitlines() if line.startswith("warning")] == [
+        "warning: omega 10.0 lies outside the range the model was trained on [0.5, 5.0]; results may be poor"]
+
+
+def test_temporaries_of_a_killed_writer_are_removed(capsys, trained, tmp_path):
+    import os
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    out = tmp_path / "s.jsonl"
+    left = tmp_path / f".s.jsonl.{dead.pid}.abcd1234.tmp"  # what SIGKILL during a write leaves
+    left.write_text("half")
+    os.utime(left, (0, 0))
+    running = tmp_path / f".s.jsonl.{os.getpid()}.efgh5678.tmp"  # a live writer's: kept
+    running.write_text("busy")
+    os.utime(running, (0, 0))
+    code, _, err = cli(capsys, _sample_args(trained, out))
+    assert code == 0, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([out.name, running.name])
+
+
+def test_a_checkpoint_removed_while_it_is_read_gives_way_to_the_next(capsys, run_copy, tmp_path, monkeypatch):
+    real = ckpt_mod.load_checkpoint
+    removed = []
+
+    def keep_1_of_a_running_training(ckpt, *a, **k):  # --keep deletes the newest-but-one just now
+        if not removed:
+            removed.append(Path(ckpt).name)
+            shutil.rmtree(ckpt)
+        return real(ckpt, *a, **k)
+    monkeypatch.setattr(ckpt_mod, "load_checkpoint", keep_1_of_a_running_training)
+    code, _, err = cli(capsys, _sample_args(run_copy, tmp_path / "s.jsonl"))
+    assert code == 0, err
+    assert removed == ["step_0000006"]
+    assert json.loads((tmp_path / "s.jsonl").read_text())["checkpoint"] == str(run_copy)
+
+
+def test_an_unwritable_checkpoints_folder_is_found_before_training(capsys, run_copy, cache):
+    ck = run_copy / "checkpoints"
+    r = subprocess.run(["chattr", "+i", str(ck)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"chattr +i is not available here ({(r.stderr or r.stdout).strip()})")
+    try:
+        before = tree_state(run_copy)
+        code, _, err = cli(capsys, _resume(run_copy, cache, "--steps", "8"))
+        assert_one_error(code, err, "train", f"{ck}: cannot write in it", "nothing was trained")
+        assert tree_state(run_copy) == before
+    finally:
+        subprocess.run(["chattr", "-i", str(ck)], check=False)

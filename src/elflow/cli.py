@@ -117,13 +117,20 @@ def _terminate(signum, frame):
     raise Terminated()
 
 
+_shown: set[str] = set()
+
+
 def _one_line_warnings(message, category, filename, lineno, file=None, line=None):
-    print(f"warning: {message}", file=sys.stderr)
+    """A warning as one line, each text once per command (a check made in two places warns once)."""
+    if str(message) not in _shown:
+        _shown.add(str(message))
+        print(f"warning: {message}", file=sys.stderr)
 
 
 def _one_line_signals_and_warnings(command: str):
     """SIGTERM becomes `Terminated`; a warning is one line, `warning: ...`. Returns what to restore."""
     previous = {"showwarning": warnings.showwarning}
+    _shown.clear()
     warnings.showwarning = _one_line_warnings
     try:
         previous["sigterm"] = signal.signal(signal.SIGTERM, _terminate)

@@ -11,7 +11,7 @@ from pathlib import Path
 from elflow.checkpoint import load_for_sampling
 from elflow.generate import add_sampling_arguments, read_sources, write_samples
 from elflow.methods import get_method, require, settings_from_args
-from elflow.utils import ELFError, atomic_write_json, check_device, check_output
+from elflow.utils import ELFError, atomic_write_json, check_device, check_memory, check_output
 
 __all__ = ["add_arguments", "run"]
 
@@ -44,6 +44,13 @@ def add_arguments(p) -> None:
     p.add_argument("--quiet", action="store_true", help="do not print the texts")
 
 
+def check_attention_memory(length: int, batch: int, heads: int, device) -> None:
+    """Refuse a --length whose attention scores (batch x heads x length^2 in fp32, as attention without a fused
+    kernel holds them) need more memory than the device has: any length the memory allows is sampled."""
+    check_memory(4 * batch * heads * length**2, f"--length {length} (attention over {length} positions, "
+                 f"{batch} samples x {heads} heads per batch)", device, hint="choose a smaller --length or --batch")
+
+
 def run(args) -> int:
     args.device = check_device(args.device)
     check_output(args.out, args.overwrite)  # before any work
@@ -66,6 +73,7 @@ def run(args) -> int:
         if value is not None:
             require(method, feature, flag, args.checkpoint)
     trained = loaded.settings.get("length") or loaded.net.config.max_length
+    check_attention_memory(args.length or trained, settings.batch_size, loaded.net.config.heads, args.device)
     if args.length is not None and args.length > trained:
         print(f"warning: --length {args.length} is longer than the {trained} positions the model was trained on; "
               "expect poorer samples", file=sys.stderr)
