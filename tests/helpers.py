@@ -1,5 +1,7 @@
-"""Small helpers shared by the tests: the reference vectors' folder, a tiny run's settings, a checkpoint's weights."""
+"""Small helpers shared by the tests: the reference vectors' folder, a tiny run's settings, a checkpoint's weights,
+a small file system to fill."""
 
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -108,3 +110,36 @@ def prepare_on_rank(rank: int, world: int, port: int, corpus: str, cache: str, l
         torch.save(train.tokens, f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
+
+
+@contextmanager
+def small_tmpfs(folder: Path, size: str = "12m"):
+    """A tmpfs of `size` mounted at `folder` (made here) for the block; skips the test with the reason where
+    mounting is not allowed (it needs root)."""
+    import os
+    import subprocess
+
+    folder.mkdir(parents=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)], capture_output=True,
+                       text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here ({(r.stderr or r.stdout).strip() or 'mount failed'})")
+    try:
+        yield folder
+    finally:
+        os.sync()
+        subprocess.run(["umount", "-l", str(folder)], check=False)
+
+
+def fill(fs: Path, leave: int = 0) -> Path:
+    """Take the free space of the file system of `fs` but `leave` bytes, in one file; returns it (delete it
+    to free the space)."""
+    import os
+
+    st = os.statvfs(fs)
+    free = st.f_bavail * st.f_frsize
+    filler = fs / "filler"
+    with open(filler, "wb") as f:
+        if free - leave > 0:
+            os.posix_fallocate(f.fileno(), 0, free - leave)
+    return filler

@@ -164,6 +164,24 @@ def test_saved_folder_loads_without_remote_code(tmp_path):
     assert res["max_length"] == TINY.context and res["num_samples"] == 2 and res["gen_ppl"] > 1
 
 
+def test_a_judge_saved_on_a_full_disk_leaves_its_folder_as_it_was(tmp_path):
+    from elflow.gpt2_tokenizer import tokenizer_from_ranks
+    from elflow.utils import NoSpace
+
+    from helpers import fill, small_tmpfs
+
+    tok = tokenizer_from_ranks({bytes([i]): i for i in range(256)}, model_max_length=TINY.context)
+    with small_tmpfs(tmp_path / "fs", "2m") as fs:
+        out = fs / "judge"
+        filler = fill(fs, 64 * 1024)  # room for a few small files, not for the weights
+        with pytest.raises(NoSpace, match=f"no space left on device while writing the judge into {out}"):
+            save_judge(tiny_judge(), tok, out, {})
+        assert list(out.iterdir()) == []  # no 0-byte config.json: a rerun is not refused as "not empty"
+        filler.unlink()
+        save_judge(tiny_judge(), tok, out, {})
+        assert (out / "config.json").stat().st_size > 0 and (out / "model.safetensors").exists()
+
+
 def test_train_judge_smoke(tmp_path, gpt2_tok, capsys):
     """`elflow train-judge` end to end on a small text: trains, saves, and the folder works as --judge."""
     from elflow.cli import main

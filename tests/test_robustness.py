@@ -20,7 +20,7 @@ from elflow.checkpoint import list_checkpoints, write_state
 from elflow.cli import main
 from elflow.train import TrainConfig, train
 
-from helpers import checkpoint_weights, tiny_config
+from helpers import checkpoint_weights, fill, small_tmpfs, tiny_config
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -816,32 +816,8 @@ def test_a_checkpoint_file_that_is_a_link_is_refused(capsys, tmp_path, trained):
 
 @pytest.fixture
 def small_fs(tmp_path):
-    """A 12 MiB tmpfs mounted at tmp_path/fs."""
-    import os
-
-    fs = tmp_path / "fs"
-    fs.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12m", "tmpfs", str(fs)], capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here ({(r.stderr or r.stdout).strip() or 'mount failed'})")
-    try:
+    with small_tmpfs(tmp_path / "fs") as fs:
         yield fs
-    finally:
-        os.sync()
-        subprocess.run(["umount", "-l", str(fs)], check=False)
-
-
-def fill(fs: Path, leave: int = 0) -> Path:
-    """Take the free space of `fs` but `leave` bytes, in one file; returns it (delete it to free the space)."""
-    import os
-
-    st = os.statvfs(fs)
-    free = st.f_bavail * st.f_frsize
-    filler = fs / "filler"
-    with open(filler, "wb") as f:
-        if free - leave > 0:
-            os.posix_fallocate(f.fileno(), 0, free - leave)
-    return filler
 
 
 @pytest.mark.parametrize("writer", ["safetensors", "torch.save"])
@@ -940,24 +916,28 @@ def _reshaped(run: Path) -> Path:
     return run
 
 
+class Payload:
+    """A pickle that, if it were ever unpickled, would write `marker`."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.write_text, (self.marker, "ran"))
+
+
 def _pickled_optimizer(run: Path) -> Path:
-    class Payload:
-        def __reduce__(self):
-            return (Path.write_text, (run.parent / "PWNED", "ran"))
     for ck in list_checkpoints(run):
-        torch.save({"optimizer": Payload()}, ck / "optimizer.pt")
+        torch.save({"optimizer": Payload(run.parent / "PWNED")}, ck / "optimizer.pt")
         _rehash_files(ck)
     return run
 
 
 def _pickled_judge(folder: Path) -> Path:
-    class Payload:
-        def __reduce__(self):
-            return (Path.write_text, (folder.parent / "PWNED", "ran"))
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 1, "n_embd": 8, "n_head": 2,
                                                     "n_positions": 16}))
-    torch.save({"transformer.wte.weight": Payload()}, folder / "pytorch_model.bin")
+    torch.save({"transformer.wte.weight": Payload(folder.parent / "PWNED")}, folder / "pytorch_model.bin")
     return folder
 
 
