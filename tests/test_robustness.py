@@ -1215,3 +1215,12 @@ def test_an_unwritable_checkpoints_folder_is_found_before_training(capsys, run_c
         assert tree_state(run_copy) == before
     finally:
         subprocess.run(["chattr", "-i", str(ck)], check=False)
+
+
+def test_sources_that_are_not_utf8_are_one_line(tmp_path):
+    from elflow.generate import read_sources
+
+    src = tmp_path / "src.jsonl"
+    src.write_bytes('{"input": "caf\u00e9"}\n'.encode("latin-1"))
+    with pytest.raises(utils.ELFError, match=r"src.jsonl:1: not UTF-8 text \(byte 0xe9 .*iconv"):
+        read_sources(str(src))
