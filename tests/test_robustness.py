@@ -1224,3 +1224,24 @@ def test_sources_that_are_not_utf8_are_one_line(tmp_path):
     src.write_bytes('{"input": "caf\u00e9"}\n'.encode("latin-1"))
     with pytest.raises(utils.ELFError, match=r"src.jsonl:1: not UTF-8 text \(byte 0xe9 .*iconv"):
         read_sources(str(src))
+
+
+def test_a_real_full_disk_during_eval_of_a_checkpoint_leaves_no_folder(capsys, small_fs, trained, tmp_path):
+    from elflow.gpt2_tokenizer import tokenizer_from_ranks
+    from elflow.judge import CausalJudge, JudgeConfig, save_judge
+
+    torch.manual_seed(0)
+    tok = tokenizer_from_ranks({bytes([i]): i for i in range(256)}, model_max_length=32)
+    judge = save_judge(CausalJudge(JudgeConfig(vocab_size=257, hidden=32, depth=1, heads=2, context=32,
+                                               eos_id=256)), tok, tmp_path / "judge")
+    capsys.readouterr()
+    out = small_fs / "ev"
+    argv = ["eval", "--checkpoint", trained, "--out", out, "--judge", judge, "--num", "2", "--steps", "1", "--json"]
+    filler = fill(small_fs)
+    code, _, err = cli(capsys, argv)
+    assert_one_error(code, err, "eval", "no space left on device while writing", str(out))
+    assert sorted(p.name for p in small_fs.iterdir()) == ["filler"]  # no empty folder left behind
+    filler.unlink()
+    code, stdout, err = cli(capsys, argv)
+    assert code == 0, err
+    assert json.loads(stdout)["gen_ppl"] > 1 and (out / "report.json").exists()

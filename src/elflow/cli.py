@@ -13,7 +13,7 @@ import sys
 import warnings
 
 import elflow  # the package itself, always loaded first: its version
-from elflow.utils import ELFError, check_seed
+from elflow.utils import ELFError, check_seed, disk_full
 
 # name -> (module, one-line help). Order is the order shown by `elflow --help`.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -90,6 +90,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except OSError as e:  # a system failure outside elflow's checks: one line, not a traceback
         where = f": {e.filename}" if e.filename else ""
+        if disk_full(e):
+            print(f"elflow {args.command}: error: no space left on device{where}; free some space, then run the "
+                  "command again", file=sys.stderr)
+            return 2
         print(f"elflow {args.command}: error: {e.strerror or e}{where}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

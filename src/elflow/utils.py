@@ -620,10 +620,16 @@ class FolderLock:
                 raise ELFError(self._refusal(holder)) from None
             except OSError as e:
                 raise ELFError(f"cannot take the lock {self.path} ({e.strerror or e})") from None
-            with os.fdopen(fd, "w") as f:
-                f.write(json.dumps(self.info) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
+            try:
+                with os.fdopen(fd, "w") as f:
+                    f.write(json.dumps(self.info) + "\n")
+                    f.flush()
+                    os.fsync(f.fileno())
+            except OSError as e:
+                self.path.unlink(missing_ok=True)
+                if disk_full(e):
+                    raise NoSpace(self.path) from None
+                raise ELFError(f"cannot write the lock {self.path} ({e.strerror or e})") from None
             self.held = True
             return self
         raise ELFError(f"cannot take the lock {self.path}: other commands keep taking it")
