@@ -335,7 +335,8 @@ def distill(teacher, out, student_steps=(16, 8, 4, 2, 1), teacher_steps: int = 6
     manifest = {"format": "elflow-distill-1", "teacher": info["checkpoint"], "teacher_space_id": info.get("space_id"),
                 "teacher_ema": info.get("ema", True), "student_steps": steps, "teacher_steps": teacher_steps,
                 "train": {k: cfg.to_dict()[k] for k in SAME_ON_RESUME}}
-    group = _process_group()  # under torchrun: one group for all rounds; rank 0 alone reads and writes OUT
+    # under torchrun: one group for all rounds; rank 0 alone reads and writes OUT
+    group = _process_group(cfg.dist_timeout)
     status = [None, None]
     if group is None or dist.get_rank() == 0:
         try:
@@ -383,13 +384,14 @@ def distill(teacher, out, student_steps=(16, 8, 4, 2, 1), teacher_steps: int = 6
     return rounds
 
 
-def _process_group():
-    """Under torchrun (WORLD_SIZE > 1) the process group every round trains in, else None."""
+def _process_group(timeout_minutes: float):
+    """Under torchrun (WORLD_SIZE > 1) the process group every round trains in (its collectives wait
+    `timeout_minutes`), else None."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return None
     from elflow.utils import setup_distributed
 
-    setup_distributed()
+    setup_distributed(timeout_minutes=timeout_minutes)
     return dist.group.WORLD
 
 

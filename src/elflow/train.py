@@ -463,19 +463,28 @@ def micro_batch_for(cfg: TrainConfig, world: int, stored: dict | None = None) ->
     other = (f", or give --micro-batch {smaller[0]} to continue with that micro-batch (the rest of the run then "
              "draws other noise than an uninterrupted run)" if smaller else "")
     raise ELFError(f"the run's --batch {cfg.batch} in micro-batches of {micro} rows does not split over {world} "
-                   f"ranks: resume it on {' or '.join(ranks)} ranks to continue exactly{other}")
+                   f"ranks: resume it on {' or '.join(ranks)} rank{'s' if ranks != ['1'] else ''} to continue "
+                   f"exactly{other}")
+
+
+SHARED_FOLDER_WAIT = 5.0  # seconds a rank looks for rank 0's lock (a network filesystem's caches lag)
 
 
 def shared_folder_check(out: Path, lock_text: str, host0: str) -> None:
     """ELFError unless this rank sees the lock rank 0 took in `out` (its text, broadcast): a run folder on
     several nodes must be one folder that every node sees."""
-    try:
-        seen = (out / FolderLock.NAME).read_text()
-    except OSError:
-        seen = None
+    deadline = time.monotonic() + SHARED_FOLDER_WAIT
+    while True:
+        try:
+            seen = (out / FolderLock.NAME).read_text()
+        except OSError:
+            seen = None
+        if seen == lock_text or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     if seen != lock_text:
         raise ELFError(f"--out {out} is not shared between the nodes: this node does not see the lock that rank 0 "
-                       f"(host {host0}) holds in it ({out / FolderLock.NAME} is "
+                       f"(host {host0}) holds in it ({(out / FolderLock.NAME).absolute()} is "
                        f"{'missing' if seen is None else 'another'} here). A run on several nodes needs a run "
                        "folder on a filesystem that every node mounts at the same path (NFS, Lustre, GPFS, ...)")
 
@@ -489,6 +498,7 @@ def claim_run(folder: RunFolder, cfg: TrainConfig, world: int, resume: bool, ove
     from elflow.checkpoint import latest_checkpoint
 
     out = folder.out
+    check_output(out, folder=True)
     folder.open()
     check_run_dir(out, cfg, resume, overwrite)
     stored = None
@@ -524,7 +534,6 @@ def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwr
     cfg = cfg.resolved()
     cfg.validate()
     device = check_device(device)
-    check_output(out, folder=True)
     method = get_method(cfg.method)
     if objective is not None:
         method = method.with_objective(objective)
@@ -543,7 +552,7 @@ def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwr
                   f"{lr_at(cfg.steps - 1, cfg.lr, cfg.warmup):.3g}, never reaching {cfg.lr:.3g}", file=sys.stderr)
         run = setup_run(cfg, method, rank, world, local, dev, cache_dir)
         if overwrite and (out / "run.json").exists():
-            on_rank0(folder.set_aside, rank, world, dev)
+            on_rank0(folder.set_aside, rank, world)
         ckpt = out / "checkpoints" / claim["checkpoint"] if claim["checkpoint"] else None
         start = restore(run, ckpt, quiet)
         if start == 0 and cfg.init_from:
@@ -556,7 +565,7 @@ def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwr
                                                  "world_size": world})
 
         try:
-            on_rank0(write_meta, rank, world, dev)
+            on_rank0(write_meta, rank, world)
         except OSError as e:
             if no_space_error(e):
                 raise no_space(e, out) from None

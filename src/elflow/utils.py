@@ -221,11 +221,13 @@ def setup_distributed(device: str | None = None, timeout_minutes: float | None =
 
 
 def use_tf32(device, enabled: bool) -> None:
-    """On a CUDA device, fp32 matmuls in TF32 (`enabled`) or in full fp32; CPUs are left as they are."""
+    """On a CUDA device, fp32 matmuls in TF32 (`enabled`) or in full fp32; CPUs are left as they are. Set
+    through `allow_tf32`, which keeps torch's global precision consistent with it (torch.compile reads that
+    one; setting the CUDA backend's alone makes reading the global an error)."""
     import torch
 
     if torch.device(device).type == "cuda":
-        torch.backends.cuda.matmul.fp32_precision = "tf32" if enabled else "ieee"
+        torch.backends.cuda.matmul.allow_tf32 = bool(enabled)
 
 
 def distributed() -> tuple[int, int]:
@@ -237,10 +239,10 @@ def distributed() -> tuple[int, int]:
     return 0, 1
 
 
-def on_rank0(fn, rank: int, world: int, device=None):
-    """Run `fn` on rank 0 only and return its result on every rank; if it failed there, every rank raises
-    (rank 0 its own error, the others an ELFError with its message), so that no rank waits for it forever.
-    `device` is unused: the result travels as an object (broadcast_object_list picks the backend's device)."""
+def on_rank0(fn, rank: int, world: int):
+    """Run `fn` on rank 0 only and return its result on every rank (a picklable object); if it failed there,
+    every rank raises (rank 0 its own error, the others an ELFError with its message), so that no rank waits
+    for it forever."""
     import torch.distributed as dist
 
     result, error = None, None
