@@ -126,3 +126,40 @@ def test_a_micro_batch_that_does_not_split_over_the_ranks_is_refused_with_the_fl
     with pytest.raises(ELFError, match=r"does not split over 4 ranks: resume it on 1 or 2 ranks to continue "
                                        r"exactly, or give --micro-batch 2"):
         micro_batch_for(cfg, 4, stored)
+
+
+def alone_and_on_two_ranks(args: list[str], one: list[str], two: list[str]) -> None:
+    """`elflow ARGS ONE` in this process and `elflow ARGS TWO` under torchrun with two Gloo ranks."""
+    assert main([*args, *one]) == 0
+    r = subprocess.run([*TORCHRUN, "--standalone", "--nproc-per-node", "2", "-m", "elflow.cli", *args, *two],
+                       env=ENV, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+def test_sampling_on_two_ranks_writes_the_file_of_one_process(setup, tmp_path):
+    """7 samples in batches of 2: rank 0 draws batches 0 and 2, rank 1 batches 1 and 3 (one row); rank 0 writes
+    them all, in order, as one process does with the same seed."""
+    _, full = setup
+    args = ["sample", str(full), "--num-samples", "7", "--batch", "2", "--steps", "4", "--seed", "3", "--device", "cpu",
+            "--quiet", "--out"]
+    alone_and_on_two_ranks(args, [str(tmp_path / "one.jsonl")], [str(tmp_path / "two.jsonl")])
+    one, two = ((tmp_path / f"{n}.jsonl").read_text().splitlines() for n in ("one", "two"))
+    assert len(one) == 7 and [json.loads(x)["index"] for x in two] == list(range(7))
+    assert one == two
+    assert len({json.loads(x)["text"] for x in one}) > 1  # the batches drew different noise
+
+
+def test_evaluation_on_two_ranks_samples_and_judges_as_one_process(setup, tiny_t5_judge_dir, tmp_path):
+    """`eval --checkpoint` under torchrun: sharded sampling (the same samples file) and a sharded judge (the same
+    per-seed numbers: each sample's NLL comes from one rank)."""
+    _, full = setup
+    args = ["eval", "--checkpoint", str(full), "--judge", str(tiny_t5_judge_dir), "--num-samples", "7",
+            "--batch", "2", "--batch-size", "2", "--steps", "4", "--seeds", "0", "1", "--device", "cpu", "--json", "--out"]
+    alone_and_on_two_ranks(args, [str(tmp_path / "one")], [str(tmp_path / "two")])
+    for seed in (0, 1):
+        name = f"samples_seed{seed}.jsonl"
+        assert (tmp_path / "one" / name).read_text() == (tmp_path / "two" / name).read_text()
+    one, two = (json.loads((tmp_path / n / "report.json").read_text()) for n in ("one", "two"))
+    for a, b in zip(one["per_seed"], two["per_seed"]):
+        assert a["num_samples"] == b["num_samples"] == 7 and a["num_tokens"] == b["num_tokens"] > 0
+        assert a["nll_sum"] == pytest.approx(b["nll_sum"], rel=1e-12) and a["gen_ppl"] == pytest.approx(b["gen_ppl"])

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from elflow.flow import Recipe, decode_levels, euler_step, row_index, token_nll
+from elflow.flow import Recipe, decode_levels, euler_step, row_index, to_device, token_nll
 from elflow.generate import distilled_defaults
 from elflow.schedules import T_MEAN, T_STD, sample_guidance, sample_time
 from elflow.utils import ELFError, atomic_write_json
@@ -110,7 +110,8 @@ def sample_sub_step_times(t_s, t_t, steps: int, generator: torch.Generator | Non
 
 @dataclass
 class DistillDraw:
-    """All randomness of one distillation batch (discrete choices on the CPU, as in flow.Draw)."""
+    """All randomness of one distillation batch, on the data's device (discrete choices drawn on the CPU and
+    their rows found there, as in flow.Draw)."""
 
     t: torch.Tensor  # (B,) student time t_s (1 on decode rows)
     t_next: torch.Tensor  # (B,) t_t = t_s + s (1 on decode rows)
@@ -118,10 +119,10 @@ class DistillDraw:
     eps: torch.Tensor  # (B, L, C) standard normal
     p: torch.Tensor  # (B, L, 1) decode corruption level
     sub_times: torch.Tensor  # (B, K + 1) the teacher's sub-step times
-    decode: torch.Tensor  # (B,) bool, CPU
-    self_cond: torch.Tensor  # (B,) bool, CPU, never on decode rows
-    drop_source: torch.Tensor  # (B,) bool, CPU: always False (the source stays in distillation)
-    decode_rows: torch.Tensor  # row indices on the data's device (flow.row_index): decode rows,
+    decode: torch.Tensor  # (B,) bool
+    self_cond: torch.Tensor  # (B,) bool, never on decode rows
+    drop_source: torch.Tensor  # (B,) bool: always False (the source stays in distillation)
+    decode_rows: torch.Tensor  # row indices (flow.row_index): decode rows,
     self_cond_rows: torch.Tensor  # self-conditioned rows,
     distill_rows: torch.Tensor  # and the other rows, whose target the teacher gives
 
@@ -141,13 +142,13 @@ def draw_distill_noise(shape, recipe: Recipe, step_size: float, teacher_steps: i
     t_s = u * max(1.0 - step_size, STEP_SIZE_FLOOR)
     t_t = t_s + step_size
     sub = sample_sub_step_times(t_s, t_t, teacher_steps, generator)
-    dec = decode.to(device)
-    t_s = torch.where(dec, torch.ones_like(t_s), t_s)
-    t_t = torch.where(dec, torch.ones_like(t_t), t_t)
+    rows = {"decode_rows": row_index(decode, device), "self_cond_rows": row_index(self_cond, device),
+            "distill_rows": row_index(~decode, device)}
+    decode, self_cond = to_device(decode, device), to_device(self_cond, device)
+    t_s = torch.where(decode, torch.ones_like(t_s), t_s)
+    t_t = torch.where(decode, torch.ones_like(t_t), t_t)
     return DistillDraw(t=t_s, t_next=t_t, omega=omega, eps=eps, p=p, sub_times=sub, decode=decode,
-                       self_cond=self_cond, drop_source=torch.zeros(B, dtype=torch.bool),
-                       decode_rows=row_index(decode, device), self_cond_rows=row_index(self_cond, device),
-                       distill_rows=row_index(~decode, device))
+                       self_cond=self_cond, drop_source=torch.zeros(B, dtype=torch.bool, device=device), **rows)
 
 
 def distill_loss(student, teacher, x, tokens, draw: DistillDraw, recipe: Recipe = Recipe(), valid=None,

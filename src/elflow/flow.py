@@ -28,7 +28,8 @@ from elflow.schedules import sample_decode_level, sample_guidance, sample_time, 
 from elflow.utils import Record
 
 __all__ = [
-    "Recipe", "Draw", "decode_levels", "draw_training_noise", "row_index", "token_nll", "elf_loss", "TIME_BINS", "time_bin", "time_bin_labels",
+    "Recipe", "Draw", "decode_levels", "draw_training_noise", "to_device", "row_index", "token_nll", "elf_loss",
+    "TIME_BINS", "time_bin", "time_bin_labels",
     "euler_step", "ode_step", "sde_step", "SAMPLERS", "check_sampling_args", "sample", "decode_tokens",
     "generate_tokens",
 ]
@@ -57,18 +58,19 @@ TIME_BINS = (0.0, 0.1, 0.2, 0.3, 0.5, 1.0)  # edges of the time bins the denoisi
 
 @dataclass
 class Draw:
-    """All randomness of one training batch. The discrete choices live on the CPU so that selecting rows
-    needs no device-to-host sync; the continuous draws live on the data's device."""
+    """All randomness of one training batch, on the data's device. The discrete choices are drawn on the CPU
+    and the rows they select are found there (`row_index`), so that selecting rows needs no device-to-host
+    sync; they reach the device by asynchronous copies (`to_device`)."""
 
     t: torch.Tensor  # (B,) flow time (1 on decode rows)
     omega: torch.Tensor  # (B,) guidance scale
     eps: torch.Tensor  # (B, L, C) standard normal; scaled by the branch's noise scale
     p: torch.Tensor  # (B, L, 1) decode corruption level (used on decode rows)
-    decode: torch.Tensor  # (B,) bool, CPU
-    self_cond: torch.Tensor  # (B,) bool, CPU, never on decode rows
-    drop_source: torch.Tensor  # (B,) bool, CPU, conditional data only
-    decode_rows: torch.Tensor  # the indices of the decode rows, on the data's device (`row_index`)
-    self_cond_rows: torch.Tensor  # the indices of the self-conditioned rows, on the data's device
+    decode: torch.Tensor  # (B,) bool
+    self_cond: torch.Tensor  # (B,) bool, never on decode rows
+    drop_source: torch.Tensor  # (B,) bool, conditional data only
+    decode_rows: torch.Tensor  # the indices of the decode rows (`row_index`)
+    self_cond_rows: torch.Tensor  # the indices of the self-conditioned rows
 
 
 def decode_levels(shape, recipe: Recipe, generator: torch.Generator | None = None, device=None) -> torch.Tensor:
@@ -93,19 +95,27 @@ def draw_training_noise(shape, recipe: Recipe, generator: torch.Generator | None
     omega = sample_guidance(B, generator, recipe.omega_low, recipe.omega_high).to(device)
     eps = torch.randn(B, L, C, generator=generator, device=device)
     p = decode_levels((B, L, 1), recipe, generator, device)
-    t = torch.where(decode.to(device), torch.ones_like(t), t)
-    return Draw(t=t, omega=omega, eps=eps, p=p, decode=decode, self_cond=self_cond, drop_source=drop_source,
-                decode_rows=row_index(decode, device), self_cond_rows=row_index(self_cond, device))
+    rows = {"decode_rows": row_index(decode, device), "self_cond_rows": row_index(self_cond, device)}
+    decode, self_cond, drop_source = (to_device(m, device) for m in (decode, self_cond, drop_source))
+    t = torch.where(decode, torch.ones_like(t), t)
+    return Draw(t=t, omega=omega, eps=eps, p=p, decode=decode, self_cond=self_cond, drop_source=drop_source, **rows)
+
+
+def to_device(x: torch.Tensor, device) -> torch.Tensor:
+    """A CPU tensor on `device` without a host sync: on a GPU through pinned memory, copied asynchronously
+    (a copy from pageable memory waits for the GPU's queue)."""
+    if device is None:
+        return x
+    if torch.device(device).type == "cuda":
+        x = x.pin_memory()
+    return x.to(device, non_blocking=True)
 
 
 def row_index(mask: torch.Tensor, device) -> torch.Tensor:
-    """The indices of the True rows of a CPU mask, on `device`: found on the CPU (no device sync), copied from
-    pinned memory on a GPU, and marked as data-dependent in size, so that torch.compile traces one graph for
-    every row count instead of one per count."""
-    idx = mask.nonzero().flatten()
-    if torch.device(device).type == "cuda":
-        idx = idx.pin_memory()
-    idx = idx.to(device, non_blocking=True)
+    """The indices of the True rows of a CPU mask, on `device`: found on the CPU (no device sync), copied
+    asynchronously (`to_device`), and marked as data-dependent in size, so that torch.compile traces one
+    graph for every row count instead of one per count."""
+    idx = to_device(mask.nonzero().flatten(), device)
     torch._dynamo.decorators.mark_unbacked(idx, 0)
     return idx
 

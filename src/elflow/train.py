@@ -42,7 +42,8 @@ from elflow.runconfig import RUN_PRESETS, TrainConfig, add_setting_arguments, gi
     resume_conflicts, with_default
 from elflow.runfolder import RunFolder, RunLogger, check_run_dir, no_space, plot_losses, stored_config
 from elflow.utils import (ELFError, FolderLock, atomic_write_json, autocast, check_device, check_output,
-                          no_space_error, on_every_rank, on_rank0, resolve_dtype, setup_distributed, use_tf32)
+                          no_space_error, on_every_rank, on_rank0, process_group, resolve_dtype, setup_distributed,
+                          use_tf32)
 
 __all__ = ["TrainConfig", "RUN_PRESETS", "train", "train_step", "shard_generators", "add_arguments", "run",
            "config_from_args"]
@@ -650,13 +651,8 @@ def _group_timeout(args) -> float | None:
 
 
 def run(args) -> int:
-    from elflow.utils import distributed
-
-    group = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized()
-    if group:  # first the group, so that rank 0 alone reads a stored run and every rank hears what it found
-        setup_distributed(check_device(getattr(args, "device", None)), _group_timeout(args))
-    rank, world = distributed()
-    try:
+    # first the group, so that rank 0 alone reads a stored run and every rank hears what it found
+    with process_group(check_device(getattr(args, "device", None)), _group_timeout(args)) as (rank, world, _):
         cfg = on_rank0(lambda: config_from_args(args), rank, world)
         if getattr(args, "print_config", False):
             if rank == 0:
@@ -667,9 +663,6 @@ def run(args) -> int:
         summary = train(cfg, out, resume=getattr(args, "resume", False), overwrite=getattr(args, "overwrite", False),
                         cache_dir=getattr(args, "cache_dir", None), quiet=getattr(args, "quiet", False),
                         device=getattr(args, "device", None), command=command)
-    finally:
-        if group and dist.is_initialized():
-            dist.destroy_process_group()
     if summary.get("last") and rank == 0:
         print(f"done: step {summary['end_step']}, loss {summary['last']['loss']:.4f}; run folder {out}")
     return 0

@@ -18,7 +18,7 @@ from pathlib import Path
 
 __all__ = ["ELFError", "Record", "atomic_write", "atomic_write_text", "atomic_write_json", "default_device", "sha256_file",
            "cache_root", "cpu_flags", "fast_bf16", "resolve_dtype", "autocast", "check_device", "check_output", "FolderLock",
-           "setup_distributed", "DIST_TIMEOUT_MINUTES", "use_tf32", "distributed", "on_rank0", "on_every_rank",
+           "setup_distributed", "process_group", "DIST_TIMEOUT_MINUTES", "use_tf32", "distributed", "on_rank0", "on_every_rank",
            "sample_categorical"]
 
 
@@ -218,6 +218,21 @@ def setup_distributed(device: str | None = None, timeout_minutes: float | None =
             dist.init_process_group("gloo", timeout=timeout)
         return rank, world, local, dev
     return 0, 1, 0, torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+@contextmanager
+def process_group(device: str | None = None, timeout_minutes: float | None = None):
+    """`with process_group(device) as (rank, world, device)`: a command's ranks under torchrun (the process
+    group set up here, if no caller holds one, and torn down at the end), or one process on `device`."""
+    import torch.distributed as dist
+
+    owns = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized()
+    rank, world, _, dev = setup_distributed(device, timeout_minutes)
+    try:
+        yield rank, world, dev
+    finally:
+        if owns and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def use_tf32(device, enabled: bool) -> None:
