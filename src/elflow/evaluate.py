@@ -530,7 +530,7 @@ def _validation_pairs(task: str, num: int, source_field: str, reference_field: s
     return sources[:num], refs[:num]
 
 
-def _run_conditional_task(args) -> int:
+def _run_conditional_task(args, part: tuple[int, int] = (0, 1)) -> int:
     from elflow.checkpoint import load_for_sampling
     from elflow.data import PAIR_TASKS
     from elflow.methods import get_method, settings_from_args
@@ -560,11 +560,12 @@ def _run_conditional_task(args) -> int:
     records, (res, summary) = sample_and_score(
         get_method(loaded.method), loaded.net, space, len(sources), settings, lambda texts: _score(metric, texts, refs),
         samples_path, {"checkpoint": str(args.checkpoint)}, args.length, refs, progress=not args.json,
-        overwrite=args.overwrite, sources=sources, source_length=loaded.settings["source_length"])
+        overwrite=args.overwrite, part=part, sources=sources, source_length=loaded.settings["source_length"])
     report = {"task": task, "metric": metric, **res, "num_examples": len(records), **settings.to_dict(),
               "checkpoint": str(args.checkpoint), "samples": str(samples_path), "seconds": time.time() - t0}
-    _emit(report, report_path, args.json, f"{summary}  ({len(records)} examples, {settings.sampler}, "
-          f"{settings.steps} steps, guidance {settings.guidance:g}, omega {settings.omega:g})")
+    if part[0] == 0:
+        _emit(report, report_path, args.json, f"{summary}  ({len(records)} examples, {settings.sampler}, "
+              f"{settings.steps} steps, guidance {settings.guidance:g}, omega {settings.omega:g})")
     return 0
 
 
@@ -572,12 +573,12 @@ def run(args) -> int:
     args.device = check_device(args.device)
     if args.task in TEXT_TASKS:
         return _run_text_task(args)
-    if args.task != "unconditional":
-        return _run_conditional_task(args)
-    if (args.samples is None) == (args.checkpoint is None):
+    if args.task == "unconditional" and (args.samples is None) == (args.checkpoint is None):
         raise ELFError("pass either SAMPLES.jsonl to judge, or --checkpoint RUN to sample first (not both)")
     with process_group(args.device) as (rank, world, device):  # under torchrun: sampling and judging sharded
         args.device = str(device)
+        if args.task != "unconditional":
+            return _run_conditional_task(args, (rank, world))
         return _run_unconditional(args, (rank, world))
 
 
