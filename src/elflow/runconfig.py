@@ -206,7 +206,7 @@ class TrainConfig(Record):
             return f"--{flag_name.replace('_', '-')}" if stored is None else f"{stored}: its setting {flag_name!r}"
 
         if self.preset not in PRESETS:
-            raise ELFError(f"{name('preset')} must be one of {', '.join(PRESETS)}, got {self.preset!r}")
+            raise ELFError(f"{name('preset')}: unknown preset {self.preset!r}; choose one of {', '.join(PRESETS)}")
         for f in fields(self):
             v, meta = getattr(self, f.name), f.metadata
             flag = name(f.name) if stored is not None else _flag(f)
