@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from elflow.encoders import stored_spec
 from elflow.methods import get_method
 from elflow.model import ELF, ELFConfig, TokenLMConfig
 from elflow.official import infer_config, official_to_elflow, preset_name
@@ -405,7 +406,7 @@ def read_weights(path_or_hub_id: str | os.PathLike, use_ema: bool = True, max_le
             cfg = TokenLMConfig.from_dict(st["model"])
         sd = blob["ema" if use_ema else "model"]
         sd = {k: v for k, v in sd.items() if not k.startswith("space.")}
-        recipe, space = dict(st.get("train", {}).get("recipe", {})), st["space"]
+        recipe, space = dict(st.get("train", {}).get("recipe", {})), stored_spec(st["space"])
         stored = {k: recipe[k] for k in ("sampling", "distilled_steps") if k in recipe}  # a distilled model's
         settings = {"length": cfg.max_length, **stored, **st.get("settings", {}), "format": "elflow",
                     "checkpoint": str(ckpt), "space_id": st.get("space_id"), "method": method}

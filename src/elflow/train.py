@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from elflow.data import PAIR_TASKS, encoder_mask
+from elflow.encoders import DRAWN_TABLE_KINDS, TABLE_STREAM
 from elflow.flow import SAMPLERS, TIME_BINS, Recipe, draw_training_noise, elf_loss, time_bin, time_bin_labels
 from elflow.methods import MATCHES, METHOD_NAMES, fit_shape, get_method, table_names
 from elflow.model import ELF, PRESETS, SKIPS, MixedPass, get_config, num_params
@@ -103,6 +104,8 @@ class TrainConfig:
                                     default_help="32 for tiny's default space, else the base encoder's",
                                     check=AT_LEAST_1)
     space_seed: int = setting(0, "seed of a random-table / learned-table space's vectors")
+    space_stream: int | None = setting(None, "the draw of a random-table / learned-table space's vectors "
+                                             "(encoders.table_generator)", cli=False)
     latent_std: str | None = setting(None, "divide encoder outputs by this: a number, 'auto' (estimated on a "
                                            "sample) or 'table' (a table's own std)", default_help="the space's")
     length: int | None = setting(None, "sequence length L", default_help="the preset's", check=AT_LEAST_1)
@@ -161,9 +164,10 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
-        """From a stored config; keys it does not know are ignored, missing ones take their defaults."""
+        """From a stored config; keys it does not know are ignored, missing ones take their defaults (a drawn
+        table's stream: 1, the draw of runs stored without one)."""
         names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
+        return cls(**{"space_stream": 1, **{k: v for k, v in d.items() if k in names}})
 
     @classmethod
     def named(cls, name: str | None, **overrides) -> "TrainConfig":
@@ -188,7 +192,9 @@ class TrainConfig:
             if space_dim is None:
                 space_dim = DEFAULT_SPACE_DIM.get(self.preset)
         preset = PRESETS.get(self.preset)
+        drawn = space.partition(":")[0] in DRAWN_TABLE_KINDS  # a table drawn from the space seed
         return replace(self, space=space, space_dim=space_dim,
+                       space_stream=(self.space_stream or TABLE_STREAM) if drawn else None,
                        ema_decay=self.ema_decay if self.ema_decay is not None else (SMALL_EMA if small else 0.9999),
                        length=self.length if self.length is not None else (preset.max_length if preset else None),
                        lr=self.lr if self.lr is not None else base_lr(self.batch))
@@ -332,8 +338,8 @@ def train_step(model, space, shards: list[dict], recipe: Recipe, optimizer: ELFO
                world_size: int = 1, device=None, params=None, objective: Objective | None = None) -> dict:
     """One optimiser step over this rank's shards (gradient accumulation); returns metric tensors summed
     over the shards plus the gradient norm. `model` is the network, or its MixedPass (under DDP or
-    torch.compile); the loss of each shard is a mean over its rows, divided by the number of shards of the
-    whole global batch."""
+    torch.compile); the loss of each shard is a token mean over its scored positions (flow.token_mean_loss),
+    divided by the number of shards of the whole global batch (a mean over micro-batches and ranks)."""
     device = device or next(model.parameters()).device
     net, trained = unwrap(model)
     objective = objective or Objective()
@@ -449,16 +455,16 @@ def setup_distributed(device: str | None = None):
     return 0, 1, 0, torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
-def space_spec(name: str, latent_std, dim: int | None = None, seed: int = 0) -> dict:
+def space_spec(name: str, latent_std, dim: int | None = None, seed: int = 0, stream: int | None = None) -> dict:
     """--space value -> a build_space spec: minilm, t5-small (or any T5 hub id / folder), t5:PATH, hf:PATH,
     or a non-contextual table over a base encoder's vocabulary: token-table[:BASE], random-table[:BASE],
-    learned-table[:BASE] (random and learned tables take --space-dim and --space-seed)."""
+    learned-table[:BASE] (random and learned tables take --space-dim, --space-seed and the stream)."""
     from elflow.encoders import TABLE_KINDS, _normalise_spec
 
     kind, sep, base = name.partition(":")
     spec = {"kind": kind, "name": base} if sep and kind in TABLE_KINDS else _normalise_spec(name)
     if spec["kind"] in ("random-table", "learned-table"):
-        spec.update(seed=seed, **({"dim": dim} if dim is not None else {}))
+        spec.update(seed=seed, stream=stream or TABLE_STREAM, **({"dim": dim} if dim is not None else {}))
     elif dim is not None:
         raise ELFError(f"--space-dim applies to random-table and learned-table spaces, not to {name!r}")
     if latent_std is not None:
@@ -770,7 +776,7 @@ def setup_run(cfg: TrainConfig, rank: int, world: int, local: int, device, cache
                        f"choose a batch that is a multiple of {world * micro}")
     accum = cfg.batch // (world * micro)
     torch.manual_seed(cfg.seed)
-    spec = space_spec(cfg.space, cfg.latent_std, cfg.space_dim, cfg.space_seed)
+    spec = space_spec(cfg.space, cfg.latent_std, cfg.space_dim, cfg.space_seed, cfg.space_stream)
     # a baseline reads the space's token ids only: its tokenizer, without the encoder
     space = build_space(spec if cfg.method == "elf" else {"kind": "tokens", "of": spec}, device=device)
     length = cfg.length
