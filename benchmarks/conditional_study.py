@@ -45,6 +45,8 @@ RELEASED_MODEL = {"skip": "none", "time_scale": 1.0, "head_modulation": False, "
 
 # name -> task, steps, note, TrainConfig overrides ("model": ELFConfig overrides on the quickstart's options)
 CONFIGS: dict[str, dict] = {
+    "copy-qs-stream1": {"task": "copy", "note": "quickstart options, trained before the fixes (table stream 1, "
+                                              "the per-row loss mean), 400 of 800 steps", "train": None},
     "copy-qs": {"task": "copy", "note": "quickstart options (Gaussian skip, time scale, head modulation, readout)"},
     "copy-noskip": {"task": "copy", "note": "... without the Gaussian skip", "model": {"skip": "none"}},
     "copy-ts1": {"task": "copy", "note": "... without the time scale (1)", "model": {"time_scale": 1.0}},
@@ -52,8 +54,11 @@ CONFIGS: dict[str, dict] = {
     "copy-released": {"task": "copy", "note": "the released options (all four off)", "model": RELEASED_MODEL},
     "copy-minilm": {"task": "copy", "note": "quickstart options in MiniLM's space (no readout table)",
                     "train": {"space": "minilm"}, "model": {"table_readout": 0.0}},
+    "copy-gated": {"task": "copy", "note": "quickstart options with the gated skip", "model": {"skip": "gated"}},
+    "copy-gated-lr1e-2": {"task": "copy", "note": "... and lr 1e-2", "model": {"skip": "gated"},
+                          "train": {"lr": 1e-2}},
 }
-STEPS = 800
+STEPS = 400
 
 
 def cpu_model() -> str:
@@ -99,7 +104,7 @@ def train_config(name: str, steps: int | None = None):
     over = preset_overrides(argparse.Namespace(space=train.get("space"), lr=train.get("lr")))
     model = {**QUICKSTART_MODEL, **over.pop("model", {}), **c.get("model", {})}
     cfg = TrainConfig.named("quickstart", data=str(pairs_file(c["task"])), source_length=SOURCE_LENGTH,
-                            length=LENGTH, steps=steps or c.get("steps", STEPS), seed=0, sample_every=0,
+                            length=LENGTH, steps=steps or c.get("steps", STEPS), seed=0, sample_every=0, keep=0,
                             **{**over, **train, "model": model})
     return cfg.resolved()
 
@@ -225,11 +230,11 @@ def oracles(loaded, space, held, ts=(0.3, 0.5, 0.7, 0.9, 0.95), seed=0) -> dict:
         drop = net(z.masked_fill(pin, 0.0), tt, ones, torch.zeros_like(x))
         row = {"input": _token_accuracy(net.decode(z, ones).argmax(-1), ids, target),
                "guess": _token_accuracy(net.decode(torch.where(pin, x, cond), ones).argmax(-1), ids, target),
-               "guess_source_dropped": _token_accuracy(net.decode(torch.where(pin, x, drop), ones).argmax(-1),
+               "guess_source_dropped": _token_accuracy(net.decode(drop.masked_fill(pin, 0.0), ones).argmax(-1),
                                                        ids, target),
                "mse_guess": ((cond - x).pow(2).mean(-1) * target).sum().item() / target.sum().item(),
                "mse_baseline": None}
-        if net.config.skip == "gaussian":
+        if net.config.skip != "none":
             from elflow.model import gaussian_posterior
 
             base = gaussian_posterior(z, tt, net.skip_mean, net.skip_var, net.skip_noise)[0]

@@ -183,6 +183,30 @@ def test_gaussian_skip_starts_as_the_baseline_and_returns_clean_inputs_at_t1():
         get_config("tiny", skip="residual")
 
 
+def test_gated_skip_starts_as_the_gaussian_skip_and_a_closed_gate_passes_no_noise():
+    """skip="gated": a fresh network equals the Gaussian skip's (the gate starts at 0); with the gate at 1 in
+    a dimension the output there is mean + std * head, whatever z holds (no noise passed on)."""
+    from elflow.model import gaussian_posterior
+
+    gated, plain = tiny(skip="gated"), tiny(skip="gaussian")
+    mean, var = torch.randn(32) * 0.1, torch.rand(32) + 0.5
+    for net in (gated, plain):
+        net.set_gaussian_skip(mean, var, 2.0)
+    z, w, t = torch.randn(3, 5, 32), torch.ones(3), torch.tensor([0.2, 0.5, 0.9])
+    assert torch.allclose(gated(z, t, w), plain(z, t, w))
+    assert gated.num_params() == plain.num_params() + 64 * 32 + 32
+    closed = torch.arange(32) < 16
+    with torch.no_grad():
+        gated.skip_gate.bias.copy_(closed.float())
+        torch.nn.init.normal_(gated.x_head.weight)
+    a = gated(z, t, w)
+    post_mean, std = gaussian_posterior(z, t, mean, var, 2.0)
+    h = gated.trunk(z, t, w, None, torch.zeros(3))
+    head = gated.x_head(gated.final_norm(h))
+    expect = torch.where(closed, mean, post_mean) + std * head
+    assert torch.allclose(a, expect, atol=1e-5)
+
+
 def test_table_readout_adds_the_table_match_to_the_readout_only():
     net = tiny(table_readout=0.7)
     assert {n for n, p in net.named_parameters() if not p.requires_grad} == {"readout_table"}

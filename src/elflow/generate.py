@@ -160,10 +160,15 @@ def _texts(space, ids: torch.Tensor, known_ids, known_mask, source_len, keep: in
 @torch.no_grad()
 def generate(net, space, num: int, settings: SamplingSettings = SamplingSettings(), length: int | None = None,
              sources: list[str] | None = None, source_length: int | None = None, prompt: str | None = None,
-             suffix: str | None = None, progress: bool = True, trajectory: set[int] | None = None):
+             suffix: str | None = None, progress: bool = True, trajectory: set[int] | None = None,
+             drop_source: bool = False):
     """`num` samples as records {"index", "text"} (+ "source"); with `trajectory` also the decode readout of
     the first batch's guesses at those steps, {step: (t, texts)}. Batch i draws from a generator seeded by
-    (seed, i), so the same settings give the same texts in any batch split of the same size."""
+    (seed, i), so the same settings give the same texts in any batch split of the same size.
+
+    `drop_source`: the source-dropped model of a conditional network, as training drops a source: the
+    source positions hold zeros for every pass, the readout's included (guidance 0 alone drops the source
+    from the denoiser's passes only; the readout still sees it)."""
     settings.check()
     if num < 1:
         raise ELFError(f"the number of samples must be >= 1, got {num}")
@@ -184,6 +189,8 @@ def generate(net, space, num: int, settings: SamplingSettings = SamplingSettings
         batch_sources = sources[start:start + bs] if sources is not None else None
         cond = conditioning(space, length, bs, batch_sources, source_length, prompt, suffix, device)
         known_ids, known_mask, known = cond if cond is not None else (None, None, None)
+        if drop_source and known is not None:
+            known = torch.zeros_like(known)
         seen = {}
 
         def keep(i, t, z, x):

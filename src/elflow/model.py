@@ -19,6 +19,12 @@ Options for short runs, off in every released model (docs/method.md):
   to 0 as t -> 1 (EDM's preconditioning, Karras et al. 2022, with the data's own moments). The moments are
   frozen parameters set once before training (`set_gaussian_skip`): checkpoints, EMA and distillation carry
   them like any weight;
+- `skip="gated"`: the Gaussian skip whose pass-through of z is gated by the trunk, per position and dimension,
+  x_pred = mu + (1 - a(h)) g(t) (z - t mu) + s(t) head(h), a = Linear(h) zero-initialised (so a fresh network
+  is still the baseline denoiser). The trunk sees z through the bottleneck only, so the head cannot cancel
+  the noise that the plain skip passes on in the dimensions it does not see; the gate lets the network stop
+  passing z where it predicts the data itself (a conditional model's copied tokens), so that the sampler's
+  final state, the last guess, carries none of its starting noise there;
 - `table_readout` = w > 0: the readout (`decode`) adds w z . R_k / sqrt(C) to the logit of every token k,
   R_k the vector the space gives token k alone (a table space's rows; Diffusion-LM's tied rounding). On a
   clean embedding that term alone reads the token exactly (the right row scores about w sqrt(C), any other
@@ -59,7 +65,7 @@ class TransformerShape:
         return int(int(self.hidden * self.mlp_ratio) * 2 / 3)
 
 
-SKIPS = ("none", "gaussian")
+SKIPS = ("none", "gaussian", "gated")
 
 
 @dataclass(frozen=True)
@@ -79,7 +85,7 @@ class ELFConfig(TransformerShape):
     mode_tokens: int = 4
     rope_theta: float = 10000.0
     self_cond: bool = True  # input is [z, x_prev]; False only for the authors' self_cond_prob = 0 models
-    skip: str = "none"  # "gaussian": x_pred = Gaussian posterior mean + posterior std * head (module docstring)
+    skip: str = "none"  # "gaussian": x_pred = Gaussian posterior mean + posterior std * head; "gated" (docstring)
     time_scale: float = 1.0  # t is multiplied by this before its sinusoid features (1 in the released models)
     head_modulation: bool = False  # the denoise head's input scaled and shifted by t (DiT's final layer)
     table_readout: float = 0.0  # readout logits + table_readout z . R / sqrt(C), R the space's token vectors
@@ -305,7 +311,9 @@ class ELF(nn.Module):
         if c.head_modulation:  # (shift, scale) of the head's input from the time embedding, zero-initialised
             self.head_modulation = nn.Linear(c.hidden, 2 * c.hidden)
         self.decode_head = DecodeHead(c.hidden, c.dim, c.vocab_size)
-        if c.skip == "gaussian":  # the data's moments (unit Gaussian until set_gaussian_skip) and noise scale
+        if c.skip == "gated":  # the gate a(h) on the skip's pass-through of z, zero-initialised
+            self.skip_gate = nn.Linear(c.hidden, c.dim)
+        if c.skip != "none":  # the data's moments (unit Gaussian until set_gaussian_skip) and noise scale
             self.skip_mean = nn.Parameter(torch.zeros(c.dim), requires_grad=False)
             self.skip_var = nn.Parameter(torch.ones(c.dim), requires_grad=False)
             self.skip_noise = nn.Parameter(torch.ones(()), requires_grad=False)
@@ -333,6 +341,9 @@ class ELF(nn.Module):
             nn.init.normal_(tok, std=0.02)
         nn.init.zeros_(self.x_head.weight)
         nn.init.zeros_(self.x_head.bias)
+        if self.config.skip == "gated":
+            nn.init.zeros_(self.skip_gate.weight)
+            nn.init.zeros_(self.skip_gate.bias)
         if self.config.head_modulation:
             nn.init.zeros_(self.head_modulation.weight)
             nn.init.zeros_(self.head_modulation.bias)
@@ -374,7 +385,7 @@ class ELF(nn.Module):
     def set_gaussian_skip(self, mean: torch.Tensor, var: torch.Tensor, noise_scale: float) -> None:
         """Set the per-dimension data moments (C,) and the training path's noise scale of a skip="gaussian"
         network (before training; they are then carried by its checkpoints)."""
-        if self.config.skip != "gaussian":
+        if self.config.skip == "none":
             raise ValueError("set_gaussian_skip: this network was built with skip='none'")
         C = self.config.dim
         if mean.shape != (C,) or var.shape != (C,):
@@ -400,16 +411,18 @@ class ELF(nn.Module):
         self.readout_table.copy_(table)
 
     def denoise_head(self, h: torch.Tensor, z: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        """x_pred (B, L, C) from the trunk's output h; z and t are the network's inputs (for skip="gaussian")."""
+        """x_pred (B, L, C) from the trunk's output h; z and t are the network's inputs (for the skips)."""
         with torch.autocast(h.device.type, enabled=False):
             h = self.final_norm(h.float())
             if self.config.head_modulation:
                 shift, scale = self.head_modulation(F.silu(self.embed_time(t.to(h.device)))).chunk(2, dim=-1)
                 h = h * (1 + scale[:, None, :]) + shift[:, None, :]
             out = self.x_head(h)  # (B, L, C)
-            if self.config.skip == "gaussian":
+            if self.config.skip != "none":
                 mean, std = gaussian_posterior(z.float(), t.to(z.device), self.skip_mean, self.skip_var,
                                                self.skip_noise)
+                if self.config.skip == "gated":  # mu + (1 - a) g (z - t mu)
+                    mean = mean - self.skip_gate(h) * (mean - self.skip_mean)
                 out = mean + std * out
             return out
 

@@ -255,7 +255,8 @@ NESTED_FLAGS: dict[tuple[str, str], tuple] = {
     ("model", "heads"): (int, "attention heads", AT_LEAST_1, "the preset's"),
     ("model", "skip"): (SKIPS, "denoise head: none = the released networks' x = head(h); gaussian = the data's "
                         "per-dimension Gaussian posterior mean + posterior std x head(h), a network that starts as "
-                        "that baseline denoiser", None, "the preset's"),
+                        "that baseline denoiser; gated = the same with the skip's pass-through of z gated by the "
+                        "network (docs/method.md)", None, "the preset's"),
     ("model", "time_scale"): (float, "factor on t before its sinusoid features (1 in the released networks, whose "
                                      "features then barely change over t in [0, 0.1]; DiT uses 1000)", POSITIVE,
                               "the preset's"),
@@ -799,7 +800,7 @@ def setup_run(cfg: TrainConfig, rank: int, world: int, local: int, device, cache
     recipe = Recipe.from_dict({"decode_noise_scale": 1.0, **cfg.recipe} if cfg.source_length else cfg.recipe)
     if cfg.method == "elf":
         net = ELF(mcfg).to(device)
-        if mcfg.skip == "gaussian":  # the Gaussian model's moments, from the training split
+        if mcfg.skip != "none":  # the Gaussian model's moments, from the training split
             net.set_gaussian_skip(*latent_moments(space, train_set, device=device), recipe.noise_scale)
         if mcfg.table_readout:  # each token's own vector, for the decode readout
             net.set_readout_table(token_vectors(space, mcfg.vocab_size, device=device))
