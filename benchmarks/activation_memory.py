@@ -43,9 +43,10 @@ def main() -> None:
         full = get_config(name)
         out = {"preset": name, "L": L}
         for ckpt in (False, True):
-            c1 = full.replace(depth=1, grad_checkpoint=ckpt)  # one block, then scale by depth
-            c2 = full.replace(depth=2, grad_checkpoint=ckpt)
-            b1, b2 = saved_bytes(ELF(c1), L, ckpt), saved_bytes(ELF(c2), L, ckpt)
+            nets = [ELF(full.replace(depth=d)) for d in (1, 2)]  # one block and two, then scale by depth
+            for net in nets:
+                net.grad_checkpoint = ckpt
+            b1, b2 = (saved_bytes(net, L, ckpt) for net in nets)
             per_block, rest = b2 - b1, 2 * b1 - b2
             out["saved_per_row_" + ("ckpt" if ckpt else "full")] = rest + full.depth * per_block
         net = ELF(full)

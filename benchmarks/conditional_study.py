@@ -20,7 +20,10 @@ with a few network options changed; each trained run is then measured on held-ou
 
     PYTHONPATH=src python benchmarks/conditional_study.py train copy-qs copy-released copy-minilm
     PYTHONPATH=src python benchmarks/conditional_study.py measure copy-qs --variants all
-    PYTHONPATH=src python benchmarks/conditional_study.py table
+    PYTHONPATH=src python benchmarks/conditional_study.py seeds 0 1
+
+`seeds`: the seed noise of held-out figures, two runs of the same setting that differ only in their seed, on
+the same batches (`paired_config`, `held_out_figures`): results/conditional/paired-seed<N>.json.
 
 Results: benchmarks/results/conditional/<name>.json (resumable: a measured variant is not measured again).
 """
@@ -34,6 +37,8 @@ import platform
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -43,19 +48,19 @@ SOURCE_LENGTH, LENGTH = 24, 48
 QUICKSTART_MODEL = {"skip": "gaussian", "time_scale": 1000.0, "head_modulation": True, "table_readout": 1.0}
 RELEASED_MODEL = {"skip": "none", "time_scale": 1.0, "head_modulation": False, "table_readout": 0.0}
 
-# name -> task, steps, note, TrainConfig overrides ("model": ELFConfig overrides on the quickstart's options)
+# name -> task, steps, note, TrainConfig overrides ("short_run": option overrides on the quickstart's)
 CONFIGS: dict[str, dict] = {
     "copy-qs-stream1": {"task": "copy", "note": "quickstart options, trained before the fixes (table stream 1, "
                                               "the per-row loss mean), 400 of 800 steps", "train": None},
     "copy-qs": {"task": "copy", "note": "quickstart options (Gaussian skip, time scale, head modulation, readout)"},
-    "copy-noskip": {"task": "copy", "note": "... without the Gaussian skip", "model": {"skip": "none"}},
-    "copy-ts1": {"task": "copy", "note": "... without the time scale (1)", "model": {"time_scale": 1.0}},
-    "copy-nomod": {"task": "copy", "note": "... without the head modulation", "model": {"head_modulation": False}},
-    "copy-released": {"task": "copy", "note": "the released options (all four off)", "model": RELEASED_MODEL},
+    "copy-noskip": {"task": "copy", "note": "... without the Gaussian skip", "short_run": {"skip": "none"}},
+    "copy-ts1": {"task": "copy", "note": "... without the time scale (1)", "short_run": {"time_scale": 1.0}},
+    "copy-nomod": {"task": "copy", "note": "... without the head modulation", "short_run": {"head_modulation": False}},
+    "copy-released": {"task": "copy", "note": "the released options (all four off)", "short_run": RELEASED_MODEL},
     "copy-minilm": {"task": "copy", "note": "quickstart options in MiniLM's space (no readout table)",
-                    "train": {"space": "minilm"}, "model": {"table_readout": 0.0}},
-    "copy-gated": {"task": "copy", "note": "quickstart options with the gated skip", "model": {"skip": "gated"}},
-    "copy-gated-lr1e-2": {"task": "copy", "note": "... and lr 1e-2", "model": {"skip": "gated"},
+                    "train": {"space": "minilm"}, "short_run": {"table_readout": 0.0}},
+    "copy-gated": {"task": "copy", "note": "quickstart options with the gated skip", "short_run": {"skip": "gated"}},
+    "copy-gated-lr1e-2": {"task": "copy", "note": "... and lr 1e-2", "short_run": {"skip": "gated"},
                           "train": {"lr": 1e-2}},
 }
 STEPS = 400
@@ -102,10 +107,10 @@ def train_config(name: str, steps: int | None = None):
     c = CONFIGS[name]
     train = dict(c.get("train", {}))
     over = preset_overrides(argparse.Namespace(space=train.get("space"), lr=train.get("lr")))
-    model = {**QUICKSTART_MODEL, **over.pop("model", {}), **c.get("model", {})}
+    options = {**QUICKSTART_MODEL, **over.pop("short_run", {}), **c.get("short_run", {})}
     cfg = TrainConfig.named("quickstart", data=str(pairs_file(c["task"])), source_length=SOURCE_LENGTH,
                             length=LENGTH, steps=steps or c.get("steps", STEPS), seed=0, sample_every=0, keep=0,
-                            **{**over, **train, "model": model})
+                            **{**over, **train, "short_run": options})
     return cfg.resolved()
 
 
@@ -143,6 +148,26 @@ def reference_batch(space, held, device="cpu"):
     return ids, known, target, x, lay["valid"]
 
 
+def options(net):
+    """The network's short-run options (all off for the paper's network)."""
+    from elflow.shortrun import ShortRunOptions
+
+    return getattr(net, "options", ShortRunOptions())
+
+
+@contextmanager
+def readout_off(net, off: bool = True):
+    """The network with its table readout switched off inside the block (when `off`)."""
+    kept = options(net)
+    if off and kept.table_readout:
+        net.options = replace(kept, table_readout=0.0)
+    try:
+        yield net
+    finally:
+        if kept.table_readout:
+            net.options = kept
+
+
 def _token_accuracy(pred, ids, target):
     return ((pred == ids) & target).sum().item() / max(target.sum().item(), 1)
 
@@ -158,15 +183,12 @@ def sample_variant(loaded, space, held, steps=64, sampler="ode", guidance=2.0, o
     from elflow.schedules import time_grid
 
     net = loaded.net
-    readout_weight = net.config.table_readout
-    table = net.readout_table if readout_weight else None
-    if not readout:
-        net.config = net.config.replace(table_readout=0.0)
+    table = net.readout_table if options(net).table_readout else None
     recipe = Recipe.from_dict(loaded.recipe)
     ids_ref, known_ref, target, x_ref, _ = reference_batch(space, held)
     keep = LENGTH - SOURCE_LENGTH
     out_ids, texts, noise_hits, noise_n, num, den, last_t = [], [], 0, 0, 0.0, 0.0, []
-    try:
+    with readout_off(net, not readout):
         for b, start in enumerate(range(0, len(held), batch)):
             chunk = held[start:start + batch]
             bs = len(chunk)
@@ -191,8 +213,6 @@ def sample_variant(loaded, space, held, steps=64, sampler="ode", guidance=2.0, o
             den += (z0.pow(2) * tgt[..., None]).sum().item()
             src_len = known_mask.sum(1)
             texts += space.decode(extract_targets(ids, src_len, keep, space.eos_id))
-    finally:
-        net.config = net.config.replace(table_readout=readout_weight)
     ids = torch.cat(out_ids)
     refs = [t for _, t in held]
     return {"token_accuracy": _token_accuracy(ids, ids_ref, target), "bleu": bleu(texts, refs),
@@ -214,11 +234,9 @@ def oracles(loaded, space, held, ts=(0.3, 0.5, 0.7, 0.9, 0.95), seed=0) -> dict:
     N, L, C = x.shape
     ones = torch.ones(N)
     out = {"decode_clean": _token_accuracy(net.decode(x, ones).argmax(-1), ids, target)}
-    if net.config.table_readout:
-        w = net.config.table_readout
-        net.config = net.config.replace(table_readout=0.0)
-        out["decode_clean_head_only"] = _token_accuracy(net.decode(x, ones).argmax(-1), ids, target)
-        net.config = net.config.replace(table_readout=w)
+    if options(net).table_readout:
+        with readout_off(net):
+            out["decode_clean_head_only"] = _token_accuracy(net.decode(x, ones).argmax(-1), ids, target)
     g = torch.Generator().manual_seed(seed)
     eps = torch.randn(N, L, C, generator=g)
     pin = known[..., None]
@@ -234,8 +252,8 @@ def oracles(loaded, space, held, ts=(0.3, 0.5, 0.7, 0.9, 0.95), seed=0) -> dict:
                                                        ids, target),
                "mse_guess": ((cond - x).pow(2).mean(-1) * target).sum().item() / target.sum().item(),
                "mse_baseline": None}
-        if net.config.skip != "none":
-            from elflow.model import gaussian_posterior
+        if options(net).skip != "none":
+            from elflow.shortrun import gaussian_posterior
 
             base = gaussian_posterior(z, tt, net.skip_mean, net.skip_var, net.skip_noise)[0]
             row["mse_baseline"] = ((base - x).pow(2).mean(-1) * target).sum().item() / target.sum().item()
@@ -304,7 +322,7 @@ def measure(name: str, variants, num: int) -> dict:
     for v in variants:
         if v in res["variants"]:
             continue
-        if v.endswith("noreadout") and not loaded.net.config.table_readout:
+        if v.endswith("noreadout") and not options(loaded.net).table_readout:
             continue
         t0, cpu0 = time.time(), time.process_time()
         r = sample_variant(loaded, space, held, **VARIANTS[v])
@@ -319,9 +337,112 @@ def measure(name: str, variants, num: int) -> dict:
     return res
 
 
+# ----------------------------------------------------------------------------------------------------------
+# seed noise: two elflow runs that differ only in their seed, on the same batches
+
+
+PAIRED_TIMES = (0.05, 0.15, 0.3, 0.5, 0.7)
+PAIRED_STEPS = 200
+
+
+def paired_config(seed: int):
+    """The paired setting: the demo network without the short-run options (the paper's network) in MiniLM's
+    space, on shuffled lines (source = the words shuffled, target = the line), L 48, source 24, batch 32,
+    source drop 0.1, decode corruption 1.0, the quickstart's optimiser settings, 200 steps."""
+    from elflow.train import TrainConfig
+
+    cfg = TrainConfig.named("quickstart", data=str(pairs_file("shuffle")), space="minilm", short_run={},
+                            source_length=SOURCE_LENGTH, length=LENGTH, steps=PAIRED_STEPS, seed=seed,
+                            sample_every=0, keep=1)
+    return cfg.resolved()
+
+
+@contextmanager
+def data_of_seed(data_seed: int):
+    """Inside the block, a run's data split and batch order are those of `data_seed`, whatever its own seed
+    (which keeps the network's initialisation and the training noise)."""
+    import elflow.data
+    import elflow.train
+
+    split, batches = elflow.train.training_data, elflow.data.Batches
+    elflow.train.training_data = lambda cfg, *a, **k: split(replace(cfg, seed=data_seed), *a, **k)
+    elflow.data.Batches = lambda *a, seed=0, **k: batches(*a, seed=data_seed, **k)
+    try:
+        yield
+    finally:
+        elflow.train.training_data, elflow.data.Batches = split, batches
+
+
+@torch.no_grad()
+def held_out_figures(net, space, val, recipe, rows: int = 256, seed: int = 0) -> dict:
+    """Held-out v-space MSE on the target positions at fixed times, with the source and with it dropped (the
+    same draws for every network; the clean source in the self-conditioning slot, as in training), and the
+    readout's accuracy on the targets corrupted as decode rows are."""
+    from elflow.data import encoder_mask
+    from elflow.flow import decode_levels
+
+    b = val.batch(torch.arange(min(rows, len(val))))
+    tokens, known, valid = b["tokens"], b["known"], b["attention_mask"]
+    N, L = tokens.shape
+    target = ~known & b["mask"]
+    ones = torch.ones(N)
+    g = torch.Generator().manual_seed(seed)
+    eps = torch.randn(N, L, space.dim, generator=g)
+    p = decode_levels((N, L, 1), recipe, g)
+    noise = torch.randn(N, L, space.dim, generator=g)
+    out = {"rows": N}
+    for name, drop in (("with_source", False), ("source_dropped", True)):
+        x = space.encode(tokens, encoder_mask(known, valid, torch.full((N,), drop))).float()
+        pin = known[..., None]
+        source = torch.zeros_like(x) if drop else x
+        x = torch.where(pin, source, x)
+        slot = torch.where(pin, source, torch.zeros_like(x))
+        for t in PAIRED_TIMES:
+            z = torch.where(pin, source, t * x + (1 - t) * recipe.noise_scale * eps)
+            err = ((net(z, torch.full((N,), t), ones, slot).float() - x) / max(1 - t, recipe.t_eps)).pow(2).mean(-1)
+            out[f"{name} t={t}"] = ((err * target).sum() / target.sum()).item()
+        if not drop:
+            pred = net.decode(p * x + (1 - p) * recipe.decode_noise_scale * noise, ones).argmax(-1)
+            out["decode_accuracy"] = ((pred == tokens) & target).sum().item() / target.sum().item()
+    return out
+
+
+def seeds(seed_list) -> dict:
+    """Train the paired setting with each seed on the batches of seed 0, and measure each run's EMA weights
+    on the same held-out rows."""
+    from elflow.checkpoint import load_for_sampling
+    from elflow.data import build_pairs
+    from elflow.flow import Recipe
+
+    res = {}
+    for seed in seed_list:
+        key = f"seed{seed}"
+        path = ROOT / f"paired-{key}.json"
+        if path.exists():
+            res[key] = json.loads(path.read_text())
+            continue
+        cfg = paired_config(seed)
+        out = ROOT / "runs" / f"paired-{key}"
+        t0, cpu0 = time.time(), time.process_time()
+        with data_of_seed(0):
+            from elflow.train import train as run_training
+
+            run_training(cfg, out, resume=(out / "run.json").exists(), quiet=False)
+        wall, cpu = time.time() - t0, time.process_time() - cpu0
+        loaded, space = load_for_sampling(out, device="cpu")
+        _, val = build_pairs(cfg.data, space, SOURCE_LENGTH, LENGTH, val_fraction=cfg.val_fraction, seed=0)
+        fig = held_out_figures(loaded.net, space, val, Recipe.from_dict(loaded.recipe))
+        res[key] = {**fig, "train_wall_s": wall, "train_cpu_s": cpu, "loadavg": os.getloadavg(), "cpu": cpu_model(),
+                    "torch_threads": torch.get_num_threads(), "dtype": cfg.dtype}
+        path.write_text(json.dumps(res[key], indent=1))
+        print(key, json.dumps(fig), flush=True)
+    return res
+
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("command", choices=["train", "measure", "table"])
+    p.add_argument("command", choices=["train", "measure", "seeds"])
     p.add_argument("names", nargs="*")
     p.add_argument("--steps", type=int, default=None, help=f"training steps (default {STEPS})")
     p.add_argument("--variants", nargs="*", default=["ode-g2"], help="sampling variants (or 'all')")
@@ -335,6 +456,8 @@ def main(argv=None) -> int:
         variants = list(VARIANTS) if args.variants == ["all"] else args.variants
         for n in args.names:
             measure(n, variants, args.num)
+    else:
+        seeds([int(n) for n in args.names] or [0, 1])
     return 0
 
 

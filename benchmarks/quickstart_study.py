@@ -191,7 +191,7 @@ def machine() -> dict:
 
 
 # where every configuration starts: the quickstart's settings before this study (round 1's `base`)
-STUDY_BASE = dict(space="minilm", lr=1e-3, ema_decay=0.98, model={}, recipe={})
+STUDY_BASE = dict(space="minilm", lr=1e-3, ema_decay=0.98, model={}, short_run={}, recipe={})
 
 
 def train_config(spec: dict, steps: int, seed: int = 0):
@@ -210,7 +210,8 @@ def train_config(spec: dict, steps: int, seed: int = 0):
             raise SystemExit(f"TrainConfig has no field {k!r}")
         setattr(cfg, k, v)
     cfg.recipe = {**cfg.recipe, **spec.get("recipe", {})}
-    cfg.model = {**cfg.model, **spec.get("model", {})}
+    # a configuration's "model" holds network settings and short-run options alike: from_dict sorts them
+    cfg = type(cfg).from_dict({**cfg.to_dict(), "model": {**cfg.model, **spec.get("model", {})}})
     cfg.sample_every = 0
     cfg.ckpt_every = n
     cfg.keep = 1
@@ -295,7 +296,7 @@ def binned_loss(net, space, dataset, recipe, moments, rows: int = 128, batch: in
     """Held-out denoising loss per time bin, network vs the Gaussian posterior mean, t uniform in each bin.
     The same rows, times and noise for every network of a given length and width of space."""
     from elflow.flow import TIME_BINS, time_bin_labels
-    from elflow.model import gaussian_posterior
+    from elflow.shortrun import gaussian_posterior
 
     mu, var = moments
     n = min(rows, len(dataset))
@@ -384,7 +385,7 @@ def rank_floors(spaces=("minilm", "random-table:minilm"), length: int = 64, rows
     from elflow.data import build_dataset
     from elflow.encoders import build_space
     from elflow.flow import Recipe
-    from elflow.train import space_spec
+    from elflow.encoders import space_spec
 
     t_eps = Recipe().t_eps
     weight = ((1 / t_eps - 1 / 0.5) + t_eps / t_eps ** 2) / 0.5  # mean of max(1 - t, t_eps)^-2, t ~ U[0.5, 1)
@@ -463,7 +464,7 @@ def readout_sweep(name: str, weights: list[float], seeds=(0, 1), num: int = 32, 
     seed). The readout weight does not change training, so the trained weights serve every weight."""
     from elflow.diagnostics import validation_report, word_stats
     from elflow.encoders import latent_moments, token_vectors
-    from elflow.model import ELF
+    from elflow.shortrun import build_network
 
     run = measured_run(name, work, cache_dir)
     cfg, space, recipe, train_set, val_set = run.cfg, run.space, run.recipe, run.train_set, run.val_set
@@ -478,7 +479,7 @@ def readout_sweep(name: str, weights: list[float], seeds=(0, 1), num: int = 32, 
     groups = {f"[{lo}, {hi})": (seen >= lo) & (seen < hi) for lo, hi in ((0, 10), (10, 100), (100, 1000), (1000, 10**9))}
     rows = []
     for w in weights:
-        net = ELF(run.net.config.replace(table_readout=float(w)))
+        net = build_network(run.net.config, {**run.net.options.to_dict(), "table_readout": float(w)})
         net.load_state_dict(trained, strict=False)
         if w:
             net.set_readout_table(table)
@@ -506,7 +507,7 @@ def fine_bins(name: str, edges=(0.0, 0.005, 0.02, 0.05, 0.1, 0.15, 0.2), rows: i
     """The low-t end in finer bins for one trained configuration: its loss, the baseline's, and the variance
     per dimension of what the network adds to its own Gaussian skip (a skip network's correction)."""
     from elflow.encoders import latent_moments
-    from elflow.model import gaussian_posterior
+    from elflow.shortrun import gaussian_posterior
 
     run = measured_run(name, work, cache_dir)
     net, space, recipe, val_set = run.net, run.space, run.recipe, run.val_set
@@ -523,7 +524,7 @@ def fine_bins(name: str, edges=(0.0, 0.005, 0.02, 0.05, 0.1, 0.15, 0.2), rows: i
         loss = lambda p: (((p - x) / (1 - tt).clamp_min(recipe.t_eps)) ** 2).mean().item()  # noqa: E731
         row = {"t": f"{lo}-{hi}", "model": loss(pred),
                "baseline": loss(gaussian_posterior(z, t, mu, var, recipe.noise_scale)[0])}
-        if net.config.skip == "gaussian":
+        if getattr(net, "options", None) is not None and net.options.skip == "gaussian":
             own = gaussian_posterior(z, t, net.skip_mean, net.skip_var, net.skip_noise)[0]
             row["correction_variance"] = (pred - own).var((0, 1)).mean().item()
         out.append(row)

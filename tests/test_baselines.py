@@ -2,14 +2,13 @@
 
 import json
 import math
-import re
 import types
 
 import pytest
 import torch
 
-from elflow import ar, mdlm, methods
-from elflow.data import Batches, TokenDataset, pack
+from elflow import methods
+from elflow.methods import ar, mdlm
 from elflow.model import ELF, TokenLMConfig, fit_token_lm, get_config, num_params, token_lm_params
 from elflow.utils import ELFError, sample_categorical
 
@@ -217,33 +216,34 @@ def test_unknown_method_is_a_one_line_error_listing_the_choices():
     with pytest.raises(ELFError) as e:
         methods.get_method("gpt")
     assert "\n" not in str(e.value) and all(name in str(e.value) for name in ("elf", "ar", "mdlm"))
-    assert methods.get_method("ar") is ar and methods.get_method("mdlm") is mdlm
-    assert methods.get_method("elf") is None
-
-
-@pytest.fixture(scope="module")
-def word_data(tiny_corpus_file):
-    """The tiny corpus as word and punctuation ids (0 = EOS), packed into rows of 16."""
-    words = re.findall(r"[a-z]+|[.,?!\n]", tiny_corpus_file.read_text().lower())
-    vocab = {w: i + 1 for i, w in enumerate(sorted(set(words)))}
-    tokens = pack([[vocab[w] for w in words]], 16, 0)
-    ones = torch.ones_like(tokens, dtype=torch.bool)
-    data = TokenDataset(tokens, ones, ones)
-    n = len(data)
-    return data.subset(torch.arange(n - 32)), data.subset(torch.arange(n - 32, n)), len(vocab) + 1
+    assert methods.get_method("ar") is ar.METHOD and methods.get_method("mdlm") is mdlm.METHOD
+    assert methods.get_method("elf").name == "elf" and methods.METHOD_NAMES == ("elf", "ar", "mdlm")
 
 
 @pytest.mark.parametrize("name", ["ar", "mdlm"])
-def test_a_few_steps_lower_the_heldout_loss(word_data, name):
-    train, val, vocab_size = word_data
-    torch.manual_seed(0)
-    model = methods.get_method(name).build(TokenLMConfig(depth=1, hidden=32, heads=2, max_length=16),
-                                           types.SimpleNamespace(vocab_size=vocab_size))
-    before = methods.heldout_loss(name, model, val)
-    assert before == pytest.approx(math.log(vocab_size), abs=0.4)  # an untrained model is near uniform
-    out = methods.train_baseline(name, model, Batches(train, 16, seed=0), steps=15, lr=1e-2)
-    assert len(out["losses"]) == 15 and out["tokens_seen"] == 15 * 16 * 16
-    assert methods.heldout_loss(name, model, val) < before - 0.15
+def test_a_few_steps_of_the_trainer_lower_the_heldout_loss(name, tmp_path, tiny_t5_dir, tiny_corpus_file):
+    """15 steps of the one trainer (elflow.train.train) on the tiny corpus's token ids: the held-out loss of the
+    trained weights falls well below that of an untrained network of the same shape, which is near uniform."""
+    from elflow.checkpoint import load
+    from elflow.data import build_dataset
+    from elflow.encoders import build_space
+    from elflow.train import TrainConfig, train
+
+    cache = tmp_path / "cache"
+    cfg = TrainConfig(method=name, preset="tiny", data=str(tiny_corpus_file), space=f"t5:{tiny_t5_dir}", length=16,
+                      batch=16, steps=15, warmup=1, lr=1e-2, ema_decay=0.9, val_fraction=0.1, log_every=1,
+                      ckpt_every=15, dtype="fp32", seed=0)
+    summary = train(cfg, tmp_path / "run", cache_dir=cache, quiet=True)
+    recs = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert summary["end_step"] == 15 and len(recs) == 15
+    method = methods.get_method(name)
+    space = build_space(method.space_spec({"kind": "t5", "name": str(tiny_t5_dir)}))
+    _, val = build_dataset(str(tiny_corpus_file), space, 16, val_fraction=0.1, seed=0, cache_dir=cache)
+    trained = load(tmp_path / "run", use_ema=False).net
+    torch.manual_seed(1)
+    before = method.heldout_loss(method.network(trained.config, space), val)
+    assert before == pytest.approx(math.log(space.vocab_size), abs=0.4)  # an untrained model is near uniform
+    assert method.heldout_loss(trained, val) < before - 0.15
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -286,7 +286,7 @@ def test_compare_trains_three_matched_methods_and_judges_them(tmp_path, tiny_t5_
 
         elf_trunk = ELF(read_weights(tmp_path / "elf")[0]).num_params(exclude_decode_head=True)
     for name in ("ar", "mdlm"):
-        model = methods.get_method(name).build(TokenLMConfig(**json.loads(
+        model = {"ar": ar, "mdlm": mdlm}[name].build(TokenLMConfig(**json.loads(
             (tmp_path / name / "run.json").read_text())["model"]), types.SimpleNamespace(vocab_size=300))
         assert abs(methods.trunk_params(model) - elf_trunk) / elf_trunk <= 0.05
     assert [(r["method"], r["setting"]) for r in res["rows"]] == [

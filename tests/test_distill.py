@@ -8,6 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from elflow import distill
+from elflow.generate import distilled_defaults
 from elflow.utils import ELFError
 
 from helpers import reference_dir
@@ -193,8 +194,8 @@ def test_schedule_checks():
         distill.check_schedule([2, 4], 8)
     with pytest.raises(ELFError, match="do not divide"):
         distill.check_schedule([16, 8, 3], 64)
-    assert distill.sampling_defaults(4) == {"steps": 4, "sampler": "sde", "gamma": 1.5, "omega": 2.5}
-    assert distill.sampling_defaults(16)["gamma"] == 2.0 and distill.sampling_defaults(16)["omega"] == 2.0
+    assert distilled_defaults(4) == {"steps": 4, "sampler": "sde", "gamma": 1.5, "omega": 2.5}
+    assert distilled_defaults(16)["gamma"] == 2.0 and distilled_defaults(16)["omega"] == 2.0
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -238,8 +239,11 @@ def test_rounds_are_ordinary_runs_with_few_step_sampling_defaults(full_distillat
     for n in (2, 1):
         cfg, sd, spec, recipe, info = read_weights(out / f"round-{n}")
         assert info["checkpoint"].endswith("step_0000003")
-        assert recipe["distilled_steps"] == n and recipe["sampling"] == distill.sampling_defaults(n)
-        assert info["distilled_steps"] == n and info["sampling"] == distill.sampling_defaults(n)
+        assert info["distilled_steps"] == n and info["sampling"] == distilled_defaults(n)
+        # the round's record is its own, beside the teacher's recipe constants
+        train = json.loads((out / f"round-{n}" / "run.json").read_text())["train"]
+        assert train["distillation"] == {"student_steps": n, "teacher_steps": 2} and not set(train["recipe"])
+        assert recipe == {}
     run1 = json.loads((out / "round-1" / "run.json").read_text())["train"]
     run2 = json.loads((out / "round-2" / "run.json").read_text())["train"]
     assert run2["init_from"].startswith(str(teacher_run[0]))  # round 1: the teacher

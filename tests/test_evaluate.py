@@ -282,7 +282,7 @@ def test_cli_translation_and_summarization(tmp_path, capsys):
 
 
 def test_tradeoff_plot_and_csv(tmp_path):
-    from elflow.sweep import plot_tradeoff, read_csv, write_csv
+    from elflow.sweep import plot_sweep, read_csv, write_csv
 
     rows = [{"sampler": s, "steps": n, "omega": w, "gen_ppl": 50.0 / w + n, "entropy": 5 + 0.1 * w}
             for s in ("ode", "sde") for n in (8, 16) for w in (0.5, 1.0, 2.0)]
@@ -290,7 +290,7 @@ def test_tradeoff_plot_and_csv(tmp_path):
     write_csv(csv_path, rows)
     back = read_csv(csv_path)
     assert len(back) == 12 and back[0]["omega"] == 0.5 and back[-1]["sampler"] == "sde"
-    png = plot_tradeoff(back, tmp_path / "tradeoff.png")
+    png = plot_sweep(back, tmp_path / "tradeoff.png")
     assert png.stat().st_size > 1000
 
 

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from elflow.flow import Recipe, draw_training_noise, elf_loss, euler_step, generate_tokens, sample
 from elflow.model import ELF, get_config
 from elflow.schedules import time_grid
-from elflow.train import step_metrics
+from elflow.methods.elf import step_sums as step_metrics
 
 
 def tiny_net(seed=0):

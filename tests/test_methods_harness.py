@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from elflow import ar, mdlm
+from elflow.methods import ar, mdlm
 from elflow.checkpoint import list_checkpoints, load_for_sampling, read_weights
 from elflow.cli import main
 from elflow.model import ELF, TokenLMConfig, get_config, num_params

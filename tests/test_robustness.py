@@ -243,7 +243,7 @@ def test_quickstart_settings_are_one_named_preset(capsys):
     expected = dict(preset="demo", data="builtin", space="random-table:minilm", length=64, batch=32, steps=250,
                     lr=3e-3, warmup=50, ema_decay=0.95, adam_heads=True, dtype="auto", seed=0, log_every=10,
                     ckpt_every=62, keep=2, sample_every=62, sample_steps=64, sample_sampler="vc", sample_omega=3.0,
-                    model={"skip": "gaussian", "time_scale": 1000.0, "head_modulation": True, "table_readout": 1.0},
+                    short_run={"skip": "gaussian", "time_scale": 1000.0, "head_modulation": True, "table_readout": 1.0},
                     recipe={})
     assert {k: getattr(cfg, k) for k in expected} == expected
     # the same settings from `elflow train --defaults quickstart`
@@ -256,11 +256,30 @@ def test_quickstart_settings_are_one_named_preset(capsys):
     assert {k: v for k, v in mine.to_dict().items() if k not in ("lr", "space")} == \
         {k: v for k, v in cfg.to_dict().items() if k not in ("lr", "space")}
     mine = demo_config(SimpleNamespace(**{**vars(args), "space": "minilm"}))
-    assert mine.model == {**cfg.model, "table_readout": 0.0} and mine.space == "minilm"
-    assert {k: v for k, v in mine.to_dict().items() if k not in ("model", "space")} == \
-        {k: v for k, v in cfg.to_dict().items() if k not in ("model", "space")}
-    mine.model["skip"] = "none"
-    assert demo_config(args).model["skip"] == "gaussian"
+    assert mine.short_run == {**cfg.short_run, "table_readout": 0.0} and mine.space == "minilm"
+    assert {k: v for k, v in mine.to_dict().items() if k not in ("short_run", "space")} == \
+        {k: v for k, v in cfg.to_dict().items() if k not in ("short_run", "space")}
+    mine.short_run["skip"] = "none"
+    assert demo_config(args).short_run["skip"] == "gaussian"
+
+
+def test_a_config_with_options_and_round_records_among_other_settings_reads_as_the_same_run():
+    """Short-run options stored among the network settings and a distillation round's record among the
+    recipe's constants are read into their own settings; the recipe refuses keys it does not know."""
+    from elflow.flow import Recipe
+
+    stored = TrainConfig(preset="tiny").to_dict()
+    stored.update(model={"depth": 3, "skip": "gaussian", "table_readout": 1.0}, short_run={}, distillation={},
+                  recipe={"decode_noise_scale": 1.0, "distilled_steps": 4, "teacher_steps": 16,
+                          "sampling": {"steps": 4, "sampler": "sde", "gamma": 1.5, "omega": 2.5}})
+    cfg = TrainConfig.from_dict(json.loads(json.dumps(stored)))
+    assert cfg.model == {"depth": 3} and cfg.short_run == {"skip": "gaussian", "table_readout": 1.0}
+    assert cfg.recipe == {"decode_noise_scale": 1.0} and cfg.distillation == {"student_steps": 4, "teacher_steps": 16}
+    assert TrainConfig.from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(ValueError, match="unknown fields"):
+        Recipe.from_dict({"noise": 2.0})
+    with pytest.raises(utils.ELFError, match="recipe"):
+        TrainConfig(recipe={"noise": 2.0}).resolved().validate()
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -1,5 +1,7 @@
 """Figure 2 statistics against the explainer (Monte-Carlo), grid properties, and the Figure 1 toy."""
 
+import math
+
 import pytest
 import torch
 
@@ -26,10 +28,21 @@ def test_grid_top_range(stats):
     assert 0.33 < stats["grid32_top_p2.5"] < 0.42 and 0.68 < stats["grid32_top_p97.5"] < 0.8
 
 
-def test_exact_closed_forms():
-    # median of sigmoid(N(m, s)) is sigmoid(m); omega's median is sqrt(1.5 * 6) - 1 = 2 exactly
+@pytest.mark.parametrize("mean,std", [(-1.5, 0.8), (0.7, 1.3)])
+def test_exact_closed_forms(mean, std):
+    """The medians against their closed forms: sigmoid(N(m, s^2)) has median sigmoid(m) (the training times,
+    the decode levels p); 1 + omega log-uniform on [1.5, 6] has median sqrt(1.5 * 6) = 3, so omega's is 2.
+    Tolerances are four Monte-Carlo standard errors of a median of 200,000 draws."""
     g = torch.Generator().manual_seed(1)
-    assert sample_guidance(100_000, g).min() >= 0.5 and sample_guidance(100_000, g).max() <= 5.0
+    n = 200_000
+    sig = torch.sigmoid(torch.tensor(mean)).item()
+    density = 0.3989 / (std * sig * (1 - sig))  # of sigmoid(N(m, s^2)) at its median
+    tol = 4 / (2 * density * n ** 0.5)
+    assert sample_time(n, g, mean, std).median().item() == pytest.approx(sig, abs=tol)
+    assert sample_decode_level((n,), g, mean, std).median().item() == pytest.approx(sig, abs=tol)
+    omega = sample_guidance(n, g)
+    assert omega.median().item() == pytest.approx(2.0, abs=4 / (2 * n ** 0.5 / (3 * math.log(4.0))))
+    assert omega.min() >= 0.5 and omega.max() <= 5.0
     assert sample_time(7, g).shape == (7,) and sample_decode_level((2, 3, 1), g).shape == (2, 3, 1)
 
 
@@ -95,3 +108,27 @@ def test_toy_distillation_students_reach_clusters_in_one_step_where_the_teacher_
     one_step = run_toy(mix, (1,), n, seed=1, denoiser=students[1])[1]
     sixteen = run_toy(mix, (16,), n, seed=1, denoiser=teacher)[16]
     assert one_step["inside"] >= 20 and one_step["inside"] >= sixteen["inside"] // 3
+
+
+def test_toy_figure_labels_its_axes_and_keeps_its_legend_clear_of_the_panels():
+    import matplotlib.pyplot as plt
+
+    from elflow.toy import toy_figure
+
+    mix = ring_mixture()
+    for steps in ((1,), (1, 4), (1, 2, 4, 8, 16)):
+        fig = toy_figure(mix, run_toy(mix, steps_list=steps, num=20), "title")
+        fig.canvas.draw()
+        *axes, key = fig.axes
+        assert [a.get_xlabel() for a in axes] == ["$x_1$"] * len(steps) and axes[0].get_ylabel() == "$x_2$"
+        assert all(len(a.get_xticklabels()) >= 5 and a.get_xticklabels()[0].get_fontsize() >= 9 for a in axes)
+        assert all(a.get_legend() is None for a in axes)  # no legend over a panel's points
+        legend = key.get_legend()
+        names = [t.get_text() for t in legend.get_texts()]
+        assert names == ["data (the mixture)", "path of z from noise", "guesses of x at each step",
+                         "samples (where z ends)", "data mean"]
+        box = legend.get_window_extent()
+        for a in axes:  # below every panel and its tick labels
+            assert box.y1 <= a.get_tightbbox().y0 + 1
+        assert box.x0 >= 0 and box.x1 <= fig.bbox.x1 and box.y0 >= 0  # inside the figure
+        plt.close(fig)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from elflow.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
 from elflow.train import train
@@ -137,6 +138,53 @@ def test_two_gloo_ranks_equal_one_process_with_the_same_global_batch(uninterrupt
     assert m1 == pytest.approx(m2, rel=1e-4)  # losses averaged across ranks before logging
 
 
+def test_two_gloo_ranks_train_a_learned_table_as_one_process(uninterrupted, tmp_path, tiny_t5_dir,
+                                                            tiny_corpus_file):
+    """The space's encode runs inside the DDP-wrapped pass: a learned table's gradients are averaged across ranks
+    like the network's, so the table of two ranks equals one process's."""
+    _, cache, _ = uninterrupted
+    one, two = tmp_path / "one", tmp_path / "two"
+    common = ["--preset", "tiny", "--data", str(tiny_corpus_file), "--space", f"learned-table:{tiny_t5_dir}",
+              "--space-dim", "16", "--length", "16", "--batch", "4", "--micro-batch", "2", "--steps", "3",
+              "--warmup", "1", "--log-every", "1", "--ckpt-every", "3", "--dtype", "fp32", "--seed", "2",
+              "--cache-dir", str(cache)]
+    run_alone_and_on_two_ranks(["train", *common], one, two)
+    assert_same_runs(one, two, 3, exact=False)
+    from elflow.encoders import build_space
+
+    start = build_space({"kind": "learned-table", "name": str(tiny_t5_dir), "dim": 16, "seed": 0}).table.detach()
+    a, b = (load_file(r / "checkpoints" / "step_0000003" / "space.safetensors")["table"] - start for r in (one, two))
+    assert a.abs().max() > 0  # the table trained, by a few learning rates (1.6e-5) per entry
+    assert torch.allclose(a, b, atol=1e-7, rtol=1e-3)  # the same updates (a rank's own gradients differ by ~lr)
+
+
+def test_a_compiled_pass_takes_the_same_step(tiny_t5_dir):
+    """torch.compile wraps the one trained pass (encode, self-conditioning pass, trained pass): the same
+    step, the same weights as the plain pass."""
+    from elflow.encoders import build_space
+    from elflow.flow import Recipe
+    from elflow.methods import TrainedPass, get_method
+    from elflow.model import ELF, get_config
+    from elflow.optim import EMA, ELFOptimizer
+    from elflow.train import train_step
+
+    space = build_space({"kind": "t5", "name": str(tiny_t5_dir), "latent_std": 0.2})
+    shards = [{"tokens": torch.randint(3, 200, (4, 16), generator=torch.Generator().manual_seed(0)),
+               "mask": torch.ones(4, 16, dtype=torch.bool)}]
+    weights = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        net = ELF(get_config("tiny", dim=space.dim, vocab_size=space.vocab_size, max_length=16))
+        opt = ELFOptimizer(net.named_parameters(), lr=1e-2)
+        model = TrainedPass(get_method("elf"), net, space, Recipe())
+        model = torch.compile(model, backend="eager") if compiled else model
+        for step in range(2):
+            m = train_step(model, shards, opt, EMA(net, 0.9), step, 0, 0, "fp32")
+            assert "nonfinite" not in m and m["decode_n"] + m["denoise_n"] == 4
+        weights.append(net.state_dict())
+    assert all(torch.allclose(weights[0][k], weights[1][k], atol=1e-6) for k in weights[0])
+
+
 def test_bad_input_is_refused_without_touching_the_run(uninterrupted, tmp_path, tiny_t5_dir, tiny_corpus_file):
     full, cache, _ = uninterrupted
     before = sorted(p.name for p in list_checkpoints(full))
@@ -155,6 +203,7 @@ def test_nonfinite_step_does_not_update(tiny_t5_dir):
     from elflow.encoders import build_space
     from elflow.flow import Recipe
     from elflow.model import ELF, get_config
+    from elflow.methods import TrainedPass, get_method
     from elflow.optim import EMA, ELFOptimizer
     from elflow.train import train_step
 
@@ -165,7 +214,8 @@ def test_nonfinite_step_does_not_update(tiny_t5_dir):
     before = {k: v.clone() for k, v in net.state_dict().items()}
     opt = ELFOptimizer(net.named_parameters(), lr=1e-2)
     shards = [{"tokens": torch.randint(3, 200, (4, 16)), "mask": torch.ones(4, 16, dtype=torch.bool)}]
-    m = train_step(net, space, shards, Recipe(decode_prob=0.0), opt, EMA(net, 0.9), 0, 0, 0, "fp32")
+    m = train_step(TrainedPass(get_method("elf"), net, space, Recipe(decode_prob=0.0)), shards, opt, EMA(net, 0.9),
+                   0, 0, 0, "fp32")
     assert "nonfinite" in m
     after = net.state_dict()
     assert all(torch.equal(before[k], after[k]) or torch.isnan(before[k]).any() for k in before)
@@ -222,7 +272,7 @@ def test_a_random_table_run_stored_without_a_stream_keeps_its_table(tmp_path, ti
             "1", "--ckpt-every", "2", "--dtype", "fp32", "--quiet", "--cache-dir", str(tmp_path / "cache"),
             "--space", f"random-table:{tiny_t5_dir}", "--table-readout", "1"]
     cfg = tiny_config(tiny_t5_dir, tiny_corpus_file, space=f"random-table:{tiny_t5_dir}", steps=2, ckpt_every=2,
-                      model={"table_readout": 1.0}, space_stream=1, data=str(tiny_corpus_file))
+                      short_run={"table_readout": 1.0}, space_stream=1, data=str(tiny_corpus_file))
     old = tmp_path / "old"
     train(cfg, old, quiet=True, cache_dir=tmp_path / "cache")
     for f in [old / "run.json", *old.glob("checkpoints/*/state.json")]:  # what an elflow without streams wrote
@@ -259,7 +309,7 @@ def test_table_readout_run_carries_the_token_vectors(tmp_path, tiny_t5_dir, tiny
     loaded, space = load_for_sampling(tmp_path / "tied")
     net = loaded.net
     V = net.config.vocab_size
-    assert net.config.table_readout == 1.0
+    assert net.options.table_readout == 1.0
     assert torch.equal(net.readout_table, space.table[:V])  # random-table: the rows themselves (scale 1)
     w2, e2 = checkpoint_weights(tmp_path / "tied", 2)
     w4, e4 = checkpoint_weights(tmp_path / "tied", 4)
@@ -295,7 +345,7 @@ def test_gaussian_skip_run_carries_the_training_moments(tmp_path, tiny_t5_dir, t
     assert len(train_set) <= 512  # the moments then cover every row
     x = space.encode(train_set.tokens, attention_mask=train_set.attention_mask).double()[train_set.mask]
     net = loaded.net
-    assert net.config.skip == "gaussian"
+    assert net.options.skip == "gaussian"
     assert torch.allclose(net.skip_mean.double(), x.mean(0), atol=1e-5)
     assert torch.allclose(net.skip_var.double(), x.var(0, unbiased=False), rtol=1e-4)
     assert net.skip_noise.item() == 2.0  # the recipe's noise scale
@@ -315,3 +365,26 @@ def test_gaussian_skip_run_carries_the_training_moments(tmp_path, tiny_t5_dir, t
     train(cfg, part, resume=True, cache_dir=cache, quiet=True)
     assert_same_runs(run, part, 6)
     assert main(["sample", str(run), "--steps", "4", "--num", "2", "--quiet", "--out", str(tmp_path / "s.jsonl")]) == 0
+
+
+@pytest.mark.parametrize("method,options", [
+    ("elf", {"skip": "gaussian", "time_scale": 1000.0, "head_modulation": True}), ("ar", {}), ("mdlm", {})])
+def test_samples_printed_during_training_come_from_the_ema_weights(method, options, tmp_path, tiny_t5_dir,
+                                                                    tiny_corpus_file, capsys):
+    """--sample-every prints samples of the EMA weights with the method's own sampler (an ELF network of the
+    run's own kind, short-run options included): for ELF, the texts the saved EMA weights give through the
+    loader and flow.generate_tokens with the run's sample settings and seed."""
+    from elflow.checkpoint import load_for_sampling
+    from elflow.flow import generate_tokens
+
+    run = tmp_path / "run"
+    cfg = cfg_for(tiny_t5_dir, tiny_corpus_file, method=method, short_run=options, steps=2, ckpt_every=2,
+                  sample_every=2, sample_steps=3)
+    train(cfg, run, cache_dir=tmp_path / "cache", quiet=False)
+    out = capsys.readouterr()
+    printed = [line.split(": ", 1)[1] for line in (out.out + out.err).splitlines() if "[step 2] sample" in line]
+    assert len(printed) == 2
+    if method == "elf":
+        loaded, space = load_for_sampling(run, device="cpu")
+        ids, _ = generate_tokens(loaded.net, 2, 16, 3, "sde", omega=3.0, generator=torch.Generator().manual_seed(1))
+        assert printed == [t[:300] for t in space.decode(ids)]

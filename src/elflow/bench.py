@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from elflow.model import ELF, PRESETS, ELFConfig, MixedPass, get_config
+from elflow.model import ELF, PRESETS, ELFConfig, get_config
 from elflow.optim import NS_METHODS, method_for
 from elflow.utils import ELFError, autocast, default_device
 
@@ -262,7 +262,7 @@ def bench(mode: str, preset: str = "tiny", depth=None, hidden=None, heads=None, 
           adam_heads: bool = False, ns_dtype: str = "auto", ns_method: str = "auto", peak_size: int | None = None,
           breakdown: bool = False, seed: int = 0, threads: int | None = None,
           vocab_size: int | None = None) -> dict:
-    """Run one benchmark and return its record (the fields: README, "Performance and `elflow bench`")."""
+    """Run one benchmark and return its record (its fields: docs/performance.md)."""
     if mode not in MODES:
         raise ELFError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
     if preset not in PRESETS:
@@ -287,12 +287,13 @@ def bench(mode: str, preset: str = "tiny", depth=None, hidden=None, heads=None, 
     if L < 1:
         raise ELFError(f"--length must be >= 1, got {L}")
     try:
-        cfg = get_config(preset, depth=depth, hidden=hidden, heads=heads, vocab_size=vocab_size, max_length=max(L, PRESETS[preset].max_length),
-                         grad_checkpoint=grad_checkpoint)
+        cfg = get_config(preset, depth=depth, hidden=hidden, heads=heads, vocab_size=vocab_size,
+                         max_length=max(L, PRESETS[preset].max_length))
     except ValueError as e:
         raise ELFError(str(e)) from e
     torch.manual_seed(seed)
     net = ELF(cfg).to(device)
+    net.grad_checkpoint = grad_checkpoint
     model = torch.compile(net) if compile else net
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -338,6 +339,7 @@ def bench(mode: str, preset: str = "tiny", depth=None, hidden=None, heads=None, 
 
     else:  # train
         from elflow.flow import Recipe, draw_training_noise
+        from elflow.methods import TrainedPass, get_method
         from elflow.optim import EMA, ELFOptimizer
         from elflow.train import shard_generators, train_step
 
@@ -354,12 +356,14 @@ def bench(mode: str, preset: str = "tiny", depth=None, hidden=None, heads=None, 
         counter = iter(range(10 ** 9))
         done_steps: list[int] = []
 
-        trained = torch.compile(MixedPass(net)) if compile else net  # what the trainer compiles
+        elf = get_method("elf")
+        trained = TrainedPass(elf, net, sp, recipe)
+        trained = torch.compile(trained) if compile else trained  # what the trainer compiles
 
         def fn(m=trained, o=opt, e=ema):
             s = next(counter)
             done_steps.append(s)
-            train_step(m, sp, shards, recipe, o, e, s, seed, 0, dtype, 1.0, 1, device, params)
+            train_step(m, shards, o, e, s, seed, 0, dtype, 1.0, 1, device, params)
         times = _timed(fn, device, warmup, iters)
         timed_steps = done_steps[warmup:]
         # the pass mix of the timed steps' actual draws
@@ -386,12 +390,12 @@ def bench(mode: str, preset: str = "tiny", depth=None, hidden=None, heads=None, 
                      reference_recipe=reference_recipe_flops(cfg, L))
         if breakdown:  # one more step with every phase synced and timed
             timer = _Timer(device)
-            tnet = _TimedNet(net, timer)
+            timed = TrainedPass(elf, _TimedNet(net, timer), sp, recipe)
             sp.encode = timer.wrap("encoder", sp.encode)
             opt.step = timer.wrap("optimizer", opt.step)
             ema.update = timer.wrap("ema", ema.update)
             t0 = time.perf_counter()
-            fn(tnet, opt, ema)
+            fn(timed, opt, ema)
             _sync(device)
             total = time.perf_counter() - t0
             sec = dict(timer.seconds)

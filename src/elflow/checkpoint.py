@@ -10,13 +10,14 @@
 
 The folder is written under a temporary name and renamed, so a kill during a save leaves the previous
 checkpoint intact; the last K are kept. A file that does not match its recorded hash is refused by name.
-Checkpoints written before space.safetensors existed hold those parameters in model.safetensors under
-"space."-prefixed names; `split_space_state` reads both layouts.
+A checkpoint may instead hold those parameters in model.safetensors under "space."-prefixed names;
+`split_space_state` reads both layouts.
 
-A token-level baseline's checkpoint (`elflow train --method ar|mdlm`) has the same layout; its state.json
-names the method ("method", absent in ELF's older checkpoints) and holds the baseline's TokenLMConfig as
-"model". `load` / `load_for_sampling` build either network (`Loaded.method` says which); `read_weights`
-alone, which feeds ELF-only uses (distillation, --init-from), refuses a baseline's.
+Every method's checkpoint (`elflow train --method elf|ar|mdlm`) has this layout; state.json names the method
+("method"; a checkpoint without it is ELF's) and holds its network's config as "model" (and an ELF network's
+short-run options as "short_run"). `load` / `load_for_sampling` build any method's network through the
+method (`Loaded.method` says which); `read_weights`, which also feeds --init-from and distillation, refuses
+by default every model but an ELF network.
 """
 
 from __future__ import annotations
@@ -34,16 +35,20 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from elflow.encoders import stored_spec
-from elflow.methods import get_method
-from elflow.model import ELF, ELFConfig, TokenLMConfig
+from elflow.generate import SAMPLING_DEFAULTS, distilled_defaults
+from elflow.methods import get_method, require
+from elflow.runconfig import TrainConfig
+from elflow.model import ELF, ELFConfig
 from elflow.official import infer_config, official_to_elflow, preset_name
+from elflow.shortrun import describe_network, network_from_state_dict, options_of
 from elflow.utils import ELFError, atomic_write_json, default_device, sha256_file as _sha256
 
 __all__ = ["write_checkpoint", "save_checkpoint", "load_checkpoint", "list_checkpoints", "latest_checkpoint", "resolve_checkpoint",
-           "is_elflow_checkpoint", "split_space_state", "remove_stale_temporaries", "method_of", "only_elf"]
+           "is_elflow_checkpoint", "split_space_state", "remove_stale_temporaries", "method_of", "read_weights",
+           "load", "load_for_sampling", "load_init_weights", "check_init_compatible"]
 
 STEP_DIR = re.compile(r"step_(\d+)")
-SPACE_PREFIX = "space."  # the older layout: space parameters inside model.safetensors
+SPACE_PREFIX = "space."  # space parameters inside model.safetensors (the other layout)
 
 
 def write_checkpoint(folder: str | os.PathLike, model_sd: dict, ema_sd: dict, optimizer_state, state: dict,
@@ -84,7 +89,7 @@ def write_checkpoint(folder: str | os.PathLike, model_sd: dict, ema_sd: dict, op
 
 
 def split_space_state(model_sd: dict) -> tuple[dict, dict]:
-    """(network weights, space parameters) of a model state dict in the older layout (prefixed names)."""
+    """(network weights, space parameters) of a model state dict that holds both (prefixed names)."""
     net = {k: v for k, v in model_sd.items() if not k.startswith(SPACE_PREFIX)}
     space = {k[len(SPACE_PREFIX):]: v for k, v in model_sd.items() if k.startswith(SPACE_PREFIX)}
     return net, space
@@ -241,22 +246,10 @@ def read_official_checkpoint(path: str | os.PathLike, which: str = "ema_params1"
 
 
 def build_from_state_dict(sd: dict[str, torch.Tensor], max_length: int = 1024, heads: int | None = None,
-                          config: ELFConfig | None = None) -> ELF:
-    """An ELF network holding these (elflow-named) weights, its shape inferred unless `config` is given."""
-    cfg = config or infer_config(sd, max_length=max_length, heads=heads)
-    net = ELF(cfg)
-    expected = net.state_dict()
-    missing = [k for k in expected if k not in sd]
-    unexpected = [k for k in sd if k not in expected]
-    if missing or unexpected:
-        raise ELFError(f"weights do not fit an ELF network of shape {cfg}: missing {missing[:6]}, "
-                       f"unexpected {unexpected[:6]}")
-    wrong = [f"{k}: {tuple(sd[k].shape)} (expected {tuple(v.shape)})" for k, v in expected.items()
-             if sd[k].shape != v.shape]
-    if wrong:
-        raise ELFError(f"weights have shapes that fit no ELF network of this shape: {wrong[:4]}")
-    net.load_state_dict(sd)
-    return net
+                          config: ELFConfig | None = None, options=None) -> ELF:
+    """An ELF network holding these (elflow-named) weights, its shape inferred unless `config` is given, with
+    the short-run `options` (elflow.shortrun) if any."""
+    return network_from_state_dict(sd, config, options, max_length=max_length, heads=heads)
 
 
 
@@ -267,20 +260,13 @@ def build_from_state_dict(sd: dict[str, torch.Tensor], max_length: int = 1024, h
 AUTHORS_SPACE = {"kind": "t5", "name": "t5-small", "latent_std": 0.2}  # the released models' space
 
 # the released conditional and distilled models: their layout and sampling defaults (known without flags)
-CONDITIONAL_SAMPLING = {"sampler": "ode", "steps": 64, "guidance": 2.0, "omega": 1.0, "gamma": 0.0}
 RELEASES = {
     "ELF-B-de-en-torch": {"task": "wmt14-de-en", "length": 128, "source_length": 64,
-                          "sampling": CONDITIONAL_SAMPLING},
-    "ELF-B-xsum-torch": {"task": "xsum", "length": 1088, "source_length": 1024, "sampling": CONDITIONAL_SAMPLING},
+                          "sampling": SAMPLING_DEFAULTS["conditional"]},
+    "ELF-B-xsum-torch": {"task": "xsum", "length": 1088, "source_length": 1024,
+                         "sampling": SAMPLING_DEFAULTS["conditional"]},
     "ELF-B-PD-owt-torch": {"distilled": True},
 }
-
-
-def few_step_defaults(steps: int) -> dict:
-    """Sampling defaults of a progressively distilled model at `steps` steps (SDE)."""
-    if steps <= 8:
-        return {"sampler": "sde", "steps": steps, "gamma": 1.5, "omega": 2.5}
-    return {"sampler": "sde", "steps": steps, "gamma": 2.0, "omega": 2.0}
 
 
 def is_hub_id(s: str) -> bool:
@@ -372,20 +358,15 @@ def method_of(path: str | os.PathLike) -> str:
     return "elf"
 
 
-def only_elf(method: str, path, what: str = "this command") -> None:
-    """One-line refusal of a baseline checkpoint where only an ELF model makes sense."""
-    if method != "elf":
-        raise ELFError(f"{path} holds a token-level {method.upper()} baseline (--method {method}); {what} needs an "
-                       "ELF model")
-
-
 def read_weights(path_or_hub_id: str | os.PathLike, use_ema: bool = True, max_length: int | None = None,
-                 baselines: bool = False):
+                 need: str | None = "init-from"):
     """Every format through one function: an elflow run folder (its newest good checkpoint), an elflow
     checkpoint folder, an authors' checkpoint_<step> file or a folder holding one, or a hub id.
-    Returns (ELFConfig, state dict, space spec, recipe, settings); the state dict is empty when EMA weights
-    were asked for and none were stored. `max_length` widens the position table. A baseline's checkpoint is
-    refused (one line) unless `baselines`; then its config is a TokenLMConfig and settings["method"] names it."""
+    Returns (network config, state dict, space spec, recipe, settings); the state dict is empty when EMA
+    weights were asked for and none were stored. `max_length` widens the position table. settings["method"]
+    names the method; `need` (an elflow.methods feature, or None) refuses the models of methods without it:
+    by default every model but an ELF network's, whose config is an ELFConfig (its short-run options, if any,
+    in settings["short_run"])."""
     s = str(path_or_hub_id)
     p = Path(s).expanduser()
     check_checkpoint_path(p)
@@ -397,19 +378,20 @@ def read_weights(path_or_hub_id: str | os.PathLike, use_ema: bool = True, max_le
         ckpt = resolve_checkpoint(p)
         blob = load_checkpoint(ckpt, with_optimizer=False)
         st = blob["state"]
-        method = st.get("method", "elf")
-        if not baselines:
-            only_elf(method, path_or_hub_id)
-        if method == "elf":
-            cfg = ELFConfig.from_dict({**st["model"], "grad_checkpoint": False})
-        else:
-            cfg = TokenLMConfig.from_dict(st["model"])
+        method = get_method(st.get("method", "elf"))
+        if need is not None:
+            require(method, need, "this command", path_or_hub_id)
+        cfg, extra = method.stored_config(st)
         sd = blob["ema" if use_ema else "model"]
         sd = {k: v for k, v in sd.items() if not k.startswith("space.")}
-        recipe, space = dict(st.get("train", {}).get("recipe", {})), stored_spec(st["space"])
-        stored = {k: recipe[k] for k in ("sampling", "distilled_steps") if k in recipe}  # a distilled model's
-        settings = {"length": cfg.max_length, **stored, **st.get("settings", {}), "format": "elflow",
-                    "checkpoint": str(ckpt), "space_id": st.get("space_id"), "method": method}
+        train = TrainConfig.from_dict(st.get("train", {}))
+        recipe, space = dict(train.recipe), stored_spec(st["space"])
+        settings = {"length": cfg.max_length, **st.get("settings", {}), "format": "elflow",
+                    "checkpoint": str(ckpt), "space_id": st.get("space_id"), "method": method.name, **extra}
+        if train.distillation:  # a distilled model: its step count and few-step defaults
+            n = train.distillation["student_steps"]
+            settings.setdefault("distilled_steps", n)
+            settings["sampling"] = {**settings.get("sampling", {}), **distilled_defaults(n)}
     else:
         f = find_official_file(p)
         sd = read_official_checkpoint(f, which="ema_params1" if use_ema else "params")
@@ -425,31 +407,18 @@ def read_weights(path_or_hub_id: str | os.PathLike, use_ema: bool = True, max_le
 
 def load(path_or_hub_id: str | os.PathLike, device=None, use_ema: bool = True,
          max_length: int | None = None) -> Loaded:
-    """The network of any checkpoint `read_weights` reads, a baseline's too (`Loaded.method`), in eval mode
+    """The network of any checkpoint `read_weights` reads, of any method (`Loaded.method`), in eval mode
     with its EMA weights (unless use_ema=False), with its space spec, recipe and settings."""
-    cfg, sd, space, recipe, settings = read_weights(path_or_hub_id, use_ema, max_length, baselines=True)
+    cfg, sd, space, recipe, settings = read_weights(path_or_hub_id, use_ema, max_length, need=None)
     if not sd:
         raise ELFError(f"{path_or_hub_id} holds no {'EMA ' if use_ema else ''}weights"
                        + ("; pass --raw-weights to use the trained ones" if use_ema else ""))
-    method = settings.get("method", "elf")
-    if method == "elf":
-        net = build_from_state_dict(sd, config=cfg)
-    else:
-        net = get_method(method).build(cfg, _Vocabulary(cfg.vocab_size))
-        try:
-            net.load_state_dict(sd)
-        except RuntimeError as e:
-            raise ELFError(f"{path_or_hub_id}: the weights do not fit its stored {method} shape "
-                           f"({str(e).splitlines()[0][:200]})") from None
+    try:
+        net = get_method(settings.get("method", "elf")).load(cfg, sd, settings)
+    except ELFError as e:
+        raise ELFError(f"{path_or_hub_id}: {e}") from None
     net = net.to(device or "cpu").eval()
     return Loaded(net, space, recipe, settings)
-
-
-@dataclass(frozen=True)
-class _Vocabulary:
-    """What a baseline's builder reads of a space: its vocabulary size."""
-
-    vocab_size: int
 
 
 def load_network(path: str | os.PathLike, device=None, use_ema: bool = True, max_length: int | None = None) -> ELF:
@@ -465,10 +434,10 @@ def load_for_sampling(path_or_hub_id, device=None, space=None, use_ema: bool = T
 
     device = torch.device(device or default_device())
     loaded = load(path_or_hub_id, device=device, use_ema=use_ema, max_length=max_length)
+    method = get_method(loaded.method)
     spec = loaded.space
-    if loaded.method != "elf" and isinstance(space, str) and space:
-        raise ELFError(f"--encoder applies to the authors' ELF checkpoints; {path_or_hub_id} is a {loaded.method} "
-                       "baseline, which uses its stored tokenizer")
+    if isinstance(space, str) and space:
+        require(method, "encoder", "--encoder", path_or_hub_id)
     if isinstance(space, EmbeddingSpace):
         sp = space
     elif isinstance(space, dict):
@@ -483,16 +452,38 @@ def load_for_sampling(path_or_hub_id, device=None, space=None, use_ema: bool = T
         sp.load_trainable_state_dict(trained_space_state(loaded.settings["checkpoint"]))
     if loaded.settings.get("space_id"):
         check_compatible(loaded.settings["space_id"], sp)
-    cfg = loaded.net.config
-    if loaded.method != "elf":
-        if sp.vocab_size != cfg.vocab_size:
-            raise ELFError(f"the tokenizer ({sp.space_id}: vocabulary {sp.vocab_size}) does not fit the "
-                           f"{loaded.method} network (vocabulary {cfg.vocab_size})")
-        return loaded, sp
-    if sp.dim != cfg.dim or sp.vocab_size < cfg.vocab_size:
-        raise ELFError(f"the embedding space ({sp.space_id}: dim {sp.dim}, vocabulary {sp.vocab_size}) does not fit "
-                       f"the network (dim {cfg.dim}, vocabulary {cfg.vocab_size})")
+    method.fits(sp, loaded.net)
     return loaded, sp
+
+
+def load_init_weights(path, warn=None):
+    """(ELFConfig, state dict, info) of the weights a run starts from (`--init-from`, a distillation's
+    teacher): the EMA of an elflow run or checkpoint (or of an authors' checkpoint). Where no EMA was stored,
+    the trained weights, with a warning."""
+    cfg, sd, spec, recipe, info = read_weights(path, use_ema=True)
+    if not sd:
+        (warn or _warn)(f"warning: {path} holds no EMA weights; using its trained (raw) weights instead")
+        cfg, sd, spec, recipe, info = read_weights(path, use_ema=False)
+        info = {**info, "ema": False}
+    return cfg, sd, {**info, "space": spec, "recipe": recipe}
+
+
+SHAPE_FREE = ("max_length",)  # ELFConfig fields that do not change the weights
+
+
+def check_init_compatible(path, init_cfg, info: dict, net, space) -> None:
+    """Refuse starting weights (`load_init_weights`) of another embedding space or another network (shape or
+    short-run options) than `net`, in `space`."""
+    stored = info.get("space_id")
+    if stored and stored != space.space_id:
+        raise ELFError(f"{path} was trained in the embedding space {stored!r}, this run uses {space.space_id!r}; "
+                       "pass the matching --space / --latent-std")
+    shape, options = describe_network(net)
+    a = {**init_cfg.to_dict(), **options_of(info.get("short_run")).to_dict()}
+    b = {**shape, **options_of(options).to_dict()}
+    diff = [f"{k} {a[k]} vs {b[k]}" for k in a if k not in SHAPE_FREE and a[k] != b.get(k)]
+    if diff:
+        raise ELFError(f"{path} holds a network of another shape than this run's ({', '.join(diff)})")
 
 
 # ----------------------------------------------------------------------------------------------------------

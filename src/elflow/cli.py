@@ -10,13 +10,15 @@ import argparse
 import importlib
 import sys
 
+import elflow  # the package itself, always loaded first: its version
 from elflow.utils import ELFError
 
 # name -> (module, one-line help). Order is the order shown by `elflow --help`.
 COMMANDS: dict[str, tuple[str, str]] = {
     "quickstart": ("elflow.quickstart", "the offline default: fetch the corpus, train the demo model, sample and report"),
     "train": ("elflow.train", "train an ELF model, or an AR / MDLM baseline (alone or under torchrun)"),
-    "sample": ("elflow.generate", "generate text from a run, a checkpoint or a released model"),
+    "sample": ("elflow.sample", "generate text from a run, a checkpoint or a released model"),
+    "view": ("elflow.viewer", "a sampling trajectory (sample --trajectory) as one self-contained HTML page"),
     "distill": ("elflow.distill", "progressive distillation into few-step students (16 -> 8 -> 4 -> 2 -> 1)"),
     "eval": ("elflow.evaluate", "generative perplexity and entropy, BLEU, ROUGE"),
     "train-judge": ("elflow.judge", "train a small offline autoregressive judge"),
@@ -49,6 +51,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         prog="elflow",
         description="ELF: text generation by flow matching in a frozen encoder's embedding space.",
     )
+    parser.add_argument("--version", action="version", version=f"elflow {elflow.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     parser.subcommands = {}
     for name, (_, help_text) in COMMANDS.items():

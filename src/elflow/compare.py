@@ -24,6 +24,7 @@ token entropy, one curve per method over its settings).
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -32,13 +33,13 @@ from dataclasses import replace
 from pathlib import Path
 
 from elflow.diagnostics import WORD, corpus_vocabulary, word_stats
-from elflow.utils import ELFError, atomic_write, atomic_write_json, cache_root, check_output
+from elflow.methods import METHOD_NAMES, get_method
+from elflow.utils import ELFError, atomic_write_json, cache_root, check_output
 
-__all__ = ["METHODS", "distinct_ngrams", "judge_texts", "cached_judge", "compare", "format_table", "plot_tradeoff",
-           "add_arguments", "run"]
+__all__ = ["distinct_ngrams", "judge_texts", "cached_judge", "compare", "format_table", "plot_rows", "add_arguments",
+           "run"]
 
-METHODS = ("elf", "ar", "mdlm")
-DEFAULT_MINUTES = 4.0  # per method: about 15-20 minutes in all on 2 CPU cores, the judge included
+DEFAULT_MINUTES = 4.0  # minutes of training per method
 JUDGE_DEFAULTS = {"hidden": 128, "depth": 2, "heads": 2, "context": 128, "steps": 150, "batch_size": 4}
 BUDGET_CAP = 1_000_000  # the schedule length of a minutes budget (the learning rate is constant after warm-up)
 
@@ -122,17 +123,11 @@ def _train_seconds(run_dir: Path) -> float:
     return sum(r.get("elapsed", 0.0) for r in recs if r.get("kind", "train") == "train")
 
 
-def _settings_of(method: str, cfg, elf_cells, ar_temperatures, mdlm_steps, seed: int):
-    """[(label, settings)] of one method: the points of its curve."""
-    from elflow.generate import SamplingSettings
-    from elflow.methods import sampling_settings
-
-    if method == "elf":
-        return [(f"steps={s} omega={w:g}", SamplingSettings(steps=s, sampler=cfg.sample_sampler, omega=w, seed=seed,
-                                                            batch_size=16).check()) for s, w in elf_cells]
-    if method == "ar":
-        return [(f"temperature={t:g}", sampling_settings("ar", temperature=t, seed=seed)) for t in ar_temperatures]
-    return [(f"steps={s}", sampling_settings("mdlm", steps=s, seed=seed)) for s in mdlm_steps]
+def _cells(grid: dict, fixed: dict) -> list[tuple[str, dict]]:
+    """[(label, sampler knobs)] of one method's curve: the product of its `grid` (knob -> values, the label
+    names them) with the `fixed` knobs."""
+    return [(" ".join(f"{k}={v:g}" for k, v in zip(grid, values)), {**dict(zip(grid, values)), **fixed})
+            for values in itertools.product(*grid.values())]
 
 
 def compare(cfg, out, steps: int | None = None, minutes: float | None = None, num: int = 32, judge=None,
@@ -145,7 +140,7 @@ def compare(cfg, out, steps: int | None = None, minutes: float | None = None, nu
     (model, tokenizer) pair. Returns {"rows", "methods", "budget", "judge", "out"}."""
     from elflow.checkpoint import load_for_sampling
     from elflow.data import build_dataset
-    from elflow.generate import sample_records, write_samples
+    from elflow.evaluate import sample_and_score
     from elflow.train import train
     from elflow.utils import check_device
 
@@ -158,7 +153,7 @@ def compare(cfg, out, steps: int | None = None, minutes: float | None = None, nu
     if num < 1:
         raise ELFError(f"--num must be >= 1, got {num}")
     out = check_output(out, folder=True)
-    taken = [n for n in (*METHODS, "compare.json", "samples") if (out / n).exists()]
+    taken = [n for n in (*METHOD_NAMES, "compare.json", "samples") if (out / n).exists()]
     if taken and not overwrite:
         raise ELFError(f"{out} already holds a comparison ({', '.join(taken)}); pass --overwrite to replace it, or "
                        "choose another --out")
@@ -169,11 +164,10 @@ def compare(cfg, out, steps: int | None = None, minutes: float | None = None, nu
     cfg = cfg.resolved()
     budget = {"steps": steps} if steps is not None else {"minutes": minutes}
     # the space's tokenizer alone serves the data, the judge's text and the held-out text
-    from elflow.encoders import build_space
-    from elflow.train import space_spec
+    from elflow.encoders import build_space, space_spec
 
     tokens_space = build_space({"kind": "tokens", "of": space_spec(cfg.space, cfg.latent_std, cfg.space_dim,
-                                                                    cfg.space_seed)})
+                                                                    cfg.space_seed, cfg.space_stream)})
     train_set, val_set = build_dataset(cfg.data, tokens_space, cfg.length, layout=cfg.layout,
                                        val_fraction=cfg.val_fraction, seed=cfg.seed, cache_dir=cache_dir,
                                        field=cfg.text_field, on_bad=cfg.on_bad)
@@ -188,7 +182,7 @@ def compare(cfg, out, steps: int | None = None, minutes: float | None = None, nu
         judge = load_judge(judge, device=device)
 
     info = {}
-    for method in METHODS:
+    for method in METHOD_NAMES:
         printer(f"training {method} ({f'{steps} steps' if steps is not None else f'{minutes:g} min'})")
         summary = train(replace(cfg, method=method), out / method, overwrite=overwrite, quiet=quiet,
                         cache_dir=cache_dir, device=device, command=f"elflow compare ({method})",
@@ -201,17 +195,20 @@ def compare(cfg, out, steps: int | None = None, minutes: float | None = None, nu
                         "loss": (summary.get("last") or {}).get("loss")}
 
     vocab = corpus_vocabulary(tokens_space.decode(train_set.tokens[: min(len(train_set), 4000)]))
-    elf_cells = [(s, w) for s in elf_steps for w in omegas]
+    # each method's curve: the knobs it runs over, and the ones held fixed
+    grids = {"elf": ({"steps": elf_steps, "omega": omegas}, {"sampler": cfg.sample_sampler}),
+             "ar": ({"temperature": ar_temperatures}, {}), "mdlm": ({"steps": mdlm_steps}, {})}
     rows = []
-    for method in METHODS:
+    for method in METHOD_NAMES:
         loaded, space = load_for_sampling(out / method, device=device)
-        for label, settings in _settings_of(method, cfg, elf_cells, ar_temperatures, mdlm_steps, seed):
-            records = sample_records(loaded.net, space, num, settings, cfg.length, progress=False)
+        chosen = get_method(method)
+        for label, knobs in _cells(*grids[method]):
+            settings = chosen.settings(loaded, seed=seed, batch_size=16, **knobs)
             name = f"{method}_{label.replace(' ', '_').replace('=', '')}.jsonl"
-            write_samples(out / "samples" / name, records, {"method": method, **settings.to_dict(),
-                                                            "checkpoint": str(out / method)})
-            rows.append({"method": method, "setting": label, "params": info[method]["params"],
-                         **judge_texts([r["text"] for r in records], vocab, judge)})
+            _, scores = sample_and_score(chosen, loaded.net, space, num, settings,
+                                         lambda texts: judge_texts(texts, vocab, judge), out / "samples" / name,
+                                         {"method": method, "checkpoint": str(out / method)}, cfg.length)
+            rows.append({"method": method, "setting": label, "params": info[method]["params"], **scores})
             printer(f"  {method} {label}: judge perplexity {rows[-1]['gen_ppl']:.1f}")
     real = tokens_space.decode(val_set.tokens[:num])
     rows.append({"method": "held-out text", "setting": "", "params": None, **judge_texts(real, vocab, judge)})
@@ -220,7 +217,7 @@ def compare(cfg, out, steps: int | None = None, minutes: float | None = None, nu
               "out": str(out), "config": cfg.to_dict()}
     clean = json.loads(json.dumps(result, default=str), parse_constant=lambda c: None)  # nan -> null
     atomic_write_json(out / "compare.json", clean)
-    plot_tradeoff(rows, out / "compare.png")
+    plot_rows(rows, out / "compare.png")
     printer(format_table(rows, info, budget))
     return result
 
@@ -249,35 +246,20 @@ def format_table(rows: list[dict], info: dict, budget: dict | None = None) -> st
     return "\n".join(lines)
 
 
-def plot_tradeoff(rows: list[dict], path) -> None:
-    """Judge perplexity (log scale) against token entropy, one curve per method over its settings."""
-    import matplotlib
+def plot_rows(rows: list[dict], path) -> None:
+    """Judge perplexity (log scale) against token entropy (evaluate.plot_tradeoff): one curve per method over
+    its settings, held-out text as a star."""
+    from elflow.evaluate import plot_tradeoff
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.5, 4.5))
-    for name in dict.fromkeys(r["method"] for r in rows):
-        pts = [r for r in rows if r["method"] == name and math.isfinite(r.get("gen_ppl", math.nan))]
-        if not pts:
-            continue
-        xs, ys = [r["judge_entropy"] for r in pts], [r["gen_ppl"] for r in pts]
-        if name == "held-out text":
-            ax.scatter(xs, ys, marker="*", s=120, color="black", label=name, zorder=3)
-            continue
-        order = sorted(range(len(pts)), key=lambda i: xs[i])
-        ax.plot([xs[i] for i in order], [ys[i] for i in order], marker="o", label=name)
-        for r, x, y in zip(pts, xs, ys):
-            ax.annotate(r["setting"], (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
-    ax.set_yscale("log")
-    ax.set_xlabel("token unigram entropy of samples (nats, judge tokenizer)")
-    ax.set_ylabel("judge perplexity")
-    ax.set_title("quality against diversity, one curve per method")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    with atomic_write(path) as f:
-        fig.savefig(f, format="png", dpi=100)
-    plt.close(fig)
+    finite = [r for r in rows if math.isfinite(r.get("gen_ppl", math.nan))]
+    curves = []
+    for name in dict.fromkeys(r["method"] for r in finite if r["params"] is not None):
+        pts = sorted((r["judge_entropy"], r["gen_ppl"], r["setting"]) for r in finite if r["method"] == name)
+        curves.append({"label": name, "points": pts})
+    reference = [(r["method"], r["judge_entropy"], r["gen_ppl"]) for r in finite if r["params"] is None]
+    plot_tradeoff(curves, path, title="quality against diversity, one curve per method",
+                  xlabel="token unigram entropy of samples (nats, judge tokenizer)", ylabel="judge perplexity",
+                  reference=reference, log_y=True)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -287,6 +269,7 @@ def plot_tradeoff(rows: list[dict], path) -> None:
 def add_arguments(p) -> None:
     from elflow.methods import MATCHES
     from elflow.model import PRESETS
+    from elflow.train import RUN_PRESETS
 
     b = p.add_argument_group("what is trained (the same for the three methods)")
     b.add_argument("--data", default="builtin", help="training text: 'builtin' (Shakespeare), a .txt file or "
@@ -296,7 +279,9 @@ def add_arguments(p) -> None:
     b.add_argument("--space", default=None, help="embedding space (default: the preset's; minilm for demo)")
     b.add_argument("--length", type=int, default=64, help="sequence length")
     b.add_argument("--batch", type=int, default=32, help="rows per optimiser step")
-    b.add_argument("--lr", type=float, default=None, help="learning rate (default 1e-3, the quickstart's)")
+    b.add_argument("--lr", type=float, default=None,
+                   help=f"learning rate (default: the quickstart's {RUN_PRESETS['quickstart'][0]['lr']:g} for the demo "
+                        "preset, else 1e-3 x batch / 256)")
     b.add_argument("--match", choices=MATCHES, default="total",
                    help="match ELF's parameter count in all, or without token tables and decode head")
     b.add_argument("--seed", type=int, default=0, help="seed of training and sampling")

@@ -18,7 +18,7 @@ import torch
 
 from elflow.encoders import latent_moments
 from elflow.flow import TIME_BINS, Recipe, time_bin, time_bin_labels
-from elflow.model import gaussian_posterior
+from elflow.shortrun import gaussian_posterior
 from elflow.schedules import sample_time
 
 __all__ = ["validation_report", "word_stats", "corpus_vocabulary"]

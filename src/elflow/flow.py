@@ -18,13 +18,14 @@ from __future__ import annotations
 import functools
 import math
 import warnings
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from elflow.schedules import sample_decode_level, sample_guidance, sample_time, time_grid
+from elflow.utils import Record
 
 __all__ = [
     "Recipe", "Draw", "decode_levels", "draw_training_noise", "elf_loss", "scored_positions", "token_mean_loss",
@@ -35,8 +36,9 @@ __all__ = [
 
 
 @dataclass(frozen=True)
-class Recipe:
-    """The training recipe's constants (released OpenWebText values by default)."""
+class Recipe(Record):
+    """The training recipe's constants (released OpenWebText values by default); `from_dict` refuses a key that
+    is none of them."""
 
     noise_scale: float = 2.0
     t_eps: float = 0.05
@@ -49,14 +51,6 @@ class Recipe:
     source_drop_prob: float = 0.1  # conditional data only
     t_mean: float = -1.5  # training times t = sigmoid(N(t_mean, t_std^2))
     t_std: float = 0.8
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "Recipe":
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in known})
 
 
 TIME_BINS = (0.0, 0.1, 0.2, 0.3, 0.5, 1.0)  # edges of the time bins the denoising loss is logged in
@@ -113,9 +107,10 @@ def elf_loss(net, x: torch.Tensor, tokens: torch.Tensor, draw: Draw, recipe: Rec
 
     x (B, L, C) clean embeddings, tokens (B, L) their ids, valid (B, L) bool positions scored (None: all),
     known (B, L) bool positions of a clean source (conditional data): pinned to x on denoise rows, never
-    scored, zeroed on rows whose source is dropped. `trained` is the trained pass (net.mixed, or a wrapper
-    of it such as DistributedDataParallel(MixedPass(net))). rows holds per-row tensors (no host sync):
-    "denoise" and "decode" losses (0 on rows of the other branch), "correct" and "scored" decode tokens.
+    scored, zeroed on rows whose source is dropped. `trained` is the pass whose gradients train, with
+    net.mixed's signature (net.mixed unless given; the no-grad self-conditioning pass is net itself). rows
+    holds per-row tensors (no host sync): "denoise" and "decode" losses (each row's own token mean; 0 on rows
+    of the other branch), "correct" and "scored" decode tokens.
     """
     B, L, C = x.shape
     dev = x.device

@@ -1,47 +1,62 @@
-"""From a loaded model to texts: `elflow sample`.
+"""From a network to texts: the sampler's settings and the one text generator.
 
-    SamplingSettings             the sampler's settings, defined once (sample, eval, sweep, quickstart)
+    SAMPLING_DEFAULTS            the settings a model samples with when no flag is given, by kind of model
+                                 (one table: sample, eval, sweep, distill, the trainer and the loader read it)
+    SamplingSettings             the sampler's settings, defined once
+    settings_for(loaded, ...)    a loaded model's own defaults with the values given on top
     conditioning(...)            texts -> the positions held fixed: a source, a prompt, a suffix
     generate(net, space, n, s)   -> records {"index", "text", ...}; batch i is seeded by (seed, i)
     write_samples(path, ...)     the one JSONL writer (atomic; every line holds the settings it was made with)
-    sample_records(net, ...)     generate, or a token-level baseline's sampler for its settings (sample, eval)
 
 A conditional model's source, an unconditional model's prompt (fixed at the start) and suffix (fixed at the
 end) all take one path: their positions are encoded so that known tokens attend only to known tokens, held
 at their clean embeddings during sampling (`flow.sample(known=..., known_mask=...)`), and kept as they are in
-the output.
+the output. `elflow sample` itself is elflow.sample.
 """
 
 from __future__ import annotations
 
 import json
 import sys
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import torch
 
-from elflow.checkpoint import Loaded, few_step_defaults, load_for_sampling
 from elflow.data import encoder_mask, pair_layout
 from elflow.flow import SAMPLERS, Recipe, check_sampling_args, decode_tokens, generate_tokens
-from elflow.methods import BaselineSampling, sample_records as baseline_records, sampling_settings
-from elflow.utils import ELFError, atomic_write, autocast, check_device, check_output
+from elflow.utils import ELFError, Record, atomic_write, autocast, check_output
 
-__all__ = ["SamplingSettings", "settings_for", "conditioning", "extract_targets", "generate", "write_samples",
-           "add_sampling_arguments", "add_arguments", "run"]
+__all__ = ["SAMPLING_DEFAULTS", "distilled_defaults", "SamplingSettings", "ELF_KNOBS", "settings_for",
+           "conditioning", "extract_targets", "generate", "write_samples", "add_sampling_arguments",
+           "read_sources"]
+
+# the sampler settings of a model when no flag is given, by the kind of model
+SAMPLING_DEFAULTS = {
+    "text": {"sampler": "sde", "steps": 32, "gamma": 1.5, "omega": 3.0, "guidance": 1.0},
+    "conditional": {"sampler": "ode", "steps": 64, "gamma": 0.0, "omega": 1.0, "guidance": 2.0},
+    "distilled": {"sampler": "sde", "gamma": 1.5, "omega": 2.5},  # a progressively distilled student, <= 8 steps
+    "distilled-long": {"sampler": "sde", "gamma": 2.0, "omega": 2.0},  # the same beyond 8 steps
+}
+DISTILLED_STEPS = 8  # a distilled model's steps when none are given (the released few-step model's)
+
+
+def distilled_defaults(steps: int) -> dict:
+    """The settings of a distilled model sampled at `steps` steps."""
+    return {**SAMPLING_DEFAULTS["distilled" if steps <= 8 else "distilled-long"], "steps": int(steps)}
 
 
 @dataclass(frozen=True)
-class SamplingSettings:
+class SamplingSettings(Record):
     """How to sample: the step count, the step kind and its back-off gamma, the self-conditioning guidance
     omega, the source guidance (conditional models), the time grid, the seed, the batch size and the
     autocast precision."""
 
-    steps: int = 32
-    sampler: str = "sde"
-    gamma: float = 1.5
-    omega: float = 3.0
-    guidance: float = 1.0
+    steps: int = SAMPLING_DEFAULTS["text"]["steps"]
+    sampler: str = SAMPLING_DEFAULTS["text"]["sampler"]
+    gamma: float = SAMPLING_DEFAULTS["text"]["gamma"]
+    omega: float = SAMPLING_DEFAULTS["text"]["omega"]
+    guidance: float = SAMPLING_DEFAULTS["text"]["guidance"]
     grid: str = "logit_normal"
     seed: int = 0
     batch_size: int = 8
@@ -60,17 +75,26 @@ class SamplingSettings:
             raise ELFError(f"grid must be 'logit_normal' or 'uniform', got {self.grid!r}")
         return self
 
-    def to_dict(self) -> dict:
-        return asdict(self)
+    def tag(self) -> str:
+        """A file-name tag of the settings that tell sample sets apart."""
+        return (f"{self.sampler}_steps{self.steps}_omega{self.omega:g}"
+                + (f"_gamma{self.gamma:g}" if self.sampler != "ode" else ""))
+
+    def describe(self) -> str:
+        return f"{self.sampler}, {self.steps} steps, omega {self.omega:g}"
 
 
-def settings_for(loaded: Loaded, **given) -> SamplingSettings:
-    """The model's own defaults (a conditional or distilled model's recipe), overridden by the values given
-    (None = not given)."""
+# the sampling flags an ELF model's sampler takes (besides --seed and --batch)
+ELF_KNOBS = ("steps", "sampler", "gamma", "omega", "guidance", "grid", "dtype")
+
+
+def settings_for(loaded, **given) -> SamplingSettings:
+    """A loaded model's (checkpoint.Loaded) own defaults, a conditional or distilled model's from
+    SAMPLING_DEFAULTS, overridden by the values given (None = not given)."""
     stored = dict(loaded.settings.get("sampling") or {})
     if loaded.settings.get("distilled_steps") or loaded.settings.get("distilled"):
-        n = given.get("steps") or loaded.settings.get("distilled_steps") or 8
-        stored = {**stored, **few_step_defaults(n)}  # the few-step settings depend on the step count alone
+        n = given.get("steps") or loaded.settings.get("distilled_steps") or DISTILLED_STEPS
+        stored = {**stored, **distilled_defaults(n)}  # the few-step settings depend on the step count alone
     names = {f.name for f in fields(SamplingSettings)}
     chosen = {k: loaded.recipe[k] for k in ("noise_scale", "t_eps") if k in loaded.recipe}
     chosen.update({k: v for k, v in stored.items() if k in names})
@@ -139,32 +163,44 @@ def extract_targets(ids: torch.Tensor, source_len: torch.Tensor, keep: int, eos_
 # texts
 
 
-def _texts(space, ids: torch.Tensor, known_ids, known_mask, source_len, keep: int | None) -> list[str]:
-    """Decoded texts: a conditional model's target; otherwise the whole row with the known tokens as given and
-    the generated stretch between prompt and suffix cut at its first EOS."""
+def _shown(ids: torch.Tensor, known_mask, source_len, keep: int | None, eos: int) -> list[list[int]]:
+    """Per row, the positions whose tokens make its text: a conditional model's target (the positions after
+    its source, up to the first EOS); otherwise the row up to its first EOS, or with known tokens (a prompt, a
+    suffix) all of them, and the generated stretch between them up to its first EOS."""
     if source_len is not None:
-        return space.decode(extract_targets(ids, source_len, keep, space.eos_id).cpu())
+        out = extract_targets(ids, source_len, keep, eos).cpu().tolist()
+        starts = source_len.cpu().tolist()
+        return [list(range(s, s + (r.index(eos) if eos in r else len(r)))) for r, s in zip(out, starts)]
+    rows = ids.cpu().tolist()
     if known_mask is None:
-        return space.decode(ids.cpu())
-    eos = space.eos_id
-    texts = []
-    for row, k, m in zip(ids.cpu().tolist(), known_ids.cpu().tolist(), known_mask.cpu().tolist()):
+        return [list(range(r.index(eos) if eos in r else len(r))) for r in rows]
+    shown = []
+    for row, m in zip(rows, known_mask.cpu().tolist()):
         head = m.index(False)
         tail = len(m) - m[::-1].index(False)
         middle = row[head:tail]
-        middle = middle[: middle.index(eos)] if eos in middle else middle
-        texts.append(space.tokenizer.decode(k[:head] + middle + k[tail:], skip_special_tokens=True))
-    return texts
+        end = head + (middle.index(eos) if eos in middle else len(middle))
+        shown.append([*range(head), *range(head, end), *range(tail, len(m))])
+    return shown
+
+
+def _texts(space, ids: torch.Tensor, shown: list[list[int]]) -> list[str]:
+    """Decoded texts of the shown positions (`_shown`), special tokens skipped."""
+    rows = ids.cpu().tolist()
+    return space.tokenizer.batch_decode([[r[p] for p in s] for r, s in zip(rows, shown)], skip_special_tokens=True)
 
 
 @torch.no_grad()
 def generate(net, space, num: int, settings: SamplingSettings = SamplingSettings(), length: int | None = None,
              sources: list[str] | None = None, source_length: int | None = None, prompt: str | None = None,
              suffix: str | None = None, progress: bool = True, trajectory: set[int] | None = None,
-             drop_source: bool = False):
-    """`num` samples as records {"index", "text"} (+ "source"); with `trajectory` also the decode readout of
-    the first batch's guesses at those steps, {step: (t, texts)}. Batch i draws from a generator seeded by
-    (seed, i), so the same settings give the same texts in any batch split of the same size.
+             drop_source: bool = False) -> list[dict]:
+    """`num` samples as records {"index", "text"} (+ "source"). With `trajectory` (sampling steps), each record
+    of the first batch also holds "trajectory": the decode readout of the sampler's guess at those steps (at
+    the last step, of the sample itself), a list of {"step", "t" (the time the guess was made at), "ids" (the
+    row's ids, known positions as given), "shown" (the positions its text is made of), "known" (the positions
+    held fixed), "text"}. Batch i draws from a generator seeded by (seed, i), so the same settings give the
+    same texts in any batch split of the same size.
 
     `drop_source`: the source-dropped model of a conditional network, as training drops a source: the
     source positions hold zeros for every pass, the readout's included (guidance 0 alone drops the source
@@ -181,7 +217,7 @@ def generate(net, space, num: int, settings: SamplingSettings = SamplingSettings
     from tqdm.auto import tqdm
 
     device = next(net.parameters()).device
-    records, traj_out = [], {}
+    records = []
     bar = tqdm(total=num, desc="sample", unit="text", disable=not progress, file=sys.stderr)
     for b, start in enumerate(range(0, num, settings.batch_size)):
         bs = min(settings.batch_size, num - start)
@@ -191,38 +227,41 @@ def generate(net, space, num: int, settings: SamplingSettings = SamplingSettings
         known_ids, known_mask, known = cond if cond is not None else (None, None, None)
         if drop_source and known is not None:
             known = torch.zeros_like(known)
+        src_len = known_mask.sum(1) if batch_sources is not None else None
+        keep_n = length - source_length if batch_sources is not None else None
         seen = {}
 
-        def keep(i, t, z, x):
-            if b == 0 and trajectory and i in trajectory:
-                seen[i] = (float(t), x.clone())
+        def keep(i, t, z, x):  # the readout of this step's guess; at the last step of z, which is the sample
+            if b == 0 and i in trajectory:
+                seen[i] = (float(t), decode_tokens(net, z if i == settings.steps - 1 else x, settings.omega))
+
+        def given(ids):  # known tokens are given, not generated
+            return ids if known_mask is None else torch.where(known_mask, known_ids, ids)
 
         with autocast(device, settings.dtype):
             ids, _ = generate_tokens(net, bs, length, settings.steps, settings.sampler, settings.gamma,
                                      settings.omega, settings.grid, settings.guidance, known, known_mask, g,
                                      Recipe(noise_scale=settings.noise_scale, t_eps=settings.t_eps), device=device,
                                      callback=keep if trajectory else None)
-            for i, (t, x) in sorted(seen.items()):
-                traj_out[i] = (t, space.decode(decode_tokens(net, x, settings.omega).cpu()))
-        if known_mask is not None:
-            ids = torch.where(known_mask, known_ids, ids)  # known tokens are given, not generated
-        src_len = known_mask.sum(1) if batch_sources is not None else None
-        keep_n = length - source_length if batch_sources is not None else None
-        for j, text in enumerate(_texts(space, ids, known_ids, known_mask, src_len, keep_n)):
+        held = [[] for _ in range(bs)] if known_mask is None else [r.nonzero().flatten().tolist() for r in known_mask]
+        readouts = []  # per recorded step, per row: (ids, shown positions, text)
+        for i, (t, guess) in sorted(seen.items()):
+            guess = given(guess)
+            shown = _shown(guess, known_mask, src_len, keep_n, space.eos_id)
+            readouts.append((i, t, guess.cpu().tolist(), shown, _texts(space, guess, shown)))
+        ids = given(ids)
+        shown = _shown(ids, known_mask, src_len, keep_n, space.eos_id)
+        for j, text in enumerate(_texts(space, ids, shown)):
             rec = {"index": start + j, "text": text}
             if batch_sources is not None:
                 rec["source"] = batch_sources[j]
+            if readouts:
+                rec["trajectory"] = [{"step": i, "t": t, "ids": rows[j], "shown": cols[j], "known": held[j],
+                                      "text": texts[j]} for i, t, rows, cols, texts in readouts]
             records.append(rec)
         bar.update(bs)
     bar.close()
-    return (records, traj_out) if trajectory else records
-
-
-def sample_records(net, space, num: int, settings, length: int | None = None, progress: bool = True) -> list[dict]:
-    """Records {"index", "text"}: ELF's `generate`, or for BaselineSampling settings the baseline's sampler."""
-    if isinstance(settings, BaselineSampling):
-        return baseline_records(settings.method, net, space, num, settings, length or net.config.max_length)
-    return generate(net, space, num, settings, length, progress=progress)
+    return records
 
 
 def write_samples(path, records: list[dict], settings: dict, overwrite: bool = True) -> Path:
@@ -234,10 +273,6 @@ def write_samples(path, records: list[dict], settings: dict, overwrite: bool = T
         for r in records:
             f.write(json.dumps({**r, **settings}) + "\n")
     return path
-
-
-# ----------------------------------------------------------------------------------------------------------
-# `elflow sample`
 
 
 def add_sampling_arguments(p) -> None:
@@ -264,28 +299,6 @@ def add_sampling_arguments(p) -> None:
     p.add_argument("--top-p", type=float, default=None, help="AR baselines: nucleus sampling mass (default 1)")
 
 
-ELF_ONLY_SAMPLING = ("sampler", "gamma", "omega", "guidance", "grid", "dtype")  # flags a baseline's sampler lacks
-
-
-def sampling_from_args(loaded: Loaded, args):
-    """SamplingSettings for an ELF model, BaselineSampling for a baseline; a flag that the model's sampler
-    does not take is a one-line error."""
-    if loaded.method != "elf":
-        given = [n for n in ELF_ONLY_SAMPLING if getattr(args, n, None) is not None]
-        if given:
-            raise ELFError(f"--{given[0]} applies to ELF models; this is a {loaded.method.upper()} baseline, whose "
-                           f"sampler takes {'--temperature and --top-p' if loaded.method == 'ar' else '--steps and --temperature'}")
-        return sampling_settings(loaded.method, steps=args.steps, temperature=args.temperature,
-                                 top_p=args.top_p, seed=args.seed, batch_size=args.batch)
-    for name in ("temperature", "top_p"):
-        if getattr(args, name, None) is not None:
-            raise ELFError(f"--{name.replace('_', '-')} applies to the AR and MDLM baselines; an ELF model's sampler "
-                           "takes --steps, --sampler, --omega, --gamma")
-    return settings_for(loaded, steps=args.steps, sampler=args.sampler, gamma=args.gamma, omega=args.omega,
-                        guidance=args.guidance, grid=args.grid, seed=args.seed, batch_size=args.batch,
-                        dtype=args.dtype)
-
-
 def read_sources(value: str, field: str = "input", reference_field: str = "output") -> tuple[list[str], list]:
     """--source: a .jsonl file of records (the source in `field`, a reference in `reference_field` if there)
     or one source text. Returns (sources, references or None per row)."""
@@ -309,105 +322,3 @@ def read_sources(value: str, field: str = "input", reference_field: str = "outpu
     if not sources:
         raise ELFError(f"{path} holds no sources")
     return sources, refs
-
-
-def add_arguments(p) -> None:
-    p.add_argument("checkpoint", metavar="RUN_OR_CHECKPOINT",
-                   help="an elflow run folder or checkpoint folder, an authors' checkpoint_<step> file or its "
-                        "folder, or a hub id such as embedded-language-flows/ELF-B-owt-torch")
-    add_sampling_arguments(p)
-    p.add_argument("--num", type=int, default=16, help="number of samples (with --source: one per source)")
-    p.add_argument("--length", type=int, default=None, help="positions per sample (default: the model's)")
-    p.add_argument("--source", default=None, metavar="FILE.jsonl|TEXT",
-                   help="conditional models: the sources to translate / summarise (a .jsonl file or one text)")
-    p.add_argument("--source-field", default="input", help="the source field of --source records")
-    p.add_argument("--reference-field", default="output", help="the reference field of --source records")
-    p.add_argument("--prompt", default=None, help="text held fixed at the start of every sample (continuation)")
-    p.add_argument("--suffix", default=None, help="text held fixed at the end of every sample (infilling)")
-    p.add_argument("--out", default="samples.jsonl", help="JSONL output (one object per sample)")
-    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    p.add_argument("--raw-weights", action="store_true", help="use the trained weights instead of the EMA")
-    p.add_argument("--encoder", default=None,
-                   help="T5 encoder folder or hub id for the authors' checkpoints (default t5-small)")
-    p.add_argument("--trajectory", nargs="*", type=int, default=None, metavar="STEP",
-                   help="print the decode readout of the current guess at these steps (default: 6 spread out)")
-    p.add_argument("--quiet", action="store_true", help="do not print the texts")
-
-
-def run(args) -> int:
-    args.device = check_device(args.device)
-    check_output(args.out, args.overwrite)  # before any work
-    if args.length is not None and args.length < 1:
-        raise ELFError(f"--length must be >= 1, got {args.length}")
-    loaded, space = load_for_sampling(args.checkpoint, device=args.device, space=args.encoder,
-                                      use_ema=not args.raw_weights, max_length=args.length)
-    settings = sampling_from_args(loaded, args)
-    if loaded.method != "elf":
-        return _run_baseline(args, loaded, space, settings)
-    trained = loaded.settings.get("length") or loaded.net.config.max_length
-    if args.length is not None and args.length > trained:
-        print(f"warning: --length {args.length} is longer than the {trained} positions the model was trained on; "
-              "expect poorer samples", file=sys.stderr)
-    source_length = loaded.settings.get("source_length")
-    sources = refs = None
-    if args.source is not None:
-        if not loaded.conditional:
-            raise ELFError("this model was not trained on pairs: a source means nothing to it; "
-                           "to continue a text, pass --prompt")
-        if args.prompt or args.suffix:
-            raise ELFError("--source cannot be combined with --prompt or --suffix")
-        sources, refs = read_sources(args.source, args.source_field, args.reference_field)
-        args.num = len(sources)
-    elif loaded.conditional and (args.prompt or args.suffix):
-        raise ELFError("this is a conditional model: pass --source, not --prompt / --suffix")
-    traj = None
-    if args.trajectory is not None:
-        n = settings.steps
-        traj = set(args.trajectory) if args.trajectory else {round(i * (n - 1) / 5) for i in range(6)}
-        bad = [s for s in traj if not 0 <= s < n]
-        if bad:
-            raise ELFError(f"--trajectory steps must lie in 0..{n - 1}, got {sorted(bad)}")
-    net = loaded.net
-    out = generate(net, space, args.num, settings, args.length, sources, source_length, args.prompt, args.suffix,
-                   progress=not args.quiet, trajectory=traj)
-    records, seen = out if traj else (out, {})
-    if refs is not None:
-        for r, ref in zip(records, refs):
-            if ref is not None:
-                r["reference"] = ref
-    meta = {**settings.to_dict(), "length": args.length or net.config.max_length, "ema": not args.raw_weights,
-            "checkpoint": str(args.checkpoint)}
-    if args.prompt is not None:
-        meta["prompt"] = args.prompt
-    if args.suffix is not None:
-        meta["suffix"] = args.suffix
-    write_samples(args.out, records, meta)
-    if seen:
-        print("how sample 0 emerges (decode readout of the guess at each chosen step):")
-        for i, (t, texts) in sorted(seen.items()):
-            print(f"  step {i:>3} (t = {t:.3f}): {texts[0][:200]}")
-    if not args.quiet:
-        for r in records:
-            print(f"--- sample {r['index']}\n{r['text']}")
-    print(f"wrote {len(records)} samples to {args.out}", file=sys.stderr)
-    return 0
-
-
-def _run_baseline(args, loaded: Loaded, space, settings: BaselineSampling) -> int:
-    """`elflow sample` on a token-level baseline: its sampler, the same JSONL."""
-    from elflow.checkpoint import only_elf
-
-    for flag, value in (("--source", args.source), ("--prompt", args.prompt), ("--suffix", args.suffix),
-                        ("--trajectory", args.trajectory)):
-        if value is not None:
-            only_elf(loaded.method, args.checkpoint, flag)
-    length = args.length or loaded.net.config.max_length
-    records = sample_records(loaded.net, space, args.num, settings, length)
-    meta = {**settings.to_dict(), "length": length, "ema": not args.raw_weights, "checkpoint": str(args.checkpoint)}
-    write_samples(args.out, records, meta)
-    if not args.quiet:
-        for r in records:
-            print(f"--- sample {r['index']}\n{r['text']}")
-    print(f"wrote {len(records)} samples to {args.out}", file=sys.stderr)
-    return 0

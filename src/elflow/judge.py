@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -29,7 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from elflow.model import Block, RMSNorm, TransformerShape, rope_tables
-from elflow.utils import ELFError, atomic_write_json, default_device
+from elflow.utils import ELFError, Record, atomic_write_json, default_device
 
 __all__ = ["JudgeConfig", "CausalJudge", "hf_config", "to_hf", "save_judge", "train_judge", "NOT_GPT2_NOTE"]
 
@@ -38,7 +38,7 @@ NOT_GPT2_NOTE = ("elflow offline judge: a small causal LM trained by `elflow tra
 
 
 @dataclass(frozen=True)
-class JudgeConfig(TransformerShape):
+class JudgeConfig(Record, TransformerShape):
     vocab_size: int = 50257  # GPT-2
     hidden: int = 128
     depth: int = 2
@@ -51,11 +51,6 @@ class JudgeConfig(TransformerShape):
     def __post_init__(self):
         if self.hidden % self.heads or (self.hidden // self.heads) % 2:
             raise ELFError(f"judge hidden {self.hidden} must split into {self.heads} heads of even size")
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "JudgeConfig":
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in known})
 
 
 class CausalJudge(nn.Module):
@@ -165,7 +160,7 @@ def save_judge(judge: CausalJudge, tokenizer, folder: str | Path, info: dict | N
     tokenizer.model_max_length = judge.cfg.context
     tokenizer.save_pretrained(folder)
     atomic_write_json(folder / "elflow_judge.json",
-                      {"note": NOT_GPT2_NOTE, "config": asdict(judge.cfg), **(info or {})})
+                      {"note": NOT_GPT2_NOTE, "config": judge.cfg.to_dict(), **(info or {})})
     return folder
 
 

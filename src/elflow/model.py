@@ -10,46 +10,27 @@ port, so their checkpoints load with a key map and no compatibility code in the 
     heads   x_pred = Linear(RMSNorm(h))           (B, L, C), zero-initialised
             logits = Linear(GELU_tanh(Linear(h)))  (B, L, V), on the un-normalised stream
 
-Options for short runs, off in every released model (docs/method.md):
-- `time_scale`: t's factor before its sinusoid features;
-- `head_modulation`: the denoise head's input scaled and shifted by t, as DiT's final layer;
-- `skip="gaussian"`: x_pred = mu + g(t) (z - t mu) + s(t) head(h), the posterior mean and std of a
-  per-dimension Gaussian model of the data (`gaussian_posterior`), so that a fresh network (zero head) is
-  exactly that baseline denoiser and the head learns what the Gaussian model misses, at a scale that shrinks
-  to 0 as t -> 1 (EDM's preconditioning, Karras et al. 2022, with the data's own moments). The moments are
-  frozen parameters set once before training (`set_gaussian_skip`): checkpoints, EMA and distillation carry
-  them like any weight;
-- `skip="gated"`: the Gaussian skip whose pass-through of z is gated by the trunk, per position and dimension,
-  x_pred = mu + (1 - a(h)) g(t) (z - t mu) + s(t) head(h), a = Linear(h) zero-initialised (so a fresh network
-  is still the baseline denoiser). The trunk sees z through the bottleneck only, so the head cannot cancel
-  the noise that the plain skip passes on in the dimensions it does not see; the gate lets the network stop
-  passing z where it predicts the data itself (a conditional model's copied tokens), so that the sampler's
-  final state, the last guess, carries none of its starting noise there;
-- `table_readout` = w > 0: the readout (`decode`) adds w z . R_k / sqrt(C) to the logit of every token k,
-  R_k the vector the space gives token k alone (a table space's rows; Diffusion-LM's tied rounding). On a
-  clean embedding that term alone reads the token exactly (the right row scores about w sqrt(C), any other
-  about w), rare tokens included, which the untied head sees too seldom to learn in a short run. Training is
-  unchanged (the training pass `mixed` returns the head's logits, so the head still learns to read on its
-  own; trained jointly with the term it learns only a prior over frequent words). R is a frozen parameter
-  set once from the space (`set_readout_table`), carried by checkpoints like the skip moments.
+`embed_time`, `denoise_head` and `decode` are the points where elflow.shortrun's options for short runs
+change the network; here they are the paper's.
 
-`TokenTransformer` is the token-level network of the baseline methods (elflow.ar, elflow.mdlm): the same
-blocks, read from and written to token ids (TokenLMConfig, fit_token_lm to match a parameter count).
+`TokenTransformer` is the token-level network of the baseline methods (elflow.methods.ar, elflow.methods.mdlm):
+the same blocks, read from and written to token ids (TokenLMConfig, fit_token_lm to match a parameter count).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["ELFConfig", "PRESETS", "ELF", "MixedPass", "Block", "RMSNorm", "rope_tables", "timestep_features",
-           "get_config", "gaussian_posterior", "SKIPS", "TokenLMConfig", "TokenTransformer", "num_params",
-           "token_lm_params", "fit_token_lm"]
+from elflow.utils import Record
+
+__all__ = ["ELFConfig", "PRESETS", "ELF", "Block", "RMSNorm", "rope_tables", "timestep_features",
+           "get_config", "TokenLMConfig", "TokenTransformer", "num_params", "token_lm_params", "fit_token_lm"]
 
 
 class TransformerShape:
@@ -65,11 +46,8 @@ class TransformerShape:
         return int(int(self.hidden * self.mlp_ratio) * 2 / 3)
 
 
-SKIPS = ("none", "gaussian", "gated")
-
-
 @dataclass(frozen=True)
-class ELFConfig(TransformerShape):
+class ELFConfig(Record, TransformerShape):
     """Network shape. `dim`, `vocab_size` and `max_length` come from the embedding space and data."""
 
     depth: int = 12
@@ -85,11 +63,6 @@ class ELFConfig(TransformerShape):
     mode_tokens: int = 4
     rope_theta: float = 10000.0
     self_cond: bool = True  # input is [z, x_prev]; False only for the authors' self_cond_prob = 0 models
-    skip: str = "none"  # "gaussian": x_pred = Gaussian posterior mean + posterior std * head; "gated" (docstring)
-    time_scale: float = 1.0  # t is multiplied by this before its sinusoid features (1 in the released models)
-    head_modulation: bool = False  # the denoise head's input scaled and shifted by t (DiT's final layer)
-    table_readout: float = 0.0  # readout logits + table_readout z . R / sqrt(C), R the space's token vectors
-    grad_checkpoint: bool = False  # recompute each block in backward (memory for compute)
 
     def __post_init__(self):
         for f in ("depth", "hidden", "heads", "dim", "vocab_size", "max_length", "bottleneck"):
@@ -99,36 +72,17 @@ class ELFConfig(TransformerShape):
             raise ValueError(f"ELFConfig: hidden {self.hidden} is not divisible by heads {self.heads}")
         if (self.hidden // self.heads) % 2:
             raise ValueError(f"ELFConfig: head dim {self.hidden // self.heads} must be even for RoPE pairs")
-        if not (math.isfinite(self.table_readout) and self.table_readout >= 0):
-            raise ValueError(f"ELFConfig: table_readout must be a number >= 0, got {self.table_readout}")
-        if not (math.isfinite(self.time_scale) and self.time_scale > 0):
-            raise ValueError(f"ELFConfig: time_scale must be a positive number, got {self.time_scale}")
-        if self.skip not in SKIPS:
-            raise ValueError(f"ELFConfig: skip must be one of {', '.join(SKIPS)}, got {self.skip!r}")
 
     @property
     def num_prefix(self) -> int:
         return self.time_tokens + self.omega_tokens + self.mode_tokens
 
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "ELFConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"ELFConfig: unknown fields {unknown}")
-        return cls(**d)
-
-    def replace(self, **kw) -> "ELFConfig":
-        return replace(self, **kw)
 
 
 PRESETS: dict[str, ELFConfig] = {
     # seconds on CPU: for tests
     "tiny": ELFConfig(depth=2, hidden=64, heads=4, bottleneck=16, dim=32, vocab_size=100, max_length=32),
-    # the offline quick-start: MiniLM-L6 space (384 dims, BERT vocabulary), L = 64, minutes on 2 cores
+    # the offline quick-start: MiniLM-L6 space (384 dims, BERT vocabulary), L = 64, minutes on a laptop CPU
     "demo": ELFConfig(depth=4, hidden=256, heads=4, bottleneck=128, dim=384, vocab_size=30522, max_length=64),
     # the paper's sizes (T5-small space: 512 dims, vocabulary 32,100, L = 1024)
     "elf-b": ELFConfig(depth=12, hidden=768, heads=12),
@@ -228,18 +182,6 @@ class Block(nn.Module):
         return h + self.mlp(self.norm2(h))
 
 
-def gaussian_posterior(z, t, mean, var, noise_scale):
-    """Posterior mean and std of x given z = t x + (1 - t) noise_scale e for x ~ N(mean, var) per dimension:
-        E[x | z] = mean + g (z - t mean),  g = t var / (t^2 var + (1 - t)^2 noise_scale^2)
-        Std[x | z] = (1 - t) noise_scale sqrt(var) / sqrt(t^2 var + (1 - t)^2 noise_scale^2)
-    z (B, L, C), t (B,) or a number, mean / var (C,), noise_scale a number or a 0-dim tensor."""
-    t = torch.as_tensor(t, dtype=torch.float32, device=z.device)
-    t = t.reshape(-1, 1, 1) if t.dim() else t
-    spread = (1 - t) * noise_scale
-    total = t * t * var + spread * spread
-    return mean + t * var / total * (z - t * mean), spread * var.sqrt() / total.sqrt()
-
-
 def timestep_features(t: torch.Tensor, size: int = 256, max_period: float = 10000.0) -> torch.Tensor:
     """(B,) -> (B, size): [cos(t f_k), sin(t f_k)], f_k = exp(-ln(max_period) k / (size/2)); t not rescaled."""
     half = size // 2
@@ -273,29 +215,21 @@ class DecodeHead(nn.Module):
         return self.unembed(F.gelu(self.proj(h), approximate="tanh"))
 
 
-class MixedPass(nn.Module):
-    """Makes an ELF network's mixed training pass the module's forward, so that wrappers that only see
-    forward (DistributedDataParallel, torch.compile) see it; it holds no parameters of its own."""
-
-    def __init__(self, net: "ELF"):
-        super().__init__()
-        self.net = net
-
-    def forward(self, z, t, omega, x_prev, gate, logits_rows):
-        return self.net.mixed(z, t, omega, x_prev, gate, logits_rows)
-
-
 # ----------------------------------------------------------------------------------------------------------
 # the network
 
 
 class ELF(nn.Module):
     """net(z, t, omega, x_prev=None) -> x_pred (B, L, C); net.decode(z, omega) -> logits (B, L, V);
-    net.mixed(...) -> (x_pred, logits) for training batches that mix both modes."""
+    net.mixed(...) -> (x_pred, logits) for training batches that mix both modes.
+
+    `grad_checkpoint = True` recomputes each block in the backward pass (memory for compute); it changes no
+    number and is not part of the weights."""
 
     def __init__(self, config: ELFConfig):
         super().__init__()
         self.config = c = config
+        self.grad_checkpoint = False
         if c.self_cond:
             self.self_cond_proj = nn.Linear(2 * c.dim, c.dim)
         self.bottleneck_in = nn.Linear(c.dim, c.bottleneck, bias=False)
@@ -308,21 +242,17 @@ class ELF(nn.Module):
         self.blocks = nn.ModuleList(Block(c.hidden, c.heads, c.mlp_hidden) for _ in range(c.depth))
         self.final_norm = RMSNorm(c.hidden)
         self.x_head = nn.Linear(c.hidden, c.dim)
-        if c.head_modulation:  # (shift, scale) of the head's input from the time embedding, zero-initialised
-            self.head_modulation = nn.Linear(c.hidden, 2 * c.hidden)
+        self.extend_denoise_head()
         self.decode_head = DecodeHead(c.hidden, c.dim, c.vocab_size)
-        if c.skip == "gated":  # the gate a(h) on the skip's pass-through of z, zero-initialised
-            self.skip_gate = nn.Linear(c.hidden, c.dim)
-        if c.skip != "none":  # the data's moments (unit Gaussian until set_gaussian_skip) and noise scale
-            self.skip_mean = nn.Parameter(torch.zeros(c.dim), requires_grad=False)
-            self.skip_var = nn.Parameter(torch.ones(c.dim), requires_grad=False)
-            self.skip_noise = nn.Parameter(torch.ones(()), requires_grad=False)
-        if c.table_readout:  # the space's vector for each token id (zeros until set_readout_table)
-            self.readout_table = nn.Parameter(torch.zeros(c.vocab_size, c.dim), requires_grad=False)
         cos, sin = rope_tables(c.max_length, c.head_dim, c.num_prefix, c.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.reset_parameters()
+
+    def extend_denoise_head(self) -> None:
+        """Where a subclass adds modules to the denoise head (elflow.shortrun); the paper's network has none.
+        They are built between the two heads so that the order of the modules, and with it the random draws
+        of the initialisation, is the same for every network."""
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -341,17 +271,11 @@ class ELF(nn.Module):
             nn.init.normal_(tok, std=0.02)
         nn.init.zeros_(self.x_head.weight)
         nn.init.zeros_(self.x_head.bias)
-        if self.config.skip == "gated":
-            nn.init.zeros_(self.skip_gate.weight)
-            nn.init.zeros_(self.skip_gate.bias)
-        if self.config.head_modulation:
-            nn.init.zeros_(self.head_modulation.weight)
-            nn.init.zeros_(self.head_modulation.bias)
 
     # -- the shared trunk ----------------------------------------------------------------------------------
     def embed_time(self, t: torch.Tensor) -> torch.Tensor:
-        """(B,) flow times -> (B, H): the time embedding of the prefix tokens (and of the head modulation)."""
-        return self.time_embed(t * self.config.time_scale)
+        """(B,) flow times -> (B, H): the time embedding of the prefix tokens."""
+        return self.time_embed(t)
 
     def trunk(self, z, t, omega, x_prev, gate) -> torch.Tensor:
         """The transformer's output at the L text positions, (B, L, H); P = num_prefix tokens come first.
@@ -375,65 +299,20 @@ class ELF(nn.Module):
         n = c.num_prefix + L
         cos, sin = self.rope_cos[:n], self.rope_sin[:n]
         for block in self.blocks:
-            if c.grad_checkpoint and self.training and torch.is_grad_enabled():
+            if self.grad_checkpoint and self.training and torch.is_grad_enabled():
                 h = checkpoint(block, h, cos, sin, use_reentrant=False)
             else:
                 h = block(h, cos, sin)
         return h[:, c.num_prefix:]  # drop the prefix: (B, L, H)
 
-    @torch.no_grad()
-    def set_gaussian_skip(self, mean: torch.Tensor, var: torch.Tensor, noise_scale: float) -> None:
-        """Set the per-dimension data moments (C,) and the training path's noise scale of a skip="gaussian"
-        network (before training; they are then carried by its checkpoints)."""
-        if self.config.skip == "none":
-            raise ValueError("set_gaussian_skip: this network was built with skip='none'")
-        C = self.config.dim
-        if mean.shape != (C,) or var.shape != (C,):
-            raise ValueError(f"set_gaussian_skip: mean and var must have shape ({C},), got "
-                             f"{tuple(mean.shape)} and {tuple(var.shape)}")
-        if not (var > 0).all() or not noise_scale > 0:
-            raise ValueError("set_gaussian_skip: var and noise_scale must be positive")
-        self.skip_mean.copy_(mean)
-        self.skip_var.copy_(var)
-        self.skip_noise.fill_(float(noise_scale))
-
-    @torch.no_grad()
-    def set_readout_table(self, table: torch.Tensor) -> None:
-        """Set the (vocab_size, C) token vectors of a table_readout network (before training; checkpoints then
-        carry them)."""
-        if not self.config.table_readout:
-            raise ValueError("set_readout_table: this network was built without table_readout")
-        shape = (self.config.vocab_size, self.config.dim)
-        if tuple(table.shape) != shape:
-            raise ValueError(f"set_readout_table: the table must have shape {shape}, got {tuple(table.shape)}")
-        if not torch.isfinite(table).all():
-            raise ValueError("set_readout_table: the table has non-finite entries")
-        self.readout_table.copy_(table)
-
     def denoise_head(self, h: torch.Tensor, z: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        """x_pred (B, L, C) from the trunk's output h; z and t are the network's inputs (for the skips)."""
+        """x_pred (B, L, C) from the trunk's output h (z and t, the network's inputs, are unused here)."""
         with torch.autocast(h.device.type, enabled=False):
-            h = self.final_norm(h.float())
-            if self.config.head_modulation:
-                shift, scale = self.head_modulation(F.silu(self.embed_time(t.to(h.device)))).chunk(2, dim=-1)
-                h = h * (1 + scale[:, None, :]) + shift[:, None, :]
-            out = self.x_head(h)  # (B, L, C)
-            if self.config.skip != "none":
-                mean, std = gaussian_posterior(z.float(), t.to(z.device), self.skip_mean, self.skip_var,
-                                               self.skip_noise)
-                if self.config.skip == "gated":  # mu + (1 - a) g (z - t mu)
-                    mean = mean - self.skip_gate(h) * (mean - self.skip_mean)
-                out = mean + std * out
-            return out
+            return self.x_head(self.final_norm(h.float()))
 
     def logits_head(self, h: torch.Tensor) -> torch.Tensor:
         with torch.autocast(h.device.type, enabled=False):
             return self.decode_head(h.float())  # (B, L, V)
-
-    def table_match(self, z: torch.Tensor) -> torch.Tensor:
-        """table_readout x z . R_k / sqrt(C) for every token k: (B, L, C) -> (B, L, V)."""
-        with torch.autocast(z.device.type, enabled=False):
-            return (z.float() @ self.readout_table.T) * (self.config.table_readout / math.sqrt(self.config.dim))
 
     def forward(self, z, t, omega, x_prev=None) -> torch.Tensor:
         """Denoise: z (B, L, C) at times t (B,) with guidance scales omega (B,) and the self-conditioning
@@ -441,15 +320,14 @@ class ELF(nn.Module):
         return self.denoise_head(self.trunk(z, t, omega, x_prev, z.new_zeros(z.shape[0])), z, t)
 
     def decode(self, z, omega) -> torch.Tensor:
-        """Read out tokens: the pass at t = 1 with a zero self-conditioning input and the mode tokens on (plus
-        the table match under table_readout). z (B, L, C), omega (B,) -> logits (B, L, V)."""
+        """Read out tokens: the pass at t = 1 with a zero self-conditioning input and the mode tokens on.
+        z (B, L, C), omega (B,) -> logits (B, L, V)."""
         ones = z.new_ones(z.shape[0])
-        logits = self.logits_head(self.trunk(z, ones, omega, None, ones))
-        return logits + self.table_match(z) if self.config.table_readout else logits
+        return self.logits_head(self.trunk(z, ones, omega, None, ones))
 
     def mixed(self, z, t, omega, x_prev, gate, logits_rows) -> tuple[torch.Tensor, torch.Tensor]:
         """One pass over a training batch whose rows are in either mode: gate (B,) float (1 = decode),
-        logits_rows an index tensor of the rows whose logits are wanted (the head's: no table match).
+        logits_rows an index tensor of the rows whose logits are wanted (the decode head's).
         -> (x_pred of every row (B, L, C), logits of the chosen rows (len(logits_rows), L, V))."""
         h = self.trunk(z, t, omega, x_prev, gate)
         return self.denoise_head(h, z, t), self.logits_head(h[logits_rows])
@@ -470,7 +348,7 @@ class ELF(nn.Module):
         return B, L, C
 
     def num_params(self, exclude_decode_head: bool = False) -> int:
-        """The parameters that train (frozen ones, the skip moments and the readout table, are data)."""
+        """The parameters that train (frozen ones are data)."""
         n = num_params(self)
         if exclude_decode_head:
             n -= sum(p.numel() for p in self.decode_head.parameters())
@@ -487,7 +365,7 @@ def num_params(module: nn.Module) -> int:
 
 
 @dataclass(frozen=True)
-class TokenLMConfig(TransformerShape):
+class TokenLMConfig(Record, TransformerShape):
     """Shape of a token-level transformer. `vocab_size` is the embedding space's tokenizer size: the methods
     add their own extra input id (AR: the row-start id, MDLM: the mask id) on top of it."""
 
@@ -507,19 +385,6 @@ class TokenLMConfig(TransformerShape):
         if self.hidden % self.heads or (self.hidden // self.heads) % 2:
             raise ValueError(f"TokenLMConfig: hidden {self.hidden} must split into {self.heads} heads of even size")
 
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "TokenLMConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"TokenLMConfig: unknown fields {unknown}")
-        return cls(**d)
-
-    def replace(self, **kw) -> "TokenLMConfig":
-        return replace(self, **kw)
 
 
 class TokenTransformer(nn.Module):

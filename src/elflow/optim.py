@@ -18,7 +18,7 @@ How the Newton-Schulz polynomial is evaluated (`ns_method`):
               + c q^2), so X_5 = V h_5(diag l) V^T X_0 with G = V diag(l) V^T: one Gram product, one symmetric
               eigendecomposition, two products; 4 m^2 n + 2 m^3 FLOPs plus the eigendecomposition (~9 m^3).
               Exact in float64; in fp32 it squares the condition number, so it is less exact than the fp32
-              iteration and far more exact than torch's bf16 one (figures in benchmarks/RESULTS.md). Not used on
+              iteration and far more exact than torch's bf16 one. Not used on
               GPUs, where bf16 `iterate` is fast and eigendecompositions are not.
     by-shape  per matrix, spectral where it pays on a CPU and iterate elsewhere: spectral iff the smaller side
               k >= 384 or the larger side n >= max(2k, 512) (the measured crossover; small square matrices

@@ -22,7 +22,7 @@ from elflow.utils import ELFError, FolderLock, atomic_write_json, atomic_write_t
 
 __all__ = ["add_arguments", "run", "report"]
 
-# measured on the 2-core CPU this project is developed on (README: "The offline default")
+# the quickstart's length and final sampler (its other settings are the "quickstart" preset of TrainConfig)
 DEMO_STEPS = 250
 DEMO_SAMPLER = "vc"
 DEMO_SAMPLE_STEPS = 64
@@ -39,12 +39,12 @@ def add_arguments(p) -> None:
     p.add_argument("--lr", type=float, default=None, help=f"learning rate (default: {preset['lr']:g})")
     p.add_argument("--space", default=None,
                    help=f"embedding space (default: {preset['space']}; minilm trains in the MiniLM-L6 encoder's own "
-                        "contextual space, which learns more slowly in this budget: README; a space without fixed "
+                        "contextual space, which learns more slowly in this budget; a space without fixed "
                         "token vectors also turns the table readout off)")
     p.add_argument("--sampler", choices=SAMPLERS, default=DEMO_SAMPLER,
-                   help="sampler for the final samples (chosen for the demo by measurement)")
+                   help="sampler of the final samples")
     p.add_argument("--sample-steps", type=int, default=DEMO_SAMPLE_STEPS,
-                   help="sampling steps of the final samples (chosen for the demo by measurement)")
+                   help="sampling steps of the final samples")
     p.add_argument("--omega", type=float, default=3.0, help="guidance scale of the final samples")
     p.add_argument("--num", type=int, default=32, help="samples to generate and score")
     p.add_argument("--resume", action="store_true", help="continue an interrupted quickstart run")
@@ -67,14 +67,14 @@ def add_arguments(p) -> None:
 def preset_overrides(args) -> dict:
     """The quickstart preset's settings this command's flags replace when given (--lr, --space). The preset's
     table readout needs fixed token vectors: a --space without them (an encoder, a learned table) drops it."""
-    from elflow.encoders import FIXED_TABLE_KINDS
-    from elflow.train import RUN_PRESETS, space_spec
+    from elflow.encoders import FIXED_TABLE_KINDS, space_spec
+    from elflow.train import RUN_PRESETS
 
     over = {name: getattr(args, name) for name in ("lr", "space") if getattr(args, name, None) is not None}
-    model = RUN_PRESETS["quickstart"][0]["model"]
+    options = RUN_PRESETS["quickstart"][0]["short_run"]
     fixed_vectors = "space" not in over or space_spec(over["space"], None)["kind"] in FIXED_TABLE_KINDS
-    if model.get("table_readout") and not fixed_vectors:
-        over["model"] = {**model, "table_readout": 0.0}
+    if options.get("table_readout") and not fixed_vectors:
+        over["short_run"] = {**options, "table_readout": 0.0}
     return over
 
 
@@ -91,10 +91,12 @@ def demo_config(args):
 def report(run_dir, sampler: str = DEMO_SAMPLER, steps: int = DEMO_SAMPLE_STEPS, omega: float = 3.0, num: int = 32,
            seed: int = 0, cache_dir=None, printer=print) -> dict:
     """Samples and learning figures for a trained run; written to <run>/report.json and samples.jsonl."""
+    from elflow.checkpoint import load_for_sampling
     from elflow.data import build_dataset
     from elflow.diagnostics import corpus_vocabulary, validation_report, word_stats
-    from elflow.checkpoint import load_for_sampling
-    from elflow.generate import generate, settings_for, write_samples
+    from elflow.evaluate import sample_and_score
+    from elflow.generate import settings_for
+    from elflow.methods import get_method
 
     run_dir = Path(run_dir)
     meta = json.loads((run_dir / "run.json").read_text())
@@ -107,15 +109,15 @@ def report(run_dir, sampler: str = DEMO_SAMPLER, steps: int = DEMO_SAMPLE_STEPS,
     t0 = time.perf_counter()
     val = validation_report(net, space, val_set, Recipe.from_dict(loaded.recipe), seed=seed)
     settings = settings_for(loaded, steps=steps, sampler=sampler, omega=omega, seed=seed, batch_size=16)
-    records = generate(net, space, num, settings, length, progress=False)
-    texts = [r["text"] for r in records]
-    real = space.decode(val_set.tokens[:num])
     vocab = corpus_vocabulary(space.decode(train_set.tokens[: min(len(train_set), 4000)]))
-    gen_stats, real_stats = word_stats(texts, vocab), word_stats(real, vocab)
+    records, gen_stats = sample_and_score(get_method(loaded.method), net, space, num, settings,
+                                          lambda texts: word_stats(texts, vocab), run_dir / "samples.jsonl",
+                                          {"length": length}, length)
+    texts = [r["text"] for r in records]
+    real_stats = word_stats(space.decode(val_set.tokens[:num]), vocab)
     out = {"validation": val, "samples": gen_stats, "real_text": real_stats, "sampler": sampler, "steps": steps,
            "omega": omega, "num": num, "seconds": time.perf_counter() - t0}
     atomic_write_json(run_dir / "report.json", out)
-    write_samples(run_dir / "samples.jsonl", records, {**settings.to_dict(), "length": length})
 
     printer("\n=== samples (" + f"{sampler}, {steps} steps, omega {omega}) ===")
     for t in texts[:4]:
@@ -152,8 +154,9 @@ def conditional_report(run_dir, held: list[tuple[str, str]], num: int, steps: in
     """BLEU on held-out lines: copying the source, the model with its source dropped (guidance 0: the
     unconditional pass alone), with guidance 1 and 2."""
     from elflow.checkpoint import load_for_sampling
-    from elflow.evaluate import bleu
-    from elflow.generate import generate, settings_for, write_samples
+    from elflow.evaluate import bleu, sample_and_score
+    from elflow.generate import settings_for
+    from elflow.methods import get_method
 
     run_dir = Path(run_dir)
     loaded, space = load_for_sampling(run_dir, device="cpu")
@@ -163,12 +166,11 @@ def conditional_report(run_dir, held: list[tuple[str, str]], num: int, steps: in
     t0 = time.perf_counter()
     for name, guidance in (("source dropped (guidance 0)", 0.0), ("guidance 1", 1.0), ("guidance 2", 2.0)):
         settings = settings_for(loaded, steps=steps, guidance=guidance, seed=seed, batch_size=32)
-        records = generate(loaded.net, space, len(sources), settings, sources=sources,
-                           source_length=loaded.settings["source_length"], progress=False)
-        for r, ref in zip(records, refs):
-            r["reference"] = ref
-        write_samples(run_dir / f"samples_guidance{guidance:g}.jsonl", records, settings.to_dict())
-        rows.append({"model": name, "bleu": bleu([r["text"] for r in records], refs), **settings.to_dict()})
+        records, score = sample_and_score(get_method(loaded.method), loaded.net, space, len(sources), settings,
+                                          lambda texts: bleu(texts, refs), run_dir / f"samples_guidance{guidance:g}.jsonl",
+                                          references=refs, sources=sources,
+                                          source_length=loaded.settings["source_length"])
+        rows.append({"model": name, "bleu": score, **settings.to_dict()})
         if guidance == 2.0:
             examples = records[:3]
     out = {"task": "restore the word order of shuffled lines", "held_out": len(held), "rows": rows,
@@ -234,7 +236,9 @@ def distillation_report(teacher_dir, rounds: dict, num: int = 32, seed: int = 0,
     from elflow.checkpoint import load_for_sampling
     from elflow.data import build_dataset
     from elflow.diagnostics import corpus_vocabulary, validation_report, word_stats
-    from elflow.generate import generate, settings_for
+    from elflow.evaluate import sample_and_score
+    from elflow.generate import distilled_defaults, settings_for
+    from elflow.methods import get_method
 
     teacher_dir = Path(teacher_dir)
     tc = json.loads((teacher_dir / "run.json").read_text())["train"]
@@ -251,11 +255,10 @@ def distillation_report(teacher_dir, rounds: dict, num: int = 32, seed: int = 0,
         acc = validation_report(loaded.net, space, val_set, Recipe.from_dict(loaded.recipe), rows=64,
                                 seed=seed)["decode_accuracy"]["p=1.0"]
         for n in counts:
-            settings = settings_for(loaded, steps=n, sampler="sde", seed=seed, batch_size=16,
-                                    **({} if loaded.settings.get("distilled_steps") else {"gamma": 1.5, "omega": 2.5}))
-            texts = [r["text"] for r in generate(loaded.net, space, num, settings, length, progress=False)]
-            rows.append({"model": name, "steps": n, "decode_accuracy": acc, **word_stats(texts, vocab),
-                         **settings.to_dict()})
+            settings = settings_for(loaded, seed=seed, batch_size=16, **distilled_defaults(n))  # students' too
+            _, stats = sample_and_score(get_method(loaded.method), loaded.net, space, num, settings,
+                                        lambda texts: word_stats(texts, vocab), length=length)
+            rows.append({"model": name, "steps": n, "decode_accuracy": acc, **stats, **settings.to_dict()})
     real = word_stats(space.decode(val_set.tokens[:num]), vocab)
     out = {"rows": rows, "real_text": real, "num": num}
     atomic_write_json(Path(rounds[min(rounds)]).parent / "report.json", out)

@@ -12,21 +12,22 @@ A token-level baseline's run sweeps its own knob instead, one curve per run: an 
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 import math
 import time
 from pathlib import Path
 
 from elflow.flow import SAMPLERS
+from elflow.methods import get_method
 from elflow.utils import ELFError, atomic_write_text
 
-__all__ = ["COLUMNS", "write_csv", "read_csv", "plot_tradeoff", "run_sweep"]
+__all__ = ["COLUMNS", "write_csv", "read_csv", "curves", "plot_sweep", "run_sweep"]
 
 COLUMNS = ["sampler", "steps", "omega", "gamma", "seed", "num", "gen_ppl", "entropy", "num_samples", "num_empty",
            "num_tokens", "protocol", "judge", "seconds", "method", "temperature", "top_p"]
 _INT = {"steps", "seed", "num", "num_samples", "num_empty", "num_tokens"}
 _FLOAT = {"omega", "gamma", "gen_ppl", "entropy", "seconds", "temperature", "top_p"}
-SWEPT = {"elf": "omega", "ar": "temperature", "mdlm": "steps"}  # what each method's curve runs over
 
 
 def write_csv(path: str | Path, rows: list[dict]) -> Path:
@@ -61,59 +62,38 @@ def read_csv(path: str | Path) -> list[dict]:
     return rows
 
 
-def _curve(r: dict) -> tuple:
-    """The curve of a row: ELF's (sampler, steps), or the baseline's method alone."""
-    method = r.get("method") or "elf"
-    return (method, r["sampler"], int(r["steps"])) if method == "elf" else (method,)
+def curves(rows: list[dict]) -> list[dict]:
+    """The rows of a sweep as evaluate.plot_tradeoff curves: one per method and value of the knobs its
+    curves are drawn by (ELF: sampler and steps), its points in the order of the knob it runs along (ELF:
+    omega), each labelled by that knob's value."""
+    groups: dict[tuple, list] = {}
+    for r in rows:
+        if r.get("gen_ppl") is not None and r.get("entropy") is not None:
+            method = get_method(r.get("method") or "elf")
+            groups.setdefault((method.name, *[r[a] for a in method.sweep_axes[:-1]]), []).append(r)
+    out = []
+    for key in sorted(groups, key=str):
+        method = get_method(key[0])
+        swept, by = method.sweep_axes[-1], method.sweep_axes[:-1]
+        pts = sorted(groups[key], key=lambda r: r[swept])
+        label = (", ".join(v.upper() if isinstance(v, str) else f"{v} {a}" for a, v in zip(by, key[1:])) if by
+                 else f"{method.name.upper()} (labels: {swept})")
+        out.append({"label": label, "points": [(p["entropy"], p["gen_ppl"], f"{p[swept]:g}") for p in pts],
+                    "dashed": pts[0].get("sampler") not in (None, "sde")})
+    return out
 
 
-def _curve_label(key: tuple) -> str:
-    if key[0] == "elf":
-        return f"{key[1].upper()}, {key[2]} steps"
-    return f"{key[0].upper()} (labels: {SWEPT[key[0]]})"
+def plot_sweep(rows: list[dict], path: str | Path, title: str | None = None) -> Path:
+    """Gen-PPL (y) against entropy (x) of a sweep's rows (see `curves`), the paper's degenerate entropy range
+    (below 5) shaded."""
+    from elflow.evaluate import plot_tradeoff
 
-
-def plot_tradeoff(rows: list[dict], path: str | Path, title: str | None = None) -> Path:
-    """Gen-PPL (y) against entropy (x): one curve per (sampler, steps), points in omega order, labelled (a
-    baseline: one curve over its temperatures or steps)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [r for r in rows if r.get("gen_ppl") is not None and r.get("entropy") is not None]
-    if not rows:
+    drawn = curves(rows)
+    if not drawn:
         raise ELFError("no finished sweep cells to plot")
-    fig, ax = plt.subplots(figsize=(7, 5))
-    curves = sorted({_curve(r) for r in rows}, key=str)
-    for i, key in enumerate(curves):
-        swept = SWEPT[key[0]]
-        pts = sorted((r for r in rows if _curve(r) == key), key=lambda r: r[swept])
-        xs, ys = [p["entropy"] for p in pts], [p["gen_ppl"] for p in pts]
-        dashed = key[0] == "elf" and key[1] != "sde"
-        ax.plot(xs, ys, marker="s" if dashed else "o", linestyle="--" if dashed else "-", color=f"C{i}",
-                label=_curve_label(key))
-        for p in pts:
-            ax.annotate(f"{p[swept]:g}", (p["entropy"], p["gen_ppl"]), textcoords="offset points",
-                        xytext=(4, 4), fontsize=7, color=f"C{i}")
-    ys = [r["gen_ppl"] for r in rows]
-    if max(ys) / max(min(ys), 1e-9) > 5:
-        ax.set_yscale("log")
-    x0, x1 = ax.get_xlim()
-    if x0 < 5.0 < x1:  # the paper's appendix shades entropy below 5.0 as degenerate
-        ax.axvspan(x0, 5.0, color="0.92", zorder=0, label="entropy < 5 (degenerate)")
-        ax.set_xlim(x0, x1)
-    ax.set_xlabel("unigram entropy (mean over samples)")
-    ax.set_ylabel("generative perplexity")
-    ax.set_title(title or "Gen-PPL vs entropy (labels: omega)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=150)
-    plt.close(fig)
-    return path
+    return plot_tradeoff(drawn, path, title=title or "Gen-PPL vs entropy (labels: omega)",
+                         xlabel="unigram entropy (mean over samples)", ylabel="generative perplexity",
+                         shade_below=5.0)
 
 
 def _key(r: dict) -> tuple:
@@ -122,75 +102,62 @@ def _key(r: dict) -> tuple:
             num("gamma", float), num("temperature", float), num("top_p", float), int(r["seed"]), int(r["num"]))
 
 
-def run_sweep(checkpoint: str, omegas: list[float], steps_list: list[int], samplers: list[str], out: str | Path,
-              num: int = 1000, seed: int = 0, gamma: float = 1.5, length: int | None = None,
-              judge: str = "gpt2-large", judge_dtype: str = "fp32", batch_size: int = 8, gen_batch_size: int = 8,
-              protocol: str = "elf", grid: str = "logit_normal", device: str | None = None,
-              progress: bool = True, fresh: bool = False, method: str = "elf", temperatures=(1.0,),
-              top_p: float = 1.0) -> list[dict]:
+def run_sweep(checkpoint: str, grid: dict, fixed: dict, out: str | Path, num: int = 1000, seed: int = 0,
+              length: int | None = None, judge: str = "gpt2-large", judge_dtype: str = "fp32", batch_size: int = 8,
+              gen_batch_size: int = 8, protocol: str = "elf", device: str | None = None, progress: bool = True,
+              fresh: bool = False, method: str = "elf") -> list[dict]:
     """Run (or finish) the grid; returns all rows of OUT/sweep.csv. Samples go to OUT/samples/<cell>.jsonl.
-    `fresh`: ignore the rows of an existing sweep.csv (it is replaced when the first cell is done).
-    `method` "ar" sweeps `temperatures` (at `top_p`), "mdlm" sweeps `steps_list`; ELF's knobs are then unused."""
+    `grid` maps each of the method's sweep axes to its values (the cells are their product, in that order),
+    `fixed` its other knobs to one value. `fresh`: ignore the rows of an existing sweep.csv (it is replaced
+    when the first cell is done)."""
     from elflow.checkpoint import load_for_sampling
-    from elflow.evaluate import load_judge, sample_and_judge
-    from elflow.generate import settings_for
-    from elflow.methods import sampling_settings
+    from elflow.evaluate import judge_score, load_judge, sample_and_score
 
+    chosen = get_method(method)
     out = Path(out)
     csv_path = out / "sweep.csv"
     rows = read_csv(csv_path) if csv_path.exists() and not fresh else []
     done = {_key(r) for r in rows}
-    if method == "elf":
-        cells = [{"method": "elf", "sampler": s, "steps": n, "omega": float(w), "gamma": float(gamma)}
-                 for s in samplers for n in steps_list for w in omegas]
-    elif method == "ar":
-        cells = [{"method": "ar", "temperature": float(t), "top_p": float(top_p)} for t in temperatures]
-    else:
-        cells = [{"method": method, "steps": n, "temperature": 1.0} for n in steps_list]
+    defaults = {k: v for k, v in getattr(chosen, "defaults", {}).items() if k in COLUMNS}
+    cells = [{"method": chosen.name, **defaults, **dict(zip(grid, values)), **fixed}
+             for values in itertools.product(*grid.values())]
     todo = [c for c in cells if _key({**c, "seed": seed, "num": num}) not in done]
     if todo:
         model, tok = load_judge(judge, judge_dtype, device)
+        score = judge_score(model, tok, batch_size, protocol)
         loaded, space = load_for_sampling(checkpoint, device=device)
-        if loaded.method != method:
-            raise ELFError(f"{checkpoint} holds a {loaded.method} model, not {method}")
+        if loaded.method != chosen.name:
+            raise ELFError(f"{checkpoint} holds a {loaded.method} model, not {chosen.name}")
     for k, cell in enumerate(todo):
         t0 = time.time()
-        if method == "elf":
-            sampler, steps, omega = cell["sampler"], cell["steps"], cell["omega"]
-            settings = settings_for(loaded, steps=steps, sampler=sampler, gamma=gamma, omega=omega, grid=grid,
-                                    seed=seed, batch_size=gen_batch_size)
-            name = f"{sampler}_steps{steps}_omega{omega:g}_gamma{gamma:g}_seed{seed}"
-        else:
-            settings = sampling_settings(method, steps=cell.get("steps"), temperature=cell["temperature"],
-                                         top_p=cell.get("top_p"), seed=seed, batch_size=gen_batch_size)
-            name = f"{settings.tag()}_seed{seed}"
-        res = sample_and_judge(loaded.net, space, settings, num, model, tok, out / "samples" / f"{name}.jsonl",
-                               length, batch_size, protocol, progress=progress,
-                               meta={"checkpoint": str(checkpoint)})
+        knobs = {n: v for n, v in cell.items() if n in chosen.knobs}
+        settings = chosen.settings(loaded, seed=seed, batch_size=gen_batch_size, **knobs)
+        name = f"{settings.tag()}_seed{seed}"
+        _, res = sample_and_score(chosen, loaded.net, space, num, settings, score, out / "samples" / f"{name}.jsonl",
+                                  {"checkpoint": str(checkpoint)}, length, progress=progress)
         if not math.isfinite(res["gen_ppl"]):  # e.g. every sample empty: no number, and no row that holds NaN
             raise ELFError(f"cell {name}: its {num} samples give no finite perplexity ({res['num_empty']} empty); "
                            f"they are in {out / 'samples' / (name + '.jsonl')}")
-        row = {**cell, "seed": seed, "num": num, "protocol": protocol, "judge": str(judge),
-               "seconds": round(time.time() - t0, 2),
+        row = {**{n: v for n, v in cell.items() if n in COLUMNS}, "seed": seed, "num": num, "protocol": protocol,
+               "judge": str(judge), "seconds": round(time.time() - t0, 2),
                **{k2: res[k2] for k2 in ("gen_ppl", "entropy", "num_samples", "num_empty", "num_tokens")}}
         rows.append(row)
         write_csv(csv_path, rows)
         if progress:
-            what = (f"{cell['sampler']} {cell['steps']} steps omega {cell['omega']:g}" if method == "elf"
-                    else settings.describe())
-            print(f"[{k + 1}/{len(todo)}] {what}: gen_ppl {row['gen_ppl']:.2f} entropy {row['entropy']:.3f}")
+            print(f"[{k + 1}/{len(todo)}] {settings.describe()}: gen_ppl {row['gen_ppl']:.2f} "
+                  f"entropy {row['entropy']:.3f}")
     return rows
 
 
 def add_arguments(p) -> None:
     p.add_argument("checkpoint", nargs="?", help="run folder, checkpoint or hub id (not needed with --plot-only)")
-    p.add_argument("--omega", type=float, nargs="+", default=None, help=f"ELF (default {ELF_DEFAULTS['omega']})")
+    p.add_argument("--omega", type=float, nargs="+", default=None, help=f"ELF (default {SWEEP_DEFAULTS['omega']})")
     p.add_argument("--steps", type=int, nargs="+", default=None,
-                   help=f"ELF and MDLM sampling steps (default {ELF_DEFAULTS['steps']})")
+                   help=f"ELF and MDLM sampling steps (default {SWEEP_DEFAULTS['steps']})")
     p.add_argument("--sampler", choices=SAMPLERS, nargs="+", default=None,
-                   help=f"ELF (default {ELF_DEFAULTS['sampler']})")
+                   help=f"ELF (default {SWEEP_DEFAULTS['sampler']})")
     p.add_argument("--temperature", type=float, nargs="+", default=None,
-                   help=f"AR baselines: the temperatures swept (default {AR_TEMPERATURES})")
+                   help=f"AR baselines: the temperatures swept (default {SWEEP_DEFAULTS['temperature']})")
     p.add_argument("--top-p", type=float, default=None, help="AR baselines: nucleus mass of every cell (default 1)")
     p.add_argument("--gamma", type=float, default=1.5, help="SDE noise re-injection")
     p.add_argument("--num", type=int, default=1000, help="samples per cell")
@@ -209,27 +176,25 @@ def add_arguments(p) -> None:
                    help="start a new sweep in an OUT that holds one of another checkpoint, judge or protocol")
 
 
-ELF_DEFAULTS = {"omega": [0.5, 1.0, 2.0, 3.0, 4.0], "steps": [8, 16, 32], "sampler": ["ode", "sde"]}
-AR_TEMPERATURES = [0.7, 0.85, 1.0]
-# the knobs each method's sampler takes (a flag outside them is an error)
-KNOBS = {"elf": ("omega", "steps", "sampler", "gamma", "grid"), "ar": ("temperature", "top_p"),
-         "mdlm": ("steps",)}
+# the values a sweep takes of each knob not given
+SWEEP_DEFAULTS = {"omega": [0.5, 1.0, 2.0, 3.0, 4.0], "steps": [8, 16, 32], "sampler": ["ode", "sde"],
+                  "temperature": [0.7, 0.85, 1.0], "top_p": 1.0}
+SWEEP_FLAGS = ("omega", "steps", "sampler", "temperature", "top_p")  # the knob flags without a parser default
 
 
-def _method_flags(args, method: str) -> None:
-    """Refuse a knob the method's sampler does not take; fill in the defaults of the ones it does."""
-    for name in ("omega", "steps", "sampler", "temperature", "top_p"):
-        if getattr(args, name) is not None and name not in KNOBS[method]:
-            raise ELFError(f"--{name.replace('_', '-')} does not apply to {'an' if method != 'mdlm' else 'a'} "
-                           f"{method.upper()} model; its sweep takes "
-                           f"{', '.join('--' + k.replace('_', '-') for k in KNOBS[method])}")
-    for name, default in ELF_DEFAULTS.items():
-        if getattr(args, name) is None:
-            setattr(args, name, default)
-    if args.temperature is None:
-        args.temperature = AR_TEMPERATURES
-    if args.top_p is None:
-        args.top_p = 1.0
+def _method_grid(args, method) -> tuple[dict, dict]:
+    """(grid, fixed) of the method's sweep from the flags; a knob flag the method's sweep does not take is a
+    one-line error."""
+    takes = method.sweep_axes + method.sweep_fixed
+    for name in SWEEP_FLAGS:
+        if getattr(args, name) is not None and name not in takes:
+            raise ELFError(f"--{name.replace('_', '-')} does not apply to {method.title}; its sweep takes "
+                           f"{', '.join('--' + k.replace('_', '-') for k in takes)}")
+    value = lambda name: SWEEP_DEFAULTS[name] if getattr(args, name) is None else getattr(args, name)  # noqa: E731
+    grid = {name: value(name) for name in method.sweep_axes}
+    fixed = {name: value(name) for name in method.sweep_fixed}
+    return ({k: [float(x) if k in _FLOAT else x for x in v] for k, v in grid.items()},
+            {k: float(v) if k in _FLOAT else v for k, v in fixed.items()})
 
 
 def _check_continuation(out: Path, args) -> dict:
@@ -267,8 +232,8 @@ def run(args) -> int:
         from elflow.checkpoint import method_of
 
         method = method_of(args.checkpoint)
-        _method_flags(args, method)
-        if args.num < 1 or min(args.steps) < 1:
+        grid, fixed = _method_grid(args, get_method(method))
+        if args.num < 1 or min(grid.get("steps", [1])) < 1:
             raise ELFError("--num and every --steps value must be at least 1")
         from elflow.utils import atomic_write_json, check_device
 
@@ -277,13 +242,12 @@ def run(args) -> int:
         wanted = _check_continuation(out, args)
         if not fresh:  # a new sweep's record replaces the old one only once the old rows are replaced
             atomic_write_json(out / "sweep.json", wanted)
-        rows = run_sweep(args.checkpoint, args.omega, args.steps, args.sampler, out, num=args.num, seed=args.seed,
-                         gamma=args.gamma, length=args.length, judge=args.judge, judge_dtype=args.judge_dtype,
-                         batch_size=args.batch_size, gen_batch_size=args.gen_batch_size, protocol=args.protocol,
-                         grid=args.grid, device=args.device, fresh=fresh, method=method,
-                         temperatures=args.temperature, top_p=args.top_p)
+        rows = run_sweep(args.checkpoint, grid, fixed, out, num=args.num, seed=args.seed, length=args.length,
+                         judge=args.judge, judge_dtype=args.judge_dtype, batch_size=args.batch_size,
+                         gen_batch_size=args.gen_batch_size, protocol=args.protocol, device=args.device, fresh=fresh,
+                         method=method)
         if fresh:
             atomic_write_json(out / "sweep.json", wanted)
-    png = plot_tradeoff(rows, out / "tradeoff.png", title=f"judge: {rows[0].get('judge') or args.judge}")
+    png = plot_sweep(rows, out / "tradeoff.png", title=f"judge: {rows[0].get('judge') or args.judge}")
     print(f"{len(rows)} cells in {out / 'sweep.csv'}; plot: {png}")
     return 0

@@ -16,7 +16,7 @@ import torch
 from elflow.flow import SAMPLERS, sample
 from elflow.schedules import time_grid
 
-__all__ = ["GaussianMixture", "ring_mixture", "grid_mixture", "run_toy", "ToyNet", "train_toy_teacher", "distill_toy",
+__all__ = ["GaussianMixture", "ring_mixture", "grid_mixture", "run_toy", "toy_figure", "plot_toy", "ToyNet", "train_toy_teacher", "distill_toy",
            "distillation_table"]
 
 
@@ -192,33 +192,67 @@ def distillation_table(mixture: GaussianMixture, num: int = 200, seed: int = 0, 
     return rows
 
 
-def plot_toy(mixture: GaussianMixture, results: dict, path) -> None:
+def toy_figure(mixture: GaussianMixture, results: dict, title: str | None = None):
+    """One panel per step count (or model): the data, each sample's path z_t, the guesses along it and where
+    it ends; a legend in a row of its own below the panels names each kind of mark. Returns the figure."""
+    import textwrap
+
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from elflow.utils import atomic_write
-
     ns = list(results)
-    fig, axes = plt.subplots(1, len(ns), figsize=(3.4 * len(ns), 3.6), sharex=True, sharey=True)
-    axes = [axes] if len(ns) == 1 else axes
+    width = 3.3 * len(ns)
+    ncol = max(1, min(5, int(width / 2.6)))  # as many of the five names to a row as fit
+    rows = -(-5 // ncol)
+    fig = plt.figure(figsize=(width, 3.9 + 0.28 * rows + 0.25 * bool(title)), layout="constrained")
+    grid = fig.add_gridspec(2, len(ns), height_ratios=(3.6, 0.28 * rows))
+    axes = [fig.add_subplot(grid[0, 0])]
+    axes += [fig.add_subplot(grid[0, i], sharex=axes[0], sharey=axes[0]) for i in range(1, len(ns))]
     data = mixture.sample(600, torch.Generator().manual_seed(123))
     for ax, n in zip(axes, ns):
         r = results[n]
-        ax.scatter(data[:, 0], data[:, 1], s=2, c="lightgray")
+        ax.scatter(data[:, 0], data[:, 1], s=2, c="lightgray", label="data (the mixture)")
         for j in range(r["path"].shape[1]):
-            ax.plot(r["path"][:, j, 0], r["path"][:, j, 1], lw=0.5, c="tab:blue", alpha=0.4)
+            ax.plot(r["path"][:, j, 0], r["path"][:, j, 1], lw=0.5, c="tab:blue", alpha=0.4,
+                    label="path of z from noise" if j == 0 else None)
         g = r["guesses"].reshape(-1, 2)
-        ax.scatter(g[:, 0], g[:, 1], s=6, c="tab:orange", alpha=0.5, label="guesses")
-        ax.scatter(r["final"][:, 0], r["final"][:, 1], s=10, c="tab:red", label="samples")
-        ax.plot(*mixture.mean.tolist(), "k+", ms=12, mew=2)
-        ax.set_title(f"{n if isinstance(n, str) else f'N = {n}'}: {r['inside']}/{len(r['final'])} inside")
+        ax.scatter(g[:, 0], g[:, 1], s=6, c="tab:orange", alpha=0.5, label="guesses of x at each step")
+        ax.scatter(r["final"][:, 0], r["final"][:, 1], s=10, c="tab:red", label="samples (where z ends)")
+        ax.plot(*mixture.mean.tolist(), "k+", ms=12, mew=2, label="data mean")
+        name = n if isinstance(n, str) else f"N = {n} step" + "s" * (n != 1)
+        ax.set_title(f"{name}: {r['inside']}/{len(r['final'])} inside", fontsize=11)
         ax.set_aspect("equal")
         ax.set_xlim(-3.2, 3.2)
         ax.set_ylim(-3.2, 3.2)
-    axes[0].legend(loc="lower left", fontsize=7)
-    fig.tight_layout()
+        ax.set_xticks(range(-3, 4))
+        ax.set_yticks(range(-3, 4))
+        ax.tick_params(labelsize=10, labelleft=ax is axes[0])
+        ax.set_xlabel("$x_1$", fontsize=11)
+    axes[0].set_ylabel("$x_2$", fontsize=11)
+    key = fig.add_subplot(grid[1, :])
+    key.axis("off")
+    handles, labels = axes[-1].get_legend_handles_labels()
+    legend = key.legend(handles, labels, loc="center", ncol=ncol, fontsize=10, frameon=False)
+    for h in legend.legend_handles:  # full-size, full-strength marks, however small and faint in the panels
+        h.set_alpha(1)
+        if hasattr(h, "set_sizes"):
+            h.set_sizes([30])
+        elif h.get_linestyle() != "None":
+            h.set_linewidth(2)
+    if title:
+        fig.suptitle(textwrap.fill(title, max(30, int(width * 11))), fontsize=12)
+    return fig
+
+
+def plot_toy(mixture: GaussianMixture, results: dict, path, title: str | None = None) -> None:
+    """`toy_figure` written to a PNG (atomically)."""
+    import matplotlib.pyplot as plt
+
+    from elflow.utils import atomic_write
+
+    fig = toy_figure(mixture, results, title)
     with atomic_write(path) as f:
         fig.savefig(f, format="png", dpi=110)
     plt.close(fig)
@@ -262,6 +296,8 @@ def run(args) -> int:
             print(f"{r['model']:<22}" + "".join(f"{r.get(c, ''):>7}" for c in cols))
         res = {**res, **{f"student {n}": r["results"][n] for r, n in zip(rows[2:], (4, 2, 1))},
                "teacher 1": rows[1]["results"][1]}
-    plot_toy(mix, res, args.out)
+    models = "the exact denoiser" if not args.distill else "the exact denoiser, the trained teacher and its students"
+    plot_toy(mix, res, args.out, f"{args.clusters}-cluster {args.layout}: {args.sampler} sampling with {models}, "
+                                 "from the same starting noise")
     print(f"wrote {args.out}")
     return 0

@@ -1,4 +1,5 @@
-"""Small shared helpers: atomic file writes, output checks, folder locks, devices, float64 categorical draws."""
+"""Small shared helpers: settings records, atomic file writes, output checks, folder locks, devices and the
+process group, float64 categorical draws."""
 
 from __future__ import annotations
 
@@ -11,16 +12,37 @@ import socket
 import tempfile
 import time
 from contextlib import contextmanager
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 
 
-__all__ = ["ELFError", "atomic_write", "atomic_write_text", "atomic_write_json", "default_device", "sha256_file",
+__all__ = ["ELFError", "Record", "atomic_write", "atomic_write_text", "atomic_write_json", "default_device", "sha256_file",
            "cache_root", "cpu_flags", "fast_bf16", "resolve_dtype", "autocast", "check_device", "check_output", "FolderLock",
+           "setup_distributed", "on_rank0",
            "sample_categorical"]
 
 
 class ELFError(Exception):
     """An error caused by the user's input: printed as one clear message, without a traceback."""
+
+
+class Record:
+    """The serialisation of a settings dataclass: `to_dict`, `from_dict` (missing keys take their defaults,
+    unknown ones are a ValueError naming them) and `replace`."""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict):
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"{cls.__name__}: unknown fields {unknown}")
+        return cls(**d)
+
+    def replace(self, **kw):
+        return replace(self, **kw)
 
 
 @contextmanager
@@ -165,6 +187,51 @@ def check_device(device: str | None, flag: str = "--device") -> str | None:
 
 # ----------------------------------------------------------------------------------------------------------
 # output paths
+
+
+def setup_distributed(device: str | None = None):
+    """(rank, world_size, local_rank, device) from torchrun's environment, or a single process on `device`
+    (default: cuda when available)."""
+    import torch
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    wants_cpu = device is not None and torch.device(device).type == "cpu"
+    if world > 1:
+        rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+        if dist.is_initialized():  # a caller that runs several trainings (distillation's rounds) holds the group
+            gpu = dist.get_backend() == "nccl"
+            return rank, world, local, torch.device("cuda", local) if gpu else torch.device("cpu")
+        if torch.cuda.is_available() and not wants_cpu:
+            torch.cuda.set_device(local)
+            dev = torch.device("cuda", local)
+            dist.init_process_group("nccl", device_id=dev)
+        else:
+            dev = torch.device("cpu")
+            dist.init_process_group("gloo")
+        return rank, world, local, dev
+    return 0, 1, 0, torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def on_rank0(fn, rank: int, world: int, device=None):
+    """Run `fn` on rank 0 only; every rank raises if it failed there (so that no rank waits for it forever).
+    `device`: where the process group's collectives run (a GPU under NCCL)."""
+    import torch
+    import torch.distributed as dist
+
+    error = None
+    if rank == 0:
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001  (re-raised below, after the other ranks are told)
+            error = e
+    if world > 1:
+        flag = torch.tensor([0.0 if error is None else 1.0], device=device)
+        dist.all_reduce(flag)
+        if flag.item() and error is None:
+            raise ELFError("rank 0 stopped (its message says why)")
+    if error is not None:
+        raise error
 
 
 def _probe_writable(folder: Path) -> None:

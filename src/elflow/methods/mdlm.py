@@ -24,10 +24,11 @@ Gumbel-max trick lowers the samples' entropy and so flatters their generative pe
 only at the positions being unmasked, and as the network has no time input, a step that unmasks nothing
 needs no forward pass.
 
-The method interface (the same in every baseline module; see elflow.ar for the full description):
+The functions (`METHOD`, an MDLMMethod, names them; elflow.methods.ar describes them in full):
 
     build(config, space) -> nn.Module
-    loss(model, tokens, mask, generator) -> (loss, metrics)    metrics: loss, nll_sum, tokens, masked
+    draw(tokens, generator) -> (t, masked); nelbo(model, tokens, t, masked, mask) -> (loss, metrics)
+    loss(model, tokens, mask, generator) = nelbo of a draw     metrics: loss, nll_sum, tokens, masked
     sample_tokens(model, batch, length, settings, generator) -> (B, L) ids
     SETTINGS (MDLMSampling), fit_config(target, space, base, **kw)
 """
@@ -39,11 +40,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from elflow.methods.tokens import TokenMethod
 from elflow.model import TokenLMConfig, TokenTransformer, fit_token_lm
 from elflow.utils import ELFError, sample_categorical
 
 __all__ = ["MDLMSampling", "SETTINGS", "EPS", "build", "loss", "sample_tokens", "fit_config", "mask_id",
-           "draw_times", "draw_masking", "nelbo"]
+           "draw_times", "draw_masking", "draw", "nelbo", "MDLMMethod", "METHOD"]
 
 EPS = 1e-3  # the smallest training time: the loss weight 1/t stays below 1/EPS
 
@@ -127,11 +129,17 @@ def nelbo(model: TokenTransformer, tokens: torch.Tensor, t: torch.Tensor, masked
                    "masked": torch.as_tensor(float(len(rows)), device=nll.device)}
 
 
+def draw(tokens: torch.Tensor, generator: torch.Generator | None = None, eps: float = EPS,
+         low_discrepancy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch's times (B,) and masked positions (B, L), drawn from `generator` (on the tokens' device)."""
+    t = draw_times(tokens.shape[0], generator, eps, low_discrepancy, device=tokens.device)
+    return t, draw_masking(tokens, t, generator)
+
+
 def loss(model: TokenTransformer, tokens: torch.Tensor, mask: torch.Tensor | None = None,
          generator: torch.Generator | None = None, eps: float = EPS, low_discrepancy: bool = True):
-    """The NELBO of one batch with times and masks drawn from `generator` (on the tokens' device)."""
-    t = draw_times(tokens.shape[0], generator, eps, low_discrepancy, device=tokens.device)
-    return nelbo(model, tokens, t, draw_masking(tokens, t, generator), mask)
+    """The NELBO of one batch with times and masks drawn from `generator`."""
+    return nelbo(model, tokens, *draw(tokens, generator, eps, low_discrepancy), mask)
 
 
 @torch.no_grad()
@@ -158,3 +166,27 @@ def sample_tokens(model: TokenTransformer, batch: int, length: int, settings: MD
         weights = torch.softmax(logits.to(torch.float64) / settings.temperature, dim=-1)
         x = x.index_put((rows, cols), sample_categorical(weights, generator))
     return x
+
+
+class MDLMMethod(TokenMethod):
+    name = "mdlm"
+    title = "a token-level MDLM baseline"
+    knobs = ("steps", "temperature")
+    sweep_axes = ("steps",)
+    defaults = {"steps": MDLMSampling().steps, "temperature": 1.0}
+
+    network = staticmethod(build)
+    fit_config = staticmethod(fit_config)
+    sample_tokens = staticmethod(sample_tokens)
+
+    def token_draw(self, tokens, generator):
+        return draw(tokens, generator)
+
+    def objective(self, net, tokens, mask, draw):
+        return nelbo(net, tokens, *draw, mask)
+
+    def sampler_settings(self, s):
+        return MDLMSampling(steps=s.steps, temperature=s.temperature)
+
+
+METHOD = MDLMMethod()

@@ -6,7 +6,7 @@ one extra row: the row-start id `vocab_size` (BOS). Every training row is read a
 scored on predicting x_0 .. x_{L-1}, so all L positions count and the sampler generates whole rows from BOS,
 exactly the L-token rows ELF learns. The read-out covers the real vocabulary only (BOS is never emitted).
 
-The method interface (the same in every baseline module; the trainer calls only these):
+The functions (`METHOD`, an ARMethod, names them for the trainer and the samplers; elflow.methods.tokens):
 
     build(config, space)                               -> nn.Module (config: TokenLMConfig; the vocabulary
                                                           comes from space.vocab_size)
@@ -19,7 +19,7 @@ The method interface (the same in every baseline module; the trainer calls only 
     fit_config(target, space, base, **kw)              -> TokenLMConfig with about `target` parameters
 
 Loss: next-token cross-entropy, the mean over the batch's scored positions (sum of NLL / scored count);
-`generator` is unused (the loss is deterministic) and accepted for the common interface.
+`generator` is unused (the loss is deterministic): the AR model draws nothing in training.
 
 Sampler: ancestral, one position at a time for the whole batch, with temperature and top-p (nucleus); each
 draw is a float64 inverse-CDF categorical from `generator` (utils.sample_categorical), so a seed fixes the
@@ -34,11 +34,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from elflow.methods.tokens import TokenMethod
 from elflow.model import TokenLMConfig, TokenTransformer, apply_rope, fit_token_lm
 from elflow.utils import ELFError, sample_categorical
 
 __all__ = ["ARSampling", "SETTINGS", "build", "loss", "sample_tokens", "fit_config", "bos_id", "shifted_inputs",
-           "next_token_probs", "top_p_filter", "cached_logits"]
+           "next_token_probs", "top_p_filter", "cached_logits", "ARMethod", "METHOD"]
 
 
 @dataclass(frozen=True)
@@ -173,3 +174,25 @@ def sample_tokens(model: TokenTransformer, batch: int, length: int, settings: AR
         current = sample_categorical(weights, generator)
         out[:, pos] = current
     return out
+
+
+class ARMethod(TokenMethod):
+    name = "ar"
+    title = "a token-level AR baseline"
+    knobs = ("temperature", "top_p")
+    sweep_axes = ("temperature",)
+    sweep_fixed = ("top_p",)
+    defaults = {"temperature": 1.0, "top_p": 1.0}
+
+    network = staticmethod(build)
+    fit_config = staticmethod(fit_config)
+    sample_tokens = staticmethod(sample_tokens)
+
+    def objective(self, net, tokens, mask, draw):
+        return loss(net, tokens, mask)
+
+    def sampler_settings(self, s):
+        return ARSampling(temperature=s.temperature, top_p=s.top_p)
+
+
+METHOD = ARMethod()

@@ -1,0 +1,70 @@
+"""The training methods by name: ELF, and the token-level baselines AR and MDLM.
+
+    METHODS, METHOD_NAMES             {"elf", "ar", "mdlm"} -> its Method (elflow.methods.base describes the
+                                      protocol; one module each: elf.py, ar.py, mdlm.py)
+    get_method(name)                  the method; an unknown name is a one-line ELFError listing the choices
+    require(method, feature, what, path)   a one-line refusal of a use its models do not have
+    check_run(cfg)                    the run settings (a TrainConfig) its method cannot train with
+    settings_from_args(loaded, args)  a loaded model's sampler settings from the sampling flags
+"""
+
+from __future__ import annotations
+
+from elflow.methods import ar, elf, mdlm
+from elflow.methods.base import Method, TrainedPass
+from elflow.methods.tokens import MATCHES, BaselineSampling, trunk_params
+from elflow.utils import ELFError
+
+__all__ = ["METHODS", "METHOD_NAMES", "MATCHES", "Method", "TrainedPass", "BaselineSampling", "get_method",
+           "require", "check_run", "settings_from_args", "SAMPLING_FLAGS", "trunk_params"]
+
+METHODS: dict[str, Method] = {m.name: m for m in (elf.METHOD, ar.METHOD, mdlm.METHOD)}
+METHOD_NAMES = tuple(METHODS)
+
+# every method's sampling flags (their union), besides --seed and --batch
+SAMPLING_FLAGS = tuple(dict.fromkeys(k for m in METHODS.values() for k in m.knobs))
+
+
+def get_method(name: str) -> Method:
+    if name not in METHODS:
+        raise ELFError(f"unknown method {name!r}; choose one of {', '.join(METHOD_NAMES)}")
+    return METHODS[name]
+
+
+def _owners(feature: str) -> list[Method]:
+    return [m for m in METHODS.values() if feature in m.features]
+
+
+def require(method: Method, feature: str, what: str, path=None) -> None:
+    """ELFError unless models of `method` have `feature` (a key of base.FEATURES): `what` (a flag or a
+    command) needs a model of a method that has it."""
+    if feature in method.features:
+        return
+    where = f"{path} holds" if path is not None else "this is"
+    who = " or ".join(m.title for m in _owners(feature))
+    raise ELFError(f"{where} {method.title} (--method {method.name}); {what} needs {who}")
+
+
+# the run settings that need a feature of the method: (setting, its flag, the feature)
+RUN_FEATURES = (("source_length", "--source-length", "pairs"), ("task", "--task", "pairs"),
+                ("init_from", "--init-from", "init-from"), ("grad_checkpoint", "--grad-checkpoint", "grad-checkpoint"))
+
+
+def check_run(cfg) -> None:
+    """ELFError naming the first setting of `cfg` (a TrainConfig) that its method cannot train with."""
+    method = get_method(cfg.method)
+    for name, flag, feature in RUN_FEATURES:
+        if getattr(cfg, name) and feature not in method.features:
+            who = " or ".join(m.name.upper() for m in _owners(feature))
+            raise ELFError(f"{flag} applies to {who} runs only, not to --method {method.name}")
+    method.check(cfg)
+
+
+def settings_from_args(loaded, args):
+    """The sampler settings of a loaded model (checkpoint.Loaded) from the sampling flags of
+    generate.add_sampling_arguments: its own defaults with the flags given on top; a flag its sampler does not
+    take is a one-line error."""
+    given = {k: getattr(args, k, None) for k in SAMPLING_FLAGS}
+    return get_method(loaded.method).settings(loaded, seed=getattr(args, "seed", None),
+                                              batch_size=getattr(args, "batch", None), **given)
+

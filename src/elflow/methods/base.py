@@ -1,0 +1,133 @@
+"""What a training method is to the trainer, the loader and the samplers: the `Method` protocol.
+
+A method (elflow.methods.elf, .ar, .mdlm; the registry is elflow.methods) says
+
+    space_spec(spec)                    the space it needs, from the run's embedding space spec
+    check(cfg)                          the run settings it refuses (a one-line ELFError)
+    build(cfg, shape, space, data, recipe, device) -> (network, parameter counts)
+    describe(net) / stored_config(state) / load(config, state_dict, settings)
+                                        the network's entries in run.json and state.json, and back
+    adam_names(net, cfg)                the parameters the optimiser gives to Adam whatever their shape
+    draw(batch, space, recipe, generator, cpu_generator)
+                                        a batch's randomness, drawn outside torch.compile and DDP
+    loss(net, space, batch, draw, recipe) -> (loss, sums)
+                                        the trained pass: the space's encode, the objective, and the sums
+                                        (tensors that add up over shards, steps and ranks) the log reads
+    summarize(sums)                     the numbers of one log line from the sums of a log interval
+    preview(net, ema, space, num, length, cfg), settings(loaded, **flags), sample(net, space, num, settings, ...)
+                                        texts: during training, and from a stored model with its defaults
+
+and what its models can do beyond sampling texts (`features`, `knobs`, `sweep_axes`), so that commands ask a
+method instead of comparing its name. `TrainedPass` makes a method's loss the forward of one module, which
+is what DistributedDataParallel and torch.compile wrap: the network and the space are its submodules, so
+the gradients of a trainable space are averaged across ranks with the network's.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from elflow.utils import ELFError
+
+__all__ = ["Method", "TrainedPass", "FEATURES"]
+
+# what a command may ask of a model besides texts from noise, with the flag or command that asks it
+FEATURES = {
+    "pairs": "training on (source, target) pairs (--source-length, --task) and sampling from sources (--source)",
+    "known": "texts held fixed while sampling (--prompt, --suffix)",
+    "trajectory": "the decode readout of each step (--trajectory)",
+    "init-from": "starting from another run's weights (--init-from)",
+    "distill": "progressive distillation (elflow distill)",
+    "grad-checkpoint": "activation checkpointing (--grad-checkpoint)",
+    "encoder": "an encoder for the authors' checkpoints (--encoder)",
+}
+
+
+class Method:
+    """The protocol (module docstring) with the parts every method shares."""
+
+    name: str = ""
+    title: str = ""  # a model of this method in a sentence: "an ELF model", "a token-level AR baseline"
+    features: frozenset = frozenset()  # keys of FEATURES
+    knobs: tuple[str, ...] = ()  # the sampling flags its sampler takes, besides --seed and --batch
+    sweep_axes: tuple[str, ...] = ()  # the knobs `elflow sweep` varies: curves by all but the last, which runs along
+    sweep_fixed: tuple[str, ...] = ()  # the knobs a sweep holds at one value
+
+    def __repr__(self) -> str:
+        return f"<method {self.name}>"
+
+    # -- the run ----------------------------------------------------------------------------------------------
+    def space_spec(self, spec: dict) -> dict:
+        return spec
+
+    def check(self, cfg) -> None:
+        """ELFError for the first setting of the run (a TrainConfig) this method cannot train with."""
+
+    def with_objective(self, objective) -> "Method":
+        raise ELFError(f"a training objective replaces ELF's loss; --method {self.name} has its own")
+
+    def build(self, cfg, shape, space, data, recipe, device) -> tuple[nn.Module, dict]:
+        raise NotImplementedError
+
+    def describe(self, net) -> dict:
+        """The network's entries of run.json and state.json ("model": its config)."""
+        return {"model": net.config.to_dict()}
+
+    def stored_config(self, state: dict) -> tuple[object, dict]:
+        """(network config, settings it adds) from a stored state (state.json) written by `describe`."""
+        raise NotImplementedError
+
+    def load(self, config, state_dict: dict, settings: dict) -> nn.Module:
+        raise NotImplementedError
+
+    def fits(self, space, net) -> None:
+        """ELFError when `space` cannot serve `net`."""
+
+    def adam_names(self, net, cfg) -> list[str]:
+        return []
+
+    # -- a training step ----------------------------------------------------------------------------------
+    def draw(self, batch: dict, space, recipe, generator: torch.Generator, cpu_generator: torch.Generator):
+        return None
+
+    def loss(self, net, space, batch: dict, draw, recipe) -> tuple[torch.Tensor, dict]:
+        raise NotImplementedError
+
+    def summarize(self, sums: dict) -> dict:
+        return {}
+
+    def preview(self, net, ema, space, num: int, length: int, cfg) -> list[str]:
+        raise NotImplementedError
+
+    # -- sampling -----------------------------------------------------------------------------------------
+    def check_knobs(self, given: dict) -> None:
+        """A one-line error for a sampling flag this method's sampler does not take."""
+        for name, value in given.items():
+            if value is not None and name not in self.knobs:
+                takes = ", ".join("--" + k.replace("_", "-") for k in self.knobs)
+                raise ELFError(f"--{name.replace('_', '-')} does not apply to {self.title}; its sampler takes "
+                               f"{takes}")
+
+    def settings(self, loaded, **given):
+        raise NotImplementedError
+
+    def sample(self, net, space, num: int, settings, length: int | None = None, progress: bool = True,
+               **known) -> list[dict]:
+        raise NotImplementedError
+
+
+class TrainedPass(nn.Module):
+    """One method's trained pass as a module (see the module docstring): `draw(batch, generator,
+    cpu_generator)` outside the wrappers, `forward(batch, draw) -> (loss, sums)` inside them."""
+
+    def __init__(self, method: Method, net: nn.Module, space: nn.Module, recipe=None):
+        super().__init__()
+        self.net, self.space = net, space
+        self.method, self.recipe = method, recipe
+
+    def draw(self, batch: dict, generator: torch.Generator, cpu_generator: torch.Generator):
+        return self.method.draw(batch, self.space, self.recipe, generator, cpu_generator)
+
+    def forward(self, batch: dict, draw):
+        return self.method.loss(self.net, self.space, batch, draw, self.recipe)

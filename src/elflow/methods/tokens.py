@@ -1,0 +1,230 @@
+"""What the token-level baselines (elflow.methods.ar, elflow.methods.mdlm) share as methods.
+
+A baseline reads the run's token ids through the embedding space's tokenizer alone (a "tokens" space: no
+encoder is loaded) and is sized to the parameter count of the ELF network the same settings would build
+(`fit_shape`). Each baseline module defines its network, loss and sampler as functions (its docstring states
+the math) and a `TokenMethod` subclass that names them:
+
+    build(config, space)                             -> TokenTransformer
+    draw(tokens, generator) / objective(net, tokens, mask, draw) -> (loss, metrics): loss, nll_sum, tokens
+    sample_tokens(model, batch, length, settings, generator) -> (B, L) ids
+    SETTINGS, defaults                               its sampler's settings class and their default values
+    fit_config(target, space, base, **kw)            -> TokenLMConfig with about `target` parameters
+
+`BaselineSampling` is a baseline's sampler settings with the seed and batch size, as `elflow sample`, `eval`
+and `sweep` take and write them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from elflow.methods.base import Method
+from elflow.model import ELF, TokenLMConfig, num_params
+from elflow.utils import ELFError
+
+__all__ = ["TokenMethod", "BaselineSampling", "MATCHES", "fit_shape", "table_names", "trunk_params"]
+
+MATCHES = ("total", "trunk")
+
+
+def table_names(model) -> list[str]:
+    """The parameter names of a TokenTransformer's token tables (the input table and an untied read-out)."""
+    return ["embed.weight"] + (["lm_head.weight"] if model.lm_head is not None else [])
+
+
+def trunk_params(model) -> int:
+    """A TokenTransformer's parameters without its token tables."""
+    return num_params(model) - sum(num_params(m) for m in (model.embed, model.lm_head) if m is not None)
+
+
+@dataclass(frozen=True)
+class BaselineSampling:
+    """How to sample a baseline: AR takes temperature and top_p, MDLM steps and temperature; seed and
+    batch_size as for ELF (one generator per call, seeded by `seed`)."""
+
+    method: str
+    steps: int | None = None
+    temperature: float = 1.0
+    top_p: float | None = None
+    seed: int = 0
+    batch_size: int = 16
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+    def _knobs(self):
+        return [(k, v) for k, v in (("steps", self.steps), ("temperature", self.temperature),
+                                    ("top_p", self.top_p)) if v is not None]
+
+    def describe(self) -> str:
+        words = {"steps": "{} steps", "temperature": "temperature {:g}", "top_p": "top-p {:g}"}
+        return ", ".join([self.method.upper()] + [words[k].format(v) for k, v in self._knobs()])
+
+    def tag(self) -> str:
+        """A file-name tag of the settings that tell sample sets apart."""
+        return self.method + "".join(f"_{k.replace('_', '')}{v:g}" for k, v in self._knobs())
+
+
+class TokenMethod(Method):
+    """A token-level baseline; subclasses name the module functions (module docstring)."""
+
+    features = frozenset()
+    defaults: dict = {}  # the sampler's knobs and their default values
+
+    def space_spec(self, spec: dict) -> dict:
+        return {"kind": "tokens", "of": spec}
+
+    # -- the module's functions -----------------------------------------------------------------------
+    def network(self, config: TokenLMConfig, space):
+        raise NotImplementedError
+
+    def fit_config(self, target: int, space, base: TokenLMConfig, **kw) -> TokenLMConfig:
+        raise NotImplementedError
+
+    def token_draw(self, tokens: torch.Tensor, generator):
+        return None
+
+    def objective(self, net, tokens, mask, draw):
+        raise NotImplementedError
+
+    def sample_tokens(self, model, batch: int, length: int, settings, generator) -> torch.Tensor:
+        raise NotImplementedError
+
+    def sampler_settings(self, s: BaselineSampling):
+        """The module's own settings object (its SETTINGS) from BaselineSampling."""
+        raise NotImplementedError
+
+    # -- the run ----------------------------------------------------------------------------------------------
+    def fit_shape(self, elf_config, space, match: str = "total", tie: bool = True, tol: float = 0.05):
+        return fit_shape(self, elf_config, space, match, tie, tol)
+
+    def build(self, cfg, shape, space, data, recipe, device):
+        config, target = self.fit_shape(shape, space, cfg.match)
+        torch.manual_seed(cfg.seed)
+        net = self.network(config, space).to(device)
+        return net, {"model": num_params(net), "elf": target, "match": cfg.match}
+
+    def stored_config(self, state: dict):
+        try:
+            return TokenLMConfig.from_dict(state["model"]), {}
+        except (ValueError, TypeError) as e:
+            raise ELFError(f"the stored {self.name} network config cannot be read: {e}") from None
+
+    def load(self, config, state_dict, settings):
+        net = self.network(config, _Vocabulary(config.vocab_size))
+        try:
+            net.load_state_dict(state_dict)
+        except RuntimeError as e:
+            raise ELFError(f"the weights do not fit the stored {self.name} shape "
+                           f"({str(e).splitlines()[0][:200]})") from None
+        return net
+
+    def fits(self, space, net) -> None:
+        if space.vocab_size != net.config.vocab_size:
+            raise ELFError(f"the tokenizer ({space.space_id}: vocabulary {space.vocab_size}) does not fit the "
+                           f"{self.name} network (vocabulary {net.config.vocab_size})")
+
+    def adam_names(self, net, cfg) -> list[str]:
+        """The token tables (an embedding lookup, no matrix map); Muon takes the blocks' matrices."""
+        return table_names(net)
+
+    # -- a training step ----------------------------------------------------------------------------------
+    def draw(self, batch, space, recipe, generator, cpu_generator):
+        return self.token_draw(batch["tokens"], generator)
+
+    def loss(self, net, space, batch, draw, recipe):
+        loss, m = self.objective(net, batch["tokens"], batch.get("mask"), draw)
+        return loss, {"loss": loss.detach(), "nll_sum": m["nll_sum"].float(), "nll_n": m["tokens"].float()}
+
+    def summarize(self, t: dict) -> dict:
+        """The loss terms per scored position over the logged steps."""
+        return {"loss_per_token": t["nll_sum"] / t["nll_n"] if t["nll_n"] else None}
+
+    @torch.no_grad()
+    def heldout_loss(self, model, dataset, batch: int = 32, rows: int = 256, seed: int = 0) -> float:
+        """Sum of the loss terms over the scored positions of the first `rows` rows, per scored position
+        (the draws, MDLM's times and masks, from `seed`, so two models see the same ones)."""
+        device = model.embed.weight.device
+        was_training = model.training
+        model.eval()
+        g = torch.Generator(device=device).manual_seed(seed)
+        total = count = 0.0
+        n = min(rows, len(dataset))
+        for i in range(0, n, batch):
+            b = dataset.batch(torch.arange(i, min(i + batch, n)))
+            tokens = b["tokens"].to(device)
+            _, metrics = self.objective(model, tokens, b["mask"].to(device), self.token_draw(tokens, g))
+            total += float(metrics["nll_sum"])
+            count += float(metrics["tokens"])
+        model.train(was_training)
+        return total / max(count, 1.0)
+
+    @torch.no_grad()
+    def preview(self, net, ema, space, num, length, cfg) -> list[str]:
+        sampler_net = self.network(net.config, space).to(next(net.parameters()).device)
+        ema.copy_to(sampler_net)
+        given = {"steps": cfg.sample_steps} if "steps" in self.knobs else {}
+        return self.texts(sampler_net, space, num, length, self.settings(None, **given), cfg.seed)
+
+    # -- sampling -----------------------------------------------------------------------------------------
+    def settings(self, loaded=None, seed=None, batch_size=None, **given) -> BaselineSampling:
+        self.check_knobs(given)
+        values = {k: v if given.get(k) is None else given[k] for k, v in self.defaults.items()}
+        s = BaselineSampling(self.name, **values, **({} if seed is None else {"seed": seed}),
+                             **({} if batch_size is None else {"batch_size": batch_size}))
+        self.sampler_settings(s)  # checks the values
+        if s.batch_size < 1:
+            raise ELFError(f"the batch size must be >= 1, got {s.batch_size}")
+        return s
+
+    @torch.no_grad()
+    def texts(self, model, space, num: int, length: int, settings: BaselineSampling, seed: int,
+              batch_size: int = 16) -> list[str]:
+        """`num` samples decoded by the space's tokenizer (cut at the first EOS), drawn in batches from one
+        generator seeded by `seed`."""
+        device = model.embed.weight.device
+        was_training = model.training
+        model.eval()
+        g = torch.Generator(device=device).manual_seed(seed)
+        own = self.sampler_settings(settings)
+        out = []
+        for i in range(0, num, batch_size):
+            out += space.decode(self.sample_tokens(model, min(batch_size, num - i), length, own, g).cpu())
+        model.train(was_training)
+        return out
+
+    def sample(self, net, space, num, settings, length=None, progress=True, **known) -> list[dict]:
+        """`num` samples as records {"index", "text"} (the format of generate.generate)."""
+        if num < 1:
+            raise ELFError(f"the number of samples must be >= 1, got {num}")
+        texts = self.texts(net, space, num, length or net.config.max_length, settings, settings.seed,
+                           settings.batch_size)
+        return [{"index": i, "text": t} for i, t in enumerate(texts)]
+
+
+@dataclass(frozen=True)
+class _Vocabulary:
+    """What a baseline's builder reads of a space: its vocabulary size."""
+
+    vocab_size: int
+
+
+def fit_shape(method: TokenMethod, elf_config, space, match: str = "total", tie: bool = True, tol: float = 0.05):
+    """(baseline shape, target count): the TokenLMConfig of `method` whose parameter count is within `tol` of
+    the ELF network of `elf_config` (an ELFConfig): in all (`match="total"`), or without the token tables and
+    ELF's decode head (`"trunk"`). The search starts from ELF's depth, width and heads; `tie` reads out with
+    the input table (one token table, as ELF has one read-out table)."""
+    if match not in MATCHES:
+        raise ELFError(f"unknown parameter match {match!r}; choose one of {', '.join(MATCHES)}")
+    with torch.device("meta"):
+        elf = ELF(elf_config)
+        target = elf.num_params() if match == "total" else elf.num_params(exclude_decode_head=True)
+    base = TokenLMConfig(depth=elf_config.depth, hidden=elf_config.hidden, heads=elf_config.heads,
+                         vocab_size=space.vocab_size, max_length=elf_config.max_length, tie_embeddings=tie)
+    try:
+        return method.fit_config(target, space, base, tol=tol, tables=match == "total"), target
+    except ValueError as e:
+        raise ELFError(f"{method.name}: cannot match the ELF network's {target:,} parameters: {e}") from None

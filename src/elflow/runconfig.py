@@ -1,0 +1,348 @@
+"""The description of a training run: `TrainConfig`, its named presets, and the command-line flags made from it.
+
+One dataclass holds every setting of a run besides the network's shape: it is stored in run.json and in every
+checkpoint, and `elflow train`'s flags, their help, their defaults and their checks are generated from its
+fields (`setting` metadata; a nested flag sets one key of a dict setting: NESTED_FLAGS). `None` means "the
+preset's default", filled in by `TrainConfig.resolved()`. `RUN_PRESETS` are named sets of settings
+(`--defaults quickstart`, the paper's conditional tasks). On `--resume` only the MUTABLE settings may change
+(`resume_conflicts`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass, field, fields, replace
+
+from elflow.data import PAIR_TASKS
+from elflow.encoders import DRAWN_TABLE_KINDS, TABLE_STREAM
+from elflow.flow import SAMPLERS, Recipe
+from elflow.generate import SAMPLING_DEFAULTS
+from elflow.methods import MATCHES, METHOD_NAMES, check_run
+from elflow.model import PRESETS
+from elflow.optim import LR_DECAYS, NS_METHODS, base_lr
+from elflow.shortrun import FIELDS as SHORT_RUN_FIELDS, SKIPS
+from elflow.utils import ELFError, Record
+
+__all__ = ["TrainConfig", "RUN_PRESETS", "NESTED_FLAGS", "MUTABLE", "setting", "resume_conflicts",
+           "add_setting_arguments", "given_settings", "mutable_flags", "with_default"]
+
+
+def _positive(v) -> bool:
+    return math.isfinite(v) and v > 0
+
+
+def _at_least(lo):
+    return lambda v: math.isfinite(v) and v >= lo
+
+
+POSITIVE = (_positive, "> 0")
+AT_LEAST_0 = (_at_least(0), ">= 0")
+AT_LEAST_1 = (_at_least(1), ">= 1")
+UNIT = (lambda v: 0 <= v < 1, "in [0, 1)")
+
+
+def setting(default=None, help: str = "", *, default_help: str | None = None, choices=None, check=None,
+            flag: str | None = None, mutable: bool = False, cli: bool = True, default_factory=None):
+    """A TrainConfig field with what the CLI needs: help, choices, a value check (predicate, description),
+    its flag name if not --<name>, and whether `--resume` may change it (`mutable`)."""
+    meta = {"help": help, "default_help": default_help, "choices": choices, "check": check, "flag": flag,
+            "mutable": mutable, "cli": cli}
+    if default_factory is not None:
+        return field(default_factory=default_factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+# the embedding space of each preset when --space is not given; tiny is a 32-dim random table over the MiniLM
+# tokenizer (no encoder to run), so that it is cheap end to end
+DEFAULT_SPACE = {"tiny": "random-table:minilm", "demo": "minilm"}
+DEFAULT_SPACE_DIM = {"tiny": 32}
+SMALL_EMA = 0.995  # the EMA decay of the small presets (tiny, demo); the others use the paper's 0.9999
+
+
+@dataclass
+class TrainConfig(Record):
+    """Everything a run needs besides the network shape; stored in run.json and in every checkpoint.
+
+    `None` means "the preset's default" and is filled in by `resolved()`."""
+
+    method: str = setting("elf", "what to train: ELF, or a token-level baseline over the same space's tokens: an "
+                                 "autoregressive LM (ar) or a masked diffusion LM (mdlm)", choices=METHOD_NAMES)
+    preset: str = setting("demo", "network size (a baseline: the parameter count of this ELF network)",
+                          choices=tuple(PRESETS))
+    match: str = setting("total", "baselines: match the ELF network's parameter count in all, or without the "
+                                  "token tables and ELF's decode head (trunk)", choices=MATCHES)
+    data: str = setting("builtin", "'builtin' (Shakespeare), a .txt file or folder, a .jsonl file, or a hub "
+                                   "dataset name")
+    text_field: str = setting("text", "the text field of .jsonl / hub records", flag="--field")
+    on_bad: str = setting("stop", "empty, binary or non-UTF-8 files and bad jsonl lines: stop with an error, or "
+                                  "skip them with a warning", choices=("stop", "skip"))
+    space: str | None = setting(None, "embedding space: minilm (offline), t5-small, t5:PATH, hf:PATH, or a table "
+                                      "over a base encoder's vocabulary: token-table[:BASE], random-table[:BASE], "
+                                      "learned-table[:BASE]",
+                                default_help="random-table:minilm (32-dim) for tiny, minilm for demo, t5-small "
+                                             "otherwise")
+    space_dim: int | None = setting(None, "vector size of a random-table / learned-table space",
+                                    default_help="32 for tiny's default space, else the base encoder's",
+                                    check=AT_LEAST_1)
+    space_seed: int = setting(0, "seed of a random-table / learned-table space's vectors")
+    space_stream: int | None = setting(None, "the draw of a random-table / learned-table space's vectors "
+                                             "(encoders.table_generator)", cli=False)
+    latent_std: str | None = setting(None, "divide encoder outputs by this: a number, 'auto' (estimated on a "
+                                           "sample) or 'table' (a table's own std)", default_help="the space's")
+    length: int | None = setting(None, "sequence length L", default_help="the preset's", check=AT_LEAST_1)
+    layout: str = setting("packed", "packed: documents run on across rows; document: one document per row",
+                          choices=("packed", "document"))
+    batch: int = setting(32, "global batch: rows per optimiser step over all ranks", check=AT_LEAST_1)
+    micro_batch: int | None = setting(None, "rows per forward/backward; batch / (ranks x micro-batch) "
+                                            "accumulation steps", default_help="batch / ranks", check=AT_LEAST_1)
+    steps: int = setting(1000, "optimiser steps (the schedule's length)", check=AT_LEAST_1, mutable=True)
+    lr: float | None = setting(None, "learning rate", default_help="1e-3 x batch / 256", check=POSITIVE)
+    warmup: int = setting(100, "linear warm-up steps", check=AT_LEAST_0)
+    lr_decay: str = setting("constant", "after the warm-up: constant (the paper's) or a cosine decay to 0 at the "
+                                        "run's last step (short runs)", choices=LR_DECAYS)
+    ema_decay: float | None = setting(None, "EMA decay of the weights used for sampling",
+                                      default_help=f"{SMALL_EMA} for tiny and demo, 0.9999 otherwise", check=UNIT)
+    adam_heads: bool = setting(False, "optimise output heads and embedders with Adam instead of Muon "
+                                      "(cheaper on CPU)")
+    ns_method: str = setting("auto", "how Muon's Newton-Schulz polynomial is evaluated: iterate (torch's five "
+                                     "steps), spectral (on the Gram matrix's eigenvalues, faster on a CPU for "
+                                     "large matrices), by-shape (spectral where it pays); auto: by-shape for fp32 "
+                                     "Newton-Schulz on CPUs, iterate on GPUs", choices=NS_METHODS)
+    grad_clip: float = setting(1.0, "gradient-norm clipping (0: none)", check=AT_LEAST_0)
+    dtype: str = setting("auto", "autocast precision; auto: bf16 on GPUs and CPUs with native bf16 matmuls, "
+                                 "else fp32", choices=("auto", "bf16", "fp32"))
+    compile: bool = setting(False, "torch.compile the network")
+    grad_checkpoint: bool = setting(False, "activation checkpointing per block")
+    seed: int = setting(0, "seed of the initialisation, the data order and the noise")
+    val_fraction: float = setting(0.02, "share of sequences held out for validation (0: none)", check=UNIT)
+    log_every: int = setting(10, "steps per metrics line", check=AT_LEAST_1, mutable=True)
+    ckpt_every: int = setting(500, "steps per checkpoint (and one at the end)", check=AT_LEAST_1, mutable=True)
+    keep: int = setting(3, "newest checkpoints kept; 0 keeps all of them", check=AT_LEAST_0, mutable=True)
+    sample_every: int = setting(0, "print samples of the EMA model every N steps (0: never)", check=AT_LEAST_0,
+                                mutable=True)
+    sample_steps: int = setting(SAMPLING_DEFAULTS["text"]["steps"], "sampling steps of those samples",
+                                check=AT_LEAST_1, mutable=True)
+    sample_sampler: str = setting(SAMPLING_DEFAULTS["text"]["sampler"], "sampler of those samples", choices=SAMPLERS,
+                                  mutable=True)
+    sample_omega: float = setting(SAMPLING_DEFAULTS["text"]["omega"], "guidance scale of those samples",
+                                  check=AT_LEAST_0, mutable=True)
+    tensorboard: bool = setting(False, "also log to TensorBoard (RUN/tb)", mutable=True)
+    task: str | None = setting(None, "a named conditional task, stored with the model (set by --defaults "
+                               "wmt14-de-en / xsum)", choices=tuple(PAIR_TASKS))
+    source_length: int | None = setting(None, "train on (source, target) pairs whose sources take up to this many "
+                                        "tokens; --data is then a .jsonl of pairs, a named task or a hub pair set",
+                                        default_help="none: plain text", check=AT_LEAST_1)
+    source_field: str = setting("input", "the source field of pair records")
+    target_field: str = setting("output", "the target field of pair records")
+    epochs: float | None = setting(None, "the run's length in passes over the data (replaces --steps)",
+                                   check=POSITIVE)
+    warmup_frac: float | None = setting(None, "the warm-up as a fraction of the run (replaces --warmup)", check=UNIT)
+    init_from: str | None = setting(None, "start from the weights of this run or checkpoint (its EMA weights; a "
+                                    "fresh optimiser, EMA and step 0)", flag="--init-from")
+    recipe: dict = setting(help="flow-recipe overrides (elflow.flow.Recipe fields)", cli=False,
+                           default_factory=dict)
+    model: dict = setting(help="ELFConfig overrides (depth, hidden, heads, ...)", cli=False, default_factory=dict)
+    short_run: dict = setting(help="the network's options for short runs (elflow.shortrun.ShortRunOptions fields)",
+                              cli=False, default_factory=dict)
+    distillation: dict = setting(help="a distillation round's record: its student_steps and teacher_steps "
+                                      "(elflow.distill)", cli=False, default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        """From a stored config; keys it does not know are ignored, missing ones take their defaults. Short-run
+        options stored among the network settings (`model`) are read as `short_run`, a distillation round's
+        record stored among the recipe's constants as `distillation`; a drawn table's stream is 1, the draw of
+        runs stored without one, unless stored."""
+        names = {f.name for f in fields(cls)}
+        d = {k: v for k, v in d.items() if k in names}
+        if "space_stream" not in d and str(d.get("space")).partition(":")[0] in DRAWN_TABLE_KINDS:
+            d["space_stream"] = 1
+        d["model"], short_run = _split(d.get("model") or {}, SHORT_RUN_FIELDS)
+        d["short_run"] = {**short_run, **d.get("short_run", {})}
+        d["recipe"], record = _split(d.get("recipe") or {}, ("distilled_steps", "teacher_steps", "sampling"))
+        if "distilled_steps" in record and not d.get("distillation"):
+            d["distillation"] = {"student_steps": record["distilled_steps"], "teacher_steps": record.get("teacher_steps")}
+        return cls(**d)
+
+    @classmethod
+    def named(cls, name: str | None, **overrides) -> "TrainConfig":
+        """A named preset of settings (RUN_PRESETS) with `overrides` on top; None: the plain defaults."""
+        if name is None:
+            return cls(**overrides)
+        if name not in RUN_PRESETS:
+            raise ELFError(f"unknown settings preset {name!r}; choose one of {', '.join(RUN_PRESETS)}")
+        base, derived = RUN_PRESETS[name]
+        values = {k: dict(v) if isinstance(v, dict) else v for k, v in {**base, **overrides}.items()}
+        for key, fn in derived.items():
+            if key not in overrides:
+                values[key] = fn(values)
+        return cls(**values)
+
+    def resolved(self) -> "TrainConfig":
+        """The same run with every preset-dependent default filled in."""
+        small = self.preset in ("tiny", "demo")
+        space, space_dim = self.space, self.space_dim
+        if space is None:
+            space = DEFAULT_SPACE.get(self.preset, "t5-small")
+            if space_dim is None:
+                space_dim = DEFAULT_SPACE_DIM.get(self.preset)
+        preset = PRESETS.get(self.preset)
+        drawn = space.partition(":")[0] in DRAWN_TABLE_KINDS  # a table drawn from the space seed
+        return replace(self, space=space, space_dim=space_dim,
+                       space_stream=(self.space_stream or TABLE_STREAM) if drawn else None,
+                       ema_decay=self.ema_decay if self.ema_decay is not None else (SMALL_EMA if small else 0.9999),
+                       length=self.length if self.length is not None else (preset.max_length if preset else None),
+                       lr=self.lr if self.lr is not None else base_lr(self.batch))
+
+    def validate(self) -> None:
+        """ELFError naming the first setting out of range (flags spelled as on the command line)."""
+        if self.preset not in PRESETS:
+            raise ELFError(f"unknown preset {self.preset!r}; choose one of {', '.join(PRESETS)}")
+        for f in fields(self):
+            v, meta = getattr(self, f.name), f.metadata
+            flag = _flag(f)
+            if v is None or isinstance(v, (dict, bool)):
+                continue
+            if meta.get("choices") and v not in meta["choices"]:
+                raise ELFError(f"{flag} must be one of {', '.join(meta['choices'])}, got {v!r}")
+            if meta.get("check"):
+                ok, what = meta["check"]
+                if not isinstance(v, (int, float)) or not ok(v):
+                    raise ELFError(f"{flag} must be a number {what}, got {v!r}")
+        check_run(self)
+        if self.source_length is not None and self.length is not None and self.source_length >= self.length:
+            raise ELFError(f"--source-length {self.source_length} leaves no room for a target in --length "
+                           f"{self.length}; use a longer --length or a shorter --source-length")
+        try:
+            Recipe.from_dict(self.recipe)
+        except ValueError as e:
+            raise ELFError(f"the run's recipe cannot be read: {e}") from None
+        for key, (_, _, check, _) in NESTED_FLAGS.items():
+            d = getattr(self, key[0])
+            if check and key[1] in d and d[key[1]] is not None and not check[0](d[key[1]]):
+                raise ELFError(f"--{key[1].replace('_', '-')} must be a number {check[1]}, got {d[key[1]]!r}")
+
+
+# named presets of settings: (values, settings derived from the others unless given)
+RUN_PRESETS: dict[str, tuple[dict, dict]] = {
+    # `elflow quickstart`: the demo network on the built-in corpus for a few minutes on a CPU: a random table
+    # over MiniLM's tokenizer, lr 3e-3, EMA 0.95, and the network's options for short runs (elflow.shortrun)
+    "quickstart": (
+        dict(preset="demo", data="builtin", space="random-table:minilm", length=64, batch=32, steps=250, lr=3e-3,
+             warmup=50, ema_decay=0.95, adam_heads=True, dtype="auto", log_every=10, keep=2, sample_sampler="vc",
+             sample_steps=64,
+             short_run={"skip": "gaussian", "time_scale": 1000.0, "head_modulation": True, "table_readout": 1.0}),
+        dict(ckpt_every=lambda v: max(v["steps"] // 4, 1), sample_every=lambda v: max(v["steps"] // 4, 1)),
+    ),
+    # the paper's conditional tasks: ELF-B in T5-small's space, decode corruption 1.0, warm-up 5,000
+    **{name: (dict(preset="elf-b", space="t5-small", task=name, data=t["data"], length=t["length"],
+                   source_length=t["source_length"], warmup=t["warmup"], layout="document",
+                   recipe={"decode_noise_scale": t["decode_noise_scale"]}), {})
+       for name, t in PAIR_TASKS.items()},
+}
+
+# flags that set one key of a dict setting: (setting, key) -> (type, help, check, default help)
+NESTED_FLAGS: dict[tuple[str, str], tuple] = {
+    ("model", "depth"): (int, "transformer blocks", AT_LEAST_1, "the preset's"),
+    ("model", "hidden"): (int, "hidden width", AT_LEAST_1, "the preset's"),
+    ("model", "heads"): (int, "attention heads", AT_LEAST_1, "the preset's"),
+    ("short_run", "skip"): (SKIPS, "denoise head: none = the released networks' x = head(h); gaussian = the data's "
+                        "per-dimension Gaussian posterior mean + posterior std x head(h), a network that starts as "
+                        "that baseline denoiser", None, "the preset's"),
+    ("short_run", "time_scale"): (float, "factor on t before its sinusoid features (1 in the released networks, whose "
+                                     "features then barely change over t in [0, 0.1]; DiT uses 1000)", POSITIVE,
+                              "the preset's"),
+    ("short_run", "head_modulation"): (bool, "scale and shift the denoise head's input by t (DiT's final layer; "
+                                         "absent from the released networks)", None, "the preset's"),
+    ("short_run", "table_readout"): (float, "weight w of the readout's table match: the decode logits gain "
+                                        "w z . R_k / sqrt(C), R_k token k's own vector in the space (table spaces "
+                                        "only; 0 in the released networks)", AT_LEAST_0, "the preset's"),
+    ("recipe", "decode_noise_scale"): (float, "decode corruption scale", POSITIVE, "5; 1 for conditional runs"),
+    ("recipe", "decode_clean_prob"): (float, "share of the decode rows' tokens given clean (p = 1) instead of a "
+                                             "corrupted level (the released levels almost never come near 1)",
+                                      UNIT, "0, as released"),
+}
+
+MUTABLE = tuple(f.name for f in fields(TrainConfig) if f.metadata.get("mutable"))
+
+
+def _true_or_false(text: str) -> bool:
+    if text.lower() not in ("true", "false"):
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return text.lower() == "true"
+
+
+def _flag(f) -> str:
+    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+
+
+def _split(d: dict, keys) -> tuple[dict, dict]:
+    """(the entries of `d` not in `keys`, those in `keys`)."""
+    return {k: v for k, v in d.items() if k not in keys}, {k: v for k, v in d.items() if k in keys}
+
+
+def resume_conflicts(stored: TrainConfig, cfg: TrainConfig) -> list[str]:
+    """'name: stored -> new' for every setting that differs and may not change on resume."""
+    a, b = stored.resolved().to_dict(), cfg.resolved().to_dict()
+    return [f"{k}: {a[k]!r} -> {b[k]!r}" for k in a if k not in MUTABLE and a[k] != b[k]]
+
+
+def mutable_flags() -> str:
+    return ", ".join("--" + k.replace("_", "-") for k in MUTABLE)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the flags: one per TrainConfig field and nested key, each defaulting to "not given" so that --resume can
+# tell what the command line changes
+
+
+_TYPES = {"str": str, "str | None": str, "int": int, "int | None": int, "float": float, "float | None": float}
+
+
+def with_default(text: str, default_text) -> str:
+    """A flag's help text ending in its default, once."""
+    return f"{text} (default: {default_text})".replace("%", "%%")
+
+
+def add_setting_arguments(p) -> None:
+    """The run settings' flags (and --defaults) in a group of `p`."""
+    S = argparse.SUPPRESS
+    cfg_group = p.add_argument_group("run settings (stored with the run; --print-config shows them resolved)")
+    for f in fields(TrainConfig):
+        meta = f.metadata
+        if not meta.get("cli", True):
+            continue
+        default_text = meta.get("default_help") or (f.default if f.default is not None else "none")
+        kw = dict(default=S, dest=f.name, help=with_default(meta["help"], default_text))
+        if f.type == "bool":
+            kw["help"] = with_default(meta["help"], "on" if f.default else "off")
+            cfg_group.add_argument(_flag(f), action=argparse.BooleanOptionalAction, **kw)
+            continue
+        kw["type"] = _TYPES[f.type]
+        if meta.get("choices"):
+            kw["choices"] = meta["choices"]
+        else:
+            kw["metavar"] = _flag(f)[2:].upper().replace("-", "_")
+        cfg_group.add_argument(_flag(f), **kw)
+    for (key, sub), (typ, text, _, default_text) in NESTED_FLAGS.items():
+        if isinstance(typ, tuple):
+            kind = {"choices": typ}
+        elif typ is bool:
+            kind = {"type": _true_or_false, "metavar": "true|false"}
+        else:
+            kind = {"type": typ, "metavar": sub.upper()}
+        cfg_group.add_argument("--" + sub.replace("_", "-"), default=S, dest=f"{key}.{sub}", **kind,
+                               help=with_default(text, default_text))
+    cfg_group.add_argument("--defaults", default=S, choices=tuple(RUN_PRESETS),
+                           help=with_default("start from a named set of settings (quickstart: what `elflow quickstart` "
+                                      "trains); other flags override it", "none"))
+
+
+def given_settings(args) -> dict:
+    """The TrainConfig values given on the command line (nested flags merged into their dicts)."""
+    given = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)}
+    for key, sub in NESTED_FLAGS:
+        if hasattr(args, f"{key}.{sub}"):
+            given.setdefault(key, {})[sub] = getattr(args, f"{key}.{sub}")
+    return given

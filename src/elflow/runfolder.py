@@ -1,0 +1,235 @@
+"""The run folder: its lock, what --overwrite and --resume may do with it, and what a run writes there besides
+its checkpoints (metrics.jsonl, TensorBoard, loss.png).
+
+A command that writes a run folder holds it (`RunFolder`, rank 0): the lock, the clean-up of saves and
+replacements that were interrupted, and the run being replaced, which is set aside (RUN/.replaced-run) and comes
+back if the new run fails before its first checkpoint. `check_run_dir` says what --resume / --overwrite may do
+with the folder as it is, before anything changes; `stored_config` reads the settings of the run it holds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from elflow.checkpoint import list_checkpoints, remove_stale_temporaries
+from elflow.flow import TIME_BINS, time_bin_labels
+from elflow.runconfig import TrainConfig, mutable_flags, resume_conflicts
+from elflow.utils import ELFError, FolderLock, atomic_write
+
+__all__ = ["RUN_FILES", "REPLACED", "RunFolder", "check_run_dir", "stored_config", "RunLogger", "plot_losses",
+           "no_space"]
+
+
+RUN_FILES = ("run.json", "metrics.jsonl", "loss.png", "checkpoints", "tb", "report.json", "samples.jsonl")
+REPLACED = ".replaced-run"  # the run that --overwrite replaces, kept until the new run's first checkpoint
+
+
+class RunFolder:
+    """Rank 0's hold on the run folder: its lock, the clean-up of interrupted saves and replacements, and the
+    run being replaced, which is set aside and comes back if the new run fails before its first checkpoint."""
+
+    def __init__(self, out: Path, command: str):
+        self.out, self.command = out, command
+        self.lock = None
+        self.created: list[Path] = []
+        self.aside = out / REPLACED
+
+    def open(self) -> None:
+        p = self.out
+        while not p.exists() and p != p.parent:
+            self.created.append(p)
+            p = p.parent
+        try:
+            self.out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ELFError(f"--out {self.out}: cannot create it ({e.strerror or e})") from None
+        self.lock = FolderLock(self.out, self.command).acquire()
+        self.recover()
+        for p in remove_stale_temporaries(self.out):
+            print(f"removed {p}, left by a save that was interrupted", file=sys.stderr)
+
+    def recover(self) -> None:
+        """A replacement interrupted before the new run's first checkpoint: the old run comes back."""
+        if not self.aside.is_dir():
+            return
+        if list_checkpoints(self.out):
+            shutil.rmtree(self.aside)
+        else:
+            self._restore_aside()
+            print(f"restored the run in {self.out} that an interrupted --overwrite was replacing", file=sys.stderr)
+
+    def set_aside(self) -> None:
+        """Move the run's own files (never other files) out of the way of the new run."""
+        self.aside.mkdir()
+        for name in RUN_FILES:
+            if (self.out / name).exists():
+                os.rename(self.out / name, self.aside / name)
+
+    def commit(self) -> None:
+        """The new run has a checkpoint: the replaced run is dropped."""
+        if self.aside.is_dir():
+            shutil.rmtree(self.aside)
+
+    def _restore_aside(self) -> None:
+        # every run file now in the folder was written by the new run: the old run's were all set aside
+        for name in RUN_FILES:
+            new = self.out / name
+            if new.is_dir():
+                shutil.rmtree(new)
+            elif new.exists():
+                new.unlink()
+            if (self.aside / name).exists():
+                os.rename(self.aside / name, new)
+        self.aside.rmdir()
+
+    def close(self, ok: bool) -> None:
+        if self.lock is None:  # the folder was never ours (another command holds it)
+            return
+        try:
+            if not ok and self.aside.is_dir():
+                self._restore_aside()
+        finally:
+            if self.lock is not None:
+                self.lock.release()
+            if not ok:
+                for p in self.created:  # folders this command made, if it left nothing in them
+                    try:
+                        p.rmdir()
+                    except OSError:
+                        break
+
+
+def check_run_dir(out: Path, cfg: TrainConfig, resume: bool, overwrite: bool) -> None:
+    """What --resume / --overwrite may do with the folder as it is; the folder is not changed here."""
+    ours = {FolderLock.NAME, REPLACED}
+    if not (out / "run.json").exists():
+        if resume:
+            raise ELFError(f"{out} holds no run to resume; check --out, or start the run without --resume")
+        if out.is_dir() and any(p.name not in ours for p in out.iterdir()) and not overwrite:
+            raise ELFError(f"{out} exists and is not an elflow run folder; choose another --out or pass --overwrite "
+                           "(its files are left as they are)")
+        return
+    if overwrite:
+        return
+    if not resume:
+        raise ELFError(f"{out} already holds a run; pass --resume to continue it or --overwrite to replace it")
+    diff = resume_conflicts(stored_config(out), cfg)
+    if diff:
+        raise ELFError(f"{out} holds a different run ({'; '.join(diff)}); on --resume only "
+                       f"{mutable_flags()} may change. Resume it with its "
+                       "own settings, or choose another --out")
+
+
+def stored_config(out: Path) -> TrainConfig:
+    """The resolved settings of the run in `out` (of the run an interrupted --overwrite set aside, which the
+    next start brings back)."""
+    src = out
+    if (out / REPLACED / "run.json").exists() and not list_checkpoints(out):
+        src = out / REPLACED
+    try:
+        meta = json.loads((src / "run.json").read_text())
+        return TrainConfig.from_dict(meta["train"]).resolved()
+    except FileNotFoundError:
+        raise ELFError(f"{out} holds no run to resume; check --out, or start the run without --resume") from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise ELFError(f"{out / 'run.json'} cannot be read ({type(e).__name__}: {e})") from None
+
+
+class RunLogger:
+    """Rank 0's output: a progress bar, metrics.jsonl, optional TensorBoard, the loss-curve PNG."""
+
+    def __init__(self, out: Path, total: int, start: int, enabled: bool, tensorboard: bool, show: bool = True):
+        self.out, self.enabled, self.show = out, enabled, show
+        self.bar = None
+        self.tb = None
+        if enabled and show:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True,
+                            file=sys.stderr)
+            if tensorboard:
+                try:
+                    from torch.utils.tensorboard import SummaryWriter
+
+                    self.tb = SummaryWriter(str(out / "tb"))
+                except ImportError:
+                    print("warning: TensorBoard is not installed (pip install tensorboard); logging to JSONL only",
+                          file=sys.stderr)
+
+    def log(self, rec: dict) -> None:
+        if not self.enabled:
+            return
+        with open(self.out / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        if self.tb is not None:
+            for k, v in rec.items():
+                if isinstance(v, (int, float)) and k != "step":
+                    self.tb.add_scalar(k, v, rec["step"])
+
+    def advance(self, n: int, postfix: dict) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+            self.bar.set_postfix(postfix, refresh=False)
+
+    def write(self, msg: str) -> None:
+        if self.enabled and self.show:
+            (self.bar.write if self.bar is not None else print)(msg)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def plot_losses(run_dir: Path) -> None:
+    """loss.png: total, denoise and decode losses, and the denoising loss per time bin."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return
+    recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    recs = [r for r in recs if r.get("kind", "train") == "train"]
+    if not recs:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in recs]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.8))
+    for key in ("loss", "loss_denoise", "loss_decode", "loss_per_token"):
+        ys = [r.get(key) for r in recs]
+        pts = [(s, y) for s, y in zip(steps, ys) if y is not None]
+        if pts:
+            a.plot(*zip(*pts), label=key, lw=1)
+    a.set_yscale("log")
+    a.set_xlabel("step")
+    a.legend()
+    a.set_title("training loss")
+    for i, label in enumerate(time_bin_labels()):
+        key = f"loss_{label}"
+        pts = [(r["step"], r[key]) for r in recs if r.get(key) is not None]
+        if pts:
+            b.plot(*zip(*pts), label=f"t in [{TIME_BINS[i]}, {TIME_BINS[i + 1]})", lw=1)
+    if b.lines:  # ELF's denoising loss per time bin (a token-level baseline has none)
+        b.set_yscale("log")
+        b.legend(fontsize=7)
+    b.set_xlabel("step")
+    b.set_title("denoising loss per time bin")
+    fig.tight_layout()
+    with atomic_write(run_dir / "loss.png") as f:
+        fig.savefig(f, format="png", dpi=100)
+    plt.close(fig)
+
+
+def no_space(e: OSError, out: Path) -> ELFError:
+    """The one-line error of a full disk while writing the run in `out`, naming its last good checkpoint."""
+    good = list_checkpoints(out)
+    last = f"step {int(good[-1].name[5:])}" if good else "none"
+    return ELFError(f"no space left on device: {e.filename or out}; last good checkpoint: {last}; free some space, "
+                    "then run again with --resume")
