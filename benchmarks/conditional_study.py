@@ -138,9 +138,10 @@ def train(name: str, steps: int | None = None) -> Path:
 def reference_batch(space, held, device="cpu"):
     """The held-out pairs laid out and encoded exactly as training encodes them: ids (N, L), known (N, L),
     target positions (N, L) (reference target tokens, EOS padding excluded) and clean x (N, L, C)."""
-    from elflow.data import encoder_mask, pair_layout, tokenize_pairs
+    from elflow.data import encoder_mask, pair_layout
 
-    src, tgt = tokenize_pairs(held, space, SOURCE_LENGTH)
+    src = space.tokenize([s for s, _ in held], eos=False)
+    tgt = space.tokenize([t for _, t in held], eos=False)
     lay = pair_layout(src, tgt, LENGTH, SOURCE_LENGTH, space.pad_id)
     ids, known = lay["ids"], lay["source_mask"]
     target = lay["valid"] & ~known
@@ -411,8 +412,8 @@ def seeds(seed_list) -> dict:
     """Train the paired setting with each seed on the batches of seed 0, and measure each run's EMA weights
     on the same held-out rows."""
     from elflow.checkpoint import load_for_sampling
-    from elflow.data import build_pairs
     from elflow.flow import Recipe
+    from elflow.ingest import build_pairs
 
     res = {}
     for seed in seed_list:

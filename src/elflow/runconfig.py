@@ -250,7 +250,8 @@ NESTED_FLAGS: dict[tuple[str, str], tuple] = {
     ("model", "heads"): (int, "attention heads", AT_LEAST_1, "the preset's"),
     ("short_run", "skip"): (SKIPS, "denoise head: none = the released networks' x = head(h); gaussian = the data's "
                         "per-dimension Gaussian posterior mean + posterior std x head(h), a network that starts as "
-                        "that baseline denoiser", None, "the preset's"),
+                        "that baseline denoiser; gated = the same with its pass-through of z gated by the network "
+                        "(elflow.shortrun)", None, "the preset's"),
     ("short_run", "time_scale"): (float, "factor on t before its sinusoid features (1 in the released networks, whose "
                                      "features then barely change over t in [0, 0.1]; DiT uses 1000)", POSITIVE,
                               "the preset's"),
