@@ -227,7 +227,7 @@ def oracles(loaded, space, held, ts=(0.3, 0.5, 0.7, 0.9, 0.95), seed=0) -> dict:
     """The readout of clean targets; the readout of the denoiser's guess from the noised target (with and
     without the source) beside the readout of the noised input; the network's inputs and guess at the known
     positions as training builds them against the sampler."""
-    from elflow.flow import Draw, Recipe, elf_loss, sample
+    from elflow.flow import Draw, Recipe, elf_loss, row_index, sample
 
     net = loaded.net
     recipe = Recipe.from_dict(loaded.recipe)
@@ -268,8 +268,9 @@ def oracles(loaded, space, held, ts=(0.3, 0.5, 0.7, 0.9, 0.95), seed=0) -> dict:
         seen["train"] = (z.detach(), slot.detach())
         return net.mixed(z, t_, omega, slot, gate, dec)
 
-    draw = Draw(t=torch.full((N,), t), omega=ones, eps=eps, p=torch.ones(N, L, 1), decode=torch.zeros(N, dtype=bool),
-                self_cond=torch.zeros(N, dtype=bool), drop_source=torch.zeros(N, dtype=bool))
+    none = torch.zeros(N, dtype=torch.bool)
+    draw = Draw(t=torch.full((N,), t), omega=ones, eps=eps, p=torch.ones(N, L, 1), decode=none, self_cond=none,
+                drop_source=none, decode_rows=row_index(none, None), self_cond_rows=row_index(none, None))
     elf_loss(net, x, ids, draw, recipe, valid=torch.ones_like(known), known=known, trained=capture)
     z_train, slot_train = seen["train"]
 

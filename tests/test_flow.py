@@ -190,7 +190,7 @@ def test_the_loss_is_one_token_mean_over_both_branches_computed_by_hand():
     """Two denoise rows (sources of 2 and 4 tokens, the second dropped) and one decode row (source of 3):
     loss = (sum of the denoise rows' per-token v-MSE + sum of the decode row's per-token CE) over their
     non-source positions / the number of those positions (6 + 4 + 5), position by position."""
-    from elflow.flow import Draw
+    from elflow.flow import Draw, row_index
 
     torch.manual_seed(0)
     net, r = ContextReader(), Recipe()
@@ -199,9 +199,10 @@ def test_the_loss_is_one_token_mean_over_both_branches_computed_by_hand():
     tokens = torch.randint(0, 100, (3, L))
     src = [2, 4, 3]
     known = torch.arange(L)[None, :] < torch.tensor(src)[:, None]
+    decode, self_cond = torch.tensor([False, False, True]), torch.zeros(3, dtype=torch.bool)
     d = Draw(t=torch.tensor([0.3, 0.7, 1.0]), omega=torch.tensor([1.0, 2.0, 1.0]), eps=eps,
-             p=torch.rand(3, L, 1), decode=torch.tensor([False, False, True]),
-             self_cond=torch.zeros(3, dtype=torch.bool), drop_source=torch.tensor([False, True, False]))
+             p=torch.rand(3, L, 1), decode=decode, self_cond=self_cond, drop_source=torch.tensor([False, True, False]),
+             decode_rows=row_index(decode, None), self_cond_rows=row_index(self_cond, None))
     loss, rows = elf_loss(net, x, tokens, d, r, known=known)
 
     total, count, per_row = 0.0, 0, []
