@@ -183,6 +183,30 @@ def test_random_table_is_frozen_and_reproducible(tiny_t5_dir):
     assert "table" not in a.state_dict()  # rebuilt from the seed, not stored
 
 
+def test_a_drawn_table_shares_no_draws_with_a_sampling_seed(tiny_t5_dir):
+    """Stream 2 (every table built now) draws from a generator of its own: the table of space seed 0 is not
+    the first draws of a generator seeded with 0 (a sampler's starting noise), nor of any small seed. A spec
+    stored without a stream is stream 1, the draw from the seed itself, rebuilt exactly."""
+    from elflow.encoders import stored_spec
+
+    spec = {"kind": "random-table", "name": str(tiny_t5_dir), "dim": 16, "seed": 0}
+    new = build_space(spec)
+    assert new.config()["stream"] == 2 and new.space_id.endswith(":seed0:stream2")
+    first = new.table[:4].flatten()
+    for seed in range(1000):  # the first draws of small sampling seeds
+        noise = torch.randn(first.numel(), generator=torch.Generator().manual_seed(seed))
+        assert not torch.allclose(noise, first)
+    old = build_space(stored_spec(spec))
+    assert torch.equal(old.table, torch.randn(old.table.shape, generator=torch.Generator().manual_seed(0)))
+    assert old.space_id.endswith(":d16:seed0") and old.config()["stream"] == 1
+    assert torch.equal(build_space(old.config()).table, old.table)  # a stream-1 space rebuilds as stream 1
+    assert stored_spec(new.config()) == new.config() and stored_spec({"kind": "hf"}) == {"kind": "hf"}
+    learned = build_space(stored_spec({"kind": "learned-table", "name": str(tiny_t5_dir), "dim": 16}))
+    assert torch.equal(learned.table.detach(), old.table)  # a learned table's start follows the same rule
+    with pytest.raises(ELFError, match="unknown table stream 3"):
+        build_space({**spec, "stream": 3})
+
+
 def test_learned_table_is_the_only_trainable_space(tiny_t5_dir, t5_space):
     sp = build_space({"kind": "learned-table", "name": str(tiny_t5_dir), "dim": 8})
     trainable = [n for n, p in sp.named_parameters() if p.requires_grad]

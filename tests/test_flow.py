@@ -150,7 +150,7 @@ def test_mask_and_source_positions_are_not_scored():
     with torch.no_grad():
         err = ((net(z, d.t, d.omega) - x) ** 2 / (1 - t).clamp_min(0.05) ** 2).mean(-1)  # (B, L)
     loss, _ = elf_loss(net, x, tokens, d, r, valid=mask)
-    expected = (err[0, :7].mean() + err[1].mean()) / 2
+    expected = (err[0, :7].sum() + err[1].sum()) / 17  # one token mean: row 0 weighs its 7 scored positions
     assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
 
     # a source prefix: clean (z = x there), never scored; the targets keep their own noise
@@ -164,7 +164,87 @@ def test_mask_and_source_positions_are_not_scored():
     a, _ = elf_loss(net, x, tokens, d, r, known=known)
     b, _ = elf_loss(net, x2, tokens, d, r, known=known)
     assert a.item() == pytest.approx(b.item(), rel=1e-6)
-    assert a.item() == pytest.approx(((err[0, 4:].mean() + err[1, 7:].mean()) / 2).item(), rel=1e-5)
+    assert a.item() == pytest.approx(((err[0, 4:].sum() + err[1, 7:].sum()) / 9).item(), rel=1e-5)
+
+
+class ContextReader(PointwiseNet):
+    """A stand-in that sees its whole row through one term, x_pred = lin(z_j) + ctx(mean_j z_j) (so a
+    dropped source changes every guess), with a pointwise decode head: logits = head(z_j)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ctx = torch.nn.Linear(32, 32)
+        self.head = torch.nn.Linear(32, 100)
+
+    def guess(self, z):
+        return self.lin(z) + self.ctx(z.mean(-2, keepdim=True))
+
+    def forward(self, z, t, omega, x_prev=None):
+        return self.guess(z)
+
+    def mixed(self, z, t, omega, x_prev, gate, logits_rows):
+        return self.guess(z), self.head(z[logits_rows])
+
+
+def test_the_loss_is_one_token_mean_over_both_branches_computed_by_hand():
+    """Two denoise rows (sources of 2 and 4 tokens, the second dropped) and one decode row (source of 3):
+    loss = (sum of the denoise rows' per-token v-MSE + sum of the decode row's per-token CE) over their
+    non-source positions / the number of those positions (6 + 4 + 5), position by position."""
+    from elflow.flow import Draw, row_index
+
+    torch.manual_seed(0)
+    net, r = ContextReader(), Recipe()
+    L, C = 8, 32
+    x, eps = torch.randn(3, L, C), torch.randn(3, L, C)
+    tokens = torch.randint(0, 100, (3, L))
+    src = [2, 4, 3]
+    known = torch.arange(L)[None, :] < torch.tensor(src)[:, None]
+    decode, self_cond = torch.tensor([False, False, True]), torch.zeros(3, dtype=torch.bool)
+    d = Draw(t=torch.tensor([0.3, 0.7, 1.0]), omega=torch.tensor([1.0, 2.0, 1.0]), eps=eps,
+             p=torch.rand(3, L, 1), decode=decode, self_cond=self_cond, drop_source=torch.tensor([False, True, False]),
+             decode_rows=row_index(decode, None), self_cond_rows=row_index(self_cond, None))
+    loss, rows = elf_loss(net, x, tokens, d, r, known=known)
+
+    total, count, per_row = 0.0, 0, []
+    with torch.no_grad():
+        for i in range(3):
+            t = d.t[i].item()
+            clean = [torch.zeros(C) if j < src[i] and d.drop_source[i] else x[i, j] for j in range(L)]
+            if d.decode[i]:  # every position corrupted per token, the source too
+                z = [d.p[i, j] * x[i, j] + (1 - d.p[i, j]) * r.decode_noise_scale * eps[i, j] for j in range(L)]
+            else:  # the source clean (zeros when dropped), the target on the flow path
+                z = [clean[j] if j < src[i] else t * x[i, j] + (1 - t) * r.noise_scale * eps[i, j]
+                     for j in range(L)]
+            context = net.ctx(torch.stack(z).mean(0))
+            row = []
+            for j in range(src[i], L):
+                if d.decode[i]:
+                    row.append(F.cross_entropy(net.head(z[j])[None], tokens[i, j:j + 1]).item())
+                else:
+                    clip = max(1 - t, r.t_eps)
+                    v_pred, v = (net.lin(z[j]) + context - z[j]) / clip, (clean[j] - z[j]) / clip
+                    row.append(((v_pred - v) ** 2).mean().item())
+            total, count = total + sum(row), count + len(row)
+            per_row.append(sum(row) / len(row))
+    assert count == 6 + 4 + 5
+    assert loss.item() == pytest.approx(total / count, rel=1e-5)
+    assert abs(loss.item() - sum(per_row) / 3) > 1e-3 * loss.item()  # not the mean of the rows' means
+    # the metrics stay per token within each branch: each row's own token mean
+    assert rows["denoise"][:2].tolist() == pytest.approx(per_row[:2], rel=1e-5)
+    assert rows["decode"][2].item() == pytest.approx(per_row[2], rel=1e-5)
+    assert rows["scored"].tolist() == [0.0, 0.0, 5.0]
+
+
+def test_packed_rows_give_the_mean_of_the_rows_means_bit_for_bit():
+    """Rows that all score L = 32 positions: the token mean equals the mean of the rows' token means exactly
+    (a power-of-two count rescales without rounding), so packed text trains as before, bit for bit."""
+    net = tiny_net()
+    r = Recipe()
+    x = torch.randn(8, 32, 32)
+    d = draw_training_noise((8, 32, 32), r, generator=torch.Generator().manual_seed(1),
+                            cpu_generator=torch.Generator().manual_seed(2))
+    loss, rows = elf_loss(net, x, torch.randint(0, 100, (8, 32)), d, r)
+    assert loss.item() == ((rows["denoise"].sum() + rows["decode"].sum()) / 8).item()
 
 
 def test_euler_step_moves_the_right_fraction_and_lands_on_the_guess():

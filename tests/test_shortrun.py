@@ -24,10 +24,12 @@ def test_no_option_gives_the_papers_network_and_each_option_its_own_tensors():
     for options, extra in [({"skip": "gaussian"}, {"skip_mean", "skip_var", "skip_noise"}),
                            ({"table_readout": 1.0}, {"readout_table"}),
                            ({"head_modulation": True}, {"head_modulation.weight", "head_modulation.bias"}),
-                           ({"time_scale": 1000.0}, set())]:
+                           ({"time_scale": 1000.0}, set()),
+                           ({"skip": "gated"}, {"skip_mean", "skip_var", "skip_noise", "skip_gate.weight",
+                                                "skip_gate.bias"})]:
         net = tiny(**options)
         assert isinstance(net, ShortRunELF) and set(net.state_dict()) == set(plain.state_dict()) | extra
-        if "head_modulation" not in options:  # frozen data only: the paper network's weights draw as without it
+        if "head_modulation" not in options:  # no draws for the options: the paper network's weights as without
             assert all(torch.equal(v, net.state_dict()[k]) for k, v in plain.state_dict().items())
     with pytest.raises(ELFError, match="short-run options"):
         build_network(get_config("tiny"), {"skip": "residual"})
@@ -92,6 +94,26 @@ def test_gaussian_skip_starts_as_the_baseline_and_returns_clean_inputs_at_t1():
         tiny(time_scale=2.0).set_gaussian_skip(mean, var, 2.0)
     with pytest.raises(ValueError, match="skip must be one of"):
         ShortRunOptions(skip="residual")
+
+
+def test_gated_skip_starts_as_the_gaussian_skip_and_a_closed_gate_passes_no_noise():
+    """skip="gated": a fresh network equals the Gaussian skip's (the gate starts at 0); where the gate is 1 the
+    guess is mean + std x head, whatever noise z holds."""
+    gated, plain = tiny(skip="gated"), tiny(skip="gaussian")
+    mean, var = torch.randn(32) * 0.1, torch.rand(32) + 0.5
+    for net in (gated, plain):
+        net.set_gaussian_skip(mean, var, 2.0)
+    z, w, t = torch.randn(3, 5, 32), torch.ones(3), torch.tensor([0.2, 0.5, 0.9])
+    with torch.no_grad():
+        assert torch.equal(gated(z, t, w), plain(z, t, w))
+        assert gated.num_params() == plain.num_params() + 64 * 32 + 32
+        closed = torch.arange(32) < 16
+        gated.skip_gate.bias.copy_(closed.float())
+        torch.nn.init.normal_(gated.x_head.weight)
+        out = gated(z, t, w)
+        post_mean, std = gaussian_posterior(z, t, mean, var, 2.0)
+        head = gated.x_head(gated.final_norm(gated.trunk(z, t, w, None, torch.zeros(3))))
+        assert torch.allclose(out, torch.where(closed, mean, post_mean) + std * head, atol=1e-5)
 
 
 def test_table_readout_adds_the_table_match_to_the_readout_only():

@@ -284,6 +284,38 @@ def test_word_stats_by_hand():
     assert s["corpus_word_share"] == pytest.approx(3 / 4)
 
 
+def test_a_random_table_run_stored_without_a_stream_keeps_its_table(tmp_path, tiny_t5_dir, tiny_corpus_file):
+    """A run whose stored settings name no table stream (as elflow wrote them before streams) rebuilds its
+    table from the seed itself, loads with the readout table it was trained with, and resumes; a new run
+    with the same settings draws stream 2, another table."""
+    from elflow.checkpoint import load_for_sampling
+    from elflow.cli import main
+
+    base = ["--preset", "tiny", "--data", str(tiny_corpus_file), "--length", "16", "--batch", "4", "--warmup",
+            "1", "--ckpt-every", "2", "--dtype", "fp32", "--quiet", "--cache-dir", str(tmp_path / "cache"),
+            "--space", f"random-table:{tiny_t5_dir}", "--table-readout", "1"]
+    cfg = tiny_config(tiny_t5_dir, tiny_corpus_file, space=f"random-table:{tiny_t5_dir}", steps=2, ckpt_every=2,
+                      short_run={"table_readout": 1.0}, space_stream=1, data=str(tiny_corpus_file))
+    old = tmp_path / "old"
+    train(cfg, old, quiet=True, cache_dir=tmp_path / "cache")
+    for f in [old / "run.json", *old.glob("checkpoints/*/state.json")]:  # what an elflow without streams wrote
+        d = json.loads(f.read_text())
+        d["train"].pop("space_stream")
+        if "space" in d:
+            d["space"].pop("stream")
+            assert d["space_id"].endswith(":seed0")
+        f.write_text(json.dumps(d))
+    loaded, space = load_for_sampling(old)
+    first_draws = torch.randn(space.table.shape, generator=torch.Generator().manual_seed(0))
+    assert space.stream == 1 and torch.equal(space.table, first_draws)
+    assert torch.equal(loaded.net.readout_table, space.table[:loaded.net.config.vocab_size])
+    assert main(["train", "--out", str(old), "--resume", "--steps", "4", "--quiet"]) == 0
+    assert json.loads((old / "run.json").read_text())["train"].get("space_stream", 1) == 1
+    assert main(["train", *base, "--steps", "2", "--out", str(tmp_path / "new")]) == 0
+    _, fresh = load_for_sampling(tmp_path / "new")
+    assert fresh.stream == 2 and not torch.allclose(fresh.table, space.table)
+
+
 def test_table_readout_run_carries_the_token_vectors(tmp_path, tiny_t5_dir, tiny_corpus_file, capsys):
     """`--table-readout 1` in a random-table space: the stored readout table is each token's own vector,
     frozen and carried by the EMA; training is the same as without the option (the same weights); the run

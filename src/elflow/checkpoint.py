@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from elflow.encoders import stored_spec
 from elflow.generate import SAMPLING_DEFAULTS, distilled_defaults
 from elflow.methods import get_method, require
 from elflow.runconfig import TrainConfig
@@ -534,7 +535,7 @@ def read_weights(path_or_hub_id: str | os.PathLike, use_ema: bool = True, max_le
         try:
             cfg, extra = method.stored_config(st)
             train = TrainConfig.from_dict(st.get("train", {}))
-            recipe, space = dict(train.recipe), dict(st["space"])
+            recipe, space = dict(train.recipe), stored_spec(st["space"])
         except (TypeError, ValueError, KeyError, AttributeError) as e:
             raise ELFError(f"{ckpt / 'state.json'}: its settings cannot be read ({type(e).__name__}: {e})") from None
         sd = blob["ema" if use_ema else "model"]

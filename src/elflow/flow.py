@@ -29,6 +29,7 @@ from elflow.utils import Record
 
 __all__ = [
     "Recipe", "Draw", "decode_levels", "draw_training_noise", "to_device", "row_index", "token_nll", "elf_loss",
+    "scored_positions", "token_mean_loss",
     "TIME_BINS", "time_bin", "time_bin_labels",
     "euler_step", "ode_step", "sde_step", "SAMPLERS", "check_sampling_args", "sample", "decode_tokens",
     "generate_tokens",
@@ -122,13 +123,15 @@ def row_index(mask: torch.Tensor, device) -> torch.Tensor:
 
 def elf_loss(net, x: torch.Tensor, tokens: torch.Tensor, draw: Draw, recipe: Recipe = Recipe(),
              valid: torch.Tensor | None = None, known: torch.Tensor | None = None, trained=None):
-    """The ELF objective of one batch whose rows are in either branch. Returns (loss, rows).
+    """The ELF objective of one batch whose rows are in either branch, one token mean over both branches
+    (`token_mean_loss`). Returns (loss, rows).
 
     x (B, L, C) clean embeddings, tokens (B, L) their ids, valid (B, L) bool positions scored (None: all),
     known (B, L) bool positions of a clean source (conditional data): pinned to x on denoise rows, never
-    scored, zeroed on rows whose source is dropped. `trained` is the trained pass (net.mixed, or a wrapper
-    of it such as DistributedDataParallel(MixedPass(net))). rows holds per-row tensors (no host sync):
-    "denoise" and "decode" losses (0 on rows of the other branch), "correct" and "scored" decode tokens.
+    scored, zeroed on rows whose source is dropped. `trained` is the pass whose gradients train, with
+    net.mixed's signature (net.mixed unless given; the no-grad self-conditioning pass is net itself). rows
+    holds per-row tensors (no host sync): "denoise" and "decode" losses (each row's own token mean; 0 on rows
+    of the other branch), "correct" and "scored" decode tokens.
     """
     B, L, C = x.shape
     dev = x.device
@@ -165,16 +168,35 @@ def elf_loss(net, x: torch.Tensor, tokens: torch.Tensor, draw: Draw, recipe: Rec
     v_uncond = (slot - z) / clip
     k = torch.where(draw.self_cond.to(dev), 1 - 1 / draw.omega, torch.zeros_like(draw.omega))[:, None, None]
     err = (v_pred - (v + k * (v_cond - v_uncond))).pow(2).mean(-1)  # (B, L)
+    return token_mean_loss(err, logits, tokens, is_dec, dec, scored_positions(known, valid))
 
-    w = (~known).float() if valid is None else (valid.to(dev, torch.bool) & ~known).float()
-    n = w.sum(-1).clamp_min(1)
-    denoise = torch.where(is_dec, torch.zeros_like(n), (err * w).sum(-1) / n)  # (B,)
+
+def scored_positions(known: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+    """(B, L) float: the positions a row's loss covers, every valid one but the known (source) ones."""
+    return (~known).float() if valid is None else (valid.to(known.device, torch.bool) & ~known).float()
+
+
+def token_mean_loss(err: torch.Tensor, logits: torch.Tensor, tokens: torch.Tensor, is_dec: torch.Tensor,
+                    dec: torch.Tensor, w: torch.Tensor):
+    """The one loss of a batch whose rows are in either branch: a token mean over both branches together,
+
+        loss = (sum over denoise rows' scored positions of err + sum over decode rows' of the cross-entropy)
+               / (scored positions of the batch),
+
+    so that a row weighs as many tokens as it scores (rows of packed text all score L: then it equals the
+    mean of the rows' means). err (B, L) per-token denoising error, logits (Bd, L, V) of the decode rows
+    `dec` (indices; is_dec (B,) bool), tokens (B, L), w (B, L) the scored positions (0 / 1). Returns
+    (loss, rows): per-row tensors (no host sync) for the metrics, "denoise" and "decode" (the row's token
+    mean; 0 on rows of the other branch), "correct" and "scored" decode tokens."""
+    per_row = w.sum(-1)  # (B,)
+    n = per_row.clamp_min(1)
+    denoise = torch.where(is_dec, torch.zeros_like(n), (err * w).sum(-1))  # (B,) sums
     ce = token_nll(logits, tokens[dec])  # (Bd, L)
-    decode = torch.zeros_like(n).index_copy(0, dec, (ce * w[dec]).sum(-1) / n[dec])
+    decode = torch.zeros_like(n).index_copy(0, dec, (ce * w[dec]).sum(-1))
     correct = torch.zeros_like(n).index_copy(0, dec, ((logits.argmax(-1) == tokens[dec]).float() * w[dec]).sum(-1))
-    loss = (denoise.sum() + decode.sum()) / B  # expected weights 0.8 / 0.2, as one branch per device
-    rows = {"denoise": denoise.detach(), "decode": decode.detach(), "correct": correct,
-            "scored": w.sum(-1) * is_dec.float()}
+    loss = (denoise.sum() + decode.sum()) / per_row.sum().clamp_min(1)
+    rows = {"denoise": (denoise / n).detach(), "decode": (decode / n).detach(), "correct": correct,
+            "scored": per_row * is_dec.float()}
     return loss, rows
 
 

@@ -216,14 +216,18 @@ def gather_records(records: list[dict], world: int) -> list[dict]:
 def generate(net, space, num: int, settings: SamplingSettings = SamplingSettings(), length: int | None = None,
              sources: list[str] | None = None, source_length: int | None = None, prompt: str | None = None,
              suffix: str | None = None, progress: bool = True, trajectory: set[int] | None = None,
-             part: tuple[int, int] = (0, 1)) -> list[dict]:
+             part: tuple[int, int] = (0, 1), drop_source: bool = False) -> list[dict]:
     """`num` samples as records {"index", "text"} (+ "source"). With `trajectory` (sampling steps), each record
     of the first batch also holds "trajectory": the decode readout of the sampler's guess at those steps (at
     the last step, of the sample itself), a list of {"step", "t" (the time the guess was made at), "ids" (the
     row's ids, known positions as given), "shown" (the positions its text is made of), "known" (the positions
     held fixed), "text"}. Batch i draws from a generator seeded by (seed, i), so the same settings give the
     same texts in any batch split of the same size; `part` = (rank, ranks) draws only that rank's batches
-    (`sample_batches`; `gather_records` puts the ranks' records together)."""
+    (`sample_batches`; `gather_records` puts the ranks' records together).
+
+    `drop_source`: the source-dropped model of a conditional network, as training drops a source: the
+    source positions hold zeros for every pass, the readout's included (guidance 0 alone drops the source
+    from the denoiser's passes only; the readout still sees it)."""
     settings.check()
     if num < 1:
         raise ELFError(f"the number of samples must be >= 1, got {num}")
@@ -245,6 +249,8 @@ def generate(net, space, num: int, settings: SamplingSettings = SamplingSettings
         batch_sources = sources[start:start + bs] if sources is not None else None
         cond = conditioning(space, length, bs, batch_sources, source_length, prompt, suffix, device)
         known_ids, known_mask, known = cond if cond is not None else (None, None, None)
+        if drop_source and known is not None:
+            known = torch.zeros_like(known)
         src_len = known_mask.sum(1) if batch_sources is not None else None
         keep_n = length - source_length if batch_sources is not None else None
         seen = {}

@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass, field, fields, replace
 
 from elflow.data import PAIR_TASKS
+from elflow.encoders import DRAWN_TABLE_KINDS, TABLE_STREAM
 from elflow.flow import SAMPLERS, Recipe
 from elflow.generate import SAMPLING_DEFAULTS
 from elflow.methods import MATCHES, METHOD_NAMES, check_run
@@ -87,6 +88,8 @@ class TrainConfig(Record):
                                     default_help="32 for tiny's default space, else the base encoder's",
                                     check=AT_LEAST_1)
     space_seed: int = setting(0, "seed of a random-table / learned-table space's vectors", check=SEED)
+    space_stream: int | None = setting(None, "the draw of a random-table / learned-table space's vectors "
+                                             "(encoders.table_generator)", cli=False)
     latent_std: str | None = setting(None, "divide encoder outputs by this: a number, 'auto' (estimated on a "
                                            "sample) or 'table' (a table's own std)", default_help="the space's")
     length: int | None = setting(None, "sequence length L", default_help="the preset's", check=AT_LEAST_1)
@@ -161,9 +164,12 @@ class TrainConfig(Record):
     def from_dict(cls, d: dict) -> "TrainConfig":
         """From a stored config; keys it does not know are ignored, missing ones take their defaults. Short-run
         options stored among the network settings (`model`) are read as `short_run`, a distillation round's
-        record stored among the recipe's constants as `distillation`."""
+        record stored among the recipe's constants as `distillation`; a drawn table's stream is 1, the draw of
+        runs stored without one, unless stored."""
         names = {f.name for f in fields(cls)}
         d = {k: v for k, v in d.items() if k in names}
+        if "space_stream" not in d and str(d.get("space")).partition(":")[0] in DRAWN_TABLE_KINDS:
+            d["space_stream"] = 1
         d["model"], short_run = _split(d.get("model") or {}, SHORT_RUN_FIELDS)
         d["short_run"] = {**short_run, **d.get("short_run", {})}
         d["recipe"], record = _split(d.get("recipe") or {}, ("distilled_steps", "teacher_steps", "sampling"))
@@ -194,7 +200,9 @@ class TrainConfig(Record):
             if space_dim is None:
                 space_dim = DEFAULT_SPACE_DIM.get(self.preset)
         preset = PRESETS.get(self.preset)
+        drawn = space.partition(":")[0] in DRAWN_TABLE_KINDS  # a table drawn from the space seed
         return replace(self, space=space, space_dim=space_dim,
+                       space_stream=(self.space_stream or TABLE_STREAM) if drawn else None,
                        ema_decay=self.ema_decay if self.ema_decay is not None else (SMALL_EMA if small else 0.9999),
                        length=self.length if self.length is not None else (preset.max_length if preset else None),
                        lr=self.lr if self.lr is not None else base_lr(self.batch))
@@ -274,7 +282,8 @@ NESTED_FLAGS: dict[tuple[str, str], tuple] = {
     ("model", "heads"): (int, "attention heads", AT_LEAST_1, "the preset's"),
     ("short_run", "skip"): (SKIPS, "denoise head: none = the released networks' x = head(h); gaussian = the data's "
                         "per-dimension Gaussian posterior mean + posterior std x head(h), a network that starts as "
-                        "that baseline denoiser", None, "the preset's"),
+                        "that baseline denoiser; gated = the same with its pass-through of z gated by the network "
+                        "(elflow.shortrun)", None, "the preset's"),
     ("short_run", "time_scale"): (float, "factor on t before its sinusoid features (1 in the released networks, whose "
                                      "features then barely change over t in [0, 0.1]; DiT uses 1000)", POSITIVE,
                               "the preset's"),

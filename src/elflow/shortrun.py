@@ -14,6 +14,13 @@ options' own tensors, and changes it only where the options act:
   per-dimension Gaussian model of the data (`gaussian_posterior`). A fresh network (zero head) is exactly that
   baseline denoiser, and the head learns what the Gaussian model misses at a scale that shrinks to 0 as t -> 1
   (EDM's preconditioning, Karras et al. 2022, with the data's own moments).
+- `skip="gated"`: the same with the pass-through of z gated by the network, per position and dimension,
+  x_pred = mu + (1 - a(h)) g(t) (z - t mu) + s(t) head(h), a = Linear(H, C) zero-initialised (a fresh network
+  is the Gaussian skip's). The plain skip passes z's noise, g(t) (1 - t) sigma eps, into every guess, and the
+  trunk sees z only through its bottleneck, so the head cannot cancel that noise in the dimensions the
+  bottleneck drops, even where the network knows the data (a copied token); the sampler's final state is its
+  last guess, so it keeps part of its starting noise there. The gate lets the network stop passing z where it
+  predicts the data itself.
 - `table_readout` = w > 0: the readout (`decode`) adds w z . R_k / sqrt(C) to the logit of every token k, R_k
   the vector the space gives token k alone (a table space's rows; Diffusion-LM's tied rounding). On a clean
   embedding the term alone reads every token exactly, rare ones included: the right row scores about
@@ -40,14 +47,15 @@ from elflow.utils import ELFError, Record
 __all__ = ["SKIPS", "ShortRunOptions", "ShortRunELF", "build_network", "stored_network", "describe_network",
            "network_from_state_dict", "gaussian_posterior"]
 
-SKIPS = ("none", "gaussian")
+SKIPS = ("none", "gaussian", "gated")
 
 
 @dataclass(frozen=True)
 class ShortRunOptions(Record):
     """The four options; the defaults are the paper's network."""
 
-    skip: str = "none"  # "gaussian": x_pred = Gaussian posterior mean + posterior std * head
+    skip: str = "none"  # "gaussian": x_pred = Gaussian posterior mean + posterior std * head; "gated": its
+    # pass-through of z gated by the network
     time_scale: float = 1.0  # factor on t before its sinusoid features
     head_modulation: bool = False  # the denoise head's input scaled and shifted by t
     table_readout: float = 0.0  # weight of the readout's table match
@@ -83,13 +91,18 @@ def gaussian_posterior(z, t, mean, var, noise_scale):
 
 class ShortRunELF(ELF):
     """ELF with the options of `options` (module docstring): the paper's modules and names, plus
-    `head_modulation` (a Linear), `skip_mean`, `skip_var`, `skip_noise` and `readout_table` (frozen)."""
+    `head_modulation` and `skip_gate` (Linears), `skip_mean`, `skip_var`, `skip_noise` and `readout_table`
+    (frozen)."""
 
     def __init__(self, config: ELFConfig, options: ShortRunOptions):
         self.options = options  # read by extend_denoise_head, which ELF.__init__ calls
         super().__init__(config)
         c = config
-        if options.skip == "gaussian":  # the data's moments (unit Gaussian until set) and the noise scale
+        if options.skip == "gated":  # a(h), the gate on the skip's pass-through of z, zero-initialised
+            self.skip_gate = nn.utils.skip_init(nn.Linear, c.hidden, c.dim)
+            nn.init.zeros_(self.skip_gate.weight)
+            nn.init.zeros_(self.skip_gate.bias)
+        if options.skip != "none":  # the data's moments (unit Gaussian until set) and the noise scale
             self.skip_mean = nn.Parameter(torch.zeros(c.dim), requires_grad=False)
             self.skip_var = nn.Parameter(torch.ones(c.dim), requires_grad=False)
             self.skip_noise = nn.Parameter(torch.ones(()), requires_grad=False)
@@ -106,6 +119,9 @@ class ShortRunELF(ELF):
         if self.options.head_modulation:
             nn.init.zeros_(self.head_modulation.weight)
             nn.init.zeros_(self.head_modulation.bias)
+        if hasattr(self, "skip_gate"):
+            nn.init.zeros_(self.skip_gate.weight)
+            nn.init.zeros_(self.skip_gate.bias)
 
     def embed_time(self, t: torch.Tensor) -> torch.Tensor:
         """(B,) flow times -> (B, H): the time embedding of the prefix tokens and of the head modulation."""
@@ -118,9 +134,11 @@ class ShortRunELF(ELF):
                 shift, scale = self.head_modulation(F.silu(self.embed_time(t.to(h.device)))).chunk(2, dim=-1)
                 h = h * (1 + scale[:, None, :]) + shift[:, None, :]
             out = self.x_head(h)  # (B, L, C)
-            if self.options.skip == "gaussian":
+            if self.options.skip != "none":
                 mean, std = gaussian_posterior(z.float(), t.to(z.device), self.skip_mean, self.skip_var,
                                                self.skip_noise)
+                if self.options.skip == "gated":  # mu + (1 - a) g (z - t mu)
+                    mean = mean - self.skip_gate(h) * (mean - self.skip_mean)
                 out = mean + std * out
             return out
 
@@ -137,8 +155,8 @@ class ShortRunELF(ELF):
     @torch.no_grad()
     def set_gaussian_skip(self, mean: torch.Tensor, var: torch.Tensor, noise_scale: float) -> None:
         """Set the per-dimension data moments (C,) and the training path's noise scale of a skip="gaussian"
-        network."""
-        if self.options.skip != "gaussian":
+        or skip="gated" network."""
+        if self.options.skip == "none":
             raise ValueError("set_gaussian_skip: this network was built with skip='none'")
         C = self.config.dim
         if mean.shape != (C,) or var.shape != (C,):
@@ -166,7 +184,7 @@ class ShortRunELF(ELF):
         """Before training: the Gaussian skip's moments from the training split `data` (in `space`), the
         readout's table from the space's token vectors."""
         device = self.x_head.weight.device
-        if self.options.skip == "gaussian":
+        if self.options.skip != "none":
             self.set_gaussian_skip(*latent_moments(space, data, device=device), noise_scale)
         if self.options.table_readout:
             self.set_readout_table(token_vectors(space, self.config.vocab_size, device=device))

@@ -72,10 +72,11 @@ def train_step(model, shards: list[dict], optimizer: ELFOptimizer, ema: EMA | No
                params=None) -> dict:
     """One optimiser step over this rank's shards (gradient accumulation), for every method. `model` is a
     method's TrainedPass (under DDP or torch.compile or not). Each shard draws its randomness outside the
-    pass from generators seeded by (seed, step, shard); its loss is a mean over its rows, divided by the
-    number of shards of the whole global batch. Returns the method's sums over the shards plus the gradient
-    norm and "nonfinite" (1 when the loss or the gradient norm is not finite), all tensors: the step reads
-    no value on the host."""
+    pass from generators seeded by (seed, step, shard); its loss is the method's mean over the shard (ELF's:
+    a token mean over the shard's scored positions), divided by the number of shards of the whole global
+    batch, so that the step's loss is the mean over micro-batches and ranks. Returns the method's sums over
+    the shards plus the gradient norm and "nonfinite" (1 when the loss or the gradient norm is not finite),
+    all tensors: the step reads no value on the host."""
     passing = unwrap(model)
     device = device or next(passing.net.parameters()).device
     n_shards = len(shards) * world_size
@@ -160,7 +161,7 @@ def setup_run(cfg: TrainConfig, method: Method, rank: int, world: int, local: in
     micro = micro_batch_for(cfg, world)
     accum = cfg.batch // (world * micro)
     torch.manual_seed(cfg.seed)
-    spec = space_spec(cfg.space, cfg.latent_std, cfg.space_dim, cfg.space_seed)
+    spec = space_spec(cfg.space, cfg.latent_std, cfg.space_dim, cfg.space_seed, cfg.space_stream)
     space = build_space(method.space_spec(spec), device=device)
     length = cfg.length
     if space.max_length is not None and length > space.max_length:
