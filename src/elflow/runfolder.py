@@ -18,13 +18,15 @@ from pathlib import Path
 from elflow.checkpoint import list_checkpoints, remove_stale_temporaries
 from elflow.flow import TIME_BINS, time_bin_labels
 from elflow.runconfig import TrainConfig, mutable_flags, resume_conflicts
+from elflow.tracking import ID_FILE
 from elflow.utils import ELFError, FolderLock, atomic_write
 
 __all__ = ["RUN_FILES", "REPLACED", "RunFolder", "check_run_dir", "stored_config", "RunLogger", "plot_losses",
            "no_space"]
 
 
-RUN_FILES = ("run.json", "metrics.jsonl", "loss.png", "checkpoints", "tb", "report.json", "samples.jsonl")
+RUN_FILES = ("run.json", "metrics.jsonl", "loss.png", "checkpoints", "tb", "report.json", "samples.jsonl",
+             "wandb", ID_FILE)
 REPLACED = ".replaced-run"  # the run that --overwrite replaces, kept until the new run's first checkpoint
 
 
@@ -103,8 +105,9 @@ class RunFolder:
                         break
 
 
-def check_run_dir(out: Path, cfg: TrainConfig, resume: bool, overwrite: bool) -> None:
-    """What --resume / --overwrite may do with the folder as it is; the folder is not changed here."""
+def check_run_dir(out: Path, cfg: TrainConfig, resume: bool, overwrite: bool, device=None) -> None:
+    """What --resume / --overwrite may do with the folder as it is; the folder is not changed here. `device`:
+    where the run resumes (a stored dtype "auto" is read as what it picks there)."""
     ours = {FolderLock.NAME, REPLACED}
     if not (out / "run.json").exists():
         if resume:
@@ -117,7 +120,7 @@ def check_run_dir(out: Path, cfg: TrainConfig, resume: bool, overwrite: bool) ->
         return
     if not resume:
         raise ELFError(f"{out} already holds a run; pass --resume to continue it or --overwrite to replace it")
-    diff = resume_conflicts(stored_config(out), cfg)
+    diff = resume_conflicts(stored_config(out), cfg, device)
     if diff:
         raise ELFError(f"{out} holds a different run ({'; '.join(diff)}); on --resume only "
                        f"{mutable_flags()} may change. Resume it with its "
@@ -140,12 +143,25 @@ def stored_config(out: Path) -> TrainConfig:
 
 
 class RunLogger:
-    """Rank 0's output: a progress bar, metrics.jsonl, optional TensorBoard, the loss-curve PNG."""
+    """Rank 0's output: a progress bar, metrics.jsonl, optional TensorBoard and Weights & Biases (the same
+    records), the samples shown during training, the loss-curve PNG.
 
-    def __init__(self, out: Path, total: int, start: int, enabled: bool, tensorboard: bool, show: bool = True):
+    `wandb` is (project, run name, settings): the W&B run gets the run's settings as its config, every
+    metrics record at its step, and the samples as a table; its id is kept in the run folder, so that a
+    resumed run continues it (elflow.tracking)."""
+
+    def __init__(self, out: Path, total: int, start: int, enabled: bool, tensorboard: bool, show: bool = True,
+                 wandb: tuple | None = None):
         self.out, self.enabled, self.show = out, enabled, show
         self.bar = None
         self.tb = None
+        self.tracker = None
+        if enabled and wandb and wandb[0]:
+            from elflow.tracking import Tracker
+
+            project, name, settings = wandb
+            self.tracker = Tracker.start(project, name, out, settings, job_type="train", keep_id=True,
+                                         quiet=not show)
         if enabled and show:
             from tqdm.auto import tqdm
 
@@ -169,6 +185,20 @@ class RunLogger:
             for k, v in rec.items():
                 if isinstance(v, (int, float)) and k != "step":
                     self.tb.add_scalar(k, v, rec["step"])
+        if self.tracker is not None:
+            self.tracker.log(rec, step=rec.get("step"))
+
+    @property
+    def wants_samples(self) -> bool:
+        """Whether samples made during training go anywhere (the terminal or W&B)."""
+        return self.enabled and (self.show or self.tracker is not None)
+
+    def samples(self, step: int, texts: list[str]) -> None:
+        """The samples of the EMA model at `step`: printed, and added to W&B's samples table."""
+        for i, text in enumerate(texts):
+            self.write(f"[step {step}] sample {i}: {text[:300]}")
+        if self.tracker is not None:
+            self.tracker.samples(texts, step)
 
     def advance(self, n: int, postfix: dict) -> None:
         if self.bar is not None:
@@ -179,11 +209,13 @@ class RunLogger:
         if self.enabled and self.show:
             (self.bar.write if self.bar is not None else print)(msg)
 
-    def close(self) -> None:
+    def close(self, ok: bool = True) -> None:
         if self.bar is not None:
             self.bar.close()
         if self.tb is not None:
             self.tb.close()
+        if self.tracker is not None:
+            self.tracker.finish(ok)
 
 
 def plot_losses(run_dir: Path) -> None:

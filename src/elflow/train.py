@@ -41,8 +41,8 @@ from elflow.optim import EMA, ELFOptimizer, lr_at
 from elflow.runconfig import RUN_PRESETS, TrainConfig, add_setting_arguments, given_settings, mutable_flags, \
     resume_conflicts, with_default
 from elflow.runfolder import RunFolder, RunLogger, check_run_dir, no_space, plot_losses, stored_config
-from elflow.utils import (ELFError, atomic_write_json, autocast, check_device, check_output, no_space_error,
-                          on_rank0, resolve_dtype, setup_distributed)
+from elflow.utils import (ELFError, atomic_write_json, autocast, check_device, check_output, device_name,
+                          fast_bf16, no_space_error, on_rank0, resolve_dtype, setup_distributed)
 
 __all__ = ["TrainConfig", "RUN_PRESETS", "train", "train_step", "shard_generators", "add_arguments", "run",
            "config_from_args"]
@@ -190,16 +190,19 @@ def setup_run(cfg: TrainConfig, method: Method, rank: int, world: int, local: in
 
 def training_data(cfg: TrainConfig, space, length: int, cache_dir=None):
     """The training split of the run's data in `space`: (source, target) pairs or text, as data.TokenDataset."""
+    return run_data(cfg, space, length, cache_dir)[0]
+
+
+def run_data(cfg: TrainConfig, space, length: int, cache_dir=None):
+    """(training split, held-out split) of the run's data in `space`, as data.TokenDataset."""
     from elflow.data import build_dataset, build_pairs
 
     if cfg.source_length:
-        train_set, _ = build_pairs(cfg.data, space, cfg.source_length, length, val_fraction=cfg.val_fraction,
-                                   seed=cfg.seed, cache_dir=cache_dir, source_field=cfg.source_field,
-                                   target_field=cfg.target_field, on_bad=cfg.on_bad)
-    else:
-        train_set, _ = build_dataset(cfg.data, space, length, layout=cfg.layout, val_fraction=cfg.val_fraction,
-                                     seed=cfg.seed, cache_dir=cache_dir, field=cfg.text_field, on_bad=cfg.on_bad)
-    return train_set
+        return build_pairs(cfg.data, space, cfg.source_length, length, val_fraction=cfg.val_fraction,
+                           seed=cfg.seed, cache_dir=cache_dir, source_field=cfg.source_field,
+                           target_field=cfg.target_field, on_bad=cfg.on_bad)
+    return build_dataset(cfg.data, space, length, layout=cfg.layout, val_fraction=cfg.val_fraction,
+                         seed=cfg.seed, cache_dir=cache_dir, field=cfg.text_field, on_bad=cfg.on_bad)
 
 
 def start_from(run: Setup, path, quiet: bool = False) -> None:
@@ -300,13 +303,15 @@ def train_loop(run: Setup, out: Path, start: int, quiet: bool = False, stop_afte
         # per-forward broadcast (forward counts differ by rank)
         model = DDP(model, device_ids=None, broadcast_buffers=False)
     params = [p for _, p in run.named]
-    log = RunLogger(out, run.steps, start, is_main, cfg.tensorboard, show=not quiet)
+    log = RunLogger(out, run.steps, start, is_main, cfg.tensorboard, show=not quiet,
+                    wandb=(cfg.wandb, cfg.wandb_run, tracked_settings(run)) if is_main and cfg.wandb else None)
     tokens_per_step = cfg.batch * run.length
     totals, n_logged, t_log = {}, 0, time.perf_counter()
     last_good = None
     end = run.steps if stop_after is None else min(run.steps, start + stop_after)
     summary = {"start_step": start}
     t_start = time.perf_counter()
+    ok = False
     try:
         for step in range(start, end):
             run.optimizer.set_lr(run.lr_at(step))
@@ -352,7 +357,7 @@ def train_loop(run: Setup, out: Path, start: int, quiet: bool = False, stop_afte
                 log.advance(n_logged, {"loss": f"{rec['loss']:.3f}", "tok/s": f"{rec['tokens_per_s']:.0f}"})
                 summary["last"] = rec
                 totals, n_logged, t_log = {}, 0, time.perf_counter()
-            if cfg.sample_every and done % cfg.sample_every == 0 and is_main and not quiet:
+            if cfg.sample_every and done % cfg.sample_every == 0 and log.wants_samples:
                 show_samples(run, log, done)
             if (done % cfg.ckpt_every == 0 or done == end) and is_main:
                 last_good = save_run_checkpoint(out, done, run)
@@ -363,12 +368,13 @@ def train_loop(run: Setup, out: Path, start: int, quiet: bool = False, stop_afte
                 dist.barrier()
             if done == end:
                 break
+        ok = True
     except OSError as e:
         if no_space_error(e):
             raise no_space(e, out) from None
         raise
     finally:
-        log.close()
+        log.close(ok)
     summary.update(end_step=end, out=str(out))
     return summary
 
@@ -387,6 +393,10 @@ def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwr
     out = Path(out)
     cfg = cfg.resolved()
     cfg.validate()
+    if cfg.wandb:
+        from elflow.tracking import require
+
+        require()
     device = check_device(device)
     check_output(out, folder=True)
     method = get_method(cfg.method)
@@ -394,15 +404,18 @@ def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwr
         method = method.with_objective(objective)
     owns_group = not dist.is_initialized()
     rank, world, local, dev = setup_distributed(device)
+    cfg = cfg.resolved(dev)  # dtype "auto" -> what it picks on this device, stored so
     folder = RunFolder(out, command)
     ok = False
     try:
         on_rank0(folder.open, rank, world, dev)
-        check_run_dir(out, cfg, resume, overwrite)
+        check_run_dir(out, cfg, resume, overwrite, dev)
         if rank == 0 and cfg.epochs is None and cfg.warmup_frac is None and cfg.steps < cfg.warmup:
             print(f"warning: --steps {cfg.steps} is shorter than --warmup {cfg.warmup}: the learning rate stops at "
                   f"{lr_at(cfg.steps - 1, cfg.lr, cfg.warmup):.3g}, never reaching {cfg.lr:.3g}", file=sys.stderr)
         run = setup_run(cfg, method, rank, world, local, dev, cache_dir)
+        if rank == 0 and not quiet:
+            print(describe_start(run), file=sys.stderr)
         if overwrite and (out / "run.json").exists():
             on_rank0(folder.set_aside, rank, world, dev)
         start = restore(run, out, quiet) if resume else 0
@@ -433,8 +446,25 @@ def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwr
 
 
 def show_samples(run: Setup, log, step, num: int = 2):
-    for i, text in enumerate(run.method.preview(run.net, run.ema, run.space, num, run.length, run.cfg)):
-        log.write(f"[step {step}] sample {i}: {text[:300]}")
+    log.samples(step, run.method.preview(run.net, run.ema, run.space, num, run.length, run.cfg))
+
+
+def tracked_settings(run: Setup) -> dict:
+    """What a W&B run records as its config: the run's settings and how this process runs them."""
+    return {**run.cfg.to_dict(), "method": run.method.name, "params": run.params, "world_size": run.world,
+            "device": str(run.device), "micro_batch": run.micro, "accumulation": run.accum,
+            "schedule_steps": run.steps, "warmup_steps": run.warmup}
+
+
+def describe_start(run: Setup) -> str:
+    """One line on what runs where: the method and its size, the device and the precision (and why)."""
+    why = ""
+    if run.device.type == "cpu":
+        why = (" (this CPU has native bf16 matmuls; --dtype fp32 for full precision)" if run.dtype == "bf16"
+               else " (this CPU has no native bf16 matmuls)" if not fast_bf16(run.device) else "")
+    ranks = f" x {run.world} ranks" if run.world > 1 else ""
+    return (f"training {run.method.title} ({run.params['model']:,} parameters) on {device_name(run.device)}{ranks}, "
+            f"precision {run.dtype}{why}")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -475,7 +505,7 @@ def config_from_args(args) -> TrainConfig:
         for k, v in given.items():
             merged[k] = {**merged[k], **v} if isinstance(v, dict) else v
         cfg = TrainConfig(**merged).resolved()
-        diff = resume_conflicts(stored, cfg)
+        diff = resume_conflicts(stored, cfg, run_device(getattr(args, "device", None)))
         if diff:
             raise ELFError(f"on --resume only {mutable_flags()} may change; "
                            f"the command line changes {'; '.join(diff)}. Drop those flags, or start a new run in "
@@ -483,7 +513,15 @@ def config_from_args(args) -> TrainConfig:
     else:
         cfg = TrainConfig.named(getattr(args, "defaults", None), **given).resolved()
     cfg.validate()
-    return cfg
+    return cfg.resolved(run_device(getattr(args, "device", None)))
+
+
+def run_device(device: str | None):
+    """The device this process trains on: --device, else its rank's GPU under torchrun, else the default."""
+    device = check_device(device)
+    if device is None and torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device(device or "cpu")
 
 
 def run(args) -> int:
