@@ -472,3 +472,14 @@ def test_batches_too_small_dataset():
         Batches(_toy(5), 4, seed=0, world_size=2)
     with pytest.raises(ELFError, match="empty"):
         Batches(_toy(0), 1)
+
+
+def test_tokenizing_in_chunks_with_a_progress_bar_gives_the_same_ids(tiny_t5_dir, monkeypatch, capsys):
+    import elflow.data as data
+    from elflow.encoders import build_space
+
+    space = build_space(f"t5:{tiny_t5_dir}")
+    docs = [f"the king said {i} words to the lord" * (1 + i % 3) for i in range(40)]
+    monkeypatch.setattr(data, "TOKENIZE_CHUNK", 200)  # several chunks, so the bar shows
+    assert data.tokenize_with_progress(space, docs, "corpus.txt") == space.tokenize(docs)
+    assert "tokenize corpus.txt" in capsys.readouterr().err

@@ -276,12 +276,14 @@ def add_arguments(p) -> None:
                    "folder, a .jsonl file or a hub dataset")
     b.add_argument("--preset", default="demo", choices=tuple(PRESETS), help="ELF's size; the baselines match its "
                    "parameter count")
-    b.add_argument("--space", default=None, help="embedding space (default: the preset's; minilm for demo)")
+    quick = RUN_PRESETS["quickstart"][0]
+    b.add_argument("--space", default=None, help=f"embedding space (default: the quickstart's {quick['space']} for "
+                                                 "the demo preset, else the preset's)")
     b.add_argument("--length", type=int, default=64, help="sequence length")
     b.add_argument("--batch", type=int, default=32, help="rows per optimiser step")
     b.add_argument("--lr", type=float, default=None,
-                   help=f"learning rate (default: the quickstart's {RUN_PRESETS['quickstart'][0]['lr']:g} for the demo "
-                        "preset, else 1e-3 x batch / 256)")
+                   help=f"learning rate (default: the quickstart's {quick['lr']:g} for the demo preset, else 1e-3 x "
+                        "batch / 256)")
     b.add_argument("--match", choices=MATCHES, default="total",
                    help="match ELF's parameter count in all, or without token tables and decode head")
     b.add_argument("--seed", type=int, default=0, help="seed of training and sampling")

@@ -608,6 +608,31 @@ def _build(kind: str, source, space, length: int, key_extra: dict, make, val_fra
     return _split(full, val_fraction, seed)
 
 
+TOKENIZE_CHUNK = 1 << 20  # characters per tokenizer call: the progress bar's unit of work
+
+
+def tokenize_with_progress(space, docs: list[str], what: str) -> list[list[int]]:
+    """space.tokenize(docs) in chunks of about TOKENIZE_CHUNK characters (documents are never split), with a
+    progress bar on stderr over the characters when there is more than one chunk."""
+    from tqdm.auto import tqdm
+
+    chunks, start, size = [], 0, 0
+    for i, d in enumerate(docs):
+        size += len(d)
+        if size >= TOKENIZE_CHUNK:
+            chunks.append((start, i + 1, size))
+            start, size = i + 1, 0
+    if start < len(docs):
+        chunks.append((start, len(docs), size))
+    ids = []
+    with tqdm(total=sum(c[2] for c in chunks), desc=f"tokenize {Path(what).name or what}", unit="char",
+              unit_scale=True, disable=len(chunks) < 2, file=sys.stderr, leave=False) as bar:
+        for a, b, n in chunks:
+            ids += space.tokenize(docs[a:b])
+            bar.update(n)
+    return ids
+
+
 def build_dataset(source, space, length: int, layout: str = "packed", val_fraction: float = 0.01, seed: int = 0,
                   cache_dir=None, field: str = "text", on_bad: str = "stop", split: str = "train",
                   max_documents: int | None = None, pad_in_loss: bool = True, use_cache: bool = True
@@ -621,7 +646,7 @@ def build_dataset(source, space, length: int, layout: str = "packed", val_fracti
     def make():
         docs = list(read_documents(source, field=field, on_bad=on_bad, split=split, max_documents=max_documents,
                                    cache_dir=cache_dir))
-        ids = space.tokenize(docs)
+        ids = tokenize_with_progress(space, docs, str(source))
         if layout == "packed":
             tokens = pack(ids, length, space.eos_id)
             mask = torch.ones_like(tokens, dtype=torch.bool)

@@ -334,9 +334,11 @@ def sample_and_score(method, net, space, num: int, settings, score, path=None, m
     return records, score([r["text"] for r in records])
 
 
-def judge_score(model, tokenizer, batch_size: int = 8, protocol: str = "elf", max_length=None):
+def judge_score(model, tokenizer, batch_size: int = 8, protocol: str = "elf", max_length=None,
+                progress: bool = False):
     """A `score` for sample_and_score: the generative_perplexity result without its per-sample lists."""
-    return lambda texts: _public(generative_perplexity(texts, model, tokenizer, batch_size, protocol, max_length))
+    return lambda texts: _public(generative_perplexity(texts, model, tokenizer, batch_size, protocol, max_length,
+                                                       progress=progress))
 
 
 def plot_tradeoff(curves: list[dict], path, title: str, xlabel: str, ylabel: str, reference=(),

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from elflow.checkpoint import load_for_sampling, model_folder_files, resolve_checkpoint, write_model_folder
 from elflow.methods import get_method
+from elflow.runfolder import training_records
 from elflow.utils import ELFError, atomic_write_text, check_output, hub_offline, hub_reachable
 
 __all__ = ["model_card", "build_folder", "upload_problem", "push", "add_arguments", "run"]
@@ -34,25 +35,13 @@ def _run_folder(ckpt: Path) -> Path | None:
     return ckpt.parent.parent if ckpt.parent.name == "checkpoints" else None
 
 
-def _records(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue  # a line cut short by a killed run
-    return out
-
-
 def run_metrics(run_dir: Path | None, step: int | None) -> list[tuple[str, str]]:
     """(what, figure) of the metrics a run folder holds: the training record at the checkpoint's step, the
     held-out report (`elflow quickstart`), and the `elflow eval` reports under RUN/eval."""
     if run_dir is None:
         return []
     out = []
-    train = [r for r in _records(run_dir / "metrics.jsonl") if r.get("kind", "train") == "train"]
+    train = training_records(run_dir)
     at = [r for r in train if r.get("step") == step] or train[-1:]
     if at:
         r = at[-1]
@@ -164,12 +153,28 @@ def model_card(hub_id: str, files: dict, metrics: list[tuple[str, str]], samples
     return "\n".join(lines)
 
 
+def local_encoders(spec: dict) -> list[str]:
+    """The local folders an embedding space's description names (a T5 or HF encoder saved on this machine):
+    a model folder that names one loads only where that folder exists."""
+    found = []
+    for value in spec.values():
+        if isinstance(value, dict):
+            found += local_encoders(value)
+        elif isinstance(value, str) and ("/" in value or value.startswith(".")) and Path(value).expanduser().is_dir():
+            found.append(value)
+    return found
+
+
 def build_folder(path, hub_id: str, folder: Path, num_samples: int = CARD_SAMPLES, device: str | None = None,
                  progress: bool = True) -> Path:
     """Write into `folder` what `push` uploads for the run or checkpoint `path`: the model folder, then its card
     with samples drawn from that folder."""
     ckpt = resolve_checkpoint(path)
     files = model_folder_files(ckpt)
+    for name in local_encoders(files["space.json"]["space"]):
+        print(f"warning: the model's embedding space reads the local encoder folder {name}, which is not uploaded; "
+              "whoever loads the model needs that folder at the same path",
+              file=sys.stderr)
     write_model_folder(files, folder)
     samples, shown = [], {}
     if num_samples > 0:

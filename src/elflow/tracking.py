@@ -26,13 +26,15 @@ __all__ = ["ID_FILE", "add_arguments", "require", "Tracker"]
 ID_FILE = "wandb-run.json"  # in a run folder: {"project", "id", "name"} of its W&B run
 HELP_PROJECT = ("log to this Weights & Biases project (needs `pip install \"elflow[wandb]\"`; WANDB_MODE=offline "
                 "logs without an account); default: no W&B logging")
-HELP_NAME = "the W&B run's display name (default: the output folder's name)"
 
 
-def add_arguments(p) -> None:
+def add_arguments(p, name_note: str = "") -> None:
+    """--wandb PROJECT and --wandb-run NAME in their own group of parser `p`."""
     g = p.add_argument_group("Weights & Biases")
     g.add_argument("--wandb", default=None, metavar="PROJECT", help=HELP_PROJECT)
-    g.add_argument("--wandb-run", default=None, metavar="NAME", help=HELP_NAME)
+    g.add_argument("--wandb-run", default=None, metavar="NAME",
+                   help=f"the W&B run's display name{'; ' + name_note if name_note else ''} (default: the output "
+                        "folder's name)")
 
 
 def require():

@@ -414,13 +414,13 @@ def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwr
             print(f"warning: --steps {cfg.steps} is shorter than --warmup {cfg.warmup}: the learning rate stops at "
                   f"{lr_at(cfg.steps - 1, cfg.lr, cfg.warmup):.3g}, never reaching {cfg.lr:.3g}", file=sys.stderr)
         run = setup_run(cfg, method, rank, world, local, dev, cache_dir)
-        if rank == 0 and not quiet:
-            print(describe_start(run), file=sys.stderr)
         if overwrite and (out / "run.json").exists():
             on_rank0(folder.set_aside, rank, world, dev)
         start = restore(run, out, quiet) if resume else 0
         if start == 0 and cfg.init_from:
             start_from(run, cfg.init_from, quiet)
+        if rank == 0 and not quiet:
+            print(describe_start(run), file=sys.stderr)
 
         def write_meta():
             atomic_write_json(out / "run.json", {"train": cfg.to_dict(), "method": run.method.name,
