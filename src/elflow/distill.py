@@ -360,6 +360,8 @@ def distill(teacher, out, student_steps=(16, 8, 4, 2, 1), teacher_steps: int = 6
             again = [(rdir / "run.json").exists()]
             if group is not None:  # every rank takes rank 0's view of the folder, before anyone writes it
                 dist.broadcast_object_list(again, src=0)
+            if not quiet and (group is None or dist.get_rank() == 0):
+                print(f"round {i + 1}/{len(steps)}: the {n}-step student, in {rdir}", file=sys.stderr)
             summary = train(rcfg, rdir, resume=again[0], cache_dir=cache_dir, quiet=quiet,
                             stop_after=left, objective=DistillObjective(teacher_net, n, teacher_steps))
             rounds[n] = rdir
@@ -367,8 +369,6 @@ def distill(teacher, out, student_steps=(16, 8, 4, 2, 1), teacher_steps: int = 6
                 left -= summary["end_step"] - summary["start_step"]
                 if left <= 0:
                     break
-            if not quiet:
-                print(f"round {i + 1}/{len(steps)}: {n}-step student in {rdir}", file=sys.stderr)
     except ELFError:
         if (group is None or dist.get_rank() == 0) and fresh and not any(
                 (out / f"round-{n}" / "run.json").exists() for n in steps):
