@@ -223,6 +223,9 @@ LOSS_NAMES = {"loss": "total", "loss_denoise": "denoising (v-space MSE)", "loss_
               "loss_per_token": "next-token / masked-token cross-entropy"}
 
 
+LEGEND_BELOW = dict(fontsize=9, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, frameon=False)  # off the curves
+
+
 def _value_axis(ax, values: list[float]) -> None:
     """A log axis with a handful of labelled ticks across the data's own range (a narrow range such as 1.1-1.6
     gets ticks inside it); a linear axis where some value is not positive (a log axis would drop it)."""
@@ -285,7 +288,7 @@ def loss_figure(run_dir: Path):
         val = json.loads((run_dir / "report.json").read_text()).get("validation") or {}
     except (OSError, ValueError, AttributeError):
         val = {}
-    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.2))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 5.2))
     shown = []
     for key, name in LOSS_NAMES.items():
         pts = [(r["step"], r[key]) for r in recs if isinstance(r.get(key), (int, float))]
@@ -300,7 +303,7 @@ def loss_figure(run_dir: Path):
     a.set_xlabel("optimiser step")
     a.set_ylabel("training loss")
     a.set_title("training loss")
-    a.legend(fontsize=9)
+    a.legend(**LEGEND_BELOW)
     baseline = {v["t"]: v["baseline"] for v in val.get("bins", []) if isinstance(v.get("baseline"), (int, float))}
     shown = []
     for i, label in enumerate(time_bin_labels()):
@@ -316,7 +319,7 @@ def loss_figure(run_dir: Path):
         if baseline:
             b.plot([], [], ls="--", color="0.4", label="Gaussian baseline (held-out), same colour")
         _value_axis(b, shown)
-        b.legend(fontsize=9)
+        b.legend(**LEGEND_BELOW)
     else:
         b.text(0.5, 0.5, "no denoising loss: this method has no time bins", ha="center", va="center",
                transform=b.transAxes, fontsize=9, color="0.4")
