@@ -147,22 +147,15 @@ class RunLogger:
     """Rank 0's output: a progress bar, metrics.jsonl, optional TensorBoard and Weights & Biases (the same
     records), the samples shown during training, the loss-curve PNG.
 
-    `wandb` is (project, run name, settings): the W&B run gets the run's settings as its config, every
-    metrics record at its step, and the samples as a table; its id is kept in the run folder, so that a
-    resumed run continues it (elflow.tracking)."""
+    `tracker` is the run's W&B run (elflow.tracking.Tracker, started with the run's settings as its config):
+    it gets every metrics record at its step and the samples as a table, and is finished by `close`."""
 
     def __init__(self, out: Path, total: int, start: int, enabled: bool, tensorboard: bool, show: bool = True,
-                 wandb: tuple | None = None):
+                 tracker=None):
         self.out, self.enabled, self.show = out, enabled, show
         self.bar = None
         self.tb = None
-        self.tracker = None
-        if enabled and wandb and wandb[0]:
-            from elflow.tracking import Tracker
-
-            project, name, settings = wandb
-            self.tracker = Tracker.start(project, name, out, settings, job_type="train", keep_id=True,
-                                         quiet=not show)
+        self.tracker = tracker if enabled else None
         if enabled and show:
             from tqdm.auto import tqdm
 

@@ -286,9 +286,10 @@ def model_settings(run: Setup) -> dict:
 
 
 def train_loop(run: Setup, out: Path, start: int, quiet: bool = False, stop_after: int | None = None,
-               on_checkpoint=None, time_limit: float | None = None) -> dict:
+               on_checkpoint=None, time_limit: float | None = None, tracker=None) -> dict:
     """Steps start .. end of the schedule; rank 0 logs and saves. `on_checkpoint(path)` follows each save.
-    `time_limit` (seconds): end (with a checkpoint) after the first step that finishes past it."""
+    `time_limit` (seconds): end (with a checkpoint) after the first step that finishes past it. `tracker`:
+    rank 0's W&B run (elflow.tracking.Tracker), finished when the loop ends."""
     cfg, world, rank, device, micro = run.cfg, run.world, run.rank, run.device, run.micro
     is_main = rank == 0
     # the trained pass as a module's forward (the space's encode inside it), for torch.compile and DDP
@@ -303,8 +304,7 @@ def train_loop(run: Setup, out: Path, start: int, quiet: bool = False, stop_afte
         # per-forward broadcast (forward counts differ by rank)
         model = DDP(model, device_ids=None, broadcast_buffers=False)
     params = [p for _, p in run.named]
-    log = RunLogger(out, run.steps, start, is_main, cfg.tensorboard, show=not quiet,
-                    wandb=(cfg.wandb, cfg.wandb_run, tracked_settings(run)) if is_main and cfg.wandb else None)
+    log = RunLogger(out, run.steps, start, is_main, cfg.tensorboard, show=not quiet, tracker=tracker)
     tokens_per_step = cfg.batch * run.length
     totals, n_logged, t_log = {}, 0, time.perf_counter()
     last_good = None
@@ -421,6 +421,15 @@ def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwr
             start_from(run, cfg.init_from, quiet)
         if rank == 0 and not quiet:
             print(describe_start(run), file=sys.stderr)
+        tracker = [None]
+        if cfg.wandb:  # started before the run folder is written: a refused start leaves no run behind
+            from elflow.tracking import Tracker
+
+            def start_tracker():
+                tracker[0] = Tracker.start(cfg.wandb, cfg.wandb_run, out, tracked_settings(run), job_type="train",
+                                           keep_id=True, quiet=quiet)
+
+            on_rank0(start_tracker, rank, world, dev)
 
         def write_meta():
             atomic_write_json(out / "run.json", {"train": cfg.to_dict(), "method": run.method.name,
@@ -430,12 +439,14 @@ def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwr
 
         try:
             on_rank0(write_meta, rank, world, dev)
-        except OSError as e:
-            if no_space_error(e):
+        except BaseException as e:
+            if tracker[0] is not None:
+                tracker[0].finish(ok=False)
+            if isinstance(e, OSError) and no_space_error(e):
                 raise no_space(e, out) from None
             raise
         summary = train_loop(run, out, start, quiet, stop_after, on_checkpoint=lambda _: folder.commit(),
-                             time_limit=time_limit)
+                             time_limit=time_limit, tracker=tracker[0])
         ok = True
         return summary
     finally:
