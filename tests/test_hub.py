@@ -67,7 +67,7 @@ def test_the_card_names_the_runs_settings(pushed):
     assert rows["training tokens"] == f"{6 * 4 * 16:,}" and rows["precision"] == "fp32" and rows["EMA decay"] == "0.9"
     assert rows["data"] == meta["train"]["data"] and rows["embedding space"] == meta["space_id"]
     assert rows["sampling defaults"].startswith("steps 32, sampler sde")
-    assert rows["training loss (step 6)"] == f"{_last_loss(run):.4g}"
+    assert rows["training loss, total (step 6)"] == f"{_last_loss(run):.4g}"
     assert 'elflow.load("someone/tiny-elf")' in card and "elflow sample someone/tiny-elf" in card
 
 

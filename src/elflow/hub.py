@@ -22,7 +22,7 @@ from pathlib import Path
 
 from elflow.checkpoint import load_for_sampling, model_folder_files, resolve_checkpoint, write_model_folder
 from elflow.methods import get_method
-from elflow.runfolder import training_records
+from elflow.runfolder import LOSS_NAMES, training_records
 from elflow.utils import ELFError, atomic_write_text, check_output, hub_offline, hub_reachable
 
 __all__ = ["model_card", "build_folder", "upload_problem", "push", "add_arguments", "run"]
@@ -45,8 +45,8 @@ def run_metrics(run_dir: Path | None, step: int | None) -> list[tuple[str, str]]
     at = [r for r in train if r.get("step") == step] or train[-1:]
     if at:
         r = at[-1]
-        out += [(f"training {k.replace('_', ' ')} (step {r['step']})", f"{r[k]:.4g}")
-                for k in ("loss", "loss_denoise", "loss_decode", "loss_per_token") if r.get(k) is not None]
+        out += [(f"training loss, {name} (step {r['step']})", f"{r[k]:.4g}")
+                for k, name in LOSS_NAMES.items() if isinstance(r.get(k), (int, float))]
     try:
         report = json.loads((run_dir / "report.json").read_text())
     except (OSError, ValueError):
