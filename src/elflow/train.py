@@ -189,13 +189,14 @@ def setup_run(cfg: TrainConfig, method: Method, rank: int, world: int, local: in
 
 
 def training_data(cfg: TrainConfig, space, length: int, cache_dir=None):
-    """The training split of the run's data in `space`: (source, target) pairs or text, as data.TokenDataset."""
+    """The training split of the run's data in `space`: (source, target) pairs or text, rows read from the
+    data's token store (`elflow.ingest`: the store itself, or one prepared once into the cache)."""
     return run_data(cfg, space, length, cache_dir)[0]
 
 
 def run_data(cfg: TrainConfig, space, length: int, cache_dir=None):
-    """(training split, held-out split) of the run's data in `space`, as data.TokenDataset."""
-    from elflow.data import build_dataset, build_pairs
+    """(training split, held-out split) of the run's data in `space`, as training_data reads them."""
+    from elflow.ingest import build_dataset, build_pairs
 
     if cfg.source_length:
         return build_pairs(cfg.data, space, cfg.source_length, length, val_fraction=cfg.val_fraction,
