@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "elflow"
 # their package ("methods.elf"); the package's __init__ by the package's name.
 LAYERS = [
     ["utils"],
-    ["model", "optim", "gpt2_tokenizer", "viewer"],
+    ["model", "optim", "gpt2_tokenizer", "viewer", "tracking"],
     ["official", "schedules"],
     ["flow"],
     ["data", "store"],
@@ -27,7 +27,7 @@ LAYERS = [
     ["checkpoint"],
     ["runfolder"],
     ["train"],
-    ["sample", "distill", "evaluate", "bench", "prepare"],
+    ["sample", "distill", "evaluate", "bench", "prepare", "hub"],
     ["sweep", "compare", "toy"],
     ["quickstart"],
     ["cli", "__init__"],

@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train-judge": ("elflow.judge", "train a small offline autoregressive judge"),
     "sweep": ("elflow.sweep", "sampler x steps x omega grid, judged and plotted (paper Figure 3)"),
     "compare": ("elflow.compare", "train ELF, an AR and an MDLM baseline for one budget and judge them alike"),
+    "push": ("elflow.hub", "upload a trained model with a model card to the Hugging Face Hub (or --dry-run)"),
     "convert": ("elflow.checkpoint", "convert an authors' checkpoint to an elflow checkpoint folder"),
     "bench": ("elflow.bench", "time forward / train / sample against the device's matmul peak"),
     "toy": ("elflow.toy", "Figure 1: the 2-D toy with an exact denoiser"),

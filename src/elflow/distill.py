@@ -261,8 +261,9 @@ def _base_config(teacher_info: dict, overrides: dict):
     from elflow.model import PRESETS
     from elflow.train import TrainConfig
 
-    tcfg_path = Path(teacher_info["checkpoint"]) / "state.json"
-    stored = json.loads(tcfg_path.read_text()).get("train", {}) if teacher_info["format"] == "elflow" else {}
+    from elflow.checkpoint import stored_training
+
+    stored = (stored_training(teacher_info["checkpoint"]) or {}).get("train", {})
     known = {f.name for f in fields(TrainConfig)}
     keep = ("preset", "data", "text_field", "on_bad", "space", "latent_std", "length", "layout", "batch",
             "micro_batch", "adam_heads", "ns_method", "grad_clip", "dtype", "compile", "model",
@@ -353,10 +354,12 @@ def distill(teacher, out, student_steps=(16, 8, 4, 2, 1), teacher_steps: int = 6
         for i, n in enumerate(steps):
             rdir = out / f"round-{n}"
             init = info["checkpoint"] if i == 0 else str(rounds[steps[i - 1]])
-            rcfg = _round_config(cfg, n, teacher_steps, init)
+            rcfg = _round_config(cfg, n, teacher_steps, init, out)
             again = [(rdir / "run.json").exists()]
             if group is not None:  # every rank takes rank 0's view of the folder, before anyone writes it
                 dist.broadcast_object_list(again, src=0)
+            if not quiet and (group is None or dist.get_rank() == 0):
+                print(f"round {i + 1}/{len(steps)}: the {n}-step student, in {rdir}", file=sys.stderr)
             summary = train(rcfg, rdir, resume=again[0], cache_dir=cache_dir, quiet=quiet,
                             stop_after=left, objective=DistillObjective(teacher_net, n, teacher_steps))
             rounds[n] = rdir
@@ -364,8 +367,6 @@ def distill(teacher, out, student_steps=(16, 8, 4, 2, 1), teacher_steps: int = 6
                 left -= summary["end_step"] - summary["start_step"]
                 if left <= 0:
                     break
-            if not quiet:
-                print(f"round {i + 1}/{len(steps)}: {n}-step student in {rdir}", file=sys.stderr)
     except ELFError:
         if (group is None or dist.get_rank() == 0) and fresh and not any(
                 (out / f"round-{n}" / "run.json").exists() for n in steps):
@@ -390,12 +391,13 @@ def _process_group(timeout_minutes: float):
     return dist.group.WORLD
 
 
-def _round_config(cfg, n: int, teacher_steps: int, init: str):
+def _round_config(cfg, n: int, teacher_steps: int, init: str, out: Path):
     from dataclasses import replace
 
     s = distilled_defaults(n)
+    name = f"{cfg.wandb_run or out.resolve().name}/round-{n}" if cfg.wandb else cfg.wandb_run
     return replace(cfg, init_from=init, distillation={"student_steps": n, "teacher_steps": teacher_steps},
-                   sample_steps=s["steps"], sample_sampler=s["sampler"], sample_omega=s["omega"])
+                   sample_steps=s["steps"], sample_sampler=s["sampler"], sample_omega=s["omega"], wandb_run=name)
 
 
 def _prepare_out(out: Path, manifest: dict, resume: bool, overwrite: bool) -> bool:
@@ -471,9 +473,16 @@ def add_arguments(p) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace the distillation in --out")
     p.add_argument("--cache-dir", default=None, help="tokenization cache")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    from elflow.tracking import add_arguments as add_tracking
+
+    add_tracking(p, "one W&B run per round, named NAME/round-N")
 
 
 def run(args) -> int:
+    if args.wandb:
+        from elflow.tracking import require
+
+        require()
     for name in ("batch", "micro_batch", "log_every", "ckpt_every"):
         v = getattr(args, name)
         if v is not None and v < 1:
@@ -484,7 +493,8 @@ def run(args) -> int:
         raise ELFError(f"--ema-decay must lie in [0, 1), got {args.ema_decay}")
     overrides = {k: getattr(args, k) for k in ("batch", "micro_batch", "data", "space", "latent_std", "length",
                                                "dtype")}
-    overrides.update(seed=args.seed, log_every=args.log_every, ckpt_every=args.ckpt_every, keep=args.keep)
+    overrides.update(seed=args.seed, log_every=args.log_every, ckpt_every=args.ckpt_every, keep=args.keep,
+                     wandb=args.wandb, wandb_run=args.wandb_run)
     rounds = distill(args.teacher, args.out, _int_list(args.student_steps), args.teacher_steps,
                      steps_per_round=args.steps_per_round, epochs=args.epochs, warmup_frac=args.warmup_frac,
                      ema_decay=args.ema_decay, lr=args.lr, resume=args.resume, overwrite=args.overwrite,

@@ -22,7 +22,7 @@ from elflow.methods import MATCHES, METHOD_NAMES, check_run
 from elflow.model import PRESETS
 from elflow.optim import LR_DECAYS, NS_METHODS, base_lr
 from elflow.shortrun import FIELDS as SHORT_RUN_FIELDS, SKIPS
-from elflow.utils import DIST_TIMEOUT_MINUTES, ELFError, Record
+from elflow.utils import DIST_TIMEOUT_MINUTES, ELFError, Record, resolve_dtype
 
 __all__ = ["TrainConfig", "RUN_PRESETS", "NESTED_FLAGS", "MUTABLE", "setting", "resume_conflicts",
            "add_setting_arguments", "given_settings", "mutable_flags", "with_default"]
@@ -116,7 +116,8 @@ class TrainConfig(Record):
                                      "Newton-Schulz on CPUs, iterate on GPUs", choices=NS_METHODS)
     grad_clip: float = setting(1.0, "gradient-norm clipping (0: none)", check=AT_LEAST_0)
     dtype: str = setting("auto", "autocast precision; auto: bf16 on GPUs and CPUs with native bf16 matmuls, "
-                                 "else fp32", choices=("auto", "bf16", "fp32"))
+                                 "else fp32, stored resolved with the run (--print-config shows what it picks on "
+                                 "--device)", choices=("auto", "bf16", "fp32"))
     compile: bool = setting(False, "torch.compile the network")
     tf32: bool = setting(True, "TF32 matmuls for the fp32 work of a step on CUDA GPUs (the input path, the heads, "
                                "the loss); no effect on CPUs")
@@ -139,6 +140,13 @@ class TrainConfig(Record):
     sample_omega: float = setting(SAMPLING_DEFAULTS["text"]["omega"], "guidance scale of those samples",
                                   check=AT_LEAST_0, mutable=True)
     tensorboard: bool = setting(False, "also log to TensorBoard (RUN/tb)", mutable=True)
+    wandb: str | None = setting(None, "also log to this Weights & Biases project: the metrics records, the run's "
+                                      "settings and the samples shown during training (needs `pip install "
+                                      "\"elflow[wandb]\"`; WANDB_MODE=offline logs without an account); a resumed "
+                                      "run continues its W&B run; --wandb '' turns it off", default_help="none",
+                                mutable=True, flag="--wandb")
+    wandb_run: str | None = setting(None, "the W&B run's display name", default_help="the run folder's name",
+                                    mutable=True)
     task: str | None = setting(None, "a named conditional task, stored with the model (set by --defaults "
                                "wmt14-de-en / xsum)", choices=tuple(PAIR_TASKS))
     source_length: int | None = setting(None, "train on (source, target) pairs whose sources take up to this many "
@@ -190,8 +198,9 @@ class TrainConfig(Record):
                 values[key] = fn(values)
         return cls(**values)
 
-    def resolved(self) -> "TrainConfig":
-        """The same run with every preset-dependent default filled in."""
+    def resolved(self, device=None) -> "TrainConfig":
+        """The same run with every preset-dependent default filled in; with a `device`, `dtype` "auto" becomes
+        the precision it picks there."""
         small = self.preset in ("tiny", "demo")
         space, space_dim = self.space, self.space_dim
         if space is None:
@@ -200,7 +209,8 @@ class TrainConfig(Record):
                 space_dim = DEFAULT_SPACE_DIM.get(self.preset)
         preset = PRESETS.get(self.preset)
         drawn = space.partition(":")[0] in DRAWN_TABLE_KINDS  # a table drawn from the space seed
-        return replace(self, space=space, space_dim=space_dim,
+        dtype = resolve_dtype(self.dtype, device) if device is not None else self.dtype
+        return replace(self, space=space, space_dim=space_dim, dtype=dtype,
                        space_stream=(self.space_stream or TABLE_STREAM) if drawn else None,
                        ema_decay=self.ema_decay if self.ema_decay is not None else (SMALL_EMA if small else 0.9999),
                        length=self.length if self.length is not None else (preset.max_length if preset else None),
@@ -294,9 +304,10 @@ def _split(d: dict, keys) -> tuple[dict, dict]:
     return {k: v for k, v in d.items() if k not in keys}, {k: v for k, v in d.items() if k in keys}
 
 
-def resume_conflicts(stored: TrainConfig, cfg: TrainConfig) -> list[str]:
-    """'name: stored -> new' for every setting that differs and may not change on resume."""
-    a, b = stored.resolved().to_dict(), cfg.resolved().to_dict()
+def resume_conflicts(stored: TrainConfig, cfg: TrainConfig, device=None) -> list[str]:
+    """'name: stored -> new' for every setting that differs and may not change on resume (dtype "auto" read
+    as what it picks on `device`, if given)."""
+    a, b = stored.resolved(device).to_dict(), cfg.resolved(device).to_dict()
     return [f"{k}: {a[k]!r} -> {b[k]!r}" for k in a if k not in MUTABLE and a[k] != b[k]]
 
 

@@ -42,8 +42,8 @@ from elflow.runconfig import RUN_PRESETS, TrainConfig, add_setting_arguments, gi
     resume_conflicts, with_default
 from elflow.runfolder import RunFolder, RunLogger, check_run_dir, no_space, plot_losses, stored_config
 from elflow.utils import (ELFError, FolderLock, atomic_write_json, autocast, check_device, check_output,
-                          no_space_error, on_every_rank, on_rank0, process_group, resolve_dtype, setup_distributed,
-                          use_tf32)
+                          device_name, fast_bf16, no_space_error, on_every_rank, on_rank0, process_group,
+                          resolve_dtype, setup_distributed, use_tf32)
 
 __all__ = ["TrainConfig", "RUN_PRESETS", "train", "train_step", "shard_generators", "add_arguments", "run",
            "config_from_args"]
@@ -189,16 +189,19 @@ def setup_run(cfg: TrainConfig, method: Method, rank: int, world: int, local: in
 def training_data(cfg: TrainConfig, space, length: int, cache_dir=None):
     """The training split of the run's data in `space`: (source, target) pairs or text, rows read from the
     data's token store (`elflow.ingest`: the store itself, or one prepared once into the cache)."""
+    return run_data(cfg, space, length, cache_dir)[0]
+
+
+def run_data(cfg: TrainConfig, space, length: int, cache_dir=None):
+    """(training split, held-out split) of the run's data in `space`, as training_data reads them."""
     from elflow.ingest import build_dataset, build_pairs
 
     if cfg.source_length:
-        train_set, _ = build_pairs(cfg.data, space, cfg.source_length, length, val_fraction=cfg.val_fraction,
-                                   seed=cfg.seed, cache_dir=cache_dir, source_field=cfg.source_field,
-                                   target_field=cfg.target_field, on_bad=cfg.on_bad)
-    else:
-        train_set, _ = build_dataset(cfg.data, space, length, layout=cfg.layout, val_fraction=cfg.val_fraction,
-                                     seed=cfg.seed, cache_dir=cache_dir, field=cfg.text_field, on_bad=cfg.on_bad)
-    return train_set
+        return build_pairs(cfg.data, space, cfg.source_length, length, val_fraction=cfg.val_fraction,
+                           seed=cfg.seed, cache_dir=cache_dir, source_field=cfg.source_field,
+                           target_field=cfg.target_field, on_bad=cfg.on_bad)
+    return build_dataset(cfg.data, space, length, layout=cfg.layout, val_fraction=cfg.val_fraction,
+                         seed=cfg.seed, cache_dir=cache_dir, field=cfg.text_field, on_bad=cfg.on_bad)
 
 
 def start_from(run: Setup, path, quiet: bool = False) -> None:
@@ -343,10 +346,11 @@ def _reduce(totals: dict, world: int) -> dict:
 
 
 def train_loop(run: Setup, out: Path, start: int, quiet: bool = False, stop_after: int | None = None,
-               on_checkpoint=None, time_limit: float | None = None) -> dict:
+               on_checkpoint=None, time_limit: float | None = None, tracker=None) -> dict:
     """Steps start .. end of the schedule; rank 0 logs and saves. `on_checkpoint(path)` follows each save.
     `time_limit` (seconds): end (with a checkpoint) after the first step that finishes past it (under
-    several ranks, the first logging step past it).
+    several ranks, the first logging step past it). `tracker`: rank 0's W&B run (elflow.tracking.Tracker),
+    finished when the loop ends.
 
     A step reads nothing on the host. The loop reads the device's numbers where it must: on logging steps
     (the log's sums, reduced over ranks in one all_reduce, and with them whether any step since the last
@@ -366,13 +370,14 @@ def train_loop(run: Setup, out: Path, start: int, quiet: bool = False, stop_afte
         # per-forward broadcast (forward counts differ by rank)
         model = DDP(model, device_ids=None, broadcast_buffers=False)
     params = [p for _, p in run.named]
-    log = RunLogger(out, run.steps, start, is_main, cfg.tensorboard, show=not quiet)
+    log = RunLogger(out, run.steps, start, is_main, cfg.tensorboard, show=not quiet, tracker=tracker)
     tokens_per_step = cfg.batch * run.length
     totals, n_logged, t_log = {}, 0, time.perf_counter()
     last_good, checked = None, start  # the last checkpoint written; the last step known to be finite
     end = run.steps if stop_after is None else min(run.steps, start + stop_after)
     summary = {"start_step": start}
     t_start = time.perf_counter()
+    ok = False
     batches = Prefetch(run.batches, end - start, micro, run.accum, pin=device.type == "cuda")
 
     def stop_if_nonfinite(nonfinite, done):
@@ -404,7 +409,7 @@ def train_loop(run: Setup, out: Path, start: int, quiet: bool = False, stop_afte
                 if over:
                     end, logging = done, True
             saving = done % cfg.ckpt_every == 0 or done == end
-            sampling = bool(cfg.sample_every) and done % cfg.sample_every == 0 and is_main and not quiet
+            sampling = bool(cfg.sample_every) and done % cfg.sample_every == 0 and log.wants_samples
             if logging:
                 if world > 1:
                     totals = _reduce(totals, world)
@@ -433,13 +438,14 @@ def train_loop(run: Setup, out: Path, start: int, quiet: bool = False, stop_afte
                 dist.barrier()
             if done == end:
                 break
+        ok = True
     except OSError as e:
         if no_space_error(e):
             raise no_space(e, out) from None
         raise
     finally:
         batches.close()
-        log.close()
+        log.close(ok)
     summary.update(end_step=end, out=str(out))
     return summary
 
@@ -492,10 +498,11 @@ def shared_folder_check(out: Path, lock_text: str, host0: str) -> None:
                        "folder on a filesystem that every node mounts at the same path (NFS, Lustre, GPFS, ...)")
 
 
-def claim_run(folder: RunFolder, cfg: TrainConfig, world: int, resume: bool, overwrite: bool) -> dict:
+def claim_run(folder: RunFolder, cfg: TrainConfig, world: int, resume: bool, overwrite: bool, device=None) -> dict:
     """Rank 0's decisions about the run folder, which every rank follows: hold it (lock, clean-up), check
-    what --resume / --overwrite may do with it, resolve the micro-batch (the stored run's on --resume) and
-    choose the checkpoint to resume from. Returns them with the lock's text (for `shared_folder_check`)."""
+    what --resume / --overwrite may do with it (a stored dtype "auto" read as what it picks on `device`),
+    resolve the micro-batch (the stored run's on --resume) and choose the checkpoint to resume from. Returns
+    them with the lock's text (for `shared_folder_check`)."""
     import socket
 
     from elflow.checkpoint import latest_checkpoint
@@ -503,7 +510,7 @@ def claim_run(folder: RunFolder, cfg: TrainConfig, world: int, resume: bool, ove
     out = folder.out
     check_output(out, folder=True)
     folder.open()
-    check_run_dir(out, cfg, resume, overwrite)
+    check_run_dir(out, cfg, resume, overwrite, device)
     stored = None
     if resume and (out / "run.json").exists():
         try:
@@ -536,6 +543,10 @@ def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwr
     out = Path(out)
     cfg = cfg.resolved()
     cfg.validate()
+    if cfg.wandb:
+        from elflow.tracking import require
+
+        require()
     device = check_device(device)
     method = get_method(cfg.method)
     if objective is not None:
@@ -543,10 +554,11 @@ def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwr
     owns_group = not dist.is_initialized()
     rank, world, local, dev = setup_distributed(device, cfg.dist_timeout)
     use_tf32(dev, cfg.tf32)
+    cfg = cfg.resolved(dev)  # dtype "auto" -> what it picks on this device, stored so
     folder = RunFolder(out, command)
     ok = False
     try:
-        claim = on_rank0(lambda: claim_run(folder, cfg, world, resume, overwrite), rank, world)
+        claim = on_rank0(lambda: claim_run(folder, cfg, world, resume, overwrite, dev), rank, world)
         if world > 1:
             on_every_rank(lambda: shared_folder_check(out, claim["lock"], claim["host"]), rank, world)
         cfg = replace(cfg, micro_batch=claim["micro_batch"])
@@ -560,6 +572,17 @@ def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwr
         start = restore(run, ckpt, quiet)
         if start == 0 and cfg.init_from:
             start_from(run, cfg.init_from, quiet)
+        if rank == 0 and not quiet:
+            print(describe_start(run), file=sys.stderr)
+        tracker = [None]
+        if cfg.wandb:  # started before the run folder is written: a refused start leaves no run behind
+            from elflow.tracking import Tracker
+
+            def start_tracker():
+                tracker[0] = Tracker.start(cfg.wandb, cfg.wandb_run, out, tracked_settings(run), job_type="train",
+                                           keep_id=True, quiet=quiet)
+
+            on_rank0(start_tracker, rank, world)
 
         def write_meta():
             atomic_write_json(out / "run.json", {"train": cfg.to_dict(), "method": run.method.name,
@@ -569,12 +592,14 @@ def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwr
 
         try:
             on_rank0(write_meta, rank, world)
-        except OSError as e:
-            if no_space_error(e):
+        except BaseException as e:
+            if tracker[0] is not None:
+                tracker[0].finish(ok=False)
+            if isinstance(e, OSError) and no_space_error(e):
                 raise no_space(e, out) from None
             raise
         summary = train_loop(run, out, start, quiet, stop_after, on_checkpoint=lambda _: folder.commit(),
-                             time_limit=time_limit)
+                             time_limit=time_limit, tracker=tracker[0])
         ok = True
         return summary
     finally:
@@ -585,8 +610,25 @@ def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwr
 
 
 def show_samples(run: Setup, log, step, num: int = 2):
-    for i, text in enumerate(run.method.preview(run.net, run.ema, run.space, num, run.length, run.cfg)):
-        log.write(f"[step {step}] sample {i}: {text[:300]}")
+    log.samples(step, run.method.preview(run.net, run.ema, run.space, num, run.length, run.cfg))
+
+
+def tracked_settings(run: Setup) -> dict:
+    """What a W&B run records as its config: the run's settings and how this process runs them."""
+    return {**run.cfg.to_dict(), "method": run.method.name, "params": run.params, "world_size": run.world,
+            "device": str(run.device), "micro_batch": run.micro, "accumulation": run.accum,
+            "schedule_steps": run.steps, "warmup_steps": run.warmup}
+
+
+def describe_start(run: Setup) -> str:
+    """One line on what runs where: the method and its size, the device and the precision (and why)."""
+    why = ""
+    if run.device.type == "cpu":
+        why = (" (this CPU has native bf16 matmuls; --dtype fp32 for full precision)" if run.dtype == "bf16"
+               else " (this CPU has no native bf16 matmuls)" if not fast_bf16(run.device) else "")
+    ranks = f" x {run.world} ranks" if run.world > 1 else ""
+    return (f"training {run.method.title} ({run.params['model']:,} parameters) on {device_name(run.device)}{ranks}, "
+            f"precision {run.dtype}{why}")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -627,7 +669,7 @@ def config_from_args(args) -> TrainConfig:
         for k, v in given.items():
             merged[k] = {**merged[k], **v} if isinstance(v, dict) else v
         cfg = TrainConfig(**merged).resolved()
-        diff = resume_conflicts(stored, cfg)
+        diff = resume_conflicts(stored, cfg, run_device(getattr(args, "device", None)))
         if diff:
             raise ELFError(f"on --resume only {mutable_flags()} may change; "
                            f"the command line changes {'; '.join(diff)}. Drop those flags, or start a new run in "
@@ -635,7 +677,15 @@ def config_from_args(args) -> TrainConfig:
     else:
         cfg = TrainConfig.named(getattr(args, "defaults", None), **given).resolved()
     cfg.validate()
-    return cfg
+    return cfg.resolved(run_device(getattr(args, "device", None)))
+
+
+def run_device(device: str | None):
+    """The device this process trains on: --device, else its rank's GPU under torchrun, else the default."""
+    device = check_device(device)
+    if device is None and torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device(device or "cpu")
 
 
 def _group_timeout(args) -> float | None:
