@@ -20,12 +20,13 @@ from elflow.flow import TIME_BINS, time_bin_labels
 from elflow.runconfig import TrainConfig, mutable_flags, resume_conflicts
 from elflow.utils import ELFError, FolderLock, atomic_write
 
-__all__ = ["RUN_FILES", "REPLACED", "RunFolder", "check_run_dir", "stored_config", "RunLogger", "plot_losses",
+__all__ = ["RUN_FILES", "REPLACED", "DECODER_STAGE", "RunFolder", "check_run_dir", "stored_config", "RunLogger", "plot_losses",
            "no_space"]
 
 
 RUN_FILES = ("run.json", "metrics.jsonl", "loss.png", "checkpoints", "tb", "report.json", "samples.jsonl")
 REPLACED = ".replaced-run"  # the run that --overwrite replaces, kept until the new run's first checkpoint
+DECODER_STAGE = "decoder"  # the first stage of a --decoder separate run, a run folder of its own inside it
 
 
 class RunFolder:
@@ -105,7 +106,7 @@ class RunFolder:
 
 def check_run_dir(out: Path, cfg: TrainConfig, resume: bool, overwrite: bool) -> None:
     """What --resume / --overwrite may do with the folder as it is; the folder is not changed here."""
-    ours = {FolderLock.NAME, REPLACED}
+    ours = {FolderLock.NAME, REPLACED, DECODER_STAGE}
     if not (out / "run.json").exists():
         if resume:
             raise ELFError(f"{out} holds no run to resume; check --out, or start the run without --resume")

@@ -28,7 +28,7 @@ import os
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -40,7 +40,7 @@ from elflow.model import get_config
 from elflow.optim import EMA, ELFOptimizer, lr_at
 from elflow.runconfig import RUN_PRESETS, TrainConfig, add_setting_arguments, given_settings, mutable_flags, \
     resume_conflicts, with_default
-from elflow.runfolder import RunFolder, RunLogger, check_run_dir, no_space, plot_losses, stored_config
+from elflow.runfolder import DECODER_STAGE, RunFolder, RunLogger, check_run_dir, no_space, plot_losses, stored_config
 from elflow.utils import (ELFError, atomic_write_json, autocast, check_device, check_output, no_space_error,
                           on_rank0, resolve_dtype, setup_distributed)
 
@@ -152,8 +152,23 @@ class Setup:
         return lr_at(step, self.lr, self.warmup, self.cfg.lr_decay, self.steps)
 
 
-def setup_run(cfg: TrainConfig, method: Method, rank: int, world: int, local: int, device, cache_dir=None) -> Setup:
-    """Build the space, the data, the network and the optimiser: every check that needs them happens here."""
+def network_overrides(cfg: TrainConfig, recipe: Recipe) -> dict:
+    """The ELFConfig fields a run sets besides its preset and its space: the --depth / --hidden / --heads
+    overrides and the network's variants (the run's flags over a stored config's). A network without
+    self-conditioning for self_cond_prob 0; the path's constants where a v- or eps-head reads them."""
+    top = {"bottleneck": cfg.bottleneck, "predict": cfg.predict, "conditioning": cfg.conditioning,
+           "decoder": cfg.decoder}
+    if not recipe.self_conditioned:
+        top["self_cond"] = False
+    if cfg.predict != "x":
+        top.update(noise_scale=recipe.noise_scale, t_eps=recipe.t_eps)
+    return {**cfg.model, **{k: v for k, v in top.items() if v is not None}}
+
+
+def setup_run(cfg: TrainConfig, method: Method, rank: int, world: int, local: int, device, cache_dir=None,
+              decoder_from=None) -> Setup:
+    """Build the space, the data, the network and the optimiser: every check that needs them happens here.
+    `decoder_from`: the run whose (EMA) weights are a separate decoder's."""
     from elflow.data import Batches
     from elflow.encoders import build_space, space_spec
 
@@ -169,16 +184,20 @@ def setup_run(cfg: TrainConfig, method: Method, rank: int, world: int, local: in
     if space.max_length is not None and length > space.max_length:
         raise ELFError(f"--length {length} is longer than the encoder accepts ({space.max_length})")
     train_set = training_data(cfg, space, length, cache_dir)
+    recipe = Recipe.from_dict({"decode_noise_scale": 1.0, **cfg.recipe} if cfg.source_length else cfg.recipe)
     try:  # the ELF network of these settings (a baseline is sized to it)
-        shape = get_config(cfg.preset, dim=space.dim, vocab_size=space.vocab_size, max_length=length, **cfg.model)
+        shape = get_config(cfg.preset, dim=space.dim, vocab_size=space.vocab_size, max_length=length,
+                           **network_overrides(cfg, recipe))
     except (TypeError, ValueError) as e:
         raise ELFError(f"the network settings do not fit together: {e}") from None
-    recipe = Recipe.from_dict({"decode_noise_scale": 1.0, **cfg.recipe} if cfg.source_length else cfg.recipe)
     net, params = method.build(cfg, shape, space, train_set, recipe, device)
+    if decoder_from is not None:
+        attach_decoder(net, decoder_from, space)
     # the optimiser names a trainable space's parameters "space.<name>" beside the network's
     named = list(net.named_parameters()) + [("space." + n, p) for n, p in space.named_parameters()
                                             if p.requires_grad]
-    optimizer = ELFOptimizer(named, lr=cfg.lr, adam=method.adam_names(net, cfg), ns_method=cfg.ns_method)
+    optimizer = ELFOptimizer(named, lr=cfg.lr, adam=method.adam_names(net, cfg), ns_method=cfg.ns_method,
+                             kind=cfg.optimizer, weight_decay=cfg.weight_decay)
     ema = EMA(net, cfg.ema_decay)
     batches = Batches(train_set, micro * accum, seed=cfg.seed, rank=rank, world_size=world)
     steps = cfg.steps if cfg.epochs is None else max(1, math.ceil(cfg.epochs * batches.per_epoch))
@@ -200,6 +219,26 @@ def training_data(cfg: TrainConfig, space, length: int, cache_dir=None):
         train_set, _ = build_dataset(cfg.data, space, length, layout=cfg.layout, val_fraction=cfg.val_fraction,
                                      seed=cfg.seed, cache_dir=cache_dir, field=cfg.text_field, on_bad=cfg.on_bad)
     return train_set
+
+
+def attach_decoder(net, path, space) -> None:
+    """A separate decoder's weights into `net` (a SeparateDecoderELF): the EMA weights of the decode-only run
+    `path`, which must hold a network of the decoder's shape and options in the same space."""
+    from elflow.checkpoint import check_init_compatible, load_init_weights
+
+    init_cfg, sd, info = load_init_weights(path)
+    check_init_compatible(path, init_cfg, info, net.decoder, space)
+    net.load_decoder(sd)
+
+
+def decoder_stage(cfg: TrainConfig) -> TrainConfig:
+    """The first stage of a --decoder separate run: the network of its shape trained in decode mode alone
+    (decode_prob 1) for --decoder-steps (a quarter of --steps by default), warmed up over the same share of
+    its steps; it becomes the frozen decoder of the second stage."""
+    steps = cfg.decoder_steps or max(1, math.ceil(cfg.steps / 4))
+    return replace(cfg, decoder="shared", decoder_steps=None, decoder_from=None, steps=steps, epochs=None,
+                   warmup=math.ceil(cfg.warmup * steps / cfg.steps) if cfg.warmup_frac is None else cfg.warmup,
+                   recipe={**cfg.recipe, "decode_prob": 1.0}, sample_every=0)
 
 
 def start_from(run: Setup, path, quiet: bool = False) -> None:
@@ -275,6 +314,8 @@ def model_settings(run: Setup) -> dict:
     if cfg.distillation:
         out.update(distilled_steps=cfg.distillation["student_steps"], teacher_steps=cfg.distillation["teacher_steps"])
         sampling = {**sampling, **distilled_defaults(cfg.distillation["student_steps"])}
+    if not run.recipe.self_conditioned:  # no self-conditioning, nothing for omega to guide by
+        sampling = {**sampling, "omega": 1.0}
     return {**out, **({"sampling": dict(sampling)} if sampling else {})}
 
 
@@ -383,7 +424,10 @@ def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwr
     only once the new run's first checkpoint is written (it comes back if the new run fails before).
     `objective` (an elflow.methods.elf.Objective) replaces ELF's own (distillation); `cfg.init_from` starts a
     fresh run from stored weights.
-    `time_limit` (seconds) ends this invocation after the first step past it (a wall-clock budget)."""
+    `time_limit` (seconds) ends this invocation after the first step past it (a wall-clock budget).
+
+    A --decoder separate run without --decoder-from first trains its decoder (`decoder_stage`) into
+    OUT/decoder, or continues it there, then the denoiser against it; both stages are stored as one model."""
     out = Path(out)
     cfg = cfg.resolved()
     cfg.validate()
@@ -392,6 +436,20 @@ def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwr
     method = get_method(cfg.method)
     if objective is not None:
         method = method.with_objective(objective)
+    decoder_from = None
+    if cfg.decoder == "separate" and not cfg.init_from:  # (a run started from weights has its decoder in them)
+        decoder_from = Path(cfg.decoder_from) if cfg.decoder_from else out / DECODER_STAGE
+        if not cfg.decoder_from:
+            check_run_dir(out, cfg, resume, overwrite)  # before the first stage writes anything
+            stage = train(decoder_stage(cfg), decoder_from, resume=(decoder_from / "run.json").exists() and not overwrite,
+                          overwrite=overwrite, cache_dir=cache_dir, quiet=quiet, stop_after=stop_after,
+                          device=device, command=f"{command} (decoder stage)", time_limit=time_limit)
+            if stage["end_step"] < decoder_stage(cfg).steps:  # stopped inside the first stage
+                return stage
+            if stop_after is not None:
+                stop_after -= stage["end_step"] - stage["start_step"]
+                if stop_after <= 0:
+                    return stage
     owns_group = not dist.is_initialized()
     rank, world, local, dev = setup_distributed(device)
     folder = RunFolder(out, command)
@@ -402,7 +460,7 @@ def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwr
         if rank == 0 and cfg.epochs is None and cfg.warmup_frac is None and cfg.steps < cfg.warmup:
             print(f"warning: --steps {cfg.steps} is shorter than --warmup {cfg.warmup}: the learning rate stops at "
                   f"{lr_at(cfg.steps - 1, cfg.lr, cfg.warmup):.3g}, never reaching {cfg.lr:.3g}", file=sys.stderr)
-        run = setup_run(cfg, method, rank, world, local, dev, cache_dir)
+        run = setup_run(cfg, method, rank, world, local, dev, cache_dir, decoder_from)
         if overwrite and (out / "run.json").exists():
             on_rank0(folder.set_aside, rank, world, dev)
         start = restore(run, out, quiet) if resume else 0
