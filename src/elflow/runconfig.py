@@ -236,14 +236,14 @@ class TrainConfig(Record):
         if self.source_length is not None and self.length is not None and self.source_length >= self.length:
             raise ELFError(f"--source-length {self.source_length} leaves no room for a target in --length "
                            f"{self.length}; use a longer --length or a shorter --source-length")
-        try:
-            Recipe.from_dict(self.recipe)
-        except ValueError as e:
-            raise ELFError(f"the run's recipe cannot be read: {e}") from None
         for key, (_, _, check, _) in NESTED_FLAGS.items():
             d = getattr(self, key[0])
             if check and key[1] in d and d[key[1]] is not None and not check[0](d[key[1]]):
                 raise ELFError(f"--{key[1].replace('_', '-')} must be a number {check[1]}, got {d[key[1]]!r}")
+        try:
+            Recipe.from_dict(self.recipe)
+        except ValueError as e:
+            raise ELFError(f"the run's recipe cannot be read: {e}") from None
 
 
 # named presets of settings: (values, settings derived from the others unless given)

@@ -185,6 +185,8 @@ def setup_run(cfg: TrainConfig, method: Method, rank: int, world: int, local: in
         raise ELFError(f"--length {length} is longer than the encoder accepts ({space.max_length})")
     train_set = training_data(cfg, space, length, cache_dir)
     recipe = Recipe.from_dict({"decode_noise_scale": 1.0, **cfg.recipe} if cfg.source_length else cfg.recipe)
+    if cfg.decoder == "separate":  # the decoder is trained (first stage) and frozen: every row denoises
+        recipe = recipe.replace(decode_prob=0.0)
     try:  # the ELF network of these settings (a baseline is sized to it)
         shape = get_config(cfg.preset, dim=space.dim, vocab_size=space.vocab_size, max_length=length,
                            **network_overrides(cfg, recipe))

@@ -21,7 +21,7 @@ import torch
 
 from elflow.data import encoder_mask
 from elflow.encoders import space_spec
-from elflow.flow import TIME_BINS, draw_training_noise, elf_loss, generate_tokens, time_bin, time_bin_labels
+from elflow.flow import TIME_BINS, Recipe, draw_training_noise, elf_loss, generate_tokens, time_bin, time_bin_labels
 from elflow.generate import ELF_KNOBS, generate, settings_for
 from elflow.methods.base import FEATURES, Method
 from elflow.optim import HEAD_PREFIXES
@@ -161,15 +161,15 @@ class ELFMethod(Method):
 
     @torch.no_grad()
     def preview(self, net, ema, space, num, length, cfg) -> list[str]:
-        """`num` samples of the EMA weights with the run's sample_* settings, from one generator seeded by
-        the run's seed."""
+        """`num` samples of the EMA weights with the run's sample_* settings and noise scale, from one generator
+        seeded by the run's seed."""
         device = next(net.parameters()).device
         sampler_net = build_network(net.config, getattr(net, "options", None)).to(device)
         ema.copy_to(sampler_net)
         sampler_net.eval()
         g = torch.Generator(device=device).manual_seed(cfg.seed)
         tokens, _ = generate_tokens(sampler_net, num, length, cfg.sample_steps, cfg.sample_sampler,
-                                    omega=cfg.sample_omega, generator=g)
+                                    omega=cfg.sample_omega, generator=g, recipe=Recipe.from_dict(cfg.recipe))
         return space.decode(tokens.cpu())
 
     # -- sampling -----------------------------------------------------------------------------------------
