@@ -149,7 +149,8 @@ def test_a_separate_decoder_trains_in_two_stages_and_is_one_model(base_args, tmp
     """--decoder separate: the first stage (OUT/decoder) trains a network in decode mode alone; the second
     trains a denoiser (no readout of its own) against it, frozen. The run's checkpoint holds both as one
     model: its decoder is the first stage's EMA weights, unchanged by the second stage; it loads and samples;
-    --decoder-from takes the same decoder from a finished stage and gives the same run."""
+    --decoder-from takes the same decoder from a finished stage and gives the same run, and so does a run
+    stopped inside its first stage and resumed."""
     from safetensors.torch import load_file
 
     from elflow.checkpoint import load_for_sampling
@@ -181,6 +182,16 @@ def test_a_separate_decoder_trains_in_two_stages_and_is_one_model(base_args, tmp
     a = load_file(run / "checkpoints" / "step_0000004" / "ema.safetensors")
     b = load_file(part / "checkpoints" / "step_0000004" / "ema.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # the same decoder, the same run
+
+    from elflow.runfolder import stored_config
+    from elflow.train import train
+
+    stopped = tmp_path / "stopped"  # stopped inside the first stage, resumed from the command line
+    cache = base_args[base_args.index("--cache-dir") + 1]
+    train(stored_config(run), stopped, cache_dir=cache, quiet=True, stop_after=1)
+    assert main(["train", "--out", str(stopped), "--resume", "--quiet", "--cache-dir", cache]) == 0
+    c = load_file(stopped / "checkpoints" / "step_0000004" / "ema.safetensors")
+    assert all(torch.equal(a[k], c[k]) for k in a)
 
     capsys.readouterr()
     for flags, message in ((["--decoder", "separate", "--method", "ar"], "--decoder applies to ELF runs only"),

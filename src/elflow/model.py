@@ -131,16 +131,25 @@ def get_config(name: str, **overrides) -> ELFConfig:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# the prediction targets, on the path z = t x + (1 - t) noise_scale eps (t = 1 data). The coefficients are
-# clipped at t_eps at both ends (c1 = max(1 - t, t_eps) as in the velocity, c0 = max(t, t_eps)), so that each
-# map is a bijection at every t and the two directions are exact inverses:
-#     v   = (x - z) / c1                 x = z + c1 v
-#     eps = (z - c0 x) / (noise_scale c1)    x = (z - noise_scale c1 eps) / c0
+# the prediction targets, on the path z = t x + (1 - t) noise_scale eps (t = 1 data). Each target is affine in
+# x at fixed (z, t), x = a z + b out, with the coefficients clipped at t_eps at both ends (c1 = max(1 - t, t_eps)
+# as in the velocity, c0 = max(t, t_eps)), so that each map is a bijection at every t:
+#     x    a = 0,      b = 1
+#     v    a = 1,      b = c1                       (v = (x - z) / c1)
+#     eps  a = 1 / c0, b = -noise_scale c1 / c0     (eps = (z - c0 x) / (noise_scale c1))
 
 
-def _coefficients(t: torch.Tensor, t_eps: float):
+def _affine(kind: str, t: torch.Tensor, noise_scale: float, t_eps: float):
+    """(a, b) of x = a z + b out for target `kind`; t (B,) -> (B, 1, 1) each."""
     t = t.float().reshape(-1, 1, 1)
-    return t.clamp_min(t_eps), (1 - t).clamp_min(t_eps)
+    c0, c1 = t.clamp_min(t_eps), (1 - t).clamp_min(t_eps)
+    if kind == "x":
+        return torch.zeros_like(t), torch.ones_like(t)
+    if kind == "v":
+        return torch.ones_like(t), c1
+    if kind == "eps":
+        return 1 / c0, -noise_scale * c1 / c0
+    raise ValueError(f"unknown prediction target {kind!r}; choose one of {', '.join(PREDICTIONS)}")
 
 
 def prediction_to_x(kind: str, out: torch.Tensor, z: torch.Tensor, t: torch.Tensor, noise_scale: float,
@@ -148,12 +157,8 @@ def prediction_to_x(kind: str, out: torch.Tensor, z: torch.Tensor, t: torch.Tens
     """The x that a head output `out` of target `kind` (x, v or eps) stands for at (z, t); t (B,)."""
     if kind == "x":
         return out
-    c0, c1 = _coefficients(t, t_eps)
-    if kind == "v":
-        return z + c1 * out
-    if kind == "eps":
-        return (z - noise_scale * c1 * out) / c0
-    raise ValueError(f"unknown prediction target {kind!r}; choose one of {', '.join(PREDICTIONS)}")
+    a, b = _affine(kind, t, noise_scale, t_eps)
+    return a * z + b * out
 
 
 def x_to_prediction(kind: str, x: torch.Tensor, z: torch.Tensor, t: torch.Tensor, noise_scale: float,
@@ -161,12 +166,8 @@ def x_to_prediction(kind: str, x: torch.Tensor, z: torch.Tensor, t: torch.Tensor
     """The head output of target `kind` that stands for x at (z, t): the inverse of prediction_to_x."""
     if kind == "x":
         return x
-    c0, c1 = _coefficients(t, t_eps)
-    if kind == "v":
-        return (x - z) / c1
-    if kind == "eps":
-        return (z - c0 * x) / (noise_scale * c1)
-    raise ValueError(f"unknown prediction target {kind!r}; choose one of {', '.join(PREDICTIONS)}")
+    a, b = _affine(kind, t, noise_scale, t_eps)
+    return (x - a * z) / b
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -418,7 +418,8 @@ def train_loop(run: Setup, out: Path, start: int, quiet: bool = False, stop_afte
 
 def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwrite: bool = False,
           cache_dir=None, quiet: bool = False, stop_after: int | None = None, device: str | None = None,
-          command: str = "elflow train", objective=None, time_limit: float | None = None) -> dict:
+          command: str = "elflow train", objective=None, time_limit: float | None = None,
+          stage_of: TrainConfig | None = None) -> dict:
     """Train; returns a summary dict (rank 0). `stop_after` ends the process's work after that many steps
     of this invocation (for tests and time-boxed runs) while keeping the schedule of `cfg.steps`.
 
@@ -429,7 +430,9 @@ def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwr
     `time_limit` (seconds) ends this invocation after the first step past it (a wall-clock budget).
 
     A --decoder separate run without --decoder-from first trains its decoder (`decoder_stage`) into
-    OUT/decoder, or continues it there, then the denoiser against it; both stages are stored as one model."""
+    OUT/decoder, or continues it there, then the denoiser against it; both stages are stored as one model.
+    `stage_of`: the settings of the run whose first stage this is, stored with the stage (what --resume reads
+    while the run is in that stage)."""
     out = Path(out)
     cfg = cfg.resolved()
     cfg.validate()
@@ -443,11 +446,17 @@ def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwr
         decoder_from = Path(cfg.decoder_from) if cfg.decoder_from else out / DECODER_STAGE
         if not cfg.decoder_from:
             check_run_dir(out, cfg, resume, overwrite)  # before the first stage writes anything
+            began = time.perf_counter()
             stage = train(decoder_stage(cfg), decoder_from, resume=(decoder_from / "run.json").exists() and not overwrite,
                           overwrite=overwrite, cache_dir=cache_dir, quiet=quiet, stop_after=stop_after,
-                          device=device, command=f"{command} (decoder stage)", time_limit=time_limit)
+                          device=device, command=f"{command} (decoder stage)", time_limit=time_limit, stage_of=cfg)
             if stage["end_step"] < decoder_stage(cfg).steps:  # stopped inside the first stage
                 return stage
+            resume = resume or not overwrite  # the second stage starts, or continues, in a folder it already owns
+            if time_limit is not None:  # one wall-clock budget for both stages
+                time_limit -= time.perf_counter() - began
+                if time_limit <= 0:
+                    return stage
             if stop_after is not None:
                 stop_after -= stage["end_step"] - stage["start_step"]
                 if stop_after <= 0:
@@ -473,7 +482,8 @@ def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwr
             atomic_write_json(out / "run.json", {"train": cfg.to_dict(), "method": run.method.name,
                                                  **run.method.describe(run.net), "params": run.params,
                                                  "space": run.space.config(), "space_id": run.space.space_id,
-                                                 "world_size": world})
+                                                 "world_size": world,
+                                                 **({"stage_of": stage_of.to_dict()} if stage_of else {})})
 
         try:
             on_rank0(write_meta, rank, world, dev)
