@@ -16,7 +16,7 @@ LAYERS = [
     ["official", "schedules"],
     ["flow"],
     ["data"],
-    ["encoders"],
+    ["encoders", "encoder_train"],
     ["shortrun"],
     ["generate", "diagnostics", "judge"],
     ["methods.base"],

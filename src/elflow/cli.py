@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "distill": ("elflow.distill", "progressive distillation into few-step students (16 -> 8 -> 4 -> 2 -> 1)"),
     "eval": ("elflow.evaluate", "generative perplexity and entropy, BLEU, ROUGE"),
     "train-judge": ("elflow.judge", "train a small offline autoregressive judge"),
+    "train-encoder": ("elflow.encoder_train", "train a small T5 encoder from scratch by span corruption (a space)"),
     "sweep": ("elflow.sweep", "sampler x steps x omega grid, judged and plotted (paper Figure 3)"),
     "compare": ("elflow.compare", "train ELF, an AR and an MDLM baseline for one budget and judge them alike"),
     "convert": ("elflow.checkpoint", "convert an authors' checkpoint to an elflow checkpoint folder"),
