@@ -29,7 +29,7 @@ LAYERS = [
     ["train"],
     ["sample", "distill", "evaluate", "bench"],
     ["sweep", "compare", "toy"],
-    ["quickstart"],
+    ["quickstart", "claims"],
     ["cli", "__init__"],
 ]
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}

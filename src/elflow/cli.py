@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train-judge": ("elflow.judge", "train a small offline autoregressive judge"),
     "train-encoder": ("elflow.encoder_train", "train a small T5 encoder from scratch by span corruption (a space)"),
     "sweep": ("elflow.sweep", "sampler x steps x omega grid, judged and plotted (paper Figure 3)"),
+    "claims": ("elflow.claims", "re-test the paper's ablation findings at small scale, with seeds and a verdict"),
     "compare": ("elflow.compare", "train ELF, an AR and an MDLM baseline for one budget and judge them alike"),
     "convert": ("elflow.checkpoint", "convert an authors' checkpoint to an elflow checkpoint folder"),
     "bench": ("elflow.bench", "time forward / train / sample against the device's matmul peak"),
