@@ -113,7 +113,7 @@ CLAIMS = (
           tuple(Finding(f"x@{d}", f"eps@{d}", "gen_ppl") for d in (64, 256, 384))
           + (Finding("v@64", "x@64", "gen_ppl", kind="matches"), Finding("x@384", "v@384", "gen_ppl"))),
     Claim("bottleneck", "bottleneck width 32 / 128 / 512",
-          "128 balances 32 (lower perplexity, lower diversity) and 512 (the reverse) (D.2)",
+          "128 balances 32 (lower perplexity, lower diversity) and 512 (the reverse)",
           (Variant("b32", {"bottleneck": 32}), Variant("b128", {"bottleneck": 128}),
            Variant("b512", {"bottleneck": 512})),
           (Finding("b32", "b128", "gen_ppl"), Finding("b32", "b128", "entropy"),
@@ -267,6 +267,8 @@ class Harness:
         if "{encoder}" in str(settings.get("space", "")):
             settings["space"] = settings["space"].replace("{encoder}", str(self.encoder_folder()))
         steps = self.budget.get("steps") or BUDGET_CAP
+        if self.budget.get("steps") and "warmup" not in settings:  # the quickstart's warm-up share of its 250 steps
+            settings["warmup"] = min(RUN_PRESETS["quickstart"][0]["warmup"], max(1, steps // 5))
         cfg = TrainConfig.named("quickstart", **{**settings, "seed": seed, "steps": steps, "sample_every": 0,
                                                  "ckpt_every": steps, "keep": 1})
         cfg = cfg.resolved()
@@ -356,10 +358,11 @@ class Harness:
 def run_claims(claims: list[Claim], out, seeds: int = DEFAULT_SEEDS, minutes: float | None = DEFAULT_MINUTES,
                steps: int | None = None, num: int = 32, base: dict | None = None, cache_dir=None, device=None,
                quiet: bool = True, printer=print, command: str = "elflow claims",
-               judge_settings: dict | None = None) -> dict:
+               judge_settings: dict | None = None, progress: bool = True) -> dict:
     """Train, measure and judge every variant of `claims` at seeds 0 .. seeds - 1; writes claims.json,
     claims.md and one plot per claim under `out`; returns the report. `base`: TrainConfig settings over the
-    quickstart's for every variant; `judge_settings`: overrides of the cached judge's (compare.JUDGE_DEFAULTS)."""
+    quickstart's for every variant; `judge_settings`: overrides of the cached judge's (compare.JUDGE_DEFAULTS);
+    `quiet` hides the trainings' progress bars, `progress` shows one over the variants."""
     from tqdm.auto import tqdm
 
     out = check_output(out, folder=True)
@@ -368,7 +371,7 @@ def run_claims(claims: list[Claim], out, seeds: int = DEFAULT_SEEDS, minutes: fl
     harness = Harness(out, dict(base or {}), budget, num, cache_dir, device, quiet, printer, judge_settings)
     results = []
     jobs = [(c, v, s) for c in claims for v in c.variants for s in range(seeds)]
-    bar = tqdm(total=len(jobs), disable=quiet, desc="claims", unit="variant")
+    bar = tqdm(total=len(jobs), disable=not progress, desc="claims", unit="variant")
     for claim in claims:
         printer(f"claim {claim.name}: {claim.title}")
         figures = {}
@@ -479,7 +482,8 @@ def add_arguments(p) -> None:
     p.add_argument("--cache-dir", default=None, help="tokenization and judge cache (default: $ELFLOW_CACHE or "
                    "~/.cache/elflow)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--verbose", action="store_true", help="show the training progress bars")
+    p.add_argument("--verbose", action="store_true", help="show the training progress bars too")
+    p.add_argument("--quiet", action="store_true", help="no progress bar over the variants")
 
 
 def run(args) -> int:
@@ -500,6 +504,6 @@ def run(args) -> int:
     command = "elflow " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["claims"] else "elflow claims"
     run_claims(claims, args.out, seeds=seeds, minutes=minutes, steps=args.steps, num=args.num,
                base={"data": args.data}, cache_dir=args.cache_dir, device=device, quiet=not args.verbose,
-               command=command)
+               command=command, progress=not args.quiet)
     print(f"results: {Path(args.out) / 'claims.json'}, {Path(args.out) / 'claims.md'}; one plot per claim there")
     return 0
