@@ -342,7 +342,7 @@ def draw_samples(net, space, recipe, num: int, length: int, steps: int = 32, sam
 
 def measure(name: str, spec: dict, cfg, run_dir: Path, train_rec: dict, rows: int, num: int, cache_dir=None) -> dict:
     from elflow.checkpoint import load_for_sampling
-    from elflow.data import build_dataset
+    from elflow.ingest import build_dataset
     from elflow.diagnostics import validation_report, word_stats
     from elflow.encoders import latent_moments
     from elflow.flow import Recipe
@@ -382,7 +382,7 @@ def rank_floors(spaces=("minilm", "random-table:minilm"), length: int = 64, rows
     one Linear(hidden -> dim), so x_pred lies in an affine subspace of rank <= hidden: its squared error per
     dimension is at least the held-out variance of x outside x's top-`hidden` principal components, and the
     v-space loss multiplies that by 1 / max(1 - t, t_eps)^2, whose mean over t uniform in [0.5, 1) is 76."""
-    from elflow.data import build_dataset
+    from elflow.ingest import build_dataset
     from elflow.encoders import build_space
     from elflow.flow import Recipe
     from elflow.encoders import space_spec
@@ -413,7 +413,7 @@ def trained_run(name: str, cfg, work: Path) -> Path:
 def measured_run(name: str, work: Path, cache_dir=None) -> SimpleNamespace:
     """A measured configuration's trained network (EMA, CPU) with its space, recipe and data splits."""
     from elflow.checkpoint import load_for_sampling
-    from elflow.data import build_dataset
+    from elflow.ingest import build_dataset
     from elflow.flow import Recipe
 
     cfg = train_config(CONFIGS[name], 100)

@@ -225,7 +225,7 @@ def test_a_few_steps_of_the_trainer_lower_the_heldout_loss(name, tmp_path, tiny_
     """15 steps of the one trainer (elflow.train.train) on the tiny corpus's token ids: the held-out loss of the
     trained weights falls well below that of an untrained network of the same shape, which is near uniform."""
     from elflow.checkpoint import load
-    from elflow.data import build_dataset
+    from elflow.ingest import build_dataset
     from elflow.encoders import build_space
     from elflow.train import TrainConfig, train
 

@@ -13,8 +13,6 @@ from elflow import data
 from elflow.data import (
     Batches,
     TokenDataset,
-    build_dataset,
-    build_pairs,
     builtin_corpus,
     clean_gutenberg,
     layout_documents,
@@ -25,30 +23,10 @@ from elflow.data import (
     read_documents,
     read_pairs,
 )
+from elflow.ingest import build_dataset, build_pairs
 from elflow.utils import ELFError
 
-from helpers import MISSING_DATA
-
-EOS = 1
-
-
-class CharSpace:
-    """A stand-in space for layout tests: one token per character (ord + 10), EOS = 1, pad = EOS."""
-
-    eos_id = pad_id = EOS
-    tokenizer_id = "chars-v1"
-
-    def __init__(self, max_length=None):
-        self.max_length = max_length
-        self.calls = 0
-
-    def tokenize(self, texts):
-        self.calls += 1
-        return [[ord(c) + 10 for c in t] + [EOS] for t in texts]
-
-    def check_length(self, length):
-        if self.max_length is not None and length > self.max_length:
-            raise ELFError(f"sequence length {length} is longer than the encoder accepts ({self.max_length})")
+from helpers import EOS, MISSING_DATA, CharSpace
 
 
 def _ids(text):
@@ -350,14 +328,15 @@ def test_tokenization_cache(tmp_path):
     assert space.calls == 1 and t2.info["cache"] == "hit"  # no tokenization the second time
     assert torch.equal(t1.tokens, t2.tokens) and t2.tokens.dtype == torch.long
     assert torch.equal(t1.mask, t2.mask) and t2.mask.dtype == torch.bool
-    files = list((tmp_path / "c" / "tokens").iterdir())
-    assert len(files) == 1 and files[0].suffix == ".safetensors"  # no temporary files left behind
-    build_dataset(path, space, 8, layout="document", val_fraction=0, cache_dir=tmp_path / "c")  # other layout
-    build_dataset(path, space, 9, cache_dir=tmp_path / "c")  # other length: other key
-    assert space.calls == 3
+    stores = [p for p in (tmp_path / "c" / "stores").iterdir() if p.is_dir()]
+    assert len(stores) == 1 and sorted(p.name for p in stores[0].iterdir()) == ["ids.bin", "manifest.json",
+                                                                              "offsets.bin"]  # nothing partial left
+    build_dataset(path, space, 8, layout="document", val_fraction=0, cache_dir=tmp_path / "c")  # same store
+    build_dataset(path, space, 9, cache_dir=tmp_path / "c")  # other length: same store
+    assert space.calls == 1
     path.write_text(path.read_text() + "one more line\n")  # the corpus changed
     build_dataset(path, space, 8, cache_dir=tmp_path / "c")
-    assert space.calls == 4
+    assert space.calls == 2
     other = CharSpace()
     other.tokenizer_id = "chars-v2"  # another tokenizer
     build_dataset(path, other, 8, cache_dir=tmp_path / "c")
@@ -367,12 +346,12 @@ def test_tokenization_cache(tmp_path):
 def test_damaged_cache_is_rebuilt(tmp_path, capsys):
     path = _corpus(tmp_path)
     space = CharSpace()
-    t1, _ = build_dataset(path, space, 8, cache_dir=tmp_path)
-    cache_file = next((tmp_path / "tokens").iterdir())
-    cache_file.write_bytes(cache_file.read_bytes()[:50])
+    t1 = build_dataset(path, space, 8, cache_dir=tmp_path)[0].tokens  # read before the file is damaged under it
+    ids = next(p for p in (tmp_path / "stores").iterdir() if p.is_dir()) / "ids.bin"
+    ids.write_bytes(ids.read_bytes()[:50])
     t2, _ = build_dataset(path, space, 8, cache_dir=tmp_path)
-    assert space.calls == 2 and torch.equal(t1.tokens, t2.tokens)
-    assert "unreadable token cache" in capsys.readouterr().err
+    assert space.calls == 2 and torch.equal(t1, t2.tokens)
+    assert "damaged cached store" in capsys.readouterr().err
 
 
 def test_document_dataset(tmp_path):

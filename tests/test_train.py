@@ -300,7 +300,7 @@ def test_gaussian_skip_run_carries_the_training_moments(tmp_path, tiny_t5_dir, t
     exactly."""
     from elflow.checkpoint import load_for_sampling
     from elflow.cli import main
-    from elflow.data import build_dataset
+    from elflow.ingest import build_dataset
 
     run, cache = tmp_path / "skip", tmp_path / "cache"
     args = ["train", "--preset", "tiny", "--data", str(tiny_corpus_file), "--space", f"t5:{tiny_t5_dir}",

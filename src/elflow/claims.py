@@ -294,7 +294,7 @@ class Harness:
     def judge(self):
         if self._judge is None:
             from elflow.compare import _row_documents, cached_judge
-            from elflow.data import build_dataset
+            from elflow.ingest import build_dataset
             from elflow.encoders import build_space, space_spec
             from elflow.evaluate import load_judge
 
@@ -317,7 +317,7 @@ class Harness:
         """The variant's figures at `seed` (cached beside its run, keyed by the sampler settings)."""
         from elflow.checkpoint import load_for_sampling
         from elflow.compare import judge_texts
-        from elflow.data import build_dataset
+        from elflow.ingest import build_dataset
         from elflow.diagnostics import validation_report
         from elflow.evaluate import sample_and_score
         from elflow.flow import Recipe

@@ -16,6 +16,7 @@ from elflow.utils import ELFError
 # name -> (module, one-line help). Order is the order shown by `elflow --help`.
 COMMANDS: dict[str, tuple[str, str]] = {
     "quickstart": ("elflow.quickstart", "the offline default: fetch the corpus, train the demo model, sample and report"),
+    "prepare": ("elflow.prepare", "tokenize a corpus once into a memory-mapped token store (train --data STORE)"),
     "train": ("elflow.train", "train an ELF model, or an AR / MDLM baseline (alone or under torchrun)"),
     "sample": ("elflow.sample", "generate text from a run, a checkpoint or a released model"),
     "view": ("elflow.viewer", "a sampling trajectory (sample --trajectory) as one self-contained HTML page"),

@@ -139,7 +139,7 @@ def compare(cfg, out, steps: int | None = None, minutes: float | None = None, nu
     judge: None (train or reuse the cached judge), a folder or hub id for evaluate.load_judge, or a
     (model, tokenizer) pair. Returns {"rows", "methods", "budget", "judge", "out"}."""
     from elflow.checkpoint import load_for_sampling
-    from elflow.data import build_dataset
+    from elflow.ingest import build_dataset
     from elflow.evaluate import sample_and_score
     from elflow.train import train
     from elflow.utils import check_device

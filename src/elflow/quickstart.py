@@ -92,7 +92,7 @@ def report(run_dir, sampler: str = DEMO_SAMPLER, steps: int = DEMO_SAMPLE_STEPS,
            seed: int = 0, cache_dir=None, printer=print) -> dict:
     """Samples and learning figures for a trained run; written to <run>/report.json and samples.jsonl."""
     from elflow.checkpoint import load_for_sampling
-    from elflow.data import build_dataset
+    from elflow.ingest import build_dataset
     from elflow.diagnostics import corpus_vocabulary, validation_report, word_stats
     from elflow.evaluate import sample_and_score
     from elflow.generate import settings_for
@@ -234,7 +234,7 @@ def distillation_report(teacher_dir, rounds: dict, num: int = 32, seed: int = 0,
     """Teacher and students side by side on held-out figures: decode accuracy of each network, and the word
     statistics of its samples at 1, 2 and 4 steps (students at their own step count) beside real text."""
     from elflow.checkpoint import load_for_sampling
-    from elflow.data import build_dataset
+    from elflow.ingest import build_dataset
     from elflow.diagnostics import corpus_vocabulary, validation_report, word_stats
     from elflow.evaluate import sample_and_score
     from elflow.generate import distilled_defaults, settings_for

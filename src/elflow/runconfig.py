@@ -95,8 +95,9 @@ class TrainConfig(Record):
                                      "parameter", choices=OPTIMIZERS)
     weight_decay: float = setting(0.0, "decoupled weight decay of the optimiser (0 in the paper's recipe)",
                                   check=AT_LEAST_0)
-    data: str = setting("builtin", "'builtin' (Shakespeare), a .txt file or folder, a .jsonl file, or a hub "
-                                   "dataset name")
+    data: str = setting("builtin", "a token store made by `elflow prepare`, or 'builtin' (Shakespeare), a .txt "
+                                   "file or folder, a .jsonl file or a hub dataset name (prepared once into a "
+                                   "store in the cache)")
     text_field: str = setting("text", "the text field of .jsonl / hub records", flag="--field")
     on_bad: str = setting("stop", "empty, binary or non-UTF-8 files and bad jsonl lines: stop with an error, or "
                                   "skip them with a warning", choices=("stop", "skip"))

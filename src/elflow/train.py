@@ -210,8 +210,9 @@ def setup_run(cfg: TrainConfig, method: Method, rank: int, world: int, local: in
 
 
 def training_data(cfg: TrainConfig, space, length: int, cache_dir=None):
-    """The training split of the run's data in `space`: (source, target) pairs or text, as data.TokenDataset."""
-    from elflow.data import build_dataset, build_pairs
+    """The training split of the run's data in `space`: (source, target) pairs or text, rows read from the
+    data's token store (`elflow.ingest`: the store itself, or one prepared once into the cache)."""
+    from elflow.ingest import build_dataset, build_pairs
 
     if cfg.source_length:
         train_set, _ = build_pairs(cfg.data, space, cfg.source_length, length, val_fraction=cfg.val_fraction,
