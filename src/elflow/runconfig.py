@@ -229,6 +229,10 @@ class TrainConfig(Record):
                 ok, what = meta["check"]
                 if not isinstance(v, (int, float)) or not ok(v):
                     raise ELFError(f"{flag} must be a number {what}, got {v!r}")
+        for key, (_, _, check, _) in NESTED_FLAGS.items():
+            d = getattr(self, key[0])
+            if check and key[1] in d and d[key[1]] is not None and not check[0](d[key[1]]):
+                raise ELFError(f"--{key[1].replace('_', '-')} must be a number {check[1]}, got {d[key[1]]!r}")
         check_run(self)
         if self.optimizer == "adamw":
             for name, flag in (("adam_heads", "--adam-heads"), ("ns_method", "--ns-method")):
@@ -237,10 +241,6 @@ class TrainConfig(Record):
         if self.source_length is not None and self.length is not None and self.source_length >= self.length:
             raise ELFError(f"--source-length {self.source_length} leaves no room for a target in --length "
                            f"{self.length}; use a longer --length or a shorter --source-length")
-        for key, (_, _, check, _) in NESTED_FLAGS.items():
-            d = getattr(self, key[0])
-            if check and key[1] in d and d[key[1]] is not None and not check[0](d[key[1]]):
-                raise ELFError(f"--{key[1].replace('_', '-')} must be a number {check[1]}, got {d[key[1]]!r}")
         try:
             Recipe.from_dict(self.recipe)
         except ValueError as e:
