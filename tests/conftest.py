@@ -70,6 +70,20 @@ def tiny_t5_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_t5_judge_dir(tmp_path_factory, tiny_t5_dir) -> Path:
+    """A tiny causal LM over the tiny T5 tokenizer, saved as a judge folder."""
+    import torch
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+    folder = tmp_path_factory.mktemp("judge")
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=320, n_positions=64, bos_token_id=1,
+                               eos_token_id=1)).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(tiny_t5_dir).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
 def tiny_corpus_file(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("tiny_corpus") / "corpus.txt"
     path.write_text(tiny_corpus_text(400, seed=1))

@@ -43,16 +43,8 @@ def runs(tmp_path_factory, tiny_t5_dir, tiny_corpus_file, cache):
 
 
 @pytest.fixture(scope="module")
-def judge_dir(tmp_path_factory, tiny_t5_dir):
-    """A tiny causal LM over the tiny T5 tokenizer, saved as a judge folder."""
-    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
-
-    folder = tmp_path_factory.mktemp("judge")
-    torch.manual_seed(0)
-    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=320, n_positions=64, bos_token_id=1,
-                               eos_token_id=1)).save_pretrained(folder)
-    AutoTokenizer.from_pretrained(tiny_t5_dir).save_pretrained(folder)
-    return folder
+def judge_dir(tiny_t5_judge_dir):
+    return tiny_t5_judge_dir
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -138,13 +130,14 @@ def test_sample_cli_draws_with_the_baselines_own_sampler(runs, method, flags, tm
     assert main(["sample", str(runs[method]), *flags, "--num", "3", "--seed", "5", "--quiet", "--out", str(out)]) == 0
     recs = [json.loads(x) for x in out.read_text().splitlines()]
     assert [r["index"] for r in recs] == [0, 1, 2] and all(r["method"] == method and r["seed"] == 5 for r in recs)
-    # the same draws by hand: the EMA weights, the module's sampler, one generator seeded 5, the tokenizer
+    # the same draws by hand: the EMA weights, the module's sampler, the generator of batch 0 of seed 5 (seeded
+    # 5 x 100,003 + 0, as every sampler seeds its batches: generate.sample_batches), the tokenizer
     state = json.loads((runs[method] / "checkpoints" / "step_0000004" / "state.json").read_text())
     module = MODULES[method]
     net = module.build(TokenLMConfig(**state["model"]), type("V", (), {"vocab_size": 300})())
     net.load_state_dict(load_file(runs[method] / "checkpoints" / "step_0000004" / "ema.safetensors"))
     settings = (ar.ARSampling(temperature=0.8, top_p=0.9) if method == "ar" else mdlm.MDLMSampling(steps=4))
-    ids = module.sample_tokens(net.eval(), 3, 16, settings, torch.Generator().manual_seed(5)).tolist()
+    ids = module.sample_tokens(net.eval(), 3, 16, settings, torch.Generator().manual_seed(5 * 100_003)).tolist()
     tok = AutoTokenizer.from_pretrained(tiny_t5_dir)
     texts = tok.batch_decode([row[: row.index(1)] if 1 in row else row for row in ids], skip_special_tokens=True)
     assert [r["text"] for r in recs] == texts

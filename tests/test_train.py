@@ -180,7 +180,7 @@ def test_a_compiled_pass_takes_the_same_step(tiny_t5_dir):
         model = torch.compile(model, backend="eager") if compiled else model
         for step in range(2):
             m = train_step(model, shards, opt, EMA(net, 0.9), step, 0, 0, "fp32")
-            assert "nonfinite" not in m and m["decode_n"] + m["denoise_n"] == 4
+            assert m["nonfinite"] == 0 and m["decode_n"] + m["denoise_n"] == 4
         weights.append(net.state_dict())
     assert all(torch.allclose(weights[0][k], weights[1][k], atol=1e-6) for k in weights[0])
 
@@ -199,7 +199,8 @@ def test_bad_input_is_refused_without_touching_the_run(uninterrupted, tmp_path, 
         train(cfg_for(tiny_t5_dir, tiny_corpus_file, micro_batch=3), tmp_path / "b", cache_dir=cache, quiet=True)
 
 
-def test_nonfinite_step_does_not_update(tiny_t5_dir):
+def test_a_nonfinite_step_is_flagged_on_the_device(tiny_t5_dir):
+    """train_step reads nothing on the host: a step whose gradient is not finite says so in its sums."""
     from elflow.encoders import build_space
     from elflow.flow import Recipe
     from elflow.model import ELF, get_config
@@ -209,16 +210,38 @@ def test_nonfinite_step_does_not_update(tiny_t5_dir):
 
     space = build_space({"kind": "t5", "name": str(tiny_t5_dir), "latent_std": 0.2})
     net = ELF(get_config("tiny", dim=space.dim, vocab_size=space.vocab_size, max_length=16))
-    with torch.no_grad():
-        net.x_head.weight.fill_(float("nan"))
-    before = {k: v.clone() for k, v in net.state_dict().items()}
     opt = ELFOptimizer(net.named_parameters(), lr=1e-2)
     shards = [{"tokens": torch.randint(3, 200, (4, 16)), "mask": torch.ones(4, 16, dtype=torch.bool)}]
-    m = train_step(TrainedPass(get_method("elf"), net, space, Recipe(decode_prob=0.0)), shards, opt, EMA(net, 0.9),
-                   0, 0, 0, "fp32")
-    assert "nonfinite" in m
-    after = net.state_dict()
-    assert all(torch.equal(before[k], after[k]) or torch.isnan(before[k]).any() for k in before)
+    model = TrainedPass(get_method("elf"), net, space, Recipe(decode_prob=0.0))
+    assert train_step(model, shards, opt, EMA(net, 0.9), 0, 0, 0, "fp32")["nonfinite"] == 0
+    with torch.no_grad():
+        net.x_head.weight.fill_(float("nan"))
+    assert train_step(model, shards, opt, EMA(net, 0.9), 1, 0, 0, "fp32")["nonfinite"] == 1
+
+
+def test_a_nonfinite_step_stops_the_run_before_anything_of_it_is_saved(uninterrupted, tmp_path, tiny_t5_dir,
+                                                                       tiny_corpus_file, monkeypatch):
+    """The loop reads the non-finite flag with the log and before every checkpoint: a step that is not finite
+    stops the run with the last good checkpoint named, and nothing after it is written."""
+    import elflow.train as train_module
+
+    _, cache, _ = uninterrupted
+    real = train_module.finish_step
+
+    def poisoned(model, net, totals, *a, **k):  # step 5 (0-based 4) has a non-finite gradient
+        out = real(model, net, totals, *a, **k)
+        if len(calls) == 4:
+            out["nonfinite"] = torch.ones(())
+        calls.append(1)
+        return out
+
+    calls = []
+    monkeypatch.setattr(train_module, "finish_step", poisoned)
+    run = tmp_path / "run"
+    with pytest.raises(ELFError, match=r"non-finite loss or gradient in steps 4\.\.6.*step_0000003"):
+        train(cfg_for(tiny_t5_dir, tiny_corpus_file, log_every=3), run, cache_dir=cache, quiet=True)
+    assert [p.name for p in list_checkpoints(run)] == ["step_0000003"]
+    assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [3]
 
 
 def test_sample_cli_is_reproducible_and_writes_jsonl(uninterrupted, tmp_path):

@@ -26,9 +26,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from elflow.flow import Recipe, _index, decode_levels, euler_step
+from elflow.flow import Recipe, decode_levels, euler_step, row_index, to_device, token_nll
 from elflow.generate import distilled_defaults
 from elflow.schedules import T_MEAN, T_STD, sample_guidance, sample_time
 from elflow.utils import ELFError, atomic_write_json
@@ -111,7 +110,8 @@ def sample_sub_step_times(t_s, t_t, steps: int, generator: torch.Generator | Non
 
 @dataclass
 class DistillDraw:
-    """All randomness of one distillation batch (discrete choices on the CPU, as in flow.Draw)."""
+    """All randomness of one distillation batch, on the data's device (discrete choices drawn on the CPU and
+    their rows found there, as in flow.Draw)."""
 
     t: torch.Tensor  # (B,) student time t_s (1 on decode rows)
     t_next: torch.Tensor  # (B,) t_t = t_s + s (1 on decode rows)
@@ -119,9 +119,12 @@ class DistillDraw:
     eps: torch.Tensor  # (B, L, C) standard normal
     p: torch.Tensor  # (B, L, 1) decode corruption level
     sub_times: torch.Tensor  # (B, K + 1) the teacher's sub-step times
-    decode: torch.Tensor  # (B,) bool, CPU
-    self_cond: torch.Tensor  # (B,) bool, CPU, never on decode rows
-    drop_source: torch.Tensor  # (B,) bool, CPU: always False (the source stays in distillation)
+    decode: torch.Tensor  # (B,) bool
+    self_cond: torch.Tensor  # (B,) bool, never on decode rows
+    drop_source: torch.Tensor  # (B,) bool: always False (the source stays in distillation)
+    decode_rows: torch.Tensor  # row indices (flow.row_index): decode rows,
+    self_cond_rows: torch.Tensor  # self-conditioned rows,
+    distill_rows: torch.Tensor  # and the other rows, whose target the teacher gives
 
 
 def draw_distill_noise(shape, recipe: Recipe, step_size: float, teacher_steps: int,
@@ -139,11 +142,13 @@ def draw_distill_noise(shape, recipe: Recipe, step_size: float, teacher_steps: i
     t_s = u * max(1.0 - step_size, STEP_SIZE_FLOOR)
     t_t = t_s + step_size
     sub = sample_sub_step_times(t_s, t_t, teacher_steps, generator)
-    dec = decode.to(device)
-    t_s = torch.where(dec, torch.ones_like(t_s), t_s)
-    t_t = torch.where(dec, torch.ones_like(t_t), t_t)
+    rows = {"decode_rows": row_index(decode, device), "self_cond_rows": row_index(self_cond, device),
+            "distill_rows": row_index(~decode, device)}
+    decode, self_cond = to_device(decode, device), to_device(self_cond, device)
+    t_s = torch.where(decode, torch.ones_like(t_s), t_s)
+    t_t = torch.where(decode, torch.ones_like(t_t), t_t)
     return DistillDraw(t=t_s, t_next=t_t, omega=omega, eps=eps, p=p, sub_times=sub, decode=decode,
-                       self_cond=self_cond, drop_source=torch.zeros(B, dtype=torch.bool))
+                       self_cond=self_cond, drop_source=torch.zeros(B, dtype=torch.bool, device=device), **rows)
 
 
 def distill_loss(student, teacher, x, tokens, draw: DistillDraw, recipe: Recipe = Recipe(), valid=None,
@@ -167,28 +172,26 @@ def distill_loss(student, teacher, x, tokens, draw: DistillDraw, recipe: Recipe 
     # the shared self-conditioning slot: x0 at known positions; the teacher's first guess on half the
     # distillation rows; zeros elsewhere (decode rows get an all-zero slot)
     slot = torch.where(kn, x, torch.zeros_like(x))
-    sc = _index(draw.self_cond, dev)
+    # (the teacher's passes run on no rows too: a row count is data, never a branch of a traced graph)
+    sc = draw.self_cond_rows
     with torch.no_grad():
-        if len(sc):
-            guess = teacher_init(teacher, z[sc], draw.t[sc], draw.omega[sc], x[sc], known[sc])
-            slot = slot.index_copy(0, sc, torch.where(kn[sc], x[sc], guess.to(slot.dtype)))
+        guess = teacher_init(teacher, z[sc], draw.t[sc], draw.omega[sc], x[sc], known[sc])
+        slot = slot.index_copy(0, sc, torch.where(kn[sc], x[sc], guess.to(slot.dtype)))
         slot = torch.where(_rows(is_dec), torch.zeros_like(slot), slot)
 
-        rows = _index(~draw.decode, dev)
-        target = torch.zeros_like(x)
-        if len(rows):
-            tgt = pd_target(teacher, z[rows], draw.t[rows], draw.t_next[rows], draw.omega[rows], slot[rows],
-                            x[rows], known[rows], teacher_steps, draw.sub_times[rows], recipe.t_eps)
-            target = target.index_copy(0, rows, tgt.to(target.dtype))
+        rows = draw.distill_rows
+        tgt = pd_target(teacher, z[rows], draw.t[rows], draw.t_next[rows], draw.omega[rows], slot[rows],
+                        x[rows], known[rows], teacher_steps, draw.sub_times[rows], recipe.t_eps)
+        target = torch.zeros_like(x).index_copy(0, rows, tgt.to(x.dtype))
 
-    dec = _index(draw.decode, dev)
+    dec = draw.decode_rows
     x_pred, logits = trained(z, draw.t, draw.omega, slot, is_dec.float(), dec)
     err = (x_pred.float() - target).pow(2).mean(-1)  # (B, L)
 
     w = (~known).float() if valid is None else (valid.to(dev, torch.bool) & ~known).float()
     n = w.sum(-1).clamp_min(1)
     distill = torch.where(is_dec, torch.zeros_like(n), (err * w).sum(-1) / n)
-    ce = F.cross_entropy(logits.float().transpose(1, 2), tokens[dec], reduction="none")  # (Bd, L)
+    ce = token_nll(logits, tokens[dec])  # (Bd, L)
     decode = torch.zeros_like(n).index_copy(0, dec, (ce * w[dec]).sum(-1) / n[dec])
     correct = torch.zeros_like(n).index_copy(0, dec, ((logits.argmax(-1) == tokens[dec]).float() * w[dec]).sum(-1))
     loss = (distill.sum() + decode.sum()) / B
@@ -339,7 +342,8 @@ def distill(teacher, out, student_steps=(16, 8, 4, 2, 1), teacher_steps: int = 6
     manifest = {"format": "elflow-distill-1", "teacher": info["checkpoint"], "teacher_space_id": info.get("space_id"),
                 "teacher_ema": info.get("ema", True), "student_steps": steps, "teacher_steps": teacher_steps,
                 "train": {k: cfg.to_dict()[k] for k in SAME_ON_RESUME}}
-    group = _process_group()  # under torchrun: one group for all rounds; rank 0 alone reads and writes OUT
+    # under torchrun: one group for all rounds; rank 0 alone reads and writes OUT
+    group = _process_group(cfg.dist_timeout)
     status = [None, None]
     if group is None or dist.get_rank() == 0:
         try:
@@ -387,13 +391,14 @@ def distill(teacher, out, student_steps=(16, 8, 4, 2, 1), teacher_steps: int = 6
     return rounds
 
 
-def _process_group():
-    """Under torchrun (WORLD_SIZE > 1) the process group every round trains in, else None."""
+def _process_group(timeout_minutes: float):
+    """Under torchrun (WORLD_SIZE > 1) the process group every round trains in (its collectives wait
+    `timeout_minutes`), else None."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return None
     from elflow.utils import setup_distributed
 
-    setup_distributed()
+    setup_distributed(timeout_minutes=timeout_minutes)
     return dist.group.WORLD
 
 

@@ -340,12 +340,14 @@ class EmbeddingSpace(nn.Module):
         return (h.float() - self.shift) / self.scale  # (B, L, D)
 
     def _attention(self, mask, device):
-        """None, a (B, L) padding mask, or an additive (B, 1, L, L) mask for a per-query pattern."""
+        """None, a (B, L) padding mask, or an additive (B, 1, L, L) mask for a per-query pattern. A padding
+        mask is passed on as it is, all ones too (the encoders give the numbers of no mask then), so that
+        encoding reads no value on the host."""
         if mask is None:
             return None
         mask = mask.to(device=device, dtype=torch.bool)
         if mask.dim() == 2:
-            return None if bool(mask.all()) else mask.long()
+            return mask.long()
         dtype = self._compute_dtype()
         additive = torch.zeros(mask.shape[0], 1, *mask.shape[1:], dtype=dtype, device=device)
         return additive.masked_fill(~mask[:, None], torch.finfo(dtype).min)

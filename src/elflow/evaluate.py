@@ -31,7 +31,7 @@ from typing import Iterable, Sequence
 import torch
 import torch.nn.functional as F
 
-from elflow.utils import ELFError, atomic_write_json, check_device, check_output, hub_reachable
+from elflow.utils import ELFError, atomic_write_json, check_device, check_output, hub_reachable, process_group
 
 __all__ = [
     "sample_and_score",
@@ -246,8 +246,11 @@ def judge_context(model, tokenizer) -> int:
 
 @torch.no_grad()
 def generative_perplexity(texts: Iterable[str], model, tokenizer, batch_size: int = 8, protocol: str = "elf",
-                          max_length: int | None = None, progress: bool = False) -> dict:
+                          max_length: int | None = None, progress: bool = False,
+                          part: tuple[int, int] = (0, 1)) -> dict:
     """Generative perplexity and mean unigram entropy of `texts` under a causal LM `model` (see module doc).
+    `part` = (rank, ranks) under torchrun: every rank judges every ranks-th batch of the same batches one
+    process would judge, and the per-sample sums are added up over the ranks (every rank gets the result).
 
     Returns gen_ppl, entropy, num_samples (scored), num_empty (skipped), num_tokens (sum of target weights),
     nll_sum, num_truncated, seq_len (the common padded length), max_length, protocol, judge_dtype, and
@@ -292,7 +295,9 @@ def generative_perplexity(texts: Iterable[str], model, tokenizer, batch_size: in
     device = next(model.parameters()).device
     order = torch.argsort(lengths, descending=True, stable=True)
     nll_sum = torch.zeros(len(seqs), dtype=torch.float64)
-    for start in tqdm(range(0, len(seqs), batch_size), disable=not progress, desc="judging", unit="batch"):
+    rank, world = part
+    mine = range(rank * batch_size, len(seqs), world * batch_size)
+    for start in tqdm(mine, disable=not progress, desc="judging", unit="batch"):
         idx = order[start:start + batch_size]
         width = min(int(lengths[idx].max()) + 1, L)
         rows = ids[idx, :width].to(device)  # (b, width)
@@ -302,6 +307,12 @@ def generative_perplexity(texts: Iterable[str], model, tokenizer, batch_size: in
         w = weights[idx, :width - 1].to(device)
         nll = torch.where(w > 0, nll, torch.zeros_like(nll))  # a masked pad position may hold inf/nan
         nll_sum[idx] = (nll.double() * w).sum(-1).cpu()
+    if world > 1:  # each sample's sum comes from one rank, zeros from the others: the sum is exact
+        import torch.distributed as dist
+
+        summed = nll_sum.to(device)
+        dist.all_reduce(summed)
+        nll_sum = summed.cpu()
     tokens = weights.sum(-1)  # (N,)
     total_nll, total_tokens = float(nll_sum.sum()), int(tokens.sum())
     gen_ppl = math.exp(total_nll / total_tokens) if total_tokens > 0 else float("nan")
@@ -317,24 +328,29 @@ def generative_perplexity(texts: Iterable[str], model, tokenizer, batch_size: in
 
 def sample_and_score(method, net, space, num: int, settings, score, path=None, meta: dict | None = None,
                      length: int | None = None, references=None, progress: bool = False, overwrite: bool = True,
-                     **known) -> tuple[list[dict], dict]:
+                     part: tuple[int, int] = (0, 1), **known) -> tuple[list[dict], dict]:
     """Sample, write, judge: `num` samples of `net` with `settings` (its method's, elflow.methods: an ELF model's
     SamplingSettings or a baseline's BaselineSampling; `known`: sources, prompt, suffix), each with its
     reference if given, written to `path` (if any) with the settings and `meta` (generate.write_samples), and
-    `score(texts)`. Returns (records, the score)."""
-    from elflow.generate import write_samples
+    `score(texts)`. Returns (records, the score). `part` = (rank, ranks) under torchrun: each rank draws its
+    batches, every rank gets all the records (rank 0 alone writes them) and scores them (a sharded judge)."""
+    from elflow.generate import gather_records, write_samples
 
-    records = method.sample(net, space, num, settings, length, progress=progress, **known)
+    records = method.sample(net, space, num, settings, length, progress=progress and part[0] == 0, part=part,
+                            **known)
+    records = gather_records(records, part[1])
     for r, ref in zip(records, references or []):
         r["reference"] = ref
-    if path is not None:
+    if path is not None and part[0] == 0:
         write_samples(path, records, {**settings.to_dict(), **(meta or {})}, overwrite=overwrite)
     return records, score([r["text"] for r in records])
 
 
-def judge_score(model, tokenizer, batch_size: int = 8, protocol: str = "elf", max_length=None):
+def judge_score(model, tokenizer, batch_size: int = 8, protocol: str = "elf", max_length=None,
+                part: tuple[int, int] = (0, 1)):
     """A `score` for sample_and_score: the generative_perplexity result without its per-sample lists."""
-    return lambda texts: _public(generative_perplexity(texts, model, tokenizer, batch_size, protocol, max_length))
+    return lambda texts: _public(generative_perplexity(texts, model, tokenizer, batch_size, protocol, max_length,
+                                                       part=part))
 
 
 def plot_tradeoff(curves: list[dict], path, title: str, xlabel: str, ylabel: str, reference=(),
@@ -415,7 +431,9 @@ def add_arguments(p) -> None:
     o.add_argument("--report", default=None, help="report file (default: next to the samples, or in --out)")
     s = p.add_argument_group("generate first (instead of SAMPLES)")
     s.add_argument("--checkpoint", default=None, help="run folder, checkpoint or hub id to sample from")
-    s.add_argument("--num", type=int, default=1000, help="samples per seed (conditional tasks: examples)")
+    s.add_argument("--num", "--num-samples", type=int, default=1000,
+                   help="samples per seed, examples for conditional tasks (default 1000); under torchrun spell it "
+                        "--num-samples")
     s.add_argument("--length", type=int, default=None, help="sequence length (default: the model's)")
     add_sampling_arguments(s)
     s.add_argument("--seeds", type=int, nargs="+", default=None,
@@ -512,7 +530,7 @@ def _validation_pairs(task: str, num: int, source_field: str, reference_field: s
     return sources[:num], refs[:num]
 
 
-def _run_conditional_task(args) -> int:
+def _run_conditional_task(args, part: tuple[int, int] = (0, 1)) -> int:
     from elflow.checkpoint import load_for_sampling
     from elflow.data import PAIR_TASKS
     from elflow.methods import get_method, settings_from_args
@@ -542,11 +560,12 @@ def _run_conditional_task(args) -> int:
     records, (res, summary) = sample_and_score(
         get_method(loaded.method), loaded.net, space, len(sources), settings, lambda texts: _score(metric, texts, refs),
         samples_path, {"checkpoint": str(args.checkpoint)}, args.length, refs, progress=not args.json,
-        overwrite=args.overwrite, sources=sources, source_length=loaded.settings["source_length"])
+        overwrite=args.overwrite, part=part, sources=sources, source_length=loaded.settings["source_length"])
     report = {"task": task, "metric": metric, **res, "num_examples": len(records), **settings.to_dict(),
               "checkpoint": str(args.checkpoint), "samples": str(samples_path), "seconds": time.time() - t0}
-    _emit(report, report_path, args.json, f"{summary}  ({len(records)} examples, {settings.sampler}, "
-          f"{settings.steps} steps, guidance {settings.guidance:g}, omega {settings.omega:g})")
+    if part[0] == 0:
+        _emit(report, report_path, args.json, f"{summary}  ({len(records)} examples, {settings.sampler}, "
+              f"{settings.steps} steps, guidance {settings.guidance:g}, omega {settings.omega:g})")
     return 0
 
 
@@ -554,11 +573,18 @@ def run(args) -> int:
     args.device = check_device(args.device)
     if args.task in TEXT_TASKS:
         return _run_text_task(args)
-    if args.task != "unconditional":
-        return _run_conditional_task(args)
-    if (args.samples is None) == (args.checkpoint is None):
+    if args.task == "unconditional" and (args.samples is None) == (args.checkpoint is None):
         raise ELFError("pass either SAMPLES.jsonl to judge, or --checkpoint RUN to sample first (not both)")
+    with process_group(args.device) as (rank, world, device):  # under torchrun: sampling and judging sharded
+        args.device = str(device)
+        if args.task != "unconditional":
+            return _run_conditional_task(args, (rank, world))
+        return _run_unconditional(args, (rank, world))
+
+
+def _run_unconditional(args, part: tuple[int, int]) -> int:
     t0 = time.time()
+    main = part[0] == 0
     if args.samples is not None:
         texts = read_texts(args.samples, args.field)  # before loading the judge: fail fast on bad input
         _check_texts(texts, args.samples)
@@ -566,11 +592,12 @@ def run(args) -> int:
                      args.overwrite, "--report")
         model, tok = load_judge(args.judge, args.judge_dtype, args.device)
         res = generative_perplexity(texts, model, tok, args.batch_size, args.protocol, args.max_length,
-                                    progress=not args.json)
+                                    progress=not args.json and main, part=part)
         _check_result(res, args.samples)
         report = {**_public(res), **_settings(args), "samples": str(args.samples), "seconds": time.time() - t0}
         path = Path(args.report) if args.report else Path(args.samples).with_suffix(".eval.json")
-        _emit(report, path, args.json, _format(res))
+        if main:
+            _emit(report, path, args.json, _format(res))
         return 0
 
     from elflow.checkpoint import load_for_sampling
@@ -587,15 +614,15 @@ def run(args) -> int:
     for path in [report_path] + [out / f"samples_seed{seed}.jsonl" for seed in seeds]:
         check_output(path, args.overwrite)
     model, tok = load_judge(args.judge, args.judge_dtype, args.device)
-    judge = judge_score(model, tok, args.batch_size, args.protocol, args.max_length)
+    judge = judge_score(model, tok, args.batch_size, args.protocol, args.max_length, part)
     per_seed = []
     for seed in seeds:
         _, res = sample_and_score(get_method(loaded.method), loaded.net, space, args.num, replace(settings, seed=seed),
                                   judge, out / f"samples_seed{seed}.jsonl", {"checkpoint": str(args.checkpoint)},
-                                  args.length, progress=not args.json)
+                                  args.length, progress=not args.json, part=part)
         _check_result(res, f"seed {seed} ({out / f'samples_seed{seed}.jsonl'})")
         per_seed.append({"seed": seed, **res})
-        if not args.json:
+        if not args.json and main:
             print(f"seed {seed}: {_format(res)}")
     ppl, ppl_se = mean_and_stderr([r["gen_ppl"] for r in per_seed])
     ent, ent_se = mean_and_stderr([r["entropy"] for r in per_seed])
@@ -608,5 +635,6 @@ def run(args) -> int:
     se = lambda x: f" +- {x:.3f}" if x is not None else ""  # noqa: E731
     summary = (f"gen_ppl {ppl:.3f}{se(ppl_se)}  entropy {ent:.4f}{se(ent_se)}  over {len(per_seed)} seed(s) "
                f"({settings.describe()})")
-    _emit(report, report_path, args.json, summary)
+    if main:
+        _emit(report, report_path, args.json, summary)
     return 0

@@ -28,7 +28,8 @@ from elflow.schedules import sample_decode_level, sample_guidance, sample_time, 
 from elflow.utils import Record
 
 __all__ = [
-    "Recipe", "Draw", "decode_levels", "draw_training_noise", "elf_loss", "TIME_BINS", "time_bin", "time_bin_labels",
+    "Recipe", "Draw", "decode_levels", "draw_training_noise", "to_device", "row_index", "token_nll", "elf_loss",
+    "TIME_BINS", "time_bin", "time_bin_labels",
     "euler_step", "ode_step", "sde_step", "SAMPLERS", "check_sampling_args", "sample", "decode_tokens",
     "generate_tokens",
 ]
@@ -78,16 +79,19 @@ TIME_BINS = (0.0, 0.1, 0.2, 0.3, 0.5, 1.0)  # edges of the time bins the denoisi
 
 @dataclass
 class Draw:
-    """All randomness of one training batch. The discrete choices live on the CPU so that selecting rows
-    needs no device-to-host sync; the continuous draws live on the data's device."""
+    """All randomness of one training batch, on the data's device. The discrete choices are drawn on the CPU
+    and the rows they select are found there (`row_index`), so that selecting rows needs no device-to-host
+    sync; they reach the device by asynchronous copies (`to_device`)."""
 
     t: torch.Tensor  # (B,) flow time (1 on decode rows)
     omega: torch.Tensor  # (B,) guidance scale
     eps: torch.Tensor  # (B, L, C) standard normal; scaled by the branch's noise scale
     p: torch.Tensor  # (B, L, 1) decode corruption level (used on decode rows)
-    decode: torch.Tensor  # (B,) bool, CPU
-    self_cond: torch.Tensor  # (B,) bool, CPU, never on decode rows
-    drop_source: torch.Tensor  # (B,) bool, CPU, conditional data only
+    decode: torch.Tensor  # (B,) bool
+    self_cond: torch.Tensor  # (B,) bool, never on decode rows
+    drop_source: torch.Tensor  # (B,) bool, conditional data only
+    decode_rows: torch.Tensor  # the indices of the decode rows (`row_index`)
+    self_cond_rows: torch.Tensor  # the indices of the self-conditioned rows
 
 
 def decode_levels(shape, recipe: Recipe, generator: torch.Generator | None = None, device=None) -> torch.Tensor:
@@ -112,12 +116,29 @@ def draw_training_noise(shape, recipe: Recipe, generator: torch.Generator | None
     omega = sample_guidance(B, generator, recipe.omega_low, recipe.omega_high).to(device)
     eps = torch.randn(B, L, C, generator=generator, device=device)
     p = decode_levels((B, L, 1), recipe, generator, device)
-    t = torch.where(decode.to(device), torch.ones_like(t), t)
-    return Draw(t=t, omega=omega, eps=eps, p=p, decode=decode, self_cond=self_cond, drop_source=drop_source)
+    rows = {"decode_rows": row_index(decode, device), "self_cond_rows": row_index(self_cond, device)}
+    decode, self_cond, drop_source = (to_device(m, device) for m in (decode, self_cond, drop_source))
+    t = torch.where(decode, torch.ones_like(t), t)
+    return Draw(t=t, omega=omega, eps=eps, p=p, decode=decode, self_cond=self_cond, drop_source=drop_source, **rows)
 
 
-def _index(mask: torch.Tensor, device) -> torch.Tensor:
-    return mask.nonzero().flatten().to(device, non_blocking=True)  # mask is on the CPU: no device sync
+def to_device(x: torch.Tensor, device) -> torch.Tensor:
+    """A CPU tensor on `device` without a host sync: on a GPU through pinned memory, copied asynchronously
+    (a copy from pageable memory waits for the GPU's queue)."""
+    if device is None:
+        return x
+    if torch.device(device).type == "cuda":
+        x = x.pin_memory()
+    return x.to(device, non_blocking=True)
+
+
+def row_index(mask: torch.Tensor, device) -> torch.Tensor:
+    """The indices of the True rows of a CPU mask, on `device`: found on the CPU (no device sync), copied
+    asynchronously (`to_device`), and marked as data-dependent in size, so that torch.compile traces one
+    graph for every row count instead of one per count."""
+    idx = to_device(mask.nonzero().flatten(), device)
+    torch._dynamo.decorators.mark_unbacked(idx, 0)
+    return idx
 
 
 def elf_loss(net, x: torch.Tensor, tokens: torch.Tensor, draw: Draw, recipe: Recipe = Recipe(),
@@ -146,15 +167,15 @@ def elf_loss(net, x: torch.Tensor, tokens: torch.Tensor, draw: Draw, recipe: Rec
     z = torch.where(pin, x, z)
 
     # self-conditioning slot: the clean source, and on self-conditioned rows the guess of a no-grad pass
+    # (run on every batch, on no rows too: the row count is data, never a branch of the traced graph)
     slot = torch.where(pin, x, torch.zeros_like(x))
-    sc = _index(draw.self_cond, dev)
-    if len(sc):
-        with torch.no_grad():
-            guess = net(z[sc], draw.t[sc], draw.omega[sc], slot[sc])
-        slot = slot.index_copy(0, sc, torch.where(pin[sc], x[sc], guess.to(x.dtype)))
+    sc = draw.self_cond_rows
+    with torch.no_grad():
+        guess = net(z[sc], draw.t[sc], draw.omega[sc], slot[sc])
+    slot = slot.index_copy(0, sc, torch.where(pin[sc], x[sc], guess.to(x.dtype)))
 
     # the trained pass, every row with its own mode gate; logits only on decode rows
-    dec = _index(draw.decode, dev)
+    dec = draw.decode_rows
     x_pred, logits = trained(z, draw.t, draw.omega, slot, is_dec.float(), dec)  # (B, L, C), (Bd, L, V)
 
     # target = v + (1 - 1/omega)(v_cond - v_uncond) on self-conditioned rows: v_cond from this pass (detached),
@@ -169,13 +190,20 @@ def elf_loss(net, x: torch.Tensor, tokens: torch.Tensor, draw: Draw, recipe: Rec
     w = (~known).float() if valid is None else (valid.to(dev, torch.bool) & ~known).float()
     n = w.sum(-1).clamp_min(1)
     denoise = torch.where(is_dec, torch.zeros_like(n), (err * w).sum(-1) / n)  # (B,)
-    ce = F.cross_entropy(logits.float().transpose(1, 2), tokens[dec], reduction="none")  # (Bd, L)
+    ce = token_nll(logits, tokens[dec])  # (Bd, L)
     decode = torch.zeros_like(n).index_copy(0, dec, (ce * w[dec]).sum(-1) / n[dec])
     correct = torch.zeros_like(n).index_copy(0, dec, ((logits.argmax(-1) == tokens[dec]).float() * w[dec]).sum(-1))
     loss = (denoise.sum() + decode.sum()) / B  # expected weights 0.8 / 0.2, as one branch per device
     rows = {"denoise": denoise.detach(), "decode": decode.detach(), "correct": correct,
             "scored": w.sum(-1) * is_dec.float()}
     return loss, rows
+
+
+def token_nll(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Per-token cross-entropy (B, L) of logits (B, L, V) in fp32: F.cross_entropy's numbers (log-softmax over
+    the classes, then the target's entry), written so that a batch of data-dependent size compiles without a
+    guard on its being empty."""
+    return -F.log_softmax(logits.float().transpose(1, 2), 1).gather(1, tokens[:, None]).squeeze(1)
 
 
 def time_bin(t: torch.Tensor) -> torch.Tensor:

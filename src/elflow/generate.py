@@ -28,8 +28,8 @@ from elflow.flow import SAMPLERS, Recipe, check_sampling_args, decode_tokens, ge
 from elflow.utils import ELFError, Record, atomic_write, autocast, check_output
 
 __all__ = ["SAMPLING_DEFAULTS", "distilled_defaults", "SamplingSettings", "ELF_KNOBS", "settings_for",
-           "conditioning", "extract_targets", "generate", "write_samples", "add_sampling_arguments",
-           "read_sources"]
+           "conditioning", "extract_targets", "sample_batches", "gather_records", "generate", "write_samples",
+           "add_sampling_arguments", "read_sources"]
 
 # the sampler settings of a model when no flag is given, by the kind of model
 SAMPLING_DEFAULTS = {
@@ -190,16 +190,39 @@ def _texts(space, ids: torch.Tensor, shown: list[list[int]]) -> list[str]:
     return space.tokenizer.batch_decode([[r[p] for p in s] for r, s in zip(rows, shown)], skip_special_tokens=True)
 
 
+def sample_batches(num: int, batch_size: int, seed: int, part: tuple[int, int] = (0, 1)):
+    """(batch number, first sample index, rows, seed) of the batches of `num` samples that rank part[0] of
+    part[1] draws: every part[1]-th batch of `batch_size` rows. Batch b draws from a generator seeded by
+    (seed, b) alone, so the batches of all ranks together are the samples of one process."""
+    rank, world = part
+    for b, start in enumerate(range(0, num, batch_size)):
+        if b % world == rank:
+            yield b, start, min(batch_size, num - start), seed * 100_003 + b
+
+
+def gather_records(records: list[dict], world: int) -> list[dict]:
+    """Every rank's records (each with its "index"), on every rank, in the order of their indices."""
+    if world > 1:
+        import torch.distributed as dist
+
+        parts = [None] * world
+        dist.all_gather_object(parts, records)
+        records = [r for part in parts for r in part]
+    return sorted(records, key=lambda r: r["index"])
+
+
 @torch.no_grad()
 def generate(net, space, num: int, settings: SamplingSettings = SamplingSettings(), length: int | None = None,
              sources: list[str] | None = None, source_length: int | None = None, prompt: str | None = None,
-             suffix: str | None = None, progress: bool = True, trajectory: set[int] | None = None) -> list[dict]:
+             suffix: str | None = None, progress: bool = True, trajectory: set[int] | None = None,
+             part: tuple[int, int] = (0, 1)) -> list[dict]:
     """`num` samples as records {"index", "text"} (+ "source"). With `trajectory` (sampling steps), each record
     of the first batch also holds "trajectory": the decode readout of the sampler's guess at those steps (at
     the last step, of the sample itself), a list of {"step", "t" (the time the guess was made at), "ids" (the
     row's ids, known positions as given), "shown" (the positions its text is made of), "known" (the positions
     held fixed), "text"}. Batch i draws from a generator seeded by (seed, i), so the same settings give the
-    same texts in any batch split of the same size."""
+    same texts in any batch split of the same size; `part` = (rank, ranks) draws only that rank's batches
+    (`sample_batches`; `gather_records` puts the ranks' records together)."""
     settings.check()
     if num < 1:
         raise ELFError(f"the number of samples must be >= 1, got {num}")
@@ -213,10 +236,11 @@ def generate(net, space, num: int, settings: SamplingSettings = SamplingSettings
 
     device = next(net.parameters()).device
     records = []
-    bar = tqdm(total=num, desc="sample", unit="text", disable=not progress, file=sys.stderr)
-    for b, start in enumerate(range(0, num, settings.batch_size)):
-        bs = min(settings.batch_size, num - start)
-        g = torch.Generator(device=device).manual_seed(settings.seed * 100_003 + b)
+    batches = list(sample_batches(num, settings.batch_size, settings.seed, part))
+    bar = tqdm(total=sum(bs for _, _, bs, _ in batches), desc="sample", unit="text", disable=not progress,
+               file=sys.stderr)
+    for b, start, bs, seed in batches:
+        g = torch.Generator(device=device).manual_seed(seed)
         batch_sources = sources[start:start + bs] if sources is not None else None
         cond = conditioning(space, length, bs, batch_sources, source_length, prompt, suffix, device)
         known_ids, known_mask, known = cond if cond is not None else (None, None, None)

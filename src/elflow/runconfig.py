@@ -21,7 +21,7 @@ from elflow.methods import MATCHES, METHOD_NAMES, check_run
 from elflow.model import CONDITIONINGS, DECODERS, PREDICTIONS, PRESETS
 from elflow.optim import ADAMW_BLR, LR_DECAYS, NS_METHODS, OPTIMIZERS, base_lr
 from elflow.shortrun import FIELDS as SHORT_RUN_FIELDS, SKIPS
-from elflow.utils import ELFError, Record
+from elflow.utils import DIST_TIMEOUT_MINUTES, ELFError, Record
 
 __all__ = ["TrainConfig", "RUN_PRESETS", "NESTED_FLAGS", "MUTABLE", "setting", "resume_conflicts",
            "add_setting_arguments", "given_settings", "mutable_flags", "with_default"]
@@ -117,7 +117,11 @@ class TrainConfig(Record):
                           choices=("packed", "document"))
     batch: int = setting(32, "global batch: rows per optimiser step over all ranks", check=AT_LEAST_1)
     micro_batch: int | None = setting(None, "rows per forward/backward; batch / (ranks x micro-batch) "
-                                            "accumulation steps", default_help="batch / ranks", check=AT_LEAST_1)
+                                            "accumulation steps. Stored with the run: a resume on another number "
+                                            "of ranks keeps it and changes the accumulation, so that the run "
+                                            "continues exactly; giving another one on --resume continues with "
+                                            "other noise", default_help="batch / ranks at the run's start",
+                                      check=AT_LEAST_1, mutable=True)
     steps: int = setting(1000, "optimiser steps (the schedule's length)", check=AT_LEAST_1, mutable=True)
     lr: float | None = setting(None, "learning rate", default_help="1e-3 x batch / 256; AdamW 5e-5 x batch / 256",
                                check=POSITIVE)
@@ -136,6 +140,12 @@ class TrainConfig(Record):
     dtype: str = setting("auto", "autocast precision; auto: bf16 on GPUs and CPUs with native bf16 matmuls, "
                                  "else fp32", choices=("auto", "bf16", "fp32"))
     compile: bool = setting(False, "torch.compile the network")
+    tf32: bool = setting(True, "TF32 matmuls for the fp32 work of a step on CUDA GPUs (the input path, the heads, "
+                               "the loss); no effect on CPUs")
+    dist_timeout: float = setting(DIST_TIMEOUT_MINUTES, "minutes a rank waits for the others under torchrun before "
+                                                        "the job fails (covers a data preparation or a download on "
+                                                        "one node while the others wait)", check=POSITIVE,
+                                  mutable=True)
     grad_checkpoint: bool = setting(False, "activation checkpointing per block")
     seed: int = setting(0, "seed of the initialisation, the data order and the noise")
     val_fraction: float = setting(0.02, "share of sequences held out for validation (0: none)", check=UNIT)

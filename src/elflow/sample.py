@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 
 from elflow.checkpoint import load_for_sampling
-from elflow.generate import add_sampling_arguments, read_sources, write_samples
+from elflow.generate import add_sampling_arguments, gather_records, read_sources, write_samples
 from elflow.methods import get_method, require, settings_from_args
-from elflow.utils import ELFError, atomic_write_json, check_device, check_output
+from elflow.utils import ELFError, atomic_write_json, check_device, check_output, process_group
 
 __all__ = ["add_arguments", "run"]
 
@@ -21,7 +21,9 @@ def add_arguments(p) -> None:
                    help="an elflow run folder or checkpoint folder, an authors' checkpoint_<step> file or its "
                         "folder, or a hub id such as embedded-language-flows/ELF-B-owt-torch")
     add_sampling_arguments(p)
-    p.add_argument("--num", type=int, default=16, help="number of samples (with --source: one per source)")
+    p.add_argument("--num", "--num-samples", type=int, default=16,
+                   help="number of samples, one per source with --source (default 16); under torchrun spell it "
+                        "--num-samples, as torchrun takes --num for its own --numa-binding")
     p.add_argument("--length", type=int, default=None, help="positions per sample (default: the model's)")
     p.add_argument("--source", default=None, metavar="FILE.jsonl|TEXT",
                    help="conditional models: the sources to translate / summarise (a .jsonl file or one text)")
@@ -56,7 +58,14 @@ def run(args) -> int:
             check_output(extra, args.overwrite)
     if args.length is not None and args.length < 1:
         raise ELFError(f"--length must be >= 1, got {args.length}")
-    loaded, space = load_for_sampling(args.checkpoint, device=args.device, space=args.encoder,
+    with process_group(args.device) as (rank, world, device):  # under torchrun: each rank draws its batches
+        records, meta, space = _sample(args, rank, world, device)
+    return 0 if rank else _write(args, records, meta, space, traj_path, page_path)
+
+
+def _sample(args, rank: int, world: int, device):
+    """(the records of every rank in index order, the settings written with them, the space)."""
+    loaded, space = load_for_sampling(args.checkpoint, device=str(device), space=args.encoder,
                                       use_ema=not args.raw_weights, max_length=args.length)
     method = get_method(loaded.method)
     settings = settings_from_args(loaded, args)
@@ -89,12 +98,18 @@ def run(args) -> int:
         if bad:
             raise ELFError(f"--trajectory steps must lie in 0..{n - 1}, got {sorted(bad)}")
     net = loaded.net
-    records = method.sample(net, space, args.num, settings, args.length, progress=not args.quiet, **known)
+    records = method.sample(net, space, args.num, settings, args.length, progress=not args.quiet and rank == 0,
+                            part=(rank, world), **known)
+    records = gather_records(records, world)
     for r, ref in zip(records, refs or []):
         if ref is not None:
             r["reference"] = ref
     meta = {**settings.to_dict(), "length": args.length or net.config.max_length, "ema": not args.raw_weights,
             "checkpoint": str(args.checkpoint), **{k: known[k] for k in ("prompt", "suffix") if k in known}}
+    return records, meta, space
+
+
+def _write(args, records, meta, space, traj_path, page_path) -> int:
     rows = [r.pop("trajectory") for r in records if "trajectory" in r]  # kept apart from the samples file
     write_samples(args.out, records, meta)
     if rows:

@@ -41,8 +41,9 @@ from elflow.optim import EMA, ELFOptimizer, lr_at
 from elflow.runconfig import RUN_PRESETS, TrainConfig, add_setting_arguments, given_settings, mutable_flags, \
     resume_conflicts, with_default
 from elflow.runfolder import DECODER_STAGE, RunFolder, RunLogger, check_run_dir, no_space, plot_losses, stored_config
-from elflow.utils import (ELFError, atomic_write_json, autocast, check_device, check_output, no_space_error,
-                          on_rank0, resolve_dtype, setup_distributed)
+from elflow.utils import (ELFError, FolderLock, atomic_write_json, autocast, check_device, check_output,
+                          no_space_error, on_every_rank, on_rank0, process_group, resolve_dtype, setup_distributed,
+                          use_tf32)
 
 __all__ = ["TrainConfig", "RUN_PRESETS", "train", "train_step", "shard_generators", "add_arguments", "run",
            "config_from_args"]
@@ -72,8 +73,9 @@ def train_step(model, shards: list[dict], optimizer: ELFOptimizer, ema: EMA | No
     """One optimiser step over this rank's shards (gradient accumulation), for every method. `model` is a
     method's TrainedPass (under DDP or torch.compile or not). Each shard draws its randomness outside the
     pass from generators seeded by (seed, step, shard); its loss is a mean over its rows, divided by the
-    number of shards of the whole global batch. Returns the method's sums over the shards (tensors, no host
-    sync) plus the gradient norm."""
+    number of shards of the whole global batch. Returns the method's sums over the shards plus the gradient
+    norm and "nonfinite" (1 when the loss or the gradient norm is not finite), all tensors: the step reads
+    no value on the host."""
     passing = unwrap(model)
     device = device or next(passing.net.parameters()).device
     n_shards = len(shards) * world_size
@@ -93,16 +95,14 @@ def train_step(model, shards: list[dict], optimizer: ELFOptimizer, ema: EMA | No
 
 
 def finish_step(model, net, totals: dict, n_local: int, optimizer, ema, grad_clip: float, params=None) -> dict:
-    """Clip, check, step and average: the end of every method's optimiser step (no update if anything is not
-    finite)."""
+    """Clip, step, update the EMA and average: the end of every method's optimiser step. Whether the loss and
+    the gradient are finite is recorded on the device ("nonfinite"), not read: the loop reads it where it
+    reads the log (`train_loop`), and stops before anything of a step that was not finite is saved."""
     params = params if params is not None else [p for p in model.parameters() if p.requires_grad]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
     totals["grad_norm"] = grad_norm.detach()
     totals["loss"] = totals["loss"] / n_local
-    if not torch.isfinite(grad_norm) or not torch.isfinite(totals["loss"]):
-        optimizer.zero_grad()
-        totals["nonfinite"] = torch.ones(())
-        return totals
+    totals["nonfinite"] = (~(torch.isfinite(totals["grad_norm"]) & torch.isfinite(totals["loss"]))).float()
     optimizer.step()
     optimizer.zero_grad()
     if ema is not None:
@@ -113,7 +113,7 @@ def finish_step(model, net, totals: dict, n_local: int, optimizer, ema, grad_cli
 def summarize(totals: dict, n_steps: int, method: Method) -> dict:
     """Sums over steps (and ranks) -> the numbers of one log line: the mean loss and gradient norm, and the
     method's own."""
-    t = {k: v.item() if v.numel() == 1 else v.tolist() for k, v in totals.items()}
+    t = {k: v.item() if v.numel() == 1 else v.tolist() for k, v in totals.items() if k != "nonfinite"}
     rec = {"loss": t["loss"] / max(n_steps, 1), "grad_norm": t["grad_norm"] / max(n_steps, 1)}
     return {**rec, **method.summarize(t)}
 
@@ -172,10 +172,7 @@ def setup_run(cfg: TrainConfig, method: Method, rank: int, world: int, local: in
     from elflow.data import Batches
     from elflow.encoders import build_space, space_spec
 
-    micro = cfg.micro_batch or max(1, cfg.batch // world)
-    if cfg.batch % (world * micro):
-        raise ELFError(f"--batch {cfg.batch} is not divisible by world size {world} x --micro-batch {micro}; "
-                       f"choose a batch that is a multiple of {world * micro}")
+    micro = micro_batch_for(cfg, world)
     accum = cfg.batch // (world * micro)
     torch.manual_seed(cfg.seed)
     spec = space_spec(cfg.space, cfg.latent_std, cfg.space_dim, cfg.space_seed)
@@ -256,15 +253,13 @@ def start_from(run: Setup, path, quiet: bool = False) -> None:
         print(f"starting from the weights of {info['checkpoint']}", file=sys.stderr)
 
 
-def restore(run: Setup, out: Path, quiet: bool = False) -> int:
-    """Load the newest good checkpoint of `out` into the run; returns its step (0 when there is none)."""
+def restore(run: Setup, ckpt: Path | None, quiet: bool = False) -> int:
+    """Load the checkpoint `ckpt` (rank 0's choice, `claim_run`) into the run; returns its step (0 for none)."""
     from safetensors.torch import load_file
 
-    from elflow.checkpoint import latest_checkpoint, load_checkpoint, split_space_state
+    from elflow.checkpoint import load_checkpoint, split_space_state
     from elflow.encoders import check_compatible
 
-    is_main = run.rank == 0
-    ckpt = latest_checkpoint(out, warn=lambda m: is_main and print(m, file=sys.stderr))
     if ckpt is None:
         return 0
     blob = load_checkpoint(ckpt, map_location=run.device)
@@ -282,18 +277,21 @@ def restore(run: Setup, out: Path, quiet: bool = False) -> int:
         torch.cuda.set_rng_state(blob["optimizer"]["rng"]["cuda"].cpu())
     run.batches.load_state_dict(blob["state"]["data_position"])
     start = blob["state"]["step"]
-    if is_main and not quiet:
+    if run.rank == 0 and not quiet:
         print(f"resuming from {ckpt} (step {start})", file=sys.stderr)
     return start
 
 
-def save_run_checkpoint(out: Path, step: int, run: Setup) -> Path:
+def save_run_checkpoint(out: Path, step: int, run: Setup, data_position: dict | None = None) -> Path:
+    """The checkpoint of `step`; `data_position` is the data iterator's state after that step's batch (its
+    own state by default; a prefetching loop has read ahead)."""
     from elflow.checkpoint import save_checkpoint
 
     cfg = run.cfg
+    position = data_position if data_position is not None else run.batches.state_dict()
     state = {"format": "elflow-checkpoint-1", "method": run.method.name, "params": run.params,
              "train": cfg.to_dict(), **run.method.describe(run.net),
-             "space": run.space.config(), "space_id": run.space.space_id, "data_position": run.batches.state_dict(),
+             "space": run.space.config(), "space_id": run.space.space_id, "data_position": position,
              "world_size": run.world, "settings": model_settings(run)}
     rng = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -326,10 +324,76 @@ def model_settings(run: Setup) -> dict:
 # the loop
 
 
+class Prefetch:
+    """The next batches, cut into shards, read by a background thread while the current step runs: each
+    item is (shards, the data position after its batch). On a GPU the shards are in pinned memory, so that
+    the step's copies to the device do not wait for the host. Reads exactly `count` batches."""
+
+    def __init__(self, batches, count: int, micro: int, accum: int, pin: bool, depth: int = 2):
+        import queue
+        import threading
+
+        self.batches, self.count, self.micro, self.accum, self.pin = batches, count, micro, accum, pin
+        self.queue: queue.Queue = queue.Queue(maxsize=depth)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._work, name="elflow-prefetch", daemon=True)
+        self.thread.start()
+
+    def _shards(self, batch: dict) -> list[dict]:
+        m = self.micro
+        shards = [{k: (v[a * m:(a + 1) * m] if torch.is_tensor(v) else v) for k, v in batch.items()}
+                  for a in range(self.accum)]
+        if self.pin:
+            shards = [{k: v.pin_memory() if torch.is_tensor(v) else v for k, v in sh.items()} for sh in shards]
+        return shards
+
+    def _work(self) -> None:
+        import queue
+
+        for _ in range(self.count):
+            try:
+                item = (self._shards(next(self.batches)), self.batches.state_dict())
+            except BaseException as e:  # noqa: BLE001  (raised in the loop's thread by __next__)
+                item = e
+            while not self.stop.is_set():
+                try:
+                    self.queue.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            if self.stop.is_set() or isinstance(item, BaseException):
+                return
+
+    def __next__(self):
+        item = self.queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
+def _reduce(totals: dict, world: int) -> dict:
+    """Sums over ranks of the log's tensors in one all_reduce; the loss and gradient norm averaged."""
+    keys = sorted(totals)
+    flat = torch.cat([totals[k].reshape(-1).float() for k in keys])
+    dist.all_reduce(flat)
+    parts = flat.split([totals[k].numel() for k in keys])
+    return {k: p.reshape(totals[k].shape) / (world if k in ("loss", "grad_norm") else 1) for k, p in zip(keys, parts)}
+
+
 def train_loop(run: Setup, out: Path, start: int, quiet: bool = False, stop_after: int | None = None,
                on_checkpoint=None, time_limit: float | None = None) -> dict:
     """Steps start .. end of the schedule; rank 0 logs and saves. `on_checkpoint(path)` follows each save.
-    `time_limit` (seconds): end (with a checkpoint) after the first step that finishes past it."""
+    `time_limit` (seconds): end (with a checkpoint) after the first step that finishes past it (under
+    several ranks, the first logging step past it).
+
+    A step reads nothing on the host. The loop reads the device's numbers where it must: on logging steps
+    (the log's sums, reduced over ranks in one all_reduce, and with them whether any step since the last
+    reading was not finite), and before a checkpoint or samples; a step that was not finite stops the run
+    there, before anything of it is saved."""
     cfg, world, rank, device, micro = run.cfg, run.world, run.rank, run.device, run.micro
     is_main = rank == 0
     # the trained pass as a module's forward (the space's encode inside it), for torch.compile and DDP
@@ -347,47 +411,46 @@ def train_loop(run: Setup, out: Path, start: int, quiet: bool = False, stop_afte
     log = RunLogger(out, run.steps, start, is_main, cfg.tensorboard, show=not quiet)
     tokens_per_step = cfg.batch * run.length
     totals, n_logged, t_log = {}, 0, time.perf_counter()
-    last_good = None
+    last_good, checked = None, start  # the last checkpoint written; the last step known to be finite
     end = run.steps if stop_after is None else min(run.steps, start + stop_after)
     summary = {"start_step": start}
     t_start = time.perf_counter()
+    batches = Prefetch(run.batches, end - start, micro, run.accum, pin=device.type == "cuda")
+
+    def stop_if_nonfinite(nonfinite, done):
+        nonlocal checked
+        if nonfinite is not None and nonfinite.item():
+            what = f"at step {done}" if done == checked + 1 else f"in steps {checked + 1}..{done}"
+            raise ELFError(f"non-finite loss or gradient {what}; stopping without saving. The last good "
+                           f"checkpoint is {last_good or 'none (no checkpoint was saved yet)'}; try a lower --lr "
+                           "or --dtype fp32, then --resume.")
+        checked = done
+
     try:
         for step in range(start, end):
             run.optimizer.set_lr(run.lr_at(step))
-            global_batch = next(run.batches)
-            shards = [{k: (v[a * micro:(a + 1) * micro] if torch.is_tensor(v) else v)
-                       for k, v in global_batch.items()} for a in range(run.accum)]
+            shards, position = next(batches)
             m = train_step(model, shards, run.optimizer, run.ema, step, cfg.seed, rank * run.accum, run.dtype,
                            cfg.grad_clip, world, device, params)
-            nonfinite = m.pop("nonfinite", None)
-            if world > 1:
-                flag = torch.tensor([1.0 if nonfinite is not None else 0.0], device=device)
-                dist.all_reduce(flag)
-                nonfinite = flag.item() > 0 or None
-            if nonfinite is not None:
-                msg = (f"non-finite loss or gradient at step {step}; stopping without saving. "
-                       f"The last good checkpoint is {last_good or 'none (no checkpoint was saved yet)'}; "
-                       "try a lower --lr or --dtype fp32, then --resume.")
-                raise ELFError(msg)
             for k, v in m.items():
                 totals[k] = totals[k] + v if k in totals else v
             n_logged += 1
             done = step + 1
-            if time_limit is not None and done < end:
-                over = torch.tensor([float(time.perf_counter() - t_start >= time_limit)], device=device)
+            logging = done % cfg.log_every == 0 or done == end
+            if time_limit is not None and done < end and (world == 1 or logging):
+                over = time.perf_counter() - t_start >= time_limit
                 if world > 1:  # every rank stops at the same step
-                    dist.all_reduce(over, op=dist.ReduceOp.MAX)
-                if over.item():
-                    end = done
-            if done % cfg.log_every == 0 or done == end:
+                    flag = torch.tensor([float(over)], device=device)
+                    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+                    over = bool(flag.item())
+                if over:
+                    end, logging = done, True
+            saving = done % cfg.ckpt_every == 0 or done == end
+            sampling = bool(cfg.sample_every) and done % cfg.sample_every == 0 and is_main and not quiet
+            if logging:
                 if world > 1:
-                    keys = sorted(totals)
-                    flat = torch.cat([totals[k].reshape(-1).float() for k in keys])
-                    dist.all_reduce(flat)
-                    sizes = [totals[k].numel() for k in keys]
-                    parts = flat.split(sizes)
-                    totals = {k: p.reshape(totals[k].shape) / (world if k in ("loss", "grad_norm") else 1)
-                              for k, p in zip(keys, parts)}
+                    totals = _reduce(totals, world)
+                stop_if_nonfinite(totals.pop("nonfinite"), done)
                 rec = summarize(totals, n_logged, run.method)
                 dt = time.perf_counter() - t_log
                 rec.update(step=done, lr=run.lr_at(step),
@@ -396,14 +459,19 @@ def train_loop(run: Setup, out: Path, start: int, quiet: bool = False, stop_afte
                 log.advance(n_logged, {"loss": f"{rec['loss']:.3f}", "tok/s": f"{rec['tokens_per_s']:.0f}"})
                 summary["last"] = rec
                 totals, n_logged, t_log = {}, 0, time.perf_counter()
-            if cfg.sample_every and done % cfg.sample_every == 0 and is_main and not quiet:
+            elif saving or sampling and world == 1:  # read before anything of these steps leaves the loop
+                bad = totals["nonfinite"].clone()
+                if world > 1:
+                    dist.all_reduce(bad)
+                stop_if_nonfinite(bad, done)
+            if sampling:
                 show_samples(run, log, done)
-            if (done % cfg.ckpt_every == 0 or done == end) and is_main:
-                last_good = save_run_checkpoint(out, done, run)
+            if saving and is_main:
+                last_good = save_run_checkpoint(out, done, run, position)
                 if on_checkpoint is not None:
                     on_checkpoint(last_good)
                 plot_losses(out)
-            if world > 1 and (done % cfg.ckpt_every == 0 or done == end):
+            if world > 1 and saving:
                 dist.barrier()
             if done == end:
                 break
@@ -412,9 +480,86 @@ def train_loop(run: Setup, out: Path, start: int, quiet: bool = False, stop_afte
             raise no_space(e, out) from None
         raise
     finally:
+        batches.close()
         log.close()
     summary.update(end_step=end, out=str(out))
     return summary
+
+
+def micro_batch_for(cfg: TrainConfig, world: int, stored: dict | None = None) -> int:
+    """The rows per forward/backward of `cfg` on `world` ranks: --micro-batch, else the stored run's (on
+    --resume: a run's first start resolves it to batch / its ranks; `stored` is its run.json), else batch /
+    ranks. A batch it does not split over the ranks is a one-line ELFError that says what to give."""
+    kept = (stored or {}).get("train", {}).get("micro_batch")
+    if cfg.micro_batch or kept:
+        micro = cfg.micro_batch or kept
+    elif stored and stored.get("world_size"):  # a stored run without a micro-batch: its first start's
+        micro = max(1, cfg.batch // int(stored["world_size"]))
+    else:
+        micro = max(1, cfg.batch // world)
+    if cfg.batch % (world * micro) == 0:
+        return micro
+    shards = cfg.batch // micro
+    if stored is None or cfg.batch % micro:
+        raise ELFError(f"--batch {cfg.batch} is not divisible by world size {world} x --micro-batch {micro}; "
+                       f"choose a batch that is a multiple of {world * micro}")
+    ranks = [str(r) for r in range(1, shards + 1) if shards % r == 0]
+    smaller = [m for m in range(micro - 1, 0, -1) if cfg.batch % (world * m) == 0]
+    other = (f", or give --micro-batch {smaller[0]} to continue with that micro-batch (the rest of the run then "
+             "draws other noise than an uninterrupted run)" if smaller else "")
+    raise ELFError(f"the run's --batch {cfg.batch} in micro-batches of {micro} rows does not split over {world} "
+                   f"ranks: resume it on {' or '.join(ranks)} rank{'s' if ranks != ['1'] else ''} to continue "
+                   f"exactly{other}")
+
+
+SHARED_FOLDER_WAIT = 5.0  # seconds a rank looks for rank 0's lock (a network filesystem's caches lag)
+
+
+def shared_folder_check(out: Path, lock_text: str, host0: str) -> None:
+    """ELFError unless this rank sees the lock rank 0 took in `out` (its text, broadcast): a run folder on
+    several nodes must be one folder that every node sees."""
+    deadline = time.monotonic() + SHARED_FOLDER_WAIT
+    while True:
+        try:
+            seen = (out / FolderLock.NAME).read_text()
+        except OSError:
+            seen = None
+        if seen == lock_text or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    if seen != lock_text:
+        raise ELFError(f"--out {out} is not shared between the nodes: this node does not see the lock that rank 0 "
+                       f"(host {host0}) holds in it ({(out / FolderLock.NAME).absolute()} is "
+                       f"{'missing' if seen is None else 'another'} here). A run on several nodes needs a run "
+                       "folder on a filesystem that every node mounts at the same path (NFS, Lustre, GPFS, ...)")
+
+
+def claim_run(folder: RunFolder, cfg: TrainConfig, world: int, resume: bool, overwrite: bool) -> dict:
+    """Rank 0's decisions about the run folder, which every rank follows: hold it (lock, clean-up), check
+    what --resume / --overwrite may do with it, resolve the micro-batch (the stored run's on --resume) and
+    choose the checkpoint to resume from. Returns them with the lock's text (for `shared_folder_check`)."""
+    import socket
+
+    from elflow.checkpoint import latest_checkpoint
+
+    out = folder.out
+    check_output(out, folder=True)
+    folder.open()
+    check_run_dir(out, cfg, resume, overwrite)
+    stored = None
+    if resume and (out / "run.json").exists():
+        try:
+            stored = json.loads((out / "run.json").read_text())
+        except (OSError, ValueError) as e:
+            raise ELFError(f"{out / 'run.json'} cannot be read ({type(e).__name__}: {e})") from None
+    micro = micro_batch_for(cfg, world, stored)
+    before = (stored or {}).get("train", {}).get("micro_batch")
+    if before and before != micro:
+        print(f"warning: continuing with --micro-batch {micro} instead of the run's {before}: from here on the "
+              "run draws other noise than an uninterrupted run would", file=sys.stderr)
+    ckpt = latest_checkpoint(out, warn=lambda m: print(m, file=sys.stderr)) if resume else None
+    return {"micro_batch": micro, "checkpoint": None if ckpt is None else ckpt.name,
+            "lock": (out / FolderLock.NAME).read_text(), "host": socket.gethostname()}
 
 
 def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwrite: bool = False,
@@ -426,6 +571,8 @@ def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwr
 
     Everything is checked before the run folder changes; --overwrite sets the old run aside and drops it
     only once the new run's first checkpoint is written (it comes back if the new run fails before).
+    Under torchrun rank 0 decides about the run folder (`claim_run`: the checks, the micro-batch, the
+    checkpoint to resume from) and every rank checks that it sees the same folder (`shared_folder_check`).
     `objective` (an elflow.methods.elf.Objective) replaces ELF's own (distillation); `cfg.init_from` starts a
     fresh run from stored weights.
     `time_limit` (seconds) ends this invocation after the first step past it (a wall-clock budget).
@@ -438,7 +585,6 @@ def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwr
     cfg = cfg.resolved()
     cfg.validate()
     device = check_device(device)
-    check_output(out, folder=True)
     method = get_method(cfg.method)
     if objective is not None:
         method = method.with_objective(objective)
@@ -463,19 +609,23 @@ def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwr
                 if stop_after <= 0:
                     return stage
     owns_group = not dist.is_initialized()
-    rank, world, local, dev = setup_distributed(device)
+    rank, world, local, dev = setup_distributed(device, cfg.dist_timeout)
+    use_tf32(dev, cfg.tf32)
     folder = RunFolder(out, command)
     ok = False
     try:
-        on_rank0(folder.open, rank, world, dev)
-        check_run_dir(out, cfg, resume, overwrite)
+        claim = on_rank0(lambda: claim_run(folder, cfg, world, resume, overwrite), rank, world)
+        if world > 1:
+            on_every_rank(lambda: shared_folder_check(out, claim["lock"], claim["host"]), rank, world)
+        cfg = replace(cfg, micro_batch=claim["micro_batch"])
         if rank == 0 and cfg.epochs is None and cfg.warmup_frac is None and cfg.steps < cfg.warmup:
             print(f"warning: --steps {cfg.steps} is shorter than --warmup {cfg.warmup}: the learning rate stops at "
                   f"{lr_at(cfg.steps - 1, cfg.lr, cfg.warmup):.3g}, never reaching {cfg.lr:.3g}", file=sys.stderr)
         run = setup_run(cfg, method, rank, world, local, dev, cache_dir, decoder_from)
         if overwrite and (out / "run.json").exists():
-            on_rank0(folder.set_aside, rank, world, dev)
-        start = restore(run, out, quiet) if resume else 0
+            on_rank0(folder.set_aside, rank, world)
+        ckpt = out / "checkpoints" / claim["checkpoint"] if claim["checkpoint"] else None
+        start = restore(run, ckpt, quiet)
         if start == 0 and cfg.init_from:
             start_from(run, cfg.init_from, quiet)
 
@@ -487,7 +637,7 @@ def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwr
                                                  **({"stage_of": stage_of.to_dict()} if stage_of else {})})
 
         try:
-            on_rank0(write_meta, rank, world, dev)
+            on_rank0(write_meta, rank, world)
         except OSError as e:
             if no_space_error(e):
                 raise no_space(e, out) from None
@@ -557,16 +707,33 @@ def config_from_args(args) -> TrainConfig:
     return cfg
 
 
+def _group_timeout(args) -> float | None:
+    """The process group's timeout for `elflow train`: --dist-timeout, else the stored run's on --resume (when
+    this rank can read it), else the default."""
+    if hasattr(args, "dist_timeout"):
+        return args.dist_timeout
+    if getattr(args, "resume", False):
+        out = Path(getattr(args, "out", None) or f"runs/{getattr(args, 'preset', TrainConfig.preset)}")
+        try:
+            return float(json.loads((out / "run.json").read_text())["train"]["dist_timeout"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    return None
+
+
 def run(args) -> int:
-    cfg = config_from_args(args)
-    if getattr(args, "print_config", False):
-        print(json.dumps(cfg.to_dict(), indent=2))
-        return 0
-    out = getattr(args, "out", None) or f"runs/{cfg.preset}"
-    command = "elflow train " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["train"] else "elflow train"
-    summary = train(cfg, out, resume=getattr(args, "resume", False), overwrite=getattr(args, "overwrite", False),
-                    cache_dir=getattr(args, "cache_dir", None), quiet=getattr(args, "quiet", False),
-                    device=getattr(args, "device", None), command=command)
-    if summary.get("last"):
+    # first the group, so that rank 0 alone reads a stored run and every rank hears what it found
+    with process_group(check_device(getattr(args, "device", None)), _group_timeout(args)) as (rank, world, _):
+        cfg = on_rank0(lambda: config_from_args(args), rank, world)
+        if getattr(args, "print_config", False):
+            if rank == 0:
+                print(json.dumps(cfg.to_dict(), indent=2))
+            return 0
+        out = getattr(args, "out", None) or f"runs/{cfg.preset}"
+        command = "elflow train " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["train"] else "elflow train"
+        summary = train(cfg, out, resume=getattr(args, "resume", False), overwrite=getattr(args, "overwrite", False),
+                        cache_dir=getattr(args, "cache_dir", None), quiet=getattr(args, "quiet", False),
+                        device=getattr(args, "device", None), command=command)
+    if summary.get("last") and rank == 0:
         print(f"done: step {summary['end_step']}, loss {summary['last']['loss']:.4f}; run folder {out}")
     return 0

@@ -115,7 +115,9 @@ class Method:
         raise NotImplementedError
 
     def sample(self, net, space, num: int, settings, length: int | None = None, progress: bool = True,
-               **known) -> list[dict]:
+               part: tuple[int, int] = (0, 1), **known) -> list[dict]:
+        """Records {"index", "text", ...} of `num` samples; `part` = (rank, ranks): only that rank's batches,
+        which together with the other ranks' are the samples of one process (generate.sample_batches)."""
         raise NotImplementedError
 
 

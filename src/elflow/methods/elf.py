@@ -177,8 +177,8 @@ class ELFMethod(Method):
         self.check_knobs(given)
         return settings_for(loaded, seed=seed, batch_size=batch_size, **given)
 
-    def sample(self, net, space, num, settings, length=None, progress=True, **known) -> list[dict]:
-        return generate(net, space, num, settings, length, progress=progress, **known)
+    def sample(self, net, space, num, settings, length=None, progress=True, part=(0, 1), **known) -> list[dict]:
+        return generate(net, space, num, settings, length, progress=progress, part=part, **known)
 
 
 METHOD = ELFMethod()

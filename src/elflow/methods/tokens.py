@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from elflow.generate import sample_batches
 from elflow.methods.base import Method
 from elflow.model import ELF, TokenLMConfig, num_params
 from elflow.utils import ELFError
@@ -181,28 +182,34 @@ class TokenMethod(Method):
         return s
 
     @torch.no_grad()
-    def texts(self, model, space, num: int, length: int, settings: BaselineSampling, seed: int,
-              batch_size: int = 16) -> list[str]:
-        """`num` samples decoded by the space's tokenizer (cut at the first EOS), drawn in batches from one
-        generator seeded by `seed`."""
+    def records(self, model, space, num: int, length: int, settings: BaselineSampling, seed: int,
+                batch_size: int = 16, part: tuple[int, int] = (0, 1)) -> list[dict]:
+        """Records {"index", "text"} of `num` samples decoded by the space's tokenizer (cut at the first EOS),
+        batch b drawn from a generator seeded by (seed, b); `part` = (rank, ranks): that rank's batches
+        (generate.sample_batches)."""
         device = model.embed.weight.device
         was_training = model.training
         model.eval()
-        g = torch.Generator(device=device).manual_seed(seed)
         own = self.sampler_settings(settings)
         out = []
-        for i in range(0, num, batch_size):
-            out += space.decode(self.sample_tokens(model, min(batch_size, num - i), length, own, g).cpu())
+        for _, start, rows, batch_seed in sample_batches(num, batch_size, seed, part):
+            g = torch.Generator(device=device).manual_seed(batch_seed)
+            texts = space.decode(self.sample_tokens(model, rows, length, own, g).cpu())
+            out += [{"index": start + j, "text": t} for j, t in enumerate(texts)]
         model.train(was_training)
         return out
 
-    def sample(self, net, space, num, settings, length=None, progress=True, **known) -> list[dict]:
-        """`num` samples as records {"index", "text"} (the format of generate.generate)."""
+    def texts(self, model, space, num: int, length: int, settings: BaselineSampling, seed: int,
+              batch_size: int = 16) -> list[str]:
+        """The texts of `records` of one process."""
+        return [r["text"] for r in self.records(model, space, num, length, settings, seed, batch_size)]
+
+    def sample(self, net, space, num, settings, length=None, progress=True, part=(0, 1), **known) -> list[dict]:
+        """`num` samples as records {"index", "text"} (the format of generate.generate); `part`: one rank's."""
         if num < 1:
             raise ELFError(f"the number of samples must be >= 1, got {num}")
-        texts = self.texts(net, space, num, length or net.config.max_length, settings, settings.seed,
-                           settings.batch_size)
-        return [{"index": i, "text": t} for i, t in enumerate(texts)]
+        return self.records(net, space, num, length or net.config.max_length, settings, settings.seed,
+                            settings.batch_size, part)
 
 
 @dataclass(frozen=True)
