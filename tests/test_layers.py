@@ -16,7 +16,7 @@ LAYERS = [
     ["official", "schedules"],
     ["flow"],
     ["data", "store"],
-    ["encoders", "ingest"],
+    ["encoders", "ingest", "encoder_train"],
     ["shortrun"],
     ["generate", "diagnostics", "judge"],
     ["methods.base"],
@@ -29,7 +29,7 @@ LAYERS = [
     ["train"],
     ["sample", "distill", "evaluate", "bench", "prepare", "hub"],
     ["sweep", "compare", "toy"],
-    ["quickstart"],
+    ["quickstart", "claims"],
     ["cli", "__init__"],
 ]
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}

@@ -281,6 +281,12 @@ def _base_config(teacher_info: dict, overrides: dict):
     if base.get("preset") not in PRESETS:
         base["preset"] = "elf-b"  # every shape field is set from the teacher below
     shape = {k: v for k, v in teacher_info["config"].items() if k not in ("dim", "vocab_size", "max_length")}
+    if overrides.get("predict") not in (None, shape.get("predict", "x")):
+        raise ELFError(f"--predict {overrides['predict']}: the students start from the teacher's weights, whose head "
+                       f"predicts {shape.get('predict', 'x')}; distil with --predict {shape.get('predict', 'x')}")
+    for key in ("predict", "conditioning", "decoder", "bottleneck"):  # the network's variants are run settings
+        if key in shape:
+            base[key] = shape.pop(key)
     base["model"] = shape
     base["short_run"] = dict(teacher_info.get("short_run") or {})  # the students are networks of the teacher's kind
     base["length"] = base.get("length") or teacher_info["config"]["max_length"]
@@ -465,6 +471,8 @@ def add_arguments(p) -> None:
     p.add_argument("--latent-std", default=None, help="latent std of the space (default: the teacher's)")
     p.add_argument("--length", type=int, default=None, help="sequence length (default: the teacher's)")
     p.add_argument("--seed", type=int, default=0, help="seed of the students' noise and data order")
+    p.add_argument("--predict", choices=("x", "v", "eps"), default=None,
+                   help="the students' prediction target; it must be the teacher's (default: the teacher's)")
     p.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default=None, help="autocast (default: the teacher's)")
     p.add_argument("--log-every", type=int, default=10, help="steps per metrics line")
     p.add_argument("--ckpt-every", type=int, default=500, help="steps per checkpoint (and one at each round's end)")
@@ -492,7 +500,7 @@ def run(args) -> int:
     if not 0 <= args.ema_decay < 1:
         raise ELFError(f"--ema-decay must lie in [0, 1), got {args.ema_decay}")
     overrides = {k: getattr(args, k) for k in ("batch", "micro_batch", "data", "space", "latent_std", "length",
-                                               "dtype")}
+                                               "dtype", "predict")}
     overrides.update(seed=args.seed, log_every=args.log_every, ckpt_every=args.ckpt_every, keep=args.keep,
                      wandb=args.wandb, wandb_run=args.wandb_run)
     rounds = distill(args.teacher, args.out, _int_list(args.student_steps), args.teacher_steps,

@@ -19,8 +19,8 @@ from elflow.encoders import DRAWN_TABLE_KINDS, TABLE_STREAM
 from elflow.flow import SAMPLERS, Recipe
 from elflow.generate import SAMPLING_DEFAULTS
 from elflow.methods import MATCHES, METHOD_NAMES, check_run
-from elflow.model import PRESETS
-from elflow.optim import LR_DECAYS, NS_METHODS, base_lr
+from elflow.model import CONDITIONINGS, DECODERS, PREDICTIONS, PRESETS
+from elflow.optim import ADAMW_BLR, LR_DECAYS, NS_METHODS, OPTIMIZERS, base_lr
 from elflow.shortrun import FIELDS as SHORT_RUN_FIELDS, SKIPS
 from elflow.utils import DIST_TIMEOUT_MINUTES, ELFError, Record, resolve_dtype
 
@@ -40,6 +40,8 @@ POSITIVE = (_positive, "> 0")
 AT_LEAST_0 = (_at_least(0), ">= 0")
 AT_LEAST_1 = (_at_least(1), ">= 1")
 UNIT = (lambda v: 0 <= v < 1, "in [0, 1)")
+PROBABILITY = (lambda v: 0 <= v <= 1, "in [0, 1]")
+ANY = (math.isfinite, "(finite)")
 
 
 def setting(default=None, help: str = "", *, default_help: str | None = None, choices=None, check=None,
@@ -72,6 +74,28 @@ class TrainConfig(Record):
                           choices=tuple(PRESETS))
     match: str = setting("total", "baselines: match the ELF network's parameter count in all, or without the "
                                   "token tables and ELF's decode head (trunk)", choices=MATCHES)
+    predict: str = setting("x", "ELF: what the denoise head outputs, the clean embeddings x, the velocity v or the "
+                                "noise eps; the loss is the v-space MSE whatever the target (the output turned "
+                                "into v), and sampling turns it into x likewise", choices=PREDICTIONS)
+    conditioning: str = setting("tokens", "ELF: how t, omega and the mode reach the network: prefix tokens, or "
+                                          "DiT's adaLN-Zero modulation in every block (no prefix)",
+                                choices=CONDITIONINGS)
+    bottleneck: int | None = setting(None, "ELF: width of the input bottleneck (32 / 128 / 512 in the paper)",
+                                     default_help="the preset's: 128, 16 for tiny", check=AT_LEAST_1)
+    decoder: str = setting("shared", "ELF: who reads out tokens: the denoiser itself in decode mode, or a separate "
+                                     "network trained first on noisy embeddings (then frozen while the denoiser "
+                                     "trains; both stored as one model)", choices=DECODERS)
+    decoder_steps: int | None = setting(None, "--decoder separate: optimiser steps of the decoder's stage, trained "
+                                              "into OUT/decoder before the denoiser's --steps",
+                                        default_help="a quarter of --steps, so the decoder sees a quarter of the "
+                                                     "denoiser's rows, as the decode branch does", check=AT_LEAST_1)
+    decoder_from: str | None = setting(None, "--decoder separate: take the decoder from this run instead of training "
+                                             "it (a decode-only run: elflow train --decode-prob 1, same shape and "
+                                             "space)", flag="--decoder-from")
+    optimizer: str = setting("muon", "Muon on matrices with Adam on the rest (the paper's), or AdamW on every "
+                                     "parameter", choices=OPTIMIZERS)
+    weight_decay: float = setting(0.0, "decoupled weight decay of the optimiser (0 in the paper's recipe)",
+                                  check=AT_LEAST_0)
     data: str = setting("builtin", "a token store made by `elflow prepare`, or 'builtin' (Shakespeare), a .txt "
                                    "file or folder, a .jsonl file or a hub dataset name (prepared once into a "
                                    "store in the cache)")
@@ -102,7 +126,8 @@ class TrainConfig(Record):
                                             "other noise", default_help="batch / ranks at the run's start",
                                       check=AT_LEAST_1, mutable=True)
     steps: int = setting(1000, "optimiser steps (the schedule's length)", check=AT_LEAST_1, mutable=True)
-    lr: float | None = setting(None, "learning rate", default_help="1e-3 x batch / 256", check=POSITIVE)
+    lr: float | None = setting(None, "learning rate", default_help="1e-3 x batch / 256; AdamW 5e-5 x batch / 256",
+                               check=POSITIVE)
     warmup: int = setting(100, "linear warm-up steps", check=AT_LEAST_0)
     lr_decay: str = setting("constant", "after the warm-up: constant (the paper's) or a cosine decay to 0 at the "
                                         "run's last step (short runs)", choices=LR_DECAYS)
@@ -214,7 +239,8 @@ class TrainConfig(Record):
                        space_stream=(self.space_stream or TABLE_STREAM) if drawn else None,
                        ema_decay=self.ema_decay if self.ema_decay is not None else (SMALL_EMA if small else 0.9999),
                        length=self.length if self.length is not None else (preset.max_length if preset else None),
-                       lr=self.lr if self.lr is not None else base_lr(self.batch))
+                       lr=self.lr if self.lr is not None else base_lr(self.batch, 1e-3 if self.optimizer == "muon"
+                                                                       else ADAMW_BLR))
 
     def validate(self) -> None:
         """ELFError naming the first setting out of range (flags spelled as on the command line)."""
@@ -231,7 +257,15 @@ class TrainConfig(Record):
                 ok, what = meta["check"]
                 if not isinstance(v, (int, float)) or not ok(v):
                     raise ELFError(f"{flag} must be a number {what}, got {v!r}")
+        for key, (_, _, check, _) in NESTED_FLAGS.items():
+            d = getattr(self, key[0])
+            if check and key[1] in d and d[key[1]] is not None and not check[0](d[key[1]]):
+                raise ELFError(f"--{key[1].replace('_', '-')} must be a number {check[1]}, got {d[key[1]]!r}")
         check_run(self)
+        if self.optimizer == "adamw":
+            for name, flag in (("adam_heads", "--adam-heads"), ("ns_method", "--ns-method")):
+                if getattr(self, name) != next(f for f in fields(self) if f.name == name).default:
+                    raise ELFError(f"{flag} sets up Muon; it does not apply to --optimizer adamw")
         if self.source_length is not None and self.length is not None and self.source_length >= self.length:
             raise ELFError(f"--source-length {self.source_length} leaves no room for a target in --length "
                            f"{self.length}; use a longer --length or a shorter --source-length")
@@ -239,10 +273,6 @@ class TrainConfig(Record):
             Recipe.from_dict(self.recipe)
         except ValueError as e:
             raise ELFError(f"the run's recipe cannot be read: {e}") from None
-        for key, (_, _, check, _) in NESTED_FLAGS.items():
-            d = getattr(self, key[0])
-            if check and key[1] in d and d[key[1]] is not None and not check[0](d[key[1]]):
-                raise ELFError(f"--{key[1].replace('_', '-')} must be a number {check[1]}, got {d[key[1]]!r}")
 
 
 # named presets of settings: (values, settings derived from the others unless given)
@@ -280,6 +310,20 @@ NESTED_FLAGS: dict[tuple[str, str], tuple] = {
     ("short_run", "table_readout"): (float, "weight w of the readout's table match: the decode logits gain "
                                         "w z . R_k / sqrt(C), R_k token k's own vector in the space (table spaces "
                                         "only; 0 in the released networks)", AT_LEAST_0, "the preset's"),
+    ("recipe", "noise_scale"): (float, "ELF: the noise scale of the training path and of sampling's z0", POSITIVE,
+                                "2, as released"),
+    ("recipe", "t_mean"): (float, "ELF: mean of the logit-normal training times t = sigmoid(N(mean, std^2))", ANY,
+                           "-1.5, as released"),
+    ("recipe", "t_std"): (float, "ELF: std of the logit-normal training times", POSITIVE, "0.8, as released"),
+    ("recipe", "decode_prob"): (float, "ELF: share of rows in the decode branch (the denoiser has the rest)",
+                                PROBABILITY, "0.2, as released"),
+    ("recipe", "self_cond_prob"): (float, "ELF: share of denoise rows that are self-conditioned; 0 builds the "
+                                          "network without the self-conditioning input and turns its guidance off",
+                                   PROBABILITY, "0.5, as released"),
+    ("recipe", "omega_low"): (float, "ELF: lowest training guidance scale omega", AT_LEAST_0, "0.5, as released"),
+    ("recipe", "omega_high"): (float, "ELF: highest training guidance scale omega", AT_LEAST_0, "5, as released"),
+    ("recipe", "source_drop_prob"): (float, "ELF on pairs: share of rows whose source is dropped (the unconditional "
+                                            "half of source guidance)", UNIT, "0.1, as released"),
     ("recipe", "decode_noise_scale"): (float, "decode corruption scale", POSITIVE, "5; 1 for conditional runs"),
     ("recipe", "decode_clean_prob"): (float, "share of the decode rows' tokens given clean (p = 1) instead of a "
                                              "corrupted level (the released levels almost never come near 1)",

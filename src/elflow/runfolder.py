@@ -22,13 +22,14 @@ from elflow.runconfig import TrainConfig, mutable_flags, resume_conflicts
 from elflow.tracking import ID_FILE
 from elflow.utils import ELFError, FolderLock, atomic_write
 
-__all__ = ["RUN_FILES", "REPLACED", "RunFolder", "check_run_dir", "stored_config", "RunLogger", "plot_losses",
-           "loss_figure", "training_records", "no_space"]
+__all__ = ["RUN_FILES", "REPLACED", "DECODER_STAGE", "RunFolder", "check_run_dir", "in_first_stage", "stored_config",
+           "RunLogger", "plot_losses", "loss_figure", "training_records", "no_space"]
 
 
 RUN_FILES = ("run.json", "metrics.jsonl", "loss.png", "checkpoints", "tb", "report.json", "samples.jsonl",
              "wandb", ID_FILE)
 REPLACED = ".replaced-run"  # the run that --overwrite replaces, kept until the new run's first checkpoint
+DECODER_STAGE = "decoder"  # the first stage of a --decoder separate run, a run folder of its own inside it
 
 
 class RunFolder:
@@ -109,8 +110,8 @@ class RunFolder:
 def check_run_dir(out: Path, cfg: TrainConfig, resume: bool, overwrite: bool, device=None) -> None:
     """What --resume / --overwrite may do with the folder as it is; the folder is not changed here. `device`:
     where the run resumes (a stored dtype "auto" is read as what it picks there)."""
-    ours = {FolderLock.NAME, REPLACED}
-    if not (out / "run.json").exists():
+    ours = {FolderLock.NAME, REPLACED, DECODER_STAGE}
+    if not (out / "run.json").exists() and not in_first_stage(out):
         if resume:
             raise ELFError(f"{out} holds no run to resume; check --out, or start the run without --resume")
         if out.is_dir() and any(p.name not in ours for p in out.iterdir()) and not overwrite:
@@ -128,6 +129,11 @@ def check_run_dir(out: Path, cfg: TrainConfig, resume: bool, overwrite: bool, de
                        "own settings, or choose another --out")
 
 
+def in_first_stage(out: Path) -> bool:
+    """Whether `out` holds a --decoder separate run that has not yet started its second stage."""
+    return not (out / "run.json").exists() and (out / DECODER_STAGE / "run.json").exists()
+
+
 def stored_config(out: Path) -> TrainConfig:
     """The resolved settings of the run in `out` (of the run an interrupted --overwrite set aside, which the
     next start brings back)."""
@@ -135,6 +141,9 @@ def stored_config(out: Path) -> TrainConfig:
     if (out / REPLACED / "run.json").exists() and not list_checkpoints(out):
         src = out / REPLACED
     try:
+        if in_first_stage(src):  # a --decoder separate run still in its decoder stage: the stage holds its settings
+            return TrainConfig.from_dict(json.loads((src / DECODER_STAGE / "run.json").read_text())["stage_of"]
+                                         ).resolved()
         meta = json.loads((src / "run.json").read_text())
         return TrainConfig.from_dict(meta["train"]).resolved()
     except FileNotFoundError:

@@ -40,7 +40,7 @@ from elflow.model import get_config
 from elflow.optim import EMA, ELFOptimizer, lr_at
 from elflow.runconfig import RUN_PRESETS, TrainConfig, add_setting_arguments, given_settings, mutable_flags, \
     resume_conflicts, with_default
-from elflow.runfolder import RunFolder, RunLogger, check_run_dir, no_space, plot_losses, stored_config
+from elflow.runfolder import DECODER_STAGE, RunFolder, RunLogger, check_run_dir, no_space, plot_losses, stored_config
 from elflow.utils import (ELFError, FolderLock, atomic_write_json, autocast, check_device, check_output,
                           device_name, fast_bf16, no_space_error, on_every_rank, on_rank0, process_group,
                           resolve_dtype, setup_distributed, use_tf32)
@@ -153,8 +153,23 @@ class Setup:
         return lr_at(step, self.lr, self.warmup, self.cfg.lr_decay, self.steps)
 
 
-def setup_run(cfg: TrainConfig, method: Method, rank: int, world: int, local: int, device, cache_dir=None) -> Setup:
-    """Build the space, the data, the network and the optimiser: every check that needs them happens here."""
+def network_overrides(cfg: TrainConfig, recipe: Recipe) -> dict:
+    """The ELFConfig fields a run sets besides its preset and its space: the --depth / --hidden / --heads
+    overrides and the network's variants (the run's flags over a stored config's). A network without
+    self-conditioning for self_cond_prob 0; the path's constants where a v- or eps-head reads them."""
+    top = {"bottleneck": cfg.bottleneck, "predict": cfg.predict, "conditioning": cfg.conditioning,
+           "decoder": cfg.decoder}
+    if not recipe.self_conditioned:
+        top["self_cond"] = False
+    if cfg.predict != "x":
+        top.update(noise_scale=recipe.noise_scale, t_eps=recipe.t_eps)
+    return {**cfg.model, **{k: v for k, v in top.items() if v is not None}}
+
+
+def setup_run(cfg: TrainConfig, method: Method, rank: int, world: int, local: int, device, cache_dir=None,
+              decoder_from=None) -> Setup:
+    """Build the space, the data, the network and the optimiser: every check that needs them happens here.
+    `decoder_from`: the run whose (EMA) weights are a separate decoder's."""
     from elflow.data import Batches
     from elflow.encoders import build_space, space_spec
 
@@ -167,16 +182,22 @@ def setup_run(cfg: TrainConfig, method: Method, rank: int, world: int, local: in
     if space.max_length is not None and length > space.max_length:
         raise ELFError(f"--length {length} is longer than the encoder accepts ({space.max_length})")
     train_set = training_data(cfg, space, length, cache_dir)
+    recipe = Recipe.from_dict({"decode_noise_scale": 1.0, **cfg.recipe} if cfg.source_length else cfg.recipe)
+    if cfg.decoder == "separate":  # the decoder is trained (first stage) and frozen: every row denoises
+        recipe = recipe.replace(decode_prob=0.0)
     try:  # the ELF network of these settings (a baseline is sized to it)
-        shape = get_config(cfg.preset, dim=space.dim, vocab_size=space.vocab_size, max_length=length, **cfg.model)
+        shape = get_config(cfg.preset, dim=space.dim, vocab_size=space.vocab_size, max_length=length,
+                           **network_overrides(cfg, recipe))
     except (TypeError, ValueError) as e:
         raise ELFError(f"the network settings do not fit together: {e}") from None
-    recipe = Recipe.from_dict({"decode_noise_scale": 1.0, **cfg.recipe} if cfg.source_length else cfg.recipe)
     net, params = method.build(cfg, shape, space, train_set, recipe, device)
+    if decoder_from is not None:
+        attach_decoder(net, decoder_from, space)
     # the optimiser names a trainable space's parameters "space.<name>" beside the network's
     named = list(net.named_parameters()) + [("space." + n, p) for n, p in space.named_parameters()
                                             if p.requires_grad]
-    optimizer = ELFOptimizer(named, lr=cfg.lr, adam=method.adam_names(net, cfg), ns_method=cfg.ns_method)
+    optimizer = ELFOptimizer(named, lr=cfg.lr, adam=method.adam_names(net, cfg), ns_method=cfg.ns_method,
+                             kind=cfg.optimizer, weight_decay=cfg.weight_decay)
     ema = EMA(net, cfg.ema_decay)
     batches = Batches(train_set, micro * accum, seed=cfg.seed, rank=rank, world_size=world)
     steps = cfg.steps if cfg.epochs is None else max(1, math.ceil(cfg.epochs * batches.per_epoch))
@@ -202,6 +223,26 @@ def run_data(cfg: TrainConfig, space, length: int, cache_dir=None):
                            target_field=cfg.target_field, on_bad=cfg.on_bad)
     return build_dataset(cfg.data, space, length, layout=cfg.layout, val_fraction=cfg.val_fraction,
                          seed=cfg.seed, cache_dir=cache_dir, field=cfg.text_field, on_bad=cfg.on_bad)
+
+
+def attach_decoder(net, path, space) -> None:
+    """A separate decoder's weights into `net` (a SeparateDecoderELF): the EMA weights of the decode-only run
+    `path`, which must hold a network of the decoder's shape and options in the same space."""
+    from elflow.checkpoint import check_init_compatible, load_init_weights
+
+    init_cfg, sd, info = load_init_weights(path)
+    check_init_compatible(path, init_cfg, info, net.decoder, space)
+    net.load_decoder(sd)
+
+
+def decoder_stage(cfg: TrainConfig) -> TrainConfig:
+    """The first stage of a --decoder separate run: the network of its shape trained in decode mode alone
+    (decode_prob 1) for --decoder-steps (a quarter of --steps by default), warmed up over the same share of
+    its steps; it becomes the frozen decoder of the second stage."""
+    steps = cfg.decoder_steps or max(1, math.ceil(cfg.steps / 4))
+    return replace(cfg, decoder="shared", decoder_steps=None, decoder_from=None, steps=steps, epochs=None,
+                   warmup=math.ceil(cfg.warmup * steps / cfg.steps) if cfg.warmup_frac is None else cfg.warmup,
+                   recipe={**cfg.recipe, "decode_prob": 1.0}, sample_every=0)
 
 
 def start_from(run: Setup, path, quiet: bool = False) -> None:
@@ -278,6 +319,8 @@ def model_settings(run: Setup) -> dict:
     if cfg.distillation:
         out.update(distilled_steps=cfg.distillation["student_steps"], teacher_steps=cfg.distillation["teacher_steps"])
         sampling = {**sampling, **distilled_defaults(cfg.distillation["student_steps"])}
+    if not run.recipe.self_conditioned:  # no self-conditioning, nothing for omega to guide by
+        sampling = {**sampling, "omega": 1.0}
     return {**out, **({"sampling": dict(sampling)} if sampling else {})}
 
 
@@ -529,7 +572,8 @@ def claim_run(folder: RunFolder, cfg: TrainConfig, world: int, resume: bool, ove
 
 def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwrite: bool = False,
           cache_dir=None, quiet: bool = False, stop_after: int | None = None, device: str | None = None,
-          command: str = "elflow train", objective=None, time_limit: float | None = None) -> dict:
+          command: str = "elflow train", objective=None, time_limit: float | None = None,
+          stage_of: TrainConfig | None = None) -> dict:
     """Train; returns a summary dict (rank 0). `stop_after` ends the process's work after that many steps
     of this invocation (for tests and time-boxed runs) while keeping the schedule of `cfg.steps`.
 
@@ -539,7 +583,12 @@ def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwr
     checkpoint to resume from) and every rank checks that it sees the same folder (`shared_folder_check`).
     `objective` (an elflow.methods.elf.Objective) replaces ELF's own (distillation); `cfg.init_from` starts a
     fresh run from stored weights.
-    `time_limit` (seconds) ends this invocation after the first step past it (a wall-clock budget)."""
+    `time_limit` (seconds) ends this invocation after the first step past it (a wall-clock budget).
+
+    A --decoder separate run without --decoder-from first trains its decoder (`decoder_stage`) into
+    OUT/decoder, or continues it there, then the denoiser against it; both stages are stored as one model.
+    `stage_of`: the settings of the run whose first stage this is, stored with the stage (what --resume reads
+    while the run is in that stage)."""
     out = Path(out)
     cfg = cfg.resolved()
     cfg.validate()
@@ -551,6 +600,26 @@ def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwr
     method = get_method(cfg.method)
     if objective is not None:
         method = method.with_objective(objective)
+    decoder_from = None
+    if cfg.decoder == "separate" and not cfg.init_from:  # (a run started from weights has its decoder in them)
+        decoder_from = Path(cfg.decoder_from) if cfg.decoder_from else out / DECODER_STAGE
+        if not cfg.decoder_from:
+            check_run_dir(out, cfg, resume, overwrite)  # before the first stage writes anything
+            began = time.perf_counter()
+            stage = train(decoder_stage(cfg), decoder_from, resume=(decoder_from / "run.json").exists() and not overwrite,
+                          overwrite=overwrite, cache_dir=cache_dir, quiet=quiet, stop_after=stop_after,
+                          device=device, command=f"{command} (decoder stage)", time_limit=time_limit, stage_of=cfg)
+            if stage["end_step"] < decoder_stage(cfg).steps:  # stopped inside the first stage
+                return stage
+            resume = resume or not overwrite  # the second stage starts, or continues, in a folder it already owns
+            if time_limit is not None:  # one wall-clock budget for both stages
+                time_limit -= time.perf_counter() - began
+                if time_limit <= 0:
+                    return stage
+            if stop_after is not None:
+                stop_after -= stage["end_step"] - stage["start_step"]
+                if stop_after <= 0:
+                    return stage
     owns_group = not dist.is_initialized()
     rank, world, local, dev = setup_distributed(device, cfg.dist_timeout)
     use_tf32(dev, cfg.tf32)
@@ -565,7 +634,7 @@ def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwr
         if rank == 0 and cfg.epochs is None and cfg.warmup_frac is None and cfg.steps < cfg.warmup:
             print(f"warning: --steps {cfg.steps} is shorter than --warmup {cfg.warmup}: the learning rate stops at "
                   f"{lr_at(cfg.steps - 1, cfg.lr, cfg.warmup):.3g}, never reaching {cfg.lr:.3g}", file=sys.stderr)
-        run = setup_run(cfg, method, rank, world, local, dev, cache_dir)
+        run = setup_run(cfg, method, rank, world, local, dev, cache_dir, decoder_from)
         if overwrite and (out / "run.json").exists():
             on_rank0(folder.set_aside, rank, world)
         ckpt = out / "checkpoints" / claim["checkpoint"] if claim["checkpoint"] else None
@@ -588,7 +657,8 @@ def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwr
             atomic_write_json(out / "run.json", {"train": cfg.to_dict(), "method": run.method.name,
                                                  **run.method.describe(run.net), "params": run.params,
                                                  "space": run.space.config(), "space_id": run.space.space_id,
-                                                 "world_size": world})
+                                                 "world_size": world,
+                                                 **({"stage_of": stage_of.to_dict()} if stage_of else {})})
 
         try:
             on_rank0(write_meta, rank, world)
