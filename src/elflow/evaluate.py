@@ -736,7 +736,8 @@ def _run_unconditional(args, part: tuple[int, int]) -> int:
         res = generative_perplexity(texts, model, tok, args.batch_size, args.protocol, args.max_length,
                                     progress=not args.json and main, part=part)
         _check_result(res, args.samples)
-        held = _heldout(args, _sampled_from(args.samples), len(texts), (model, tok)) if main else None
+        # every rank: reading the run's data may prepare its store, which the ranks do together
+    held = _heldout(args, _sampled_from(args.samples), len(texts), (model, tok))
         report = {**_public(res), **_settings(args), "samples": str(args.samples), "seconds": time.time() - t0,
                   **({"heldout": held} if held else {})}
         path = Path(args.report) if args.report else Path(args.samples).with_suffix(".eval.json")
@@ -777,7 +778,8 @@ def _run_unconditional(args, part: tuple[int, int]) -> int:
               "checkpoint": str(args.checkpoint), "method": loaded.method, "num": args.num, "length": args.length,
               **settings.to_dict(),
               "seeds": list(seeds), "per_seed": per_seed, "seconds": time.time() - t0}
-    held = _heldout(args, args.checkpoint, args.num, (model, tok)) if main else None
+    # every rank: reading the run's data may prepare its store, which the ranks do together
+    held = _heldout(args, args.checkpoint, args.num, (model, tok))
     if held:
         report["heldout"] = held
     se = lambda x: f" +- {x:.3f}" if x is not None else ""  # noqa: E731
