@@ -737,7 +737,7 @@ def _run_unconditional(args, part: tuple[int, int]) -> int:
                                     progress=not args.json and main, part=part)
         _check_result(res, args.samples)
         # every rank: reading the run's data may prepare its store, which the ranks do together
-    held = _heldout(args, _sampled_from(args.samples), len(texts), (model, tok))
+        held = _heldout(args, _sampled_from(args.samples), len(texts), (model, tok))
         report = {**_public(res), **_settings(args), "samples": str(args.samples), "seconds": time.time() - t0,
                   **({"heldout": held} if held else {})}
         path = Path(args.report) if args.report else Path(args.samples).with_suffix(".eval.json")
