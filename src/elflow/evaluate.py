@@ -462,9 +462,10 @@ def judged_heldout(texts: list[str], judge_name: str, judge, settings: dict, cac
     return {**res, "cached": False}
 
 
-def _heldout(args, checkpoint, num: int, judge) -> dict | None:
-    """The held-out text's figures under `judge` for the report (None with --no-heldout); a model without
-    held-out text gives a note instead."""
+def _heldout(args, checkpoint, num: int, judge, main: bool = True) -> dict | None:
+    """The held-out text's figures under `judge` for the report (None with --no-heldout, and on every rank but
+    rank 0: `main`); a model without held-out text gives a note instead. Every rank reads the held-out text,
+    since reading the run's data may prepare its store, which the ranks do together; rank 0 alone judges it."""
     if not args.heldout:
         return None
     if checkpoint is None:
@@ -473,6 +474,8 @@ def _heldout(args, checkpoint, num: int, judge) -> dict | None:
         texts, what = heldout_texts(checkpoint, num, args.cache_dir)
     except ELFError as e:
         return {"note": f"no held-out text to judge: {e}"}
+    if not main:
+        return None
     settings = {"batch_size": args.batch_size, "protocol": args.protocol, "max_length": args.max_length,
                 "judge_dtype": args.judge_dtype}
     return {**judged_heldout(texts, str(args.judge), judge, settings, args.cache_dir, progress=not args.json),
@@ -736,8 +739,7 @@ def _run_unconditional(args, part: tuple[int, int]) -> int:
         res = generative_perplexity(texts, model, tok, args.batch_size, args.protocol, args.max_length,
                                     progress=not args.json and main, part=part)
         _check_result(res, args.samples)
-        # every rank: reading the run's data may prepare its store, which the ranks do together
-        held = _heldout(args, _sampled_from(args.samples), len(texts), (model, tok))
+        held = _heldout(args, _sampled_from(args.samples), len(texts), (model, tok), main)
         report = {**_public(res), **_settings(args), "samples": str(args.samples), "seconds": time.time() - t0,
                   **({"heldout": held} if held else {})}
         path = Path(args.report) if args.report else Path(args.samples).with_suffix(".eval.json")
@@ -778,8 +780,7 @@ def _run_unconditional(args, part: tuple[int, int]) -> int:
               "checkpoint": str(args.checkpoint), "method": loaded.method, "num": args.num, "length": args.length,
               **settings.to_dict(),
               "seeds": list(seeds), "per_seed": per_seed, "seconds": time.time() - t0}
-    # every rank: reading the run's data may prepare its store, which the ranks do together
-    held = _heldout(args, args.checkpoint, args.num, (model, tok))
+    held = _heldout(args, args.checkpoint, args.num, (model, tok), main)
     if held:
         report["heldout"] = held
     se = lambda x: f" +- {x:.3f}" if x is not None else ""  # noqa: E731
