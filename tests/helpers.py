@@ -143,3 +143,64 @@ def fill(fs: Path, leave: int = 0) -> Path:
         if free - leave > 0:
             os.posix_fallocate(f.fileno(), 0, free - leave)
     return filler
+
+
+def wandb_offline_runs(folder: Path) -> list[dict]:
+    """What W&B wrote in offline mode under FOLDER/wandb, one dict per offline run in the order they ran:
+    {"id", "history" (a list of {key: value} per logged step, "_step" included), "config", "summary"}, read from
+    the run's .wandb file (a LevelDB-style log of wandb's protobuf records). W&B's service process writes the
+    file on its own after `finish` returns: each file is read again until it holds the run's exit record."""
+    import time
+
+    runs = []
+    for path in sorted((Path(folder) / "wandb").glob("offline-run-*/run-*.wandb")):
+        for _ in range(600):
+            run = _read_wandb_file(path)
+            if run.pop("exited"):
+                break
+            time.sleep(0.1)
+        else:
+            raise AssertionError(f"{path}: W&B wrote no exit record within a minute")
+        runs.append(run)
+    return runs
+
+
+def _read_wandb_file(path: Path) -> dict:
+    import json
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    def items(entries):
+        return {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) if i.value_json else None
+                for i in entries}
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B", path
+    run = {"id": path.stem[len("run-"):], "history": [], "config": {}, "summary": {}, "exited": False}
+    pos, block, pending = 7, 32768, b""  # a 7-byte file header, then 32 KiB blocks of (crc, len, type) chunks
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a chunk header is padding
+            pos += block - pos % block
+            continue
+        length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+        if pos + 7 + length > len(data):  # a chunk still being written
+            break
+        pending += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind not in (1, 4):  # not yet a full record, nor the last chunk of one
+            continue
+        rec = pb.Record()
+        rec.ParseFromString(pending)
+        pending = b""
+        what = rec.WhichOneof("record_type")
+        if what == "history":
+            run["history"].append(items(rec.history.item))
+        elif what == "run":
+            run["config"].update(items(rec.run.config.update))
+        elif what == "config":
+            run["config"].update(items(rec.config.update))
+        elif what == "summary":
+            run["summary"].update(items(rec.summary.update))
+        elif what == "exit":
+            run["exited"] = True
+    return run

@@ -1,6 +1,7 @@
 """Generative perplexity, entropy, BLEU and ROUGE against hand computations and a loop-based second
 implementation, with a tiny random GPT-2 judge saved to a folder and loaded back through `load_judge`."""
 
+import importlib.util
 import json
 import math
 import os
@@ -265,6 +266,25 @@ def test_cli_eval_json(judge_dir, judge, tmp_path, capsys):
     assert main(["eval", str(samples), "--judge", "no-such-judge-xyz", "--device", "cpu"]) == 2
 
 
+def test_cli_eval_logs_its_figures_to_wandb_offline(judge_dir, tmp_path, monkeypatch, capsys):
+    pytest.importorskip("wandb", reason="the W&B tests need wandb (pip install -e '.[test]' installs it)")
+    from elflow.cli import main
+
+    from helpers import wandb_offline_runs
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    samples = tmp_path / "samples.jsonl"
+    samples.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+    report = tmp_path / "report.json"
+    assert main(["eval", str(samples), "--judge", str(judge_dir), "--json", "--device", "cpu", "--report",
+                 str(report), "--wandb", "elflow-test", "--wandb-run", "judged"]) == 0
+    (logged,) = wandb_offline_runs(tmp_path)
+    rep = json.loads(report.read_text())
+    assert logged["summary"]["gen_ppl"] == pytest.approx(rep["gen_ppl"])
+    assert logged["summary"]["entropy"] == pytest.approx(rep["entropy"])
+    assert logged["config"]["judge"] == str(judge_dir) and logged["config"]["protocol"] == rep["protocol"]
+
+
 def test_cli_translation_and_summarization(tmp_path, capsys):
     from elflow.cli import main
 
@@ -295,7 +315,8 @@ def test_tradeoff_plot_and_csv(tmp_path):
 
 
 @pytest.mark.slow
-def test_generate_first_and_sweep_end_to_end(tmp_path, tiny_t5_dir, tiny_corpus_file, judge_dir, judge, capsys):
+def test_generate_first_and_sweep_end_to_end(tmp_path, tiny_t5_dir, tiny_corpus_file, judge_dir, judge, capsys,
+                                             monkeypatch):
     """A 1-step tiny run, then `elflow eval --checkpoint` over two seeds and a 2-cell `elflow sweep`: the
     reported numbers equal generative_perplexity on the sample files they wrote."""
     from elflow.cli import main
@@ -307,9 +328,20 @@ def test_generate_first_and_sweep_end_to_end(tmp_path, tiny_t5_dir, tiny_corpus_
                  "--latent-std", "1", "--dtype", "fp32", "--out", str(run), "--cache-dir", str(tmp_path / "c")]) == 0
     capsys.readouterr()
     assert main(["eval", "--checkpoint", str(run), "--num", "3", "--steps", "2", "--seeds", "0", "1", "--judge",
-                 str(judge_dir), "--device", "cpu", "--json", "--out", str(tmp_path / "ev")]) == 0
+                 str(judge_dir), "--device", "cpu", "--json", "--out", str(tmp_path / "ev"), "--cache-dir",
+                 str(tmp_path / "c")]) == 0
     rep = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     model, tok = judge
+    # beside the samples, as many rows of the run's held-out split under the same judge, then from the cache
+    from elflow.evaluate import heldout_texts
+
+    texts, _ = heldout_texts(run, 3, tmp_path / "c")
+    assert len(texts) == 3 and rep["heldout"]["cached"] is False
+    assert rep["heldout"]["gen_ppl"] == pytest.approx(generative_perplexity(texts, model, tok)["gen_ppl"])
+    assert main(["eval", "--checkpoint", str(run), "--num", "3", "--steps", "2", "--judge", str(judge_dir),
+                 "--device", "cpu", "--out", str(tmp_path / "ev2"), "--cache-dir", str(tmp_path / "c")]) == 0
+    printed = capsys.readouterr().out
+    assert "held-out text: gen_ppl" in printed and "cached" in printed
     per_seed = []
     for seed in (0, 1):
         texts = read_texts(tmp_path / "ev" / f"samples_seed{seed}.jsonl")
@@ -320,9 +352,21 @@ def test_generate_first_and_sweep_end_to_end(tmp_path, tiny_t5_dir, tiny_corpus_
     assert rep["num_samples"] + rep["num_empty"] == 6
 
     out = tmp_path / "sweep"
+    wandb = ["--wandb", "elflow-test"] if importlib.util.find_spec("wandb") else []
+    monkeypatch.setenv("WANDB_MODE", "offline")
     assert main(["sweep", str(run), "--omega", "1", "3", "--steps", "2", "--sampler", "sde", "--num", "2",
-                 "--judge", str(judge_dir), "--device", "cpu", "--out", str(out)]) == 0
+                 "--judge", str(judge_dir), "--device", "cpu", "--out", str(out), *wandb]) == 0
     rows = read_csv(out / "sweep.csv")
+    if wandb:  # the cells as a W&B table, the best one in the summary
+        from helpers import wandb_offline_runs
+
+        (logged,) = wandb_offline_runs(out)
+        (table,) = (out / "wandb").glob("offline-run-*/files/media/table/sweep_*.table.json")
+        doc = json.loads(table.read_text())
+        cells = [dict(zip(doc["columns"], r)) for r in doc["data"]]
+        assert [(c["sampler"], c["steps"], c["omega"], c["gen_ppl"]) for c in cells] == \
+            [(r["sampler"], r["steps"], r["omega"], pytest.approx(r["gen_ppl"])) for r in rows]
+        assert logged["summary"]["best_gen_ppl"] == pytest.approx(min(r["gen_ppl"] for r in rows))
     assert [(r["sampler"], r["steps"], r["omega"]) for r in rows] == [("sde", 2, 1.0), ("sde", 2, 3.0)]
     cell = generative_perplexity(read_texts(out / "samples" / "sde_steps2_omega3_gamma1.5_seed0.jsonl"), model, tok)
     assert rows[1]["num_tokens"] == cell["num_tokens"]

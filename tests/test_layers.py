@@ -12,11 +12,11 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "elflow"
 # their package ("methods.elf"); the package's __init__ by the package's name.
 LAYERS = [
     ["utils"],
-    ["model", "optim", "gpt2_tokenizer", "viewer"],
+    ["model", "optim", "gpt2_tokenizer", "viewer", "tracking"],
     ["official", "schedules"],
     ["flow"],
     ["data", "store"],
-    ["encoders", "ingest"],
+    ["encoders", "ingest", "encoder_train"],
     ["shortrun"],
     ["generate", "diagnostics", "judge"],
     ["methods.base"],
@@ -27,9 +27,9 @@ LAYERS = [
     ["checkpoint"],
     ["runfolder"],
     ["train"],
-    ["sample", "distill", "evaluate", "bench", "prepare"],
+    ["sample", "distill", "evaluate", "bench", "prepare", "hub"],
     ["sweep", "compare", "toy"],
-    ["quickstart"],
+    ["quickstart", "claims"],
     ["cli", "__init__"],
 ]
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}

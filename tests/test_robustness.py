@@ -248,7 +248,9 @@ def test_quickstart_settings_are_one_named_preset(capsys):
     assert {k: getattr(cfg, k) for k in expected} == expected
     # the same settings from `elflow train --defaults quickstart`
     code, out, _ = cli(capsys, ["train", "--defaults", "quickstart", "--print-config"])
-    assert json.loads(out) == cfg.resolved().to_dict()
+    from elflow.train import run_device
+
+    assert json.loads(out) == cfg.resolved(run_device(None)).to_dict()  # dtype auto: what it picks here
     # --lr and --space replace the preset's and nothing else (a space without fixed token vectors also drops
     # the table readout); the preset itself is not changed
     mine = demo_config(SimpleNamespace(**{**vars(args), "lr": 1e-3, "space": "token-table:minilm"}))

@@ -273,6 +273,30 @@ def test_quickstart_report_on_a_trained_run(uninterrupted):
     assert (run / "report.json").exists() and len((run / "samples.jsonl").read_text().splitlines()) == 2
 
 
+def test_quickstart_total_time_counts_training_and_report():
+    from elflow.quickstart import total_time
+
+    assert total_time("training", 240.0, 30.0) == "total time 4.5 min (training 4.0 min, report 0.5 min)"
+    assert total_time("training", 0.0, 240.0).startswith("total time 4.0 min")  # --report-only
+
+
+def test_print_config_and_the_first_line_name_the_resolved_precision(tmp_path, tiny_t5_dir, tiny_corpus_file,
+                                                                     capsys):
+    from elflow.cli import main
+    from elflow.utils import fast_bf16
+
+    picked = "bf16" if fast_bf16(torch.device("cpu")) else "fp32"
+    assert main(["train", "--preset", "tiny", "--device", "cpu", "--print-config"]) == 0
+    assert json.loads(capsys.readouterr().out)["dtype"] == picked
+    run = tmp_path / "run"
+    assert main(["train", "--preset", "tiny", "--data", str(tiny_corpus_file), "--space", f"t5:{tiny_t5_dir}",
+                 "--length", "16", "--batch", "2", "--steps", "1", "--warmup", "1", "--device", "cpu",
+                 "--cache-dir", str(tmp_path / "c"), "--out", str(run)]) == 0
+    first = capsys.readouterr().err.splitlines()[0]
+    assert first.startswith("training an ELF model") and "on cpu (" in first and f"precision {picked}" in first
+    assert json.loads((run / "run.json").read_text())["train"]["dtype"] == picked
+
+
 def test_word_stats_by_hand():
     import math
 
@@ -412,3 +436,38 @@ def test_samples_printed_during_training_come_from_the_ema_weights(method, optio
         loaded, space = load_for_sampling(run, device="cpu")
         ids, _ = generate_tokens(loaded.net, 2, 16, 3, "sde", omega=3.0, generator=torch.Generator().manual_seed(1))
         assert printed == [t[:300] for t in space.decode(ids)]
+
+
+def test_the_loss_plot_labels_its_axes_names_its_lines_and_draws_the_gaussian_baseline(tmp_path):
+    """Losses in 1.1-1.6 get ticks inside that range; with a held-out report the baseline is drawn; a run with a
+    non-positive value gets a linear axis instead of an empty log panel."""
+    import matplotlib.pyplot as plt
+
+    from elflow.runfolder import loss_figure, plot_losses
+
+    recs = [{"kind": "train", "step": s, "loss": 1.6 - 0.02 * s, "loss_denoise": 1.5 - 0.02 * s,
+             "loss_decode": 0.1, "loss_t0.0-0.1": 1.1 + 0.001 * s, "loss_t0.3-0.5": 1.6 - 0.01 * s}
+            for s in range(1, 21)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    (tmp_path / "report.json").write_text(json.dumps({"validation": {
+        "baseline_loss": 1.65, "bins": [{"t": "t0.0-0.1", "baseline": 1.14}, {"t": "t0.3-0.5", "baseline": 2.37}]}}))
+    fig = loss_figure(tmp_path)
+    a, b = fig.axes
+    assert a.get_ylabel() and b.get_ylabel() and a.get_xlabel() == b.get_xlabel() == "optimiser step"
+    names = [t.get_text() for t in a.get_legend().get_texts()]
+    assert names == ["total", "denoising (v-space MSE)", "denoising: Gaussian baseline (held-out)",
+                     "decoding (cross-entropy)"]
+    assert a.get_legend().get_texts()[0].get_fontsize() >= 9
+    assert any("Gaussian baseline" in t.get_text() for t in b.get_legend().get_texts())
+    assert sorted(round(line.get_ydata()[0], 2) for line in b.lines if line.get_linestyle() == "--"
+                  and len(line.get_ydata())) == [1.14, 2.37]
+    ticks = [t for t in b.get_yticks() if 1.1 <= t <= 1.6]
+    assert b.get_yscale() == "log" and len(ticks) >= 2  # labelled ticks inside the range of the curves
+    plt.close(fig)
+    recs[3]["loss_decode"] = 0.0  # a value a log axis cannot show
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    fig = loss_figure(tmp_path)
+    assert fig.axes[0].get_yscale() == "linear" and fig.axes[1].get_yscale() == "log"
+    plt.close(fig)
+    plot_losses(tmp_path)
+    assert (tmp_path / "loss.png").stat().st_size > 10_000

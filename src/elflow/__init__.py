@@ -8,9 +8,10 @@ __version__ = "0.1.0"
 
 
 def load(path_or_hub_id, device=None, max_length=None):
-    """The network of an elflow run or checkpoint, or of the authors' released checkpoint (a checkpoint_<step>
-    file, a folder holding one, or a hub id such as embedded-language-flows/ELF-B-owt-torch), with its EMA
-    weights, in eval mode."""
+    """The network of an elflow run, checkpoint or model folder (what `elflow push` writes), of a Hub model that
+    `elflow push` uploaded (its hub id), or of the authors' released checkpoint (a checkpoint_<step> file, a
+    folder holding one, or a hub id such as embedded-language-flows/ELF-B-owt-torch), with its EMA weights, in
+    eval mode."""
     from elflow.checkpoint import load as _load
 
     return _load(path_or_hub_id, device=device, max_length=max_length).net

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save, save_file
 
 from elflow.encoders import stored_spec
 from elflow.generate import SAMPLING_DEFAULTS, distilled_defaults
@@ -45,6 +45,7 @@ from elflow.runconfig import TrainConfig
 from elflow.model import ELF, ELFConfig
 from elflow.official import infer_config, official_to_elflow, preset_name
 from elflow.shortrun import describe_network, network_from_state_dict, options_of
+from elflow.tracking import ID_FILE
 from elflow.utils import (ELFError, FolderLock, NoSpace, atomic_write_text, default_device,
                           disk_full, file_mode, first_line, folder_mode, read_json, sha256_file as _sha256)
 
@@ -52,7 +53,8 @@ __all__ = ["write_checkpoint", "save_checkpoint", "load_checkpoint", "list_check
            "is_elflow_checkpoint", "split_space_state", "remove_stale_temporaries", "method_of", "read_weights",
            "load", "load_for_sampling", "load_init_weights", "check_init_compatible", "read_state", "write_state",
            "newest_usable", "RUN_FILES", "REPLACED", "set_aside", "restore_aside", "recover_replaced",
-           "bring_back_replaced", "STATE_HASH"]
+           "bring_back_replaced", "STATE_HASH", "MODEL_FORMAT", "is_model_folder", "model_folder_files",
+           "write_model_folder", "read_model_folder", "stored_training"]
 
 STEP_DIR = re.compile(r"step_(\d+)")
 SPACE_PREFIX = "space."  # space parameters inside model.safetensors (the other layout)
@@ -284,7 +286,8 @@ def latest_checkpoint(run_dir: str | os.PathLike, verify: bool = True, warn=_war
 # a run replaced by --overwrite: its files wait in RUN/.replaced-run until the new run's first checkpoint
 
 
-RUN_FILES = ("run.json", "metrics.jsonl", "loss.png", "checkpoints", "tb", "report.json", "samples.jsonl")
+RUN_FILES = ("run.json", "metrics.jsonl", "loss.png", "checkpoints", "tb", "report.json", "samples.jsonl", "wandb",
+             ID_FILE)
 
 
 def set_aside(out: Path, names=RUN_FILES) -> None:
@@ -408,6 +411,147 @@ def build_from_state_dict(sd: dict[str, torch.Tensor], max_length: int = 1024, h
 
 
 # ----------------------------------------------------------------------------------------------------------
+# a model folder: what `elflow push` uploads (and `push --dry-run` writes), and `elflow.load` reads back
+#
+#     model.safetensors    the EMA weights of the network
+#     space.safetensors    the embedding space's trained parameters (a learned table), if any
+#     config.json          format, method, the network's config (and short-run options), parameter counts, step,
+#                          the sha256 of the weight files
+#     recipe.json          the flow recipe and every training setting of the run (TrainConfig)
+#     space.json           the embedding space's description and id
+#     sampling.json        the model's layout (length, source length, task, distilled steps) and the sampler
+#                          settings it samples with when no flag is given
+#     README.md            the model card (elflow.hub)
+
+MODEL_FORMAT = "elflow-model-1"
+MODEL_JSON = ("config.json", "recipe.json", "space.json", "sampling.json")
+NETWORK_KEYS = ("model", "short_run")  # the entries of a method's `describe` that a state holds
+
+
+def _model_json(folder: Path, name: str) -> dict:
+    path = folder / name
+    try:
+        obj = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ELFError(f"{path}: missing; {folder} is not a complete elflow model folder") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ELFError(f"{path}: corrupted ({e})") from None
+    if not isinstance(obj, dict):
+        raise ELFError(f"{path}: expected a JSON object")
+    return obj
+
+
+def is_model_folder(path: Path) -> bool:
+    """An elflow model folder (config.json of MODEL_FORMAT), not an authors' folder with its own config.json."""
+    f = Path(path) / "config.json"
+    if not f.is_file():
+        return False
+    try:
+        return json.loads(f.read_text()).get("format") == MODEL_FORMAT
+    except (ValueError, UnicodeDecodeError, AttributeError, OSError):
+        return False
+
+
+def model_folder_files(path: str | os.PathLike, sampling: dict | None = None) -> dict[str, object]:
+    """The files of the model folder of an elflow run or checkpoint: {name: tensors (dict) or JSON object}.
+    `sampling`: the sampler settings stored as its defaults (those it samples with from the run, if None)."""
+    ckpt = resolve_checkpoint(path)
+    blob = load_checkpoint(ckpt, with_optimizer=False)
+    st = blob["state"]
+    if not blob["ema"]:
+        raise ELFError(f"{ckpt} holds no EMA weights; a model folder holds the EMA weights that sample")
+    net_sd = {k: v for k, v in blob["ema"].items() if not k.startswith(SPACE_PREFIX)}
+    space_sd = trained_space_state(ckpt)
+    train = st.get("train", {})
+    config = {"format": MODEL_FORMAT, "method": st.get("method", "elf"),
+              **{k: st[k] for k in NETWORK_KEYS if k in st}, "params": st.get("params"), "step": st.get("step")}
+    settings = {k: v for k, v in st.get("settings", {}).items() if k != "sampling"}
+    if sampling is None:
+        loaded = load(ckpt)
+        sampling = get_method(loaded.method).settings(loaded).to_dict()
+    defaults = {k: v for k, v in sampling.items() if k not in ("seed", "batch_size", "dtype", "method")}
+    files = {"model.safetensors": net_sd, **({"space.safetensors": space_sd} if space_sd else {}),
+             "config.json": config, "recipe.json": {"recipe": train.get("recipe", {}), "train": train},
+             "space.json": {"space": st["space"], "space_id": st.get("space_id")},
+             "sampling.json": {**settings, "sampling": defaults}}
+    return files
+
+
+def write_model_folder(files: dict[str, object], folder: str | os.PathLike) -> Path:
+    """Write `model_folder_files` (and any text files given, such as README.md) into `folder`, the weights'
+    sha256 recorded in config.json; each file atomically."""
+    from elflow.utils import atomic_write, atomic_write_json, atomic_write_text
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    digests = {}
+    for name, content in files.items():
+        if name.endswith(".safetensors"):
+            with atomic_write(folder / name) as f:
+                f.write(save(content))
+            digests[name] = _sha256(folder / name)
+    for name, content in files.items():
+        if name == "config.json":
+            content = {**content, "files": digests}
+        if isinstance(content, dict) and name.endswith(".json"):
+            atomic_write_json(folder / name, content)
+        elif isinstance(content, str):
+            atomic_write_text(folder / name, content)
+    return folder
+
+
+def model_folder_state(folder: Path) -> dict:
+    """A model folder's JSON files as one state in the layout of a checkpoint's state.json."""
+    config = _model_json(folder, "config.json")
+    recipe, space, sampling = (_model_json(folder, n) for n in MODEL_JSON[1:])
+    if "space" not in space:
+        raise ELFError(f"{folder / 'space.json'}: no space description")
+    return {"method": config.get("method", "elf"), **{k: config[k] for k in NETWORK_KEYS if k in config},
+            "params": config.get("params"), "step": config.get("step"), "train": recipe.get("train", {}),
+            "space": space["space"], "space_id": space.get("space_id"), "settings": sampling,
+            "files": config.get("files", {})}
+
+
+def read_model_folder(folder: Path, use_ema: bool = True) -> tuple[dict, dict]:
+    """(model_folder_state, the EMA weights) of a model folder, its weight files checked against their
+    recorded sha256."""
+    if not use_ema:
+        raise ELFError(f"{folder} is a model folder: it holds the EMA weights only")
+    state = model_folder_state(folder)
+    files = state["files"]
+    if not isinstance(files, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in files.items()):
+        raise ELFError(f"{folder / 'config.json'}: corrupted (\"files\" must map file names to sha256 digests)")
+    bad = [k for k in files if not PLAIN_NAME.fullmatch(k)]
+    if bad:
+        raise ELFError(f"{folder / 'config.json'}: refused: its \"files\" name {bad[0]!r}, which is not a plain file "
+                       "name in the model folder (nothing outside it is read)")
+    for name, digest in files.items():
+        f = folder / name
+        if not f.exists():
+            raise ELFError(f"{f}: missing from the model folder")
+        if _sha256(f) != digest:
+            raise ELFError(f"{f}: corrupted or truncated (its sha256 does not match the one recorded in config.json)")
+    try:
+        sd = load_file(folder / "model.safetensors")
+    except Exception as e:  # safetensors raises its own error types on bad headers
+        raise ELFError(f"{folder / 'model.safetensors'}: weights cannot be read ({e})") from None
+    return state, sd
+
+
+def stored_training(path: str | os.PathLike) -> dict | None:
+    """The training settings (a TrainConfig dict) and space of an elflow run, checkpoint or model folder,
+    {"train", "space", "settings"}; None for other formats (the authors' checkpoints, hub ids)."""
+    p = Path(str(path)).expanduser()
+    if is_model_folder(p):
+        st = model_folder_state(p)
+    elif is_elflow_checkpoint(p) or (p / "checkpoints").is_dir():
+        st = verify_checkpoint(resolve_checkpoint(p), need_optimizer=False)
+    else:
+        return None
+    return {"train": st.get("train", {}), "space": st.get("space"), "settings": st.get("settings", {})}
+
+
+# ----------------------------------------------------------------------------------------------------------
 # the one loader
 
 
@@ -439,9 +583,10 @@ def _download(repo_id: str) -> Path:
 
     if not hub_offline() and not hub_reachable():
         raise ELFError(f"{repo_id}: no such local file or folder; read as a Hugging Face Hub id, it cannot be "
-                       f"fetched ({hub_unavailable_reason()}). Check the path.")
+                       f"fetched: {hub_unavailable_reason()}. Check the path.")
     try:
-        return Path(snapshot_download(repo_id, allow_patterns=["checkpoint_*", "*.json", "*.yml", "*.yaml", "*.md"]))
+        return Path(snapshot_download(repo_id, allow_patterns=["checkpoint_*", "*.safetensors", "*.json", "*.yml",
+                                                               "*.yaml", "*.md"]))
     except Exception as e:
         first = " ".join(str(e).split())
         raise ELFError(f"{repo_id}: no such local file or folder; read as a Hugging Face Hub id, it could not be "
@@ -501,9 +646,12 @@ class Loaded:
 
 
 def method_of(path: str | os.PathLike) -> str:
-    """The method of an elflow run or checkpoint folder without reading its weights; "elf" for any other
+    """The method of an elflow run, checkpoint or model folder without reading its weights; "elf" for any other
     format (the authors' checkpoints, hub ids)."""
     p = Path(str(path)).expanduser()
+    if is_model_folder(p):
+        method = _model_json(p, "config.json").get("method", "elf")
+        return method if isinstance(method, str) else "?"
     if is_elflow_folder(p):
         method = read_state(resolve_checkpoint(p)).get("method", "elf")
         return method if isinstance(method, str) else "?"
@@ -526,9 +674,12 @@ def read_weights(path_or_hub_id: str | os.PathLike, use_ema: bool = True, max_le
         if not is_hub_id(s):
             raise ELFError(f"{s}: no such file or folder (nor a hub id of the form owner/name)")
         p = _download(s)
-    if is_elflow_folder(p):
-        ckpt, blob = _load_newest(p)
-        st = blob["state"]
+    if is_model_folder(p) or is_elflow_folder(p):
+        if is_model_folder(p):
+            ckpt, st, sd = p, *read_model_folder(p, use_ema)
+        else:
+            ckpt, blob = _load_newest(p)
+            st, sd = blob["state"], blob["ema" if use_ema else "model"]
         method = get_method(st.get("method", "elf"))
         if need is not None:
             require(method, need, "this command", path_or_hub_id)
@@ -537,8 +688,8 @@ def read_weights(path_or_hub_id: str | os.PathLike, use_ema: bool = True, max_le
             train = TrainConfig.from_dict(st.get("train", {}))
             recipe, space = dict(train.recipe), stored_spec(st["space"])
         except (TypeError, ValueError, KeyError, AttributeError) as e:
-            raise ELFError(f"{ckpt / 'state.json'}: its settings cannot be read ({type(e).__name__}: {e})") from None
-        sd = blob["ema" if use_ema else "model"]
+            where = ckpt / ("config.json" if is_model_folder(p) else "state.json")
+            raise ELFError(f"{where}: its settings cannot be read ({type(e).__name__}: {e})") from None
         sd = {k: v for k, v in sd.items() if not k.startswith("space.")}
         settings = {"length": cfg.max_length, **st.get("settings", {}), "format": "elflow",
                     "checkpoint": str(ckpt), "space_id": st.get("space_id"), "method": method.name, **extra}

@@ -217,7 +217,8 @@ def _compare(cfg, out, steps, minutes, num, judge, elf_steps, omegas, ar_tempera
             name = f"{method}_{label.replace(' ', '_').replace('=', '')}.jsonl"
             _, scores = sample_and_score(chosen, loaded.net, space, num, settings,
                                          lambda texts: judge_texts(texts, vocab, judge), out / "samples" / name,
-                                         {"method": method, "checkpoint": str(out / method)}, cfg.length)
+                                         {"method": method, "checkpoint": str(out / method)}, cfg.length,
+                                         progress=not quiet)
             rows.append({"method": method, "setting": label, "params": info[method]["params"], **scores})
             printer(f"  {method} {label}: judge perplexity {rows[-1]['gen_ppl']:.1f}")
     real = tokens_space.decode(val_set.tokens[:num])
@@ -286,12 +287,14 @@ def add_arguments(p) -> None:
                    "folder, a .jsonl file or a hub dataset")
     b.add_argument("--preset", default="demo", choices=tuple(PRESETS), help="ELF's size; the baselines match its "
                    "parameter count")
-    b.add_argument("--space", default=None, help="embedding space (default: the preset's; minilm for demo)")
+    quick = RUN_PRESETS["quickstart"][0]
+    b.add_argument("--space", default=None, help=f"embedding space (default: the quickstart's {quick['space']} for "
+                                                 "the demo preset, else the preset's)")
     b.add_argument("--length", type=int, default=64, help="sequence length")
     b.add_argument("--batch", type=int, default=32, help="rows per optimiser step")
     b.add_argument("--lr", type=float, default=None,
-                   help=f"learning rate (default: the quickstart's {RUN_PRESETS['quickstart'][0]['lr']:g} for the demo "
-                        "preset, else 1e-3 x batch / 256)")
+                   help=f"learning rate (default: the quickstart's {quick['lr']:g} for the demo preset, else 1e-3 x "
+                        "batch / 256)")
     b.add_argument("--match", choices=MATCHES, default="total",
                    help="match ELF's parameter count in all, or without token tables and decode head")
     b.add_argument("--seed", type=int, default=0, help="seed of training and sampling")
@@ -313,7 +316,8 @@ def add_arguments(p) -> None:
     o.add_argument("--overwrite", action="store_true", help="replace a comparison in --out")
     o.add_argument("--cache-dir", default=None, help="tokenization and judge cache ($ELFLOW_CACHE)")
     o.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    o.add_argument("--verbose", action="store_true", help="show the training progress bars")
+    o.add_argument("--quiet", action="store_true", help="no progress bars (training, sampling, judging) and no "
+                                                        "samples printed during training")
 
 
 def run(args) -> int:
@@ -336,6 +340,6 @@ def run(args) -> int:
     compare(cfg, args.out, steps=args.steps, minutes=args.minutes, num=args.num, judge=args.judge,
             elf_steps=args.elf_steps, omegas=args.omega, ar_temperatures=args.temperature, mdlm_steps=args.mdlm_steps,
             seed=args.seed, cache_dir=args.cache_dir, device=args.device, overwrite=args.overwrite,
-            judge_settings={"steps": args.judge_steps}, quiet=not args.verbose)
+            judge_settings={"steps": args.judge_steps}, quiet=args.quiet)
     print(f"results: {Path(args.out) / 'compare.json'}; plot: {Path(args.out) / 'compare.png'}")
     return 0

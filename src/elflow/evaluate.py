@@ -20,6 +20,8 @@ their fixed-length samples.
 
 from __future__ import annotations
 
+import argparse
+import hashlib
 import json
 import math
 import os
@@ -345,10 +347,10 @@ def sample_and_score(method, net, space, num: int, settings, score, path=None, m
 
 
 def judge_score(model, tokenizer, batch_size: int = 8, protocol: str = "elf", max_length=None,
-                part: tuple[int, int] = (0, 1)):
+                progress: bool = False, part: tuple[int, int] = (0, 1)):
     """A `score` for sample_and_score: the generative_perplexity result without its per-sample lists."""
     return lambda texts: _public(generative_perplexity(texts, model, tokenizer, batch_size, protocol, max_length,
-                                                       part=part))
+                                                       progress=progress, part=part))
 
 
 def plot_tradeoff(curves: list[dict], path, title: str, xlabel: str, ylabel: str, reference=(),
@@ -392,6 +394,120 @@ def plot_tradeoff(curves: list[dict], path, title: str, xlabel: str, ylabel: str
         fig.savefig(f, format="png", dpi=120)
     plt.close(fig)
     return path
+
+
+def heldout_texts(checkpoint, num: int, cache_dir=None) -> tuple[list[str], str]:
+    """(texts, what they are): `num` rows of the held-out split of the data the elflow run, checkpoint or model
+    folder `checkpoint` was trained on, at its length, decoded by its tokenizer and cut at the first EOS as
+    samples are. ELFError saying why when there are none (an authors' checkpoint, a conditional model, data that
+    cannot be read from here)."""
+    from elflow.checkpoint import stored_training
+    from elflow.encoders import build_space
+    from elflow.runconfig import TrainConfig
+    from elflow.train import run_data
+
+    stored = stored_training(checkpoint) if checkpoint else None
+    train = (stored or {}).get("train") or {}
+    if "data" not in train:
+        raise ELFError("the model records no training data elflow can read")
+    cfg = TrainConfig.from_dict(train).resolved()
+    if cfg.source_length:
+        raise ELFError("a conditional model's held-out text is a task's references (--task)")
+    spec = stored["space"]
+    space = build_space(spec if spec.get("kind") == "tokens" else {"kind": "tokens", "of": spec})
+    length = cfg.length or stored["settings"].get("length")
+    try:
+        _, val = run_data(cfg, space, length, cache_dir)
+    except (ELFError, OSError) as e:
+        raise ELFError(f"its training data {cfg.data!r} cannot be read here ({e})") from None
+    if len(val) == 0:
+        raise ELFError("the run held out no data (--val-fraction 0)")
+    texts = space.decode(val.tokens[:num])
+    return texts, f"{len(texts)} rows of {length} tokens of the held-out split of {cfg.data}"
+
+
+def _judge_identity(judge: str) -> dict:
+    """What tells two judges apart in the cache key: a folder's path and its files' sizes and times, or a hub
+    id."""
+    folder = Path(judge).expanduser()
+    if folder.is_dir():
+        return {"folder": str(folder.resolve()),
+                "files": sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in folder.iterdir()
+                                if p.is_file())}
+    return {"hub": judge}
+
+
+def judged_heldout(texts: list[str], judge_name: str, judge, settings: dict, cache_dir=None,
+                   progress: bool = False) -> dict:
+    """The judge's figures of held-out `texts` (generative_perplexity without the per-sample lists), cached
+    under <cache>/judged by the texts, the judge and the counting settings."""
+    from elflow.utils import cache_root
+
+    digest = hashlib.sha256()
+    for t in texts:
+        digest.update(t.encode("utf-8", "surrogatepass") + b"\0")
+    key = hashlib.sha256(json.dumps({"texts": digest.hexdigest(), "judge": _judge_identity(judge_name),
+                                     **settings}, sort_keys=True).encode()).hexdigest()[:24]
+    path = cache_root(cache_dir) / "judged" / f"{key}.json"
+    try:
+        return {**json.loads(path.read_text()), "cached": True}
+    except (OSError, ValueError):
+        pass
+    model, tok = judge
+    res = _public(generative_perplexity(texts, model, tok, settings["batch_size"], settings["protocol"],
+                                        settings["max_length"], progress=progress))
+    atomic_write_json(path, res)
+    return {**res, "cached": False}
+
+
+def _heldout(args, checkpoint, num: int, judge, main: bool = True) -> dict | None:
+    """The held-out text's figures under `judge` for the report (None with --no-heldout, and on every rank but
+    rank 0: `main`); a model without held-out text gives a note instead. Every rank reads the held-out text,
+    since reading the run's data may prepare its store, which the ranks do together; rank 0 alone judges it."""
+    if not args.heldout:
+        return None
+    if checkpoint is None:
+        return {"note": "no held-out text to judge: the samples do not name the elflow run they came from"}
+    try:
+        texts, what = heldout_texts(checkpoint, num, args.cache_dir)
+    except ELFError as e:
+        return {"note": f"no held-out text to judge: {e}"}
+    if not main:
+        return None
+    settings = {"batch_size": args.batch_size, "protocol": args.protocol, "max_length": args.max_length,
+                "judge_dtype": args.judge_dtype}
+    return {**judged_heldout(texts, str(args.judge), judge, settings, args.cache_dir, progress=not args.json),
+            "texts": what}
+
+
+def _heldout_line(held: dict | None) -> str | None:
+    if held is None:
+        return None
+    if "gen_ppl" not in held:
+        return f"held-out text: {held['note']}"
+    return f"held-out text: {_format(held)} [{held['texts']}{'; cached' if held.get('cached') else ''}]"
+
+
+def _track(args, folder: Path, report: dict, tables: dict, job_type: str) -> None:
+    """The report in a W&B run (--wandb): its figures as the run's summary, its settings as its config,
+    `tables` ({key: (columns, rows)}) as tables."""
+    from elflow.tracking import Tracker
+
+    tracker = Tracker.start(args.wandb, args.wandb_run, folder, {k: v for k, v in report.items()
+                                                                 if not isinstance(v, (list, dict))},
+                            job_type=job_type, quiet=getattr(args, "json", False))
+    if tracker is None:
+        return
+    try:
+        flat = {k: v for k, v in report.items() if isinstance(v, (int, float))}
+        for k, v in (report.get("heldout") or {}).items():
+            if isinstance(v, (int, float)):
+                flat[f"heldout/{k}"] = v
+        tracker.summary(flat)
+        for key, (columns, rows) in tables.items():
+            tracker.table(key, columns, rows)
+    finally:
+        tracker.finish()
 
 
 TEXT_TASKS = ("translation", "summarization")
@@ -440,6 +556,26 @@ def add_arguments(p) -> None:
     s.add_argument("--encoder", default=None,
                    help="T5 encoder folder or hub id for the authors' checkpoints (default t5-small)")
     o.add_argument("--overwrite", action="store_true", help="replace an existing report (and samples with --checkpoint)")
+    g.add_argument("--heldout", action=argparse.BooleanOptionalAction, default=True,
+                   help="also judge as many rows of the held-out split of the data the model was trained on (an "
+                        "elflow run's; cached per judge and data) and print them beside the samples' figures "
+                        "(default: on)")
+    g.add_argument("--cache-dir", default=None, help="tokenization and held-out judging cache "
+                                                     "(default: $ELFLOW_CACHE or ~/.cache/elflow)")
+    from elflow.tracking import add_arguments as add_tracking
+
+    add_tracking(p)
+
+
+def _sampled_from(samples_path) -> str | None:
+    """The model a samples file was drawn from (the "checkpoint" that `elflow sample` writes in each line)."""
+    try:
+        with open(Path(samples_path).expanduser(), encoding="utf-8") as f:
+            first = next((line for line in f if line.strip()), "")
+        value = json.loads(first).get("checkpoint") if first else None
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) else None
 
 
 def _settings(args) -> dict:
@@ -451,14 +587,17 @@ def _public(res: dict) -> dict:
     return {k: v for k, v in res.items() if k != "per_sample"}
 
 
-def _emit(report: dict, path: Path, as_json: bool, summary: str, overwrite: bool) -> None:
+def _emit(report: dict, path: Path, as_json: bool, summary: str, args=None, tables: dict | None = None) -> None:
+    """Write the report, print it (as JSON, or `summary`), and with --wandb log it (`tables`: see _track)."""
     clean = json.loads(json.dumps(report, default=str), parse_constant=lambda c: None)
-    atomic_write_json(path, clean, overwrite)
+    atomic_write_json(path, clean, bool(getattr(args, "overwrite", False)))
     if as_json:
         print(json.dumps(clean))
     else:
         print(summary)
         print(f"report: {path}")
+    if args is not None and getattr(args, "wandb", None):
+        _track(args, path.parent, clean, tables or {}, "eval")
 
 
 def _format(res: dict) -> str:
@@ -502,7 +641,7 @@ def _run_text_task(args) -> int:
               "references": str(args.references)}
     path = Path(args.report) if args.report else Path(args.samples).with_suffix(f".{args.task}.json")
     check_output(path, args.overwrite, "--report")
-    _emit(report, path, args.json, summary, args.overwrite)
+    _emit(report, path, args.json, summary, args)
     return 0
 
 
@@ -579,12 +718,18 @@ def _conditional_task(args, task, metric, loaded, space, settings, sources, refs
               "checkpoint": str(args.checkpoint), "samples": str(samples_path), "seconds": time.time() - t0}
     if part[0] == 0:
         _emit(report, report_path, args.json, f"{summary}  ({len(records)} examples, {settings.sampler}, "
-              f"{settings.steps} steps, guidance {settings.guidance:g}, omega {settings.omega:g})", args.overwrite)
+              f"{settings.steps} steps, guidance {settings.guidance:g}, omega {settings.omega:g})", args,
+              {"examples": (["source", "output", "reference"],
+                            [[r.get("source"), r["text"], r.get("reference")] for r in records[:100]])})
     return 0
 
 
 def run(args) -> int:
     args.device = check_device(args.device)
+    if args.wandb:
+        from elflow.tracking import require
+
+        require()
     if args.task in TEXT_TASKS:
         return _run_text_task(args)
     if args.task == "unconditional" and (args.samples is None) == (args.checkpoint is None):
@@ -608,10 +753,13 @@ def _run_unconditional(args, part: tuple[int, int]) -> int:
         res = generative_perplexity(texts, model, tok, args.batch_size, args.protocol, args.max_length,
                                     progress=not args.json and main, part=part)
         _check_result(res, args.samples)
-        report = {**_public(res), **_settings(args), "samples": str(args.samples), "seconds": time.time() - t0}
+        held = _heldout(args, _sampled_from(args.samples), len(texts), (model, tok), main)
+        report = {**_public(res), **_settings(args), "samples": str(args.samples), "seconds": time.time() - t0,
+                  **({"heldout": held} if held else {})}
         path = Path(args.report) if args.report else Path(args.samples).with_suffix(".eval.json")
         if main:
-            _emit(report, path, args.json, _format(res), args.overwrite)
+            _emit(report, path, args.json, "\n".join(filter(None, [f"samples: {_format(res)}",
+                                                                  _heldout_line(held)])), args)
         return 0
 
     from elflow.checkpoint import load_for_sampling
@@ -654,9 +802,14 @@ def _sample_and_judge(args, loaded, space, settings, seeds, out, report_path, t0
               "checkpoint": str(args.checkpoint), "method": loaded.method, "num": args.num, "length": args.length,
               **settings.to_dict(),
               "seeds": list(seeds), "per_seed": per_seed, "seconds": time.time() - t0}
+    held = _heldout(args, args.checkpoint, args.num, (model, tok), main)
+    if held:
+        report["heldout"] = held
     se = lambda x: f" +- {x:.3f}" if x is not None else ""  # noqa: E731
-    summary = (f"gen_ppl {ppl:.3f}{se(ppl_se)}  entropy {ent:.4f}{se(ent_se)}  over {len(per_seed)} seed(s) "
-               f"({settings.describe()})")
+    summary = (f"samples: gen_ppl {ppl:.3f}{se(ppl_se)}  entropy {ent:.4f}{se(ent_se)}  over {len(per_seed)} "
+               f"seed(s) ({settings.describe()})")
+    columns = ["seed", "gen_ppl", "entropy", "num_samples", "num_empty", "num_tokens"]
     if main:
-        _emit(report, report_path, args.json, summary, args.overwrite)
+        _emit(report, report_path, args.json, "\n".join(filter(None, [summary, _heldout_line(held)])), args,
+              {"per_seed": (columns, [[r[c] for c in columns] for r in per_seed])})
     return 0

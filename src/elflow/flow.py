@@ -53,6 +53,27 @@ class Recipe(Record):
     t_mean: float = -1.5  # training times t = sigmoid(N(t_mean, t_std^2))
     t_std: float = 0.8
 
+    def __post_init__(self):
+        bad = [f"{k} {v!r}" for k, v in self.to_dict().items()
+               if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v)]
+        if bad:
+            raise ValueError(f"the recipe's constants must be finite numbers: {', '.join(bad)}")
+        positive = ("noise_scale", "t_std", "decode_noise_scale")
+        shares = ("decode_prob", "self_cond_prob", "source_drop_prob", "decode_clean_prob")
+        bad = [f"{k} {getattr(self, k)} (must be > 0)" for k in positive if not getattr(self, k) > 0]
+        bad += [f"{k} {getattr(self, k)} (must lie in [0, 1])" for k in shares if not 0 <= getattr(self, k) <= 1]
+        if not 0 < self.t_eps < 1:
+            bad.append(f"t_eps {self.t_eps} (must lie in (0, 1))")
+        if not 0 <= self.omega_low <= self.omega_high:
+            bad.append(f"omega range [{self.omega_low}, {self.omega_high}] (needs 0 <= omega_low <= omega_high)")
+        if bad:
+            raise ValueError(f"the recipe's constants are out of range: {'; '.join(bad)}")
+
+    @property
+    def self_conditioned(self) -> bool:
+        """Whether the network is given its own previous guess (and trained for guidance by it)."""
+        return self.self_cond_prob > 0
+
 
 TIME_BINS = (0.0, 0.1, 0.2, 0.3, 0.5, 1.0)  # edges of the time bins the denoising loss is logged in
 

@@ -43,7 +43,7 @@ from elflow.data import (BUILTIN_NAMES, CLEAN_VERSION, SHAKESPEARE_SHA256, _bad,
                          read_documents, read_pairs, split_rows)
 from elflow.store import (LOCK, PARTIAL, STORE_FILES, StoreRows, StoreWriter, TokenStore, file_lock, is_store,
                           remove_store_files, store_lock)
-from elflow.utils import ELFError, cache_root, no_space_error, sha256_file
+from elflow.utils import ELFError, cache_root, distributed, no_space_error, sha256_file
 
 __all__ = ["CHUNK_BYTES", "PREPARE_TIMEOUT", "prepare_store", "text_store", "pair_store", "source_fingerprint",
            "build_dataset", "build_pairs", "auto_workers"]
@@ -660,12 +660,6 @@ def _once_across_ranks(make):
         dist.destroy_process_group(group)
 
 
-def _rank0() -> bool:
-    import torch.distributed as dist
-
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
-
-
 def text_store(source, space, cache_dir=None, field: str = "text", on_bad: str = "stop", split: str = "train",
                max_documents: int | None = None, use_cache: bool = True) -> tuple[TokenStore, str]:
     """(store, "given" | "hit" | "miss"): `source` itself when it is a store folder (checked against the
@@ -721,7 +715,7 @@ def build_dataset(source, space, length: int, layout: str = "packed", val_fracti
     store, state = text_store(source, space, cache_dir, field, on_bad, split, max_documents, use_cache)
     if store.kind != "text":
         raise ELFError(f"{source} holds (source, target) pairs; train on it with --source-length")
-    if state == "given" and store.layout not in (None, layout) and _rank0():
+    if state == "given" and store.layout not in (None, layout) and distributed()[0] == 0:
         _warn(f"{source} was prepared for the {store.layout} layout; reading it as {layout} rows (--layout)")
     rows = StoreRows(store, layout, length, pad_in_loss, info=_info(store, state, source, layout, length))
     rows.info["sequences"] = len(rows)
@@ -754,7 +748,7 @@ def build_pairs(source, space, source_length: int = 64, length: int = 128, val_f
                      info={**_info(store, state, source, "pairs", length), "source_length": source_length})
     rows.info.update(sequences=len(rows), pairs=len(rows))
     cut = rows.sources_cut()
-    if cut and _rank0():
+    if cut and distributed()[0] == 0:
         _warn(f"{cut} of {len(rows)} sources are longer than {source_length} tokens and were cut "
               "(raise --source-length to keep more)")
     return split_rows(rows, val_fraction, seed)

@@ -10,8 +10,19 @@ port, so their checkpoints load with a key map and no compatibility code in the 
     heads   x_pred = Linear(RMSNorm(h))           (B, L, C), zero-initialised
             logits = Linear(GELU_tanh(Linear(h)))  (B, L, V), on the un-normalised stream
 
-`embed_time`, `denoise_head` and `decode` are the points where elflow.shortrun's options for short runs
-change the network; here they are the paper's.
+Three variant fields of ELFConfig change the network where the paper's ablations change it; their defaults
+are the released network, which they leave exactly as it is:
+
+    predict       what the denoise head outputs: x (released), v or eps. The head's output is turned into x
+                  (`prediction_to_x`) inside the network, so every caller (the loss, the samplers,
+                  distillation) sees x and the loss stays the v-space MSE, whatever the target
+    conditioning  tokens (released): the prefix tokens above; adaln: no prefix, and DiT's adaLN-Zero in every
+                  block (shift, scale and gate of both sublayers from c = e(t) + e(omega) + mode * gate,
+                  zero-initialised, so a fresh block is the identity) and on the denoise head
+    bottleneck    the input bottleneck's width b
+
+`embed_time`, `modulate_head`, `precondition` and `decode` are the points where elflow.shortrun's options for
+short runs change the network; here they are the paper's.
 
 `TokenTransformer` is the token-level network of the baseline methods (elflow.methods.ar, elflow.methods.mdlm):
 the same blocks, read from and written to token ids (TokenLMConfig, fit_token_lm to match a parameter count).
@@ -29,8 +40,13 @@ from torch.utils.checkpoint import checkpoint
 
 from elflow.utils import Record, check_memory
 
-__all__ = ["ELFConfig", "PRESETS", "ELF", "Block", "RMSNorm", "rope_tables", "timestep_features",
-           "get_config", "TokenLMConfig", "TokenTransformer", "num_params", "token_lm_params", "fit_token_lm"]
+__all__ = ["ELFConfig", "PRESETS", "PREDICTIONS", "CONDITIONINGS", "DECODERS", "ELF", "Block", "RMSNorm",
+           "rope_tables", "timestep_features", "prediction_to_x", "x_to_prediction", "get_config", "TokenLMConfig",
+           "TokenTransformer", "num_params", "token_lm_params", "fit_token_lm"]
+
+PREDICTIONS = ("x", "v", "eps")  # what the denoise head outputs
+CONDITIONINGS = ("tokens", "adaln")  # how t, omega and the mode reach the blocks
+DECODERS = ("shared", "separate")  # who reads out tokens: the denoiser itself, or a network of its own
 
 
 class TransformerShape:
@@ -62,7 +78,12 @@ class ELFConfig(Record, TransformerShape):
     omega_tokens: int = 4
     mode_tokens: int = 4
     rope_theta: float = 10000.0
-    self_cond: bool = True  # input is [z, x_prev]; False only for the authors' self_cond_prob = 0 models
+    self_cond: bool = True  # input is [z, x_prev]; False for networks trained with self_cond_prob = 0
+    predict: str = "x"  # the denoise head's target: x, v or eps (PREDICTIONS)
+    conditioning: str = "tokens"  # prefix tokens, or adaLN-Zero in every block (CONDITIONINGS)
+    decoder: str = "shared"  # "separate": the readout is a second network's (elflow.shortrun.SeparateDecoderELF)
+    noise_scale: float = 2.0  # the training path's noise scale and clip, read by a v- or eps-predicting head
+    t_eps: float = 0.05
 
     def __post_init__(self):
         for f in ("depth", "hidden", "heads", "dim", "vocab_size", "max_length", "bottleneck"):
@@ -72,10 +93,21 @@ class ELFConfig(Record, TransformerShape):
             raise ValueError(f"ELFConfig: hidden {self.hidden} is not divisible by heads {self.heads}")
         if (self.hidden // self.heads) % 2:
             raise ValueError(f"ELFConfig: head dim {self.hidden // self.heads} must be even for RoPE pairs")
+        for f, choices in (("predict", PREDICTIONS), ("conditioning", CONDITIONINGS), ("decoder", DECODERS)):
+            if getattr(self, f) not in choices:
+                raise ValueError(f"ELFConfig.{f} must be one of {', '.join(choices)}, got {getattr(self, f)!r}")
+        if not (self.noise_scale > 0 and 0 < self.t_eps < 1):
+            raise ValueError(f"ELFConfig: noise_scale must be > 0 and t_eps in (0, 1), got {self.noise_scale}, "
+                             f"{self.t_eps}")
+
+    @property
+    def adaln(self) -> bool:
+        return self.conditioning == "adaln"
 
     @property
     def num_prefix(self) -> int:
-        return self.time_tokens + self.omega_tokens + self.mode_tokens
+        """Tokens before the text: the time, omega and mode tokens (none under adaLN conditioning)."""
+        return 0 if self.adaln else self.time_tokens + self.omega_tokens + self.mode_tokens
 
 
 
@@ -96,6 +128,46 @@ def get_config(name: str, **overrides) -> ELFConfig:
     if name not in PRESETS:
         raise KeyError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
     return PRESETS[name].replace(**{k: v for k, v in overrides.items() if v is not None})
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the prediction targets, on the path z = t x + (1 - t) noise_scale eps (t = 1 data). Each target is affine in
+# x at fixed (z, t), x = a z + b out, with the coefficients clipped at t_eps at both ends (c1 = max(1 - t, t_eps)
+# as in the velocity, c0 = max(t, t_eps)), so that each map is a bijection at every t:
+#     x    a = 0,      b = 1
+#     v    a = 1,      b = c1                       (v = (x - z) / c1)
+#     eps  a = 1 / c0, b = -noise_scale c1 / c0     (eps = (z - c0 x) / (noise_scale c1))
+
+
+def _affine(kind: str, t: torch.Tensor, noise_scale: float, t_eps: float):
+    """(a, b) of x = a z + b out for target `kind`; t (B,) -> (B, 1, 1) each."""
+    t = t.float().reshape(-1, 1, 1)
+    c0, c1 = t.clamp_min(t_eps), (1 - t).clamp_min(t_eps)
+    if kind == "x":
+        return torch.zeros_like(t), torch.ones_like(t)
+    if kind == "v":
+        return torch.ones_like(t), c1
+    if kind == "eps":
+        return 1 / c0, -noise_scale * c1 / c0
+    raise ValueError(f"unknown prediction target {kind!r}; choose one of {', '.join(PREDICTIONS)}")
+
+
+def prediction_to_x(kind: str, out: torch.Tensor, z: torch.Tensor, t: torch.Tensor, noise_scale: float,
+                    t_eps: float) -> torch.Tensor:
+    """The x that a head output `out` of target `kind` (x, v or eps) stands for at (z, t); t (B,)."""
+    if kind == "x":
+        return out
+    a, b = _affine(kind, t, noise_scale, t_eps)
+    return a * z + b * out
+
+
+def x_to_prediction(kind: str, x: torch.Tensor, z: torch.Tensor, t: torch.Tensor, noise_scale: float,
+                    t_eps: float) -> torch.Tensor:
+    """The head output of target `kind` that stands for x at (z, t): the inverse of prediction_to_x."""
+    if kind == "x":
+        return x
+    a, b = _affine(kind, t, noise_scale, t_eps)
+    return (x - a * z) / b
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -167,8 +239,16 @@ class SwiGLU(nn.Module):
         return self.w3(F.silu(gate) * value)
 
 
+def modulate(h: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """h (B, N, H) scaled by 1 + scale and shifted by shift, both (B, H): DiT's modulation."""
+    return h * (1 + scale[:, None, :]) + shift[:, None, :]
+
+
 class Block(nn.Module):
-    """Pre-norm transformer block; `causal=True` gives the autoregressive variant used by the judge."""
+    """Pre-norm transformer block; `causal=True` gives the autoregressive variant used by the judge.
+
+    `modulation` (B, 6H), adaLN-Zero's (shift, scale, gate) of the attention and of the MLP, modulates the
+    normalised inputs of both sublayers and gates their outputs; None is the plain block."""
 
     def __init__(self, hidden: int, heads: int, mlp_hidden: int, causal: bool = False):
         super().__init__()
@@ -177,9 +257,14 @@ class Block(nn.Module):
         self.norm2 = RMSNorm(hidden)
         self.mlp = SwiGLU(hidden, mlp_hidden)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = h + self.attn(self.norm1(h), cos, sin)
-        return h + self.mlp(self.norm2(h))
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                modulation: torch.Tensor | None = None) -> torch.Tensor:
+        if modulation is None:
+            h = h + self.attn(self.norm1(h), cos, sin)
+            return h + self.mlp(self.norm2(h))
+        shift1, scale1, gate1, shift2, scale2, gate2 = modulation.to(h.dtype).chunk(6, dim=-1)
+        h = h + gate1[:, None, :] * self.attn(modulate(self.norm1(h), shift1, scale1), cos, sin)
+        return h + gate2[:, None, :] * self.mlp(modulate(self.norm2(h), shift2, scale2))
 
 
 def timestep_features(t: torch.Tensor, size: int = 256, max_period: float = 10000.0) -> torch.Tensor:
@@ -223,6 +308,7 @@ class ELF(nn.Module):
     """net(z, t, omega, x_prev=None) -> x_pred (B, L, C); net.decode(z, omega) -> logits (B, L, V);
     net.mixed(...) -> (x_pred, logits) for training batches that mix both modes.
 
+    x_pred is the network's estimate of the clean embeddings whatever its head predicts (config.predict).
     `grad_checkpoint = True` recomputes each block in the backward pass (memory for compute); it changes no
     number and is not part of the weights."""
 
@@ -237,12 +323,18 @@ class ELF(nn.Module):
         self.bottleneck_out = nn.Linear(c.bottleneck, c.hidden)
         self.time_embed = ScalarEmbedder(c.hidden)
         self.omega_embed = ScalarEmbedder(c.hidden)
-        self.time_tokens = nn.Parameter(torch.zeros(1, c.time_tokens, c.hidden))
-        self.omega_tokens = nn.Parameter(torch.zeros(1, c.omega_tokens, c.hidden))
-        self.mode_tokens = nn.Parameter(torch.zeros(1, c.mode_tokens, c.hidden))
+        if c.adaln:  # the mode's vector in the condition c; one zero-initialised modulation map per block
+            self.mode_embed = nn.Parameter(torch.zeros(1, c.hidden))
+            self.block_modulation = nn.ModuleList(nn.Linear(c.hidden, 6 * c.hidden) for _ in range(c.depth))
+        else:
+            self.time_tokens = nn.Parameter(torch.zeros(1, c.time_tokens, c.hidden))
+            self.omega_tokens = nn.Parameter(torch.zeros(1, c.omega_tokens, c.hidden))
+            self.mode_tokens = nn.Parameter(torch.zeros(1, c.mode_tokens, c.hidden))
         self.blocks = nn.ModuleList(Block(c.hidden, c.heads, c.mlp_hidden) for _ in range(c.depth))
         self.final_norm = RMSNorm(c.hidden)
         self.x_head = nn.Linear(c.hidden, c.dim)
+        if c.adaln:  # DiT's final layer: the head's input scaled and shifted by c
+            self.final_modulation = nn.Linear(c.hidden, 2 * c.hidden)
         self.extend_denoise_head()
         self.decode_head = DecodeHead(c.hidden, c.dim, c.vocab_size)
         cos, sin = rope_tables(c.max_length, c.head_dim, c.num_prefix, c.rope_theta)
@@ -257,6 +349,7 @@ class ELF(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
+        c = self.config
         for m in self.modules():
             if isinstance(m, nn.Linear):
                 nn.init.xavier_uniform_(m.weight)
@@ -268,48 +361,81 @@ class ELF(nn.Module):
             for lin in (emb.fc1, emb.fc2):
                 nn.init.normal_(lin.weight, std=0.02)
                 nn.init.zeros_(lin.bias)
-        for tok in (self.time_tokens, self.omega_tokens, self.mode_tokens):
+        for tok in (self.mode_embed,) if c.adaln else (self.time_tokens, self.omega_tokens, self.mode_tokens):
             nn.init.normal_(tok, std=0.02)
+        if c.adaln:  # adaLN-Zero: every modulation starts at zero, every block as the identity
+            for lin in (*self.block_modulation, self.final_modulation):
+                nn.init.zeros_(lin.weight)
+                nn.init.zeros_(lin.bias)
         nn.init.zeros_(self.x_head.weight)
         nn.init.zeros_(self.x_head.bias)
 
     # -- the shared trunk ----------------------------------------------------------------------------------
     def embed_time(self, t: torch.Tensor) -> torch.Tensor:
-        """(B,) flow times -> (B, H): the time embedding of the prefix tokens."""
+        """(B,) flow times -> (B, H): the time embedding of the prefix tokens (or of adaLN's condition)."""
         return self.time_embed(t)
+
+    def condition(self, t, omega, gate) -> torch.Tensor:
+        """adaLN's condition c = e(t) + e(omega) + gate * mode, (B, H), in fp32."""
+        dev = self.mode_embed.device
+        return (self.embed_time(t.to(dev)) + self.omega_embed(omega.to(dev))
+                + self.mode_embed * gate.to(dev, torch.float32)[:, None])
 
     def trunk(self, z, t, omega, x_prev, gate) -> torch.Tensor:
         """The transformer's output at the L text positions, (B, L, H); P = num_prefix tokens come first.
 
         gate (B,) float: 1 switches a row to decode mode (its mode tokens on), 0 keeps it in denoise mode.
+        A network without self-conditioning (config.self_cond False) ignores x_prev.
         """
         c = self.config
         B, L, C = self._check_inputs(z, t, omega, x_prev)
+        modulations = [None] * c.depth
         with torch.autocast(z.device.type, enabled=False):  # input path and prefix in fp32, as the reference
             z = z.float()
             if c.self_cond:
                 x_prev = torch.zeros_like(z) if x_prev is None else x_prev.float()
                 z = self.self_cond_proj(torch.cat([z, x_prev], dim=-1))
-            elif x_prev is not None:
-                raise ValueError("this network was built without self-conditioning; pass x_prev=None")
             h = self.bottleneck_out(self.bottleneck_in(z))  # (B, L, H)
-            time = self.time_tokens + self.embed_time(t.to(z.device))[:, None, :]  # (B, T, H)
-            om = self.omega_tokens + self.omega_embed(omega.to(z.device))[:, None, :]  # (B, W, H)
-            mode = self.mode_tokens * gate.to(z.device, torch.float32)[:, None, None]  # zeros in denoise mode
-            h = torch.cat([time, om, mode, h], dim=1)  # (B, P + L, H)
+            if c.adaln:
+                cond = F.silu(self.condition(t, omega, gate))
+                modulations = [m(cond) for m in self.block_modulation]  # (B, 6H) each
+            else:
+                time = self.time_tokens + self.embed_time(t.to(z.device))[:, None, :]  # (B, T, H)
+                om = self.omega_tokens + self.omega_embed(omega.to(z.device))[:, None, :]  # (B, W, H)
+                mode = self.mode_tokens * gate.to(z.device, torch.float32)[:, None, None]  # zeros in denoise mode
+                h = torch.cat([time, om, mode, h], dim=1)  # (B, P + L, H)
         n = c.num_prefix + L
         cos, sin = self.rope_cos[:n], self.rope_sin[:n]
-        for block in self.blocks:
+        for block, mod in zip(self.blocks, modulations):
+            args = (h, cos, sin) if mod is None else (h, cos, sin, mod)
             if self.grad_checkpoint and self.training and torch.is_grad_enabled():
-                h = checkpoint(block, h, cos, sin, use_reentrant=False)
+                h = checkpoint(block, *args, use_reentrant=False)
             else:
-                h = block(h, cos, sin)
+                h = block(*args)
         return h[:, c.num_prefix:]  # drop the prefix: (B, L, H)
 
-    def denoise_head(self, h: torch.Tensor, z: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        """x_pred (B, L, C) from the trunk's output h (z and t, the network's inputs, are unused here)."""
+    def modulate_head(self, h: torch.Tensor, t: torch.Tensor, omega) -> torch.Tensor:
+        """The denoise head's normalised input, modulated by adaLN's condition (denoise mode); the prefix-token
+        network leaves it as it is."""
+        if not self.config.adaln:
+            return h
+        if omega is None:
+            raise ValueError("an adaLN network's denoise head needs omega")
+        shift, scale = self.final_modulation(F.silu(self.condition(t, omega, torch.zeros_like(t)))).chunk(2, dim=-1)
+        return modulate(h, shift, scale)
+
+    def precondition(self, out: torch.Tensor, z: torch.Tensor, t: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """The head's output `out` (from its input `h`) before it is read as the prediction target; the paper's
+        network leaves it."""
+        return out
+
+    def denoise_head(self, h: torch.Tensor, z: torch.Tensor, t: torch.Tensor, omega=None) -> torch.Tensor:
+        """x_pred (B, L, C) from the trunk's output h: RMSNorm, the head, and the head's target turned into x."""
+        c = self.config
         with torch.autocast(h.device.type, enabled=False):
-            return self.x_head(self.final_norm(h.float()))
+            h = self.modulate_head(self.final_norm(h.float()), t, omega)
+            out = self.precondition(self.x_head(h), z, t, h)
+            return prediction_to_x(c.predict, out, z.float(), t.to(h.device), c.noise_scale, c.t_eps)
 
     def logits_head(self, h: torch.Tensor) -> torch.Tensor:
         with torch.autocast(h.device.type, enabled=False):
@@ -318,7 +444,7 @@ class ELF(nn.Module):
     def forward(self, z, t, omega, x_prev=None) -> torch.Tensor:
         """Denoise: z (B, L, C) at times t (B,) with guidance scales omega (B,) and the self-conditioning
         input x_prev (B, L, C) (None: zeros) -> the predicted clean embeddings x_pred (B, L, C)."""
-        return self.denoise_head(self.trunk(z, t, omega, x_prev, z.new_zeros(z.shape[0])), z, t)
+        return self.denoise_head(self.trunk(z, t, omega, x_prev, z.new_zeros(z.shape[0])), z, t, omega)
 
     def decode(self, z, omega) -> torch.Tensor:
         """Read out tokens: the pass at t = 1 with a zero self-conditioning input and the mode tokens on.
@@ -331,7 +457,7 @@ class ELF(nn.Module):
         logits_rows an index tensor of the rows whose logits are wanted (the decode head's).
         -> (x_pred of every row (B, L, C), logits of the chosen rows (len(logits_rows), L, V))."""
         h = self.trunk(z, t, omega, x_prev, gate)
-        return self.denoise_head(h, z, t), self.logits_head(h[logits_rows])
+        return self.denoise_head(h, z, t, omega), self.logits_head(h[logits_rows])
 
     def _check_inputs(self, z, t, omega, x_prev):
         c = self.config

@@ -25,6 +25,10 @@ How the Newton-Schulz polynomial is evaluated (`ns_method`):
               iterate faster than `eigh` runs).
     auto      by-shape when Newton-Schulz runs in fp32 on a CPU, iterate otherwise.
 
+`kind="adamw"` replaces the recipe by AdamW on every parameter (the paper's Appendix D.5 comparison, at its own
+learning rate: `base_lr(batch, ADAMW_BLR)` gives the paper's 1e-4 at batch 512); `weight_decay` is the decoupled
+decay of either (0 in the paper's recipe).
+
 `adam_heads=True` moves the output heads and the input/scalar embedders to Adam (the usual Muon practice,
 and far cheaper on a CPU, where Newton-Schulz on the 512 x 32,100 readout dominates a step). `adam=` names
 further parameters for Adam explicitly (a token-level baseline's token table, say).
@@ -41,15 +45,19 @@ import torch.optim._muon as _muon_impl
 
 from elflow.utils import fast_bf16  # noqa: F401  (re-exported: the optimiser and the CLIs ask it)
 
-__all__ = ["ELFOptimizer", "newton_schulz", "ns_precision", "NS_METHODS", "resolve_ns_method", "method_for",
-           "spectral_pays", "fast_bf16", "EMA", "base_lr", "lr_at", "LR_DECAYS", "HEAD_PREFIXES"]
+__all__ = ["ELFOptimizer", "OPTIMIZERS", "ADAMW_BLR", "newton_schulz", "ns_precision", "NS_METHODS",
+           "resolve_ns_method", "method_for", "spectral_pays", "fast_bf16", "EMA", "base_lr", "lr_at", "LR_DECAYS",
+           "HEAD_PREFIXES"]
+
+OPTIMIZERS = ("muon", "adamw")
+ADAMW_BLR = 5e-5  # AdamW's lr per 256 rows: the paper's tuned 1e-4 for ELF-B at batch 512
 
 HEAD_PREFIXES = ("x_head.", "head_modulation.", "decode_head.", "self_cond_proj.", "bottleneck_in.",
                  "bottleneck_out.", "time_embed.", "omega_embed.")
 
 
 def base_lr(batch: int, blr: float = 1e-3) -> float:
-    """lr = blr * global batch / 256 (2e-3 at the paper's batch of 512)."""
+    """lr = blr * global batch / 256 (2e-3 at the paper's batch of 512; AdamW's ADAMW_BLR gives 1e-4)."""
     return blr * batch / 256
 
 
@@ -168,9 +176,13 @@ class ELFOptimizer:
 
     def __init__(self, named_params, lr: float, adam_heads: bool = False, betas=(0.9, 0.999),
                  eps: float = 1e-8, momentum: float = 0.95, ns_steps: int = 5, ns_dtype: torch.dtype | None = None,
-                 ns_method: str = "auto", adam=()):
+                 ns_method: str = "auto", adam=(), kind: str = "muon", weight_decay: float = 0.0):
         """`adam`: names of parameters that go to Adam whatever their shape (besides the 1-D ones, a trainable
-        space's "space."-named ones and, under `adam_heads`, the heads and embedders)."""
+        space's "space."-named ones and, under `adam_heads`, the heads and embedders). `kind="adamw"`: AdamW on
+        every parameter instead."""
+        if kind not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {kind!r}")
+        self.kind = kind
         forced = set(adam)
         muon, adam = [], []
         self.muon_names, self.adam_names = [], []
@@ -181,18 +193,22 @@ class ELFOptimizer:
         for name, p in named_params:
             if not p.requires_grad:
                 continue
-            to_muon = p.ndim == 2 and name not in forced and not name.startswith("space.") and not (
+            to_muon = kind == "muon" and p.ndim == 2 and name not in forced and not name.startswith("space.") and not (
                 adam_heads and name.startswith(HEAD_PREFIXES))
             (muon if to_muon else adam).append(p)
             (self.muon_names if to_muon else self.adam_names).append(name)
         self.optimizers = []
         if muon:
-            self.optimizers.append(torch.optim.Muon(muon, lr=lr, weight_decay=0.0, momentum=momentum,
+            self.optimizers.append(torch.optim.Muon(muon, lr=lr, weight_decay=weight_decay, momentum=momentum,
                                                     nesterov=True, ns_steps=ns_steps, adjust_lr_fn="original"))
         if adam:
-            fused = all(p.is_cuda for p in adam)
-            self.optimizers.append(torch.optim.Adam(adam, lr=lr, betas=betas, eps=eps, weight_decay=0.0,
-                                                    fused=fused or None))
+            fused = all(p.is_cuda for p in adam) or None
+            if kind == "adamw" or weight_decay:  # decoupled decay; at 0 the recipe's Adam
+                self.optimizers.append(torch.optim.AdamW(adam, lr=lr, betas=betas, eps=eps,
+                                                         weight_decay=weight_decay, fused=fused))
+            else:
+                self.optimizers.append(torch.optim.Adam(adam, lr=lr, betas=betas, eps=eps, weight_decay=0.0,
+                                                        fused=fused))
         self.set_lr(lr)
 
     def set_lr(self, lr: float) -> None:

@@ -19,10 +19,10 @@ from elflow.encoders import DRAWN_TABLE_KINDS, TABLE_STREAM
 from elflow.flow import SAMPLERS, Recipe
 from elflow.generate import SAMPLING_DEFAULTS
 from elflow.methods import MATCHES, METHOD_NAMES, check_run
-from elflow.model import PRESETS
-from elflow.optim import LR_DECAYS, NS_METHODS, base_lr
+from elflow.model import CONDITIONINGS, DECODERS, PREDICTIONS, PRESETS
+from elflow.optim import ADAMW_BLR, LR_DECAYS, NS_METHODS, OPTIMIZERS, base_lr
 from elflow.shortrun import FIELDS as SHORT_RUN_FIELDS, SKIPS
-from elflow.utils import DIST_TIMEOUT_MINUTES, SEED_MAX, ELFError, Record
+from elflow.utils import DIST_TIMEOUT_MINUTES, SEED_MAX, ELFError, Record, resolve_dtype
 
 __all__ = ["TrainConfig", "RUN_PRESETS", "NESTED_FLAGS", "MUTABLE", "setting", "resume_conflicts",
            "add_setting_arguments", "given_settings", "mutable_flags", "with_default"]
@@ -41,6 +41,8 @@ AT_LEAST_0 = (_at_least(0), ">= 0")
 AT_LEAST_1 = (_at_least(1), ">= 1")
 UNIT = (lambda v: 0 <= v < 1, "in [0, 1)")
 SEED = (lambda v: isinstance(v, int) and 0 <= v <= SEED_MAX, f"from 0 to {SEED_MAX}")
+PROBABILITY = (lambda v: 0 <= v <= 1, "in [0, 1]")
+ANY = (math.isfinite, "(finite)")
 
 
 def setting(default=None, help: str = "", *, default_help: str | None = None, choices=None, check=None,
@@ -73,6 +75,28 @@ class TrainConfig(Record):
                           choices=tuple(PRESETS))
     match: str = setting("total", "baselines: match the ELF network's parameter count in all, or without the "
                                   "token tables and ELF's decode head (trunk)", choices=MATCHES)
+    predict: str = setting("x", "ELF: what the denoise head outputs, the clean embeddings x, the velocity v or the "
+                                "noise eps; the loss is the v-space MSE whatever the target (the output turned "
+                                "into v), and sampling turns it into x likewise", choices=PREDICTIONS)
+    conditioning: str = setting("tokens", "ELF: how t, omega and the mode reach the network: prefix tokens, or "
+                                          "DiT's adaLN-Zero modulation in every block (no prefix)",
+                                choices=CONDITIONINGS)
+    bottleneck: int | None = setting(None, "ELF: width of the input bottleneck (32 / 128 / 512 in the paper)",
+                                     default_help="the preset's: 128, 16 for tiny", check=AT_LEAST_1)
+    decoder: str = setting("shared", "ELF: who reads out tokens: the denoiser itself in decode mode, or a separate "
+                                     "network trained first on noisy embeddings (then frozen while the denoiser "
+                                     "trains; both stored as one model)", choices=DECODERS)
+    decoder_steps: int | None = setting(None, "--decoder separate: optimiser steps of the decoder's stage, trained "
+                                              "into OUT/decoder before the denoiser's --steps",
+                                        default_help="a quarter of --steps, so the decoder sees a quarter of the "
+                                                     "denoiser's rows, as the decode branch does", check=AT_LEAST_1)
+    decoder_from: str | None = setting(None, "--decoder separate: take the decoder from this run instead of training "
+                                             "it (a decode-only run: elflow train --decode-prob 1, same shape and "
+                                             "space)", flag="--decoder-from")
+    optimizer: str = setting("muon", "Muon on matrices with Adam on the rest (the paper's), or AdamW on every "
+                                     "parameter", choices=OPTIMIZERS)
+    weight_decay: float = setting(0.0, "decoupled weight decay of the optimiser (0 in the paper's recipe)",
+                                  check=AT_LEAST_0)
     data: str = setting("builtin", "a token store made by `elflow prepare`, or 'builtin' (Shakespeare), a .txt "
                                    "file or folder, a .jsonl file or a hub dataset name (prepared once into a "
                                    "store in the cache)")
@@ -103,7 +127,8 @@ class TrainConfig(Record):
                                             "other noise", default_help="batch / ranks at the run's start",
                                       check=AT_LEAST_1, mutable=True)
     steps: int = setting(1000, "optimiser steps (the schedule's length)", check=AT_LEAST_1, mutable=True)
-    lr: float | None = setting(None, "learning rate", default_help="1e-3 x batch / 256", check=POSITIVE)
+    lr: float | None = setting(None, "learning rate", default_help="1e-3 x batch / 256; AdamW 5e-5 x batch / 256",
+                               check=POSITIVE)
     warmup: int = setting(100, "linear warm-up steps", check=AT_LEAST_0)
     lr_decay: str = setting("constant", "after the warm-up: constant (the paper's) or a cosine decay to 0 at the "
                                         "run's last step (short runs)", choices=LR_DECAYS)
@@ -117,7 +142,8 @@ class TrainConfig(Record):
                                      "Newton-Schulz on CPUs, iterate on GPUs", choices=NS_METHODS)
     grad_clip: float = setting(1.0, "gradient-norm clipping (0: none)", check=AT_LEAST_0)
     dtype: str = setting("auto", "autocast precision; auto: bf16 on GPUs and CPUs with native bf16 matmuls, "
-                                 "else fp32", choices=("auto", "bf16", "fp32"))
+                                 "else fp32, stored resolved with the run (--print-config shows what it picks on "
+                                 "--device)", choices=("auto", "bf16", "fp32"))
     compile: bool = setting(False, "torch.compile the network")
     tf32: bool = setting(True, "TF32 matmuls for the fp32 work of a step on CUDA GPUs (the input path, the heads, "
                                "the loss); no effect on CPUs")
@@ -140,6 +166,13 @@ class TrainConfig(Record):
     sample_omega: float = setting(SAMPLING_DEFAULTS["text"]["omega"], "guidance scale of those samples",
                                   check=AT_LEAST_0, mutable=True)
     tensorboard: bool = setting(False, "also log to TensorBoard (RUN/tb)", mutable=True)
+    wandb: str | None = setting(None, "also log to this Weights & Biases project: the metrics records, the run's "
+                                      "settings and the samples shown during training (needs `pip install "
+                                      "\"elflow[wandb]\"`; WANDB_MODE=offline logs without an account); a resumed "
+                                      "run continues its W&B run; --wandb '' turns it off", default_help="none",
+                                mutable=True, flag="--wandb")
+    wandb_run: str | None = setting(None, "the W&B run's display name", default_help="the run folder's name",
+                                    mutable=True)
     task: str | None = setting(None, "a named conditional task, stored with the model (set by --defaults "
                                "wmt14-de-en / xsum)", choices=tuple(PAIR_TASKS))
     source_length: int | None = setting(None, "train on (source, target) pairs whose sources take up to this many "
@@ -191,8 +224,9 @@ class TrainConfig(Record):
                 values[key] = fn(values)
         return cls(**values)
 
-    def resolved(self) -> "TrainConfig":
-        """The same run with every preset-dependent default filled in."""
+    def resolved(self, device=None) -> "TrainConfig":
+        """The same run with every preset-dependent default filled in; with a `device`, `dtype` "auto" becomes
+        the precision it picks there."""
         small = self.preset in ("tiny", "demo")
         space, space_dim = self.space, self.space_dim
         if space is None:
@@ -201,11 +235,13 @@ class TrainConfig(Record):
                 space_dim = DEFAULT_SPACE_DIM.get(self.preset)
         preset = PRESETS.get(self.preset)
         drawn = space.partition(":")[0] in DRAWN_TABLE_KINDS  # a table drawn from the space seed
-        return replace(self, space=space, space_dim=space_dim,
+        dtype = resolve_dtype(self.dtype, device) if device is not None else self.dtype
+        return replace(self, space=space, space_dim=space_dim, dtype=dtype,
                        space_stream=(self.space_stream or TABLE_STREAM) if drawn else None,
                        ema_decay=self.ema_decay if self.ema_decay is not None else (SMALL_EMA if small else 0.9999),
                        length=self.length if self.length is not None else (preset.max_length if preset else None),
-                       lr=self.lr if self.lr is not None else base_lr(self.batch))
+                       lr=self.lr if self.lr is not None else base_lr(self.batch, 1e-3 if self.optimizer == "muon"
+                                                                       else ADAMW_BLR))
 
     def validate(self, stored=None) -> None:
         """ELFError naming the first setting out of range: as the flag (`--batch`), or, for the settings stored
@@ -238,6 +274,10 @@ class TrainConfig(Record):
             check_run(self)
         except ELFError as e:
             raise ELFError(f"{stored}: {e}" if stored is not None else str(e)) from None
+        if self.optimizer == "adamw":
+            for attr in ("adam_heads", "ns_method"):
+                if getattr(self, attr) != next(f for f in fields(self) if f.name == attr).default:
+                    raise ELFError(f"{name(attr)} sets up Muon; it does not apply to --optimizer adamw")
         if self.source_length is not None and self.length is not None and self.source_length >= self.length:
             raise ELFError(f"{name('source_length')} {self.source_length} leaves no room for a target in "
                            f"{name('length')} {self.length}; use a longer length or a shorter source length")
@@ -292,6 +332,20 @@ NESTED_FLAGS: dict[tuple[str, str], tuple] = {
     ("short_run", "table_readout"): (float, "weight w of the readout's table match: the decode logits gain "
                                         "w z . R_k / sqrt(C), R_k token k's own vector in the space (table spaces "
                                         "only; 0 in the released networks)", AT_LEAST_0, "the preset's"),
+    ("recipe", "noise_scale"): (float, "ELF: the noise scale of the training path and of sampling's z0", POSITIVE,
+                                "2, as released"),
+    ("recipe", "t_mean"): (float, "ELF: mean of the logit-normal training times t = sigmoid(N(mean, std^2))", ANY,
+                           "-1.5, as released"),
+    ("recipe", "t_std"): (float, "ELF: std of the logit-normal training times", POSITIVE, "0.8, as released"),
+    ("recipe", "decode_prob"): (float, "ELF: share of rows in the decode branch (the denoiser has the rest)",
+                                PROBABILITY, "0.2, as released"),
+    ("recipe", "self_cond_prob"): (float, "ELF: share of denoise rows that are self-conditioned; 0 builds the "
+                                          "network without the self-conditioning input and turns its guidance off",
+                                   PROBABILITY, "0.5, as released"),
+    ("recipe", "omega_low"): (float, "ELF: lowest training guidance scale omega", AT_LEAST_0, "0.5, as released"),
+    ("recipe", "omega_high"): (float, "ELF: highest training guidance scale omega", AT_LEAST_0, "5, as released"),
+    ("recipe", "source_drop_prob"): (float, "ELF on pairs: share of rows whose source is dropped (the unconditional "
+                                            "half of source guidance)", UNIT, "0.1, as released"),
     ("recipe", "decode_noise_scale"): (float, "decode corruption scale", POSITIVE, "5; 1 for conditional runs"),
     ("recipe", "decode_clean_prob"): (float, "share of the decode rows' tokens given clean (p = 1) instead of a "
                                              "corrupted level (the released levels almost never come near 1)",
@@ -316,9 +370,10 @@ def _split(d: dict, keys) -> tuple[dict, dict]:
     return {k: v for k, v in d.items() if k not in keys}, {k: v for k, v in d.items() if k in keys}
 
 
-def resume_conflicts(stored: TrainConfig, cfg: TrainConfig) -> list[str]:
-    """'name: stored -> new' for every setting that differs and may not change on resume."""
-    a, b = stored.resolved().to_dict(), cfg.resolved().to_dict()
+def resume_conflicts(stored: TrainConfig, cfg: TrainConfig, device=None) -> list[str]:
+    """'name: stored -> new' for every setting that differs and may not change on resume (dtype "auto" read
+    as what it picks on `device`, if given)."""
+    a, b = stored.resolved(device).to_dict(), cfg.resolved(device).to_dict()
     return [f"{k}: {a[k]!r} -> {b[k]!r}" for k in a if k not in MUTABLE and a[k] != b[k]]
 
 

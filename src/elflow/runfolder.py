@@ -10,6 +10,7 @@ with the folder as it is, before anything changes; `stored_config` reads the set
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import sys
 from pathlib import Path
@@ -20,8 +21,10 @@ from elflow.flow import TIME_BINS, time_bin_labels
 from elflow.runconfig import TrainConfig, mutable_flags, resume_conflicts
 from elflow.utils import ELFError, FolderHold, FolderLock, NoSpace, atomic_write, atomic_write_text, read_json
 
-__all__ = ["RUN_FILES", "REPLACED", "RunFolder", "check_run_dir", "stored_config", "RunLogger", "plot_losses",
-           "no_space", "read_metrics", "trim_metrics"]
+__all__ = ["RUN_FILES", "REPLACED", "DECODER_STAGE", "RunFolder", "check_run_dir", "in_first_stage", "stored_config",
+           "RunLogger", "plot_losses", "loss_figure", "training_records", "no_space", "read_metrics", "trim_metrics"]
+
+DECODER_STAGE = "decoder"  # the first stage of a --decoder separate run, a run folder of its own inside it
 
 
 class RunFolder:
@@ -68,10 +71,11 @@ class RunFolder:
             self.hold.close(ok)
 
 
-def check_run_dir(out: Path, cfg: TrainConfig, resume: bool, overwrite: bool) -> None:
-    """What --resume / --overwrite may do with the folder as it is; the folder is not changed here."""
-    ours = {FolderLock.NAME, REPLACED}
-    if not (out / "run.json").exists():
+def check_run_dir(out: Path, cfg: TrainConfig, resume: bool, overwrite: bool, device=None) -> None:
+    """What --resume / --overwrite may do with the folder as it is; the folder is not changed here. `device`:
+    where the run resumes (a stored dtype "auto" is read as what it picks there)."""
+    ours = {FolderLock.NAME, REPLACED, DECODER_STAGE}
+    if not (out / "run.json").exists() and not in_first_stage(out):
         if resume:
             raise ELFError(f"{out} holds no run to resume; check --out, or start the run without --resume")
         if out.is_dir() and any(p.name not in ours for p in out.iterdir()) and not overwrite:
@@ -82,11 +86,16 @@ def check_run_dir(out: Path, cfg: TrainConfig, resume: bool, overwrite: bool) ->
         return
     if not resume:
         raise ELFError(f"{out} already holds a run; pass --resume to continue it or --overwrite to replace it")
-    diff = resume_conflicts(stored_config(out), cfg)
+    diff = resume_conflicts(stored_config(out), cfg, device)
     if diff:
         raise ELFError(f"{out} holds a different run ({'; '.join(diff)}); on --resume only "
                        f"{mutable_flags()} may change. Resume it with its "
                        "own settings, or choose another --out")
+
+
+def in_first_stage(out: Path) -> bool:
+    """Whether `out` holds a --decoder separate run that has not yet started its second stage."""
+    return not (out / "run.json").exists() and (out / DECODER_STAGE / "run.json").exists()
 
 
 def stored_config(out: Path) -> TrainConfig:
@@ -96,6 +105,9 @@ def stored_config(out: Path) -> TrainConfig:
     src = out
     if (out / REPLACED / "run.json").exists() and not list_checkpoints(out):
         src = out / REPLACED
+    if in_first_stage(src):  # a --decoder separate run still in its decoder stage: the stage holds its settings
+        path = src / DECODER_STAGE / "run.json"
+        return read_train_config(read_json(path).get("stage_of"), path)
     path = src / "run.json"
     if not path.exists():
         raise ELFError(f"{out} holds no run to resume; check --out, or start the run without --resume")
@@ -168,12 +180,18 @@ def trim_metrics(out: Path, step: int) -> int:
 
 
 class RunLogger:
-    """Rank 0's output: a progress bar, metrics.jsonl, optional TensorBoard, the loss-curve PNG."""
+    """Rank 0's output: a progress bar, metrics.jsonl, optional TensorBoard and Weights & Biases (the same
+    records), the samples shown during training, the loss-curve PNG.
 
-    def __init__(self, out: Path, total: int, start: int, enabled: bool, tensorboard: bool, show: bool = True):
+    `tracker` is the run's W&B run (elflow.tracking.Tracker, started with the run's settings as its config):
+    it gets every metrics record at its step and the samples as a table, and is finished by `close`."""
+
+    def __init__(self, out: Path, total: int, start: int, enabled: bool, tensorboard: bool, show: bool = True,
+                 tracker=None):
         self.out, self.enabled, self.show = out, enabled, show
         self.bar = None
         self.tb = None
+        self.tracker = tracker if enabled else None
         if enabled and show:
             from tqdm.auto import tqdm
 
@@ -197,6 +215,20 @@ class RunLogger:
             for k, v in rec.items():
                 if isinstance(v, (int, float)) and k != "step":
                     self.tb.add_scalar(k, v, rec["step"])
+        if self.tracker is not None:
+            self.tracker.log(rec, step=rec.get("step"))
+
+    @property
+    def wants_samples(self) -> bool:
+        """Whether samples made during training go anywhere (the terminal or W&B)."""
+        return self.enabled and (self.show or self.tracker is not None)
+
+    def samples(self, step: int, texts: list[str]) -> None:
+        """The samples of the EMA model at `step`: printed, and added to W&B's samples table."""
+        for i, text in enumerate(texts):
+            self.write(f"[step {step}] sample {i}: {text[:300]}")
+        if self.tracker is not None:
+            self.tracker.samples(texts, step)
 
     def advance(self, n: int, postfix: dict) -> None:
         if self.bar is not None:
@@ -207,48 +239,118 @@ class RunLogger:
         if self.enabled and self.show:
             (self.bar.write if self.bar is not None else print)(msg)
 
-    def close(self) -> None:
+    def close(self, ok: bool = True) -> None:
         if self.bar is not None:
             self.bar.close()
         if self.tb is not None:
             self.tb.close()
+        if self.tracker is not None:
+            self.tracker.finish(ok)
+
+
+LOSS_NAMES = {"loss": "total", "loss_denoise": "denoising (v-space MSE)", "loss_decode": "decoding (cross-entropy)",
+              "loss_per_token": "next-token / masked-token cross-entropy"}
+
+
+LEGEND_BELOW = dict(fontsize=9, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, frameon=False)  # off the curves
+
+
+def _value_axis(ax, values: list[float]) -> None:
+    """A log axis with a handful of labelled ticks across the data's own range (a narrow range such as 1.1-1.6
+    gets ticks inside it); a linear axis where some value is not positive (a log axis would drop it)."""
+    from matplotlib import ticker
+
+    values = [v for v in values if math.isfinite(v)]
+    if not values or min(values) <= 0:
+        ax.set_yscale("linear")
+        return
+    ax.set_yscale("log")
+    lo, hi = min(values), max(values)
+    if hi / lo < 1.02:  # a flat curve: one tick at its value
+        ticks = [float(f"{lo:.3g}")]
+    else:
+        ticks = sorted({float(f"{lo * (hi / lo) ** (k / 5):.2g}") for k in range(6)})
+    ax.yaxis.set_major_locator(ticker.FixedLocator(ticks))
+    ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_locator(ticker.NullLocator())
+
+
+def training_records(run_dir: Path) -> list[dict]:
+    """The training records of RUN/metrics.jsonl (kind "train"), in order; a line cut short by a killed run is
+    skipped."""
+    return [r for r in read_metrics(Path(run_dir) / "metrics.jsonl") if r.get("kind", "train") == "train"
+            and isinstance(r.get("step"), (int, float))]
 
 
 def plot_losses(run_dir: Path) -> None:
-    """loss.png: total, denoise and decode losses, and the denoising loss per time bin."""
-    recs = [r for r in read_metrics(run_dir / "metrics.jsonl") if r.get("kind", "train") == "train"
-            and isinstance(r.get("step"), (int, float))]
-    if not recs:
+    """RUN/loss.png (loss_figure), written atomically; nothing without training records."""
+    fig = loss_figure(run_dir)
+    if fig is None:
         return
+    import matplotlib.pyplot as plt
+
+    with atomic_write(run_dir / "loss.png") as f:
+        fig.savefig(f, format="png", dpi=100)
+    plt.close(fig)
+
+
+def loss_figure(run_dir: Path):
+    """The training losses (total, denoising, decoding) and the denoising loss per time bin of RUN/metrics.jsonl;
+    where the run folder holds a held-out report (RUN/report.json of `elflow quickstart`), the per-dimension
+    Gaussian baseline's held-out denoising loss beside them, dashed (overall on the left, per bin on the
+    right). None without training records."""
+    recs = training_records(run_dir)
+    if not recs:
+        return None
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = [r["step"] for r in recs]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.8))
-    for key in ("loss", "loss_denoise", "loss_decode", "loss_per_token"):
-        ys = [r.get(key) for r in recs]
-        pts = [(s, y) for s, y in zip(steps, ys) if y is not None]
+    try:
+        val = json.loads((run_dir / "report.json").read_text()).get("validation") or {}
+    except (OSError, ValueError, AttributeError):
+        val = {}
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 5.2))
+    shown = []
+    for key, name in LOSS_NAMES.items():
+        pts = [(r["step"], r[key]) for r in recs if isinstance(r.get(key), (int, float))]
         if pts:
-            a.plot(*zip(*pts), label=key, lw=1)
-    a.set_yscale("log")
-    a.set_xlabel("step")
-    a.legend()
+            line, = a.plot(*zip(*pts), label=name, lw=1.2, marker="o" if len(pts) < 12 else None, ms=3)
+            shown += [y for _, y in pts]
+            if key == "loss_denoise" and isinstance(val.get("baseline_loss"), (int, float)):
+                a.axhline(val["baseline_loss"], ls="--", lw=1.2, color=line.get_color(),
+                          label="denoising: Gaussian baseline (held-out)")
+                shown.append(val["baseline_loss"])
+    _value_axis(a, shown)
+    a.set_xlabel("optimiser step")
+    a.set_ylabel("training loss")
     a.set_title("training loss")
+    a.legend(**LEGEND_BELOW)
+    baseline = {v["t"]: v["baseline"] for v in val.get("bins", []) if isinstance(v.get("baseline"), (int, float))}
+    shown = []
     for i, label in enumerate(time_bin_labels()):
-        key = f"loss_{label}"
-        pts = [(r["step"], r[key]) for r in recs if r.get(key) is not None]
+        pts = [(r["step"], r[f"loss_{label}"]) for r in recs if isinstance(r.get(f"loss_{label}"), (int, float))]
         if pts:
-            b.plot(*zip(*pts), label=f"t in [{TIME_BINS[i]}, {TIME_BINS[i + 1]})", lw=1)
+            line, = b.plot(*zip(*pts), label=f"t in [{TIME_BINS[i]}, {TIME_BINS[i + 1]})", lw=1.2,
+                           marker="o" if len(pts) < 12 else None, ms=3)
+            shown += [y for _, y in pts]
+            if label in baseline:
+                b.axhline(baseline[label], ls="--", lw=1.2, color=line.get_color())
+                shown.append(baseline[label])
     if b.lines:  # ELF's denoising loss per time bin (a token-level baseline has none)
-        b.set_yscale("log")
-        b.legend(fontsize=7)
-    b.set_xlabel("step")
+        if baseline:
+            b.plot([], [], ls="--", color="0.4", label="Gaussian baseline (held-out), same colour")
+        _value_axis(b, shown)
+        b.legend(**LEGEND_BELOW)
+    else:
+        b.text(0.5, 0.5, "no denoising loss: this method has no time bins", ha="center", va="center",
+               transform=b.transAxes, fontsize=9, color="0.4")
+        b.set_yticks([])
+    b.set_xlabel("optimiser step")
+    b.set_ylabel("denoising loss (v-space MSE)")
     b.set_title("denoising loss per time bin")
     fig.tight_layout()
-    with atomic_write(run_dir / "loss.png") as f:
-        fig.savefig(f, format="png", dpi=100)
-    plt.close(fig)
+    return fig
 
 

@@ -28,6 +28,11 @@ options' own tensors, and changes it only where the options act:
 
 The data moments and the table R are frozen parameters, set once before training (`prepare`) and carried by
 checkpoints and the EMA like any weight.
+
+`build_network` is also where a network of `decoder="separate"` (elflow.model.ELFConfig) is assembled:
+`SeparateDecoderELF`, a denoiser without a readout and a frozen decoder network of the same shape whose
+decode mode reads out (the paper's Figure 5b variant, trained in two stages: elflow.train). Combinations of
+the network's variants and these options that cannot work are refused here, in one place (`check_network`).
 """
 
 from __future__ import annotations
@@ -40,12 +45,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from elflow.encoders import latent_moments, token_vectors
-from elflow.model import ELF, ELFConfig
+from elflow.model import ELF, ELFConfig, modulate, num_params
 from elflow.official import infer_config
 from elflow.utils import ELFError, Record
 
-__all__ = ["SKIPS", "ShortRunOptions", "ShortRunELF", "build_network", "stored_network", "describe_network",
-           "network_from_state_dict", "gaussian_posterior"]
+__all__ = ["SKIPS", "ShortRunOptions", "ShortRunELF", "SeparateDecoderELF", "build_network", "check_network",
+           "stored_network", "describe_network", "network_from_state_dict", "gaussian_posterior"]
 
 SKIPS = ("none", "gaussian", "gated")
 
@@ -127,20 +132,20 @@ class ShortRunELF(ELF):
         """(B,) flow times -> (B, H): the time embedding of the prefix tokens and of the head modulation."""
         return self.time_embed(t * self.options.time_scale)
 
-    def denoise_head(self, h: torch.Tensor, z: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(h.device.type, enabled=False):
-            h = self.final_norm(h.float())
-            if self.options.head_modulation:
-                shift, scale = self.head_modulation(F.silu(self.embed_time(t.to(h.device)))).chunk(2, dim=-1)
-                h = h * (1 + scale[:, None, :]) + shift[:, None, :]
-            out = self.x_head(h)  # (B, L, C)
-            if self.options.skip != "none":
-                mean, std = gaussian_posterior(z.float(), t.to(z.device), self.skip_mean, self.skip_var,
-                                               self.skip_noise)
-                if self.options.skip == "gated":  # mu + (1 - a) g (z - t mu)
-                    mean = mean - self.skip_gate(h) * (mean - self.skip_mean)
-                out = mean + std * out
-            return out
+    def modulate_head(self, h: torch.Tensor, t: torch.Tensor, omega) -> torch.Tensor:
+        h = super().modulate_head(h, t, omega)
+        if self.options.head_modulation:
+            shift, scale = self.head_modulation(F.silu(self.embed_time(t.to(h.device)))).chunk(2, dim=-1)
+            h = modulate(h, shift, scale)
+        return h
+
+    def precondition(self, out: torch.Tensor, z: torch.Tensor, t: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        if self.options.skip != "none":
+            mean, std = gaussian_posterior(z.float(), t.to(z.device), self.skip_mean, self.skip_var, self.skip_noise)
+            if self.options.skip == "gated":  # mu + (1 - a) g (z - t mu)
+                mean = mean - self.skip_gate(h) * (mean - self.skip_mean)
+            out = mean + std * out
+        return out
 
     def table_match(self, z: torch.Tensor) -> torch.Tensor:
         """table_readout x z . R_k / sqrt(C) for every token k: (B, L, C) -> (B, L, V)."""
@@ -200,11 +205,76 @@ def options_of(options) -> ShortRunOptions:
         raise ELFError(f"the short-run options do not fit together: {e}") from None
 
 
+def check_network(config: ELFConfig, options: ShortRunOptions) -> None:
+    """ELFError for a network variant (config) and short-run options that do not go together."""
+    if options.skip != "none" and config.predict != "x":
+        raise ELFError(f"--skip {options.skip} writes the head's output as a correction to the Gaussian posterior mean of "
+                       f"x; it needs --predict x, not --predict {config.predict}")
+    if options.head_modulation and config.adaln:
+        raise ELFError("--conditioning adaln modulates the denoise head by t and omega already; pass "
+                       "--head-modulation false with it")
+
+
 def build_network(config: ELFConfig, options=None) -> ELF:
     """The network of `config` with the short-run `options` (a ShortRunOptions, a dict, or None): the paper's
-    ELF when they are all off."""
+    ELF when they are all off; a SeparateDecoderELF for config.decoder = "separate"."""
     options = options_of(options)
+    check_network(config, options)
+    if config.decoder == "separate":
+        return SeparateDecoderELF(config, options)
     return ShortRunELF(config, options) if options.active else ELF(config)
+
+
+class SeparateDecoderELF(nn.Module):
+    """A denoiser and a decoder of its own (Figure 5b): two networks of config's shape, `denoiser` (its
+    decode head removed, and its table readout, which only a readout uses) and `decoder` (frozen: it is
+    trained first, in decode mode alone, and loaded with `load_decoder`). net(...) and net.mixed(...)
+    denoise with the denoiser; net.decode(...) reads out with the decoder."""
+
+    def __init__(self, config: ELFConfig, options: ShortRunOptions):
+        super().__init__()
+        part = config.replace(decoder="shared")
+        self.config, self.options = config, options
+        self.denoiser = build_network(part, options.replace(table_readout=0.0))
+        self.denoiser.decode_head = None  # the denoiser never reads out
+        self.decoder = build_network(part, options)
+        self.decoder.requires_grad_(False)
+
+    @property
+    def grad_checkpoint(self) -> bool:
+        return self.denoiser.grad_checkpoint
+
+    @grad_checkpoint.setter
+    def grad_checkpoint(self, value: bool) -> None:
+        self.denoiser.grad_checkpoint = value
+
+    def forward(self, z, t, omega, x_prev=None) -> torch.Tensor:
+        return self.denoiser(z, t, omega, x_prev)
+
+    def decode(self, z, omega) -> torch.Tensor:
+        return self.decoder.decode(z, omega)
+
+    def mixed(self, z, t, omega, x_prev, gate, logits_rows):
+        h = self.denoiser.trunk(z, t, omega, x_prev, gate)
+        return self.denoiser.denoise_head(h, z, t, omega), self.decoder.decode(z[logits_rows], omega[logits_rows])
+
+    @torch.no_grad()
+    def load_decoder(self, state_dict: dict) -> None:
+        """The trained decoder's weights (a decode-only run's, elflow-named); a mismatch is a one-line error."""
+        try:
+            self.decoder.load_state_dict(state_dict)
+        except RuntimeError as e:
+            raise ELFError(f"the decoder's weights do not fit this network's decoder ({str(e).splitlines()[0][:200]})"
+                           ) from None
+
+    def prepare(self, space, data, noise_scale: float) -> None:
+        for part in (self.denoiser, self.decoder):
+            if hasattr(part, "prepare"):
+                part.prepare(space, data, noise_scale)
+
+    def num_params(self, exclude_decode_head: bool = False) -> int:
+        """The parameters that train: the denoiser's (the frozen decoder is data)."""
+        return num_params(self)
 
 
 def describe_network(net: ELF) -> tuple[dict, dict]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import csv
 import itertools
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -127,7 +128,11 @@ def run_sweep(checkpoint: str, grid: dict, fixed: dict, out: str | Path, num: in
         if loaded.method != chosen.name:
             raise ELFError(f"{checkpoint} holds a {loaded.method} model, not {chosen.name}")
         model, tok = load_judge(judge, judge_dtype, device)
-        score = judge_score(model, tok, batch_size, protocol)
+        score = judge_score(model, tok, batch_size, protocol, progress=progress)
+    from tqdm.auto import tqdm
+
+    cells_bar = tqdm(total=len(todo), desc="sweep", unit="cell", disable=not progress or not todo,
+                     file=sys.stderr)
     for k, cell in enumerate(todo):
         t0 = time.time()
         knobs = {n: v for n, v in cell.items() if n in chosen.knobs}
@@ -145,9 +150,11 @@ def run_sweep(checkpoint: str, grid: dict, fixed: dict, out: str | Path, num: in
         write_csv(csv_path, rows)
         if record is not None and k == 0:
             atomic_write_json(out / "sweep.json", record)
+        cells_bar.update(1)
         if progress:
-            print(f"[{k + 1}/{len(todo)}] {settings.describe()}: gen_ppl {row['gen_ppl']:.2f} "
-                  f"entropy {row['entropy']:.3f}")
+            cells_bar.write(f"[{k + 1}/{len(todo)}] {settings.describe()}: gen_ppl {row['gen_ppl']:.2f} "
+                            f"entropy {row['entropy']:.3f}", file=sys.stdout)
+    cells_bar.close()
     return rows
 
 
@@ -176,6 +183,9 @@ def add_arguments(p) -> None:
     p.add_argument("--plot-only", action="store_true", help="redraw the plot from OUT/sweep.csv")
     p.add_argument("--overwrite", action="store_true",
                    help="start a new sweep in an OUT that holds one of another checkpoint, judge or protocol")
+    from elflow.tracking import add_arguments as add_tracking
+
+    add_tracking(p)
 
 
 # the values a sweep takes of each knob not given
@@ -217,7 +227,30 @@ def _check_continuation(out: Path, args) -> dict:
     return wanted
 
 
+def _track(args, out: Path, rows: list[dict], png: Path) -> None:
+    """The sweep in a W&B run (--wandb): its settings as the run's config, every cell as a row of the table
+    "sweep", the trade-off plot as an image, the best cell's figures as the summary."""
+    from elflow.tracking import Tracker
+
+    config = {"checkpoint": args.checkpoint, "judge": str(rows[0].get("judge") or args.judge),
+              "protocol": args.protocol, "num": args.num, "seed": args.seed, "cells": len(rows)}
+    tracker = Tracker.start(args.wandb, args.wandb_run, out, config, job_type="sweep")
+    try:
+        columns = [c for c in COLUMNS if any(c in r for r in rows)]
+        tracker.table("sweep", columns, [[r.get(c) for c in columns] for r in rows])
+        tracker.image("tradeoff", png)
+        best = min(rows, key=lambda r: float(r["gen_ppl"]))
+        tracker.summary({f"best_{k}": best[k] for k in columns if k in ("gen_ppl", "entropy", "sampler", "steps",
+                                                                        "omega", "temperature")})
+    finally:
+        tracker.finish()
+
+
 def run(args) -> int:
+    if args.wandb:
+        from elflow.tracking import require
+
+        require()
     if args.out:
         out = Path(args.out)
     elif args.checkpoint and Path(args.checkpoint).expanduser().is_dir():
@@ -250,4 +283,6 @@ def run(args) -> int:
                              fresh=fresh, method=method, record=wanted)
             png = plot_sweep(rows, out / "tradeoff.png", title=f"judge: {rows[0].get('judge') or args.judge}")
     print(f"{len(rows)} cells in {out / 'sweep.csv'}; plot: {png}")
+    if args.wandb:
+        _track(args, out, rows, png)
     return 0

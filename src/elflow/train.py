@@ -40,10 +40,11 @@ from elflow.model import get_config
 from elflow.optim import EMA, ELFOptimizer, lr_at
 from elflow.runconfig import RUN_PRESETS, TrainConfig, add_setting_arguments, given_settings, mutable_flags, \
     resume_conflicts, with_default
-from elflow.runfolder import RunFolder, RunLogger, check_run_dir, no_space, plot_losses, stored_config, trim_metrics
+from elflow.runfolder import (DECODER_STAGE, RunFolder, RunLogger, check_run_dir, no_space, plot_losses, stored_config,
+                              trim_metrics)
 from elflow.utils import (ELFError, FolderLock, NoSpace, atomic_write_json, autocast, check_device, check_output,
-                          first_line, no_space_error, on_every_rank, on_rank0, process_group, resolve_dtype,
-                          setup_distributed, use_tf32)
+                          device_name, fast_bf16, first_line, no_space_error, on_every_rank, on_rank0, process_group,
+                          resolve_dtype, setup_distributed, use_tf32)
 
 __all__ = ["TrainConfig", "RUN_PRESETS", "train", "train_step", "shard_generators", "add_arguments", "run",
            "config_from_args"]
@@ -153,8 +154,23 @@ class Setup:
         return lr_at(step, self.lr, self.warmup, self.cfg.lr_decay, self.steps)
 
 
-def setup_run(cfg: TrainConfig, method: Method, rank: int, world: int, local: int, device, cache_dir=None) -> Setup:
-    """Build the space, the data, the network and the optimiser: every check that needs them happens here."""
+def network_overrides(cfg: TrainConfig, recipe: Recipe) -> dict:
+    """The ELFConfig fields a run sets besides its preset and its space: the --depth / --hidden / --heads
+    overrides and the network's variants (the run's flags over a stored config's). A network without
+    self-conditioning for self_cond_prob 0; the path's constants where a v- or eps-head reads them."""
+    top = {"bottleneck": cfg.bottleneck, "predict": cfg.predict, "conditioning": cfg.conditioning,
+           "decoder": cfg.decoder}
+    if not recipe.self_conditioned:
+        top["self_cond"] = False
+    if cfg.predict != "x":
+        top.update(noise_scale=recipe.noise_scale, t_eps=recipe.t_eps)
+    return {**cfg.model, **{k: v for k, v in top.items() if v is not None}}
+
+
+def setup_run(cfg: TrainConfig, method: Method, rank: int, world: int, local: int, device, cache_dir=None,
+              decoder_from=None) -> Setup:
+    """Build the space, the data, the network and the optimiser: every check that needs them happens here.
+    `decoder_from`: the run whose (EMA) weights are a separate decoder's."""
     from elflow.data import Batches
     from elflow.encoders import build_space, space_spec
 
@@ -167,16 +183,22 @@ def setup_run(cfg: TrainConfig, method: Method, rank: int, world: int, local: in
     if space.max_length is not None and length > space.max_length:
         raise ELFError(f"--length {length} is longer than the encoder accepts ({space.max_length})")
     train_set = training_data(cfg, space, length, cache_dir)
+    recipe = Recipe.from_dict({"decode_noise_scale": 1.0, **cfg.recipe} if cfg.source_length else cfg.recipe)
+    if cfg.decoder == "separate":  # the decoder is trained (first stage) and frozen: every row denoises
+        recipe = recipe.replace(decode_prob=0.0)
     try:  # the ELF network of these settings (a baseline is sized to it)
-        shape = get_config(cfg.preset, dim=space.dim, vocab_size=space.vocab_size, max_length=length, **cfg.model)
+        shape = get_config(cfg.preset, dim=space.dim, vocab_size=space.vocab_size, max_length=length,
+                           **network_overrides(cfg, recipe))
     except (TypeError, ValueError) as e:
         raise ELFError(f"the network settings do not fit together: {e}") from None
-    recipe = Recipe.from_dict({"decode_noise_scale": 1.0, **cfg.recipe} if cfg.source_length else cfg.recipe)
     net, params = method.build(cfg, shape, space, train_set, recipe, device)
+    if decoder_from is not None:
+        attach_decoder(net, decoder_from, space)
     # the optimiser names a trainable space's parameters "space.<name>" beside the network's
     named = list(net.named_parameters()) + [("space." + n, p) for n, p in space.named_parameters()
                                             if p.requires_grad]
-    optimizer = ELFOptimizer(named, lr=cfg.lr, adam=method.adam_names(net, cfg), ns_method=cfg.ns_method)
+    optimizer = ELFOptimizer(named, lr=cfg.lr, adam=method.adam_names(net, cfg), ns_method=cfg.ns_method,
+                             kind=cfg.optimizer, weight_decay=cfg.weight_decay)
     ema = EMA(net, cfg.ema_decay)
     batches = Batches(train_set, micro * accum, seed=cfg.seed, rank=rank, world_size=world)
     steps = cfg.steps if cfg.epochs is None else max(1, math.ceil(cfg.epochs * batches.per_epoch))
@@ -189,16 +211,39 @@ def setup_run(cfg: TrainConfig, method: Method, rank: int, world: int, local: in
 def training_data(cfg: TrainConfig, space, length: int, cache_dir=None):
     """The training split of the run's data in `space`: (source, target) pairs or text, rows read from the
     data's token store (`elflow.ingest`: the store itself, or one prepared once into the cache)."""
+    return run_data(cfg, space, length, cache_dir)[0]
+
+
+def run_data(cfg: TrainConfig, space, length: int, cache_dir=None):
+    """(training split, held-out split) of the run's data in `space`, as training_data reads them."""
     from elflow.ingest import build_dataset, build_pairs
 
     if cfg.source_length:
-        train_set, _ = build_pairs(cfg.data, space, cfg.source_length, length, val_fraction=cfg.val_fraction,
-                                   seed=cfg.seed, cache_dir=cache_dir, source_field=cfg.source_field,
-                                   target_field=cfg.target_field, on_bad=cfg.on_bad)
-    else:
-        train_set, _ = build_dataset(cfg.data, space, length, layout=cfg.layout, val_fraction=cfg.val_fraction,
-                                     seed=cfg.seed, cache_dir=cache_dir, field=cfg.text_field, on_bad=cfg.on_bad)
-    return train_set
+        return build_pairs(cfg.data, space, cfg.source_length, length, val_fraction=cfg.val_fraction,
+                           seed=cfg.seed, cache_dir=cache_dir, source_field=cfg.source_field,
+                           target_field=cfg.target_field, on_bad=cfg.on_bad)
+    return build_dataset(cfg.data, space, length, layout=cfg.layout, val_fraction=cfg.val_fraction,
+                         seed=cfg.seed, cache_dir=cache_dir, field=cfg.text_field, on_bad=cfg.on_bad)
+
+
+def attach_decoder(net, path, space) -> None:
+    """A separate decoder's weights into `net` (a SeparateDecoderELF): the EMA weights of the decode-only run
+    `path`, which must hold a network of the decoder's shape and options in the same space."""
+    from elflow.checkpoint import check_init_compatible, load_init_weights
+
+    init_cfg, sd, info = load_init_weights(path)
+    check_init_compatible(path, init_cfg, info, net.decoder, space)
+    net.load_decoder(sd)
+
+
+def decoder_stage(cfg: TrainConfig) -> TrainConfig:
+    """The first stage of a --decoder separate run: the network of its shape trained in decode mode alone
+    (decode_prob 1) for --decoder-steps (a quarter of --steps by default), warmed up over the same share of
+    its steps; it becomes the frozen decoder of the second stage."""
+    steps = cfg.decoder_steps or max(1, math.ceil(cfg.steps / 4))
+    return replace(cfg, decoder="shared", decoder_steps=None, decoder_from=None, steps=steps, epochs=None,
+                   warmup=math.ceil(cfg.warmup * steps / cfg.steps) if cfg.warmup_frac is None else cfg.warmup,
+                   recipe={**cfg.recipe, "decode_prob": 1.0}, sample_every=0)
 
 
 def start_from(run: Setup, path, quiet: bool = False) -> None:
@@ -304,6 +349,8 @@ def model_settings(run: Setup) -> dict:
     if cfg.distillation:
         out.update(distilled_steps=cfg.distillation["student_steps"], teacher_steps=cfg.distillation["teacher_steps"])
         sampling = {**sampling, **distilled_defaults(cfg.distillation["student_steps"])}
+    if not run.recipe.self_conditioned:  # no self-conditioning, nothing for omega to guide by
+        sampling = {**sampling, "omega": 1.0}
     return {**out, **({"sampling": dict(sampling)} if sampling else {})}
 
 
@@ -372,10 +419,11 @@ def _reduce(totals: dict, world: int) -> dict:
 
 
 def train_loop(run: Setup, out: Path, start: int, quiet: bool = False, stop_after: int | None = None,
-               on_checkpoint=None, time_limit: float | None = None) -> dict:
+               on_checkpoint=None, time_limit: float | None = None, tracker=None) -> dict:
     """Steps start .. end of the schedule; rank 0 logs and saves. `on_checkpoint(path)` follows each save.
     `time_limit` (seconds): end (with a checkpoint) after the first step that finishes past it (under
-    several ranks, the first logging step past it).
+    several ranks, the first logging step past it). `tracker`: rank 0's W&B run (elflow.tracking.Tracker),
+    finished when the loop ends.
 
     A step reads nothing on the host. The loop reads the device's numbers where it must: on logging steps
     (the log's sums, reduced over ranks in one all_reduce, and with them whether any step since the last
@@ -395,13 +443,14 @@ def train_loop(run: Setup, out: Path, start: int, quiet: bool = False, stop_afte
         # per-forward broadcast (forward counts differ by rank)
         model = DDP(model, device_ids=None, broadcast_buffers=False)
     params = [p for _, p in run.named]
-    log = RunLogger(out, run.steps, start, is_main, cfg.tensorboard, show=not quiet)
+    log = RunLogger(out, run.steps, start, is_main, cfg.tensorboard, show=not quiet, tracker=tracker)
     tokens_per_step = cfg.batch * run.length
     totals, n_logged, t_log = {}, 0, time.perf_counter()
     last_good, checked = None, start  # the last checkpoint written; the last step known to be finite
     end = run.steps if stop_after is None else min(run.steps, start + stop_after)
     summary = {"start_step": start}
     t_start = time.perf_counter()
+    ok = False
     batches = Prefetch(run.batches, end - start, micro, run.accum, pin=device.type == "cuda")
 
     def stop_if_nonfinite(nonfinite, done):
@@ -433,7 +482,7 @@ def train_loop(run: Setup, out: Path, start: int, quiet: bool = False, stop_afte
                 if over:
                     end, logging = done, True
             saving = done % cfg.ckpt_every == 0 or done == end
-            sampling = bool(cfg.sample_every) and done % cfg.sample_every == 0 and is_main and not quiet
+            sampling = bool(cfg.sample_every) and done % cfg.sample_every == 0 and log.wants_samples
             if logging:
                 if world > 1:
                     totals = _reduce(totals, world)
@@ -462,13 +511,14 @@ def train_loop(run: Setup, out: Path, start: int, quiet: bool = False, stop_afte
                 dist.barrier()
             if done == end:
                 break
+        ok = True
     except (OSError, NoSpace) as e:
         if no_space_error(e):
             raise no_space(e, out) from None
         raise
     finally:
         batches.close()
-        log.close()
+        log.close(ok)
     summary.update(end_step=end, out=str(out))
     return summary
 
@@ -521,16 +571,17 @@ def shared_folder_check(out: Path, lock_text: str, host0: str) -> None:
                        "folder on a filesystem that every node mounts at the same path (NFS, Lustre, GPFS, ...)")
 
 
-def claim_run(folder: RunFolder, cfg: TrainConfig, world: int, resume: bool, overwrite: bool) -> dict:
+def claim_run(folder: RunFolder, cfg: TrainConfig, world: int, resume: bool, overwrite: bool, device=None) -> dict:
     """Rank 0's decisions about the run folder, which every rank follows: hold it (lock, clean-up), check
-    what --resume / --overwrite may do with it, resolve the micro-batch (the stored run's on --resume) and
-    choose the checkpoint to resume from. Returns them with the lock's text (for `shared_folder_check`)."""
+    what --resume / --overwrite may do with it (a stored dtype "auto" read as what it picks on `device`),
+    resolve the micro-batch (the stored run's on --resume) and choose the checkpoint to resume from. Returns
+    them with the lock's text (for `shared_folder_check`)."""
     import socket
 
     out = folder.out
     check_output(out, folder=True)
     folder.open()
-    check_run_dir(out, cfg, resume, overwrite)
+    check_run_dir(out, cfg, resume, overwrite, device)
     stored = None
     if resume and (out / "run.json").exists():
         from elflow.utils import read_json
@@ -551,7 +602,8 @@ def claim_run(folder: RunFolder, cfg: TrainConfig, world: int, resume: bool, ove
 
 def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwrite: bool = False,
           cache_dir=None, quiet: bool = False, stop_after: int | None = None, device: str | None = None,
-          command: str = "elflow train", objective=None, time_limit: float | None = None) -> dict:
+          command: str = "elflow train", objective=None, time_limit: float | None = None,
+          stage_of: TrainConfig | None = None) -> dict:
     """Train; returns a summary dict (rank 0). `stop_after` ends the process's work after that many steps
     of this invocation (for tests and time-boxed runs) while keeping the schedule of `cfg.steps`.
 
@@ -561,28 +613,58 @@ def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwr
     checkpoint to resume from) and every rank checks that it sees the same folder (`shared_folder_check`).
     `objective` (an elflow.methods.elf.Objective) replaces ELF's own (distillation); `cfg.init_from` starts a
     fresh run from stored weights.
-    `time_limit` (seconds) ends this invocation after the first step past it (a wall-clock budget)."""
+    `time_limit` (seconds) ends this invocation after the first step past it (a wall-clock budget).
+
+    A --decoder separate run without --decoder-from first trains its decoder (`decoder_stage`) into
+    OUT/decoder, or continues it there, then the denoiser against it; both stages are stored as one model.
+    `stage_of`: the settings of the run whose first stage this is, stored with the stage (what --resume reads
+    while the run is in that stage)."""
     out = Path(out)
     cfg = cfg.resolved()
     cfg.validate()
+    if cfg.wandb:
+        from elflow.tracking import require
+
+        require()
     device = check_device(device)
     method = get_method(cfg.method)
     if objective is not None:
         method = method.with_objective(objective)
+    decoder_from = None
+    if cfg.decoder == "separate" and not cfg.init_from:  # (a run started from weights has its decoder in them)
+        decoder_from = Path(cfg.decoder_from) if cfg.decoder_from else out / DECODER_STAGE
+        if not cfg.decoder_from:
+            check_run_dir(out, cfg, resume, overwrite)  # before the first stage writes anything
+            began = time.perf_counter()
+            stage = train(decoder_stage(cfg), decoder_from, resume=(decoder_from / "run.json").exists() and not overwrite,
+                          overwrite=overwrite, cache_dir=cache_dir, quiet=quiet, stop_after=stop_after,
+                          device=device, command=f"{command} (decoder stage)", time_limit=time_limit, stage_of=cfg)
+            if stage["end_step"] < decoder_stage(cfg).steps:  # stopped inside the first stage
+                return stage
+            resume = resume or not overwrite  # the second stage starts, or continues, in a folder it already owns
+            if time_limit is not None:  # one wall-clock budget for both stages
+                time_limit -= time.perf_counter() - began
+                if time_limit <= 0:
+                    return stage
+            if stop_after is not None:
+                stop_after -= stage["end_step"] - stage["start_step"]
+                if stop_after <= 0:
+                    return stage
     owns_group = not dist.is_initialized()
     rank, world, local, dev = setup_distributed(device, cfg.dist_timeout)
     use_tf32(dev, cfg.tf32)
+    cfg = cfg.resolved(dev)  # dtype "auto" -> what it picks on this device, stored so
     folder = RunFolder(out, command)
     ok = False
     try:
-        claim = on_rank0(lambda: claim_run(folder, cfg, world, resume, overwrite), rank, world)
+        claim = on_rank0(lambda: claim_run(folder, cfg, world, resume, overwrite, dev), rank, world)
         if world > 1:
             on_every_rank(lambda: shared_folder_check(out, claim["lock"], claim["host"]), rank, world)
         cfg = replace(cfg, micro_batch=claim["micro_batch"])
         if rank == 0 and cfg.epochs is None and cfg.warmup_frac is None and cfg.steps < cfg.warmup:
             print(f"warning: --steps {cfg.steps} is shorter than --warmup {cfg.warmup}: the learning rate stops at "
                   f"{lr_at(cfg.steps - 1, cfg.lr, cfg.warmup):.3g}, never reaching {cfg.lr:.3g}", file=sys.stderr)
-        run = setup_run(cfg, method, rank, world, local, dev, cache_dir)
+        run = setup_run(cfg, method, rank, world, local, dev, cache_dir, decoder_from)
         if not resume and cfg.init_from:  # read before a replaced run is set aside (it may be the one in --out)
             start_from(run, cfg.init_from, quiet)
         if overwrite and (out / "run.json").exists():
@@ -593,23 +675,35 @@ def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwr
             start_from(run, cfg.init_from, quiet)
         if resume and rank == 0:
             trim_metrics(out, start)
+        if rank == 0 and not quiet:
+            print(describe_start(run), file=sys.stderr)
+        tracker = [None]
+        if cfg.wandb:  # started before the run folder is written: a refused start leaves no run behind
+            from elflow.tracking import Tracker
+
+            def start_tracker():
+                tracker[0] = Tracker.start(cfg.wandb, cfg.wandb_run, out, tracked_settings(run), job_type="train",
+                                           keep_id=True, quiet=quiet)
+
+            on_rank0(start_tracker, rank, world)
 
         def write_meta():
             atomic_write_json(out / "run.json", {"train": cfg.to_dict(), "method": run.method.name,
                                                  **run.method.describe(run.net), "params": run.params,
                                                  "space": run.space.config(), "space_id": run.space.space_id,
-                                                 "world_size": world})
+                                                 "world_size": world,
+                                                 **({"stage_of": stage_of.to_dict()} if stage_of else {})})
 
         try:
             on_rank0(write_meta, rank, world)
-        except OSError as e:
-            if no_space_error(e):
+        except BaseException as e:
+            if tracker[0] is not None:
+                tracker[0].finish(ok=False)
+            if isinstance(e, (OSError, NoSpace)) and no_space_error(e):
                 raise no_space(e, out) from None
             raise
-        except NoSpace as e:
-            raise no_space(e, out) from None
         summary = train_loop(run, out, start, quiet, stop_after, on_checkpoint=lambda _: folder.commit(),
-                             time_limit=time_limit)
+                             time_limit=time_limit, tracker=tracker[0])
         ok = True
         return summary
     finally:
@@ -646,8 +740,25 @@ def check_writable(out: Path) -> None:
 
 
 def show_samples(run: Setup, log, step, num: int = 2):
-    for i, text in enumerate(run.method.preview(run.net, run.ema, run.space, num, run.length, run.cfg)):
-        log.write(f"[step {step}] sample {i}: {text[:300]}")
+    log.samples(step, run.method.preview(run.net, run.ema, run.space, num, run.length, run.cfg))
+
+
+def tracked_settings(run: Setup) -> dict:
+    """What a W&B run records as its config: the run's settings and how this process runs them."""
+    return {**run.cfg.to_dict(), "method": run.method.name, "params": run.params, "world_size": run.world,
+            "device": str(run.device), "micro_batch": run.micro, "accumulation": run.accum,
+            "schedule_steps": run.steps, "warmup_steps": run.warmup}
+
+
+def describe_start(run: Setup) -> str:
+    """One line on what runs where: the method and its size, the device and the precision (and why)."""
+    why = ""
+    if run.device.type == "cpu":
+        why = (" (this CPU has native bf16 matmuls; --dtype fp32 for full precision)" if run.dtype == "bf16"
+               else " (this CPU has no native bf16 matmuls)" if not fast_bf16(run.device) else "")
+    ranks = f" x {run.world} ranks" if run.world > 1 else ""
+    return (f"training {run.method.title} ({run.params['model']:,} parameters) on {device_name(run.device)}{ranks}, "
+            f"precision {run.dtype}{why}")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -688,7 +799,7 @@ def config_from_args(args) -> TrainConfig:
         for k, v in given.items():
             merged[k] = {**merged[k], **v} if isinstance(v, dict) else v
         cfg = TrainConfig(**merged).resolved()
-        diff = resume_conflicts(stored, cfg)
+        diff = resume_conflicts(stored, cfg, run_device(getattr(args, "device", None)))
         if diff:
             raise ELFError(f"on --resume only {mutable_flags()} may change; "
                            f"the command line changes {'; '.join(diff)}. Drop those flags, or start a new run in "
@@ -696,7 +807,15 @@ def config_from_args(args) -> TrainConfig:
     else:
         cfg = TrainConfig.named(getattr(args, "defaults", None), **given).resolved()
     cfg.validate()
-    return cfg
+    return cfg.resolved(run_device(getattr(args, "device", None)))
+
+
+def run_device(device: str | None):
+    """The device this process trains on: --device, else its rank's GPU under torchrun, else the default."""
+    device = check_device(device)
+    if device is None and torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device(device or "cpu")
 
 
 def _group_timeout(args) -> float | None:

@@ -18,9 +18,10 @@ from pathlib import Path
 
 
 __all__ = ["ELFError", "Record", "atomic_write", "atomic_write_text", "atomic_write_json", "default_device", "sha256_file",
-           "cache_root", "cpu_flags", "fast_bf16", "resolve_dtype", "autocast", "check_device", "check_output", "output_rule", "place",
-           "read_json", "NoSpace", "disk_full", "check_seed", "check_memory", "FolderLock", "FolderHold",
-           "setup_distributed", "process_group", "DIST_TIMEOUT_MINUTES", "use_tf32", "distributed", "on_rank0", "on_every_rank",
+           "cache_root", "cpu_flags", "fast_bf16", "device_name", "resolve_dtype", "autocast", "check_device", "check_output",
+           "output_rule", "place", "read_json", "NoSpace", "disk_full", "check_seed", "check_memory", "FolderLock",
+           "FolderHold", "setup_distributed", "process_group", "DIST_TIMEOUT_MINUTES", "use_tf32", "distributed",
+           "on_rank0", "on_every_rank",
            "sample_categorical"]
 
 
@@ -289,6 +290,25 @@ def fast_bf16(device) -> bool:
     if torch.device(device).type == "cuda":
         return True
     return bool(cpu_flags() & {"amx_bf16", "avx512_bf16"})
+
+
+def device_name(device) -> str:
+    """A device in words: "cuda:0 (NVIDIA H100 80GB HBM3)", "cpu (AMD EPYC 7B13, 2 threads)"."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        return f"{device} ({torch.cuda.get_device_name(device)})"
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.partition(":")[2].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        pass
+    import platform
+
+    model = model or platform.processor() or platform.machine()
+    return f"cpu ({model}, {torch.get_num_threads()} threads)"
 
 
 def resolve_dtype(dtype: str, device) -> str:
@@ -806,10 +826,11 @@ def hub_local_only(local: bool = False) -> bool:
 
 
 def hub_unavailable_reason() -> str | None:
-    """Why the hub cannot be asked (None when it can)."""
+    """Why the hub cannot be asked (None when it can), as a clause without brackets, to go inside a
+    message's own."""
     if hub_offline():
         return "HF_HUB_OFFLINE is set"
     if not hub_reachable():
-        return ("no network: the Hugging Face Hub cannot be reached from here (set HF_HUB_OFFLINE=1 to use the "
-                "local cache without this check)")
+        return ("no network: the Hugging Face Hub cannot be reached from here; HF_HUB_OFFLINE=1 reads the local "
+                "cache without this check")
     return None

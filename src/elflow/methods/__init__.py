@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+from dataclasses import MISSING, fields
+
 from elflow.methods import ar, elf, mdlm
 from elflow.methods.base import Method, TrainedPass
 from elflow.methods.tokens import MATCHES, BaselineSampling, trunk_params
@@ -45,18 +47,33 @@ def require(method: Method, feature: str, what: str, path=None) -> None:
     raise ELFError(f"{where} {method.title} (--method {method.name}); {what} needs {who}")
 
 
-# the run settings that need a feature of the method: (setting, its flag, the feature)
+# the run settings that need a feature of the method: (setting, its flag, the feature); a setting counts as
+# used when it differs from its default
 RUN_FEATURES = (("source_length", "--source-length", "pairs"), ("task", "--task", "pairs"),
-                ("init_from", "--init-from", "init-from"), ("grad_checkpoint", "--grad-checkpoint", "grad-checkpoint"))
+                ("init_from", "--init-from", "init-from"), ("grad_checkpoint", "--grad-checkpoint", "grad-checkpoint"),
+                *((name, "--" + name.replace("_", "-"), "flow") for name in
+                  ("predict", "conditioning", "bottleneck", "decoder", "decoder_steps", "decoder_from")))
+
+
+def _used(cfg, name: str):
+    """The flag-like name of a setting of `cfg` that differs from its default, else None; a dict setting
+    (the recipe) names its first key."""
+    default = next(f for f in fields(cfg) if f.name == name)
+    value = getattr(cfg, name)
+    if isinstance(value, dict):
+        return next(iter(value), None)
+    return name if value != (None if default.default is MISSING else default.default) else None
 
 
 def check_run(cfg) -> None:
     """ELFError naming the first setting of `cfg` (a TrainConfig) that its method cannot train with."""
     method = get_method(cfg.method)
-    for name, flag, feature in RUN_FEATURES:
-        if getattr(cfg, name) and feature not in method.features:
+    for name, flag, feature in (*RUN_FEATURES, ("recipe", None, "flow")):
+        used = _used(cfg, name)
+        if used and feature not in method.features:
             who = " or ".join(m.name.upper() for m in _owners(feature))
-            raise ELFError(f"{flag} applies to {who} runs only, not to --method {method.name}")
+            raise ELFError(f"{flag or '--' + used.replace('_', '-')} applies to {who} runs only, not to --method "
+                           f"{method.name}")
     method.check(cfg)
 
 

@@ -41,6 +41,8 @@ FEATURES = {
     "distill": "progressive distillation (elflow distill)",
     "grad-checkpoint": "activation checkpointing (--grad-checkpoint)",
     "encoder": "an encoder for the authors' checkpoints (--encoder)",
+    "flow": "the flow objective's constants and the network's variants (--predict, --conditioning, --bottleneck, "
+            "--decoder, --noise-scale, --decode-prob, ...)",
 }
 
 

@@ -20,11 +20,14 @@ from typing import Callable
 import torch
 
 from elflow.data import encoder_mask
-from elflow.flow import TIME_BINS, draw_training_noise, elf_loss, generate_tokens, time_bin, time_bin_labels
+from elflow.encoders import space_spec
+from elflow.flow import TIME_BINS, Recipe, draw_training_noise, elf_loss, generate_tokens, time_bin, time_bin_labels
 from elflow.generate import ELF_KNOBS, generate, settings_for
 from elflow.methods.base import FEATURES, Method
 from elflow.optim import HEAD_PREFIXES
-from elflow.shortrun import build_network, describe_network, network_from_state_dict, stored_network
+from elflow.model import ELFConfig
+from elflow.shortrun import build_network, check_network, describe_network, network_from_state_dict, options_of, \
+    stored_network
 from elflow.utils import ELFError
 
 __all__ = ["Objective", "ELFMethod", "METHOD", "step_sums"]
@@ -73,6 +76,27 @@ class ELFMethod(Method):
         return ELFMethod(objective)
 
     # -- the run ----------------------------------------------------------------------------------------------
+    def check(self, cfg) -> None:
+        check_network(ELFConfig(predict=cfg.predict, conditioning=cfg.conditioning), options_of(cfg.short_run))
+        if cfg.decoder == "separate":
+            if "decode_prob" in cfg.recipe:
+                raise ELFError("--decode-prob does not go with --decoder separate: its decoder trains alone "
+                               "(--decoder-steps) and its denoiser never decodes")
+            if cfg.decoder_from and cfg.decoder_steps:
+                raise ELFError("--decoder-steps trains a decoder, --decoder-from takes a trained one: pass one of them")
+            if cfg.distillation or cfg.source_length:
+                raise ELFError("--decoder separate trains unconditional models from scratch (no --source-length, no "
+                               "distillation)")
+            if cfg.epochs is not None and not (cfg.decoder_steps or cfg.decoder_from):
+                raise ELFError("--decoder separate with --epochs needs --decoder-steps (the decoder stage's length)")
+            if space_spec(cfg.space or "minilm", None)["kind"] == "learned-table":
+                raise ELFError("--decoder separate needs a frozen space: a learned table would move under the "
+                               "frozen decoder while the denoiser trains")
+        elif cfg.decoder_steps or cfg.decoder_from:
+            raise ELFError(f"--{'decoder-steps' if cfg.decoder_steps else 'decoder-from'} needs --decoder separate")
+        if "source_drop_prob" in cfg.recipe and not cfg.source_length:
+            raise ELFError("--source-drop-prob applies to runs on (source, target) pairs (--source-length)")
+
     def build(self, cfg, shape, space, data, recipe, device):
         net = build_network(shape, cfg.short_run).to(device)
         net.grad_checkpoint = cfg.grad_checkpoint
@@ -99,8 +123,10 @@ class ELFMethod(Method):
                            f"does not fit the network (dim {cfg.dim}, vocabulary {cfg.vocab_size})")
 
     def adam_names(self, net, cfg) -> list[str]:
-        """Under --adam-heads, the output heads and the input and scalar embedders."""
-        return [n for n, _ in net.named_parameters() if cfg.adam_heads and n.startswith(HEAD_PREFIXES)]
+        """Under --adam-heads, the output heads and the input and scalar embedders (a separate decoder's
+        denoiser's by their own names)."""
+        return [n for n, _ in net.named_parameters()
+                if cfg.adam_heads and n.removeprefix("denoiser.").startswith(HEAD_PREFIXES)]
 
     # -- a training step ----------------------------------------------------------------------------------
     def draw(self, batch, space, recipe, generator, cpu_generator):
@@ -135,15 +161,15 @@ class ELFMethod(Method):
 
     @torch.no_grad()
     def preview(self, net, ema, space, num, length, cfg) -> list[str]:
-        """`num` samples of the EMA weights with the run's sample_* settings, from one generator seeded by
-        the run's seed."""
+        """`num` samples of the EMA weights with the run's sample_* settings and noise scale, from one generator
+        seeded by the run's seed."""
         device = next(net.parameters()).device
         sampler_net = build_network(net.config, getattr(net, "options", None)).to(device)
         ema.copy_to(sampler_net)
         sampler_net.eval()
         g = torch.Generator(device=device).manual_seed(cfg.seed)
         tokens, _ = generate_tokens(sampler_net, num, length, cfg.sample_steps, cfg.sample_sampler,
-                                    omega=cfg.sample_omega, generator=g)
+                                    omega=cfg.sample_omega, generator=g, recipe=Recipe.from_dict(cfg.recipe))
         return space.decode(tokens.cpu())
 
     # -- sampling -----------------------------------------------------------------------------------------

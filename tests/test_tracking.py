@@ -1,0 +1,56 @@
+"""Weights & Biases in offline mode: a training run logs the records of metrics.jsonl, its settings and the
+samples shown during training; a resumed run continues the same W&B run; without wandb, one line."""
+
+import json
+import sys
+
+import pytest
+
+from elflow.train import train
+
+from helpers import tiny_config, wandb_offline_runs
+
+pytest.importorskip("wandb", reason="the W&B tests need wandb (pip install -e '.[test]' installs it)")
+
+
+def test_a_run_logs_its_records_settings_and_samples_and_resume_continues_it(tmp_path, tiny_t5_dir,
+                                                                             tiny_corpus_file, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    run, cache = tmp_path / "run", tmp_path / "cache"
+    cfg = tiny_config(tiny_t5_dir, tiny_corpus_file, wandb="elflow-test", sample_every=3, sample_steps=4)
+    train(cfg, run, cache_dir=cache, quiet=True, stop_after=3)
+    train(cfg, run, resume=True, cache_dir=cache, quiet=True)
+
+    first, second = wandb_offline_runs(run)
+    assert first["id"] == second["id"] == json.loads((run / "wandb-run.json").read_text())["id"]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    records = [r for r in records if r["kind"] == "train"]
+    logged = first["history"] + second["history"]
+    assert [h["_step"] for h in logged] == [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    for rec, got in zip(records, logged):
+        numbers = {k: v for k, v in rec.items() if isinstance(v, (int, float)) and k != "step"}
+        assert {"loss", "lr", "grad_norm", "tokens_per_s"} <= numbers.keys()
+        assert any(k.startswith("loss_t") for k in numbers)  # the losses per time bin
+        assert {k: got[k] for k in numbers} == pytest.approx(numbers)
+    assert first["config"]["preset"] == "tiny" and first["config"]["steps"] == 6
+    assert first["config"]["params"]["model"] > 0 and first["config"]["dtype"] == "fp32"
+    # the samples shown at steps 3 and 6 (one in each invocation), two per step, as rows of one table
+    rows = []
+    for table in sorted((run / "wandb").glob("offline-run-*/files/media/table/samples_*.table.json")):
+        doc = json.loads(table.read_text())
+        assert doc["columns"] == ["step", "index", "text"]
+        rows += doc["data"]
+    assert sorted((step, i) for step, i, _ in rows) == [(3, 0), (3, 1), (6, 0), (6, 1)]
+    assert all(isinstance(text, str) for *_, text in rows)
+
+
+def test_without_wandb_installed_the_flag_is_one_line(tmp_path, tiny_t5_dir, tiny_corpus_file, monkeypatch, capsys):
+    from elflow.cli import main
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb raises ImportError
+    out = tmp_path / "run"
+    assert main(["train", "--preset", "tiny", "--data", str(tiny_corpus_file), "--space", f"t5:{tiny_t5_dir}",
+                 "--steps", "1", "--wandb", "elflow-test", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("elflow train: error:") and 'pip install "elflow[wandb]"' in err[0]
+    assert not out.exists()
