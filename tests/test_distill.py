@@ -304,6 +304,7 @@ def _distill_argv(teacher, out, cache, *extra):
     (["--student-steps", "4,3", "--teacher-steps", "8"], "do not divide"),
     (["--student-steps", "two"], "comma-separated"),
     (["--student-steps", "1", "--teacher-steps", "1", "--latent-std", "0.5"], "embedding space"),
+    (["--student-steps", "1", "--teacher-steps", "1", "--predict", "eps"], "distil with --predict x"),
 ])
 def test_bad_distillation_input_is_one_line_and_writes_nothing(teacher_run, tmp_path, capsys, extra, message):
     teacher, cache = teacher_run

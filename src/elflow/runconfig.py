@@ -281,10 +281,6 @@ class TrainConfig(Record):
         if self.source_length is not None and self.length is not None and self.source_length >= self.length:
             raise ELFError(f"{name('source_length')} {self.source_length} leaves no room for a target in "
                            f"{name('length')} {self.length}; use a longer length or a shorter source length")
-        try:
-            Recipe.from_dict(self.recipe)
-        except (ValueError, TypeError) as e:
-            raise ELFError(f"{'the run' if stored is None else stored}'s recipe cannot be read: {e}") from None
         for key, (typ, _, check, _) in NESTED_FLAGS.items():
             d = getattr(self, key[0])
             v = d.get(key[1])
@@ -295,6 +291,10 @@ class TrainConfig(Record):
                 raise ELFError(f"{name(key[1])} must be a number, got {v!r}")
             if check and not check[0](v):
                 raise ELFError(f"{name(key[1])} must be a number {check[1]}, got {v!r}")
+        try:
+            Recipe.from_dict(self.recipe)
+        except (ValueError, TypeError) as e:
+            raise ELFError(f"{'the run' if stored is None else stored}'s recipe cannot be read: {e}") from None
 
 
 # named presets of settings: (values, settings derived from the others unless given)
