@@ -270,6 +270,16 @@ class TrainConfig(Record):
                 ok, what = meta["check"]
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or not ok(v):
                     raise ELFError(f"{flag} must be a number {what}, got {v!r}")
+        for key, (typ, _, check, _) in NESTED_FLAGS.items():
+            d = getattr(self, key[0])
+            v = d.get(key[1])
+            if v is None:
+                continue
+            if typ in (int, float) and (isinstance(v, bool) or not isinstance(v, (int, float))) or \
+                    typ is int and not isinstance(v, int):
+                raise ELFError(f"{name(key[1])} must be a number, got {v!r}")
+            if check and not check[0](v):
+                raise ELFError(f"{name(key[1])} must be a number {check[1]}, got {v!r}")
         try:
             check_run(self)
         except ELFError as e:
@@ -281,16 +291,6 @@ class TrainConfig(Record):
         if self.source_length is not None and self.length is not None and self.source_length >= self.length:
             raise ELFError(f"{name('source_length')} {self.source_length} leaves no room for a target in "
                            f"{name('length')} {self.length}; use a longer length or a shorter source length")
-        for key, (typ, _, check, _) in NESTED_FLAGS.items():
-            d = getattr(self, key[0])
-            v = d.get(key[1])
-            if v is None:
-                continue
-            if typ in (int, float) and (isinstance(v, bool) or not isinstance(v, (int, float))) or \
-                    typ is int and not isinstance(v, int):
-                raise ELFError(f"{name(key[1])} must be a number, got {v!r}")
-            if check and not check[0](v):
-                raise ELFError(f"{name(key[1])} must be a number {check[1]}, got {v!r}")
         try:
             Recipe.from_dict(self.recipe)
         except (ValueError, TypeError) as e:
