@@ -849,14 +849,16 @@ def test_a_real_full_disk_during_a_save_then_an_exact_resume(capsys, small_fs, t
     assert steps == sorted(set(steps)) and steps[-1] == 6  # each step logged once
 
 
-def test_a_real_full_disk_for_a_samples_file_and_an_eval_report(capsys, small_fs, trained, tmp_path):
+def test_a_real_full_disk_for_a_samples_file_an_eval_report_and_the_figures(capsys, small_fs, trained, tmp_path):
     samples, refs = tmp_path / "hyp.jsonl", tmp_path / "refs.txt"
     samples.write_text('{"text": "the cat sat"}\n')
     refs.write_text("the cat sat down\n")
     filler = fill(small_fs)
     commands = [("sample", _sample_args(trained, small_fs / "s.jsonl"), small_fs / "s.jsonl"),
                 ("eval", ["eval", samples, "--task", "translation", "--references", refs, "--report",
-                          small_fs / "r.json"], small_fs / "r.json")]
+                          small_fs / "r.json"], small_fs / "r.json"),
+                ("toy", ["toy", "--num", "8", "--steps", "1", "2", "--out", small_fs / "toy.png"], small_fs / "toy.png"),
+                ("schedules", ["schedules", "--samples", "2000", "--out", small_fs / "s.png"], small_fs / "s.png")]
     for command, argv, out in commands:
         code, _, err = cli(capsys, argv)
         assert_one_error(code, err, command, "no space left on device while writing", str(out), "free some space")
@@ -865,7 +867,10 @@ def test_a_real_full_disk_for_a_samples_file_and_an_eval_report(capsys, small_fs
     for command, argv, out in commands:
         code, _, err = cli(capsys, argv)
         assert code == 0, err
-        assert json.loads(out.read_text() if command == "eval" else out.read_text().splitlines()[0])
+        if out.suffix == ".png":
+            assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        else:
+            assert json.loads(out.read_text() if command == "eval" else out.read_text().splitlines()[0])
 
 
 # ----------------------------------------------------------------------------------------------------------
