@@ -59,6 +59,11 @@ CONFIGS: dict[str, dict] = {
     "copy-released": {"task": "copy", "note": "the released options (all four off)", "short_run": RELEASED_MODEL},
     "copy-minilm": {"task": "copy", "note": "quickstart options in MiniLM's space (no readout table)",
                     "train": {"space": "minilm"}, "short_run": {"table_readout": 0.0}},
+    "copy-slot": {"task": "copy", "note": "quickstart options, the target in the fixed source slot",
+                  "train": {"source_slot": "fixed"}},
+    "shuffle-qs": {"task": "shuffle", "note": "the conditional demonstration's task (restore shuffled lines), "
+                                              "quickstart options"},
+    "shuffle-slot": {"task": "shuffle", "note": "... in the fixed source slot", "train": {"source_slot": "fixed"}},
     "copy-gated": {"task": "copy", "note": "quickstart options with the gated skip", "short_run": {"skip": "gated"}},
     "copy-gated-lr1e-2": {"task": "copy", "note": "... and lr 1e-2", "short_run": {"skip": "gated"},
                           "train": {"lr": 1e-2}},
@@ -135,14 +140,14 @@ def train(name: str, steps: int | None = None) -> Path:
 # measurements
 
 
-def reference_batch(space, held, device="cpu"):
+def reference_batch(space, held, device="cpu", slot="packed"):
     """The held-out pairs laid out and encoded exactly as training encodes them: ids (N, L), known (N, L),
     target positions (N, L) (reference target tokens, EOS padding excluded) and clean x (N, L, C)."""
     from elflow.data import encoder_mask, pair_layout
 
     src = space.tokenize([s for s, _ in held], eos=False)
     tgt = space.tokenize([t for _, t in held], eos=False)
-    lay = pair_layout(src, tgt, LENGTH, SOURCE_LENGTH, space.pad_id)
+    lay = pair_layout(src, tgt, LENGTH, SOURCE_LENGTH, space.pad_id, slot)
     ids, known = lay["ids"], lay["source_mask"]
     target = lay["valid"] & ~known
     x = space.encode(ids.to(device), encoder_mask(known, lay["valid"])).float()
@@ -186,14 +191,16 @@ def sample_variant(loaded, space, held, steps=64, sampler="ode", guidance=2.0, o
     net = loaded.net
     table = net.readout_table if options(net).table_readout else None
     recipe = Recipe.from_dict(loaded.recipe)
-    ids_ref, known_ref, target, x_ref, _ = reference_batch(space, held)
+    slot = loaded.settings.get("source_slot", "packed")
+    ids_ref, known_ref, target, x_ref, _ = reference_batch(space, held, slot=slot)
     keep = LENGTH - SOURCE_LENGTH
     out_ids, texts, noise_hits, noise_n, num, den, last_t = [], [], 0, 0, 0.0, 0.0, []
     with readout_off(net, not readout):
         for b, start in enumerate(range(0, len(held), batch)):
             chunk = held[start:start + batch]
             bs = len(chunk)
-            known_ids, known_mask, known = conditioning(space, LENGTH, bs, [s for s, _ in chunk], SOURCE_LENGTH)
+            known_ids, known_mask, known = conditioning(space, LENGTH, bs, [s for s, _ in chunk], SOURCE_LENGTH,
+                                                        source_slot=slot)
             g = torch.Generator().manual_seed(seed * 100_003 + b)
             kw = dict(steps=steps, sampler=sampler, gamma=gamma, omega=omega, grid=grid or "logit_normal",
                       guidance=guidance, known=known, known_mask=known_mask, generator=g, recipe=recipe)
@@ -231,7 +238,8 @@ def oracles(loaded, space, held, ts=(0.3, 0.5, 0.7, 0.9, 0.95), seed=0) -> dict:
 
     net = loaded.net
     recipe = Recipe.from_dict(loaded.recipe)
-    ids, known, target, x, valid = reference_batch(space, held)
+    slot = loaded.settings.get("source_slot", "packed")
+    ids, known, target, x, valid = reference_batch(space, held, slot=slot)
     N, L, C = x.shape
     ones = torch.ones(N)
     out = {"decode_clean": _token_accuracy(net.decode(x, ones).argmax(-1), ids, target)}
@@ -286,7 +294,7 @@ def oracles(loaded, space, held, ts=(0.3, 0.5, 0.7, 0.9, 0.95), seed=0) -> dict:
 
     from elflow.generate import conditioning
 
-    _, kmask, kx = conditioning(space, L, N, [s for s, _ in held], SOURCE_LENGTH)
+    _, kmask, kx = conditioning(space, L, N, [s for s, _ in held], SOURCE_LENGTH, source_slot=slot)
     z_sample_in = t * x + (1 - t) * recipe.noise_scale * eps
     z_final, _ = sample(Spy(), z_sample_in, torch.tensor([t, 1.0]), sampler="ode", omega=ones, guidance=1.0,
                         known=kx, known_mask=kmask, noise_scale=recipe.noise_scale, t_eps=recipe.t_eps)

@@ -227,6 +227,14 @@ def test_pair_layout_token_by_token():
     assert m[3].tolist() == [True] * 7 + [False]  # a target position sees every real token
     with pytest.raises(ELFError, match="source length"):
         pair_layout([o("a")], [o("b")], 8, 8, EOS)
+    # the fixed slot: every target starts at max_source_length, a short source padded to it
+    fixed = pair_layout([o("abcdef"), o("p")], [o("x"), o("uvwxyz")], length=8, max_source_length=4, pad_id=EOS,
+                        source_slot="fixed")
+    assert fixed["ids"].tolist() == [o("abcd") + o("x") + [EOS] * 3, o("p") + [EOS] * 3 + o("uvwx")]
+    assert fixed["source_mask"].tolist() == [[True] * 4 + [False] * 4] * 2
+    assert fixed["valid"].tolist() == [[True] * 5 + [False] * 3, [True] * 8]
+    with pytest.raises(ELFError, match="unknown source slot 'left'"):
+        pair_layout([o("a")], [o("b")], 8, 4, EOS, source_slot="left")
 
 
 def test_packed_dataset_with_the_real_tokenizer(tiny_t5_dir, tiny_corpus_file, tmp_path):

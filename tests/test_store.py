@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import json
+import itertools
 import os
 import re
 import signal
@@ -104,9 +105,9 @@ def test_pair_store_rows_equal_pair_layout(corpora, t5_tokens, tmp_path):
     store = prepare_store(corpora["pairs"], space, tmp_path / "p", pairs=True, source_length=8, chunk_bytes=500,
                           workers=2)
     assert store.kind == "pairs" and store.count == len(pairs)
-    for source_length, length in ((8, 16), (30, 40), (3, 64)):
-        lay = pair_layout(src, tgt, length, source_length, space.pad_id)
-        got = _all(store.rows("pairs", length, source_length=source_length))
+    for (source_length, length), slot in itertools.product(((8, 16), (30, 40), (3, 64)), ("packed", "fixed")):
+        lay = pair_layout(src, tgt, length, source_length, space.pad_id, slot)
+        got = _all(store.rows("pairs", length, source_length=source_length, source_slot=slot))
         assert torch.equal(got["tokens"], lay["ids"]) and torch.equal(got["known"], lay["source_mask"])
         assert torch.equal(got["attention_mask"], lay["valid"]) and got["mask"].all()
 

@@ -43,6 +43,7 @@ import torch
 
 from elflow.utils import ELFError, cache_root
 from elflow.utils import sha256_file as _sha256_file
+from elflow.store import SOURCE_SLOTS
 
 __all__ = [
     "SHAKESPEARE_SHA256",
@@ -57,7 +58,7 @@ __all__ = [
     "TokenDataset",
     "pack",
     "layout_documents",
-    "pair_layout",
+    "pair_layout", "SOURCE_SLOTS",
     "encoder_mask",
     "shuffled_line_pairs",
     "split_rows",
@@ -505,11 +506,15 @@ def encoder_mask(known: torch.Tensor, valid: torch.Tensor, drop: torch.Tensor | 
 
 
 def pair_layout(sources: list[list[int]], targets: list[list[int]], length: int, max_source_length: int,
-                pad_id: int) -> dict:
+                pad_id: int, source_slot: str = "packed") -> dict:
     """Rows of source + target ids, the target starting right after its (variable-length) source.
 
     Each source is cut to max_source_length ids, the target follows it immediately, and the row is cut or
-    padded with pad_id (EOS: the model learns where a target ends) to `length`. Returns
+    padded with pad_id (EOS: the model learns where a target ends) to `length`. With `source_slot="fixed"`
+    every source is padded with pad_id to max_source_length first, so that every target starts at the same
+    position (the slot is the known part of the row): a target token then sits at a fixed distance from the
+    source token it copies, which attention with relative positions (RoPE) finds at once, where the released
+    layout ("packed") makes the model find the source's end first. Returns
     "ids" (B, L) long, "source_mask" (B, L) bool (position < source length), "valid" (B, L) bool
     (position < unpadded length) and "encoder_mask" (B, L, L) bool (see `encoder_mask`).
     """
@@ -518,14 +523,19 @@ def pair_layout(sources: list[list[int]], targets: list[list[int]], length: int,
     if not 0 < max_source_length < length:
         raise ELFError(f"the source length {max_source_length} must be between 1 and the sequence length "
                        f"{length} - 1, so that a target fits")
+    if source_slot not in SOURCE_SLOTS:
+        raise ELFError(f"unknown source slot {source_slot!r}; choose one of {', '.join(SOURCE_SLOTS)}")
     n = len(sources)
     ids = torch.full((n, length), int(pad_id), dtype=torch.long)
     src_len = torch.empty(n, dtype=torch.long)
     row_len = torch.empty(n, dtype=torch.long)
     for i, (src, tgt) in enumerate(zip(sources, targets)):
-        row = (list(src[:max_source_length]) + list(tgt))[:length]
+        head = list(src[:max_source_length])
+        if source_slot == "fixed":
+            head += [int(pad_id)] * (max_source_length - len(head))
+        row = (head + list(tgt))[:length]
         ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
-        src_len[i] = min(len(src), max_source_length)
+        src_len[i] = len(head)
         row_len[i] = len(row)
     pos = torch.arange(length)[None, :]
     source_mask, valid = pos < src_len[:, None], pos < row_len[:, None]

@@ -713,7 +713,8 @@ def _conditional_task(args, task, metric, loaded, space, settings, sources, refs
     records, (res, summary) = sample_and_score(
         get_method(loaded.method), loaded.net, space, len(sources), settings, lambda texts: _score(metric, texts, refs),
         samples_path, {"checkpoint": str(args.checkpoint)}, args.length, refs, progress=not args.json,
-        overwrite=args.overwrite, part=part, sources=sources, source_length=loaded.settings["source_length"])
+        overwrite=args.overwrite, part=part, sources=sources, source_length=loaded.settings["source_length"],
+        source_slot=loaded.settings.get("source_slot", "packed"))
     report = {"task": task, "metric": metric, **res, "num_examples": len(records), **settings.to_dict(),
               "checkpoint": str(args.checkpoint), "samples": str(samples_path), "seconds": time.time() - t0}
     if part[0] == 0:

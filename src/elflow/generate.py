@@ -108,10 +108,11 @@ def settings_for(loaded, **given) -> SamplingSettings:
 
 
 def conditioning(space, length: int, batch: int, sources: list[str] | None = None, source_length: int | None = None,
-                 prompt: str | None = None, suffix: str | None = None, device=None):
+                 prompt: str | None = None, suffix: str | None = None, device=None, source_slot: str = "packed"):
     """(known ids (B, L) long, known_mask (B, L) bool, known (B, L, C) clean embeddings), or None if nothing
     is held fixed. `sources` (one per row) fill the first positions of a conditional model's rows, cut to
-    `source_length`; `prompt` the first positions and `suffix` the last positions of every row."""
+    `source_length` (and padded to it with the "fixed" `source_slot`: the model's stored settings say which);
+    `prompt` the first positions and `suffix` the last positions of every row."""
     if sources is None and prompt is None and suffix is None:
         return None
     pad = space.pad_id
@@ -127,7 +128,7 @@ def conditioning(space, length: int, batch: int, sources: list[str] | None = Non
         if cut:
             print(f"warning: {cut} of {len(src_ids)} sources are longer than {source_length} tokens and were cut",
                   file=sys.stderr)
-        lay = pair_layout(src_ids, [[] for _ in src_ids], length, source_length, pad)
+        lay = pair_layout(src_ids, [[] for _ in src_ids], length, source_length, pad, source_slot)
         ids, known_mask = lay["ids"], lay["source_mask"]
     else:
         head = space.tokenize([prompt], eos=False)[0] if prompt else []
@@ -216,7 +217,7 @@ def gather_records(records: list[dict], world: int) -> list[dict]:
 def generate(net, space, num: int, settings: SamplingSettings = SamplingSettings(), length: int | None = None,
              sources: list[str] | None = None, source_length: int | None = None, prompt: str | None = None,
              suffix: str | None = None, progress: bool = True, trajectory: set[int] | None = None,
-             part: tuple[int, int] = (0, 1), drop_source: bool = False) -> list[dict]:
+             part: tuple[int, int] = (0, 1), drop_source: bool = False, source_slot: str = "packed") -> list[dict]:
     """`num` samples as records {"index", "text"} (+ "source"). With `trajectory` (sampling steps), each record
     of the first batch also holds "trajectory": the decode readout of the sampler's guess at those steps (at
     the last step, of the sample itself), a list of {"step", "t" (the time the guess was made at), "ids" (the
@@ -225,6 +226,7 @@ def generate(net, space, num: int, settings: SamplingSettings = SamplingSettings
     same texts in any batch split of the same size; `part` = (rank, ranks) draws only that rank's batches
     (`sample_batches`; `gather_records` puts the ranks' records together).
 
+    `source_slot`: where the targets start, as the model was trained (its settings' "source_slot").
     `drop_source`: the source-dropped model of a conditional network, as training drops a source: the
     source positions hold zeros for every pass, the readout's included (guidance 0 alone drops the source
     from the denoiser's passes only; the readout still sees it)."""
@@ -247,7 +249,7 @@ def generate(net, space, num: int, settings: SamplingSettings = SamplingSettings
     for b, start, bs, seed in batches:
         g = torch.Generator(device=device).manual_seed(seed)
         batch_sources = sources[start:start + bs] if sources is not None else None
-        cond = conditioning(space, length, bs, batch_sources, source_length, prompt, suffix, device)
+        cond = conditioning(space, length, bs, batch_sources, source_length, prompt, suffix, device, source_slot)
         known_ids, known_mask, known = cond if cond is not None else (None, None, None)
         if drop_source and known is not None:
             known = torch.zeros_like(known)

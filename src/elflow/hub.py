@@ -197,8 +197,8 @@ def build_folder(path, hub_id: str, folder: Path, num_samples: int = CARD_SAMPLE
 
 
 def _data_sources(ckpt: Path, num: int) -> dict:
-    """{"sources", "source_length"} for the card's samples of a conditional model: the first `num` sources of
-    the pairs .jsonl it was trained on ({} when its data is no such file)."""
+    """{"sources", "source_length", "source_slot"} for the card's samples of a conditional model: the first
+    `num` sources of the pairs .jsonl it was trained on ({} when its data is no such file)."""
     from elflow.checkpoint import stored_training
     from elflow.generate import read_sources
 
@@ -208,7 +208,8 @@ def _data_sources(ckpt: Path, num: int) -> dict:
     if data.suffix != ".jsonl" or not data.is_file():
         return {}
     sources, _ = read_sources(str(data), train.get("source_field", "input"), train.get("target_field", "output"))
-    return {"sources": sources[:num], "source_length": train.get("source_length")}
+    return {"sources": sources[:num], "source_length": train.get("source_length"),
+            "source_slot": train.get("source_slot", "packed")}
 
 
 def upload_problem() -> str | None:

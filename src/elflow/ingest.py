@@ -725,9 +725,10 @@ def build_dataset(source, space, length: int, layout: str = "packed", val_fracti
 def build_pairs(source, space, source_length: int = 64, length: int = 128, val_fraction: float = 0.01,
                 seed: int = 0, cache_dir=None, source_field: str = "input", target_field: str = "output",
                 on_bad: str = "stop", split: str = "train", max_documents: int | None = None,
-                use_cache: bool = True) -> tuple[StoreRows, StoreRows]:
+                use_cache: bool = True, source_slot: str = "packed") -> tuple[StoreRows, StoreRows]:
     """Conditional (source, target) rows (`data.pair_layout`): every row holds its source (cut to
-    `source_length`), then its target right after it, EOS-padded to `length`; `known` marks the source. The
+    `source_length`), then its target right after it (at `source_length` with the "fixed" `source_slot`),
+    EOS-padded to `length`; `known` marks the source. The
     loss covers every other position, the padding included (that is how the model learns where a target ends).
 
     source: a pair store, a .jsonl file of {source_field, target_field} records, a named task ("wmt14-de-en",
@@ -744,8 +745,9 @@ def build_pairs(source, space, source_length: int = 64, length: int = 128, val_f
     if store.kind != "pairs":
         raise ELFError(f"{source} holds text, not (source, target) pairs: prepare pairs with --source-length, or "
                        "train on it without --source-length")
-    rows = StoreRows(store, "pairs", length, source_length=source_length,
-                     info={**_info(store, state, source, "pairs", length), "source_length": source_length})
+    rows = StoreRows(store, "pairs", length, source_length=source_length, source_slot=source_slot,
+                     info={**_info(store, state, source, "pairs", length), "source_length": source_length,
+                           "source_slot": source_slot})
     rows.info.update(sequences=len(rows), pairs=len(rows))
     cut = rows.sources_cut()
     if cut and distributed()[0] == 0:

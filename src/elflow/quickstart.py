@@ -173,7 +173,8 @@ def conditional_report(run_dir, held: list[tuple[str, str]], num: int, steps: in
         records, score = sample_and_score(get_method(loaded.method), loaded.net, space, len(sources), settings,
                                           lambda texts: bleu(texts, refs), run_dir / f"samples_guidance{guidance:g}.jsonl",
                                           references=refs, sources=sources,
-                                          source_length=loaded.settings["source_length"], progress=True)
+                                          source_length=loaded.settings["source_length"], progress=True,
+                                          source_slot=loaded.settings.get("source_slot", "packed"))
         rows.append({"model": name, "bleu": score, **settings.to_dict()})
         if guidance == 2.0:
             examples = records[:3]

@@ -14,7 +14,7 @@ import argparse
 import math
 from dataclasses import dataclass, field, fields, replace
 
-from elflow.data import PAIR_TASKS
+from elflow.data import PAIR_TASKS, SOURCE_SLOTS
 from elflow.encoders import DRAWN_TABLE_KINDS, TABLE_STREAM
 from elflow.flow import SAMPLERS, Recipe
 from elflow.generate import SAMPLING_DEFAULTS
@@ -178,6 +178,10 @@ class TrainConfig(Record):
     source_length: int | None = setting(None, "train on (source, target) pairs whose sources take up to this many "
                                         "tokens; --data is then a .jsonl of pairs, a named task or a hub pair set",
                                         default_help="none: plain text", check=AT_LEAST_1)
+    source_slot: str = setting("packed", "where a pair's target starts: 'packed', right after its source (the "
+                               "released layout); 'fixed', at --source-length in every row, the source's slot "
+                               "padded, so a target token sits at a fixed distance from the source token it "
+                               "copies", choices=SOURCE_SLOTS)
     source_field: str = setting("input", "the source field of pair records")
     target_field: str = setting("output", "the target field of pair records")
     epochs: float | None = setting(None, "the run's length in passes over the data (replaces --steps)",
@@ -288,6 +292,9 @@ class TrainConfig(Record):
             for attr in ("adam_heads", "ns_method"):
                 if getattr(self, attr) != next(f for f in fields(self) if f.name == attr).default:
                     raise ELFError(f"{name(attr)} sets up Muon; it does not apply to --optimizer adamw")
+        if self.source_slot != "packed" and not self.source_length:
+            raise ELFError(f"{name('source_slot')} {self.source_slot} lays out (source, target) pairs; it needs "
+                           f"{name('source_length')}")
         if self.source_length is not None and self.length is not None and self.source_length >= self.length:
             raise ELFError(f"{name('source_length')} {self.source_length} leaves no room for a target in "
                            f"{name('length')} {self.length}; use a longer length or a shorter source length")

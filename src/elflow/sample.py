@@ -95,6 +95,7 @@ def _sample(args, rank: int, world: int, device):
             raise ELFError("--source cannot be combined with --prompt or --suffix")
         known["sources"], refs = read_sources(args.source, args.source_field, args.reference_field)
         known["source_length"] = loaded.settings.get("source_length")
+        known["source_slot"] = loaded.settings.get("source_slot", "packed")
         args.num = len(known["sources"])
     elif loaded.conditional and (args.prompt or args.suffix):
         raise ELFError("this is a conditional model: pass --source, not --prompt / --suffix")

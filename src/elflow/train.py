@@ -221,7 +221,7 @@ def run_data(cfg: TrainConfig, space, length: int, cache_dir=None):
     if cfg.source_length:
         return build_pairs(cfg.data, space, cfg.source_length, length, val_fraction=cfg.val_fraction,
                            seed=cfg.seed, cache_dir=cache_dir, source_field=cfg.source_field,
-                           target_field=cfg.target_field, on_bad=cfg.on_bad)
+                           target_field=cfg.target_field, on_bad=cfg.on_bad, source_slot=cfg.source_slot)
     return build_dataset(cfg.data, space, length, layout=cfg.layout, val_fraction=cfg.val_fraction,
                          seed=cfg.seed, cache_dir=cache_dir, field=cfg.text_field, on_bad=cfg.on_bad)
 
@@ -344,7 +344,8 @@ def model_settings(run: Setup) -> dict:
     cfg = run.cfg
     out, sampling = {"length": run.length}, {}
     if cfg.source_length:
-        out.update(source_length=cfg.source_length, **({"task": cfg.task} if cfg.task else {}))
+        out.update(source_length=cfg.source_length, source_slot=cfg.source_slot,
+                   **({"task": cfg.task} if cfg.task else {}))
         sampling = SAMPLING_DEFAULTS["conditional"]
     if cfg.distillation:
         out.update(distilled_steps=cfg.distillation["student_steps"], teacher_steps=cfg.distillation["teacher_steps"])
