@@ -11,6 +11,7 @@ from elflow.checkpoint import load, load_for_sampling
 from elflow.cli import main
 from elflow.model import ELF, get_config
 from elflow.official import elflow_to_official
+from elflow.utils import ELFError
 
 SOURCES = ["the king of love", "sweet night and the lord", "good heart"]
 
@@ -282,3 +283,30 @@ def test_a_conditional_teacher_distils_into_conditional_students(cond_run, tmp_p
     assert main(["sample", str(rounds[1]), "--source", str(pairs), "--quiet", "--out", str(out)]) == 0
     rec = json.loads(out.read_text().splitlines()[0])
     assert rec["source"] == "king sweet" and rec["steps"] == 1 and rec["gamma"] == 1.5 and rec["omega"] == 2.5
+
+
+def test_quickstart_conditional_trains_in_stages_and_draws_its_bleu_curve(tmp_path):
+    """The conditional demonstration on the built-in corpus, a few steps: a BLEU point after each quarter of
+    the run (the last one equal to the report's guidance-2 BLEU on the same lines, measured by another path),
+    the copy task's copying baseline exact, the fixed source slot stored with the model, and bleu.png."""
+    from elflow.data import read_documents
+
+    try:
+        read_documents("builtin")
+    except ELFError as e:
+        pytest.skip(f"the built-in corpus is not available offline here ({e})")
+    out = tmp_path / "cond"
+    assert main(["quickstart", "--conditional", "--steps", "4", "--batch", "2", "--num", "3", "--curve-num", "3",
+                 "--sample-steps", "2", "--out", str(out)]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["task"] == "copy" and [c["step"] for c in report["curve"]] == [1, 2, 3, 4]
+    rows = {r["model"]: r["bleu"] for r in report["rows"]}
+    assert rows["copy the source"] == pytest.approx(100.0)
+    assert report["curve"][-1]["bleu"] == pytest.approx(rows["guidance 2"])
+    assert json.loads((out / "run.json").read_text())["train"]["source_slot"] == "fixed"
+    assert (out / "bleu.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # run again with --resume: the run is finished, so nothing is trained or measured again
+    curve = (out / "curve.json").read_text()
+    assert main(["quickstart", "--conditional", "--steps", "4", "--batch", "2", "--num", "3", "--curve-num", "3",
+                 "--sample-steps", "2", "--out", str(out), "--resume"]) == 0
+    assert (out / "curve.json").read_text() == curve

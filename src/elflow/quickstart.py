@@ -54,10 +54,15 @@ def add_arguments(p) -> None:
     p.add_argument("--cache-dir", default=None,
                    help="corpus and tokenization cache (default: $ELFLOW_CACHE or ~/.cache/elflow)")
     p.add_argument("--conditional", action="store_true",
-                   help="the conditional demonstration instead: restore the word order of shuffled Shakespeare "
-                        "lines (source = the words shuffled, target = the line), scored with BLEU on held-out "
-                        "lines beside copying the source and the same model with its source dropped "
-                        "(default --out runs/demo-cond)")
+                   help="the conditional demonstration instead: a task on Shakespeare lines (--task), scored with "
+                        "BLEU on held-out lines beside copying the source and the same model with its source "
+                        "dropped, with BLEU against training steps (default --out runs/demo-cond)")
+    p.add_argument("--task", choices=tuple(COND_TASKS), default="copy",
+                   help="the conditional demonstration's task: " + "; ".join(f"{k}: {v}" for k, v in COND_TASKS.items())
+                        + " (default: copy)")
+    p.add_argument("--curve-num", type=int, default=64,
+                   help="held-out lines of each point of the conditional demonstration's BLEU-against-steps curve "
+                        "(default: 64)")
     p.add_argument("--distill", action="store_true",
                    help="distil the quickstart model in --out (train it first) from a 16-step teacher grid to 4, 2 "
                         "and 1 steps into OUT-pd, and report teacher and students at 1, 2 and 4 steps")
@@ -141,6 +146,20 @@ def report(run_dir, sampler: str = DEMO_SAMPLER, steps: int = DEMO_SAMPLE_STEPS,
 
 
 COND_LENGTH, COND_SOURCE = 48, 24  # MiniLM tokens: a verse line takes about 12, its shuffle about the same
+COND_TASKS = {"copy": "write the source line out again", "shuffle": "restore the word order of a line whose words "
+              "were shuffled"}
+COND_STAGES = 4  # points of the BLEU-against-steps curve
+
+
+def task_pairs(task: str, docs: list[str], seed: int = 0):
+    """(train, held out) (source, target) pairs of a conditional demonstration task made from `docs`: the
+    lines of `data.shuffled_line_pairs`, the source shuffled ("shuffle") or the line itself ("copy")."""
+    from elflow.data import shuffled_line_pairs
+
+    train, held = shuffled_line_pairs(docs, seed=seed)
+    if task == "copy":
+        return [(t, t) for _, t in train], [(t, t) for _, t in held]
+    return train, held
 
 
 def conditional_config(args, pairs_file: Path):
@@ -148,15 +167,64 @@ def conditional_config(args, pairs_file: Path):
     from elflow.train import TrainConfig
 
     given = dict(data=str(pairs_file), source_length=COND_SOURCE, length=COND_LENGTH, batch=args.batch,
-                 steps=args.steps, seed=args.seed, sample_every=0)
+                 steps=args.steps, seed=args.seed, sample_every=0, source_slot="fixed",
+                 ckpt_every=max(args.steps // COND_STAGES, 1))
     return TrainConfig.named("quickstart", **given, **preset_overrides(args))
 
 
 @torch.no_grad()
+def curve_point(run_dir, held: list[tuple[str, str]], steps: int, seed: int = 0) -> dict:
+    """{"step", "bleu"}: BLEU of the run's newest checkpoint (its EMA weights) with guidance 2 on `held`."""
+    from elflow.checkpoint import load_for_sampling
+    from elflow.evaluate import bleu
+    from elflow.generate import generate, settings_for
+
+    loaded, space = load_for_sampling(run_dir, device="cpu")
+    settings = settings_for(loaded, steps=steps, guidance=2.0, seed=seed, batch_size=32)
+    records = generate(loaded.net, space, len(held), settings, sources=[s for s, _ in held],
+                       source_length=loaded.settings["source_length"], progress=False,
+                       source_slot=loaded.settings.get("source_slot", "packed"))
+    return {"step": _step_of(loaded.settings["checkpoint"]), "lines": len(held),
+            "bleu": bleu([r["text"] for r in records], [t for _, t in held])}
+
+
+def _step_of(checkpoint: str) -> int:
+    from elflow.checkpoint import read_state
+
+    return int(read_state(Path(checkpoint))["step"])
+
+
+def plot_curve(curve: list[dict], rows: list[dict], path: Path, task: str) -> Path:
+    """bleu.png: held-out BLEU (guidance 2) against training steps, with copying the source and the source-
+    dropped model of the final run as lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from elflow.utils import atomic_write
+
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    ax.plot([c["step"] for c in curve], [c["bleu"] for c in curve], marker="o", label="guidance 2")
+    for r, style in zip(rows[:2], ("--", ":")):
+        ax.axhline(r["bleu"], ls=style, color="0.4", label=f"{r['model']} (final)")
+    ax.set_xlabel("training step")
+    ax.set_ylabel("held-out BLEU")
+    ax.set_title(f"elflow quickstart --conditional --task {task}")
+    ax.legend()
+    fig.tight_layout()
+    with atomic_write(path) as f:
+        fig.savefig(f, format="png", dpi=100)
+    plt.close(fig)
+    return path
+
+
+@torch.no_grad()
 def conditional_report(run_dir, held: list[tuple[str, str]], num: int, steps: int, seed: int = 0,
-                       printer=print) -> dict:
+                       printer=print, task: str = "shuffle", curve: list[dict] | None = None) -> dict:
     """BLEU on held-out lines: copying the source, the model with its source dropped (guidance 0: the
-    unconditional pass alone), with guidance 1 and 2."""
+    unconditional pass alone), with guidance 1 and 2; with `curve` ({"step", "bleu"} points of the training),
+    bleu.png of it."""
     from elflow.checkpoint import load_for_sampling
     from elflow.evaluate import bleu, sample_and_score
     from elflow.generate import settings_for
@@ -178,12 +246,17 @@ def conditional_report(run_dir, held: list[tuple[str, str]], num: int, steps: in
         rows.append({"model": name, "bleu": score, **settings.to_dict()})
         if guidance == 2.0:
             examples = records[:3]
-    out = {"task": "restore the word order of shuffled lines", "held_out": len(held), "rows": rows,
+    out = {"task": task, "held_out": len(held), "rows": rows, "curve": curve or [],
            "seconds": time.perf_counter() - t0}
     atomic_write_json(run_dir / "report.json", out)
+    if curve:
+        plot_curve(curve, rows, run_dir / "bleu.png", task)
     printer(f"\n=== BLEU on {len(held)} held-out lines (sacrebleu, lowercase; ODE, {steps} steps) ===")
     for r in rows:
         printer(f"  {r['model']:<30}{r['bleu']:>8.2f}")
+    if curve:
+        printer(f"\n=== BLEU (guidance 2) against training steps, {curve[0].get('lines', '?')} held-out lines ===")
+        printer("  " + "  ".join(f"step {c['step']}: {c['bleu']:.2f}" for c in curve))
     printer("\n=== examples (guidance 2) ===")
     for r in examples:
         printer(f"  source:    {r['source']}\n  output:    {r['text']}\n  reference: {r['reference']}\n")
@@ -217,22 +290,60 @@ def total_time(work: str, work_s: float, report_s: float) -> str:
 
 
 def run_conditional(args) -> int:
-    from elflow.data import read_documents, shuffled_line_pairs
-    from elflow.utils import cache_root
+    """Train the demonstration in COND_STAGES stages, a point of the BLEU curve after each (kept in
+    curve.json, so that --resume measures only what is new), then the report."""
+    from elflow.checkpoint import latest_checkpoint
+    from elflow.data import read_documents
+    from elflow.train import train
+    from elflow.utils import cache_root, read_json
 
+    if args.curve_num < 1:
+        raise ELFError(f"--curve-num must be >= 1, got {args.curve_num}")
     out = Path(args.out if args.out != "runs/demo" else "runs/demo-cond")
-    train_pairs, held = shuffled_line_pairs(list(read_documents("builtin", cache_dir=args.cache_dir)),
-                                            seed=args.seed)
-    pairs_file = cache_root(args.cache_dir) / "pairs" / f"shakespeare-shuffled-{args.seed}.jsonl"
+    train_pairs, held = task_pairs(args.task, list(read_documents("builtin", cache_dir=args.cache_dir)), args.seed)
+    pairs_file = cache_root(args.cache_dir) / "pairs" / f"shakespeare-{args.task}-{args.seed}.jsonl"
     if not pairs_file.exists():
         atomic_write_text(pairs_file, "".join(json.dumps({"input": s, "output": t}) + "\n"
                                               for s, t in train_pairs))
     cfg = conditional_config(args, pairs_file).resolved()
     cfg.validate()
-    times = _train_and_report(args, cfg, out, "elflow quickstart --conditional",
-                              f"the demo model on {len(train_pairs)} shuffled lines ({args.steps} steps)",
-                              lambda: conditional_report(out, held, max(args.num, 1), args.sample_steps, args.seed))
-    print(f"\n{total_time('training', *times)}; figures: {out / 'report.json'}")
+    command = "elflow quickstart --conditional"
+    curve_file, curve_held = out / "curve.json", held[:args.curve_num]
+    t0 = time.perf_counter()
+    if not args.report_only:
+        print(f"{command}: training the demo model on {len(train_pairs)} pairs of the {args.task} task "
+              f"({args.steps} steps, BLEU measured after every {cfg.ckpt_every}) in {out}", file=sys.stderr)
+        fresh = not args.resume
+        for stage in range(1, COND_STAGES + 1):
+            end = min(args.steps, stage * cfg.ckpt_every) if stage < COND_STAGES else args.steps
+            ckpt = None if fresh else latest_checkpoint(out, warn=lambda *_: None)
+            done = _step_of(str(ckpt)) if ckpt is not None else 0
+            if done < end:
+                train(cfg, out, resume=not fresh, overwrite=fresh and args.overwrite, cache_dir=args.cache_dir,
+                      command=command, stop_after=end - done)
+                fresh = False
+            curve = read_json(curve_file, kind=list) if curve_file.exists() and done > 0 else []
+            if not any(c["step"] == end for c in curve):
+                lock = FolderLock(out, f"{command} (BLEU curve)").acquire()
+                try:
+                    point = curve_point(out, curve_held, args.sample_steps, args.seed)
+                    curve = [c for c in curve if c["step"] < point["step"]] + [point]
+                    atomic_write_json(curve_file, curve)
+                finally:
+                    lock.release()
+                print(f"step {end}: held-out BLEU {curve[-1]['bleu']:.2f} (guidance 2, {len(curve_held)} lines)",
+                      file=sys.stderr)
+    elif not (out / "run.json").exists():
+        raise ELFError(f"{out} holds no run; run `{command}` without --report-only first")
+    t1 = time.perf_counter()
+    curve = read_json(curve_file, kind=list) if curve_file.exists() else []
+    lock = FolderLock(out, f"{command} (report)").acquire()
+    try:
+        conditional_report(out, held, max(args.num, 1), args.sample_steps, args.seed, task=args.task, curve=curve)
+    finally:
+        lock.release()
+    print(f"\n{total_time('training', t1 - t0, time.perf_counter() - t1)}; figures: {out / 'report.json'}"
+          + (f", {out / 'bleu.png'}" if curve else ""))
     return 0
 
 
