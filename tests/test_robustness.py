@@ -118,6 +118,8 @@ def no_cuda(monkeypatch):
 CASES = [
     # (id, command line, words the error must contain)
     ("train-lr-negative", ["train", "--lr", "-1", "--print-config"], ["--lr must be a number > 0", "-1"]),
+    ("quickstart-task-alone", ["quickstart", "--task", "shuffle"], ["--task belongs to the conditional", "--conditional"]),
+    ("quickstart-steps-0", ["quickstart", "--conditional", "--steps", "0"], ["--steps must be >= 1"]),
     ("train-lr-nan", ["train", "--lr", "nan", "--print-config"], ["--lr must be a number > 0", "nan"]),
     ("train-ema-above-1", ["train", "--ema-decay", "1.5", "--print-config"], ["--ema-decay", "[0, 1)"]),
     ("train-length-0", ["train", "--length", "0", "--print-config"], ["--length must be a number >= 1"]),

@@ -24,13 +24,15 @@ __all__ = ["add_arguments", "run", "report"]
 
 # the quickstart's length and final sampler (its other settings are the "quickstart" preset of TrainConfig)
 DEMO_STEPS = 250
+COND_STEPS = 1000  # the conditional demonstration's: what copying lines needs (benchmarks/RESULTS.md, section 10)
 DEMO_SAMPLER = "vc"
 DEMO_SAMPLE_STEPS = 64
 
 
 def add_arguments(p) -> None:
     p.add_argument("--out", default="runs/demo", help="run folder")
-    p.add_argument("--steps", type=int, default=DEMO_STEPS, help="training steps")
+    p.add_argument("--steps", type=int, default=None,
+                   help=f"training steps (default: {DEMO_STEPS}; {COND_STEPS} with --conditional)")
     p.add_argument("--batch", type=int, default=32, help="rows per optimiser step")
     p.add_argument("--length", type=int, default=64, help="sequence length L")
     from elflow.train import RUN_PRESETS
@@ -57,10 +59,10 @@ def add_arguments(p) -> None:
                    help="the conditional demonstration instead: a task on Shakespeare lines (--task), scored with "
                         "BLEU on held-out lines beside copying the source and the same model with its source "
                         "dropped, with BLEU against training steps (default --out runs/demo-cond)")
-    p.add_argument("--task", choices=tuple(COND_TASKS), default="copy",
+    p.add_argument("--task", choices=tuple(COND_TASKS), default=None,
                    help="the conditional demonstration's task: " + "; ".join(f"{k}: {v}" for k, v in COND_TASKS.items())
                         + " (default: copy)")
-    p.add_argument("--curve-num", type=int, default=64,
+    p.add_argument("--curve-num", type=int, default=None,
                    help="held-out lines of each point of the conditional demonstration's BLEU-against-steps curve "
                         "(default: 64)")
     p.add_argument("--distill", action="store_true",
@@ -426,8 +428,16 @@ def run_distill(args) -> int:
 def run(args) -> int:
     if args.conditional and args.distill:
         raise ELFError("--conditional and --distill are separate demonstrations; pass one")
+    if args.steps is not None and args.steps < 1:
+        raise ELFError(f"--steps must be >= 1, got {args.steps}")
     if args.conditional:
+        args.steps = args.steps or COND_STEPS
+        args.task, args.curve_num = args.task or "copy", 64 if args.curve_num is None else args.curve_num
         return run_conditional(args)
+    given = [flag for flag, v in (("--task", args.task), ("--curve-num", args.curve_num)) if v is not None]
+    if given:
+        raise ELFError(f"{given[0]} belongs to the conditional demonstration; add --conditional")
+    args.steps = args.steps or DEMO_STEPS
     if args.distill:
         return run_distill(args)
     out = Path(args.out)
