@@ -107,7 +107,7 @@ def test_pair_store_rows_equal_pair_layout(corpora, t5_tokens, tmp_path):
     assert store.kind == "pairs" and store.count == len(pairs)
     for (source_length, length), slot in itertools.product(((8, 16), (30, 40), (3, 64)), ("packed", "fixed")):
         lay = pair_layout(src, tgt, length, source_length, space.pad_id, slot)
-        got = _all(store.rows("pairs", length, source_length=source_length, source_slot=slot))
+        got = _all(store.rows("pairs", length, source_length=source_length, fixed_slot=slot == "fixed"))
         assert torch.equal(got["tokens"], lay["ids"]) and torch.equal(got["known"], lay["source_mask"])
         assert torch.equal(got["attention_mask"], lay["valid"]) and got["mask"].all()
 

@@ -43,7 +43,6 @@ import torch
 
 from elflow.utils import ELFError, cache_root
 from elflow.utils import sha256_file as _sha256_file
-from elflow.store import SOURCE_SLOTS
 
 __all__ = [
     "SHAKESPEARE_SHA256",
@@ -503,6 +502,9 @@ def encoder_mask(known: torch.Tensor, valid: torch.Tensor, drop: torch.Tensor | 
     if drop is not None:
         allowed = allowed & ~(drop.to(known.device, torch.bool)[:, None, None] & ~k_i & k_j)
     return allowed
+
+
+SOURCE_SLOTS = ("packed", "fixed")  # where a pair's target starts: right after its source, or at source_length
 
 
 def pair_layout(sources: list[list[int]], targets: list[list[int]], length: int, max_source_length: int,

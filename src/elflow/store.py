@@ -18,8 +18,8 @@ opens one (checking the manifest against the files' sizes) and `StoreRows` serve
 - packed: row r is the window ids[r L : (r + 1) L] of the flat array (the partial tail is dropped);
 - document: row r is document r, cut to L - 1 tokens + EOS or EOS-padded to L;
 - pairs: row r is source r (cut to `source_length`), then target r, cut or EOS-padded to L; `known` marks the
-  source. With the "fixed" source slot the target starts at `source_length` in every row, the source's slot
-  EOS-padded (`SOURCE_SLOTS`).
+  source. With `fixed_slot` the target starts at `source_length` in every row, the source's slot EOS-padded
+  (`data.pair_layout`'s "fixed" source slot).
 
 These are exactly the rows of `data.pack`, `data.layout_documents` and `data.pair_layout`, gathered for the
 requested rows only, so that memory does not grow with the store. A row subset (the training or validation
@@ -38,7 +38,7 @@ import torch
 from elflow.utils import ELFError, atomic_write_json
 
 __all__ = ["FORMAT", "STORE_FILES", "ids_dtype", "is_store", "StoreWriter", "TokenStore", "open_store", "StoreRows",
-           "SOURCE_SLOTS", "store_lock", "file_lock", "remove_store_files"]
+           "store_lock", "file_lock", "remove_store_files"]
 
 FORMAT = "elflow-token-store"
 VERSION = 1
@@ -47,7 +47,6 @@ PARTIAL = ".partial"
 LOCK = ".prepare.lock"
 STORE_FILES = (MANIFEST, IDS, OFFSETS, IDS + PARTIAL, OFFSETS + PARTIAL, LOCK)  # all that a store may own
 PARTS = {"text": 1, "pairs": 2}  # offsets per record
-SOURCE_SLOTS = ("packed", "fixed")  # where a pair's target starts (data.pair_layout)
 WRITE_BUFFER = 8 << 20
 
 
@@ -315,8 +314,8 @@ class TokenStore:
         return np.asarray(self.offsets[part + 1::p]) - np.asarray(self.offsets[part:-1:p])
 
     def rows(self, layout: str | None = None, length: int = 64, pad_in_loss: bool = True,
-             source_length: int | None = None, source_slot: str = "packed") -> "StoreRows":
-        return StoreRows(self, layout or self.layout, length, pad_in_loss, source_length, source_slot=source_slot)
+             source_length: int | None = None, fixed_slot: bool = False) -> "StoreRows":
+        return StoreRows(self, layout or self.layout, length, pad_in_loss, source_length, fixed_slot=fixed_slot)
 
 
 def open_store(folder) -> TokenStore:
@@ -338,7 +337,7 @@ class StoreRows:
 
     def __init__(self, store: TokenStore, layout: str, length: int, pad_in_loss: bool = True,
                  source_length: int | None = None, index: np.ndarray | None = None, info: dict | None = None,
-                 source_slot: str = "packed"):
+                 fixed_slot: bool = False):
         layouts = ("pairs",) if store.kind == "pairs" else ("packed", "document")
         if layout not in layouts:
             other = ("it holds (source, target) pairs: train on it with --source-length" if store.kind == "pairs"
@@ -350,9 +349,7 @@ class StoreRows:
             raise ELFError(f"the source length {source_length} must be between 1 and the sequence length "
                            f"{length} - 1, so that a target fits")
         self.store, self.layout, self._length = store, layout, int(length)
-        if source_slot not in SOURCE_SLOTS:
-            raise ELFError(f"unknown source slot {source_slot!r}; choose one of {', '.join(SOURCE_SLOTS)}")
-        self.pad_in_loss, self.source_length, self.source_slot = pad_in_loss, source_length, source_slot
+        self.pad_in_loss, self.source_length, self.fixed_slot = pad_in_loss, source_length, bool(fixed_slot)
         if layout == "packed":
             self.num_rows = store.num_tokens // self._length
             if self.num_rows == 0:
@@ -376,7 +373,7 @@ class StoreRows:
         if len(index) and int(index.max()) < 2**31:
             index = index.astype(np.int32)  # 4 bytes a row
         return StoreRows(self.store, self.layout, self._length, self.pad_in_loss, self.source_length, index,
-                         self.info, self.source_slot)
+                         self.info, self.fixed_slot)
 
     def batch(self, idx) -> dict:
         rows = _as_index(idx)
@@ -399,7 +396,7 @@ class StoreRows:
             s1 = np.asarray(s.offsets[2 * rows + 1])[:, None]
             end = np.asarray(s.offsets[2 * rows + 2])[:, None]
             given = np.minimum(s1 - s0, self.source_length)  # (B, 1): the source's ids in the row
-            src = np.full_like(given, self.source_length) if self.source_slot == "fixed" else given  # target start
+            src = np.full_like(given, self.source_length) if self.fixed_slot else given  # where the target starts
             known, valid = pos < src, pos < np.minimum(src + end - s1, L)
             where = np.where(known, s0 + pos, s1 + pos - src)
             real = valid & ((pos < given) | ~known)  # a fixed slot's tail past its source holds padding
