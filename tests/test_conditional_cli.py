@@ -289,12 +289,14 @@ def test_quickstart_conditional_trains_in_stages_and_draws_its_bleu_curve(tmp_pa
     """The conditional demonstration on the built-in corpus, a few steps: a BLEU point after each quarter of
     the run (the last one equal to the report's guidance-2 BLEU on the same lines, measured by another path),
     the copy task's copying baseline exact, the fixed source slot stored with the model, and bleu.png."""
+    from helpers import MISSING_DATA
+
     from elflow.data import read_documents
 
     try:
         read_documents("builtin")
     except ELFError as e:
-        pytest.skip(f"the built-in corpus is not available offline here ({e})")
+        pytest.skip(f"{MISSING_DATA}: the built-in corpus ({e})")
     out = tmp_path / "cond"
     assert main(["quickstart", "--conditional", "--steps", "4", "--batch", "2", "--num", "3", "--curve-num", "3",
                  "--sample-steps", "2", "--out", str(out)]) == 0
