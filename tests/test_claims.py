@@ -91,3 +91,17 @@ def test_a_tiny_report_end_to_end_is_cached_and_resumes(tmp_path, tiny_corpus_fi
     monkeypatch.setattr(elflow.evaluate, "sample_and_score", refuse)
     again = run_claims(claims, tmp_path / "out", **kw)
     assert again["claims"] == report["claims"]
+
+
+def test_every_variant_of_every_claim_is_a_valid_run(tmp_path):
+    """Each variant's training settings, built as the report builds them, pass the run checks (a learned table
+    with the table readout, say, is refused here, before any training); the from-scratch encoder's variant
+    is built with a stand-in folder."""
+    from elflow.claims import Harness
+
+    harness = Harness(tmp_path, {"data": "builtin"}, {"steps": 10}, 4, None, "cpu", True, lambda *_: None, None)
+    harness.encoder_folder = lambda: tmp_path / "encoder"
+    for claim in CLAIMS:
+        for variant in claim.variants:
+            cfg = harness.config(variant, 0)
+            assert cfg.steps == 10, (claim.name, variant.name)

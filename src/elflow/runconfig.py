@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, field, fields, replace
 
 from elflow.data import PAIR_TASKS, SOURCE_SLOTS
-from elflow.encoders import DRAWN_TABLE_KINDS, TABLE_STREAM
+from elflow.encoders import DRAWN_TABLE_KINDS, FIXED_TABLE_KINDS, TABLE_STREAM
 from elflow.flow import SAMPLERS, Recipe
 from elflow.generate import SAMPLING_DEFAULTS
 from elflow.methods import MATCHES, METHOD_NAMES, check_run
@@ -292,6 +292,12 @@ class TrainConfig(Record):
             for attr in ("adam_heads", "ns_method"):
                 if getattr(self, attr) != next(f for f in fields(self) if f.name == attr).default:
                     raise ELFError(f"{name(attr)} sets up Muon; it does not apply to --optimizer adamw")
+        readout = (self.short_run or {}).get("table_readout")
+        if isinstance(readout, (int, float)) and readout > 0 and self.space is not None and \
+                self.space.partition(":")[0] not in FIXED_TABLE_KINDS:
+            raise ELFError(f"{name('table_readout')} {readout:g}: the table readout needs a space with one vector per "
+                           f"token ({' or '.join(FIXED_TABLE_KINDS)}), and {name('space')} {self.space} has none: "
+                           f"pass {name('table_readout')} 0, or choose such a space")
         if self.source_slot != "packed" and not self.source_length:
             raise ELFError(f"{name('source_slot')} {self.source_slot} lays out (source, target) pairs; it needs "
                            f"{name('source_length')}")
