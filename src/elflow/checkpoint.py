@@ -334,12 +334,9 @@ def bring_back_replaced(run_dir: Path, command: str = "elflow") -> None:
     the folder's lock; refused while the replacing command still runs)."""
     if not (run_dir / REPLACED).is_dir() or list_checkpoints(run_dir):
         return
-    lock = FolderLock(run_dir, f"{command} (restoring the run set aside)").acquire()
-    try:
+    with FolderLock(run_dir, f"{command} (restoring the run set aside)"):
         if recover_replaced(run_dir, lambda d: bool(list_checkpoints(d))) == "restored":
             _warn(f"restored the run in {run_dir} that an interrupted --overwrite was replacing")
-    finally:
-        lock.release()
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:

@@ -277,11 +277,8 @@ def _train_and_report(args, cfg, out: Path, command: str, what: str, make_report
     elif not (out / "run.json").exists():
         raise ELFError(f"{out} holds no run; run `{command}` without --report-only first")
     t1 = time.perf_counter()
-    lock = FolderLock(out, f"{command} (report)").acquire()
-    try:
+    with FolderLock(out, f"{command} (report)"):
         make_report()
-    finally:
-        lock.release()
     return t1 - t0, time.perf_counter() - t1
 
 
@@ -326,24 +323,18 @@ def run_conditional(args) -> int:
                 fresh = False
             curve = read_json(curve_file, kind=list) if curve_file.exists() and done > 0 else []
             if not any(c["step"] == end for c in curve):
-                lock = FolderLock(out, f"{command} (BLEU curve)").acquire()
-                try:
+                with FolderLock(out, f"{command} (BLEU curve)"):
                     point = curve_point(out, curve_held, args.sample_steps, args.seed)
                     curve = [c for c in curve if c["step"] < point["step"]] + [point]
                     atomic_write_json(curve_file, curve)
-                finally:
-                    lock.release()
                 print(f"step {end}: held-out BLEU {curve[-1]['bleu']:.2f} (guidance 2, {len(curve_held)} lines)",
                       file=sys.stderr)
     elif not (out / "run.json").exists():
         raise ELFError(f"{out} holds no run; run `{command}` without --report-only first")
     t1 = time.perf_counter()
     curve = read_json(curve_file, kind=list) if curve_file.exists() else []
-    lock = FolderLock(out, f"{command} (report)").acquire()
-    try:
+    with FolderLock(out, f"{command} (report)"):
         conditional_report(out, held, max(args.num, 1), args.sample_steps, args.seed, task=args.task, curve=curve)
-    finally:
-        lock.release()
     print(f"\n{total_time('training', t1 - t0, time.perf_counter() - t1)}; figures: {out / 'report.json'}"
           + (f", {out / 'bleu.png'}" if curve else ""))
     return 0

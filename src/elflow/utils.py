@@ -745,6 +745,12 @@ class FolderLock:
                     pass
             self.held = False
 
+    def __enter__(self) -> "FolderLock":
+        return self.acquire()
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.release()
+
 
 class FolderHold:
     """A command's hold on the folder it writes: the folder is made (with the parents it lacks) and locked
