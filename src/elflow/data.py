@@ -57,7 +57,7 @@ __all__ = [
     "TokenDataset",
     "pack",
     "layout_documents",
-    "pair_layout", "SOURCE_SLOTS",
+    "pair_layout", "SOURCE_SLOTS", "check_source_slot",
     "encoder_mask",
     "shuffled_line_pairs",
     "split_rows",
@@ -507,6 +507,11 @@ def encoder_mask(known: torch.Tensor, valid: torch.Tensor, drop: torch.Tensor | 
 SOURCE_SLOTS = ("packed", "fixed")  # where a pair's target starts: right after its source, or at source_length
 
 
+def check_source_slot(source_slot: str) -> None:
+    if source_slot not in SOURCE_SLOTS:
+        raise ELFError(f"unknown source slot {source_slot!r}; choose one of {', '.join(SOURCE_SLOTS)}")
+
+
 def pair_layout(sources: list[list[int]], targets: list[list[int]], length: int, max_source_length: int,
                 pad_id: int, source_slot: str = "packed") -> dict:
     """Rows of source + target ids, the target starting right after its (variable-length) source.
@@ -525,8 +530,7 @@ def pair_layout(sources: list[list[int]], targets: list[list[int]], length: int,
     if not 0 < max_source_length < length:
         raise ELFError(f"the source length {max_source_length} must be between 1 and the sequence length "
                        f"{length} - 1, so that a target fits")
-    if source_slot not in SOURCE_SLOTS:
-        raise ELFError(f"unknown source slot {source_slot!r}; choose one of {', '.join(SOURCE_SLOTS)}")
+    check_source_slot(source_slot)
     n = len(sources)
     ids = torch.full((n, length), int(pad_id), dtype=torch.long)
     src_len = torch.empty(n, dtype=torch.long)

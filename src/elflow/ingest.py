@@ -40,7 +40,7 @@ import numpy as np
 from elflow.data import (BUILTIN_NAMES, CLEAN_VERSION, SHAKESPEARE_SHA256, _bad, _is_t5_small, _warn, builtin_corpus,
                          check_on_bad, decode_text, field_text, is_saved_dataset, jsonl_object, local_files,
                          pretokenized_rows,
-                         SOURCE_SLOTS, read_documents, read_pairs, split_rows)
+                         check_source_slot, read_documents, read_pairs, split_rows)
 from elflow.store import (LOCK, PARTIAL, STORE_FILES, StoreRows, StoreWriter, TokenStore, file_lock, is_store,
                           remove_store_files, store_lock)
 from elflow.utils import ELFError, cache_root, distributed, no_space_error, sha256_file
@@ -745,8 +745,7 @@ def build_pairs(source, space, source_length: int = 64, length: int = 128, val_f
     if store.kind != "pairs":
         raise ELFError(f"{source} holds text, not (source, target) pairs: prepare pairs with --source-length, or "
                        "train on it without --source-length")
-    if source_slot not in SOURCE_SLOTS:
-        raise ELFError(f"unknown source slot {source_slot!r}; choose one of {', '.join(SOURCE_SLOTS)}")
+    check_source_slot(source_slot)
     rows = StoreRows(store, "pairs", length, source_length=source_length, fixed_slot=source_slot == "fixed",
                      info={**_info(store, state, source, "pairs", length), "source_length": source_length,
                            "source_slot": source_slot})
