@@ -371,7 +371,7 @@ def paired_config(seed: int):
     source drop 0.1, decode corruption 1.0, the quickstart's optimiser settings, 200 steps."""
     from elflow.train import TrainConfig
 
-    cfg = TrainConfig.named("quickstart", data=str(pairs_file("shuffle")), space="minilm", short_run={},
+    cfg = TrainConfig.named("quickstart", data=str(pairs_file("shuffle")), space="minilm", short_run=RELEASED_MODEL,
                             source_length=SOURCE_LENGTH, length=LENGTH, steps=PAIRED_STEPS, seed=seed,
                             sample_every=0, keep=1)
     return cfg.resolved()

@@ -267,6 +267,23 @@ def test_quickstart_settings_are_one_named_preset(capsys):
     assert demo_config(args).short_run["skip"] == "gaussian"
 
 
+def test_one_short_run_flag_over_the_quickstart_keeps_its_other_options(capsys):
+    """A nested flag sets one key of the preset's dict: `--skip none` over `--defaults quickstart` changes the
+    skip alone (the time scale, head modulation and table readout stay the quickstart's); without --defaults
+    the other options are the plain defaults (off)."""
+    from elflow.runconfig import RUN_PRESETS
+
+    preset = RUN_PRESETS["quickstart"][0]["short_run"]
+    code, out, err = cli(capsys, ["train", "--defaults", "quickstart", "--skip", "none", "--time-scale", "10",
+                                  "--print-config"])
+    assert code == 0, err
+    assert json.loads(out)["short_run"] == {**preset, "skip": "none", "time_scale": 10.0}
+    assert preset["time_scale"] == 1000.0 and preset["skip"] != "none"  # the preset itself is not changed
+    code, out, err = cli(capsys, ["train", "--preset", "tiny", "--skip", "gaussian", "--print-config"])
+    assert code == 0, err
+    assert json.loads(out)["short_run"] == {"skip": "gaussian"}
+
+
 def test_a_config_with_options_and_round_records_among_other_settings_reads_as_the_same_run():
     """Short-run options stored among the network settings and a distillation round's record among the
     recipe's constants are read into their own settings; the recipe refuses keys it does not know."""

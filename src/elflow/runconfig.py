@@ -216,13 +216,17 @@ class TrainConfig(Record):
 
     @classmethod
     def named(cls, name: str | None, **overrides) -> "TrainConfig":
-        """A named preset of settings (RUN_PRESETS) with `overrides` on top; None: the plain defaults."""
+        """A named preset of settings (RUN_PRESETS) with `overrides` on top; None: the plain defaults. A dict
+        setting is overridden key by key (`--skip gated` over the quickstart keeps its other short-run
+        options)."""
         if name is None:
             return cls(**overrides)
         if name not in RUN_PRESETS:
             raise ELFError(f"unknown settings preset {name!r}; choose one of {', '.join(RUN_PRESETS)}")
         base, derived = RUN_PRESETS[name]
-        values = {k: dict(v) if isinstance(v, dict) else v for k, v in {**base, **overrides}.items()}
+        values = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
+        for k, v in overrides.items():
+            values[k] = {**values[k], **v} if isinstance(v, dict) and isinstance(values.get(k), dict) else v
         for key, fn in derived.items():
             if key not in overrides:
                 values[key] = fn(values)
