@@ -288,10 +288,12 @@ def test_a_conditional_teacher_distils_into_conditional_students(cond_run, tmp_p
 def test_quickstart_conditional_trains_in_stages_and_draws_its_bleu_curve(tmp_path):
     """The conditional demonstration on the built-in corpus, a few steps: a BLEU point after each quarter of
     the run (the last one equal to the report's guidance-2 BLEU on the same lines, measured by another path),
-    the copy task's copying baseline exact, the fixed source slot stored with the model, and bleu.png."""
+    the copy task's copying baseline exact, the fixed source slot and the released network (no short-run
+    option) stored with the model, and bleu.png."""
     from helpers import MISSING_DATA
 
     from elflow.data import read_documents
+    from elflow.shortrun import ShortRunOptions
 
     try:
         read_documents("builtin")
@@ -305,7 +307,8 @@ def test_quickstart_conditional_trains_in_stages_and_draws_its_bleu_curve(tmp_pa
     rows = {r["model"]: r["bleu"] for r in report["rows"]}
     assert rows["copy the source"] == pytest.approx(100.0)
     assert report["curve"][-1]["bleu"] == pytest.approx(rows["guidance 2"])
-    assert json.loads((out / "run.json").read_text())["train"]["source_slot"] == "fixed"
+    stored = json.loads((out / "run.json").read_text())["train"]
+    assert stored["source_slot"] == "fixed" and not ShortRunOptions.from_dict(stored["short_run"]).active
     assert (out / "bleu.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # run again with --resume: the run is finished, so nothing is trained or measured again
     curve = (out / "curve.json").read_text()

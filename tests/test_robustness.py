@@ -245,7 +245,7 @@ def test_quickstart_settings_are_one_named_preset(capsys):
     expected = dict(preset="demo", data="builtin", space="random-table:minilm", length=64, batch=32, steps=250,
                     lr=3e-3, warmup=50, ema_decay=0.95, adam_heads=True, dtype="auto", seed=0, log_every=10,
                     ckpt_every=62, keep=2, sample_every=62, sample_steps=64, sample_sampler="vc", sample_omega=3.0,
-                    short_run={"skip": "gaussian", "time_scale": 1000.0, "head_modulation": True, "table_readout": 1.0},
+                    short_run={"skip": "gated", "time_scale": 1000.0, "head_modulation": True, "table_readout": 1.0},
                     recipe={})
     assert {k: getattr(cfg, k) for k in expected} == expected
     # the same settings from `elflow train --defaults quickstart`
@@ -264,7 +264,7 @@ def test_quickstart_settings_are_one_named_preset(capsys):
     assert {k: v for k, v in mine.to_dict().items() if k not in ("short_run", "space")} == \
         {k: v for k, v in cfg.to_dict().items() if k not in ("short_run", "space")}
     mine.short_run["skip"] = "none"
-    assert demo_config(args).short_run["skip"] == "gaussian"
+    assert demo_config(args).short_run["skip"] == "gated"
 
 
 def test_one_short_run_flag_over_the_quickstart_keeps_its_other_options(capsys):

@@ -165,13 +165,17 @@ def task_pairs(task: str, docs: list[str], seed: int = 0):
 
 
 def conditional_config(args, pairs_file: Path):
-    """The conditional demonstration's settings: the quickstart's, trained on pairs."""
+    """The conditional demonstration's settings: the quickstart's, trained on pairs in the fixed source slot,
+    with the released network (no short-run option: on the copy task each of them slows learning,
+    benchmarks/RESULTS.md, section 10, and without the Gaussian skip no guess passes z's noise on)."""
+    from elflow.shortrun import ShortRunOptions
     from elflow.train import TrainConfig
 
     given = dict(data=str(pairs_file), source_length=COND_SOURCE, length=COND_LENGTH, batch=args.batch,
                  steps=args.steps, seed=args.seed, sample_every=0, source_slot="fixed",
                  ckpt_every=max(args.steps // COND_STAGES, 1))
-    return TrainConfig.named("quickstart", **given, **preset_overrides(args))
+    return TrainConfig.named("quickstart", **given, **{**preset_overrides(args),
+                                                      "short_run": ShortRunOptions().to_dict()})
 
 
 @torch.no_grad()

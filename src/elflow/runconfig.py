@@ -216,17 +216,13 @@ class TrainConfig(Record):
 
     @classmethod
     def named(cls, name: str | None, **overrides) -> "TrainConfig":
-        """A named preset of settings (RUN_PRESETS) with `overrides` on top; None: the plain defaults. A dict
-        setting is overridden key by key (`--skip gated` over the quickstart keeps its other short-run
-        options)."""
+        """A named preset of settings (RUN_PRESETS) with `overrides` on top; None: the plain defaults."""
         if name is None:
             return cls(**overrides)
         if name not in RUN_PRESETS:
             raise ELFError(f"unknown settings preset {name!r}; choose one of {', '.join(RUN_PRESETS)}")
         base, derived = RUN_PRESETS[name]
-        values = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
-        for k, v in overrides.items():
-            values[k] = {**values[k], **v} if isinstance(v, dict) and isinstance(values.get(k), dict) else v
+        values = {k: dict(v) if isinstance(v, dict) else v for k, v in {**base, **overrides}.items()}
         for key, fn in derived.items():
             if key not in overrides:
                 values[key] = fn(values)
@@ -322,7 +318,7 @@ RUN_PRESETS: dict[str, tuple[dict, dict]] = {
         dict(preset="demo", data="builtin", space="random-table:minilm", length=64, batch=32, steps=250, lr=3e-3,
              warmup=50, ema_decay=0.95, adam_heads=True, dtype="auto", log_every=10, keep=2, sample_sampler="vc",
              sample_steps=64,
-             short_run={"skip": "gaussian", "time_scale": 1000.0, "head_modulation": True, "table_readout": 1.0}),
+             short_run={"skip": "gated", "time_scale": 1000.0, "head_modulation": True, "table_readout": 1.0}),
         dict(ckpt_every=lambda v: max(v["steps"] // 4, 1), sample_every=lambda v: max(v["steps"] // 4, 1)),
     ),
     # the paper's conditional tasks: ELF-B in T5-small's space, decode corruption 1.0, warm-up 5,000
@@ -445,10 +441,12 @@ def add_setting_arguments(p) -> None:
                                       "trains); other flags override it", "none"))
 
 
-def given_settings(args) -> dict:
-    """The TrainConfig values given on the command line (nested flags merged into their dicts)."""
+def given_settings(args, base: dict | None = None) -> dict:
+    """The TrainConfig values given on the command line, a nested flag setting one key of its dict: of the
+    dict given whole on the command line, else of `base`'s (the --defaults preset's values: `--skip gated`
+    over the quickstart keeps its other short-run options), else of an empty one."""
     given = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)}
     for key, sub in NESTED_FLAGS:
         if hasattr(args, f"{key}.{sub}"):
-            given.setdefault(key, {})[sub] = getattr(args, f"{key}.{sub}")
+            given.setdefault(key, dict((base or {}).get(key) or {}))[sub] = getattr(args, f"{key}.{sub}")
     return given

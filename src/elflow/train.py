@@ -790,7 +790,8 @@ def add_arguments(p) -> None:
 def config_from_args(args) -> TrainConfig:
     """The run's settings: the stored ones on --resume (with the changes the command line may make), else the
     command line over the defaults (or over --defaults NAME); resolved and checked."""
-    given = given_settings(args)
+    defaults = getattr(args, "defaults", None)
+    given = given_settings(args, RUN_PRESETS[defaults][0] if defaults in RUN_PRESETS else None)
     if getattr(args, "resume", False):
         if hasattr(args, "defaults"):
             raise ELFError("--defaults does not go with --resume: a resumed run keeps its stored settings")
@@ -806,7 +807,7 @@ def config_from_args(args) -> TrainConfig:
                            f"the command line changes {'; '.join(diff)}. Drop those flags, or start a new run in "
                            "another --out")
     else:
-        cfg = TrainConfig.named(getattr(args, "defaults", None), **given).resolved()
+        cfg = TrainConfig.named(defaults, **given).resolved()
     cfg.validate()
     return cfg.resolved(run_device(getattr(args, "device", None)))
 
