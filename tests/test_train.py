@@ -471,3 +471,36 @@ def test_the_loss_plot_labels_its_axes_names_its_lines_and_draws_the_gaussian_ba
     plt.close(fig)
     plot_losses(tmp_path)
     assert (tmp_path / "loss.png").stat().st_size > 10_000
+
+
+def test_a_confident_readout_gradient_holds_denormals_that_training_flushes(tmp_path, tiny_t5_dir, tiny_corpus_file,
+                                                                            monkeypatch):
+    """The log-softmax gradient of a token at probability e^-95 (5.5e-42, below fp32's normal range) is a
+    denormal; inside training it reads as zero, and the process's setting comes back afterwards."""
+    import torch.nn.functional as F
+
+    import elflow.train as T
+    from elflow.utils import flushed_denormals
+
+    def gradient_of_the_improbable_token():
+        logits = torch.tensor([[0.0, -95.0]], requires_grad=True)
+        (-F.log_softmax(logits, dim=-1)[0, 0]).backward()
+        return logits.grad[0, 1].item()
+
+    kept = gradient_of_the_improbable_token()
+    exact = torch.exp(torch.tensor(-95.0, dtype=torch.float64)).item()
+    assert 0 < kept < torch.finfo(torch.float32).tiny and kept == pytest.approx(exact, rel=1e-3)
+    with flushed_denormals():
+        assert gradient_of_the_improbable_token() == 0.0
+    assert gradient_of_the_improbable_token() == kept
+    seen = []
+    real_loop = T.train_loop
+
+    def probing_loop(*args, **kwargs):
+        seen.append(gradient_of_the_improbable_token())
+        return real_loop(*args, **kwargs)
+
+    monkeypatch.setattr(T, "train_loop", probing_loop)
+    T.train(cfg_for(tiny_t5_dir, tiny_corpus_file), tmp_path / "run", cache_dir=tmp_path / "c", quiet=True,
+            stop_after=1)
+    assert seen == [0.0] and gradient_of_the_improbable_token() == kept
