@@ -24,7 +24,7 @@ __all__ = ["add_arguments", "run", "report"]
 
 # the quickstart's length and final sampler (its other settings are the "quickstart" preset of TrainConfig)
 DEMO_STEPS = 250
-COND_STEPS = 500  # the conditional demonstration's: held-out BLEU of the copy task levels off by then (RESULTS.md, section 10)
+COND_STEPS = 500  # the conditional demonstration's: where the copy task's held-out BLEU levels off (RESULTS.md, 10)
 DEMO_SAMPLER = "vc"
 DEMO_SAMPLE_STEPS = 64
 
