@@ -19,22 +19,16 @@ from pathlib import Path
 
 CHILD = r"""
 import argparse, contextlib, json, sys, time
-from pathlib import Path
 import elflow.train as T
-from elflow.quickstart import conditional_config, task_pairs
-from elflow.data import read_documents
-from elflow.utils import atomic_write_text, cache_root
+from elflow.quickstart import COND_STEPS, add_arguments, conditional_config, task_pairs_file
 
 keep, warm, timed, out = sys.argv[1] == "keep", int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 if keep:
     T.flushed_denormals = contextlib.nullcontext
-pairs = cache_root(None) / "pairs" / "shakespeare-copy-0.jsonl"
-if not pairs.exists():
-    train_pairs, _ = task_pairs("copy", list(read_documents("builtin")), 0)
-    atomic_write_text(pairs, "".join(json.dumps({"input": s, "output": t}) + "\n" for s, t in train_pairs))
-args = argparse.Namespace(batch=32, steps=1000, seed=0, lr=3e-3, length=64, space="random-table:minilm",
-                          out="runs/demo")
-cfg = conditional_config(args, pairs).resolved()
+parser = argparse.ArgumentParser()
+add_arguments(parser)
+args = parser.parse_args(["--conditional", "--steps", str(COND_STEPS)])  # the demonstration's own settings
+cfg = conditional_config(args, task_pairs_file("copy", args.seed, args.cache_dir)[2]).resolved()
 T.train(cfg, out, overwrite=True, stop_after=warm, quiet=True)
 t0 = time.perf_counter()
 T.train(cfg, out, resume=True, stop_after=timed, quiet=True)

@@ -164,6 +164,19 @@ def task_pairs(task: str, docs: list[str], seed: int = 0):
     return train, held
 
 
+def task_pairs_file(task: str, seed: int = 0, cache_dir=None):
+    """(train pairs, held-out pairs, the .jsonl file of the train pairs in the cache, written once) of a
+    conditional demonstration task on the built-in corpus."""
+    from elflow.data import read_documents
+    from elflow.utils import cache_root
+
+    train, held = task_pairs(task, list(read_documents("builtin", cache_dir=cache_dir)), seed)
+    path = cache_root(cache_dir) / "pairs" / f"shakespeare-{task}-{seed}.jsonl"
+    if not path.exists():
+        atomic_write_text(path, "".join(json.dumps({"input": s, "output": t}) + "\n" for s, t in train))
+    return train, held, path
+
+
 def conditional_config(args, pairs_file: Path):
     """The conditional demonstration's settings: the quickstart's, trained on pairs in the fixed source slot,
     with the released network (no short-run option: on the copy task each of them slows learning,
@@ -296,18 +309,13 @@ def run_conditional(args) -> int:
     """Train the demonstration in COND_STAGES stages, a point of the BLEU curve after each (kept in
     curve.json, so that --resume measures only what is new), then the report."""
     from elflow.checkpoint import latest_checkpoint
-    from elflow.data import read_documents
     from elflow.train import train
-    from elflow.utils import cache_root, read_json
+    from elflow.utils import read_json
 
     if args.curve_num < 1:
         raise ELFError(f"--curve-num must be >= 1, got {args.curve_num}")
     out = Path(args.out if args.out != "runs/demo" else "runs/demo-cond")
-    train_pairs, held = task_pairs(args.task, list(read_documents("builtin", cache_dir=args.cache_dir)), args.seed)
-    pairs_file = cache_root(args.cache_dir) / "pairs" / f"shakespeare-{args.task}-{args.seed}.jsonl"
-    if not pairs_file.exists():
-        atomic_write_text(pairs_file, "".join(json.dumps({"input": s, "output": t}) + "\n"
-                                              for s, t in train_pairs))
+    train_pairs, held, pairs_file = task_pairs_file(args.task, args.seed, args.cache_dir)
     cfg = conditional_config(args, pairs_file).resolved()
     cfg.validate()
     command = "elflow quickstart --conditional"

@@ -416,7 +416,7 @@ def flushed_denormals():
     the previous setting comes back at the end (GPUs are not affected). Denormals run through a
     CPU's slow microcoded path: a readout's log-softmax gradient over a 30,522-token vocabulary holds about
     680,000 of them per step once the readout is confident (probabilities below e^-87), and the matmuls that
-    read it slowed a demo training step from 1.15 to 2.0 s on an Intel Xeon (benchmarks/RESULTS.md). No
+    read it slowed a demo training step from 0.97 to 1.80 s on an Intel Xeon (benchmarks/RESULTS.md). No
     value that training keeps is that small, so flushing them changes nothing that is measured."""
     import torch
 
