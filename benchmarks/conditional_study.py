@@ -95,7 +95,8 @@ def cpu_model() -> str:
 
 def task_pairs(task: str, seed: int = 0):
     """(train, held) (source, target) text pairs of a task made from the built-in corpus."""
-    from elflow.data import read_documents, shuffled_line_pairs
+    from elflow.data.corpus import read_documents
+    from elflow.data.tasks import shuffled_line_pairs
 
     train, held = shuffled_line_pairs(list(read_documents("builtin")), seed=seed)
     if task == "copy":
@@ -106,7 +107,7 @@ def task_pairs(task: str, seed: int = 0):
 
 
 def pairs_file(task: str) -> Path:
-    from elflow.utils import atomic_write_text
+    from elflow.util.files import atomic_write_text
 
     path = ROOT / "runs" / "data" / f"{task}.jsonl"  # runs/ is git-ignored
     if not path.exists():
@@ -116,8 +117,8 @@ def pairs_file(task: str) -> Path:
 
 
 def train_config(name: str, steps: int | None = None):
-    from elflow.quickstart import preset_overrides
-    from elflow.train import TrainConfig
+    from elflow.experiments.quickstart import preset_overrides
+    from elflow.config import TrainConfig
 
     c = CONFIGS[name]
     train = dict(c.get("train", {}))
@@ -153,7 +154,7 @@ def train(name: str, steps: int | None = None) -> Path:
 def reference_batch(space, held, device="cpu", slot="packed"):
     """The held-out pairs laid out and encoded exactly as training encodes them: ids (N, L), known (N, L),
     target positions (N, L) (reference target tokens, EOS padding excluded) and clean x (N, L, C)."""
-    from elflow.data import encoder_mask, pair_layout
+    from elflow.data.layout import encoder_mask, pair_layout
 
     src = space.tokenize([s for s, _ in held], eos=False)
     tgt = space.tokenize([t for _, t in held], eos=False)
@@ -166,7 +167,7 @@ def reference_batch(space, held, device="cpu", slot="packed"):
 
 def options(net):
     """The network's short-run options (all off for the paper's network)."""
-    from elflow.shortrun import ShortRunOptions
+    from elflow.model import ShortRunOptions
 
     return getattr(net, "options", ShortRunOptions())
 
@@ -193,10 +194,10 @@ def sample_variant(loaded, space, held, steps=64, sampler="ode", guidance=2.0, o
                    seed=0, readout=True, batch=32, final=None) -> dict:
     """Generate for the held-out sources as `generate.generate` does (same seeds and draws), keeping z0 and
     the final state, and score the target tokens."""
-    from elflow.evaluate import bleu
+    from elflow.eval.metrics import bleu
     from elflow.flow import Recipe, generate_tokens
     from elflow.generate import conditioning, extract_targets
-    from elflow.schedules import time_grid
+    from elflow.flow import time_grid
 
     net = loaded.net
     table = net.readout_table if options(net).table_readout else None
@@ -272,7 +273,7 @@ def oracles(loaded, space, held, ts=(0.3, 0.5, 0.7, 0.9, 0.95), seed=0) -> dict:
                "mse_guess": ((cond - x).pow(2).mean(-1) * target).sum().item() / target.sum().item(),
                "mse_baseline": None}
         if options(net).skip != "none":
-            from elflow.shortrun import gaussian_posterior
+            from elflow.model import gaussian_posterior
 
             base = gaussian_posterior(z, tt, net.skip_mean, net.skip_var, net.skip_noise)[0]
             row["mse_baseline"] = ((base - x).pow(2).mean(-1) * target).sum().item() / target.sum().item()
@@ -328,7 +329,7 @@ VARIANTS = {
 
 
 def measure(name: str, variants, num: int) -> dict:
-    from elflow.checkpoint import load_for_sampling
+    from elflow.runs.load import load_for_sampling
 
     path = ROOT / f"{name}.json"
     res = json.loads(path.read_text()) if path.exists() else {"name": name, "variants": {}}
@@ -369,7 +370,7 @@ def paired_config(seed: int):
     """The paired setting: the demo network without the short-run options (the paper's network) in MiniLM's
     space, on shuffled lines (source = the words shuffled, target = the line), L 48, source 24, batch 32,
     source drop 0.1, decode corruption 1.0, the quickstart's optimiser settings, 200 steps."""
-    from elflow.train import TrainConfig
+    from elflow.config import TrainConfig
 
     cfg = TrainConfig.named("quickstart", data=str(pairs_file("shuffle")), space="minilm", short_run=RELEASED_MODEL,
                             source_length=SOURCE_LENGTH, length=LENGTH, steps=PAIRED_STEPS, seed=seed,
@@ -398,7 +399,7 @@ def held_out_figures(net, space, val, recipe, rows: int = 256, seed: int = 0) ->
     """Held-out v-space MSE on the target positions at fixed times, with the source and with it dropped (the
     same draws for every network; the clean source in the self-conditioning slot, as in training), and the
     readout's accuracy on the targets corrupted as decode rows are."""
-    from elflow.data import encoder_mask
+    from elflow.data.layout import encoder_mask
     from elflow.flow import decode_levels
 
     b = val.batch(torch.arange(min(rows, len(val))))
@@ -430,9 +431,9 @@ def held_out_figures(net, space, val, recipe, rows: int = 256, seed: int = 0) ->
 def seeds(seed_list) -> dict:
     """Train the paired setting with each seed on the batches of seed 0, and measure each run's EMA weights
     on the same held-out rows."""
-    from elflow.checkpoint import load_for_sampling
+    from elflow.runs.load import load_for_sampling
     from elflow.flow import Recipe
-    from elflow.ingest import build_pairs
+    from elflow.data.datasets import build_pairs
 
     res = {}
     for seed in seed_list:

@@ -64,7 +64,7 @@ def word_table():
 
     import numpy as np
 
-    from elflow.data import read_documents
+    from elflow.data.corpus import read_documents
 
     counts = collections.Counter(w for d in read_documents("builtin") for w in d.split())
     words, freq = zip(*counts.most_common(20000))

@@ -30,13 +30,14 @@ from pathlib import Path
 
 import torch
 
-from elflow.bench import NoSpace, bench, matmul_peak, pass_flops
+from elflow.experiments.bench import NoSpace, bench, matmul_peak, pass_flops
 from elflow.flow import Recipe, draw_training_noise, generate_tokens, row_index
-from elflow.methods import TrainedPass, get_method
+from elflow.methods.base import TrainedPass
+from elflow.methods import get_method
 from elflow.model import ELF, get_config
 from elflow.optim import EMA, ELFOptimizer
 from elflow.train import shard_generators, train_step
-from elflow.utils import use_tf32
+from elflow.util.devices import use_tf32
 
 BUDGET_S = 450  # eight minutes, less head room for start-up and the JSON
 NOMINAL_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12}  # dense bf16 tensor-core FLOP/s, datasheets
@@ -82,7 +83,7 @@ def exactness(device) -> dict:
 def host_syncs(device, preset: str, length: int, batch: int, compile_: bool) -> dict:
     """Synchronising CUDA calls in one training step (not a logging step: the loop reads nothing then), as
     torch.cuda.set_sync_debug_mode reports them, after two warm-up steps."""
-    from elflow.bench import StandInSpace
+    from elflow.experiments.bench import StandInSpace
 
     torch.manual_seed(0)
     cfg = get_config(preset, max_length=length)

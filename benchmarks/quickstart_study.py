@@ -196,7 +196,7 @@ STUDY_BASE = dict(space="minilm", lr=1e-3, ema_decay=0.98, model={}, short_run={
 
 def train_config(spec: dict, steps: int, seed: int = 0):
     """The study's base TrainConfig with the configuration's overrides; checkpoints at the end only."""
-    from elflow.quickstart import demo_config
+    from elflow.experiments.quickstart import demo_config
 
     over = dict(spec.get("train", {}))
     n = spec.get("steps") or max(1, round(steps * spec.get("steps_scale", 1.0)))
@@ -296,7 +296,7 @@ def binned_loss(net, space, dataset, recipe, moments, rows: int = 128, batch: in
     """Held-out denoising loss per time bin, network vs the Gaussian posterior mean, t uniform in each bin.
     The same rows, times and noise for every network of a given length and width of space."""
     from elflow.flow import TIME_BINS, time_bin_labels
-    from elflow.shortrun import gaussian_posterior
+    from elflow.model import gaussian_posterior
 
     mu, var = moments
     n = min(rows, len(dataset))
@@ -341,10 +341,10 @@ def draw_samples(net, space, recipe, num: int, length: int, steps: int = 32, sam
 
 
 def measure(name: str, spec: dict, cfg, run_dir: Path, train_rec: dict, rows: int, num: int, cache_dir=None) -> dict:
-    from elflow.checkpoint import load_for_sampling
-    from elflow.ingest import build_dataset
-    from elflow.diagnostics import validation_report, word_stats
-    from elflow.encoders import latent_moments
+    from elflow.runs.load import load_for_sampling
+    from elflow.data.datasets import build_dataset
+    from elflow.eval.diagnostics import validation_report, word_stats
+    from elflow.space import latent_moments
     from elflow.flow import Recipe
 
     t0 = time.perf_counter()
@@ -382,10 +382,10 @@ def rank_floors(spaces=("minilm", "random-table:minilm"), length: int = 64, rows
     one Linear(hidden -> dim), so x_pred lies in an affine subspace of rank <= hidden: its squared error per
     dimension is at least the held-out variance of x outside x's top-`hidden` principal components, and the
     v-space loss multiplies that by 1 / max(1 - t, t_eps)^2, whose mean over t uniform in [0.5, 1) is 76."""
-    from elflow.ingest import build_dataset
-    from elflow.encoders import build_space
+    from elflow.data.datasets import build_dataset
+    from elflow.space import build_space
     from elflow.flow import Recipe
-    from elflow.encoders import space_spec
+    from elflow.space import space_spec
 
     t_eps = Recipe().t_eps
     weight = ((1 / t_eps - 1 / 0.5) + t_eps / t_eps ** 2) / 0.5  # mean of max(1 - t, t_eps)^-2, t ~ U[0.5, 1)
@@ -412,8 +412,8 @@ def trained_run(name: str, cfg, work: Path) -> Path:
 
 def measured_run(name: str, work: Path, cache_dir=None) -> SimpleNamespace:
     """A measured configuration's trained network (EMA, CPU) with its space, recipe and data splits."""
-    from elflow.checkpoint import load_for_sampling
-    from elflow.ingest import build_dataset
+    from elflow.runs.load import load_for_sampling
+    from elflow.data.datasets import build_dataset
     from elflow.flow import Recipe
 
     cfg = train_config(CONFIGS[name], 100)
@@ -427,7 +427,7 @@ def measured_run(name: str, work: Path, cache_dir=None) -> SimpleNamespace:
 
 def training_vocabulary(space, train_set) -> set:
     """The words of (up to 4,000 rows of) the training split, as the samples' corpus-word share counts them."""
-    from elflow.diagnostics import corpus_vocabulary
+    from elflow.eval.diagnostics import corpus_vocabulary
 
     return corpus_vocabulary(space.decode(train_set.tokens[: min(len(train_set), 4000)]))
 
@@ -436,7 +436,7 @@ def sampler_sweep(name: str, specs: list[str], seeds=(0, 1), num: int = 32, work
                   cache_dir=None) -> dict:
     """Word statistics of one trained configuration's samples under other sampler settings
     ("SAMPLER:STEPS[:OMEGA]"), each with several seeds: no training."""
-    from elflow.diagnostics import word_stats
+    from elflow.eval.diagnostics import word_stats
 
     run = measured_run(name, work, cache_dir)
     cfg, net, space, recipe, val_set = run.cfg, run.net, run.space, run.recipe, run.val_set
@@ -462,9 +462,9 @@ def readout_sweep(name: str, weights: list[float], seeds=(0, 1), num: int = 32, 
     """One trained configuration read out with other table-readout weights: decode accuracy on the held-out
     rows (diagnostics.validation_report) and the word statistics of samples (vc, `steps` steps, omega 3, each
     seed). The readout weight does not change training, so the trained weights serve every weight."""
-    from elflow.diagnostics import validation_report, word_stats
-    from elflow.encoders import latent_moments, token_vectors
-    from elflow.shortrun import build_network
+    from elflow.eval.diagnostics import validation_report, word_stats
+    from elflow.space import latent_moments, token_vectors
+    from elflow.model import build_network
 
     run = measured_run(name, work, cache_dir)
     cfg, space, recipe, train_set, val_set = run.cfg, run.space, run.recipe, run.train_set, run.val_set
@@ -506,8 +506,8 @@ def fine_bins(name: str, edges=(0.0, 0.005, 0.02, 0.05, 0.1, 0.15, 0.2), rows: i
               work: Path = Path("runs/quickstart_study"), cache_dir=None) -> list[dict]:
     """The low-t end in finer bins for one trained configuration: its loss, the baseline's, and the variance
     per dimension of what the network adds to its own Gaussian skip (a skip network's correction)."""
-    from elflow.encoders import latent_moments
-    from elflow.shortrun import gaussian_posterior
+    from elflow.space import latent_moments
+    from elflow.model import gaussian_posterior
 
     run = measured_run(name, work, cache_dir)
     net, space, recipe, val_set = run.net, run.space, run.recipe, run.val_set

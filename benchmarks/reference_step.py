@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from elflow.bench import StandInSpace, bench, matmul_peak
+from elflow.experiments.bench import StandInSpace, bench, matmul_peak
 from elflow.model import ELF, get_config
 from elflow.optim import EMA, ELFOptimizer
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from elflow.train import TrainConfig
-from elflow.utils import ELFError
+from elflow.config import TrainConfig
+from elflow.util.errors import ELFError
 
 
 REFERENCE = Path(__file__).resolve().parent / "reference"
@@ -101,7 +101,7 @@ def prepare_on_rank(rank: int, world: int, port: int, corpus: str, cache: str, l
     import torch
     import torch.distributed as dist
 
-    from elflow.ingest import build_dataset
+    from elflow.data.datasets import build_dataset
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=2))

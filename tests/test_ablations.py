@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from elflow.model import ELF, get_config, num_params, prediction_to_x, x_to_prediction
-from elflow.utils import ELFError
+from elflow.util.errors import ELFError
 
 
 # -- the prediction targets -------------------------------------------------------------------------------
@@ -95,7 +95,7 @@ def base_args(tmp_path_factory, tiny_corpus_file):
 
 @pytest.mark.parametrize("name", list(OPTIONS))
 def test_each_option_trains_saves_loads_and_samples(name, base_args, tmp_path):
-    from elflow.checkpoint import load_for_sampling
+    from elflow.runs.load import load_for_sampling
     from elflow.cli import main
 
     flags, network = OPTIONS[name]
@@ -153,9 +153,9 @@ def test_a_separate_decoder_trains_in_two_stages_and_is_one_model(base_args, tmp
     stopped inside its first stage and resumed."""
     from safetensors.torch import load_file
 
-    from elflow.checkpoint import load_for_sampling
+    from elflow.runs.load import load_for_sampling
     from elflow.cli import main
-    from elflow.shortrun import SeparateDecoderELF
+    from elflow.model import SeparateDecoderELF
 
     args = base_args[:base_args.index("--steps")] + base_args[base_args.index("--steps") + 2:]
     run = tmp_path / "sep"
@@ -183,7 +183,7 @@ def test_a_separate_decoder_trains_in_two_stages_and_is_one_model(base_args, tmp
     b = load_file(part / "checkpoints" / "step_0000004" / "ema.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # the same decoder, the same run
 
-    from elflow.runfolder import stored_config
+    from elflow.runs.folder import stored_config
     from elflow.train import train
 
     stopped = tmp_path / "stopped"  # stopped inside the first stage, resumed from the command line

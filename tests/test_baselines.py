@@ -9,8 +9,10 @@ import torch
 
 from elflow import methods
 from elflow.methods import ar, mdlm
-from elflow.model import ELF, TokenLMConfig, fit_token_lm, get_config, num_params, token_lm_params
-from elflow.utils import ELFError, sample_categorical
+from elflow.model import ELF, get_config, num_params
+from elflow.methods.token_net import TokenLMConfig, fit_token_lm, token_lm_params
+from elflow.util.errors import ELFError
+from elflow.methods.tokens import sample_categorical
 
 V = 40
 SPACE = types.SimpleNamespace(vocab_size=V)
@@ -224,10 +226,11 @@ def test_unknown_method_is_a_one_line_error_listing_the_choices():
 def test_a_few_steps_of_the_trainer_lower_the_heldout_loss(name, tmp_path, tiny_t5_dir, tiny_corpus_file):
     """15 steps of the one trainer (elflow.train.train) on the tiny corpus's token ids: the held-out loss of the
     trained weights falls well below that of an untrained network of the same shape, which is near uniform."""
-    from elflow.checkpoint import load
-    from elflow.ingest import build_dataset
-    from elflow.encoders import build_space
-    from elflow.train import TrainConfig, train
+    from elflow.runs.load import load
+    from elflow.data.datasets import build_dataset
+    from elflow.space import build_space
+    from elflow.config import TrainConfig
+    from elflow.train import train
 
     cache = tmp_path / "cache"
     cfg = TrainConfig(method=name, preset="tiny", data=str(tiny_corpus_file), space=f"t5:{tiny_t5_dir}", length=16,
@@ -251,7 +254,7 @@ def test_a_few_steps_of_the_trainer_lower_the_heldout_loss(name, tmp_path, tiny_
 
 
 def test_distinct_ngrams_by_hand():
-    from elflow.compare import distinct_ngrams
+    from elflow.experiments.compare import distinct_ngrams
 
     texts = ["the cat the cat", "a cat"]  # bigrams: (the cat) (cat the) (the cat) | (a cat)
     assert distinct_ngrams(texts, 1) == pytest.approx(3 / 6)
@@ -262,8 +265,8 @@ def test_distinct_ngrams_by_hand():
 def test_compare_trains_three_matched_methods_and_judges_them(tmp_path, tiny_t5_dir, tiny_corpus_file):
     from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
-    from elflow.compare import compare
-    from elflow.train import TrainConfig
+    from elflow.experiments.compare import compare
+    from elflow.config import TrainConfig
 
     tok = AutoTokenizer.from_pretrained(tiny_t5_dir)
     tok.pad_token = tok.eos_token
@@ -282,7 +285,7 @@ def test_compare_trains_three_matched_methods_and_judges_them(tmp_path, tiny_t5_
         assert info[name]["steps"] == 3 and info[name]["tokens"] == 3 * 4 * 16
         assert json.loads((tmp_path / name / "run.json").read_text())["method"] == name
     with torch.device("meta"):
-        from elflow.checkpoint import read_weights
+        from elflow.runs.load import read_weights
 
         elf_trunk = ELF(read_weights(tmp_path / "elf")[0]).num_params(exclude_decode_head=True)
     for name in ("ar", "mdlm"):

@@ -10,7 +10,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from elflow.bench import encoder_flops, newton_schulz_flops, pass_flops, reference_recipe_flops
+from elflow.experiments.bench import encoder_flops, newton_schulz_flops, pass_flops, reference_recipe_flops
 from elflow.cli import main
 from elflow.model import ELF, get_config
 from elflow.optim import newton_schulz
@@ -90,7 +90,7 @@ def test_newton_schulz_and_encoder_flops_match_flop_counter():
             newton_schulz(torch.randn(*shape), dtype=torch.float32)
         assert fc.get_total_flops() == newton_schulz_flops([shape])
     pytest.importorskip("transformers")
-    from elflow.bench import StandInSpace
+    from elflow.experiments.bench import StandInSpace
 
     space = StandInSpace(64, 100, 24)
     with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as fc:

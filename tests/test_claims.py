@@ -5,9 +5,8 @@ import json
 
 import pytest
 
-from elflow.claims import CLAIMS, NAMES, Claim, Finding, Variant, claim_verdict, finding_verdict, run_claims, \
-    select_claims
-from elflow.utils import ELFError
+from elflow.experiments.claims import CLAIMS, NAMES, Claim, Finding, Variant, claim_verdict, finding_verdict, run_claims, select_claims
+from elflow.util.errors import ELFError
 
 
 def test_the_verdict_rule_on_synthetic_seed_figures():
@@ -97,7 +96,7 @@ def test_every_variant_of_every_claim_is_a_valid_run(tmp_path):
     """Each variant's training settings, built as the report builds them, pass the run checks (a learned table
     with the table readout, say, is refused here, before any training); the from-scratch encoder's variant
     is built with a stand-in folder."""
-    from elflow.claims import Harness
+    from elflow.experiments.claims import Harness
 
     harness = Harness(tmp_path, {"data": "builtin"}, {"steps": 10}, 4, None, "cpu", True, lambda *_: None, None)
     harness.encoder_folder = lambda: tmp_path / "encoder"

@@ -7,11 +7,13 @@ import dataclasses
 import pytest
 import torch
 
-from elflow.encoders import build_space
+from elflow.space import build_space
 from elflow.flow import Recipe, row_index
-from elflow.methods import TrainedPass, get_method
+from elflow.methods.base import TrainedPass
+from elflow.methods import get_method
 from elflow.model import ELF, get_config
-from elflow.train import Prefetch, shard_generators
+from elflow.data.batches import Prefetch
+from elflow.train import shard_generators
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +69,7 @@ def test_a_changing_number_of_decode_and_self_conditioned_rows_compiles_once(tra
 def test_tf32_is_set_for_cuda_devices_only_and_leaves_the_global_precision_readable():
     """use_tf32 on a CUDA device switches TF32 matmuls; torch.compile reads the global precision, which must
     stay readable (mixing torch's two precision interfaces makes reading it an error)."""
-    from elflow.utils import use_tf32
+    from elflow.util.devices import use_tf32
 
     before = torch.backends.cuda.matmul.allow_tf32
     try:

@@ -8,11 +8,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from elflow.checkpoint import build_from_state_dict
-from elflow.data import encoder_mask, pair_layout
+from elflow.runs.official import build_from_state_dict
+from elflow.data.layout import encoder_mask, pair_layout
 from elflow.flow import decode_tokens, sample
 from elflow.generate import extract_targets
-from elflow.official import official_to_elflow
+from elflow.runs.official import official_to_elflow
 
 from helpers import reference_dir
 

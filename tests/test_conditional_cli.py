@@ -7,11 +7,11 @@ import json
 import pytest
 import torch
 
-from elflow.checkpoint import load, load_for_sampling
+from elflow.runs.load import load, load_for_sampling
 from elflow.cli import main
 from elflow.model import ELF, get_config
-from elflow.official import elflow_to_official
-from elflow.utils import ELFError
+from elflow.runs.official import elflow_to_official
+from elflow.util.errors import ELFError
 
 SOURCES = ["the king of love", "sweet night and the lord", "good heart"]
 
@@ -70,7 +70,7 @@ def test_eval_task_file_scores_bleu_and_rouge(cond_release, tiny_t5_dir, tmp_pat
     assert r["metric"] == "bleu" and r["num_examples"] == 3 and 0.0 <= r["bleu"] <= 100.0
     assert r["guidance"] == 2.0 and r["sampler"] == "ode" and r["steps"] == 2
     samples = [json.loads(x) for x in (tmp_path / "ev" / "val.samples.jsonl").read_text().splitlines()]
-    from elflow.evaluate import bleu
+    from elflow.eval.metrics import bleu
     assert r["bleu"] == pytest.approx(bleu([s["text"] for s in samples], SOURCES))  # the score of what was written
     assert main(base + ["--report", str(tmp_path / "r2.json"), "--metric", "rouge", "--overwrite"]) == 0
     r2 = json.loads((tmp_path / "r2.json").read_text())
@@ -97,7 +97,8 @@ def test_conditional_bad_input_is_one_line(cond_release, tiny_t5_dir, tmp_path, 
 
 @pytest.fixture(scope="module")
 def uncond_run(tmp_path_factory, tiny_t5_dir, tiny_corpus_file):
-    from elflow.train import TrainConfig, train
+    from elflow.config import TrainConfig
+    from elflow.train import train
 
     run = tmp_path_factory.mktemp("uncond") / "run"
     cfg = TrainConfig(preset="tiny", data=str(tiny_corpus_file), space=f"t5:{tiny_t5_dir}", length=16, batch=4,
@@ -176,8 +177,8 @@ def test_a_model_trained_on_pairs_is_conditional_and_samples_from_sources(cond_r
 
 
 def test_a_dropped_rows_target_encodings_ignore_its_source(tiny_t5_dir):
-    from elflow.data import encoder_mask, pair_layout
-    from elflow.encoders import build_space
+    from elflow.data.layout import encoder_mask, pair_layout
+    from elflow.space import build_space
 
     space = build_space({"kind": "t5", "name": str(tiny_t5_dir), "latent_std": 0.5})
     tgt = space.tokenize(["sweet night"], eos=False)
@@ -195,7 +196,7 @@ def test_a_dropped_rows_target_encodings_ignore_its_source(tiny_t5_dir):
 
 
 def test_shuffled_line_pairs_keep_the_words_and_hold_out_every_nth_line():
-    from elflow.data import shuffled_line_pairs
+    from elflow.data.tasks import shuffled_line_pairs
 
     docs = ["one two three four\nshort\n" + "\n".join(f"w{i} a b c d" for i in range(9))]
     train, held = shuffled_line_pairs(docs, min_words=4, max_words=6, every=5, seed=3)
@@ -208,8 +209,8 @@ def test_shuffled_line_pairs_keep_the_words_and_hold_out_every_nth_line():
 
 
 def test_conditional_report_scores_copy_dropped_and_guided(cond_run):
-    from elflow.evaluate import bleu
-    from elflow.quickstart import conditional_report
+    from elflow.eval.metrics import bleu
+    from elflow.experiments.quickstart import conditional_report
 
     run, pairs = cond_run
     held = [(r["input"], r["output"]) for r in map(json.loads, pairs.read_text().splitlines())][:4]
@@ -292,8 +293,8 @@ def test_quickstart_conditional_trains_in_stages_and_draws_its_bleu_curve(tmp_pa
     option) stored with the model, and bleu.png."""
     from helpers import MISSING_DATA
 
-    from elflow.data import read_documents
-    from elflow.shortrun import ShortRunOptions
+    from elflow.data.corpus import read_documents
+    from elflow.model import ShortRunOptions
 
     try:
         read_documents("builtin")

@@ -10,9 +10,9 @@ import random
 import pytest
 import torch
 
-from elflow.checkpoint import load_for_sampling
+from elflow.runs.load import load_for_sampling
 from elflow.cli import main
-from elflow.encoders import build_space
+from elflow.space import build_space
 from elflow.flow import Recipe, generate_tokens
 from elflow.generate import conditioning, generate, settings_for
 

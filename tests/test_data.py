@@ -10,21 +10,12 @@ import pytest
 import torch
 
 from elflow import data
-from elflow.data import (
-    Batches,
-    TokenDataset,
-    builtin_corpus,
-    clean_gutenberg,
-    layout_documents,
-    encoder_mask,
-    pair_layout,
-    pretokenized_pairs,
-    pack,
-    read_documents,
-    read_pairs,
-)
-from elflow.ingest import build_dataset, build_pairs
-from elflow.utils import ELFError
+from elflow.data.batches import Batches, TokenDataset
+from elflow.data.corpus import builtin_corpus, clean_gutenberg, read_documents, read_pairs
+from elflow.data.layout import layout_documents, encoder_mask, pair_layout, pack
+from elflow.data.tasks import pretokenized_pairs
+from elflow.data.datasets import build_dataset, build_pairs
+from elflow.util.errors import ELFError
 
 from helpers import EOS, MISSING_DATA, CharSpace
 
@@ -238,7 +229,7 @@ def test_pair_layout_token_by_token():
 
 
 def test_packed_dataset_with_the_real_tokenizer(tiny_t5_dir, tiny_corpus_file, tmp_path):
-    from elflow.encoders import build_space
+    from elflow.space import build_space
 
     space = build_space({"kind": "t5", "name": str(tiny_t5_dir), "latent_std": 0.5})
     train, val = build_dataset(tiny_corpus_file, space, 16, val_fraction=0.1, seed=0, cache_dir=tmp_path)
@@ -253,7 +244,7 @@ def test_packed_dataset_with_the_real_tokenizer(tiny_t5_dir, tiny_corpus_file, t
 
 
 def test_pairs_dataset(tiny_t5_dir, tmp_path, capsys):
-    from elflow.encoders import build_space
+    from elflow.space import build_space
 
     space = build_space({"kind": "t5", "name": str(tiny_t5_dir), "latent_std": 0.5})
     jl = tmp_path / "pairs.jsonl"

@@ -8,9 +8,9 @@ import torch
 from safetensors.torch import load_file
 
 from elflow import distill
-from elflow.checkpoint import write_state
+from elflow.runs.checkpoint import write_state
 from elflow.generate import distilled_defaults
-from elflow.utils import ELFError
+from elflow.util.errors import ELFError
 
 from helpers import reference_dir
 
@@ -21,8 +21,8 @@ TOL = 1e-5
 
 @pytest.fixture(scope="module")
 def official_net():
-    from elflow.checkpoint import build_from_state_dict
-    from elflow.official import official_to_elflow
+    from elflow.runs.official import build_from_state_dict
+    from elflow.runs.official import official_to_elflow
 
     ref = load_file(REF / "official_tiny.safetensors")
     sd = official_to_elflow({k[len("params."):]: v for k, v in ref.items() if k.startswith("params.")})
@@ -210,7 +210,8 @@ def _files(run: Path, step: int):
 
 @pytest.fixture(scope="module")
 def teacher_run(tmp_path_factory, tiny_t5_dir, tiny_corpus_file):
-    from elflow.train import TrainConfig, train
+    from elflow.config import TrainConfig
+    from elflow.train import train
 
     run = tmp_path_factory.mktemp("teacher") / "run"
     cache = tmp_path_factory.mktemp("cache")
@@ -233,7 +234,7 @@ def full_distillation(teacher_run, tmp_path_factory):
 
 
 def test_rounds_are_ordinary_runs_with_few_step_sampling_defaults(full_distillation, teacher_run):
-    from elflow.checkpoint import read_weights
+    from elflow.runs.load import read_weights
 
     out, rounds = full_distillation
     assert list(rounds) == [2, 1] and rounds[2] == out / "round-2" and rounds[1] == out / "round-1"
@@ -269,7 +270,8 @@ def test_an_interrupted_distillation_resumes_bit_identically(full_distillation, 
 
 
 def test_init_from_starts_from_the_stored_ema(teacher_run, tmp_path, tiny_t5_dir, tiny_corpus_file):
-    from elflow.train import TrainConfig, train
+    from elflow.config import TrainConfig
+    from elflow.train import train
 
     teacher, cache = teacher_run
     run = tmp_path / "run"
@@ -412,7 +414,7 @@ def test_a_distillation_killed_with_sigkill_resumes_bit_identically(teacher_run,
     finally:
         if proc.poll() is None:
             proc.kill()
-    from elflow.checkpoint import latest_checkpoint
+    from elflow.runs.checkpoint import latest_checkpoint
 
     done = int(latest_checkpoint(out / "round-2").name[5:])
     assert done >= 2
@@ -423,7 +425,7 @@ def test_a_distillation_killed_with_sigkill_resumes_bit_identically(teacher_run,
 
 
 def test_distillation_report_puts_teacher_and_students_side_by_side(full_distillation, teacher_run):
-    from elflow.quickstart import distillation_report
+    from elflow.experiments.quickstart import distillation_report
 
     out, rounds = full_distillation
     teacher, cache = teacher_run

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from elflow.cli import main
-from elflow.train import micro_batch_for
-from elflow.utils import ELFError
+from elflow.runs.folder import micro_batch_for
+from elflow.util.errors import ELFError
 
 from helpers import checkpoint_weights, tiny_config
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from elflow.encoder_train import corrupt_spans, span_noise_mask
+from elflow.experiments.encoder_train import corrupt_spans, span_noise_mask
 
 
 @pytest.mark.parametrize("length,density,span", [(64, 0.15, 3.0), (20, 0.3, 2.0), (9, 0.15, 3.0)])
@@ -40,7 +40,7 @@ def test_a_trained_encoder_beats_its_baselines_and_is_a_space(tmp_path, tiny_cor
     learn nothing (the network at its initialisation, the targets' unigram entropy); the folder is a T5
     space (`--space t5:FOLDER`) that ELF trains in and samples from; bad input is one line."""
     from elflow.cli import main
-    from elflow.encoders import build_space
+    from elflow.space import build_space
 
     out = tmp_path / "enc"
     assert main(["train-encoder", "--data", str(tiny_corpus_file), "--vocab", "200", "--length", "32",

@@ -7,16 +7,11 @@ import json
 import pytest
 import torch
 
-from elflow.data import encoder_mask
+from elflow.data.layout import encoder_mask
 
-from elflow.encoders import (
-    MINILM_STD,
-    EmbeddingSpace,
-    build_space,
-    check_compatible,
-    minilm_dir,
-)
-from elflow.utils import ELFError
+from elflow.space import MINILM_STD, EmbeddingSpace, build_space, check_compatible
+from elflow.encoders import minilm_dir
+from elflow.util.errors import ELFError
 
 from helpers import MISSING_DATA
 
@@ -144,7 +139,7 @@ def test_bf16_encoder(tiny_t5_dir, t5_space):
 def test_latent_std_auto(tiny_t5_dir, tiny_corpus_file):
     sp = build_space({"kind": "t5", "name": str(tiny_t5_dir), "latent_std": "auto",
                       "calibrate_on": str(tiny_corpus_file), "calibrate_length": 16, "calibrate_sequences": 32})
-    from elflow.data import calibration_sample
+    from elflow.data.corpus import calibration_sample
 
     tokens = calibration_sample(str(tiny_corpus_file), sp, 16, 32)
     with torch.no_grad():
@@ -187,7 +182,7 @@ def test_a_drawn_table_shares_no_draws_with_a_sampling_seed(tiny_t5_dir):
     """Stream 2 (every table built now) draws from a generator of its own: the table of space seed 0 is not
     the first draws of a generator seeded with 0 (a sampler's starting noise), nor of any small seed. A spec
     stored without a stream is stream 1, the draw from the seed itself, rebuilt exactly."""
-    from elflow.encoders import stored_spec
+    from elflow.space import stored_spec
 
     spec = {"kind": "random-table", "name": str(tiny_t5_dir), "dim": 16, "seed": 0}
     new = build_space(spec)
@@ -316,7 +311,7 @@ def test_bad_specs(tiny_t5_dir):
 def test_the_token_vectors_of_a_token_table_over_an_encoder_with_a_position_limit():
     """MiniLM's token table (its 30,522 input embeddings; MiniLM itself reads at most 512 positions): the
     table readout's vectors are each token's own row, read without a sequence of the vocabulary's length."""
-    from elflow.encoders import token_vectors
+    from elflow.space import token_vectors
 
     sp = build_space({"kind": "token-table", "name": "minilm"})
     assert sp.max_length == 512 and sp.vocab_size > 512

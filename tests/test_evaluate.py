@@ -11,9 +11,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 
-from elflow.evaluate import (bleu, generative_perplexity, load_judge, mean_and_stderr, read_texts, rouge,
-                             unigram_entropy)
-from elflow.utils import ELFError
+from elflow.eval.metrics import bleu, generative_perplexity, mean_and_stderr, read_texts, rouge, unigram_entropy
+from elflow.eval.judge import load_judge
+from elflow.util.errors import ELFError
 
 from helpers import MISSING_DATA
 
@@ -33,7 +33,7 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def gpt2_tok():
-    from elflow.gpt2_tokenizer import build_gpt2_tokenizer
+    from elflow.eval.gpt2_tokenizer import build_gpt2_tokenizer
 
     try:
         return build_gpt2_tokenizer()
@@ -302,7 +302,7 @@ def test_cli_translation_and_summarization(tmp_path, capsys):
 
 
 def test_tradeoff_plot_and_csv(tmp_path):
-    from elflow.sweep import plot_sweep, read_csv, write_csv
+    from elflow.experiments.sweep import plot_sweep, read_csv, write_csv
 
     rows = [{"sampler": s, "steps": n, "omega": w, "gen_ppl": 50.0 / w + n, "entropy": 5 + 0.1 * w}
             for s in ("ode", "sde") for n in (8, 16) for w in (0.5, 1.0, 2.0)]
@@ -320,7 +320,7 @@ def test_generate_first_and_sweep_end_to_end(tmp_path, tiny_t5_dir, tiny_corpus_
     """A 1-step tiny run, then `elflow eval --checkpoint` over two seeds and a 2-cell `elflow sweep`: the
     reported numbers equal generative_perplexity on the sample files they wrote."""
     from elflow.cli import main
-    from elflow.sweep import read_csv
+    from elflow.experiments.sweep import read_csv
 
     run = tmp_path / "run"
     assert main(["train", "--preset", "tiny", "--data", str(tiny_corpus_file), "--space", f"t5:{tiny_t5_dir}",
@@ -333,7 +333,7 @@ def test_generate_first_and_sweep_end_to_end(tmp_path, tiny_t5_dir, tiny_corpus_
     rep = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     model, tok = judge
     # beside the samples, as many rows of the run's held-out split under the same judge, then from the cache
-    from elflow.evaluate import heldout_texts
+    from elflow.eval.scoring import heldout_texts
 
     texts, _ = heldout_texts(run, 3, tmp_path / "c")
     assert len(texts) == 3 and rep["heldout"]["cached"] is False

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from elflow.flow import Recipe, draw_training_noise, elf_loss, euler_step, generate_tokens, sample
 from elflow.model import ELF, get_config
-from elflow.schedules import time_grid
+from elflow.flow import time_grid
 from elflow.methods.elf import step_sums as step_metrics
 
 

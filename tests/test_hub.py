@@ -27,7 +27,7 @@ def pushed(tmp_path_factory, tiny_t5_dir, tiny_corpus_file):
 
 
 def test_a_space_on_a_local_encoder_folder_is_named_in_a_warning(pushed, tiny_t5_dir, capsys):
-    from elflow.hub import local_encoders
+    from elflow.runs.push import local_encoders
 
     spec = json.loads((pushed[1] / "space.json").read_text())["space"]
     assert local_encoders(spec) == [str(tiny_t5_dir)]

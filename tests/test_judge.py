@@ -9,15 +9,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 
-from elflow.judge import CausalJudge, JudgeConfig, save_judge, to_hf
-from elflow.utils import ELFError
+from elflow.eval.judge import CausalJudge, JudgeConfig, save_judge, to_hf
+from elflow.util.errors import ELFError
 
 from helpers import MISSING_DATA
 
 
 @pytest.fixture(scope="module")
 def ranks_path():
-    from elflow.gpt2_tokenizer import fetch_gpt2_ranks
+    from elflow.eval.gpt2_tokenizer import fetch_gpt2_ranks
 
     try:
         return fetch_gpt2_ranks()
@@ -27,7 +27,7 @@ def ranks_path():
 
 @pytest.fixture(scope="module")
 def gpt2_tok(ranks_path):
-    from elflow.gpt2_tokenizer import build_gpt2_tokenizer
+    from elflow.eval.gpt2_tokenizer import build_gpt2_tokenizer
 
     return build_gpt2_tokenizer()
 
@@ -79,7 +79,7 @@ def test_matches_tiktoken_on_same_ranks(gpt2_tok, ranks_path):
 
 
 def test_merges_recovered_exactly(ranks_path):
-    from elflow.gpt2_tokenizer import load_ranks, merges_from_ranks
+    from elflow.eval.gpt2_tokenizer import load_ranks, merges_from_ranks
 
     ranks = load_ranks(ranks_path)
     merges = merges_from_ranks(ranks)
@@ -89,7 +89,7 @@ def test_merges_recovered_exactly(ranks_path):
 
 
 def test_tokenizer_from_tiny_ranks():
-    from elflow.gpt2_tokenizer import tokenizer_from_ranks
+    from elflow.eval.gpt2_tokenizer import tokenizer_from_ranks
 
     ranks = {bytes([i]): i for i in range(256)}
     ranks[b"ab"] = 256
@@ -141,8 +141,9 @@ def test_hf_qwen3_logits_equal_elflow_logits():
 def test_saved_folder_loads_without_remote_code(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from elflow.evaluate import generative_perplexity, load_judge
-    from elflow.gpt2_tokenizer import tokenizer_from_ranks
+    from elflow.eval.metrics import generative_perplexity
+    from elflow.eval.judge import load_judge
+    from elflow.eval.gpt2_tokenizer import tokenizer_from_ranks
 
     judge = tiny_judge(1)
     # a byte-level tokenizer of 298 ranks + EOS (id 298), within the judge's 300-token vocabulary
@@ -165,8 +166,8 @@ def test_saved_folder_loads_without_remote_code(tmp_path):
 
 
 def test_a_judge_saved_on_a_full_disk_leaves_its_folder_as_it_was(tmp_path):
-    from elflow.gpt2_tokenizer import tokenizer_from_ranks
-    from elflow.utils import NoSpace
+    from elflow.eval.gpt2_tokenizer import tokenizer_from_ranks
+    from elflow.util.files import NoSpace
 
     from helpers import fill, small_tmpfs
 

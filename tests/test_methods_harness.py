@@ -9,11 +9,14 @@ import torch
 from safetensors.torch import load_file
 
 from elflow.methods import ar, mdlm
-from elflow.checkpoint import list_checkpoints, load_for_sampling, read_weights
+from elflow.runs.checkpoint import list_checkpoints
+from elflow.runs.load import load_for_sampling, read_weights
 from elflow.cli import main
-from elflow.model import ELF, TokenLMConfig, get_config, num_params
-from elflow.train import TrainConfig, train
-from elflow.utils import ELFError
+from elflow.model import ELF, get_config, num_params
+from elflow.methods.token_net import TokenLMConfig
+from elflow.config import TrainConfig
+from elflow.train import train
+from elflow.util.errors import ELFError
 
 from helpers import checkpoint_weights, run_alone_and_on_two_ranks, tiny_config
 
@@ -180,7 +183,8 @@ def test_an_unknown_method_lists_the_choices(capsys):
 
 
 def test_eval_judges_a_baselines_samples(runs, judge_dir, tmp_path):
-    from elflow.evaluate import generative_perplexity, load_judge, read_texts
+    from elflow.eval.metrics import generative_perplexity, read_texts
+    from elflow.eval.judge import load_judge
 
     out = tmp_path / "eval"
     assert main(["eval", "--checkpoint", str(runs["mdlm"]), "--steps", "4", "--num", "3", "--judge",
@@ -195,7 +199,7 @@ def test_eval_judges_a_baselines_samples(runs, judge_dir, tmp_path):
 
 
 def test_sweep_runs_an_ar_models_temperatures(runs, judge_dir, tmp_path, capsys):
-    from elflow.sweep import read_csv
+    from elflow.experiments.sweep import read_csv
 
     out = tmp_path / "sweep"
     assert main(["sweep", str(runs["ar"]), "--temperature", "0.8", "1", "--num", "2", "--judge", str(judge_dir),
@@ -240,7 +244,7 @@ def test_compare_cli_end_to_end(tmp_path, tiny_t5_dir, tiny_corpus_file, judge_d
 
 def test_the_default_judge_is_trained_once_and_kept(tmp_path, monkeypatch):
     import elflow.judge
-    from elflow.compare import cached_judge
+    from elflow.experiments.compare import cached_judge
 
     calls = []
 

@@ -5,8 +5,9 @@ import torch
 import torch.optim._muon as muon_impl
 from torch.utils.flop_counter import FlopCounterMode
 
-from elflow.bench import newton_schulz_flops
-from elflow.optim import ELFOptimizer, fast_bf16, method_for, newton_schulz, ns_precision, resolve_ns_method
+from elflow.experiments.bench import newton_schulz_flops
+from elflow.optim import ELFOptimizer, method_for, newton_schulz, ns_precision, resolve_ns_method
+from elflow.util.devices import fast_bf16
 
 COEF = (3.4445, -4.7750, 2.0315)
 

@@ -16,9 +16,10 @@ from safetensors.torch import load_file
 
 from elflow import checkpoint as ckpt_mod
 from elflow import utils
-from elflow.checkpoint import list_checkpoints, write_state
+from elflow.runs.checkpoint import list_checkpoints, write_state
 from elflow.cli import main
-from elflow.train import TrainConfig, train
+from elflow.config import TrainConfig
+from elflow.train import train
 
 from helpers import checkpoint_weights, fill, small_tmpfs, tiny_config
 
@@ -237,7 +238,7 @@ def test_print_config_resolves_the_preset_defaults(capsys):
 def test_quickstart_settings_are_one_named_preset(capsys):
     from types import SimpleNamespace
 
-    from elflow.quickstart import demo_config
+    from elflow.experiments.quickstart import demo_config
 
     args = SimpleNamespace(length=64, batch=32, steps=250, lr=None, space=None, seed=0, sample_steps=64, sampler="vc",
                            omega=3.0)
@@ -250,7 +251,7 @@ def test_quickstart_settings_are_one_named_preset(capsys):
     assert {k: getattr(cfg, k) for k in expected} == expected
     # the same settings from `elflow train --defaults quickstart`
     code, out, _ = cli(capsys, ["train", "--defaults", "quickstart", "--print-config"])
-    from elflow.train import run_device
+    from elflow.cli.train import run_device
 
     assert json.loads(out) == cfg.resolved(run_device(None)).to_dict()  # dtype auto: what it picks here
     # --lr and --space replace the preset's and nothing else (a space without fixed token vectors also drops
@@ -271,7 +272,7 @@ def test_one_short_run_flag_over_the_quickstart_keeps_its_other_options(capsys):
     """A nested flag sets one key of the preset's dict: `--skip none` over `--defaults quickstart` changes the
     skip alone (the time scale, head modulation and table readout stay the quickstart's); without --defaults
     the other options are the plain defaults (off)."""
-    from elflow.runconfig import RUN_PRESETS
+    from elflow.config import RUN_PRESETS
 
     preset = RUN_PRESETS["quickstart"][0]["short_run"]
     code, out, err = cli(capsys, ["train", "--defaults", "quickstart", "--skip", "none", "--time-scale", "10",
@@ -543,7 +544,7 @@ def test_learned_table_resumes_from_both_checkpoint_layouts(tmp_path, tiny_t5_di
     of the older layout ("space."-prefixed keys in model.safetensors) resumes to the same weights."""
     from safetensors.torch import save_file
 
-    from elflow.utils import sha256_file
+    from elflow.util.files import sha256_file
 
     cfg = cfg_for(tiny_t5_dir, tiny_corpus_file, space=f"learned-table:{tiny_t5_dir}")
     full, part = tmp_path / "full", tmp_path / "part"
@@ -919,7 +920,7 @@ def _edit_json(path: Path, keys: str, value) -> None:
 
 
 def _rehash_files(ck: Path) -> None:
-    from elflow.utils import sha256_file
+    from elflow.util.files import sha256_file
 
     state = json.loads((ck / "state.json").read_text())
     state["files"] = {name: sha256_file(ck / name) for name in state["files"]}
@@ -1244,7 +1245,7 @@ def test_an_unwritable_checkpoints_folder_is_found_before_training(capsys, run_c
 
 
 def test_sources_that_are_not_utf8_are_one_line(tmp_path):
-    from elflow.generate import read_sources
+    from elflow.data.corpus import read_sources
 
     src = tmp_path / "src.jsonl"
     src.write_bytes('{"input": "caf\u00e9"}\n'.encode("latin-1"))
@@ -1253,8 +1254,8 @@ def test_sources_that_are_not_utf8_are_one_line(tmp_path):
 
 
 def test_a_real_full_disk_during_eval_of_a_checkpoint_leaves_no_folder(capsys, small_fs, trained, tmp_path):
-    from elflow.gpt2_tokenizer import tokenizer_from_ranks
-    from elflow.judge import CausalJudge, JudgeConfig, save_judge
+    from elflow.eval.gpt2_tokenizer import tokenizer_from_ranks
+    from elflow.eval.judge import CausalJudge, JudgeConfig, save_judge
 
     torch.manual_seed(0)
     tok = tokenizer_from_ranks({bytes([i]): i for i in range(256)}, model_max_length=32)

@@ -5,8 +5,9 @@ import math
 import pytest
 import torch
 
-from elflow.schedules import sample_decode_level, sample_guidance, sample_time, schedule_statistics, time_grid
-from elflow.toy import grid_mixture, ring_mixture, run_toy
+from elflow.flow import sample_decode_level, sample_guidance, sample_time, time_grid
+from elflow.experiments.schedules import schedule_statistics
+from elflow.experiments.toy import grid_mixture, ring_mixture, run_toy
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +92,7 @@ def test_posterior_mean_is_exact_against_monte_carlo():
 def test_toy_distillation_students_reach_clusters_in_one_step_where_the_teacher_cannot():
     """A small trained teacher at N = 1 lands on the data mean (nothing inside a cluster); its distilled
     one-step student lands inside clusters, as the teacher's own 16-step path does."""
-    from elflow.toy import distill_toy, ring_mixture, run_toy, train_toy_teacher
+    from elflow.experiments.toy import distill_toy, ring_mixture, run_toy, train_toy_teacher
 
     mix = ring_mixture()
     threads = torch.get_num_threads()
@@ -113,7 +114,7 @@ def test_toy_distillation_students_reach_clusters_in_one_step_where_the_teacher_
 def test_toy_figure_labels_its_axes_and_keeps_its_legend_clear_of_the_panels():
     import matplotlib.pyplot as plt
 
-    from elflow.toy import toy_figure
+    from elflow.experiments.toy import toy_figure
 
     mix = ring_mixture()
     for steps in ((1,), (1, 4), (1, 2, 4, 8, 16)):

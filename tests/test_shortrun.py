@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from elflow.model import ELF, get_config
-from elflow.shortrun import (ShortRunELF, ShortRunOptions, build_network, gaussian_posterior, network_from_state_dict,
-                             stored_network)
-from elflow.utils import ELFError
+from elflow.model import ShortRunELF, ShortRunOptions, build_network, gaussian_posterior
+from elflow.runs.load import network_from_state_dict, stored_network
+from elflow.util.errors import ELFError
 
 
 def tiny(**options):

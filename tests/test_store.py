@@ -18,11 +18,13 @@ import pytest
 import torch
 
 from elflow import data
-from elflow.data import (Batches, TokenDataset, layout_documents, pack, pair_layout, read_documents, read_pairs,
-                         split_rows)
-from elflow.ingest import build_dataset, build_pairs, prepare_store
-from elflow.store import StoreWriter, TokenStore, is_store, store_lock
-from elflow.utils import ELFError
+from elflow.data.batches import Batches, TokenDataset, split_rows
+from elflow.data.layout import layout_documents, pack, pair_layout
+from elflow.data.corpus import read_documents, read_pairs
+from elflow.data.datasets import build_dataset, build_pairs
+from elflow.data.ingest import prepare_store
+from elflow.data.store import StoreWriter, TokenStore, is_store, store_lock
+from elflow.util.errors import ELFError
 
 from helpers import EOS, MISSING_DATA, CharSpace, SlowSpace
 
@@ -61,7 +63,7 @@ def corpora(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def t5_tokens(tiny_t5_dir):
-    from elflow.encoders import build_space
+    from elflow.space import build_space
 
     return build_space({"kind": "tokens", "of": {"kind": "t5", "name": str(tiny_t5_dir)}})
 
@@ -114,7 +116,7 @@ def test_pair_store_rows_equal_pair_layout(corpora, t5_tokens, tmp_path):
 
 def test_builtin_corpus_through_the_store_gives_the_same_rows_and_batches(tmp_path):
     """The quickstart's data: MiniLM ids of the built-in corpus, packed at L = 64, 2% held out, seed 0."""
-    from elflow.encoders import build_space
+    from elflow.space import build_space
 
     try:
         docs = read_documents("builtin")

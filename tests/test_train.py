@@ -12,9 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from elflow.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
+from elflow.runs.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
 from elflow.train import train
-from elflow.utils import ELFError
+from elflow.util.errors import ELFError
 
 from helpers import checkpoint_weights, run_alone_and_on_two_ranks, tiny_config
 
@@ -150,7 +150,7 @@ def test_two_gloo_ranks_train_a_learned_table_as_one_process(uninterrupted, tmp_
               "--cache-dir", str(cache)]
     run_alone_and_on_two_ranks(["train", *common], one, two)
     assert_same_runs(one, two, 3, exact=False)
-    from elflow.encoders import build_space
+    from elflow.space import build_space
 
     start = build_space({"kind": "learned-table", "name": str(tiny_t5_dir), "dim": 16, "seed": 0}).table.detach()
     a, b = (load_file(r / "checkpoints" / "step_0000003" / "space.safetensors")["table"] - start for r in (one, two))
@@ -161,9 +161,10 @@ def test_two_gloo_ranks_train_a_learned_table_as_one_process(uninterrupted, tmp_
 def test_a_compiled_pass_takes_the_same_step(tiny_t5_dir):
     """torch.compile wraps the one trained pass (encode, self-conditioning pass, trained pass): the same
     step, the same weights as the plain pass."""
-    from elflow.encoders import build_space
+    from elflow.space import build_space
     from elflow.flow import Recipe
-    from elflow.methods import TrainedPass, get_method
+    from elflow.methods.base import TrainedPass
+    from elflow.methods import get_method
     from elflow.model import ELF, get_config
     from elflow.optim import EMA, ELFOptimizer
     from elflow.train import train_step
@@ -201,10 +202,11 @@ def test_bad_input_is_refused_without_touching_the_run(uninterrupted, tmp_path, 
 
 def test_a_nonfinite_step_is_flagged_on_the_device(tiny_t5_dir):
     """train_step reads nothing on the host: a step whose gradient is not finite says so in its sums."""
-    from elflow.encoders import build_space
+    from elflow.space import build_space
     from elflow.flow import Recipe
     from elflow.model import ELF, get_config
-    from elflow.methods import TrainedPass, get_method
+    from elflow.methods.base import TrainedPass
+    from elflow.methods import get_method
     from elflow.optim import EMA, ELFOptimizer
     from elflow.train import train_step
 
@@ -260,7 +262,7 @@ def test_sample_cli_is_reproducible_and_writes_jsonl(uninterrupted, tmp_path):
 
 
 def test_quickstart_report_on_a_trained_run(uninterrupted):
-    from elflow.quickstart import report
+    from elflow.experiments.quickstart import report
 
     run, cache, _ = uninterrupted
     lines = []
@@ -274,7 +276,7 @@ def test_quickstart_report_on_a_trained_run(uninterrupted):
 
 
 def test_quickstart_total_time_counts_training_and_report():
-    from elflow.quickstart import total_time
+    from elflow.experiments.quickstart import total_time
 
     assert total_time("training", 240.0, 30.0) == "total time 4.5 min (training 4.0 min, report 0.5 min)"
     assert total_time("training", 0.0, 240.0).startswith("total time 4.0 min")  # --report-only
@@ -283,7 +285,7 @@ def test_quickstart_total_time_counts_training_and_report():
 def test_print_config_and_the_first_line_name_the_resolved_precision(tmp_path, tiny_t5_dir, tiny_corpus_file,
                                                                      capsys):
     from elflow.cli import main
-    from elflow.utils import fast_bf16
+    from elflow.util.devices import fast_bf16
 
     picked = "bf16" if fast_bf16(torch.device("cpu")) else "fp32"
     assert main(["train", "--preset", "tiny", "--device", "cpu", "--print-config"]) == 0
@@ -300,7 +302,7 @@ def test_print_config_and_the_first_line_name_the_resolved_precision(tmp_path, t
 def test_word_stats_by_hand():
     import math
 
-    from elflow.diagnostics import word_stats
+    from elflow.eval.diagnostics import word_stats
 
     s = word_stats(["a a b", "c"], vocab={"a", "c"})
     h = -(2 / 3 * math.log(2 / 3) + 1 / 3 * math.log(1 / 3))
@@ -312,7 +314,7 @@ def test_a_random_table_run_stored_without_a_stream_keeps_its_table(tmp_path, ti
     """A run whose stored settings name no table stream (as elflow wrote them before streams) rebuilds its
     table from the seed itself, loads with the readout table it was trained with, and resumes; a new run
     with the same settings draws stream 2, another table."""
-    from elflow.checkpoint import load_for_sampling
+    from elflow.runs.load import load_for_sampling
     from elflow.cli import main
 
     base = ["--preset", "tiny", "--data", str(tiny_corpus_file), "--length", "16", "--batch", "4", "--warmup",
@@ -345,7 +347,7 @@ def test_table_readout_run_carries_the_token_vectors(tmp_path, tiny_t5_dir, tiny
     """`--table-readout 1` in a random-table space: the stored readout table is each token's own vector,
     frozen and carried by the EMA; training is the same as without the option (the same weights); the run
     samples; a contextual space is refused."""
-    from elflow.checkpoint import load_for_sampling
+    from elflow.runs.load import load_for_sampling
     from elflow.cli import main
 
     cache = tmp_path / "cache"
@@ -378,9 +380,9 @@ def test_gaussian_skip_run_carries_the_training_moments(tmp_path, tiny_t5_dir, t
     """`--skip gaussian` from the CLI, with the cosine decay: the stored moments are the training split's
     own (computed here directly over every scored position), stay frozen, and the run samples and resumes
     exactly."""
-    from elflow.checkpoint import load_for_sampling
+    from elflow.runs.load import load_for_sampling
     from elflow.cli import main
-    from elflow.ingest import build_dataset
+    from elflow.data.datasets import build_dataset
 
     run, cache = tmp_path / "skip", tmp_path / "cache"
     args = ["train", "--preset", "tiny", "--data", str(tiny_corpus_file), "--space", f"t5:{tiny_t5_dir}",
@@ -405,7 +407,7 @@ def test_gaussian_skip_run_carries_the_training_moments(tmp_path, tiny_t5_dir, t
     lrs = [json.loads(x)["lr"] for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert lrs[1] == max(lrs) and lrs[-1] == 0.0  # the cosine decay ends at 0
     # stopped after step 3 and resumed: the same weights as the uninterrupted run
-    from elflow.train import TrainConfig
+    from elflow.config import TrainConfig
 
     cfg = TrainConfig.from_dict(json.loads((run / "run.json").read_text())["train"])
     part = tmp_path / "part"
@@ -422,7 +424,7 @@ def test_samples_printed_during_training_come_from_the_ema_weights(method, optio
     """--sample-every prints samples of the EMA weights with the method's own sampler (an ELF network of the
     run's own kind, short-run options included): for ELF, the texts the saved EMA weights give through the
     loader and flow.generate_tokens with the run's sample settings and seed."""
-    from elflow.checkpoint import load_for_sampling
+    from elflow.runs.load import load_for_sampling
     from elflow.flow import generate_tokens
 
     run = tmp_path / "run"
@@ -443,7 +445,7 @@ def test_the_loss_plot_labels_its_axes_names_its_lines_and_draws_the_gaussian_ba
     non-positive value gets a linear axis instead of an empty log panel."""
     import matplotlib.pyplot as plt
 
-    from elflow.runfolder import loss_figure, plot_losses
+    from elflow.runs.log import loss_figure, plot_losses
 
     recs = [{"kind": "train", "step": s, "loss": 1.6 - 0.02 * s, "loss_denoise": 1.5 - 0.02 * s,
              "loss_decode": 0.1, "loss_t0.0-0.1": 1.1 + 0.001 * s, "loss_t0.3-0.5": 1.6 - 0.01 * s}
@@ -480,7 +482,7 @@ def test_a_confident_readout_gradient_holds_denormals_that_training_flushes(tmp_
     import torch.nn.functional as F
 
     import elflow.train as T
-    from elflow.utils import flushed_denormals
+    from elflow.util.devices import flushed_denormals
 
     def gradient_of_the_improbable_token():
         logits = torch.tensor([[0.0, -95.0]], requires_grad=True)

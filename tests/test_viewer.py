@@ -10,7 +10,7 @@ import pytest
 
 from elflow.cli import main
 from elflow.train import train
-from elflow.viewer import read_trajectory, token_spans
+from elflow.experiments.viewer import read_trajectory, token_spans
 
 from helpers import tiny_config
 
@@ -141,7 +141,7 @@ def test_the_page_is_self_contained(runs, tmp_path):
     assert "<script src" not in source and "<link" not in source and "@import" not in source
     assert "default-src 'none'" in source  # the page may load nothing, even by mistake
     # data inside the page cannot close its <script>: a text with "</script>" survives
-    from elflow.viewer import render_page
+    from elflow.experiments.viewer import render_page
 
     evil = json.loads(json.dumps(doc))
     evil["samples"][0]["text"] = "</script><b>x</b> & more"

@@ -1,8 +1,6 @@
-"""elflow: ELF (Embedded Language Flows) in PyTorch.
+"""TODO."""
 
-Flow matching in the embedding space of a frozen encoder, with one transformer that denoises whole
-passages and, at the last step, reads them out as tokens.
-"""
+
 
 __version__ = "0.1.0"
 
@@ -12,6 +10,6 @@ def load(path_or_hub_id, device=None, max_length=None):
     `elflow push` uploaded (its hub id), or of the authors' released checkpoint (a checkpoint_<step> file, a
     folder holding one, or a hub id such as embedded-language-flows/ELF-B-owt-torch), with its EMA weights, in
     eval mode."""
-    from elflow.checkpoint import load as _load
+    from elflow.runs.load import load as _load
 
     return _load(path_or_hub_id, device=device, max_length=max_length).net

@@ -1,39 +1,14 @@
-"""The method around the network, in the paper's notation: the training objective and the samplers.
-
-Path:      z_t = t x + (1 - t) eps,  eps ~ N(0, noise_scale^2),  t = 0 noise, t = 1 data
-Velocity:  v = (x - z_t) / max(1 - t, t_eps);  the network predicts x, so v_pred = (x_pred - z_t) / max(1 - t, t_eps)
-Denoise:   || v_pred - target ||^2,  target = v + (1 - 1/omega)(v_cond - v_uncond) on self-conditioned rows
-Decode:    cross-entropy of net(p x + (1 - p) 5 n, t=1, decode) against the tokens, p per token
-
-One training row costs, by branch:
-  denoise, no self-conditioning:  1 forward + backward   (the reference listing: 2 forwards + backward)
-  denoise, self-conditioned:      2 forwards + backward  (the reference listing: 3 forwards + backward)
-  decode:                         1 forward + backward
-The listing's third pass, net([z, x0]) under stop-gradient, equals the trained pass's own output, so the
-trained pass is reused, detached (exact when dropout is 0, as in every released config).
-"""
+"""TODO."""
 
 from __future__ import annotations
-
 import functools
 import math
 import warnings
 from dataclasses import dataclass
 from typing import Callable
-
 import torch
 import torch.nn.functional as F
-
-from elflow.schedules import sample_decode_level, sample_guidance, sample_time, time_grid
-from elflow.utils import Record
-
-__all__ = [
-    "Recipe", "Draw", "decode_levels", "draw_training_noise", "to_device", "row_index", "token_nll", "elf_loss",
-    "scored_positions", "token_mean_loss",
-    "TIME_BINS", "time_bin", "time_bin_labels",
-    "euler_step", "ode_step", "sde_step", "SAMPLERS", "check_sampling_args", "sample", "decode_tokens",
-    "generate_tokens",
-]
+from elflow.util.errors import Record
 
 
 @dataclass(frozen=True)
@@ -242,8 +217,6 @@ def time_bin_labels() -> list[str]:
 #
 # A step maps (denoise, z, t, t_next, x_prev) -> (z_next, x); denoise(z, t, x_prev) -> (x, v) is the network
 # with everything else bound (omega, guidance, known positions). The velocity is v = (x - z) / max(1 - t, t_eps).
-
-
 def euler_step(z, t, t_next, x_pred, t_eps: float = 0.05):
     """Move z a fraction (t_next - t)/(1 - t) of the way to the guess x_pred (v clipped at 1 - t >= t_eps)."""
     return z + (t_next - t) * (x_pred - z) / (1 - t).clamp_min(t_eps)
@@ -380,3 +353,55 @@ def generate_tokens(net, batch: int, length: int, steps: int = 32, sampler: str 
                   known_mask=known_mask, generator=generator, noise_scale=recipe.noise_scale, t_eps=recipe.t_eps,
                   callback=callback)
     return decode_tokens(net, z, w), z
+
+
+T_MEAN, T_STD = -1.5, 0.8  # logit-normal time schedule (training and the sampling grid)
+
+
+P_MEAN, P_STD = 0.8, 0.8  # logit-normal decode corruption level
+
+
+def _device(generator):
+    return generator.device if generator is not None else None
+
+
+def sample_time(n: int, generator: torch.Generator | None = None, mean: float = T_MEAN, std: float = T_STD):
+    """(n,) training times t = sigmoid(N(mean, std^2))."""
+    u = torch.randn(n, generator=generator, device=_device(generator))
+    return torch.sigmoid(mean + std * u)
+
+
+def sample_decode_level(shape, generator: torch.Generator | None = None, mean: float = P_MEAN, std: float = P_STD):
+    """Decode corruption levels p = sigmoid(N(0.8, 0.8^2)) of any shape (one per token in training)."""
+    u = torch.randn(tuple(shape), generator=generator, device=_device(generator))
+    return torch.sigmoid(mean + std * u)
+
+
+def sample_guidance(n: int, generator: torch.Generator | None = None, low: float = 0.5, high: float = 5.0):
+    """(n,) guidance scales omega, log-uniform in 1 + omega over [low, high]."""
+    if not (-1 < low <= high):
+        raise ValueError(f"sample_guidance: need -1 < low <= high, got low={low}, high={high}")
+    u = torch.rand(n, generator=generator, device=_device(generator))
+    return torch.exp(math.log1p(low) + u * (math.log1p(high) - math.log1p(low))) - 1.0
+
+
+def time_grid(steps: int, kind: str = "logit_normal", generator: torch.Generator | None = None,
+              device=None) -> torch.Tensor:
+    """steps + 1 increasing times from exactly 0 to exactly 1.
+
+    "logit_normal": 0, the sorted sigmoid of steps - 1 draws of N(-1.5, 0.8^2), 1 (the released sampler).
+    "uniform": 0, 1/steps, ..., 1.
+    """
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"time_grid: steps must be an integer >= 1, got {steps!r}")
+    device = device if device is not None else _device(generator)
+    if kind == "uniform":
+        grid = torch.arange(steps + 1, dtype=torch.float32, device=device) / steps
+    elif kind == "logit_normal":
+        interior = sample_time(steps - 1, generator=generator).to(device).sort().values
+        zero, one = torch.zeros(1, device=device), torch.ones(1, device=device)
+        grid = torch.cat([zero, interior, one])
+    else:
+        raise ValueError(f"time_grid: kind must be 'logit_normal' or 'uniform', got {kind!r}")
+    grid[0], grid[-1] = 0.0, 1.0
+    return grid

@@ -1,35 +1,17 @@
-"""From a network to texts: the sampler's settings and the one text generator.
-
-    SAMPLING_DEFAULTS            the settings a model samples with when no flag is given, by kind of model
-                                 (one table: sample, eval, sweep, distill, the trainer and the loader read it)
-    SamplingSettings             the sampler's settings, defined once
-    settings_for(loaded, ...)    a loaded model's own defaults with the values given on top
-    conditioning(...)            texts -> the positions held fixed: a source, a prompt, a suffix
-    generate(net, space, n, s)   -> records {"index", "text", ...}; batch i is seeded by (seed, i)
-    write_samples(path, ...)     the one JSONL writer (atomic; every line holds the settings it was made with)
-
-A conditional model's source, an unconditional model's prompt (fixed at the start) and suffix (fixed at the
-end) all take one path: their positions are encoded so that known tokens attend only to known tokens, held
-at their clean embeddings during sampling (`flow.sample(known=..., known_mask=...)`), and kept as they are in
-the output. `elflow sample` itself is elflow.sample.
-"""
+"""TODO."""
 
 from __future__ import annotations
-
 import json
 import sys
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-
 import torch
+from elflow.data.layout import encoder_mask, pair_layout
+from elflow.flow import Recipe, check_sampling_args, decode_tokens, generate_tokens
+from elflow.util.errors import ELFError, Record, check_seed
+from elflow.util.files import atomic_write
+from elflow.util.devices import autocast
 
-from elflow.data import encoder_mask, pair_layout
-from elflow.flow import SAMPLERS, Recipe, check_sampling_args, decode_tokens, generate_tokens
-from elflow.utils import ELFError, Record, atomic_write, autocast, check_seed, utf8_lines
-
-__all__ = ["SAMPLING_DEFAULTS", "distilled_defaults", "SamplingSettings", "ELF_KNOBS", "settings_for",
-           "conditioning", "extract_targets", "sample_batches", "gather_records", "generate", "write_samples",
-           "add_sampling_arguments", "read_sources"]
 
 # the sampler settings of a model when no flag is given, by the kind of model
 SAMPLING_DEFAULTS = {
@@ -38,6 +20,8 @@ SAMPLING_DEFAULTS = {
     "distilled": {"sampler": "sde", "gamma": 1.5, "omega": 2.5},  # a progressively distilled student, <= 8 steps
     "distilled-long": {"sampler": "sde", "gamma": 2.0, "omega": 2.0},  # the same beyond 8 steps
 }
+
+
 DISTILLED_STEPS = 8  # a distilled model's steps when none are given (the released few-step model's)
 
 
@@ -105,8 +89,6 @@ def settings_for(loaded, **given) -> SamplingSettings:
 
 # ----------------------------------------------------------------------------------------------------------
 # known positions
-
-
 def conditioning(space, length: int, batch: int, sources: list[str] | None = None, source_length: int | None = None,
                  prompt: str | None = None, suffix: str | None = None, device=None, source_slot: str = "packed"):
     """(known ids (B, L) long, known_mask (B, L) bool, known (B, L, C) clean embeddings), or None if nothing
@@ -163,8 +145,6 @@ def extract_targets(ids: torch.Tensor, source_len: torch.Tensor, keep: int, eos_
 
 # ----------------------------------------------------------------------------------------------------------
 # texts
-
-
 def _shown(ids: torch.Tensor, known_mask, source_len, keep: int | None, eos: int) -> list[list[int]]:
     """Per row, the positions whose tokens make its text: a conditional model's target (the positions after
     its source, up to the first EOS); otherwise the row up to its first EOS, or with known tokens (a prompt, a
@@ -300,52 +280,3 @@ def write_samples(path, records: list[dict], settings: dict, overwrite: bool = T
         for r in records:
             f.write(json.dumps({**r, **settings}) + "\n")
     return path
-
-
-def add_sampling_arguments(p) -> None:
-    """The sampler flags; unset ones take the model's own defaults (a conditional or distilled model's),
-    else SamplingSettings'."""
-    d = SamplingSettings()
-    p.add_argument("--steps", type=int, default=None, help=f"sampling steps N (default {d.steps})")
-    p.add_argument("--sampler", choices=SAMPLERS, default=None,
-                   help=f"ode: Euler; sde: the released SDE-style step; vc: variance-consistent re-noising "
-                        f"(default {d.sampler})")
-    p.add_argument("--gamma", type=float, default=None, help=f"SDE back-off scale (default {d.gamma})")
-    p.add_argument("--omega", type=float, default=None, help=f"self-conditioning guidance scale (default {d.omega})")
-    p.add_argument("--guidance", type=float, default=None,
-                   help="source guidance of conditional models: v = v_u + g (v_c - v_u) (default 1; 2 for the "
-                        "released conditional models)")
-    p.add_argument("--grid", choices=["logit_normal", "uniform"], default=None,
-                   help=f"time grid (default {d.grid})")
-    p.add_argument("--seed", type=int, default=None, help="sampling seed (default 0)")
-    p.add_argument("--batch", type=int, default=None, help=f"samples per batch (default {d.batch_size})")
-    p.add_argument("--dtype", choices=["fp32", "bf16"], default=None, help="autocast precision (default fp32)")
-    p.add_argument("--temperature", type=float, default=None,
-                   help="AR and MDLM baselines: divide the logits by this (default 1); --steps sets an MDLM's "
-                        "reverse steps (default 64)")
-    p.add_argument("--top-p", type=float, default=None, help="AR baselines: nucleus sampling mass (default 1)")
-
-
-def read_sources(value: str, field: str = "input", reference_field: str = "output") -> tuple[list[str], list]:
-    """--source: a .jsonl file of records (the source in `field`, a reference in `reference_field` if there)
-    or one source text. Returns (sources, references or None per row)."""
-    path = Path(value).expanduser()
-    if not path.suffix == ".jsonl":
-        return [value], [None]
-    if not path.is_file():
-        raise ELFError(f"--source {value}: no such file")
-    sources, refs = [], []
-    for n, line in enumerate(utf8_lines(path), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ELFError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-        if not isinstance(obj, dict) or not isinstance(obj.get(field), str):
-            raise ELFError(f"{path}:{n}: no text field {field!r} (pass --source-field)")
-        sources.append(obj[field])
-        refs.append(obj.get(reference_field))
-    if not sources:
-        raise ELFError(f"{path} holds no sources")
-    return sources, refs

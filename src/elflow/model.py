@@ -1,51 +1,24 @@
-"""The ELF network: one transformer that denoises embeddings and, in decode mode, reads them out as tokens.
-
-Knows nothing of training, data or distributed code. Every detail follows the authors' released PyTorch
-port, so their checkpoints load with a key map and no compatibility code in the forward pass:
-
-    input   [z, x_prev] (B, L, 2C) -> Linear(2C, C) -> Linear(C, b, no bias) -> Linear(b, H)
-    prefix  P = T + W + M tokens: [T time tokens + e(t) | W omega tokens + e(omega) | M mode tokens * gate],
-            then the L sequence tokens (T = W = M = 4 in every released model)
-    blocks  pre-norm: h += Attn(RMSNorm(h)); h += SwiGLU(RMSNorm(h)); QK-norm, interleaved RoPE on text only
-    heads   x_pred = Linear(RMSNorm(h))           (B, L, C), zero-initialised
-            logits = Linear(GELU_tanh(Linear(h)))  (B, L, V), on the un-normalised stream
-
-Three variant fields of ELFConfig change the network where the paper's ablations change it; their defaults
-are the released network, which they leave exactly as it is:
-
-    predict       what the denoise head outputs: x (released), v or eps. The head's output is turned into x
-                  (`prediction_to_x`) inside the network, so every caller (the loss, the samplers,
-                  distillation) sees x and the loss stays the v-space MSE, whatever the target
-    conditioning  tokens (released): the prefix tokens above; adaln: no prefix, and DiT's adaLN-Zero in every
-                  block (shift, scale and gate of both sublayers from c = e(t) + e(omega) + mode * gate,
-                  zero-initialised, so a fresh block is the identity) and on the denoise head
-    bottleneck    the input bottleneck's width b
-
-`embed_time`, `modulate_head`, `precondition` and `decode` are the points where elflow.shortrun's options for
-short runs change the network; here they are the paper's.
-
-`TokenTransformer` is the token-level network of the baseline methods (elflow.methods.ar, elflow.methods.mdlm):
-the same blocks, read from and written to token ids (TokenLMConfig, fit_token_lm to match a parameter count).
-"""
+"""TODO."""
 
 from __future__ import annotations
-
 import math
 from dataclasses import dataclass
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+from elflow.util.errors import Record
+from elflow.util.devices import check_memory
+from elflow.space import latent_moments, token_vectors
+from elflow.util.errors import ELFError
 
-from elflow.utils import Record, check_memory
-
-__all__ = ["ELFConfig", "PRESETS", "PREDICTIONS", "CONDITIONINGS", "DECODERS", "ELF", "Block", "RMSNorm",
-           "rope_tables", "timestep_features", "prediction_to_x", "x_to_prediction", "get_config", "TokenLMConfig",
-           "TokenTransformer", "num_params", "token_lm_params", "fit_token_lm"]
 
 PREDICTIONS = ("x", "v", "eps")  # what the denoise head outputs
+
+
 CONDITIONINGS = ("tokens", "adaln")  # how t, omega and the mode reach the blocks
+
+
 DECODERS = ("shared", "separate")  # who reads out tokens: the denoiser itself, or a network of its own
 
 
@@ -110,7 +83,6 @@ class ELFConfig(Record, TransformerShape):
         return 0 if self.adaln else self.time_tokens + self.omega_tokens + self.mode_tokens
 
 
-
 PRESETS: dict[str, ELFConfig] = {
     # seconds on CPU: for tests
     "tiny": ELFConfig(depth=2, hidden=64, heads=4, bottleneck=16, dim=32, vocab_size=100, max_length=32),
@@ -137,8 +109,6 @@ def get_config(name: str, **overrides) -> ELFConfig:
 #     x    a = 0,      b = 1
 #     v    a = 1,      b = c1                       (v = (x - z) / c1)
 #     eps  a = 1 / c0, b = -noise_scale c1 / c0     (eps = (z - c0 x) / (noise_scale c1))
-
-
 def _affine(kind: str, t: torch.Tensor, noise_scale: float, t_eps: float):
     """(a, b) of x = a z + b out for target `kind`; t (B,) -> (B, 1, 1) each."""
     t = t.float().reshape(-1, 1, 1)
@@ -172,8 +142,6 @@ def x_to_prediction(kind: str, x: torch.Tensor, z: torch.Tensor, t: torch.Tensor
 
 # ----------------------------------------------------------------------------------------------------------
 # building blocks
-
-
 class RMSNorm(nn.Module):
     """y = w * x / sqrt(mean(x^2) + eps); statistics in fp32."""
 
@@ -302,8 +270,6 @@ class DecodeHead(nn.Module):
 
 # ----------------------------------------------------------------------------------------------------------
 # the network
-
-
 class ELF(nn.Module):
     """net(z, t, omega, x_prev=None) -> x_pred (B, L, C); net.decode(z, omega) -> logits (B, L, V);
     net.mixed(...) -> (x_pred, logits) for training batches that mix both modes.
@@ -484,8 +450,6 @@ class ELF(nn.Module):
 
 # ----------------------------------------------------------------------------------------------------------
 # the token-level network of the baseline methods
-
-
 def num_params(module: nn.Module) -> int:
     """Trainable parameters of any network (ELF or TokenTransformer); a tied table counts once."""
     return sum(p.numel() for p in module.parameters() if p.requires_grad)
@@ -514,131 +478,232 @@ def check_size(config, cls, what: str, *args) -> None:
                  hint="choose a smaller --depth / --hidden / --length (or check the stored config)")
 
 
-@dataclass(frozen=True)
-class TokenLMConfig(Record, TransformerShape):
-    """Shape of a token-level transformer. `vocab_size` is the embedding space's tokenizer size: the methods
-    add their own extra input id (AR: the row-start id, MDLM: the mask id) on top of it."""
+SKIPS = ("none", "gaussian", "gated")
 
-    depth: int = 4
-    hidden: int = 256
-    heads: int = 4
-    vocab_size: int = 30522
-    max_length: int = 64  # longest sequence the RoPE table covers
-    mlp_ratio: float = 4.0
-    rope_theta: float = 10000.0
-    tie_embeddings: bool = False  # read out with the input table (its first out_vocab rows)
+
+@dataclass(frozen=True)
+class ShortRunOptions(Record):
+    """The four options; the defaults are the paper's network."""
+
+    skip: str = "none"  # "gaussian": x_pred = Gaussian posterior mean + posterior std * head; "gated": its
+    # pass-through of z gated by the network
+    time_scale: float = 1.0  # factor on t before its sinusoid features
+    head_modulation: bool = False  # the denoise head's input scaled and shifted by t
+    table_readout: float = 0.0  # weight of the readout's table match
 
     def __post_init__(self):
-        for f in ("depth", "hidden", "heads", "vocab_size", "max_length"):
-            if getattr(self, f) < 1:
-                raise ValueError(f"TokenLMConfig.{f} must be >= 1, got {getattr(self, f)}")
-        if self.hidden % self.heads or (self.hidden // self.heads) % 2:
-            raise ValueError(f"TokenLMConfig: hidden {self.hidden} must split into {self.heads} heads of even size")
+        if self.skip not in SKIPS:
+            raise ValueError(f"skip must be one of {', '.join(SKIPS)}, got {self.skip!r}")
+        if not (isinstance(self.time_scale, (int, float)) and math.isfinite(self.time_scale) and self.time_scale > 0):
+            raise ValueError(f"time_scale must be a positive number, got {self.time_scale}")
+        if not (isinstance(self.table_readout, (int, float)) and math.isfinite(self.table_readout)
+                and self.table_readout >= 0):
+            raise ValueError(f"table_readout must be a number >= 0, got {self.table_readout}")
+
+    @property
+    def active(self) -> bool:
+        return self != ShortRunOptions()
 
 
+FIELDS = tuple(ShortRunOptions().to_dict())
 
-class TokenTransformer(nn.Module):
-    """ids (B, N) -> Embedding(in_vocab, H) -> depth x Block(causal) -> RMSNorm -> logits (B, N, out_vocab).
 
-    The blocks, norms and RoPE are ELF's (RoPE on every position, no prefix). `features` and `head` split the
-    forward pass so that a loss can read out only the positions it scores. Initialised as GPT-2: normal(0.02),
-    residual projections scaled by 1/sqrt(2 depth), zero biases.
-    """
+def gaussian_posterior(z, t, mean, var, noise_scale):
+    """Posterior mean and std of x given z = t x + (1 - t) noise_scale e for x ~ N(mean, var) per dimension:
+        E[x | z] = mean + g (z - t mean),  g = t var / (t^2 var + (1 - t)^2 noise_scale^2)
+        Std[x | z] = (1 - t) noise_scale sqrt(var) / sqrt(t^2 var + (1 - t)^2 noise_scale^2)
+    z (B, L, C), t (B,) or a number, mean / var (C,), noise_scale a number or a 0-dim tensor."""
+    t = torch.as_tensor(t, dtype=torch.float32, device=z.device)
+    t = t.reshape(-1, 1, 1) if t.dim() else t
+    spread = (1 - t) * noise_scale
+    total = t * t * var + spread * spread
+    return mean + t * var / total * (z - t * mean), spread * var.sqrt() / total.sqrt()
 
-    def __init__(self, config: TokenLMConfig, causal: bool, in_vocab: int, out_vocab: int):
-        super().__init__()
-        if config.tie_embeddings and out_vocab > in_vocab:
-            raise ValueError(f"a tied read-out needs out_vocab <= in_vocab, got {out_vocab} > {in_vocab}")
-        check_size(config, TokenTransformer, _describe(config, "vocab_size", "max_length"), causal, in_vocab, out_vocab)
-        self.config = c = config
-        self.causal, self.in_vocab, self.out_vocab = causal, in_vocab, out_vocab
-        self.embed = nn.Embedding(in_vocab, c.hidden)
-        self.blocks = nn.ModuleList(Block(c.hidden, c.heads, c.mlp_hidden, causal=causal) for _ in range(c.depth))
-        self.norm = RMSNorm(c.hidden)
-        self.lm_head = None if c.tie_embeddings else nn.Linear(c.hidden, out_vocab, bias=False)
-        cos, sin = rope_tables(c.max_length, c.head_dim, 0, c.rope_theta)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
-        self.reset_parameters()
+
+class ShortRunELF(ELF):
+    """ELF with the options of `options` (module docstring): the paper's modules and names, plus
+    `head_modulation` and `skip_gate` (Linears), `skip_mean`, `skip_var`, `skip_noise` and `readout_table`
+    (frozen)."""
+
+    def __init__(self, config: ELFConfig, options: ShortRunOptions):
+        self.options = options  # read by extend_denoise_head, which ELF.__init__ calls
+        super().__init__(config)
+        c = config
+        if options.skip == "gated":  # a(h), the gate on the skip's pass-through of z, zero-initialised
+            self.skip_gate = nn.utils.skip_init(nn.Linear, c.hidden, c.dim)
+            nn.init.zeros_(self.skip_gate.weight)
+            nn.init.zeros_(self.skip_gate.bias)
+        if options.skip != "none":  # the data's moments (unit Gaussian until set) and the noise scale
+            self.skip_mean = nn.Parameter(torch.zeros(c.dim), requires_grad=False)
+            self.skip_var = nn.Parameter(torch.ones(c.dim), requires_grad=False)
+            self.skip_noise = nn.Parameter(torch.ones(()), requires_grad=False)
+        if options.table_readout:  # the space's vector for each token id (zeros until set)
+            self.readout_table = nn.Parameter(torch.zeros(c.vocab_size, c.dim), requires_grad=False)
+
+    def extend_denoise_head(self) -> None:
+        if self.options.head_modulation:  # (shift, scale) of the head's input from the time embedding
+            self.head_modulation = nn.Linear(self.config.hidden, 2 * self.config.hidden)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        nn.init.normal_(self.embed.weight, std=0.02)
-        if self.lm_head is not None:
-            nn.init.normal_(self.lm_head.weight, std=0.02)
-        residual_std = 0.02 / math.sqrt(2 * self.config.depth)
-        for block in self.blocks:
-            for lin, std in ((block.attn.qkv, 0.02), (block.attn.proj, residual_std), (block.mlp.w12, 0.02),
-                             (block.mlp.w3, residual_std)):
-                nn.init.normal_(lin.weight, std=std)
-                nn.init.zeros_(lin.bias)
-        for m in self.modules():
-            if isinstance(m, RMSNorm):
-                nn.init.ones_(m.weight)
+        super().reset_parameters()
+        if self.options.head_modulation:
+            nn.init.zeros_(self.head_modulation.weight)
+            nn.init.zeros_(self.head_modulation.bias)
+        if hasattr(self, "skip_gate"):
+            nn.init.zeros_(self.skip_gate.weight)
+            nn.init.zeros_(self.skip_gate.bias)
 
-    def features(self, ids: torch.Tensor) -> torch.Tensor:
-        """(B, N) ids -> (B, N, H), the normalised stream the head reads."""
-        if ids.dim() != 2:
-            raise ValueError(f"TokenTransformer: ids must have shape (B, N), got {tuple(ids.shape)}")
-        N = ids.shape[1]
-        if N > self.config.max_length:
-            raise ValueError(f"TokenTransformer: sequence length {N} exceeds max_length {self.config.max_length}")
-        h = self.embed(ids)
-        cos, sin = self.rope_cos[:N], self.rope_sin[:N]
-        for block in self.blocks:
-            h = block(h, cos, sin)
-        return self.norm(h)
+    def embed_time(self, t: torch.Tensor) -> torch.Tensor:
+        """(B,) flow times -> (B, H): the time embedding of the prefix tokens and of the head modulation."""
+        return self.time_embed(t * self.options.time_scale)
 
-    def head(self, h: torch.Tensor) -> torch.Tensor:
-        """(..., H) -> (..., out_vocab) logits."""
-        if self.lm_head is None:
-            return F.linear(h, self.embed.weight[: self.out_vocab])
-        return self.lm_head(h)
+    def modulate_head(self, h: torch.Tensor, t: torch.Tensor, omega) -> torch.Tensor:
+        h = super().modulate_head(h, t, omega)
+        if self.options.head_modulation:
+            shift, scale = self.head_modulation(F.silu(self.embed_time(t.to(h.device)))).chunk(2, dim=-1)
+            h = modulate(h, shift, scale)
+        return h
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.head(self.features(ids))
+    def precondition(self, out: torch.Tensor, z: torch.Tensor, t: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        if self.options.skip != "none":
+            mean, std = gaussian_posterior(z.float(), t.to(z.device), self.skip_mean, self.skip_var, self.skip_noise)
+            if self.options.skip == "gated":  # mu + (1 - a) g (z - t mu)
+                mean = mean - self.skip_gate(h) * (mean - self.skip_mean)
+            out = mean + std * out
+        return out
 
-    def num_params(self) -> int:
+    def table_match(self, z: torch.Tensor) -> torch.Tensor:
+        """table_readout x z . R_k / sqrt(C) for every token k: (B, L, C) -> (B, L, V)."""
+        with torch.autocast(z.device.type, enabled=False):
+            return (z.float() @ self.readout_table.T) * (self.options.table_readout / math.sqrt(self.config.dim))
+
+    def decode(self, z, omega) -> torch.Tensor:
+        """The paper's readout, plus the table match under table_readout."""
+        logits = super().decode(z, omega)
+        return logits + self.table_match(z) if self.options.table_readout else logits
+
+    @torch.no_grad()
+    def set_gaussian_skip(self, mean: torch.Tensor, var: torch.Tensor, noise_scale: float) -> None:
+        """Set the per-dimension data moments (C,) and the training path's noise scale of a skip="gaussian"
+        or skip="gated" network."""
+        if self.options.skip == "none":
+            raise ValueError("set_gaussian_skip: this network was built with skip='none'")
+        C = self.config.dim
+        if mean.shape != (C,) or var.shape != (C,):
+            raise ValueError(f"set_gaussian_skip: mean and var must have shape ({C},), got "
+                             f"{tuple(mean.shape)} and {tuple(var.shape)}")
+        if not (var > 0).all() or not noise_scale > 0:
+            raise ValueError("set_gaussian_skip: var and noise_scale must be positive")
+        self.skip_mean.copy_(mean)
+        self.skip_var.copy_(var)
+        self.skip_noise.fill_(float(noise_scale))
+
+    @torch.no_grad()
+    def set_readout_table(self, table: torch.Tensor) -> None:
+        """Set the (vocab_size, C) token vectors of a table_readout network."""
+        if not self.options.table_readout:
+            raise ValueError("set_readout_table: this network was built without table_readout")
+        shape = (self.config.vocab_size, self.config.dim)
+        if tuple(table.shape) != shape:
+            raise ValueError(f"set_readout_table: the table must have shape {shape}, got {tuple(table.shape)}")
+        if not torch.isfinite(table).all():
+            raise ValueError("set_readout_table: the table has non-finite entries")
+        self.readout_table.copy_(table)
+
+    def prepare(self, space, data, noise_scale: float) -> None:
+        """Before training: the Gaussian skip's moments from the training split `data` (in `space`), the
+        readout's table from the space's token vectors."""
+        device = self.x_head.weight.device
+        if self.options.skip != "none":
+            self.set_gaussian_skip(*latent_moments(space, data, device=device), noise_scale)
+        if self.options.table_readout:
+            self.set_readout_table(token_vectors(space, self.config.vocab_size, device=device))
+
+
+def options_of(options) -> ShortRunOptions:
+    """A ShortRunOptions from itself, a dict of its fields, or None (all off); one-line errors."""
+    if isinstance(options, ShortRunOptions):
+        return options
+    try:
+        return ShortRunOptions.from_dict(dict(options or {}))
+    except ValueError as e:
+        raise ELFError(f"the short-run options do not fit together: {e}") from None
+
+
+def check_network(config: ELFConfig, options: ShortRunOptions) -> None:
+    """ELFError for a network variant (config) and short-run options that do not go together."""
+    if options.skip != "none" and config.predict != "x":
+        raise ELFError(f"--skip {options.skip} writes the head's output as a correction to the Gaussian posterior mean of "
+                       f"x; it needs --predict x, not --predict {config.predict}")
+    if options.head_modulation and config.adaln:
+        raise ELFError("--conditioning adaln modulates the denoise head by t and omega already; pass "
+                       "--head-modulation false with it")
+
+
+def build_network(config: ELFConfig, options=None) -> ELF:
+    """The network of `config` with the short-run `options` (a ShortRunOptions, a dict, or None): the paper's
+    ELF when they are all off; a SeparateDecoderELF for config.decoder = "separate"."""
+    options = options_of(options)
+    check_network(config, options)
+    if config.decoder == "separate":
+        return SeparateDecoderELF(config, options)
+    return ShortRunELF(config, options) if options.active else ELF(config)
+
+
+class SeparateDecoderELF(nn.Module):
+    """A denoiser and a decoder of its own (Figure 5b): two networks of config's shape, `denoiser` (its
+    decode head removed, and its table readout, which only a readout uses) and `decoder` (frozen: it is
+    trained first, in decode mode alone, and loaded with `load_decoder`). net(...) and net.mixed(...)
+    denoise with the denoiser; net.decode(...) reads out with the decoder."""
+
+    def __init__(self, config: ELFConfig, options: ShortRunOptions):
+        super().__init__()
+        part = config.replace(decoder="shared")
+        self.config, self.options = config, options
+        self.denoiser = build_network(part, options.replace(table_readout=0.0))
+        self.denoiser.decode_head = None  # the denoiser never reads out
+        self.decoder = build_network(part, options)
+        self.decoder.requires_grad_(False)
+
+    @property
+    def grad_checkpoint(self) -> bool:
+        return self.denoiser.grad_checkpoint
+
+    @grad_checkpoint.setter
+    def grad_checkpoint(self, value: bool) -> None:
+        self.denoiser.grad_checkpoint = value
+
+    def forward(self, z, t, omega, x_prev=None) -> torch.Tensor:
+        return self.denoiser(z, t, omega, x_prev)
+
+    def decode(self, z, omega) -> torch.Tensor:
+        return self.decoder.decode(z, omega)
+
+    def mixed(self, z, t, omega, x_prev, gate, logits_rows):
+        h = self.denoiser.trunk(z, t, omega, x_prev, gate)
+        return self.denoiser.denoise_head(h, z, t, omega), self.decoder.decode(z[logits_rows], omega[logits_rows])
+
+    @torch.no_grad()
+    def load_decoder(self, state_dict: dict) -> None:
+        """The trained decoder's weights (a decode-only run's, elflow-named); a mismatch is a one-line error."""
+        try:
+            self.decoder.load_state_dict(state_dict)
+        except RuntimeError as e:
+            raise ELFError(f"the decoder's weights do not fit this network's decoder ({str(e).splitlines()[0][:200]})"
+                           ) from None
+
+    def prepare(self, space, data, noise_scale: float) -> None:
+        for part in (self.denoiser, self.decoder):
+            if hasattr(part, "prepare"):
+                part.prepare(space, data, noise_scale)
+
+    def num_params(self, exclude_decode_head: bool = False) -> int:
+        """The parameters that train: the denoiser's (the frozen decoder is data)."""
         return num_params(self)
 
 
-def _block_params(config: TokenLMConfig) -> int:
-    with torch.device("meta"):  # built without memory, only to be counted
-        return num_params(Block(config.hidden, config.heads, config.mlp_hidden))
-
-
-def token_lm_params(config: TokenLMConfig, in_vocab: int, out_vocab: int, tables: bool = True) -> int:
-    """The parameter count of TokenTransformer(config, ., in_vocab, out_vocab), without building it;
-    `tables=False` leaves out the token tables (input embedding and untied read-out)."""
-    n_tables = in_vocab * config.hidden + (0 if config.tie_embeddings else config.hidden * out_vocab)
-    return n_tables * tables + config.depth * _block_params(config) + config.hidden  # + the final norm
-
-
-def fit_token_lm(target: int, in_vocab: int, out_vocab: int, base: TokenLMConfig, head_dim: int | None = None,
-                 tol: float = 0.03, max_depth: int = 48, max_hidden: int = 4096, tables: bool = True) -> TokenLMConfig:
-    """The width and depth whose parameter count (without the token tables if not `tables`) is within `tol`
-    (relative) of `target`.
-
-    Widths are multiples of `head_dim` (default: base's), heads = width / head_dim. Among the shapes within
-    `tol`, the one whose depth is closest to base.depth wins, then the closest count. Other fields (vocab,
-    length, tying, MLP ratio) come from `base`. Raises ValueError when no shape is within `tol`.
-    """
-    head_dim = head_dim or base.head_dim
-    if head_dim % 2 or target < 1:
-        raise ValueError(f"fit_token_lm: need an even head_dim and a positive target, got {head_dim}, {target}")
-    closest, candidates = (math.inf, None), []
-    for hidden in range(head_dim, max_hidden + 1, head_dim):
-        cfg = base.replace(hidden=hidden, heads=hidden // head_dim, depth=1)
-        block = _block_params(cfg)
-        fixed = token_lm_params(cfg, in_vocab, out_vocab, tables) - block  # tables and final norm
-        for depth in range(1, max_depth + 1):
-            err = abs(fixed + depth * block - target) / target
-            closest = min(closest, (err, (depth, hidden)))
-            if err <= tol:
-                candidates.append((abs(depth - base.depth), err, depth, hidden))
-    if not candidates:
-        err, (depth, hidden) = closest
-        raise ValueError(f"no width/depth gives {target:,} parameters within {tol:.0%} (closest: depth {depth}, "
-                         f"width {hidden}, off by {err:.1%}); the token tables alone may exceed the target")
-    _, _, depth, hidden = min(candidates)
-    return base.replace(depth=depth, hidden=hidden, heads=hidden // head_dim)
+def describe_network(net: ELF) -> tuple[dict, dict]:
+    """(the network's config, its short-run options; {} for the paper's network) as stored with a run."""
+    options = getattr(net, "options", None)
+    return net.config.to_dict(), options.to_dict() if options is not None and options.active else {}

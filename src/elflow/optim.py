@@ -1,56 +1,19 @@
-"""The paper's optimiser recipe: Muon on 2-D weight matrices, Adam on the rest, warm-up then constant, EMA.
-
-    Muon  every 2-D weight (decode head and embedder MLPs included, as the authors do); momentum 0.95,
-          Nesterov, 5 Newton-Schulz steps (3.4445, -4.7750, 2.0315), lr scaled by sqrt(max(1, fan_out/fan_in))
-    Adam  biases, norms, prefix tokens, learned embedding tables; betas (0.9, 0.999), eps 1e-8
-    both  weight decay 0, lr = 1e-3 * batch / 256, linear warm-up then constant
-
-The update is torch.optim.Muon's. Its Newton-Schulz step runs in bf16 on GPUs (as torch's does) and in fp32
-on CPUs without native bf16 matrix units, where bf16 matmuls are many times slower than fp32; `ns_precision`
-selects it.
-
-How the Newton-Schulz polynomial is evaluated (`ns_method`):
-
-    iterate   torch's five steps X <- a X + (b A + c A^2) X, A = X X^T, on the m x n matrix (m <= n):
-              5 (4 m^2 n + 2 m^3) FLOPs.
-    spectral  the same five steps applied to the eigenvalues of the Gram matrix G = X X^T. Every iterate is
-              X_k = h_k(G) X_0 with h_k a polynomial (h_0 = 1, h_{k+1}(l) = h_k(l) p(h_k(l)^2 l), p(q) = a + b q
-              + c q^2), so X_5 = V h_5(diag l) V^T X_0 with G = V diag(l) V^T: one Gram product, one symmetric
-              eigendecomposition, two products; 4 m^2 n + 2 m^3 FLOPs plus the eigendecomposition (~9 m^3).
-              Exact in float64; in fp32 it squares the condition number, so it is less exact than the fp32
-              iteration and far more exact than torch's bf16 one. Not used on
-              GPUs, where bf16 `iterate` is fast and eigendecompositions are not.
-    by-shape  per matrix, spectral where it pays on a CPU and iterate elsewhere: spectral iff the smaller side
-              k >= 384 or the larger side n >= max(2k, 512) (the measured crossover; small square matrices
-              iterate faster than `eigh` runs).
-    auto      by-shape when Newton-Schulz runs in fp32 on a CPU, iterate otherwise.
-
-`kind="adamw"` replaces the recipe by AdamW on every parameter (the paper's Appendix D.5 comparison, at its own
-learning rate: `base_lr(batch, ADAMW_BLR)` gives the paper's 1e-4 at batch 512); `weight_decay` is the decoupled
-decay of either (0 in the paper's recipe).
-
-`adam_heads=True` moves the output heads and the input/scalar embedders to Adam (the usual Muon practice,
-and far cheaper on a CPU, where Newton-Schulz on the 512 x 32,100 readout dominates a step). `adam=` names
-further parameters for Adam explicitly (a token-level baseline's token table, say).
-"""
+"""TODO."""
 
 from __future__ import annotations
-
 import contextlib
 import math
 import warnings
-
 import torch
 import torch.optim._muon as _muon_impl
+from elflow.util.devices import fast_bf16
 
-from elflow.utils import fast_bf16  # noqa: F401  (re-exported: the optimiser and the CLIs ask it)
-
-__all__ = ["ELFOptimizer", "OPTIMIZERS", "ADAMW_BLR", "newton_schulz", "ns_precision", "NS_METHODS",
-           "resolve_ns_method", "method_for", "spectral_pays", "fast_bf16", "EMA", "base_lr", "lr_at", "LR_DECAYS",
-           "HEAD_PREFIXES"]
 
 OPTIMIZERS = ("muon", "adamw")
+
+
 ADAMW_BLR = 5e-5  # AdamW's lr per 256 rows: the paper's tuned 1e-4 for ELF-B at batch 512
+
 
 HEAD_PREFIXES = ("x_head.", "head_modulation.", "decode_head.", "self_cond_proj.", "bottleneck_in.",
                  "bottleneck_out.", "time_embed.", "omega_embed.")

@@ -1,28 +1,6 @@
-"""`elflow train`: the training loop, alone or under torchrun (DDP: NCCL on GPUs, Gloo on CPUs).
-
-    train(cfg, out, ...)    check everything, hold the run folder, set up (space, data, network, optimiser),
-                            restore or start from stored weights, run the steps, save; `run` is the command
-    train_step(...)         one optimiser step of any method over this rank's shards
-
-The run's description is elflow.runconfig (`TrainConfig`, importable from here too), the run folder's rules
-are elflow.runfolder.
-
-`--method` chooses what is trained (elflow.methods): ELF (the default), or a token-level baseline, an
-autoregressive LM (ar) or a masked diffusion LM (mdlm). All share the data pipeline, the optimiser, the EMA,
-the checkpoints, exact resume, torchrun and one step function (`train_step` over the method's
-`TrainedPass`); a baseline reads the embedding space's token ids through its tokenizer alone (no encoder is
-loaded) and is sized to the parameter count of the ELF network that the same flags would build (`--match`).
-
-A global batch of `--batch` rows is cut into shards of `--micro-batch` rows: rank r runs shards
-r*A .. r*A + A - 1 (A = accumulation steps). Each shard draws its noise from a generator seeded by
-(seed, step, shard), so a run's numbers depend on the global batch only, not on how it is spread over
-ranks and accumulation steps, and a resumed run needs no generator state to continue exactly.
-"""
+"""TODO."""
 
 from __future__ import annotations
-
-import argparse
-import json
 import math
 import os
 import sys
@@ -30,30 +8,27 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
-
 import torch
 import torch.distributed as dist
-
 from elflow.flow import Recipe
-from elflow.methods import Method, TrainedPass, get_method
+from elflow.methods.base import Method, TrainedPass
+from elflow.methods import get_method
 from elflow.model import get_config
 from elflow.optim import EMA, ELFOptimizer, lr_at
-from elflow.runconfig import RUN_PRESETS, TrainConfig, add_setting_arguments, given_settings, mutable_flags, \
-    resume_conflicts, with_default
-from elflow.runfolder import (DECODER_STAGE, RunFolder, RunLogger, check_run_dir, no_space, plot_losses, stored_config,
-                              trim_metrics)
-from elflow.utils import (ELFError, FolderLock, NoSpace, atomic_write_json, autocast, check_device, check_output,
-                          device_name, fast_bf16, first_line, flushed_denormals, no_space_error, on_every_rank,
-                          on_rank0, process_group, resolve_dtype, setup_distributed, use_tf32)
-
-__all__ = ["TrainConfig", "RUN_PRESETS", "train", "train_step", "shard_generators", "add_arguments", "run",
-           "config_from_args"]
+from elflow.config import TrainConfig
+from elflow.runs.folder import DECODER_STAGE, RunFolder, check_run_dir, no_space
+from elflow.runs.log import RunLogger, plot_losses, trim_metrics
+from elflow.util.errors import ELFError, first_line
+from elflow.util.files import NoSpace, atomic_write_json, no_space_error
+from elflow.util.devices import autocast, check_device, device_name, fast_bf16, flushed_denormals, resolve_dtype, use_tf32
+from elflow.util.distributed import on_every_rank, on_rank0, setup_distributed
+from elflow.data.batches import Prefetch
+from elflow.runs.folder import claim_run, micro_batch_for, shared_folder_check
+from elflow.runs.stages import attach_decoder, decoder_stage
 
 
 # ----------------------------------------------------------------------------------------------------------
 # the step
-
-
 def shard_generators(seed: int, step: int, shard: int, device) -> tuple[torch.Generator, torch.Generator]:
     """(device generator, CPU generator) for one shard of one step, independent of ranks and resumes."""
     s = (seed * 1_000_003 + step) * 4099 + shard
@@ -122,8 +97,6 @@ def summarize(totals: dict, n_steps: int, method: Method) -> dict:
 
 # ----------------------------------------------------------------------------------------------------------
 # setup, restore and save
-
-
 @dataclass
 class Setup:
     """The objects of one run, built and checked before anything is written."""
@@ -171,8 +144,8 @@ def setup_run(cfg: TrainConfig, method: Method, rank: int, world: int, local: in
               decoder_from=None) -> Setup:
     """Build the space, the data, the network and the optimiser: every check that needs them happens here.
     `decoder_from`: the run whose (EMA) weights are a separate decoder's."""
-    from elflow.data import Batches
-    from elflow.encoders import build_space, space_spec
+    from elflow.data.batches import Batches
+    from elflow.space import build_space, space_spec
 
     micro = micro_batch_for(cfg, world)
     accum = cfg.batch // (world * micro)
@@ -216,7 +189,7 @@ def training_data(cfg: TrainConfig, space, length: int, cache_dir=None):
 
 def run_data(cfg: TrainConfig, space, length: int, cache_dir=None):
     """(training split, held-out split) of the run's data in `space`, as training_data reads them."""
-    from elflow.ingest import build_dataset, build_pairs
+    from elflow.data.datasets import build_dataset, build_pairs
 
     if cfg.source_length:
         return build_pairs(cfg.data, space, cfg.source_length, length, val_fraction=cfg.val_fraction,
@@ -226,29 +199,9 @@ def run_data(cfg: TrainConfig, space, length: int, cache_dir=None):
                          seed=cfg.seed, cache_dir=cache_dir, field=cfg.text_field, on_bad=cfg.on_bad)
 
 
-def attach_decoder(net, path, space) -> None:
-    """A separate decoder's weights into `net` (a SeparateDecoderELF): the EMA weights of the decode-only run
-    `path`, which must hold a network of the decoder's shape and options in the same space."""
-    from elflow.checkpoint import check_init_compatible, load_init_weights
-
-    init_cfg, sd, info = load_init_weights(path)
-    check_init_compatible(path, init_cfg, info, net.decoder, space)
-    net.load_decoder(sd)
-
-
-def decoder_stage(cfg: TrainConfig) -> TrainConfig:
-    """The first stage of a --decoder separate run: the network of its shape trained in decode mode alone
-    (decode_prob 1) for --decoder-steps (a quarter of --steps by default), warmed up over the same share of
-    its steps; it becomes the frozen decoder of the second stage."""
-    steps = cfg.decoder_steps or max(1, math.ceil(cfg.steps / 4))
-    return replace(cfg, decoder="shared", decoder_steps=None, decoder_from=None, steps=steps, epochs=None,
-                   warmup=math.ceil(cfg.warmup * steps / cfg.steps) if cfg.warmup_frac is None else cfg.warmup,
-                   recipe={**cfg.recipe, "decode_prob": 1.0}, sample_every=0)
-
-
 def start_from(run: Setup, path, quiet: bool = False) -> None:
     """Load stored weights into a fresh run (`--init-from`): its EMA starts from them; the optimiser is new."""
-    from elflow.checkpoint import check_init_compatible, load_init_weights
+    from elflow.runs.load import check_init_compatible, load_init_weights
 
     init_cfg, init_sd, info = load_init_weights(path, warn=lambda m: run.rank == 0 and print(m, file=sys.stderr))
     check_init_compatible(path, init_cfg, info, run.net, run.space)
@@ -258,37 +211,13 @@ def start_from(run: Setup, path, quiet: bool = False) -> None:
         print(f"starting from the weights of {info['checkpoint']}", file=sys.stderr)
 
 
-def resume_point(out: Path, cfg: TrainConfig) -> Path | None:
-    """The checkpoint a --resume continues from, chosen before anything is built or read: the newest that
-    passes verification (with its optimiser state), whose stored run is the one of run.json. None for a run
-    that saved none yet; ELFError when it saved some and none can be resumed, or for a checkpoint of another run
-    than run.json describes (an edited run.json)."""
-    from elflow.checkpoint import list_checkpoints, newest_usable, read_state
-    from elflow.runfolder import read_train_config
-
-    ckpt, bad = newest_usable(out, need_optimizer=True)
-    if ckpt is None:
-        if list_checkpoints(out):
-            raise ELFError(f"{out}: no checkpoint can be resumed ({'; '.join(bad)}); nothing was changed. Restore "
-                           "the files, or start the run again with --overwrite")
-        return None
-    for why in bad:
-        print(f"warning: skipping a bad checkpoint: {why}", file=sys.stderr)
-    stored = read_train_config(read_state(ckpt).get("train", {}), ckpt / "state.json")
-    diff = resume_conflicts(stored, cfg)
-    if diff:
-        raise ELFError(f"{out / 'run.json'} describes another run than its checkpoint {ckpt.name} "
-                       f"({'; '.join(diff)}); run.json was edited or replaced: restore it")
-    return ckpt
-
-
 def restore(run: Setup, ckpt: Path | None, quiet: bool = False) -> int:
     """Load the checkpoint `ckpt` (rank 0's choice, `claim_run` / `resume_point`) into the run; returns its step
     (0 for none)."""
     from safetensors.torch import load_file
 
-    from elflow.checkpoint import load_checkpoint, split_space_state
-    from elflow.encoders import check_compatible
+    from elflow.runs.checkpoint import load_checkpoint, split_space_state
+    from elflow.space import check_compatible
 
     if ckpt is None:
         return 0
@@ -319,7 +248,7 @@ def restore(run: Setup, ckpt: Path | None, quiet: bool = False) -> int:
 def save_run_checkpoint(out: Path, step: int, run: Setup, data_position: dict | None = None) -> Path:
     """The checkpoint of `step`; `data_position` is the data iterator's state after that step's batch (its
     own state by default; a prefetching loop has read ahead)."""
-    from elflow.checkpoint import save_checkpoint
+    from elflow.runs.checkpoint import save_checkpoint
 
     cfg = run.cfg
     position = data_position if data_position is not None else run.batches.state_dict()
@@ -353,61 +282,6 @@ def model_settings(run: Setup) -> dict:
     if not run.recipe.self_conditioned:  # no self-conditioning, nothing for omega to guide by
         sampling = {**sampling, "omega": 1.0}
     return {**out, **({"sampling": dict(sampling)} if sampling else {})}
-
-
-# ----------------------------------------------------------------------------------------------------------
-# the loop
-
-
-class Prefetch:
-    """The next batches, cut into shards, read by a background thread while the current step runs: each
-    item is (shards, the data position after its batch). On a GPU the shards are in pinned memory, so that
-    the step's copies to the device do not wait for the host. Reads exactly `count` batches."""
-
-    def __init__(self, batches, count: int, micro: int, accum: int, pin: bool, depth: int = 2):
-        import queue
-        import threading
-
-        self.batches, self.count, self.micro, self.accum, self.pin = batches, count, micro, accum, pin
-        self.queue: queue.Queue = queue.Queue(maxsize=depth)
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._work, name="elflow-prefetch", daemon=True)
-        self.thread.start()
-
-    def _shards(self, batch: dict) -> list[dict]:
-        m = self.micro
-        shards = [{k: (v[a * m:(a + 1) * m] if torch.is_tensor(v) else v) for k, v in batch.items()}
-                  for a in range(self.accum)]
-        if self.pin:
-            shards = [{k: v.pin_memory() if torch.is_tensor(v) else v for k, v in sh.items()} for sh in shards]
-        return shards
-
-    def _work(self) -> None:
-        import queue
-
-        for _ in range(self.count):
-            try:
-                item = (self._shards(next(self.batches)), self.batches.state_dict())
-            except BaseException as e:  # noqa: BLE001  (raised in the loop's thread by __next__)
-                item = e
-            while not self.stop.is_set():
-                try:
-                    self.queue.put(item, timeout=0.1)
-                    break
-                except queue.Full:
-                    continue
-            if self.stop.is_set() or isinstance(item, BaseException):
-                return
-
-    def __next__(self):
-        item = self.queue.get()
-        if isinstance(item, BaseException):
-            raise item
-        return item
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join()
 
 
 def _reduce(totals: dict, world: int) -> dict:
@@ -524,83 +398,6 @@ def train_loop(run: Setup, out: Path, start: int, quiet: bool = False, stop_afte
     return summary
 
 
-def micro_batch_for(cfg: TrainConfig, world: int, stored: dict | None = None) -> int:
-    """The rows per forward/backward of `cfg` on `world` ranks: --micro-batch, else the stored run's (on
-    --resume: a run's first start resolves it to batch / its ranks; `stored` is its run.json), else batch /
-    ranks. A batch it does not split over the ranks is a one-line ELFError that says what to give."""
-    kept = (stored or {}).get("train", {}).get("micro_batch")
-    if cfg.micro_batch or kept:
-        micro = cfg.micro_batch or kept
-    elif stored and stored.get("world_size"):  # a stored run without a micro-batch: its first start's
-        micro = max(1, cfg.batch // int(stored["world_size"]))
-    else:
-        micro = max(1, cfg.batch // world)
-    if cfg.batch % (world * micro) == 0:
-        return micro
-    shards = cfg.batch // micro
-    if stored is None or cfg.batch % micro:
-        raise ELFError(f"--batch {cfg.batch} is not divisible by world size {world} x --micro-batch {micro}; "
-                       f"choose a batch that is a multiple of {world * micro}")
-    ranks = [str(r) for r in range(1, shards + 1) if shards % r == 0]
-    smaller = [m for m in range(micro - 1, 0, -1) if cfg.batch % (world * m) == 0]
-    other = (f", or give --micro-batch {smaller[0]} to continue with that micro-batch (the rest of the run then "
-             "draws other noise than an uninterrupted run)" if smaller else "")
-    raise ELFError(f"the run's --batch {cfg.batch} in micro-batches of {micro} rows does not split over {world} "
-                   f"ranks: resume it on {' or '.join(ranks)} rank{'s' if ranks != ['1'] else ''} to continue "
-                   f"exactly{other}")
-
-
-SHARED_FOLDER_WAIT = 5.0  # seconds a rank looks for rank 0's lock (a network filesystem's caches lag)
-
-
-def shared_folder_check(out: Path, lock_text: str, host0: str) -> None:
-    """ELFError unless this rank sees the lock rank 0 took in `out` (its text, broadcast): a run folder on
-    several nodes must be one folder that every node sees."""
-    deadline = time.monotonic() + SHARED_FOLDER_WAIT
-    while True:
-        try:
-            seen = (out / FolderLock.NAME).read_text()
-        except OSError:
-            seen = None
-        if seen == lock_text or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
-    if seen != lock_text:
-        raise ELFError(f"--out {out} is not shared between the nodes: this node does not see the lock that rank 0 "
-                       f"(host {host0}) holds in it ({(out / FolderLock.NAME).absolute()} is "
-                       f"{'missing' if seen is None else 'another'} here). A run on several nodes needs a run "
-                       "folder on a filesystem that every node mounts at the same path (NFS, Lustre, GPFS, ...)")
-
-
-def claim_run(folder: RunFolder, cfg: TrainConfig, world: int, resume: bool, overwrite: bool, device=None) -> dict:
-    """Rank 0's decisions about the run folder, which every rank follows: hold it (lock, clean-up), check
-    what --resume / --overwrite may do with it (a stored dtype "auto" read as what it picks on `device`),
-    resolve the micro-batch (the stored run's on --resume) and choose the checkpoint to resume from. Returns
-    them with the lock's text (for `shared_folder_check`)."""
-    import socket
-
-    out = folder.out
-    check_output(out, folder=True)
-    folder.open()
-    check_run_dir(out, cfg, resume, overwrite, device)
-    stored = None
-    if resume and (out / "run.json").exists():
-        from elflow.utils import read_json
-
-        stored = read_json(out / "run.json")
-    micro = micro_batch_for(cfg, world, stored)
-    before = (stored or {}).get("train", {}).get("micro_batch")
-    if before and before != micro:
-        print(f"warning: continuing with --micro-batch {micro} instead of the run's {before}: from here on the "
-              "run draws other noise than an uninterrupted run would", file=sys.stderr)
-    ckpt = resume_point(out, cfg) if resume else None
-    if resume:
-        check_steps_left(out, ckpt, cfg)
-    check_writable(out)
-    return {"micro_batch": micro, "checkpoint": None if ckpt is None else ckpt.name,
-            "lock": (out / FolderLock.NAME).read_text(), "host": socket.gethostname()}
-
-
 def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwrite: bool = False,
           cache_dir=None, quiet: bool = False, stop_after: int | None = None, device: str | None = None,
           command: str = "elflow train", objective=None, time_limit: float | None = None,
@@ -637,7 +434,7 @@ def _train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overw
     cfg = cfg.resolved()
     cfg.validate()
     if cfg.wandb:
-        from elflow.tracking import require
+        from elflow.runs.tracking import require
 
         require()
     device = check_device(device)
@@ -693,7 +490,7 @@ def _train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overw
             print(describe_start(run), file=sys.stderr)
         tracker = [None]
         if cfg.wandb:  # started before the run folder is written: a refused start leaves no run behind
-            from elflow.tracking import Tracker
+            from elflow.runs.tracking import Tracker
 
             def start_tracker():
                 tracker[0] = Tracker.start(cfg.wandb, cfg.wandb_run, out, tracked_settings(run), job_type="train",
@@ -727,32 +524,6 @@ def _train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overw
             dist.destroy_process_group()
 
 
-def check_steps_left(out: Path, ckpt: Path | None, cfg: TrainConfig) -> None:
-    """A --resume whose --steps the run has already passed changes nothing: ELFError saying so."""
-    from elflow.checkpoint import read_state
-
-    if ckpt is None or cfg.epochs is not None:
-        return
-    step = read_state(ckpt)["step"]
-    if step > cfg.steps:
-        raise ELFError(f"{out} is already at step {step}, past --steps {cfg.steps}; nothing was changed. Pass a "
-                       f"--steps above {step} to train further")
-
-
-def check_writable(out: Path) -> None:
-    """The run folder and its checkpoints/ take new files (an immutable or read-only checkpoints/ is found
-    before any step is trained)."""
-    from elflow.utils import _probe_writable
-
-    for folder in (out, out / "checkpoints"):
-        if folder.is_dir():
-            try:
-                _probe_writable(folder)
-            except OSError as e:
-                raise ELFError(f"{folder}: cannot write in it ({e.strerror or e}); nothing was trained. Make it "
-                               "writable, then run again") from None
-
-
 def show_samples(run: Setup, log, step, num: int = 2):
     log.samples(step, run.method.preview(run.net, run.ema, run.space, num, run.length, run.cfg))
 
@@ -773,94 +544,3 @@ def describe_start(run: Setup) -> str:
     ranks = f" x {run.world} ranks" if run.world > 1 else ""
     return (f"training {run.method.title} ({run.params['model']:,} parameters) on {device_name(run.device)}{ranks}, "
             f"precision {run.dtype}{why}")
-
-
-# ----------------------------------------------------------------------------------------------------------
-# CLI: one flag per TrainConfig field, plus the flags that say where and how to run
-
-
-def add_arguments(p) -> None:
-    """The run settings' flags (runconfig), then where and how to run; every flag defaults to "not given"."""
-    add_setting_arguments(p)
-    g = p.add_argument_group("where and how to run")
-    S = argparse.SUPPRESS
-    g.add_argument("--out", default=S, help=with_default("run folder", "runs/<preset>"))
-    g.add_argument("--resume", action="store_true", default=S,
-                   help="continue the run in --out from its last good checkpoint, with its stored settings; flags "
-                        f"may change only {mutable_flags()}")
-    g.add_argument("--overwrite", action="store_true", default=S,
-                   help="replace the run in --out; the old run is kept until the new run's first checkpoint is "
-                        "written, and other files in the folder are left alone")
-    g.add_argument("--device", default=S, help=with_default("cpu or cuda; under torchrun each rank takes its GPU",
-                                                            "cuda when available"))
-    g.add_argument("--cache-dir", default=S, help=with_default("tokenization and download cache",
-                                                               "$ELFLOW_CACHE or ~/.cache/elflow"))
-    g.add_argument("--quiet", action="store_true", default=S, help="no progress bar, samples or resume notes")
-    g.add_argument("--print-config", action="store_true", default=S,
-                   help="print the resolved settings as JSON and exit without training")
-
-
-def config_from_args(args) -> TrainConfig:
-    """The run's settings: the stored ones on --resume (with the changes the command line may make), else the
-    command line over the defaults (or over --defaults NAME); resolved and checked."""
-    defaults = getattr(args, "defaults", None)
-    given = given_settings(args, RUN_PRESETS[defaults][0] if defaults in RUN_PRESETS else None)
-    if getattr(args, "resume", False):
-        if hasattr(args, "defaults"):
-            raise ELFError("--defaults does not go with --resume: a resumed run keeps its stored settings")
-        out = args.out if hasattr(args, "out") else f"runs/{given.get('preset', TrainConfig.preset)}"
-        stored = stored_config(check_output(out, folder=True))
-        merged = {**stored.to_dict()}
-        for k, v in given.items():
-            merged[k] = {**merged[k], **v} if isinstance(v, dict) else v
-        cfg = TrainConfig(**merged).resolved()
-        diff = resume_conflicts(stored, cfg, run_device(getattr(args, "device", None)))
-        if diff:
-            raise ELFError(f"on --resume only {mutable_flags()} may change; "
-                           f"the command line changes {'; '.join(diff)}. Drop those flags, or start a new run in "
-                           "another --out")
-    else:
-        cfg = TrainConfig.named(defaults, **given).resolved()
-    cfg.validate()
-    return cfg.resolved(run_device(getattr(args, "device", None)))
-
-
-def run_device(device: str | None):
-    """The device this process trains on: --device, else its rank's GPU under torchrun, else the default."""
-    device = check_device(device)
-    if device is None and torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device(device or "cpu")
-
-
-def _group_timeout(args) -> float | None:
-    """The process group's timeout for `elflow train`: --dist-timeout, else the stored run's on --resume (when
-    this rank can read it), else the default."""
-    if hasattr(args, "dist_timeout"):
-        return args.dist_timeout
-    if getattr(args, "resume", False):
-        out = Path(getattr(args, "out", None) or f"runs/{getattr(args, 'preset', TrainConfig.preset)}")
-        try:
-            return float(json.loads((out / "run.json").read_text())["train"]["dist_timeout"])
-        except (OSError, ValueError, KeyError, TypeError):
-            pass
-    return None
-
-
-def run(args) -> int:
-    # first the group, so that rank 0 alone reads a stored run and every rank hears what it found
-    with process_group(check_device(getattr(args, "device", None)), _group_timeout(args)) as (rank, world, _):
-        cfg = on_rank0(lambda: config_from_args(args), rank, world)
-        if getattr(args, "print_config", False):
-            if rank == 0:
-                print(json.dumps(cfg.to_dict(), indent=2))
-            return 0
-        out = args.out if hasattr(args, "out") else f"runs/{cfg.preset}"
-        check_output(out, folder=True)  # an empty --out is an error, not the current folder
-        command = "elflow train " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["train"] else "elflow train"
-        summary = train(cfg, out, resume=getattr(args, "resume", False), overwrite=getattr(args, "overwrite", False),
-                        cache_dir=getattr(args, "cache_dir", None), quiet=getattr(args, "quiet", False),
-                        device=getattr(args, "device", None), command=command)
-    if summary.get("last") and rank == 0:
-        print(f"done: step {summary['end_step']}, loss {summary['last']['loss']:.4f}; run folder {out}")
-    return 0

@@ -1,27 +1,21 @@
-"""The training methods by name: ELF, and the token-level baselines AR and MDLM.
-
-    METHODS, METHOD_NAMES             {"elf", "ar", "mdlm"} -> its Method (elflow.methods.base describes the
-                                      protocol; one module each: elf.py, ar.py, mdlm.py)
-    get_method(name)                  the method; an unknown name is a one-line ELFError listing the choices
-    require(method, feature, what, path)   a one-line refusal of a use its models do not have
-    check_run(cfg)                    the run settings (a TrainConfig) its method cannot train with
-    settings_from_args(loaded, args)  a loaded model's sampler settings from the sampling flags
-"""
+"""TODO."""
 
 from __future__ import annotations
-
 from dataclasses import MISSING, fields
-
 from elflow.methods import ar, elf, mdlm
 from elflow.methods.base import Method, TrainedPass
 from elflow.methods.tokens import MATCHES, BaselineSampling, trunk_params
-from elflow.utils import ELFError
+from elflow.util.errors import ELFError
 
 __all__ = ["METHODS", "METHOD_NAMES", "MATCHES", "Method", "TrainedPass", "BaselineSampling", "get_method",
-           "require", "check_run", "settings_from_args", "SAMPLING_FLAGS", "trunk_params"]
+           "require", "check_run", "settings_from_args", "SAMPLING_FLAGS", "trunk_params", "ar", "elf", "mdlm"]
+
 
 METHODS: dict[str, Method] = {m.name: m for m in (elf.METHOD, ar.METHOD, mdlm.METHOD)}
+
+
 METHOD_NAMES = tuple(METHODS)
+
 
 # every method's sampling flags (their union), besides --seed and --batch
 SAMPLING_FLAGS = tuple(dict.fromkeys(k for m in METHODS.values() for k in m.knobs))
@@ -84,4 +78,3 @@ def settings_from_args(loaded, args):
     given = {k: getattr(args, k, None) for k in SAMPLING_FLAGS}
     return get_method(loaded.method).settings(loaded, seed=getattr(args, "seed", None),
                                               batch_size=getattr(args, "batch", None), **given)
-

@@ -1,45 +1,14 @@
-"""The autoregressive baseline: a causal transformer LM over the embedding space's token ids.
-
-Same blocks, norms and RoPE as ELF (`model.TokenTransformer` with causal attention), same tokenizer and token
-stream, so its figures sit next to ELF's. The network reads ids through its own embedding table, which has
-one extra row: the row-start id `vocab_size` (BOS). Every training row is read as [BOS, x_0 .. x_{L-2}] and
-scored on predicting x_0 .. x_{L-1}, so all L positions count and the sampler generates whole rows from BOS,
-exactly the L-token rows ELF learns. The read-out covers the real vocabulary only (BOS is never emitted).
-
-The functions (`METHOD`, an ARMethod, names them for the trainer and the samplers; elflow.methods.tokens):
-
-    build(config, space)                               -> nn.Module (config: TokenLMConfig; the vocabulary
-                                                          comes from space.vocab_size)
-    loss(model, tokens, mask, generator)               -> (loss, metrics): tokens (B, L) ids, mask (B, L)
-                                                          bool positions scored (None: all); metrics are
-                                                          tensors, sums and counts that add up across steps:
-                                                          loss, nll_sum, tokens, correct
-    sample_tokens(model, batch, length, settings, generator) -> (B, L) ids
-    SETTINGS                                           the sampler's settings class (ARSampling)
-    fit_config(target, space, base, **kw)              -> TokenLMConfig with about `target` parameters
-
-Loss: next-token cross-entropy, the mean over the batch's scored positions (sum of NLL / scored count);
-`generator` is unused (the loss is deterministic): the AR model draws nothing in training.
-
-Sampler: ancestral, one position at a time for the whole batch, with temperature and top-p (nucleus); each
-draw is a float64 inverse-CDF categorical from `generator` (utils.sample_categorical), so a seed fixes the
-samples. It keeps a key/value cache: every step runs the blocks on the one new position against the cached
-keys and values of the earlier ones (`cached_logits`), the same function as the full causal forward.
-"""
+"""TODO."""
 
 from __future__ import annotations
-
 from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
-
 from elflow.methods.tokens import TokenMethod
-from elflow.model import TokenLMConfig, TokenTransformer, apply_rope, fit_token_lm
-from elflow.utils import ELFError, sample_categorical
-
-__all__ = ["ARSampling", "SETTINGS", "build", "loss", "sample_tokens", "fit_config", "bos_id", "shifted_inputs",
-           "next_token_probs", "top_p_filter", "cached_logits", "ARMethod", "METHOD"]
+from elflow.methods.token_net import TokenLMConfig, TokenTransformer, fit_token_lm
+from elflow.model import apply_rope
+from elflow.util.errors import ELFError
+from elflow.methods.tokens import sample_categorical
 
 
 @dataclass(frozen=True)
@@ -96,8 +65,6 @@ def loss(model: TokenTransformer, tokens: torch.Tensor, mask: torch.Tensor | Non
 
 # ----------------------------------------------------------------------------------------------------------
 # sampling
-
-
 def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """Zero every id outside the nucleus: the most probable ids whose mass before them is below top_p (the
     most probable id is always kept). probs (..., V), normalised; returns unnormalised weights."""

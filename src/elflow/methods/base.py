@@ -1,36 +1,10 @@
-"""What a training method is to the trainer, the loader and the samplers: the `Method` protocol.
-
-A method (elflow.methods.elf, .ar, .mdlm; the registry is elflow.methods) says
-
-    space_spec(spec)                    the space it needs, from the run's embedding space spec
-    check(cfg)                          the run settings it refuses (a one-line ELFError)
-    build(cfg, shape, space, data, recipe, device) -> (network, parameter counts)
-    describe(net) / stored_config(state) / load(config, state_dict, settings)
-                                        the network's entries in run.json and state.json, and back
-    adam_names(net, cfg)                the parameters the optimiser gives to Adam whatever their shape
-    draw(batch, space, recipe, generator, cpu_generator)
-                                        a batch's randomness, drawn outside torch.compile and DDP
-    loss(net, space, batch, draw, recipe) -> (loss, sums)
-                                        the trained pass: the space's encode, the objective, and the sums
-                                        (tensors that add up over shards, steps and ranks) the log reads
-    summarize(sums)                     the numbers of one log line from the sums of a log interval
-    preview(net, ema, space, num, length, cfg), settings(loaded, **flags), sample(net, space, num, settings, ...)
-                                        texts: during training, and from a stored model with its defaults
-
-and what its models can do beyond sampling texts (`features`, `knobs`, `sweep_axes`), so that commands ask a
-method instead of comparing its name. `TrainedPass` makes a method's loss the forward of one module, which
-is what DistributedDataParallel and torch.compile wrap: the network and the space are its submodules, so
-the gradients of a trainable space are averaged across ranks with the network's.
-"""
+"""TODO."""
 
 from __future__ import annotations
-
 import torch
 from torch import nn
+from elflow.util.errors import ELFError
 
-from elflow.utils import ELFError
-
-__all__ = ["Method", "TrainedPass", "FEATURES"]
 
 # what a command may ask of a model besides texts from noise, with the flag or command that asks it
 FEATURES = {

@@ -1,36 +1,20 @@
-"""ELF as a method: flow matching in an embedding space, the network of elflow.model (or of elflow.shortrun).
-
-The objective is a pair of functions, `Objective(draw, loss)`: ELF's own (flow.draw_training_noise,
-flow.elf_loss) by default; progressive distillation is ELF with the distillation objective
-(elflow.distill.DistillObjective, through `with_objective`). One training step of a shard:
-
-    draw (outside compile/DDP)  objective.draw((B, L, C), recipe, ...): times, noise, branches, dropped sources
-    loss (the trained pass)     the encoder mask of pairs (a dropped source hidden from its target) ->
-                                space.encode (under no_grad unless the space trains) -> objective.loss ->
-                                `step_sums`: the loss, the per-branch sums and counts, the denoising loss per
-                                time bin
-"""
+"""TODO."""
 
 from __future__ import annotations
-
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable
-
 import torch
-
-from elflow.data import encoder_mask
-from elflow.encoders import space_spec
+from elflow.data.layout import encoder_mask
+from elflow.space import space_spec
 from elflow.flow import TIME_BINS, Recipe, draw_training_noise, elf_loss, generate_tokens, time_bin, time_bin_labels
 from elflow.generate import ELF_KNOBS, generate, settings_for
 from elflow.methods.base import FEATURES, Method
 from elflow.optim import HEAD_PREFIXES
 from elflow.model import ELFConfig
-from elflow.shortrun import build_network, check_network, describe_network, network_from_state_dict, options_of, \
-    stored_network
-from elflow.utils import ELFError
-
-__all__ = ["Objective", "ELFMethod", "METHOD", "step_sums"]
+from elflow.model import build_network, check_network, describe_network, options_of
+from elflow.runs.load import network_from_state_dict, stored_network
+from elflow.util.errors import ELFError
 
 
 @dataclass(frozen=True)

@@ -1,51 +1,14 @@
-"""The masked diffusion baseline (MDLM): a bidirectional transformer that unmasks tokens.
-
-Same blocks, norms and RoPE as ELF (`model.TokenTransformer`, bidirectional), same tokenizer and token
-stream. The input table has one extra id, the mask id `vocab_size`; the read-out covers it too, but its
-logit is always -inf.
-
-Forward process (log-linear schedule): alpha_t = 1 - t; each position of x_0 is replaced by the mask id
-independently with probability t. Reverse model, SUBS parameterisation: p(x_0 | x_t) is the softmax of the
-network's logits with the mask logit set to -inf (the model never predicts a mask), and a position that is
-not masked in x_t carries its id over (its distribution is one-hot on it). The network takes no time input:
-under SUBS with masking, x_t alone determines p(x_0 | x_t).
-
-Objective, the continuous-time NELBO: NELBO = E_t [ (1/t) sum over masked positions of -log p(x_0 | x_t) ],
-with t ~ U(eps, 1). Unmasked positions carry over and cost nothing. The loss divides the sum by the number
-of scored positions (a per-token NELBO, an upper bound on the per-token NLL; exp of it bounds perplexity).
-Times are drawn low-discrepancy by default: t_i = eps + (1 - eps) ((u + i / B) mod 1), one u per batch,
-which covers [eps, 1) evenly within a batch and lowers the variance of the 1/t-weighted loss.
-
-Sampler (ancestral, `steps` equal steps from t = 1 to 0, starting from all-mask): from t to s every masked
-position is unmasked with probability (alpha_s - alpha_t) / (1 - alpha_t) = (t - s) / t, taking an id drawn
-from p(x_0 | x_t); unmasked positions are kept; the final step (s = 0) unmasks all that remain. Draws are
-float64 inverse-CDF categoricals from the caller's generator (utils.sample_categorical): the float32
-Gumbel-max trick lowers the samples' entropy and so flatters their generative perplexity. Ids are drawn
-only at the positions being unmasked, and as the network has no time input, a step that unmasks nothing
-needs no forward pass.
-
-The functions (`METHOD`, an MDLMMethod, names them; elflow.methods.ar describes them in full):
-
-    build(config, space) -> nn.Module
-    draw(tokens, generator) -> (t, masked); nelbo(model, tokens, t, masked, mask) -> (loss, metrics)
-    loss(model, tokens, mask, generator) = nelbo of a draw     metrics: loss, nll_sum, tokens, masked
-    sample_tokens(model, batch, length, settings, generator) -> (B, L) ids
-    SETTINGS (MDLMSampling), fit_config(target, space, base, **kw)
-"""
+"""TODO."""
 
 from __future__ import annotations
-
 from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
-
 from elflow.methods.tokens import TokenMethod
-from elflow.model import TokenLMConfig, TokenTransformer, fit_token_lm
-from elflow.utils import ELFError, sample_categorical
+from elflow.methods.token_net import TokenLMConfig, TokenTransformer, fit_token_lm
+from elflow.util.errors import ELFError
+from elflow.methods.tokens import sample_categorical
 
-__all__ = ["MDLMSampling", "SETTINGS", "EPS", "build", "loss", "sample_tokens", "fit_config", "mask_id",
-           "draw_times", "draw_masking", "draw", "nelbo", "MDLMMethod", "METHOD"]
 
 EPS = 1e-3  # the smallest training time: the loss weight 1/t stays below 1/EPS
 

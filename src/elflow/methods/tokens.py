@@ -1,32 +1,14 @@
-"""What the token-level baselines (elflow.methods.ar, elflow.methods.mdlm) share as methods.
-
-A baseline reads the run's token ids through the embedding space's tokenizer alone (a "tokens" space: no
-encoder is loaded) and is sized to the parameter count of the ELF network the same settings would build
-(`fit_shape`). Each baseline module defines its network, loss and sampler as functions (its docstring states
-the math) and a `TokenMethod` subclass that names them:
-
-    build(config, space)                             -> TokenTransformer
-    draw(tokens, generator) / objective(net, tokens, mask, draw) -> (loss, metrics): loss, nll_sum, tokens
-    sample_tokens(model, batch, length, settings, generator) -> (B, L) ids
-    SETTINGS, defaults                               its sampler's settings class and their default values
-    fit_config(target, space, base, **kw)            -> TokenLMConfig with about `target` parameters
-
-`BaselineSampling` is a baseline's sampler settings with the seed and batch size, as `elflow sample`, `eval`
-and `sweep` take and write them.
-"""
+"""TODO."""
 
 from __future__ import annotations
-
 from dataclasses import asdict, dataclass
-
 import torch
-
 from elflow.generate import sample_batches
 from elflow.methods.base import Method
-from elflow.model import ELF, TokenLMConfig, num_params
-from elflow.utils import ELFError
+from elflow.model import ELF, num_params
+from elflow.methods.token_net import TokenLMConfig
+from elflow.util.errors import ELFError
 
-__all__ = ["TokenMethod", "BaselineSampling", "MATCHES", "fit_shape", "table_names", "trunk_params"]
 
 MATCHES = ("total", "trunk")
 
@@ -235,3 +217,21 @@ def fit_shape(method: TokenMethod, elf_config, space, match: str = "total", tie:
         return method.fit_config(target, space, base, tol=tol, tables=match == "total"), target
     except ValueError as e:
         raise ELFError(f"{method.name}: cannot match the ELF network's {target:,} parameters: {e}") from None
+
+
+def sample_categorical(weights, generator=None):
+    """One draw per row of `weights` (..., V): non-negative, not necessarily normalised. Returns (...) ids.
+
+    Inverse CDF in float64: u ~ U[0, 1) scaled by the row's total, the first index whose cumulative weight
+    exceeds it. A zero-weight id is never drawn. Float64 matters: the float32 Gumbel-max trick
+    (argmax of log p + Gumbel noise, with u in float32) truncates the Gumbel tail, so low-probability ids are
+    drawn too rarely: samples lose entropy and their generative perplexity looks better than the model's.
+    """
+    import torch
+
+    cdf = weights.to(torch.float64).cumsum(-1)
+    u = torch.rand(cdf.shape[:-1] + (1,), dtype=torch.float64, generator=generator, device=cdf.device)
+    total = cdf[..., -1:].contiguous()
+    ids = torch.searchsorted(cdf, u * total, right=True)
+    last = torch.searchsorted(cdf, total, right=False)  # the last id of positive weight (u * total may round up)
+    return torch.minimum(ids, last).squeeze(-1)

@@ -1,0 +1,152 @@
+"""TODO."""
+
+from __future__ import annotations
+import argparse
+import importlib
+import signal
+import sys
+import warnings
+import elflow  # the package itself, always loaded first: its version
+from elflow.util.errors import ELFError, check_seed
+from elflow.util.files import disk_full
+
+
+# name -> (module, one-line help). Order is the order shown by `elflow --help`.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "quickstart": ("elflow.quickstart", "the offline default: fetch the corpus, train the demo model, sample and report"),
+    "prepare": ("elflow.prepare", "tokenize a corpus once into a memory-mapped token store (train --data STORE)"),
+    "train": ("elflow.train", "train an ELF model, or an AR / MDLM baseline (alone or under torchrun)"),
+    "sample": ("elflow.sample", "generate text from a run, a checkpoint or a released model"),
+    "view": ("elflow.viewer", "a sampling trajectory (sample --trajectory) as one self-contained HTML page"),
+    "distill": ("elflow.distill", "progressive distillation into few-step students (16 -> 8 -> 4 -> 2 -> 1)"),
+    "eval": ("elflow.evaluate", "generative perplexity and entropy, BLEU, ROUGE"),
+    "train-judge": ("elflow.judge", "train a small offline autoregressive judge"),
+    "train-encoder": ("elflow.encoder_train", "train a small T5 encoder from scratch by span corruption (a space)"),
+    "sweep": ("elflow.sweep", "sampler x steps x omega grid, judged and plotted (paper Figure 3)"),
+    "claims": ("elflow.claims", "re-test the paper's ablation findings at small scale, with seeds and a verdict"),
+    "compare": ("elflow.compare", "train ELF, an AR and an MDLM baseline for one budget and judge them alike"),
+    "push": ("elflow.hub", "upload a trained model with a model card to the Hugging Face Hub (or --dry-run)"),
+    "convert": ("elflow.checkpoint", "convert an authors' checkpoint to an elflow checkpoint folder"),
+    "bench": ("elflow.bench", "time forward / train / sample against the device's matmul peak"),
+    "toy": ("elflow.toy", "Figure 1: the 2-D toy with an exact denoiser"),
+    "schedules": ("elflow.schedules", "Figure 2: the training distributions and sampling grids"),
+}
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows an option's default once: not when its help already says it, and not when there is none."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS) or not text:
+            return text
+        return super()._get_help_string(action)
+
+
+def _load(name: str):
+    module_name, _ = COMMANDS[name]
+    return importlib.import_module(module_name)
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="elflow",
+        description="ELF: text generation by flow matching in a frozen encoder's embedding space.",
+    )
+    parser.add_argument("--version", action="version", version=f"elflow {elflow.__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parser.subcommands = {}
+    for name, (_, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text,
+                           formatter_class=HelpFormatter)
+        parser.subcommands[name] = p
+        if only is None or only == name:
+            _load(name).add_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Only import the module of the chosen subcommand (torch and friends are slow to import).
+    chosen = next((a for a in argv if a in COMMANDS), None)
+    parser = build_parser(only=chosen)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # reported with the usage of the subcommand they were given to
+        parser.subcommands.get(args.command, parser).error(f"unrecognized arguments: {' '.join(unknown)}")
+    if args.command is None:
+        parser.print_help()
+        return 0
+    module = _load(args.command)
+    previous = _one_line_signals_and_warnings(args.command)
+    try:
+        check_seeds(args)
+        return int(module.run(args) or 0)
+    except Terminated:
+        print(f"elflow {args.command}: stopped by SIGTERM (what it was writing was left as it was)", file=sys.stderr)
+        return 128 + signal.SIGTERM
+    except ELFError as e:
+        print(f"elflow {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a system failure outside elflow's checks: one line, not a traceback
+        where = f": {e.filename}" if e.filename else ""
+        if disk_full(e):
+            print(f"elflow {args.command}: error: no space left on device{where}; free some space, then run the "
+                  "command again", file=sys.stderr)
+            return 2
+        print(f"elflow {args.command}: error: {e.strerror or e}{where}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"elflow {args.command}: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        _restore(previous)
+
+
+def check_seeds(args) -> None:
+    """Every seed flag of every command (--seed, --seeds, --space-seed) in the range elflow's generators take."""
+    for name, value in vars(args).items():
+        if name in ("seed", "seeds") or name.endswith("_seed"):
+            for v in value if isinstance(value, list) else [value]:
+                if v is not None:
+                    check_seed(v, "--" + name.replace("_", "-"))
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised where the command is, so that its clean-up runs (temporary files go, a replaced run
+    comes back) as after Ctrl-C."""
+
+
+def _terminate(signum, frame):
+    raise Terminated()
+
+
+_shown: set[str] = set()
+
+
+def _one_line_warnings(message, category, filename, lineno, file=None, line=None):
+    """A warning as one line, each text once per command (a check made in two places warns once)."""
+    if str(message) not in _shown:
+        _shown.add(str(message))
+        print(f"warning: {message}", file=sys.stderr)
+
+
+def _one_line_signals_and_warnings(command: str):
+    """SIGTERM becomes `Terminated`; a warning is one line, `warning: ...`. Returns what to restore."""
+    previous = {"showwarning": warnings.showwarning}
+    _shown.clear()
+    warnings.showwarning = _one_line_warnings
+    try:
+        previous["sigterm"] = signal.signal(signal.SIGTERM, _terminate)
+    except ValueError:  # not the main thread: the default stays
+        pass
+    return previous
+
+
+def _restore(previous: dict) -> None:
+    warnings.showwarning = previous["showwarning"]
+    if "sigterm" in previous:
+        signal.signal(signal.SIGTERM, previous["sigterm"])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,24 @@
+"""TODO."""
+
+from __future__ import annotations
+from elflow.util.errors import ELFError
+from elflow.runs.official import convert
+
+
+def add_arguments(p) -> None:
+    p.add_argument("checkpoint", help="the authors' checkpoint_<step> file, or a folder holding one")
+    p.add_argument("out", help="the elflow checkpoint folder to write")
+    p.add_argument("--max-length", type=int, default=None,
+                   help="longest sequence the converted model samples (default: its release's, else 1024)")
+
+
+def run(args) -> int:
+    from elflow.util.files import check_output
+
+    out = check_output(args.out, folder=True)
+    if out.is_dir() and any(out.iterdir()):
+        raise ELFError(f"{out} exists and is not empty; the converted checkpoint goes into a new folder: choose "
+                       "another out")
+    out = convert(args.checkpoint, out, args.max_length)
+    print(f"wrote {out}")
+    return 0

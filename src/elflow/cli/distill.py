@@ -1,0 +1,75 @@
+"""TODO."""
+
+from __future__ import annotations
+from elflow.util.errors import ELFError
+from elflow.runs.stages import distill
+
+
+# ----------------------------------------------------------------------------------------------------------
+# CLI
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(s) for s in str(text).split(",") if s.strip()]
+    except ValueError:
+        raise ELFError(f"--student-steps must be a comma-separated list of integers such as 16,8,4,2,1, "
+                       f"got {text!r}") from None
+
+
+def add_arguments(p) -> None:
+    p.add_argument("teacher", metavar="TEACHER", help="an elflow run or checkpoint folder (its EMA weights teach)")
+    p.add_argument("--student-steps", default="16,8,4,2,1", help="the students' step counts, one round each")
+    p.add_argument("--teacher-steps", type=int, default=64, help="teacher steps over [0, 1] (sub-steps per "
+                   "student step: this / student steps)")
+    length = p.add_mutually_exclusive_group()
+    length.add_argument("--steps-per-round", type=int, default=None, help="optimiser steps per round")
+    length.add_argument("--epochs", type=float, default=None, help="passes over the data per round (default 1)")
+    p.add_argument("--out", default="runs/distill", help="folder of the rounds (OUT/round-<N>)")
+    p.add_argument("--batch", type=int, default=None, help="global batch (default: the teacher's)")
+    p.add_argument("--micro-batch", type=int, default=None, help="rows per forward/backward (accumulation)")
+    p.add_argument("--lr", type=float, default=None, help="learning rate (default 1e-3 * batch / 256)")
+    p.add_argument("--ema-decay", type=float, default=0.9999, help="EMA decay of each round's student")
+    p.add_argument("--warmup-frac", type=float, default=0.1, help="warm-up as a fraction of each round")
+    p.add_argument("--data", default=None, help="training text (default: the teacher's)")
+    p.add_argument("--space", default=None, help="embedding space (default: the teacher's)")
+    p.add_argument("--latent-std", default=None, help="latent std of the space (default: the teacher's)")
+    p.add_argument("--length", type=int, default=None, help="sequence length (default: the teacher's)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the students' noise and data order")
+    p.add_argument("--predict", choices=("x", "v", "eps"), default=None,
+                   help="the students' prediction target; it must be the teacher's (default: the teacher's)")
+    p.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default=None, help="autocast (default: the teacher's)")
+    p.add_argument("--log-every", type=int, default=10, help="steps per metrics line")
+    p.add_argument("--ckpt-every", type=int, default=500, help="steps per checkpoint (and one at each round's end)")
+    p.add_argument("--keep", type=int, default=3, help="checkpoints kept per round")
+    p.add_argument("--resume", action="store_true", help="continue the distillation in --out")
+    p.add_argument("--overwrite", action="store_true", help="replace the distillation in --out")
+    p.add_argument("--cache-dir", default=None, help="tokenization cache")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    from elflow.cli.common import add_arguments as add_tracking
+
+    add_tracking(p, "one W&B run per round, named NAME/round-N")
+
+
+def run(args) -> int:
+    if args.wandb:
+        from elflow.runs.tracking import require
+
+        require()
+    for name in ("batch", "micro_batch", "log_every", "ckpt_every"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            raise ELFError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    if args.lr is not None and not args.lr > 0:
+        raise ELFError(f"--lr must be > 0, got {args.lr}")
+    if not 0 <= args.ema_decay < 1:
+        raise ELFError(f"--ema-decay must lie in [0, 1), got {args.ema_decay}")
+    overrides = {k: getattr(args, k) for k in ("batch", "micro_batch", "data", "space", "latent_std", "length",
+                                               "dtype", "predict")}
+    overrides.update(seed=args.seed, log_every=args.log_every, ckpt_every=args.ckpt_every, keep=args.keep,
+                     wandb=args.wandb, wandb_run=args.wandb_run)
+    rounds = distill(args.teacher, args.out, _int_list(args.student_steps), args.teacher_steps,
+                     steps_per_round=args.steps_per_round, epochs=args.epochs, warmup_frac=args.warmup_frac,
+                     ema_decay=args.ema_decay, lr=args.lr, resume=args.resume, overwrite=args.overwrite,
+                     cache_dir=args.cache_dir, quiet=args.quiet, **overrides)
+    for n, rdir in rounds.items():
+        print(f"{n}-step student: {rdir} (elflow sample {rdir})")
+    return 0

@@ -1,0 +1,372 @@
+"""TODO."""
+
+from __future__ import annotations
+import argparse
+import json
+import math
+import time
+from dataclasses import replace
+from pathlib import Path
+from elflow.util.errors import ELFError
+from elflow.util.files import FolderHold, atomic_write_json, check_output
+from elflow.util.devices import check_device
+from elflow.util.distributed import process_group
+from elflow.eval.judge import load_judge
+from elflow.eval.metrics import DTYPES, PROTOCOLS, _read_references, bleu, generative_perplexity, judge_score, mean_and_stderr, read_texts, rouge
+from elflow.eval.scoring import heldout_texts, judged_heldout, sample_and_score
+
+
+def _heldout(args, checkpoint, num: int, judge, main: bool = True) -> dict | None:
+    """The held-out text's figures under `judge` for the report (None with --no-heldout, and on every rank but
+    rank 0: `main`); a model without held-out text gives a note instead. Every rank reads the held-out text,
+    since reading the run's data may prepare its store, which the ranks do together; rank 0 alone judges it."""
+    if not args.heldout:
+        return None
+    if checkpoint is None:
+        return {"note": "no held-out text to judge: the samples do not name the elflow run they came from"}
+    try:
+        texts, what = heldout_texts(checkpoint, num, args.cache_dir)
+    except ELFError as e:
+        return {"note": f"no held-out text to judge: {e}"}
+    if not main:
+        return None
+    settings = {"batch_size": args.batch_size, "protocol": args.protocol, "max_length": args.max_length,
+                "judge_dtype": args.judge_dtype}
+    return {**judged_heldout(texts, str(args.judge), judge, settings, args.cache_dir, progress=not args.json),
+            "texts": what}
+
+
+def _heldout_line(held: dict | None) -> str | None:
+    if held is None:
+        return None
+    if "gen_ppl" not in held:
+        return f"held-out text: {held['note']}"
+    return f"held-out text: {_format(held)} [{held['texts']}{'; cached' if held.get('cached') else ''}]"
+
+
+def _track(args, folder: Path, report: dict, tables: dict, job_type: str) -> None:
+    """The report in a W&B run (--wandb): its figures as the run's summary, its settings as its config,
+    `tables` ({key: (columns, rows)}) as tables."""
+    from elflow.runs.tracking import Tracker
+
+    tracker = Tracker.start(args.wandb, args.wandb_run, folder, {k: v for k, v in report.items()
+                                                                 if not isinstance(v, (list, dict))},
+                            job_type=job_type, quiet=getattr(args, "json", False))
+    if tracker is None:
+        return
+    try:
+        flat = {k: v for k, v in report.items() if isinstance(v, (int, float))}
+        for k, v in (report.get("heldout") or {}).items():
+            if isinstance(v, (int, float)):
+                flat[f"heldout/{k}"] = v
+        tracker.summary(flat)
+        for key, (columns, rows) in tables.items():
+            tracker.table(key, columns, rows)
+    finally:
+        tracker.finish()
+
+
+TEXT_TASKS = ("translation", "summarization")
+
+
+def add_arguments(p) -> None:
+    from elflow.cli.common import add_sampling_arguments
+
+    p.add_argument("samples", nargs="?", help="JSONL of samples (the `text` field, as `elflow sample` writes)")
+    p.add_argument("--field", default="text", help="JSONL field holding each sample's text")
+    p.add_argument("--task", default="unconditional", metavar="TASK",
+                   help="unconditional: Gen-PPL + entropy of SAMPLES or of --checkpoint's samples; "
+                        "translation / summarization: BLEU / ROUGE of SAMPLES against --references; "
+                        "wmt14-de-en, xsum or a FILE.jsonl of {input, output} pairs: generate with --checkpoint "
+                        "(a conditional model) on the validation set and score BLEU (wmt14-de-en, files by "
+                        "default) or ROUGE (xsum, or --metric rouge)")
+    p.add_argument("--metric", choices=("bleu", "rouge"), default=None,
+                   help="the score of a FILE.jsonl task (default bleu)")
+    p.add_argument("--references", help="references for --task translation/summarization: a .jsonl file "
+                   "(--reference-field) or a text file with one reference per line")
+    p.add_argument("--reference-field", default=None,
+                   help="JSONL field of the references (default: text; output for a pairs FILE.jsonl)")
+    p.add_argument("--source-field", default="input", help="the source field of a pairs FILE.jsonl")
+    g = p.add_argument_group("judge")
+    g.add_argument("--judge", default="gpt2-large",
+                   help="hub id or local folder with a causal LM and its tokenizer (offline: `elflow train-judge`)")
+    g.add_argument("--judge-dtype", choices=tuple(DTYPES), default="fp32", help="judge precision")
+    g.add_argument("--batch-size", type=int, default=8, help="judge batch size (does not change the result)")
+    g.add_argument("--protocol", choices=PROTOCOLS, default="elf",
+                   help="elf: the paper's; elf-official: the authors' target weights; mdlm: MDLM/Duo entropy")
+    g.add_argument("--max-length", type=int, default=None, help="truncation length (default: judge context)")
+    g.add_argument("--device", default=None, help="cuda / cpu (default: cuda when available)")
+    o = p.add_argument_group("output")
+    o.add_argument("--json", action="store_true", help="print one JSON object instead of a summary")
+    o.add_argument("--report", default=None, help="report file (default: next to the samples, or in --out)")
+    s = p.add_argument_group("generate first (instead of SAMPLES)")
+    s.add_argument("--checkpoint", default=None, help="run folder, checkpoint or hub id to sample from")
+    s.add_argument("--num", "--num-samples", type=int, default=1000,
+                   help="samples per seed, examples for conditional tasks (default 1000); under torchrun spell it "
+                        "--num-samples")
+    s.add_argument("--length", type=int, default=None, help="sequence length (default: the model's)")
+    add_sampling_arguments(s)
+    s.add_argument("--seeds", type=int, nargs="+", default=None,
+                   help="one sample set per seed; mean +- s.e. (default: --seed, else 0)")
+    s.add_argument("--out", default=None, help="folder for the samples and the report")
+    s.add_argument("--encoder", default=None,
+                   help="T5 encoder folder or hub id for the authors' checkpoints (default t5-small)")
+    o.add_argument("--overwrite", action="store_true", help="replace an existing report (and samples with --checkpoint)")
+    g.add_argument("--heldout", action=argparse.BooleanOptionalAction, default=True,
+                   help="also judge as many rows of the held-out split of the data the model was trained on (an "
+                        "elflow run's; cached per judge and data) and print them beside the samples' figures "
+                        "(default: on)")
+    g.add_argument("--cache-dir", default=None, help="tokenization and held-out judging cache "
+                                                     "(default: $ELFLOW_CACHE or ~/.cache/elflow)")
+    from elflow.cli.common import add_arguments as add_tracking
+
+    add_tracking(p)
+
+
+def _sampled_from(samples_path) -> str | None:
+    """The model a samples file was drawn from (the "checkpoint" that `elflow sample` writes in each line)."""
+    try:
+        with open(Path(samples_path).expanduser(), encoding="utf-8") as f:
+            first = next((line for line in f if line.strip()), "")
+        value = json.loads(first).get("checkpoint") if first else None
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) else None
+
+
+def _settings(args) -> dict:
+    return {"judge": str(args.judge), "judge_dtype": args.judge_dtype, "batch_size": args.batch_size,
+            "protocol": args.protocol}
+
+
+def _public(res: dict) -> dict:
+    return {k: v for k, v in res.items() if k != "per_sample"}
+
+
+def _emit(report: dict, path: Path, as_json: bool, summary: str, args=None, tables: dict | None = None) -> None:
+    """Write the report, print it (as JSON, or `summary`), and with --wandb log it (`tables`: see _track)."""
+    clean = json.loads(json.dumps(report, default=str), parse_constant=lambda c: None)
+    atomic_write_json(path, clean, bool(getattr(args, "overwrite", False)))
+    if as_json:
+        print(json.dumps(clean))
+    else:
+        print(summary)
+        print(f"report: {path}")
+    if args is not None and getattr(args, "wandb", None):
+        _track(args, path.parent, clean, tables or {}, "eval")
+
+
+def _format(res: dict) -> str:
+    return (f"gen_ppl {res['gen_ppl']:.3f}  entropy {res['entropy']:.4f}  "
+            f"({res['num_samples']} samples, {res['num_empty']} empty skipped, {res['num_tokens']} tokens, "
+            f"{res['num_truncated']} truncated at {res['max_length']})")
+
+
+def _check_texts(texts: list[str], where: str) -> None:
+    """A sample set that would give no number (no texts, or only empty ones) is an error, not a NaN."""
+    if not texts:
+        raise ELFError(f"{where} holds no samples; nothing to evaluate")
+    if not any(t.strip() for t in texts):
+        raise ELFError(f"all {len(texts)} samples of {where} are empty; nothing to evaluate")
+
+
+def _check_result(res: dict, where: str) -> None:
+    if not math.isfinite(res["gen_ppl"]) or not math.isfinite(res["entropy"]):
+        raise ELFError(f"the samples of {where} give no finite score ({res['num_samples']} scored, "
+                       f"{res['num_tokens']} tokens counted); nothing is written")
+
+
+def _run_text_task(args) -> int:
+    if not args.samples:
+        raise ELFError(f"--task {args.task} needs a SAMPLES.jsonl file of hypotheses")
+    hyps = read_texts(args.samples, args.field)
+    _check_texts(hyps, args.samples)
+    if args.references is None:
+        raise ELFError(f"--task {args.task} needs --references FILE (.jsonl or one reference per line)")
+    refs = _read_references(args.references, args.reference_field or "text")
+    if len(refs) != len(hyps):
+        raise ELFError(f"{args.samples} has {len(hyps)} hypotheses but {args.references} has {len(refs)} "
+                       "references; they must pair up line by line")
+    if args.task == "translation":
+        res = {"bleu": bleu(hyps, refs), "tokenize": "13a", "lowercase": True, "effective_order": True}
+        summary = f"BLEU {res['bleu']:.2f} ({len(hyps)} pairs)"
+    else:
+        res = {**rouge(hyps, refs), "stemmer": True, "f1_x100": True}
+        summary = f"ROUGE-1 {res['rouge1']:.2f}  ROUGE-2 {res['rouge2']:.2f}  ROUGE-L {res['rougeL']:.2f}"
+    report = {"task": args.task, **res, "num_pairs": len(hyps), "samples": str(args.samples),
+              "references": str(args.references)}
+    path = Path(args.report) if args.report else Path(args.samples).with_suffix(f".{args.task}.json")
+    check_output(path, args.overwrite, "--report")
+    _emit(report, path, args.json, summary, args)
+    return 0
+
+
+def _score(metric: str, hyps: list[str], refs: list[str]) -> tuple[dict, str]:
+    if metric == "bleu":
+        res = {"bleu": bleu(hyps, refs), "tokenize": "13a", "lowercase": True, "effective_order": True}
+        return res, f"BLEU {res['bleu']:.2f} ({len(hyps)} pairs)"
+    res = {**rouge(hyps, refs), "stemmer": True, "f1_x100": True}
+    return res, f"ROUGE-1 {res['rouge1']:.2f}  ROUGE-2 {res['rouge2']:.2f}  ROUGE-L {res['rougeL']:.2f}"
+
+
+def _validation_pairs(task: str, num: int, source_field: str, reference_field: str) -> tuple[list, list]:
+    from elflow.data.corpus import read_pairs
+    from elflow.data.corpus import read_sources
+
+    if task.endswith(".jsonl"):
+        sources, refs = read_sources(task, source_field, reference_field)
+        if any(r is None for r in refs):
+            raise ELFError(f"{task}: every record needs a reference in {reference_field!r}")
+    else:
+        pairs = list(read_pairs(task, split="validation", max_documents=num))
+        sources, refs = [s for s, _ in pairs], [t for _, t in pairs]
+    return sources[:num], refs[:num]
+
+
+def _run_conditional_task(args, part: tuple[int, int] = (0, 1)) -> int:
+    from elflow.runs.load import load_for_sampling
+    from elflow.data.tasks import PAIR_TASKS
+    from elflow.methods import settings_from_args
+
+    task = args.task
+    if task not in PAIR_TASKS and not task.endswith(".jsonl"):
+        raise ELFError(f"unknown --task {task!r}: choose unconditional, translation, summarization, "
+                       f"{', '.join(PAIR_TASKS)} or a FILE.jsonl of pairs")
+    if args.checkpoint is None:
+        raise ELFError(f"--task {task} generates first: pass --checkpoint RUN (a conditional model)")
+    if args.num < 1:
+        raise ELFError(f"--num must be >= 1, got {args.num}")
+    metric = args.metric or (PAIR_TASKS[task]["metric"] if task in PAIR_TASKS else "bleu")
+    ckpt = Path(args.checkpoint).expanduser()
+    out = Path(args.out) if args.out else (ckpt if ckpt.is_dir() else Path("eval-" + ckpt.name)) / "eval"
+    name = Path(task).stem if task.endswith(".jsonl") else task
+    samples_path, report_path = out / f"{name}.samples.jsonl", Path(args.report or out / f"{name}.{metric}.json")
+    for path in (samples_path, report_path):
+        check_output(path, args.overwrite)
+    sources, refs = _validation_pairs(task, args.num, args.source_field, args.reference_field or "output")
+    loaded, space = load_for_sampling(args.checkpoint, device=args.device, space=args.encoder)
+    if not loaded.conditional:
+        raise ELFError(f"{args.checkpoint} is not a conditional model (it was not trained on pairs); "
+                       f"--task {task} needs one")
+    settings = settings_from_args(loaded, args)
+    with _hold(out, part):
+        return _conditional_task(args, task, metric, loaded, space, settings, sources, refs, samples_path,
+                                 report_path, part)
+
+
+def _hold(out: Path, part: tuple[int, int]):
+    """The lock on an eval folder, taken by the rank that writes it (rank 0)."""
+    from contextlib import nullcontext
+
+    return FolderHold(out, "elflow eval") if part[0] == 0 else nullcontext()
+
+
+def _conditional_task(args, task, metric, loaded, space, settings, sources, refs, samples_path, report_path,
+                      part) -> int:
+    from elflow.methods import get_method
+
+    t0 = time.time()
+    records, (res, summary) = sample_and_score(
+        get_method(loaded.method), loaded.net, space, len(sources), settings, lambda texts: _score(metric, texts, refs),
+        samples_path, {"checkpoint": str(args.checkpoint)}, args.length, refs, progress=not args.json,
+        overwrite=args.overwrite, part=part, sources=sources, source_length=loaded.settings["source_length"],
+        source_slot=loaded.settings.get("source_slot", "packed"))
+    report = {"task": task, "metric": metric, **res, "num_examples": len(records), **settings.to_dict(),
+              "checkpoint": str(args.checkpoint), "samples": str(samples_path), "seconds": time.time() - t0}
+    if part[0] == 0:
+        _emit(report, report_path, args.json, f"{summary}  ({len(records)} examples, {settings.sampler}, "
+              f"{settings.steps} steps, guidance {settings.guidance:g}, omega {settings.omega:g})", args,
+              {"examples": (["source", "output", "reference"],
+                            [[r.get("source"), r["text"], r.get("reference")] for r in records[:100]])})
+    return 0
+
+
+def run(args) -> int:
+    args.device = check_device(args.device)
+    if args.wandb:
+        from elflow.runs.tracking import require
+
+        require()
+    if args.task in TEXT_TASKS:
+        return _run_text_task(args)
+    if args.task == "unconditional" and (args.samples is None) == (args.checkpoint is None):
+        raise ELFError("pass either SAMPLES.jsonl to judge, or --checkpoint RUN to sample first (not both)")
+    with process_group(args.device) as (rank, world, device):  # under torchrun: sampling and judging sharded
+        args.device = str(device)
+        if args.task != "unconditional":
+            return _run_conditional_task(args, (rank, world))
+        return _run_unconditional(args, (rank, world))
+
+
+def _run_unconditional(args, part: tuple[int, int]) -> int:
+    t0 = time.time()
+    main = part[0] == 0
+    if args.samples is not None:
+        texts = read_texts(args.samples, args.field)  # before loading the judge: fail fast on bad input
+        _check_texts(texts, args.samples)
+        check_output(Path(args.report) if args.report else Path(args.samples).with_suffix(".eval.json"),
+                     args.overwrite, "--report")
+        model, tok = load_judge(args.judge, args.judge_dtype, args.device)
+        res = generative_perplexity(texts, model, tok, args.batch_size, args.protocol, args.max_length,
+                                    progress=not args.json and main, part=part)
+        _check_result(res, args.samples)
+        held = _heldout(args, _sampled_from(args.samples), len(texts), (model, tok), main)
+        report = {**_public(res), **_settings(args), "samples": str(args.samples), "seconds": time.time() - t0,
+                  **({"heldout": held} if held else {})}
+        path = Path(args.report) if args.report else Path(args.samples).with_suffix(".eval.json")
+        if main:
+            _emit(report, path, args.json, "\n".join(filter(None, [f"samples: {_format(res)}",
+                                                                  _heldout_line(held)])), args)
+        return 0
+
+    from elflow.runs.load import load_for_sampling
+    from elflow.methods import settings_from_args
+
+    loaded, space = load_for_sampling(args.checkpoint, device=args.device, space=args.encoder,
+                                      max_length=args.length)
+    settings = settings_from_args(loaded, args)
+    seeds = args.seeds or [settings.seed]
+    ckpt = Path(args.checkpoint).expanduser()
+    out = (Path(args.out) if args.out else (ckpt if ckpt.is_dir() else Path("eval-" + ckpt.name)) / "eval"
+           / settings.tag())
+    report_path = Path(args.report) if args.report else out / "report.json"
+    for path in [report_path] + [out / f"samples_seed{seed}.jsonl" for seed in seeds]:
+        check_output(path, args.overwrite)
+    with _hold(out, part):
+        return _sample_and_judge(args, loaded, space, settings, seeds, out, report_path, t0, part)
+
+
+def _sample_and_judge(args, loaded, space, settings, seeds, out, report_path, t0, part) -> int:
+    from elflow.methods import get_method
+
+    main = part[0] == 0
+    model, tok = load_judge(args.judge, args.judge_dtype, args.device)
+    judge = judge_score(model, tok, args.batch_size, args.protocol, args.max_length, part)
+    per_seed = []
+    for seed in seeds:
+        _, res = sample_and_score(get_method(loaded.method), loaded.net, space, args.num, replace(settings, seed=seed),
+                                  judge, out / f"samples_seed{seed}.jsonl", {"checkpoint": str(args.checkpoint)},
+                                  args.length, progress=not args.json, overwrite=args.overwrite, part=part)
+        _check_result(res, f"seed {seed} ({out / f'samples_seed{seed}.jsonl'})")
+        per_seed.append({"seed": seed, **res})
+        if not args.json and main:
+            print(f"seed {seed}: {_format(res)}")
+    ppl, ppl_se = mean_and_stderr([r["gen_ppl"] for r in per_seed])
+    ent, ent_se = mean_and_stderr([r["entropy"] for r in per_seed])
+    report = {"gen_ppl": ppl, "gen_ppl_stderr": ppl_se, "entropy": ent, "entropy_stderr": ent_se,
+              "num_samples": sum(r["num_samples"] for r in per_seed), "num_empty": sum(r["num_empty"] for r in per_seed),
+              "num_tokens": sum(r["num_tokens"] for r in per_seed), "num_seeds": len(per_seed), **_settings(args),
+              "checkpoint": str(args.checkpoint), "method": loaded.method, "num": args.num, "length": args.length,
+              **settings.to_dict(),
+              "seeds": list(seeds), "per_seed": per_seed, "seconds": time.time() - t0}
+    held = _heldout(args, args.checkpoint, args.num, (model, tok), main)
+    if held:
+        report["heldout"] = held
+    se = lambda x: f" +- {x:.3f}" if x is not None else ""  # noqa: E731
+    summary = (f"samples: gen_ppl {ppl:.3f}{se(ppl_se)}  entropy {ent:.4f}{se(ent_se)}  over {len(per_seed)} "
+               f"seed(s) ({settings.describe()})")
+    columns = ["seed", "gen_ppl", "entropy", "num_samples", "num_empty", "num_tokens"]
+    if main:
+        _emit(report, report_path, args.json, "\n".join(filter(None, [summary, _heldout_line(held)])), args,
+              {"per_seed": (columns, [[r[c] for c in columns] for r in per_seed])})
+    return 0

@@ -1,0 +1,141 @@
+"""TODO."""
+
+from __future__ import annotations
+import sys
+from pathlib import Path
+from elflow.runs.load import load_for_sampling
+from elflow.cli.common import add_sampling_arguments
+from elflow.generate import gather_records, write_samples
+from elflow.data.corpus import read_sources
+from elflow.methods import get_method, require, settings_from_args
+from elflow.util.errors import ELFError
+from elflow.util.files import atomic_write_json, check_output
+from elflow.util.devices import check_device, check_memory
+from elflow.util.distributed import process_group
+
+
+def add_arguments(p) -> None:
+    p.add_argument("checkpoint", metavar="RUN_OR_CHECKPOINT",
+                   help="an elflow run folder or checkpoint folder, an authors' checkpoint_<step> file or its "
+                        "folder, or a hub id such as embedded-language-flows/ELF-B-owt-torch")
+    add_sampling_arguments(p)
+    p.add_argument("--num", "--num-samples", type=int, default=16,
+                   help="number of samples, one per source with --source (default 16); under torchrun spell it "
+                        "--num-samples, as torchrun takes --num for its own --numa-binding")
+    p.add_argument("--length", type=int, default=None, help="positions per sample (default: the model's)")
+    p.add_argument("--source", default=None, metavar="FILE.jsonl|TEXT",
+                   help="conditional models: the sources to translate / summarise (a .jsonl file or one text)")
+    p.add_argument("--source-field", default="input", help="the source field of --source records")
+    p.add_argument("--reference-field", default="output", help="the reference field of --source records")
+    p.add_argument("--prompt", default=None, help="text held fixed at the start of every sample (continuation)")
+    p.add_argument("--suffix", default=None, help="text held fixed at the end of every sample (infilling)")
+    p.add_argument("--out", default="samples.jsonl", help="JSONL output (one object per sample)")
+    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--raw-weights", action="store_true", help="use the trained weights instead of the EMA")
+    p.add_argument("--encoder", default=None,
+                   help="T5 encoder folder or hub id for the authors' checkpoints (default t5-small)")
+    p.add_argument("--trajectory", nargs="*", type=int, default=None, metavar="STEP",
+                   help="record how the first batch's samples emerge: the decode readout of the sampler's guess "
+                        "at these steps (0-based; default: every step), written to OUT.trajectory.json (view it "
+                        "with `elflow view`); each recorded step costs one more network pass")
+    p.add_argument("--html", action="store_true",
+                   help="also write the trajectory viewer page OUT.trajectory.html (implies --trajectory)")
+    p.add_argument("--quiet", action="store_true", help="do not print the texts")
+
+
+def check_attention_memory(length: int, batch: int, heads: int, device) -> None:
+    """Refuse a --length whose attention scores (batch x heads x length^2 in fp32, as attention without a fused
+    kernel holds them) need more memory than the device has: any length the memory allows is sampled."""
+    check_memory(4 * batch * heads * length**2, f"--length {length} (attention over {length} positions, "
+                 f"{batch} samples x {heads} heads per batch)", device, hint="choose a smaller --length or --batch")
+
+
+def run(args) -> int:
+    args.device = check_device(args.device)
+    check_output(args.out, args.overwrite)  # before any work
+    if args.html and args.trajectory is None:
+        args.trajectory = []
+    traj_path = Path(args.out).with_suffix(".trajectory.json") if args.trajectory is not None else None
+    page_path = Path(args.out).with_suffix(".trajectory.html") if args.html else None
+    for extra in (traj_path, page_path):
+        if extra is not None:
+            check_output(extra, args.overwrite)
+    if args.length is not None and args.length < 1:
+        raise ELFError(f"--length must be >= 1, got {args.length}")
+    with process_group(args.device) as (rank, world, device):  # under torchrun: each rank draws its batches
+        records, meta, space = _sample(args, rank, world, device)
+    return 0 if rank else _write(args, records, meta, space, traj_path, page_path)
+
+
+def _sample(args, rank: int, world: int, device):
+    """(the records of every rank in index order, the settings written with them, the space)."""
+    loaded, space = load_for_sampling(args.checkpoint, device=str(device), space=args.encoder,
+                                      use_ema=not args.raw_weights, max_length=args.length)
+    method = get_method(loaded.method)
+    settings = settings_from_args(loaded, args)
+    for flag, value, feature in (("--source", args.source, "pairs"), ("--prompt", args.prompt, "known"),
+                                 ("--suffix", args.suffix, "known"), ("--html", args.html or None, "trajectory"),
+                                 ("--trajectory", args.trajectory, "trajectory")):
+        if value is not None:
+            require(method, feature, flag, args.checkpoint)
+    trained = loaded.settings.get("length") or loaded.net.config.max_length
+    check_attention_memory(args.length or trained, settings.batch_size, loaded.net.config.heads, str(device))
+    if args.length is not None and args.length > trained:
+        print(f"warning: --length {args.length} is longer than the {trained} positions the model was trained on; "
+              "expect poorer samples", file=sys.stderr)
+    known, refs = {}, None  # what the samples hold fixed
+    if args.source is not None:
+        if not loaded.conditional:
+            raise ELFError("this model was not trained on pairs: a source means nothing to it; "
+                           "to continue a text, pass --prompt")
+        if args.prompt or args.suffix:
+            raise ELFError("--source cannot be combined with --prompt or --suffix")
+        known["sources"], refs = read_sources(args.source, args.source_field, args.reference_field)
+        known["source_length"] = loaded.settings.get("source_length")
+        known["source_slot"] = loaded.settings.get("source_slot", "packed")
+        args.num = len(known["sources"])
+    elif loaded.conditional and (args.prompt or args.suffix):
+        raise ELFError("this is a conditional model: pass --source, not --prompt / --suffix")
+    known.update({k: v for k, v in (("prompt", args.prompt), ("suffix", args.suffix)) if v is not None})
+    if args.trajectory is not None:
+        n = settings.steps
+        known["trajectory"] = set(args.trajectory) if args.trajectory else set(range(n))
+        bad = [s for s in known["trajectory"] if not 0 <= s < n]
+        if bad:
+            raise ELFError(f"--trajectory steps must lie in 0..{n - 1}, got {sorted(bad)}")
+    net = loaded.net
+    records = method.sample(net, space, args.num, settings, args.length, progress=not args.quiet and rank == 0,
+                            part=(rank, world), **known)
+    records = gather_records(records, world)
+    for r, ref in zip(records, refs or []):
+        if ref is not None:
+            r["reference"] = ref
+    meta = {**settings.to_dict(), "length": args.length or net.config.max_length, "ema": not args.raw_weights,
+            "checkpoint": str(args.checkpoint), **{k: known[k] for k in ("prompt", "suffix") if k in known}}
+    return records, meta, space
+
+
+def _write(args, records, meta, space, traj_path, page_path) -> int:
+    rows = [r.pop("trajectory") for r in records if "trajectory" in r]  # kept apart from the samples file
+    write_samples(args.out, records, meta, args.overwrite)
+    if rows:
+        from elflow.experiments.viewer import trajectory_document, write_page
+
+        seen = [{"step": pts[0]["step"], "t": pts[0]["t"], **{k: [p[k] for p in pts] for k in ("ids", "shown", "known")},
+                 "texts": [p["text"] for p in pts]} for pts in zip(*rows)]  # per recorded step, every row
+        doc = trajectory_document(space.tokenizer, seen, records[:len(rows)], {**meta, "space": space.space_id})
+        atomic_write_json(traj_path, doc, args.overwrite)
+        print("how sample 0 emerges (decode readout of the guess at each chosen step):")
+        m = min(6, len(seen))  # up to six of the recorded steps, spread out, the last one included
+        for k in sorted({round(j * (len(seen) - 1) / max(m - 1, 1)) for j in range(m)}):
+            print(f"  step {seen[k]['step']:>3} (t = {seen[k]['t']:.3f}): {seen[k]['texts'][0][:200]}")
+        print(f"wrote the trajectory of {len(rows)} samples x {len(seen)} steps to {traj_path}", file=sys.stderr)
+        if page_path is not None:
+            write_page(doc, page_path, args.overwrite)
+            print(f"wrote {page_path}; open it in a browser", file=sys.stderr)
+    if not args.quiet:
+        for r in records:
+            print(f"--- sample {r['index']}\n{r['text']}")
+    print(f"wrote {len(records)} samples to {args.out}", file=sys.stderr)
+    return 0

@@ -1,0 +1,72 @@
+"""TODO."""
+
+from __future__ import annotations
+import argparse
+from dataclasses import fields
+from elflow.config import NESTED_FLAGS, RUN_PRESETS, TrainConfig
+
+
+def _true_or_false(text: str) -> bool:
+    if text.lower() not in ("true", "false"):
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return text.lower() == "true"
+
+
+def _flag(f) -> str:
+    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the flags: one per TrainConfig field and nested key, each defaulting to "not given" so that --resume can
+# tell what the command line changes
+_TYPES = {"str": str, "str | None": str, "int": int, "int | None": int, "float": float, "float | None": float}
+
+
+def with_default(text: str, default_text) -> str:
+    """A flag's help text ending in its default, once."""
+    return f"{text} (default: {default_text})".replace("%", "%%")
+
+
+def add_setting_arguments(p) -> None:
+    """The run settings' flags (and --defaults) in a group of `p`."""
+    S = argparse.SUPPRESS
+    cfg_group = p.add_argument_group("run settings (stored with the run; --print-config shows them resolved)")
+    for f in fields(TrainConfig):
+        meta = f.metadata
+        if not meta.get("cli", True):
+            continue
+        default_text = meta.get("default_help") or (f.default if f.default is not None else "none")
+        kw = dict(default=S, dest=f.name, help=with_default(meta["help"], default_text))
+        if f.type == "bool":
+            kw["help"] = with_default(meta["help"], "on" if f.default else "off")
+            cfg_group.add_argument(_flag(f), action=argparse.BooleanOptionalAction, **kw)
+            continue
+        kw["type"] = _TYPES[f.type]
+        if meta.get("choices"):
+            kw["choices"] = meta["choices"]
+        else:
+            kw["metavar"] = _flag(f)[2:].upper().replace("-", "_")
+        cfg_group.add_argument(_flag(f), **kw)
+    for (key, sub), (typ, text, _, default_text) in NESTED_FLAGS.items():
+        if isinstance(typ, tuple):
+            kind = {"choices": typ}
+        elif typ is bool:
+            kind = {"type": _true_or_false, "metavar": "true|false"}
+        else:
+            kind = {"type": typ, "metavar": sub.upper()}
+        cfg_group.add_argument("--" + sub.replace("_", "-"), default=S, dest=f"{key}.{sub}", **kind,
+                               help=with_default(text, default_text))
+    cfg_group.add_argument("--defaults", default=S, choices=tuple(RUN_PRESETS),
+                           help=with_default("start from a named set of settings (quickstart: what `elflow quickstart` "
+                                      "trains); other flags override it", "none"))
+
+
+def given_settings(args, base: dict | None = None) -> dict:
+    """The TrainConfig values given on the command line, a nested flag setting one key of its dict: of the
+    dict given whole on the command line, else of `base`'s (the --defaults preset's values: `--skip gated`
+    over the quickstart keeps its other short-run options), else of an empty one."""
+    given = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)}
+    for key, sub in NESTED_FLAGS:
+        if hasattr(args, f"{key}.{sub}"):
+            given.setdefault(key, dict((base or {}).get(key) or {}))[sub] = getattr(args, f"{key}.{sub}")
+    return given

@@ -1,0 +1,26 @@
+"""TODO."""
+
+from __future__ import annotations
+import sys
+from pathlib import Path
+from elflow.util.files import check_output
+from elflow.experiments.viewer import read_trajectory, write_page
+
+
+# ----------------------------------------------------------------------------------------------------------
+# `elflow view`
+def add_arguments(p) -> None:
+    p.add_argument("trajectory", metavar="TRAJECTORY.json",
+                   help="a trajectory written by `elflow sample RUN --trajectory` (OUT.trajectory.json)")
+    p.add_argument("--out", default=None, help="the HTML page to write (default: TRAJECTORY with .html)")
+    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+
+
+def run(args) -> int:
+    out = Path(args.out) if args.out else Path(args.trajectory).with_suffix(".html")
+    check_output(out, args.overwrite)
+    doc = read_trajectory(args.trajectory)
+    write_page(doc, out, args.overwrite)
+    print(f"wrote {out} ({len(doc['samples'])} samples x {len(doc['steps'])} steps); open it in a browser",
+          file=sys.stderr)
+    return 0

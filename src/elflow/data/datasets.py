@@ -1,0 +1,197 @@
+"""TODO."""
+
+from __future__ import annotations
+import hashlib
+import json
+import shutil
+import tempfile
+from datetime import timedelta
+from pathlib import Path
+from elflow.data.corpus import _warn, check_on_bad
+from elflow.data.layout import check_source_slot
+from elflow.data.batches import split_rows
+from elflow.data.store import StoreRows, TokenStore, file_lock, is_store
+from elflow.util.errors import ELFError
+from elflow.util.files import cache_root
+from elflow.util.distributed import distributed
+from elflow.data.ingest import prepare_store
+from elflow.data.sources import source_fingerprint
+
+
+STORE_KEY_VERSION = 1  # bump when what a cached store holds changes
+
+
+PREPARE_TIMEOUT = timedelta(days=7)  # how long the other ranks wait for rank 0's preparation
+
+
+# ----------------------------------------------------------------------------------------------------
+# Stores in the cache, prepared once
+def _cache_key(kind: str, source, space, options: dict, cache_dir) -> str:
+    key = {"v": STORE_KEY_VERSION, "kind": kind, "source": source_fingerprint(source, cache_dir),
+           "tokenizer": space.tokenizer_id, "eos": space.eos_id, "pad": space.pad_id, **options}
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def _complete(folder: Path, warn: bool = False) -> TokenStore | None:
+    if not (folder / "manifest.json").is_file():
+        return None
+    try:
+        return TokenStore(folder)
+    except ELFError as e:
+        if warn:
+            _warn(f"ignoring the damaged cached store {folder} ({e}); preparing it again")
+        return None
+
+
+def _cached(kind: str, source, space, options: dict, cache_dir, use_cache: bool) -> tuple[TokenStore, str]:
+    """The cache's store of `source` (prepared now if missing: "miss", else "hit"), once across ranks."""
+    def make():
+        if not use_cache:
+            tmp = Path(tempfile.mkdtemp(prefix="elflow-store-"))
+            try:
+                store = prepare_store(source, space, tmp, pairs=kind == "pairs", cache_dir=cache_dir, overwrite=True,
+                                      **options)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)  # the memory maps stay valid
+            return store, "miss"
+        root = cache_root(cache_dir) / "stores"
+        folder = root / _cache_key(kind, source, space, options, cache_dir)
+        store = _complete(folder)
+        if store is not None:
+            return store, "hit"
+        lock = file_lock(root / f"{folder.name}.lock")  # waits while another process prepares this store
+        try:
+            store = _complete(folder, warn=True)
+            if store is not None:
+                return store, "hit"
+            return prepare_store(source, space, folder, pairs=kind == "pairs", cache_dir=cache_dir, overwrite=True,
+                                 **options), "miss"
+        finally:
+            lock.close()
+
+    return _once_across_ranks(make)
+
+
+def _once_across_ranks(make):
+    """`make()` on rank 0 first, then on the other ranks, which wait for it on a Gloo group whose timeout is
+    PREPARE_TIMEOUT; every rank raises if it failed anywhere. Without a process group: `make()`."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return make()
+    group = dist.new_group(backend="gloo", timeout=PREPARE_TIMEOUT)
+    rank = dist.get_rank()
+    result = None
+    try:
+        for turn in ("first", "then"):
+            error = None
+            if (rank == 0) == (turn == "first"):
+                try:
+                    result = make()
+                except BaseException as e:  # noqa: BLE001 (re-raised below, after the other ranks know)
+                    error = e
+            flag = torch.tensor([0.0 if error is None else 1.0])
+            dist.all_reduce(flag, group=group)
+            if error is not None:
+                raise error
+            if flag.item():
+                raise ELFError("another rank stopped while preparing the data (its message says why)")
+        return result
+    finally:
+        dist.destroy_process_group(group)
+
+
+def text_store(source, space, cache_dir=None, field: str = "text", on_bad: str = "stop", split: str = "train",
+               max_documents: int | None = None, use_cache: bool = True) -> tuple[TokenStore, str]:
+    """(store, "given" | "hit" | "miss"): `source` itself when it is a store folder (checked against the
+    space's tokenizer), else its store in the cache, prepared once."""
+    if is_store(source):
+        store = TokenStore(source)
+        store.check_space(space)
+        return store, "given"
+    options = {"field": field, "on_bad": on_bad, "split": split, "max_documents": max_documents}
+    store, state = _cached("text", source, space, options, cache_dir, use_cache)
+    return store, state
+
+
+def pair_store(source, space, cache_dir=None, source_field: str = "input", target_field: str = "output",
+               on_bad: str = "stop", split: str = "train", max_documents: int | None = None,
+               use_cache: bool = True) -> tuple[TokenStore, str]:
+    """Like `text_store`, for (source, target) pairs."""
+    if is_store(source):
+        store = TokenStore(source)
+        store.check_space(space)
+        return store, "given"
+    options = {"source_field": source_field, "target_field": target_field, "on_bad": on_bad, "split": split,
+               "max_documents": max_documents}
+    return _cached("pairs", source, space, options, cache_dir, use_cache)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Data sets read from stores
+def _check_length(space, length: int) -> None:
+    space.check_length(length)
+    if length < 2:
+        raise ELFError(f"sequence length must be at least 2, got {length}")
+
+
+def _info(store: TokenStore, state: str, source, layout: str, length: int) -> dict:
+    return {"source": str(source), "layout": layout, "length": length, "tokenizer": store.tokenizer_id,
+            "records": store.count, "corpus_tokens": store.num_tokens, "cache": state, "store": str(store.folder)}
+
+
+def build_dataset(source, space, length: int, layout: str = "packed", val_fraction: float = 0.01, seed: int = 0,
+                  cache_dir=None, field: str = "text", on_bad: str = "stop", split: str = "train",
+                  max_documents: int | None = None, pad_in_loss: bool = True, use_cache: bool = True
+                  ) -> tuple[StoreRows, StoreRows]:
+    """(train, validation) rows of `length` tokens of a text source in `layout`, read from its store (the
+    source itself when it is a store folder, else its store in the cache, prepared once); the validation rows
+    are chosen at random from `seed` (`data.split_rows`)."""
+    if layout not in ("packed", "document"):
+        raise ELFError(f"layout must be 'packed' or 'document', got {layout!r}")
+    check_on_bad(on_bad)
+    _check_length(space, length)
+    store, state = text_store(source, space, cache_dir, field, on_bad, split, max_documents, use_cache)
+    if store.kind != "text":
+        raise ELFError(f"{source} holds (source, target) pairs; train on it with --source-length")
+    if state == "given" and store.layout not in (None, layout) and distributed()[0] == 0:
+        _warn(f"{source} was prepared for the {store.layout} layout; reading it as {layout} rows (--layout)")
+    rows = StoreRows(store, layout, length, pad_in_loss, info=_info(store, state, source, layout, length))
+    rows.info["sequences"] = len(rows)
+    return split_rows(rows, val_fraction, seed)
+
+
+def build_pairs(source, space, source_length: int = 64, length: int = 128, val_fraction: float = 0.01,
+                seed: int = 0, cache_dir=None, source_field: str = "input", target_field: str = "output",
+                on_bad: str = "stop", split: str = "train", max_documents: int | None = None,
+                use_cache: bool = True, source_slot: str = "packed") -> tuple[StoreRows, StoreRows]:
+    """Conditional (source, target) rows (`data.pair_layout`): every row holds its source (cut to
+    `source_length`), then its target right after it (at `source_length` with the "fixed" `source_slot`),
+    EOS-padded to `length`; `known` marks the source. The
+    loss covers every other position, the padding included (that is how the model learns where a target ends).
+
+    source: a pair store, a .jsonl file of {source_field, target_field} records, a named task ("wmt14-de-en",
+    "xsum") or a hub dataset name read with the same fields. In T5-small's space, a folder saved with
+    `datasets.save_to_disk` or a hub set holding the authors' pre-tokenized columns (condition_input_ids /
+    input_ids) is used as it is, and a named task reads the authors' pre-tokenized copy."""
+    check_on_bad(on_bad)
+    if not 0 < source_length < length:
+        raise ELFError(f"the source length {source_length} must be between 1 and the sequence length "
+                       f"{length} - 1, so that a target fits")
+    _check_length(space, length)
+    store, state = pair_store(source, space, cache_dir, source_field, target_field, on_bad, split, max_documents,
+                              use_cache)
+    if store.kind != "pairs":
+        raise ELFError(f"{source} holds text, not (source, target) pairs: prepare pairs with --source-length, or "
+                       "train on it without --source-length")
+    check_source_slot(source_slot)
+    rows = StoreRows(store, "pairs", length, source_length=source_length, fixed_slot=source_slot == "fixed",
+                     info={**_info(store, state, source, "pairs", length), "source_length": source_length,
+                           "source_slot": source_slot})
+    rows.info.update(sequences=len(rows), pairs=len(rows))
+    cut = rows.sources_cut()
+    if cut and distributed()[0] == 0:
+        _warn(f"{cut} of {len(rows)} sources are longer than {source_length} tokens and were cut "
+              "(raise --source-length to keep more)")
+    return split_rows(rows, val_fraction, seed)

@@ -1,0 +1,411 @@
+"""TODO."""
+
+from __future__ import annotations
+import json
+import os
+from pathlib import Path
+import numpy as np
+import torch
+from elflow.util.errors import ELFError
+from elflow.util.files import atomic_write_json
+
+
+FORMAT = "elflow-token-store"
+
+
+VERSION = 1
+
+
+IDS, OFFSETS, MANIFEST = "ids.bin", "offsets.bin", "manifest.json"
+
+
+PARTIAL = ".partial"
+
+
+LOCK = ".prepare.lock"
+
+
+STORE_FILES = (MANIFEST, IDS, OFFSETS, IDS + PARTIAL, OFFSETS + PARTIAL, LOCK)  # all that a store may own
+
+
+PARTS = {"text": 1, "pairs": 2}  # offsets per record
+
+
+WRITE_BUFFER = 8 << 20
+
+
+def ids_dtype(vocab_size: int) -> np.dtype:
+    """The narrowest unsigned type holding every id of a vocabulary."""
+    return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
+
+
+def is_store(path) -> bool:
+    """Whether `path` is a store folder: its manifest names the format, or it holds a store's arrays."""
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        return False
+    if any((path / name).exists() for name in (IDS, OFFSETS, IDS + PARTIAL, OFFSETS + PARTIAL)):
+        return True
+    try:
+        return json.loads((path / MANIFEST).read_text()).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def file_lock(path, wait: bool = True):
+    """An exclusive `flock` on the file `path` (created if missing), released when the returned file is closed
+    or the process ends, even when it is killed. `wait=False` returns None when another process holds it."""
+    import fcntl
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    f = open(path, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+    except BlockingIOError:
+        f.close()
+        return None
+    return f
+
+
+def store_lock(folder, wait: bool = True):
+    """The lock a store's writer holds: `folder/.prepare.lock` (see `file_lock`)."""
+    return file_lock(Path(folder) / LOCK, wait)
+
+
+def _locked_by_other(folder: Path) -> bool:
+    import fcntl
+
+    if not (folder / LOCK).exists():
+        return False
+    with open(folder / LOCK, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(f, fcntl.LOCK_UN)
+    return False
+
+
+# ----------------------------------------------------------------------------------------------------
+# Writing
+class StoreWriter:
+    """Appends records to a store folder's `.partial` arrays; `finish` renames them and writes the manifest
+    last, `abort` removes them. Memory: the write buffers only.
+
+    A text record is one document (its ids end with EOS: `add`); a long document may also arrive in pieces
+    (`extend` ... `end_record`, or `drop_record` to forget it). A pair record is (source ids, target ids).
+    Ids must lie in [0, vocab_size)."""
+
+    def __init__(self, folder, kind: str, vocab_size: int):
+        if kind not in PARTS:
+            raise ValueError(f"kind must be one of {', '.join(PARTS)}, got {kind!r}")
+        self.folder = Path(folder)
+        self.kind, self.vocab_size = kind, int(vocab_size)
+        self.dtype = ids_dtype(self.vocab_size)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self._ids = open(self.folder / (IDS + PARTIAL), "wb", buffering=WRITE_BUFFER)
+        self._offsets = open(self.folder / (OFFSETS + PARTIAL), "wb", buffering=WRITE_BUFFER)
+        self._offsets.write(np.zeros(1, np.int64).tobytes())
+        self.tokens = 0  # ids written, the record in progress included
+        self.committed = 0  # ids of finished records
+        self.records = 0
+
+    def _write_ids(self, ids) -> None:
+        ids = np.asarray(ids)
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
+            bad = int(ids.max()) if int(ids.max()) >= self.vocab_size else int(ids.min())
+            raise ELFError(f"token id {bad} lies outside the tokenizer's vocabulary of {self.vocab_size} ids: the ids "
+                           "were made with another tokenizer; prepare the store with the --space they belong to")
+        self._ids.write(ids.astype(self.dtype, copy=False).tobytes())
+        self.tokens += int(ids.size)
+
+    def add(self, *parts) -> None:
+        """One whole record: a document's ids, or a pair's (source ids, target ids)."""
+        if len(parts) != PARTS[self.kind]:
+            raise ValueError(f"a {self.kind} record has {PARTS[self.kind]} part(s), got {len(parts)}")
+        ends = []
+        for ids in parts:
+            self._write_ids(ids)
+            ends.append(self.tokens)
+        self._offsets.write(np.asarray(ends, np.int64).tobytes())
+        self.committed = self.tokens
+        self.records += 1
+
+    def add_documents(self, docs: list) -> None:
+        """Many whole documents at once (a text store)."""
+        if not docs:
+            return
+        lengths = np.fromiter((len(d) for d in docs), np.int64, len(docs))
+        self._write_ids(np.concatenate([np.asarray(d) for d in docs]))
+        self._offsets.write((self.committed + np.cumsum(lengths)).tobytes())
+        self.committed = self.tokens
+        self.records += len(docs)
+
+    def extend(self, ids) -> None:
+        """Append ids to the document in progress (a text store)."""
+        self._write_ids(ids)
+
+    def end_record(self) -> None:
+        self._offsets.write(np.asarray([self.tokens], np.int64).tobytes())
+        self.committed = self.tokens
+        self.records += 1
+
+    def drop_record(self) -> None:
+        """Forget the document in progress: the ids file goes back to the last finished record."""
+        self._ids.flush()
+        self._ids.truncate(self.committed * self.dtype.itemsize)
+        self._ids.seek(self.committed * self.dtype.itemsize)
+        self.tokens = self.committed
+
+    def finish(self, manifest: dict) -> Path:
+        """Close the arrays (synced to disk), give them their names, then write the manifest."""
+        if self.tokens != self.committed:
+            raise RuntimeError("a document is still in progress")
+        for f in (self._ids, self._offsets):
+            f.flush()
+            os.fsync(f.fileno())
+            f.close()
+        for name in (IDS, OFFSETS):
+            os.replace(self.folder / (name + PARTIAL), self.folder / name)
+        full = {"format": FORMAT, "version": VERSION, "kind": self.kind, **manifest, "dtype": self.dtype.name,
+                "records": self.records, "tokens": self.tokens,
+                "bytes": {IDS: self.tokens * self.dtype.itemsize, OFFSETS: (PARTS[self.kind] * self.records + 1) * 8}}
+        atomic_write_json(self.folder / MANIFEST, full)
+        os.chmod(self.folder / MANIFEST, 0o644)  # readable like the arrays (a temporary file is private)
+        return self.folder
+
+    def abort(self) -> None:
+        for f in (self._ids, self._offsets):
+            try:
+                f.close()
+            except OSError:
+                pass
+        for name in (IDS + PARTIAL, OFFSETS + PARTIAL):
+            try:
+                os.unlink(self.folder / name)
+            except FileNotFoundError:
+                pass
+
+
+def remove_store_files(folder) -> None:
+    """Delete a store's own files (and nothing else) from `folder`."""
+    folder = Path(folder)
+    for name in STORE_FILES:
+        if name == LOCK:
+            continue  # may be held by the caller
+        try:
+            os.unlink(folder / name)
+        except FileNotFoundError:
+            pass
+
+
+# ----------------------------------------------------------------------------------------------------
+# Reading
+class TokenStore:
+    """An opened store: its manifest, and its arrays as read-only memory maps (nothing is loaded)."""
+
+    def __init__(self, folder):
+        self.folder = Path(folder).expanduser()
+        self.manifest = self._read_manifest()
+        m = self.manifest
+        self.kind = m["kind"]
+        self.layout = m.get("layout")
+        tok = m["tokenizer"]
+        self.tokenizer_id, self.vocab_size = tok["id"], int(tok["vocab_size"])
+        self.eos_id, self.pad_id = int(tok["eos_id"]), int(tok["pad_id"])
+        self.count, self.num_tokens = int(m["records"]), int(m["tokens"])
+        self.dtype = np.dtype(m["dtype"]).newbyteorder("<")
+        self._check_sizes()
+        self.ids = np.memmap(self.folder / IDS, dtype=self.dtype, mode="r", shape=(self.num_tokens,))
+        self.offsets = np.memmap(self.folder / OFFSETS, dtype="<i8", mode="r",
+                                 shape=(PARTS[self.kind] * self.count + 1,))
+
+    def _read_manifest(self) -> dict:
+        f = self.folder
+        if not f.is_dir():
+            raise ELFError(f"{f} is not a token store folder (it does not exist); make one with `elflow prepare`")
+        path = f / MANIFEST
+        if not path.is_file():
+            if _locked_by_other(f):
+                state = "it is being written by a running `elflow prepare`; wait for it to finish"
+            elif any((f / n).exists() for n in (IDS, OFFSETS, IDS + PARTIAL, OFFSETS + PARTIAL)):
+                state = ("its prepare was stopped before it finished, or the manifest was removed; run `elflow "
+                         "prepare` again with --overwrite")
+            else:
+                state = "it holds no store; make one with `elflow prepare`"
+            raise ELFError(f"{f} has no {MANIFEST}: {state}")
+        try:
+            m = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise ELFError(f"{path} cannot be read ({e}); prepare the store again with --overwrite") from None
+        if not isinstance(m, dict) or m.get("format") != FORMAT:
+            raise ELFError(f"{path} is not the manifest of an elflow token store")
+        if m.get("version") != VERSION:
+            raise ELFError(f"{f} is a token store of format version {m.get('version')}; this elflow reads version "
+                           f"{VERSION}: prepare it again")
+        try:
+            m["kind"], m["tokenizer"]["id"], int(m["tokenizer"]["vocab_size"]), int(m["tokenizer"]["eos_id"])
+            int(m["tokenizer"]["pad_id"]), int(m["records"]), int(m["tokens"]), np.dtype(m["dtype"])
+            if m["kind"] not in PARTS:
+                raise KeyError("kind")
+        except (KeyError, TypeError, ValueError) as e:
+            raise ELFError(f"{path} lacks a valid {e} entry; prepare the store again with --overwrite") from None
+        return m
+
+    def _check_sizes(self) -> None:
+        expected = {IDS: self.num_tokens * self.dtype.itemsize, OFFSETS: (PARTS[self.kind] * self.count + 1) * 8}
+        for name, size in expected.items():
+            path = self.folder / name
+            have = path.stat().st_size if path.is_file() else None
+            if have != size:
+                what = "is missing" if have is None else f"holds {have:,} bytes"
+                raise ELFError(f"{path} {what}, but the manifest says {size:,} ({self.num_tokens:,} tokens in "
+                               f"{self.count:,} records): the store is truncated or was changed; prepare it again "
+                               "with --overwrite")
+
+    # --- identity -------------------------------------------------------------------------------------
+    def describe_tokenizer(self) -> str:
+        space = self.manifest["tokenizer"].get("space")
+        return f"the tokenizer of {space!r} ({self.tokenizer_id})" if space else f"tokenizer {self.tokenizer_id}"
+
+    def check_space(self, space, flag: str = "--space") -> None:
+        """Refuse a space whose tokenizer is not the one the store was made with."""
+        mine = getattr(space, "tokenizer_id", None)
+        if mine != self.tokenizer_id:
+            name = getattr(space, "name", None) or getattr(space, "label", "this space")
+            raise ELFError(f"{self.folder} was prepared with {self.describe_tokenizer()}, but {flag} uses the "
+                           f"tokenizer of {name!r} ({mine}): train with the space the store was made for, or "
+                           "prepare the store again with `elflow prepare ... --space` of this run")
+
+    # --- records --------------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return self.count
+
+    def record(self, i: int) -> list[np.ndarray]:
+        """Record i's parts (a document, or a pair's source and target) as arrays read from the map."""
+        p = PARTS[self.kind]
+        o = self.offsets[p * i: p * i + p + 1]
+        return [np.asarray(self.ids[o[k]:o[k + 1]]) for k in range(p)]
+
+    def part_lengths(self, part: int = 0) -> np.ndarray:
+        """(records,) lengths of each record's part `part` (0: documents or sources, 1: targets)."""
+        p = PARTS[self.kind]
+        return np.asarray(self.offsets[part + 1::p]) - np.asarray(self.offsets[part:-1:p])
+
+    def rows(self, layout: str | None = None, length: int = 64, pad_in_loss: bool = True,
+             source_length: int | None = None, fixed_slot: bool = False) -> "StoreRows":
+        return StoreRows(self, layout or self.layout, length, pad_in_loss, source_length, fixed_slot=fixed_slot)
+
+
+def open_store(folder) -> TokenStore:
+    return TokenStore(folder)
+
+
+def _as_index(idx) -> np.ndarray:
+    if isinstance(idx, torch.Tensor):
+        return idx.detach().cpu().numpy().astype(np.int64, copy=False)
+    return np.asarray(idx, dtype=np.int64)
+
+
+class StoreRows:
+    """(N, L) rows of a store in one layout, read on demand from its memory map.
+
+    The interface of `data.TokenDataset`: `len`, `length`, `batch(idx)` (dict of tokens (B, L) long, mask,
+    attention_mask and, for pairs, known (B, L) bool), `subset(idx)` (an index array, no copy) and `info`.
+    `tokens`, `mask`, `attention_mask` and `known` gather every row of the set: meant for small sets."""
+
+    def __init__(self, store: TokenStore, layout: str, length: int, pad_in_loss: bool = True,
+                 source_length: int | None = None, index: np.ndarray | None = None, info: dict | None = None,
+                 fixed_slot: bool = False):
+        layouts = ("pairs",) if store.kind == "pairs" else ("packed", "document")
+        if layout not in layouts:
+            other = ("it holds (source, target) pairs: train on it with --source-length" if store.kind == "pairs"
+                     else "it holds text: pairs need a store prepared with --source-length")
+            raise ELFError(f"{store.folder} cannot be read in the {layout!r} layout: {other}")
+        if length < 2:
+            raise ELFError(f"sequence length must be at least 2, got {length}")
+        if layout == "pairs" and not (source_length and 0 < source_length < length):
+            raise ELFError(f"the source length {source_length} must be between 1 and the sequence length "
+                           f"{length} - 1, so that a target fits")
+        self.store, self.layout, self._length = store, layout, int(length)
+        self.pad_in_loss, self.source_length, self.fixed_slot = pad_in_loss, source_length, bool(fixed_slot)
+        if layout == "packed":
+            self.num_rows = store.num_tokens // self._length
+            if self.num_rows == 0:
+                raise ELFError(f"the store {store.folder} holds only {store.num_tokens} tokens, shorter than one "
+                               f"sequence of {length}: use a smaller --length or more text")
+        else:
+            self.num_rows = store.count
+        self.index = index  # rows of the store this set holds (None: all, in order)
+        self.info = dict(info or {})
+
+    def __len__(self) -> int:
+        return self.num_rows if self.index is None else int(len(self.index))
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    def subset(self, idx) -> "StoreRows":
+        idx = _as_index(idx)
+        index = idx if self.index is None else self.index[idx]
+        if len(index) and int(index.max()) < 2**31:
+            index = index.astype(np.int32)  # 4 bytes a row
+        return StoreRows(self.store, self.layout, self._length, self.pad_in_loss, self.source_length, index,
+                         self.info, self.fixed_slot)
+
+    def batch(self, idx) -> dict:
+        rows = _as_index(idx)
+        if self.index is not None:
+            rows = self.index[rows].astype(np.int64)
+        L, s = self._length, self.store
+        pos = np.arange(L, dtype=np.int64)[None, :]  # (1, L)
+        if self.layout == "packed":
+            tokens = np.asarray(s.ids[rows[:, None] * L + pos]).astype(np.int64)  # (B, L)
+            out = {"tokens": tokens, "mask": np.ones(tokens.shape, bool), "attention_mask": np.ones(tokens.shape, bool)}
+        elif self.layout == "document":
+            start, end = np.asarray(s.offsets[rows])[:, None], np.asarray(s.offsets[rows + 1])[:, None]
+            real = pos < np.minimum(end - start, L)  # (B, L): the document's tokens, its EOS included
+            tokens = np.where(real, s.ids[np.where(real, start + pos, 0)], s.pad_id).astype(np.int64)
+            tokens[(end - start)[:, 0] > L, L - 1] = s.eos_id  # a cut document keeps its EOS
+            out = {"tokens": tokens, "mask": np.ones(real.shape, bool) if self.pad_in_loss else real.copy(),
+                   "attention_mask": real}
+        else:
+            s0 = np.asarray(s.offsets[2 * rows])[:, None]
+            s1 = np.asarray(s.offsets[2 * rows + 1])[:, None]
+            end = np.asarray(s.offsets[2 * rows + 2])[:, None]
+            given = np.minimum(s1 - s0, self.source_length)  # (B, 1): the source's ids in the row
+            src = np.full_like(given, self.source_length) if self.fixed_slot else given  # where the target starts
+            known, valid = pos < src, pos < np.minimum(src + end - s1, L)
+            where = np.where(known, s0 + pos, s1 + pos - src)
+            real = valid & ((pos < given) | ~known)  # a fixed slot's tail past its source holds padding
+            tokens = np.where(real, s.ids[np.where(real, where, 0)], s.pad_id).astype(np.int64)
+            out = {"tokens": tokens, "mask": np.ones(valid.shape, bool), "attention_mask": valid, "known": known}
+        return {k: torch.from_numpy(v) for k, v in out.items()}  # numpy does the work: no thread pool
+
+    def _all(self, key: str):
+        return self.batch(np.arange(len(self)))[key]
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        return self._all("tokens")
+
+    @property
+    def mask(self) -> torch.Tensor:
+        return self._all("mask")
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        return self._all("attention_mask")
+
+    @property
+    def known(self) -> torch.Tensor | None:
+        return self._all("known") if self.layout == "pairs" else None
+
+    def sources_cut(self) -> int:
+        """How many pairs have a source longer than `source_length` (cut in their rows)."""
+        lengths = self.store.part_lengths(0)
+        if self.index is not None:
+            lengths = lengths[self.index]
+        return int((lengths > self.source_length).sum()) if self.layout == "pairs" else 0

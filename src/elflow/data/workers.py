@@ -1,0 +1,171 @@
+"""TODO."""
+
+from __future__ import annotations
+import contextlib
+import io
+import os
+from collections import deque
+from typing import Iterator
+import numpy as np
+from elflow.data.corpus import _bad, decode_text, field_text, jsonl_object
+from elflow.util.errors import ELFError
+from elflow.data.ingest import GROUP_CHARS, PIECE_CHARS
+from elflow.data.sources import WINDOW, _CUT_TEXT, _cut_pieces
+
+
+def _tokenize(space, texts: list[str], max_chars: int) -> list[np.ndarray]:
+    """Each text's ids followed by EOS. Texts are cut into pieces of about `max_chars` (at most PIECE_CHARS:
+    tokenizers are faster on pieces of tens of KB than on one long string), and tokenized GROUP_CHARS at a
+    time, which bounds the tokenizer's own memory."""
+    size = min(max_chars, PIECE_CHARS)
+    pieces, owner = [], []
+    for i, text in enumerate(texts):
+        for piece in _cut_pieces(text, size, _CUT_TEXT) if len(text) > size else [text]:
+            pieces.append(piece)
+            owner.append(i)
+    ids, group, chars = [], [], 0
+    for piece in pieces + [None]:
+        if piece is None or (group and chars + len(piece) > GROUP_CHARS):
+            ids.extend(space.tokenize(group, eos=False) if group else [])
+            group, chars = [], 0
+        if piece is not None:
+            group.append(piece)
+            chars += len(piece)
+    out: list[list] = [[] for _ in texts]
+    for i, row in zip(owner, ids):
+        out[i].append(np.asarray(row, dtype=np.int64))
+    eos = np.asarray([space.eos_id], np.int64)
+    return [np.concatenate(parts + [eos]) for parts in out]
+
+
+def _document_ids(ids, eos_id: int, mask=None) -> np.ndarray:
+    """A pre-tokenized document's ids with exactly one EOS at the end: the real tokens (by `mask` when the
+    record has one), trailing EOS padding dropped."""
+    ids = np.asarray(ids, dtype=np.int64)
+    if mask is not None:
+        ids = ids[: int(np.asarray(mask).sum())]
+    real = np.flatnonzero(ids != eos_id)
+    end = int(real[-1]) + 1 if real.size else 0
+    return np.concatenate([ids[:end], np.asarray([eos_id], np.int64)])
+
+
+def _run_task(task: tuple, space, max_chars: int):
+    """One task's records: ("docs", [ids...]), ("piece", ids or None, nonblank) or ("pairs", [(src, tgt)...])."""
+    kind = task[0]
+    if kind == "jsonl":  # lines of a .jsonl file -> documents
+        _, path, first, lines, field, on_bad = task
+        texts = []
+        for k, raw in enumerate(lines):
+            obj = jsonl_object(raw, path, first + k, on_bad)
+            text = field_text(obj, field, path, first + k, on_bad) if obj is not None else None
+            if text is not None:
+                texts.append(text)
+        return "docs", _tokenize(space, texts, max_chars)
+    if kind == "files":  # whole .txt files -> documents
+        _, files, on_bad = task
+        texts = [t for t in (decode_text(raw, path, on_bad) for path, raw in files) if t is not None]
+        return "docs", _tokenize(space, texts, max_chars)
+    if kind == "piece":  # a piece of a large .txt file -> its ids, no EOS
+        _, path, first_line, raw, at_start, on_bad = task
+        text = decode_text(raw, path, on_bad, first_line, at_start, whole=False)
+        if text is None:
+            return "piece", None, False
+        return "piece", _tokenize(space, [text], max_chars)[0][:-1], bool(text.strip())
+    if kind == "texts":  # documents read from a hub dataset
+        _, first, texts, name = task
+        for k, text in enumerate(texts):
+            if not isinstance(text, str):
+                raise ELFError(f"{name}: record {first + k + 1} holds a {type(text).__name__}, not a string; "
+                               "choose the text field with --field")
+        return "docs", _tokenize(space, texts, max_chars)
+    if kind == "ids":  # pre-tokenized documents
+        _, rows = task
+        return "docs", [_document_ids(ids, space.eos_id, mask) for ids, mask in rows]
+    if kind == "pairs-jsonl":  # lines of a .jsonl of pairs
+        _, path, first, lines, fields, on_bad = task
+        pairs = []
+        for k, raw in enumerate(lines):
+            obj = jsonl_object(raw, path, first + k, on_bad)
+            src = field_text(obj, fields[0], path, first + k, on_bad) if obj is not None else None
+            tgt = field_text(obj, fields[1], path, first + k, on_bad) if src is not None else None
+            if src is not None and tgt is not None:
+                pairs.append((src, tgt))
+        return "pairs", _tokenize_pairs(space, pairs, max_chars)
+    if kind == "pair-texts":  # pairs read from a hub dataset
+        _, first, pairs, name, on_bad = task
+        kept = []
+        for k, (src, tgt) in enumerate(pairs):
+            if not isinstance(src, str) or not isinstance(tgt, str):
+                raise ELFError(f"{name}: record {first + k + 1} holds a {type(src).__name__} source and a "
+                               f"{type(tgt).__name__} target, not strings; choose the fields with --source-field "
+                               "and --target-field")
+            if not src.strip():
+                _bad(on_bad, f"{name}: record {first + k + 1} has an empty source")
+                continue
+            kept.append((src, tgt))
+        return "pairs", _tokenize_pairs(space, kept, max_chars)
+    if kind == "pair-ids":  # pre-tokenized pairs
+        _, rows = task
+        return "pairs", [(np.asarray(s, np.int64), np.asarray(t, np.int64)) for s, t in rows]
+    raise ValueError(f"unknown task {kind!r}")
+
+
+def _tokenize_pairs(space, pairs, max_chars):
+    ids = _tokenize(space, [s for s, _ in pairs] + [t for _, t in pairs], max_chars)
+    n = len(pairs)
+    return [(ids[i][:-1], ids[n + i][:-1]) for i in range(n)]
+
+
+_WORKER = {}  # the forked workers' space and chunk size (inherited from the main process)
+
+
+def _in_worker(task):
+    with contextlib.redirect_stderr(io.StringIO()) as err:  # warnings go back to the main process, in order
+        result = _run_task(task, _WORKER["space"], _WORKER["max_chars"])
+    return result, err.getvalue()
+
+
+def _in_process(task, space, max_chars):
+    with contextlib.redirect_stderr(io.StringIO()) as err:
+        result = _run_task(task, space, max_chars)
+    return result, err.getvalue()
+
+
+def _ordered_results(tasks: Iterator, space, workers: int, max_chars: int) -> Iterator:
+    """(meta, (result, warnings)) per task, in the tasks' order; `workers` > 1 runs them in forked processes,
+    at most WINDOW per worker in flight (so the main process never reads far ahead)."""
+    if workers <= 1:
+        for task, meta in tasks:
+            yield meta, _in_process(task, space, max_chars)
+        return
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+
+    _WORKER.update(space=space, max_chars=max_chars)
+    old = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker; the processes are the parallelism
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"))
+    pending: deque = deque()
+    try:
+        try:
+            for task, meta in tasks:
+                pending.append((meta, pool.submit(_in_worker, task)))
+                if len(pending) >= WINDOW * workers:
+                    meta, fut = pending.popleft()
+                    yield meta, fut.result()
+            while pending:
+                meta, fut = pending.popleft()
+                yield meta, fut.result()
+        except BrokenProcessPool:
+            raise ELFError("a prepare worker process died (killed by the system, perhaps for lack of memory); "
+                           "run again with fewer --workers") from None
+    finally:
+        for _, fut in pending:
+            fut.cancel()
+        pool.shutdown(wait=True, cancel_futures=True)
+        _WORKER.clear()
+        if old is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = old

@@ -1,0 +1,96 @@
+"""TODO."""
+
+from __future__ import annotations
+import hashlib
+import json
+from pathlib import Path
+from elflow.util.errors import ELFError
+from elflow.util.files import atomic_write_json
+from elflow.cli.eval import _public
+from elflow.eval.metrics import generative_perplexity
+
+
+# ----------------------------------------------------------------------------------------------------------
+# command line
+def sample_and_score(method, net, space, num: int, settings, score, path=None, meta: dict | None = None,
+                     length: int | None = None, references=None, progress: bool = False, overwrite: bool = True,
+                     part: tuple[int, int] = (0, 1), **known) -> tuple[list[dict], dict]:
+    """Sample, write, judge: `num` samples of `net` with `settings` (its method's, elflow.methods: an ELF model's
+    SamplingSettings or a baseline's BaselineSampling; `known`: sources, prompt, suffix), each with its
+    reference if given, written to `path` (if any) with the settings and `meta` (generate.write_samples), and
+    `score(texts)`. Returns (records, the score). `part` = (rank, ranks) under torchrun: each rank draws its
+    batches, every rank gets all the records (rank 0 alone writes them) and scores them (a sharded judge)."""
+    from elflow.generate import gather_records, write_samples
+
+    records = method.sample(net, space, num, settings, length, progress=progress and part[0] == 0, part=part,
+                            **known)
+    records = gather_records(records, part[1])
+    for r, ref in zip(records, references or []):
+        r["reference"] = ref
+    if path is not None and part[0] == 0:
+        write_samples(path, records, {**settings.to_dict(), **(meta or {})}, overwrite=overwrite)
+    return records, score([r["text"] for r in records])
+
+
+def heldout_texts(checkpoint, num: int, cache_dir=None) -> tuple[list[str], str]:
+    """(texts, what they are): `num` rows of the held-out split of the data the elflow run, checkpoint or model
+    folder `checkpoint` was trained on, at its length, decoded by its tokenizer and cut at the first EOS as
+    samples are. ELFError saying why when there are none (an authors' checkpoint, a conditional model, data that
+    cannot be read from here)."""
+    from elflow.runs.load import stored_training
+    from elflow.space import build_space
+    from elflow.config import TrainConfig
+    from elflow.train import run_data
+
+    stored = stored_training(checkpoint) if checkpoint else None
+    train = (stored or {}).get("train") or {}
+    if "data" not in train:
+        raise ELFError("the model records no training data elflow can read")
+    cfg = TrainConfig.from_dict(train).resolved()
+    if cfg.source_length:
+        raise ELFError("a conditional model's held-out text is a task's references (--task)")
+    spec = stored["space"]
+    space = build_space(spec if spec.get("kind") == "tokens" else {"kind": "tokens", "of": spec})
+    length = cfg.length or stored["settings"].get("length")
+    try:
+        _, val = run_data(cfg, space, length, cache_dir)
+    except (ELFError, OSError) as e:
+        raise ELFError(f"its training data {cfg.data!r} cannot be read here ({e})") from None
+    if len(val) == 0:
+        raise ELFError("the run held out no data (--val-fraction 0)")
+    texts = space.decode(val.tokens[:num])
+    return texts, f"{len(texts)} rows of {length} tokens of the held-out split of {cfg.data}"
+
+
+def _judge_identity(judge: str) -> dict:
+    """What tells two judges apart in the cache key: a folder's path and its files' sizes and times, or a hub
+    id."""
+    folder = Path(judge).expanduser()
+    if folder.is_dir():
+        return {"folder": str(folder.resolve()),
+                "files": sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in folder.iterdir()
+                                if p.is_file())}
+    return {"hub": judge}
+
+
+def judged_heldout(texts: list[str], judge_name: str, judge, settings: dict, cache_dir=None,
+                   progress: bool = False) -> dict:
+    """The judge's figures of held-out `texts` (generative_perplexity without the per-sample lists), cached
+    under <cache>/judged by the texts, the judge and the counting settings."""
+    from elflow.util.files import cache_root
+
+    digest = hashlib.sha256()
+    for t in texts:
+        digest.update(t.encode("utf-8", "surrogatepass") + b"\0")
+    key = hashlib.sha256(json.dumps({"texts": digest.hexdigest(), "judge": _judge_identity(judge_name),
+                                     **settings}, sort_keys=True).encode()).hexdigest()[:24]
+    path = cache_root(cache_dir) / "judged" / f"{key}.json"
+    try:
+        return {**json.loads(path.read_text()), "cached": True}
+    except (OSError, ValueError):
+        pass
+    model, tok = judge
+    res = _public(generative_perplexity(texts, model, tok, settings["batch_size"], settings["protocol"],
+                                        settings["max_length"], progress=progress))
+    atomic_write_json(path, res)
+    return {**res, "cached": False}

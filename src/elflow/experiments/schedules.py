@@ -1,0 +1,69 @@
+"""TODO."""
+
+from __future__ import annotations
+import torch
+from elflow.flow import sample_decode_level, sample_guidance, sample_time, time_grid
+
+
+# ----------------------------------------------------------------------------------------------------------
+# `elflow schedules`: Figure 2
+def schedule_statistics(n: int = 200_000, grids: int = 2000, steps: int = 32, seed: int = 0) -> dict:
+    """Monte-Carlo statistics of the schedules, to compare with the values the method's description gives."""
+    g = torch.Generator().manual_seed(seed)
+    t = sample_time(n, g)
+    p = sample_decode_level((n,), g)
+    w = sample_guidance(n, g)
+    top = torch.stack([time_grid(steps, generator=g)[-2] for _ in range(grids)])
+    return {
+        "t_median": t.median().item(),
+        "t_below_2_3": (t < 2 / 3).float().mean().item(),
+        "t_above_half": (t > 0.5).float().mean().item(),
+        "p_median": p.median().item(),
+        "p_below_half": (p < 0.5).float().mean().item(),
+        "omega_median": w.median().item(),
+        "omega_below_1": (w < 1).float().mean().item(),
+        f"grid{steps}_top_mean": top.mean().item(),
+        f"grid{steps}_top_p2.5": top.quantile(0.025).item(),
+        f"grid{steps}_top_p97.5": top.quantile(0.975).item(),
+    }
+
+
+EXPECTED = {  # what the method's description says of these schedules
+    "t_median": 0.18, "t_below_2_3": 0.997, "t_above_half": 0.03, "p_median": 0.69, "p_below_half": 0.16,
+    "omega_median": 2.0, "omega_below_1": 0.21, "grid32_top_mean": 0.53,
+}
+
+
+def plot_schedules(path, n: int = 100_000, seed: int = 0, steps=(8, 32), overwrite: bool = True) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    g = torch.Generator().manual_seed(seed)
+    fig, axes = plt.subplots(1, 4, figsize=(17, 3.6))
+    draws = [("training time t", sample_time(n, g), 0.18), ("decode level p", sample_decode_level((n,), g), 0.69),
+             ("guidance omega", sample_guidance(n, g), 2.0)]
+    for ax, (name, x, med) in zip(axes, draws):
+        ax.hist(x.numpy(), bins=120, density=True, color="tab:blue", alpha=0.75)
+        ax.axvline(x.median().item(), color="k", ls="--", lw=1, label=f"median {x.median().item():.2f}")
+        ax.set_title(name)
+        ax.legend()
+    ax = axes[3]
+    for row, k in enumerate(steps):
+        for j in range(6):
+            grid = time_grid(k, generator=g).numpy()
+            y = row * 7 + j
+            ax.plot(grid, [y] * len(grid), "|", ms=8, color=f"C{row}")
+        ax.text(1.02, row * 7 + 2.5, f"N={k}", va="center")
+    ax.plot(time_grid(32, "uniform").numpy(), [-2] * 33, "|", ms=8, color="gray")
+    ax.text(1.02, -2, "uniform", va="center")
+    ax.set_yticks([])
+    ax.set_xlim(0, 1.15)
+    ax.set_title("sampling grids (logit-normal)")
+    fig.tight_layout()
+    from elflow.util.files import atomic_write
+
+    with atomic_write(path, overwrite=overwrite) as f:
+        fig.savefig(f, format="png", dpi=110)
+    plt.close(fig)

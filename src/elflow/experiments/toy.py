@@ -1,0 +1,245 @@
+"""TODO."""
+
+from __future__ import annotations
+import math
+from dataclasses import dataclass
+import torch
+from elflow.flow import sample
+from elflow.flow import time_grid
+
+
+@dataclass
+class GaussianMixture:
+    means: torch.Tensor  # (K, 2)
+    std: float  # per-cluster standard deviation s
+    noise_scale: float = 2.0  # sigma, as in ELF
+
+    def sample(self, n: int, generator=None) -> torch.Tensor:
+        k = torch.randint(len(self.means), (n,), generator=generator)
+        return self.means[k] + self.std * torch.randn(n, 2, generator=generator)
+
+    @property
+    def mean(self) -> torch.Tensor:
+        return self.means.mean(0)
+
+    def posterior_mean(self, z: torch.Tensor, t: torch.Tensor, x_prev=None) -> torch.Tensor:
+        """Exact E[x | z_t]; z (B, 2) or (B, 1, 2) as the sampler passes it, t (B,). x_prev is ignored."""
+        shape = z.shape
+        z = z.reshape(-1, 2).double()
+        t = t.reshape(-1, 1).double()
+        mu = self.means.double()  # (K, 2)
+        s2, sig2 = self.std ** 2, self.noise_scale ** 2
+        v = t ** 2 * s2 + (1 - t) ** 2 * sig2  # (B, 1)
+        diff = z[:, None, :] - t[:, :, None] * mu[None]  # (B, K, 2)
+        logw = -0.5 * diff.pow(2).sum(-1) / v  # (B, K), equal mixture weights
+        w = torch.softmax(logw, dim=-1)
+        cond = mu[None] + (t[:, :, None] * s2 / v[:, :, None]) * diff  # (B, K, 2)
+        return (w[..., None] * cond).sum(1).reshape(shape).to(torch.float32)
+
+    def inside(self, x: torch.Tensor, radius: float | None = None) -> torch.Tensor:
+        """(n,) bool: within `radius` (default 3 s) of some cluster centre."""
+        radius = 3 * self.std if radius is None else radius
+        return torch.cdist(x.reshape(-1, 2).double(), self.means.double()).min(-1).values <= radius
+
+
+def ring_mixture(k: int = 8, radius: float = 1.9, std: float = 0.1) -> GaussianMixture:
+    """K clusters on a ring: neighbours 2 R sin(pi / K) apart (1.45 for the defaults)."""
+    a = torch.arange(k, dtype=torch.float32) * 2 * math.pi / k
+    return GaussianMixture(torch.stack([radius * a.cos(), radius * a.sin()], -1), std)
+
+
+def grid_mixture(k: int = 4, spacing: float = 1.5, std: float = 0.1) -> GaussianMixture:
+    """A k x k grid of clusters centred on the origin (k even: no cluster sits on the data mean)."""
+    c = (torch.arange(k, dtype=torch.float32) - (k - 1) / 2) * spacing
+    gx, gy = torch.meshgrid(c, c, indexing="ij")
+    return GaussianMixture(torch.stack([gx.flatten(), gy.flatten()], -1), std)
+
+
+def run_toy(mixture: GaussianMixture, steps_list=(1, 2, 4, 8, 16), num: int = 44, seed: int = 0,
+            sampler: str = "ode", gamma: float = 0.0, grid: str = "uniform", denoiser=None):
+    """Sample with each step count from the same starting noise. Returns {N: dict(final, path, guesses)}.
+    `denoiser(z, t, omega, x_prev) -> x` defaults to the mixture's exact posterior mean."""
+    denoiser = denoiser or (lambda z_, t_, w_, x_prev: mixture.posterior_mean(z_, t_))
+    g = torch.Generator().manual_seed(seed)
+    z0 = mixture.noise_scale * torch.randn(num, 1, 2, generator=g)
+    out = {}
+    for n in steps_list:
+        times = time_grid(n, grid, generator=torch.Generator().manual_seed(seed + 1))
+        path, guesses = [z0[:, 0].clone()], []
+
+        def record(i, t, z, x_pred):
+            path.append(z[:, 0].clone())
+            guesses.append(x_pred[:, 0].clone())
+
+        z, _ = sample(denoiser, z0.clone(), times,
+                      sampler=sampler, gamma=gamma, noise_scale=mixture.noise_scale,
+                      generator=torch.Generator().manual_seed(seed + 2), callback=record)
+        out[n] = {"final": z[:, 0], "path": torch.stack(path), "guesses": torch.stack(guesses),
+                  "inside": int(mixture.inside(z[:, 0]).sum())}
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# a trained teacher and its progressively distilled students
+class ToyNet(torch.nn.Module):
+    """An x-predictor for 2-D points: (z (B, 1, 2), t (B,)) -> x (B, 1, 2), an MLP on z and Fourier features
+    of t. Called as the samplers and `distill.pd_target` call a network: net(z, t, omega, x_prev), the last
+    two ignored."""
+
+    def __init__(self, width: int = 256, depth: int = 3, freqs: int = 8):
+        super().__init__()
+        self.register_buffer("k", torch.arange(1, freqs + 1, dtype=torch.float32) * math.pi, persistent=False)
+        layers, size = [], 2 + 1 + 2 * freqs
+        for _ in range(depth):
+            layers += [torch.nn.Linear(size, width), torch.nn.SiLU()]
+            size = width
+        self.mlp = torch.nn.Sequential(*layers, torch.nn.Linear(size, 2))
+
+    def forward(self, z, t, omega=None, x_prev=None):
+        t = t.reshape(-1, 1).to(z.dtype)
+        feats = torch.cat([z.reshape(-1, 2), t, torch.sin(t * self.k), torch.cos(t * self.k)], dim=-1)
+        return self.mlp(feats).reshape(z.shape)
+
+
+def _fit(net, loss_fn, steps: int, lr: float, seed: int) -> list[float]:
+    """Adam with a cosine decay; returns the loss every 10% of the way."""
+    opt = torch.optim.Adam(net.parameters(), lr=lr)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps)
+    g = torch.Generator().manual_seed(seed)
+    trace = []
+    for i in range(steps):
+        loss = loss_fn(g)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+        if (i + 1) % max(steps // 10, 1) == 0:
+            trace.append(loss.item())
+    return trace
+
+
+def train_toy_teacher(mixture: GaussianMixture, steps: int = 3000, batch: int = 1024, lr: float = 2e-3,
+                      seed: int = 0, t_eps: float = 0.05) -> ToyNet:
+    """An x-predictor trained by flow matching on the mixture (uniform t, the v-space loss of ELF)."""
+    torch.manual_seed(seed)
+    net = ToyNet()
+
+    def loss_fn(g):
+        x = mixture.sample(batch, g)[:, None]
+        t = torch.rand(batch, generator=g)
+        tt = t[:, None, None]
+        z = tt * x + (1 - tt) * mixture.noise_scale * torch.randn(x.shape, generator=g)
+        return (((net(z, t) - x) / (1 - tt).clamp_min(t_eps)) ** 2).mean()
+
+    _fit(net, loss_fn, steps, lr, seed)
+    return net.eval().requires_grad_(False)
+
+
+def distill_toy(teacher: ToyNet, mixture: GaussianMixture, student_steps=(4, 2, 1), teacher_steps: int = 16,
+                steps: int = 1500, batch: int = 1024, lr: float = 1e-3, seed: int = 0) -> dict[int, ToyNet]:
+    """Progressive distillation of the toy teacher, as `elflow distill` runs it: round 1's student copies the
+    teacher, each later round starts from the previous student; the frozen teacher's `teacher_steps`-step
+    Euler path over [t_s, t_s + 1/N] gives the x-space target (`distill.pd_target`)."""
+    import copy
+
+    from elflow.methods.distill import pd_target
+
+    students, current = {}, teacher
+    for n in student_steps:
+        s = 1.0 / n
+        student = copy.deepcopy(current).train().requires_grad_(True)
+
+        def loss_fn(g, student=student, s=s, n=n):
+            x = mixture.sample(batch, g)[:, None]
+            t_s = torch.rand(batch, generator=g) * (1 - s)
+            tt = t_s[:, None, None]
+            z = tt * x + (1 - tt) * mixture.noise_scale * torch.randn(x.shape, generator=g)
+            with torch.no_grad():
+                target = pd_target(teacher, z, t_s, t_s + s, torch.ones(batch), torch.zeros_like(z), x,
+                                   torch.zeros(batch, 1, dtype=torch.bool), teacher_steps // n)
+            return ((student(z, t_s) - target) ** 2).mean()
+
+        _fit(student, loss_fn, steps, lr, seed + n)
+        current = students[n] = student.eval().requires_grad_(False)
+    return students
+
+
+def distillation_table(mixture: GaussianMixture, num: int = 200, seed: int = 0, teacher_train_steps: int = 3000,
+                       distill_train_steps: int = 1500) -> list[dict]:
+    """Samples inside a cluster, of `num`, at N = 1, 2, 4 (and 16) steps: the exact denoiser, the trained
+    teacher, and each student at its own step count. ODE, uniform grid, the same starting noise."""
+    teacher = train_toy_teacher(mixture, teacher_train_steps, seed=seed)
+    students = distill_toy(teacher, mixture, steps=distill_train_steps, seed=seed)
+    rows = []
+    for name, denoiser, ns in (("exact denoiser", None, (1, 2, 4, 16)), ("trained teacher", teacher, (1, 2, 4, 16)),
+                               *((f"student ({n} steps)", students[n], (n,)) for n in (4, 2, 1))):
+        res = run_toy(mixture, ns, num, seed, denoiser=denoiser)
+        rows.append({"model": name, **{f"N={n}": r["inside"] for n, r in res.items()}, "results": res})
+    return rows
+
+
+def toy_figure(mixture: GaussianMixture, results: dict, title: str | None = None):
+    """One panel per step count (or model): the data, each sample's path z_t, the guesses along it and where
+    it ends; a legend in a row of its own below the panels names each kind of mark. Returns the figure."""
+    import textwrap
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ns = list(results)
+    width = 3.3 * len(ns)
+    ncol = max(1, min(5, int(width / 2.6)))  # as many of the five names to a row as fit
+    rows = -(-5 // ncol)
+    fig = plt.figure(figsize=(width, 3.9 + 0.28 * rows + 0.25 * bool(title)), layout="constrained")
+    grid = fig.add_gridspec(2, len(ns), height_ratios=(3.6, 0.28 * rows))
+    axes = [fig.add_subplot(grid[0, 0])]
+    axes += [fig.add_subplot(grid[0, i], sharex=axes[0], sharey=axes[0]) for i in range(1, len(ns))]
+    data = mixture.sample(600, torch.Generator().manual_seed(123))
+    for ax, n in zip(axes, ns):
+        r = results[n]
+        ax.scatter(data[:, 0], data[:, 1], s=2, c="lightgray", label="data (the mixture)")
+        for j in range(r["path"].shape[1]):
+            ax.plot(r["path"][:, j, 0], r["path"][:, j, 1], lw=0.5, c="tab:blue", alpha=0.4,
+                    label="path of z from noise" if j == 0 else None)
+        g = r["guesses"].reshape(-1, 2)
+        ax.scatter(g[:, 0], g[:, 1], s=6, c="tab:orange", alpha=0.5, label="guesses of x at each step")
+        ax.scatter(r["final"][:, 0], r["final"][:, 1], s=10, c="tab:red", label="samples (where z ends)")
+        ax.plot(*mixture.mean.tolist(), "k+", ms=12, mew=2, label="data mean")
+        name = n if isinstance(n, str) else f"N = {n} step" + "s" * (n != 1)
+        ax.set_title(f"{name}: {r['inside']}/{len(r['final'])} inside", fontsize=11)
+        ax.set_aspect("equal")
+        ax.set_xlim(-3.2, 3.2)
+        ax.set_ylim(-3.2, 3.2)
+        ax.set_xticks(range(-3, 4))
+        ax.set_yticks(range(-3, 4))
+        ax.tick_params(labelsize=10, labelleft=ax is axes[0])
+        ax.set_xlabel("$x_1$", fontsize=11)
+    axes[0].set_ylabel("$x_2$", fontsize=11)
+    key = fig.add_subplot(grid[1, :])
+    key.axis("off")
+    handles, labels = axes[-1].get_legend_handles_labels()
+    legend = key.legend(handles, labels, loc="center", ncol=ncol, fontsize=10, frameon=False)
+    for h in legend.legend_handles:  # full-size, full-strength marks, however small and faint in the panels
+        h.set_alpha(1)
+        if hasattr(h, "set_sizes"):
+            h.set_sizes([30])
+        elif h.get_linestyle() != "None":
+            h.set_linewidth(2)
+    if title:
+        fig.suptitle(textwrap.fill(title, max(30, int(width * 11))), fontsize=12)
+    return fig
+
+
+def plot_toy(mixture: GaussianMixture, results: dict, path, title: str | None = None,
+             overwrite: bool = True) -> None:
+    """`toy_figure` written to a PNG (atomically; an existing file only with `overwrite`)."""
+    import matplotlib.pyplot as plt
+
+    from elflow.util.files import atomic_write
+
+    fig = toy_figure(mixture, results, title)
+    with atomic_write(path, overwrite=overwrite) as f:
+        fig.savefig(f, format="png", dpi=110)
+    plt.close(fig)

@@ -1,0 +1,516 @@
+"""TODO."""
+
+from __future__ import annotations
+import hashlib
+import math
+from pathlib import Path
+import torch
+from torch import nn
+from elflow.util.errors import ELFError
+from elflow.util.devices import check_memory
+from elflow.encoders import _eos_id, _load_config, _load_encoder, _load_tokenizer, _max_positions, _resolve_name, _tokenizer_fingerprint
+
+
+DEFAULT_SPACE = "minilm"
+
+
+T5_SMALL_STD = 0.2  # the paper's latent std for T5-small outputs
+
+
+# the std of MiniLM-L6's last hidden states over all coordinates of the packed built-in corpus (L = 64), as
+# latent_std="auto" measures it (docs/data.md)
+MINILM_STD = 0.29
+
+
+TABLE_KINDS = ("token-table", "random-table", "learned-table")
+
+
+FIXED_TABLE_KINDS = ("token-table", "random-table")  # one frozen vector per token (what the table readout needs)
+
+
+KINDS = ("t5", "hf") + TABLE_KINDS + ("tokens",)
+
+
+DRAWN_TABLE_KINDS = ("random-table", "learned-table")  # tables drawn from a seed
+
+
+TABLE_STREAM = 2  # the draw of a spec that names none; 1: the draw from the seed itself (specs stored without one)
+
+
+TABLE_STREAMS = (1, 2)
+
+
+def table_generator(seed: int, stream: int = TABLE_STREAM) -> torch.Generator:
+    """The CPU generator a drawn table's vectors come from. Stream 2 seeds it with 63 bits of
+    sha256("elflow table <seed>"), a seed no sampling or training generator is given; stream 1 seeds it with
+    the space seed itself (so seed 0's table equals the first draws of any generator seeded with 0)."""
+    if stream not in TABLE_STREAMS:
+        raise ELFError(f"unknown table stream {stream!r}; this elflow knows streams {TABLE_STREAMS} (a space "
+                       "stored by a newer elflow?)")
+    if stream == 1:
+        return torch.Generator().manual_seed(int(seed))
+    digest = hashlib.sha256(f"elflow table {int(seed)}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+
+
+def stored_spec(spec: dict) -> dict:
+    """A space spec read from a checkpoint or run: a drawn table stored without a "stream" is stream 1, the
+    draw it was trained on."""
+    if isinstance(spec, dict) and spec.get("kind") in DRAWN_TABLE_KINDS and "stream" not in spec:
+        return {**spec, "stream": 1}
+    return spec
+
+
+# ----------------------------------------------------------------------------------------------------
+# The interface
+class EmbeddingSpace(nn.Module):
+    """Base class: tokenizer + the map ids -> vectors, with the scale that makes the data roughly unit-variance.
+
+    Subclasses implement `_embed(ids, attention)` returning raw vectors h (B, L, D); `encode` does the checks,
+    the attention pattern and the scaling x = (h - shift) / scale.
+    """
+
+    kind: str = ""
+    contextual: bool = False
+
+    def __init__(self, tokenizer, name: str, label: str, scale: float, shift: float = 0.0,
+                 max_length: int | None = None):
+        super().__init__()
+        self.tokenizer = tokenizer
+        self.name = name  # as given in the spec (hub id, folder or "minilm")
+        self.label = label  # short form used in space_id
+        self.scale = float(scale)
+        self.shift = float(shift)
+        self.max_length = max_length
+        self.eos_id = _eos_id(tokenizer, name)
+        self.pad_id = self.eos_id  # the paper pads with EOS
+        self.vocab_size = len(tokenizer)
+        self.tokenizer_id = _tokenizer_fingerprint(tokenizer)
+
+    # --- identity ---------------------------------------------------------------------------------------
+    @property
+    def dim(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def space_id(self) -> str:
+        sid = f"{self.kind}:{self.label}:std{self.scale:.4g}"
+        if self.shift:
+            sid += f":shift{self.shift:.4g}"
+        return sid
+
+    def config(self) -> dict:
+        """JSON-able spec that rebuilds this space with `build_space` (scales resolved to numbers)."""
+        return {"kind": self.kind, "name": self.name, "latent_std": self.scale, "shift": self.shift}
+
+    @property
+    def trainable(self) -> bool:
+        return any(p.requires_grad for p in self.parameters())
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """The parameters that train with the model (the learned table only); frozen weights are rebuilt."""
+        return {k: p.detach() for k, p in self.named_parameters() if p.requires_grad}
+
+    def load_trainable_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        params = dict(self.named_parameters())
+        for k, v in state.items():
+            if k not in params:
+                raise ELFError(f"checkpoint holds space parameter {k!r}, which the space {self.space_id} lacks")
+            with torch.no_grad():
+                params[k].copy_(v)
+
+    def extra_repr(self) -> str:
+        return f"space_id={self.space_id!r}, dim={self.dim}, vocab_size={self.vocab_size}"
+
+    # --- text <-> ids -------------------------------------------------------------------------------------
+    def tokenize(self, texts: list[str], eos: bool = True) -> list[list[int]]:
+        """Token ids per text, no padding, no tokenizer specials; one EOS appended to each if `eos`."""
+        if isinstance(texts, str):
+            texts = [texts]
+        if not texts:
+            return []
+        ids = self.tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+        return [list(row) + [self.eos_id] if eos else list(row) for row in ids]
+
+    def decode(self, ids) -> list[str]:
+        """Per row: cut at the first EOS, drop special tokens, detokenize."""
+        if isinstance(ids, torch.Tensor):
+            ids = ids.detach().cpu().tolist()
+        rows = []
+        for row in ids:
+            row = list(row)
+            if self.eos_id in row:
+                row = row[: row.index(self.eos_id)]
+            rows.append(row)
+        return self.tokenizer.batch_decode(rows, skip_special_tokens=True)
+
+    # --- ids -> vectors -----------------------------------------------------------------------------------
+    def _embed(self, ids: torch.Tensor, attention) -> torch.Tensor:
+        raise NotImplementedError
+
+    def check_length(self, length: int) -> None:
+        if self.max_length is not None and length > self.max_length:
+            raise ELFError(f"sequence length {length} is longer than the encoder {self.name!r} accepts "
+                           f"({self.max_length} positions): use --length {self.max_length} or less, or a T5 "
+                           "encoder (relative positions, no fixed limit)")
+
+    def encode(self, ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Scaled vectors x (B, L, D) in float32 for token ids (B, L).
+
+        attention_mask: None (every token sees every token), (B, L) bool True at real tokens (the keys that
+        may be attended to), or (B, L, L) bool, [i, j] = query i may see key j (the conditional pattern of
+        `data.encoder_mask`). Non-contextual spaces ignore it.
+        """
+        if ids.dim() != 2:
+            raise ValueError(f"encode expects token ids of shape (B, L), got {tuple(ids.shape)}")
+        B, L = ids.shape
+        self.check_length(L)
+        attention = self._attention(attention_mask, ids.device) if self.contextual else None
+        if self.trainable:
+            h = self._embed(ids, attention)
+        else:
+            with torch.no_grad():
+                h = self._embed(ids, attention)
+        return (h.float() - self.shift) / self.scale  # (B, L, D)
+
+    def _attention(self, mask, device):
+        """None, a (B, L) padding mask, or an additive (B, 1, L, L) mask for a per-query pattern. A padding
+        mask is passed on as it is, all ones too (the encoders give the numbers of no mask then), so that
+        encoding reads no value on the host."""
+        if mask is None:
+            return None
+        mask = mask.to(device=device, dtype=torch.bool)
+        if mask.dim() == 2:
+            return mask.long()
+        dtype = self._compute_dtype()
+        additive = torch.zeros(mask.shape[0], 1, *mask.shape[1:], dtype=dtype, device=device)
+        return additive.masked_fill(~mask[:, None], torch.finfo(dtype).min)
+
+    def _compute_dtype(self) -> torch.dtype:
+        for p in self.parameters():
+            return p.dtype
+        for b in self.buffers():
+            return b.dtype
+        return torch.float32
+
+    # --- the scale --------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def calibrate(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                  batch_size: int = 64) -> dict:
+        """Measure mean and std of the raw vectors h over all coordinates of valid tokens, set scale = std.
+
+        tokens: (N, L) ids. Returns {"mean", "std", "tokens"}. The shift stays as it is (0 by default).
+        """
+        device = next(iter(self.parameters()), torch.empty(0)).device
+        total = total_sq = count = 0.0
+        scale, shift = self.scale, self.shift
+        self.scale, self.shift = 1.0, 0.0
+        try:
+            for i in range(0, tokens.shape[0], batch_size):
+                ids = tokens[i : i + batch_size].to(device)
+                am = None if attention_mask is None else attention_mask[i : i + batch_size].to(device)
+                h = self.encode(ids, am).double()  # (b, L, D)
+                w = torch.ones(h.shape[:2], dtype=torch.double, device=device) if am is None else am.double()
+                total += float((h * w[..., None]).sum())
+                total_sq += float((h.square() * w[..., None]).sum())
+                count += float(w.sum()) * h.shape[-1]
+        finally:
+            self.scale, self.shift = scale, shift
+        if count == 0:
+            raise ELFError("cannot estimate the latent std from an empty sample")
+        mean = total / count
+        std = math.sqrt(max(total_sq / count - mean * mean, 0.0))
+        if not std > 0:
+            raise ELFError(f"the encoder {self.name!r} gives constant outputs on the sample; cannot scale them")
+        self.scale = std
+        return {"mean": mean, "std": std, "tokens": int(count // self.dim)}
+
+
+class EncoderSpace(EmbeddingSpace):
+    """Last hidden state of a frozen Hugging Face encoder (kind "t5" or "hf")."""
+
+    contextual = True
+
+    def __init__(self, kind: str, name: str, latent_std, shift: float = 0.0, device=None, dtype=None):
+        target, local, label = _resolve_name(name)
+        tokenizer = _load_tokenizer(target, local, name)
+        encoder = _load_encoder(target, local, name, dtype=dtype)
+        if kind == "t5" and encoder.config.model_type not in ("t5", "mt5", "umt5"):
+            raise ELFError(f"{name!r} is a {encoder.config.model_type} model, not T5: use kind 'hf' for it")
+        kind = "t5" if encoder.config.model_type in ("t5", "mt5", "umt5") else "hf"
+        self.kind = kind
+        scale = 1.0 if isinstance(latent_std, str) else float(latent_std)
+        super().__init__(tokenizer, name, label, scale, shift, _max_positions(encoder.config))
+        self.encoder = encoder
+        if device is not None:
+            self.encoder.to(device)
+
+    @property
+    def dim(self) -> int:
+        return int(self.encoder.get_input_embeddings().weight.shape[1])
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        self.encoder.eval()  # frozen: never dropout
+        return self
+
+    def _embed(self, ids, attention):
+        out = self.encoder(input_ids=ids, attention_mask=attention)
+        return out.last_hidden_state  # (B, L, D)
+
+
+class TableSpace(EmbeddingSpace):
+    """One vector per token id: the encoder's input table, a frozen Gaussian table, or a learned table."""
+
+    contextual = False
+
+    def __init__(self, kind: str, name: str, latent_std, shift: float = 0.0, dim: int | None = None,
+                 seed: int = 0, device=None, dtype=None, stream: int = TABLE_STREAM):
+        if kind not in TABLE_KINDS:
+            raise ELFError(f"unknown table kind {kind!r}; choose one of {', '.join(TABLE_KINDS)}")
+        gen = table_generator(seed, stream) if kind in DRAWN_TABLE_KINDS else None
+        target, local, label = _resolve_name(name)
+        tokenizer = _load_tokenizer(target, local, name)
+        self.kind = kind
+        self.seed = int(seed)
+        self.stream = int(stream)
+        if kind == "token-table":
+            encoder = _load_encoder(target, local, name)
+            weight = encoder.get_input_embeddings().weight.detach().float().clone()  # (V_model, D)
+            max_length = _max_positions(encoder.config)
+            del encoder
+        else:
+            if dim is None:
+                config = _load_config(target, local, name)
+                dim = getattr(config, "d_model", None) or getattr(config, "hidden_size")
+            n_rows = len(tokenizer)
+            check_memory(n_rows * int(dim) * 4, f"the {kind} space of {n_rows} x {dim} vectors",
+                         hint="choose a smaller --space-dim")
+            weight = torch.randn(n_rows, int(dim), generator=gen)  # N(0, 1): unit scale by construction
+            max_length = None
+        if latent_std == "table":
+            scale = float(weight.std())
+        elif isinstance(latent_std, str):
+            scale = 1.0  # "auto": replaced by calibrate()
+        else:
+            scale = float(latent_std)
+        super().__init__(tokenizer, name, label, scale, shift, max_length)
+        if dtype is not None:
+            weight = weight.to(dtype)
+        if kind == "learned-table":
+            self.table = nn.Parameter(weight)  # trains with the denoiser
+        else:
+            self.register_buffer("table", weight, persistent=False)  # rebuilt from the spec
+        if device is not None:
+            self.to(device)
+
+    @property
+    def dim(self) -> int:
+        return int(self.table.shape[1])
+
+    @property
+    def space_id(self) -> str:
+        sid = super().space_id
+        if self.kind != "token-table":
+            sid += f":d{self.dim}:seed{self.seed}" + (f":stream{self.stream}" if self.stream != 1 else "")
+        return sid
+
+    def config(self) -> dict:
+        cfg = super().config()
+        if self.kind != "token-table":
+            cfg.update(dim=self.dim, seed=self.seed, stream=self.stream)
+        return cfg
+
+    def _embed(self, ids, attention):
+        return nn.functional.embedding(ids, self.table)  # (B, L, D)
+
+
+class TokenizerSpace(EmbeddingSpace):
+    """The tokenizer of the space `of` (a spec), without its vectors: ids, EOS / pad, decoding and the vector
+    size `dim` that the space would have (read from the encoder's config, or a table's own `dim`), so that an
+    ELF network of the same space can be sized without loading the encoder. `encode` refuses. Its id names
+    the tokenizer by its fingerprint: two spaces with the same tokenizer give the same token streams."""
+
+    kind = "tokens"
+
+    def __init__(self, of: dict, dim: int | None = None):
+        of = _normalise_spec(of)
+        if of["kind"] == "tokens":
+            raise ELFError("a tokens space is built from an embedding space's spec, not from another tokens space")
+        name = str(of["name"])
+        target, local, label = _resolve_name(name)
+        tokenizer = _load_tokenizer(target, local, name)
+        if dim is None:
+            dim = of.get("dim") if of["kind"] in ("random-table", "learned-table") else None
+        if dim is None:
+            config = _load_config(target, local, name)
+            dim = getattr(config, "d_model", None) or getattr(config, "hidden_size")
+        super().__init__(tokenizer, name, label, 1.0, 0.0, None)  # no encoder: no length limit
+        self.of = {k: v for k, v in of.items() if k in ("kind", "name", "dim", "seed")}
+        self._dim = int(dim)
+
+    @property
+    def dim(self) -> int:
+        return self._dim
+
+    @property
+    def space_id(self) -> str:
+        return f"tokens:{self.label}:{self.tokenizer_id}"
+
+    def config(self) -> dict:
+        return {"kind": "tokens", "of": dict(self.of), "dim": self._dim}
+
+    def _embed(self, ids, attention):
+        raise ELFError(f"the space {self.space_id} holds a tokenizer only (a token-level baseline's); it has no "
+                       "vectors to encode")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Building from a spec
+def _normalise_spec(spec) -> dict:
+    if isinstance(spec, EmbeddingSpace):
+        return spec.config()
+    if isinstance(spec, str):
+        s = spec.strip()
+        if s in TABLE_KINDS:
+            return {"kind": s, "name": DEFAULT_SPACE}
+        if s == "minilm":
+            return {"kind": "hf", "name": "minilm"}
+        if s.startswith("t5:"):
+            return {"kind": "t5", "name": s[3:]}
+        if s.startswith("hf:"):
+            return {"kind": "hf", "name": s[3:]}
+        base = Path(s).name.lower()
+        if base.startswith(("t5-", "t5_", "google-t5", "google/t5")) or s.lower().startswith("google-t5/t5"):
+            return {"kind": "t5", "name": s}
+        return {"kind": "hf", "name": s}
+    if not isinstance(spec, dict):
+        raise ELFError(f"an embedding space spec must be a name or a dict, got {type(spec).__name__}")
+    spec = dict(spec)
+    spec.setdefault("kind", "hf")
+    spec.setdefault("name", DEFAULT_SPACE)
+    if spec["kind"] not in KINDS:
+        raise ELFError(f"unknown embedding space kind {spec['kind']!r}; choose one of {', '.join(KINDS)}")
+    return spec
+
+
+def space_spec(name: str, latent_std, dim: int | None = None, seed: int = 0, stream: int | None = None) -> dict:
+    """--space value -> a build_space spec: minilm, t5-small (or any T5 hub id / folder), t5:PATH, hf:PATH,
+    or a non-contextual table over a base encoder's vocabulary: token-table[:BASE], random-table[:BASE],
+    learned-table[:BASE] (random and learned tables take --space-dim, --space-seed and the draw's stream,
+    TABLE_STREAM unless given)."""
+    kind, sep, base = name.partition(":")
+    spec = {"kind": kind, "name": base} if sep and kind in TABLE_KINDS else _normalise_spec(name)
+    if spec["kind"] in DRAWN_TABLE_KINDS:
+        spec.update(seed=seed, stream=stream or TABLE_STREAM, **({"dim": dim} if dim is not None else {}))
+    elif dim is not None:
+        raise ELFError(f"--space-dim applies to random-table and learned-table spaces, not to {name!r}")
+    if latent_std is not None:
+        try:
+            spec["latent_std"] = latent_std if latent_std in ("auto", "table") else float(latent_std)
+        except ValueError:
+            raise ELFError(f"--latent-std must be a number, 'auto' or 'table', got {latent_std!r}") from None
+    return spec
+
+
+def _default_std(kind: str, name: str):
+    if kind in ("t5", "hf"):
+        if name == "minilm":
+            return MINILM_STD
+        if Path(name).name in ("t5-small", "google-t5/t5-small") or name in ("t5-small", "google-t5/t5-small"):
+            return T5_SMALL_STD
+        return "auto"
+    if kind == "token-table":
+        return "table"
+    return 1.0  # random and learned tables are N(0, 1)
+
+
+def build_space(spec: dict | str, device=None, dtype=None) -> EmbeddingSpace:
+    """Build an embedding space from a name or a dict.
+
+    Names: "minilm" (offline default), a hub id such as "t5-small", a local folder, "t5:<name>", "hf:<name>",
+    or a table kind. Dict keys: kind ("t5" | "hf" | "token-table" | "random-table" | "learned-table" |
+    "tokens", a tokenizer alone: {"kind": "tokens", "of": <another spec>}),
+    name (hub id, folder or "minilm"; for tables it names the tokenizer / encoder), latent_std (number,
+    "auto" to estimate it from a data sample, or for token tables "table" = std of the table), shift,
+    dim, seed and stream (random / learned tables; stream 2 unless given: `table_generator`),
+    calibrate_on / calibrate_length / calibrate_sequences (the
+    sample for "auto": a data source, default the built-in corpus, L = 64, 256 sequences).
+    """
+    spec = _normalise_spec(spec)
+    if spec["kind"] == "tokens":
+        if not isinstance(spec.get("of"), dict):
+            raise ELFError("a tokens space spec needs 'of', the spec of the embedding space whose tokenizer it uses")
+        return TokenizerSpace(spec["of"], spec.get("dim"))
+    kind, name = spec["kind"], str(spec["name"])
+    latent_std = spec.get("latent_std", None)
+    if latent_std is None:
+        latent_std = _default_std(kind, name)
+    if isinstance(latent_std, str) and latent_std not in ("auto", "table"):
+        raise ELFError(f"latent_std must be a number, 'auto' or 'table', got {latent_std!r}")
+    if latent_std == "table" and kind != "token-table" and kind not in ("random-table", "learned-table"):
+        raise ELFError("latent_std='table' only applies to table spaces; use a number or 'auto'")
+    if not isinstance(latent_std, str) and not float(latent_std) > 0:
+        raise ELFError(f"latent_std must be positive, got {latent_std}")
+    shift = float(spec.get("shift", 0.0))
+    if kind in ("t5", "hf"):
+        space = EncoderSpace(kind, name, latent_std, shift, device=device, dtype=dtype)
+    else:
+        space = TableSpace(kind, name, latent_std, shift, dim=spec.get("dim"), seed=spec.get("seed", 0),
+                           device=device, dtype=dtype, stream=spec.get("stream", TABLE_STREAM))
+    if latent_std == "auto":
+        from elflow.data.corpus import calibration_sample
+
+        length = int(spec.get("calibrate_length", 64))
+        if space.max_length is not None:
+            length = min(length, space.max_length)
+        tokens = calibration_sample(spec.get("calibrate_on", "builtin"), space, length,
+                                    int(spec.get("calibrate_sequences", 256)))
+        space.calibrate(tokens)
+    return space
+
+
+@torch.no_grad()
+def latent_moments(space, dataset, batch: int = 32, max_rows: int = 512, device="cpu"):
+    """Per-dimension mean and variance (C,) of a space's clean embeddings x at a dataset's loss positions,
+    over `max_rows` rows spread evenly over the dataset (all rows of a smaller one)."""
+    rows = torch.linspace(0, len(dataset) - 1, min(len(dataset), max_rows)).round().long().unique()
+    s = s2 = None
+    n = 0
+    for i in range(0, len(rows), batch):
+        b = dataset.batch(rows[i:i + batch])
+        x = space.encode(b["tokens"].to(device), attention_mask=b.get("attention_mask")).double()
+        m = b["mask"].to(device)[..., None].double()
+        s = (x * m).sum((0, 1)) if s is None else s + (x * m).sum((0, 1))
+        s2 = (x * x * m).sum((0, 1)) if s2 is None else s2 + (x * x * m).sum((0, 1))
+        n += m.sum().item()
+    if not n:
+        raise ELFError("the dataset has no scored positions to measure the embeddings' moments on")
+    mu = s / n
+    return mu.float(), (s2 / n - mu * mu).clamp_min(1e-8).float()
+
+
+@torch.no_grad()
+def token_vectors(space, vocab_size: int, device="cpu", batch: int = 4096) -> torch.Tensor:
+    """The clean embedding of each token id alone, (vocab_size, C), for a space with one fixed vector per token
+    (a frozen table); the table readout (elflow.shortrun) compares the decode input with these."""
+    if space.contextual or not isinstance(space, TableSpace):
+        raise ELFError(f"the table readout needs a space with one vector per token (random-table or token-table); "
+                       f"{space.space_id} embeds tokens in context. Pass --table-readout 0, or choose a table space")
+    if space.trainable:
+        raise ELFError(f"the table readout needs fixed token vectors, but {space.space_id} trains its table; "
+                       "choose random-table or token-table, or pass --table-readout 0")
+    ids = torch.arange(vocab_size, device=device)
+    # each token alone, a column of one-token rows: no sequence longer than one position (a token table of
+    # an encoder with a position limit, MiniLM's 512, accepts it)
+    return torch.cat([space.encode(ids[i:i + batch, None])[:, 0].float() for i in range(0, vocab_size, batch)])
+
+
+def check_compatible(stored_space_id: str, space: EmbeddingSpace) -> None:
+    """Refuse to run a checkpoint in an embedding space other than the one it was trained in."""
+    if stored_space_id != space.space_id:
+        raise ELFError(
+            f"embedding space mismatch: the checkpoint was trained in {stored_space_id!r} but the current space "
+            f"is {space.space_id!r}. Build the space from the checkpoint's stored space config "
+            "(build_space(checkpoint['space'])), or pass the matching --space / --latent-std"
+        )
