@@ -204,3 +204,42 @@ def _read_wandb_file(path: Path) -> dict:
         elif what == "exit":
             run["exited"] = True
     return run
+
+
+def elflow_to_official(sd: dict) -> dict:
+    """elflow's state dict -> the authors' names and layouts: the inverse of runs.official.official_to_elflow,
+    written out name by name so that the round trip checks the map."""
+    import re
+
+    from elflow.runs.official import TRANSPOSED
+
+    inverse_t = {v: k for k, v in TRANSPOSED.items()}
+    fixed = {
+        "time_tokens": "t_emb_tokens", "omega_tokens": "self_cond_cfg_tokens",
+        "bottleneck_in.weight": "text_proj.proj1.weight", "bottleneck_out.weight": "text_proj.proj2.weight",
+        "bottleneck_out.bias": "text_proj.proj2.bias", "final_norm.weight": "final_layer.norm_final.weight",
+        "x_head.weight": "final_layer.linear.weight", "x_head.bias": "final_layer.linear.bias",
+        "decode_head.proj.bias": "proj_bias", "decode_head.unembed.bias": "unembed_bias",
+    }
+    out = {}
+    for key, value in sd.items():
+        if key in inverse_t:
+            out[inverse_t[key]] = value.t().contiguous()
+            continue
+        name = fixed.get(key, key)
+        name = re.sub(r"^time_embed\.fc1", "t_embedder.mlp_0", name)
+        name = re.sub(r"^time_embed\.fc2", "t_embedder.mlp_2", name)
+        name = re.sub(r"^omega_embed\.fc1", "self_cond_cfg_embedder.mlp_0", name)
+        name = re.sub(r"^omega_embed\.fc2", "self_cond_cfg_embedder.mlp_2", name)
+        out[name] = value
+    return out
+
+
+def x_to_prediction(kind: str, x, z, t, noise_scale: float, t_eps: float):
+    """The head output of target `kind` that stands for x at (z, t): the inverse of model.prediction_to_x."""
+    from elflow.model import prediction_affine
+
+    if kind == "x":
+        return x
+    a, b = prediction_affine(kind, t, noise_scale, t_eps)
+    return (x - a * z) / b

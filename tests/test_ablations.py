@@ -6,7 +6,8 @@ import json
 import pytest
 import torch
 
-from elflow.model import ELF, get_config, num_params, prediction_to_x, x_to_prediction
+from elflow.model import ELF, get_config, num_params, prediction_to_x
+from helpers import x_to_prediction
 from elflow.util.errors import ELFError
 
 
@@ -40,7 +41,7 @@ def test_a_v_or_eps_head_is_turned_into_x_inside_the_network(predict):
     """The network's output is x whatever its head predicts: the head's raw output, converted by the config's
     noise scale and clip, equals what net(...) returns."""
     torch.manual_seed(0)
-    cfg = get_config("tiny", dim=8, vocab_size=20, max_length=6, predict=predict, noise_scale=1.5)
+    cfg = get_config("tiny", dim=8, vocab_size=20, max_length=6, predict=predict, noise_scale=1.5, t_eps=0.05)
     net = ELF(cfg).eval()
     torch.nn.init.normal_(net.x_head.weight)
     z, t, w = torch.randn(3, 6, 8), torch.tensor([0.02, 0.5, 0.99]), torch.full((3,), 2.0)

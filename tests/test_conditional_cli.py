@@ -10,7 +10,7 @@ import torch
 from elflow.runs.load import load, load_for_sampling
 from elflow.cli import main
 from elflow.model import ELF, get_config
-from elflow.runs.official import elflow_to_official
+from helpers import elflow_to_official
 from elflow.util.errors import ELFError
 
 SOURCES = ["the king of love", "sweet night and the lord", "good heart"]

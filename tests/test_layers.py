@@ -1,5 +1,8 @@
-"""The package's layers: each module imports only from layers below its own, so data flows one way
-(text -> space -> method -> network -> sampler -> text) and there is no import cycle."""
+"""The package's layers: each module imports only from layers below its own, so there is no import cycle and
+the tree reads bottom up (util -> network and method -> space and data -> methods -> runs -> train -> eval ->
+experiments -> cli). The network imports nothing of elflow but the error type; loading a model and generating
+from it import neither the trainer, the optimiser nor the run description; argparse lives in elflow.cli alone;
+no module is over 600 lines."""
 
 import ast
 from pathlib import Path
@@ -8,29 +11,41 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "elflow"
 
-# bottom to top; a module may import from strictly lower layers only. Modules of a package are named with
-# their package ("methods.elf"); the package's __init__ by the package's name.
+# bottom to top; a module may import from strictly lower layers only. Modules are named by their path in the
+# package ("runs.load"); a package's __init__ by the package's name ("methods").
 LAYERS = [
-    ["utils"],
-    ["model", "optim", "gpt2_tokenizer", "viewer", "tracking"],
-    ["official", "schedules"],
-    ["flow"],
-    ["data", "store"],
-    ["encoders", "ingest", "encoder_train"],
-    ["shortrun"],
-    ["generate", "diagnostics", "judge"],
-    ["methods.base"],
+    ["util.errors", "util", "data", "runs", "eval", "experiments"],  # (the packages' docstrings)
+    ["util.files", "util.devices", "util.distributed", "util.hub"],
+    ["model", "optim", "runs.tracking"],
+    ["flow", "data.tasks", "data.layout"],
+    ["encoders", "data.corpus", "data.store", "data.batches"],
+    ["space", "data.sources"],
+    ["data.workers"],
+    ["data.ingest"],
+    ["data.datasets", "generate"],
+    ["methods.base", "methods.token_net", "methods.distill"],
     ["methods.tokens", "methods.elf"],
     ["methods.ar", "methods.mdlm"],
     ["methods"],
-    ["runconfig"],
-    ["checkpoint"],
-    ["runfolder"],
+    ["config", "runs.checkpoint"],
+    ["runs.official", "runs.model_folder", "runs.log"],
+    ["runs.load"],
+    ["runs.stages", "runs.push"],
+    ["runs.folder"],
     ["train"],
-    ["sample", "distill", "evaluate", "bench", "prepare", "hub"],
-    ["sweep", "compare", "toy"],
-    ["quickstart", "claims"],
+    ["distill", "eval.gpt2_tokenizer", "eval.metrics", "eval.diagnostics", "eval.mauve"],
+    ["eval.judge"],
+    ["eval.scoring"],
+    ["experiments.figures", "experiments.viewer", "experiments.schedules", "experiments.toy",
+     "experiments.encoder_train", "experiments.bench"],
+    ["experiments.sweep", "experiments.compare"],
+    ["experiments.quickstart", "experiments.claims"],
+    ["cli.settings", "cli.common"],
+    ["cli.quickstart", "cli.prepare", "cli.train", "cli.sample", "cli.view", "cli.distill", "cli.eval",
+     "cli.train_judge", "cli.train_encoder", "cli.sweep", "cli.claims", "cli.compare", "cli.push", "cli.convert",
+     "cli.bench", "cli.toy", "cli.schedules"],
     ["cli", "__init__"],
+    ["cli.__main__"],
 ]
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
 
@@ -83,9 +98,9 @@ def test_every_import_points_down():
 
 
 @pytest.mark.parametrize("module,injected", [
-    ("utils", "from elflow.cli import main\n"),  # the bottom importing the top
+    ("util.errors", "from elflow.cli import main\n"),  # the bottom importing the top
     ("flow", "def f():\n    from elflow.generate import generate\n"),  # hidden in a function
-    ("sample", "import elflow.distill\n"),  # a sideways import within one layer
+    ("cli.sample", "import elflow.cli.distill\n"),  # a sideways import within one layer
     ("methods.ar", "from elflow.methods.mdlm import draw\n"),  # sideways, inside a package
 ])
 def test_an_upward_or_sideways_import_is_caught(module, injected):
@@ -141,5 +156,63 @@ def test_at_most_three_comparisons_on_a_method_name_outside_the_registry():
     assert len(found) <= 3, found
     # the counter sees a comparison hidden anywhere
     sources = package_sources()
-    sources["sweep"] += "\ndef f(m):\n    return m.name in ('ar', 'x') or 'mdlm' == m.name\n"
+    sources["experiments.sweep"] += "\ndef f(m):\n    return m.name in ('ar', 'x') or 'mdlm' == m.name\n"
     assert len(method_name_comparisons(sources)) == len(found) + 2
+
+
+def test_no_module_is_over_600_lines():
+    long = {name: len(src.splitlines()) for name, src in package_sources().items() if len(src.splitlines()) > 600}
+    assert long == {}
+
+
+def test_argparse_is_used_in_the_command_line_package_alone():
+    """No module outside elflow.cli imports argparse or adds arguments to a parser."""
+    found = []
+    for name, source in package_sources().items():
+        if name == "cli" or name.startswith("cli."):
+            continue
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.Import, ast.ImportFrom)) and "argparse" in (
+                    [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module]):
+                found.append(f"{name}: imports argparse")
+            if isinstance(node, ast.Attribute) and node.attr in ("add_argument", "add_argument_group",
+                                                                 "add_mutually_exclusive_group"):
+                found.append(f"{name}:{node.lineno}: {node.attr}")
+    assert found == []
+
+
+def loaded_modules(code: str) -> set[str]:
+    """The elflow modules a fresh interpreter holds after running `code`."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", code + "\nimport sys\nprint(' '.join(sorted(m for m in sys.modules "
+                          "if m == 'elflow' or m.startswith('elflow.'))))"], capture_output=True, text=True,
+                         env={**__import__("os").environ, "PYTHONPATH": str(PACKAGE.parent)}, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return set(out.stdout.split())
+
+
+def test_the_network_imports_nothing_of_elflow_but_the_error_type():
+    assert loaded_modules("import elflow.model") == {"elflow", "elflow.model", "elflow.util", "elflow.util.errors"}
+
+
+def test_loading_a_run_and_generating_from_it_imports_no_training_code(tmp_path, tiny_corpus_file):
+    """elflow.load and a generation read the stored model directly: no trainer, optimiser or run description."""
+    from elflow.cli import main
+
+    run = tmp_path / "run"
+    assert main(["train", "--preset", "tiny", "--data", str(tiny_corpus_file), "--length", "16", "--batch", "4",
+                 "--steps", "1", "--warmup", "0", "--dtype", "fp32", "--quiet", "--out", str(run),
+                 "--cache-dir", str(tmp_path / "cache")]) == 0
+    modules = loaded_modules(f"""
+import elflow
+from elflow.generate import SamplingSettings, generate
+from elflow.runs.load import load_for_sampling
+net = elflow.load({str(run)!r})
+loaded, space = load_for_sampling({str(run)!r}, device="cpu")
+texts = generate(loaded.net, space, 2, SamplingSettings(steps=2), progress=False)
+assert len(texts) == 2
+""")
+    assert "elflow.runs.load" in modules and "elflow.generate" in modules  # it did load and generate
+    assert not modules & {"elflow.train", "elflow.optim", "elflow.config", "elflow.cli"}, sorted(modules)

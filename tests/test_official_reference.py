@@ -7,7 +7,8 @@ import torch
 from safetensors.torch import load_file
 
 from elflow.runs.official import build_from_state_dict, read_official_checkpoint
-from elflow.runs.official import elflow_to_official, infer_config, official_to_elflow
+from elflow.runs.official import infer_config, official_to_elflow
+from helpers import elflow_to_official
 from elflow.util.errors import ELFError
 
 from helpers import reference_dir
@@ -108,7 +109,7 @@ def test_wrong_shape_is_refused(ref):
 @torch.no_grad()
 def test_convert_writes_an_elflow_checkpoint_with_the_same_network(ref, tmp_path):
     from elflow.cli import main
-    from elflow.runs.load import load_network
+    from elflow import load as load_network
 
     out = tmp_path / "converted"
     assert main(["convert", str(REF / "checkpoint_7"), str(out), "--max-length", "16"]) == 0

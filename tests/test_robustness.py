@@ -14,8 +14,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from elflow import checkpoint as ckpt_mod
-from elflow import utils
+from elflow.runs import checkpoint as ckpt_mod
+from elflow.util import devices, files, hub
+from elflow.util.errors import ELFError
 from elflow.runs.checkpoint import list_checkpoints, write_state
 from elflow.cli import main
 from elflow.config import TrainConfig
@@ -104,7 +105,7 @@ def read_only(monkeypatch):
     """Make every write probe fail as on a read-only file system."""
     def refuse(*a, **k):
         raise OSError(errno.EROFS, "Read-only file system")
-    monkeypatch.setattr(utils, "_probe_writable", refuse)
+    monkeypatch.setattr(files, "_probe_writable", refuse)
 
 
 @pytest.fixture
@@ -197,7 +198,7 @@ def test_train_out_is_a_file_under_a_file_or_read_only(capsys, tmp_path, monkeyp
 
     def refuse(*a, **k):
         raise OSError(errno.EROFS, "Read-only file system")
-    monkeypatch.setattr(utils, "_probe_writable", refuse)
+    monkeypatch.setattr(files, "_probe_writable", refuse)
     code, _, err = cli(capsys, ["train", "--preset", "tiny", "--out", tmp_path / "ro" / "run"])
     assert_one_error(code, err, "train", "cannot write", "Read-only file system")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
@@ -300,7 +301,7 @@ def test_a_config_with_options_and_round_records_among_other_settings_reads_as_t
     assert TrainConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(ValueError, match="unknown fields"):
         Recipe.from_dict({"noise": 2.0})
-    with pytest.raises(utils.ELFError, match="recipe"):
+    with pytest.raises(ELFError, match="recipe"):
         TrainConfig(recipe={"noise": 2.0}).resolved().validate()
 
 
@@ -434,7 +435,7 @@ def test_steps_below_warmup_warns(capsys, tmp_path, tiny_t5_dir, tiny_corpus_fil
 
 def test_no_network_fails_at_once_with_advice(capsys, tmp_path, tiny_corpus_file, monkeypatch):
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.setattr(utils, "hub_reachable", lambda timeout=3.0: False)
+    monkeypatch.setattr(hub, "hub_reachable", lambda timeout=3.0: False)
     code, _, err = cli(capsys, ["train", "--preset", "tiny", "--data", tiny_corpus_file, "--space",
                                 "hf:nobody-xyz/no-such-encoder", "--out", tmp_path / "r", "--quiet"])
     assert_one_error(code, err, "train", "no network", "HF_HUB_OFFLINE=1")
@@ -455,7 +456,7 @@ def test_sample_refuses_an_existing_or_unwritable_out_before_sampling(capsys, tr
 
     def refuse(*a, **k):
         raise OSError(errno.EROFS, "Read-only file system")
-    monkeypatch.setattr(utils, "_probe_writable", refuse)
+    monkeypatch.setattr(files, "_probe_writable", refuse)
     code, _, err = cli(capsys, args + ["--out", tmp_path / "new.jsonl"])
     assert_one_error(code, err, "sample", "Read-only file system")
 
@@ -518,7 +519,7 @@ def test_eval_report_is_not_replaced(capsys, tmp_path):
 
 def test_no_nan_in_train_config_checks():
     for bad in (dict(lr=math.nan), dict(grad_clip=math.inf), dict(sample_omega=math.nan)):
-        with pytest.raises(utils.ELFError):
+        with pytest.raises(ELFError):
             TrainConfig(**bad).resolved().validate()
 
 
@@ -571,7 +572,7 @@ def test_learned_table_resumes_from_both_checkpoint_layouts(tmp_path, tiny_t5_di
 
 
 def test_cpu_flags_are_read_once(monkeypatch):
-    utils.cpu_flags.cache_clear()
+    devices.cpu_flags.cache_clear()
     import builtins
 
     opened = []
@@ -582,10 +583,10 @@ def test_cpu_flags_are_read_once(monkeypatch):
             opened.append(path)
         return real_open(path, *a, **k)
     monkeypatch.setattr(builtins, "open", counting_open)
-    answers = {utils.resolve_dtype("auto", "cpu") for _ in range(5)}
+    answers = {devices.resolve_dtype("auto", "cpu") for _ in range(5)}
     assert len(answers) == 1 and answers <= {"bf16", "fp32"}
     assert len(opened) == (1 if Path("/proc/cpuinfo").exists() else 0)  # five answers, one read
-    assert utils.resolve_dtype("fp32", "cpu") == "fp32" and utils.resolve_dtype("auto", "cuda") == "bf16"
+    assert devices.resolve_dtype("fp32", "cpu") == "fp32" and devices.resolve_dtype("auto", "cuda") == "bf16"
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -1249,7 +1250,7 @@ def test_sources_that_are_not_utf8_are_one_line(tmp_path):
 
     src = tmp_path / "src.jsonl"
     src.write_bytes('{"input": "caf\u00e9"}\n'.encode("latin-1"))
-    with pytest.raises(utils.ELFError, match=r"src.jsonl:1: not UTF-8 text \(byte 0xe9 .*iconv"):
+    with pytest.raises(ELFError, match=r"src.jsonl:1: not UTF-8 text \(byte 0xe9 .*iconv"):
         read_sources(str(src))
 
 

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from elflow.model import ELF, get_config
-from elflow.model import ShortRunELF, ShortRunOptions, build_network, gaussian_posterior
-from elflow.runs.load import network_from_state_dict, stored_network
+from elflow.methods.elf import network_from_state_dict, stored_network
+from elflow.model import ShortRunOptions, build_network, gaussian_posterior
+from elflow.runs.checkpoint import upgrade_state
 from elflow.util.errors import ELFError
 
 
@@ -28,7 +29,7 @@ def test_no_option_gives_the_papers_network_and_each_option_its_own_tensors():
                            ({"skip": "gated"}, {"skip_mean", "skip_var", "skip_noise", "skip_gate.weight",
                                                 "skip_gate.bias"})]:
         net = tiny(**options)
-        assert isinstance(net, ShortRunELF) and set(net.state_dict()) == set(plain.state_dict()) | extra
+        assert type(net) is ELF and net.options.active and set(net.state_dict()) == set(plain.state_dict()) | extra
         if "head_modulation" not in options:  # no draws for the options: the paper network's weights as without
             assert all(torch.equal(v, net.state_dict()[k]) for k, v in plain.state_dict().items())
     with pytest.raises(ELFError, match="short-run options"):
@@ -44,7 +45,8 @@ def test_a_network_stored_with_its_options_among_its_config_loads_with_the_same_
     net.set_gaussian_skip(torch.randn(32) * 0.1, torch.rand(32) + 0.5, 2.0)
     net.set_readout_table(torch.randn(100, 32, generator=torch.Generator().manual_seed(2)))
     flat = {**net.config.to_dict(), **net.options.to_dict(), "grad_checkpoint": False}
-    cfg, options = stored_network(json.loads(json.dumps(flat)))
+    stored = upgrade_state({"model": json.loads(json.dumps(flat))})
+    cfg, options = stored_network(stored["model"], stored.get("short_run"))
     assert cfg == net.config and options == net.options
     assert stored_network(net.config.to_dict(), net.options.to_dict()) == (cfg, options)
     again = network_from_state_dict(net.state_dict(), cfg, options)

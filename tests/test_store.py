@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from elflow import data
+from elflow.data import corpus
 from elflow.data.batches import Batches, TokenDataset, split_rows
 from elflow.data.layout import layout_documents, pack, pair_layout
 from elflow.data.corpus import read_documents, read_pairs
@@ -163,7 +163,7 @@ def test_hub_streams_are_tokenized_in_parallel_in_their_order(tmp_path, monkeypa
         assert name == "someone/corpus" and split == "train"
         return datasets.load_dataset("json", data_files=files, split="train", streaming=True)
 
-    monkeypatch.setattr(data, "_hub_stream", local_stream)
+    monkeypatch.setattr(corpus, "_hub_stream", local_stream)
     space = CharSpace()
     expected = pack(space.tokenize(list(read_documents("someone/corpus", field="body"))), 8, EOS)
     one = prepare_store("someone/corpus", space, tmp_path / "one", field="body", workers=1, chunk_bytes=300)

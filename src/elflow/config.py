@@ -12,11 +12,10 @@ from elflow.methods.tokens import MATCHES
 from elflow.methods import METHOD_NAMES, check_run
 from elflow.model import CONDITIONINGS, DECODERS, PREDICTIONS, PRESETS
 from elflow.optim import ADAMW_BLR, LR_DECAYS, NS_METHODS, OPTIMIZERS, base_lr
-from elflow.model import FIELDS as SHORT_RUN_FIELDS, SKIPS
+from elflow.model import SKIPS
 from elflow.util.distributed import DIST_TIMEOUT_MINUTES
 from elflow.util.errors import SEED_MAX, ELFError, Record
 from elflow.util.devices import resolve_dtype
-from elflow.cli.settings import _flag
 
 
 def _positive(v) -> bool:
@@ -206,20 +205,10 @@ class TrainConfig(Record):
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
-        """From a stored config; keys it does not know are ignored, missing ones take their defaults. Short-run
-        options stored among the network settings (`model`) are read as `short_run`, a distillation round's
-        record stored among the recipe's constants as `distillation`; a drawn table's stream is 1, the draw of
-        runs stored without one, unless stored."""
+        """From a stored config (in today's layout: elflow.runs.checkpoint.upgrade_train reads earlier ones);
+        keys it does not know are ignored, missing ones take their defaults."""
         names = {f.name for f in fields(cls)}
-        d = {k: v for k, v in d.items() if k in names}
-        if "space_stream" not in d and str(d.get("space")).partition(":")[0] in DRAWN_TABLE_KINDS:
-            d["space_stream"] = 1
-        d["model"], short_run = _split(d.get("model") or {}, SHORT_RUN_FIELDS)
-        d["short_run"] = {**short_run, **d.get("short_run", {})}
-        d["recipe"], record = _split(d.get("recipe") or {}, ("distilled_steps", "teacher_steps", "sampling"))
-        if "distilled_steps" in record and not d.get("distillation"):
-            d["distillation"] = {"student_steps": record["distilled_steps"], "teacher_steps": record.get("teacher_steps")}
-        return cls(**d)
+        return cls(**{k: v for k, v in d.items() if k in names})
 
     @classmethod
     def named(cls, name: str | None, **overrides) -> "TrainConfig":
@@ -234,6 +223,10 @@ class TrainConfig(Record):
             if key not in overrides:
                 values[key] = fn(values)
         return cls(**values)
+
+    @property
+    def separate_decoder(self) -> bool:
+        return self.decoder == "separate"
 
     def resolved(self, device=None) -> "TrainConfig":
         """The same run with every preset-dependent default filled in; with a `device`, `dtype` "auto" becomes
@@ -264,7 +257,7 @@ class TrainConfig(Record):
             raise ELFError(f"{name('preset')}: unknown preset {self.preset!r}; choose one of {', '.join(PRESETS)}")
         for f in fields(self):
             v, meta = getattr(self, f.name), f.metadata
-            flag = name(f.name) if stored is not None else _flag(f)
+            flag = name(f.name) if stored is not None else flag_of(f)
             if v is None:
                 continue
             if f.type == "dict" and not isinstance(v, dict):
@@ -320,7 +313,7 @@ class TrainConfig(Record):
 # named presets of settings: (values, settings derived from the others unless given)
 RUN_PRESETS: dict[str, tuple[dict, dict]] = {
     # `elflow quickstart`: the demo network on the built-in corpus for a few minutes on a CPU: a random table
-    # over MiniLM's tokenizer, lr 3e-3, EMA 0.95, and the network's options for short runs (elflow.shortrun)
+    # over MiniLM's tokenizer, lr 3e-3, EMA 0.95, and the network's options for short runs (elflow.model.ShortRunOptions)
     "quickstart": (
         dict(preset="demo", data="builtin", space="random-table:minilm", length=64, batch=32, steps=250, lr=3e-3,
              warmup=50, ema_decay=0.95, adam_heads=True, dtype="auto", log_every=10, keep=2, sample_sampler="vc",
@@ -328,10 +321,10 @@ RUN_PRESETS: dict[str, tuple[dict, dict]] = {
              short_run={"skip": "gated", "time_scale": 1000.0, "head_modulation": True, "table_readout": 1.0}),
         dict(ckpt_every=lambda v: max(v["steps"] // 4, 1), sample_every=lambda v: max(v["steps"] // 4, 1)),
     ),
-    # the paper's conditional tasks: ELF-B in T5-small's space, decode corruption 1.0, warm-up 5,000
+    # the paper's conditional tasks: ELF-B in T5-small's space, warm-up 5,000 (and, as every conditional run,
+    # decode corruption 1.0: flow.recipe_for)
     **{name: (dict(preset="elf-b", space="t5-small", task=name, data=t["data"], length=t["length"],
-                   source_length=t["source_length"], warmup=t["warmup"], layout="document",
-                   recipe={"decode_noise_scale": t["decode_noise_scale"]}), {})
+                   source_length=t["source_length"], warmup=t["warmup"], layout="document"), {})
        for name, t in PAIR_TASKS.items()},
 }
 
@@ -344,7 +337,7 @@ NESTED_FLAGS: dict[tuple[str, str], tuple] = {
     ("short_run", "skip"): (SKIPS, "denoise head: none = the released networks' x = head(h); gaussian = the data's "
                         "per-dimension Gaussian posterior mean + posterior std x head(h), a network that starts as "
                         "that baseline denoiser; gated = the same with its pass-through of z gated by the network "
-                        "(elflow.shortrun)", None, "the preset's"),
+                        "(elflow.model.ShortRunOptions)", None, "the preset's"),
     ("short_run", "time_scale"): (float, "factor on t before its sinusoid features (1 in the released networks, whose "
                                      "features then barely change over t in [0, 0.1]; DiT uses 1000)", POSITIVE,
                               "the preset's"),
@@ -377,16 +370,16 @@ NESTED_FLAGS: dict[tuple[str, str], tuple] = {
 MUTABLE = tuple(f.name for f in fields(TrainConfig) if f.metadata.get("mutable"))
 
 
-def _split(d: dict, keys) -> tuple[dict, dict]:
-    """(the entries of `d` not in `keys`, those in `keys`)."""
-    return {k: v for k, v in d.items() if k not in keys}, {k: v for k, v in d.items() if k in keys}
-
-
 def resume_conflicts(stored: TrainConfig, cfg: TrainConfig, device=None) -> list[str]:
     """'name: stored -> new' for every setting that differs and may not change on resume (dtype "auto" read
     as what it picks on `device`, if given)."""
     a, b = stored.resolved(device).to_dict(), cfg.resolved(device).to_dict()
     return [f"{k}: {a[k]!r} -> {b[k]!r}" for k in a if k not in MUTABLE and a[k] != b[k]]
+
+
+def flag_of(f) -> str:
+    """The command-line flag of a TrainConfig field."""
+    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
 
 
 def mutable_flags() -> str:

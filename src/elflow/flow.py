@@ -1,14 +1,39 @@
-"""TODO."""
+"""The method around the network, in the paper's notation: the recipe, the schedules, the training objective
+and the samplers. The one home of the recipe's constants, which training, sampling, the report and the toy
+read from here.
+
+    path      z_t = t x + (1 - t) eps,  eps ~ N(0, noise_scale^2),  t = 0 noise, t = 1 data
+    velocity  v = (x - z_t) / max(1 - t, t_eps);  the network predicts x, v_pred = (x_pred - z_t) / max(1 - t, t_eps)
+    denoise   || v_pred - target ||^2,  target = v + (1 - 1/omega)(v_cond - v_uncond) on self-conditioned rows
+    decode    cross-entropy of net(p x + (1 - p) s n, t = 1, decode mode) against the tokens, p per token
+    sample    z0 = noise_scale N(0, 1); a loop over a time grid with a swappable step (ode, sde, vc), the last
+              step plain Euler; the decode pass reads the final state out as tokens
+
+The trained pass is reused, detached, for the listing's v_cond pass (exact with dropout 0); docs/method.md has
+the costs and the derivations.
+"""
 
 from __future__ import annotations
+
 import functools
 import math
 import warnings
 from dataclasses import dataclass
 from typing import Callable
+
 import torch
 import torch.nn.functional as F
+
 from elflow.util.errors import Record
+
+# the released recipe (OpenWebText, and the conditional tasks where said)
+NOISE_SCALE = 2.0  # eps ~ N(0, NOISE_SCALE^2) on the path; z0 of the sampler
+T_EPS = 0.05  # the velocity's clip: v = (x - z) / max(1 - t, T_EPS)
+T_MEAN, T_STD = -1.5, 0.8  # training times and the sampling grid: t = sigmoid(N(T_MEAN, T_STD^2))
+P_MEAN, P_STD = 0.8, 0.8  # the decode corruption level per token: p = sigmoid(N(P_MEAN, P_STD^2))
+OMEGA_LOW, OMEGA_HIGH = 0.5, 5.0  # guidance scales: log(1 + omega) uniform over this range
+DECODE_NOISE_SCALE = 5.0  # the decode branch's noise n ~ N(0, s^2): 5 for text,
+CONDITIONAL_DECODE_NOISE_SCALE = 1.0  # 1 for a conditional model (translation, summarisation)
 
 
 @dataclass(frozen=True)
@@ -16,17 +41,17 @@ class Recipe(Record):
     """The training recipe's constants (released OpenWebText values by default); `from_dict` refuses a key that
     is none of them."""
 
-    noise_scale: float = 2.0
-    t_eps: float = 0.05
+    noise_scale: float = NOISE_SCALE
+    t_eps: float = T_EPS
     decode_prob: float = 0.2
     self_cond_prob: float = 0.5
-    decode_noise_scale: float = 5.0  # 1.0 for translation and summarisation
+    decode_noise_scale: float = DECODE_NOISE_SCALE
     decode_clean_prob: float = 0.0  # share of decode-row tokens left clean (p = 1); 0 in the released recipe
-    omega_low: float = 0.5
-    omega_high: float = 5.0
+    omega_low: float = OMEGA_LOW
+    omega_high: float = OMEGA_HIGH
     source_drop_prob: float = 0.1  # conditional data only
-    t_mean: float = -1.5  # training times t = sigmoid(N(t_mean, t_std^2))
-    t_std: float = 0.8
+    t_mean: float = T_MEAN
+    t_std: float = T_STD
 
     def __post_init__(self):
         bad = [f"{k} {v!r}" for k, v in self.to_dict().items()
@@ -49,6 +74,66 @@ class Recipe(Record):
         """Whether the network is given its own previous guess (and trained for guidance by it)."""
         return self.self_cond_prob > 0
 
+
+def recipe_for(overrides: dict, conditional: bool = False) -> Recipe:
+    """The recipe of a model: the released constants, decode noise 1.0 for a conditional model (the one
+    statement of that rule), and the run's own overrides on top."""
+    base = {"decode_noise_scale": CONDITIONAL_DECODE_NOISE_SCALE} if conditional else {}
+    return Recipe.from_dict({**base, **(overrides or {})})
+
+
+# ----------------------------------------------------------------------------------------------------------
+# schedules: pure functions of a generator
+
+
+def _device(generator):
+    return generator.device if generator is not None else None
+
+
+def sample_time(n: int, generator: torch.Generator | None = None, mean: float = T_MEAN, std: float = T_STD):
+    """(n,) training times t = sigmoid(N(mean, std^2))."""
+    u = torch.randn(n, generator=generator, device=_device(generator))
+    return torch.sigmoid(mean + std * u)
+
+
+def sample_decode_level(shape, generator: torch.Generator | None = None, mean: float = P_MEAN, std: float = P_STD):
+    """Decode corruption levels p = sigmoid(N(0.8, 0.8^2)) of any shape (one per token in training)."""
+    u = torch.randn(tuple(shape), generator=generator, device=_device(generator))
+    return torch.sigmoid(mean + std * u)
+
+
+def sample_guidance(n: int, generator: torch.Generator | None = None, low: float = OMEGA_LOW, high: float = OMEGA_HIGH):
+    """(n,) guidance scales omega, log-uniform in 1 + omega over [low, high]."""
+    if not (-1 < low <= high):
+        raise ValueError(f"sample_guidance: need -1 < low <= high, got low={low}, high={high}")
+    u = torch.rand(n, generator=generator, device=_device(generator))
+    return torch.exp(math.log1p(low) + u * (math.log1p(high) - math.log1p(low))) - 1.0
+
+
+def time_grid(steps: int, kind: str = "logit_normal", generator: torch.Generator | None = None,
+              device=None) -> torch.Tensor:
+    """steps + 1 increasing times from exactly 0 to exactly 1.
+
+    "logit_normal": 0, the sorted sigmoid of steps - 1 draws of N(-1.5, 0.8^2), 1 (the released sampler).
+    "uniform": 0, 1/steps, ..., 1.
+    """
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"time_grid: steps must be an integer >= 1, got {steps!r}")
+    device = device if device is not None else _device(generator)
+    if kind == "uniform":
+        grid = torch.arange(steps + 1, dtype=torch.float32, device=device) / steps
+    elif kind == "logit_normal":
+        interior = sample_time(steps - 1, generator=generator).to(device).sort().values
+        zero, one = torch.zeros(1, device=device), torch.ones(1, device=device)
+        grid = torch.cat([zero, interior, one])
+    else:
+        raise ValueError(f"time_grid: kind must be 'logit_normal' or 'uniform', got {kind!r}")
+    grid[0], grid[-1] = 0.0, 1.0
+    return grid
+
+
+# ----------------------------------------------------------------------------------------------------------
+# training
 
 TIME_BINS = (0.0, 0.1, 0.2, 0.3, 0.5, 1.0)  # edges of the time bins the denoising loss is logged in
 
@@ -217,7 +302,7 @@ def time_bin_labels() -> list[str]:
 #
 # A step maps (denoise, z, t, t_next, x_prev) -> (z_next, x); denoise(z, t, x_prev) -> (x, v) is the network
 # with everything else bound (omega, guidance, known positions). The velocity is v = (x - z) / max(1 - t, t_eps).
-def euler_step(z, t, t_next, x_pred, t_eps: float = 0.05):
+def euler_step(z, t, t_next, x_pred, t_eps: float = T_EPS):
     """Move z a fraction (t_next - t)/(1 - t) of the way to the guess x_pred (v clipped at 1 - t >= t_eps)."""
     return z + (t_next - t) * (x_pred - z) / (1 - t).clamp_min(t_eps)
 
@@ -269,7 +354,7 @@ def check_sampling_args(steps: int, gamma: float, omega: float, guidance: float 
 def sample(net, z0: torch.Tensor, grid: torch.Tensor, *, sampler: str = "sde", gamma: float = 1.5,
            omega=3.0, guidance: float = 1.0, known: torch.Tensor | None = None,
            known_mask: torch.Tensor | None = None, generator: torch.Generator | None = None,
-           noise_scale: float = 2.0, t_eps: float = 0.05, callback: Callable | None = None):
+           noise_scale: float = NOISE_SCALE, t_eps: float = T_EPS, callback: Callable | None = None):
     """Integrate z0 (B, L, C) over the time grid (grid[0] = 0 ... grid[-1] = 1): returns (z_final, x_last).
 
     net(z, t, omega, x_prev) -> x is called once per step (twice when guidance != 1 with known positions).
@@ -353,55 +438,3 @@ def generate_tokens(net, batch: int, length: int, steps: int = 32, sampler: str 
                   known_mask=known_mask, generator=generator, noise_scale=recipe.noise_scale, t_eps=recipe.t_eps,
                   callback=callback)
     return decode_tokens(net, z, w), z
-
-
-T_MEAN, T_STD = -1.5, 0.8  # logit-normal time schedule (training and the sampling grid)
-
-
-P_MEAN, P_STD = 0.8, 0.8  # logit-normal decode corruption level
-
-
-def _device(generator):
-    return generator.device if generator is not None else None
-
-
-def sample_time(n: int, generator: torch.Generator | None = None, mean: float = T_MEAN, std: float = T_STD):
-    """(n,) training times t = sigmoid(N(mean, std^2))."""
-    u = torch.randn(n, generator=generator, device=_device(generator))
-    return torch.sigmoid(mean + std * u)
-
-
-def sample_decode_level(shape, generator: torch.Generator | None = None, mean: float = P_MEAN, std: float = P_STD):
-    """Decode corruption levels p = sigmoid(N(0.8, 0.8^2)) of any shape (one per token in training)."""
-    u = torch.randn(tuple(shape), generator=generator, device=_device(generator))
-    return torch.sigmoid(mean + std * u)
-
-
-def sample_guidance(n: int, generator: torch.Generator | None = None, low: float = 0.5, high: float = 5.0):
-    """(n,) guidance scales omega, log-uniform in 1 + omega over [low, high]."""
-    if not (-1 < low <= high):
-        raise ValueError(f"sample_guidance: need -1 < low <= high, got low={low}, high={high}")
-    u = torch.rand(n, generator=generator, device=_device(generator))
-    return torch.exp(math.log1p(low) + u * (math.log1p(high) - math.log1p(low))) - 1.0
-
-
-def time_grid(steps: int, kind: str = "logit_normal", generator: torch.Generator | None = None,
-              device=None) -> torch.Tensor:
-    """steps + 1 increasing times from exactly 0 to exactly 1.
-
-    "logit_normal": 0, the sorted sigmoid of steps - 1 draws of N(-1.5, 0.8^2), 1 (the released sampler).
-    "uniform": 0, 1/steps, ..., 1.
-    """
-    if not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"time_grid: steps must be an integer >= 1, got {steps!r}")
-    device = device if device is not None else _device(generator)
-    if kind == "uniform":
-        grid = torch.arange(steps + 1, dtype=torch.float32, device=device) / steps
-    elif kind == "logit_normal":
-        interior = sample_time(steps - 1, generator=generator).to(device).sort().values
-        zero, one = torch.zeros(1, device=device), torch.ones(1, device=device)
-        grid = torch.cat([zero, interior, one])
-    else:
-        raise ValueError(f"time_grid: kind must be 'logit_normal' or 'uniform', got {kind!r}")
-    grid[0], grid[-1] = 0.0, 1.0
-    return grid

@@ -1,4 +1,10 @@
-"""TODO."""
+"""From a network to texts: the sampler's settings and the one text generator.
+
+Knows nothing of training: a loaded model (elflow.runs.load) and its space are all it needs. A conditional
+model's source, a prompt (fixed at the start) and a suffix (fixed at the end) take one path: their positions
+are encoded so that known tokens attend only to known tokens, held at their clean embeddings while sampling,
+and kept as they are in the output. Batch i draws from a generator seeded by (seed, i).
+"""
 
 from __future__ import annotations
 import json
@@ -7,7 +13,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 import torch
 from elflow.data.layout import encoder_mask, pair_layout
-from elflow.flow import Recipe, check_sampling_args, decode_tokens, generate_tokens
+from elflow.flow import NOISE_SCALE, T_EPS, Recipe, check_sampling_args, decode_tokens, generate_tokens
 from elflow.util.errors import ELFError, Record, check_seed
 from elflow.util.files import atomic_write
 from elflow.util.devices import autocast
@@ -30,6 +36,19 @@ def distilled_defaults(steps: int) -> dict:
     return {**SAMPLING_DEFAULTS["distilled" if steps <= 8 else "distilled-long"], "steps": int(steps)}
 
 
+def model_sampling(conditional: bool = False, distilled_steps: int | None = None,
+                   self_conditioned: bool = True) -> dict:
+    """The sampler settings a kind of model is stored with, where they differ from a text model's: a
+    conditional model's, a distilled model's few-step ones (at its step count), and omega 1 for a network
+    without self-conditioning (nothing for omega to guide by). The one statement of these rules."""
+    sampling = dict(SAMPLING_DEFAULTS["conditional"]) if conditional else {}
+    if distilled_steps:
+        sampling.update(distilled_defaults(distilled_steps))
+    if not self_conditioned:
+        sampling["omega"] = 1.0
+    return sampling
+
+
 @dataclass(frozen=True)
 class SamplingSettings(Record):
     """How to sample: the step count, the step kind and its back-off gamma, the self-conditioning guidance
@@ -45,8 +64,8 @@ class SamplingSettings(Record):
     seed: int = 0
     batch_size: int = 8
     dtype: str = "fp32"
-    noise_scale: float = 2.0  # the model's own: z0 = noise_scale N(0, 1), as it was trained
-    t_eps: float = 0.05
+    noise_scale: float = NOISE_SCALE  # the model's own: z0 = noise_scale N(0, 1), as it was trained
+    t_eps: float = T_EPS
 
     def check(self) -> "SamplingSettings":
         try:
@@ -79,7 +98,7 @@ def settings_for(loaded, **given) -> SamplingSettings:
     stored = dict(loaded.settings.get("sampling") or {})
     if loaded.settings.get("distilled_steps") or loaded.settings.get("distilled"):
         n = given.get("steps") or loaded.settings.get("distilled_steps") or DISTILLED_STEPS
-        stored = {**stored, **distilled_defaults(n)}  # the few-step settings depend on the step count alone
+        stored.update(model_sampling(distilled_steps=n))  # the few-step settings depend on the step count alone
     names = {f.name for f in fields(SamplingSettings)}
     chosen = {k: loaded.recipe[k] for k in ("noise_scale", "t_eps") if k in loaded.recipe}
     chosen.update({k: v for k, v in stored.items() if k in names})

@@ -1,25 +1,25 @@
-"""TODO."""
+"""The ELF network: one transformer that denoises embeddings and, in decode mode, reads them out as tokens.
+
+Imports torch and the error type only. The released network is the authors' exactly; its variants are fields
+read here alone (ELFConfig's predict / conditioning / decoder, ShortRunOptions for short runs), whose defaults
+are the released network. docs/method.md reads out the layers, shapes and variants."""
 
 from __future__ import annotations
+
 import math
 from dataclasses import dataclass
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
-from elflow.util.errors import Record
-from elflow.util.devices import check_memory
-from elflow.space import latent_moments, token_vectors
-from elflow.util.errors import ELFError
 
+from elflow.util.errors import ELFError, Record
 
 PREDICTIONS = ("x", "v", "eps")  # what the denoise head outputs
-
-
 CONDITIONINGS = ("tokens", "adaln")  # how t, omega and the mode reach the blocks
-
-
 DECODERS = ("shared", "separate")  # who reads out tokens: the denoiser itself, or a network of its own
+SKIPS = ("none", "gaussian", "gated")  # the short-run skip of z into the guess
 
 
 class TransformerShape:
@@ -37,7 +37,9 @@ class TransformerShape:
 
 @dataclass(frozen=True)
 class ELFConfig(Record, TransformerShape):
-    """Network shape. `dim`, `vocab_size` and `max_length` come from the embedding space and data."""
+    """Network shape and variant. `dim`, `vocab_size` and `max_length` come from the embedding space and data.
+    `noise_scale` and `t_eps` are the training path's, read only by a v- or eps-predicting head (None, and
+    ignored, for the x-predicting head)."""
 
     depth: int = 12
     hidden: int = 768
@@ -52,11 +54,11 @@ class ELFConfig(Record, TransformerShape):
     mode_tokens: int = 4
     rope_theta: float = 10000.0
     self_cond: bool = True  # input is [z, x_prev]; False for networks trained with self_cond_prob = 0
-    predict: str = "x"  # the denoise head's target: x, v or eps (PREDICTIONS)
+    predict: str = "x"  # the denoise head's target (PREDICTIONS)
     conditioning: str = "tokens"  # prefix tokens, or adaLN-Zero in every block (CONDITIONINGS)
-    decoder: str = "shared"  # "separate": the readout is a second network's (elflow.shortrun.SeparateDecoderELF)
-    noise_scale: float = 2.0  # the training path's noise scale and clip, read by a v- or eps-predicting head
-    t_eps: float = 0.05
+    decoder: str = "shared"  # "separate": the readout is a second network's (SeparateDecoderELF)
+    noise_scale: float | None = None
+    t_eps: float | None = None
 
     def __post_init__(self):
         for f in ("depth", "hidden", "heads", "dim", "vocab_size", "max_length", "bottleneck"):
@@ -69,13 +71,21 @@ class ELFConfig(Record, TransformerShape):
         for f, choices in (("predict", PREDICTIONS), ("conditioning", CONDITIONINGS), ("decoder", DECODERS)):
             if getattr(self, f) not in choices:
                 raise ValueError(f"ELFConfig.{f} must be one of {', '.join(choices)}, got {getattr(self, f)!r}")
-        if not (self.noise_scale > 0 and 0 < self.t_eps < 1):
-            raise ValueError(f"ELFConfig: noise_scale must be > 0 and t_eps in (0, 1), got {self.noise_scale}, "
-                             f"{self.t_eps}")
+        if self.predict == "x":  # nothing reads them: stored configs that carry them compare equal
+            object.__setattr__(self, "noise_scale", None)
+            object.__setattr__(self, "t_eps", None)
+        elif not (self.noise_scale is not None and self.noise_scale > 0 and self.t_eps is not None
+                  and 0 < self.t_eps < 1):
+            raise ValueError(f"ELFConfig: a {self.predict}-predicting head needs the path's noise_scale > 0 and "
+                             f"t_eps in (0, 1), got {self.noise_scale}, {self.t_eps}")
 
     @property
     def adaln(self) -> bool:
         return self.conditioning == "adaln"
+
+    @property
+    def separate_decoder(self) -> bool:
+        return self.decoder == "separate"
 
     @property
     def num_prefix(self) -> int:
@@ -83,9 +93,9 @@ class ELFConfig(Record, TransformerShape):
         return 0 if self.adaln else self.time_tokens + self.omega_tokens + self.mode_tokens
 
 
+# network sizes by name (--preset); the run presets of a whole run are elflow.config.RUN_PRESETS (--defaults)
 PRESETS: dict[str, ELFConfig] = {
-    # seconds on CPU: for tests
-    "tiny": ELFConfig(depth=2, hidden=64, heads=4, bottleneck=16, dim=32, vocab_size=100, max_length=32),
+    "tiny": ELFConfig(depth=2, hidden=64, heads=4, bottleneck=16, dim=32, vocab_size=100, max_length=32),  # tests
     # the offline quick-start: MiniLM-L6 space (384 dims, BERT vocabulary), L = 64, minutes on a laptop CPU
     "demo": ELFConfig(depth=4, hidden=256, heads=4, bottleneck=128, dim=384, vocab_size=30522, max_length=64),
     # the paper's sizes (T5-small space: 512 dims, vocabulary 32,100, L = 1024)
@@ -102,14 +112,64 @@ def get_config(name: str, **overrides) -> ELFConfig:
     return PRESETS[name].replace(**{k: v for k, v in overrides.items() if v is not None})
 
 
+@dataclass(frozen=True)
+class ShortRunOptions(Record):
+    """Four changes for short runs; the defaults are the paper's network (docs/method.md, "Short runs"): t
+    scaled before its features, the head's input modulated by t, a Gaussian (or gated) skip of z into the
+    guess, and a readout helped by the space's token vectors (`table_readout` is that help's weight)."""
+
+    skip: str = "none"
+    time_scale: float = 1.0
+    head_modulation: bool = False
+    table_readout: float = 0.0
+
+    def __post_init__(self):
+        if self.skip not in SKIPS:
+            raise ValueError(f"skip must be one of {', '.join(SKIPS)}, got {self.skip!r}")
+        if not (isinstance(self.time_scale, (int, float)) and math.isfinite(self.time_scale) and self.time_scale > 0):
+            raise ValueError(f"time_scale must be a positive number, got {self.time_scale}")
+        if not (isinstance(self.table_readout, (int, float)) and math.isfinite(self.table_readout)
+                and self.table_readout >= 0):
+            raise ValueError(f"table_readout must be a number >= 0, got {self.table_readout}")
+
+    @property
+    def active(self) -> bool:
+        return self != ShortRunOptions()
+
+
+def options_of(options) -> ShortRunOptions:
+    """A ShortRunOptions from itself, a dict of its fields, or None (all off); one-line errors."""
+    if isinstance(options, ShortRunOptions):
+        return options
+    try:
+        return ShortRunOptions.from_dict(dict(options or {}))
+    except ValueError as e:
+        raise ELFError(f"the short-run options do not fit together: {e}") from None
+
+
+def check_network(predict: str, conditioning: str, options: ShortRunOptions) -> None:
+    """ELFError for a network variant and short-run options that do not go together."""
+    if options.skip != "none" and predict != "x":
+        raise ELFError(f"--skip {options.skip} writes the head's output as a correction to the Gaussian posterior "
+                       f"mean of x; it needs --predict x, not --predict {predict}")
+    if options.head_modulation and conditioning == "adaln":
+        raise ELFError("--conditioning adaln modulates the denoise head by t and omega already; pass "
+                       "--head-modulation false with it")
+
+
+def build_network(config: ELFConfig, options=None):
+    """The network of `config` and the short-run `options` (a ShortRunOptions, a dict or None): an ELF, or a
+    SeparateDecoderELF for config.decoder "separate". The one place where a variant picks a class."""
+    options = options_of(options)
+    check_network(config.predict, config.conditioning, options)
+    return SeparateDecoderELF(config, options) if config.separate_decoder else ELF(config, options)
+
+
 # ----------------------------------------------------------------------------------------------------------
-# the prediction targets, on the path z = t x + (1 - t) noise_scale eps (t = 1 data). Each target is affine in
-# x at fixed (z, t), x = a z + b out, with the coefficients clipped at t_eps at both ends (c1 = max(1 - t, t_eps)
-# as in the velocity, c0 = max(t, t_eps)), so that each map is a bijection at every t:
-#     x    a = 0,      b = 1
-#     v    a = 1,      b = c1                       (v = (x - z) / c1)
-#     eps  a = 1 / c0, b = -noise_scale c1 / c0     (eps = (z - c0 x) / (noise_scale c1))
-def _affine(kind: str, t: torch.Tensor, noise_scale: float, t_eps: float):
+# the prediction targets on the path z = t x + (1 - t) noise_scale eps: x = a z + b out, clipped at t_eps
+# (c1 = max(1 - t, t_eps), c0 = max(t, t_eps)): x: a = 0, b = 1; v: a = 1, b = c1; eps: a = 1 / c0,
+# b = -noise_scale c1 / c0 (docs/method.md)
+def prediction_affine(kind: str, t: torch.Tensor, noise_scale: float, t_eps: float):
     """(a, b) of x = a z + b out for target `kind`; t (B,) -> (B, 1, 1) each."""
     t = t.float().reshape(-1, 1, 1)
     c0, c1 = t.clamp_min(t_eps), (1 - t).clamp_min(t_eps)
@@ -127,17 +187,20 @@ def prediction_to_x(kind: str, out: torch.Tensor, z: torch.Tensor, t: torch.Tens
     """The x that a head output `out` of target `kind` (x, v or eps) stands for at (z, t); t (B,)."""
     if kind == "x":
         return out
-    a, b = _affine(kind, t, noise_scale, t_eps)
+    a, b = prediction_affine(kind, t, noise_scale, t_eps)
     return a * z + b * out
 
 
-def x_to_prediction(kind: str, x: torch.Tensor, z: torch.Tensor, t: torch.Tensor, noise_scale: float,
-                    t_eps: float) -> torch.Tensor:
-    """The head output of target `kind` that stands for x at (z, t): the inverse of prediction_to_x."""
-    if kind == "x":
-        return x
-    a, b = _affine(kind, t, noise_scale, t_eps)
-    return (x - a * z) / b
+def gaussian_posterior(z, t, mean, var, noise_scale):
+    """Posterior mean and std of x given z = t x + (1 - t) noise_scale e for x ~ N(mean, var) per dimension:
+        E[x | z] = mean + g (z - t mean),  g = t var / (t^2 var + (1 - t)^2 noise_scale^2)
+        Std[x | z] = (1 - t) noise_scale sqrt(var) / sqrt(t^2 var + (1 - t)^2 noise_scale^2)
+    z (B, L, C), t (B,) or a number, mean / var (C,), noise_scale a number or a 0-dim tensor."""
+    t = torch.as_tensor(t, dtype=torch.float32, device=z.device)
+    t = t.reshape(-1, 1, 1) if t.dim() else t
+    spread = (1 - t) * noise_scale
+    total = t * t * var + spread * spread
+    return mean + t * var / total * (z - t * mean), spread * var.sqrt() / total.sqrt()
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -157,11 +220,8 @@ class RMSNorm(nn.Module):
 
 
 def rope_tables(length: int, head_dim: int, num_prefix: int, theta: float = 10000.0):
-    """cos/sin tables (num_prefix + length, head_dim) for interleaved-pair RoPE.
-
-    Pair (2i, 2i+1) turns with frequency theta^(-2i/d); each frequency is repeated twice [f0, f0, f1, f1, ...].
-    The prefix tokens are not rotated (cos 1, sin 0); text token j (from 0) takes angle j * f_i.
-    """
+    """cos/sin tables (num_prefix + length, head_dim) for interleaved-pair RoPE: pair (2i, 2i+1) of text token j
+    turns by j theta^(-2i/d); the prefix tokens are not rotated (cos 1, sin 0)."""
     freqs = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)  # (d/2,)
     angles = torch.arange(length, dtype=torch.float64)[:, None] * freqs[None, :]  # (L, d/2)
     angles = angles.repeat_interleave(2, dim=-1)  # (L, d)
@@ -213,10 +273,8 @@ def modulate(h: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block; `causal=True` gives the autoregressive variant used by the judge.
-
-    `modulation` (B, 6H), adaLN-Zero's (shift, scale, gate) of the attention and of the MLP, modulates the
-    normalised inputs of both sublayers and gates their outputs; None is the plain block."""
+    """Pre-norm transformer block (`causal`: the judge's). `modulation` (B, 6H): adaLN-Zero's (shift, scale,
+    gate) of both sublayers; None is the plain block."""
 
     def __init__(self, hidden: int, heads: int, mlp_hidden: int, causal: bool = False):
         super().__init__()
@@ -270,18 +328,18 @@ class DecodeHead(nn.Module):
 
 # ----------------------------------------------------------------------------------------------------------
 # the network
+
+
 class ELF(nn.Module):
-    """net(z, t, omega, x_prev=None) -> x_pred (B, L, C); net.decode(z, omega) -> logits (B, L, V);
-    net.mixed(...) -> (x_pred, logits) for training batches that mix both modes.
+    """net(z, t, omega, x_prev=None) -> x_pred (B, L, C), the clean embeddings whatever the head predicts;
+    net.decode(z, omega) -> logits (B, L, V); net.mixed(...) -> both, for a batch whose rows are in either mode.
+    `grad_checkpoint = True` recomputes each block in the backward pass (no number changes). The short-run
+    options' data (the skip's moments, the readout's table) are frozen parameters set before training."""
 
-    x_pred is the network's estimate of the clean embeddings whatever its head predicts (config.predict).
-    `grad_checkpoint = True` recomputes each block in the backward pass (memory for compute); it changes no
-    number and is not part of the weights."""
-
-    def __init__(self, config: ELFConfig):
+    def __init__(self, config: ELFConfig, options: ShortRunOptions | None = None):
         super().__init__()
-        check_size(config, ELF, _describe(config, "dim", "vocab_size", "max_length"))
         self.config = c = config
+        self.options = o = options or ShortRunOptions()
         self.grad_checkpoint = False
         if c.self_cond:
             self.self_cond_proj = nn.Linear(2 * c.dim, c.dim)
@@ -301,17 +359,24 @@ class ELF(nn.Module):
         self.x_head = nn.Linear(c.hidden, c.dim)
         if c.adaln:  # DiT's final layer: the head's input scaled and shifted by c
             self.final_modulation = nn.Linear(c.hidden, 2 * c.hidden)
-        self.extend_denoise_head()
+        if o.head_modulation:  # (shift, scale) of the head's input from the time embedding
+            self.head_modulation = nn.Linear(c.hidden, 2 * c.hidden)
         self.decode_head = DecodeHead(c.hidden, c.dim, c.vocab_size)
         cos, sin = rope_tables(c.max_length, c.head_dim, c.num_prefix, c.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.reset_parameters()
-
-    def extend_denoise_head(self) -> None:
-        """Where a subclass adds modules to the denoise head (elflow.shortrun); the paper's network has none.
-        They are built between the two heads so that the order of the modules, and with it the random draws
-        of the initialisation, is the same for every network."""
+        # built after the initialisation draws, so that every network draws the same initial weights
+        if o.skip == "gated":  # a(h), the gate on the skip's pass-through of z, zero-initialised
+            self.skip_gate = nn.utils.skip_init(nn.Linear, c.hidden, c.dim)
+            nn.init.zeros_(self.skip_gate.weight)
+            nn.init.zeros_(self.skip_gate.bias)
+        if o.skip != "none":  # the data's moments (unit Gaussian until set) and the noise scale
+            self.skip_mean = nn.Parameter(torch.zeros(c.dim), requires_grad=False)
+            self.skip_var = nn.Parameter(torch.ones(c.dim), requires_grad=False)
+            self.skip_noise = nn.Parameter(torch.ones(()), requires_grad=False)
+        if o.table_readout:  # the space's vector for each token id (zeros until set)
+            self.readout_table = nn.Parameter(torch.zeros(c.vocab_size, c.dim), requires_grad=False)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -329,17 +394,18 @@ class ELF(nn.Module):
                 nn.init.zeros_(lin.bias)
         for tok in (self.mode_embed,) if c.adaln else (self.time_tokens, self.omega_tokens, self.mode_tokens):
             nn.init.normal_(tok, std=0.02)
+        zeroed = [self.x_head]
         if c.adaln:  # adaLN-Zero: every modulation starts at zero, every block as the identity
-            for lin in (*self.block_modulation, self.final_modulation):
-                nn.init.zeros_(lin.weight)
-                nn.init.zeros_(lin.bias)
-        nn.init.zeros_(self.x_head.weight)
-        nn.init.zeros_(self.x_head.bias)
+            zeroed += [*self.block_modulation, self.final_modulation]
+        zeroed += [getattr(self, name) for name in ("head_modulation", "skip_gate") if hasattr(self, name)]
+        for lin in zeroed:
+            nn.init.zeros_(lin.weight)
+            nn.init.zeros_(lin.bias)
 
     # -- the shared trunk ----------------------------------------------------------------------------------
     def embed_time(self, t: torch.Tensor) -> torch.Tensor:
         """(B,) flow times -> (B, H): the time embedding of the prefix tokens (or of adaLN's condition)."""
-        return self.time_embed(t)
+        return self.time_embed(t * self.options.time_scale)
 
     def condition(self, t, omega, gate) -> torch.Tensor:
         """adaLN's condition c = e(t) + e(omega) + gate * mode, (B, H), in fp32."""
@@ -380,43 +446,48 @@ class ELF(nn.Module):
                 h = block(*args)
         return h[:, c.num_prefix:]  # drop the prefix: (B, L, H)
 
-    def modulate_head(self, h: torch.Tensor, t: torch.Tensor, omega) -> torch.Tensor:
-        """The denoise head's normalised input, modulated by adaLN's condition (denoise mode); the prefix-token
-        network leaves it as it is."""
-        if not self.config.adaln:
-            return h
-        if omega is None:
-            raise ValueError("an adaLN network's denoise head needs omega")
-        shift, scale = self.final_modulation(F.silu(self.condition(t, omega, torch.zeros_like(t)))).chunk(2, dim=-1)
-        return modulate(h, shift, scale)
-
-    def precondition(self, out: torch.Tensor, z: torch.Tensor, t: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        """The head's output `out` (from its input `h`) before it is read as the prediction target; the paper's
-        network leaves it."""
-        return out
-
+    # -- the heads -----------------------------------------------------------------------------------------
     def denoise_head(self, h: torch.Tensor, z: torch.Tensor, t: torch.Tensor, omega=None) -> torch.Tensor:
-        """x_pred (B, L, C) from the trunk's output h: RMSNorm, the head, and the head's target turned into x."""
-        c = self.config
+        """x_pred (B, L, C) from the trunk's output h: RMSNorm, the modulations of the variant, the head, the
+        Gaussian skip, and the head's target turned into x."""
+        c, o = self.config, self.options
         with torch.autocast(h.device.type, enabled=False):
-            h = self.modulate_head(self.final_norm(h.float()), t, omega)
-            out = self.precondition(self.x_head(h), z, t, h)
+            h = self.final_norm(h.float())
+            if c.adaln:
+                if omega is None:
+                    raise ValueError("an adaLN network's denoise head needs omega")
+                cond = F.silu(self.condition(t, omega, torch.zeros_like(t)))
+                h = modulate(h, *self.final_modulation(cond).chunk(2, dim=-1))
+            if o.head_modulation:
+                h = modulate(h, *self.head_modulation(F.silu(self.embed_time(t.to(h.device)))).chunk(2, dim=-1))
+            out = self.x_head(h)
+            if o.skip != "none":
+                mean, std = gaussian_posterior(z.float(), t.to(z.device), self.skip_mean, self.skip_var,
+                                               self.skip_noise)
+                if o.skip == "gated":  # mu + (1 - a) g (z - t mu)
+                    mean = mean - self.skip_gate(h) * (mean - self.skip_mean)
+                out = mean + std * out
             return prediction_to_x(c.predict, out, z.float(), t.to(h.device), c.noise_scale, c.t_eps)
 
     def logits_head(self, h: torch.Tensor) -> torch.Tensor:
         with torch.autocast(h.device.type, enabled=False):
             return self.decode_head(h.float())  # (B, L, V)
-
+    # -- the three passes ----------------------------------------------------------------------------------
     def forward(self, z, t, omega, x_prev=None) -> torch.Tensor:
         """Denoise: z (B, L, C) at times t (B,) with guidance scales omega (B,) and the self-conditioning
         input x_prev (B, L, C) (None: zeros) -> the predicted clean embeddings x_pred (B, L, C)."""
         return self.denoise_head(self.trunk(z, t, omega, x_prev, z.new_zeros(z.shape[0])), z, t, omega)
 
     def decode(self, z, omega) -> torch.Tensor:
-        """Read out tokens: the pass at t = 1 with a zero self-conditioning input and the mode tokens on.
-        z (B, L, C), omega (B,) -> logits (B, L, V)."""
+        """Read out tokens: the pass at t = 1 with a zero self-conditioning input and the mode tokens on (plus
+        the table match under table_readout). z (B, L, C), omega (B,) -> logits (B, L, V)."""
         ones = z.new_ones(z.shape[0])
-        return self.logits_head(self.trunk(z, ones, omega, None, ones))
+        logits = self.logits_head(self.trunk(z, ones, omega, None, ones))
+        if self.options.table_readout:  # + w z . R_k / sqrt(C) for every token k
+            with torch.autocast(z.device.type, enabled=False):
+                w = self.options.table_readout / math.sqrt(self.config.dim)
+                logits = logits + (z.float() @ self.readout_table.T) * w
+        return logits
 
     def mixed(self, z, t, omega, x_prev, gate, logits_rows) -> tuple[torch.Tensor, torch.Tensor]:
         """One pass over a training batch whose rows are in either mode: gate (B,) float (1 = decode),
@@ -429,164 +500,21 @@ class ELF(nn.Module):
         c = self.config
         if z.dim() != 3 or z.shape[-1] != c.dim:
             raise ValueError(f"ELF: z must have shape (B, L, {c.dim}), got {tuple(z.shape)}")
-        B, L, C = z.shape
-        if L > c.max_length:
-            raise ValueError(f"ELF: sequence length {L} exceeds this network's max_length {c.max_length}")
+        if z.shape[1] > c.max_length:
+            raise ValueError(f"ELF: sequence length {z.shape[1]} exceeds this network's max_length {c.max_length}")
+        B = z.shape[0]
         for name, s in (("t", t), ("omega", omega)):
             if not isinstance(s, torch.Tensor) or s.shape != (B,):
                 shape = tuple(s.shape) if isinstance(s, torch.Tensor) else type(s).__name__
                 raise ValueError(f"ELF: {name} must be a tensor of shape ({B},), got {shape}")
         if x_prev is not None and x_prev.shape != z.shape:
             raise ValueError(f"ELF: x_prev must have the shape of z {tuple(z.shape)}, got {tuple(x_prev.shape)}")
-        return B, L, C
+        return z.shape
 
-    def num_params(self, exclude_decode_head: bool = False) -> int:
-        """The parameters that train (frozen ones are data)."""
-        n = num_params(self)
-        if exclude_decode_head:
-            n -= sum(p.numel() for p in self.decode_head.parameters())
-        return n
-
-
-# ----------------------------------------------------------------------------------------------------------
-# the token-level network of the baseline methods
-def num_params(module: nn.Module) -> int:
-    """Trainable parameters of any network (ELF or TokenTransformer); a tied table counts once."""
-    return sum(p.numel() for p in module.parameters() if p.requires_grad)
-
-
-def _describe(config, *extra) -> str:
-    return ", ".join(f"{k} {getattr(config, k)}" for k in ("depth", "hidden", "heads", *extra))
-
-
-def network_bytes(config, cls, *args) -> int:
-    """The fp32 bytes of the weights and buffers of cls(config, *args), counted without memory: one block is
-    built on the meta device and the others counted as its copies."""
-    with torch.device("meta"):
-        one = cls(config.replace(depth=1), *args)
-        per = sum(t.numel() for t in list(one.blocks[0].parameters()) + list(one.blocks[0].buffers()))
-        total = sum(t.numel() for t in list(one.parameters()) + list(one.buffers()))
-    return 4 * (total + (config.depth - 1) * per)
-
-
-def check_size(config, cls, what: str, *args) -> None:
-    """Refuse, before anything is allocated, a network whose weights alone need more memory than this machine
-    has (a mistyped --depth, --hidden, or a stored config of such numbers)."""
-    if torch.get_default_device().type == "meta":  # counting (network_bytes) or built without memory
-        return
-    check_memory(network_bytes(config, cls, *args), f"a network of {what}",
-                 hint="choose a smaller --depth / --hidden / --length (or check the stored config)")
-
-
-SKIPS = ("none", "gaussian", "gated")
-
-
-@dataclass(frozen=True)
-class ShortRunOptions(Record):
-    """The four options; the defaults are the paper's network."""
-
-    skip: str = "none"  # "gaussian": x_pred = Gaussian posterior mean + posterior std * head; "gated": its
-    # pass-through of z gated by the network
-    time_scale: float = 1.0  # factor on t before its sinusoid features
-    head_modulation: bool = False  # the denoise head's input scaled and shifted by t
-    table_readout: float = 0.0  # weight of the readout's table match
-
-    def __post_init__(self):
-        if self.skip not in SKIPS:
-            raise ValueError(f"skip must be one of {', '.join(SKIPS)}, got {self.skip!r}")
-        if not (isinstance(self.time_scale, (int, float)) and math.isfinite(self.time_scale) and self.time_scale > 0):
-            raise ValueError(f"time_scale must be a positive number, got {self.time_scale}")
-        if not (isinstance(self.table_readout, (int, float)) and math.isfinite(self.table_readout)
-                and self.table_readout >= 0):
-            raise ValueError(f"table_readout must be a number >= 0, got {self.table_readout}")
-
-    @property
-    def active(self) -> bool:
-        return self != ShortRunOptions()
-
-
-FIELDS = tuple(ShortRunOptions().to_dict())
-
-
-def gaussian_posterior(z, t, mean, var, noise_scale):
-    """Posterior mean and std of x given z = t x + (1 - t) noise_scale e for x ~ N(mean, var) per dimension:
-        E[x | z] = mean + g (z - t mean),  g = t var / (t^2 var + (1 - t)^2 noise_scale^2)
-        Std[x | z] = (1 - t) noise_scale sqrt(var) / sqrt(t^2 var + (1 - t)^2 noise_scale^2)
-    z (B, L, C), t (B,) or a number, mean / var (C,), noise_scale a number or a 0-dim tensor."""
-    t = torch.as_tensor(t, dtype=torch.float32, device=z.device)
-    t = t.reshape(-1, 1, 1) if t.dim() else t
-    spread = (1 - t) * noise_scale
-    total = t * t * var + spread * spread
-    return mean + t * var / total * (z - t * mean), spread * var.sqrt() / total.sqrt()
-
-
-class ShortRunELF(ELF):
-    """ELF with the options of `options` (module docstring): the paper's modules and names, plus
-    `head_modulation` and `skip_gate` (Linears), `skip_mean`, `skip_var`, `skip_noise` and `readout_table`
-    (frozen)."""
-
-    def __init__(self, config: ELFConfig, options: ShortRunOptions):
-        self.options = options  # read by extend_denoise_head, which ELF.__init__ calls
-        super().__init__(config)
-        c = config
-        if options.skip == "gated":  # a(h), the gate on the skip's pass-through of z, zero-initialised
-            self.skip_gate = nn.utils.skip_init(nn.Linear, c.hidden, c.dim)
-            nn.init.zeros_(self.skip_gate.weight)
-            nn.init.zeros_(self.skip_gate.bias)
-        if options.skip != "none":  # the data's moments (unit Gaussian until set) and the noise scale
-            self.skip_mean = nn.Parameter(torch.zeros(c.dim), requires_grad=False)
-            self.skip_var = nn.Parameter(torch.ones(c.dim), requires_grad=False)
-            self.skip_noise = nn.Parameter(torch.ones(()), requires_grad=False)
-        if options.table_readout:  # the space's vector for each token id (zeros until set)
-            self.readout_table = nn.Parameter(torch.zeros(c.vocab_size, c.dim), requires_grad=False)
-
-    def extend_denoise_head(self) -> None:
-        if self.options.head_modulation:  # (shift, scale) of the head's input from the time embedding
-            self.head_modulation = nn.Linear(self.config.hidden, 2 * self.config.hidden)
-
-    @torch.no_grad()
-    def reset_parameters(self) -> None:
-        super().reset_parameters()
-        if self.options.head_modulation:
-            nn.init.zeros_(self.head_modulation.weight)
-            nn.init.zeros_(self.head_modulation.bias)
-        if hasattr(self, "skip_gate"):
-            nn.init.zeros_(self.skip_gate.weight)
-            nn.init.zeros_(self.skip_gate.bias)
-
-    def embed_time(self, t: torch.Tensor) -> torch.Tensor:
-        """(B,) flow times -> (B, H): the time embedding of the prefix tokens and of the head modulation."""
-        return self.time_embed(t * self.options.time_scale)
-
-    def modulate_head(self, h: torch.Tensor, t: torch.Tensor, omega) -> torch.Tensor:
-        h = super().modulate_head(h, t, omega)
-        if self.options.head_modulation:
-            shift, scale = self.head_modulation(F.silu(self.embed_time(t.to(h.device)))).chunk(2, dim=-1)
-            h = modulate(h, shift, scale)
-        return h
-
-    def precondition(self, out: torch.Tensor, z: torch.Tensor, t: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        if self.options.skip != "none":
-            mean, std = gaussian_posterior(z.float(), t.to(z.device), self.skip_mean, self.skip_var, self.skip_noise)
-            if self.options.skip == "gated":  # mu + (1 - a) g (z - t mu)
-                mean = mean - self.skip_gate(h) * (mean - self.skip_mean)
-            out = mean + std * out
-        return out
-
-    def table_match(self, z: torch.Tensor) -> torch.Tensor:
-        """table_readout x z . R_k / sqrt(C) for every token k: (B, L, C) -> (B, L, V)."""
-        with torch.autocast(z.device.type, enabled=False):
-            return (z.float() @ self.readout_table.T) * (self.options.table_readout / math.sqrt(self.config.dim))
-
-    def decode(self, z, omega) -> torch.Tensor:
-        """The paper's readout, plus the table match under table_readout."""
-        logits = super().decode(z, omega)
-        return logits + self.table_match(z) if self.options.table_readout else logits
-
+    # -- the short-run options' data -----------------------------------------------------------------------
     @torch.no_grad()
     def set_gaussian_skip(self, mean: torch.Tensor, var: torch.Tensor, noise_scale: float) -> None:
-        """Set the per-dimension data moments (C,) and the training path's noise scale of a skip="gaussian"
-        or skip="gated" network."""
+        """Set the per-dimension data moments (C,) and the training path's noise scale of a skip network."""
         if self.options.skip == "none":
             raise ValueError("set_gaussian_skip: this network was built with skip='none'")
         C = self.config.dim
@@ -611,68 +539,34 @@ class ShortRunELF(ELF):
             raise ValueError("set_readout_table: the table has non-finite entries")
         self.readout_table.copy_(table)
 
-    def prepare(self, space, data, noise_scale: float) -> None:
-        """Before training: the Gaussian skip's moments from the training split `data` (in `space`), the
-        readout's table from the space's token vectors."""
-        device = self.x_head.weight.device
-        if self.options.skip != "none":
-            self.set_gaussian_skip(*latent_moments(space, data, device=device), noise_scale)
-        if self.options.table_readout:
-            self.set_readout_table(token_vectors(space, self.config.vocab_size, device=device))
+    def parts(self) -> list["ELF"]:  # the ELF networks this network is made of
+        return [self]
 
-
-def options_of(options) -> ShortRunOptions:
-    """A ShortRunOptions from itself, a dict of its fields, or None (all off); one-line errors."""
-    if isinstance(options, ShortRunOptions):
-        return options
-    try:
-        return ShortRunOptions.from_dict(dict(options or {}))
-    except ValueError as e:
-        raise ELFError(f"the short-run options do not fit together: {e}") from None
-
-
-def check_network(config: ELFConfig, options: ShortRunOptions) -> None:
-    """ELFError for a network variant (config) and short-run options that do not go together."""
-    if options.skip != "none" and config.predict != "x":
-        raise ELFError(f"--skip {options.skip} writes the head's output as a correction to the Gaussian posterior mean of "
-                       f"x; it needs --predict x, not --predict {config.predict}")
-    if options.head_modulation and config.adaln:
-        raise ELFError("--conditioning adaln modulates the denoise head by t and omega already; pass "
-                       "--head-modulation false with it")
-
-
-def build_network(config: ELFConfig, options=None) -> ELF:
-    """The network of `config` with the short-run `options` (a ShortRunOptions, a dict, or None): the paper's
-    ELF when they are all off; a SeparateDecoderELF for config.decoder = "separate"."""
-    options = options_of(options)
-    check_network(config, options)
-    if config.decoder == "separate":
-        return SeparateDecoderELF(config, options)
-    return ShortRunELF(config, options) if options.active else ELF(config)
+    def num_params(self, exclude_decode_head: bool = False) -> int:
+        """The parameters that train (frozen ones are data)."""
+        n = num_params(self)
+        if exclude_decode_head:
+            n -= sum(p.numel() for p in self.decode_head.parameters())
+        return n
 
 
 class SeparateDecoderELF(nn.Module):
-    """A denoiser and a decoder of its own (Figure 5b): two networks of config's shape, `denoiser` (its
-    decode head removed, and its table readout, which only a readout uses) and `decoder` (frozen: it is
-    trained first, in decode mode alone, and loaded with `load_decoder`). net(...) and net.mixed(...)
-    denoise with the denoiser; net.decode(...) reads out with the decoder."""
+    """A denoiser and a decoder of its own (the paper's Figure 5b): two ELF networks of config's shape,
+    `denoiser` (without a readout) and `decoder` (frozen: trained first, in decode mode alone, and loaded with
+    `load_decoder`). net(...) and net.mixed(...) denoise with the denoiser; net.decode(...) reads out with the
+    decoder."""
 
     def __init__(self, config: ELFConfig, options: ShortRunOptions):
         super().__init__()
         part = config.replace(decoder="shared")
         self.config, self.options = config, options
-        self.denoiser = build_network(part, options.replace(table_readout=0.0))
+        self.denoiser = ELF(part, options.replace(table_readout=0.0))  # the readout's table is the decoder's
         self.denoiser.decode_head = None  # the denoiser never reads out
-        self.decoder = build_network(part, options)
+        self.decoder = ELF(part, options)
         self.decoder.requires_grad_(False)
 
-    @property
-    def grad_checkpoint(self) -> bool:
-        return self.denoiser.grad_checkpoint
-
-    @grad_checkpoint.setter
-    def grad_checkpoint(self, value: bool) -> None:
-        self.denoiser.grad_checkpoint = value
+    grad_checkpoint = property(lambda self: self.denoiser.grad_checkpoint,
+                               lambda self, on: setattr(self.denoiser, "grad_checkpoint", on))
 
     def forward(self, z, t, omega, x_prev=None) -> torch.Tensor:
         return self.denoiser(z, t, omega, x_prev)
@@ -693,17 +587,13 @@ class SeparateDecoderELF(nn.Module):
             raise ELFError(f"the decoder's weights do not fit this network's decoder ({str(e).splitlines()[0][:200]})"
                            ) from None
 
-    def prepare(self, space, data, noise_scale: float) -> None:
-        for part in (self.denoiser, self.decoder):
-            if hasattr(part, "prepare"):
-                part.prepare(space, data, noise_scale)
+    def parts(self) -> list[ELF]:
+        return [self.denoiser, self.decoder]
 
     def num_params(self, exclude_decode_head: bool = False) -> int:
-        """The parameters that train: the denoiser's (the frozen decoder is data)."""
-        return num_params(self)
+        return num_params(self)  # the denoiser's: the frozen decoder is data
 
 
-def describe_network(net: ELF) -> tuple[dict, dict]:
-    """(the network's config, its short-run options; {} for the paper's network) as stored with a run."""
-    options = getattr(net, "options", None)
-    return net.config.to_dict(), options.to_dict() if options is not None and options.active else {}
+def num_params(module: nn.Module) -> int:
+    """Trainable parameters of any network; a tied table counts once."""
+    return sum(p.numel() for p in module.parameters() if p.requires_grad)

@@ -15,10 +15,6 @@ OPTIMIZERS = ("muon", "adamw")
 ADAMW_BLR = 5e-5  # AdamW's lr per 256 rows: the paper's tuned 1e-4 for ELF-B at batch 512
 
 
-HEAD_PREFIXES = ("x_head.", "head_modulation.", "decode_head.", "self_cond_proj.", "bottleneck_in.",
-                 "bottleneck_out.", "time_embed.", "omega_embed.")
-
-
 def base_lr(batch: int, blr: float = 1e-3) -> float:
     """lr = blr * global batch / 256 (2e-3 at the paper's batch of 512; AdamW's ADAMW_BLR gives 1e-4)."""
     return blr * batch / 256
@@ -137,12 +133,11 @@ def default_ns_dtype(device) -> torch.dtype:
 class ELFOptimizer:
     """Muon + Adam behind one step/zero_grad/state_dict interface."""
 
-    def __init__(self, named_params, lr: float, adam_heads: bool = False, betas=(0.9, 0.999),
+    def __init__(self, named_params, lr: float, betas=(0.9, 0.999),
                  eps: float = 1e-8, momentum: float = 0.95, ns_steps: int = 5, ns_dtype: torch.dtype | None = None,
                  ns_method: str = "auto", adam=(), kind: str = "muon", weight_decay: float = 0.0):
-        """`adam`: names of parameters that go to Adam whatever their shape (besides the 1-D ones, a trainable
-        space's "space."-named ones and, under `adam_heads`, the heads and embedders). `kind="adamw"`: AdamW on
-        every parameter instead."""
+        """`adam`: names of parameters that go to Adam whatever their shape (besides the 1-D ones and a trainable
+        space's "space."-named ones). `kind="adamw"`: AdamW on every parameter instead."""
         if kind not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {kind!r}")
         self.kind = kind
@@ -156,8 +151,7 @@ class ELFOptimizer:
         for name, p in named_params:
             if not p.requires_grad:
                 continue
-            to_muon = kind == "muon" and p.ndim == 2 and name not in forced and not name.startswith("space.") and not (
-                adam_heads and name.startswith(HEAD_PREFIXES))
+            to_muon = kind == "muon" and p.ndim == 2 and name not in forced and not name.startswith("space.")
             (muon if to_muon else adam).append(p)
             (self.muon_names if to_muon else self.adam_names).append(name)
         self.optimizers = []

@@ -425,7 +425,7 @@ def _default_std(kind: str, name: str):
     return 1.0  # random and learned tables are N(0, 1)
 
 
-def build_space(spec: dict | str, device=None, dtype=None) -> EmbeddingSpace:
+def build_space(spec: dict | str, device=None, dtype=None, calibration=None) -> EmbeddingSpace:
     """Build an embedding space from a name or a dict.
 
     Names: "minilm" (offline default), a hub id such as "t5-small", a local folder, "t5:<name>", "hf:<name>",
@@ -433,9 +433,10 @@ def build_space(spec: dict | str, device=None, dtype=None) -> EmbeddingSpace:
     "tokens", a tokenizer alone: {"kind": "tokens", "of": <another spec>}),
     name (hub id, folder or "minilm"; for tables it names the tokenizer / encoder), latent_std (number,
     "auto" to estimate it from a data sample, or for token tables "table" = std of the table), shift,
-    dim, seed and stream (random / learned tables; stream 2 unless given: `table_generator`),
-    calibrate_on / calibrate_length / calibrate_sequences (the
-    sample for "auto": a data source, default the built-in corpus, L = 64, 256 sequences).
+    dim, seed and stream (random / learned tables; stream 2 unless given: `table_generator`).
+    `calibration(space) -> token ids` gives the sample a latent_std "auto" is measured on (the space knows no
+    data: elflow.data.corpus.calibration_for(spec) reads the spec's calibrate_on / calibrate_length /
+    calibrate_sequences, by default 256 rows of 64 tokens of the built-in corpus).
     """
     spec = _normalise_spec(spec)
     if spec["kind"] == "tokens":
@@ -459,14 +460,10 @@ def build_space(spec: dict | str, device=None, dtype=None) -> EmbeddingSpace:
         space = TableSpace(kind, name, latent_std, shift, dim=spec.get("dim"), seed=spec.get("seed", 0),
                            device=device, dtype=dtype, stream=spec.get("stream", TABLE_STREAM))
     if latent_std == "auto":
-        from elflow.data.corpus import calibration_sample
-
-        length = int(spec.get("calibrate_length", 64))
-        if space.max_length is not None:
-            length = min(length, space.max_length)
-        tokens = calibration_sample(spec.get("calibrate_on", "builtin"), space, length,
-                                    int(spec.get("calibrate_sequences", 256)))
-        space.calibrate(tokens)
+        if calibration is None:
+            raise ELFError("latent_std 'auto' is measured on a data sample: build the space with a calibration "
+                           "sample (elflow.data.corpus.calibration_for)")
+        space.calibrate(calibration(space))
     return space
 
 

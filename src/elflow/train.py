@@ -1,6 +1,16 @@
-"""TODO."""
+"""`elflow train`'s library: one run's setup, its training loop and its checkpoints, alone or under torchrun.
+
+    train(cfg, out)      check everything, hold the run folder, set up, restore or start, run the steps, save
+    train_step(...)      one optimiser step of any method (elflow.methods) over this rank's shards
+
+A global batch of `cfg.batch` rows is cut into shards of `micro_batch` rows: rank r runs shards r*A .. r*A+A-1
+(A accumulation steps). Each shard draws its noise from generators seeded by (seed, step, shard), so a run's
+numbers depend on the global batch alone, and a resume needs no generator state to continue exactly. Rank 0
+decides about the run folder (elflow.runs.folder) and alone logs and saves.
+"""
 
 from __future__ import annotations
+
 import math
 import os
 import sys
@@ -8,27 +18,39 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
+
 import torch
 import torch.distributed as dist
-from elflow.flow import Recipe
-from elflow.methods.base import Method, TrainedPass
-from elflow.methods import get_method
+
+from elflow.config import TrainConfig
+from elflow.data.batches import Batches, Prefetch
+from elflow.data.corpus import calibration_for
+from elflow.data.datasets import run_data
+from elflow.flow import Recipe, recipe_for
+from elflow.generate import model_sampling
+from elflow.methods import Method, TrainedPass, get_method
 from elflow.model import get_config
 from elflow.optim import EMA, ELFOptimizer, lr_at
-from elflow.config import TrainConfig
-from elflow.runs.folder import DECODER_STAGE, RunFolder, check_run_dir, no_space
+from elflow.runs.checkpoint import load_checkpoint, save_checkpoint
+from elflow.runs.folder import RunFolder, check_run_dir, claim_run, micro_batch_for, no_space, shared_folder_check
+from elflow.runs.load import check_init_compatible, load_init_weights
 from elflow.runs.log import RunLogger, plot_losses, trim_metrics
-from elflow.util.errors import ELFError, first_line
-from elflow.util.files import NoSpace, atomic_write_json, no_space_error
-from elflow.util.devices import autocast, check_device, device_name, fast_bf16, flushed_denormals, resolve_dtype, use_tf32
+from elflow.runs.stages import DECODER_STAGE, attach_decoder, decoder_stage
+from elflow.runs.tracking import Tracker, require_wandb
+from elflow.space import build_space, check_compatible, space_spec
+from elflow.util.devices import autocast, check_device, device_name, fast_bf16, flushed_denormals, resolve_dtype, \
+    use_tf32
 from elflow.util.distributed import on_every_rank, on_rank0, setup_distributed
-from elflow.data.batches import Prefetch
-from elflow.runs.folder import claim_run, micro_batch_for, shared_folder_check
-from elflow.runs.stages import attach_decoder, decoder_stage
+from elflow.util.errors import ELFError, first_line
+from elflow.util.files import NoSpace, atomic_write_json, disk_full
+
+__all__ = ["TrainConfig", "train", "train_step", "shard_generators"]
 
 
 # ----------------------------------------------------------------------------------------------------------
 # the step
+
+
 def shard_generators(seed: int, step: int, shard: int, device) -> tuple[torch.Generator, torch.Generator]:
     """(device generator, CPU generator) for one shard of one step, independent of ranks and resumes."""
     s = (seed * 1_000_003 + step) * 4099 + shard
@@ -96,7 +118,9 @@ def summarize(totals: dict, n_steps: int, method: Method) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# setup, restore and save
+# one run's objects
+
+
 @dataclass
 class Setup:
     """The objects of one run, built and checked before anything is written."""
@@ -106,7 +130,6 @@ class Setup:
     params: dict  # {"model": its count, "elf": the ELF network's count it is matched to, "match"}
     rank: int
     world: int
-    local: int
     device: torch.device
     micro: int
     accum: int
@@ -116,21 +139,20 @@ class Setup:
     net: torch.nn.Module
     recipe: Recipe
     named: list
-    lr: float
     optimizer: ELFOptimizer
     ema: EMA
-    batches: object
+    batches: Batches
     steps: int  # the schedule's length (cfg.steps, or cfg.epochs passes over the data)
     warmup: int
 
     def lr_at(self, step: int) -> float:
-        return lr_at(step, self.lr, self.warmup, self.cfg.lr_decay, self.steps)
+        return lr_at(step, self.cfg.lr, self.warmup, self.cfg.lr_decay, self.steps)
 
 
 def network_overrides(cfg: TrainConfig, recipe: Recipe) -> dict:
     """The ELFConfig fields a run sets besides its preset and its space: the --depth / --hidden / --heads
-    overrides and the network's variants (the run's flags over a stored config's). A network without
-    self-conditioning for self_cond_prob 0; the path's constants where a v- or eps-head reads them."""
+    overrides and the network's variants. A network without self-conditioning for self_cond_prob 0; the
+    path's constants for a v- or eps-head, which reads them."""
     top = {"bottleneck": cfg.bottleneck, "predict": cfg.predict, "conditioning": cfg.conditioning,
            "decoder": cfg.decoder}
     if not recipe.self_conditioned:
@@ -140,24 +162,21 @@ def network_overrides(cfg: TrainConfig, recipe: Recipe) -> dict:
     return {**cfg.model, **{k: v for k, v in top.items() if v is not None}}
 
 
-def setup_run(cfg: TrainConfig, method: Method, rank: int, world: int, local: int, device, cache_dir=None,
-              decoder_from=None) -> Setup:
+def set_up(cfg: TrainConfig, method: Method, rank: int, world: int, device, cache_dir=None,
+           decoder_from=None) -> Setup:
     """Build the space, the data, the network and the optimiser: every check that needs them happens here.
     `decoder_from`: the run whose (EMA) weights are a separate decoder's."""
-    from elflow.data.batches import Batches
-    from elflow.space import build_space, space_spec
-
     micro = micro_batch_for(cfg, world)
     accum = cfg.batch // (world * micro)
     torch.manual_seed(cfg.seed)
     spec = space_spec(cfg.space, cfg.latent_std, cfg.space_dim, cfg.space_seed, cfg.space_stream)
-    space = build_space(method.space_spec(spec), device=device)
+    space = build_space(method.space_spec(spec), device=device, calibration=calibration_for(spec))
     length = cfg.length
     if space.max_length is not None and length > space.max_length:
         raise ELFError(f"--length {length} is longer than the encoder accepts ({space.max_length})")
-    train_set = training_data(cfg, space, length, cache_dir)
-    recipe = Recipe.from_dict({"decode_noise_scale": 1.0, **cfg.recipe} if cfg.source_length else cfg.recipe)
-    if cfg.decoder == "separate":  # the decoder is trained (first stage) and frozen: every row denoises
+    train_set = run_data(cfg, space, length, cache_dir)[0]
+    recipe = recipe_for(cfg.recipe, conditional=bool(cfg.source_length))
+    if cfg.separate_decoder:  # the decoder is trained (first stage) and frozen: every row denoises
         recipe = recipe.replace(decode_prob=0.0)
     try:  # the ELF network of these settings (a baseline is sized to it)
         shape = get_config(cfg.preset, dim=space.dim, vocab_size=space.vocab_size, max_length=length,
@@ -176,112 +195,80 @@ def setup_run(cfg: TrainConfig, method: Method, rank: int, world: int, local: in
     batches = Batches(train_set, micro * accum, seed=cfg.seed, rank=rank, world_size=world)
     steps = cfg.steps if cfg.epochs is None else max(1, math.ceil(cfg.epochs * batches.per_epoch))
     warmup = cfg.warmup if cfg.warmup_frac is None else math.ceil(cfg.warmup_frac * steps)
-    return Setup(cfg, method, params, rank, world, local, device, micro, accum, length,
-                 resolve_dtype(cfg.dtype, device), space, net, recipe, named, cfg.lr, optimizer, ema, batches,
-                 steps, warmup)
+    return Setup(cfg, method, params, rank, world, device, micro, accum, length, resolve_dtype(cfg.dtype, device),
+                 space, net, recipe, named, optimizer, ema, batches, steps, warmup)
 
 
-def training_data(cfg: TrainConfig, space, length: int, cache_dir=None):
-    """The training split of the run's data in `space`: (source, target) pairs or text, rows read from the
-    data's token store (`elflow.ingest`: the store itself, or one prepared once into the cache)."""
-    return run_data(cfg, space, length, cache_dir)[0]
-
-
-def run_data(cfg: TrainConfig, space, length: int, cache_dir=None):
-    """(training split, held-out split) of the run's data in `space`, as training_data reads them."""
-    from elflow.data.datasets import build_dataset, build_pairs
-
-    if cfg.source_length:
-        return build_pairs(cfg.data, space, cfg.source_length, length, val_fraction=cfg.val_fraction,
-                           seed=cfg.seed, cache_dir=cache_dir, source_field=cfg.source_field,
-                           target_field=cfg.target_field, on_bad=cfg.on_bad, source_slot=cfg.source_slot)
-    return build_dataset(cfg.data, space, length, layout=cfg.layout, val_fraction=cfg.val_fraction,
-                         seed=cfg.seed, cache_dir=cache_dir, field=cfg.text_field, on_bad=cfg.on_bad)
-
-
-def start_from(run: Setup, path, quiet: bool = False) -> None:
+def start_from(setup: Setup, path, quiet: bool = False) -> None:
     """Load stored weights into a fresh run (`--init-from`): its EMA starts from them; the optimiser is new."""
-    from elflow.runs.load import check_init_compatible, load_init_weights
-
-    init_cfg, init_sd, info = load_init_weights(path, warn=lambda m: run.rank == 0 and print(m, file=sys.stderr))
-    check_init_compatible(path, init_cfg, info, run.net, run.space)
-    run.net.load_state_dict(init_sd)
-    run.ema = EMA(run.net, run.cfg.ema_decay)
-    if run.rank == 0 and not quiet:
+    init_cfg, init_sd, info = load_init_weights(path, warn=lambda m: setup.rank == 0 and print(m, file=sys.stderr))
+    check_init_compatible(path, init_cfg, info, setup.net, setup.space)
+    setup.net.load_state_dict(init_sd)
+    setup.ema = EMA(setup.net, setup.cfg.ema_decay)
+    if setup.rank == 0 and not quiet:
         print(f"starting from the weights of {info['checkpoint']}", file=sys.stderr)
 
 
-def restore(run: Setup, ckpt: Path | None, quiet: bool = False) -> int:
-    """Load the checkpoint `ckpt` (rank 0's choice, `claim_run` / `resume_point`) into the run; returns its step
-    (0 for none)."""
-    from safetensors.torch import load_file
-
-    from elflow.runs.checkpoint import load_checkpoint, split_space_state
-    from elflow.space import check_compatible
-
+def restore(setup: Setup, ckpt: Path | None, quiet: bool = False) -> int:
+    """Load the checkpoint `ckpt` (rank 0's choice, `claim_run`) into the run; returns its step (0 for none)."""
     if ckpt is None:
         return 0
-    blob = load_checkpoint(ckpt, map_location=run.device)
-    check_compatible(blob["state"]["space_id"], run.space)
-    net_sd, space_sd = split_space_state(blob["model"])  # checkpoints that keep the space in model.safetensors
-    if (ckpt / "space.safetensors").exists():
-        space_sd = load_file(ckpt / "space.safetensors", device=str(run.device))
+    blob = load_checkpoint(ckpt, map_location=setup.device)
+    check_compatible(blob["state"]["space_id"], setup.space)
     try:
-        run.net.load_state_dict(net_sd)
-        if space_sd or run.space.trainable:
-            run.space.load_trainable_state_dict(space_sd)
-        run.ema.load_state_dict(blob["ema"])
-        run.optimizer.load_state_dict(blob["optimizer"]["optimizer"])
+        setup.net.load_state_dict(blob["model"])
+        if blob["space"] or setup.space.trainable:
+            setup.space.load_trainable_state_dict(blob["space"])
+        setup.ema.load_state_dict(blob["ema"])
+        setup.optimizer.load_state_dict(blob["optimizer"]["optimizer"])
         torch.set_rng_state(blob["optimizer"]["rng"]["torch"].cpu())
         if "cuda" in blob["optimizer"]["rng"] and torch.cuda.is_available():
             torch.cuda.set_rng_state(blob["optimizer"]["rng"]["cuda"].cpu())
-        run.batches.load_state_dict(blob["state"]["data_position"])
+        setup.batches.load_state_dict(blob["state"]["data_position"])
     except (RuntimeError, KeyError, ValueError, TypeError, IndexError) as e:
         raise ELFError(f"{ckpt}: does not fit this run ({first_line(e)}); it holds another network or state "
                        "than run.json describes") from None
     start = blob["state"]["step"]
-    if run.rank == 0 and not quiet:
+    if setup.rank == 0 and not quiet:
         print(f"resuming from {ckpt} (step {start})", file=sys.stderr)
     return start
 
 
-def save_run_checkpoint(out: Path, step: int, run: Setup, data_position: dict | None = None) -> Path:
+def save(out: Path, step: int, setup: Setup, data_position: dict | None = None) -> Path:
     """The checkpoint of `step`; `data_position` is the data iterator's state after that step's batch (its
     own state by default; a prefetching loop has read ahead)."""
-    from elflow.runs.checkpoint import save_checkpoint
-
-    cfg = run.cfg
-    position = data_position if data_position is not None else run.batches.state_dict()
-    state = {"format": "elflow-checkpoint-1", "method": run.method.name, "params": run.params,
-             "train": cfg.to_dict(), **run.method.describe(run.net),
-             "space": run.space.config(), "space_id": run.space.space_id, "data_position": position,
-             "world_size": run.world, "settings": model_settings(run)}
+    cfg = setup.cfg
+    position = data_position if data_position is not None else setup.batches.state_dict()
+    state = {"format": "elflow-checkpoint-1", "method": setup.method.name, "params": setup.params,
+             "train": cfg.to_dict(), **setup.method.describe(setup.net),
+             "space": setup.space.config(), "space_id": setup.space.space_id, "data_position": position,
+             "world_size": setup.world, "settings": model_settings(setup)}
     rng = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()
-    return save_checkpoint(out, step, run.net.state_dict(), run.ema.state_dict(),
-                           {"optimizer": run.optimizer.state_dict(), "rng": rng}, state, keep=cfg.keep,
-                           space_sd=run.space.trainable_state_dict())
+    return save_checkpoint(out, step, setup.net.state_dict(), setup.ema.state_dict(),
+                           {"optimizer": setup.optimizer.state_dict(), "rng": rng}, state, keep=cfg.keep,
+                           space_sd=setup.space.trainable_state_dict())
 
 
-def model_settings(run: Setup) -> dict:
+def model_settings(setup: Setup) -> dict:
     """What a user of the model needs to know without flags: its length; for a conditional model its source
     length and task; for a distilled one its step count; and the sampling defaults of its kind
-    (generate.SAMPLING_DEFAULTS)."""
-    from elflow.generate import SAMPLING_DEFAULTS, distilled_defaults
-
-    cfg = run.cfg
-    out, sampling = {"length": run.length}, {}
+    (generate.model_sampling)."""
+    cfg = setup.cfg
+    out = {"length": setup.length}
     if cfg.source_length:
         out.update(source_length=cfg.source_length, source_slot=cfg.source_slot,
                    **({"task": cfg.task} if cfg.task else {}))
-        sampling = SAMPLING_DEFAULTS["conditional"]
-    if cfg.distillation:
-        out.update(distilled_steps=cfg.distillation["student_steps"], teacher_steps=cfg.distillation["teacher_steps"])
-        sampling = {**sampling, **distilled_defaults(cfg.distillation["student_steps"])}
-    if not run.recipe.self_conditioned:  # no self-conditioning, nothing for omega to guide by
-        sampling = {**sampling, "omega": 1.0}
-    return {**out, **({"sampling": dict(sampling)} if sampling else {})}
+    student = cfg.distillation.get("student_steps") if cfg.distillation else None
+    if student:
+        out.update(distilled_steps=student, teacher_steps=cfg.distillation["teacher_steps"])
+    sampling = model_sampling(bool(cfg.source_length), student, setup.recipe.self_conditioned)
+    return {**out, **({"sampling": sampling} if sampling else {})}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the loop
 
 
 def _reduce(totals: dict, world: int) -> dict:
@@ -293,21 +280,21 @@ def _reduce(totals: dict, world: int) -> dict:
     return {k: p.reshape(totals[k].shape) / (world if k in ("loss", "grad_norm") else 1) for k, p in zip(keys, parts)}
 
 
-def train_loop(run: Setup, out: Path, start: int, quiet: bool = False, stop_after: int | None = None,
+def train_loop(setup: Setup, out: Path, start: int, quiet: bool = False, stop_after: int | None = None,
                on_checkpoint=None, time_limit: float | None = None, tracker=None) -> dict:
     """Steps start .. end of the schedule; rank 0 logs and saves. `on_checkpoint(path)` follows each save.
     `time_limit` (seconds): end (with a checkpoint) after the first step that finishes past it (under
-    several ranks, the first logging step past it). `tracker`: rank 0's W&B run (elflow.tracking.Tracker),
+    several ranks, the first logging step past it). `tracker`: rank 0's W&B run (elflow.runs.tracking.Tracker),
     finished when the loop ends.
 
     A step reads nothing on the host. The loop reads the device's numbers where it must: on logging steps
     (the log's sums, reduced over ranks in one all_reduce, and with them whether any step since the last
     reading was not finite), and before a checkpoint or samples; a step that was not finite stops the run
     there, before anything of it is saved."""
-    cfg, world, rank, device, micro = run.cfg, run.world, run.rank, run.device, run.micro
+    cfg, world, rank, device, micro = setup.cfg, setup.world, setup.rank, setup.device, setup.micro
     is_main = rank == 0
     # the trained pass as a module's forward (the space's encode inside it), for torch.compile and DDP
-    model = TrainedPass(run.method, run.net, run.space, run.recipe)
+    model = TrainedPass(setup.method, setup.net, setup.space, setup.recipe)
     if cfg.compile:
         model = torch.compile(model)
     if world > 1:
@@ -317,16 +304,16 @@ def train_loop(run: Setup, out: Path, start: int, quiet: bool = False, stop_afte
         # so DDP moves no input; the only buffers are constant (RoPE tables, a frozen encoder's): no
         # per-forward broadcast (forward counts differ by rank)
         model = DDP(model, device_ids=None, broadcast_buffers=False)
-    params = [p for _, p in run.named]
-    log = RunLogger(out, run.steps, start, is_main, cfg.tensorboard, show=not quiet, tracker=tracker)
-    tokens_per_step = cfg.batch * run.length
+    params = [p for _, p in setup.named]
+    log = RunLogger(out, setup.steps, start, is_main, cfg.tensorboard, show=not quiet, tracker=tracker)
+    tokens_per_step = cfg.batch * setup.length
     totals, n_logged, t_log = {}, 0, time.perf_counter()
     last_good, checked = None, start  # the last checkpoint written; the last step known to be finite
-    end = run.steps if stop_after is None else min(run.steps, start + stop_after)
+    end = setup.steps if stop_after is None else min(setup.steps, start + stop_after)
     summary = {"start_step": start}
     t_start = time.perf_counter()
     ok = False
-    batches = Prefetch(run.batches, end - start, micro, run.accum, pin=device.type == "cuda")
+    batches = Prefetch(setup.batches, end - start, micro, setup.accum, pin=device.type == "cuda")
 
     def stop_if_nonfinite(nonfinite, done):
         nonlocal checked
@@ -339,9 +326,9 @@ def train_loop(run: Setup, out: Path, start: int, quiet: bool = False, stop_afte
 
     try:
         for step in range(start, end):
-            run.optimizer.set_lr(run.lr_at(step))
+            setup.optimizer.set_lr(setup.lr_at(step))
             shards, position = next(batches)
-            m = train_step(model, shards, run.optimizer, run.ema, step, cfg.seed, rank * run.accum, run.dtype,
+            m = train_step(model, shards, setup.optimizer, setup.ema, step, cfg.seed, rank * setup.accum, setup.dtype,
                            cfg.grad_clip, world, device, params)
             for k, v in m.items():
                 totals[k] = totals[k] + v if k in totals else v
@@ -362,9 +349,9 @@ def train_loop(run: Setup, out: Path, start: int, quiet: bool = False, stop_afte
                 if world > 1:
                     totals = _reduce(totals, world)
                 stop_if_nonfinite(totals.pop("nonfinite"), done)
-                rec = summarize(totals, n_logged, run.method)
+                rec = summarize(totals, n_logged, setup.method)
                 dt = time.perf_counter() - t_log
-                rec.update(step=done, lr=run.lr_at(step),
+                rec.update(step=done, lr=setup.lr_at(step),
                            tokens_per_s=tokens_per_step * n_logged / dt, elapsed=dt)
                 log.log({"kind": "train", **rec})
                 log.advance(n_logged, {"loss": f"{rec['loss']:.3f}", "tok/s": f"{rec['tokens_per_s']:.0f}"})
@@ -376,9 +363,9 @@ def train_loop(run: Setup, out: Path, start: int, quiet: bool = False, stop_afte
                     dist.all_reduce(bad)
                 stop_if_nonfinite(bad, done)
             if sampling:
-                show_samples(run, log, done)
+                show_samples(setup, log, done)
             if saving and is_main:
-                last_good = save_run_checkpoint(out, done, run, position)
+                last_good = save(out, done, setup, position)
                 if on_checkpoint is not None:
                     on_checkpoint(last_good)
                 plot_losses(out)
@@ -388,7 +375,7 @@ def train_loop(run: Setup, out: Path, start: int, quiet: bool = False, stop_afte
                 break
         ok = True
     except (OSError, NoSpace) as e:
-        if no_space_error(e):
+        if disk_full(e):
             raise no_space(e, out) from None
         raise
     finally:
@@ -400,67 +387,57 @@ def train_loop(run: Setup, out: Path, start: int, quiet: bool = False, stop_afte
 
 def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwrite: bool = False,
           cache_dir=None, quiet: bool = False, stop_after: int | None = None, device: str | None = None,
-          command: str = "elflow train", objective=None, time_limit: float | None = None,
-          stage_of: TrainConfig | None = None) -> dict:
+          command: str = "elflow train", objective=None, time_limit: float | None = None) -> dict:
     """Train; returns a summary dict (rank 0). `stop_after` ends the process's work after that many steps
-    of this invocation (for tests and time-boxed runs) while keeping the schedule of `cfg.steps`.
+    of this invocation (for tests and time-boxed runs) while keeping the schedule of `cfg.steps`;
+    `time_limit` (seconds) ends it after the first step past it (a wall-clock budget). `objective` (an
+    elflow.methods.elf.Objective) replaces ELF's own (distillation's rounds).
 
     Everything is checked before the run folder changes; --overwrite sets the old run aside and drops it
-    only once the new run's first checkpoint is written (it comes back if the new run fails before).
-    Under torchrun rank 0 decides about the run folder (`claim_run`: the checks, the micro-batch, the
-    checkpoint to resume from) and every rank checks that it sees the same folder (`shared_folder_check`).
-    `objective` (an elflow.methods.elf.Objective) replaces ELF's own (distillation); `cfg.init_from` starts a
-    fresh run from stored weights.
-    `time_limit` (seconds) ends this invocation after the first step past it (a wall-clock budget).
-
-    A --decoder separate run without --decoder-from first trains its decoder (`decoder_stage`) into
-    OUT/decoder, or continues it there, then the denoiser against it; both stages are stored as one model.
-    `stage_of`: the settings of the run whose first stage this is, stored with the stage (what --resume reads
-    while the run is in that stage).
-
-    Training runs with CPU denormals flushed to zero (`flushed_denormals`), which leaves every kept value
-    as it is and keeps a CPU step at full speed."""
-    with flushed_denormals():
-        return _train(cfg, out, resume, overwrite, cache_dir, quiet, stop_after, device, command, objective,
-                      time_limit, stage_of)
-
-
-def _train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwrite: bool = False,
-           cache_dir=None, quiet: bool = False, stop_after: int | None = None, device: str | None = None,
-           command: str = "elflow train", objective=None, time_limit: float | None = None,
-           stage_of: TrainConfig | None = None) -> dict:
-    """`train`'s body (see there)."""
+    only once the new run's first checkpoint is written (it comes back if the new run fails before). A
+    --decoder separate run without --decoder-from trains its decoder first, into OUT/decoder (`decoder_stage`,
+    continued there on --resume), then the denoiser against it; both stages are stored as one model.
+    Training runs with CPU denormals flushed to zero (`flushed_denormals`): no value training keeps is that
+    small, and a CPU step stays at full speed."""
     out = Path(out)
     cfg = cfg.resolved()
     cfg.validate()
     if cfg.wandb:
-        from elflow.runs.tracking import require
-
-        require()
+        require_wandb()
     device = check_device(device)
     method = get_method(cfg.method)
     if objective is not None:
         method = method.with_objective(objective)
     decoder_from = None
-    if cfg.decoder == "separate" and not cfg.init_from:  # (a run started from weights has its decoder in them)
-        decoder_from = Path(cfg.decoder_from) if cfg.decoder_from else out / DECODER_STAGE
-        if not cfg.decoder_from:
-            check_run_dir(out, cfg, resume, overwrite)  # before the first stage writes anything
-            began = time.perf_counter()
-            stage = train(decoder_stage(cfg), decoder_from, resume=(decoder_from / "run.json").exists() and not overwrite,
-                          overwrite=overwrite, cache_dir=cache_dir, quiet=quiet, stop_after=stop_after,
-                          device=device, command=f"{command} (decoder stage)", time_limit=time_limit, stage_of=cfg)
-            if stage["end_step"] < decoder_stage(cfg).steps:  # stopped inside the first stage
-                return stage
-            resume = resume or not overwrite  # the second stage starts, or continues, in a folder it already owns
-            if time_limit is not None:  # one wall-clock budget for both stages
-                time_limit -= time.perf_counter() - began
-                if time_limit <= 0:
+    with flushed_denormals():
+        if cfg.separate_decoder and not cfg.init_from:  # (a run started from weights has its decoder in them)
+            decoder_from = Path(cfg.decoder_from) if cfg.decoder_from else out / DECODER_STAGE
+            if not cfg.decoder_from:
+                check_run_dir(out, cfg, resume, overwrite)  # before the first stage writes anything
+                began = time.perf_counter()
+                stage = train_one(decoder_stage(cfg), decoder_from, get_method(cfg.method),
+                                  (decoder_from / "run.json").exists() and not overwrite, overwrite, cache_dir,
+                                  quiet, stop_after, device, f"{command} (decoder stage)", time_limit, stage_of=cfg)
+                if stage["end_step"] < decoder_stage(cfg).steps:  # stopped inside the first stage
                     return stage
-            if stop_after is not None:
-                stop_after -= stage["end_step"] - stage["start_step"]
-                if stop_after <= 0:
-                    return stage
+                resume = resume or not overwrite  # the second stage starts, or continues, in a folder it owns
+                if time_limit is not None:  # one wall-clock budget for both stages
+                    time_limit -= time.perf_counter() - began
+                    if time_limit <= 0:
+                        return stage
+                if stop_after is not None:
+                    stop_after -= stage["end_step"] - stage["start_step"]
+                    if stop_after <= 0:
+                        return stage
+        return train_one(cfg, out, method, resume, overwrite, cache_dir, quiet, stop_after, device, command,
+                         time_limit, decoder_from=decoder_from)
+
+
+def train_one(cfg: TrainConfig, out: Path, method: Method, resume: bool, overwrite: bool, cache_dir, quiet: bool,
+              stop_after: int | None, device: str | None, command: str, time_limit: float | None,
+              decoder_from: Path | None = None, stage_of: TrainConfig | None = None) -> dict:
+    """One run in one folder (`train`'s body for each stage). `stage_of`: the settings of the run whose first
+    stage this is, stored with the stage (what --resume reads while the run is in that stage)."""
     owns_group = not dist.is_initialized()
     rank, world, local, dev = setup_distributed(device, cfg.dist_timeout)
     use_tf32(dev, cfg.tf32)
@@ -475,33 +452,31 @@ def _train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overw
         if rank == 0 and cfg.epochs is None and cfg.warmup_frac is None and cfg.steps < cfg.warmup:
             print(f"warning: --steps {cfg.steps} is shorter than --warmup {cfg.warmup}: the learning rate stops at "
                   f"{lr_at(cfg.steps - 1, cfg.lr, cfg.warmup):.3g}, never reaching {cfg.lr:.3g}", file=sys.stderr)
-        run = setup_run(cfg, method, rank, world, local, dev, cache_dir, decoder_from)
+        setup = set_up(cfg, method, rank, world, dev, cache_dir, decoder_from)
         if not resume and cfg.init_from:  # read before a replaced run is set aside (it may be the one in --out)
-            start_from(run, cfg.init_from, quiet)
+            start_from(setup, cfg.init_from, quiet)
         if overwrite and (out / "run.json").exists():
             on_rank0(folder.set_aside, rank, world)
         ckpt = out / "checkpoints" / claim["checkpoint"] if claim["checkpoint"] else None
-        start = restore(run, ckpt, quiet)
+        start = restore(setup, ckpt, quiet)
         if resume and start == 0 and cfg.init_from:
-            start_from(run, cfg.init_from, quiet)
+            start_from(setup, cfg.init_from, quiet)
         if resume and rank == 0:
             trim_metrics(out, start)
         if rank == 0 and not quiet:
-            print(describe_start(run), file=sys.stderr)
+            print(describe_start(setup), file=sys.stderr)
         tracker = [None]
         if cfg.wandb:  # started before the run folder is written: a refused start leaves no run behind
-            from elflow.runs.tracking import Tracker
-
             def start_tracker():
-                tracker[0] = Tracker.start(cfg.wandb, cfg.wandb_run, out, tracked_settings(run), job_type="train",
+                tracker[0] = Tracker.start(cfg.wandb, cfg.wandb_run, out, tracked_settings(setup), job_type="train",
                                            keep_id=True, quiet=quiet)
 
             on_rank0(start_tracker, rank, world)
 
         def write_meta():
-            atomic_write_json(out / "run.json", {"train": cfg.to_dict(), "method": run.method.name,
-                                                 **run.method.describe(run.net), "params": run.params,
-                                                 "space": run.space.config(), "space_id": run.space.space_id,
+            atomic_write_json(out / "run.json", {"train": cfg.to_dict(), "method": setup.method.name,
+                                                 **setup.method.describe(setup.net), "params": setup.params,
+                                                 "space": setup.space.config(), "space_id": setup.space.space_id,
                                                  "world_size": world,
                                                  **({"stage_of": stage_of.to_dict()} if stage_of else {})})
 
@@ -510,10 +485,10 @@ def _train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overw
         except BaseException as e:
             if tracker[0] is not None:
                 tracker[0].finish(ok=False)
-            if isinstance(e, (OSError, NoSpace)) and no_space_error(e):
+            if isinstance(e, (OSError, NoSpace)) and disk_full(e):
                 raise no_space(e, out) from None
             raise
-        summary = train_loop(run, out, start, quiet, stop_after, on_checkpoint=lambda _: folder.commit(),
+        summary = train_loop(setup, out, start, quiet, stop_after, on_checkpoint=lambda _: folder.commit(),
                              time_limit=time_limit, tracker=tracker[0])
         ok = True
         return summary
@@ -524,23 +499,23 @@ def _train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overw
             dist.destroy_process_group()
 
 
-def show_samples(run: Setup, log, step, num: int = 2):
-    log.samples(step, run.method.preview(run.net, run.ema, run.space, num, run.length, run.cfg))
+def show_samples(setup: Setup, log, step, num: int = 2):
+    log.samples(step, setup.method.preview(setup.net, setup.ema, setup.space, num, setup.length, setup.cfg))
 
 
-def tracked_settings(run: Setup) -> dict:
+def tracked_settings(setup: Setup) -> dict:
     """What a W&B run records as its config: the run's settings and how this process runs them."""
-    return {**run.cfg.to_dict(), "method": run.method.name, "params": run.params, "world_size": run.world,
-            "device": str(run.device), "micro_batch": run.micro, "accumulation": run.accum,
-            "schedule_steps": run.steps, "warmup_steps": run.warmup}
+    return {**setup.cfg.to_dict(), "method": setup.method.name, "params": setup.params, "world_size": setup.world,
+            "device": str(setup.device), "micro_batch": setup.micro, "accumulation": setup.accum,
+            "schedule_steps": setup.steps, "warmup_steps": setup.warmup}
 
 
-def describe_start(run: Setup) -> str:
+def describe_start(setup: Setup) -> str:
     """One line on what runs where: the method and its size, the device and the precision (and why)."""
     why = ""
-    if run.device.type == "cpu":
-        why = (" (this CPU has native bf16 matmuls; --dtype fp32 for full precision)" if run.dtype == "bf16"
-               else " (this CPU has no native bf16 matmuls)" if not fast_bf16(run.device) else "")
-    ranks = f" x {run.world} ranks" if run.world > 1 else ""
-    return (f"training {run.method.title} ({run.params['model']:,} parameters) on {device_name(run.device)}{ranks}, "
-            f"precision {run.dtype}{why}")
+    if setup.device.type == "cpu":
+        why = (" (this CPU has native bf16 matmuls; --dtype fp32 for full precision)" if setup.dtype == "bf16"
+               else " (this CPU has no native bf16 matmuls)" if not fast_bf16(setup.device) else "")
+    ranks = f" x {setup.world} ranks" if setup.world > 1 else ""
+    return (f"training {setup.method.title} ({setup.params['model']:,} parameters) on {device_name(setup.device)}{ranks}, "
+            f"precision {setup.dtype}{why}")

@@ -1,4 +1,9 @@
-"""TODO."""
+"""The `elflow` command line: one subcommand per job, one small module per subcommand in this package.
+
+Each module exposes `add_arguments(parser)` and `run(args) -> int` and holds every argparse use of its
+command; the work itself is the library's. Modules are imported only when their subcommand is built or run, so
+`elflow --help` stays fast. Every error caused by input is one line, `elflow CMD: error: ...`, exit 2.
+"""
 
 from __future__ import annotations
 import argparse
@@ -13,23 +18,23 @@ from elflow.util.files import disk_full
 
 # name -> (module, one-line help). Order is the order shown by `elflow --help`.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "quickstart": ("elflow.quickstart", "the offline default: fetch the corpus, train the demo model, sample and report"),
-    "prepare": ("elflow.prepare", "tokenize a corpus once into a memory-mapped token store (train --data STORE)"),
-    "train": ("elflow.train", "train an ELF model, or an AR / MDLM baseline (alone or under torchrun)"),
-    "sample": ("elflow.sample", "generate text from a run, a checkpoint or a released model"),
-    "view": ("elflow.viewer", "a sampling trajectory (sample --trajectory) as one self-contained HTML page"),
-    "distill": ("elflow.distill", "progressive distillation into few-step students (16 -> 8 -> 4 -> 2 -> 1)"),
-    "eval": ("elflow.evaluate", "generative perplexity and entropy, BLEU, ROUGE"),
-    "train-judge": ("elflow.judge", "train a small offline autoregressive judge"),
-    "train-encoder": ("elflow.encoder_train", "train a small T5 encoder from scratch by span corruption (a space)"),
-    "sweep": ("elflow.sweep", "sampler x steps x omega grid, judged and plotted (paper Figure 3)"),
-    "claims": ("elflow.claims", "re-test the paper's ablation findings at small scale, with seeds and a verdict"),
-    "compare": ("elflow.compare", "train ELF, an AR and an MDLM baseline for one budget and judge them alike"),
-    "push": ("elflow.hub", "upload a trained model with a model card to the Hugging Face Hub (or --dry-run)"),
-    "convert": ("elflow.checkpoint", "convert an authors' checkpoint to an elflow checkpoint folder"),
-    "bench": ("elflow.bench", "time forward / train / sample against the device's matmul peak"),
-    "toy": ("elflow.toy", "Figure 1: the 2-D toy with an exact denoiser"),
-    "schedules": ("elflow.schedules", "Figure 2: the training distributions and sampling grids"),
+    "quickstart": ("elflow.cli.quickstart", "the offline default: fetch the corpus, train the demo model, sample and report"),
+    "prepare": ("elflow.cli.prepare", "tokenize a corpus once into a memory-mapped token store (train --data STORE)"),
+    "train": ("elflow.cli.train", "train an ELF model, or an AR / MDLM baseline (alone or under torchrun)"),
+    "sample": ("elflow.cli.sample", "generate text from a run, a checkpoint or a released model"),
+    "view": ("elflow.cli.view", "a sampling trajectory (sample --trajectory) as one self-contained HTML page"),
+    "distill": ("elflow.cli.distill", "progressive distillation into few-step students (16 -> 8 -> 4 -> 2 -> 1)"),
+    "eval": ("elflow.cli.eval", "generative perplexity and entropy, BLEU, ROUGE"),
+    "train-judge": ("elflow.cli.train_judge", "train a small offline autoregressive judge"),
+    "train-encoder": ("elflow.cli.train_encoder", "train a small T5 encoder from scratch by span corruption (a space)"),
+    "sweep": ("elflow.cli.sweep", "sampler x steps x omega grid, judged and plotted (paper Figure 3)"),
+    "claims": ("elflow.cli.claims", "re-test the paper's ablation findings at small scale, with seeds and a verdict"),
+    "compare": ("elflow.cli.compare", "train ELF, an AR and an MDLM baseline for one budget and judge them alike"),
+    "push": ("elflow.cli.push", "upload a trained model with a model card to the Hugging Face Hub (or --dry-run)"),
+    "convert": ("elflow.cli.convert", "convert an authors' checkpoint to an elflow checkpoint folder"),
+    "bench": ("elflow.cli.bench", "time forward / train / sample against the device's matmul peak"),
+    "toy": ("elflow.cli.toy", "Figure 1: the 2-D toy with an exact denoiser"),
+    "schedules": ("elflow.cli.schedules", "Figure 2: the training distributions and sampling grids"),
 }
 
 
@@ -147,6 +152,3 @@ def _restore(previous: dict) -> None:
     if "sigterm" in previous:
         signal.signal(signal.SIGTERM, previous["sigterm"])
 
-
-if __name__ == "__main__":
-    sys.exit(main())

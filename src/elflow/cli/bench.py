@@ -5,6 +5,7 @@ import json
 from elflow.model import PRESETS
 from elflow.optim import NS_METHODS
 from elflow.experiments.bench import MODES, bench
+from elflow.util.devices import check_device
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -42,8 +43,6 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from elflow.util.devices import check_device
-
     args.device = check_device(args.device)
     rec = bench(args.mode, args.preset, args.depth, args.hidden, args.heads, args.length, args.batch, args.steps,
                 args.dtype, args.compile, args.device, args.warmup, args.iters, args.accum, args.space,

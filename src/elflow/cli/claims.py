@@ -5,6 +5,7 @@ import math
 from pathlib import Path
 from elflow.util.errors import ELFError
 from elflow.experiments.claims import DEFAULT_MINUTES, DEFAULT_SEEDS, NAMES, QUICK, QUICK_SEEDS, run_claims, select_claims
+from elflow.util.devices import check_device
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -37,7 +38,6 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     import sys
 
-    from elflow.util.devices import check_device
 
     claims = select_claims(args.only, args.quick)
     seeds = args.seeds if args.seeds is not None else (QUICK_SEEDS if args.quick else DEFAULT_SEEDS)

@@ -4,15 +4,15 @@ from __future__ import annotations
 from pathlib import Path
 from elflow.util.errors import ELFError
 from elflow.experiments.compare import DEFAULT_MINUTES, JUDGE_DEFAULTS, compare
+from elflow.config import RUN_PRESETS
+from elflow.config import TrainConfig
+from elflow.methods.tokens import MATCHES
+from elflow.model import PRESETS
 
 
 # ----------------------------------------------------------------------------------------------------------
 # command line
 def add_arguments(p) -> None:
-    from elflow.methods.tokens import MATCHES
-    from elflow.model import PRESETS
-    from elflow.config import RUN_PRESETS
-
     b = p.add_argument_group("what is trained (the same for the three methods)")
     b.add_argument("--data", default="builtin", help="training text: 'builtin' (Shakespeare), a .txt file or "
                    "folder, a .jsonl file or a hub dataset")
@@ -52,8 +52,6 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from elflow.config import TrainConfig
-
     for name in ("num", "length", "batch", "judge_steps"):
         if getattr(args, name) < 1:
             raise ELFError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 from elflow.util.errors import ELFError
 from elflow.runs.official import convert
+from elflow.util.files import check_output
 
 
 def add_arguments(p) -> None:
@@ -13,8 +14,6 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from elflow.util.files import check_output
-
     out = check_output(args.out, folder=True)
     if out.is_dir() and any(out.iterdir()):
         raise ELFError(f"{out} exists and is not empty; the converted checkpoint goes into a new folder: choose "

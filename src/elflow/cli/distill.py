@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 from elflow.util.errors import ELFError
-from elflow.runs.stages import distill
+from elflow.distill import distill
+from elflow.cli.common import add_arguments as add_tracking
+from elflow.runs.tracking import require_wandb
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -44,16 +46,13 @@ def add_arguments(p) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace the distillation in --out")
     p.add_argument("--cache-dir", default=None, help="tokenization cache")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
-    from elflow.cli.common import add_arguments as add_tracking
 
     add_tracking(p, "one W&B run per round, named NAME/round-N")
 
 
 def run(args) -> int:
     if args.wandb:
-        from elflow.runs.tracking import require
-
-        require()
+        require_wandb()
     for name in ("batch", "micro_batch", "log_every", "ckpt_every"):
         v = getattr(args, name)
         if v is not None and v < 1:

@@ -14,6 +14,17 @@ from elflow.util.distributed import process_group
 from elflow.eval.judge import load_judge
 from elflow.eval.metrics import DTYPES, PROTOCOLS, _read_references, bleu, generative_perplexity, judge_score, mean_and_stderr, read_texts, rouge
 from elflow.eval.scoring import heldout_texts, judged_heldout, sample_and_score
+from elflow.cli.common import add_arguments as add_tracking
+from elflow.cli.common import add_sampling_arguments
+from elflow.data.corpus import read_pairs
+from elflow.data.corpus import read_sources
+from elflow.data.tasks import PAIR_TASKS
+from elflow.methods import get_method
+from elflow.methods import settings_from_args
+from elflow.runs.load import load_for_sampling
+from elflow.runs.tracking import Tracker
+from elflow.runs.tracking import require_wandb
+from elflow.eval.metrics import summary_of
 
 
 def _heldout(args, checkpoint, num: int, judge, main: bool = True) -> dict | None:
@@ -47,8 +58,6 @@ def _heldout_line(held: dict | None) -> str | None:
 def _track(args, folder: Path, report: dict, tables: dict, job_type: str) -> None:
     """The report in a W&B run (--wandb): its figures as the run's summary, its settings as its config,
     `tables` ({key: (columns, rows)}) as tables."""
-    from elflow.runs.tracking import Tracker
-
     tracker = Tracker.start(args.wandb, args.wandb_run, folder, {k: v for k, v in report.items()
                                                                  if not isinstance(v, (list, dict))},
                             job_type=job_type, quiet=getattr(args, "json", False))
@@ -70,8 +79,6 @@ TEXT_TASKS = ("translation", "summarization")
 
 
 def add_arguments(p) -> None:
-    from elflow.cli.common import add_sampling_arguments
-
     p.add_argument("samples", nargs="?", help="JSONL of samples (the `text` field, as `elflow sample` writes)")
     p.add_argument("--field", default="text", help="JSONL field holding each sample's text")
     p.add_argument("--task", default="unconditional", metavar="TASK",
@@ -118,7 +125,6 @@ def add_arguments(p) -> None:
                         "(default: on)")
     g.add_argument("--cache-dir", default=None, help="tokenization and held-out judging cache "
                                                      "(default: $ELFLOW_CACHE or ~/.cache/elflow)")
-    from elflow.cli.common import add_arguments as add_tracking
 
     add_tracking(p)
 
@@ -137,10 +143,6 @@ def _sampled_from(samples_path) -> str | None:
 def _settings(args) -> dict:
     return {"judge": str(args.judge), "judge_dtype": args.judge_dtype, "batch_size": args.batch_size,
             "protocol": args.protocol}
-
-
-def _public(res: dict) -> dict:
-    return {k: v for k, v in res.items() if k != "per_sample"}
 
 
 def _emit(report: dict, path: Path, as_json: bool, summary: str, args=None, tables: dict | None = None) -> None:
@@ -210,9 +212,6 @@ def _score(metric: str, hyps: list[str], refs: list[str]) -> tuple[dict, str]:
 
 
 def _validation_pairs(task: str, num: int, source_field: str, reference_field: str) -> tuple[list, list]:
-    from elflow.data.corpus import read_pairs
-    from elflow.data.corpus import read_sources
-
     if task.endswith(".jsonl"):
         sources, refs = read_sources(task, source_field, reference_field)
         if any(r is None for r in refs):
@@ -224,10 +223,6 @@ def _validation_pairs(task: str, num: int, source_field: str, reference_field: s
 
 
 def _run_conditional_task(args, part: tuple[int, int] = (0, 1)) -> int:
-    from elflow.runs.load import load_for_sampling
-    from elflow.data.tasks import PAIR_TASKS
-    from elflow.methods import settings_from_args
-
     task = args.task
     if task not in PAIR_TASKS and not task.endswith(".jsonl"):
         raise ELFError(f"unknown --task {task!r}: choose unconditional, translation, summarization, "
@@ -263,8 +258,6 @@ def _hold(out: Path, part: tuple[int, int]):
 
 def _conditional_task(args, task, metric, loaded, space, settings, sources, refs, samples_path, report_path,
                       part) -> int:
-    from elflow.methods import get_method
-
     t0 = time.time()
     records, (res, summary) = sample_and_score(
         get_method(loaded.method), loaded.net, space, len(sources), settings, lambda texts: _score(metric, texts, refs),
@@ -284,9 +277,7 @@ def _conditional_task(args, task, metric, loaded, space, settings, sources, refs
 def run(args) -> int:
     args.device = check_device(args.device)
     if args.wandb:
-        from elflow.runs.tracking import require
-
-        require()
+        require_wandb()
     if args.task in TEXT_TASKS:
         return _run_text_task(args)
     if args.task == "unconditional" and (args.samples is None) == (args.checkpoint is None):
@@ -311,7 +302,7 @@ def _run_unconditional(args, part: tuple[int, int]) -> int:
                                     progress=not args.json and main, part=part)
         _check_result(res, args.samples)
         held = _heldout(args, _sampled_from(args.samples), len(texts), (model, tok), main)
-        report = {**_public(res), **_settings(args), "samples": str(args.samples), "seconds": time.time() - t0,
+        report = {**summary_of(res), **_settings(args), "samples": str(args.samples), "seconds": time.time() - t0,
                   **({"heldout": held} if held else {})}
         path = Path(args.report) if args.report else Path(args.samples).with_suffix(".eval.json")
         if main:
@@ -319,8 +310,6 @@ def _run_unconditional(args, part: tuple[int, int]) -> int:
                                                                   _heldout_line(held)])), args)
         return 0
 
-    from elflow.runs.load import load_for_sampling
-    from elflow.methods import settings_from_args
 
     loaded, space = load_for_sampling(args.checkpoint, device=args.device, space=args.encoder,
                                       max_length=args.length)
@@ -337,8 +326,6 @@ def _run_unconditional(args, part: tuple[int, int]) -> int:
 
 
 def _sample_and_judge(args, loaded, space, settings, seeds, out, report_path, t0, part) -> int:
-    from elflow.methods import get_method
-
     main = part[0] == 0
     model, tok = load_judge(args.judge, args.judge_dtype, args.device)
     judge = judge_score(model, tok, args.batch_size, args.protocol, args.max_length, part)

@@ -4,6 +4,7 @@ from __future__ import annotations
 from elflow.data.ingest import prepare_store
 from elflow.util.errors import ELFError
 from elflow.util.files import check_output
+from elflow.space import build_space, space_spec
 
 
 def add_arguments(p) -> None:
@@ -44,8 +45,6 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from elflow.space import build_space, space_spec
-
     if args.workers is not None and args.workers < 1:
         raise ELFError(f"--workers must be at least 1, got {args.workers}")
     if args.max_documents is not None and args.max_documents < 1:

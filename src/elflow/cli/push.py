@@ -4,6 +4,7 @@ from __future__ import annotations
 import sys
 from elflow.util.errors import ELFError
 from elflow.runs.push import CARD_SAMPLES, push
+from elflow.util.devices import check_device
 
 
 def add_arguments(p) -> None:
@@ -22,8 +23,6 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from elflow.util.devices import check_device
-
     if args.samples < 0:
         raise ELFError(f"--samples must be >= 0, got {args.samples}")
     res = push(args.checkpoint, args.hub_id, private=args.private, revision=args.revision, out=args.out,

@@ -6,6 +6,7 @@ from elflow.flow import SAMPLERS
 from elflow.util.errors import ELFError
 from elflow.data.tasks import COND_TASKS
 from elflow.experiments.quickstart import COND_STEPS, DEMO_SAMPLER, DEMO_SAMPLE_STEPS, DEMO_STEPS, _train_and_report, demo_config, report, run_conditional, run_distill, total_time
+from elflow.config import RUN_PRESETS
 
 
 def add_arguments(p) -> None:
@@ -14,7 +15,6 @@ def add_arguments(p) -> None:
                    help=f"training steps (default: {DEMO_STEPS}; {COND_STEPS} with --conditional)")
     p.add_argument("--batch", type=int, default=32, help="rows per optimiser step")
     p.add_argument("--length", type=int, default=64, help="sequence length L")
-    from elflow.config import RUN_PRESETS
 
     preset = RUN_PRESETS["quickstart"][0]
     p.add_argument("--lr", type=float, default=None, help=f"learning rate (default: {preset['lr']:g})")

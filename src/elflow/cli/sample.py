@@ -12,6 +12,7 @@ from elflow.util.errors import ELFError
 from elflow.util.files import atomic_write_json, check_output
 from elflow.util.devices import check_device, check_memory
 from elflow.util.distributed import process_group
+from elflow.experiments.viewer import trajectory_document, write_page
 
 
 def add_arguments(p) -> None:
@@ -120,8 +121,6 @@ def _write(args, records, meta, space, traj_path, page_path) -> int:
     rows = [r.pop("trajectory") for r in records if "trajectory" in r]  # kept apart from the samples file
     write_samples(args.out, records, meta, args.overwrite)
     if rows:
-        from elflow.experiments.viewer import trajectory_document, write_page
-
         seen = [{"step": pts[0]["step"], "t": pts[0]["t"], **{k: [p[k] for p in pts] for k in ("ids", "shown", "known")},
                  "texts": [p["text"] for p in pts]} for pts in zip(*rows)]  # per recorded step, every row
         doc = trajectory_document(space.tokenizer, seen, records[:len(rows)], {**meta, "space": space.space_id})

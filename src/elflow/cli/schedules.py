@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 from elflow.experiments.schedules import EXPECTED, plot_schedules, schedule_statistics
+from elflow.util.errors import ELFError
+from elflow.util.files import check_output
 
 
 def add_arguments(p) -> None:
@@ -12,9 +14,6 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from elflow.util.errors import ELFError
-    from elflow.util.files import check_output
-
     if args.samples < 2:
         raise ELFError(f"--samples must be at least 2 (medians and shares need draws), got {args.samples}")
     check_output(args.out, args.overwrite)

@@ -3,17 +3,13 @@
 from __future__ import annotations
 import argparse
 from dataclasses import fields
-from elflow.config import NESTED_FLAGS, RUN_PRESETS, TrainConfig
+from elflow.config import NESTED_FLAGS, RUN_PRESETS, TrainConfig, flag_of
 
 
 def _true_or_false(text: str) -> bool:
     if text.lower() not in ("true", "false"):
         raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
     return text.lower() == "true"
-
-
-def _flag(f) -> str:
-    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -39,14 +35,14 @@ def add_setting_arguments(p) -> None:
         kw = dict(default=S, dest=f.name, help=with_default(meta["help"], default_text))
         if f.type == "bool":
             kw["help"] = with_default(meta["help"], "on" if f.default else "off")
-            cfg_group.add_argument(_flag(f), action=argparse.BooleanOptionalAction, **kw)
+            cfg_group.add_argument(flag_of(f), action=argparse.BooleanOptionalAction, **kw)
             continue
         kw["type"] = _TYPES[f.type]
         if meta.get("choices"):
             kw["choices"] = meta["choices"]
         else:
-            kw["metavar"] = _flag(f)[2:].upper().replace("-", "_")
-        cfg_group.add_argument(_flag(f), **kw)
+            kw["metavar"] = flag_of(f)[2:].upper().replace("-", "_")
+        cfg_group.add_argument(flag_of(f), **kw)
     for (key, sub), (typ, text, _, default_text) in NESTED_FLAGS.items():
         if isinstance(typ, tuple):
             kind = {"choices": typ}

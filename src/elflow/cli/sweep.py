@@ -7,6 +7,13 @@ from elflow.methods import get_method
 from elflow.util.errors import ELFError
 from elflow.util.files import read_json
 from elflow.experiments.sweep import COLUMNS, _FLOAT, plot_sweep, read_csv, run_sweep
+from elflow.cli.common import add_arguments as add_tracking
+from elflow.runs.load import method_of
+from elflow.runs.tracking import Tracker
+from elflow.runs.tracking import require_wandb
+from elflow.util.devices import check_device
+from elflow.util.files import FolderHold
+from elflow.util.files import check_output
 
 
 def add_arguments(p) -> None:
@@ -34,7 +41,6 @@ def add_arguments(p) -> None:
     p.add_argument("--plot-only", action="store_true", help="redraw the plot from OUT/sweep.csv")
     p.add_argument("--overwrite", action="store_true",
                    help="start a new sweep in an OUT that holds one of another checkpoint, judge or protocol")
-    from elflow.cli.common import add_arguments as add_tracking
 
     add_tracking(p)
 
@@ -74,7 +80,6 @@ def _check_continuation(out: Path, args) -> dict:
     if diff and not args.overwrite:
         raise ELFError(f"{out} holds a sweep of another {', '.join(diff)}; choose another --out, or pass "
                        "--overwrite to replace it")
-    from elflow.util.files import check_output
 
     check_output(out, folder=True)
     return wanted
@@ -83,8 +88,6 @@ def _check_continuation(out: Path, args) -> dict:
 def _track(args, out: Path, rows: list[dict], png: Path) -> None:
     """The sweep in a W&B run (--wandb): its settings as the run's config, every cell as a row of the table
     "sweep", the trade-off plot as an image, the best cell's figures as the summary."""
-    from elflow.runs.tracking import Tracker
-
     config = {"checkpoint": args.checkpoint, "judge": str(rows[0].get("judge") or args.judge),
               "protocol": args.protocol, "num": args.num, "seed": args.seed, "cells": len(rows)}
     tracker = Tracker.start(args.wandb, args.wandb_run, out, config, job_type="sweep")
@@ -101,9 +104,7 @@ def _track(args, out: Path, rows: list[dict], png: Path) -> None:
 
 def run(args) -> int:
     if args.wandb:
-        from elflow.runs.tracking import require
-
-        require()
+        require_wandb()
     if args.out:
         out = Path(args.out)
     elif args.checkpoint and Path(args.checkpoint).expanduser().is_dir():
@@ -118,14 +119,11 @@ def run(args) -> int:
     else:
         if not args.checkpoint:
             raise ELFError("pass the run folder, checkpoint or hub id to sweep (or --plot-only)")
-        from elflow.runs.load import method_of
 
         method = method_of(args.checkpoint)
         grid, fixed = _method_grid(args, get_method(method))
         if args.num < 1 or min(grid.get("steps", [1])) < 1:
             raise ELFError("--num and every --steps value must be at least 1")
-        from elflow.util.files import FolderHold
-        from elflow.util.devices import check_device
 
         args.device = check_device(args.device)
         fresh = args.overwrite and (out / "sweep.csv").exists()

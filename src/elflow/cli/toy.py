@@ -4,6 +4,8 @@ from __future__ import annotations
 import math
 from elflow.flow import SAMPLERS
 from elflow.experiments.toy import distillation_table, grid_mixture, plot_toy, ring_mixture, run_toy
+from elflow.util.errors import ELFError
+from elflow.util.files import check_output
 
 
 def add_arguments(p) -> None:
@@ -23,9 +25,6 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from elflow.util.errors import ELFError
-    from elflow.util.files import check_output
-
     if args.num < 1 or args.clusters < 1 or min(args.steps) < 1:
         raise ELFError("--num, --clusters and every --steps value must be >= 1")
     if not (math.isfinite(args.gamma) and args.gamma >= 0):

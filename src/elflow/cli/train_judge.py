@@ -5,6 +5,8 @@ import json
 import math
 from elflow.util.errors import ELFError
 from elflow.eval.judge import JudgeConfig, NOT_GPT2_NOTE, train_judge
+from elflow.util.devices import check_device
+from elflow.util.files import FolderHold, check_output
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -30,9 +32,6 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from elflow.util.files import FolderHold, check_output
-    from elflow.util.devices import check_device
-
     for name in ("steps", "batch_size", "hidden", "depth", "heads"):
         if getattr(args, name) < 1:
             raise ELFError(f"--{name.replace('_', '-')} must be at least 1")

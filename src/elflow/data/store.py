@@ -298,10 +298,6 @@ class TokenStore:
         return StoreRows(self, layout or self.layout, length, pad_in_loss, source_length, fixed_slot=fixed_slot)
 
 
-def open_store(folder) -> TokenStore:
-    return TokenStore(folder)
-
-
 def _as_index(idx) -> np.ndarray:
     if isinstance(idx, torch.Tensor):
         return idx.detach().cpu().numpy().astype(np.int64, copy=False)

@@ -1,9 +1,7 @@
-"""TODO."""
+"""The named conditional tasks (hub data sets, layouts, metrics) and the demonstration tasks made from plain
+text (copy a line; restore a line whose words were shuffled)."""
 
 from __future__ import annotations
-import json
-from elflow.util.errors import ELFError
-from elflow.util.files import atomic_write_text
 
 
 # Conditional data sets on the hub: name -> (dataset id, config, default split, (source, target) getter).
@@ -14,12 +12,12 @@ PAIR_PRESETS = {
 }
 
 
-# named conditional tasks: hub data, layout and the recipe values that differ from OpenWebText's
+# named conditional tasks: hub data, layout, warm-up and metric (their recipe is every conditional run's)
 PAIR_TASKS = {
-    "wmt14-de-en": {"data": "wmt14-de-en", "length": 128, "source_length": 64, "decode_noise_scale": 1.0,
-                    "warmup": 5000, "metric": "bleu",
+    "wmt14-de-en": {"data": "wmt14-de-en", "length": 128, "source_length": 64, "warmup": 5000,
+                    "metric": "bleu",
                     "pretokenized": "embedded-language-flows/wmt14_de-en_{split}_t5"},
-    "xsum": {"data": "xsum", "length": 1088, "source_length": 1024, "decode_noise_scale": 1.0, "warmup": 5000,
+    "xsum": {"data": "xsum", "length": 1088, "source_length": 1024, "warmup": 5000,
              "metric": "rouge", "pretokenized": "embedded-language-flows/xsum_{split}_t5"},
 }
 
@@ -41,21 +39,6 @@ def shuffled_line_pairs(docs: list[str], min_words: int = 4, max_words: int = 14
     return train, held
 
 
-def pretokenized_pairs(rows, name: str = "data") -> tuple[list[list[int]], list[list[int]]]:
-    """(sources, targets) ids from records of the authors' pre-tokenized sets: condition_input_ids = the
-    source, input_ids = the target (both already without special tokens)."""
-    sources, targets = [], []
-    for i, ex in enumerate(rows):
-        try:
-            src, tgt = ex["condition_input_ids"], ex["input_ids"]
-        except KeyError as e:
-            raise ELFError(f"{name}: record {i} has no column {e}; pre-tokenized pairs need "
-                           "'condition_input_ids' (source) and 'input_ids' (target)") from None
-        sources.append([int(t) for t in src])
-        targets.append([int(t) for t in tgt])
-    return sources, targets
-
-
 COND_TASKS = {"copy": "write the source line out again", "shuffle": "restore the word order of a line whose words "
               "were shuffled"}
 
@@ -68,16 +51,3 @@ def task_pairs(task: str, docs: list[str], seed: int = 0):
     if task == "copy":
         return [(t, t) for _, t in train], [(t, t) for _, t in held]
     return train, held
-
-
-def task_pairs_file(task: str, seed: int = 0, cache_dir=None):
-    """(train pairs, held-out pairs, the .jsonl file of the train pairs in the cache, written once) of a
-    conditional demonstration task on the built-in corpus."""
-    from elflow.data.corpus import read_documents
-    from elflow.util.files import cache_root
-
-    train, held = task_pairs(task, list(read_documents("builtin", cache_dir=cache_dir)), seed)
-    path = cache_root(cache_dir) / "pairs" / f"shakespeare-{task}-{seed}.jsonl"
-    if not path.exists():
-        atomic_write_text(path, "".join(json.dumps({"input": s, "output": t}) + "\n" for s, t in train))
-    return train, held, path

@@ -9,8 +9,11 @@ from typing import Iterator
 import numpy as np
 from elflow.data.corpus import _bad, decode_text, field_text, jsonl_object
 from elflow.util.errors import ELFError
-from elflow.data.ingest import GROUP_CHARS, PIECE_CHARS
 from elflow.data.sources import WINDOW, _CUT_TEXT, _cut_pieces
+
+
+PIECE_CHARS = 1 << 16  # the longest text a tokenizer call sees
+GROUP_CHARS = 1 << 18  # text per tokenizer call
 
 
 def _tokenize(space, texts: list[str], max_chars: int) -> list[np.ndarray]:

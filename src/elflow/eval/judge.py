@@ -17,6 +17,9 @@ from elflow.util.errors import Record
 from elflow.util.files import NoSpace, disk_full, file_mode
 from elflow.util.devices import default_device
 from elflow.eval.metrics import DTYPES
+from elflow.data.datasets import text_store
+from elflow.encoders import _tokenizer_fingerprint
+from elflow.eval.gpt2_tokenizer import build_gpt2_tokenizer
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -31,7 +34,6 @@ def load_judge(path_or_id: str | os.PathLike, dtype: str = "fp32", device: str |
     if dtype not in DTYPES:
         raise ELFError(f"judge dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
     if device is None:
-        from elflow.util.devices import default_device
         device = default_device()
     name = str(path_or_id)
     folder = Path(name).expanduser()
@@ -228,8 +230,6 @@ class _JudgeTokens:
     """The judge's tokenizer in the form a token store is prepared with: ids without specials, EOS appended."""
 
     def __init__(self, tokenizer, eos_id: int):
-        from elflow.encoders import _tokenizer_fingerprint
-
         self.tokenizer, self.name = tokenizer, "gpt2"
         self.eos_id = self.pad_id = int(eos_id)
         self.vocab_size = len(tokenizer)
@@ -242,8 +242,6 @@ class _JudgeTokens:
 
 def _corpus_ids(data: str, tokenizer, eos_id: int, cache_dir=None) -> list[torch.Tensor]:
     """The documents of `data` as ids, each ending with EOS, read from its token store (prepared once)."""
-    from elflow.data.datasets import text_store
-
     store, _ = text_store(data, _JudgeTokens(tokenizer, eos_id), cache_dir)
     return [torch.from_numpy(store.record(i)[0].astype("int64")) for i in range(len(store))]
 
@@ -291,7 +289,6 @@ def train_judge(out: str | Path, cfg: JudgeConfig = JudgeConfig(), data: str = "
     `documents`: train on these texts instead of reading `data` (which then only names them in the info)."""
     from tqdm.auto import tqdm
 
-    from elflow.eval.gpt2_tokenizer import build_gpt2_tokenizer
 
     t0 = time.time()
     device = device or default_device()

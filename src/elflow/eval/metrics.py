@@ -10,7 +10,6 @@ import torch
 import torch.nn.functional as F
 from elflow.util.errors import ELFError
 from elflow.util.files import utf8_lines
-from elflow.cli.eval import _public
 
 
 PROTOCOLS = ("elf", "elf-official", "mdlm")
@@ -224,5 +223,10 @@ def generative_perplexity(texts: Iterable[str], model, tokenizer, batch_size: in
 def judge_score(model, tokenizer, batch_size: int = 8, protocol: str = "elf", max_length=None,
                 progress: bool = False, part: tuple[int, int] = (0, 1)):
     """A `score` for sample_and_score: the generative_perplexity result without its per-sample lists."""
-    return lambda texts: _public(generative_perplexity(texts, model, tokenizer, batch_size, protocol, max_length,
+    return lambda texts: summary_of(generative_perplexity(texts, model, tokenizer, batch_size, protocol, max_length,
                                                        progress=progress, part=part))
+
+
+def summary_of(result: dict) -> dict:
+    """A judge's figures without their per-sample lists (what reports and tables keep)."""
+    return {k: v for k, v in result.items() if k != "per_sample"}

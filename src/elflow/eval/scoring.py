@@ -6,12 +6,15 @@ import json
 from pathlib import Path
 from elflow.util.errors import ELFError
 from elflow.util.files import atomic_write_json
-from elflow.cli.eval import _public
-from elflow.eval.metrics import generative_perplexity
+from elflow.eval.metrics import generative_perplexity, summary_of
+from elflow.config import TrainConfig
+from elflow.data.datasets import run_data
+from elflow.generate import gather_records, write_samples
+from elflow.runs.load import stored_training
+from elflow.space import build_space
+from elflow.util.files import cache_root
 
 
-# ----------------------------------------------------------------------------------------------------------
-# command line
 def sample_and_score(method, net, space, num: int, settings, score, path=None, meta: dict | None = None,
                      length: int | None = None, references=None, progress: bool = False, overwrite: bool = True,
                      part: tuple[int, int] = (0, 1), **known) -> tuple[list[dict], dict]:
@@ -20,8 +23,6 @@ def sample_and_score(method, net, space, num: int, settings, score, path=None, m
     reference if given, written to `path` (if any) with the settings and `meta` (generate.write_samples), and
     `score(texts)`. Returns (records, the score). `part` = (rank, ranks) under torchrun: each rank draws its
     batches, every rank gets all the records (rank 0 alone writes them) and scores them (a sharded judge)."""
-    from elflow.generate import gather_records, write_samples
-
     records = method.sample(net, space, num, settings, length, progress=progress and part[0] == 0, part=part,
                             **known)
     records = gather_records(records, part[1])
@@ -37,11 +38,6 @@ def heldout_texts(checkpoint, num: int, cache_dir=None) -> tuple[list[str], str]
     folder `checkpoint` was trained on, at its length, decoded by its tokenizer and cut at the first EOS as
     samples are. ELFError saying why when there are none (an authors' checkpoint, a conditional model, data that
     cannot be read from here)."""
-    from elflow.runs.load import stored_training
-    from elflow.space import build_space
-    from elflow.config import TrainConfig
-    from elflow.train import run_data
-
     stored = stored_training(checkpoint) if checkpoint else None
     train = (stored or {}).get("train") or {}
     if "data" not in train:
@@ -77,8 +73,6 @@ def judged_heldout(texts: list[str], judge_name: str, judge, settings: dict, cac
                    progress: bool = False) -> dict:
     """The judge's figures of held-out `texts` (generative_perplexity without the per-sample lists), cached
     under <cache>/judged by the texts, the judge and the counting settings."""
-    from elflow.util.files import cache_root
-
     digest = hashlib.sha256()
     for t in texts:
         digest.update(t.encode("utf-8", "surrogatepass") + b"\0")
@@ -90,7 +84,7 @@ def judged_heldout(texts: list[str], judge_name: str, judge, settings: dict, cac
     except (OSError, ValueError):
         pass
     model, tok = judge
-    res = _public(generative_perplexity(texts, model, tok, settings["batch_size"], settings["protocol"],
+    res = summary_of(generative_perplexity(texts, model, tok, settings["batch_size"], settings["protocol"],
                                         settings["max_length"], progress=progress))
     atomic_write_json(path, res)
     return {**res, "cached": False}

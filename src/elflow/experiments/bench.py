@@ -11,6 +11,13 @@ from elflow.model import ELF, PRESETS, ELFConfig, get_config
 from elflow.optim import NS_METHODS, method_for
 from elflow.util.errors import ELFError
 from elflow.util.devices import autocast, default_device
+from elflow.methods.elf import HEAD_PREFIXES
+from elflow.flow import Recipe, draw_training_noise
+from elflow.flow import generate_tokens
+from elflow.methods import get_method
+from elflow.methods.base import TrainedPass
+from elflow.optim import EMA, ELFOptimizer
+from elflow.train import shard_generators, train_step
 
 
 MODES = ("forward", "train", "sample")
@@ -291,8 +298,6 @@ def bench(mode: str, preset: str = "tiny", depth=None, hidden=None, heads=None, 
         extra["flops_breakdown"] = {"network": flops}
 
     elif mode == "sample":
-        from elflow.flow import generate_tokens
-
         net.eval()
 
         def fn():
@@ -307,18 +312,13 @@ def bench(mode: str, preset: str = "tiny", depth=None, hidden=None, heads=None, 
         extra["sampling_steps"] = steps
 
     else:  # train
-        from elflow.flow import Recipe, draw_training_noise
-        from elflow.methods.base import TrainedPass
-        from elflow.methods import get_method
-        from elflow.optim import EMA, ELFOptimizer
-        from elflow.train import shard_generators, train_step
 
         sp = (StandInSpace if space == "standin" else NoSpace)(C, cfg.vocab_size, L, device)
         net.train()
         recipe = Recipe()
         nsd = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16}[ns_dtype]
-        opt = ELFOptimizer(list(net.named_parameters()), lr=1e-4, adam_heads=adam_heads, ns_dtype=nsd,
-                           ns_method=ns_method)
+        heads = [n for n, _ in net.named_parameters() if adam_heads and n.startswith(HEAD_PREFIXES)]
+        opt = ELFOptimizer(list(net.named_parameters()), lr=1e-4, adam=heads, ns_dtype=nsd, ns_method=ns_method)
         ema = EMA(net, 0.9999)
         params = [p for p in net.parameters() if p.requires_grad]
         tok = torch.randint(0, cfg.vocab_size, (accum, B, L), device=device, generator=g)

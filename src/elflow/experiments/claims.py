@@ -10,6 +10,20 @@ from pathlib import Path
 from elflow.config import RUN_PRESETS
 from elflow.util.errors import ELFError
 from elflow.util.files import FolderHold, atomic_write, atomic_write_json, check_output
+from elflow.config import TrainConfig
+from elflow.data.datasets import build_dataset
+from elflow.eval.diagnostics import corpus_vocabulary
+from elflow.eval.diagnostics import validation_report
+from elflow.eval.judge import load_judge
+from elflow.eval.scoring import sample_and_score
+from elflow.experiments.compare import _row_documents, cached_judge
+from elflow.experiments.compare import judge_texts
+from elflow.experiments.encoder_train import train_encoder
+from elflow.flow import Recipe
+from elflow.methods import get_method
+from elflow.runs.load import load_for_sampling
+from elflow.space import build_space, space_spec
+from elflow.train import train
 
 
 NOISE = 2.0  # standard errors of the paired seed differences a finding must clear
@@ -236,8 +250,6 @@ class Harness:
 
     # the from-scratch T5 space, trained once under OUT/encoder
     def encoder_folder(self) -> Path:
-        from elflow.experiments.encoder_train import train_encoder
-
         folder = self.out / "encoder"
         if not (folder / "elflow_encoder.json").is_file():
             self.printer("training the from-scratch T5 encoder (elflow train-encoder's defaults)")
@@ -247,8 +259,6 @@ class Harness:
         return folder
 
     def config(self, variant: Variant, seed: int):
-        from elflow.config import TrainConfig
-
         settings = _merge(self.base, variant.train)
         if "{encoder}" in str(settings.get("space", "")):
             settings["space"] = settings["space"].replace("{encoder}", str(self.encoder_folder()))
@@ -263,8 +273,6 @@ class Harness:
 
     def trained(self, variant: Variant, seed: int) -> Path:
         """The run folder of the variant's training at `seed`, trained now unless finished before."""
-        from elflow.train import train
-
         cfg = self.config(variant, seed)
         folder = self.out / "variants" / _key({"train": cfg.to_dict(), "budget": self.budget})
         if (folder / "done.json").is_file():
@@ -279,18 +287,12 @@ class Harness:
 
     def judge(self):
         if self._judge is None:
-            from elflow.experiments.compare import _row_documents, cached_judge
-            from elflow.data.datasets import build_dataset
-            from elflow.space import build_space, space_spec
-            from elflow.eval.judge import load_judge
-
             cfg = self.config(Variant("base"), 0)
             tokens = build_space({"kind": "tokens", "of": space_spec(cfg.space, cfg.latent_std, cfg.space_dim,
                                                                       cfg.space_seed)})
             train_set, val_set = build_dataset(cfg.data, tokens, cfg.length, layout=cfg.layout,
                                                val_fraction=cfg.val_fraction, seed=0, cache_dir=self.cache_dir,
                                                field=cfg.text_field, on_bad=cfg.on_bad)
-            from elflow.eval.diagnostics import corpus_vocabulary
 
             folder = cached_judge(_row_documents(tokens, train_set), self.cache_dir, self.device,
                                   printer=self.printer, **self.judge_settings)
@@ -301,14 +303,6 @@ class Harness:
 
     def measure(self, variant: Variant, seed: int) -> dict:
         """The variant's figures at `seed` (cached beside its run, keyed by the sampler settings)."""
-        from elflow.runs.load import load_for_sampling
-        from elflow.experiments.compare import judge_texts
-        from elflow.data.datasets import build_dataset
-        from elflow.eval.diagnostics import validation_report
-        from elflow.eval.scoring import sample_and_score
-        from elflow.flow import Recipe
-        from elflow.methods import get_method
-
         folder = self.trained(variant, seed)
         judge = self.judge()
         key = _key({"sampling": variant.sampling, "num": self.num, "judge": self.judge_name})

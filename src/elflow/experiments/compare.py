@@ -13,6 +13,17 @@ from elflow.eval.diagnostics import WORD, corpus_vocabulary, word_stats
 from elflow.methods import METHOD_NAMES, get_method
 from elflow.util.errors import ELFError
 from elflow.util.files import FolderHold, atomic_write_json, cache_root, check_output, read_json
+from elflow.data.datasets import build_dataset
+from elflow.eval.judge import JudgeConfig, train_judge
+from elflow.eval.judge import load_judge
+from elflow.eval.metrics import generative_perplexity
+from elflow.eval.scoring import sample_and_score
+from elflow.experiments.figures import plot_tradeoff
+from elflow.runs.load import load_for_sampling
+from elflow.runs.log import read_metrics
+from elflow.space import build_space, space_spec
+from elflow.train import train
+from elflow.util.devices import check_device
 
 
 DEFAULT_MINUTES = 4.0  # minutes of training per method
@@ -42,8 +53,6 @@ def judge_texts(texts: list[str], vocab: set[str], judge=None) -> dict:
     row = {k: v for k, v in word_stats(texts, vocab).items() if k != "texts"}
     row.update({f"distinct_{n}": distinct_ngrams(texts, n) for n in (1, 2, 3)})
     if judge is not None:
-        from elflow.eval.metrics import generative_perplexity
-
         res = generative_perplexity(texts, *judge)
         row.update(gen_ppl=res["gen_ppl"], judge_entropy=res["entropy"], judged=res["num_samples"])
     return row
@@ -63,8 +72,6 @@ def cached_judge(documents: list[str], cache_dir=None, device=None, progress: bo
                  **overrides) -> Path:
     """The folder of a judge trained (train-judge's code) on `documents`, trained once and kept under
     <cache>/judges/<key>, the key a hash of the texts and the judge's settings."""
-    from elflow.eval.judge import JudgeConfig, train_judge
-
     settings = {**JUDGE_DEFAULTS, **overrides}
     digest = hashlib.sha256()
     for d in documents:
@@ -95,7 +102,6 @@ def cached_judge(documents: list[str], cache_dir=None, device=None, progress: bo
 def _train_seconds(run_dir: Path) -> float:
     """Training time of an elflow run: the sum of its logged intervals."""
     path = run_dir / "metrics.jsonl"
-    from elflow.runs.log import read_metrics
 
     recs = read_metrics(path)
     return sum(r.get("elapsed", 0.0) for r in recs if r.get("kind", "train") == "train")
@@ -137,12 +143,6 @@ def compare(cfg, out, steps: int | None = None, minutes: float | None = None, nu
 
 def _compare(cfg, out, steps, minutes, num, judge, elf_steps, omegas, ar_temperatures, mdlm_steps, seed, cache_dir,
              device, overwrite, judge_settings, quiet, printer) -> dict:
-    from elflow.runs.load import load_for_sampling
-    from elflow.data.datasets import build_dataset
-    from elflow.eval.scoring import sample_and_score
-    from elflow.train import train
-    from elflow.util.devices import check_device
-
     device = check_device(device)
     cfg = replace(cfg, steps=steps if steps is not None else BUDGET_CAP)
     if minutes is not None:  # derived settings that would scale with the cap
@@ -150,7 +150,6 @@ def _compare(cfg, out, steps, minutes, num, judge, elf_steps, omegas, ar_tempera
     cfg = cfg.resolved()
     budget = {"steps": steps} if steps is not None else {"minutes": minutes}
     # the space's tokenizer alone serves the data, the judge's text and the held-out text
-    from elflow.space import build_space, space_spec
 
     tokens_space = build_space({"kind": "tokens", "of": space_spec(cfg.space, cfg.latent_std, cfg.space_dim,
                                                                     cfg.space_seed, cfg.space_stream)})
@@ -162,8 +161,6 @@ def _compare(cfg, out, steps, minutes, num, judge, elf_steps, omegas, ar_tempera
         judge = cached_judge(_row_documents(tokens_space, train_set), cache_dir, device, progress=not quiet,
                              printer=printer, **(judge_settings or {}))
     if not isinstance(judge, tuple):
-        from elflow.eval.judge import load_judge
-
         judge_name = str(judge)
         judge = load_judge(judge, device=device)
 
@@ -236,8 +233,6 @@ def format_table(rows: list[dict], info: dict, budget: dict | None = None) -> st
 def plot_rows(rows: list[dict], path) -> None:
     """Judge perplexity (log scale) against token entropy (evaluate.plot_tradeoff): one curve per method over
     its settings, held-out text as a star."""
-    from elflow.experiments.figures import plot_tradeoff
-
     finite = [r for r in rows if math.isfinite(r.get("gen_ppl", math.nan))]
     curves = []
     for name in dict.fromkeys(r["method"] for r in finite if r["params"] is not None):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 from pathlib import Path
+from elflow.util.files import atomic_write
 
 
 def plot_tradeoff(curves: list[dict], path, title: str, xlabel: str, ylabel: str, reference=(),
@@ -15,7 +16,6 @@ def plot_tradeoff(curves: list[dict], path, title: str, xlabel: str, ylabel: str
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from elflow.util.files import atomic_write
 
     fig, ax = plt.subplots(figsize=(7, 5))
     for i, c in enumerate(curves):

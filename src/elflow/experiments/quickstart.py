@@ -8,7 +8,27 @@ import torch
 from elflow.flow import Recipe
 from elflow.util.errors import ELFError
 from elflow.util.files import FolderLock, atomic_write_json
-from elflow.data.tasks import task_pairs_file
+from elflow.data.corpus import task_pairs_file
+from elflow.config import RUN_PRESETS
+from elflow.config import TrainConfig
+from elflow.data.datasets import build_dataset
+from elflow.distill import distill
+from elflow.eval.diagnostics import corpus_vocabulary, validation_report, word_stats
+from elflow.eval.metrics import bleu
+from elflow.eval.scoring import sample_and_score
+from elflow.generate import distilled_defaults, settings_for
+from elflow.generate import generate
+from elflow.methods import get_method
+from elflow.model import ShortRunOptions
+from elflow.runs.checkpoint import latest_checkpoint
+from elflow.runs.checkpoint import read_state
+from elflow.runs.folder import stored_config
+from elflow.runs.load import load_for_sampling
+from elflow.runs.log import plot_losses
+from elflow.space import FIXED_TABLE_KINDS, space_spec
+from elflow.train import train
+from elflow.util.files import atomic_write
+from elflow.util.files import read_json
 
 
 # the quickstart's length and final sampler (its other settings are the "quickstart" preset of TrainConfig)
@@ -27,9 +47,6 @@ DEMO_SAMPLE_STEPS = 64
 def preset_overrides(args) -> dict:
     """The quickstart preset's settings this command's flags replace when given (--lr, --space). The preset's
     table readout needs fixed token vectors: a --space without them (an encoder, a learned table) drops it."""
-    from elflow.space import FIXED_TABLE_KINDS, space_spec
-    from elflow.config import RUN_PRESETS
-
     over = {name: getattr(args, name) for name in ("lr", "space") if getattr(args, name, None) is not None}
     options = RUN_PRESETS["quickstart"][0]["short_run"]
     fixed_vectors = "space" not in over or space_spec(over["space"], None)["kind"] in FIXED_TABLE_KINDS
@@ -40,8 +57,6 @@ def preset_overrides(args) -> dict:
 
 def demo_config(args):
     """The "quickstart" settings preset of TrainConfig, with this command's flags on top."""
-    from elflow.config import TrainConfig
-
     given = dict(length=args.length, batch=args.batch, steps=args.steps, seed=args.seed,
                  sample_steps=args.sample_steps, sample_sampler=args.sampler, sample_omega=args.omega)
     return TrainConfig.named("quickstart", **given, **preset_overrides(args))
@@ -51,14 +66,6 @@ def demo_config(args):
 def report(run_dir, sampler: str = DEMO_SAMPLER, steps: int = DEMO_SAMPLE_STEPS, omega: float = 3.0, num: int = 32,
            seed: int = 0, cache_dir=None, printer=print) -> dict:
     """Samples and learning figures for a trained run; written to <run>/report.json and samples.jsonl."""
-    from elflow.runs.load import load_for_sampling
-    from elflow.data.datasets import build_dataset
-    from elflow.eval.diagnostics import corpus_vocabulary, validation_report, word_stats
-    from elflow.eval.scoring import sample_and_score
-    from elflow.generate import settings_for
-    from elflow.methods import get_method
-
-    from elflow.runs.folder import stored_config
 
     run_dir = Path(run_dir)
     tc = stored_config(run_dir)
@@ -79,7 +86,6 @@ def report(run_dir, sampler: str = DEMO_SAMPLER, steps: int = DEMO_SAMPLE_STEPS,
     out = {"validation": val, "samples": gen_stats, "real_text": real_stats, "sampler": sampler, "steps": steps,
            "omega": omega, "num": num, "seconds": time.perf_counter() - t0}
     atomic_write_json(run_dir / "report.json", out)
-    from elflow.runs.log import plot_losses
 
     plot_losses(run_dir)  # loss.png again, now with the Gaussian baseline's held-out loss
 
@@ -110,9 +116,6 @@ def conditional_config(args, pairs_file: Path):
     """The conditional demonstration's settings: the quickstart's, trained on pairs in the fixed source slot,
     with the released network (no short-run option: on the copy task each of them slows learning,
     benchmarks/RESULTS.md, section 10, and without the Gaussian skip no guess passes z's noise on)."""
-    from elflow.model import ShortRunOptions
-    from elflow.config import TrainConfig
-
     given = dict(data=str(pairs_file), source_length=COND_SOURCE, length=COND_LENGTH, batch=args.batch,
                  steps=args.steps, seed=args.seed, sample_every=0, source_slot="fixed",
                  ckpt_every=max(args.steps // COND_STAGES, 1))
@@ -123,10 +126,6 @@ def conditional_config(args, pairs_file: Path):
 @torch.no_grad()
 def curve_point(run_dir, held: list[tuple[str, str]], steps: int, seed: int = 0) -> dict:
     """{"step", "bleu"}: BLEU of the run's newest checkpoint (its EMA weights) with guidance 2 on `held`."""
-    from elflow.runs.load import load_for_sampling
-    from elflow.eval.metrics import bleu
-    from elflow.generate import generate, settings_for
-
     loaded, space = load_for_sampling(run_dir, device="cpu")
     settings = settings_for(loaded, steps=steps, guidance=2.0, seed=seed, batch_size=32)
     records = generate(loaded.net, space, len(held), settings, sources=[s for s, _ in held],
@@ -137,8 +136,6 @@ def curve_point(run_dir, held: list[tuple[str, str]], steps: int, seed: int = 0)
 
 
 def _step_of(checkpoint: str) -> int:
-    from elflow.runs.checkpoint import read_state
-
     return int(read_state(Path(checkpoint))["step"])
 
 
@@ -150,7 +147,6 @@ def plot_curve(curve: list[dict], rows: list[dict], path: Path, task: str) -> Pa
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from elflow.util.files import atomic_write
 
     fig, ax = plt.subplots(figsize=(6.4, 4))
     ax.plot([c["step"] for c in curve], [c["bleu"] for c in curve], marker="o", label="guidance 2")
@@ -173,12 +169,6 @@ def conditional_report(run_dir, held: list[tuple[str, str]], num: int, steps: in
     """BLEU on held-out lines: copying the source, the model with its source dropped (guidance 0: the
     unconditional pass alone), with guidance 1 and 2; with `curve` ({"step", "bleu"} points of the training),
     bleu.png of it."""
-    from elflow.runs.load import load_for_sampling
-    from elflow.eval.metrics import bleu
-    from elflow.eval.scoring import sample_and_score
-    from elflow.generate import settings_for
-    from elflow.methods import get_method
-
     run_dir = Path(run_dir)
     loaded, space = load_for_sampling(run_dir, device="cpu")
     held = held[:num]
@@ -215,8 +205,6 @@ def conditional_report(run_dir, held: list[tuple[str, str]], num: int, steps: in
 def _train_and_report(args, cfg, out: Path, command: str, what: str, make_report) -> tuple[float, float]:
     """Train `cfg` into `out` (unless --report-only), then `make_report()` holding the run folder's lock;
     returns (training seconds, report seconds)."""
-    from elflow.train import train
-
     t0 = time.perf_counter()
     if not args.report_only:
         print(f"{command}: training {what} in {out}", file=sys.stderr)
@@ -238,10 +226,6 @@ def total_time(work: str, work_s: float, report_s: float) -> str:
 def run_conditional(args) -> int:
     """Train the demonstration in COND_STAGES stages, a point of the BLEU curve after each (kept in
     curve.json, so that --resume measures only what is new), then the report."""
-    from elflow.runs.checkpoint import latest_checkpoint
-    from elflow.train import train
-    from elflow.util.files import read_json
-
     if args.curve_num < 1:
         raise ELFError(f"--curve-num must be >= 1, got {args.curve_num}")
     out = Path(args.out if args.out != "runs/demo" else "runs/demo-cond")
@@ -290,14 +274,6 @@ def distillation_report(teacher_dir, rounds: dict, num: int = 32, seed: int = 0,
                         printer=print) -> dict:
     """Teacher and students side by side on held-out figures: decode accuracy of each network, and the word
     statistics of its samples at 1, 2 and 4 steps (students at their own step count) beside real text."""
-    from elflow.runs.load import load_for_sampling
-    from elflow.data.datasets import build_dataset
-    from elflow.eval.diagnostics import corpus_vocabulary, validation_report, word_stats
-    from elflow.eval.scoring import sample_and_score
-    from elflow.generate import distilled_defaults, settings_for
-    from elflow.methods import get_method
-
-    from elflow.runs.folder import stored_config
 
     teacher_dir = Path(teacher_dir)
     tc = stored_config(teacher_dir)
@@ -331,8 +307,6 @@ def distillation_report(teacher_dir, rounds: dict, num: int = 32, seed: int = 0,
 
 
 def run_distill(args) -> int:
-    from elflow.runs.stages import distill
-
     teacher = Path(args.out)
     if not (teacher / "run.json").exists():
         raise ELFError(f"{teacher} holds no run to distil; run `elflow quickstart` first (or pass its --out)")

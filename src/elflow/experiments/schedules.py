@@ -3,6 +3,7 @@
 from __future__ import annotations
 import torch
 from elflow.flow import sample_decode_level, sample_guidance, sample_time, time_grid
+from elflow.util.files import atomic_write
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -62,7 +63,6 @@ def plot_schedules(path, n: int = 100_000, seed: int = 0, steps=(8, 32), overwri
     ax.set_xlim(0, 1.15)
     ax.set_title("sampling grids (logit-normal)")
     fig.tight_layout()
-    from elflow.util.files import atomic_write
 
     with atomic_write(path, overwrite=overwrite) as f:
         fig.savefig(f, format="png", dpi=110)

@@ -10,6 +10,11 @@ from pathlib import Path
 from elflow.methods import get_method
 from elflow.util.errors import ELFError
 from elflow.util.files import atomic_write_json, atomic_write_text
+from elflow.eval.judge import load_judge
+from elflow.eval.metrics import judge_score
+from elflow.eval.scoring import sample_and_score
+from elflow.experiments.figures import plot_tradeoff
+from elflow.runs.load import load_for_sampling
 
 
 COLUMNS = ["sampler", "steps", "omega", "gamma", "seed", "num", "gen_ppl", "entropy", "num_samples", "num_empty",
@@ -78,8 +83,6 @@ def curves(rows: list[dict]) -> list[dict]:
 def plot_sweep(rows: list[dict], path: str | Path, title: str | None = None) -> Path:
     """Gen-PPL (y) against entropy (x) of a sweep's rows (see `curves`), the paper's degenerate entropy range
     (below 5) shaded."""
-    from elflow.experiments.figures import plot_tradeoff
-
     drawn = curves(rows)
     if not drawn:
         raise ELFError("no finished sweep cells to plot")
@@ -103,11 +106,6 @@ def run_sweep(checkpoint: str, grid: dict, fixed: dict, out: str | Path, num: in
     `fixed` its other knobs to one value. `fresh`: ignore the rows of an existing sweep.csv (it is replaced
     when the first cell is done). `record` is written to OUT/sweep.json with the first row written (a sweep that
     fails before its first row leaves no record behind). The checkpoint is read before the judge."""
-    from elflow.runs.load import load_for_sampling
-    from elflow.eval.metrics import judge_score
-    from elflow.eval.judge import load_judge
-    from elflow.eval.scoring import sample_and_score
-
     chosen = get_method(method)
     out = Path(out)
     csv_path = out / "sweep.csv"

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 import torch
 from elflow.flow import sample
 from elflow.flow import time_grid
+from elflow.methods.distill import pd_target
+from elflow.util.files import atomic_write
 
 
 @dataclass
@@ -142,7 +144,6 @@ def distill_toy(teacher: ToyNet, mixture: GaussianMixture, student_steps=(4, 2, 
     Euler path over [t_s, t_s + 1/N] gives the x-space target (`distill.pd_target`)."""
     import copy
 
-    from elflow.methods.distill import pd_target
 
     students, current = {}, teacher
     for n in student_steps:
@@ -237,7 +238,6 @@ def plot_toy(mixture: GaussianMixture, results: dict, path, title: str | None = 
     """`toy_figure` written to a PNG (atomically; an existing file only with `overwrite`)."""
     import matplotlib.pyplot as plt
 
-    from elflow.util.files import atomic_write
 
     fig = toy_figure(mixture, results, title)
     with atomic_write(path, overwrite=overwrite) as f:

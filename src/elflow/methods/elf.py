@@ -1,4 +1,10 @@
-"""TODO."""
+"""ELF as a method: flow matching in an embedding space (elflow.flow) with the network of elflow.model.
+
+A training step of one shard: `draw` (outside torch.compile and DDP) draws times, noise, branches and dropped
+sources; `loss` encodes the batch (a dropped source hidden from its target), applies the objective (ELF's
+own, or distillation's through `with_objective`) and returns the sums the log reads (`step_sums`). The
+network as stored with a run (its config and options) is read and written here too.
+"""
 
 from __future__ import annotations
 from contextlib import nullcontext
@@ -6,14 +12,12 @@ from dataclasses import dataclass
 from typing import Callable
 import torch
 from elflow.data.layout import encoder_mask
-from elflow.space import space_spec
+from elflow.space import latent_moments, space_spec, token_vectors
 from elflow.flow import TIME_BINS, Recipe, draw_training_noise, elf_loss, generate_tokens, time_bin, time_bin_labels
 from elflow.generate import ELF_KNOBS, generate, settings_for
 from elflow.methods.base import FEATURES, Method
-from elflow.optim import HEAD_PREFIXES
-from elflow.model import ELFConfig
-from elflow.model import build_network, check_network, describe_network, options_of
-from elflow.runs.load import network_from_state_dict, stored_network
+from elflow.model import ELFConfig, ShortRunOptions, build_network, check_network, options_of
+from elflow.util.devices import check_memory
 from elflow.util.errors import ELFError
 
 
@@ -45,6 +49,11 @@ def step_sums(loss: torch.Tensor, rows: dict, draw) -> dict:
     }
 
 
+# the output heads and the input and scalar embedders (the parameters --adam-heads gives to Adam)
+HEAD_PREFIXES = ("x_head.", "head_modulation.", "decode_head.", "self_cond_proj.", "bottleneck_in.",
+                 "bottleneck_out.", "time_embed.", "omega_embed.")
+
+
 class ELFMethod(Method):
     name = "elf"
     title = "an ELF model"
@@ -61,8 +70,8 @@ class ELFMethod(Method):
 
     # -- the run ----------------------------------------------------------------------------------------------
     def check(self, cfg) -> None:
-        check_network(ELFConfig(predict=cfg.predict, conditioning=cfg.conditioning), options_of(cfg.short_run))
-        if cfg.decoder == "separate":
+        check_network(cfg.predict, cfg.conditioning, options_of(cfg.short_run))
+        if cfg.separate_decoder:
             if "decode_prob" in cfg.recipe:
                 raise ELFError("--decode-prob does not go with --decoder separate: its decoder trains alone "
                                "(--decoder-steps) and its denoiser never decodes")
@@ -82,10 +91,15 @@ class ELFMethod(Method):
             raise ELFError("--source-drop-prob applies to runs on (source, target) pairs (--source-length)")
 
     def build(self, cfg, shape, space, data, recipe, device):
-        net = build_network(shape, cfg.short_run).to(device)
+        options = options_of(cfg.short_run)
+        check_network_memory(shape, options)
+        net = build_network(shape, options).to(device)
         net.grad_checkpoint = cfg.grad_checkpoint
-        if hasattr(net, "prepare"):  # the short-run options' data: the training split's moments, token vectors
-            net.prepare(space, data, recipe.noise_scale)
+        for part in net.parts():  # the short-run options' data: the training split's moments, token vectors
+            if part.options.skip != "none":
+                part.set_gaussian_skip(*latent_moments(space, data, device=device), recipe.noise_scale)
+            if part.options.table_readout:
+                part.set_readout_table(token_vectors(space, part.config.vocab_size, device=device))
         n = net.num_params()
         return net, {"model": n, "elf": n, "match": cfg.match}
 
@@ -148,7 +162,7 @@ class ELFMethod(Method):
         """`num` samples of the EMA weights with the run's sample_* settings and noise scale, from one generator
         seeded by the run's seed."""
         device = next(net.parameters()).device
-        sampler_net = build_network(net.config, getattr(net, "options", None)).to(device)
+        sampler_net = build_network(net.config, net.options).to(device)
         ema.copy_to(sampler_net)
         sampler_net.eval()
         g = torch.Generator(device=device).manual_seed(cfg.seed)
@@ -166,3 +180,64 @@ class ELFMethod(Method):
 
 
 METHOD = ELFMethod()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the network as stored with a run
+
+
+def describe_network(net) -> tuple[dict, dict]:
+    """(the network's config, its short-run options; {} for the paper's network) as stored with a run."""
+    return net.config.to_dict(), net.options.to_dict() if net.options.active else {}
+
+
+RUN_ONLY = ("grad_checkpoint",)  # a setting of the run that earlier elflows stored with the network config
+
+
+def stored_network(model: dict, short_run: dict | None = None) -> tuple[ELFConfig, ShortRunOptions]:
+    """(ELFConfig, ShortRunOptions) of a stored network: its "model" config and its "short_run" options."""
+    try:
+        return ELFConfig.from_dict({k: v for k, v in model.items() if k not in RUN_ONLY}), options_of(short_run)
+    except ValueError as e:
+        raise ELFError(f"the stored network config cannot be read: {e}") from None
+
+
+def network_bytes(config: ELFConfig, options: ShortRunOptions | None = None) -> int:
+    """The fp32 bytes of the weights and buffers of a network, counted without memory: one block is built on
+    the meta device and the others counted as its copies."""
+    with torch.device("meta"):
+        one = build_network(config.replace(depth=1), options)
+        block = one.parts()[0].blocks[0]
+        per = sum(t.numel() for t in list(block.parameters()) + list(block.buffers()))
+        total = sum(t.numel() for t in list(one.parameters()) + list(one.buffers()))
+    return 4 * (total + len(one.parts()) * (config.depth - 1) * per)
+
+
+def check_network_memory(config: ELFConfig, options: ShortRunOptions | None = None) -> None:
+    """Refuse, before anything is allocated, a network whose weights alone need more memory than this machine
+    has (a mistyped --depth, --hidden, or a stored config of such numbers)."""
+    what = ", ".join(f"{k} {getattr(config, k)}" for k in ("depth", "hidden", "heads", "dim", "vocab_size",
+                                                               "max_length"))
+    check_memory(network_bytes(config, options), f"a network of {what}",
+                 hint="choose a smaller --depth / --hidden / --length (or check the stored config)")
+
+
+def network_from_state_dict(sd: dict[str, torch.Tensor], config: ELFConfig, options=None):
+    """The network of `config` and `options` holding these (elflow-named) weights; weights that fit no such
+    network are a one-line error."""
+    options = options_of(options)
+    check_network_memory(config, options)
+    net = build_network(config, options)
+    expected = net.state_dict()
+    missing = [k for k in expected if k not in sd]
+    unexpected = [k for k in sd if k not in expected]
+    if missing or unexpected:
+        raise ELFError(f"weights do not fit an ELF network of shape {config}: missing {missing[:6]}, "
+                       f"unexpected {unexpected[:6]}")
+    wrong = [f"{k}: {tuple(sd[k].shape)} (expected {tuple(v.shape)})" for k, v in expected.items()
+             if sd[k].shape != v.shape]
+    if wrong:
+        raise ELFError(f"weights have shapes that fit no ELF network of this shape: {wrong[:4]}")
+    net.load_state_dict(sd)
+    return net
+

@@ -1,4 +1,5 @@
-"""TODO."""
+"""The token-level network of the baseline methods (elflow.methods.ar, .mdlm): ELF's blocks, read from and
+written to token ids, and the shapes that match a parameter count (`fit_token_lm`)."""
 
 from __future__ import annotations
 import math
@@ -6,8 +7,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from elflow.model import Block, RMSNorm, TransformerShape, num_params, rope_tables
+from elflow.util.devices import check_memory
 from elflow.util.errors import Record
-from elflow.model import Block, RMSNorm, TransformerShape, _describe, check_size, num_params, rope_tables
 
 
 @dataclass(frozen=True)
@@ -44,7 +46,10 @@ class TokenTransformer(nn.Module):
         super().__init__()
         if config.tie_embeddings and out_vocab > in_vocab:
             raise ValueError(f"a tied read-out needs out_vocab <= in_vocab, got {out_vocab} > {in_vocab}")
-        check_size(config, TokenTransformer, _describe(config, "vocab_size", "max_length"), causal, in_vocab, out_vocab)
+        if torch.get_default_device().type != "meta":  # (built on meta: only counted)
+            what = ", ".join(f"{k} {getattr(config, k)}" for k in ("depth", "hidden", "heads", "vocab_size", "max_length"))
+            check_memory(4 * token_lm_params(config, in_vocab, out_vocab), f"a network of {what}",
+                         hint="choose a smaller --depth / --hidden / --length (or check the stored config)")
         self.config = c = config
         self.causal, self.in_vocab, self.out_vocab = causal, in_vocab, out_vocab
         self.embed = nn.Embedding(in_vocab, c.hidden)

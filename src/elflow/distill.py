@@ -1,0 +1,281 @@
+"""Progressive distillation's rounds: each round a training run whose objective is the teacher's
+(elflow.methods.distill), started from the previous round's student; the rounds of one distillation share a
+folder with a manifest (distill.json) that --resume and --overwrite read."""
+
+from __future__ import annotations
+import os
+import re
+import sys
+from pathlib import Path
+import torch
+import torch.distributed as dist
+from elflow.generate import distilled_defaults
+from elflow.runs.folder import REPLACED
+from elflow.util.errors import ELFError
+from elflow.util.files import FolderHold, FolderLock, atomic_write_json, check_output, read_json
+from dataclasses import replace
+from elflow.config import TrainConfig
+from elflow.util.distributed import setup_distributed
+from elflow.methods.distill import DistillObjective, check_schedule
+from elflow.model import PRESETS
+from elflow.runs.checkpoint import list_checkpoints
+from elflow.runs.folder import recover_replaced
+from elflow.runs.folder import set_aside
+from elflow.runs.load import load_init_weights
+from elflow.runs.load import stored_training
+from elflow.runs.official import build_from_state_dict
+from elflow.train import train
+
+
+def _teacher_device():
+    import os
+
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def load_teacher(path, length: int | None = None, device=None):
+    """(frozen network, info): the EMA weights of a run or checkpoint (its trained weights, with a warning,
+    where it stored no EMA), in eval mode and without gradients."""
+    cfg, sd, info = load_init_weights(path)
+    if length and length > cfg.max_length:
+        cfg = cfg.replace(max_length=length)
+    net = build_from_state_dict(sd, config=cfg, options=info.get("short_run")).to(device or "cpu").eval()
+    net.requires_grad_(False)
+    return net, info
+
+
+MANIFEST = "distill.json"
+
+
+# settings a resumed distillation must share with the stored one
+SAME_ON_RESUME = ("preset", "model", "short_run", "data", "space", "latent_std", "length", "layout", "batch", "steps", "epochs",
+                  "seed", "lr", "ema_decay", "warmup_frac")
+
+
+def _base_config(teacher_info: dict, overrides: dict):
+    """The rounds' TrainConfig: the teacher's stored data and network settings, then the overrides."""
+    from dataclasses import fields
+
+
+
+    stored = (stored_training(teacher_info["checkpoint"]) or {}).get("train", {})
+    known = {f.name for f in fields(TrainConfig)}
+    keep = ("preset", "data", "text_field", "on_bad", "space", "latent_std", "length", "layout", "batch",
+            "micro_batch", "adam_heads", "ns_method", "grad_clip", "dtype", "compile", "model",
+            "task", "source_length", "source_field", "target_field", "space_dim", "space_seed", "val_fraction")
+    base = {k: stored[k] for k in keep if k in stored and k in known}
+    if stored:  # the teacher's table draw (stream 1 where it stored none)
+        base["space_stream"] = TrainConfig.from_dict(stored).space_stream
+    scale = teacher_info.get("space", {}).get("latent_std")
+    if isinstance(scale, (int, float)) and base.get("space") is not None:
+        base["latent_std"] = repr(float(scale))  # the teacher's resolved scale: no re-estimate, the same space
+    base.update({k: v for k, v in overrides.items() if v is not None})
+    if "data" not in base or "space" not in base:
+        raise ELFError(f"{teacher_info['checkpoint']} stores no training data settings (a converted checkpoint?); "
+                       "pass --data and --space")
+    if base.get("preset") not in PRESETS:
+        base["preset"] = "elf-b"  # every shape field is set from the teacher below
+    shape = {k: v for k, v in teacher_info["config"].items() if k not in ("dim", "vocab_size", "max_length")}
+    if overrides.get("predict") not in (None, shape.get("predict", "x")):
+        raise ELFError(f"--predict {overrides['predict']}: the students start from the teacher's weights, whose head "
+                       f"predicts {shape.get('predict', 'x')}; distil with --predict {shape.get('predict', 'x')}")
+    for key in ("predict", "conditioning", "decoder", "bottleneck"):  # the network's variants are run settings
+        if key in shape:
+            base[key] = shape.pop(key)
+    base["model"] = shape
+    base["short_run"] = dict(teacher_info.get("short_run") or {})  # the students are networks of the teacher's kind
+    base["length"] = base.get("length") or teacher_info["config"]["max_length"]
+    base["recipe"] = TrainConfig.from_dict(stored).recipe  # the teacher's recipe constants
+    base["sample_every"] = 0
+    return TrainConfig(**base)
+
+
+def distill(teacher, out, student_steps=(16, 8, 4, 2, 1), teacher_steps: int = 64, steps_per_round: int | None = None,
+            epochs: float | None = None, warmup_frac: float = 0.1, ema_decay: float = 0.9999, lr: float | None = None,
+            resume: bool = False, overwrite: bool = False, cache_dir=None, quiet: bool = False,
+            stop_after: int | None = None, **overrides) -> dict:
+    """Run the distillation rounds into `out`/round-<N>; returns {N: the round's run folder}.
+
+    One round per student step count; a round lasts `steps_per_round` optimiser steps or `epochs` passes
+    (one pass by default), warms up over `warmup_frac` of it. `overrides` are TrainConfig fields (data,
+    space, batch, seed, dtype, log_every, ckpt_every, keep, ...). `stop_after` ends this invocation after
+    that many optimiser steps in all; `resume` continues exactly where a stopped or killed one ended.
+    """
+    steps = check_schedule(student_steps, teacher_steps)
+    if steps_per_round is not None and epochs is not None:
+        raise ELFError("pass either --steps-per-round or --epochs, not both")
+    if steps_per_round is not None and steps_per_round < 1:
+        raise ELFError(f"--steps-per-round must be >= 1, got {steps_per_round}")
+    if epochs is not None and not epochs > 0:
+        raise ELFError(f"--epochs must be > 0, got {epochs}")
+    if not 0 <= warmup_frac <= 1:
+        raise ELFError(f"--warmup-frac must lie in [0, 1], got {warmup_frac}")
+    if steps_per_round is None and epochs is None:
+        epochs = 1.0
+    out = check_output(out, folder=True)
+    _check_out(out, [teacher])
+
+    device = _teacher_device()
+    teacher_net, info = load_teacher(teacher, device=device)
+    info = {**info, "config": teacher_net.config.to_dict()}
+    cfg = _base_config(info, overrides)
+    cfg.steps = steps_per_round or cfg.steps
+    cfg.epochs = None if steps_per_round else epochs
+    cfg.warmup_frac = warmup_frac
+    cfg.ema_decay = ema_decay
+    if lr is not None:
+        cfg.lr = lr
+    if cfg.length > teacher_net.config.max_length:
+        teacher_net = load_teacher(teacher, cfg.length, device)[0]
+
+    manifest = {"format": "elflow-distill-1", "teacher": info["checkpoint"], "teacher_space_id": info.get("space_id"),
+                "teacher_ema": info.get("ema", True), "student_steps": steps, "teacher_steps": teacher_steps,
+                "train": {k: cfg.to_dict()[k] for k in SAME_ON_RESUME}}
+    # under torchrun: one group for all rounds; rank 0 alone reads and writes OUT
+    group = _process_group(cfg.dist_timeout)
+    main = group is None or dist.get_rank() == 0
+    hold = FolderHold(out, "elflow distill") if main else None
+    status = [None]
+    if main:
+        try:
+            hold.open()  # held for the whole distillation: a second command on OUT is refused
+            fresh = _prepare_out(out, manifest, resume, overwrite)
+            if fresh:
+                atomic_write_json(out / MANIFEST, manifest)
+            status = [fresh]
+        except ELFError as e:
+            hold.close(False)
+            status = [e]
+    if group is not None:
+        dist.broadcast_object_list(status, src=0)
+    if isinstance(status[0], ELFError):
+        if group is not None:
+            dist.destroy_process_group()
+        raise status[0]
+    fresh = status[0]
+
+    rounds, left, ok = {}, stop_after, False
+    try:
+        for i, n in enumerate(steps):
+            rdir = out / f"round-{n}"
+            init = info["checkpoint"] if i == 0 else str(rounds[steps[i - 1]])
+            rcfg = _round_config(cfg, n, teacher_steps, init, out)
+            again = [(rdir / "run.json").exists()]
+            if group is not None:  # every rank takes rank 0's view of the folder, before anyone writes it
+                dist.broadcast_object_list(again, src=0)
+            if not quiet and (group is None or dist.get_rank() == 0):
+                print(f"round {i + 1}/{len(steps)}: the {n}-step student, in {rdir}", file=sys.stderr)
+            summary = train(rcfg, rdir, resume=again[0], cache_dir=cache_dir, quiet=quiet,
+                            stop_after=left, objective=DistillObjective(teacher_net, n, teacher_steps))
+            rounds[n] = rdir
+            if left is not None:
+                left -= summary["end_step"] - summary["start_step"]
+                if left <= 0:
+                    break
+            if not quiet:
+                print(f"round {i + 1}/{len(steps)}: {n}-step student in {rdir}", file=sys.stderr)
+        ok = True
+    finally:
+        if main:
+            _settle(out, fresh, ok, steps)
+            hold.close(ok or _started(out))
+        if group is not None:
+            dist.destroy_process_group()
+    return rounds
+
+
+def _process_group(timeout_minutes: float):
+    """Under torchrun (WORLD_SIZE > 1) the process group every round trains in (its collectives wait
+    `timeout_minutes`), else None."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+
+    setup_distributed(timeout_minutes=timeout_minutes)
+    return dist.group.WORLD
+
+
+def _round_config(cfg, n: int, teacher_steps: int, init: str, out: Path):
+
+    s = distilled_defaults(n)
+    name = f"{cfg.wandb_run or out.resolve().name}/round-{n}" if cfg.wandb else cfg.wandb_run
+    return replace(cfg, init_from=init, distillation={"student_steps": n, "teacher_steps": teacher_steps},
+                   sample_steps=s["steps"], sample_sampler=s["sampler"], sample_omega=s["omega"], wandb_run=name)
+
+
+ROUND_DIR = re.compile(r"round-\d+")
+
+
+def _own_names(folder: Path) -> set[str]:
+    """The files of a distillation in `folder`: its record, its rounds, its report (never other files)."""
+    if not folder.is_dir():
+        return set()
+    return {p.name for p in folder.iterdir() if p.name in (MANIFEST, "report.json") or ROUND_DIR.fullmatch(p.name)}
+
+
+def _started(out: Path) -> bool:
+    """Whether the distillation in `out` got as far as a checkpoint (from then on it resumes)."""
+    return any(list_checkpoints(out / name) for name in _own_names(out) if ROUND_DIR.fullmatch(name))
+
+
+def _settle(out: Path, fresh: bool, ok: bool, steps) -> None:
+    """After the rounds: a replaced distillation goes once the new one has a checkpoint and comes back if it
+    failed before; a refused or failed fresh start leaves no record behind."""
+    names = _own_names(out) | _own_names(out / REPLACED)
+    outcome = recover_replaced(out, lambda d: ok or _started(d), names)
+    if outcome is None and fresh and not ok and not _started(out) and (
+            not any((out / f"round-{n}" / "run.json").exists() for n in steps)):
+        (out / MANIFEST).unlink(missing_ok=True)
+
+
+def _check_out(out: Path, teacher) -> None:
+    """--out may not be the teacher's folder, nor a folder above it: a distillation never writes over its
+    teacher."""
+    out = out.expanduser().resolve()
+    for t in teacher:
+        t = Path(t).expanduser().resolve()
+        if out == t or out in t.parents:
+            raise ELFError(f"--out {out} holds the teacher ({t}); the distillation must go into a folder of its "
+                           "own: choose another --out")
+
+
+def _prepare_out(out: Path, manifest: dict, resume: bool, overwrite: bool) -> bool:
+    """Check `out` (held by this command) against a stored distillation; True when this is a fresh start. An
+    interrupted replacement is settled first; --overwrite sets the distillation's own files aside
+    (OUT/.replaced-run) until the new one has a checkpoint, and leaves every other file as it is."""
+    names = _own_names(out) | _own_names(out / REPLACED)
+    if recover_replaced(out, _started, names) == "restored":
+        print(f"restored the distillation in {out} that an interrupted --overwrite was replacing", file=sys.stderr)
+    stored_path = out / MANIFEST
+    if stored_path.exists():
+        if overwrite:
+            set_aside(out, sorted(_own_names(out)))
+            return True
+        if not resume:
+            raise ELFError(f"{out} already holds a distillation; pass --resume to continue it or --overwrite "
+                           "to replace it (the old one is kept until the new one's first checkpoint)")
+        stored = read_json(stored_path)
+
+        diff = [k for k in ("teacher", "student_steps", "teacher_steps") if stored.get(k) != manifest[k]]
+        try:
+            train = TrainConfig.from_dict(stored.get("train", {})).to_dict()  # options read where they are stored
+        except (TypeError, ValueError, AttributeError) as e:
+            raise ELFError(f"{stored_path}: corrupted ({type(e).__name__}: {e})") from None
+        diff += [f"train.{k}" for k in SAME_ON_RESUME if train[k] != manifest["train"][k]]
+        if diff:
+            raise ELFError(f"{out} holds another distillation (differs in {', '.join(diff)}); resume it with its "
+                           "own settings, or choose another --out")
+        return False
+    if resume:
+        raise ELFError(f"{out} holds no distillation to resume; check --out, or start without --resume")
+    mine = _own_names(out)
+    if any(p.name != FolderLock.NAME for p in out.iterdir()):
+        if not overwrite:
+            raise ELFError(f"{out} exists and is not an elflow distillation folder; choose another --out or pass "
+                           "--overwrite (its files are left as they are)")
+        if mine:
+            set_aside(out, sorted(mine))
+    return True
+
+
