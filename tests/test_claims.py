@@ -80,14 +80,13 @@ def test_a_tiny_report_end_to_end_is_cached_and_resumes(tmp_path, tiny_corpus_fi
     assert "| tokens vs adaln | prefix tokens match adaLN |" in md
     assert json.loads((tmp_path / "out" / "claims.json").read_text())["claims"][1]["findings"][0]["a"] == "w3"
 
-    import elflow.evaluate
-    import elflow.train
+    import elflow.experiments.claims as claims_module
 
     def refuse(*a, **k):
         raise AssertionError("a cached variant was computed again")
 
-    monkeypatch.setattr(elflow.train, "train", refuse)
-    monkeypatch.setattr(elflow.evaluate, "sample_and_score", refuse)
+    monkeypatch.setattr(claims_module, "train", refuse)
+    monkeypatch.setattr(claims_module, "sample_and_score", refuse)
     again = run_claims(claims, tmp_path / "out", **kw)
     assert again["claims"] == report["claims"]
 

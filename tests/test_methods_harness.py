@@ -243,7 +243,7 @@ def test_compare_cli_end_to_end(tmp_path, tiny_t5_dir, tiny_corpus_file, judge_d
 
 
 def test_the_default_judge_is_trained_once_and_kept(tmp_path, monkeypatch):
-    import elflow.judge
+    import elflow.experiments.compare as compare_module
     from elflow.experiments.compare import cached_judge
 
     calls = []
@@ -253,7 +253,7 @@ def test_the_default_judge_is_trained_once_and_kept(tmp_path, monkeypatch):
         Path(out).mkdir(parents=True)
         (Path(out) / "config.json").write_text("{}")
 
-    monkeypatch.setattr(elflow.judge, "train_judge", fake_train)
+    monkeypatch.setattr(compare_module, "train_judge", fake_train)
     a = cached_judge(["one text", "two"], tmp_path, printer=lambda m: None, steps=3)
     assert cached_judge(["one text", "two"], tmp_path, printer=lambda m: None, steps=3) == a
     assert calls == [["one text", "two"]] and (a / "config.json").exists()

@@ -288,14 +288,16 @@ def test_one_short_run_flag_over_the_quickstart_keeps_its_other_options(capsys):
 
 def test_a_config_with_options_and_round_records_among_other_settings_reads_as_the_same_run():
     """Short-run options stored among the network settings and a distillation round's record among the
-    recipe's constants are read into their own settings; the recipe refuses keys it does not know."""
+    recipe's constants are read into their own settings (elflow.runs.checkpoint.upgrade_train, the one reader of
+    earlier layouts); the recipe refuses keys it does not know."""
     from elflow.flow import Recipe
+    from elflow.runs.checkpoint import upgrade_train
 
     stored = TrainConfig(preset="tiny").to_dict()
     stored.update(model={"depth": 3, "skip": "gaussian", "table_readout": 1.0}, short_run={}, distillation={},
                   recipe={"decode_noise_scale": 1.0, "distilled_steps": 4, "teacher_steps": 16,
                           "sampling": {"steps": 4, "sampler": "sde", "gamma": 1.5, "omega": 2.5}})
-    cfg = TrainConfig.from_dict(json.loads(json.dumps(stored)))
+    cfg = TrainConfig.from_dict(upgrade_train(json.loads(json.dumps(stored))))
     assert cfg.model == {"depth": 3} and cfg.short_run == {"skip": "gaussian", "table_readout": 1.0}
     assert cfg.recipe == {"decode_noise_scale": 1.0} and cfg.distillation == {"student_steps": 4, "teacher_steps": 16}
     assert TrainConfig.from_dict(cfg.to_dict()) == cfg
@@ -498,7 +500,7 @@ def test_eval_of_nothing_fails_without_a_report(capsys, tmp_path, content):
 
 
 def test_eval_checks_the_checkpoint_before_the_judge(capsys, tmp_path, monkeypatch):
-    import elflow.evaluate as ev
+    import elflow.cli.eval as ev
 
     def no_judge(*a, **k):
         raise AssertionError("the judge was loaded")
@@ -1216,7 +1218,9 @@ def test_temporaries_of_a_killed_writer_are_removed(capsys, trained, tmp_path):
 
 
 def test_a_checkpoint_removed_while_it_is_read_gives_way_to_the_next(capsys, run_copy, tmp_path, monkeypatch):
-    real = ckpt_mod.load_checkpoint
+    import elflow.runs.load as loader
+
+    real = loader.load_checkpoint
     removed = []
 
     def keep_1_of_a_running_training(ckpt, *a, **k):  # --keep deletes the newest-but-one just now
@@ -1224,7 +1228,7 @@ def test_a_checkpoint_removed_while_it_is_read_gives_way_to_the_next(capsys, run
             removed.append(Path(ckpt).name)
             shutil.rmtree(ckpt)
         return real(ckpt, *a, **k)
-    monkeypatch.setattr(ckpt_mod, "load_checkpoint", keep_1_of_a_running_training)
+    monkeypatch.setattr(loader, "load_checkpoint", keep_1_of_a_running_training)
     code, _, err = cli(capsys, _sample_args(run_copy, tmp_path / "s.jsonl"))
     assert code == 0, err
     assert removed == ["step_0000006"]

@@ -396,7 +396,7 @@ def test_a_failed_or_killed_prepare_leaves_no_store_that_looks_complete(tmp_path
     assert not (tmp_path / "a").exists()
     # killed (SIGKILL) in the middle: the partial arrays stay, without a manifest, and are refused
     out, log = tmp_path / "b", tmp_path / "calls.log"
-    code = ("import sys; sys.path[:0] = %r\nfrom helpers import SlowSpace\nfrom elflow.ingest import prepare_store\n"
+    code = ("import sys; sys.path[:0] = %r\nfrom helpers import SlowSpace\nfrom elflow.data.ingest import prepare_store\n"
             "prepare_store(%r, SlowSpace(0.3, %r), %r, chunk_bytes=200, workers=1)\n"
             % (sys.path, str(src), str(log), str(out)))
     proc = subprocess.Popen([sys.executable, "-c", code])
