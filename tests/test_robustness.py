@@ -105,7 +105,7 @@ def read_only(monkeypatch):
     """Make every write probe fail as on a read-only file system."""
     def refuse(*a, **k):
         raise OSError(errno.EROFS, "Read-only file system")
-    monkeypatch.setattr(files, "_probe_writable", refuse)
+    monkeypatch.setattr(files, "probe_writable", refuse)
 
 
 @pytest.fixture
@@ -198,7 +198,7 @@ def test_train_out_is_a_file_under_a_file_or_read_only(capsys, tmp_path, monkeyp
 
     def refuse(*a, **k):
         raise OSError(errno.EROFS, "Read-only file system")
-    monkeypatch.setattr(files, "_probe_writable", refuse)
+    monkeypatch.setattr(files, "probe_writable", refuse)
     code, _, err = cli(capsys, ["train", "--preset", "tiny", "--out", tmp_path / "ro" / "run"])
     assert_one_error(code, err, "train", "cannot write", "Read-only file system")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
@@ -458,7 +458,7 @@ def test_sample_refuses_an_existing_or_unwritable_out_before_sampling(capsys, tr
 
     def refuse(*a, **k):
         raise OSError(errno.EROFS, "Read-only file system")
-    monkeypatch.setattr(files, "_probe_writable", refuse)
+    monkeypatch.setattr(files, "probe_writable", refuse)
     code, _, err = cli(capsys, args + ["--out", tmp_path / "new.jsonl"])
     assert_one_error(code, err, "sample", "Read-only file system")
 

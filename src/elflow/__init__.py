@@ -1,4 +1,9 @@
-"""TODO."""
+"""elflow: ELF (Embedded Language Flows) in PyTorch.
+
+Flow matching in the embedding space of a frozen encoder, with one transformer that denoises whole passages
+and, at the last step, reads them out as tokens. `elflow.load(path_or_hub_id)` gives a trained network;
+examples/nano_elf.py holds the whole method in one file; docs/internals.md reads the package module by module.
+"""
 
 
 

@@ -1,21 +1,24 @@
-"""TODO."""
+"""The description of a training run: `TrainConfig` (every setting besides the network's shape, stored with
+the run), its named presets (`--defaults`: RUN_PRESETS) and what --resume may change. elflow.cli.settings
+makes `elflow train`'s flags from its fields."""
 
 from __future__ import annotations
+
 import math
 from dataclasses import dataclass, field, fields, replace
-from elflow.data.tasks import PAIR_TASKS
+
 from elflow.data.layout import SOURCE_SLOTS
-from elflow.space import DRAWN_TABLE_KINDS, FIXED_TABLE_KINDS, TABLE_STREAM
+from elflow.data.tasks import PAIR_TASKS
 from elflow.flow import SAMPLERS, Recipe
 from elflow.generate import SAMPLING_DEFAULTS
-from elflow.methods.tokens import MATCHES
 from elflow.methods import METHOD_NAMES, check_run
-from elflow.model import CONDITIONINGS, DECODERS, PREDICTIONS, PRESETS
+from elflow.methods.tokens import MATCHES
+from elflow.model import CONDITIONINGS, DECODERS, PREDICTIONS, PRESETS, SKIPS
 from elflow.optim import ADAMW_BLR, LR_DECAYS, NS_METHODS, OPTIMIZERS, base_lr
-from elflow.model import SKIPS
+from elflow.space import DRAWN_TABLE_KINDS, FIXED_TABLE_KINDS, TABLE_STREAM
+from elflow.util.devices import resolve_dtype
 from elflow.util.distributed import DIST_TIMEOUT_MINUTES
 from elflow.util.errors import SEED_MAX, ELFError, Record
-from elflow.util.devices import resolve_dtype
 
 
 def _positive(v) -> bool:

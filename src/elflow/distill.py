@@ -3,28 +3,28 @@
 folder with a manifest (distill.json) that --resume and --overwrite read."""
 
 from __future__ import annotations
+
 import os
 import re
 import sys
+from dataclasses import replace
 from pathlib import Path
+
 import torch
 import torch.distributed as dist
-from elflow.generate import distilled_defaults
-from elflow.runs.folder import REPLACED
-from elflow.util.errors import ELFError
-from elflow.util.files import FolderHold, FolderLock, atomic_write_json, check_output, read_json
-from dataclasses import replace
+
 from elflow.config import TrainConfig
-from elflow.util.distributed import setup_distributed
+from elflow.generate import distilled_defaults
 from elflow.methods.distill import DistillObjective, check_schedule
 from elflow.model import PRESETS
 from elflow.runs.checkpoint import list_checkpoints
-from elflow.runs.folder import recover_replaced
-from elflow.runs.folder import set_aside
-from elflow.runs.load import load_init_weights
-from elflow.runs.load import stored_training
+from elflow.runs.folder import REPLACED, recover_replaced, set_aside
+from elflow.runs.load import load_init_weights, stored_training
 from elflow.runs.official import build_from_state_dict
 from elflow.train import train
+from elflow.util.distributed import setup_distributed
+from elflow.util.errors import ELFError
+from elflow.util.files import FolderHold, FolderLock, atomic_write_json, check_output, read_json
 
 
 def _teacher_device():

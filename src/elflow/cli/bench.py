@@ -1,10 +1,12 @@
-"""TODO."""
+"""`elflow bench`: its flags and its run (the work is the library's)."""
 
 from __future__ import annotations
+
 import json
+
+from elflow.experiments.bench import MODES, bench
 from elflow.model import PRESETS
 from elflow.optim import NS_METHODS
-from elflow.experiments.bench import MODES, bench
 from elflow.util.devices import check_device
 
 

@@ -1,11 +1,21 @@
-"""TODO."""
+"""`elflow claims`: its flags and its run (the work is the library's)."""
 
 from __future__ import annotations
+
 import math
 from pathlib import Path
-from elflow.util.errors import ELFError
-from elflow.experiments.claims import DEFAULT_MINUTES, DEFAULT_SEEDS, NAMES, QUICK, QUICK_SEEDS, run_claims, select_claims
+
+from elflow.experiments.claims import (
+    DEFAULT_MINUTES,
+    DEFAULT_SEEDS,
+    NAMES,
+    QUICK,
+    QUICK_SEEDS,
+    run_claims,
+    select_claims,
+)
 from elflow.util.devices import check_device
+from elflow.util.errors import ELFError
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
-"""TODO."""
+"""Flags shared by several commands: the sampler's and W&B's."""
 
 from __future__ import annotations
+
 from elflow.flow import SAMPLERS
 from elflow.generate import SamplingSettings
 from elflow.runs.tracking import HELP_PROJECT

@@ -1,13 +1,14 @@
-"""TODO."""
+"""`elflow compare`: its flags and its run (the work is the library's)."""
 
 from __future__ import annotations
+
 from pathlib import Path
-from elflow.util.errors import ELFError
+
+from elflow.config import RUN_PRESETS, TrainConfig
 from elflow.experiments.compare import DEFAULT_MINUTES, JUDGE_DEFAULTS, compare
-from elflow.config import RUN_PRESETS
-from elflow.config import TrainConfig
 from elflow.methods.tokens import MATCHES
 from elflow.model import PRESETS
+from elflow.util.errors import ELFError
 
 
 # ----------------------------------------------------------------------------------------------------------

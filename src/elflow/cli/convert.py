@@ -1,8 +1,9 @@
-"""TODO."""
+"""`elflow convert`: its flags and its run (the work is the library's)."""
 
 from __future__ import annotations
-from elflow.util.errors import ELFError
+
 from elflow.runs.official import convert
+from elflow.util.errors import ELFError
 from elflow.util.files import check_output
 
 

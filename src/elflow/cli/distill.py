@@ -1,10 +1,11 @@
-"""TODO."""
+"""`elflow distill`: its flags and its run (the work is the library's)."""
 
 from __future__ import annotations
-from elflow.util.errors import ELFError
-from elflow.distill import distill
+
 from elflow.cli.common import add_arguments as add_tracking
+from elflow.distill import distill
 from elflow.runs.tracking import require_wandb
+from elflow.util.errors import ELFError
 
 
 # ----------------------------------------------------------------------------------------------------------

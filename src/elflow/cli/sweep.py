@@ -1,19 +1,18 @@
-"""TODO."""
+"""`elflow sweep`: its flags and its run (the work is the library's)."""
 
 from __future__ import annotations
+
 from pathlib import Path
+
+from elflow.cli.common import add_arguments as add_tracking
+from elflow.experiments.sweep import _FLOAT, COLUMNS, plot_sweep, read_csv, run_sweep
 from elflow.flow import SAMPLERS
 from elflow.methods import get_method
-from elflow.util.errors import ELFError
-from elflow.util.files import read_json
-from elflow.experiments.sweep import COLUMNS, _FLOAT, plot_sweep, read_csv, run_sweep
-from elflow.cli.common import add_arguments as add_tracking
 from elflow.runs.load import method_of
-from elflow.runs.tracking import Tracker
-from elflow.runs.tracking import require_wandb
+from elflow.runs.tracking import Tracker, require_wandb
 from elflow.util.devices import check_device
-from elflow.util.files import FolderHold
-from elflow.util.files import check_output
+from elflow.util.errors import ELFError
+from elflow.util.files import FolderHold, check_output, read_json
 
 
 def add_arguments(p) -> None:

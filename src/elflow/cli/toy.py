@@ -1,9 +1,11 @@
-"""TODO."""
+"""`elflow toy`: its flags and its run (the work is the library's)."""
 
 from __future__ import annotations
+
 import math
-from elflow.flow import SAMPLERS
+
 from elflow.experiments.toy import distillation_table, grid_mixture, plot_toy, ring_mixture, run_toy
+from elflow.flow import SAMPLERS
 from elflow.util.errors import ELFError
 from elflow.util.files import check_output
 

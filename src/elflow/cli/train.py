@@ -1,20 +1,23 @@
-"""TODO."""
+"""`elflow train`: its flags and its run (the work is the library's)."""
 
 from __future__ import annotations
+
 import argparse
 import json
 import os
 import sys
 from pathlib import Path
+
 import torch
-from elflow.config import RUN_PRESETS, TrainConfig, mutable_flags, resume_conflicts
+
 from elflow.cli.settings import add_setting_arguments, given_settings, with_default
+from elflow.config import RUN_PRESETS, TrainConfig, mutable_flags, resume_conflicts
 from elflow.runs.folder import stored_config
-from elflow.util.errors import ELFError
-from elflow.util.files import check_output
+from elflow.train import train
 from elflow.util.devices import check_device
 from elflow.util.distributed import on_rank0, process_group
-from elflow.train import train
+from elflow.util.errors import ELFError
+from elflow.util.files import check_output
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -1,11 +1,13 @@
-"""TODO."""
+"""`elflow train-encoder`: its flags and its run (the work is the library's)."""
 
 from __future__ import annotations
+
 import math
+
+from elflow.experiments.encoder_train import train_encoder
+from elflow.util.devices import check_device
 from elflow.util.errors import ELFError
 from elflow.util.files import FolderHold, check_output
-from elflow.util.devices import check_device
-from elflow.experiments.encoder_train import train_encoder
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -1,11 +1,13 @@
-"""TODO."""
+"""`elflow train-judge`: its flags and its run (the work is the library's)."""
 
 from __future__ import annotations
+
 import json
 import math
-from elflow.util.errors import ELFError
-from elflow.eval.judge import JudgeConfig, NOT_GPT2_NOTE, train_judge
+
+from elflow.eval.judge import NOT_GPT2_NOTE, JudgeConfig, train_judge
 from elflow.util.devices import check_device
+from elflow.util.errors import ELFError
 from elflow.util.files import FolderHold, check_output
 
 

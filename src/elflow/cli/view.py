@@ -1,10 +1,12 @@
-"""TODO."""
+"""`elflow view`: its flags and its run (the work is the library's)."""
 
 from __future__ import annotations
+
 import sys
 from pathlib import Path
-from elflow.util.files import check_output
+
 from elflow.experiments.viewer import read_trajectory, write_page
+from elflow.util.files import check_output
 
 
 # ----------------------------------------------------------------------------------------------------------

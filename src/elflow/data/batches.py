@@ -1,11 +1,16 @@
-"""TODO."""
+"""A run's rows and batches: the data set of token rows, the held-out split, and `Batches`, deterministic,
+resumable and sharded across ranks, read ahead by a background thread (`Prefetch`)."""
 
 from __future__ import annotations
+
 import hashlib
 import math
-from dataclasses import dataclass, field as dc_field
+from dataclasses import dataclass
+from dataclasses import field as dc_field
+
 import numpy as np
 import torch
+
 from elflow.util.errors import ELFError
 
 

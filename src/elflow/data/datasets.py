@@ -1,22 +1,24 @@
-"""TODO."""
+"""The data sets a run reads: a text or pair store prepared once into the cache (by one process; the other
+ranks wait), laid out in rows and split into training and held-out rows (`build_dataset`, `build_pairs`)."""
 
 from __future__ import annotations
+
 import hashlib
 import json
 import shutil
 import tempfile
 from datetime import timedelta
 from pathlib import Path
-from elflow.data.corpus import _warn, check_on_bad
-from elflow.data.layout import check_source_slot
+
 from elflow.data.batches import split_rows
+from elflow.data.corpus import _warn, check_on_bad
+from elflow.data.ingest import prepare_store
+from elflow.data.layout import check_source_slot
+from elflow.data.sources import source_fingerprint
 from elflow.data.store import StoreRows, TokenStore, file_lock, is_store
+from elflow.util.distributed import distributed
 from elflow.util.errors import ELFError
 from elflow.util.files import cache_root
-from elflow.util.distributed import distributed
-from elflow.data.ingest import prepare_store
-from elflow.data.sources import source_fingerprint
-
 
 STORE_KEY_VERSION = 1  # bump when what a cached store holds changes
 

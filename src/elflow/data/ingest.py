@@ -1,6 +1,8 @@
-"""TODO."""
+"""Preparing a token store from a source (`elflow prepare`): tasks read in chunks, tokenized by workers,
+appended in order, the store published only when complete."""
 
 from __future__ import annotations
+
 import math
 import os
 import shutil
@@ -9,14 +11,24 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Iterator
+
 import numpy as np
-from elflow.data.corpus import _bad, check_on_bad
-from elflow.data.store import LOCK, PARTIAL, STORE_FILES, StoreWriter, TokenStore, is_store, remove_store_files, store_lock
+
+from elflow.data.corpus import check_on_bad, report_bad
+from elflow.data.sources import resolve_source, source_fingerprint, source_tasks
+from elflow.data.store import (
+    LOCK,
+    PARTIAL,
+    STORE_FILES,
+    StoreWriter,
+    TokenStore,
+    is_store,
+    remove_store_files,
+    store_lock,
+)
+from elflow.data.workers import ordered_results
 from elflow.util.errors import ELFError
 from elflow.util.files import no_space_error
-from elflow.data.sources import _resolve, _tasks, source_fingerprint
-from elflow.data.workers import _ordered_results
-
 
 CHUNK_BYTES = 1 << 20  # text per task
 
@@ -34,7 +46,7 @@ def auto_workers(total_bytes: int | None, chunk_bytes: int = CHUNK_BYTES) -> int
 def _check_out(out: Path, source, overwrite: bool, cache_dir) -> None:
     if out.exists() and not out.is_dir():
         raise ELFError(f"--out {out} is a file, not a folder; choose another --out")
-    path = _resolve(source, cache_dir)
+    path = resolve_source(source, cache_dir)
     if path is not None and (out.resolve() == path.resolve() or path.resolve() in out.resolve().parents):
         raise ELFError(f"--out {out} lies inside the source {path}; write the store somewhere else")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
@@ -68,7 +80,7 @@ def prepare_store(source, space, out, *, pairs: bool = False, layout: str = "pac
     _check_out(out, source, overwrite, cache_dir)
     t0, cpu0 = time.time(), time.process_time()
     fields = (source_field, target_field) if pairs else (field,)
-    tasks, how = _tasks(source, space, pairs, fields, on_bad, split, max_documents, chunk_bytes, cache_dir)
+    tasks, how = source_tasks(source, space, pairs, fields, on_bad, split, max_documents, chunk_bytes, cache_dir)
     workers = auto_workers(how.get("total"), chunk_bytes) if workers is None else int(workers)
     if workers < 1:
         raise ELFError(f"--workers must be at least 1, got {workers}")
@@ -84,7 +96,7 @@ def prepare_store(source, space, out, *, pairs: bool = False, layout: str = "pac
                    else not progress, desc=f"prepare {Path(str(source)).name or source}", mininterval=1.0,
                    file=sys.stderr, dynamic_ncols=True)
         with bar:
-            docs = _fill(writer, _ordered_results(tasks, space, workers, chunk_bytes), space.eos_id, on_bad,
+            docs = _fill(writer, ordered_results(tasks, space, workers, chunk_bytes), space.eos_id, on_bad,
                          max_documents, bar, t0)
         if docs == 0:
             raise ELFError(f"{source} holds no usable {'pairs' if pairs else 'text'}: every file, line or record was "
@@ -175,7 +187,7 @@ def _fill(writer: StoreWriter, results: Iterator, eos_id: int, on_bad: str, max_
                     docs += 1
                 else:
                     writer.drop_record()
-                    _bad(on_bad, f"{name} is empty")
+                    report_bad(on_bad, f"{name} is empty")
         bar.update(size)
         elapsed = max(time.time() - t0, 1e-9)
         bar.set_postfix_str(f"{docs:,} docs, {writer.tokens / elapsed:,.0f} tok/s", refresh=False)

@@ -1,7 +1,10 @@
-"""TODO."""
+"""Layouts of token rows (every row L tokens, pad = EOS): documents packed or one per row, (source, target)
+pairs in the released or the fixed source slot, and the encoder mask that hides a dropped source."""
 
 from __future__ import annotations
+
 import torch
+
 from elflow.util.errors import ELFError
 
 

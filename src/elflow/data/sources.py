@@ -1,15 +1,28 @@
-"""TODO."""
+"""A source cut into tasks for the tokenizing workers: lines of a .jsonl, whole small .txt files, pieces of a
+large .txt cut before a whitespace run, hub records, pre-tokenized rows; and the source's fingerprint."""
 
 from __future__ import annotations
+
 import hashlib
 import json
 import re
 from pathlib import Path
 from typing import Iterator
-from elflow.data.corpus import BUILTIN_NAMES, CLEAN_VERSION, SHAKESPEARE_SHA256, _is_t5_small, builtin_corpus, is_saved_dataset, local_files, pretokenized_rows, read_documents, read_pairs
+
+from elflow.data.corpus import (
+    BUILTIN_NAMES,
+    CLEAN_VERSION,
+    SHAKESPEARE_SHA256,
+    builtin_corpus,
+    is_saved_dataset,
+    is_t5_small,
+    local_files,
+    pretokenized_rows,
+    read_documents,
+    read_pairs,
+)
 from elflow.util.errors import ELFError
 from elflow.util.files import sha256_file
-
 
 WINDOW = 2  # tasks in flight per worker
 
@@ -17,12 +30,12 @@ WINDOW = 2  # tasks in flight per worker
 _CUT = re.compile(rb"(?<=[!-~])[ \t\n\r\f\v]")  # just before an ASCII whitespace run that follows a visible char
 
 
-_CUT_TEXT = re.compile(r"(?<=[!-~])[ \t\n\r\f\v]")
+CUT_TEXT = re.compile(r"(?<=[!-~])[ \t\n\r\f\v]")
 
 
 # ----------------------------------------------------------------------------------------------------
 # Sources: fingerprints and what they are
-def _resolve(source, cache_dir) -> Path | None:
+def resolve_source(source, cache_dir) -> Path | None:
     """The local path a source names (the built-in corpus's folder for 'builtin'), or None for a hub name."""
     if str(source) in BUILTIN_NAMES:
         return builtin_corpus(cache_dir)
@@ -41,7 +54,7 @@ def source_fingerprint(source, cache_dir=None, full_hash: bool = False) -> dict:
     of local files (with `full_hash`, a sha256 of their contents as well), or a hub dataset's name."""
     if str(source) in BUILTIN_NAMES:
         return {"builtin": SHAKESPEARE_SHA256, "clean": CLEAN_VERSION}
-    path = _resolve(source, cache_dir)
+    path = resolve_source(source, cache_dir)
     if path is None:
         return {"hub": str(source)}
     files = _source_files(path)
@@ -59,7 +72,7 @@ def source_fingerprint(source, cache_dir=None, full_hash: bool = False) -> dict:
 
 # ----------------------------------------------------------------------------------------------------
 # Tasks: what the main process reads, and what a worker makes of it
-def _cut_pieces(data, size: int, pattern) -> list:
+def cut_pieces(data, size: int, pattern) -> list:
     """`data` (bytes or str) cut into pieces of at least `size`, each cut just before a whitespace run."""
     pieces, start = [], 0
     while len(data) - start > size:
@@ -172,13 +185,13 @@ def pretokenized_pairs(rows, name: str):
                            "'condition_input_ids' (source) and 'input_ids' (target)") from None
 
 
-def _tasks(source, space, pairs: bool, fields, on_bad: str, split: str, max_documents, chunk_bytes: int,
+def source_tasks(source, space, pairs: bool, fields, on_bad: str, split: str, max_documents, chunk_bytes: int,
            cache_dir) -> tuple[Iterator, dict]:
     """The tasks that read `source`, and what the manifest says about how it was read."""
     name = str(source)
-    path = _resolve(source, cache_dir)
+    path = resolve_source(source, cache_dir)
     rows = None
-    if _is_t5_small(space) and (path is None or path.is_dir()):
+    if is_t5_small(space) and (path is None or path.is_dir()):
         rows = pretokenized_rows(source, split)
     elif path is not None and is_saved_dataset(path):
         raise ELFError(f"{name} is a saved `datasets` folder of the authors' pre-tokenized T5-small ids; prepare it "

@@ -1,14 +1,18 @@
-"""TODO."""
+"""The token store: a corpus tokenized once into flat arrays on disk (ids.bin, offsets.bin, manifest.json),
+written by `StoreWriter` and read through a memory map (`TokenStore`, `StoreRows`). docs/data.md has the
+format."""
 
 from __future__ import annotations
+
 import json
 import os
 from pathlib import Path
+
 import numpy as np
 import torch
+
 from elflow.util.errors import ELFError
 from elflow.util.files import atomic_write_json
-
 
 FORMAT = "elflow-token-store"
 

@@ -3,7 +3,6 @@ text (copy a line; restore a line whose words were shuffled)."""
 
 from __future__ import annotations
 
-
 # Conditional data sets on the hub: name -> (dataset id, config, default split, (source, target) getter).
 PAIR_PRESETS = {
     "wmt14": ("wmt14", "de-en", lambda ex: (ex["translation"]["de"], ex["translation"]["en"])),

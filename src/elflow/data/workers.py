@@ -1,16 +1,18 @@
-"""TODO."""
+"""Tokenizing a source's tasks, in this process or in forked workers, in the source's order."""
 
 from __future__ import annotations
+
 import contextlib
 import io
 import os
 from collections import deque
 from typing import Iterator
-import numpy as np
-from elflow.data.corpus import _bad, decode_text, field_text, jsonl_object
-from elflow.util.errors import ELFError
-from elflow.data.sources import WINDOW, _CUT_TEXT, _cut_pieces
 
+import numpy as np
+
+from elflow.data.corpus import decode_text, field_text, jsonl_object, report_bad
+from elflow.data.sources import CUT_TEXT, WINDOW, cut_pieces
+from elflow.util.errors import ELFError
 
 PIECE_CHARS = 1 << 16  # the longest text a tokenizer call sees
 GROUP_CHARS = 1 << 18  # text per tokenizer call
@@ -23,7 +25,7 @@ def _tokenize(space, texts: list[str], max_chars: int) -> list[np.ndarray]:
     size = min(max_chars, PIECE_CHARS)
     pieces, owner = [], []
     for i, text in enumerate(texts):
-        for piece in _cut_pieces(text, size, _CUT_TEXT) if len(text) > size else [text]:
+        for piece in cut_pieces(text, size, CUT_TEXT) if len(text) > size else [text]:
             pieces.append(piece)
             owner.append(i)
     ids, group, chars = [], [], 0
@@ -103,7 +105,7 @@ def _run_task(task: tuple, space, max_chars: int):
                                f"{type(tgt).__name__} target, not strings; choose the fields with --source-field "
                                "and --target-field")
             if not src.strip():
-                _bad(on_bad, f"{name}: record {first + k + 1} has an empty source")
+                report_bad(on_bad, f"{name}: record {first + k + 1} has an empty source")
                 continue
             kept.append((src, tgt))
         return "pairs", _tokenize_pairs(space, kept, max_chars)
@@ -134,7 +136,7 @@ def _in_process(task, space, max_chars):
     return result, err.getvalue()
 
 
-def _ordered_results(tasks: Iterator, space, workers: int, max_chars: int) -> Iterator:
+def ordered_results(tasks: Iterator, space, workers: int, max_chars: int) -> Iterator:
     """(meta, (result, warnings)) per task, in the tasks' order; `workers` > 1 runs them in forked processes,
     at most WINDOW per worker in flight (so the main process never reads far ahead)."""
     if workers <= 1:

@@ -1,1 +1,1 @@
-"""TODO."""
+"""Evaluation: the paper's metrics and protocol, the judges, MAUVE, and the learning diagnostics."""

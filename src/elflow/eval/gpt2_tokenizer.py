@@ -1,6 +1,8 @@
-"""TODO."""
+"""GPT-2's byte-level BPE tokenizer without the hub: its ranks from the `openai-whisper` source archive on
+PyPI, checked by sha256 and made into a Hugging Face tokenizer."""
 
 from __future__ import annotations
+
 import base64
 import hashlib
 import os
@@ -10,9 +12,9 @@ import tarfile
 import tempfile
 from functools import lru_cache
 from pathlib import Path
+
 from elflow.util.errors import ELFError
 from elflow.util.files import atomic_write, cache_root
-
 
 EOS_TOKEN = "<|endoftext|>"
 

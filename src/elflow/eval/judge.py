@@ -1,25 +1,28 @@
-"""TODO."""
+"""Judges: loading a causal LM (GPT-2 Large, or any folder) to score texts, and training a small offline one
+with GPT-2's tokenizer, saved as a Hugging Face causal LM (it is not GPT-2 Large: its figures compare only
+with each other)."""
 
 from __future__ import annotations
+
 import math
 import os
 import time
-from pathlib import Path
-import torch
-import torch.nn.functional as F
-from elflow.util.errors import ELFError, first_line
-from elflow.util.files import atomic_write_json
-from elflow.util.hub import hub_reachable
 from dataclasses import dataclass
+from pathlib import Path
+
+import torch
 import torch.nn as nn
-from elflow.model import Block, RMSNorm, TransformerShape, rope_tables
-from elflow.util.errors import Record
-from elflow.util.files import NoSpace, disk_full, file_mode
-from elflow.util.devices import default_device
-from elflow.eval.metrics import DTYPES
+import torch.nn.functional as F
+
 from elflow.data.datasets import text_store
-from elflow.encoders import _tokenizer_fingerprint
+from elflow.encoders import tokenizer_fingerprint
 from elflow.eval.gpt2_tokenizer import build_gpt2_tokenizer
+from elflow.eval.metrics import DTYPES
+from elflow.model import Block, RMSNorm, TransformerShape, rope_tables
+from elflow.util.devices import default_device
+from elflow.util.errors import ELFError, Record, first_line
+from elflow.util.files import NoSpace, atomic_write_json, disk_full, file_mode
+from elflow.util.hub import hub_reachable
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -233,7 +236,7 @@ class _JudgeTokens:
         self.tokenizer, self.name = tokenizer, "gpt2"
         self.eos_id = self.pad_id = int(eos_id)
         self.vocab_size = len(tokenizer)
-        self.tokenizer_id = _tokenizer_fingerprint(tokenizer)
+        self.tokenizer_id = tokenizer_fingerprint(tokenizer)
 
     def tokenize(self, texts: list[str], eos: bool = True) -> list[list[int]]:
         ids = self.tokenizer(list(texts), add_special_tokens=False, verbose=False)["input_ids"]

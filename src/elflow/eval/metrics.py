@@ -1,16 +1,19 @@
-"""TODO."""
+"""The paper's metrics: generative perplexity under a judge with its token weights, unigram entropy, BLEU and
+ROUGE, and reading samples files. docs/evaluation.md states the protocol."""
 
 from __future__ import annotations
+
 import json
 import math
 import os
 from pathlib import Path
 from typing import Iterable, Sequence
+
 import torch
 import torch.nn.functional as F
+
 from elflow.util.errors import ELFError
 from elflow.util.files import utf8_lines
-
 
 PROTOCOLS = ("elf", "elf-official", "mdlm")
 
@@ -42,7 +45,7 @@ def read_texts(jsonl_path: str | os.PathLike, field: str = "text") -> list[str]:
     return texts
 
 
-def _read_references(path: str | os.PathLike, field: str) -> list[str]:
+def read_references(path: str | os.PathLike, field: str) -> list[str]:
     """References: a .jsonl file (read from `field`) or a text file with one reference per line."""
     path = Path(path).expanduser()
     if path.suffix in (".jsonl", ".json"):

@@ -1,18 +1,20 @@
-"""TODO."""
+"""Texts from a model, judged: sample, write and score in one call, and the held-out text of a run's own data
+(cached, judged once) to put beside its samples."""
 
 from __future__ import annotations
+
 import hashlib
 import json
 from pathlib import Path
-from elflow.util.errors import ELFError
-from elflow.util.files import atomic_write_json
-from elflow.eval.metrics import generative_perplexity, summary_of
+
 from elflow.config import TrainConfig
 from elflow.data.datasets import run_data
+from elflow.eval.metrics import generative_perplexity, summary_of
 from elflow.generate import gather_records, write_samples
 from elflow.runs.load import stored_training
 from elflow.space import build_space
-from elflow.util.files import cache_root
+from elflow.util.errors import ELFError
+from elflow.util.files import atomic_write_json, cache_root
 
 
 def sample_and_score(method, net, space, num: int, settings, score, path=None, meta: dict | None = None,

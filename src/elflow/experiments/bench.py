@@ -1,24 +1,25 @@
-"""TODO."""
+"""`elflow bench`: forward, training-step and sampling speed of a network against the device's matmul peak
+(FLOP formulas of the released recipe)."""
 
 from __future__ import annotations
+
 import resource
 import statistics
 import time
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from elflow.model import ELF, PRESETS, ELFConfig, get_config
-from elflow.optim import NS_METHODS, method_for
-from elflow.util.errors import ELFError
-from elflow.util.devices import autocast, default_device
-from elflow.methods.elf import HEAD_PREFIXES
-from elflow.flow import Recipe, draw_training_noise
-from elflow.flow import generate_tokens
+
+from elflow.flow import Recipe, draw_training_noise, generate_tokens
 from elflow.methods import get_method
 from elflow.methods.base import TrainedPass
-from elflow.optim import EMA, ELFOptimizer
+from elflow.methods.elf import HEAD_PREFIXES
+from elflow.model import ELF, PRESETS, ELFConfig, get_config
+from elflow.optim import EMA, NS_METHODS, ELFOptimizer, method_for
 from elflow.train import shard_generators, train_step
-
+from elflow.util.devices import autocast, default_device
+from elflow.util.errors import ELFError
 
 MODES = ("forward", "train", "sample")
 

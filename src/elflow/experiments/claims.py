@@ -1,30 +1,29 @@
-"""TODO."""
+"""`elflow claims`: the paper's ablation findings re-tested at small scale with seeds, each variant trained
+once and cached, a verdict per finding and per claim."""
 
 from __future__ import annotations
+
 import hashlib
 import json
 import math
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from elflow.config import RUN_PRESETS
-from elflow.util.errors import ELFError
-from elflow.util.files import FolderHold, atomic_write, atomic_write_json, check_output
-from elflow.config import TrainConfig
+
+from elflow.config import RUN_PRESETS, TrainConfig
 from elflow.data.datasets import build_dataset
-from elflow.eval.diagnostics import corpus_vocabulary
-from elflow.eval.diagnostics import validation_report
+from elflow.eval.diagnostics import corpus_vocabulary, validation_report
 from elflow.eval.judge import load_judge
 from elflow.eval.scoring import sample_and_score
-from elflow.experiments.compare import _row_documents, cached_judge
-from elflow.experiments.compare import judge_texts
+from elflow.experiments.compare import cached_judge, judge_texts, row_documents
 from elflow.experiments.encoder_train import train_encoder
 from elflow.flow import Recipe
 from elflow.methods import get_method
 from elflow.runs.load import load_for_sampling
 from elflow.space import build_space, space_spec
 from elflow.train import train
-
+from elflow.util.errors import ELFError
+from elflow.util.files import FolderHold, atomic_write, atomic_write_json, check_output
 
 NOISE = 2.0  # standard errors of the paired seed differences a finding must clear
 
@@ -294,7 +293,7 @@ class Harness:
                                                val_fraction=cfg.val_fraction, seed=0, cache_dir=self.cache_dir,
                                                field=cfg.text_field, on_bad=cfg.on_bad)
 
-            folder = cached_judge(_row_documents(tokens, train_set), self.cache_dir, self.device,
+            folder = cached_judge(row_documents(tokens, train_set), self.cache_dir, self.device,
                                   printer=self.printer, **self.judge_settings)
             self.vocab = corpus_vocabulary(tokens.decode(train_set.tokens[: min(len(train_set), 4000)]))
             self.judge_name = str(folder)

@@ -1,6 +1,8 @@
-"""TODO."""
+"""`elflow compare`: ELF, an AR and an MDLM baseline trained on the same tokens for one budget, sampled over
+their settings and judged alike: one table and one plot."""
 
 from __future__ import annotations
+
 import hashlib
 import itertools
 import json
@@ -9,22 +11,21 @@ import os
 import shutil
 from dataclasses import replace
 from pathlib import Path
-from elflow.eval.diagnostics import WORD, corpus_vocabulary, word_stats
-from elflow.methods import METHOD_NAMES, get_method
-from elflow.util.errors import ELFError
-from elflow.util.files import FolderHold, atomic_write_json, cache_root, check_output, read_json
+
 from elflow.data.datasets import build_dataset
-from elflow.eval.judge import JudgeConfig, train_judge
-from elflow.eval.judge import load_judge
+from elflow.eval.diagnostics import WORD, corpus_vocabulary, word_stats
+from elflow.eval.judge import JudgeConfig, load_judge, train_judge
 from elflow.eval.metrics import generative_perplexity
 from elflow.eval.scoring import sample_and_score
 from elflow.experiments.figures import plot_tradeoff
+from elflow.methods import METHOD_NAMES, get_method
 from elflow.runs.load import load_for_sampling
 from elflow.runs.log import read_metrics
 from elflow.space import build_space, space_spec
 from elflow.train import train
 from elflow.util.devices import check_device
-
+from elflow.util.errors import ELFError
+from elflow.util.files import FolderHold, atomic_write_json, cache_root, check_output, read_json
 
 DEFAULT_MINUTES = 4.0  # minutes of training per method
 
@@ -60,7 +61,7 @@ def judge_texts(texts: list[str], vocab: set[str], judge=None) -> dict:
 
 # ----------------------------------------------------------------------------------------------------------
 # the judge
-def _row_documents(space, dataset, rows_per_document: int = 64) -> list[str]:
+def row_documents(space, dataset, rows_per_document: int = 64) -> list[str]:
     """The dataset's rows as text, decoded whole (EOS and pads dropped), `rows_per_document` rows per text."""
     tok = space.tokenizer
     rows = dataset.tokens.tolist()
@@ -158,7 +159,7 @@ def _compare(cfg, out, steps, minutes, num, judge, elf_steps, omegas, ar_tempera
                                        field=cfg.text_field, on_bad=cfg.on_bad)
     judge_name = "given"
     if judge is None:
-        judge = cached_judge(_row_documents(tokens_space, train_set), cache_dir, device, progress=not quiet,
+        judge = cached_judge(row_documents(tokens_space, train_set), cache_dir, device, progress=not quiet,
                              printer=printer, **(judge_settings or {}))
     if not isinstance(judge, tuple):
         judge_name = str(judge)

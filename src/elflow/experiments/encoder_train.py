@@ -1,16 +1,20 @@
-"""TODO."""
+"""`elflow train-encoder`: a small T5 encoder trained from scratch by span corruption, saved as a folder that
+is an embedding space (`--space t5:FOLDER`)."""
 
 from __future__ import annotations
+
 import math
 import tempfile
 import time
 from pathlib import Path
+
 import numpy as np
 import torch
+
 from elflow.data.corpus import read_documents
+from elflow.util.devices import default_device
 from elflow.util.errors import ELFError
 from elflow.util.files import atomic_write_json
-from elflow.util.devices import default_device
 
 
 def span_noise_mask(length: int, density: float, mean_span: float, rng: np.random.Generator) -> np.ndarray:

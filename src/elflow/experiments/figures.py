@@ -1,7 +1,9 @@
-"""TODO."""
+"""Figures shared by the experiments: a metric against another, one curve per setting."""
 
 from __future__ import annotations
+
 from pathlib import Path
+
 from elflow.util.files import atomic_write
 
 

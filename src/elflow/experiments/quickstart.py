@@ -1,35 +1,33 @@
-"""TODO."""
+"""`elflow quickstart`: the offline default (train the demo model, sample, report against baselines that learn
+nothing), and its conditional and distillation demonstrations."""
 
 from __future__ import annotations
+
 import sys
 import time
 from pathlib import Path
+
 import torch
-from elflow.flow import Recipe
-from elflow.util.errors import ELFError
-from elflow.util.files import FolderLock, atomic_write_json
+
+from elflow.config import RUN_PRESETS, TrainConfig
 from elflow.data.corpus import task_pairs_file
-from elflow.config import RUN_PRESETS
-from elflow.config import TrainConfig
 from elflow.data.datasets import build_dataset
 from elflow.distill import distill
 from elflow.eval.diagnostics import corpus_vocabulary, validation_report, word_stats
 from elflow.eval.metrics import bleu
 from elflow.eval.scoring import sample_and_score
-from elflow.generate import distilled_defaults, settings_for
-from elflow.generate import generate
+from elflow.flow import Recipe
+from elflow.generate import distilled_defaults, generate, settings_for
 from elflow.methods import get_method
 from elflow.model import ShortRunOptions
-from elflow.runs.checkpoint import latest_checkpoint
-from elflow.runs.checkpoint import read_state
+from elflow.runs.checkpoint import latest_checkpoint, read_state
 from elflow.runs.folder import stored_config
 from elflow.runs.load import load_for_sampling
 from elflow.runs.log import plot_losses
 from elflow.space import FIXED_TABLE_KINDS, space_spec
 from elflow.train import train
-from elflow.util.files import atomic_write
-from elflow.util.files import read_json
-
+from elflow.util.errors import ELFError
+from elflow.util.files import FolderLock, atomic_write, atomic_write_json, read_json
 
 # the quickstart's length and final sampler (its other settings are the "quickstart" preset of TrainConfig)
 DEMO_STEPS = 250
@@ -202,7 +200,7 @@ def conditional_report(run_dir, held: list[tuple[str, str]], num: int, steps: in
     return out
 
 
-def _train_and_report(args, cfg, out: Path, command: str, what: str, make_report) -> tuple[float, float]:
+def train_and_report(args, cfg, out: Path, command: str, what: str, make_report) -> tuple[float, float]:
     """Train `cfg` into `out` (unless --report-only), then `make_report()` holding the run folder's lock;
     returns (training seconds, report seconds)."""
     t0 = time.perf_counter()

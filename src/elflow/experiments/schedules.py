@@ -1,7 +1,10 @@
-"""TODO."""
+"""Figure 2: the training distributions (times, decode levels, guidance scales) and the sampling grids, their
+statistics against their closed forms and one figure."""
 
 from __future__ import annotations
+
 import torch
+
 from elflow.flow import sample_decode_level, sample_guidance, sample_time, time_grid
 from elflow.util.files import atomic_write
 

@@ -1,21 +1,23 @@
-"""TODO."""
+"""`elflow sweep`: a model sampled over a grid of sampler settings, judged, written as CSV and plotted as curves
+(the paper's Figure 3)."""
 
 from __future__ import annotations
+
 import csv
 import itertools
 import math
 import sys
 import time
 from pathlib import Path
-from elflow.methods import get_method
-from elflow.util.errors import ELFError
-from elflow.util.files import atomic_write_json, atomic_write_text
+
 from elflow.eval.judge import load_judge
 from elflow.eval.metrics import judge_score
 from elflow.eval.scoring import sample_and_score
 from elflow.experiments.figures import plot_tradeoff
+from elflow.methods import get_method
 from elflow.runs.load import load_for_sampling
-
+from elflow.util.errors import ELFError
+from elflow.util.files import atomic_write_json, atomic_write_text
 
 COLUMNS = ["sampler", "steps", "omega", "gamma", "seed", "num", "gen_ppl", "entropy", "num_samples", "num_empty",
            "num_tokens", "protocol", "judge", "seconds", "method", "temperature", "top_p"]

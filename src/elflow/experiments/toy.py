@@ -1,11 +1,14 @@
-"""TODO."""
+"""Figure 1: a 2-D Gaussian mixture with its exact denoiser, sampled by each sampler at several step counts, and
+a toy progressive distillation."""
 
 from __future__ import annotations
+
 import math
 from dataclasses import dataclass
+
 import torch
-from elflow.flow import sample
-from elflow.flow import time_grid
+
+from elflow.flow import sample, time_grid
 from elflow.methods.distill import pd_target
 from elflow.util.files import atomic_write
 

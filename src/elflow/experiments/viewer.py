@@ -1,12 +1,14 @@
-"""TODO."""
+"""A sampling trajectory (`elflow sample --trajectory`) as one self-contained HTML page: each step's readout,
+tokens coloured by when they settled."""
 
 from __future__ import annotations
+
 import html
 import json
 from pathlib import Path
+
 from elflow.util.errors import ELFError
 from elflow.util.files import atomic_write_text
-
 
 FORMAT = "elflow-trajectory"
 

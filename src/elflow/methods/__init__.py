@@ -1,7 +1,10 @@
-"""TODO."""
+"""The training methods by name: ELF (elflow.methods.elf) and the token-level baselines AR and MDLM. Commands
+ask a method what its models can do (`require`) instead of comparing its name."""
 
 from __future__ import annotations
+
 from dataclasses import MISSING, fields
+
 from elflow.methods import ar, elf, mdlm
 from elflow.methods.base import Method, TrainedPass
 from elflow.methods.tokens import MATCHES, BaselineSampling, trunk_params

@@ -1,14 +1,17 @@
-"""TODO."""
+"""An autoregressive baseline over the space's tokens: next-token cross-entropy, and a cached sampler with
+temperature and nucleus (top-p) sampling."""
 
 from __future__ import annotations
+
 from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
-from elflow.methods.tokens import TokenMethod
+
 from elflow.methods.token_net import TokenLMConfig, TokenTransformer, fit_token_lm
+from elflow.methods.tokens import TokenMethod, sample_categorical
 from elflow.model import apply_rope
 from elflow.util.errors import ELFError
-from elflow.methods.tokens import sample_categorical
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,12 @@
-"""TODO."""
+"""What a training method is to the trainer, the loader and the samplers: the `Method` protocol, and
+`TrainedPass`, a method's loss as one module's forward (what DDP and torch.compile wrap)."""
 
 from __future__ import annotations
+
 import torch
 from torch import nn
-from elflow.util.errors import ELFError
 
+from elflow.util.errors import ELFError
 
 # what a command may ask of a model besides texts from noise, with the flag or command that asks it
 FEATURES = {

@@ -1,12 +1,26 @@
-"""TODO."""
+"""Progressive distillation's objective: a student that takes one step of size s where its frozen teacher takes
+K sub-steps, regressed on the x whose single Euler step lands where the teacher's K steps land."""
 
 from __future__ import annotations
-from dataclasses import dataclass
-import torch
-from elflow.flow import Recipe, decode_levels, euler_step, row_index, scored_positions, to_device, token_mean_loss
-from elflow.flow import T_MEAN, T_STD, sample_guidance, sample_time
-from elflow.util.errors import ELFError
 
+from dataclasses import dataclass
+
+import torch
+
+from elflow.flow import (
+    T_MEAN,
+    T_STD,
+    Recipe,
+    decode_levels,
+    euler_step,
+    row_index,
+    sample_guidance,
+    sample_time,
+    scored_positions,
+    to_device,
+    token_mean_loss,
+)
+from elflow.util.errors import ELFError
 
 SUB_STEP_MIN_SPAN = 1e-3  # below this interval the extrapolation to t = 1 is ill-conditioned: use the guess
 

@@ -7,16 +7,19 @@ network as stored with a run (its config and options) is read and written here t
 """
 
 from __future__ import annotations
+
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable
+
 import torch
+
 from elflow.data.layout import encoder_mask
-from elflow.space import latent_moments, space_spec, token_vectors
 from elflow.flow import TIME_BINS, Recipe, draw_training_noise, elf_loss, generate_tokens, time_bin, time_bin_labels
 from elflow.generate import ELF_KNOBS, generate, settings_for
 from elflow.methods.base import FEATURES, Method
 from elflow.model import ELFConfig, ShortRunOptions, build_network, check_network, options_of
+from elflow.space import latent_moments, space_spec, token_vectors
 from elflow.util.devices import check_memory
 from elflow.util.errors import ELFError
 

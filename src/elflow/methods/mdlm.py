@@ -1,14 +1,16 @@
-"""TODO."""
+"""A masked diffusion baseline (MDLM) over the space's tokens: the continuous-time NELBO with a linear
+schedule and the ancestral sampler with the SUBS parameterisation."""
 
 from __future__ import annotations
+
 from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
-from elflow.methods.tokens import TokenMethod
-from elflow.methods.token_net import TokenLMConfig, TokenTransformer, fit_token_lm
-from elflow.util.errors import ELFError
-from elflow.methods.tokens import sample_categorical
 
+from elflow.methods.token_net import TokenLMConfig, TokenTransformer, fit_token_lm
+from elflow.methods.tokens import TokenMethod, sample_categorical
+from elflow.util.errors import ELFError
 
 EPS = 1e-3  # the smallest training time: the loss weight 1/t stays below 1/EPS
 

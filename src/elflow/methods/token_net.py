@@ -2,11 +2,14 @@
 written to token ids, and the shapes that match a parameter count (`fit_token_lm`)."""
 
 from __future__ import annotations
+
 import math
 from dataclasses import dataclass
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
 from elflow.model import Block, RMSNorm, TransformerShape, num_params, rope_tables
 from elflow.util.devices import check_memory
 from elflow.util.errors import Record

@@ -1,14 +1,17 @@
-"""TODO."""
+"""The token-level baselines' shared part: their sampler settings, the method around a TokenTransformer sized to
+the ELF network of the same flags, and the float64 categorical draw of their samplers."""
 
 from __future__ import annotations
+
 from dataclasses import asdict, dataclass
+
 import torch
+
 from elflow.generate import sample_batches
 from elflow.methods.base import Method
-from elflow.model import ELF, num_params
 from elflow.methods.token_net import TokenLMConfig
+from elflow.model import ELF, num_params
 from elflow.util.errors import ELFError
-
 
 MATCHES = ("total", "trunk")
 

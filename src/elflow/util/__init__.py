@@ -1,1 +1,1 @@
-"""TODO."""
+"""Small shared helpers, each module one concern: errors, files, devices, the process group, the hub."""

@@ -1,9 +1,12 @@
-"""TODO."""
+"""Devices and precision: the default device, bf16 where it is fast (GPUs, CPUs with AMX / AVX512-BF16),
+autocast, TF32, flushed CPU denormals, and the memory check that refuses a size before anything is allocated."""
 
 from __future__ import annotations
+
 import functools
 import os
 from contextlib import contextmanager
+
 from elflow.util.errors import ELFError
 
 

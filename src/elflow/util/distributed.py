@@ -1,11 +1,13 @@
-"""TODO."""
+"""The process group under torchrun (NCCL on GPUs, Gloo on CPUs) and the two ways a decision is shared: rank 0
+decides for all (`on_rank0`), or every rank checks and all stop together (`on_every_rank`)."""
 
 from __future__ import annotations
+
 import os
 import socket
 from contextlib import contextmanager
-from elflow.util.errors import ELFError
 
+from elflow.util.errors import ELFError
 
 # ----------------------------------------------------------------------------------------------------------
 # the process group

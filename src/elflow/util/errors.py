@@ -1,6 +1,8 @@
-"""TODO."""
+"""The error type of bad input (printed as one line, never a traceback), the settings record every config
+dataclass shares, and the seed check."""
 
 from __future__ import annotations
+
 from dataclasses import asdict, fields, replace
 
 

@@ -1,6 +1,8 @@
-"""TODO."""
+"""Files that are never half-written: atomic writes, the one rule for what may stand at an output path, full
+disks, JSON reading with one-line errors, and the folder lock and hold of a command's output folder."""
 
 from __future__ import annotations
+
 import errno
 import functools
 import hashlib
@@ -12,6 +14,7 @@ import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
+
 from elflow.util.errors import ELFError
 
 
@@ -201,7 +204,7 @@ def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
 
 # ----------------------------------------------------------------------------------------------------------
 # output paths
-def _probe_writable(folder: Path) -> None:
+def probe_writable(folder: Path) -> None:
     fd, tmp = tempfile.mkstemp(prefix=".elflow-probe-", dir=folder)
     os.close(fd)
     os.unlink(tmp)
@@ -284,7 +287,7 @@ def check_output(path: str | os.PathLike, overwrite: bool = False, flag: str = "
     if not base.is_dir():
         raise ELFError(f"{flag} {path} lies under {base}, which is a file, not a folder; choose another {flag}")
     try:
-        _probe_writable(base)
+        probe_writable(base)
     except OSError as e:
         raise ELFError(f"{flag} {path}: cannot write in {base} ({e.strerror or e}); choose a writable place") from None
     return path

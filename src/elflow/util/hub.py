@@ -1,6 +1,8 @@
-"""TODO."""
+"""Whether the Hugging Face Hub can be asked: HF_HUB_OFFLINE, and one cheap connection test per process so that
+a machine without a network fails at once."""
 
 from __future__ import annotations
+
 import functools
 import os
 import socket
