@@ -14,7 +14,7 @@ from elflow.generate import SAMPLING_DEFAULTS
 from elflow.methods import METHOD_NAMES, check_run
 from elflow.methods.tokens import MATCHES
 from elflow.model import CONDITIONINGS, DECODERS, PREDICTIONS, PRESETS, SKIPS
-from elflow.optim import ADAMW_BLR, LR_DECAYS, NS_METHODS, OPTIMIZERS, base_lr
+from elflow.optim import ADAMW_BLR, LR_DECAYS, MUON_SCALES, NS_METHODS, OPTIMIZERS, base_lr
 from elflow.space import DRAWN_TABLE_KINDS, FIXED_TABLE_KINDS, TABLE_STREAM
 from elflow.util.devices import resolve_dtype
 from elflow.util.distributed import DIST_TIMEOUT_MINUTES
@@ -149,6 +149,10 @@ class TrainConfig(Record):
                                      "steps), spectral (on the Gram matrix's eigenvalues, faster on a CPU for "
                                      "large matrices), by-shape (spectral where it pays); auto: by-shape for fp32 "
                                      "Newton-Schulz on CPUs, iterate on GPUs", choices=NS_METHODS)
+    muon_scale: str = setting("released", "Muon's step scale on the decode head's two matrices: released: "
+                                          "sqrt(max(1, fan_in / fan_out)), as the released code steps them (it "
+                                          "stores them as (in, out) kernels); fan: sqrt(max(1, fan_out / fan_in)), "
+                                          "the rule every other matrix follows", choices=MUON_SCALES)
     grad_clip: float = setting(1.0, "gradient-norm clipping (0: none)", check=AT_LEAST_0)
     dtype: str = setting("auto", "autocast precision; auto: bf16 on GPUs and CPUs with native bf16 matmuls, "
                                  "else fp32, stored resolved with the run (--print-config shows what it picks on "
@@ -292,7 +296,7 @@ class TrainConfig(Record):
         except ELFError as e:
             raise ELFError(f"{stored}: {e}" if stored is not None else str(e)) from None
         if self.optimizer == "adamw":
-            for attr in ("adam_heads", "ns_method"):
+            for attr in ("adam_heads", "ns_method", "muon_scale"):
                 if getattr(self, attr) != next(f for f in fields(self) if f.name == attr).default:
                     raise ELFError(f"{name(attr)} sets up Muon; it does not apply to --optimizer adamw")
         readout = (self.short_run or {}).get("table_readout")

@@ -37,9 +37,8 @@ class TransformerShape:
 
 @dataclass(frozen=True)
 class ELFConfig(Record, TransformerShape):
-    """Network shape and variant. `dim`, `vocab_size` and `max_length` come from the embedding space and data.
-    `noise_scale` and `t_eps` are the training path's, read only by a v- or eps-predicting head (None, and
-    ignored, for the x-predicting head)."""
+    """Network shape and variant (`dim`, `vocab_size`, `max_length` from the space and data); the training path's
+    `noise_scale` and `t_eps` are read by a v- or eps-predicting head alone (None for the x head)."""
 
     depth: int = 12
     hidden: int = 768
@@ -114,9 +113,8 @@ def get_config(name: str, **overrides) -> ELFConfig:
 
 @dataclass(frozen=True)
 class ShortRunOptions(Record):
-    """Four changes for short runs; the defaults are the paper's network (docs/method.md, "Short runs"): t
-    scaled before its features, the head's input modulated by t, a Gaussian (or gated) skip of z into the
-    guess, and a readout helped by the space's token vectors (`table_readout` is that help's weight)."""
+    """Four changes for short runs (docs/method.md), the defaults the paper's network: t scaled before its
+    features, the head's input modulated by t, a Gaussian (or gated) skip of z, a readout helped by a table."""
 
     skip: str = "none"
     time_scale: float = 1.0
@@ -166,11 +164,9 @@ def build_network(config: ELFConfig, options=None):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# the prediction targets on the path z = t x + (1 - t) noise_scale eps: x = a z + b out, clipped at t_eps
-# (c1 = max(1 - t, t_eps), c0 = max(t, t_eps)): x: a = 0, b = 1; v: a = 1, b = c1; eps: a = 1 / c0,
-# b = -noise_scale c1 / c0 (docs/method.md)
+# the prediction targets on the path z = t x + (1 - t) noise_scale eps: x = a z + b out (docs/method.md)
 def prediction_affine(kind: str, t: torch.Tensor, noise_scale: float, t_eps: float):
-    """(a, b) of x = a z + b out for target `kind`; t (B,) -> (B, 1, 1) each."""
+    """(a, b) of x = a z + b out for target `kind`, clipped at t_eps at both ends; t (B,) -> (B, 1, 1) each."""
     t = t.float().reshape(-1, 1, 1)
     c0, c1 = t.clamp_min(t_eps), (1 - t).clamp_min(t_eps)
     if kind == "x":
@@ -192,10 +188,8 @@ def prediction_to_x(kind: str, out: torch.Tensor, z: torch.Tensor, t: torch.Tens
 
 
 def gaussian_posterior(z, t, mean, var, noise_scale):
-    """Posterior mean and std of x given z = t x + (1 - t) noise_scale e for x ~ N(mean, var) per dimension:
-        E[x | z] = mean + g (z - t mean),  g = t var / (t^2 var + (1 - t)^2 noise_scale^2)
-        Std[x | z] = (1 - t) noise_scale sqrt(var) / sqrt(t^2 var + (1 - t)^2 noise_scale^2)
-    z (B, L, C), t (B,) or a number, mean / var (C,), noise_scale a number or a 0-dim tensor."""
+    """Posterior mean and std of x given z = t x + (1 - t) noise_scale e for x ~ N(mean, var) per dimension
+    (docs/method.md): z (B, L, C), t (B,) or a number, mean / var (C,), noise_scale a number or 0-dim tensor."""
     t = torch.as_tensor(t, dtype=torch.float32, device=z.device)
     t = t.reshape(-1, 1, 1) if t.dim() else t
     spread = (1 - t) * noise_scale
@@ -214,9 +208,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.normalize(x).to(x.dtype)
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:  # in fp32, before `forward` casts it back
         x32 = x.float()
-        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.float()).to(x.dtype)
+        return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
 
 
 def rope_tables(length: int, head_dim: int, num_prefix: int, theta: float = 10000.0):
@@ -231,10 +227,14 @@ def rope_tables(length: int, head_dim: int, num_prefix: int, theta: float = 1000
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (B, nh, N, d); (a, b) -> (a cos - b sin, b cos + a sin) on interleaved pairs."""
-    a, b = x[..., 0::2], x[..., 1::2]
-    rotated = torch.stack((-b, a), dim=-1).flatten(-2)  # (B, nh, N, d): [-b0, a0, -b1, a1, ...]
-    return x * cos + rotated * sin
+    """x (B, nh, N, d); (a, b) -> (a cos - b sin, b cos + a sin) on interleaved pairs, in fp32 (or wider)."""
+    x = x.to(torch.promote_types(torch.promote_types(x.dtype, cos.dtype), torch.float32))
+    if torch.compiler.is_compiling():  # real arithmetic, which the compiler fuses (it emits no complex code)
+        a, b = x[..., 0::2], x[..., 1::2]
+        return x * cos + torch.stack((-b, a), dim=-1).flatten(-2) * sin  # [-b0, a0, -b1, a1, ...]
+    # eager: one complex product (a + ib)(cos + i sin) per pair, one pass over x where the real form takes five
+    turn = torch.complex(cos[..., 0::2].to(x.dtype), sin[..., 0::2].to(x.dtype))  # (N, d/2)
+    return torch.view_as_real(torch.view_as_complex(x.unflatten(-1, (-1, 2))) * turn).flatten(-2)
 
 
 class Attention(nn.Module):
@@ -250,8 +250,8 @@ class Attention(nn.Module):
         B, N, H = h.shape
         qkv = self.qkv(h).view(B, N, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)  # (3, B, nh, N, d)
         q, k, v = qkv.unbind(0)
-        q = apply_rope(self.q_norm(q), cos, sin).to(v.dtype)
-        k = apply_rope(self.k_norm(k), cos, sin).to(v.dtype)
+        q = apply_rope(self.q_norm.normalize(q), cos, sin).to(v.dtype)  # QK-norm and RoPE in fp32, rounded once
+        k = apply_rope(self.k_norm.normalize(k), cos, sin).to(v.dtype)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)  # (B, nh, N, d)
         return self.proj(out.transpose(1, 2).reshape(B, N, H))
 

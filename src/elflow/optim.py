@@ -1,5 +1,6 @@
-"""The paper's optimiser recipe: Muon on 2-D weight matrices (torch.optim.Muon), Adam on the rest, linear
-warm-up then constant (or cosine) learning rate, and the EMA of the weights. docs/internals.md explains the
+"""The paper's optimiser recipe: Muon on 2-D weight matrices (torch.optim.Muon, the decode head's two stepped
+at the released port's scale: `muon_lr_scale`), Adam on the rest, linear warm-up then constant (or cosine)
+learning rate, and the EMA of the weights. docs/internals.md explains the
 Newton-Schulz evaluation that keeps Muon fast on a CPU."""
 
 from __future__ import annotations
@@ -14,9 +15,25 @@ import torch.optim._muon as _muon_impl
 from elflow.util.devices import fast_bf16
 
 OPTIMIZERS = ("muon", "adamw")
+MUON_SCALES = ("released", "fan")  # the decode head's Muon step scale: the released port's, or the fan rule's
+# the matrices the released port stores as (in, out) kernels, the transposes of elflow's nn.Linear weights
+RELEASED_KERNELS = ("decode_head.proj.weight", "decode_head.unembed.weight")
 
 
 ADAMW_BLR = 5e-5  # AdamW's lr per 256 rows: the paper's tuned 1e-4 for ELF-B at batch 512
+
+
+def muon_lr_scale(name: str, shape, muon_scale: str = "released") -> float:
+    """The factor on the learning rate of the Muon parameter `name` of `shape` (out, in) that turns torch's
+    scale sqrt(max(1, out / in)) into the one of `muon_scale`: under "released", on RELEASED_KERNELS,
+    sqrt(max(1, in / out)) / sqrt(max(1, out / in)) (the rows / columns rule read on the (in, out) kernel the
+    released port stores); 1 on every other matrix and under "fan" (docs/method.md)."""
+    if muon_scale not in MUON_SCALES:
+        raise ValueError(f"muon_scale must be one of {', '.join(MUON_SCALES)}, got {muon_scale!r}")
+    if muon_scale == "fan" or not name.endswith(RELEASED_KERNELS) or len(shape) != 2:
+        return 1.0
+    fan_out, fan_in = shape
+    return math.sqrt(max(1.0, fan_in / fan_out)) / math.sqrt(max(1.0, fan_out / fan_in))
 
 
 def base_lr(batch: int, blr: float = 1e-3) -> float:
@@ -139,15 +156,20 @@ class ELFOptimizer:
 
     def __init__(self, named_params, lr: float, betas=(0.9, 0.999),
                  eps: float = 1e-8, momentum: float = 0.95, ns_steps: int = 5, ns_dtype: torch.dtype | None = None,
-                 ns_method: str = "auto", adam=(), kind: str = "muon", weight_decay: float = 0.0):
+                 ns_method: str = "auto", adam=(), kind: str = "muon", weight_decay: float = 0.0,
+                 muon_scale: str = "released"):
         """`adam`: names of parameters that go to Adam whatever their shape (besides the 1-D ones and a trainable
-        space's "space."-named ones). `kind="adamw"`: AdamW on every parameter instead."""
+        space's "space."-named ones). `kind="adamw"`: AdamW on every parameter instead. `muon_scale`: the decode
+        head's Muon step scale (`muon_lr_scale`): a Muon matrix whose factor is not 1 gets a group of its own."""
         if kind not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {kind!r}")
+        if muon_scale not in MUON_SCALES:
+            raise ValueError(f"muon_scale must be one of {', '.join(MUON_SCALES)}, got {muon_scale!r}")
         self.kind = kind
         forced = set(adam)
         muon, adam = [], []
         self.muon_names, self.adam_names = [], []
+        scaled = []  # (param, lr factor) of Muon matrices stepped at a scale of their own
         named_params = list(named_params)
         device = named_params[0][1].device if named_params else torch.device("cpu")
         self.ns_dtype = ns_dtype or default_ns_dtype(device)
@@ -156,11 +178,18 @@ class ELFOptimizer:
             if not p.requires_grad:
                 continue
             to_muon = kind == "muon" and p.ndim == 2 and name not in forced and not name.startswith("space.")
-            (muon if to_muon else adam).append(p)
+            scale = muon_lr_scale(name, p.shape, muon_scale) if to_muon else 1.0
+            if scale != 1.0:
+                scaled.append((p, scale))
+            else:
+                (muon if to_muon else adam).append(p)
             (self.muon_names if to_muon else self.adam_names).append(name)
         self.optimizers = []
-        if muon:
-            self.optimizers.append(torch.optim.Muon(muon, lr=lr, weight_decay=weight_decay, momentum=momentum,
+        if muon or scaled:
+            # a scaled group's weight decay is divided by its factor: the decay stays lr * weight_decay
+            groups = [{"params": muon}] * bool(muon) + [
+                {"params": [p], "lr_scale": f, "weight_decay": weight_decay / f} for p, f in scaled]
+            self.optimizers.append(torch.optim.Muon(groups, lr=lr, weight_decay=weight_decay, momentum=momentum,
                                                     nesterov=True, ns_steps=ns_steps, adjust_lr_fn="original"))
         if adam:
             fused = all(p.is_cuda for p in adam) or None
@@ -175,7 +204,7 @@ class ELFOptimizer:
     def set_lr(self, lr: float) -> None:
         for opt in self.optimizers:
             for g in opt.param_groups:
-                g["lr"] = lr
+                g["lr"] = lr * g.get("lr_scale", 1.0)
 
     def step(self) -> None:
         with ns_precision(self.ns_dtype, self.ns_method):

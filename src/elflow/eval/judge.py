@@ -249,7 +249,7 @@ def _corpus_ids(data: str, tokenizer, eos_id: int, cache_dir=None) -> list[torch
     return [torch.from_numpy(store.record(i)[0].astype("int64")) for i in range(len(store))]
 
 
-def _split_documents(docs: list, val_every: int) -> tuple[list, list]:
+def split_documents(docs: list, val_every: int) -> tuple[list, list]:
     """Every `val_every`-th document is held out; a single document is split 90/10 by tokens instead."""
     if len(docs) >= 2 and val_every >= 2:
         held = {i for i in range(len(docs)) if i % val_every == val_every - 1} or {len(docs) - 1}
@@ -303,7 +303,7 @@ def train_judge(out: str | Path, cfg: JudgeConfig = JudgeConfig(), data: str = "
         docs = [torch.tensor(ids) for ids in _JudgeTokens(tokenizer, cfg.eos_id).tokenize(list(documents))]
     else:
         docs = _corpus_ids(data, tokenizer, cfg.eos_id, cache_dir)
-    train_docs, val_docs = _split_documents(docs, val_every)
+    train_docs, val_docs = split_documents(docs, val_every)
     train_ids, val_ids = _stream(train_docs), _stream(val_docs)
     if len(train_ids) <= cfg.context + 1:
         raise ELFError(f"only {len(train_ids)} training tokens in {data!r}: need more than {cfg.context + 1}")

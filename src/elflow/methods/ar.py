@@ -91,8 +91,8 @@ def _attend_cached(attn, h, cos, sin, keys, values, pos: int):
     B, N, H = h.shape
     qkv = attn.qkv(h).view(B, N, 3, attn.heads, attn.head_dim).permute(2, 0, 3, 1, 4)
     q, k, v = qkv.unbind(0)
-    q = apply_rope(attn.q_norm(q), cos, sin).to(keys.dtype)  # the caches' dtype (autocast may differ)
-    keys[:, :, pos:pos + 1] = apply_rope(attn.k_norm(k), cos, sin)
+    q = apply_rope(attn.q_norm.normalize(q), cos, sin).to(keys.dtype)  # the caches' dtype (autocast may differ)
+    keys[:, :, pos:pos + 1] = apply_rope(attn.k_norm.normalize(k), cos, sin)
     values[:, :, pos:pos + 1] = v
     out = F.scaled_dot_product_attention(q, keys[:, :, :pos + 1], values[:, :, :pos + 1])  # (B, nh, 1, d)
     return attn.proj(out.transpose(1, 2).reshape(B, N, H))

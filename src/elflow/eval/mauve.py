@@ -1,0 +1,162 @@
+"""MAUVE (Pillutla et al., 2021) between two sets of texts, on the features of a causal-LM judge.
+
+Each text is featurised as the MAUVE paper does with GPT-2 Large: the judge's last-layer hidden state at the
+text's last token (no special tokens added, truncated to the judge's context). `mauve-text` then quantises both
+sets together (l2-normalised, PCA to 90% of the variance, k-means into `clusters` buckets) and integrates the
+divergence curve of the two histograms: near 1 when the judge cannot tell the sets apart, near 0 when it can.
+
+    judge_features(texts, model, tokenizer)          -> (N, H) fp32 features on the model's device
+    mauve_from_features(p_features, q_features)      -> {"mauve", "mauve_star", "frontier_integral", "clusters", ...}
+    mauve_score(p_texts, q_texts, model, tokenizer)  -> the same plus "featurizer" and "max_length"
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from elflow.util.errors import ELFError, first_line
+
+__all__ = ["MIN_TEXTS", "judge_features", "mauve_from_features", "mauve_score"]
+
+MIN_TEXTS = 10  # per side; also at least 2 texts per cluster on average, or the histograms are mostly empty
+
+
+def _context(model, tokenizer) -> int:
+    """The judge's context: the model's position limit, else the tokenizer's, else 1024."""
+    for name in ("n_positions", "max_position_embeddings", "n_ctx"):
+        v = getattr(model.config, name, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    m = getattr(tokenizer, "model_max_length", None)
+    return int(m) if isinstance(m, int) and 0 < m < 1_000_000 else 1024
+
+
+def _texts(texts, name: str) -> list[str]:
+    if isinstance(texts, str):
+        raise ELFError(f"{name} is a single string; pass a list of texts")
+    texts = list(texts)
+    for i, t in enumerate(texts):
+        if not isinstance(t, str):
+            raise ELFError(f"{name}[{i}] is a {type(t).__name__}, not a string; pass a list of texts")
+    return texts
+
+
+@torch.no_grad()
+def judge_features(texts, model, tokenizer, batch_size: int = 8, max_length: int | None = None) -> torch.Tensor:
+    """(N, H) fp32 on the model's device: the last-layer hidden state at each text's last token.
+
+    Texts are tokenised without special tokens and cut to `max_length` (default: the judge's context), then
+    judged in batches of similar length, right-padded (pad = the tokenizer's pad, else EOS) with an attention
+    mask; under causal attention the padding cannot change a row's last real position. The LM head is not run
+    (`model.base_model` gives the same final-norm hidden state as `output_hidden_states[-1]`)."""
+    texts = _texts(texts, "texts")
+    if not texts:
+        raise ELFError("no texts to featurise")
+    if batch_size < 1:
+        raise ELFError(f"batch size must be at least 1, got {batch_size}")
+    max_length = int(max_length or _context(model, tokenizer))
+    encoded = tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
+    for i, (text, ids) in enumerate(zip(texts, encoded)):
+        if not ids:
+            raise ELFError(f"text {i} is {'empty' if not text else 'no tokens to the judge tokenizer'}: MAUVE "
+                           "featurises a text by its last token; drop or fill the empty texts first")
+    seqs = [torch.tensor(ids[:max_length], dtype=torch.long) for ids in encoded]
+    lengths = torch.tensor([len(s) for s in seqs])
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    device = next(model.parameters()).device
+    order = torch.argsort(lengths, descending=True, stable=True)  # similar lengths together: less padding
+    was_training = model.training
+    model.eval()
+    try:
+        chunks = []
+        for start in range(0, len(seqs), batch_size):
+            idx = order[start:start + batch_size]
+            ids = torch.nn.utils.rnn.pad_sequence([seqs[i] for i in idx], batch_first=True,
+                                                  padding_value=pad or 0).to(device)  # (b, width)
+            mask = (torch.arange(ids.shape[1])[None, :] < lengths[idx][:, None]).long().to(device)
+            hidden = model.base_model(input_ids=ids, attention_mask=mask).last_hidden_state  # (b, width, H)
+            last = (lengths[idx] - 1).to(device)
+            chunks.append(hidden[torch.arange(len(idx), device=device), last].float())  # (b, H)
+    finally:
+        model.train(was_training)
+    feats = torch.cat(chunks)
+    out = torch.empty_like(feats)
+    out[order.to(device)] = feats
+    return out
+
+
+def _mauve_package():
+    try:
+        import mauve
+    except ImportError as e:
+        raise ELFError(f"MAUVE needs the mauve-text package, which cannot be imported ({first_line(e)}): "
+                       "pip install mauve-text") from None
+    return mauve
+
+
+def _clusters(n_p: int, n_q: int, num_buckets) -> int:
+    """The k-means clusters for n_p and n_q texts; ELFError when there are too few texts for them."""
+    if num_buckets == "auto":
+        clusters = max(2, round(min(n_p, n_q) / 10))
+    elif isinstance(num_buckets, int) and not isinstance(num_buckets, bool) and num_buckets >= 2:
+        clusters = num_buckets
+    else:
+        raise ELFError(f"num_buckets must be 'auto' or an integer of at least 2, got {num_buckets!r}")
+    need = max(MIN_TEXTS, 2 * clusters)
+    if min(n_p, n_q) < need:
+        raise ELFError(f"MAUVE with {clusters} clusters needs at least {need} texts a side, got {n_p} and {n_q}: "
+                       "pass more texts (a few hundred a side is usual) or fewer num_buckets")
+    return clusters
+
+
+def mauve_from_features(p_features, q_features, *, num_buckets: int | str = "auto", seed: int = 25,
+                        kmeans_num_redo: int = 5, kmeans_max_iter: int = 500, threads: int | None = None) -> dict:
+    """MAUVE of two (n, H) feature sets with mauve-text. num_buckets: k-means clusters, "auto" = max(2,
+    round(min(n_p, n_q) / 10)) as mauve-text's rule; seed fixes PCA and k-means (the same features and seed
+    give the same score); threads: faiss's OpenMP threads for k-means (None: faiss's default, every core)."""
+    p = np.asarray(torch.as_tensor(p_features).detach().float().cpu())
+    q = np.asarray(torch.as_tensor(q_features).detach().float().cpu())
+    if p.ndim != 2 or q.ndim != 2 or p.shape[1] != q.shape[1]:
+        raise ELFError(f"p and q features must be (n, H) arrays of the same width, got shapes {p.shape} and "
+                       f"{q.shape}; featurise both sets with the same judge")
+    if not (np.isfinite(p).all() and np.isfinite(q).all()):
+        raise ELFError("the features hold inf or nan; featurise the texts with a judge in fp32")
+    clusters = _clusters(len(p), len(q), num_buckets)
+    if kmeans_num_redo < 1 or kmeans_max_iter < 1 or (threads is not None and threads < 1):
+        raise ELFError("kmeans_num_redo, kmeans_max_iter and threads must be at least 1")
+    mauve = _mauve_package()
+    import faiss
+
+    before = faiss.omp_get_max_threads()
+    if threads is not None:
+        faiss.omp_set_num_threads(int(threads))
+    try:
+        out = mauve.compute_mauve(p_features=p, q_features=q, num_buckets=clusters, seed=seed,
+                                  kmeans_num_redo=kmeans_num_redo, kmeans_max_iter=kmeans_max_iter, verbose=False)
+    finally:
+        faiss.omp_set_num_threads(before)
+    return {"mauve": float(out.mauve), "mauve_star": float(out.mauve_star),
+            "frontier_integral": float(out.frontier_integral), "texts": (len(p), len(q)),
+            "clusters": int(out.num_buckets), "seed": seed, "kmeans_num_redo": kmeans_num_redo,
+            "kmeans_max_iter": kmeans_max_iter}
+
+
+def mauve_score(p_texts, q_texts, model, tokenizer, *, num_buckets: int | str = "auto", seed: int = 25,
+                batch_size: int = 8, max_length: int | None = None, kmeans_num_redo: int = 5,
+                kmeans_max_iter: int = 500, threads: int | None = None) -> dict:
+    """MAUVE of texts p (e.g. samples) against texts q (e.g. references), featurised by the judge `model`.
+
+    Returns mauve (in (0, 1], higher = closer), mauve_star (the smoothed variant), frontier_integral, texts
+    (n_p, n_q), clusters, seed, the k-means settings, featurizer (what the features are) and max_length."""
+    p_texts, q_texts = _texts(p_texts, "p_texts"), _texts(q_texts, "q_texts")
+    # too few texts and a missing package are reported before any text is featurised
+    _clusters(len(p_texts), len(q_texts), num_buckets)
+    _mauve_package()
+    max_length = int(max_length or _context(model, tokenizer))
+    p = judge_features(p_texts, model, tokenizer, batch_size, max_length)
+    q = judge_features(q_texts, model, tokenizer, batch_size, max_length)
+    res = mauve_from_features(p, q, num_buckets=num_buckets, seed=seed, kmeans_num_redo=kmeans_num_redo,
+                              kmeans_max_iter=kmeans_max_iter, threads=threads)
+    name = getattr(model.config, "_name_or_path", "") or type(model).__name__
+    return {**res, "featurizer": f"{name}: last-layer hidden state at the last token", "max_length": max_length}

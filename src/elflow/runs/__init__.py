@@ -1,0 +1,2 @@
+"""Runs on disk: checkpoints, the run folder's rules, the one loader, the authors' format, model folders, the
+decoder stage, the run's log and figures, W&B and `elflow push`."""

@@ -1,0 +1,395 @@
+"""Checkpoint folders and the run folders that hold them, as every reader sees them.
+
+    run/checkpoints/step_0001000/
+        model.safetensors      the trained weights            ema.safetensors   the EMA weights (sampling)
+        space.safetensors      a learned space's parameters   optimizer.pt      optimiser and RNG states
+        state.json             step, the run's settings, the network's config, the data position, and the
+                               sha256 of every other file     state.sha256      the sha256 of state.json
+
+A checkpoint is written under a temporary name and renamed, verified file by file when read, and never
+unpickled (optimizer.pt loads with weights_only=True). `upgrade_state` is the one reader of the layouts of
+earlier elflows. A run that `--overwrite` set aside (RUN/.replaced-run) comes back before a reader looks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import stat
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from elflow.runs.tracking import ID_FILE
+from elflow.space import DRAWN_TABLE_KINDS
+from elflow.util.errors import ELFError, first_line
+from elflow.util.files import FolderLock, NoSpace, atomic_write_text, disk_full, file_mode, folder_mode, read_json
+from elflow.util.files import sha256_file as _sha256
+
+STEP_DIR = re.compile(r"step_(\d+)")
+
+
+SPACE_PREFIX = "space."  # space parameters inside model.safetensors (the other layout)
+
+
+STATE_HASH = "state.sha256"  # beside state.json: its sha256
+
+
+REPLACED = ".replaced-run"  # a run's files that --overwrite set aside, kept until the new run's first checkpoint
+
+
+# ----------------------------------------------------------------------------------------------------------
+# a run replaced by --overwrite: its files wait in RUN/.replaced-run until the new run's first checkpoint
+RUN_FILES = ("run.json", "metrics.jsonl", "loss.png", "checkpoints", "tb", "report.json", "samples.jsonl", "wandb",
+             ID_FILE)
+
+
+def set_aside(out: Path, names=RUN_FILES) -> None:
+    """Move the files `names` of the folder (never other files) into OUT/.replaced-run."""
+    aside = out / REPLACED
+    aside.mkdir()
+    for name in names:
+        if os.path.lexists(out / name):
+            os.rename(out / name, aside / name)
+
+
+def restore_aside(out: Path, names=RUN_FILES) -> None:
+    """Put the files set aside back: every one of `names` now in the folder was written by the command that
+    was replacing them (the old ones were all set aside), so it goes."""
+    aside = out / REPLACED
+    for name in names:
+        new = out / name
+        if new.is_dir() and not new.is_symlink():
+            shutil.rmtree(new)
+        elif os.path.lexists(new):
+            new.unlink()
+        if os.path.lexists(aside / name):
+            os.rename(aside / name, new)
+    for left in aside.iterdir():  # set aside under a name no longer listed
+        os.rename(left, out / left.name)
+    aside.rmdir()
+
+
+def recover_replaced(out: Path, done, names=RUN_FILES) -> str | None:
+    """A replacement that was interrupted (the folder is held by the caller): with `done(out)` (the new run
+    got as far as its first checkpoint) the files set aside go ("dropped"), else they come back
+    ("restored"). None when nothing was set aside."""
+    if not (out / REPLACED).is_dir():
+        return None
+    if done(out):
+        shutil.rmtree(out / REPLACED)
+        return "dropped"
+    restore_aside(out, names)
+    return "restored"
+
+
+def bring_back_replaced(run_dir: Path, command: str = "elflow") -> None:
+    """For a reader of a run folder: the run that an interrupted --overwrite set aside comes back first (under
+    the folder's lock; refused while the replacing command still runs)."""
+    if not (run_dir / REPLACED).is_dir() or list_checkpoints(run_dir):
+        return
+    with FolderLock(run_dir, f"{command} (restoring the run set aside)"):
+        if recover_replaced(run_dir, lambda d: bool(list_checkpoints(d))) == "restored":
+            print_warning(f"restored the run in {run_dir} that an interrupted --overwrite was replacing")
+
+
+
+
+def write_checkpoint(folder: str | os.PathLike, model_sd: dict, ema_sd: dict, optimizer_state, state: dict,
+                     space_sd: dict | None = None) -> Path:
+    """Write one checkpoint folder atomically: built under a temporary sibling name, then renamed. A full disk
+    (whichever writer meets it: safetensors, torch.save, json) is a `NoSpace` error naming the checkpoint;
+    the previous checkpoints are untouched."""
+    final = Path(folder)
+    old = None
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
+    except OSError as e:
+        if disk_full(e):
+            raise NoSpace(final) from None
+        raise
+    try:
+        os.chmod(tmp, folder_mode())
+        contig = lambda sd: {k: v.detach().contiguous().cpu() for k, v in sd.items()}  # noqa: E731
+        save_file(contig(model_sd), tmp / "model.safetensors")
+        save_file(contig(ema_sd), tmp / "ema.safetensors")
+        names = ["model.safetensors", "ema.safetensors"]
+        if space_sd:
+            save_file(contig(space_sd), tmp / "space.safetensors")
+            names.append("space.safetensors")
+        if optimizer_state is not None:
+            with open(tmp / "optimizer.pt", "wb") as f:  # a Python file: its OSError is the cause torch reports
+                torch.save(optimizer_state, f)
+            names.append("optimizer.pt")
+        files = {name: _sha256(tmp / name) for name in names}
+        write_state(tmp, {**state, "files": files})
+        for f in tmp.iterdir():
+            os.chmod(f, file_mode())  # safetensors makes its files 0600; a checkpoint's files get the umask's mode
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        if final.exists():  # re-saving the same step (the final save of a resumed run): the old one goes last
+            old = final.parent / f".tmp-{final.name}-replaced-{os.getpid()}"
+            os.rename(final, old)
+        os.rename(tmp, final)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None and not final.exists():
+            os.rename(old, final)
+        if isinstance(e, Exception) and disk_full(e):
+            raise NoSpace(final, f"no space left on device while writing the checkpoint {final}; it was not "
+                                 "written (the earlier checkpoints are intact)") from None
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def write_state(ckpt: str | os.PathLike, state: dict) -> None:
+    """state.json of a checkpoint folder and, beside it, its sha256 (state.sha256)."""
+    ckpt = Path(ckpt)
+    text = json.dumps(state, indent=2) + "\n"
+    atomic_write_text(ckpt / "state.json", text)
+    atomic_write_text(ckpt / STATE_HASH, hashlib.sha256(text.encode()).hexdigest() + "\n")
+
+
+def split_space_state(model_sd: dict) -> tuple[dict, dict]:
+    """(network weights, space parameters) of a model state dict that holds both (prefixed names: the layout
+    of earlier checkpoints, read here alone)."""
+    net = {k: v for k, v in model_sd.items() if not k.startswith(SPACE_PREFIX)}
+    space = {k[len(SPACE_PREFIX):]: v for k, v in model_sd.items() if k.startswith(SPACE_PREFIX)}
+    return net, space
+
+
+SHORT_RUN_FIELDS = ("skip", "time_scale", "head_modulation", "table_readout")  # elflow.model.ShortRunOptions
+ROUND_RECORD = ("distilled_steps", "teacher_steps", "sampling")
+
+
+def upgrade_train(train: dict) -> dict:
+    """A stored run description ("train" of run.json or state.json) in today's layout. Earlier elflows stored
+    the short-run options among the network settings ("model"), a distillation round's record among the
+    recipe's constants, a drawn table's space without its stream (stream 1, the draw from the seed), and no
+    Muon scale of the decode head (they stepped it by the fan rule, "fan")."""
+    if not isinstance(train, dict):
+        return train
+    train = dict(train)
+    model, recipe = dict(train.get("model") or {}), dict(train.get("recipe") or {})
+    options = {k: model.pop(k) for k in SHORT_RUN_FIELDS if k in model}
+    if options:
+        train["model"], train["short_run"] = model, {**options, **(train.get("short_run") or {})}
+    record = {k: recipe.pop(k) for k in ROUND_RECORD if k in recipe}
+    if record:
+        train["recipe"] = recipe
+        if "distilled_steps" in record and not train.get("distillation"):
+            train["distillation"] = {"student_steps": record["distilled_steps"],
+                                     "teacher_steps": record.get("teacher_steps")}
+    if "space_stream" not in train and str(train.get("space")).partition(":")[0] in DRAWN_TABLE_KINDS:
+        train["space_stream"] = 1
+    if "muon_scale" not in train and train.get("optimizer", "muon") == "muon":
+        train["muon_scale"] = "fan"
+    return train
+
+
+def upgrade_state(state: dict) -> dict:
+    """A stored state (a checkpoint's state.json, run.json, a model folder's files as one state) in today's
+    layout: its run description (`upgrade_train`), the short-run options of its network config under
+    "short_run", and a drawn table's space spec with its stream."""
+    state = dict(state)
+    if "train" in state:
+        state["train"] = upgrade_train(state["train"])
+    model = state.get("model")
+    if isinstance(model, dict) and any(k in model for k in SHORT_RUN_FIELDS):
+        options = {k: v for k, v in model.items() if k in SHORT_RUN_FIELDS}
+        state["model"] = {k: v for k, v in model.items() if k not in SHORT_RUN_FIELDS}
+        state["short_run"] = {**options, **(state.get("short_run") or {})}
+    space = state.get("space")
+    if isinstance(space, dict) and space.get("kind") in DRAWN_TABLE_KINDS and "stream" not in space:
+        state["space"] = {**space, "stream": 1}
+    return state
+
+
+def trained_space_state(ckpt: str | os.PathLike) -> dict:
+    """The embedding space's trained parameters stored in a checkpoint folder (either layout)."""
+    ckpt = Path(ckpt)
+    if (ckpt / "space.safetensors").exists():
+        return load_file(ckpt / "space.safetensors")
+    return split_space_state(load_file(ckpt / "model.safetensors"))[1]
+
+
+def remove_stale_temporaries(run_dir: str | os.PathLike) -> list[Path]:
+    """Remove the temporary folders of saves that were killed mid-way (`.tmp-step_*`); returns them."""
+    root = Path(run_dir) / "checkpoints"
+    stale = [p for p in root.glob(".tmp-step_*") if p.is_dir()] if root.is_dir() else []
+    for p in stale:
+        shutil.rmtree(p, ignore_errors=True)
+    return stale
+
+
+def save_checkpoint(run_dir: str | os.PathLike, step: int, model_sd: dict, ema_sd: dict, optimizer_state,
+                    state: dict, keep: int = 3, space_sd: dict | None = None) -> Path:
+    """Write checkpoints/step_<step>/ atomically, then keep the newest `keep` (0: keep all)."""
+    final = write_checkpoint(Path(run_dir) / "checkpoints" / f"step_{step:07d}", model_sd, ema_sd,
+                             optimizer_state, {**state, "step": step}, space_sd)
+    for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
+    """Finished checkpoint folders of a run, oldest first (temporary folders are ignored)."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := STEP_DIR.fullmatch(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def is_elflow_checkpoint(path: Path) -> bool:
+    return path.is_dir() and (path / "state.json").exists() and (path / "model.safetensors").exists()
+
+
+ELFLOW_MARKS = ("checkpoints", "run.json", REPLACED, "state.json", STATE_HASH,
+                "model.safetensors", "ema.safetensors")
+
+
+def is_elflow_folder(path: Path) -> bool:
+    """An elflow run or checkpoint folder, complete or not (anything else is read as the authors' format)."""
+    return path.is_dir() and any((path / name).exists() for name in ELFLOW_MARKS)
+
+
+PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+
+
+def read_state(ckpt: Path) -> dict:
+    """A checkpoint's state.json, checked against state.sha256: a dict whose "files" maps plain file names of
+    this folder to sha256 digests. ELFError naming the file otherwise."""
+    state_path = ckpt / "state.json"
+    if not state_path.is_file():
+        raise ELFError(f"{state_path}: missing; {ckpt} is not a complete checkpoint")
+    hash_path = ckpt / STATE_HASH
+    try:
+        recorded = hash_path.read_text().strip()
+    except FileNotFoundError:
+        recorded = None  # a checkpoint saved without it (an earlier elflow): its names are still checked below
+    except (OSError, UnicodeDecodeError) as e:
+        raise ELFError(f"{hash_path}: cannot be read ({e})") from None
+    if recorded is not None and _sha256(state_path) != recorded:
+        raise ELFError(f"{state_path}: corrupted or edited (its sha256 does not match {hash_path})")
+    state = read_json(state_path)
+    files = state.get("files", {})
+    if not isinstance(files, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in files.items()):
+        raise ELFError(f"{state_path}: corrupted (\"files\" must map file names to sha256 digests)")
+    bad = [k for k in files if not PLAIN_NAME.fullmatch(k) or k in (".", "..")]
+    if bad:
+        raise ELFError(f"{state_path}: refused: its \"files\" name {bad[0]!r}, which is not a plain file name in the "
+                       "checkpoint folder (nothing outside it is read)")
+    if not isinstance(state.get("step", 0), int) or state.get("step", 0) < 0:
+        raise ELFError(f"{state_path}: corrupted (\"step\" must be an integer >= 0, got {state.get('step')!r})")
+    for key in ("model", "space", "train", "settings"):
+        if key in state and not isinstance(state[key], dict):
+            raise ELFError(f"{state_path}: corrupted ({key!r} must be a JSON object, got "
+                           f"{type(state[key]).__name__})")
+    return upgrade_state(state)
+
+
+def verify_checkpoint(ckpt: Path, need_optimizer: bool = True) -> dict:
+    """state.json (`read_state`), with every file's hash checked; ELFError naming the first bad file. Without
+    `need_optimizer`, a missing optimizer.pt is allowed (sampling needs only the weights)."""
+    state = read_state(ckpt)
+    for name, digest in state.get("files", {}).items():
+        f = ckpt / name
+        try:
+            mode = os.lstat(f).st_mode
+        except FileNotFoundError:
+            if name == "optimizer.pt" and not need_optimizer:
+                continue
+            raise ELFError(f"{f}: missing from the checkpoint") from None
+        if not stat.S_ISREG(mode):
+            raise ELFError(f"{f}: not a regular file (a link, a device, a folder); refused")
+        if _sha256(f) != digest:
+            raise ELFError(f"{f}: corrupted or truncated (its sha256 does not match the one recorded at save)")
+    return state
+
+
+def load_checkpoint(ckpt: str | os.PathLike, with_optimizer: bool = True, map_location="cpu") -> dict:
+    """Read and verify a checkpoint folder: {"state", "model" (the network's weights), "space" (a learned
+    space's parameters, either layout), "ema", "optimizer"}."""
+    ckpt = Path(ckpt)
+    state = verify_checkpoint(ckpt, need_optimizer=with_optimizer)
+    out = {"state": state, "path": ckpt}
+    try:
+        out["model"], out["space"] = split_space_state(load_file(ckpt / "model.safetensors", device=str(map_location)))
+        if (ckpt / "space.safetensors").exists():
+            out["space"] = load_file(ckpt / "space.safetensors", device=str(map_location))
+        ema = ckpt / "ema.safetensors"  # a recorded file was checked above; an unrecorded one may be absent
+        out["ema"] = load_file(ema, device=str(map_location)) if ema.exists() else {}
+    except Exception as e:  # safetensors raises its own error types on bad headers
+        raise ELFError(f"{ckpt}: weights cannot be read ({first_line(e)})") from None
+    if with_optimizer:
+        if not (ckpt / "optimizer.pt").exists():
+            raise ELFError(f"{ckpt}: holds no optimiser state (a converted checkpoint?); it can sample, not resume")
+        try:
+            out["optimizer"] = torch.load(ckpt / "optimizer.pt", map_location=map_location, weights_only=True)
+        except Exception as e:
+            raise ELFError(f"{ckpt / 'optimizer.pt'}: cannot be read with weights_only=True ({first_line(e)}); it is "
+                           "corrupted, or holds Python objects, which elflow never unpickles") from None
+    return out
+
+
+def print_warning(msg: str) -> None:
+    print(msg, file=sys.stderr)
+
+
+def newest_usable(run_dir: str | os.PathLike, need_optimizer: bool = True) -> tuple[Path | None, list[str]]:
+    """(the newest checkpoint of a run that passes verification, why each newer one does not). A checkpoint
+    removed while it was read (`--keep` of a training that runs) is passed over without a word."""
+    bad = []
+    for ckpt in reversed(list_checkpoints(run_dir)):
+        try:
+            verify_checkpoint(ckpt, need_optimizer)
+            return ckpt, bad
+        except ELFError as e:
+            if ckpt.exists():
+                bad.append(str(e))
+    return None, bad
+
+
+def latest_checkpoint(run_dir: str | os.PathLike, verify: bool = True, warn=print_warning,
+                      need_optimizer: bool = True) -> Path | None:
+    """The newest checkpoint that passes verification; bad ones are reported (on stderr) and skipped."""
+    if not verify:
+        found = list_checkpoints(run_dir)
+        return found[-1] if found else None
+    ckpt, bad = newest_usable(run_dir, need_optimizer)
+    for why in bad:
+        warn(f"warning: skipping a bad checkpoint: {why}")
+    return ckpt
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """A run folder (its newest good checkpoint) or a checkpoint folder -> the checkpoint folder."""
+    path = Path(path)
+    if is_elflow_checkpoint(path):
+        return path
+    if path.is_dir() and (path / REPLACED).is_dir():
+        bring_back_replaced(path)
+    if path.is_dir() and (path / "checkpoints").is_dir():
+        ckpt, bad = newest_usable(path, need_optimizer=False)
+        if ckpt is None:
+            if bad:
+                raise ELFError(f"{path}: none of its checkpoints can be read ({'; '.join(bad)})")
+            raise ELFError(f"{path}: this run has no checkpoint yet")
+        for why in bad:
+            print_warning(f"warning: skipping a bad checkpoint: {why}")
+        return ckpt
+    if path.is_dir() and (path / "state.json").exists():
+        return path  # a checkpoint folder missing its weights: its verification names what is missing
+    if is_elflow_folder(path):
+        raise ELFError(f"{path}: an incomplete elflow checkpoint folder (no state.json); it cannot be read")
+    raise ELFError(f"{path}: neither an elflow run folder nor a checkpoint folder")

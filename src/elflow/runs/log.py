@@ -1,0 +1,229 @@
+"""What a run writes besides its checkpoints: metrics.jsonl (trimmed to the resumed step), TensorBoard, the
+progress bar and samples on the terminal, and loss.png."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+from elflow.flow import TIME_BINS, time_bin_labels
+from elflow.util.files import atomic_write, atomic_write_text
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The records of a metrics.jsonl; a line that is not a JSON object (the half-written last line of a
+    killed run) is passed over."""
+    recs = []
+    try:
+        lines = path.read_bytes().decode("utf-8", errors="replace").splitlines()
+    except FileNotFoundError:
+        return recs
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict):
+            recs.append(rec)
+    return recs
+
+
+def trim_metrics(out: Path, step: int) -> int:
+    """On resume from the checkpoint at `step`: metrics.jsonl keeps its records up to that step (a killed
+    run logged past its last checkpoint; those steps are trained again) and loses a half-written last line.
+    Returns how many lines went."""
+    path = out / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    raw = path.read_bytes().decode("utf-8", errors="replace")
+    kept, dropped = [], 0
+    for line in raw.splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            rec = None
+        steps = rec.get("step") if isinstance(rec, dict) else None
+        if not isinstance(rec, dict) or (isinstance(steps, (int, float)) and steps > step):
+            dropped += bool(line.strip())
+            continue
+        kept.append(line)
+    if dropped or (raw and not raw.endswith("\n")):
+        atomic_write_text(path, "".join(line + "\n" for line in kept))
+    return dropped
+
+
+class RunLogger:
+    """Rank 0's output: a progress bar, metrics.jsonl, optional TensorBoard and Weights & Biases (the same
+    records), the samples shown during training, the loss-curve PNG.
+
+    `tracker` is the run's W&B run (elflow.tracking.Tracker, started with the run's settings as its config):
+    it gets every metrics record at its step and the samples as a table, and is finished by `close`."""
+
+    def __init__(self, out: Path, total: int, start: int, enabled: bool, tensorboard: bool, show: bool = True,
+                 tracker=None):
+        self.out, self.enabled, self.show = out, enabled, show
+        self.bar = None
+        self.tb = None
+        self.tracker = tracker if enabled else None
+        if enabled and show:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True,
+                            file=sys.stderr)
+            if tensorboard:
+                try:
+                    from torch.utils.tensorboard import SummaryWriter
+
+                    self.tb = SummaryWriter(str(out / "tb"))
+                except ImportError:
+                    print("warning: TensorBoard is not installed (pip install tensorboard); logging to JSONL only",
+                          file=sys.stderr)
+
+    def log(self, rec: dict) -> None:
+        if not self.enabled:
+            return
+        with open(self.out / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        if self.tb is not None:
+            for k, v in rec.items():
+                if isinstance(v, (int, float)) and k != "step":
+                    self.tb.add_scalar(k, v, rec["step"])
+        if self.tracker is not None:
+            self.tracker.log(rec, step=rec.get("step"))
+
+    @property
+    def wants_samples(self) -> bool:
+        """Whether samples made during training go anywhere (the terminal or W&B)."""
+        return self.enabled and (self.show or self.tracker is not None)
+
+    def samples(self, step: int, texts: list[str]) -> None:
+        """The samples of the EMA model at `step`: printed, and added to W&B's samples table."""
+        for i, text in enumerate(texts):
+            self.write(f"[step {step}] sample {i}: {text[:300]}")
+        if self.tracker is not None:
+            self.tracker.samples(texts, step)
+
+    def advance(self, n: int, postfix: dict) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+            self.bar.set_postfix(postfix, refresh=False)
+
+    def write(self, msg: str) -> None:
+        if self.enabled and self.show:
+            (self.bar.write if self.bar is not None else print)(msg)
+
+    def close(self, ok: bool = True) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.tracker is not None:
+            self.tracker.finish(ok)
+
+
+LOSS_NAMES = {"loss": "total", "loss_denoise": "denoising (v-space MSE)", "loss_decode": "decoding (cross-entropy)",
+              "loss_per_token": "next-token / masked-token cross-entropy"}
+
+
+LEGEND_BELOW = dict(fontsize=9, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, frameon=False)  # off the curves
+
+
+def _value_axis(ax, values: list[float]) -> None:
+    """A log axis with a handful of labelled ticks across the data's own range (a narrow range such as 1.1-1.6
+    gets ticks inside it); a linear axis where some value is not positive (a log axis would drop it)."""
+    from matplotlib import ticker
+
+    values = [v for v in values if math.isfinite(v)]
+    if not values or min(values) <= 0:
+        ax.set_yscale("linear")
+        return
+    ax.set_yscale("log")
+    lo, hi = min(values), max(values)
+    if hi / lo < 1.02:  # a flat curve: one tick at its value
+        ticks = [float(f"{lo:.3g}")]
+    else:
+        ticks = sorted({float(f"{lo * (hi / lo) ** (k / 5):.2g}") for k in range(6)})
+    ax.yaxis.set_major_locator(ticker.FixedLocator(ticks))
+    ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_locator(ticker.NullLocator())
+
+
+def training_records(run_dir: Path) -> list[dict]:
+    """The training records of RUN/metrics.jsonl (kind "train"), in order; a line cut short by a killed run is
+    skipped."""
+    return [r for r in read_metrics(Path(run_dir) / "metrics.jsonl") if r.get("kind", "train") == "train"
+            and isinstance(r.get("step"), (int, float))]
+
+
+def plot_losses(run_dir: Path) -> None:
+    """RUN/loss.png (loss_figure), written atomically; nothing without training records."""
+    fig = loss_figure(run_dir)
+    if fig is None:
+        return
+    import matplotlib.pyplot as plt
+
+    with atomic_write(run_dir / "loss.png") as f:
+        fig.savefig(f, format="png", dpi=100)
+    plt.close(fig)
+
+
+def loss_figure(run_dir: Path):
+    """The training losses (total, denoising, decoding) and the denoising loss per time bin of RUN/metrics.jsonl;
+    where the run folder holds a held-out report (RUN/report.json of `elflow quickstart`), the per-dimension
+    Gaussian baseline's held-out denoising loss beside them, dashed (overall on the left, per bin on the
+    right). None without training records."""
+    recs = training_records(run_dir)
+    if not recs:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    try:
+        val = json.loads((run_dir / "report.json").read_text()).get("validation") or {}
+    except (OSError, ValueError, AttributeError):
+        val = {}
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 5.2))
+    shown = []
+    for key, name in LOSS_NAMES.items():
+        pts = [(r["step"], r[key]) for r in recs if isinstance(r.get(key), (int, float))]
+        if pts:
+            line, = a.plot(*zip(*pts), label=name, lw=1.2, marker="o" if len(pts) < 12 else None, ms=3)
+            shown += [y for _, y in pts]
+            if key == "loss_denoise" and isinstance(val.get("baseline_loss"), (int, float)):
+                a.axhline(val["baseline_loss"], ls="--", lw=1.2, color=line.get_color(),
+                          label="denoising: Gaussian baseline (held-out)")
+                shown.append(val["baseline_loss"])
+    _value_axis(a, shown)
+    a.set_xlabel("optimiser step")
+    a.set_ylabel("training loss")
+    a.set_title("training loss")
+    a.legend(**LEGEND_BELOW)
+    baseline = {v["t"]: v["baseline"] for v in val.get("bins", []) if isinstance(v.get("baseline"), (int, float))}
+    shown = []
+    for i, label in enumerate(time_bin_labels()):
+        pts = [(r["step"], r[f"loss_{label}"]) for r in recs if isinstance(r.get(f"loss_{label}"), (int, float))]
+        if pts:
+            line, = b.plot(*zip(*pts), label=f"t in [{TIME_BINS[i]}, {TIME_BINS[i + 1]})", lw=1.2,
+                           marker="o" if len(pts) < 12 else None, ms=3)
+            shown += [y for _, y in pts]
+            if label in baseline:
+                b.axhline(baseline[label], ls="--", lw=1.2, color=line.get_color())
+                shown.append(baseline[label])
+    if b.lines:  # ELF's denoising loss per time bin (a token-level baseline has none)
+        if baseline:
+            b.plot([], [], ls="--", color="0.4", label="Gaussian baseline (held-out), same colour")
+        _value_axis(b, shown)
+        b.legend(**LEGEND_BELOW)
+    else:
+        b.text(0.5, 0.5, "no denoising loss: this method has no time bins", ha="center", va="center",
+               transform=b.transAxes, fontsize=9, color="0.4")
+        b.set_yticks([])
+    b.set_xlabel("optimiser step")
+    b.set_ylabel("denoising loss (v-space MSE)")
+    b.set_title("denoising loss per time bin")
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,102 @@
+"""Weights & Biases: one W&B run per elflow run folder (resumed with it), its settings, records and samples."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from elflow.util.errors import ELFError
+from elflow.util.files import atomic_write_json
+
+ID_FILE = "wandb-run.json"  # in a run folder: {"project", "id", "name"} of its W&B run
+
+
+HELP_PROJECT = ("log to this Weights & Biases project (needs `pip install \"elflow[wandb]\"`; WANDB_MODE=offline "
+                "logs without an account); default: no W&B logging")
+
+
+def require_wandb():
+    """The wandb module; a one-line ELFError when it is not installed."""
+    try:
+        import wandb
+    except ImportError:
+        raise ELFError("--wandb needs the wandb package, which is not installed: pip install \"elflow[wandb]\" "
+                       "(or pip install wandb)") from None
+    return wandb
+
+
+def _stored(folder: Path, project: str) -> dict | None:
+    """The W&B run recorded in `folder` for `project`, if any."""
+    try:
+        info = json.loads((folder / ID_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return info if isinstance(info, dict) and info.get("project") == project and info.get("id") else None
+
+
+class Tracker:
+    """One W&B run. Numbers go to its history at the step given, texts to tables that grow row by row."""
+
+    def __init__(self, run, wandb):
+        self.run, self.wandb = run, wandb
+        self.tables: dict[str, object] = {}
+
+    @classmethod
+    def start(cls, project: str | None, name: str | None, folder: str | os.PathLike, config: dict,
+              job_type: str, keep_id: bool = False, quiet: bool = False) -> "Tracker | None":
+        """A W&B run in `project` whose files go under FOLDER/wandb (None when `project` is empty). With
+        `keep_id`, the run's id is kept in FOLDER/wandb-run.json and a later start continues that run."""
+        if not project:
+            return None
+        wandb = require_wandb()
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        stored = _stored(folder, project) if keep_id else None
+        try:
+            run = wandb.init(project=project, name=name or (stored or {}).get("name") or folder.resolve().name,
+                             id=stored["id"] if stored else None, resume="allow", dir=str(folder), config=config, job_type=job_type,
+                             settings=wandb.Settings(silent=quiet, console="off"))
+        except Exception as e:  # no login, no network, a bad project name: wandb's own error, in one line
+            first = " ".join(str(e).split())[:300]
+            raise ELFError(f"Weights & Biases could not start a run in project {project!r} ({type(e).__name__}: "
+                           f"{first}); log in with `wandb login`, or set WANDB_MODE=offline to keep the run in "
+                           f"{folder / 'wandb'} and `wandb sync` it later") from None
+        if keep_id:
+            atomic_write_json(folder / ID_FILE, {"project": project, "id": run.id, "name": run.name})
+        return cls(run, wandb)
+
+    def log(self, rec: dict, step: int | None = None) -> None:
+        """The numbers of `rec` (others, and None, are left out) at `step`."""
+        data = {k: v for k, v in rec.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
+                and k != "step"}
+        if data:
+            self.run.log(data, step=step)
+
+    def samples(self, texts: list[str], step: int, key: str = "samples") -> None:
+        """Texts made at training step `step`, added to the table `key` (columns step, index, text)."""
+        self.table(key, ["step", "index", "text"], [[step, i, t] for i, t in enumerate(texts)], step)
+
+    def table(self, key: str, columns: list[str], rows: list[list], step: int | None = None) -> None:
+        """Rows added to the table `key` (one table per key, logged incrementally)."""
+        if key not in self.tables:
+            self.tables[key] = self.wandb.Table(columns=columns, log_mode="INCREMENTAL")
+        for row in rows:
+            self.tables[key].add_data(*row)
+        self.run.log({key: self.tables[key]}, step=step)
+
+    def image(self, key: str, path: str | os.PathLike) -> None:
+        self.run.log({key: self.wandb.Image(str(path))})
+
+    def summary(self, values: dict) -> None:
+        """Final figures (numbers and strings) in the run's summary."""
+        for k, v in values.items():
+            if isinstance(v, (int, float, str)) and not isinstance(v, bool):
+                self.run.summary[k] = v
+
+    def finish(self, ok: bool = True) -> None:
+        try:
+            self.run.finish(exit_code=0 if ok else 1)
+        except Exception as e:  # a failed upload must not hide the command's own outcome
+            print(f"warning: Weights & Biases did not finish cleanly ({type(e).__name__}: {e})", file=sys.stderr)

