@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from elflow.optim import newton_schulz
+from elflow.newton_schulz import newton_schulz
 
 SHAPES = {"attn.proj": (768, 768), "attn.qkv": (2304, 768), "mlp.w12": (4096, 768), "mlp.w3": (768, 2048),
           "decode readout": (32100, 512)}

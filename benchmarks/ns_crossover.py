@@ -1,7 +1,7 @@
 """Where evaluating Newton-Schulz spectrally beats iterating it, on this device (the by-shape rule's data).
 
 For a k x (a k) Gaussian matrix, the best of 5 timings of `newton_schulz(method="iterate")` over that of
-`method="spectral"` (fp32): above 1, spectral is faster. elflow.optim.spectral_pays encodes the crossover
+`method="spectral"` (fp32): above 1, spectral is faster. elflow.newton_schulz.spectral_pays encodes the crossover
 measured on the project's 2-core Zen 3: k >= 384, or the larger side >= max(2k, 512).
 
     python benchmarks/ns_crossover.py       # a table, and one JSON line per cell in results/ns_crossover.jsonl
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from elflow.optim import newton_schulz, spectral_pays
+from elflow.newton_schulz import newton_schulz, spectral_pays
 
 KS = (32, 64, 128, 192, 256, 384, 512, 768)
 ASPECTS = (1, 1.5, 2, 3, 4, 8)

@@ -13,7 +13,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from elflow.experiments.bench import encoder_flops, newton_schulz_flops, pass_flops, reference_recipe_flops
 from elflow.cli import main
 from elflow.model import ELF, get_config
-from elflow.optim import newton_schulz
+from elflow.newton_schulz import newton_schulz
 
 COMMON = ["--preset", "tiny", "--batch", "2", "--warmup", "1", "--iters", "1", "--peak-size", "256", "--json"]
 KEYS = {"mode", "preset", "config", "device", "dtype", "compile", "batch", "length", "params", "flop_formula",

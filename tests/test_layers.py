@@ -16,8 +16,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "elflow"
 LAYERS = [
     ["util.errors", "util", "data", "runs", "eval", "experiments"],  # (the packages' docstrings)
     ["util.files", "util.devices", "util.distributed", "util.hub"],
-    ["model", "optim", "runs.tracking"],
-    ["flow", "data.tasks", "data.layout"],
+    ["model", "newton_schulz", "runs.tracking"],
+    ["optim", "flow", "data.tasks", "data.layout"],
     ["encoders", "data.corpus", "data.store", "data.batches"],
     ["space", "data.sources"],
     ["data.workers"],

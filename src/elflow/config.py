@@ -14,7 +14,8 @@ from elflow.generate import SAMPLING_DEFAULTS
 from elflow.methods import METHOD_NAMES, check_run
 from elflow.methods.tokens import MATCHES
 from elflow.model import CONDITIONINGS, DECODERS, PREDICTIONS, PRESETS, SKIPS
-from elflow.optim import ADAMW_BLR, LR_DECAYS, MUON_SCALES, NS_METHODS, OPTIMIZERS, base_lr
+from elflow.optim import ADAMW_BLR, LR_DECAYS, MUON_SCALES, OPTIMIZERS, base_lr
+from elflow.newton_schulz import NS_METHODS
 from elflow.space import DRAWN_TABLE_KINDS, FIXED_TABLE_KINDS, TABLE_STREAM
 from elflow.util.devices import resolve_dtype
 from elflow.util.distributed import DIST_TIMEOUT_MINUTES
@@ -80,7 +81,8 @@ class TrainConfig(Record):
 
     method: str = setting("elf", "what to train: ELF, or a token-level baseline over the same space's tokens: an "
                                  "autoregressive LM (ar) or a masked diffusion LM (mdlm)", choices=METHOD_NAMES)
-    preset: str = setting("demo", "network size (a baseline: the parameter count of this ELF network)",
+    preset: str = setting("demo", "the network's size, a name of elflow.model.PRESETS (a baseline: the parameter "
+                                  "count of this ELF network); --defaults is a named set of run settings",
                           choices=tuple(PRESETS))
     match: str = setting("total", "baselines: match the ELF network's parameter count in all, or without the "
                                   "token tables and ELF's decode head (trunk)", choices=MATCHES)

@@ -229,10 +229,10 @@ def rope_tables(length: int, head_dim: int, num_prefix: int, theta: float = 1000
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x (B, nh, N, d); (a, b) -> (a cos - b sin, b cos + a sin) on interleaved pairs, in fp32 (or wider)."""
     x = x.to(torch.promote_types(torch.promote_types(x.dtype, cos.dtype), torch.float32))
-    if torch.compiler.is_compiling():  # real arithmetic, which the compiler fuses (it emits no complex code)
-        a, b = x[..., 0::2], x[..., 1::2]
+    if torch.compiler.is_compiling() or x.requires_grad:  # the real form: the compiler fuses it (it emits no
+        a, b = x[..., 0::2], x[..., 1::2]  # complex code), and its gradient is the same in eager and compiled runs
         return x * cos + torch.stack((-b, a), dim=-1).flatten(-2) * sin  # [-b0, a0, -b1, a1, ...]
-    # eager: one complex product (a + ib)(cos + i sin) per pair, one pass over x where the real form takes five
+    # inference, eager: one complex product (a + ib)(cos + i sin) per pair, one pass over x instead of five
     turn = torch.complex(cos[..., 0::2].to(x.dtype), sin[..., 0::2].to(x.dtype))  # (N, d/2)
     return torch.view_as_real(torch.view_as_complex(x.unflatten(-1, (-1, 2))) * turn).flatten(-2)
 

@@ -1,18 +1,15 @@
 """The paper's optimiser recipe: Muon on 2-D weight matrices (torch.optim.Muon, the decode head's two stepped
 at the released port's scale: `muon_lr_scale`), Adam on the rest, linear warm-up then constant (or cosine)
-learning rate, and the EMA of the weights. docs/internals.md explains the
-Newton-Schulz evaluation that keeps Muon fast on a CPU."""
+learning rate, and the EMA of the weights. How Muon's Newton-Schulz polynomial is evaluated fast on a CPU is
+elflow.newton_schulz."""
 
 from __future__ import annotations
 
-import contextlib
 import math
-import warnings
 
 import torch
-import torch.optim._muon as _muon_impl
 
-from elflow.util.devices import fast_bf16
+from elflow.newton_schulz import default_ns_dtype, ns_precision, resolve_ns_method
 
 OPTIMIZERS = ("muon", "adamw")
 MUON_SCALES = ("released", "fan")  # the decode head's Muon step scale: the released port's, or the fan rule's
@@ -55,100 +52,6 @@ def lr_at(step: int, lr: float, warmup: int, decay: str = "constant", total: int
         raise ValueError(f"lr_at: decay must be 'constant', or 'cosine' with a total step count; got {decay!r}")
     done = min(1.0, (step - warmup + 1) / max(total - warmup, 1))
     return lr * 0.5 * (1.0 + math.cos(math.pi * done))
-
-
-NS_METHODS = ("auto", "iterate", "spectral", "by-shape")
-
-
-def spectral_pays(m: int, n: int) -> bool:
-    """The by-shape rule: evaluate an m x n matrix spectrally iff k >= 384 or N >= max(2k, 512)."""
-    k, big = min(m, n), max(m, n)
-    return k >= 384 or big >= max(2 * k, 512)
-
-
-def method_for(shape, method: str) -> str:
-    """The evaluation (iterate or spectral) that a matrix of this shape gets under `method`."""
-    if method == "by-shape":
-        return "spectral" if spectral_pays(*shape) else "iterate"
-    return method
-
-
-def newton_schulz(g: torch.Tensor, ns_coefficients=(3.4445, -4.7750, 2.0315), ns_steps: int = 5,
-                  eps: float = 1e-7, dtype: torch.dtype = torch.float32, method: str = "iterate") -> torch.Tensor:
-    """The quintic Newton-Schulz orthogonalisation of torch.optim.Muon, in `dtype`, evaluated by `method`.
-
-    The signature matches torch's private `_zeropower_via_newtonschulz(grad, coefficients, steps, eps)`,
-    which always runs in bf16 and iterates. g (m, n). See the module docstring for the methods.
-    """
-    if method not in NS_METHODS[1:]:  # "auto" is resolved by the optimiser (resolve_ns_method)
-        raise ValueError(f"Newton-Schulz method must be iterate, spectral or by-shape, got {method!r}")
-    method = method_for(g.shape, method)
-    a, b, c = ns_coefficients
-    x = g.to(dtype)
-    tall = g.size(0) > g.size(1)
-    if tall:
-        x = x.T
-    x = x / x.norm().clamp(min=eps)  # spectral norm <= 1
-    if method == "spectral":  # eigh needs fp32 or wider
-        wide = x if x.dtype in (torch.float32, torch.float64) else x.float()
-        out = _spectral_newton_schulz(wide, a, b, c, ns_steps)
-        if out is not None:
-            out = out.to(x.dtype)
-            return out.T if tall else out
-    for _ in range(ns_steps):
-        gram = x @ x.T
-        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    return x.T if tall else x
-
-
-def _spectral_newton_schulz(x: torch.Tensor, a: float, b: float, c: float, steps: int) -> torch.Tensor | None:
-    """X_steps = V h(diag l) V^T X for the wide, normalised x, G = x x^T = V diag(l) V^T; None if eigh fails."""
-    gram = x @ x.T
-    try:
-        lam, vec = torch.linalg.eigh(gram)
-    except RuntimeError:  # torch.linalg.LinAlgError (no convergence, non-finite input): iterate instead
-        return None
-    h = torch.ones_like(lam)
-    for _ in range(steps):  # on m scalars; q = (singular value of the k-th iterate)^2
-        q = h * h * lam
-        h = h * (a + q * (b + c * q))
-    return ((vec * h) @ vec.T) @ x
-
-
-def resolve_ns_method(method: str, dtype: torch.dtype, device) -> str:
-    """`auto` -> by-shape for fp32 Newton-Schulz on a CPU, iterate otherwise."""
-    if method not in NS_METHODS:
-        raise ValueError(f"Newton-Schulz method must be one of {', '.join(NS_METHODS)}, got {method!r}")
-    if method != "auto":
-        return method
-    return "by-shape" if dtype == torch.float32 and torch.device(device).type == "cpu" else "iterate"
-
-
-@contextlib.contextmanager
-def ns_precision(dtype: torch.dtype | None, method: str = "iterate"):
-    """Inside the block, torch.optim.Muon runs its Newton-Schulz step in `dtype` (None: torch's bf16),
-    evaluated by `method` (iterate, spectral or by-shape; see the module docstring).
-
-    The Muon update stays torch.optim.Muon's own; only how its Newton-Schulz polynomial is evaluated is
-    chosen here.
-    """
-    original = getattr(_muon_impl, "_zeropower_via_newtonschulz", None)
-    torchs_own = dtype in (None, torch.bfloat16) and method == "iterate"
-    if torchs_own or original is None:
-        if not torchs_own:
-            warnings.warn("this torch version's Muon offers no Newton-Schulz hook; it runs in its own precision")
-        yield
-        return
-    dt = dtype or torch.bfloat16
-    _muon_impl._zeropower_via_newtonschulz = lambda g, coef, steps, eps: newton_schulz(g, coef, steps, eps, dt, method)
-    try:
-        yield
-    finally:
-        _muon_impl._zeropower_via_newtonschulz = original
-
-
-def default_ns_dtype(device) -> torch.dtype:
-    return torch.bfloat16 if fast_bf16(device) else torch.float32
 
 
 class ELFOptimizer:

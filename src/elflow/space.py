@@ -68,16 +68,6 @@ def table_generator(seed: int, stream: int = TABLE_STREAM) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
 
 
-def stored_spec(spec: dict) -> dict:
-    """A space spec read from a checkpoint or run: a drawn table stored without a "stream" is stream 1, the
-    draw it was trained on."""
-    if isinstance(spec, dict) and spec.get("kind") in DRAWN_TABLE_KINDS and "stream" not in spec:
-        return {**spec, "stream": 1}
-    return spec
-
-
-# ----------------------------------------------------------------------------------------------------
-# The interface
 class EmbeddingSpace(nn.Module):
     """Base class: tokenizer + the map ids -> vectors, with the scale that makes the data roughly unit-variance.
 

@@ -34,15 +34,13 @@ from elflow.optim import EMA, ELFOptimizer, lr_at
 from elflow.runs.checkpoint import load_checkpoint, save_checkpoint
 from elflow.runs.folder import RunFolder, check_run_dir, claim_run, micro_batch_for, no_space, shared_folder_check
 from elflow.runs.load import check_init_compatible, load_init_weights
-from elflow.runs.log import RunLogger, plot_losses, trim_metrics
+from elflow.runs.log import RunLogger, describe_start, plot_losses, tracked_settings, trim_metrics
 from elflow.runs.stages import DECODER_STAGE, attach_decoder, decoder_stage
 from elflow.runs.tracking import Tracker, require_wandb
 from elflow.space import build_space, check_compatible, space_spec
 from elflow.util.devices import (
     autocast,
     check_device,
-    device_name,
-    fast_bf16,
     flushed_denormals,
     resolve_dtype,
     use_tf32,
@@ -508,21 +506,3 @@ def train_one(cfg: TrainConfig, out: Path, method: Method, resume: bool, overwri
 
 def show_samples(setup: Setup, log, step, num: int = 2):
     log.samples(step, setup.method.preview(setup.net, setup.ema, setup.space, num, setup.length, setup.cfg))
-
-
-def tracked_settings(setup: Setup) -> dict:
-    """What a W&B run records as its config: the run's settings and how this process runs them."""
-    return {**setup.cfg.to_dict(), "method": setup.method.name, "params": setup.params, "world_size": setup.world,
-            "device": str(setup.device), "micro_batch": setup.micro, "accumulation": setup.accum,
-            "schedule_steps": setup.steps, "warmup_steps": setup.warmup}
-
-
-def describe_start(setup: Setup) -> str:
-    """One line on what runs where: the method and its size, the device and the precision (and why)."""
-    why = ""
-    if setup.device.type == "cpu":
-        why = (" (this CPU has native bf16 matmuls; --dtype fp32 for full precision)" if setup.dtype == "bf16"
-               else " (this CPU has no native bf16 matmuls)" if not fast_bf16(setup.device) else "")
-    ranks = f" x {setup.world} ranks" if setup.world > 1 else ""
-    return (f"training {setup.method.title} ({setup.params['model']:,} parameters) on {device_name(setup.device)}{ranks}, "
-            f"precision {setup.dtype}{why}")

@@ -6,7 +6,7 @@ import json
 
 from elflow.experiments.bench import MODES, bench
 from elflow.model import PRESETS
-from elflow.optim import NS_METHODS
+from elflow.newton_schulz import NS_METHODS
 from elflow.util.devices import check_device
 
 

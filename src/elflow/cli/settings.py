@@ -56,8 +56,10 @@ def add_setting_arguments(p) -> None:
         cfg_group.add_argument("--" + sub.replace("_", "-"), default=S, dest=f"{key}.{sub}", **kind,
                                help=with_default(text, default_text))
     cfg_group.add_argument("--defaults", default=S, choices=tuple(RUN_PRESETS),
-                           help=with_default("start from a named set of settings (quickstart: what `elflow quickstart` "
-                                      "trains); other flags override it", "none"))
+                           help=with_default("start from a named set of run settings, elflow.config.RUN_PRESETS "
+                                             "(quickstart: what `elflow quickstart` trains; the paper's conditional "
+                                             "tasks); other flags override it. --preset is the network's size",
+                                             "none"))
 
 
 def given_settings(args, base: dict | None = None) -> dict:

@@ -16,7 +16,8 @@ from elflow.methods import get_method
 from elflow.methods.base import TrainedPass
 from elflow.methods.elf import HEAD_PREFIXES
 from elflow.model import ELF, PRESETS, ELFConfig, get_config
-from elflow.optim import EMA, NS_METHODS, ELFOptimizer, method_for
+from elflow.optim import EMA, ELFOptimizer
+from elflow.newton_schulz import NS_METHODS, method_for
 from elflow.train import shard_generators, train_step
 from elflow.util.devices import autocast, default_device
 from elflow.util.errors import ELFError
@@ -59,7 +60,7 @@ def encoder_flops(space, length: int) -> int:
 def newton_schulz_flops(shapes, steps: int = 5, method: str = "iterate") -> int:
     """FLOPs of Muon's Newton-Schulz on matrices of these shapes (k, n = smaller, larger side):
     iterate steps x (4 k^2 n + 2 k^3); spectral 4 k^2 n + 2 k^3 + 9 k^3 (eigh counted as 9 k^3);
-    by-shape: each matrix as elflow.optim.method_for evaluates it."""
+    by-shape: each matrix as elflow.newton_schulz.method_for evaluates it."""
     if method not in NS_METHODS[1:]:
         raise ValueError(f"method must be one of {', '.join(NS_METHODS[1:])}, got {method!r}")
     total = 0

@@ -360,12 +360,8 @@ def newest_usable(run_dir: str | os.PathLike, need_optimizer: bool = True) -> tu
     return None, bad
 
 
-def latest_checkpoint(run_dir: str | os.PathLike, verify: bool = True, warn=print_warning,
-                      need_optimizer: bool = True) -> Path | None:
+def latest_checkpoint(run_dir: str | os.PathLike, warn=print_warning, need_optimizer: bool = True) -> Path | None:
     """The newest checkpoint that passes verification; bad ones are reported (on stderr) and skipped."""
-    if not verify:
-        found = list_checkpoints(run_dir)
-        return found[-1] if found else None
     ckpt, bad = newest_usable(run_dir, need_optimizer)
     for why in bad:
         warn(f"warning: skipping a bad checkpoint: {why}")

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from elflow.flow import TIME_BINS, time_bin_labels
+from elflow.util.devices import device_name, fast_bf16
 from elflow.util.files import atomic_write, atomic_write_text
 
 
@@ -227,3 +228,21 @@ def loss_figure(run_dir: Path):
     b.set_title("denoising loss per time bin")
     fig.tight_layout()
     return fig
+
+
+def tracked_settings(setup) -> dict:
+    """What a W&B run records as its config: the run's settings and how this process runs them."""
+    return {**setup.cfg.to_dict(), "method": setup.method.name, "params": setup.params, "world_size": setup.world,
+            "device": str(setup.device), "micro_batch": setup.micro, "accumulation": setup.accum,
+            "schedule_steps": setup.steps, "warmup_steps": setup.warmup}
+
+
+def describe_start(setup) -> str:
+    """One line on what runs where: the method and its size, the device and the precision (and why)."""
+    why = ""
+    if setup.device.type == "cpu":
+        why = (" (this CPU has native bf16 matmuls; --dtype fp32 for full precision)" if setup.dtype == "bf16"
+               else " (this CPU has no native bf16 matmuls)" if not fast_bf16(setup.device) else "")
+    ranks = f" x {setup.world} ranks" if setup.world > 1 else ""
+    return (f"training {setup.method.title} ({setup.params['model']:,} parameters) on {device_name(setup.device)}{ranks}, "
+            f"precision {setup.dtype}{why}")

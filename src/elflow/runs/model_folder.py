@@ -17,7 +17,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
-from elflow.runs.checkpoint import upgrade_state, PLAIN_NAME
+from elflow.runs.checkpoint import PLAIN_NAME, upgrade_state
 from elflow.util.errors import ELFError
 from elflow.util.files import sha256_file as _sha256
 
