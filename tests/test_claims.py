@@ -78,6 +78,7 @@ def test_a_tiny_report_end_to_end_is_cached_and_resumes(tmp_path, tiny_corpus_fi
     assert len(list((tmp_path / "out" / "variants").iterdir())) == 4  # 2 trainings x 2 seeds
     md = (tmp_path / "out" / "claims.md").read_text()
     assert "| tokens vs adaln | prefix tokens match adaLN |" in md
+    assert "| MAUVE |" in md and all("mauve" in r for rows in net["seeds"].values() for r in rows)
     assert json.loads((tmp_path / "out" / "claims.json").read_text())["claims"][1]["findings"][0]["a"] == "w3"
 
     import elflow.experiments.claims as claims_module

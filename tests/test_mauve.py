@@ -176,3 +176,94 @@ def test_mauve_with_the_default_judge_trained_80_steps(tmp_path):
     mauve, ppl = scores(tmp_path / "judge", held)
     assert ppl["repetitive"] < ppl["heldout"] / 5
     assert mauve["heldout"] > 0.9 and mauve["uniform"] < mauve["heldout"] - 0.4 and mauve["repetitive"] < 0.15
+
+
+# ----------------------------------------------------------------------------------------------------------
+# elflow eval --mauve
+
+
+def test_eval_reports_mauve_with_its_settings(tiny_judge, tiny_t5_judge_dir, lines, tmp_path, capsys):
+    """`elflow eval SAMPLES --mauve --references FILE --json`: the figure is mauve_score's on the same texts (an
+    empty sample skipped, as Gen-PPL skips it), with the settings it was computed with; the same texts as
+    references score 1."""
+    import json
+
+    from elflow.cli import main
+
+    samples, refs = tmp_path / "s.jsonl", tmp_path / "r.jsonl"
+    samples.write_text("".join(json.dumps({"text": t}) + "\n" for t in lines[:30] + [""]))
+    refs.write_text("".join(json.dumps({"text": t}) + "\n" for t in lines[30:60]))
+    argv = ["eval", str(samples), "--judge", str(tiny_t5_judge_dir), "--device", "cpu", "--mauve", "--references",
+            str(refs), "--mauve-clusters", "3", "--json", "--no-heldout"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    model, tok = tiny_judge
+    want = mauve_score(lines[:30], lines[30:60], model, tok, num_buckets=3, seed=25)
+    assert out["mauve"] == pytest.approx(want["mauve"], abs=1e-6) and "gen_ppl" in out
+    assert out["mauve_settings"]["texts"] == [30, 30] and out["mauve_settings"]["empty"] == 1
+    assert out["mauve_settings"]["clusters"] == 3 and out["mauve_settings"]["seed"] == 25
+    assert "last-layer hidden state" in out["mauve_settings"]["featurizer"]
+    refs.write_text("".join(json.dumps({"text": t}) + "\n" for t in lines[:30]))
+    assert main(argv + ["--overwrite"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["mauve"] == pytest.approx(1.0, abs=1e-6)
+
+
+def test_eval_of_a_checkpoint_compares_with_its_held_out_text(tiny_t5_dir, tiny_t5_judge_dir, tiny_corpus_file,
+                                                             tmp_path, capsys):
+    """`elflow eval --checkpoint RUN --mauve`: the references default to held-out rows of the run's own data;
+    without any real text to compare with, one line and nothing written."""
+    import json
+
+    from elflow.cli import main
+
+    run = tmp_path / "run"
+    assert main(["train", "--preset", "tiny", "--data", str(tiny_corpus_file), "--space", f"t5:{tiny_t5_dir}",
+                 "--latent-std", "1", "--length", "16", "--batch", "4", "--steps", "2", "--warmup", "1",
+                 "--val-fraction", "0.3", "--dtype", "fp32", "--quiet", "--out", str(run),
+                 "--cache-dir", str(tmp_path / "c")]) == 0
+    assert main(["eval", "--checkpoint", str(run), "--num", "24", "--steps", "2", "--judge", str(tiny_t5_judge_dir),
+                 "--device", "cpu", "--mauve", "--mauve-clusters", "2", "--json", "--cache-dir",
+                 str(tmp_path / "c")]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert 0 < out["mauve"] <= 1 and out["mauve_settings"]["texts"][1] == 24
+    assert out["per_seed"][0]["mauve"] == out["mauve"]
+    samples = next((run / "eval").rglob("samples_seed0.jsonl"))
+    lone = tmp_path / "lone.jsonl"
+    lone.write_text("".join(json.dumps({"text": json.loads(line)["text"]}) + "\n"
+                            for line in samples.read_text().splitlines()))  # samples that name no run
+    code = main(["eval", str(lone), "--judge", str(tiny_t5_judge_dir), "--device", "cpu", "--mauve"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "--references" in err[0]
+    assert not lone.with_suffix(".eval.json").exists()
+
+
+def test_sweep_and_compare_tables_carry_a_mauve_column(tiny_judge, tiny_t5_dir, tiny_t5_judge_dir,
+                                                      tiny_corpus_file, lines, tmp_path, capsys):
+    """`elflow sweep --mauve --references FILE` writes MAUVE as a column of sweep.csv, each cell's against the
+    same references; compare's figures of a set of texts (judge_texts) hold MAUVE with a MAUVE score."""
+    import json
+
+    from elflow.cli import main
+    from elflow.eval.mauve import mauve_against
+    from elflow.experiments.compare import judge_texts
+    from elflow.experiments.sweep import read_csv
+
+    run = tmp_path / "run"
+    assert main(["train", "--preset", "tiny", "--data", str(tiny_corpus_file), "--space", f"t5:{tiny_t5_dir}",
+                 "--latent-std", "1", "--length", "16", "--batch", "4", "--steps", "1", "--warmup", "1",
+                 "--dtype", "fp32", "--quiet", "--out", str(run), "--cache-dir", str(tmp_path / "c")]) == 0
+    refs = tmp_path / "refs.txt"
+    refs.write_text("\n".join(lines[:12]) + "\n")
+    out = tmp_path / "sweep"
+    assert main(["sweep", str(run), "--omega", "1", "3", "--steps", "2", "--sampler", "sde", "--num", "12",
+                 "--judge", str(tiny_t5_judge_dir), "--device", "cpu", "--mauve", "--references", str(refs),
+                 "--out", str(out)]) == 0
+    rows = read_csv(out / "sweep.csv")
+    assert len(rows) == 2 and all(0 < r["mauve"] <= 1 for r in rows)
+    model, tok = tiny_judge
+    score = mauve_against(lines[:12], model, tok)
+    samples = [json.loads(x)["text"] for x in (out / "samples" / "sde_steps2_omega3_gamma1.5_seed0.jsonl")
+               .read_text().splitlines()]
+    assert rows[1]["mauve"] == pytest.approx(score(samples)["mauve"], abs=1e-6)
+    row = judge_texts(lines[12:24], set(), (model, tok), score)
+    assert 0 < row["mauve"] <= 1 and "gen_ppl" in row

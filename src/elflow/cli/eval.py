@@ -14,6 +14,7 @@ from elflow.cli.common import add_sampling_arguments
 from elflow.data.corpus import read_pairs, read_sources
 from elflow.data.tasks import PAIR_TASKS
 from elflow.eval.judge import load_judge
+from elflow.eval.mauve import mauve_against
 from elflow.eval.metrics import (
     DTYPES,
     PROTOCOLS,
@@ -98,8 +99,8 @@ def add_arguments(p) -> None:
                         "default) or ROUGE (xsum, or --metric rouge)")
     p.add_argument("--metric", choices=("bleu", "rouge"), default=None,
                    help="the score of a FILE.jsonl task (default bleu)")
-    p.add_argument("--references", help="references for --task translation/summarization: a .jsonl file "
-                   "(--reference-field) or a text file with one reference per line")
+    p.add_argument("--references", help="references for --task translation/summarization, or the real texts --mauve "
+                   "compares the samples with: a .jsonl file (--reference-field) or a text file with one text per line")
     p.add_argument("--reference-field", default=None,
                    help="JSONL field of the references (default: text; output for a pairs FILE.jsonl)")
     p.add_argument("--source-field", default="input", help="the source field of a pairs FILE.jsonl")
@@ -132,10 +133,54 @@ def add_arguments(p) -> None:
                    help="also judge as many rows of the held-out split of the data the model was trained on (an "
                         "elflow run's; cached per judge and data) and print them beside the samples' figures "
                         "(default: on)")
+    g.add_argument("--mauve", action="store_true",
+                   help="also MAUVE of the samples against real text (--references, else as many rows of the held-out "
+                        "split of the model's training data), on the judge's last hidden state (docs/evaluation.md)")
+    g.add_argument("--mauve-clusters", type=_clusters, default="auto",
+                   help="MAUVE's k-means clusters (auto: a tenth of the texts)")
+    g.add_argument("--mauve-seed", type=int, default=25, help="MAUVE's seed (PCA and k-means)")
     g.add_argument("--cache-dir", default=None, help="tokenization and held-out judging cache "
                                                      "(default: $ELFLOW_CACHE or ~/.cache/elflow)")
 
     add_tracking(p)
+
+
+def _clusters(text: str):
+    if text == "auto":
+        return text
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 2:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or an integer >= 2, got {text!r}")
+    return n
+
+
+def _mauve_references(args, checkpoint, num: int) -> tuple[list[str], str]:
+    """The real texts --mauve compares the samples with, and what they are: --references, else `num` held-out
+    rows of the data the elflow run `checkpoint` was trained on. Read before the judge is loaded."""
+    if args.references:
+        return read_references(args.references, args.reference_field or "text"), str(args.references)
+    if checkpoint is None:
+        raise ELFError("--mauve compares the samples with real text: pass --references FILE (.jsonl, or one text "
+                       "per line), or samples that name the elflow run they came from")
+    try:
+        return heldout_texts(checkpoint, num, args.cache_dir)
+    except ELFError as e:
+        raise ELFError(f"--mauve has no held-out text to compare with ({e}); pass --references FILE") from None
+
+
+def _mauve(args, refs: list[str], judge):
+    model, tok = judge
+    return mauve_against(refs, model, tok, num_buckets=args.mauve_clusters, seed=args.mauve_seed,
+                         batch_size=args.batch_size, max_length=args.max_length)
+
+
+def _mauve_line(res: dict, what: str) -> str:
+    m = res["mauve_settings"]
+    return (f"mauve {res['mauve']:.4f} against {what} ({m['texts'][0]} samples, {m['texts'][1]} references, "
+            f"{m['clusters']} clusters, seed {m['seed']})")
 
 
 def _sampled_from(samples_path) -> str | None:
@@ -287,6 +332,8 @@ def run(args) -> int:
     args.device = check_device(args.device)
     if args.wandb:
         require_wandb()
+    if args.mauve and args.task != "unconditional":
+        raise ELFError(f"--mauve compares unconditional samples with real text; --task {args.task} scores pairs")
     if args.task in TEXT_TASKS:
         return _run_text_task(args)
     if args.task == "unconditional" and (args.samples is None) == (args.checkpoint is None):
@@ -306,17 +353,20 @@ def _run_unconditional(args, part: tuple[int, int]) -> int:
         _check_texts(texts, args.samples)
         check_output(Path(args.report) if args.report else Path(args.samples).with_suffix(".eval.json"),
                      args.overwrite, "--report")
+        refs, what = _mauve_references(args, _sampled_from(args.samples), len(texts)) if args.mauve else ([], "")
         model, tok = load_judge(args.judge, args.judge_dtype, args.device)
+        mauve = _mauve(args, refs, (model, tok)) if args.mauve else None
         res = generative_perplexity(texts, model, tok, args.batch_size, args.protocol, args.max_length,
                                     progress=not args.json and main, part=part)
         _check_result(res, args.samples)
+        scores = mauve(texts) if mauve else {}
         held = _heldout(args, _sampled_from(args.samples), len(texts), (model, tok), main)
-        report = {**summary_of(res), **_settings(args), "samples": str(args.samples), "seconds": time.time() - t0,
-                  **({"heldout": held} if held else {})}
+        report = {**summary_of(res), **scores, **_settings(args), "samples": str(args.samples),
+                  "seconds": time.time() - t0, **({"heldout": held} if held else {})}
         path = Path(args.report) if args.report else Path(args.samples).with_suffix(".eval.json")
         if main:
-            _emit(report, path, args.json, "\n".join(filter(None, [f"samples: {_format(res)}",
-                                                                  _heldout_line(held)])), args)
+            lines = [f"samples: {_format(res)}", _mauve_line(scores, what) if scores else None, _heldout_line(held)]
+            _emit(report, path, args.json, "\n".join(filter(None, lines)), args)
         return 0
 
 
@@ -336,8 +386,13 @@ def _run_unconditional(args, part: tuple[int, int]) -> int:
 
 def _sample_and_judge(args, loaded, space, settings, seeds, out, report_path, t0, part) -> int:
     main = part[0] == 0
+    refs, what = _mauve_references(args, args.checkpoint, args.num) if args.mauve else ([], "")
     model, tok = load_judge(args.judge, args.judge_dtype, args.device)
     judge = judge_score(model, tok, args.batch_size, args.protocol, args.max_length, part)
+    if args.mauve:
+        mauve = _mauve(args, refs, (model, tok))
+        judge_only = judge
+        judge = lambda texts: {**judge_only(texts), **mauve(texts)}  # noqa: E731
     per_seed = []
     for seed in seeds:
         _, res = sample_and_score(get_method(loaded.method), loaded.net, space, args.num, replace(settings, seed=seed),
@@ -346,7 +401,7 @@ def _sample_and_judge(args, loaded, space, settings, seeds, out, report_path, t0
         _check_result(res, f"seed {seed} ({out / f'samples_seed{seed}.jsonl'})")
         per_seed.append({"seed": seed, **res})
         if not args.json and main:
-            print(f"seed {seed}: {_format(res)}")
+            print(f"seed {seed}: {_format(res)}" + (f"  mauve {res['mauve']:.4f}" if "mauve" in res else ""))
     ppl, ppl_se = mean_and_stderr([r["gen_ppl"] for r in per_seed])
     ent, ent_se = mean_and_stderr([r["entropy"] for r in per_seed])
     report = {"gen_ppl": ppl, "gen_ppl_stderr": ppl_se, "entropy": ent, "entropy_stderr": ent_se,
@@ -355,13 +410,19 @@ def _sample_and_judge(args, loaded, space, settings, seeds, out, report_path, t0
               "checkpoint": str(args.checkpoint), "method": loaded.method, "num": args.num, "length": args.length,
               **settings.to_dict(),
               "seeds": list(seeds), "per_seed": per_seed, "seconds": time.time() - t0}
-    held = _heldout(args, args.checkpoint, args.num, (model, tok), main)
-    if held:
-        report["heldout"] = held
     se = lambda x: f" +- {x:.3f}" if x is not None else ""  # noqa: E731
     summary = (f"samples: gen_ppl {ppl:.3f}{se(ppl_se)}  entropy {ent:.4f}{se(ent_se)}  over {len(per_seed)} "
                f"seed(s) ({settings.describe()})")
     columns = ["seed", "gen_ppl", "entropy", "num_samples", "num_empty", "num_tokens"]
+    if args.mauve:
+        mv, mv_se = mean_and_stderr([r["mauve"] for r in per_seed])
+        report.update(mauve=mv, mauve_stderr=mv_se, mauve_settings=per_seed[0]["mauve_settings"])
+        summary += "\n" + _mauve_line({"mauve": mv, "mauve_settings": per_seed[0]["mauve_settings"]}, what) + \
+            (f" (mean over seeds{se(mv_se)})" if len(per_seed) > 1 else "")
+        columns.append("mauve")
+    held = _heldout(args, args.checkpoint, args.num, (model, tok), main)
+    if held:
+        report["heldout"] = held
     if main:
         _emit(report, report_path, args.json, "\n".join(filter(None, [summary, _heldout_line(held)])), args,
               {"per_seed": (columns, [[r[c] for c in columns] for r in per_seed])})

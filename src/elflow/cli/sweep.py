@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from elflow.cli.common import add_arguments as add_tracking
+from elflow.eval.metrics import read_references
+from elflow.eval.scoring import heldout_texts
 from elflow.experiments.sweep import _FLOAT, COLUMNS, plot_sweep, read_csv, run_sweep
 from elflow.flow import SAMPLERS
 from elflow.methods import get_method
@@ -35,6 +37,11 @@ def add_arguments(p) -> None:
     p.add_argument("--batch-size", type=int, default=8, help="judge batch size")
     p.add_argument("--gen-batch-size", type=int, default=8, help="sampling batch size")
     p.add_argument("--protocol", choices=("elf", "elf-official", "mdlm"), default="elf", help="counting rules (see elflow eval --help)")
+    p.add_argument("--mauve", action="store_true",
+                   help="also MAUVE of each cell's samples against real text (--references, else --num held-out rows "
+                        "of the run's training data), a column of sweep.csv")
+    p.add_argument("--references", default=None,
+                   help="--mauve's real texts: a .jsonl file (its `text` field) or one text per line")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--out", default=None, help="output folder (default: RUN/sweep, or ./sweep)")
     p.add_argument("--plot-only", action="store_true", help="redraw the plot from OUT/sweep.csv")
@@ -50,6 +57,16 @@ SWEEP_DEFAULTS = {"omega": [0.5, 1.0, 2.0, 3.0, 4.0], "steps": [8, 16, 32], "sam
 
 
 SWEEP_FLAGS = ("omega", "steps", "sampler", "temperature", "top_p")  # the knob flags without a parser default
+
+
+def _references(args) -> list[str]:
+    """--mauve's real texts: --references, else --num held-out rows of the run's training data."""
+    if args.references:
+        return read_references(args.references, "text")
+    try:
+        return heldout_texts(args.checkpoint, args.num)[0]
+    except ELFError as e:
+        raise ELFError(f"--mauve has no held-out text to compare with ({e}); pass --references FILE") from None
 
 
 def _method_grid(args, method) -> tuple[dict, dict]:
@@ -70,7 +87,8 @@ def _method_grid(args, method) -> tuple[dict, dict]:
 def _check_continuation(out: Path, args) -> dict:
     """A rerun continues OUT/sweep.csv only for the same checkpoint, judge and protocol (the rows do not record
     the checkpoint: OUT/sweep.json does)."""
-    wanted = {"checkpoint": str(args.checkpoint), "judge": str(args.judge), "protocol": args.protocol}
+    wanted = {"checkpoint": str(args.checkpoint), "judge": str(args.judge), "protocol": args.protocol,
+              **({"mauve": args.references or "held-out text"} if args.mauve else {})}
     meta = out / "sweep.json"
     stored = read_json(meta) if meta.exists() else {}
     rows = read_csv(out / "sweep.csv") if (out / "sweep.csv").exists() else []
@@ -125,13 +143,14 @@ def run(args) -> int:
             raise ELFError("--num and every --steps value must be at least 1")
 
         args.device = check_device(args.device)
+        references = _references(args) if args.mauve else None
         fresh = args.overwrite and (out / "sweep.csv").exists()
         wanted = _check_continuation(out, args)
         with FolderHold(out, "elflow sweep"):
             rows = run_sweep(args.checkpoint, grid, fixed, out, num=args.num, seed=args.seed, length=args.length,
                              judge=args.judge, judge_dtype=args.judge_dtype, batch_size=args.batch_size,
                              gen_batch_size=args.gen_batch_size, protocol=args.protocol, device=args.device,
-                             fresh=fresh, method=method, record=wanted)
+                             fresh=fresh, method=method, record=wanted, references=references)
             png = plot_sweep(rows, out / "tradeoff.png", title=f"judge: {rows[0].get('judge') or args.judge}")
     print(f"{len(rows)} cells in {out / 'sweep.csv'}; plot: {png}")
     if args.wandb:

@@ -8,16 +8,22 @@ divergence curve of the two histograms: near 1 when the judge cannot tell the se
     judge_features(texts, model, tokenizer)          -> (N, H) fp32 features on the model's device
     mauve_from_features(p_features, q_features)      -> {"mauve", "mauve_star", "frontier_integral", "clusters", ...}
     mauve_score(p_texts, q_texts, model, tokenizer)  -> the same plus "featurizer" and "max_length"
+    mauve_against(references, model, tokenizer)      -> texts -> {"mauve", "mauve_settings"}: one reference set,
+                                                        featurised once, against many sample sets
 """
 
 from __future__ import annotations
+
+import contextlib
+import os
+import sys
 
 import numpy as np
 import torch
 
 from elflow.util.errors import ELFError, first_line
 
-__all__ = ["MIN_TEXTS", "judge_features", "mauve_from_features", "mauve_score"]
+__all__ = ["MIN_TEXTS", "judge_features", "mauve_from_features", "mauve_score", "mauve_against"]
 
 MIN_TEXTS = 10  # per side; also at least 2 texts per cluster on average, or the histograms are mostly empty
 
@@ -86,6 +92,20 @@ def judge_features(texts, model, tokenizer, batch_size: int = 8, max_length: int
     return out
 
 
+@contextlib.contextmanager
+def _quiet_native_stderr():
+    """File descriptor 2 pointed at /dev/null for the block (what native libraries print), then restored."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def _mauve_package():
     try:
         import mauve
@@ -132,8 +152,9 @@ def mauve_from_features(p_features, q_features, *, num_buckets: int | str = "aut
     if threads is not None:
         faiss.omp_set_num_threads(int(threads))
     try:
-        out = mauve.compute_mauve(p_features=p, q_features=q, num_buckets=clusters, seed=seed,
-                                  kmeans_num_redo=kmeans_num_redo, kmeans_max_iter=kmeans_max_iter, verbose=False)
+        with _quiet_native_stderr():  # faiss warns from C++ on every call that n / 10 clusters is few points
+            out = mauve.compute_mauve(p_features=p, q_features=q, num_buckets=clusters, seed=seed,
+                                      kmeans_num_redo=kmeans_num_redo, kmeans_max_iter=kmeans_max_iter, verbose=False)
     finally:
         faiss.omp_set_num_threads(before)
     return {"mauve": float(out.mauve), "mauve_star": float(out.mauve_star),
@@ -158,5 +179,31 @@ def mauve_score(p_texts, q_texts, model, tokenizer, *, num_buckets: int | str = 
     q = judge_features(q_texts, model, tokenizer, batch_size, max_length)
     res = mauve_from_features(p, q, num_buckets=num_buckets, seed=seed, kmeans_num_redo=kmeans_num_redo,
                               kmeans_max_iter=kmeans_max_iter, threads=threads)
+    return {**res, "featurizer": featurizer_name(model), "max_length": max_length}
+
+
+def featurizer_name(model) -> str:
     name = getattr(model.config, "_name_or_path", "") or type(model).__name__
-    return {**res, "featurizer": f"{name}: last-layer hidden state at the last token", "max_length": max_length}
+    return f"{name}: last-layer hidden state at the last token"
+
+
+def mauve_against(references, model, tokenizer, *, num_buckets: int | str = "auto", seed: int = 25,
+                  batch_size: int = 8, max_length: int | None = None, threads: int | None = None):
+    """A score for sample sets (elflow.eval.scoring.sample_and_score's `score`): texts -> {"mauve", and
+    "mauve_settings": featurizer, texts (n samples, n references), clusters, seed, empty (samples skipped)}.
+    The references are featurised once; empty texts (samples cut at a first EOS) are skipped on both sides."""
+    refs = [t for t in _texts(references, "references") if t.strip()]
+    max_length = int(max_length or _context(model, tokenizer))
+    q = judge_features(refs, model, tokenizer, batch_size, max_length)
+
+    def score(texts) -> dict:
+        texts = _texts(texts, "texts")
+        kept = [t for t in texts if t.strip()]
+        _clusters(len(kept), len(refs), num_buckets)
+        p = judge_features(kept, model, tokenizer, batch_size, max_length)
+        res = mauve_from_features(p, q, num_buckets=num_buckets, seed=seed, threads=threads)
+        return {"mauve": res["mauve"], "mauve_settings": {
+            "featurizer": featurizer_name(model), "texts": [len(kept), len(refs)], "clusters": res["clusters"],
+            "seed": seed, "empty": len(texts) - len(kept), "max_length": max_length}}
+
+    return score

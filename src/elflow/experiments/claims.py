@@ -14,6 +14,7 @@ from elflow.config import RUN_PRESETS, TrainConfig
 from elflow.data.datasets import build_dataset
 from elflow.eval.diagnostics import corpus_vocabulary, validation_report
 from elflow.eval.judge import load_judge
+from elflow.eval.mauve import MIN_TEXTS, mauve_against
 from elflow.eval.scoring import sample_and_score
 from elflow.experiments.compare import cached_judge, judge_texts, row_documents
 from elflow.experiments.encoder_train import train_encoder
@@ -44,7 +45,7 @@ BUDGET_CAP = 1_000_000
 
 
 FIGURES = {"loss": "held-out v-MSE", "decode_acc": "decode accuracy", "gen_ppl": "judge perplexity",
-           "entropy": "token entropy", "corpus_words": "corpus words"}
+           "entropy": "token entropy", "corpus_words": "corpus words", "mauve": "MAUVE"}
 
 
 @dataclass(frozen=True)
@@ -298,13 +299,15 @@ class Harness:
             self.vocab = corpus_vocabulary(tokens.decode(train_set.tokens[: min(len(train_set), 4000)]))
             self.judge_name = str(folder)
             self._judge = load_judge(folder, device=self.device)
+            references = tokens.decode(val_set.tokens[:self.num])  # MAUVE's real text: held-out rows
+            self.mauve = mauve_against(references, *self._judge) if len(references) >= MIN_TEXTS else None
         return self._judge
 
     def measure(self, variant: Variant, seed: int) -> dict:
         """The variant's figures at `seed` (cached beside its run, keyed by the sampler settings)."""
         folder = self.trained(variant, seed)
         judge = self.judge()
-        key = _key({"sampling": variant.sampling, "num": self.num, "judge": self.judge_name})
+        key = _key({"sampling": variant.sampling, "num": self.num, "judge": self.judge_name, "figures": list(FIGURES)})
         path = folder / "measures" / f"{key}.json"
         if path.is_file():
             return json.loads(path.read_text())
@@ -323,11 +326,11 @@ class Harness:
         method = get_method(loaded.method)
         settings = method.settings(loaded, seed=seed, batch_size=16, **variant.sampling)
         _, scores = sample_and_score(method, loaded.net, space, self.num, settings,
-                                     lambda texts: judge_texts(texts, self.vocab, judge), folder / "samples" /
+                                     lambda texts: judge_texts(texts, self.vocab, judge, self.mauve), folder / "samples" /
                                      f"{key}.jsonl", {"variant": variant.name}, cfg.length)
         figures = {"loss": report["model_loss"], "decode_acc": report["decode_accuracy"]["p=1.0"],
                    "gen_ppl": scores.get("gen_ppl", math.nan), "entropy": scores.get("judge_entropy", math.nan),
-                   "corpus_words": scores.get("corpus_word_share", math.nan),
+                   "corpus_words": scores.get("corpus_word_share", math.nan), "mauve": scores.get("mauve", math.nan),
                    "params": json.loads((folder / "run.json").read_text())["params"]["model"],
                    "steps": json.loads((folder / "done.json").read_text())["steps"]}
         atomic_write_json(path, figures)
@@ -402,7 +405,8 @@ def format_markdown(report: dict) -> str:
              + (f"{b['steps']} steps" if b.get("steps") else f"{b['minutes']:g} min of training") + " per variant, "
              f"{report['num']} samples per figure; verdict: paired seed differences against {report['noise']:g} "
              "standard errors.", "",
-             "| claim | the paper's finding | measured (mean ± std over seeds) | verdict |", "|---|---|---|---|"]
+             "| claim | the paper's finding | measured (mean ± std over seeds) | MAUVE | verdict |",
+             "|---|---|---|---|---|"]
     for c in report["claims"]:
         shown = []
         for f in c["findings"]:
@@ -411,7 +415,8 @@ def format_markdown(report: dict) -> str:
                 if item not in shown:
                     shown.append(item)
         verdicts = "; ".join(f"{f['finding']}: {f['verdict']}" for f in c["findings"])
-        lines.append(f"| {c['title']} | {c['paper']} | {'; '.join(shown)} | **{c['verdict']}** ({verdicts}) |")
+        mauve = "; ".join(f"{name} {_cell(v.get('mauve', (None, None)))}" for name, v in c["variants"].items())
+        lines.append(f"| {c['title']} | {c['paper']} | {'; '.join(shown)} | {mauve} | **{c['verdict']}** ({verdicts}) |")
     return "\n".join(lines) + "\n"
 
 

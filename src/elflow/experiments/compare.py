@@ -15,6 +15,7 @@ from pathlib import Path
 from elflow.data.datasets import build_dataset
 from elflow.eval.diagnostics import WORD, corpus_vocabulary, word_stats
 from elflow.eval.judge import JudgeConfig, load_judge, train_judge
+from elflow.eval.mauve import MIN_TEXTS, mauve_against
 from elflow.eval.metrics import generative_perplexity
 from elflow.eval.scoring import sample_and_score
 from elflow.experiments.figures import plot_tradeoff
@@ -47,15 +48,21 @@ def distinct_ngrams(texts: list[str], n: int) -> float:
     return len(seen) / total if total else 0.0
 
 
-def judge_texts(texts: list[str], vocab: set[str], judge=None) -> dict:
+def judge_texts(texts: list[str], vocab: set[str], judge=None, mauve=None) -> dict:
     """The figures of one set of texts: word statistics, distinct 1/2/3-grams, and with a judge
     (a (model, tokenizer) pair) its generative perplexity, token entropy and the number of texts it scored
-    (empty texts are skipped; with none left the perplexity is nan)."""
+    (empty texts are skipped; with none left the perplexity is nan); with `mauve` (eval.mauve.mauve_against's
+    score on the judge) MAUVE against real text (nan when too few texts are left)."""
     row = {k: v for k, v in word_stats(texts, vocab).items() if k != "texts"}
     row.update({f"distinct_{n}": distinct_ngrams(texts, n) for n in (1, 2, 3)})
     if judge is not None:
         res = generative_perplexity(texts, *judge)
         row.update(gen_ppl=res["gen_ppl"], judge_entropy=res["entropy"], judged=res["num_samples"])
+    if mauve is not None:
+        try:
+            row["mauve"] = mauve(texts)["mauve"]
+        except ELFError:  # too few non-empty texts for its clusters
+            row["mauve"] = math.nan
     return row
 
 
@@ -182,6 +189,9 @@ def _compare(cfg, out, steps, minutes, num, judge, elf_steps, omegas, ar_tempera
     # each method's curve: the knobs it runs over, and the ones held fixed
     grids = {"elf": ({"steps": elf_steps, "omega": omegas}, {"sampler": cfg.sample_sampler}),
              "ar": ({"temperature": ar_temperatures}, {}), "mdlm": ({"steps": mdlm_steps}, {})}
+    real = tokens_space.decode(val_set.tokens[:num])
+    references = tokens_space.decode(val_set.tokens[num:2 * num])  # another held-out half: MAUVE's real text
+    mauve = mauve_against(references, *judge) if len(references) >= MIN_TEXTS else None
     rows = []
     for method in METHOD_NAMES:
         loaded, space = load_for_sampling(out / method, device=device)
@@ -190,13 +200,12 @@ def _compare(cfg, out, steps, minutes, num, judge, elf_steps, omegas, ar_tempera
             settings = chosen.settings(loaded, seed=seed, batch_size=16, **knobs)
             name = f"{method}_{label.replace(' ', '_').replace('=', '')}.jsonl"
             _, scores = sample_and_score(chosen, loaded.net, space, num, settings,
-                                         lambda texts: judge_texts(texts, vocab, judge), out / "samples" / name,
+                                         lambda texts: judge_texts(texts, vocab, judge, mauve), out / "samples" / name,
                                          {"method": method, "checkpoint": str(out / method)}, cfg.length,
                                          progress=not quiet)
             rows.append({"method": method, "setting": label, "params": info[method]["params"], **scores})
             printer(f"  {method} {label}: judge perplexity {rows[-1]['gen_ppl']:.1f}")
-    real = tokens_space.decode(val_set.tokens[:num])
-    rows.append({"method": "held-out text", "setting": "", "params": None, **judge_texts(real, vocab, judge)})
+    rows.append({"method": "held-out text", "setting": "", "params": None, **judge_texts(real, vocab, judge, mauve)})
 
     result = {"budget": budget, "match": cfg.match, "judge": judge_name, "num": num, "rows": rows, "methods": info,
               "out": str(out), "config": cfg.to_dict()}
@@ -208,7 +217,8 @@ def _compare(cfg, out, steps, minutes, num, judge, elf_steps, omegas, ar_tempera
 
 
 def format_table(rows: list[dict], info: dict, budget: dict | None = None) -> str:
-    cols = [("params", "params", "{:,}"), ("gen_ppl", "judge ppl", "{:.1f}"), ("judge_entropy", "tok entropy", "{:.2f}"),
+    cols = [("params", "params", "{:,}"), ("gen_ppl", "judge ppl", "{:.1f}"), ("mauve", "MAUVE", "{:.2f}"),
+            ("judge_entropy", "tok entropy", "{:.2f}"),
             ("word_entropy", "word entropy", "{:.2f}"), ("corpus_word_share", "corpus words", "{:.1%}"),
             ("distinct_2", "distinct-2", "{:.2f}"), ("distinct_3", "distinct-3", "{:.2f}")]
     cols = [c for c in cols if any(r.get(c[0]) is not None for r in rows)]

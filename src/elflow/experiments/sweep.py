@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from elflow.eval.judge import load_judge
+from elflow.eval.mauve import mauve_against
 from elflow.eval.metrics import judge_score
 from elflow.eval.scoring import sample_and_score
 from elflow.experiments.figures import plot_tradeoff
@@ -20,13 +21,13 @@ from elflow.util.errors import ELFError
 from elflow.util.files import atomic_write_json, atomic_write_text
 
 COLUMNS = ["sampler", "steps", "omega", "gamma", "seed", "num", "gen_ppl", "entropy", "num_samples", "num_empty",
-           "num_tokens", "protocol", "judge", "seconds", "method", "temperature", "top_p"]
+           "num_tokens", "protocol", "judge", "seconds", "method", "temperature", "top_p", "mauve"]
 
 
 _INT = {"steps", "seed", "num", "num_samples", "num_empty", "num_tokens"}
 
 
-_FLOAT = {"omega", "gamma", "gen_ppl", "entropy", "seconds", "temperature", "top_p"}
+_FLOAT = {"omega", "gamma", "gen_ppl", "entropy", "seconds", "temperature", "top_p", "mauve"}
 
 
 def write_csv(path: str | Path, rows: list[dict]) -> Path:
@@ -102,12 +103,14 @@ def _key(r: dict) -> tuple:
 def run_sweep(checkpoint: str, grid: dict, fixed: dict, out: str | Path, num: int = 1000, seed: int = 0,
               length: int | None = None, judge: str = "gpt2-large", judge_dtype: str = "fp32", batch_size: int = 8,
               gen_batch_size: int = 8, protocol: str = "elf", device: str | None = None, progress: bool = True,
-              fresh: bool = False, method: str = "elf", record: dict | None = None) -> list[dict]:
+              fresh: bool = False, method: str = "elf", record: dict | None = None,
+              references: list[str] | None = None, mauve: dict | None = None) -> list[dict]:
     """Run (or finish) the grid; returns all rows of OUT/sweep.csv. Samples go to OUT/samples/<cell>.jsonl.
     `grid` maps each of the method's sweep axes to its values (the cells are their product, in that order),
     `fixed` its other knobs to one value. `fresh`: ignore the rows of an existing sweep.csv (it is replaced
     when the first cell is done). `record` is written to OUT/sweep.json with the first row written (a sweep that
-    fails before its first row leaves no record behind). The checkpoint is read before the judge."""
+    fails before its first row leaves no record behind). The checkpoint is read before the judge. With
+    `references` (real texts) each row also holds MAUVE against them (`mauve`: mauve_against's settings)."""
     chosen = get_method(method)
     out = Path(out)
     csv_path = out / "sweep.csv"
@@ -123,6 +126,9 @@ def run_sweep(checkpoint: str, grid: dict, fixed: dict, out: str | Path, num: in
             raise ELFError(f"{checkpoint} holds a {loaded.method} model, not {chosen.name}")
         model, tok = load_judge(judge, judge_dtype, device)
         score = judge_score(model, tok, batch_size, protocol, progress=progress)
+        if references is not None:
+            judged, against = score, mauve_against(references, model, tok, batch_size=batch_size, **(mauve or {}))
+            score = lambda texts: {**judged(texts), **against(texts)}  # noqa: E731
     from tqdm.auto import tqdm
 
     cells_bar = tqdm(total=len(todo), desc="sweep", unit="cell", disable=not progress or not todo,
@@ -139,7 +145,8 @@ def run_sweep(checkpoint: str, grid: dict, fixed: dict, out: str | Path, num: in
                            f"they are in {out / 'samples' / (name + '.jsonl')}")
         row = {**{n: v for n, v in cell.items() if n in COLUMNS}, "seed": seed, "num": num, "protocol": protocol,
                "judge": str(judge), "seconds": round(time.time() - t0, 2),
-               **{k2: res[k2] for k2 in ("gen_ppl", "entropy", "num_samples", "num_empty", "num_tokens")}}
+               **{k2: res[k2] for k2 in ("gen_ppl", "entropy", "num_samples", "num_empty", "num_tokens", "mauve")
+                  if k2 in res}}
         rows.append(row)
         write_csv(csv_path, rows)
         if record is not None and k == 0:
@@ -147,6 +154,7 @@ def run_sweep(checkpoint: str, grid: dict, fixed: dict, out: str | Path, num: in
         cells_bar.update(1)
         if progress:
             cells_bar.write(f"[{k + 1}/{len(todo)}] {settings.describe()}: gen_ppl {row['gen_ppl']:.2f} "
-                            f"entropy {row['entropy']:.3f}", file=sys.stdout)
+                            f"entropy {row['entropy']:.3f}" + (f" mauve {row['mauve']:.3f}" if "mauve" in row else ""),
+                            file=sys.stdout)
     cells_bar.close()
     return rows
