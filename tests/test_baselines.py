@@ -262,6 +262,7 @@ def test_distinct_ngrams_by_hand():
     assert distinct_ngrams(["one"], 2) == 0.0
 
 
+@pytest.mark.slow
 def test_compare_trains_three_matched_methods_and_judges_them(tmp_path, tiny_t5_dir, tiny_corpus_file):
     from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 

@@ -48,6 +48,7 @@ def test_claims_are_chosen_by_name_and_an_unknown_one_lists_the_known(capsys):
     assert len(err) == 1 and "unknown claim 'nope'" in err[0] and "optimizer" in err[0]
 
 
+@pytest.mark.slow
 def test_a_tiny_report_end_to_end_is_cached_and_resumes(tmp_path, tiny_corpus_file, monkeypatch):
     """Two variants of the tiny network (prefix tokens, adaLN-Zero) and two sampler settings of one of them,
     2 seeds, 2 steps each: the report has every figure per seed, a verdict per finding and claim, claims.md

@@ -286,6 +286,7 @@ def test_a_conditional_teacher_distils_into_conditional_students(cond_run, tmp_p
     assert rec["source"] == "king sweet" and rec["steps"] == 1 and rec["gamma"] == 1.5 and rec["omega"] == 2.5
 
 
+@pytest.mark.slow
 def test_quickstart_conditional_trains_in_stages_and_draws_its_bleu_curve(tmp_path):
     """The conditional demonstration on the built-in corpus, a few steps: a BLEU point after each quarter of
     the run (the last one equal to the report's guidance-2 BLEU on the same lines, measured by another path),

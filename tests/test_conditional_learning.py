@@ -16,6 +16,8 @@ from elflow.space import build_space
 from elflow.flow import Recipe, generate_tokens
 from elflow.generate import conditioning, generate, settings_for
 
+pytestmark = pytest.mark.slow  # multi-process / learning runs: `python -m pytest -m slow`
+
 TASKS = {"copy": lambda w: w, "reverse": lambda w: w[::-1]}  # name -> the target from the source's words
 SOURCE_WORDS, STEPS = 4, 300
 

@@ -383,6 +383,7 @@ def test_sample_uses_the_stored_few_step_defaults(full_distillation, teacher_run
         assert rc == 0 and (rec["steps"], rec["gamma"], rec["omega"]) == expect
 
 
+@pytest.mark.slow
 def test_a_distillation_killed_with_sigkill_resumes_bit_identically(teacher_run, tmp_path):
     """As for training: SIGKILL after a checkpoint mid-round, --resume, the same weights as a run that was
     never stopped."""
@@ -439,6 +440,7 @@ def test_distillation_report_puts_teacher_and_students_side_by_side(full_distill
     assert (out / "report.json").exists() and any("held-out text" in line for line in lines)
 
 
+@pytest.mark.slow
 def test_two_gloo_ranks_distil_as_one_process(teacher_run, tmp_path):
     """Under torchrun each round is an ordinary data-parallel run: two Gloo ranks give the weights of one
     process with the same global batch."""

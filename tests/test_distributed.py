@@ -17,6 +17,8 @@ from elflow.util.errors import ELFError
 
 from helpers import checkpoint_weights, tiny_config
 
+pytestmark = pytest.mark.slow  # multi-process / learning runs: `python -m pytest -m slow`
+
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]

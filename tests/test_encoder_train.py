@@ -35,6 +35,7 @@ def test_span_corruption_hides_the_share_asked_and_its_pair_gives_the_window_bac
         assert rebuilt == ids.tolist()
 
 
+@pytest.mark.slow
 def test_a_trained_encoder_beats_its_baselines_and_is_a_space(tmp_path, tiny_corpus_file, capsys):
     """A few steps on the tiny corpus: the held-out span-corruption loss falls below both baselines that
     learn nothing (the network at its initialisation, the targets' unigram entropy); the folder is a T5

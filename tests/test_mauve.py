@@ -145,6 +145,7 @@ def scores(folder, held: list[str]) -> tuple[dict, dict]:
     return mauve, ppl
 
 
+@pytest.mark.slow
 def test_mauve_catches_what_generative_perplexity_misses(tmp_path):
     """A small judge (hidden 64, 2 blocks, context 64) trained 40 steps on 8 works of the built-in corpus;
     250 texts of 48 words a side. Measured (training seed 0): MAUVE held-out 0.974, uniform words 0.660,

@@ -93,6 +93,7 @@ def test_a_time_limit_ends_the_run_with_a_checkpoint(tmp_path, tiny_t5_dir, tiny
     assert summary["end_step"] == 1 and [p.name for p in list_checkpoints(run)] == ["step_0000001"]
 
 
+@pytest.mark.slow
 def test_two_gloo_ranks_train_a_baseline_as_one_process(tmp_path, tiny_t5_dir, tiny_corpus_file, cache):
     one, two = tmp_path / "one", tmp_path / "two"
     common = ["--method", "mdlm", "--preset", "tiny", "--data", str(tiny_corpus_file), "--space", f"t5:{tiny_t5_dir}",
@@ -221,6 +222,7 @@ def test_sweep_runs_an_ar_models_temperatures(runs, judge_dir, tmp_path, capsys)
 # elflow compare
 
 
+@pytest.mark.slow
 def test_compare_cli_end_to_end(tmp_path, tiny_t5_dir, tiny_corpus_file, judge_dir, cache, capsys):
     out = tmp_path / "cmp"
     argv = ["compare", "--preset", "tiny", "--space", f"t5:{tiny_t5_dir}", "--data", str(tiny_corpus_file),

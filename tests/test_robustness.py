@@ -321,6 +321,7 @@ def test_overwrite_with_bad_settings_keeps_the_old_run(capsys, run_copy, tiny_t5
     assert snapshot(run_copy) == before
 
 
+@pytest.mark.slow
 def test_overwrite_failing_before_its_first_checkpoint_restores_the_old_run(
         capsys, run_copy, tiny_t5_dir, tiny_corpus_file, cache, monkeypatch):
     (run_copy / "notes.txt").write_text("mine")
@@ -346,6 +347,7 @@ def test_overwrite_failing_before_its_first_checkpoint_restores_the_old_run(
     assert not (run_copy / ".replaced-run").exists() and not (run_copy / ".lock").exists()
 
 
+@pytest.mark.slow
 def test_enospc_during_a_save_keeps_the_last_checkpoint_and_resume_is_exact(
         capsys, trained, tmp_path, tiny_t5_dir, tiny_corpus_file, cache, monkeypatch):
     run = tmp_path / "run"
@@ -386,6 +388,7 @@ def test_lock_held_by_a_live_process_is_refused(capsys, run_copy, tiny_t5_dir, t
         holder.wait()
 
 
+@pytest.mark.slow
 def test_stale_lock_and_temporaries_are_cleared_and_keep_0_keeps_all(capsys, run_copy, cache):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
@@ -845,6 +848,7 @@ def small_fs(tmp_path):
         yield fs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("writer", ["safetensors", "torch.save"])
 def test_a_real_full_disk_during_a_save_then_an_exact_resume(capsys, small_fs, trained, tiny_t5_dir,
                                                              tiny_corpus_file, cache, writer):
@@ -1108,6 +1112,7 @@ def test_a_half_written_metrics_line_is_dropped_on_resume(capsys, run_copy, cach
     assert (run_copy / "loss.png").read_bytes().startswith(b"\x89PNG")
 
 
+@pytest.mark.slow
 def test_sigterm_during_overwrite_puts_the_old_run_back_at_once(tmp_path, trained, tiny_t5_dir, tiny_corpus_file,
                                                                cache):
     import os
@@ -1161,6 +1166,7 @@ def test_new_files_get_the_umask_mode(trained):
         assert p.stat().st_mode & 0o777 == 0o666 & ~mask, p
 
 
+@pytest.mark.slow
 def test_locks_of_a_reused_pid_are_taken_over_and_of_another_host_explained(capsys, run_copy, cache, live_process):
     (run_copy / ".lock").write_text(json.dumps({"pid": live_process.pid, "host": socket.gethostname(),
                                                 "start": "another-boot:1", "command": "elflow train"}))

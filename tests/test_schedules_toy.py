@@ -89,6 +89,7 @@ def test_posterior_mean_is_exact_against_monte_carlo():
     assert torch.allclose(mix.posterior_mean(z, t)[0].double(), mc, atol=5e-3)
 
 
+@pytest.mark.slow
 def test_toy_distillation_students_reach_clusters_in_one_step_where_the_teacher_cannot():
     """A small trained teacher at N = 1 lands on the data mean (nothing inside a cluster); its distilled
     one-step student lands inside clusters, as the teacher's own 16-step path does."""

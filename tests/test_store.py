@@ -114,6 +114,7 @@ def test_pair_store_rows_equal_pair_layout(corpora, t5_tokens, tmp_path):
         assert torch.equal(got["attention_mask"], lay["valid"]) and got["mask"].all()
 
 
+@pytest.mark.slow
 def test_builtin_corpus_through_the_store_gives_the_same_rows_and_batches(tmp_path):
     """The quickstart's data: MiniLM ids of the built-in corpus, packed at L = 64, 2% held out, seed 0."""
     from elflow.space import build_space
@@ -239,6 +240,7 @@ def test_batches_from_a_store_equal_the_in_memory_path_and_resume_exactly(corpor
         assert all(torch.equal(got[k], want[k]) for k in want)
 
 
+@pytest.mark.slow
 def test_train_reads_a_prepared_store_and_resumes_exactly(corpora, tiny_t5_dir, tmp_path):
     """`elflow prepare`, then training on `--data STORE`: 4 steps at once equal 2 steps and a resumed 2."""
     from elflow.cli import main
@@ -441,6 +443,7 @@ def test_bad_input_in_a_chunked_file_is_reported_as_read_documents_reports_it(tm
 # Once across ranks
 
 
+@pytest.mark.slow
 def test_two_ranks_prepare_once_past_the_default_group_timeout(tmp_path):
     """Rank 0 prepares (4 s) while rank 1 waits, in a group whose own collectives time out after 2 s."""
     import socket

@@ -13,6 +13,7 @@ from helpers import tiny_config, wandb_offline_runs
 pytest.importorskip("wandb", reason="the W&B tests need wandb (pip install -e '.[test]' installs it)")
 
 
+@pytest.mark.slow
 def test_a_run_logs_its_records_settings_and_samples_and_resume_continues_it(tmp_path, tiny_t5_dir,
                                                                              tiny_corpus_file, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")

@@ -76,6 +76,7 @@ def test_resume_continues_exactly(uninterrupted, tmp_path, tiny_t5_dir, tiny_cor
     assert_same_runs(run, full, 6)
 
 
+@pytest.mark.slow
 def test_sigkill_after_a_checkpoint_then_resume_is_exact(uninterrupted, tmp_path, tiny_t5_dir, tiny_corpus_file):
     full, cache, _ = uninterrupted
     run = tmp_path / "run"
@@ -124,6 +125,7 @@ def test_corrupted_checkpoint_is_refused_and_resume_falls_back(uninterrupted, tm
     assert_same_runs(run, full, 6)
 
 
+@pytest.mark.slow
 def test_two_gloo_ranks_equal_one_process_with_the_same_global_batch(uninterrupted, tmp_path, tiny_t5_dir,
                                                                      tiny_corpus_file):
     _, cache, _ = uninterrupted
@@ -138,6 +140,7 @@ def test_two_gloo_ranks_equal_one_process_with_the_same_global_batch(uninterrupt
     assert m1 == pytest.approx(m2, rel=1e-4)  # losses averaged across ranks before logging
 
 
+@pytest.mark.slow
 def test_two_gloo_ranks_train_a_learned_table_as_one_process(uninterrupted, tmp_path, tiny_t5_dir,
                                                             tiny_corpus_file):
     """The space's encode runs inside the DDP-wrapped pass: a learned table's gradients are averaged across ranks
@@ -376,6 +379,7 @@ def test_table_readout_run_carries_the_token_vectors(tmp_path, tiny_t5_dir, tiny
     assert not (tmp_path / "refused").exists()
 
 
+@pytest.mark.slow
 def test_gaussian_skip_run_carries_the_training_moments(tmp_path, tiny_t5_dir, tiny_corpus_file):
     """`--skip gaussian` from the CLI, with the cosine decay: the stored moments are the training split's
     own (computed here directly over every scored position), stay frozen, and the run samples and resumes
@@ -475,6 +479,7 @@ def test_the_loss_plot_labels_its_axes_names_its_lines_and_draws_the_gaussian_ba
     assert (tmp_path / "loss.png").stat().st_size > 10_000
 
 
+@pytest.mark.slow
 def test_a_confident_readout_gradient_holds_denormals_that_training_flushes(tmp_path, tiny_t5_dir, tiny_corpus_file,
                                                                             monkeypatch):
     """The log-softmax gradient of a token at probability e^-95 (5.5e-42, below fp32's normal range) is a
