@@ -225,6 +225,7 @@ def test_conditional_report_scores_copy_dropped_and_guided(cond_run):
     assert any("guidance 2" in line for line in lines)
 
 
+@pytest.mark.slow
 def test_a_released_distilled_model_samples_with_the_few_step_defaults(tmp_path, tiny_t5_dir):
     folder = tmp_path / "ELF-B-PD-owt-torch"
     folder.mkdir()
@@ -271,6 +272,7 @@ def test_sampling_starts_from_the_noise_scale_the_model_was_trained_with(uncond_
     assert seen["scale"] == 1.0 and 0.8 < seen["std"] < 1.2
 
 
+@pytest.mark.slow
 def test_a_conditional_teacher_distils_into_conditional_students(cond_run, tmp_path):
     from elflow import distill
 

@@ -234,6 +234,7 @@ def full_distillation(teacher_run, tmp_path_factory):
     return out, rounds
 
 
+@pytest.mark.slow
 def test_rounds_are_ordinary_runs_with_few_step_sampling_defaults(full_distillation, teacher_run):
     from elflow.runs.load import read_weights
 
@@ -256,6 +257,7 @@ def test_rounds_are_ordinary_runs_with_few_step_sampling_defaults(full_distillat
     assert [r["step"] for r in recs] == [1, 2, 3] and recs[0]["lr"] == pytest.approx(1e-3 * 4 / 256)
 
 
+@pytest.mark.slow
 def test_an_interrupted_distillation_resumes_bit_identically(full_distillation, teacher_run, tmp_path):
     teacher, cache = teacher_run
     full, _ = full_distillation
@@ -270,6 +272,7 @@ def test_an_interrupted_distillation_resumes_bit_identically(full_distillation, 
             assert all(torch.equal(a[k], b[k]) for k in a), n
 
 
+@pytest.mark.slow
 def test_init_from_starts_from_the_stored_ema(teacher_run, tmp_path, tiny_t5_dir, tiny_corpus_file):
     from elflow.config import TrainConfig
     from elflow.train import train
@@ -360,6 +363,7 @@ def test_a_teacher_without_ema_teaches_with_its_raw_weights_and_a_warning(teache
     assert dist(raw) < 1e-6 * dist(ema)
 
 
+@pytest.mark.slow
 def test_init_from_a_network_of_another_shape_is_refused(teacher_run, tmp_path, capsys, tiny_t5_dir,
                                                          tiny_corpus_file):
     teacher, cache = teacher_run
@@ -426,6 +430,7 @@ def test_a_distillation_killed_with_sigkill_resumes_bit_identically(teacher_run,
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_distillation_report_puts_teacher_and_students_side_by_side(full_distillation, teacher_run):
     from elflow.experiments.quickstart import distillation_report
 

@@ -26,6 +26,7 @@ def pushed(tmp_path_factory, tiny_t5_dir, tiny_corpus_file):
     return root / "run", root / "folder"
 
 
+@pytest.mark.slow
 def test_a_space_on_a_local_encoder_folder_is_named_in_a_warning(pushed, tiny_t5_dir, capsys):
     from elflow.runs.push import local_encoders
 

@@ -1101,6 +1101,7 @@ def test_bad_run_state_seeds_sizes_and_encodings_are_one_line(capsys, tmp_path, 
 # state that is repaired, not refused
 
 
+@pytest.mark.slow
 def test_a_half_written_metrics_line_is_dropped_on_resume(capsys, run_copy, cache):
     with open(run_copy / "metrics.jsonl", "a") as f:
         f.write('{"kind": "train", "step": 2')  # a kill in the middle of a line
@@ -1191,6 +1192,7 @@ def test_a_long_output_name_that_the_file_system_allows_is_written(capsys, train
     assert_one_error(code, err, "sample", "256 bytes long", "choose a shorter name")
 
 
+@pytest.mark.slow
 def test_init_from_the_run_being_overwritten(capsys, run_copy, tiny_t5_dir, tiny_corpus_file, cache):
     code, _, err = cli(capsys, [*_new_run(tiny_t5_dir, tiny_corpus_file, cache, run_copy, steps=3, seed=2,
                                           **{"init-from": run_copy}), "--overwrite"])

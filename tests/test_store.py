@@ -308,6 +308,7 @@ def test_a_store_too_short_for_one_row_is_refused(small_store):
         build_pairs(small_store, CharSpace(), 4, 8)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["tokenizer", "manifest", "truncated", "short"])
 def test_train_on_a_bad_store_says_so_in_one_line_and_writes_no_run(tmp_path, tiny_t5_dir, capsys, damage):
     """`elflow train --data STORE` on each broken store: exit 2, one line naming what is wrong, no run folder."""

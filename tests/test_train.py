@@ -65,6 +65,7 @@ def test_run_folder_contents_and_metrics(uninterrupted):
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in recs)
 
 
+@pytest.mark.slow
 def test_resume_continues_exactly(uninterrupted, tmp_path, tiny_t5_dir, tiny_corpus_file):
     full, cache, _ = uninterrupted
     run = tmp_path / "run"
@@ -106,6 +107,7 @@ def test_sigkill_after_a_checkpoint_then_resume_is_exact(uninterrupted, tmp_path
     assert_same_runs(run, full, 6)
 
 
+@pytest.mark.slow
 def test_corrupted_checkpoint_is_refused_and_resume_falls_back(uninterrupted, tmp_path, tiny_t5_dir,
                                                                tiny_corpus_file):
     import shutil
@@ -224,6 +226,7 @@ def test_a_nonfinite_step_is_flagged_on_the_device(tiny_t5_dir):
     assert train_step(model, shards, opt, EMA(net, 0.9), 1, 0, 0, "fp32")["nonfinite"] == 1
 
 
+@pytest.mark.slow
 def test_a_nonfinite_step_stops_the_run_before_anything_of_it_is_saved(uninterrupted, tmp_path, tiny_t5_dir,
                                                                        tiny_corpus_file, monkeypatch):
     """The loop reads the non-finite flag with the log and before every checkpoint: a step that is not finite
@@ -285,6 +288,7 @@ def test_quickstart_total_time_counts_training_and_report():
     assert total_time("training", 0.0, 240.0).startswith("total time 4.0 min")  # --report-only
 
 
+@pytest.mark.slow
 def test_print_config_and_the_first_line_name_the_resolved_precision(tmp_path, tiny_t5_dir, tiny_corpus_file,
                                                                      capsys):
     from elflow.cli import main
@@ -423,6 +427,7 @@ def test_gaussian_skip_run_carries_the_training_moments(tmp_path, tiny_t5_dir, t
 
 @pytest.mark.parametrize("method,options", [
     ("elf", {"skip": "gaussian", "time_scale": 1000.0, "head_modulation": True}), ("ar", {}), ("mdlm", {})])
+@pytest.mark.slow
 def test_samples_printed_during_training_come_from_the_ema_weights(method, options, tmp_path, tiny_t5_dir,
                                                                     tiny_corpus_file, capsys):
     """--sample-every prints samples of the EMA weights with the method's own sampler (an ELF network of the
