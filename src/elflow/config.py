@@ -14,9 +14,9 @@ from elflow.generate import SAMPLING_DEFAULTS
 from elflow.methods import METHOD_NAMES, check_run
 from elflow.methods.tokens import MATCHES
 from elflow.model import CONDITIONINGS, DECODERS, PREDICTIONS, PRESETS, SKIPS
-from elflow.optim import ADAMW_BLR, LR_DECAYS, MUON_SCALES, OPTIMIZERS, base_lr
 from elflow.newton_schulz import NS_METHODS
-from elflow.space import DRAWN_TABLE_KINDS, FIXED_TABLE_KINDS, TABLE_STREAM
+from elflow.optim import ADAMW_BLR, LR_DECAYS, MUON_SCALES, OPTIMIZERS, base_lr
+from elflow.space import FIXED_TABLE_KINDS, TABLE_STREAM, drawn_table, fixed_vectors
 from elflow.util.devices import resolve_dtype
 from elflow.util.distributed import DIST_TIMEOUT_MINUTES
 from elflow.util.errors import SEED_MAX, ELFError, Record
@@ -247,7 +247,7 @@ class TrainConfig(Record):
             if space_dim is None:
                 space_dim = DEFAULT_SPACE_DIM.get(self.preset)
         preset = PRESETS.get(self.preset)
-        drawn = space.partition(":")[0] in DRAWN_TABLE_KINDS  # a table drawn from the space seed
+        drawn = drawn_table(space)  # a table drawn from the space seed
         dtype = resolve_dtype(self.dtype, device) if device is not None else self.dtype
         return replace(self, space=space, space_dim=space_dim, dtype=dtype,
                        space_stream=(self.space_stream or TABLE_STREAM) if drawn else None,
@@ -303,7 +303,7 @@ class TrainConfig(Record):
                     raise ELFError(f"{name(attr)} sets up Muon; it does not apply to --optimizer adamw")
         readout = (self.short_run or {}).get("table_readout")
         if isinstance(readout, (int, float)) and readout > 0 and self.space is not None and \
-                self.space.partition(":")[0] not in FIXED_TABLE_KINDS:
+                not fixed_vectors(self.space):
             raise ELFError(f"{name('table_readout')} {readout:g}: the table readout needs a space with one vector per "
                            f"token ({' or '.join(FIXED_TABLE_KINDS)}), and {name('space')} {self.space} has none: "
                            f"pass {name('table_readout')} 0, or choose such a space")

@@ -43,7 +43,8 @@ TABLE_KINDS = ("token-table", "random-table", "learned-table")
 FIXED_TABLE_KINDS = ("token-table", "random-table")  # one frozen vector per token (what the table readout needs)
 
 
-KINDS = ("t5", "hf") + TABLE_KINDS + ("tokens",)
+ENCODER_KINDS = ("t5", "hf")  # an encoder's last hidden state
+KINDS = ENCODER_KINDS + TABLE_KINDS + ("tokens",)
 
 
 DRAWN_TABLE_KINDS = ("random-table", "learned-table")  # tables drawn from a seed
@@ -418,8 +419,45 @@ def space_spec(name: str, latent_std, dim: int | None = None, seed: int = 0, str
     return spec
 
 
+def space_kind(space) -> str:
+    """The kind of a space: of a --space value ("random-table:minilm"), a spec or a built space."""
+    if isinstance(space, str):
+        kind, sep, _ = space.partition(":")
+        if sep and kind in TABLE_KINDS:
+            return kind
+    return _normalise_spec(space)["kind"]
+
+
+def fixed_vectors(space) -> bool:
+    """Whether a space gives every token one frozen vector of its own (what the table readout needs)."""
+    return space_kind(space) in FIXED_TABLE_KINDS
+
+
+def drawn_table(space) -> bool:
+    """Whether a space's vectors are drawn from its seed (a random or learned table)."""
+    return space_kind(space) in DRAWN_TABLE_KINDS
+
+
+def learned(space) -> bool:
+    """Whether a space trains with the network (a learned table)."""
+    return space_kind(space) == "learned-table"
+
+
+def tokenizer_spec(spec) -> dict:
+    """The spec of a space's tokenizer alone (what the token baselines read and write), from a spec or a name."""
+    spec = _normalise_spec(spec)
+    return spec if spec["kind"] == "tokens" else {"kind": "tokens", "of": spec}
+
+
+def with_encoder(spec: dict, name: str) -> dict:
+    """A stored encoder space's spec with its encoder read from `name`, a folder or hub id (the authors'
+    checkpoints offline: a local copy of T5-small); a spec of another kind is taken as T5's."""
+    kind = spec.get("kind") if spec.get("kind") in ENCODER_KINDS else "t5"
+    return {**spec, "kind": kind, "name": name, "latent_std": spec.get("latent_std", T5_SMALL_STD)}
+
+
 def _default_std(kind: str, name: str):
-    if kind in ("t5", "hf"):
+    if kind in ENCODER_KINDS:
         if name == "minilm":
             return MINILM_STD
         if Path(name).name in ("t5-small", "google-t5/t5-small") or name in ("t5-small", "google-t5/t5-small"):
@@ -459,7 +497,7 @@ def build_space(spec: dict | str, device=None, dtype=None, calibration=None) -> 
     if not isinstance(latent_std, str) and not float(latent_std) > 0:
         raise ELFError(f"latent_std must be positive, got {latent_std}")
     shift = float(spec.get("shift", 0.0))
-    if kind in ("t5", "hf"):
+    if kind in ENCODER_KINDS:
         space = EncoderSpace(kind, name, latent_std, shift, device=device, dtype=dtype)
     else:
         space = TableSpace(kind, name, latent_std, shift, dim=spec.get("dim"), seed=spec.get("seed", 0),

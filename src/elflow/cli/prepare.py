@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from elflow.data.ingest import prepare_store
-from elflow.space import build_space, space_spec
+from elflow.space import build_space, space_spec, tokenizer_spec
 from elflow.util.errors import ELFError
 from elflow.util.files import check_output
 
@@ -53,7 +53,7 @@ def run(args) -> int:
     if args.source_length is not None and args.source_length < 1:
         raise ELFError(f"--source-length must be at least 1, got {args.source_length}")
     out = check_output(args.out, folder=True)
-    space = build_space({"kind": "tokens", "of": space_spec(args.space, None)})
+    space = build_space(tokenizer_spec(space_spec(args.space, None)))
     pairs = args.source_length is not None
     store = prepare_store(args.source, space, out, pairs=pairs, layout=args.layout, source_length=args.source_length,
                           field=args.field, source_field=args.source_field, target_field=args.target_field,

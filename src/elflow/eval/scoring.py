@@ -12,7 +12,7 @@ from elflow.data.datasets import run_data
 from elflow.eval.metrics import generative_perplexity, summary_of
 from elflow.generate import gather_records, write_samples
 from elflow.runs.load import stored_training
-from elflow.space import build_space
+from elflow.space import build_space, tokenizer_spec
 from elflow.util.errors import ELFError
 from elflow.util.files import atomic_write_json, cache_root
 
@@ -48,7 +48,7 @@ def heldout_texts(checkpoint, num: int, cache_dir=None) -> tuple[list[str], str]
     if cfg.source_length:
         raise ELFError("a conditional model's held-out text is a task's references (--task)")
     spec = stored["space"]
-    space = build_space(spec if spec.get("kind") == "tokens" else {"kind": "tokens", "of": spec})
+    space = build_space(tokenizer_spec(spec))
     length = cfg.length or stored["settings"].get("length")
     try:
         _, val = run_data(cfg, space, length, cache_dir)

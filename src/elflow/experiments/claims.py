@@ -21,7 +21,7 @@ from elflow.experiments.encoder_train import train_encoder
 from elflow.flow import Recipe
 from elflow.methods import get_method
 from elflow.runs.load import load_for_sampling
-from elflow.space import build_space, space_spec
+from elflow.space import build_space, space_spec, tokenizer_spec
 from elflow.train import train
 from elflow.util.errors import ELFError
 from elflow.util.files import FolderHold, atomic_write, atomic_write_json, check_output
@@ -288,8 +288,7 @@ class Harness:
     def judge(self):
         if self._judge is None:
             cfg = self.config(Variant("base"), 0)
-            tokens = build_space({"kind": "tokens", "of": space_spec(cfg.space, cfg.latent_std, cfg.space_dim,
-                                                                      cfg.space_seed)})
+            tokens = build_space(tokenizer_spec(space_spec(cfg.space, cfg.latent_std, cfg.space_dim, cfg.space_seed)))
             train_set, val_set = build_dataset(cfg.data, tokens, cfg.length, layout=cfg.layout,
                                                val_fraction=cfg.val_fraction, seed=0, cache_dir=self.cache_dir,
                                                field=cfg.text_field, on_bad=cfg.on_bad)

@@ -24,7 +24,7 @@ from elflow.runs.checkpoint import latest_checkpoint, read_state
 from elflow.runs.folder import stored_config
 from elflow.runs.load import load_for_sampling
 from elflow.runs.log import plot_losses
-from elflow.space import FIXED_TABLE_KINDS, space_spec
+from elflow.space import fixed_vectors
 from elflow.train import train
 from elflow.util.errors import ELFError
 from elflow.util.files import FolderLock, atomic_write, atomic_write_json, read_json
@@ -47,8 +47,8 @@ def preset_overrides(args) -> dict:
     table readout needs fixed token vectors: a --space without them (an encoder, a learned table) drops it."""
     over = {name: getattr(args, name) for name in ("lr", "space") if getattr(args, name, None) is not None}
     options = RUN_PRESETS["quickstart"][0]["short_run"]
-    fixed_vectors = "space" not in over or space_spec(over["space"], None)["kind"] in FIXED_TABLE_KINDS
-    if options.get("table_readout") and not fixed_vectors:
+    table = "space" not in over or fixed_vectors(over["space"])  # one frozen vector per token: the readout's table
+    if options.get("table_readout") and not table:
         over["short_run"] = {**options, "table_readout": 0.0}
     return over
 

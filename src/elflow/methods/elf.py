@@ -19,7 +19,7 @@ from elflow.flow import TIME_BINS, Recipe, draw_training_noise, elf_loss, genera
 from elflow.generate import ELF_KNOBS, generate, settings_for
 from elflow.methods.base import FEATURES, Method
 from elflow.model import ELFConfig, ShortRunOptions, build_network, check_network, options_of
-from elflow.space import latent_moments, space_spec, token_vectors
+from elflow.space import latent_moments, learned, token_vectors
 from elflow.util.devices import check_memory
 from elflow.util.errors import ELFError
 
@@ -85,7 +85,7 @@ class ELFMethod(Method):
                                "distillation)")
             if cfg.epochs is not None and not (cfg.decoder_steps or cfg.decoder_from):
                 raise ELFError("--decoder separate with --epochs needs --decoder-steps (the decoder stage's length)")
-            if space_spec(cfg.space or "minilm", None)["kind"] == "learned-table":
+            if learned(cfg.space or "minilm"):
                 raise ELFError("--decoder separate needs a frozen space: a learned table would move under the "
                                "frozen decoder while the denoiser trains")
         elif cfg.decoder_steps or cfg.decoder_from:

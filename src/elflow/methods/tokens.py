@@ -11,6 +11,7 @@ from elflow.generate import sample_batches
 from elflow.methods.base import Method
 from elflow.methods.token_net import TokenLMConfig
 from elflow.model import ELF, num_params
+from elflow.space import tokenizer_spec
 from elflow.util.errors import ELFError
 
 MATCHES = ("total", "trunk")
@@ -61,7 +62,7 @@ class TokenMethod(Method):
     defaults: dict = {}  # the sampler's knobs and their default values
 
     def space_spec(self, spec: dict) -> dict:
-        return {"kind": "tokens", "of": spec}
+        return tokenizer_spec(spec)
 
     # -- the module's functions -----------------------------------------------------------------------
     def network(self, config: TokenLMConfig, space):

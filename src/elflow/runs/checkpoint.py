@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from elflow.runs.tracking import ID_FILE
-from elflow.space import DRAWN_TABLE_KINDS
+from elflow.space import drawn_table
 from elflow.util.errors import ELFError, first_line
 from elflow.util.files import FolderLock, NoSpace, atomic_write_text, disk_full, file_mode, folder_mode, read_json
 from elflow.util.files import sha256_file as _sha256
@@ -189,7 +189,7 @@ def upgrade_train(train: dict) -> dict:
         if "distilled_steps" in record and not train.get("distillation"):
             train["distillation"] = {"student_steps": record["distilled_steps"],
                                      "teacher_steps": record.get("teacher_steps")}
-    if "space_stream" not in train and str(train.get("space")).partition(":")[0] in DRAWN_TABLE_KINDS:
+    if "space_stream" not in train and isinstance(train.get("space"), str) and drawn_table(train["space"]):
         train["space_stream"] = 1
     if "muon_scale" not in train and train.get("optimizer", "muon") == "muon":
         train["muon_scale"] = "fan"
@@ -209,7 +209,7 @@ def upgrade_state(state: dict) -> dict:
         state["model"] = {k: v for k, v in model.items() if k not in SHORT_RUN_FIELDS}
         state["short_run"] = {**options, **(state.get("short_run") or {})}
     space = state.get("space")
-    if isinstance(space, dict) and space.get("kind") in DRAWN_TABLE_KINDS and "stream" not in space:
+    if isinstance(space, dict) and space.get("kind") and drawn_table(space) and "stream" not in space:
         state["space"] = {**space, "stream": 1}
     return state
 

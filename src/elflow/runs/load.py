@@ -39,7 +39,7 @@ from elflow.runs.official import (
     infer_config,
     read_official_checkpoint,
 )
-from elflow.space import EmbeddingSpace, build_space, check_compatible
+from elflow.space import EmbeddingSpace, build_space, check_compatible, with_encoder
 from elflow.util.devices import default_device
 from elflow.util.errors import ELFError
 from elflow.util.hub import hub_offline, hub_reachable, hub_unavailable_reason
@@ -221,9 +221,7 @@ def load_for_sampling(path_or_hub_id, device=None, space=None, use_ema: bool = T
     elif isinstance(space, dict):
         sp = build_space(space, device=device)
     elif isinstance(space, str) and space:
-        kind = spec.get("kind") if spec.get("kind") in ("t5", "hf") else "t5"
-        sp = build_space({**spec, "kind": kind, "name": space, "latent_std": spec.get("latent_std", 0.2)},
-                         device=device)
+        sp = build_space(with_encoder(spec, space), device=device)
     else:
         sp = build_space(spec, device=device)
     if sp.trainable and loaded.settings.get("format") == "elflow":  # a learned table trained with the network
