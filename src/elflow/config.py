@@ -233,6 +233,18 @@ class TrainConfig(Record):
                 values[key] = fn(values)
         return cls(**values)
 
+    def network_fields(self, recipe) -> dict:
+        """The ELFConfig fields the run sets besides its preset and its space: --depth / --hidden / --heads and
+        the network's variants; a network without self-conditioning for self_cond_prob 0; the path's constants
+        (`recipe`'s) for a v- or eps-head, which reads them."""
+        top = {"bottleneck": self.bottleneck, "predict": self.predict, "conditioning": self.conditioning,
+               "decoder": self.decoder}
+        if not recipe.self_conditioned:
+            top["self_cond"] = False
+        if self.predict != "x":
+            top.update(noise_scale=recipe.noise_scale, t_eps=recipe.t_eps)
+        return {**self.model, **{k: v for k, v in top.items() if v is not None}}
+
     @property
     def separate_decoder(self) -> bool:
         return self.decoder == "separate"

@@ -8,7 +8,6 @@ alone (for the token baselines). `build_space(spec)` builds any of them; docs/in
 from __future__ import annotations
 
 import hashlib
-import math
 from pathlib import Path
 
 import torch
@@ -199,38 +198,6 @@ class EmbeddingSpace(nn.Module):
             return b.dtype
         return torch.float32
 
-    # --- the scale --------------------------------------------------------------------------------------
-    @torch.no_grad()
-    def calibrate(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                  batch_size: int = 64) -> dict:
-        """Measure mean and std of the raw vectors h over all coordinates of valid tokens, set scale = std.
-
-        tokens: (N, L) ids. Returns {"mean", "std", "tokens"}. The shift stays as it is (0 by default).
-        """
-        device = next(iter(self.parameters()), torch.empty(0)).device
-        total = total_sq = count = 0.0
-        scale, shift = self.scale, self.shift
-        self.scale, self.shift = 1.0, 0.0
-        try:
-            for i in range(0, tokens.shape[0], batch_size):
-                ids = tokens[i : i + batch_size].to(device)
-                am = None if attention_mask is None else attention_mask[i : i + batch_size].to(device)
-                h = self.encode(ids, am).double()  # (b, L, D)
-                w = torch.ones(h.shape[:2], dtype=torch.double, device=device) if am is None else am.double()
-                total += float((h * w[..., None]).sum())
-                total_sq += float((h.square() * w[..., None]).sum())
-                count += float(w.sum()) * h.shape[-1]
-        finally:
-            self.scale, self.shift = scale, shift
-        if count == 0:
-            raise ELFError("cannot estimate the latent std from an empty sample")
-        mean = total / count
-        std = math.sqrt(max(total_sq / count - mean * mean, 0.0))
-        if not std > 0:
-            raise ELFError(f"the encoder {self.name!r} gives constant outputs on the sample; cannot scale them")
-        self.scale = std
-        return {"mean": mean, "std": std, "tokens": int(count // self.dim)}
-
 
 class EncoderSpace(EmbeddingSpace):
     """Last hidden state of a frozen Hugging Face encoder (kind "t5" or "hf")."""
@@ -297,7 +264,7 @@ class TableSpace(EmbeddingSpace):
         if latent_std == "table":
             scale = float(weight.std())
         elif isinstance(latent_std, str):
-            scale = 1.0  # "auto": replaced by calibrate()
+            scale = 1.0  # "auto": measured on a sample (build_space's calibration)
         else:
             scale = float(latent_std)
         super().__init__(tokenizer, name, label, scale, shift, max_length)
@@ -477,8 +444,8 @@ def build_space(spec: dict | str, device=None, dtype=None, calibration=None) -> 
     name (hub id, folder or "minilm"; for tables it names the tokenizer / encoder), latent_std (number,
     "auto" to estimate it from a data sample, or for token tables "table" = std of the table), shift,
     dim, seed and stream (random / learned tables; stream 2 unless given: `table_generator`).
-    `calibration(space) -> token ids` gives the sample a latent_std "auto" is measured on (the space knows no
-    data: elflow.data.corpus.calibration_for(spec) reads the spec's calibrate_on / calibrate_length /
+    `calibration(space)` sets the scale of a latent_std "auto" from a data sample (the space knows no data:
+    elflow.data.corpus.calibration_for(spec) measures it on the spec's calibrate_on / calibrate_length /
     calibrate_sequences, by default 256 rows of 64 tokens of the built-in corpus).
     """
     spec = _normalise_spec(spec)
@@ -506,7 +473,7 @@ def build_space(spec: dict | str, device=None, dtype=None, calibration=None) -> 
         if calibration is None:
             raise ELFError("latent_std 'auto' is measured on a data sample: build the space with a calibration "
                            "sample (elflow.data.corpus.calibration_for)")
-        space.calibrate(calibration(space))
+        calibration(space)
     return space
 
 

@@ -154,19 +154,6 @@ class Setup:
         return lr_at(step, self.cfg.lr, self.warmup, self.cfg.lr_decay, self.steps)
 
 
-def network_overrides(cfg: TrainConfig, recipe: Recipe) -> dict:
-    """The ELFConfig fields a run sets besides its preset and its space: the --depth / --hidden / --heads
-    overrides and the network's variants. A network without self-conditioning for self_cond_prob 0; the
-    path's constants for a v- or eps-head, which reads them."""
-    top = {"bottleneck": cfg.bottleneck, "predict": cfg.predict, "conditioning": cfg.conditioning,
-           "decoder": cfg.decoder}
-    if not recipe.self_conditioned:
-        top["self_cond"] = False
-    if cfg.predict != "x":
-        top.update(noise_scale=recipe.noise_scale, t_eps=recipe.t_eps)
-    return {**cfg.model, **{k: v for k, v in top.items() if v is not None}}
-
-
 def set_up(cfg: TrainConfig, method: Method, rank: int, world: int, device, cache_dir=None,
            decoder_from=None) -> Setup:
     """Build the space, the data, the network and the optimiser: every check that needs them happens here.
@@ -185,7 +172,7 @@ def set_up(cfg: TrainConfig, method: Method, rank: int, world: int, device, cach
         recipe = recipe.replace(decode_prob=0.0)
     try:  # the ELF network of these settings (a baseline is sized to it)
         shape = get_config(cfg.preset, dim=space.dim, vocab_size=space.vocab_size, max_length=length,
-                           **network_overrides(cfg, recipe))
+                           **cfg.network_fields(recipe))
     except (TypeError, ValueError) as e:
         raise ELFError(f"the network settings do not fit together: {e}") from None
     net, params = method.build(cfg, shape, space, train_set, recipe, device)

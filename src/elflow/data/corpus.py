@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import re
 import shutil
@@ -432,19 +433,49 @@ def calibration_sample(source, space, length: int = 64, sequences: int = 256, ca
 
 
 def calibration_for(spec):
-    """The sample a latent_std "auto" space measures its scale on (space.build_space's `calibration`): a space
-    -> `calibrate_sequences` (256) packed rows of `calibrate_length` (64) tokens of `calibrate_on` (the built-in
-    corpus), as given in the space spec `spec` (a dict; a name has none of them)."""
+    """The calibration of a latent_std "auto" space (space.build_space's `calibration`): its scale set to the std
+    of its raw vectors over `calibrate_sequences` (256) packed rows of `calibrate_length` (64) tokens of
+    `calibrate_on` (the built-in corpus), as given in the space spec `spec` (a dict; a name has none of them)."""
     spec = spec if isinstance(spec, dict) else {}
 
-    def sample(space) -> torch.Tensor:
+    def calibrate(space) -> dict:
         length = int(spec.get("calibrate_length", 64))
         if space.max_length is not None:
             length = min(length, space.max_length)
-        return calibration_sample(spec.get("calibrate_on", "builtin"), space, length,
-                                  int(spec.get("calibrate_sequences", 256)))
+        return measure_scale(space, calibration_sample(spec.get("calibrate_on", "builtin"), space, length,
+                                                       int(spec.get("calibrate_sequences", 256))))
 
-    return sample
+    return calibrate
+
+
+@torch.no_grad()
+def measure_scale(space, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                  batch_size: int = 64) -> dict:
+    """Measure mean and std of a space's raw vectors h over all coordinates of valid tokens, set its scale to
+    the std. tokens: (N, L) ids. Returns {"mean", "std", "tokens"}. The shift stays as it is (0 by default)."""
+    device = next(iter(space.parameters()), torch.empty(0)).device
+    total = total_sq = count = 0.0
+    scale, shift = space.scale, space.shift
+    space.scale, space.shift = 1.0, 0.0
+    try:
+        for i in range(0, tokens.shape[0], batch_size):
+            ids = tokens[i : i + batch_size].to(device)
+            am = None if attention_mask is None else attention_mask[i : i + batch_size].to(device)
+            h = space.encode(ids, am).double()  # (b, L, D)
+            w = torch.ones(h.shape[:2], dtype=torch.double, device=device) if am is None else am.double()
+            total += float((h * w[..., None]).sum())
+            total_sq += float((h.square() * w[..., None]).sum())
+            count += float(w.sum()) * h.shape[-1]
+    finally:
+        space.scale, space.shift = scale, shift
+    if count == 0:
+        raise ELFError("cannot estimate the latent std from an empty sample")
+    mean = total / count
+    std = math.sqrt(max(total_sq / count - mean * mean, 0.0))
+    if not std > 0:
+        raise ELFError(f"the encoder {space.name!r} gives constant outputs on the sample; cannot scale them")
+    space.scale = std
+    return {"mean": mean, "std": std, "tokens": int(count // space.dim)}
 
 
 def read_sources(value: str, field: str = "input", reference_field: str = "output") -> tuple[list[str], list]:
