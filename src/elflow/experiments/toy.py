@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from elflow.flow import sample, time_grid
+from elflow.flow import NOISE_SCALE, T_EPS, sample, time_grid
 from elflow.methods.distill import pd_target
 from elflow.util.files import atomic_write
 
@@ -17,7 +17,7 @@ from elflow.util.files import atomic_write
 class GaussianMixture:
     means: torch.Tensor  # (K, 2)
     std: float  # per-cluster standard deviation s
-    noise_scale: float = 2.0  # sigma, as in ELF
+    noise_scale: float = NOISE_SCALE  # sigma, as in ELF
 
     def sample(self, n: int, generator=None) -> torch.Tensor:
         k = torch.randint(len(self.means), (n,), generator=generator)
@@ -124,7 +124,7 @@ def _fit(net, loss_fn, steps: int, lr: float, seed: int) -> list[float]:
 
 
 def train_toy_teacher(mixture: GaussianMixture, steps: int = 3000, batch: int = 1024, lr: float = 2e-3,
-                      seed: int = 0, t_eps: float = 0.05) -> ToyNet:
+                      seed: int = 0, t_eps: float = T_EPS) -> ToyNet:
     """An x-predictor trained by flow matching on the mixture (uniform t, the v-space loss of ELF)."""
     torch.manual_seed(seed)
     net = ToyNet()

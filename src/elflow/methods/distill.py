@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from elflow.flow import (
+    T_EPS,
     T_MEAN,
     T_STD,
     Recipe,
@@ -44,7 +45,7 @@ def teacher_init(teacher, z_t_s, t_s, omega, x0, known_mask) -> torch.Tensor:
 
 
 def pd_target(teacher, z_t_s, t_s, t_t, omega, sc_half, x0, known_mask, steps: int, sub_step_times=None,
-              t_eps: float = 0.05) -> torch.Tensor:
+              t_eps: float = T_EPS) -> torch.Tensor:
     """The distillation target x~ (B, L, C): `steps` teacher Euler steps from t_s to t_t, read back as the x
     prediction whose single Euler step from (z_t_s, t_s) lands on the same point.
 
