@@ -5,11 +5,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from elflow.config import TrainConfig
 from elflow.util.errors import ELFError
-
 
 REFERENCE = Path(__file__).resolve().parent / "reference"
 MISSING_DATA = "missing data"  # the reason of a skip for absent files; ELFLOW_STRICT_SKIPS=1 turns it into a failure
@@ -243,3 +243,28 @@ def x_to_prediction(kind: str, x, z, t, noise_scale: float, t_eps: float):
         return x
     a, b = prediction_affine(kind, t, noise_scale, t_eps)
     return (x - a * z) / b
+
+
+# the document layout as in-memory id lists: the definition the token store's rows reproduce
+def _fit(ids: list[int], length: int, eos_id: int) -> list[int]:
+    """Truncate to length - 1 tokens + EOS (as HF truncation keeps the EOS); shorter ones stay as they are."""
+    if not ids or ids[-1] != eos_id:
+        ids = list(ids) + [eos_id]
+    return ids if len(ids) <= length else list(ids[: length - 1]) + [eos_id]
+
+
+def layout_documents(docs_ids: list[list[int]], length: int, pad_id: int, eos_id: int,
+                     pad_in_loss: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One row per document: truncated or EOS-padded to `length`. Returns tokens, mask, attention_mask."""
+    if not docs_ids:
+        raise ELFError("no documents to lay out")
+    n = len(docs_ids)
+    tokens = torch.full((n, length), pad_id, dtype=torch.long)
+    lengths = torch.empty(n, dtype=torch.long)
+    for i, ids in enumerate(docs_ids):
+        ids = _fit(ids, length, eos_id)
+        tokens[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        lengths[i] = len(ids)
+    real = torch.arange(length)[None, :] < lengths[:, None]  # (N, L)
+    mask = torch.ones_like(real) if pad_in_loss else real.clone()
+    return tokens, mask, real

@@ -4,8 +4,8 @@
 from __future__ import annotations
 
 import errno
-import json
 import itertools
+import json
 import os
 import re
 import signal
@@ -16,17 +16,16 @@ import time
 import numpy as np
 import pytest
 import torch
+from helpers import EOS, MISSING_DATA, CharSpace, layout_documents
 
 from elflow.data import corpus
 from elflow.data.batches import Batches, TokenDataset, split_rows
-from elflow.data.layout import layout_documents, pack, pair_layout
 from elflow.data.corpus import read_documents, read_pairs
 from elflow.data.datasets import build_dataset, build_pairs
 from elflow.data.ingest import prepare_store
+from elflow.data.layout import pack, pair_layout
 from elflow.data.store import StoreWriter, TokenStore, is_store, store_lock
 from elflow.util.errors import ELFError
-
-from helpers import EOS, MISSING_DATA, CharSpace, SlowSpace
 
 WORDS = "the king of love sweet night lord heart — naïve café 東京 don't, well. yes! (aside)".split()
 
@@ -243,10 +242,10 @@ def test_batches_from_a_store_equal_the_in_memory_path_and_resume_exactly(corpor
 @pytest.mark.slow
 def test_train_reads_a_prepared_store_and_resumes_exactly(corpora, tiny_t5_dir, tmp_path):
     """`elflow prepare`, then training on `--data STORE`: 4 steps at once equal 2 steps and a resumed 2."""
+    from helpers import checkpoint_weights, tiny_config
+
     from elflow.cli import main
     from elflow.train import train
-
-    from helpers import checkpoint_weights, tiny_config
 
     store, cache = tmp_path / "store", tmp_path / "cache"
     assert main(["prepare", str(corpora["folder"]), "--space", f"t5:{tiny_t5_dir}", "--out", str(store),

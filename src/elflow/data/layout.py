@@ -18,30 +18,6 @@ def pack(docs_ids: list[list[int]], length: int, eos_id: int) -> torch.Tensor:
     return torch.tensor(flat[: n * length], dtype=torch.long).view(n, length)  # (N, L)
 
 
-def _fit(ids: list[int], length: int, eos_id: int) -> list[int]:
-    """Truncate to length - 1 tokens + EOS (as HF truncation keeps the EOS); shorter ones stay as they are."""
-    if not ids or ids[-1] != eos_id:
-        ids = list(ids) + [eos_id]
-    return ids if len(ids) <= length else list(ids[: length - 1]) + [eos_id]
-
-
-def layout_documents(docs_ids: list[list[int]], length: int, pad_id: int, eos_id: int,
-                     pad_in_loss: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One row per document: truncated or EOS-padded to `length`. Returns tokens, mask, attention_mask."""
-    if not docs_ids:
-        raise ELFError("no documents to lay out")
-    n = len(docs_ids)
-    tokens = torch.full((n, length), pad_id, dtype=torch.long)
-    lengths = torch.empty(n, dtype=torch.long)
-    for i, ids in enumerate(docs_ids):
-        ids = _fit(ids, length, eos_id)
-        tokens[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        lengths[i] = len(ids)
-    real = torch.arange(length)[None, :] < lengths[:, None]  # (N, L)
-    mask = torch.ones_like(real) if pad_in_loss else real.clone()
-    return tokens, mask, real
-
-
 def encoder_mask(known: torch.Tensor, valid: torch.Tensor, drop: torch.Tensor | None = None) -> torch.Tensor:
     """The encoder's attention for rows with known (source) positions: (B, L, L) bool, [i, j] = query i may
     see key j. Known queries see only known keys; the others see every real key,

@@ -16,8 +16,8 @@ from elflow.methods import get_method
 from elflow.methods.base import TrainedPass
 from elflow.methods.elf import HEAD_PREFIXES
 from elflow.model import ELF, PRESETS, ELFConfig, get_config
-from elflow.optim import EMA, ELFOptimizer
 from elflow.newton_schulz import NS_METHODS, method_for
+from elflow.optim import EMA, ELFOptimizer
 from elflow.train import shard_generators, train_step
 from elflow.util.devices import autocast, default_device
 from elflow.util.errors import ELFError

@@ -131,25 +131,6 @@ class TokenMethod(Method):
         return {"loss_per_token": t["nll_sum"] / t["nll_n"] if t["nll_n"] else None}
 
     @torch.no_grad()
-    def heldout_loss(self, model, dataset, batch: int = 32, rows: int = 256, seed: int = 0) -> float:
-        """Sum of the loss terms over the scored positions of the first `rows` rows, per scored position
-        (the draws, MDLM's times and masks, from `seed`, so two models see the same ones)."""
-        device = model.embed.weight.device
-        was_training = model.training
-        model.eval()
-        g = torch.Generator(device=device).manual_seed(seed)
-        total = count = 0.0
-        n = min(rows, len(dataset))
-        for i in range(0, n, batch):
-            b = dataset.batch(torch.arange(i, min(i + batch, n)))
-            tokens = b["tokens"].to(device)
-            _, metrics = self.objective(model, tokens, b["mask"].to(device), self.token_draw(tokens, g))
-            total += float(metrics["nll_sum"])
-            count += float(metrics["tokens"])
-        model.train(was_training)
-        return total / max(count, 1.0)
-
-    @torch.no_grad()
     def preview(self, net, ema, space, num, length, cfg) -> list[str]:
         sampler_net = self.network(net.config, space).to(next(net.parameters()).device)
         ema.copy_to(sampler_net)
