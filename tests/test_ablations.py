@@ -5,10 +5,9 @@ import json
 
 import pytest
 import torch
+from helpers import x_to_prediction
 
 from elflow.model import ELF, get_config, num_params, prediction_to_x
-from helpers import x_to_prediction
-from elflow.util.errors import ELFError
 
 
 # -- the prediction targets -------------------------------------------------------------------------------
@@ -96,8 +95,8 @@ def base_args(tmp_path_factory, tiny_corpus_file):
 
 @pytest.mark.parametrize("name", list(OPTIONS))
 def test_each_option_trains_saves_loads_and_samples(name, base_args, tmp_path):
-    from elflow.runs.load import load_for_sampling
     from elflow.cli import main
+    from elflow.runs.load import load_for_sampling
 
     flags, network = OPTIONS[name]
     run = tmp_path / "run"
@@ -154,9 +153,9 @@ def test_a_separate_decoder_trains_in_two_stages_and_is_one_model(base_args, tmp
     stopped inside its first stage and resumed."""
     from safetensors.torch import load_file
 
-    from elflow.runs.load import load_for_sampling
     from elflow.cli import main
     from elflow.model import SeparateDecoderELF
+    from elflow.runs.load import load_for_sampling
 
     args = base_args[:base_args.index("--steps")] + base_args[base_args.index("--steps") + 2:]
     run = tmp_path / "sep"

@@ -9,10 +9,10 @@ import torch
 
 from elflow import methods
 from elflow.methods import ar, mdlm
-from elflow.model import ELF, get_config, num_params
+from elflow.methods.baseline import sample_categorical
 from elflow.methods.token_net import TokenLMConfig, fit_token_lm, token_lm_params
+from elflow.model import ELF, get_config, num_params
 from elflow.util.errors import ELFError
-from elflow.methods.tokens import sample_categorical
 
 V = 40
 SPACE = types.SimpleNamespace(vocab_size=V)
@@ -242,10 +242,10 @@ def heldout_loss(method, model, dataset, batch: int = 32, rows: int = 256, seed:
 def test_a_few_steps_of_the_trainer_lower_the_heldout_loss(name, tmp_path, tiny_t5_dir, tiny_corpus_file):
     """15 steps of the one trainer (elflow.train.train) on the tiny corpus's token ids: the held-out loss of the
     trained weights falls well below that of an untrained network of the same shape, which is near uniform."""
-    from elflow.runs.load import load
-    from elflow.data.datasets import build_dataset
-    from elflow.space import build_space
     from elflow.config import TrainConfig
+    from elflow.data.datasets import build_dataset
+    from elflow.runs.load import load
+    from elflow.space import build_space
     from elflow.train import train
 
     cache = tmp_path / "cache"
@@ -282,8 +282,8 @@ def test_distinct_ngrams_by_hand():
 def test_compare_trains_three_matched_methods_and_judges_them(tmp_path, tiny_t5_dir, tiny_corpus_file):
     from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
-    from elflow.experiments.compare import compare
     from elflow.config import TrainConfig
+    from elflow.experiments.compare import compare
 
     tok = AutoTokenizer.from_pretrained(tiny_t5_dir)
     tok.pad_token = tok.eos_token

@@ -10,8 +10,8 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from elflow.experiments.bench import encoder_flops, newton_schulz_flops, pass_flops, reference_recipe_flops
 from elflow.cli import main
+from elflow.experiments.bench import encoder_flops, newton_schulz_flops, pass_flops, reference_recipe_flops
 from elflow.model import ELF, get_config
 from elflow.newton_schulz import newton_schulz
 

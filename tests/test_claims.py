@@ -5,7 +5,17 @@ import json
 
 import pytest
 
-from elflow.experiments.claims import CLAIMS, NAMES, Claim, Finding, Variant, claim_verdict, finding_verdict, run_claims, select_claims
+from elflow.experiments.claims import (
+    CLAIMS,
+    NAMES,
+    Claim,
+    Finding,
+    Variant,
+    claim_verdict,
+    finding_verdict,
+    run_claims,
+    select_claims,
+)
 from elflow.util.errors import ELFError
 
 

@@ -7,12 +7,12 @@ import dataclasses
 import pytest
 import torch
 
-from elflow.space import build_space
-from elflow.flow import Recipe, row_index
-from elflow.methods.base import TrainedPass
-from elflow.methods import get_method
-from elflow.model import ELF, get_config
 from elflow.data.batches import Prefetch
+from elflow.flow import Recipe, row_index
+from elflow.methods import get_method
+from elflow.methods.base import TrainedPass
+from elflow.model import ELF, get_config
+from elflow.space import build_space
 from elflow.train import shard_generators
 
 

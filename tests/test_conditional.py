@@ -2,19 +2,16 @@
 (their reference vectors, run on the tiny reference weights: tests/reference)."""
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
+from helpers import reference_dir
 from safetensors.torch import load_file
 
-from elflow.runs.official import build_from_state_dict
 from elflow.data.layout import encoder_mask, pair_layout
 from elflow.flow import decode_tokens, sample
 from elflow.generate import extract_targets
-from elflow.runs.official import official_to_elflow
-
-from helpers import reference_dir
+from elflow.runs.official import build_from_state_dict, official_to_elflow
 
 REF = reference_dir("authors_cond_distill.safetensors", "authors_cond_distill.json", "official_tiny.safetensors")
 EOS = 1

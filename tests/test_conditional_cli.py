@@ -6,11 +6,11 @@ import json
 
 import pytest
 import torch
+from helpers import elflow_to_official
 
-from elflow.runs.load import load, load_for_sampling
 from elflow.cli import main
 from elflow.model import ELF, get_config
-from helpers import elflow_to_official
+from elflow.runs.load import load, load_for_sampling
 from elflow.util.errors import ELFError
 
 SOURCES = ["the king of love", "sweet night and the lord", "good heart"]
@@ -247,8 +247,8 @@ def test_a_released_distilled_model_samples_with_the_few_step_defaults(tmp_path,
 
 def test_sampling_starts_from_the_noise_scale_the_model_was_trained_with(uncond_run):
     """A model trained with another noise scale samples from z0 = noise_scale N(0, 1) with its own scale."""
-    from elflow.generate import settings_for
     import elflow.flow as flow
+    from elflow.generate import settings_for
 
     loaded, space = load_for_sampling(uncond_run, device="cpu")
     assert settings_for(loaded).noise_scale == 2.0

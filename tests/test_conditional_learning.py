@@ -10,11 +10,11 @@ import random
 import pytest
 import torch
 
-from elflow.runs.load import load_for_sampling
 from elflow.cli import main
-from elflow.space import build_space
 from elflow.flow import Recipe, generate_tokens
 from elflow.generate import conditioning, generate, settings_for
+from elflow.runs.load import load_for_sampling
+from elflow.space import build_space
 
 pytestmark = pytest.mark.slow  # multi-process / learning runs: `python -m pytest -m slow`
 

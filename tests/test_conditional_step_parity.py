@@ -6,8 +6,8 @@ import copy
 
 import pytest
 import torch
-
 from authors_cond_step import authors_cond_loss, clip_by_global_norm, muon_update, released_encoder_mask
+
 from elflow.flow import Recipe
 from elflow.methods.base import TrainedPass
 from elflow.methods.elf import METHOD

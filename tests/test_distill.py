@@ -5,15 +5,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import reference_dir
 from safetensors.torch import load_file
 
 from elflow import distill
+from elflow.generate import distilled_defaults
 from elflow.methods import distill as pd
 from elflow.runs.checkpoint import write_state
-from elflow.generate import distilled_defaults
 from elflow.util.errors import ELFError
-
-from helpers import reference_dir
 
 REF = reference_dir("authors_cond_distill.safetensors", "official_tiny.safetensors")
 
@@ -22,8 +21,7 @@ TOL = 1e-5
 
 @pytest.fixture(scope="module")
 def official_net():
-    from elflow.runs.official import build_from_state_dict
-    from elflow.runs.official import official_to_elflow
+    from elflow.runs.official import build_from_state_dict, official_to_elflow
 
     ref = load_file(REF / "official_tiny.safetensors")
     sd = official_to_elflow({k[len("params."):]: v for k, v in ref.items() if k.startswith("params.")})

@@ -10,12 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import checkpoint_weights, tiny_config
 
 from elflow.cli import main
 from elflow.runs.folder import micro_batch_for
 from elflow.util.errors import ELFError
-
-from helpers import checkpoint_weights, tiny_config
 
 pytestmark = pytest.mark.slow  # multi-process / learning runs: `python -m pytest -m slow`
 

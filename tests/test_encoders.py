@@ -6,14 +6,12 @@ import json
 
 import pytest
 import torch
+from helpers import MISSING_DATA
 
 from elflow.data.layout import encoder_mask
-
-from elflow.space import MINILM_STD, EmbeddingSpace, build_space, check_compatible
 from elflow.encoders import minilm_dir
+from elflow.space import MINILM_STD, EmbeddingSpace, build_space, check_compatible
 from elflow.util.errors import ELFError
-
-from helpers import MISSING_DATA
 
 TEXTS = ["the king of love", "sweet night and day", "one man", "great old heart of the world"]
 

@@ -10,12 +10,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 import torch
-
-from elflow.eval.metrics import bleu, generative_perplexity, mean_and_stderr, read_texts, rouge, unigram_entropy
-from elflow.eval.judge import load_judge
-from elflow.util.errors import ELFError
-
 from helpers import MISSING_DATA
+
+from elflow.eval.judge import load_judge
+from elflow.eval.metrics import bleu, generative_perplexity, mean_and_stderr, read_texts, rouge, unigram_entropy
+from elflow.util.errors import ELFError
 
 EOS = 50256
 TEXTS = [
@@ -268,9 +267,9 @@ def test_cli_eval_json(judge_dir, judge, tmp_path, capsys):
 
 def test_cli_eval_logs_its_figures_to_wandb_offline(judge_dir, tmp_path, monkeypatch, capsys):
     pytest.importorskip("wandb", reason="the W&B tests need wandb (pip install -e '.[test]' installs it)")
-    from elflow.cli import main
-
     from helpers import wandb_offline_runs
+
+    from elflow.cli import main
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     samples = tmp_path / "samples.jsonl"

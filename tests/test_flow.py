@@ -6,10 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from elflow.flow import Recipe, draw_training_noise, elf_loss, euler_step, generate_tokens, sample
-from elflow.model import ELF, get_config
-from elflow.flow import time_grid
+from elflow.flow import Recipe, draw_training_noise, elf_loss, euler_step, generate_tokens, sample, time_grid
 from elflow.methods.elf import step_sums as step_metrics
+from elflow.model import ELF, get_config
 
 
 def tiny_net(seed=0):

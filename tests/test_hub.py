@@ -7,12 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import checkpoint_weights, tiny_config
 
 import elflow
 from elflow.cli import main
 from elflow.train import train
-
-from helpers import checkpoint_weights, tiny_config
 
 FILES = {"README.md", "config.json", "model.safetensors", "recipe.json", "sampling.json", "space.json"}
 

@@ -8,11 +8,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 import torch
+from helpers import MISSING_DATA
 
 from elflow.eval.judge import CausalJudge, JudgeConfig, save_judge, to_hf
 from elflow.util.errors import ELFError
-
-from helpers import MISSING_DATA
 
 
 @pytest.fixture(scope="module")
@@ -141,9 +140,9 @@ def test_hf_qwen3_logits_equal_elflow_logits():
 def test_saved_folder_loads_without_remote_code(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from elflow.eval.metrics import generative_perplexity
-    from elflow.eval.judge import load_judge
     from elflow.eval.gpt2_tokenizer import tokenizer_from_ranks
+    from elflow.eval.judge import load_judge
+    from elflow.eval.metrics import generative_perplexity
 
     judge = tiny_judge(1)
     # a byte-level tokenizer of 298 ranks + EOS (id 298), within the judge's 300-token vocabulary
@@ -166,10 +165,10 @@ def test_saved_folder_loads_without_remote_code(tmp_path):
 
 
 def test_a_judge_saved_on_a_full_disk_leaves_its_folder_as_it_was(tmp_path):
+    from helpers import fill, small_tmpfs
+
     from elflow.eval.gpt2_tokenizer import tokenizer_from_ranks
     from elflow.util.files import NoSpace
-
-    from helpers import fill, small_tmpfs
 
     tok = tokenizer_from_ranks({bytes([i]): i for i in range(256)}, model_max_length=TINY.context)
     with small_tmpfs(tmp_path / "fs", "2m") as fs:

@@ -24,7 +24,7 @@ LAYERS = [
     ["data.ingest"],
     ["data.datasets", "generate"],
     ["methods.base", "methods.token_net", "methods.distill"],
-    ["methods.tokens", "methods.elf"],
+    ["methods.baseline", "methods.elf"],
     ["methods.ar", "methods.mdlm"],
     ["methods"],
     ["config", "runs.checkpoint"],

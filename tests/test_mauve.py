@@ -8,12 +8,11 @@ import sys
 
 import pytest
 import torch
+from conftest import tiny_corpus_text
+from helpers import MISSING_DATA
 
 from elflow.eval.mauve import MIN_TEXTS, judge_features, mauve_from_features, mauve_score
 from elflow.util.errors import ELFError
-
-from conftest import tiny_corpus_text
-from helpers import MISSING_DATA
 
 
 @pytest.fixture(scope="module")
@@ -133,8 +132,8 @@ def builtin_documents() -> tuple[list[str], list[str]]:
 def scores(folder, held: list[str]) -> tuple[dict, dict]:
     """MAUVE of each set against the reference half (features computed once), and the Gen-PPL of held-out and
     repetitive text, under the judge in `folder`."""
-    from elflow.eval.metrics import generative_perplexity
     from elflow.eval.judge import load_judge
+    from elflow.eval.metrics import generative_perplexity
 
     model, tok = load_judge(folder, device="cpu")
     sets = corpus_sets(held, 250)

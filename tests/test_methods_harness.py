@@ -6,19 +6,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import checkpoint_weights, run_alone_and_on_two_ranks, tiny_config
 from safetensors.torch import load_file
 
+from elflow.cli import main
+from elflow.config import TrainConfig
 from elflow.methods import ar, mdlm
+from elflow.methods.token_net import TokenLMConfig
+from elflow.model import ELF, get_config, num_params
 from elflow.runs.checkpoint import list_checkpoints
 from elflow.runs.load import load_for_sampling, read_weights
-from elflow.cli import main
-from elflow.model import ELF, get_config, num_params
-from elflow.methods.token_net import TokenLMConfig
-from elflow.config import TrainConfig
 from elflow.train import train
 from elflow.util.errors import ELFError
-
-from helpers import checkpoint_weights, run_alone_and_on_two_ranks, tiny_config
 
 MODULES = {"ar": ar, "mdlm": mdlm}
 
@@ -184,8 +183,8 @@ def test_an_unknown_method_lists_the_choices(capsys):
 
 
 def test_eval_judges_a_baselines_samples(runs, judge_dir, tmp_path):
-    from elflow.eval.metrics import generative_perplexity, read_texts
     from elflow.eval.judge import load_judge
+    from elflow.eval.metrics import generative_perplexity, read_texts
 
     out = tmp_path / "eval"
     assert main(["eval", "--checkpoint", str(runs["mdlm"]), "--steps", "4", "--num", "3", "--judge",

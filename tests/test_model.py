@@ -1,15 +1,12 @@
 """The network: exact parameter counts of the released sizes, the call contract, precision, bad input."""
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
-
-from elflow.model import ELF, PRESETS, ELFConfig, get_config
-
 from helpers import reference_dir
 
+from elflow.model import ELF, PRESETS, ELFConfig, get_config
 
 
 @pytest.mark.parametrize("preset,key", [("elf-b", "ELF-B"), ("elf-m", "ELF-M"), ("elf-l", "ELF-L")])

@@ -1,17 +1,13 @@
 """elflow's network reproduces the authors' released PyTorch port exactly (their reference vectors, tests/reference)."""
 
-from pathlib import Path
 
 import pytest
 import torch
+from helpers import elflow_to_official, reference_dir
 from safetensors.torch import load_file
 
-from elflow.runs.official import build_from_state_dict, read_official_checkpoint
-from elflow.runs.official import infer_config, official_to_elflow
-from helpers import elflow_to_official
+from elflow.runs.official import build_from_state_dict, infer_config, official_to_elflow, read_official_checkpoint
 from elflow.util.errors import ELFError
-
-from helpers import reference_dir
 
 REF = reference_dir("official_tiny.safetensors", "checkpoint_7")
 
@@ -108,8 +104,8 @@ def test_wrong_shape_is_refused(ref):
 
 @torch.no_grad()
 def test_convert_writes_an_elflow_checkpoint_with_the_same_network(ref, tmp_path):
-    from elflow.cli import main
     from elflow import load as load_network
+    from elflow.cli import main
 
     out = tmp_path / "converted"
     assert main(["convert", str(REF / "checkpoint_7"), str(out), "--max-length", "16"]) == 0

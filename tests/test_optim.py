@@ -6,8 +6,8 @@ import torch.optim._muon as muon_impl
 from torch.utils.flop_counter import FlopCounterMode
 
 from elflow.experiments.bench import newton_schulz_flops
-from elflow.optim import ELFOptimizer
 from elflow.newton_schulz import method_for, newton_schulz, ns_precision, resolve_ns_method
+from elflow.optim import ELFOptimizer
 from elflow.util.devices import fast_bf16
 
 COEF = (3.4445, -4.7750, 2.0315)

@@ -12,18 +12,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import checkpoint_weights, fill, small_tmpfs, tiny_config
 from safetensors.torch import load_file
 
-from elflow.runs import checkpoint as ckpt_mod
-from elflow.util import devices, files, hub
-from elflow.util.errors import ELFError
-from elflow.runs.checkpoint import list_checkpoints, write_state
 from elflow.cli import main
 from elflow.config import TrainConfig
+from elflow.runs import checkpoint as ckpt_mod
+from elflow.runs.checkpoint import list_checkpoints, write_state
 from elflow.train import train
-
-from helpers import checkpoint_weights, fill, small_tmpfs, tiny_config
-
+from elflow.util import devices, files, hub
+from elflow.util.errors import ELFError
 
 # ----------------------------------------------------------------------------------------------------------
 # helpers

@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from elflow.flow import sample_decode_level, sample_guidance, sample_time, time_grid
 from elflow.experiments.schedules import schedule_statistics
 from elflow.experiments.toy import grid_mixture, ring_mixture, run_toy
+from elflow.flow import sample_decode_level, sample_guidance, sample_time, time_grid
 
 
 @pytest.fixture(scope="module")

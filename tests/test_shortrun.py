@@ -7,9 +7,8 @@ import math
 import pytest
 import torch
 
-from elflow.model import ELF, get_config
 from elflow.methods.elf import network_from_state_dict, stored_network
-from elflow.model import ShortRunOptions, build_network, gaussian_posterior
+from elflow.model import ELF, ShortRunOptions, build_network, gaussian_posterior, get_config
 from elflow.runs.checkpoint import upgrade_state
 from elflow.util.errors import ELFError
 

@@ -5,10 +5,9 @@ import json
 import sys
 
 import pytest
+from helpers import tiny_config, wandb_offline_runs
 
 from elflow.train import train
-
-from helpers import tiny_config, wandb_offline_runs
 
 pytest.importorskip("wandb", reason="the W&B tests need wandb (pip install -e '.[test]' installs it)")
 

@@ -10,13 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import checkpoint_weights, run_alone_and_on_two_ranks, tiny_config
 from safetensors.torch import load_file
 
 from elflow.runs.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
 from elflow.train import train
 from elflow.util.errors import ELFError
-
-from helpers import checkpoint_weights, run_alone_and_on_two_ranks, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -166,12 +165,12 @@ def test_two_gloo_ranks_train_a_learned_table_as_one_process(uninterrupted, tmp_
 def test_a_compiled_pass_takes_the_same_step(tiny_t5_dir):
     """torch.compile wraps the one trained pass (encode, self-conditioning pass, trained pass): the same
     step, the same weights as the plain pass."""
-    from elflow.space import build_space
     from elflow.flow import Recipe
-    from elflow.methods.base import TrainedPass
     from elflow.methods import get_method
+    from elflow.methods.base import TrainedPass
     from elflow.model import ELF, get_config
     from elflow.optim import EMA, ELFOptimizer
+    from elflow.space import build_space
     from elflow.train import train_step
 
     space = build_space({"kind": "t5", "name": str(tiny_t5_dir), "latent_std": 0.2})
@@ -207,12 +206,12 @@ def test_bad_input_is_refused_without_touching_the_run(uninterrupted, tmp_path, 
 
 def test_a_nonfinite_step_is_flagged_on_the_device(tiny_t5_dir):
     """train_step reads nothing on the host: a step whose gradient is not finite says so in its sums."""
-    from elflow.space import build_space
     from elflow.flow import Recipe
-    from elflow.model import ELF, get_config
-    from elflow.methods.base import TrainedPass
     from elflow.methods import get_method
+    from elflow.methods.base import TrainedPass
+    from elflow.model import ELF, get_config
     from elflow.optim import EMA, ELFOptimizer
+    from elflow.space import build_space
     from elflow.train import train_step
 
     space = build_space({"kind": "t5", "name": str(tiny_t5_dir), "latent_std": 0.2})
@@ -321,8 +320,8 @@ def test_a_random_table_run_stored_without_a_stream_keeps_its_table(tmp_path, ti
     """A run whose stored settings name no table stream (as elflow wrote them before streams) rebuilds its
     table from the seed itself, loads with the readout table it was trained with, and resumes; a new run
     with the same settings draws stream 2, another table."""
-    from elflow.runs.load import load_for_sampling
     from elflow.cli import main
+    from elflow.runs.load import load_for_sampling
 
     base = ["--preset", "tiny", "--data", str(tiny_corpus_file), "--length", "16", "--batch", "4", "--warmup",
             "1", "--ckpt-every", "2", "--dtype", "fp32", "--quiet", "--cache-dir", str(tmp_path / "cache"),
@@ -354,8 +353,8 @@ def test_table_readout_run_carries_the_token_vectors(tmp_path, tiny_t5_dir, tiny
     """`--table-readout 1` in a random-table space: the stored readout table is each token's own vector,
     frozen and carried by the EMA; training is the same as without the option (the same weights); the run
     samples; a contextual space is refused."""
-    from elflow.runs.load import load_for_sampling
     from elflow.cli import main
+    from elflow.runs.load import load_for_sampling
 
     cache = tmp_path / "cache"
     args = ["train", "--preset", "tiny", "--data", str(tiny_corpus_file), "--length", "16", "--batch", "4",
@@ -388,9 +387,9 @@ def test_gaussian_skip_run_carries_the_training_moments(tmp_path, tiny_t5_dir, t
     """`--skip gaussian` from the CLI, with the cosine decay: the stored moments are the training split's
     own (computed here directly over every scored position), stay frozen, and the run samples and resumes
     exactly."""
-    from elflow.runs.load import load_for_sampling
     from elflow.cli import main
     from elflow.data.datasets import build_dataset
+    from elflow.runs.load import load_for_sampling
 
     run, cache = tmp_path / "skip", tmp_path / "cache"
     args = ["train", "--preset", "tiny", "--data", str(tiny_corpus_file), "--space", f"t5:{tiny_t5_dir}",
@@ -433,8 +432,8 @@ def test_samples_printed_during_training_come_from_the_ema_weights(method, optio
     """--sample-every prints samples of the EMA weights with the method's own sampler (an ELF network of the
     run's own kind, short-run options included): for ELF, the texts the saved EMA weights give through the
     loader and flow.generate_tokens with the run's sample settings and seed."""
-    from elflow.runs.load import load_for_sampling
     from elflow.flow import generate_tokens
+    from elflow.runs.load import load_for_sampling
 
     run = tmp_path / "run"
     cfg = cfg_for(tiny_t5_dir, tiny_corpus_file, method=method, short_run=options, steps=2, ckpt_every=2,

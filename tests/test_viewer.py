@@ -7,12 +7,11 @@ import shutil
 import tempfile
 
 import pytest
+from helpers import tiny_config
 
 from elflow.cli import main
-from elflow.train import train
 from elflow.experiments.viewer import read_trajectory, token_spans
-
-from helpers import tiny_config
+from elflow.train import train
 
 PAIRS = [{"input": f"{a} {b}", "output": f"{b} {a}"} for a in ("king", "love", "night") for b in ("sweet", "good")]
 

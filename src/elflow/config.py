@@ -12,7 +12,7 @@ from elflow.data.tasks import PAIR_TASKS
 from elflow.flow import SAMPLERS, Recipe
 from elflow.generate import SAMPLING_DEFAULTS
 from elflow.methods import METHOD_NAMES, check_run
-from elflow.methods.tokens import MATCHES
+from elflow.methods.baseline import MATCHES
 from elflow.model import CONDITIONINGS, DECODERS, PREDICTIONS, PRESETS, SKIPS
 from elflow.newton_schulz import NS_METHODS
 from elflow.optim import ADAMW_BLR, LR_DECAYS, MUON_SCALES, OPTIMIZERS, base_lr

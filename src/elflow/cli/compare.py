@@ -6,7 +6,7 @@ from pathlib import Path
 
 from elflow.config import RUN_PRESETS, TrainConfig
 from elflow.experiments.compare import DEFAULT_MINUTES, JUDGE_DEFAULTS, compare
-from elflow.methods.tokens import MATCHES
+from elflow.methods.baseline import MATCHES
 from elflow.model import PRESETS
 from elflow.util.errors import ELFError
 

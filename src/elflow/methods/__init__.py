@@ -7,7 +7,7 @@ from dataclasses import MISSING, fields
 
 from elflow.methods import ar, elf, mdlm
 from elflow.methods.base import Method, TrainedPass
-from elflow.methods.tokens import MATCHES, BaselineSampling, trunk_params
+from elflow.methods.baseline import MATCHES, BaselineSampling, trunk_params
 from elflow.util.errors import ELFError
 
 __all__ = ["METHODS", "METHOD_NAMES", "MATCHES", "Method", "TrainedPass", "BaselineSampling", "get_method",

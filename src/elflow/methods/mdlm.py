@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from elflow.methods.baseline import TokenMethod, sample_categorical
 from elflow.methods.token_net import TokenLMConfig, TokenTransformer, fit_token_lm
-from elflow.methods.tokens import TokenMethod, sample_categorical
 from elflow.util.errors import ELFError
 
 EPS = 1e-3  # the smallest training time: the loss weight 1/t stays below 1/EPS
