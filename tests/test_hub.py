@@ -71,6 +71,21 @@ def test_the_card_names_the_runs_settings(pushed):
     assert 'elflow.load("someone/tiny-elf")' in card and "elflow sample someone/tiny-elf" in card
 
 
+def test_the_cards_install_line_and_imports_work(pushed):
+    """No elflow package is on PyPI: the card installs it from its source (the repository recorded in the
+    package's metadata, else a checkout), links no package index, and its Python imports run."""
+    from elflow.runs.push import install_lines, source_url
+
+    card = (pushed[1] / "README.md").read_text()
+    assert "pypi.org" not in card and not any(line.startswith("pip install elflow") for line in card.splitlines())
+    assert all(line in card.splitlines() for line in install_lines(source_url()))
+    assert install_lines(None)[-1].startswith('pip install -e ".[offline]"') and "not on PyPI" in install_lines(None)[0]
+    assert install_lines("https://example.org/elflow.git")[0].startswith(
+        'pip install "elflow[offline] @ git+https://example.org/elflow.git"')
+    python = card.split("```python\n", 1)[1].split("```", 1)[0]
+    exec("\n".join(line for line in python.splitlines() if line.startswith(("import ", "from "))), {})
+
+
 def _last_loss(run: Path) -> float:
     recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     return [r for r in recs if r["kind"] == "train"][-1]["loss"]
