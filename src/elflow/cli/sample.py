@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from elflow.cli.common import add_sampling_arguments
+from elflow.cli.common import add_sampling_arguments, check_sampling_flags
 from elflow.data.corpus import read_sources
 from elflow.experiments.viewer import trajectory_document, write_page
 from elflow.generate import gather_records, write_samples
@@ -30,8 +30,12 @@ def add_arguments(p) -> None:
                    help="conditional models: the sources to translate / summarise (a .jsonl file or one text)")
     p.add_argument("--source-field", default="input", help="the source field of --source records")
     p.add_argument("--reference-field", default="output", help="the reference field of --source records")
-    p.add_argument("--prompt", default=None, help="text held fixed at the start of every sample (continuation)")
-    p.add_argument("--suffix", default=None, help="text held fixed at the end of every sample (infilling)")
+    p.add_argument("--prompt", default=None,
+                   help="text held fixed at the start of every sample (continuation); it comes back as the model's "
+                        "tokenizer writes it: lowercased by an uncased one such as MiniLM's")
+    p.add_argument("--suffix", default=None,
+                   help="text held fixed at the end of every sample (infilling); lowercased by an uncased tokenizer, "
+                        "as --prompt")
     p.add_argument("--out", default="samples.jsonl", help="JSONL output (one object per sample)")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
@@ -55,6 +59,7 @@ def check_attention_memory(length: int, batch: int, heads: int, device) -> None:
 
 
 def run(args) -> int:
+    check_sampling_flags(args)  # before the model loads
     args.device = check_device(args.device)
     check_output(args.out, args.overwrite)  # before any work
     if args.html and args.trajectory is None:
