@@ -145,13 +145,13 @@ def test_the_folder_teaches_a_distillation_logged_to_wandb(pushed, tmp_path, mon
     assert main(["distill", str(folder), "--student-steps", "2", "--teacher-steps", "4", "--steps-per-round", "2",
                  "--ckpt-every", "2", "--out", str(out), "--quiet",
                  *(["--wandb", "elflow-test"] if wandb else [])]) == 0
-    assert (out / "round-2" / "checkpoints" / "step_0000002").is_dir()
+    assert (out / "2-step" / "checkpoints" / "step_0000002").is_dir()
     if wandb:
         from helpers import wandb_offline_runs
 
-        (logged,) = wandb_offline_runs(out / "round-2")
-        assert logged["config"]["wandb_run"] == "pd/round-2" and logged["config"]["distillation"]["student_steps"] == 2
-        recs = [json.loads(line) for line in (out / "round-2" / "metrics.jsonl").read_text().splitlines()]
+        (logged,) = wandb_offline_runs(out / "2-step")
+        assert logged["config"]["wandb_run"] == "pd/2-step" and logged["config"]["distillation"]["student_steps"] == 2
+        recs = [json.loads(line) for line in (out / "2-step" / "metrics.jsonl").read_text().splitlines()]
         recs = [r for r in recs if r["kind"] == "train"]
         assert recs and [h["_step"] for h in logged["history"]] == [r["step"] for r in recs]
         assert logged["history"][-1]["loss"] == pytest.approx(recs[-1]["loss"])

@@ -12,7 +12,7 @@ import torch
 from elflow.config import RUN_PRESETS, TrainConfig
 from elflow.data.corpus import task_pairs_file
 from elflow.data.datasets import build_dataset
-from elflow.distill import distill
+from elflow.distill import distill, round_dir
 from elflow.eval.diagnostics import corpus_vocabulary, validation_report, word_stats
 from elflow.eval.metrics import bleu
 from elflow.eval.scoring import sample_and_score
@@ -320,7 +320,7 @@ def run_distill(args) -> int:
                          overwrite=args.overwrite, cache_dir=args.cache_dir, batch=args.batch, seed=args.seed,
                          log_every=10, ckpt_every=max(args.distill_steps // 2, 1), keep=2)
     else:
-        rounds = {n: out / f"round-{n}" for n in PD_STUDENTS}
+        rounds = {n: round_dir(out, n) for n in PD_STUDENTS}
         missing = [str(p) for p in rounds.values() if not (p / "run.json").exists()]
         if missing:
             raise ELFError(f"no distilled rounds in {out} ({', '.join(missing)}); run without --report-only first")
