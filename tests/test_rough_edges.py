@@ -47,3 +47,31 @@ def test_sampling_flags_out_of_range_are_refused_before_the_model_loads(flag, va
         assert main([*command, flag, value, "--out", str(tmp_path / "s")]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith(f"elflow {command[0]}: error: {says}"), err
+
+
+def test_quickstart_over_an_existing_run_refuses_before_saying_it_trains(tmp_path, capsys):
+    out = tmp_path / "demo"
+    out.mkdir()
+    (out / "run.json").write_text("{}")
+    for extra, says in (([], "already holds a run; pass --resume"),
+                        (["--resume", "--out", str(tmp_path / "none")], "holds no run to resume")):
+        assert main(["quickstart", "--out", str(out), *extra]) == 2
+        err = capsys.readouterr().err
+        assert "training" not in err and err.count("\n") == 1 and says in err, err
+
+
+def test_quickstart_report_says_how_far_a_stopped_run_trained(tmp_path, tiny_t5_dir, tiny_corpus_file):
+    from elflow.experiments.quickstart import report, total_time
+    from elflow.train import train
+
+    from helpers import tiny_config
+
+    run, cache = tmp_path / "run", tmp_path / "cache"
+    train(tiny_config(tiny_t5_dir, tiny_corpus_file), run, cache_dir=cache, quiet=True, stop_after=3)
+    lines = []
+    out = report(run, sampler="vc", steps=2, num=2, cache_dir=cache, printer=lines.append)
+    assert (out["steps_trained"], out["steps_planned"]) == (3, 6)
+    stored = json.loads((run / "report.json").read_text())
+    assert (stored["steps_trained"], stored["steps_planned"]) == (3, 6)
+    assert any("trained 3 of 6 steps (stopped early: --resume continues it)" in line for line in lines)
+    assert total_time("training", None, 90.0) == "total time 1.5 min (report only)"  # --report-only
