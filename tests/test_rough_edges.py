@@ -22,7 +22,7 @@ def test_sample_help_states_the_models_own_defaults_by_kind_of_model(capsys):
     text_m, cond, few = (SAMPLING_DEFAULTS[k] for k in ("text", "conditional", "distilled"))
     assert (f"sampling steps N (default: the model's own: {text_m['steps']} for text models, {cond['steps']} for "
             "conditional ones, a distilled one's own step count") in text
-    assert f"(default: the model's own: sde for text models, ode for conditional ones, sde for distilled ones)" in text
+    assert "(default: the model's own: sde for text models, ode for conditional ones, sde for distilled ones)" in text
     assert (f"self-conditioning guidance scale (default: the model's own: {text_m['omega']} for text models, "
             f"{cond['omega']} for conditional ones, {few['omega']} for distilled ones") in text
     # the prompt comes back as the tokenizer writes it
@@ -61,10 +61,10 @@ def test_quickstart_over_an_existing_run_refuses_before_saying_it_trains(tmp_pat
 
 
 def test_quickstart_report_says_how_far_a_stopped_run_trained(tmp_path, tiny_t5_dir, tiny_corpus_file):
+    from helpers import tiny_config
+
     from elflow.experiments.quickstart import report, total_time
     from elflow.train import train
-
-    from helpers import tiny_config
 
     run, cache = tmp_path / "run", tmp_path / "cache"
     train(tiny_config(tiny_t5_dir, tiny_corpus_file), run, cache_dir=cache, quiet=True, stop_after=3)

@@ -131,14 +131,16 @@ def _write(args, records, meta, space, traj_path, page_path) -> int:
     rows = [r.pop("trajectory") for r in records if "trajectory" in r]  # kept apart from the samples file
     write_samples(args.out, records, meta, args.overwrite)
     if rows:
-        seen = [{"step": pts[0]["step"] + 1, "t": pts[0]["t"], **{k: [p[k] for p in pts] for k in ("ids", "shown", "known")},
+        seen = [{"step": pts[0]["step"] + 1, "t": pts[0]["t"],
+                 **{k: [p[k] for p in pts] for k in ("ids", "shown", "known")},
                  "texts": [p["text"] for p in pts]} for pts in zip(*rows)]  # per recorded step (from 1)
         doc = trajectory_document(space.tokenizer, seen, records[:len(rows)], {**meta, "space": space.space_id})
         atomic_write_json(traj_path, doc, args.overwrite)
         print("how sample 0 emerges (decode readout of the guess at each chosen step):")
         m = min(6, len(seen))  # up to six of the recorded steps, spread out, the last one included
         for k in sorted({round(j * (len(seen) - 1) / max(m - 1, 1)) for j in range(m)}):
-            print(f"  step {seen[k]['step']:>3} of {meta['steps']} (t = {seen[k]['t']:.3f}): {seen[k]['texts'][0][:200]}")
+            print(f"  step {seen[k]['step']:>3} of {meta['steps']} (t = {seen[k]['t']:.3f}): "
+                  f"{seen[k]['texts'][0][:200]}")
         print(f"wrote the trajectory of {len(rows)} samples x {len(seen)} steps to {traj_path}", file=sys.stderr)
         if page_path is not None:
             write_page(doc, page_path, args.overwrite)

@@ -189,8 +189,9 @@ def model_card(hub_id: str, files: dict, metrics: list[tuple[str, str]], samples
                 ("EMA decay", train.get("ema_decay")), ("precision", train.get("dtype")), ("seed", train.get("seed"))]
     flags = " ".join(f"--{k} {v}" for k, v in sample_settings.items())
     source = source_url()
+    named = f"[elflow]({source})" if source else "elflow"
     lines = [f"---\n{meta.to_yaml()}\n---", "", f"# {hub_id.split('/')[-1]}", "",
-             f"{method.title[0].upper()}{method.title[1:]} trained with {f'[elflow]({source})' if source else 'elflow'}, "
+             f"{method.title[0].upper()}{method.title[1:]} trained with {named}, "
              "a PyTorch implementation of ELF (Embedded Language Flows): text generation by flow matching in the "
              "embedding space of a frozen encoder." if method.name == "elf" else
              f"{method.title[0].upper()}{method.title[1:]} trained with elflow's harness (the same data, "

@@ -69,7 +69,8 @@ class Tracker:
         files = wandb_dir(folder)
         try:
             run = wandb.init(project=project, name=name or (stored or {}).get("name") or folder.resolve().name,
-                             id=stored["id"] if stored else None, resume="allow", dir=str(files), config=config, job_type=job_type,
+                             id=stored["id"] if stored else None, resume="allow", dir=str(files), config=config,
+                             job_type=job_type,
                              settings=wandb.Settings(silent=quiet, console="off"))
         except Exception as e:  # no login, no network, a bad project name: wandb's own error, in one line
             first = " ".join(str(e).split())[:300]
