@@ -7,6 +7,7 @@ import math
 from elflow.flow import SAMPLERS
 from elflow.generate import FEW_STEPS, SAMPLING_DEFAULTS, SamplingSettings
 from elflow.methods.mdlm import MDLMSampling
+from elflow.methods.tokens import BaselineSampling
 from elflow.runs.tracking import HELP_PROJECT
 from elflow.util.errors import ELFError
 
@@ -41,7 +42,9 @@ def add_sampling_arguments(p) -> None:
     p.add_argument("--grid", choices=["logit_normal", "uniform"], default=None,
                    help=f"time grid (default {d.grid})")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default 0)")
-    p.add_argument("--batch", type=int, default=None, help=f"samples per batch (default {d.batch_size})")
+    p.add_argument("--batch", type=int, default=None,
+                   help=f"samples per batch (default {d.batch_size}; {BaselineSampling.batch_size} for AR and MDLM "
+                        "baselines)")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default=None, help="autocast precision (default fp32)")
     p.add_argument("--temperature", type=float, default=None,
                    help="AR and MDLM baselines: divide the logits by this (default 1)")
