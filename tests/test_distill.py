@@ -237,22 +237,51 @@ def test_rounds_are_ordinary_runs_with_few_step_sampling_defaults(full_distillat
     from elflow.runs.load import read_weights
 
     out, rounds = full_distillation
-    assert list(rounds) == [2, 1] and rounds[2] == out / "round-2" and rounds[1] == out / "round-1"
+    assert list(rounds) == [2, 1] and rounds[2] == out / "2-step" and rounds[1] == out / "1-step"
     for n in (2, 1):
-        cfg, sd, spec, recipe, info = read_weights(out / f"round-{n}")
+        cfg, sd, spec, recipe, info = read_weights(out / f"{n}-step")
         assert info["checkpoint"].endswith("step_0000003")
         assert info["distilled_steps"] == n and info["sampling"] == distilled_defaults(n)
         # the round's record is its own, beside the teacher's recipe constants
-        train = json.loads((out / f"round-{n}" / "run.json").read_text())["train"]
+        train = json.loads((out / f"{n}-step" / "run.json").read_text())["train"]
         assert train["distillation"] == {"student_steps": n, "teacher_steps": 2} and not set(train["recipe"])
         assert recipe == {}
-    run1 = json.loads((out / "round-1" / "run.json").read_text())["train"]
-    run2 = json.loads((out / "round-2" / "run.json").read_text())["train"]
+    run1 = json.loads((out / "1-step" / "run.json").read_text())["train"]
+    run2 = json.loads((out / "2-step" / "run.json").read_text())["train"]
     assert run2["init_from"].startswith(str(teacher_run[0]))  # round 1: the teacher
-    assert run1["init_from"] == str(out / "round-2")  # round k + 1: round k's student (its EMA)
+    assert run1["init_from"] == str(out / "2-step")  # round k + 1: round k's student (its EMA)
     assert run1["warmup_frac"] == 0.1 and run1["ema_decay"] == 0.5
-    recs = [json.loads(r) for r in (out / "round-1" / "metrics.jsonl").read_text().splitlines()]
+    recs = [json.loads(r) for r in (out / "1-step" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == [1, 2, 3] and recs[0]["lr"] == pytest.approx(1e-3 * 4 / 256)
+
+
+@pytest.mark.slow
+def test_each_round_reports_its_own_final_loss_and_names_the_folder_of_its_student(teacher_run, tmp_path, capsys):
+    """Messages and folders agree: round i trains the n-step student in OUT/n-step, and its last line gives the
+    final loss of that round's own metrics.jsonl."""
+    from elflow.runs.log import training_records
+
+    teacher, cache = teacher_run
+    out = tmp_path / "out"
+    distill.distill(teacher, out, cache_dir=cache, **{**ROUND, "quiet": False})
+    done = [line for line in capsys.readouterr().err.splitlines() if ": done, " in line]
+    assert len(done) == 2
+    for i, (n, line) in enumerate(zip((2, 1), done)):
+        last = training_records(out / f"{n}-step")[-1]
+        assert line.startswith(f"round {i + 1} of 2, the {n}-step student ({out / f'{n}-step'}): done, step 3, "
+                               f"final loss {last['loss']:.4g} (denoising {last['loss_denoise']:.4g}")
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["1-step", "2-step"]
+
+
+def test_a_round_whose_ema_stays_at_its_start_says_so_and_an_earlier_layout_keeps_its_folders(tmp_path, capsys):
+    distill.warn_still_at_start(0.9999, 20)  # the next round would start from (almost) this round's start
+    assert "still 100% the weights it started from" in capsys.readouterr().err
+    distill.warn_still_at_start(0.5, 3)
+    assert capsys.readouterr().err == ""
+    (tmp_path / "round-4").mkdir()
+    (tmp_path / "round-4" / "run.json").write_text("{}")
+    assert distill.round_dir(tmp_path, 4) == tmp_path / "round-4"  # a distillation made before: resumed there
+    assert distill.round_dir(tmp_path, 2) == tmp_path / "2-step"
 
 
 @pytest.mark.slow
@@ -261,11 +290,11 @@ def test_an_interrupted_distillation_resumes_bit_identically(full_distillation, 
     full, _ = full_distillation
     out = tmp_path / "out"
     distill.distill(teacher, out, cache_dir=cache, stop_after=4, **ROUND)  # round 2 done, one step into round 1
-    assert (out / "round-1" / "checkpoints" / "step_0000001").exists()
-    assert not (out / "round-1" / "checkpoints" / "step_0000003").exists()
+    assert (out / "1-step" / "checkpoints" / "step_0000001").exists()
+    assert not (out / "1-step" / "checkpoints" / "step_0000003").exists()
     distill.distill(teacher, out, cache_dir=cache, resume=True, **ROUND)
     for n in (2, 1):
-        for a, b in zip(_files(out / f"round-{n}", 3), _files(full / f"round-{n}", 3)):
+        for a, b in zip(_files(out / f"{n}-step", 3), _files(full / f"{n}-step", 3)):
             assert a.keys() == b.keys()
             assert all(torch.equal(a[k], b[k]) for k in a), n
 
@@ -353,7 +382,7 @@ def test_a_teacher_without_ema_teaches_with_its_raw_weights_and_a_warning(teache
     # the round started from the raw weights (one step at lr 1e-9 since), not from the teacher's EMA
     raw = load_file(ck / "model.safetensors")
     _, ema = _files(teacher, 2)
-    model, _ = _files(out / "round-1", 1)
+    model, _ = _files(out / "1-step", 1)
 
     def dist(a):
         return sum((model[k] - a[k]).pow(2).sum().item() for k in a)
@@ -376,7 +405,7 @@ def test_init_from_a_network_of_another_shape_is_refused(teacher_run, tmp_path, 
 def test_sample_uses_the_stored_few_step_defaults(full_distillation, teacher_run, tmp_path, capsys):
     out, _ = full_distillation
     teacher, _ = teacher_run
-    for src, extra, expect in [(out / "round-1", [], (1, 1.5, 2.5)), (out / "round-1", ["--steps", "3"], (3, 1.5, 2.5)),
+    for src, extra, expect in [(out / "1-step", [], (1, 1.5, 2.5)), (out / "1-step", ["--steps", "3"], (3, 1.5, 2.5)),
                                (teacher, ["--steps", "2"], (2, 1.5, 3.0))]:
         dest = tmp_path / "s.jsonl"
         rc, _ = _cli(["sample", str(src), "--num", "1", "--quiet", "--device", "cpu", "--out", str(dest),
@@ -407,7 +436,7 @@ def test_a_distillation_killed_with_sigkill_resumes_bit_identically(teacher_run,
            "--cache-dir", str(cache)]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    first = out / "round-2" / "checkpoints" / "step_0000002"
+    first = out / "2-step" / "checkpoints" / "step_0000002"
     try:
         deadline = time.time() + 240
         while time.time() < deadline and not first.exists():
@@ -420,11 +449,11 @@ def test_a_distillation_killed_with_sigkill_resumes_bit_identically(teacher_run,
             proc.kill()
     from elflow.runs.checkpoint import latest_checkpoint
 
-    done = int(latest_checkpoint(out / "round-2").name[5:])
+    done = int(latest_checkpoint(out / "2-step").name[5:])
     assert done >= 2
     if done < 6:  # (a very slow machine may have got past step 6 before the kill landed)
         distill.distill(teacher, out, cache_dir=cache, resume=True, stop_after=6 - done, **settings)
-    for a, b in zip(_files(out / "round-2", 6), _files(full / "round-2", 6)):
+    for a, b in zip(_files(out / "2-step", 6), _files(full / "2-step", 6)):
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -456,6 +485,6 @@ def test_two_gloo_ranks_distil_as_one_process(teacher_run, tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     run_alone_and_on_two_ranks(common, one, two)
     for n in (2, 1):
-        for a, b in zip(_files(one / f"round-{n}", 2), _files(two / f"round-{n}", 2)):
+        for a, b in zip(_files(one / f"{n}-step", 2), _files(two / f"{n}-step", 2)):
             assert a.keys() == b.keys()
             assert all(torch.allclose(a[k], b[k], atol=2e-5, rtol=1e-4) for k in a), n

@@ -71,6 +71,21 @@ def test_the_card_names_the_runs_settings(pushed):
     assert 'elflow.load("someone/tiny-elf")' in card and "elflow sample someone/tiny-elf" in card
 
 
+def test_the_cards_install_line_and_imports_work(pushed):
+    """No elflow package is on PyPI: the card installs it from its source (the repository recorded in the
+    package's metadata, else a checkout), links no package index, and its Python imports run."""
+    from elflow.runs.push import install_lines, source_url
+
+    card = (pushed[1] / "README.md").read_text()
+    assert "pypi.org" not in card and not any(line.startswith("pip install elflow") for line in card.splitlines())
+    assert all(line in card.splitlines() for line in install_lines(source_url()))
+    assert install_lines(None)[-1].startswith('pip install -e ".[offline]"') and "not on PyPI" in install_lines(None)[0]
+    assert install_lines("https://example.org/elflow.git")[0].startswith(
+        'pip install "elflow[offline] @ git+https://example.org/elflow.git"')
+    python = card.split("```python\n", 1)[1].split("```", 1)[0]
+    exec("\n".join(line for line in python.splitlines() if line.startswith(("import ", "from "))), {})
+
+
 def _last_loss(run: Path) -> float:
     recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     return [r for r in recs if r["kind"] == "train"][-1]["loss"]
@@ -130,13 +145,13 @@ def test_the_folder_teaches_a_distillation_logged_to_wandb(pushed, tmp_path, mon
     assert main(["distill", str(folder), "--student-steps", "2", "--teacher-steps", "4", "--steps-per-round", "2",
                  "--ckpt-every", "2", "--out", str(out), "--quiet",
                  *(["--wandb", "elflow-test"] if wandb else [])]) == 0
-    assert (out / "round-2" / "checkpoints" / "step_0000002").is_dir()
+    assert (out / "2-step" / "checkpoints" / "step_0000002").is_dir()
     if wandb:
         from helpers import wandb_offline_runs
 
-        (logged,) = wandb_offline_runs(out / "round-2")
-        assert logged["config"]["wandb_run"] == "pd/round-2" and logged["config"]["distillation"]["student_steps"] == 2
-        recs = [json.loads(line) for line in (out / "round-2" / "metrics.jsonl").read_text().splitlines()]
+        (logged,) = wandb_offline_runs(out / "2-step")
+        assert logged["config"]["wandb_run"] == "pd/2-step" and logged["config"]["distillation"]["student_steps"] == 2
+        recs = [json.loads(line) for line in (out / "2-step" / "metrics.jsonl").read_text().splitlines()]
         recs = [r for r in recs if r["kind"] == "train"]
         assert recs and [h["_step"] for h in logged["history"]] == [r["step"] for r in recs]
         assert logged["history"][-1]["loss"] == pytest.approx(recs[-1]["loss"])

@@ -182,6 +182,30 @@ def test_a_judge_saved_on_a_full_disk_leaves_its_folder_as_it_was(tmp_path):
         assert (out / "config.json").stat().st_size > 0 and (out / "model.safetensors").exists()
 
 
+def test_train_judge_says_what_it_does_before_training(tmp_path, gpt2_tok, capsys, monkeypatch):
+    """The tokenizer, the corpus's tokenization and the split are named on stderr as each starts, before the
+    network is built and the progress bar appears."""
+    import elflow.eval.judge as judge_module
+    from elflow.cli import main
+
+    class Stop(Exception):
+        pass
+
+    def built(cfg):
+        raise Stop()
+
+    monkeypatch.setattr(judge_module, "CausalJudge", built)
+    text = tmp_path / "corpus.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 200)
+    with pytest.raises(Stop):
+        main(["train-judge", "--data", str(text), "--out", str(tmp_path / "judge"), "--steps", "3",
+              "--context", "16"])
+    said = capsys.readouterr().err.splitlines()
+    assert said[0].startswith("train-judge: building the GPT-2 tokenizer")
+    assert any(line.startswith(f"train-judge: reading and tokenizing {text}") for line in said)
+    assert said[-1].startswith("train-judge: ") and "training tokens" in said[-1] and "training 3 steps" in said[-1]
+
+
 def test_train_judge_smoke(tmp_path, gpt2_tok, capsys):
     """`elflow train-judge` end to end on a small text: trains, saves, and the folder works as --judge."""
     from elflow.cli import main

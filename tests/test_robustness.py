@@ -735,8 +735,9 @@ def test_distill_overwrite_replaces_only_its_own_files_and_restores_them_on_fail
     out = tmp_path / "stuff"
     out.mkdir()
     (out / "notes.txt").write_text("mine")
-    (out / "round-9").mkdir()  # a name a distillation would write: set aside, then back
-    (out / "round-9" / "x").write_text("old")
+    for name in ("9-step", "round-8"):  # names a distillation writes (and wrote before): set aside, then back
+        (out / name).mkdir()
+        (out / name / "x").write_text("old")
     (out / "distill.json").write_text(json.dumps({"teacher": "old"}))
     before, teacher = tree_state(tmp_path), tree_state(trained)
     real = ckpt_mod.save_file
@@ -752,9 +753,10 @@ def test_distill_overwrite_replaces_only_its_own_files_and_restores_them_on_fail
     code, _, err = cli(capsys, _distill_args(trained, out, cache, "--overwrite"))
     assert code == 0, err
     assert (out / "notes.txt").read_text() == "mine"
-    assert not (out / "round-9").exists() and not (out / ".replaced-run").exists() and not (out / ".lock").exists()
+    assert not (out / "9-step").exists() and not (out / "round-8").exists()
+    assert not (out / ".replaced-run").exists() and not (out / ".lock").exists()
     assert json.loads((out / "distill.json").read_text())["student_steps"] == [1]
-    assert list_checkpoints(out / "round-1")
+    assert list_checkpoints(out / "1-step")
     assert tree_state(trained) == teacher
 
 

@@ -54,3 +54,21 @@ def test_without_wandb_installed_the_flag_is_one_line(tmp_path, tiny_t5_dir, tin
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("elflow train: error:") and 'pip install "elflow[wandb]"' in err[0]
     assert not out.exists()
+
+
+def test_wandb_dir_decides_where_wandbs_files_go_and_resume_still_continues_the_run(tmp_path, tiny_t5_dir,
+                                                                                     tiny_corpus_file, monkeypatch):
+    """W&B's own convention: WANDB_DIR, where set, holds its files (scratch on a cluster); the run folder keeps
+    the W&B run's id, so a resumed run continues the same W&B run."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    scratch = tmp_path / "scratch"
+    monkeypatch.setenv("WANDB_DIR", str(scratch))
+    run, cache = tmp_path / "run", tmp_path / "cache"
+    cfg = tiny_config(tiny_t5_dir, tiny_corpus_file, wandb="elflow-test")
+    train(cfg, run, cache_dir=cache, quiet=True, stop_after=3)
+    train(cfg, run, resume=True, cache_dir=cache, quiet=True)
+
+    assert not (run / "wandb").exists()
+    first, second = wandb_offline_runs(scratch)
+    assert first["id"] == second["id"] == json.loads((run / "wandb-run.json").read_text())["id"]
+    assert [h["_step"] for h in first["history"] + second["history"]] == [1, 2, 3, 4, 5, 6]

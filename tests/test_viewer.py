@@ -59,8 +59,8 @@ def changed_spans(doc, j, k):
 def test_the_trajectory_file_ends_on_the_samples_written(runs, tmp_path):
     text_run, _, _ = runs
     records, doc, page = sampled(text_run, tmp_path / "s.jsonl", "--num", "3", "--prompt", "the king")
-    assert doc["format"] == "elflow-trajectory" and doc["version"] == 1 and page.is_file()
-    assert [s["step"] for s in doc["steps"]] == [0, 1, 2, 3, 4]  # every step by default
+    assert doc["format"] == "elflow-trajectory" and doc["version"] == 2 and page.is_file()
+    assert [s["step"] for s in doc["steps"]] == [1, 2, 3, 4, 5]  # every step by default, counted from 1
     ts = [s["t"] for s in doc["steps"]]
     assert ts[0] == 0.0 and ts == sorted(ts) and ts[-1] < 1
     assert doc["settings"]["steps"] == 5 and doc["settings"]["prompt"] == "the king"
@@ -75,11 +75,32 @@ def test_the_trajectory_file_ends_on_the_samples_written(runs, tmp_path):
             assert "".join(piece for piece, _ in st["spans"]) == st["text"]
     # chosen steps only; the text of each is the same as in the full record
     assert main(["sample", str(text_run), "--steps", "5", "--batch", "2", "--num", "2", "--quiet", "--prompt",
-                 "the king", "--trajectory", "1", "4", "--out", str(tmp_path / "few.jsonl")]) == 0
+                 "the king", "--trajectory", "2", "5", "--out", str(tmp_path / "few.jsonl")]) == 0
     few = read_trajectory(tmp_path / "few.trajectory.json")
-    assert [s["step"] for s in few["steps"]] == [1, 4]
+    assert [s["step"] for s in few["steps"]] == [2, 5]
     assert [st["text"] for st in few["samples"][0]["steps"]] == [doc["samples"][0]["steps"][k]["text"] for k in (1, 4)]
     assert not (tmp_path / "few.trajectory.html").exists()
+
+
+def test_steps_count_from_1_on_the_terminal_in_the_file_and_in_a_version_1_file(runs, tmp_path, capsys):
+    """The terminal's lines, the file and the page count sampling steps from 1 (the last of 5 is step 5); a file
+    of format version 1 (steps counted from 0) reads as the same steps counted from 1."""
+    text_run, _, _ = runs
+    out = tmp_path / "s.jsonl"
+    assert main(["sample", str(text_run), "--steps", "5", "--batch", "2", "--num", "2", "--quiet", "--trajectory",
+                 "--out", str(out)]) == 0
+    shown = [line.split()[1] for line in capsys.readouterr().out.splitlines() if line.startswith("  step ")]
+    assert shown[0] == "1" and shown[-1] == "5"
+    doc = read_trajectory(out.with_suffix(".trajectory.json"))
+    assert [s["step"] for s in doc["steps"]] == [1, 2, 3, 4, 5]
+    old = json.loads(out.with_suffix(".trajectory.json").read_text())
+    old.update(version=1, steps=[{**s, "step": s["step"] - 1} for s in old["steps"]])
+    (tmp_path / "v1.json").write_text(json.dumps(old))
+    assert read_trajectory(tmp_path / "v1.json")["steps"] == doc["steps"]
+    for bad in (["--trajectory", "0"], ["--trajectory", "6"]):
+        assert main(["sample", str(text_run), "--steps", "5", "--quiet", *bad, "--out", str(tmp_path / "x.jsonl"),
+                     "--overwrite"]) == 2
+        assert "--trajectory steps" in capsys.readouterr().err
 
 
 def test_token_spans_join_to_the_decoded_text_for_both_kinds_of_tokenizer(tiny_t5_dir):
@@ -217,9 +238,11 @@ def test_moving_the_slider_shows_each_steps_recorded_text(runs, tmp_path, browse
                            "s.dispatchEvent(new Event('input'));")
     for j, section in enumerate(sections):
         assert read_sample(section)["text"] == doc["samples"][j]["steps"][2]["text"]
-    # a link to a step opens there
-    browser.get(page.as_uri() + "#step=1")
-    assert [read_sample(s)["step"] for s in browser.find_elements(By.CSS_SELECTOR, "section.sample")] == [1, 1]
+    # a link to a step (counted from 1, as the page shows them) opens there
+    browser.get(page.as_uri() + "#step=2")
+    sections = browser.find_elements(By.CSS_SELECTOR, "section.sample")
+    assert [read_sample(s)["step"] for s in sections] == [2, 2]
+    assert sections[0].find_element(By.CSS_SELECTOR, ".step-info").text.startswith("step 2 of 5")
     assert browser.find_element(By.ID, "held-key").is_displayed()  # the key for the shaded prompt
     assert browser.get_log("browser") == []  # no script error
 

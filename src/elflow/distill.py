@@ -1,6 +1,6 @@
 """Progressive distillation's rounds: each round a training run whose objective is the teacher's
 (elflow.methods.distill), started from the previous round's student; the rounds of one distillation share a
-folder with a manifest (distill.json) that --resume and --overwrite read."""
+folder (OUT/<N>-step, by the student's steps) with a manifest (distill.json) that --resume and --overwrite read."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from elflow.model import PRESETS
 from elflow.runs.checkpoint import list_checkpoints
 from elflow.runs.folder import REPLACED, recover_replaced, set_aside
 from elflow.runs.load import load_init_weights, stored_training
+from elflow.runs.log import training_records
 from elflow.runs.official import build_from_state_dict
 from elflow.train import train
 from elflow.util.distributed import setup_distributed
@@ -96,7 +97,7 @@ def distill(teacher, out, student_steps=(16, 8, 4, 2, 1), teacher_steps: int = 6
             epochs: float | None = None, warmup_frac: float = 0.1, ema_decay: float = 0.9999, lr: float | None = None,
             resume: bool = False, overwrite: bool = False, cache_dir=None, quiet: bool = False,
             stop_after: int | None = None, **overrides) -> dict:
-    """Run the distillation rounds into `out`/round-<N>; returns {N: the round's run folder}.
+    """Run the distillation rounds into `out`/<N>-step (`round_dir`); returns {N: the round's run folder}.
 
     One round per student step count; a round lasts `steps_per_round` optimiser steps or `epochs` passes
     (one pass by default), warms up over `warmup_frac` of it. `overrides` are TrainConfig fields (data,
@@ -159,23 +160,27 @@ def distill(teacher, out, student_steps=(16, 8, 4, 2, 1), teacher_steps: int = 6
     rounds, left, ok = {}, stop_after, False
     try:
         for i, n in enumerate(steps):
-            rdir = out / f"round-{n}"
-            init = info["checkpoint"] if i == 0 else str(rounds[steps[i - 1]])
-            rcfg = _round_config(cfg, n, teacher_steps, init, out)
-            again = [(rdir / "run.json").exists()]
+            rdir = round_dir(out, n)
+            seen = [rdir.name, (rdir / "run.json").exists()]
             if group is not None:  # every rank takes rank 0's view of the folder, before anyone writes it
-                dist.broadcast_object_list(again, src=0)
-            if not quiet and (group is None or dist.get_rank() == 0):
-                print(f"round {i + 1}/{len(steps)}: the {n}-step student, in {rdir}", file=sys.stderr)
-            summary = train(rcfg, rdir, resume=again[0], cache_dir=cache_dir, quiet=quiet,
+                dist.broadcast_object_list(seen, src=0)
+            rdir, again = out / seen[0], seen[1]
+            init = info["checkpoint"] if i == 0 else str(rounds[steps[i - 1]])
+            rcfg = _round_config(cfg, n, teacher_steps, init, out, rdir.name)
+            said = f"round {i + 1} of {len(steps)}, the {n}-step student ({rdir})"
+            if main and not quiet:
+                print(f"{said}: training", file=sys.stderr)
+            summary = train(rcfg, rdir, resume=again, cache_dir=cache_dir, quiet=quiet,
                             stop_after=left, objective=DistillObjective(teacher_net, n, teacher_steps))
             rounds[n] = rdir
             if left is not None:
                 left -= summary["end_step"] - summary["start_step"]
                 if left <= 0:
                     break
-            if not quiet:
-                print(f"round {i + 1}/{len(steps)}: {n}-step student in {rdir}", file=sys.stderr)
+            if main and not quiet:
+                print(f"{said}: done, {round_result(rdir)}", file=sys.stderr)
+            if main and i + 1 < len(steps):
+                warn_still_at_start(rcfg.ema_decay, summary["end_step"])
         ok = True
     finally:
         if main:
@@ -196,15 +201,43 @@ def _process_group(timeout_minutes: float):
     return dist.group.WORLD
 
 
-def _round_config(cfg, n: int, teacher_steps: int, init: str, out: Path):
+def round_dir(out: Path, n: int) -> Path:
+    """The run folder of the round whose student takes `n` steps: OUT/<n>-step (OUT/round-<n> where a
+    distillation made before that name holds it)."""
+    legacy = out / f"round-{n}"
+    return legacy if (legacy / "run.json").exists() and not (out / f"{n}-step").exists() else out / f"{n}-step"
 
+
+def round_result(rdir: Path) -> str:
+    """'step S, final loss L (denoising D, decoding C)': the last training record of a round's own folder."""
+    recs = training_records(rdir)
+    if not recs:
+        return "no training record"
+    last = recs[-1]
+    parts = [f"{name} {last[k]:.4g}" for k, name in (("loss_denoise", "denoising"), ("loss_decode", "decoding"))
+             if isinstance(last.get(k), (int, float))]
+    return f"step {last['step']}, final loss {last['loss']:.4g}" + (f" ({', '.join(parts)})" if parts else "")
+
+
+def warn_still_at_start(ema_decay: float, steps: int) -> None:
+    """A warning when a round's EMA weights, which the next round starts from, are still mostly the weights
+    the round started from (decay ** steps of them)."""
+    kept = ema_decay ** steps
+    if kept > 0.5:
+        print(f"warning: after {steps} steps with --ema-decay {ema_decay:g}, the round's EMA weights are still "
+              f"{kept:.0%} the weights it started from; the next round starts from them and sees the same "
+              "batches, so it reports nearly the same losses. Longer rounds, or a lower --ema-decay (such as "
+              "0.99), let each round start from its predecessor's student", file=sys.stderr)
+
+
+def _round_config(cfg, n: int, teacher_steps: int, init: str, out: Path, folder: str):
     s = distilled_defaults(n)
-    name = f"{cfg.wandb_run or out.resolve().name}/round-{n}" if cfg.wandb else cfg.wandb_run
+    name = f"{cfg.wandb_run or out.resolve().name}/{folder}" if cfg.wandb else cfg.wandb_run
     return replace(cfg, init_from=init, distillation={"student_steps": n, "teacher_steps": teacher_steps},
                    sample_steps=s["steps"], sample_sampler=s["sampler"], sample_omega=s["omega"], wandb_run=name)
 
 
-ROUND_DIR = re.compile(r"round-\d+")
+ROUND_DIR = re.compile(r"\d+-step|round-\d+")
 
 
 def _own_names(folder: Path) -> set[str]:
@@ -225,7 +258,7 @@ def _settle(out: Path, fresh: bool, ok: bool, steps) -> None:
     names = _own_names(out) | _own_names(out / REPLACED)
     outcome = recover_replaced(out, lambda d: ok or _started(d), names)
     if outcome is None and fresh and not ok and not _started(out) and (
-            not any((out / f"round-{n}" / "run.json").exists() for n in steps)):
+            not any((round_dir(out, n) / "run.json").exists() for n in steps)):
         (out / MANIFEST).unlink(missing_ok=True)
 
 

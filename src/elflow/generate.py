@@ -33,9 +33,12 @@ SAMPLING_DEFAULTS = {
 DISTILLED_STEPS = 8  # a distilled model's steps when none are given (the released few-step model's)
 
 
+FEW_STEPS = 8  # a distilled model sampled with more steps than this takes the "distilled-long" settings
+
+
 def distilled_defaults(steps: int) -> dict:
     """The settings of a distilled model sampled at `steps` steps."""
-    return {**SAMPLING_DEFAULTS["distilled" if steps <= 8 else "distilled-long"], "steps": int(steps)}
+    return {**SAMPLING_DEFAULTS["distilled" if steps <= FEW_STEPS else "distilled-long"], "steps": int(steps)}
 
 
 def model_sampling(conditional: bool = False, distilled_steps: int | None = None,

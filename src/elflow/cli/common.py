@@ -2,33 +2,68 @@
 
 from __future__ import annotations
 
+import math
+
 from elflow.flow import SAMPLERS
-from elflow.generate import SamplingSettings
+from elflow.generate import FEW_STEPS, SAMPLING_DEFAULTS, SamplingSettings
+from elflow.methods.mdlm import MDLMSampling
+from elflow.methods.tokens import BaselineSampling
 from elflow.runs.tracking import HELP_PROJECT
+from elflow.util.errors import ELFError
+
+
+def _own(key: str, distilled: str | None = None) -> str:
+    """'(default: the model's own: ...)': a sampling setting's default by the kind of model, as
+    generate.SAMPLING_DEFAULTS states them."""
+    text, cond = SAMPLING_DEFAULTS["text"][key], SAMPLING_DEFAULTS["conditional"][key]
+    if distilled is None:
+        few, more = SAMPLING_DEFAULTS["distilled"][key], SAMPLING_DEFAULTS["distilled-long"][key]
+        distilled = f"{few} for distilled ones" + (f", {more} past {FEW_STEPS} steps" if more != few else "")
+    return f"(default: the model's own: {text} for text models, {cond} for conditional ones, {distilled})"
 
 
 def add_sampling_arguments(p) -> None:
     """The sampler flags; unset ones take the model's own defaults (a conditional or distilled model's),
-    else SamplingSettings'."""
+    else SamplingSettings'. Their plain ranges are checked by `check_sampling_flags`."""
     d = SamplingSettings()
-    p.add_argument("--steps", type=int, default=None, help=f"sampling steps N (default {d.steps})")
+    p.add_argument("--steps", type=int, default=None,
+                   help="sampling steps N " + _own("steps", "a distilled one's own step count")[:-1]
+                        + f"; an MDLM's reverse steps: {MDLMSampling().steps})")
     p.add_argument("--sampler", choices=SAMPLERS, default=None,
-                   help=f"ode: Euler; sde: the released SDE-style step; vc: variance-consistent re-noising "
-                        f"(default {d.sampler})")
-    p.add_argument("--gamma", type=float, default=None, help=f"SDE back-off scale (default {d.gamma})")
-    p.add_argument("--omega", type=float, default=None, help=f"self-conditioning guidance scale (default {d.omega})")
+                   help="ode: Euler; sde: the released SDE-style step; vc: variance-consistent re-noising "
+                        + _own("sampler"))
+    p.add_argument("--gamma", type=float, default=None, help="SDE back-off scale " + _own("gamma"))
+    p.add_argument("--omega", type=float, default=None,
+                   help="self-conditioning guidance scale " + _own("omega")[:-1]
+                        + "; 1.0 for a network without self-conditioning)")
     p.add_argument("--guidance", type=float, default=None,
-                   help="source guidance of conditional models: v = v_u + g (v_c - v_u) (default 1; 2 for the "
-                        "released conditional models)")
+                   help="source guidance of conditional models: v = v_u + g (v_c - v_u) (default: the model's own: "
+                        f"{SAMPLING_DEFAULTS['conditional']['guidance']} for conditional models)")
     p.add_argument("--grid", choices=["logit_normal", "uniform"], default=None,
                    help=f"time grid (default {d.grid})")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default 0)")
-    p.add_argument("--batch", type=int, default=None, help=f"samples per batch (default {d.batch_size})")
+    p.add_argument("--batch", type=int, default=None,
+                   help=f"samples per batch (default {d.batch_size}; {BaselineSampling.batch_size} for AR and MDLM "
+                        "baselines)")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default=None, help="autocast precision (default fp32)")
     p.add_argument("--temperature", type=float, default=None,
-                   help="AR and MDLM baselines: divide the logits by this (default 1); --steps sets an MDLM's "
-                        "reverse steps (default 64)")
+                   help="AR and MDLM baselines: divide the logits by this (default 1)")
     p.add_argument("--top-p", type=float, default=None, help="AR baselines: nucleus sampling mass (default 1)")
+
+
+def check_sampling_flags(args) -> None:
+    """The plain ranges of the sampler flags given (those of `add_sampling_arguments`), checked before any
+    model is read: ELFError naming the flag."""
+    checks = (("steps", lambda v: v >= 1, "an integer >= 1"), ("batch", lambda v: v >= 1, "an integer >= 1"),
+              ("gamma", lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0"),
+              ("omega", lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0"),
+              ("guidance", lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0"),
+              ("temperature", lambda v: v > 0, "a number > 0"),
+              ("top_p", lambda v: 0 < v <= 1, "a number in (0, 1]"))
+    for name, ok, what in checks:
+        value = getattr(args, name, None)
+        if value is not None and not ok(value):
+            raise ELFError(f"--{name.replace('_', '-')} must be {what}, got {value:g}")
 
 
 def add_arguments(p, name_note: str = "") -> None:

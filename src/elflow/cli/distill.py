@@ -26,7 +26,8 @@ def add_arguments(p) -> None:
     length = p.add_mutually_exclusive_group()
     length.add_argument("--steps-per-round", type=int, default=None, help="optimiser steps per round")
     length.add_argument("--epochs", type=float, default=None, help="passes over the data per round (default 1)")
-    p.add_argument("--out", default="runs/distill", help="folder of the rounds (OUT/round-<N>)")
+    p.add_argument("--out", default="runs/distill",
+                   help="folder of the rounds, one run folder per student: OUT/<N>-step")
     p.add_argument("--batch", type=int, default=None, help="global batch (default: the teacher's)")
     p.add_argument("--micro-batch", type=int, default=None, help="rows per forward/backward (accumulation)")
     p.add_argument("--lr", type=float, default=None, help="learning rate (default 1e-3 * batch / 256)")
@@ -48,7 +49,7 @@ def add_arguments(p) -> None:
     p.add_argument("--cache-dir", default=None, help="tokenization cache")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 
-    add_tracking(p, "one W&B run per round, named NAME/round-N")
+    add_tracking(p, "one W&B run per round, named NAME/<N>-step")
 
 
 def run(args) -> int:

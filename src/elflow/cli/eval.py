@@ -10,7 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from elflow.cli.common import add_arguments as add_tracking
-from elflow.cli.common import add_sampling_arguments
+from elflow.cli.common import add_sampling_arguments, check_sampling_flags
 from elflow.data.corpus import read_pairs, read_sources
 from elflow.data.tasks import PAIR_TASKS
 from elflow.eval.judge import load_judge
@@ -329,6 +329,7 @@ def _conditional_task(args, task, metric, loaded, space, settings, sources, refs
 
 
 def run(args) -> int:
+    check_sampling_flags(args)
     args.device = check_device(args.device)
     if args.wandb:
         require_wandb()

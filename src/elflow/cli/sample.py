@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from elflow.cli.common import add_sampling_arguments
+from elflow.cli.common import add_sampling_arguments, check_sampling_flags
 from elflow.data.corpus import read_sources
 from elflow.experiments.viewer import trajectory_document, write_page
 from elflow.generate import gather_records, write_samples
@@ -30,8 +30,12 @@ def add_arguments(p) -> None:
                    help="conditional models: the sources to translate / summarise (a .jsonl file or one text)")
     p.add_argument("--source-field", default="input", help="the source field of --source records")
     p.add_argument("--reference-field", default="output", help="the reference field of --source records")
-    p.add_argument("--prompt", default=None, help="text held fixed at the start of every sample (continuation)")
-    p.add_argument("--suffix", default=None, help="text held fixed at the end of every sample (infilling)")
+    p.add_argument("--prompt", default=None,
+                   help="text held fixed at the start of every sample (continuation); it comes back as the model's "
+                        "tokenizer writes it: lowercased by an uncased one such as MiniLM's")
+    p.add_argument("--suffix", default=None,
+                   help="text held fixed at the end of every sample (infilling); lowercased by an uncased tokenizer, "
+                        "as --prompt")
     p.add_argument("--out", default="samples.jsonl", help="JSONL output (one object per sample)")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
@@ -40,8 +44,9 @@ def add_arguments(p) -> None:
                    help="T5 encoder folder or hub id for the authors' checkpoints (default t5-small)")
     p.add_argument("--trajectory", nargs="*", type=int, default=None, metavar="STEP",
                    help="record how the first batch's samples emerge: the decode readout of the sampler's guess "
-                        "at these steps (0-based; default: every step), written to OUT.trajectory.json (view it "
-                        "with `elflow view`); each recorded step costs one more network pass")
+                        "at these steps (counted from 1, the first, to N, the last; default: every step), written "
+                        "to OUT.trajectory.json (view it with `elflow view`); each recorded step costs one more "
+                        "network pass")
     p.add_argument("--html", action="store_true",
                    help="also write the trajectory viewer page OUT.trajectory.html (implies --trajectory)")
     p.add_argument("--quiet", action="store_true", help="do not print the texts")
@@ -55,6 +60,7 @@ def check_attention_memory(length: int, batch: int, heads: int, device) -> None:
 
 
 def run(args) -> int:
+    check_sampling_flags(args)  # before the model loads
     args.device = check_device(args.device)
     check_output(args.out, args.overwrite)  # before any work
     if args.html and args.trajectory is None:
@@ -66,6 +72,8 @@ def run(args) -> int:
             check_output(extra, args.overwrite)
     if args.length is not None and args.length < 1:
         raise ELFError(f"--length must be >= 1, got {args.length}")
+    if args.trajectory and min(args.trajectory) < 1:
+        raise ELFError(f"--trajectory steps count from 1 (the first sampling step), got {min(args.trajectory)}")
     with process_group(args.device) as (rank, world, device):  # under torchrun: each rank draws its batches
         records, meta, space = _sample(args, rank, world, device)
     return 0 if rank else _write(args, records, meta, space, traj_path, page_path)
@@ -103,10 +111,10 @@ def _sample(args, rank: int, world: int, device):
     known.update({k: v for k, v in (("prompt", args.prompt), ("suffix", args.suffix)) if v is not None})
     if args.trajectory is not None:
         n = settings.steps
-        known["trajectory"] = set(args.trajectory) if args.trajectory else set(range(n))
-        bad = [s for s in known["trajectory"] if not 0 <= s < n]
+        bad = sorted(s for s in args.trajectory or [] if not 1 <= s <= n)
         if bad:
-            raise ELFError(f"--trajectory steps must lie in 0..{n - 1}, got {sorted(bad)}")
+            raise ELFError(f"--trajectory steps must lie in 1..{n} (sampling with {n} steps), got {bad}")
+        known["trajectory"] = {s - 1 for s in args.trajectory} if args.trajectory else set(range(n))  # 0-based
     net = loaded.net
     records = method.sample(net, space, args.num, settings, args.length, progress=not args.quiet and rank == 0,
                             part=(rank, world), **known)
@@ -123,14 +131,16 @@ def _write(args, records, meta, space, traj_path, page_path) -> int:
     rows = [r.pop("trajectory") for r in records if "trajectory" in r]  # kept apart from the samples file
     write_samples(args.out, records, meta, args.overwrite)
     if rows:
-        seen = [{"step": pts[0]["step"], "t": pts[0]["t"], **{k: [p[k] for p in pts] for k in ("ids", "shown", "known")},
-                 "texts": [p["text"] for p in pts]} for pts in zip(*rows)]  # per recorded step, every row
+        seen = [{"step": pts[0]["step"] + 1, "t": pts[0]["t"],
+                 **{k: [p[k] for p in pts] for k in ("ids", "shown", "known")},
+                 "texts": [p["text"] for p in pts]} for pts in zip(*rows)]  # per recorded step (from 1)
         doc = trajectory_document(space.tokenizer, seen, records[:len(rows)], {**meta, "space": space.space_id})
         atomic_write_json(traj_path, doc, args.overwrite)
         print("how sample 0 emerges (decode readout of the guess at each chosen step):")
         m = min(6, len(seen))  # up to six of the recorded steps, spread out, the last one included
         for k in sorted({round(j * (len(seen) - 1) / max(m - 1, 1)) for j in range(m)}):
-            print(f"  step {seen[k]['step']:>3} (t = {seen[k]['t']:.3f}): {seen[k]['texts'][0][:200]}")
+            print(f"  step {seen[k]['step']:>3} of {meta['steps']} (t = {seen[k]['t']:.3f}): "
+                  f"{seen[k]['texts'][0][:200]}")
         print(f"wrote the trajectory of {len(rows)} samples x {len(seen)} steps to {traj_path}", file=sys.stderr)
         if page_path is not None:
             write_page(doc, page_path, args.overwrite)

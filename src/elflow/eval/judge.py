@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -289,12 +290,17 @@ def train_judge(out: str | Path, cfg: JudgeConfig = JudgeConfig(), data: str = "
                 device: str | None = None, cache_dir=None, progress: bool = True,
                 documents: list[str] | None = None) -> dict:
     """Train the offline judge on `data` (minus its held-out documents) and save it to `out`; returns info.
-    `documents`: train on these texts instead of reading `data` (which then only names them in the info)."""
+    `documents`: train on these texts instead of reading `data` (which then only names them in the info).
+    With `progress`, each phase before training is named on stderr as it starts, then a progress bar."""
     from tqdm.auto import tqdm
 
+    def say(message: str) -> None:
+        if progress:
+            print(message, file=sys.stderr, flush=True)
 
     t0 = time.time()
     device = device or default_device()
+    say("train-judge: building the GPT-2 tokenizer (from its ranks, cached after the first run)")
     tokenizer = build_gpt2_tokenizer(cache_dir)
     if len(tokenizer) != cfg.vocab_size or tokenizer.eos_token_id != cfg.eos_id:
         raise ELFError(f"the tokenizer has {len(tokenizer)} tokens (EOS {tokenizer.eos_token_id}); the judge "
@@ -302,12 +308,15 @@ def train_judge(out: str | Path, cfg: JudgeConfig = JudgeConfig(), data: str = "
     if documents is not None:
         docs = [torch.tensor(ids) for ids in _JudgeTokens(tokenizer, cfg.eos_id).tokenize(list(documents))]
     else:
+        say(f"train-judge: reading and tokenizing {data} (once: later runs read its cached token store)")
         docs = _corpus_ids(data, tokenizer, cfg.eos_id, cache_dir)
     train_docs, val_docs = split_documents(docs, val_every)
     train_ids, val_ids = _stream(train_docs), _stream(val_docs)
     if len(train_ids) <= cfg.context + 1:
         raise ELFError(f"only {len(train_ids)} training tokens in {data!r}: need more than {cfg.context + 1}")
 
+    say(f"train-judge: {len(train_ids):,} training tokens, {len(val_ids):,} held out ({len(val_docs)} "
+        f"document(s)); training {steps} steps on {device}")
     torch.manual_seed(seed)
     judge = CausalJudge(cfg).to(device)
     params = [p for p in judge.parameters() if p.requires_grad]

@@ -12,7 +12,7 @@ import torch
 from elflow.config import RUN_PRESETS, TrainConfig
 from elflow.data.corpus import task_pairs_file
 from elflow.data.datasets import build_dataset
-from elflow.distill import distill
+from elflow.distill import distill, round_dir
 from elflow.eval.diagnostics import corpus_vocabulary, validation_report, word_stats
 from elflow.eval.metrics import bleu
 from elflow.eval.scoring import sample_and_score
@@ -21,11 +21,12 @@ from elflow.generate import distilled_defaults, generate, settings_for
 from elflow.methods import get_method
 from elflow.model import ShortRunOptions
 from elflow.runs.checkpoint import latest_checkpoint, read_state
-from elflow.runs.folder import stored_config
+from elflow.runs.folder import check_run_dir, stored_config
 from elflow.runs.load import load_for_sampling
 from elflow.runs.log import plot_losses
 from elflow.space import fixed_vectors
 from elflow.train import train
+from elflow.util.devices import default_device
 from elflow.util.errors import ELFError
 from elflow.util.files import FolderLock, atomic_write, atomic_write_json, read_json
 
@@ -72,6 +73,7 @@ def report(run_dir, sampler: str = DEMO_SAMPLER, steps: int = DEMO_SAMPLE_STEPS,
     length = tc.length or net.config.max_length
     train_set, val_set = build_dataset(tc.data, space, length, layout=tc.layout, val_fraction=tc.val_fraction,
                                        seed=tc.seed, cache_dir=cache_dir)
+    trained, planned = _step_of(loaded.settings["checkpoint"]), tc.steps
     t0 = time.perf_counter()
     val = validation_report(net, space, val_set, Recipe.from_dict(loaded.recipe), seed=seed)
     settings = settings_for(loaded, steps=steps, sampler=sampler, omega=omega, seed=seed, batch_size=16)
@@ -81,12 +83,14 @@ def report(run_dir, sampler: str = DEMO_SAMPLER, steps: int = DEMO_SAMPLE_STEPS,
                                           {"length": length}, length, progress=True)
     texts = [r["text"] for r in records]
     real_stats = word_stats(space.decode(val_set.tokens[:num]), vocab)
-    out = {"validation": val, "samples": gen_stats, "real_text": real_stats, "sampler": sampler, "steps": steps,
-           "omega": omega, "num": num, "seconds": time.perf_counter() - t0}
+    out = {"steps_trained": trained, "steps_planned": planned, "validation": val, "samples": gen_stats,
+           "real_text": real_stats, "sampler": sampler, "steps": steps, "omega": omega, "num": num,
+           "seconds": time.perf_counter() - t0}
     atomic_write_json(run_dir / "report.json", out)
 
     plot_losses(run_dir)  # loss.png again, now with the Gaussian baseline's held-out loss
 
+    printer(f"\n=== the model: {trained_steps(trained, planned)} ===")
     printer("\n=== samples (" + f"{sampler}, {steps} steps, omega {omega}) ===")
     for t in texts[:4]:
         printer("  " + t[:400].replace("\n", " "))
@@ -200,11 +204,21 @@ def conditional_report(run_dir, held: list[tuple[str, str]], num: int, steps: in
     return out
 
 
-def train_and_report(args, cfg, out: Path, command: str, what: str, make_report) -> tuple[float, float]:
+def trained_steps(trained: int, planned: int | None) -> str:
+    """'trained 62 of 250 steps (stopped early: --resume continues it)', or 'trained 250 of 250 steps'."""
+    if not isinstance(planned, int):
+        return f"trained {trained} steps"
+    early = " (stopped early: --resume continues it)" if trained < planned else ""
+    return f"trained {trained} of {planned} steps{early}"
+
+
+def train_and_report(args, cfg, out: Path, command: str, what: str, make_report) -> tuple[float | None, float]:
     """Train `cfg` into `out` (unless --report-only), then `make_report()` holding the run folder's lock;
-    returns (training seconds, report seconds)."""
+    returns (training seconds, None with --report-only; report seconds). What --resume and --overwrite may do
+    with `out` is checked before anything is said or done."""
     t0 = time.perf_counter()
     if not args.report_only:
+        check_run_dir(out, cfg, args.resume, args.overwrite, default_device())
         print(f"{command}: training {what} in {out}", file=sys.stderr)
         train(cfg, out, resume=args.resume, overwrite=args.overwrite, cache_dir=args.cache_dir, command=command)
     elif not (out / "run.json").exists():
@@ -212,11 +226,14 @@ def train_and_report(args, cfg, out: Path, command: str, what: str, make_report)
     t1 = time.perf_counter()
     with FolderLock(out, f"{command} (report)"):
         make_report()
-    return t1 - t0, time.perf_counter() - t1
+    return (None if args.report_only else t1 - t0), time.perf_counter() - t1
 
 
-def total_time(work: str, work_s: float, report_s: float) -> str:
-    """'total time 5.2 min (training 4.0 min, report 1.2 min)': what the command took, the parts named."""
+def total_time(work: str, work_s: float | None, report_s: float) -> str:
+    """'total time 5.2 min (training 4.0 min, report 1.2 min)': what the command took, the parts named;
+    'total time 1.2 min (report only)' when nothing was trained (`work_s` None)."""
+    if work_s is None:
+        return f"total time {report_s / 60:.1f} min (report only)"
     return (f"total time {(work_s + report_s) / 60:.1f} min ({work} {work_s / 60:.1f} min, "
             f"report {report_s / 60:.1f} min)")
 
@@ -234,6 +251,7 @@ def run_conditional(args) -> int:
     curve_file, curve_held = out / "curve.json", held[:args.curve_num]
     t0 = time.perf_counter()
     if not args.report_only:
+        check_run_dir(out, cfg, args.resume, args.overwrite, default_device())
         print(f"{command}: training the demo model on {len(train_pairs)} pairs of the {args.task} task "
               f"({args.steps} steps, BLEU measured after every {cfg.ckpt_every}) in {out}", file=sys.stderr)
         fresh = not args.resume
@@ -259,7 +277,8 @@ def run_conditional(args) -> int:
     curve = read_json(curve_file, kind=list) if curve_file.exists() else []
     with FolderLock(out, f"{command} (report)"):
         conditional_report(out, held, max(args.num, 1), args.sample_steps, args.seed, task=args.task, curve=curve)
-    print(f"\n{total_time('training', t1 - t0, time.perf_counter() - t1)}; figures: {out / 'report.json'}"
+    print(f"\n{total_time('training', None if args.report_only else t1 - t0, time.perf_counter() - t1)}; "
+          f"figures: {out / 'report.json'}"
           + (f", {out / 'bleu.png'}" if curve else ""))
     return 0
 
@@ -320,7 +339,7 @@ def run_distill(args) -> int:
                          overwrite=args.overwrite, cache_dir=args.cache_dir, batch=args.batch, seed=args.seed,
                          log_every=10, ckpt_every=max(args.distill_steps // 2, 1), keep=2)
     else:
-        rounds = {n: out / f"round-{n}" for n in PD_STUDENTS}
+        rounds = {n: round_dir(out, n) for n in PD_STUDENTS}
         missing = [str(p) for p in rounds.values() if not (p / "run.json").exists()]
         if missing:
             raise ELFError(f"no distilled rounds in {out} ({', '.join(missing)}); run without --report-only first")

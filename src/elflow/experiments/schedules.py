@@ -38,35 +38,51 @@ EXPECTED = {  # what the method's description says of these schedules
 }
 
 
-def plot_schedules(path, n: int = 100_000, seed: int = 0, steps=(8, 32), overwrite: bool = True) -> None:
+def schedules_figure(n: int = 100_000, seed: int = 0, steps=(8, 32)):
+    """Figure 2 as a matplotlib figure: histograms of the training time t, the decode level p and the guidance
+    omega, and draws of the sampling grids (logit-normal at each of `steps`, and the uniform one)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     g = torch.Generator().manual_seed(seed)
-    fig, axes = plt.subplots(1, 4, figsize=(17, 3.6))
-    draws = [("training time t", sample_time(n, g), 0.18), ("decode level p", sample_decode_level((n,), g), 0.69),
-             ("guidance omega", sample_guidance(n, g), 2.0)]
-    for ax, (name, x, med) in zip(axes, draws):
+    fig, axes = plt.subplots(1, 4, figsize=(17, 3.8))
+    draws = [("training time t", "t", sample_time(n, g)), ("decode level p", "p", sample_decode_level((n,), g)),
+             ("guidance omega", "omega", sample_guidance(n, g))]
+    for ax, (name, symbol, x) in zip(axes, draws):
         ax.hist(x.numpy(), bins=120, density=True, color="tab:blue", alpha=0.75)
         ax.axvline(x.median().item(), color="k", ls="--", lw=1, label=f"median {x.median().item():.2f}")
         ax.set_title(name)
+        ax.set_xlabel(symbol)
+        ax.set_ylabel("density")
         ax.legend()
     ax = axes[3]
-    for row, k in enumerate(steps):
+    rows, names = [], []
+    ax.plot(time_grid(32, "uniform").numpy(), [0] * 33, "|", ms=8, color="gray")
+    rows.append(0)
+    names.append("uniform, N=32")
+    for row, k in enumerate(steps, 1):
+        base = 2 + (row - 1) * 7  # six draws of the grid, one line each
         for j in range(6):
             grid = time_grid(k, generator=g).numpy()
-            y = row * 7 + j
-            ax.plot(grid, [y] * len(grid), "|", ms=8, color=f"C{row}")
-        ax.text(1.02, row * 7 + 2.5, f"N={k}", va="center")
-    ax.plot(time_grid(32, "uniform").numpy(), [-2] * 33, "|", ms=8, color="gray")
-    ax.text(1.02, -2, "uniform", va="center")
-    ax.set_yticks([])
-    ax.set_xlim(0, 1.15)
-    ax.set_title("sampling grids (logit-normal)")
+            ax.plot(grid, [base + j] * len(grid), "|", ms=8, color=f"C{row - 1}")
+        rows.append(base + 2.5)
+        names.append(f"N={k} (6 draws)")
+    ax.set_yticks(rows, names)  # the grids named on the axis, beside (not on) their points
+    ax.tick_params(axis="y", length=0)
+    ax.set_xlim(-0.02, 1.02)
+    ax.set_xlabel("sampling time t")
+    ax.set_ylabel("grid")
+    ax.set_title("sampling grids")
     fig.tight_layout()
+    return fig
 
+
+def plot_schedules(path, n: int = 100_000, seed: int = 0, steps=(8, 32), overwrite: bool = True) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = schedules_figure(n, seed, steps)
     with atomic_write(path, overwrite=overwrite) as f:
         fig.savefig(f, format="png", dpi=110)
     plt.close(fig)

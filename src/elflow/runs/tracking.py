@@ -36,6 +36,17 @@ def _stored(folder: Path, project: str) -> dict | None:
     return info if isinstance(info, dict) and info.get("project") == project and info.get("id") else None
 
 
+def wandb_dir(folder: Path) -> Path:
+    """The folder W&B writes its own files under (in a `wandb` folder): $WANDB_DIR where it is set, as W&B
+    itself reads it, else the run folder."""
+    chosen = os.environ.get("WANDB_DIR")
+    if not chosen:
+        return folder
+    path = Path(chosen).expanduser()
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 class Tracker:
     """One W&B run. Numbers go to its history at the step given, texts to tables that grow row by row."""
 
@@ -46,23 +57,26 @@ class Tracker:
     @classmethod
     def start(cls, project: str | None, name: str | None, folder: str | os.PathLike, config: dict,
               job_type: str, keep_id: bool = False, quiet: bool = False) -> "Tracker | None":
-        """A W&B run in `project` whose files go under FOLDER/wandb (None when `project` is empty). With
-        `keep_id`, the run's id is kept in FOLDER/wandb-run.json and a later start continues that run."""
+        """A W&B run in `project` whose files go under FOLDER/wandb, or under $WANDB_DIR/wandb where WANDB_DIR is
+        set (None when `project` is empty). With `keep_id`, the run's id is kept in FOLDER/wandb-run.json and a
+        later start continues that run."""
         if not project:
             return None
         wandb = require_wandb()
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         stored = _stored(folder, project) if keep_id else None
+        files = wandb_dir(folder)
         try:
             run = wandb.init(project=project, name=name or (stored or {}).get("name") or folder.resolve().name,
-                             id=stored["id"] if stored else None, resume="allow", dir=str(folder), config=config, job_type=job_type,
+                             id=stored["id"] if stored else None, resume="allow", dir=str(files), config=config,
+                             job_type=job_type,
                              settings=wandb.Settings(silent=quiet, console="off"))
         except Exception as e:  # no login, no network, a bad project name: wandb's own error, in one line
             first = " ".join(str(e).split())[:300]
             raise ELFError(f"Weights & Biases could not start a run in project {project!r} ({type(e).__name__}: "
                            f"{first}); log in with `wandb login`, or set WANDB_MODE=offline to keep the run in "
-                           f"{folder / 'wandb'} and `wandb sync` it later") from None
+                           f"{files / 'wandb'} and `wandb sync` it later") from None
         if keep_id:
             atomic_write_json(folder / ID_FILE, {"project": project, "id": run.id, "name": run.name})
         return cls(run, wandb)
