@@ -21,19 +21,15 @@ from elflow.util.devices import autocast
 from elflow.util.errors import ELFError, Record, check_seed
 from elflow.util.files import atomic_write
 
-# the sampler settings of a model when no flag is given, by the kind of model
+# the sampler settings of a model when no flag is given, by the kind of model; a distilled model's depend on its
+# steps: its few-step settings up to FEW_STEPS, its longer ones beyond, DISTILLED_STEPS when none are given
+FEW_STEPS = DISTILLED_STEPS = 8  # (the released few-step model's)
 SAMPLING_DEFAULTS = {
     "text": {"sampler": "sde", "steps": 32, "gamma": 1.5, "omega": 3.0, "guidance": 1.0},
     "conditional": {"sampler": "ode", "steps": 64, "gamma": 0.0, "omega": 1.0, "guidance": 2.0},
     "distilled": {"sampler": "sde", "gamma": 1.5, "omega": 2.5},  # a progressively distilled student, <= 8 steps
     "distilled-long": {"sampler": "sde", "gamma": 2.0, "omega": 2.0},  # the same beyond 8 steps
 }
-
-
-DISTILLED_STEPS = 8  # a distilled model's steps when none are given (the released few-step model's)
-
-
-FEW_STEPS = 8  # a distilled model sampled with more steps than this takes the "distilled-long" settings
 
 
 def distilled_defaults(steps: int) -> dict:

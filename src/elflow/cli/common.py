@@ -6,8 +6,8 @@ import math
 
 from elflow.flow import SAMPLERS
 from elflow.generate import FEW_STEPS, SAMPLING_DEFAULTS, SamplingSettings
+from elflow.methods.baseline import BaselineSampling
 from elflow.methods.mdlm import MDLMSampling
-from elflow.methods.tokens import BaselineSampling
 from elflow.runs.tracking import HELP_PROJECT
 from elflow.util.errors import ELFError
 

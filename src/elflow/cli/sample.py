@@ -11,7 +11,7 @@ from elflow.experiments.viewer import trajectory_document, write_page
 from elflow.generate import gather_records, write_samples
 from elflow.methods import get_method, require, settings_from_args
 from elflow.runs.load import load_for_sampling
-from elflow.util.devices import check_device, check_memory
+from elflow.util.devices import check_attention_memory, check_device
 from elflow.util.distributed import process_group
 from elflow.util.errors import ELFError
 from elflow.util.files import atomic_write_json, check_output
@@ -50,13 +50,6 @@ def add_arguments(p) -> None:
     p.add_argument("--html", action="store_true",
                    help="also write the trajectory viewer page OUT.trajectory.html (implies --trajectory)")
     p.add_argument("--quiet", action="store_true", help="do not print the texts")
-
-
-def check_attention_memory(length: int, batch: int, heads: int, device) -> None:
-    """Refuse a --length whose attention scores (batch x heads x length^2 in fp32, as attention without a fused
-    kernel holds them) need more memory than the device has: any length the memory allows is sampled."""
-    check_memory(4 * batch * heads * length**2, f"--length {length} (attention over {length} positions, "
-                 f"{batch} samples x {heads} heads per batch)", device, hint="choose a smaller --length or --batch")
 
 
 def run(args) -> int:
