@@ -29,7 +29,6 @@ disables autocast on the tensors' own device, which is what the semantics docume
 from __future__ import annotations
 
 import math
-
 import sys
 from pathlib import Path
 
@@ -242,9 +241,8 @@ def check() -> dict:
 
     from safetensors.torch import load_file
 
-    from elflow.runs.official import build_from_state_dict
     from elflow.model import ELF, get_config
-    from elflow.runs.official import official_to_elflow
+    from elflow.runs.official import build_from_state_dict, official_to_elflow
 
     ref = load_file(Path(__file__).resolve().parents[1] / "tests" / "reference" / "official_tiny.safetensors")
     params = {k[len("params."):]: v for k, v in ref.items() if k.startswith("params.")}

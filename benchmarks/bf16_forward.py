@@ -157,7 +157,8 @@ def accuracy_study(args, seeds: int) -> dict:
 
 
 def profile(calls, dtype: str, folder: Path, rows: int = 40) -> None:
-    from torch.profiler import ProfilerActivity, profile as prof
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as prof
 
     folder.mkdir(parents=True, exist_ok=True)
     for name, passes in calls.items():

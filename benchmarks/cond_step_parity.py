@@ -35,6 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from authors_cond_step import authors_cond_loss, muon_update  # noqa: E402
+
 from elflow import flow  # noqa: E402
 from elflow.flow import Recipe, draw_training_noise, elf_loss
 from elflow.model import ELF, get_config

@@ -117,8 +117,8 @@ def pairs_file(task: str) -> Path:
 
 
 def train_config(name: str, steps: int | None = None):
-    from elflow.experiments.quickstart import preset_overrides
     from elflow.config import TrainConfig
+    from elflow.experiments.quickstart import preset_overrides
 
     c = CONFIGS[name]
     train = dict(c.get("train", {}))
@@ -195,9 +195,8 @@ def sample_variant(loaded, space, held, steps=64, sampler="ode", guidance=2.0, o
     """Generate for the held-out sources as `generate.generate` does (same seeds and draws), keeping z0 and
     the final state, and score the target tokens."""
     from elflow.eval.metrics import bleu
-    from elflow.flow import Recipe, generate_tokens
+    from elflow.flow import Recipe, generate_tokens, time_grid
     from elflow.generate import conditioning, extract_targets
-    from elflow.flow import time_grid
 
     net = loaded.net
     table = net.readout_table if options(net).table_readout else None
@@ -431,9 +430,9 @@ def held_out_figures(net, space, val, recipe, rows: int = 256, seed: int = 0) ->
 def seeds(seed_list) -> dict:
     """Train the paired setting with each seed on the batches of seed 0, and measure each run's EMA weights
     on the same held-out rows."""
-    from elflow.runs.load import load_for_sampling
-    from elflow.flow import Recipe
     from elflow.data.datasets import build_pairs
+    from elflow.flow import Recipe
+    from elflow.runs.load import load_for_sampling
 
     res = {}
     for seed in seed_list:

@@ -53,8 +53,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import torch
 
-    from elflow.util.files import atomic_write_json
     from elflow.util.devices import device_name
+    from elflow.util.files import atomic_write_json
 
     flushed = run_one("flush", args.warm, args.timed)
     kept = run_one("keep", args.warm, args.timed)

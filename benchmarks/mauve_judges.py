@@ -73,16 +73,16 @@ def main(argv=None) -> int:
     ap.add_argument("--torch-threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     ap.add_argument("--out", default="benchmarks/results/mauve.json")
     args = ap.parse_args(argv)
+    from importlib.metadata import version
+
     import faiss
     import numpy as np
     import torch
-    from importlib.metadata import version
 
     from elflow.data.corpus import read_documents
+    from elflow.eval.judge import load_judge, split_documents
     from elflow.eval.mauve import judge_features, mauve_from_features
     from elflow.eval.metrics import generative_perplexity
-    from elflow.eval.judge import load_judge
-    from elflow.eval.judge import split_documents
     from elflow.util.files import atomic_write_json
 
     if args.torch_threads:

@@ -341,11 +341,11 @@ def draw_samples(net, space, recipe, num: int, length: int, steps: int = 32, sam
 
 
 def measure(name: str, spec: dict, cfg, run_dir: Path, train_rec: dict, rows: int, num: int, cache_dir=None) -> dict:
-    from elflow.runs.load import load_for_sampling
     from elflow.data.datasets import build_dataset
     from elflow.eval.diagnostics import validation_report, word_stats
-    from elflow.space import latent_moments
     from elflow.flow import Recipe
+    from elflow.runs.load import load_for_sampling
+    from elflow.space import latent_moments
 
     t0 = time.perf_counter()
     loaded, space = load_for_sampling(run_dir, device="cpu")
@@ -383,9 +383,8 @@ def rank_floors(spaces=("minilm", "random-table:minilm"), length: int = 64, rows
     dimension is at least the held-out variance of x outside x's top-`hidden` principal components, and the
     v-space loss multiplies that by 1 / max(1 - t, t_eps)^2, whose mean over t uniform in [0.5, 1) is 76."""
     from elflow.data.datasets import build_dataset
-    from elflow.space import build_space
     from elflow.flow import Recipe
-    from elflow.space import space_spec
+    from elflow.space import build_space, space_spec
 
     t_eps = Recipe().t_eps
     weight = ((1 / t_eps - 1 / 0.5) + t_eps / t_eps ** 2) / 0.5  # mean of max(1 - t, t_eps)^-2, t ~ U[0.5, 1)
@@ -412,9 +411,9 @@ def trained_run(name: str, cfg, work: Path) -> Path:
 
 def measured_run(name: str, work: Path, cache_dir=None) -> SimpleNamespace:
     """A measured configuration's trained network (EMA, CPU) with its space, recipe and data splits."""
-    from elflow.runs.load import load_for_sampling
     from elflow.data.datasets import build_dataset
     from elflow.flow import Recipe
+    from elflow.runs.load import load_for_sampling
 
     cfg = train_config(CONFIGS[name], 100)
     run_dir = trained_run(name, cfg, work)
@@ -463,8 +462,8 @@ def readout_sweep(name: str, weights: list[float], seeds=(0, 1), num: int = 32, 
     rows (diagnostics.validation_report) and the word statistics of samples (vc, `steps` steps, omega 3, each
     seed). The readout weight does not change training, so the trained weights serve every weight."""
     from elflow.eval.diagnostics import validation_report, word_stats
-    from elflow.space import latent_moments, token_vectors
     from elflow.model import build_network
+    from elflow.space import latent_moments, token_vectors
 
     run = measured_run(name, work, cache_dir)
     cfg, space, recipe, train_set, val_set = run.cfg, run.space, run.recipe, run.train_set, run.val_set
@@ -506,8 +505,8 @@ def fine_bins(name: str, edges=(0.0, 0.005, 0.02, 0.05, 0.1, 0.15, 0.2), rows: i
               work: Path = Path("runs/quickstart_study"), cache_dir=None) -> list[dict]:
     """The low-t end in finer bins for one trained configuration: its loss, the baseline's, and the variance
     per dimension of what the network adds to its own Gaussian skip (a skip network's correction)."""
-    from elflow.space import latent_moments
     from elflow.model import gaussian_posterior
+    from elflow.space import latent_moments
 
     run = measured_run(name, work, cache_dir)
     net, space, recipe, val_set = run.net, run.space, run.recipe, run.val_set
