@@ -18,7 +18,7 @@ from elflow.data.sources import source_fingerprint
 from elflow.data.store import StoreRows, TokenStore, file_lock, is_store
 from elflow.util.distributed import distributed
 from elflow.util.errors import ELFError
-from elflow.util.files import cache_root
+from elflow.util.files import cache_root, disk_full
 
 STORE_KEY_VERSION = 1  # bump when what a cached store holds changes
 
@@ -52,7 +52,7 @@ def _cached(kind: str, source, space, options: dict, cache_dir, use_cache: bool)
             tmp = Path(tempfile.mkdtemp(prefix="elflow-store-"))
             try:
                 store = prepare_store(source, space, tmp, pairs=kind == "pairs", cache_dir=cache_dir, overwrite=True,
-                                      **options)
+                                      advice="choose another temporary folder with TMPDIR", **options)
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)  # the memory maps stay valid
             return store, "miss"
@@ -61,13 +61,19 @@ def _cached(kind: str, source, space, options: dict, cache_dir, use_cache: bool)
         store = _complete(folder)
         if store is not None:
             return store, "hit"
-        lock = file_lock(root / f"{folder.name}.lock")  # waits while another process prepares this store
+        advice = f"choose another cache folder than {root.parent} with --cache-dir or ELFLOW_CACHE"
+        try:
+            lock = file_lock(root / f"{folder.name}.lock")  # waits while another process prepares this store
+        except OSError as e:
+            full = "no space left on its device" if disk_full(e) else e.strerror or str(e)
+            raise ELFError(f"the cache folder {root.parent} cannot be written ({full}), and the token store of "
+                           f"{source} is to be prepared there; {advice}") from None
         try:
             store = _complete(folder, warn=True)
             if store is not None:
                 return store, "hit"
             return prepare_store(source, space, folder, pairs=kind == "pairs", cache_dir=cache_dir, overwrite=True,
-                                 **options), "miss"
+                                 advice=advice, **options), "miss"
         finally:
             lock.close()
 
