@@ -208,6 +208,11 @@ def decode_text(raw: bytes, path, on_bad: str, first_line: int = 1, at_start: bo
 MAX_LINE_BYTES = 64 << 20  # the longest .jsonl line read (a line is one JSON record, read whole)
 
 
+def size_text(n: int) -> str:
+    """A size in words: whole MiB, else bytes."""
+    return f"{n >> 20:,} MiB" if n >= 1 << 20 and n % (1 << 20) == 0 else f"{n:,} bytes"
+
+
 def jsonl_lines(path: Path, on_bad: str) -> Iterator[tuple[int, bytes]]:
     """(line number, raw line) of a .jsonl file, read MAX_LINE_BYTES at most at a time: a longer line is bad
     input (an error, or with on_bad="skip" a warning, and the line is passed over)."""
@@ -219,8 +224,8 @@ def jsonl_lines(path: Path, on_bad: str) -> Iterator[tuple[int, bytes]]:
                 return
             lineno += 1
             if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
-                report_bad(on_bad, f"{path} line {lineno}: longer than {MAX_LINE_BYTES / 2**20:,.0f} MiB, the "
-                                   "longest .jsonl line elflow reads (each line is read whole); split the record")
+                report_bad(on_bad, f"{path} line {lineno}: longer than {size_text(MAX_LINE_BYTES)}, the longest "
+                                   ".jsonl line elflow reads (each line is read whole); split the record")
                 while raw and not raw.endswith(b"\n"):  # pass over the rest of the line
                     raw = f.readline(1 << 20)
                 continue

@@ -14,7 +14,7 @@ from elflow.util.errors import ELFError
 DTYPES = ("uint16", "uint32")  # what ids.bin may hold
 
 
-BLOCKS = 64  # blocks a sampled check reads from each array
+BLOCKS = 16  # blocks a sampled check reads from each array (each a disk seek when the store is not cached)
 
 
 BLOCK_BYTES = 1 << 16  # bytes per block (an array of at most BLOCKS * BLOCK_BYTES is read whole)
@@ -100,20 +100,25 @@ class _Offsets:
 @dataclass(frozen=True)
 class Fingerprint:
     """What identifies a store's content cheaply: its counts and a sha256 of the sampled blocks of both arrays
-    (with the kind and dtype), the same for any store of the same content."""
+    (with the kind and dtype), the same for any store of the same content; `blocks` and `block_bytes` say how
+    it was sampled."""
 
     tokens: int
     records: int
     sha256: str
+    blocks: int = BLOCKS
+    block_bytes: int = BLOCK_BYTES
 
     def to_dict(self) -> dict:
-        return {"tokens": self.tokens, "records": self.records, "sha256": self.sha256}
+        return {"tokens": self.tokens, "records": self.records, "sha256": self.sha256, "blocks": self.blocks,
+                "block_bytes": self.block_bytes}
 
     @classmethod
     def from_dict(cls, d) -> "Fingerprint | None":
         try:
-            return cls(int(d["tokens"]), int(d["records"]), str(d["sha256"]))
-        except (TypeError, KeyError, ValueError):
+            return cls(int(d["tokens"]), int(d["records"]), str(d["sha256"]), int(d.get("blocks", BLOCKS)),
+                       int(d.get("block_bytes", BLOCK_BYTES)))
+        except (TypeError, KeyError, ValueError, AttributeError):
             return None
 
     def difference(self, other: "Fingerprint") -> str:
@@ -124,24 +129,24 @@ class Fingerprint:
         return "it holds as many tokens, but other ids (it was prepared again from other text, or edited in place)"
 
 
-def sampled_check(ids: np.ndarray, offsets: np.ndarray, kind: str, records: int, vocab_size: int,
-                  where) -> Fingerprint:
+def sampled_check(ids: np.ndarray, offsets: np.ndarray, kind: str, records: int, vocab_size: int, where,
+                  blocks: int = BLOCKS, block_bytes: int = BLOCK_BYTES) -> Fingerprint:
     """Check sampled blocks of `ids` (below `vocab_size`) and of `offsets` (within 0..len(ids), never
     decreasing, the first 0 and the last len(ids)) and return the store's fingerprint. Reads at most
-    2 * BLOCKS * BLOCK_BYTES bytes."""
+    2 * blocks * block_bytes bytes."""
     tokens = int(ids.shape[0])
     h = hashlib.sha256(f"{kind}:{ids.dtype.name}:{tokens}:{offsets.shape[0]}".encode())
-    for start, stop in block_spans(ids.nbytes, ids.itemsize):
+    for start, stop in block_spans(ids.nbytes, ids.itemsize, blocks, block_bytes):
         block = np.asarray(ids[start // ids.itemsize: stop // ids.itemsize])
         _bad_ids(block, vocab_size, start // ids.itemsize, where)
         h.update(block.tobytes())
     check = _Offsets(tokens, where)
-    for start, stop in block_spans(offsets.nbytes, 8):
+    for start, stop in block_spans(offsets.nbytes, 8, blocks, block_bytes):
         block = np.asarray(offsets[start // 8: stop // 8])
         check.block(block, start // 8)
         h.update(block.tobytes())
     check.end(int(offsets[-1]))
-    return Fingerprint(tokens, records, h.hexdigest())
+    return Fingerprint(tokens, records, h.hexdigest(), blocks, block_bytes)
 
 
 def check_arrays(ids: np.ndarray, offsets: np.ndarray, vocab_size: int, where, count_id: int | None = None) -> int:

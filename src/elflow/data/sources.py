@@ -23,6 +23,7 @@ from elflow.data.corpus import (
     pretokenized_rows,
     read_documents,
     read_pairs,
+    size_text,
 )
 from elflow.util.errors import ELFError
 from elflow.util.files import sha256_file
@@ -150,7 +151,7 @@ def _file_pieces(path: Path, chunk_bytes: int) -> Iterator[tuple[int, bytes, boo
                 else:
                     if not warned:
                         at = line + buf[:chunk_bytes].count(NEWLINE)
-                        _warn(f"warning: {path}: more than {RUN_BYTES / 2**20:,.0f} MiB without whitespace from "
+                        _warn(f"warning: {path}: more than {size_text(RUN_BYTES)} without whitespace from "
                               f"line {at}; it is cut into pieces there (the tokens at each cut may differ from "
                               "those of the uncut text)")
                         warned = True

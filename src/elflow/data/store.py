@@ -213,12 +213,17 @@ class TokenStore:
             self._check_sizes()
             self.ids = _map(self.folder / IDS, self.dtype, self.num_tokens)
             self.offsets = _map(self.folder / OFFSETS, np.dtype("<i8"), PARTS[self.kind] * self.count + 1)
-        self.fingerprint = sampled_check(self.ids, self.offsets, self.kind, self.count, self.vocab_size, self.folder)
-        recorded = m["fingerprint"]
-        if recorded is not None and Fingerprint.from_dict(recorded) != self.fingerprint:
+        recorded = None if m["fingerprint"] is None else Fingerprint.from_dict(m["fingerprint"])
+        self.fingerprint = self.sampled(*((recorded.blocks, recorded.block_bytes) if recorded else ()))
+        if m["fingerprint"] is not None and recorded != self.fingerprint:
             raise ELFError(f"{self.folder}: its arrays are not those its manifest describes (their fingerprint "
                            "differs: they were changed after `elflow prepare` wrote them); prepare the store again "
                            "with --overwrite")
+
+    def sampled(self, *sampling) -> Fingerprint:
+        """The arrays checked in sampled blocks (`integrity.sampled_check`; `sampling`: blocks and block bytes
+        other than the default) and the fingerprint of those blocks."""
+        return sampled_check(self.ids, self.offsets, self.kind, self.count, self.vocab_size, self.folder, *sampling)
 
     def _read_manifest(self) -> dict:
         f = self.folder
