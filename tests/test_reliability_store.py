@@ -90,8 +90,8 @@ def pair_store(tmp_path, space_flag, capsys):
 
 def train_args(data, out, space_flag, cache, *extra):
     return ["train", "--preset", "tiny", "--data", data, "--space", space_flag, "--length", "16", "--batch", "4",
-            "--latent-std", "0.2", "--steps", "2", "--warmup", "0", "--ckpt-every", "1", "--dtype", "fp32", "--out", out,
-            "--cache-dir",
+            "--latent-std", "0.2", "--steps", "2", "--warmup", "0", "--ckpt-every", "1", "--dtype", "fp32",
+            "--out", out, "--cache-dir",
             cache, "--quiet", *extra]
 
 
@@ -130,7 +130,8 @@ SOURCE_CASES = [
     ("dev-zero", lambda tmp: "/dev/zero", [], ["/dev/zero is a character device, not a regular file"]),
     ("fifo", _fifo, [], ["fifo.txt is a fifo, not a regular file"]),
     ("folder-of-a-link-to-dev-zero", _link_folder, [],
-     ["holds no .txt files it can read", "skipped, not regular files: a.txt (a link to /dev/zero, a character device)"]),
+     ["holds no .txt files it can read",
+      "skipped, not regular files: a.txt (a link to /dev/zero, a character device)"]),
     ("workers-above-the-cores", _corpus, ["--workers", "10000"],
      ["--workers 10000 is more than the", "pass at most"]),
     ("workers-0", _corpus, ["--workers", "0"], ["--workers must be at least 1"]),
@@ -204,8 +205,16 @@ def _ids(folder, edit, fingerprint=True):
         _manifest(folder, fingerprint=None)  # a store written before stores had a fingerprint
 
 
-def _swap(o, i):
-    o[i], o[i + 1] = o[i + 1], o[i]
+def _offset(i, value):
+    def damage(folder):
+        _offsets(folder, lambda o: o.__setitem__(i, value))
+    return damage
+
+
+def _reversed_at(i):
+    def swap(o):
+        o[i], o[i + 1] = o[i + 1], o[i]
+    return lambda folder: _offsets(folder, swap)
 
 
 def _uint8(folder):
@@ -220,15 +229,13 @@ DAMAGE = [
     ("vocab-size-10", "text", lambda f: _manifest(f, vocab_size=10), ["outside the vocabulary of 10 ids"]),
     ("tokens-negative", "text", lambda f: _manifest(f, tokens=-5), ["lacks a valid tokens entry"]),
     ("eos-outside-the-vocabulary", "text", lambda f: _manifest(f, eos_id=10**6), ["lacks a valid eos_id entry"]),
-    ("offset-1e9", "text", lambda f: _offsets(f, lambda o: o.__setitem__(3, 10**9)),
-     ["offsets.bin holds 1,000,000,000 at entry 3, outside 0.."]),
-    ("offset-negative", "text", lambda f: _offsets(f, lambda o: o.__setitem__(3, -1)), ["offsets.bin holds -1 at entry 3"]),
-    ("offsets-reversed", "text", lambda f: _offsets(f, lambda o: _swap(o, 4)), ["offsets.bin decreases at entry 5"]),
-    ("offsets-not-from-0", "text", lambda f: _offsets(f, lambda o: o.__setitem__(0, 1)), ["offsets.bin starts at 1, not 0"]),
-    ("pair-offset-1e9", "pairs", lambda f: _offsets(f, lambda o: o.__setitem__(5, 10**9)),
-     ["offsets.bin holds 1,000,000,000 at entry 5"]),
-    ("pair-offset-minus-7", "pairs", lambda f: _offsets(f, lambda o: o.__setitem__(5, -7)), ["offsets.bin holds -7 at entry 5"]),
-    ("pair-offsets-reversed", "pairs", lambda f: _offsets(f, lambda o: _swap(o, 6)), ["offsets.bin decreases at entry 7"]),
+    ("offset-1e9", "text", _offset(3, 10**9), ["offsets.bin holds 1,000,000,000 at entry 3, outside 0.."]),
+    ("offset-negative", "text", _offset(3, -1), ["offsets.bin holds -1 at entry 3"]),
+    ("offsets-reversed", "text", _reversed_at(4), ["offsets.bin decreases at entry 5"]),
+    ("offsets-not-from-0", "text", _offset(0, 1), ["offsets.bin starts at 1, not 0"]),
+    ("pair-offset-1e9", "pairs", _offset(5, 10**9), ["offsets.bin holds 1,000,000,000 at entry 5"]),
+    ("pair-offset-minus-7", "pairs", _offset(5, -7), ["offsets.bin holds -7 at entry 5"]),
+    ("pair-offsets-reversed", "pairs", _reversed_at(6), ["offsets.bin decreases at entry 7"]),
     ("ids-beyond-the-vocabulary", "text", lambda f: _ids(f, lambda ids: ids.fill(65000)),
      ["ids.bin holds id 65,000 at position 0, outside the vocabulary of 300 ids"]),
     ("ids-beyond-the-vocabulary-no-fingerprint", "text", lambda f: _ids(f, lambda ids: ids.fill(65000), False),
