@@ -104,8 +104,11 @@ def prepare_store(source, space, out, *, pairs: bool = False, layout: str = "pac
     try:
         lock = store_lock(out, wait=False)
     except OSError as e:
+        if created:
+            shutil.rmtree(out, ignore_errors=True)
         if disk_full(e):
-            raise ELFError(f"no space left on the device of {out} (nothing written); free some space or {advice}")
+            raise ELFError(f"no space left on the device of {out}; free some space or {advice}: nothing was "
+                           "written") from None
         raise
     if lock is None:
         raise ELFError(f"{out} is being written by another `elflow prepare`; wait for it, or choose another --out")

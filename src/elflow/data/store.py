@@ -41,9 +41,6 @@ PARTS = {"text": 1, "pairs": 2}  # offsets per record
 WRITE_BUFFER = 8 << 20
 
 
-__all__ = ["StoreWriter", "TokenStore", "StoreRows", "ids_dtype", "is_store", "store_lock", "file_lock"]
-
-
 def is_store(path) -> bool:
     """Whether `path` is a store folder: its manifest names the format, or it holds a store's arrays."""
     path = Path(path).expanduser()
