@@ -17,7 +17,7 @@ LAYERS = [
     ["util.errors", "util", "data", "runs", "eval", "experiments"],  # (the packages' docstrings)
     ["util.files", "util.devices", "util.distributed", "util.hub"],
     ["model", "newton_schulz", "runs.tracking"],
-    ["optim", "flow", "data.tasks", "data.layout"],
+    ["optim", "flow", "data.tasks", "data.layout", "data.integrity", "data.store_folder"],
     ["encoders", "data.corpus", "data.store", "data.batches"],
     ["space", "data.sources"],
     ["data.workers"],

@@ -139,7 +139,11 @@ def test_builtin_corpus_through_the_store_gives_the_same_rows_and_batches(tmp_pa
 
 
 @pytest.mark.parametrize("kind", ["folder", "jsonl", "pairs"])
-def test_chunked_and_parallel_builds_equal_one_chunk_in_one_process(corpora, t5_tokens, tmp_path, kind):
+def test_chunked_and_parallel_builds_equal_one_chunk_in_one_process(corpora, t5_tokens, tmp_path, kind, monkeypatch):
+    from elflow.data import workers as workers_mod
+
+    cores = workers_mod.available_cores()
+    monkeypatch.setattr(workers_mod, "available_cores", lambda: max(cores, 3))  # 3 workers even on 2 cores
     kw = {"pairs": True, "source_length": 8} if kind == "pairs" else {}
     ref = _store_files(prepare_store(corpora[kind], t5_tokens, tmp_path / "one", chunk_bytes=1 << 30, workers=1,
                                      **kw).folder)

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from elflow.config import TrainConfig
 from elflow.data.batches import Batches, Prefetch
 from elflow.data.corpus import calibration_for
-from elflow.data.datasets import run_data
+from elflow.data.datasets import check_same_store, run_data, store_record
 from elflow.flow import Recipe, recipe_for
 from elflow.generate import model_sampling
 from elflow.methods import Method, TrainedPass, get_method
@@ -206,6 +206,7 @@ def restore(setup: Setup, ckpt: Path | None, quiet: bool = False) -> int:
     if ckpt is None:
         return 0
     blob = load_checkpoint(ckpt, map_location=setup.device)
+    check_same_store(blob["state"].get("data_store"), setup.batches.dataset, ckpt / "state.json")
     check_compatible(blob["state"]["space_id"], setup.space)
     try:
         setup.net.load_state_dict(blob["model"])
@@ -234,7 +235,8 @@ def save(out: Path, step: int, setup: Setup, data_position: dict | None = None) 
     state = {"format": "elflow-checkpoint-1", "method": setup.method.name, "params": setup.params,
              "train": cfg.to_dict(), **setup.method.describe(setup.net),
              "space": setup.space.config(), "space_id": setup.space.space_id, "data_position": position,
-             "world_size": setup.world, "settings": model_settings(setup)}
+             "world_size": setup.world, "settings": model_settings(setup),
+             "data_store": store_record(setup.batches.dataset)}
     rng = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()

@@ -87,8 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_seeds(args)
         return int(module.run(args) or 0)
-    except Terminated:
-        print(f"elflow {args.command}: stopped by SIGTERM (what it was writing was left as it was)", file=sys.stderr)
+    except Terminated as e:  # `outcome`: what the command's clean-up did with its output, where it says
+        outcome = getattr(e, "outcome", None) or "what it was writing was left as it was"
+        print(f"elflow {args.command}: stopped by SIGTERM ({outcome})", file=sys.stderr)
         return 128 + signal.SIGTERM
     except ELFError as e:
         print(f"elflow {args.command}: error: {e}", file=sys.stderr)
@@ -101,8 +102,9 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(f"elflow {args.command}: error: {e.strerror or e}{where}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print(f"elflow {args.command}: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as e:
+        outcome = getattr(e, "outcome", None)
+        print(f"elflow {args.command}: interrupted" + (f" ({outcome})" if outcome else ""), file=sys.stderr)
         return 130
     finally:
         _restore(previous)

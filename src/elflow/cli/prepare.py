@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from elflow.data.ingest import prepare_store
+from elflow.data.workers import check_workers
 from elflow.space import build_space, space_spec, tokenizer_spec
 from elflow.util.errors import ELFError
 from elflow.util.files import check_output
@@ -25,7 +26,8 @@ def add_arguments(p) -> None:
                         "--source-length S; sources are kept whole and cut to S when rows are read "
                         "(default: documents)")
     p.add_argument("--workers", type=int, default=None,
-                   help="tokenizing processes (default: the available CPU cores, one for a source of a few MB)")
+                   help="tokenizing processes, at most the available CPU cores (default: all of them, one for a "
+                        "source of a few MB)")
     p.add_argument("--field", default="text", help="the text field of .jsonl / hub records (default: text)")
     p.add_argument("--source-field", default="input", help="the source field of pair records (default: input)")
     p.add_argument("--target-field", default="output", help="the target field of pair records (default: output)")
@@ -42,12 +44,12 @@ def add_arguments(p) -> None:
                    help="replace the store in --out (only a store's own files; other files stay)")
     p.add_argument("--cache-dir", default=None,
                    help="where the built-in corpus is cached (default: $ELFLOW_CACHE or ~/.cache/elflow)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--quiet", action="store_true", help="no progress bar (there is one only when stderr is a terminal)")
 
 
 def run(args) -> int:
-    if args.workers is not None and args.workers < 1:
-        raise ELFError(f"--workers must be at least 1, got {args.workers}")
+    if args.workers is not None:
+        check_workers(args.workers)
     if args.max_documents is not None and args.max_documents < 1:
         raise ELFError(f"--max-documents must be at least 1, got {args.max_documents}")
     if args.source_length is not None and args.source_length < 1:
@@ -59,7 +61,7 @@ def run(args) -> int:
                           field=args.field, source_field=args.source_field, target_field=args.target_field,
                           on_bad=args.on_bad, split=args.split, max_documents=args.max_documents,
                           workers=args.workers, full_hash=args.hash, overwrite=args.overwrite,
-                          progress=not args.quiet, cache_dir=args.cache_dir, space_name=args.space)
+                          progress=False if args.quiet else None, cache_dir=args.cache_dir, space_name=args.space)
     m = store.manifest
     size = sum(m["bytes"].values())
     what = ("pair" if pairs else "document") + ("" if store.count == 1 else "s")

@@ -206,12 +206,38 @@ def decode_text(raw: bytes, path, on_bad: str, first_line: int = 1, at_start: bo
     return text
 
 
-def _iter_jsonl(path: Path, on_bad: str) -> Iterator[tuple[int, dict]]:
+MAX_LINE_BYTES = 64 << 20  # the longest .jsonl line read (a line is one JSON record, read whole)
+
+
+def size_text(n: int) -> str:
+    """A size in words: whole MiB, else bytes."""
+    return f"{n >> 20:,} MiB" if n >= 1 << 20 and n % (1 << 20) == 0 else f"{n:,} bytes"
+
+
+def jsonl_lines(path: Path, on_bad: str) -> Iterator[tuple[int, bytes]]:
+    """(line number, raw line) of a .jsonl file, read MAX_LINE_BYTES at most at a time: a longer line is bad
+    input (an error, or with on_bad="skip" a warning, and the line is passed over)."""
     with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, start=1):
-            obj = jsonl_object(raw, path, lineno, on_bad)
-            if obj is not None:
-                yield lineno, obj
+        lineno = 0
+        while True:
+            raw = f.readline(MAX_LINE_BYTES + 1)
+            if not raw:
+                return
+            lineno += 1
+            if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
+                report_bad(on_bad, f"{path} line {lineno}: longer than {size_text(MAX_LINE_BYTES)}, the longest "
+                                   ".jsonl line elflow reads (each line is read whole); split the record")
+                while raw and not raw.endswith(b"\n"):  # pass over the rest of the line
+                    raw = f.readline(1 << 20)
+                continue
+            yield lineno, raw
+
+
+def _iter_jsonl(path: Path, on_bad: str) -> Iterator[tuple[int, dict]]:
+    for lineno, raw in jsonl_lines(path, on_bad):
+        obj = jsonl_object(raw, path, lineno, on_bad)
+        if obj is not None:
+            yield lineno, obj
 
 
 def jsonl_object(raw: bytes, path, lineno: int, on_bad: str) -> dict | None:
@@ -236,11 +262,12 @@ def jsonl_object(raw: bytes, path, lineno: int, on_bad: str) -> dict | None:
     return obj
 
 
-def field_text(obj: dict, key: str, path, lineno: int, on_bad: str) -> str | None:
+def field_text(obj: dict, key: str, path, lineno: int, on_bad: str, flag: str = "--field") -> str | None:
+    """The text in field `key` of a .jsonl record; `flag` is the option that chooses that field."""
     if key not in obj:
         fields = ", ".join(sorted(obj)) or "none"
         report_bad(on_bad, f"{path} line {lineno}: no field {key!r} (fields there: {fields}); choose the field with "
-                     "--field")
+                     f"{flag}")
         return None
     value = obj[key]
     if not isinstance(value, str):
@@ -252,13 +279,57 @@ def field_text(obj: dict, key: str, path, lineno: int, on_bad: str) -> str | Non
     return value
 
 
+def not_regular(path: Path) -> str | None:
+    """Why `path` cannot be read as a text file (a device, a fifo, a socket, a dangling link, what a link
+    points to), or None for a regular file. Nothing is opened."""
+    import stat
+
+    link = f"a link to {os.readlink(path)}, " if os.path.islink(path) else ""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:
+        return f"{link}which cannot be read ({e.strerror or e})"
+    if stat.S_ISREG(mode):
+        return None
+    kinds = ((stat.S_ISDIR, "a folder"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+             (stat.S_ISFIFO, "a fifo"), (stat.S_ISSOCK, "a socket"))
+    return link + next((kind for test, kind in kinds if test(mode)), "not a regular file")
+
+
+def check_regular(path: Path) -> None:
+    """Refuse a source that is not a regular file (a device such as /dev/zero, a fifo, a socket): elflow reads
+    text from files and folders of them, never from a stream without an end."""
+    why = not_regular(path)
+    if why is not None:
+        raise ELFError(f"{path} is {why}, not a regular file; elflow reads text from regular files (.txt, .jsonl) "
+                       "or folders of .txt files")
+
+
+def skipped_files(path: Path) -> list[tuple[Path, str]]:
+    """(entry, why) of the .txt entries of a folder that `local_files` passes over for not being regular files
+    (a link to /dev/zero, a fifo, ...)."""
+    if not path.is_dir():
+        return []
+    out = []
+    for p in sorted(path.rglob("*.txt")):
+        why = None if p.name.startswith(".") else not_regular(p)
+        if why is not None and why != "a folder":
+            out.append((p, why))
+    return out
+
+
 def local_files(path: Path) -> list[Path]:
+    """The files of a local source: a folder's .txt files (regular files only, hidden ones aside), or the
+    source file itself, which must be a regular file."""
     if path.is_dir():
         files = sorted(p for p in path.rglob("*.txt") if p.is_file() and not p.name.startswith("."))
         if not files:
-            raise ELFError(f"folder {path} holds no .txt files: put the text in .txt files (one document "
+            skipped = [f"{p.relative_to(path)} ({why})" for p, why in skipped_files(path)]
+            also = f" it can read (skipped, not regular files: {', '.join(skipped)})" if skipped else ""
+            raise ELFError(f"folder {path} holds no .txt files{also}: put the text in .txt files (one document "
                            "each), or pass a .jsonl file")
         return files
+    check_regular(path)
     return [path]
 
 
@@ -358,8 +429,8 @@ def read_pairs(source: str | os.PathLike, source_field: str = "input", target_fi
     if path.is_file():
         pairs = []
         for lineno, obj in _iter_jsonl(path, on_bad):
-            src = field_text(obj, source_field, path, lineno, on_bad)
-            tgt = field_text(obj, target_field, path, lineno, on_bad) if src is not None else None
+            src = field_text(obj, source_field, path, lineno, on_bad, "--source-field")
+            tgt = field_text(obj, target_field, path, lineno, on_bad, "--target-field") if src is not None else None
             if src is not None and tgt is not None:
                 pairs.append((src, tgt))
                 if len(pairs) == max_documents:

@@ -13,12 +13,13 @@ from pathlib import Path
 from elflow.data.batches import split_rows
 from elflow.data.corpus import _warn, check_on_bad
 from elflow.data.ingest import prepare_store
+from elflow.data.integrity import Fingerprint
 from elflow.data.layout import check_source_slot
 from elflow.data.sources import source_fingerprint
 from elflow.data.store import StoreRows, TokenStore, file_lock, is_store
 from elflow.util.distributed import distributed
 from elflow.util.errors import ELFError
-from elflow.util.files import cache_root
+from elflow.util.files import cache_root, disk_full
 
 STORE_KEY_VERSION = 1  # bump when what a cached store holds changes
 
@@ -52,7 +53,7 @@ def _cached(kind: str, source, space, options: dict, cache_dir, use_cache: bool)
             tmp = Path(tempfile.mkdtemp(prefix="elflow-store-"))
             try:
                 store = prepare_store(source, space, tmp, pairs=kind == "pairs", cache_dir=cache_dir, overwrite=True,
-                                      **options)
+                                      advice="choose another temporary folder with TMPDIR", **options)
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)  # the memory maps stay valid
             return store, "miss"
@@ -61,13 +62,19 @@ def _cached(kind: str, source, space, options: dict, cache_dir, use_cache: bool)
         store = _complete(folder)
         if store is not None:
             return store, "hit"
-        lock = file_lock(root / f"{folder.name}.lock")  # waits while another process prepares this store
+        advice = f"choose another cache folder than {root.parent} with --cache-dir or ELFLOW_CACHE"
+        try:
+            lock = file_lock(root / f"{folder.name}.lock")  # waits while another process prepares this store
+        except OSError as e:
+            full = "no space left on its device" if disk_full(e) else e.strerror or str(e)
+            raise ELFError(f"the cache folder {root.parent} cannot be written ({full}), and the token store of "
+                           f"{source} is to be prepared there; {advice}") from None
         try:
             store = _complete(folder, warn=True)
             if store is not None:
                 return store, "hit"
             return prepare_store(source, space, folder, pairs=kind == "pairs", cache_dir=cache_dir, overwrite=True,
-                                 **options), "miss"
+                                 advice=advice, **options), "miss"
         finally:
             lock.close()
 
@@ -208,3 +215,29 @@ def run_data(cfg, space, length: int, cache_dir=None):
                            target_field=cfg.target_field, on_bad=cfg.on_bad, source_slot=cfg.source_slot)
     return build_dataset(cfg.data, space, length, layout=cfg.layout, val_fraction=cfg.val_fraction,
                          seed=cfg.seed, cache_dir=cache_dir, field=cfg.text_field, on_bad=cfg.on_bad)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The store a run reads, recorded and checked on resume
+def store_record(rows) -> dict | None:
+    """What a run records of the token store its rows are read from: the folder and the store's fingerprint
+    (None for rows held in memory)."""
+    store = getattr(rows, "store", None)
+    return None if store is None else {"folder": str(store.folder), "fingerprint": store.fingerprint.to_dict()}
+
+
+def check_same_store(recorded, rows, where) -> None:
+    """Refuse to continue a run (recorded in `where`) on another token store than the one it was trained on:
+    the fingerprint `recorded` (`store_record`) must be the store's. A run recorded without one (an earlier
+    elflow) is not checked."""
+    store = getattr(rows, "store", None)
+    before = Fingerprint.from_dict(recorded.get("fingerprint")) if isinstance(recorded, dict) else None
+    if store is None or before is None:
+        return
+    now = store.fingerprint
+    if (now.blocks, now.block_bytes) != (before.blocks, before.block_bytes):  # sampled otherwise then
+        now = store.sampled(before.blocks, before.block_bytes)
+    if before != now:
+        raise ELFError(f"{store.folder} is not the token store this run was trained on ({where} records another: "
+                       f"{before.difference(now)}); resume on the store the run started on, or start a new run "
+                       "with --overwrite or another --out")

@@ -1,5 +1,6 @@
 """Preparing a token store from a source (`elflow prepare`): tasks read in chunks, tokenized by workers,
-appended in order, the store published only when complete."""
+appended in order, checked, and published only when complete; a store being replaced stays whole until its
+successor is complete beside it and swapped in."""
 
 from __future__ import annotations
 
@@ -14,30 +15,37 @@ from typing import Iterator
 
 import numpy as np
 
-from elflow.data.corpus import check_on_bad, report_bad
-from elflow.data.sources import resolve_source, source_fingerprint, source_tasks
+from elflow.data.corpus import _warn, check_on_bad, report_bad, skipped_files
+from elflow.data.sources import resolve_source, source_changed, source_fingerprint, source_tasks
 from elflow.data.store import (
     LOCK,
     PARTIAL,
+    STAGE,
     STORE_FILES,
     StoreWriter,
     TokenStore,
     is_store,
-    remove_store_files,
     store_lock,
 )
-from elflow.data.workers import ordered_results
+from elflow.data.store_folder import finish_swap, holds_store_files, swap_in
+from elflow.data.workers import available_cores, check_workers, ordered_results
 from elflow.util.errors import ELFError
-from elflow.util.files import no_space_error
+from elflow.util.files import NoSpace, disk_full
 
 CHUNK_BYTES = 1 << 20  # text per task
+
+
+UNKNOWN_SHARE = 0.2  # a store whose tokens are this much the unknown token is reported
+
+
+BYTES_PER_TOKEN = 64  # a store with this many source bytes per token or more is reported
 
 
 # ----------------------------------------------------------------------------------------------------
 # Preparing a store
 def auto_workers(total_bytes: int | None, chunk_bytes: int = CHUNK_BYTES) -> int:
     """Worker processes for a source: the available cores, but one for a source of a few chunks."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = available_cores()
     if total_bytes is None:
         return cores
     return max(1, min(cores, math.ceil(total_bytes / (8 * chunk_bytes))))
@@ -61,14 +69,18 @@ def prepare_store(source, space, out, *, pairs: bool = False, layout: str = "pac
                   on_bad: str = "stop", split: str = "train", max_documents: int | None = None,
                   workers: int | None = None, chunk_bytes: int = CHUNK_BYTES, full_hash: bool = False,
                   overwrite: bool = False, progress: bool | None = None, cache_dir=None,
-                  space_name: str | None = None) -> TokenStore:
+                  space_name: str | None = None, advice: str = "choose another --out") -> TokenStore:
     """Tokenize `source` into a store at `out` (the module docstring says how) and open it.
 
     pairs: (source, target) pairs (a .jsonl of `source_field` / `target_field` records, a named task or a hub
     pair set) instead of documents; `source_length` is recorded as the length the store was made for (the
     sources are kept whole and cut when rows are read). layout: the text layout recorded as the store's
-    own. workers: processes (None: `auto_workers`). progress: a bar on stderr (None: when stderr is a
-    terminal). Nothing that looks like a complete store is left when it fails or is stopped."""
+    own. workers: processes, at most the available cores (None: `auto_workers`). progress: a bar on stderr
+    (None: when stderr is a terminal). advice: what a message about a full disk tells to do besides freeing
+    space. A store already in `out` (`overwrite`) stays whole until the new one is complete in
+    `out/.prepare-new`, then the new one is swapped in; on any failure or signal nothing that looks like a
+    complete store is left but the old one, and the exception's `outcome` says what became of the folder.
+    A source that changed while it was read is an error; nothing of it is kept."""
     from tqdm.auto import tqdm
 
     check_on_bad(on_bad)
@@ -76,22 +88,36 @@ def prepare_store(source, space, out, *, pairs: bool = False, layout: str = "pac
         raise ELFError(f"layout must be 'packed' or 'document', got {layout!r}")
     if chunk_bytes < 1:
         raise ELFError(f"the chunk size must be at least 1 byte, got {chunk_bytes}")
+    if workers is not None:
+        workers = check_workers(int(workers))
     out = Path(out).expanduser()
     _check_out(out, source, overwrite, cache_dir)
     t0, cpu0 = time.time(), time.process_time()
     fields = (source_field, target_field) if pairs else (field,)
+    before = source_fingerprint(source, cache_dir)
     tasks, how = source_tasks(source, space, pairs, fields, on_bad, split, max_documents, chunk_bytes, cache_dir)
-    workers = auto_workers(how.get("total"), chunk_bytes) if workers is None else int(workers)
-    if workers < 1:
-        raise ELFError(f"--workers must be at least 1, got {workers}")
+    workers = auto_workers(how.get("total"), chunk_bytes) if workers is None else workers
+    path = resolve_source(source, cache_dir)
+    for entry, why in skipped_files(path) if path is not None else []:
+        _warn(f"warning: skipping {entry}: {why}, not a regular file")
     created = not out.exists()
-    lock = store_lock(out, wait=False)
+    try:
+        lock = store_lock(out, wait=False)
+    except OSError as e:
+        if created:
+            shutil.rmtree(out, ignore_errors=True)
+        if disk_full(e):
+            raise ELFError(f"no space left on the device of {out}; free some space or {advice}: nothing was "
+                           "written") from None
+        raise
     if lock is None:
         raise ELFError(f"{out} is being written by another `elflow prepare`; wait for it, or choose another --out")
-    writer = None
+    writer, replacing, unknown = None, False, 0
     try:
-        remove_store_files(out)  # the manifest first: a store being replaced never looks complete
-        writer = StoreWriter(out, "pairs" if pairs else "text", space.vocab_size)
+        finish_swap(out)  # a replacement that an earlier prepare left unfinished
+        replacing = holds_store_files(out)
+        stage = out / STAGE if replacing else out
+        writer = StoreWriter(stage, "pairs" if pairs else "text", space.vocab_size)
         bar = tqdm(total=how.get("total"), unit=how["unit"], unit_scale=True, disable=None if progress is None
                    else not progress, desc=f"prepare {Path(str(source)).name or source}", mininterval=1.0,
                    file=sys.stderr, dynamic_ncols=True)
@@ -101,13 +127,16 @@ def prepare_store(source, space, out, *, pairs: bool = False, layout: str = "pac
         if docs == 0:
             raise ELFError(f"{source} holds no usable {'pairs' if pairs else 'text'}: every file, line or record was "
                            "empty or unreadable")
+        after = source_fingerprint(source, cache_dir, full_hash)
+        if {k: v for k, v in after.items() if k != "sha256"} != before:
+            raise source_changed(source, _change(before, after))
         manifest = {
             "layout": "pairs" if pairs else layout,
             "tokenizer": {"id": space.tokenizer_id, "space": space_name or getattr(space, "name", None),
                           "vocab_size": int(space.vocab_size), "eos_id": int(space.eos_id),
                           "pad_id": int(space.pad_id)},
-            "source": {"name": str(source), "fingerprint": source_fingerprint(source, cache_dir, full_hash),
-                       "fields": list(fields), "split": split, "on_bad": on_bad, "max_documents": max_documents,
+            "source": {"name": str(source), "fingerprint": after, "fields": list(fields), "split": split,
+                       "on_bad": on_bad, "max_documents": max_documents,
                        "pretokenized": bool(how.get("pretokenized"))},
             **({"source_length": source_length} if pairs else {}),
             "build": {"workers": workers, "chunk_bytes": chunk_bytes, "seconds": round(time.time() - t0, 3),
@@ -115,18 +144,20 @@ def prepare_store(source, space, out, *, pairs: bool = False, layout: str = "pac
                       "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                       "elflow": _version()},
         }
-        writer.finish(manifest)
-        writer = None
-    except OSError as e:
-        if writer is not None:
-            writer.abort()
-        if no_space_error(e):
-            raise ELFError(f"no space left on the device of {out} ({writer_tokens(writer)}); free some space or "
-                           "choose another --out: nothing was kept") from None
-        raise
-    except BaseException:
-        if writer is not None:
-            writer.abort()
+        unknown = writer.finish(manifest, count_id=_unknown_id(space))
+        written, writer = writer.tokens, None
+        if replacing:
+            swap_in(out)
+    except BaseException as e:
+        written = writer_tokens(writer)
+        outcome = _clean_up(out, writer, created, replacing)
+        if isinstance(e, (OSError, NoSpace)) and disk_full(e):
+            raise ELFError(f"no space left on the device of {out} ({written}); free some space or {advice}: "
+                           f"{outcome}") from None
+        try:
+            e.outcome = outcome  # what a command that reports the interruption says of the folder
+        except AttributeError:
+            pass
         raise
     finally:
         try:
@@ -134,9 +165,52 @@ def prepare_store(source, space, out, *, pairs: bool = False, layout: str = "pac
         except FileNotFoundError:
             pass
         lock.close()
-        if created and writer is not None:  # failed: a folder this call made goes again
-            shutil.rmtree(out, ignore_errors=True)
-    return TokenStore(out)
+    store = TokenStore(out)
+    _report_useless(source, space_name or getattr(space, "name", None), store, how, unknown)
+    return store
+
+
+def _clean_up(out: Path, writer, created: bool, replacing: bool) -> str:
+    """Remove what a prepare that failed had written; returns what became of `out`, in words."""
+    if writer is not None:
+        writer.abort()
+    if replacing:
+        if finish_swap(out) == "finished":
+            return f"the new store was complete and replaced the old one in {out}"
+        return f"the store in {out} was kept as it was"
+    if created:
+        shutil.rmtree(out, ignore_errors=True)
+        return f"nothing was kept: {out}, which this prepare had made, was removed"
+    return f"nothing was kept: its partial files were removed from {out}"
+
+
+def _change(before: dict, after: dict) -> str:
+    if before.get("files") != after.get("files"):
+        return f"{before.get('files')} files when it was listed, {after.get('files')} now"
+    if before.get("bytes") != after.get("bytes"):
+        return f"{before.get('bytes'):,} bytes when it was listed, {after.get('bytes'):,} now"
+    return "a file's modification time changed"
+
+
+def _unknown_id(space) -> int | None:
+    unk = getattr(getattr(space, "tokenizer", None), "unk_token_id", None)
+    return unk if isinstance(unk, int) and unk != getattr(space, "eos_id", None) else None
+
+
+def _report_useless(source, space_name, store: TokenStore, how: dict, unknown: int) -> None:
+    """A warning for a store whose tokenizer did not fit the text: most of its tokens unknown, or far fewer
+    tokens than the text's bytes would give."""
+    text = store.num_tokens - (store.count if store.kind == "text" else 0)  # the EOS aside
+    why = []
+    if unknown and unknown >= UNKNOWN_SHARE * max(text, 1):
+        why.append(f"{unknown / max(text, 1):.0%} of its {text:,} tokens are the unknown token")
+    size = how.get("total") if how.get("unit") == "B" else None
+    if size and size >= BYTES_PER_TOKEN * max(text, 1):
+        why.append(f"{size:,} bytes of text gave only {text:,} tokens")
+    if why:
+        _warn(f"warning: the store of {source} is likely useless: {'; '.join(why)}; the tokenizer of "
+              f"{space_name or 'this space'} does not fit this text (text without spaces, another script or "
+              "binary data?)")
 
 
 def writer_tokens(writer) -> str:

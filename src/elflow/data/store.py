@@ -1,6 +1,6 @@
 """The token store: a corpus tokenized once into flat arrays on disk (ids.bin, offsets.bin, manifest.json),
-written by `StoreWriter` and read through a memory map (`TokenStore`, `StoreRows`). docs/data.md has the
-format."""
+written by `StoreWriter` and read through a memory map (`TokenStore`, `StoreRows`), both checked against the
+manifest (`elflow.data.integrity`). docs/data.md has the format."""
 
 from __future__ import annotations
 
@@ -11,6 +11,21 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from elflow.data.integrity import Fingerprint, check_arrays, check_dtype, ids_dtype, sampled_check
+from elflow.data.store_folder import (  # noqa: F401  (the folder's names and locks, read from here too)
+    IDS,
+    LOCK,
+    MANIFEST,
+    OFFSETS,
+    PARTIAL,
+    STAGE,
+    STORE_FILES,
+    file_lock,
+    folder_flock,
+    locked_by_other,
+    recover,
+    store_lock,
+)
 from elflow.util.errors import ELFError
 from elflow.util.files import atomic_write_json
 
@@ -20,27 +35,10 @@ FORMAT = "elflow-token-store"
 VERSION = 1
 
 
-IDS, OFFSETS, MANIFEST = "ids.bin", "offsets.bin", "manifest.json"
-
-
-PARTIAL = ".partial"
-
-
-LOCK = ".prepare.lock"
-
-
-STORE_FILES = (MANIFEST, IDS, OFFSETS, IDS + PARTIAL, OFFSETS + PARTIAL, LOCK)  # all that a store may own
-
-
 PARTS = {"text": 1, "pairs": 2}  # offsets per record
 
 
 WRITE_BUFFER = 8 << 20
-
-
-def ids_dtype(vocab_size: int) -> np.dtype:
-    """The narrowest unsigned type holding every id of a vocabulary."""
-    return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
 
 
 def is_store(path) -> bool:
@@ -48,47 +46,12 @@ def is_store(path) -> bool:
     path = Path(path).expanduser()
     if not path.is_dir():
         return False
-    if any((path / name).exists() for name in (IDS, OFFSETS, IDS + PARTIAL, OFFSETS + PARTIAL)):
+    if any((path / name).exists() for name in (IDS, OFFSETS, IDS + PARTIAL, OFFSETS + PARTIAL, STAGE)):
         return True
     try:
         return json.loads((path / MANIFEST).read_text()).get("format") == FORMAT
     except (OSError, ValueError, AttributeError):
         return False
-
-
-def file_lock(path, wait: bool = True):
-    """An exclusive `flock` on the file `path` (created if missing), released when the returned file is closed
-    or the process ends, even when it is killed. `wait=False` returns None when another process holds it."""
-    import fcntl
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    f = open(path, "a+")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-    except BlockingIOError:
-        f.close()
-        return None
-    return f
-
-
-def store_lock(folder, wait: bool = True):
-    """The lock a store's writer holds: `folder/.prepare.lock` (see `file_lock`)."""
-    return file_lock(Path(folder) / LOCK, wait)
-
-
-def _locked_by_other(folder: Path) -> bool:
-    import fcntl
-
-    if not (folder / LOCK).exists():
-        return False
-    with open(folder / LOCK, "a+") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        fcntl.flock(f, fcntl.LOCK_UN)
-    return False
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -111,6 +74,7 @@ class StoreWriter:
         self._ids = open(self.folder / (IDS + PARTIAL), "wb", buffering=WRITE_BUFFER)
         self._offsets = open(self.folder / (OFFSETS + PARTIAL), "wb", buffering=WRITE_BUFFER)
         self._offsets.write(np.zeros(1, np.int64).tobytes())
+        self._named: list[str] = []  # arrays already given their final names (removed by `abort`)
         self.tokens = 0  # ids written, the record in progress included
         self.committed = 0  # ids of finished records
         self.records = 0
@@ -162,68 +126,101 @@ class StoreWriter:
         self._ids.seek(self.committed * self.dtype.itemsize)
         self.tokens = self.committed
 
-    def finish(self, manifest: dict) -> Path:
-        """Close the arrays (synced to disk), give them their names, then write the manifest."""
+    def finish(self, manifest: dict, count_id: int | None = None) -> int:
+        """Close the arrays (synced to disk), check every id and offset as written, give the arrays their
+        names, then write the manifest with the store's fingerprint. Returns how many ids equal `count_id`."""
         if self.tokens != self.committed:
             raise RuntimeError("a document is still in progress")
         for f in (self._ids, self._offsets):
             f.flush()
             os.fsync(f.fileno())
             f.close()
+        parts = PARTS[self.kind] * self.records + 1
+        ids = _map(self.folder / (IDS + PARTIAL), self.dtype, self.tokens)
+        offsets = _map(self.folder / (OFFSETS + PARTIAL), np.dtype("<i8"), parts)
+        count = check_arrays(ids, offsets, self.vocab_size, self.folder, count_id)
+        fingerprint = sampled_check(ids, offsets, self.kind, self.records, self.vocab_size, self.folder)
+        del ids, offsets
         for name in (IDS, OFFSETS):
             os.replace(self.folder / (name + PARTIAL), self.folder / name)
+            self._named.append(name)
         full = {"format": FORMAT, "version": VERSION, "kind": self.kind, **manifest, "dtype": self.dtype.name,
                 "records": self.records, "tokens": self.tokens,
-                "bytes": {IDS: self.tokens * self.dtype.itemsize, OFFSETS: (PARTS[self.kind] * self.records + 1) * 8}}
+                "bytes": {IDS: self.tokens * self.dtype.itemsize, OFFSETS: parts * 8},
+                "fingerprint": fingerprint.to_dict()}
         atomic_write_json(self.folder / MANIFEST, full)
         os.chmod(self.folder / MANIFEST, 0o644)  # readable like the arrays (a temporary file is private)
-        return self.folder
+        return count
 
     def abort(self) -> None:
+        """Close and remove what this writer wrote (its arrays, under either name)."""
         for f in (self._ids, self._offsets):
             try:
                 f.close()
             except OSError:
                 pass
-        for name in (IDS + PARTIAL, OFFSETS + PARTIAL):
+        for name in (IDS + PARTIAL, OFFSETS + PARTIAL, *self._named):
             try:
                 os.unlink(self.folder / name)
             except FileNotFoundError:
                 pass
 
 
-def remove_store_files(folder) -> None:
-    """Delete a store's own files (and nothing else) from `folder`."""
-    folder = Path(folder)
-    for name in STORE_FILES:
-        if name == LOCK:
-            continue  # may be held by the caller
-        try:
-            os.unlink(folder / name)
-        except FileNotFoundError:
-            pass
+def upgrade_manifest(m: dict) -> dict:
+    """A manifest of an earlier elflow in today's layout: one written before stores recorded their
+    fingerprint has none (its arrays are checked in sampled blocks, and compared with nothing)."""
+    return m if "fingerprint" in m else {**m, "fingerprint": None}
+
+
+def _count(d: dict, key: str, least: int) -> int:
+    """d[key], which must be a whole number of at least `least` (ValueError naming `key` otherwise)."""
+    v = d[key]
+    if isinstance(v, bool) or not isinstance(v, int) or v < least:
+        raise ValueError(key)
+    return v
+
+
+def _map(path: Path, dtype: np.dtype, count: int) -> np.ndarray:
+    """A read-only memory map of `count` items of `dtype` in `path` (an empty array for an empty file)."""
+    if count == 0:
+        return np.zeros(0, dtype)
+    return np.memmap(path, dtype=dtype, mode="r", shape=(count,))
 
 
 # ----------------------------------------------------------------------------------------------------
 # Reading
 class TokenStore:
-    """An opened store: its manifest, and its arrays as read-only memory maps (nothing is loaded)."""
+    """An opened store: its manifest, checked, and its arrays as read-only memory maps (nothing is loaded),
+    checked in sampled blocks and against the fingerprint the manifest records (`fingerprint`)."""
 
     def __init__(self, folder):
         self.folder = Path(folder).expanduser()
-        self.manifest = self._read_manifest()
-        m = self.manifest
-        self.kind = m["kind"]
-        self.layout = m.get("layout")
-        tok = m["tokenizer"]
-        self.tokenizer_id, self.vocab_size = tok["id"], int(tok["vocab_size"])
-        self.eos_id, self.pad_id = int(tok["eos_id"]), int(tok["pad_id"])
-        self.count, self.num_tokens = int(m["records"]), int(m["tokens"])
-        self.dtype = np.dtype(m["dtype"]).newbyteorder("<")
-        self._check_sizes()
-        self.ids = np.memmap(self.folder / IDS, dtype=self.dtype, mode="r", shape=(self.num_tokens,))
-        self.offsets = np.memmap(self.folder / OFFSETS, dtype="<i8", mode="r",
-                                 shape=(PARTS[self.kind] * self.count + 1,))
+        if os.path.lexists(self.folder / STAGE):
+            recover(self.folder)
+        with folder_flock(self.folder, exclusive=False):
+            self.manifest = upgrade_manifest(self._read_manifest())
+            m = self.manifest
+            self.kind = m["kind"]
+            self.layout = m.get("layout")
+            tok = m["tokenizer"]
+            self.tokenizer_id, self.vocab_size = tok["id"], int(tok["vocab_size"])
+            self.eos_id, self.pad_id = int(tok["eos_id"]), int(tok["pad_id"])
+            self.count, self.num_tokens = int(m["records"]), int(m["tokens"])
+            self.dtype = check_dtype(m["dtype"], self.vocab_size, self.folder / MANIFEST)
+            self._check_sizes()
+            self.ids = _map(self.folder / IDS, self.dtype, self.num_tokens)
+            self.offsets = _map(self.folder / OFFSETS, np.dtype("<i8"), PARTS[self.kind] * self.count + 1)
+        recorded = None if m["fingerprint"] is None else Fingerprint.from_dict(m["fingerprint"])
+        self.fingerprint = self.sampled(*((recorded.blocks, recorded.block_bytes) if recorded else ()))
+        if m["fingerprint"] is not None and recorded != self.fingerprint:
+            raise ELFError(f"{self.folder}: its arrays are not those its manifest describes (their fingerprint "
+                           "differs: they were changed after `elflow prepare` wrote them); prepare the store again "
+                           "with --overwrite")
+
+    def sampled(self, *sampling) -> Fingerprint:
+        """The arrays checked in sampled blocks (`integrity.sampled_check`; `sampling`: blocks and block bytes
+        other than the default) and the fingerprint of those blocks."""
+        return sampled_check(self.ids, self.offsets, self.kind, self.count, self.vocab_size, self.folder, *sampling)
 
     def _read_manifest(self) -> dict:
         f = self.folder
@@ -231,7 +228,7 @@ class TokenStore:
             raise ELFError(f"{f} is not a token store folder (it does not exist); make one with `elflow prepare`")
         path = f / MANIFEST
         if not path.is_file():
-            if _locked_by_other(f):
+            if locked_by_other(f):
                 state = "it is being written by a running `elflow prepare`; wait for it to finish"
             elif any((f / n).exists() for n in (IDS, OFFSETS, IDS + PARTIAL, OFFSETS + PARTIAL)):
                 state = ("its prepare was stopped before it finished, or the manifest was removed; run `elflow "
@@ -240,7 +237,7 @@ class TokenStore:
                 state = "it holds no store; make one with `elflow prepare`"
             raise ELFError(f"{f} has no {MANIFEST}: {state}")
         try:
-            m = json.loads(path.read_text())
+            m = json.loads(path.read_bytes().decode("utf-8"))
         except (OSError, ValueError) as e:
             raise ELFError(f"{path} cannot be read ({e}); prepare the store again with --overwrite") from None
         if not isinstance(m, dict) or m.get("format") != FORMAT:
@@ -249,10 +246,14 @@ class TokenStore:
             raise ELFError(f"{f} is a token store of format version {m.get('version')}; this elflow reads version "
                            f"{VERSION}: prepare it again")
         try:
-            m["kind"], m["tokenizer"]["id"], int(m["tokenizer"]["vocab_size"]), int(m["tokenizer"]["eos_id"])
-            int(m["tokenizer"]["pad_id"]), int(m["records"]), int(m["tokens"]), np.dtype(m["dtype"])
+            m["kind"], m["tokenizer"]["id"], m["dtype"]
             if m["kind"] not in PARTS:
                 raise KeyError("kind")
+            vocab = _count(m["tokenizer"], "vocab_size", 1)
+            for key in ("eos_id", "pad_id"):
+                if _count(m["tokenizer"], key, 0) >= vocab:
+                    raise ValueError(key)
+            _count(m, "records", 1), _count(m, "tokens", 1)
         except (KeyError, TypeError, ValueError) as e:
             raise ELFError(f"{path} lacks a valid {e} entry; prepare the store again with --overwrite") from None
         return m
@@ -281,6 +282,11 @@ class TokenStore:
             raise ELFError(f"{self.folder} was prepared with {self.describe_tokenizer()}, but {flag} uses the "
                            f"tokenizer of {name!r} ({mine}): train with the space the store was made for, or "
                            "prepare the store again with `elflow prepare ... --space` of this run")
+        theirs = getattr(space, "vocab_size", None)
+        if theirs is not None and int(theirs) != self.vocab_size:
+            raise ELFError(f"{self.folder / MANIFEST} names a vocabulary of {self.vocab_size:,} ids, but its "
+                           f"tokenizer has {int(theirs):,}; the manifest was changed: prepare the store again with "
+                           "--overwrite")
 
     # --- records --------------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -366,6 +372,7 @@ class StoreRows:
             out = {"tokens": tokens, "mask": np.ones(tokens.shape, bool), "attention_mask": np.ones(tokens.shape, bool)}
         elif self.layout == "document":
             start, end = np.asarray(s.offsets[rows])[:, None], np.asarray(s.offsets[rows + 1])[:, None]
+            self._check_bounds(rows, start, end)
             real = pos < np.minimum(end - start, L)  # (B, L): the document's tokens, its EOS included
             tokens = np.where(real, s.ids[np.where(real, start + pos, 0)], s.pad_id).astype(np.int64)
             tokens[(end - start)[:, 0] > L, L - 1] = s.eos_id  # a cut document keeps its EOS
@@ -375,6 +382,7 @@ class StoreRows:
             s0 = np.asarray(s.offsets[2 * rows])[:, None]
             s1 = np.asarray(s.offsets[2 * rows + 1])[:, None]
             end = np.asarray(s.offsets[2 * rows + 2])[:, None]
+            self._check_bounds(rows, s0, s1, end)
             given = np.minimum(s1 - s0, self.source_length)  # (B, 1): the source's ids in the row
             src = np.full_like(given, self.source_length) if self.fixed_slot else given  # where the target starts
             known, valid = pos < src, pos < np.minimum(src + end - s1, L)
@@ -382,7 +390,22 @@ class StoreRows:
             real = valid & ((pos < given) | ~known)  # a fixed slot's tail past its source holds padding
             tokens = np.where(real, s.ids[np.where(real, where, 0)], s.pad_id).astype(np.int64)
             out = {"tokens": tokens, "mask": np.ones(valid.shape, bool), "attention_mask": valid, "known": known}
+        if out["tokens"].size and int(out["tokens"].max()) >= s.vocab_size:
+            raise ELFError(f"{s.folder}: a row read from it holds id {int(out['tokens'].max()):,}, outside its "
+                           f"vocabulary of {s.vocab_size:,} ids; the store was changed or damaged: prepare it again "
+                           "with --overwrite")
         return {k: torch.from_numpy(v) for k, v in out.items()}  # numpy does the work: no thread pool
+
+    def _check_bounds(self, rows: np.ndarray, *bounds: np.ndarray) -> None:
+        """The offsets a batch reads lie in the ids and never decrease (checked in full when the store was
+        written, in samples when it was opened)."""
+        b = np.concatenate(bounds, axis=1)  # (B, parts + 1)
+        bad = (b[:, 0] < 0) | (b[:, -1] > self.store.num_tokens) | (np.diff(b, axis=1) < 0).any(axis=1)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ELFError(f"{self.store.folder}: offsets.bin gives record {int(rows[i]):,} the bounds "
+                           f"{b[i].tolist()}, outside the {self.store.num_tokens:,} ids or decreasing; the store was "
+                           "changed or damaged: prepare it again with --overwrite")
 
     def _all(self, key: str):
         return self.batch(np.arange(len(self)))[key]

@@ -199,8 +199,10 @@ def upgrade_train(train: dict) -> dict:
 def upgrade_state(state: dict) -> dict:
     """A stored state (a checkpoint's state.json, run.json, a model folder's files as one state) in today's
     layout: its run description (`upgrade_train`), the short-run options of its network config under
-    "short_run", and a drawn table's space spec with its stream."""
+    "short_run", a drawn table's space spec with its stream, and "data_store" (the token store's
+    fingerprint) None where it was not recorded (a resume then compares nothing)."""
     state = dict(state)
+    state.setdefault("data_store", None)
     if "train" in state:
         state["train"] = upgrade_train(state["train"])
     model = state.get("model")

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from elflow.data.store import is_store
 from elflow.flow import recipe_for
 from elflow.methods import get_method, require
 from elflow.methods.elf import describe_network
@@ -168,6 +169,9 @@ def read_weights(path_or_hub_id: str | os.PathLike, use_ema: bool = True, max_le
         if distillation:  # a distilled model: its step count (generate.settings_for gives its few-step defaults)
             settings.setdefault("distilled_steps", distillation["student_steps"])
     else:
+        if is_store(p):
+            raise ELFError(f"{p} is a token store (made by `elflow prepare`: training data, for --data), not a run, "
+                           "a checkpoint or a model; pass a run or checkpoint folder")
         f = find_official_file(p)
         sd = read_official_checkpoint(f, which="ema_params1" if use_ema else "params")
         settings = {"length": 1024, **authors_settings(f.parent, s), "format": "official", "checkpoint": str(f)}
