@@ -45,7 +45,7 @@ from elflow.util.devices import (
     resolve_dtype,
     use_tf32,
 )
-from elflow.util.distributed import on_every_rank, on_rank0, setup_distributed
+from elflow.util.distributed import on_every_rank, on_rank0, peer_lost, setup_distributed
 from elflow.util.errors import ELFError, first_line
 from elflow.util.files import NoSpace, atomic_write_json, disk_full
 
@@ -497,11 +497,20 @@ def train_one(cfg: TrainConfig, out: Path, method: Method, resume: bool, overwri
                              time_limit=time_limit, tracker=tracker[0])
         ok = True
         return summary
+    except RuntimeError as e:  # a collective whose peer died (a rank killed): one line on the survivors
+        if world == 1 or not peer_lost(e):
+            raise
+        raise ELFError(f"rank {rank}: {peer_lost(e)}; this rank stops too. The run resumes from its last "
+                       f"checkpoint with `elflow train --out {out} --resume` (on any number of ranks)") from None
     finally:
         if rank == 0:
             folder.close(ok)
         if world > 1 and dist.is_initialized() and owns_group:
-            dist.destroy_process_group()
+            try:
+                dist.destroy_process_group()
+            except RuntimeError:  # a group whose peer died: nothing left to tear down
+                if ok:
+                    raise
 
 
 def show_samples(setup: Setup, log, step, num: int = 2):
