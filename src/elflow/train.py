@@ -32,7 +32,15 @@ from elflow.methods import Method, TrainedPass, get_method
 from elflow.model import get_config
 from elflow.optim import EMA, ELFOptimizer, lr_at
 from elflow.runs.checkpoint import load_checkpoint, save_checkpoint
-from elflow.runs.folder import RunFolder, check_run_dir, claim_run, micro_batch_for, no_space, shared_folder_check
+from elflow.runs.folder import (
+    RunFolder,
+    check_not_inside,
+    check_run_dir,
+    claim_run,
+    micro_batch_for,
+    no_space,
+    shared_folder_check,
+)
 from elflow.runs.load import check_init_compatible, load_init_weights
 from elflow.runs.log import RunLogger, describe_start, plot_losses, tracked_settings, trim_metrics
 from elflow.runs.stages import DECODER_STAGE, attach_decoder, decoder_stage
@@ -294,8 +302,9 @@ def train_loop(setup: Setup, out: Path, start: int, quiet: bool = False, stop_af
 
     A step reads nothing on the host. The loop reads the device's numbers where it must: on logging steps
     (the log's sums, reduced over ranks in one all_reduce, and with them whether any step since the last
-    reading was not finite), and before a checkpoint or samples; a step that was not finite stops the run
-    there, before anything of it is saved."""
+    reading was not finite; every checkpoint's step is one, so a resumed run logs the lines of an
+    uninterrupted one), and before samples; a step that was not finite stops the run there, before anything
+    of it is saved."""
     cfg, world, rank, device, micro = setup.cfg, setup.world, setup.rank, setup.device, setup.micro
     is_main = rank == 0
     # the trained pass as a module's forward (the space's encode inside it), for torch.compile and DDP
@@ -339,7 +348,8 @@ def train_loop(setup: Setup, out: Path, start: int, quiet: bool = False, stop_af
                 totals[k] = totals[k] + v if k in totals else v
             n_logged += 1
             done = step + 1
-            logging = done % cfg.log_every == 0 or done == end
+            # a checkpoint's step is a logging step too: the log's intervals restart where a resume starts
+            logging = done % cfg.log_every == 0 or done % cfg.ckpt_every == 0 or done == end
             if time_limit is not None and done < end and (world == 1 or logging):
                 over = time.perf_counter() - t_start >= time_limit
                 if world > 1:  # every rank stops at the same step
@@ -362,11 +372,8 @@ def train_loop(setup: Setup, out: Path, start: int, quiet: bool = False, stop_af
                 log.advance(n_logged, {"loss": f"{rec['loss']:.3f}", "tok/s": f"{rec['tokens_per_s']:.0f}"})
                 summary["last"] = rec
                 totals, n_logged, t_log = {}, 0, time.perf_counter()
-            elif saving or sampling and world == 1:  # read before anything of these steps leaves the loop
-                bad = totals["nonfinite"].clone()
-                if world > 1:
-                    dist.all_reduce(bad)
-                stop_if_nonfinite(bad, done)
+            elif sampling and world == 1:  # read before anything of these steps leaves the loop
+                stop_if_nonfinite(totals["nonfinite"], done)
             if sampling:
                 show_samples(setup, log, done)
             if saving and is_main:
@@ -407,6 +414,8 @@ def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwr
     out = Path(out)
     cfg = cfg.resolved()
     cfg.validate()
+    if cfg.init_from and not resume:
+        check_not_inside(out, cfg.init_from, "--init-from")
     if cfg.wandb:
         require_wandb()
     device = check_device(device)
