@@ -372,8 +372,10 @@ STEPS = 16
 
 
 def _args(t5, corpus, cache, out, *extra):
+    """A tiny run of 4 micro-batches of 2 rows a step (two on each of two ranks), logged every 2 steps, saved
+    every 4."""
     return ["train", "--preset", "tiny", "--data", str(corpus), "--space", f"t5:{t5}", "--length", "16", "--batch",
-            "4", "--warmup", "2", "--ema-decay", "0.9", "--log-every", "2", "--ckpt-every", "4", "--dtype", "fp32",
+            "8", "--micro-batch", "2", "--warmup", "2", "--ema-decay", "0.9", "--log-every", "2", "--ckpt-every", "4", "--dtype", "fp32",
             "--seed", "1", "--cache-dir", str(cache), "--out", str(out), *extra]
 
 
@@ -445,18 +447,23 @@ def test_a_killed_rank_is_one_line_on_the_others_and_the_run_resumes(killed, tmp
 
 
 def test_a_resume_on_another_number_of_ranks_differs_by_summation_order_only(killed, tmp_path):
-    """Resumed on one process, the same data and noise; the gradient of two ranks' shards is summed in another
-    order (one process accumulates them in turn, Gloo adds the ranks' sums), so the weights agree to float
-    rounding, measured here: at most 1e-6 (a few 1e-8 on these runs), not bit for bit."""
+    """Resumed on one process: the same data and noise, but the gradients of the four micro-batches of a step
+    are summed in another order (one process adds them in turn, two ranks add two each and Gloo adds the
+    ranks' sums): a difference in the last bits at the first step, which the steps after it carry and can
+    grow. The weights agree to atol 2e-5 / rtol 1e-4 (measured: a few 1e-6 after 8 to 12 steps), not bit
+    for bit."""
     full, cut, _ = killed
     one = tmp_path / "one"
     shutil.copytree(cut, one)
     assert main(["train", "--out", str(one), "--resume", "--steps", str(STEPS), "--quiet"]) == 0
-    worst = 0.0
+    worst, scale = 0.0, 0.0
     for a, b in zip(checkpoint_weights(full, STEPS), checkpoint_weights(one, STEPS)):
         assert a.keys() == b.keys()
-        worst = max(worst, max(float((a[k].double() - b[k].double()).abs().max()) for k in a))
-    print(f"largest weight difference, 2 ranks -> 1 against 2 ranks throughout: {worst:.3g}")
-    assert worst <= 1e-6
+        for k in a:
+            assert torch.allclose(a[k], b[k], atol=2e-5, rtol=1e-4), (k, (a[k] - b[k]).abs().max())
+            worst = max(worst, float((a[k].double() - b[k].double()).abs().max()))
+            scale = max(scale, float(a[k].abs().max()))
+    print(f"2 ranks -> 1 against 2 ranks throughout, step {STEPS}: largest weight difference {worst:.3g} "
+          f"(largest weight {scale:.3g})")
     steps = [json.loads(x)["step"] for x in (one / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(2, STEPS + 1, 2))  # every interval logged once
