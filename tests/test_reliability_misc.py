@@ -247,6 +247,12 @@ def test_a_trajectory_with_non_finite_numbers_makes_a_page_whose_data_parses(cap
                   "const d = JSON.parse(m[1]); process.stdout.write(String(d.steps[0].t));")
         r = subprocess.run([node, "-e", script, str(tmp_path / "nan.trajectory.html")], capture_output=True, text=True)
         assert r.returncode == 0 and r.stdout == "null", r.stderr
+        from elflow.experiments.viewer import _SCRIPT  # and what the page's script shows for a t
+
+        [fmt] = [line for line in _SCRIPT.splitlines() if line.strip().startswith("const fmt = ")]
+        r = subprocess.run([node, "-e", fmt + "\nprocess.stdout.write([null, 0.25, 1].map(fmt).join(' '))"],
+                           capture_output=True, text=True)
+        assert r.returncode == 0 and r.stdout == "n/a 0.250 1.000", r.stderr
 
 
 def test_a_sampled_page_still_parses_strictly(trained, tmp_path):
