@@ -135,7 +135,8 @@ CASES = [
      lambda t, run, e: ((t / "rnd.trajectory.json").write_bytes(random.Random(3).randbytes(300)),
                         ["view", t / "rnd.trajectory.json"])[-1], ["not a trajectory", "not UTF-8"]),
     ("view-random-utf8", "view",
-     lambda t, run, e: ((t / "rnd.trajectory.json").write_text("ü{]\x00" * 40), ["view", t / "rnd.trajectory.json"])[-1],
+     lambda t, run, e: ((t / "rnd.trajectory.json").write_text("ü{]\x00" * 40),
+                        ["view", t / "rnd.trajectory.json"])[-1],
      ["not valid JSON"]),
     ("view-deeply-nested-json", "view",
      lambda t, run, e: ((t / "deep.json").write_text("[" * 200_000), ["view", t / "deep.json"])[-1],
@@ -290,7 +291,8 @@ def test_a_source_cut_at_sampling_is_warned_once_with_the_count(capsys, tmp_path
     assert total >= 12 and dropped == total - 4
     # several batches and several seeds: still one warning
     src = tmp_path / "src.jsonl"
-    src.write_text("".join(json.dumps({"input": long if i % 2 else "the king", "output": "x"}) + "\n" for i in range(5)))
+    rows = [{"input": long if i % 2 else "the king", "output": "x"} for i in range(5)]
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
     code, _, err = cli(capsys, ["sample", fixed_slot, "--source", src, "--batch", "2", "--steps", "1", "--quiet",
                                 "--out", tmp_path / "five.jsonl"])
     assert code == 0, err
@@ -381,8 +383,8 @@ def _args(t5, corpus, cache, out, *extra):
     """A tiny run of 4 micro-batches of 2 rows a step (two on each of two ranks), logged every 2 steps, saved
     every 4."""
     return ["train", "--preset", "tiny", "--data", str(corpus), "--space", f"t5:{t5}", "--length", "16", "--batch",
-            "8", "--micro-batch", "2", "--warmup", "2", "--ema-decay", "0.9", "--log-every", "2", "--ckpt-every", "4", "--dtype", "fp32",
-            "--seed", "1", "--cache-dir", str(cache), "--out", str(out), *extra]
+            "8", "--micro-batch", "2", "--warmup", "2", "--ema-decay", "0.9", "--log-every", "2", "--ckpt-every", "4",
+            "--dtype", "fp32", "--seed", "1", "--cache-dir", str(cache), "--out", str(out), *extra]
 
 
 def _ranks_of(parent: int) -> dict[int, int]:
