@@ -18,7 +18,7 @@ from elflow.generate import distilled_defaults
 from elflow.methods.distill import DistillObjective, check_schedule
 from elflow.model import PRESETS
 from elflow.runs.checkpoint import list_checkpoints
-from elflow.runs.folder import REPLACED, recover_replaced, set_aside
+from elflow.runs.folder import REPLACED, check_not_inside, recover_replaced, run_folders_holding, set_aside
 from elflow.runs.load import load_init_weights, stored_training
 from elflow.runs.log import training_records
 from elflow.runs.official import build_from_state_dict
@@ -263,14 +263,15 @@ def _settle(out: Path, fresh: bool, ok: bool, steps) -> None:
 
 
 def _check_out(out: Path, teacher) -> None:
-    """--out may not be the teacher's folder, nor a folder above it: a distillation never writes over its
-    teacher."""
-    out = out.expanduser().resolve()
+    """--out may not be the teacher's folder or its run folder, nor a folder above or inside them: a
+    distillation never writes over or among its teacher's files."""
+    resolved = out.expanduser().resolve()
     for t in teacher:
-        t = Path(t).expanduser().resolve()
-        if out == t or out in t.parents:
-            raise ELFError(f"--out {out} holds the teacher ({t}); the distillation must go into a folder of its "
-                           "own: choose another --out")
+        for held in (Path(t).expanduser().resolve(), *run_folders_holding(t)):
+            if resolved == held or resolved in held.parents:
+                raise ELFError(f"--out {resolved} holds the teacher ({held}); the distillation must go into a "
+                               "folder of its own: choose another --out")
+        check_not_inside(out, t, "the teacher")
 
 
 def _prepare_out(out: Path, manifest: dict, resume: bool, overwrite: bool) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import sys
+import warnings
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
@@ -126,10 +127,6 @@ def conditioning(space, length: int, batch: int, sources: list[str] | None = Non
         empty = [i for i, s in enumerate(src_ids) if not s]
         if empty:
             raise ELFError(f"source {empty[0] + 1} is empty (after tokenization); every row needs a source")
-        cut = sum(len(s) > source_length for s in src_ids)
-        if cut:
-            print(f"warning: {cut} of {len(src_ids)} sources are longer than {source_length} tokens and were cut",
-                  file=sys.stderr)
         lay = pair_layout(src_ids, [[] for _ in src_ids], length, source_length, pad, source_slot)
         ids, known_mask = lay["ids"], lay["source_mask"]
     else:
@@ -213,6 +210,20 @@ def gather_records(records: list[dict], world: int) -> list[dict]:
     return sorted(records, key=lambda r: r["index"])
 
 
+def warn_sources_cut(space, sources: list[str], source_length: int) -> int:
+    """One warning (once per command: elflow.cli shows a text once) for the sources longer than the model's
+    `source_length` tokens, which are cut to that many as training cuts them: how many, and how many tokens
+    go. Returns the number of sources cut."""
+    cut = [n for n in map(len, space.tokenize(sources, eos=False)) if n > source_length]
+    if cut:
+        many = len(cut) != 1
+        warnings.warn(f"{len(cut)} of {len(sources)} source{'s' if len(sources) != 1 else ''} "
+                      f"{'are' if many else 'is'} longer than the {source_length} source tokens this model was "
+                      f"trained with and {'were' if many else 'was'} cut to {source_length} "
+                      f"({sum(cut) - len(cut) * source_length} of {sum(cut)} tokens dropped)", stacklevel=2)
+    return len(cut)
+
+
 @torch.no_grad()
 def generate(net, space, num: int, settings: SamplingSettings = SamplingSettings(), length: int | None = None,
              sources: list[str] | None = None, source_length: int | None = None, prompt: str | None = None,
@@ -241,6 +252,8 @@ def generate(net, space, num: int, settings: SamplingSettings = SamplingSettings
         raise ELFError(f"--length {length} exceeds the longest sequence this network covers ({trained})")
     from tqdm.auto import tqdm
 
+    if sources is not None and source_length and part[0] == 0:
+        warn_sources_cut(space, sources, source_length)
     device = next(net.parameters()).device
     records = []
     batches = list(sample_batches(num, settings.batch_size, settings.seed, part))

@@ -32,7 +32,15 @@ from elflow.methods import Method, TrainedPass, get_method
 from elflow.model import get_config
 from elflow.optim import EMA, ELFOptimizer, lr_at
 from elflow.runs.checkpoint import load_checkpoint, save_checkpoint
-from elflow.runs.folder import RunFolder, check_run_dir, claim_run, micro_batch_for, no_space, shared_folder_check
+from elflow.runs.folder import (
+    RunFolder,
+    check_not_inside,
+    check_run_dir,
+    claim_run,
+    micro_batch_for,
+    no_space,
+    shared_folder_check,
+)
 from elflow.runs.load import check_init_compatible, load_init_weights
 from elflow.runs.log import RunLogger, describe_start, plot_losses, tracked_settings, trim_metrics
 from elflow.runs.stages import DECODER_STAGE, attach_decoder, decoder_stage
@@ -45,7 +53,7 @@ from elflow.util.devices import (
     resolve_dtype,
     use_tf32,
 )
-from elflow.util.distributed import on_every_rank, on_rank0, setup_distributed
+from elflow.util.distributed import on_every_rank, on_rank0, peer_lost, setup_distributed
 from elflow.util.errors import ELFError, first_line
 from elflow.util.files import NoSpace, atomic_write_json, disk_full
 
@@ -283,8 +291,9 @@ def train_loop(setup: Setup, out: Path, start: int, quiet: bool = False, stop_af
 
     A step reads nothing on the host. The loop reads the device's numbers where it must: on logging steps
     (the log's sums, reduced over ranks in one all_reduce, and with them whether any step since the last
-    reading was not finite), and before a checkpoint or samples; a step that was not finite stops the run
-    there, before anything of it is saved."""
+    reading was not finite; every checkpoint's step is one, so a resumed run logs the lines of an
+    uninterrupted one), and before samples; a step that was not finite stops the run there, before anything
+    of it is saved."""
     cfg, world, rank, device, micro = setup.cfg, setup.world, setup.rank, setup.device, setup.micro
     is_main = rank == 0
     # the trained pass as a module's forward (the space's encode inside it), for torch.compile and DDP
@@ -328,7 +337,8 @@ def train_loop(setup: Setup, out: Path, start: int, quiet: bool = False, stop_af
                 totals[k] = totals[k] + v if k in totals else v
             n_logged += 1
             done = step + 1
-            logging = done % cfg.log_every == 0 or done == end
+            # a checkpoint's step is a logging step too: the log's intervals restart where a resume starts
+            logging = done % cfg.log_every == 0 or done % cfg.ckpt_every == 0 or done == end
             if time_limit is not None and done < end and (world == 1 or logging):
                 over = time.perf_counter() - t_start >= time_limit
                 if world > 1:  # every rank stops at the same step
@@ -351,11 +361,8 @@ def train_loop(setup: Setup, out: Path, start: int, quiet: bool = False, stop_af
                 log.advance(n_logged, {"loss": f"{rec['loss']:.3f}", "tok/s": f"{rec['tokens_per_s']:.0f}"})
                 summary["last"] = rec
                 totals, n_logged, t_log = {}, 0, time.perf_counter()
-            elif saving or sampling and world == 1:  # read before anything of these steps leaves the loop
-                bad = totals["nonfinite"].clone()
-                if world > 1:
-                    dist.all_reduce(bad)
-                stop_if_nonfinite(bad, done)
+            elif sampling and world == 1:  # read before anything of these steps leaves the loop
+                stop_if_nonfinite(totals["nonfinite"], done)
             if sampling:
                 show_samples(setup, log, done)
             if saving and is_main:
@@ -396,6 +403,8 @@ def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwr
     out = Path(out)
     cfg = cfg.resolved()
     cfg.validate()
+    if cfg.init_from and not resume:
+        check_not_inside(out, cfg.init_from, "--init-from")
     if cfg.wandb:
         require_wandb()
     device = check_device(device)
@@ -486,11 +495,20 @@ def train_one(cfg: TrainConfig, out: Path, method: Method, resume: bool, overwri
                              time_limit=time_limit, tracker=tracker[0])
         ok = True
         return summary
+    except RuntimeError as e:  # a collective whose peer died (a rank killed): one line on the survivors
+        if world == 1 or not peer_lost(e):
+            raise
+        raise ELFError(f"rank {rank}: {peer_lost(e)}; this rank stops too. The run resumes from its last "
+                       f"checkpoint with `elflow train --out {out} --resume` (on any number of ranks)") from None
     finally:
         if rank == 0:
             folder.close(ok)
         if world > 1 and dist.is_initialized() and owns_group:
-            dist.destroy_process_group()
+            try:
+                dist.destroy_process_group()
+            except RuntimeError:  # a group whose peer died: nothing left to tear down
+                if ok:
+                    raise
 
 
 def show_samples(setup: Setup, log, step, num: int = 2):

@@ -14,6 +14,7 @@ import sys
 import warnings
 
 import elflow  # the package itself, always loaded first: its version
+from elflow.util.distributed import peer_lost
 from elflow.util.errors import ELFError, check_seed
 from elflow.util.files import disk_full
 
@@ -86,15 +87,19 @@ def main(argv: list[str] | None = None) -> int:
     previous = _one_line_signals_and_warnings(args.command)
     try:
         check_seeds(args)
+        check_wandb(args)
         return int(module.run(args) or 0)
     except Terminated as e:  # `outcome`: what the command's clean-up did with its output, where it says
+        end_bars()
         outcome = getattr(e, "outcome", None) or "what it was writing was left as it was"
         print(f"elflow {args.command}: stopped by SIGTERM ({outcome})", file=sys.stderr)
         return 128 + signal.SIGTERM
     except ELFError as e:
+        end_bars()
         print(f"elflow {args.command}: error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # a system failure outside elflow's checks: one line, not a traceback
+        end_bars()
         where = f": {e.filename}" if e.filename else ""
         if disk_full(e):
             print(f"elflow {args.command}: error: no space left on device{where}; free some space, then run the "
@@ -103,9 +108,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"elflow {args.command}: error: {e.strerror or e}{where}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as e:
+        end_bars()
         outcome = getattr(e, "outcome", None)
         print(f"elflow {args.command}: interrupted" + (f" ({outcome})" if outcome else ""), file=sys.stderr)
         return 130
+    except RuntimeError as e:  # a collective whose peer process died (torchrun): one line
+        if not peer_lost(e):
+            raise
+        end_bars()
+        print(f"elflow {args.command}: error: {peer_lost(e)}", file=sys.stderr)
+        return 2
     finally:
         _restore(previous)
 
@@ -117,6 +129,35 @@ def check_seeds(args) -> None:
             for v in value if isinstance(value, list) else [value]:
                 if v is not None:
                     check_seed(v, "--" + name.replace("_", "-"))
+
+
+def check_wandb(args) -> None:
+    """An empty --wandb (of any command that takes it) is refused: it would log nothing and say nothing. On
+    `train --resume` an empty --wandb is the switch that turns a run's W&B logging off, said in one line."""
+    value = getattr(args, "wandb", None)
+    if value is None or value.strip():
+        return
+    if value == "" and args.command == "train" and getattr(args, "resume", False):
+        print("note: --wandb '': W&B logging is off for this run from here on", file=sys.stderr)
+        return
+    hint = "; on `train --resume`, --wandb '' turns a run's W&B logging off" if args.command == "train" else ""
+    raise ELFError(f"--wandb {value!r} is empty: pass a W&B project name, or leave --wandb out for no W&B "
+                   f"logging{hint}")
+
+
+def _open_bars() -> list:
+    """The progress bars (tqdm) still open in this process."""
+    std = sys.modules.get("tqdm.std")
+    return list(getattr(std.tqdm, "_instances", ())) if std is not None else []
+
+
+def end_bars() -> None:
+    """Close the open progress bars, so that a message printed next starts on a line of its own."""
+    for bar in _open_bars():
+        try:
+            bar.close()
+        except Exception:  # a bar whose stream is gone: nothing to end
+            pass
 
 
 class Terminated(BaseException):
@@ -135,7 +176,11 @@ def _one_line_warnings(message, category, filename, lineno, file=None, line=None
     """A warning as one line, each text once per command (a check made in two places warns once)."""
     if str(message) not in _shown:
         _shown.add(str(message))
-        print(f"warning: {message}", file=sys.stderr)
+        bars = _open_bars()
+        if bars:  # above the bars, which are drawn again below it
+            bars[0].write(f"warning: {message}", file=sys.stderr)
+        else:
+            print(f"warning: {message}", file=sys.stderr)
 
 
 def _one_line_signals_and_warnings(command: str):

@@ -55,6 +55,11 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     check_sampling_flags(args)  # before the model loads
     args.device = check_device(args.device)
+    if Path(args.out).suffix.lower() in (".html", ".htm"):
+        page = Path(args.out).with_suffix(".jsonl").with_suffix(".trajectory.html")
+        raise ELFError(f"--out {args.out} names the samples file, which is JSONL (one object per line), not a page; "
+                       f"the page of --html goes beside it, to OUT.trajectory.html: pass --out "
+                       f"{Path(args.out).with_suffix('.jsonl')} to get {page}")
     check_output(args.out, args.overwrite)  # before any work
     if args.html and args.trajectory is None:
         args.trajectory = []

@@ -18,6 +18,9 @@ def add_arguments(p) -> None:
     p.add_argument("--data", default="builtin", help="training text: 'builtin' (Shakespeare), a .txt file, a folder "
                    "or a .jsonl file (default: builtin)")
     p.add_argument("--vocab", type=int, default=2000, help="sentencepiece pieces (default: 2000)")
+    p.add_argument("--on-bad", choices=("stop", "skip"), default="stop",
+                   help="empty, binary or non-UTF-8 files and bad jsonl lines: stop with an error, or skip them with "
+                        "a warning (default: stop)")
     p.add_argument("--length", type=int, default=64, help="tokens per training window (default: 64)")
     p.add_argument("--density", type=float, default=0.15, help="share of tokens corrupted (default: 0.15, T5's)")
     p.add_argument("--span", type=float, default=3.0, help="mean corrupted-span length (default: 3, T5's)")
@@ -57,7 +60,7 @@ def run(args) -> int:
         info = train_encoder(out, args.data, vocab=args.vocab, length=args.length, density=args.density,
                              span=args.span, hidden=args.hidden, depth=args.depth, heads=args.heads, steps=args.steps,
                              batch=args.batch, lr=args.lr, seed=args.seed, device=args.device,
-                             cache_dir=args.cache_dir, progress=not args.quiet)
+                             cache_dir=args.cache_dir, progress=not args.quiet, on_bad=args.on_bad)
     print(f"encoder saved to {out} ({info['seconds']:.0f} s): held-out span-corruption loss "
           f"{info['heldout_loss']:.3f} (at initialisation {info['heldout_loss_at_init']:.3f}, unigram "
           f"{info['heldout_unigram_entropy']:.3f}); use it with --space t5:{out}")

@@ -20,8 +20,8 @@ def add_arguments(p) -> None:
 
 def run(args) -> int:
     out = Path(args.out) if args.out else Path(args.trajectory).with_suffix(".html")
+    doc = read_trajectory(args.trajectory)  # the input first: a device or a non-trajectory writes nothing
     check_output(out, args.overwrite)
-    doc = read_trajectory(args.trajectory)
     write_page(doc, out, args.overwrite)
     print(f"wrote {out} ({len(doc['samples'])} samples x {len(doc['steps'])} steps); open it in a browser",
           file=sys.stderr)

@@ -4,6 +4,7 @@ is an embedding space (`--space t5:FOLDER`)."""
 from __future__ import annotations
 
 import math
+import re
 import tempfile
 import time
 from pathlib import Path
@@ -64,12 +65,27 @@ def _tokenizer(docs: list[str], vocab: int, sentinels: int, folder: Path):
                                            vocab_size=vocab, model_type="unigram", pad_id=0, eos_id=1, unk_id=2,
                                            bos_id=-1, character_coverage=1.0, minloglevel=2)
         except RuntimeError as e:
-            raise ELFError(f"the tokenizer cannot be trained on this corpus ({str(e).splitlines()[-1][:200]}); "
-                           "use a smaller --vocab or more data") from None
+            raise ELFError(vocab_advice(str(e), vocab, text.read_text(encoding="utf-8"))) from None
         text.unlink()
         tokenizer = T5Tokenizer.from_pretrained(tmp, extra_ids=sentinels)
         tokenizer.save_pretrained(str(folder))
     return T5Tokenizer.from_pretrained(str(folder))
+
+
+def vocab_advice(error: str, vocab: int, text: str) -> str:
+    """sentencepiece's refusal of a --vocab for `text` as one line with the --vocab that works: at least one
+    piece per distinct character and the special tokens, at most what the corpus can fill."""
+    last = (error.strip().splitlines() or [""])[-1]
+    high = re.search(r"Vocabulary size too high \((\d+)\)\. Please set it to a value <= (\d+)", last)
+    if high:
+        return (f"--vocab {vocab} is more pieces than this corpus can fill (at most {high.group(2)}): pass --vocab "
+                f"{high.group(2)} or less, or more data")
+    low = re.search(r"smaller than required_chars\. (\d+) vs (\d+)", last)
+    need = int(low.group(2)) if low else len(set(text) - {"\n"}) + 3  # the characters, pad / EOS / unk
+    if low or vocab < need:
+        return (f"--vocab {vocab} is fewer pieces than this corpus needs ({need}: one per distinct character, and "
+                f"the special tokens): pass --vocab {need} or more")
+    return f"the tokenizer cannot be trained on this corpus ({last[:200]}); try another --vocab or more data"
 
 
 def _windows(tokenizer, docs: list[str], length: int) -> np.ndarray:
@@ -121,14 +137,16 @@ def _unigram_entropy(batches, train_labels: list[torch.Tensor]) -> float:
 def train_encoder(out, data: str = "builtin", *, vocab: int = 2000, sentinels: int = 100, length: int = 64,
                   density: float = 0.15, span: float = 3.0, hidden: int = 128, depth: int = 2, heads: int = 4,
                   steps: int = 300, batch: int = 32, lr: float = 2e-3, warmup: int = 30, seed: int = 0,
-                  val_every: int = 20, device=None, cache_dir=None, progress: bool = True) -> dict:
-    """Train a T5 encoder from scratch by span corruption on `data` and save it to `out`; returns its info."""
+                  val_every: int = 20, device=None, cache_dir=None, progress: bool = True,
+                  on_bad: str = "stop") -> dict:
+    """Train a T5 encoder from scratch by span corruption on `data` and save it to `out`; returns its info.
+    `on_bad`: empty, binary or non-UTF-8 files and bad jsonl lines stop it ("stop") or are skipped ("skip")."""
     from tqdm.auto import tqdm
     from transformers import T5Config, T5EncoderModel, T5ForConditionalGeneration
 
     t0 = time.time()
     device = torch.device(device or default_device())
-    docs = list(read_documents(data, cache_dir=cache_dir))
+    docs = list(read_documents(data, on_bad=on_bad, cache_dir=cache_dir))
     if not docs:
         raise ELFError(f"--data {data!r} holds no documents")
     if len(docs) < val_every:  # a few long texts: their lines as documents

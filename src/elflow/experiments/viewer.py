@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import html
 import json
+import math
+import stat
 from pathlib import Path
 
 from elflow.util.errors import ELFError
@@ -77,19 +79,37 @@ def trajectory_document(tokenizer, steps: list[dict], samples: list[dict], setti
 
 def read_trajectory(path) -> dict:
     """A TRAJECTORY.json, checked, as the current version (a version-1 file's steps, counted from 0, are
-    counted from 1): a samples file, another program's JSON or a newer version is one clear error saying what
-    it is and what to do."""
+    counted from 1): a samples file, another program's JSON, bytes that are not UTF-8 JSON or a newer version
+    is one clear error saying what it is and what to do. Only a regular file is read (never a device or a
+    fifo). Non-finite numbers (NaN, Infinity) are read as they stand; the page writes them as null."""
     path = Path(path)
-    if not path.is_file():
-        raise ELFError(f"{path}: no such file (record a trajectory with `elflow sample RUN --trajectory`)")
-    text = path.read_text(encoding="utf-8")
+    try:
+        st = path.stat()
+    except (FileNotFoundError, NotADirectoryError):
+        raise ELFError(f"{path}: no such file (record a trajectory with `elflow sample RUN --trajectory`)") from None
+    except OSError as e:
+        raise ELFError(f"{path}: cannot be read ({e.strerror or e})") from None
+    if not stat.S_ISREG(st.st_mode):
+        kind = "a folder" if stat.S_ISDIR(st.st_mode) else "not a regular file (a device, fifo or socket)"
+        raise ELFError(f"{path} is {kind}; pass a trajectory file (OUT.trajectory.json of `elflow sample RUN "
+                       "--trajectory`)")
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ELFError(f"{path}: not a trajectory (not UTF-8 text: byte 0x{e.object[e.start]:02x} at offset "
+                       f"{e.start}); record one with `elflow sample RUN --trajectory`") from None
+    except OSError as e:
+        raise ELFError(f"{path}: cannot be read ({e.strerror or e})") from None
     try:
         doc = json.loads(text)
+    except RecursionError:
+        raise ELFError(f"{path}: not a trajectory (JSON nested too deeply to read)") from None
     except json.JSONDecodeError as e:
         first = text.lstrip().splitlines()[0] if text.strip() else ""
         try:
-            looks_like_samples = isinstance(json.loads(first), dict) and "text" in json.loads(first)
-        except json.JSONDecodeError:
+            head = json.loads(first)
+            looks_like_samples = isinstance(head, dict) and "text" in head
+        except (json.JSONDecodeError, RecursionError):
             looks_like_samples = False
         if looks_like_samples:
             raise ELFError(f"{path} is a samples file (JSONL), not a trajectory: record one with "
@@ -110,6 +130,10 @@ def read_trajectory(path) -> dict:
     n = len(doc["steps"])
     if n == 0 or not doc["samples"]:
         raise ELFError(f"{path}: the trajectory records no steps or no samples")
+    for s in doc["steps"]:
+        step, t = (s.get("step"), s.get("t")) if isinstance(s, dict) else (None, None)
+        if not (isinstance(step, int) and not isinstance(step, bool) and (_number(t) or t is None)):
+            raise ELFError(f"{path}: a recorded step is not {{\"step\": number, \"t\": number}}")
     for i, s in enumerate(doc["samples"]):
         if not isinstance(s, dict) or not isinstance(s.get("steps"), list) or len(s["steps"]) != n:
             raise ELFError(f"{path}: sample {i} does not hold one record for each of the {n} steps")
@@ -168,7 +192,7 @@ _SCRIPT = r"""
     if (text !== undefined) e.textContent = text;
     return e;
   };
-  const fmt = (t) => Number(t).toFixed(3);
+  const fmt = (t) => (typeof t === "number" && isFinite(t) ? t.toFixed(3) : "n/a");  // null: not finite
 
   const s = doc.settings;
   const desc = [s.sampler && `${s.sampler}`, s.steps && `${s.steps} steps`, s.omega !== undefined && `omega ${s.omega}`,
@@ -271,9 +295,25 @@ _SCRIPT = r"""
 """
 
 
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _finite(obj):
+    """`obj` with every non-finite float (NaN, Infinity) as None: strict JSON, which JSON.parse reads."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
 def _inline_json(obj) -> str:
-    """JSON safe inside a <script> element: no '<', '>' or '&' can end it or open a comment."""
-    return json.dumps(obj, ensure_ascii=False).replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+    """Strict JSON (a non-finite number as null) safe inside a <script> element: no '<', '>' or '&' can end
+    it or open a comment."""
+    return json.dumps(_finite(obj), ensure_ascii=False, allow_nan=False).replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
 
 
 def render_page(doc: dict, title: str | None = None) -> str:

@@ -248,3 +248,20 @@ def check_writable(out: Path) -> None:
             except OSError as e:
                 raise ELFError(f"{folder}: cannot write in it ({e.strerror or e}); nothing was trained. Make it "
                                "writable, then run again") from None
+
+
+def run_folders_holding(path) -> list[Path]:
+    """The run folders (folders with a run.json) that `path` is or lies in, innermost first, resolved: a run
+    folder, a checkpoint folder's run, a run nested in another's folder and that one too."""
+    path = Path(path).expanduser().resolve()
+    return [p for p in (path, *path.parents) if (p / "run.json").is_file()]
+
+
+def check_not_inside(out, path, flag: str) -> None:
+    """Refuse an --out that lies inside a run folder holding `path` (the run of `flag`): a command's output
+    goes into a folder of its own, never among another run's files (whose --overwrite would take them)."""
+    out = Path(out).expanduser().resolve()
+    for run in run_folders_holding(path):
+        if run in out.parents:
+            raise ELFError(f"--out {out} lies inside {run}, the run folder of {flag} {path}; the output must go "
+                           "into a folder of its own, outside that run: choose another --out")

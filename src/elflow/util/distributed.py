@@ -109,3 +109,17 @@ def on_every_rank(fn, rank: int, world: int):
     elif message is not None:
         raise ELFError(message)
     return result
+
+
+_PEER_WORDS = ("connection closed by peer", "connection reset by peer", "broken pipe")
+
+
+def peer_lost(e: BaseException) -> str:
+    """What to say when `e` is a collective's failure because another process of the group died (Gloo's
+    "Connection closed by peer"); "" for any other error."""
+    text = str(e)
+    if type(e).__module__.split(".")[0] != "torch" and "gloo" not in text.lower():
+        return ""
+    if not any(w in text.lower() for w in _PEER_WORDS):
+        return ""
+    return f"another rank of this torchrun group died ({text.split('] ', 1)[-1].split('. ')[0]})"

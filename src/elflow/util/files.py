@@ -219,9 +219,9 @@ def output_rule(path: Path, overwrite: bool, flag: str = "--out", folder: bool =
     again when the output is moved into place (`place`, `ended`):
 
     nothing; or, with `overwrite`, a regular file (a file output) or a folder (a folder output). Never a
-    symbolic link where a file goes (dangling, looping or not: elflow does not write through links), never a
-    device, fifo or socket. A folder output may be a link to an existing folder, which is then written in.
-    `flag` names the option the path came from ("" for a file inside an output folder)."""
+    symbolic link (to a file, to a folder, dangling or looping: elflow does not write through links; a link
+    among the path's parents is followed), never a device, fifo or socket. `flag` names the option the path
+    came from ("" for a file inside an output folder)."""
     name = f"{flag} {path}" if flag else str(path)
     other = f"choose another {flag}" if flag else "remove it"
     try:
@@ -234,10 +234,12 @@ def output_rule(path: Path, overwrite: bool, flag: str = "--out", folder: bool =
         target = os.readlink(path)
         if folder:
             try:
-                if Path(path).is_dir():
-                    return
+                is_dir = Path(path).is_dir()
             except OSError:  # a link loop
-                pass
+                is_dir = False
+            if is_dir:
+                raise ELFError(f"{name} is a symbolic link (to {target}); elflow does not write through links: pass "
+                               f"the folder's own path ({os.path.realpath(path)}), or remove the link")
             raise ELFError(f"{name} is a symbolic link to {target}, which is not a folder (dangling, or a loop); "
                            f"remove the link or {other}")
         raise ELFError(f"{name} is a symbolic link (to {target}); elflow does not write through links: pass the "
