@@ -15,7 +15,7 @@ from elflow.data.batches import Batches, TokenDataset
 from elflow.data.corpus import builtin_corpus, clean_gutenberg, read_documents, read_pairs
 from elflow.data.datasets import build_dataset, build_pairs
 from elflow.data.layout import encoder_mask, pack, pair_layout
-from elflow.data.sources import pretokenized_pairs
+from elflow.data.reading import pretokenized_pairs
 from elflow.util.errors import ELFError
 
 

@@ -20,7 +20,7 @@ LAYERS = [
     ["optim", "flow", "data.tasks", "data.layout", "data.integrity", "data.store_folder"],
     ["encoders", "data.corpus", "data.store", "data.batches"],
     ["space", "data.sources"],
-    ["data.workers"],
+    ["data.reading", "data.workers"],
     ["data.ingest"],
     ["data.datasets", "generate"],
     ["methods.base", "methods.token_net", "methods.distill"],

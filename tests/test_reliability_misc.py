@@ -18,12 +18,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import checkpoint_weights, tiny_config
 
 from elflow.cli import main
 from elflow.runs.checkpoint import list_checkpoints, load_checkpoint
 from elflow.train import train
-
-from helpers import checkpoint_weights, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
@@ -435,7 +434,7 @@ def killed(tmp_path_factory, tiny_t5_dir, tiny_corpus_file, cache):
 def test_a_killed_rank_is_one_line_on_the_others_and_the_run_resumes(killed, tmp_path):
     full, cut, err = killed
     assert "[rank0]" not in err and "Connection closed by peer" not in err.replace("(Connection closed by peer", "")
-    [line] = [x for x in err.splitlines() if x.startswith("elflow train: error:")]
+    [line] = [x for x in err.splitlines() if x.startswith("elflow train: error:")] or [err[-3000:]]
     assert line.startswith("elflow train: error: rank 0: another rank of this torchrun group died (")
     assert f"elflow train --out {cut} --resume" in line
     saved = [int(c.name.split("_")[1]) for c in list_checkpoints(cut)]

@@ -11,16 +11,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import CharSpace, fill, small_tmpfs
 
 from elflow.cli import main
 from elflow.data import corpus, sources
 from elflow.data.ingest import prepare_store
+from elflow.data.reading import TextFiles
 from elflow.data.sources import read_small_file
 from elflow.data.store import TokenStore
 from elflow.data.workers import available_cores
 from elflow.util.errors import ELFError
-
-from helpers import CharSpace, fill, small_tmpfs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -516,8 +516,8 @@ def test_workers_ignore_sigint_and_sigterm_and_die_with_their_parent(monkeypatch
     from elflow.data import workers as workers_mod
 
     monkeypatch.setattr(workers_mod, "available_cores", lambda: 2)
-    tasks = [(("files", [(f"f{i}.txt", b"some text")], "stop"), (9, None)) for i in range(8)]
-    rows = [result[1][0][:-1].tolist() for _, (result, _) in
+    tasks = [(TextFiles([(f"f{i}.txt", b"some text")], "stop"), (9, None)) for i in range(8)]
+    rows = [result.ids[0][:-1].tolist() for _, (result, _) in
             workers_mod.ordered_results(iter(tasks), DispositionSpace(), 2, 1 << 20)]
     assert {r[3] for r in rows} - {os.getpid()}  # tokenized in worker processes
     assert all(r[:3] == [1, 1, signal.SIGKILL] for r in rows if r[3] != os.getpid())

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import json
 import sys
-import warnings
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import torch
 
-from elflow.data.layout import encoder_mask, pair_layout
+from elflow.data.layout import encoder_mask, pair_layout, warn_sources_cut
 from elflow.flow import NOISE_SCALE, T_EPS, Recipe, check_sampling_args, decode_tokens, generate_tokens
 from elflow.util.devices import autocast
 from elflow.util.errors import ELFError, Record, check_seed
@@ -208,20 +207,6 @@ def gather_records(records: list[dict], world: int) -> list[dict]:
         dist.all_gather_object(parts, records)
         records = [r for part in parts for r in part]
     return sorted(records, key=lambda r: r["index"])
-
-
-def warn_sources_cut(space, sources: list[str], source_length: int) -> int:
-    """One warning (once per command: elflow.cli shows a text once) for the sources longer than the model's
-    `source_length` tokens, which are cut to that many as training cuts them: how many, and how many tokens
-    go. Returns the number of sources cut."""
-    cut = [n for n in map(len, space.tokenize(sources, eos=False)) if n > source_length]
-    if cut:
-        many = len(cut) != 1
-        warnings.warn(f"{len(cut)} of {len(sources)} source{'s' if len(sources) != 1 else ''} "
-                      f"{'are' if many else 'is'} longer than the {source_length} source tokens this model was "
-                      f"trained with and {'were' if many else 'was'} cut to {source_length} "
-                      f"({sum(cut) - len(cut) * source_length} of {sum(cut)} tokens dropped)", stacklevel=2)
-    return len(cut)
 
 
 @torch.no_grad()

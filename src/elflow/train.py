@@ -32,15 +32,7 @@ from elflow.methods import Method, TrainedPass, get_method
 from elflow.model import get_config
 from elflow.optim import EMA, ELFOptimizer, lr_at
 from elflow.runs.checkpoint import load_checkpoint, save_checkpoint
-from elflow.runs.folder import (
-    RunFolder,
-    check_not_inside,
-    check_run_dir,
-    claim_run,
-    micro_batch_for,
-    no_space,
-    shared_folder_check,
-)
+from elflow.runs.folder import RunFolder, check_run_dir, claim_run, micro_batch_for, no_space, shared_folder_check
 from elflow.runs.load import check_init_compatible, load_init_weights
 from elflow.runs.log import RunLogger, describe_start, plot_losses, tracked_settings, trim_metrics
 from elflow.runs.stages import DECODER_STAGE, attach_decoder, decoder_stage
@@ -53,7 +45,7 @@ from elflow.util.devices import (
     resolve_dtype,
     use_tf32,
 )
-from elflow.util.distributed import on_every_rank, on_rank0, peer_lost, setup_distributed
+from elflow.util.distributed import destroy_group, on_every_rank, on_rank0, raise_if_peer_lost, setup_distributed
 from elflow.util.errors import ELFError, first_line
 from elflow.util.files import NoSpace, atomic_write_json, disk_full
 
@@ -403,8 +395,6 @@ def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwr
     out = Path(out)
     cfg = cfg.resolved()
     cfg.validate()
-    if cfg.init_from and not resume:
-        check_not_inside(out, cfg.init_from, "--init-from")
     if cfg.wandb:
         require_wandb()
     device = check_device(device)
@@ -496,19 +486,13 @@ def train_one(cfg: TrainConfig, out: Path, method: Method, resume: bool, overwri
         ok = True
         return summary
     except RuntimeError as e:  # a collective whose peer died (a rank killed): one line on the survivors
-        if world == 1 or not peer_lost(e):
-            raise
-        raise ELFError(f"rank {rank}: {peer_lost(e)}; this rank stops too. The run resumes from its last "
-                       f"checkpoint with `elflow train --out {out} --resume` (on any number of ranks)") from None
+        raise_if_peer_lost(e, world, rank, f"elflow train --out {out} --resume")
+        raise
     finally:
         if rank == 0:
             folder.close(ok)
         if world > 1 and dist.is_initialized() and owns_group:
-            try:
-                dist.destroy_process_group()
-            except RuntimeError:  # a group whose peer died: nothing left to tear down
-                if ok:
-                    raise
+            destroy_group(ok)
 
 
 def show_samples(setup: Setup, log, step, num: int = 2):

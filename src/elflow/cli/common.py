@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 from elflow.flow import SAMPLERS
 from elflow.generate import FEW_STEPS, SAMPLING_DEFAULTS, SamplingSettings
@@ -64,6 +65,16 @@ def check_sampling_flags(args) -> None:
         value = getattr(args, name, None)
         if value is not None and not ok(value):
             raise ELFError(f"--{name.replace('_', '-')} must be {what}, got {value:g}")
+
+
+def check_samples_out(out: str) -> None:
+    """`sample --out` names the JSONL samples file: an .html name is refused, naming the --out that gives the
+    page it was meant for."""
+    if Path(out).suffix.lower() in (".html", ".htm"):
+        page = Path(out).with_suffix(".jsonl").with_suffix(".trajectory.html")
+        raise ELFError(f"--out {out} names the samples file, which is JSONL (one object per line), not a page; "
+                       f"the page of --html goes beside it, to OUT.trajectory.html: pass --out "
+                       f"{Path(out).with_suffix('.jsonl')} to get {page}")
 
 
 def add_arguments(p, name_note: str = "") -> None:

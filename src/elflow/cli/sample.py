@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from elflow.cli.common import add_sampling_arguments, check_sampling_flags
+from elflow.cli.common import add_sampling_arguments, check_samples_out, check_sampling_flags
 from elflow.data.corpus import read_sources
 from elflow.experiments.viewer import trajectory_document, write_page
 from elflow.generate import gather_records, write_samples
@@ -55,11 +55,7 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     check_sampling_flags(args)  # before the model loads
     args.device = check_device(args.device)
-    if Path(args.out).suffix.lower() in (".html", ".htm"):
-        page = Path(args.out).with_suffix(".jsonl").with_suffix(".trajectory.html")
-        raise ELFError(f"--out {args.out} names the samples file, which is JSONL (one object per line), not a page; "
-                       f"the page of --html goes beside it, to OUT.trajectory.html: pass --out "
-                       f"{Path(args.out).with_suffix('.jsonl')} to get {page}")
+    check_samples_out(args.out)
     check_output(args.out, args.overwrite)  # before any work
     if args.html and args.trajectory is None:
         args.trajectory = []

@@ -16,7 +16,8 @@ from typing import Iterator
 import numpy as np
 
 from elflow.data.corpus import _warn, check_on_bad, report_bad, skipped_files
-from elflow.data.sources import resolve_source, source_changed, source_fingerprint, source_tasks
+from elflow.data.reading import Piece, source_tasks
+from elflow.data.sources import resolve_source, source_changed, source_fingerprint
 from elflow.data.store import (
     LOCK,
     PARTIAL,
@@ -231,29 +232,22 @@ def _fill(writer: StoreWriter, results: Iterator, eos_id: int, on_bad: str, max_
     docs = 0
     piece_state = None  # (file, nonblank so far, dropped) of the large file being read in pieces
     for (size, piece), (result, warnings) in results:
-        kind = result[0]
-        if warnings and not (kind == "piece" and not piece[1] and piece_state[2]):  # one warning per skipped file
+        part = isinstance(result, Piece)
+        if warnings and not (part and not piece[1] and piece_state[2]):  # one warning per skipped file
             sys.stderr.write(warnings)
-        if kind == "docs":
-            take = result[1] if max_documents is None else result[1][: max_documents - docs]
-            writer.add_documents(take)
-            docs += len(take)
-        elif kind == "pairs":
-            take = result[1] if max_documents is None else result[1][: max_documents - docs]
-            for src, tgt in take:
-                writer.add(src, tgt)
-            docs += len(take)
+        if not part:  # documents or pairs
+            docs += result.write(writer, None if max_documents is None else max_documents - docs)
         else:  # a piece of a large text file
             name, at_start, last = piece
             if at_start:
                 piece_state = [name, False, False]
             if not piece_state[2]:
-                if result[1] is None:  # a bad piece, skipped: the whole file goes
+                if result.ids is None:  # a bad piece, skipped: the whole file goes
                     writer.drop_record()
                     piece_state[2] = True
                 else:
-                    writer.extend(result[1])
-                    piece_state[1] |= result[2]
+                    writer.extend(result.ids)
+                    piece_state[1] |= result.nonblank
             if last and not piece_state[2]:
                 if piece_state[1]:
                     writer.extend(np.asarray([eos_id]))

@@ -3,6 +3,8 @@ pairs in the released or the fixed source slot, and the encoder mask that hides 
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from elflow.util.errors import ELFError
@@ -73,3 +75,17 @@ def pair_layout(sources: list[list[int]], targets: list[list[int]], length: int,
     source_mask, valid = pos < src_len[:, None], pos < row_len[:, None]
     return {"ids": ids, "source_mask": source_mask, "valid": valid,
             "encoder_mask": encoder_mask(source_mask, valid)}
+
+
+def warn_sources_cut(space, sources: list[str], source_length: int) -> int:
+    """One warning (once per command: elflow.cli shows a text once) for the sources longer than the model's
+    `source_length` tokens, which are cut to that many as training cuts them: how many, and how many tokens
+    go. Returns the number of sources cut."""
+    cut = [n for n in map(len, space.tokenize(sources, eos=False)) if n > source_length]
+    if cut:
+        many = len(cut) != 1
+        warnings.warn(f"{len(cut)} of {len(sources)} source{'s' if len(sources) != 1 else ''} "
+                      f"{'are' if many else 'is'} longer than the {source_length} source tokens this model was "
+                      f"trained with and {'were' if many else 'was'} cut to {source_length} "
+                      f"({sum(cut) - len(cut) * source_length} of {sum(cut)} tokens dropped)", stacklevel=2)
+    return len(cut)

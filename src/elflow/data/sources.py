@@ -1,5 +1,5 @@
-"""A source cut into tasks for the tokenizing workers: lines of a .jsonl, whole small .txt files, pieces of a
-large .txt cut before a whitespace run, hub records, pre-tokenized rows; and the source's fingerprint."""
+"""A local source as bytes: where it is, its fingerprint, its .jsonl lines in batches and its large .txt files in
+pieces cut before a whitespace run, each read within bounds (`elflow.data.reading` makes tasks of them)."""
 
 from __future__ import annotations
 
@@ -16,13 +16,8 @@ from elflow.data.corpus import (
     _warn,
     builtin_corpus,
     check_regular,
-    is_saved_dataset,
-    is_t5_small,
     jsonl_lines,
     local_files,
-    pretokenized_rows,
-    read_documents,
-    read_pairs,
     size_text,
 )
 from elflow.util.errors import ELFError
@@ -85,7 +80,7 @@ def source_fingerprint(source, cache_dir=None, full_hash: bool = False) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------------
-# Tasks: what the main process reads, and what a worker makes of it
+# Reading within bounds
 def cut_pieces(data, size: int, pattern, longest: int | None = None) -> list:
     """`data` (bytes or str) cut into pieces of at least `size`, each cut just before a whitespace run; with
     `longest`, a piece that would be longer is cut at that length."""
@@ -104,7 +99,7 @@ def cut_pieces(data, size: int, pattern, longest: int | None = None) -> list:
     return pieces
 
 
-def _line_batches(path: Path, chunk_bytes: int, on_bad: str) -> Iterator[tuple[int, list[bytes], int]]:
+def line_batches(path: Path, chunk_bytes: int, on_bad: str) -> Iterator[tuple[int, list[bytes], int]]:
     """(first line number, raw lines, bytes) of a .jsonl file, about `chunk_bytes` at a time, each batch of
     consecutive lines (a line too long to read is passed over between two batches)."""
     lines, size, first, following = [], 0, 1, 1
@@ -131,7 +126,7 @@ def _char_start(data: bytes, i: int) -> int:
     return i
 
 
-def _file_pieces(path: Path, chunk_bytes: int) -> Iterator[tuple[int, bytes, bool]]:
+def file_pieces(path: Path, chunk_bytes: int) -> Iterator[tuple[int, bytes, bool]]:
     """(first line, bytes, at_start) pieces of a large text file, each at least `chunk_bytes` long (the last
     may be shorter), cut just before a whitespace run; a run of more than RUN_BYTES without whitespace is cut
     (between two UTF-8 characters) with a warning. Memory: a few chunks and RUN_BYTES."""
@@ -179,110 +174,3 @@ def source_changed(source, detail: str) -> ELFError:
     """The error of a source that changed while a store was prepared from it."""
     return ELFError(f"{source} changed while it was read ({detail}); nothing of it was kept: prepare the store "
                     "again once the source no longer changes")
-
-
-def _text_tasks(path: Path, field: str, on_bad: str, chunk_bytes: int) -> Iterator[tuple[tuple, tuple]]:
-    """(task, (bytes, piece flag)) for a local text source, in the source's order."""
-    group, size = [], 0
-    for file in local_files(path):
-        name = str(file)
-        if file.suffix == ".jsonl":
-            if group:
-                yield ("files", group, on_bad), (size, None)
-                group, size = [], 0
-            for first, lines, n in _line_batches(file, chunk_bytes, on_bad):
-                yield ("jsonl", name, first, lines, field, on_bad), (n, None)
-        elif (listed := file.stat().st_size) > chunk_bytes:
-            if group:
-                yield ("files", group, on_bad), (size, None)
-                group, size = [], 0
-            pieces = _file_pieces(file, chunk_bytes)
-            piece = next(pieces, None)
-            while piece is not None:
-                following = next(pieces, None)
-                first_line, raw, at_start = piece
-                yield ("piece", name, first_line, raw, at_start, on_bad), (len(raw), (name, at_start,
-                                                                                     following is None))
-                piece = following
-        else:
-            raw = read_small_file(file, listed)
-            group.append((name, raw))
-            size += len(raw)
-            if size >= chunk_bytes:
-                yield ("files", group, on_bad), (size, None)
-                group, size = [], 0
-    if group:
-        yield ("files", group, on_bad), (size, None)
-
-
-def _batched(items: Iterator, make, chunk_bytes: int, size_of) -> Iterator[tuple[tuple, tuple]]:
-    """Tasks of about `chunk_bytes` from a stream of records (hub datasets, pre-tokenized rows)."""
-    batch, size, first = [], 0, 0
-    for item in items:
-        batch.append(item)
-        size += size_of(item)
-        if size >= chunk_bytes:
-            yield make(first, batch), (len(batch), None)
-            first += len(batch)
-            batch, size = [], 0
-    if batch:
-        yield make(first, batch), (len(batch), None)
-
-
-def pretokenized_text(rows, name: str):
-    for i, ex in enumerate(rows):
-        if "input_ids" not in ex:
-            raise ELFError(f"{name}: record {i} has no column 'input_ids'; a pre-tokenized set needs one")
-        yield ex["input_ids"], ex.get("attention_mask")
-
-
-def pretokenized_pairs(rows, name: str):
-    for i, ex in enumerate(rows):
-        try:
-            yield ex["condition_input_ids"], ex["input_ids"]
-        except KeyError as e:
-            raise ELFError(f"{name}: record {i} has no column {e}; pre-tokenized pairs need "
-                           "'condition_input_ids' (source) and 'input_ids' (target)") from None
-
-
-def source_tasks(source, space, pairs: bool, fields, on_bad: str, split: str, max_documents, chunk_bytes: int,
-           cache_dir) -> tuple[Iterator, dict]:
-    """The tasks that read `source`, and what the manifest says about how it was read."""
-    name = str(source)
-    path = resolve_source(source, cache_dir)
-    rows = None
-    if is_t5_small(space) and (path is None or path.is_dir()):
-        rows = pretokenized_rows(source, split)
-    elif path is not None and is_saved_dataset(path):
-        raise ELFError(f"{name} is a saved `datasets` folder of the authors' pre-tokenized T5-small ids; prepare it "
-                       "with --space t5-small (or a folder of T5-small's tokenizer named t5-small)")
-    if rows is not None:
-        columns = set(getattr(rows, "column_names", None) or next(iter(rows)).keys())
-        if pairs != ("condition_input_ids" in columns):
-            raise ELFError(f"{name} holds pre-tokenized {'pairs' if not pairs else 'documents'}: "
-                           f"{'pass --source-length' if not pairs else 'leave out --source-length'} to read it")
-        recs = (pretokenized_pairs if pairs else pretokenized_text)(rows, name)
-        if max_documents is not None:
-            import itertools
-
-            recs = itertools.islice(recs, max_documents)
-        kind = "pair-ids" if pairs else "ids"
-        tasks = _batched(recs, lambda first, batch: (kind, batch), chunk_bytes,
-                         lambda r: 2 * (len(r[0]) + len(r[1] if pairs else [])))
-        return tasks, {"pretokenized": True, "unit": "doc"}
-    if path is not None and not pairs:
-        return _text_tasks(path, fields[0], on_bad, chunk_bytes), {"unit": "B", "total": sum(
-            f.stat().st_size for f in local_files(path))}
-    if path is not None and path.suffix == ".jsonl":
-        def jsonl_pairs():
-            for first, lines, n in _line_batches(path, chunk_bytes, on_bad):
-                yield ("pairs-jsonl", str(path), first, lines, fields, on_bad), (n, None)
-        return jsonl_pairs(), {"unit": "B", "total": path.stat().st_size}
-    if pairs:  # a hub pair set (or a clear error from read_pairs)
-        it = read_pairs(source, fields[0], fields[1], on_bad, split, max_documents)
-        return _batched(it, lambda first, b: ("pair-texts", first, b, name, on_bad), chunk_bytes,
-                        lambda p: len(p[0]) + len(p[1])), {"unit": "doc"}
-    it = read_documents(source, field=fields[0], on_bad=on_bad, split=split, max_documents=max_documents,
-                        cache_dir=cache_dir)
-    return _batched(it, lambda first, b: ("texts", first, b, name), chunk_bytes,
-                    lambda t: len(t) if isinstance(t, str) else 1), {"unit": "doc"}

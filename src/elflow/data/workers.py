@@ -12,15 +12,9 @@ import time
 from collections import deque
 from typing import Iterator
 
-import numpy as np
-
-from elflow.data.corpus import decode_text, field_text, jsonl_object, report_bad
-from elflow.data.sources import CUT_TEXT, WINDOW, cut_pieces
+from elflow.data.sources import WINDOW
 from elflow.util.errors import ELFError
 
-PIECE_CHARS = 1 << 16  # the length of the pieces a tokenizer call sees (cut before whitespace)
-RUN_CHARS = 1 << 20  # the longest piece: a run without whitespace longer than this is cut
-GROUP_CHARS = 1 << 18  # text per tokenizer call
 PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process gets when its parent ends
 PARENT_POLL = 1.0  # seconds between a worker's looks at its parent, where prctl is missing
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -40,109 +34,6 @@ def check_workers(workers: int) -> int:
         raise ELFError(f"--workers {workers} is more than the {cores} CPU core{'s' if cores > 1 else ''} this process "
                        f"may use; pass at most {cores} (leave it out to use them all)")
     return workers
-
-
-def _tokenize(space, texts: list[str], max_chars: int) -> list[np.ndarray]:
-    """Each text's ids followed by EOS. Texts are cut into pieces of about `max_chars` (at most PIECE_CHARS:
-    tokenizers are faster on pieces of tens of KB than on one long string; a run without whitespace is cut
-    every RUN_CHARS), and tokenized GROUP_CHARS at a time, which bounds the tokenizer's own memory."""
-    size = min(max_chars, PIECE_CHARS)
-    pieces, owner = [], []
-    for i, text in enumerate(texts):
-        for piece in cut_pieces(text, size, CUT_TEXT, RUN_CHARS) if len(text) > size else [text]:
-            pieces.append(piece)
-            owner.append(i)
-    ids, group, chars = [], [], 0
-    for piece in pieces + [None]:
-        if piece is None or (group and chars + len(piece) > GROUP_CHARS):
-            ids.extend(space.tokenize(group, eos=False) if group else [])
-            group, chars = [], 0
-        if piece is not None:
-            group.append(piece)
-            chars += len(piece)
-    out: list[list] = [[] for _ in texts]
-    for i, row in zip(owner, ids):
-        out[i].append(np.asarray(row, dtype=np.int64))
-    eos = np.asarray([space.eos_id], np.int64)
-    return [np.concatenate(parts + [eos]) for parts in out]
-
-
-def _document_ids(ids, eos_id: int, mask=None) -> np.ndarray:
-    """A pre-tokenized document's ids with exactly one EOS at the end: the real tokens (by `mask` when the
-    record has one), trailing EOS padding dropped."""
-    ids = np.asarray(ids, dtype=np.int64)
-    if mask is not None:
-        ids = ids[: int(np.asarray(mask).sum())]
-    real = np.flatnonzero(ids != eos_id)
-    end = int(real[-1]) + 1 if real.size else 0
-    return np.concatenate([ids[:end], np.asarray([eos_id], np.int64)])
-
-
-def _run_task(task: tuple, space, max_chars: int):
-    """One task's records: ("docs", [ids...]), ("piece", ids or None, nonblank) or ("pairs", [(src, tgt)...])."""
-    kind = task[0]
-    if kind == "jsonl":  # lines of a .jsonl file -> documents
-        _, path, first, lines, field, on_bad = task
-        texts = []
-        for k, raw in enumerate(lines):
-            obj = jsonl_object(raw, path, first + k, on_bad)
-            text = field_text(obj, field, path, first + k, on_bad) if obj is not None else None
-            if text is not None:
-                texts.append(text)
-        return "docs", _tokenize(space, texts, max_chars)
-    if kind == "files":  # whole .txt files -> documents
-        _, files, on_bad = task
-        texts = [t for t in (decode_text(raw, path, on_bad) for path, raw in files) if t is not None]
-        return "docs", _tokenize(space, texts, max_chars)
-    if kind == "piece":  # a piece of a large .txt file -> its ids, no EOS
-        _, path, first_line, raw, at_start, on_bad = task
-        text = decode_text(raw, path, on_bad, first_line, at_start, whole=False)
-        if text is None:
-            return "piece", None, False
-        return "piece", _tokenize(space, [text], max_chars)[0][:-1], bool(text.strip())
-    if kind == "texts":  # documents read from a hub dataset
-        _, first, texts, name = task
-        for k, text in enumerate(texts):
-            if not isinstance(text, str):
-                raise ELFError(f"{name}: record {first + k + 1} holds a {type(text).__name__}, not a string; "
-                               "choose the text field with --field")
-        return "docs", _tokenize(space, texts, max_chars)
-    if kind == "ids":  # pre-tokenized documents
-        _, rows = task
-        return "docs", [_document_ids(ids, space.eos_id, mask) for ids, mask in rows]
-    if kind == "pairs-jsonl":  # lines of a .jsonl of pairs
-        _, path, first, lines, fields, on_bad = task
-        pairs = []
-        for k, raw in enumerate(lines):
-            obj = jsonl_object(raw, path, first + k, on_bad)
-            src = field_text(obj, fields[0], path, first + k, on_bad, "--source-field") if obj is not None else None
-            tgt = field_text(obj, fields[1], path, first + k, on_bad, "--target-field") if src is not None else None
-            if src is not None and tgt is not None:
-                pairs.append((src, tgt))
-        return "pairs", _tokenize_pairs(space, pairs, max_chars)
-    if kind == "pair-texts":  # pairs read from a hub dataset
-        _, first, pairs, name, on_bad = task
-        kept = []
-        for k, (src, tgt) in enumerate(pairs):
-            if not isinstance(src, str) or not isinstance(tgt, str):
-                raise ELFError(f"{name}: record {first + k + 1} holds a {type(src).__name__} source and a "
-                               f"{type(tgt).__name__} target, not strings; choose the fields with --source-field "
-                               "and --target-field")
-            if not src.strip():
-                report_bad(on_bad, f"{name}: record {first + k + 1} has an empty source")
-                continue
-            kept.append((src, tgt))
-        return "pairs", _tokenize_pairs(space, kept, max_chars)
-    if kind == "pair-ids":  # pre-tokenized pairs
-        _, rows = task
-        return "pairs", [(np.asarray(s, np.int64), np.asarray(t, np.int64)) for s, t in rows]
-    raise ValueError(f"unknown task {kind!r}")
-
-
-def _tokenize_pairs(space, pairs, max_chars):
-    ids = _tokenize(space, [s for s, _ in pairs] + [t for _, t in pairs], max_chars)
-    n = len(pairs)
-    return [(ids[i][:-1], ids[n + i][:-1]) for i in range(n)]
 
 
 _WORKER = {}  # the forked workers' space and chunk size (inherited from the main process)
@@ -191,13 +82,13 @@ def _signals_held():
 
 def _in_worker(task):
     with contextlib.redirect_stderr(io.StringIO()) as err:  # warnings go back to the main process, in order
-        result = _run_task(task, _WORKER["space"], _WORKER["max_chars"])
+        result = task.run(_WORKER["space"], _WORKER["max_chars"])
     return result, err.getvalue()
 
 
 def _in_process(task, space, max_chars):
     with contextlib.redirect_stderr(io.StringIO()) as err:
-        result = _run_task(task, space, max_chars)
+        result = task.run(space, max_chars)
     return result, err.getvalue()
 
 

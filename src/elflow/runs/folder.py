@@ -73,7 +73,10 @@ class RunFolder:
 
 def check_run_dir(out: Path, cfg: TrainConfig, resume: bool, overwrite: bool, device=None) -> None:
     """What --resume / --overwrite may do with the folder as it is; the folder is not changed here. `device`:
-    where the run resumes (a stored dtype "auto" is read as what it picks there)."""
+    where the run resumes (a stored dtype "auto" is read as what it picks there). A new run may not be written
+    inside its --init-from run (`check_not_inside`)."""
+    if cfg.init_from and not resume:
+        check_not_inside(out, cfg.init_from, "--init-from")
     ours = {FolderLock.NAME, REPLACED, DECODER_STAGE}
     if not (out / "run.json").exists() and not in_first_stage(out):
         if resume:

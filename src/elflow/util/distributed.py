@@ -123,3 +123,24 @@ def peer_lost(e: BaseException) -> str:
     if not any(w in text.lower() for w in _PEER_WORDS):
         return ""
     return f"another rank of this torchrun group died ({text.split('] ', 1)[-1].split('. ')[0]})"
+
+
+def raise_if_peer_lost(e: BaseException, world: int, rank: int, resume_command: str) -> None:
+    """ELFError (one line on the surviving ranks) when `e` is a collective's failure because another rank of
+    the group died, naming the command that resumes the run; nothing for any other error."""
+    lost = peer_lost(e) if world > 1 else ""
+    if lost:
+        raise ELFError(f"rank {rank}: {lost}; this rank stops too. The run resumes from its last checkpoint "
+                       f"with `{resume_command}` (on any number of ranks)") from None
+
+
+def destroy_group(ok: bool) -> None:
+    """Tear the process group down; a group whose peer died has nothing left to tear down, which only a run
+    that ended well (`ok`) reports."""
+    import torch.distributed as dist
+
+    try:
+        dist.destroy_process_group()
+    except RuntimeError:
+        if ok:
+            raise
