@@ -334,7 +334,8 @@ class TrainConfig(Record):
 # named presets of settings: (values, settings derived from the others unless given)
 RUN_PRESETS: dict[str, tuple[dict, dict]] = {
     # `elflow quickstart`: the demo network on the built-in corpus for a few minutes on a CPU: a random table
-    # over MiniLM's tokenizer, lr 3e-3, EMA 0.95, and the network's options for short runs (elflow.model.ShortRunOptions)
+    # over MiniLM's tokenizer, lr 3e-3, EMA 0.95, and the network's options for short runs
+    # (elflow.model.ShortRunOptions)
     "quickstart": (
         dict(preset="demo", data="builtin", space="random-table:minilm", length=64, batch=32, steps=250, lr=3e-3,
              warmup=50, ema_decay=0.95, adam_heads=True, dtype="auto", log_every=10, keep=2, sample_sampler="vc",

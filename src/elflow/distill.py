@@ -51,7 +51,8 @@ MANIFEST = "distill.json"
 
 
 # settings a resumed distillation must share with the stored one
-SAME_ON_RESUME = ("preset", "model", "short_run", "data", "space", "latent_std", "length", "layout", "batch", "steps", "epochs",
+SAME_ON_RESUME = ("preset", "model", "short_run", "data", "space", "latent_std", "length", "layout", "batch", "steps",
+                  "epochs",
                   "seed", "lr", "ema_decay", "warmup_frac")
 
 

@@ -20,7 +20,8 @@ from elflow.util.files import disk_full
 
 # name -> (module, one-line help). Order is the order shown by `elflow --help`.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "quickstart": ("elflow.cli.quickstart", "the offline default: fetch the corpus, train the demo model, sample and report"),
+    "quickstart": ("elflow.cli.quickstart",
+                   "the offline default: fetch the corpus, train the demo model, sample and report"),
     "prepare": ("elflow.cli.prepare", "tokenize a corpus once into a memory-mapped token store (train --data STORE)"),
     "train": ("elflow.cli.train", "train an ELF model, or an AR / MDLM baseline (alone or under torchrun)"),
     "sample": ("elflow.cli.sample", "generate text from a run, a checkpoint or a released model"),

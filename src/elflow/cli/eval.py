@@ -128,7 +128,8 @@ def add_arguments(p) -> None:
     s.add_argument("--out", default=None, help="folder for the samples and the report")
     s.add_argument("--encoder", default=None,
                    help="T5 encoder folder or hub id for the authors' checkpoints (default t5-small)")
-    o.add_argument("--overwrite", action="store_true", help="replace an existing report (and samples with --checkpoint)")
+    o.add_argument("--overwrite", action="store_true",
+                   help="replace an existing report (and samples with --checkpoint)")
     g.add_argument("--heldout", action=argparse.BooleanOptionalAction, default=True,
                    help="also judge as many rows of the held-out split of the data the model was trained on (an "
                         "elflow run's; cached per judge and data) and print them beside the samples' figures "
@@ -406,7 +407,8 @@ def _sample_and_judge(args, loaded, space, settings, seeds, out, report_path, t0
     ppl, ppl_se = mean_and_stderr([r["gen_ppl"] for r in per_seed])
     ent, ent_se = mean_and_stderr([r["entropy"] for r in per_seed])
     report = {"gen_ppl": ppl, "gen_ppl_stderr": ppl_se, "entropy": ent, "entropy_stderr": ent_se,
-              "num_samples": sum(r["num_samples"] for r in per_seed), "num_empty": sum(r["num_empty"] for r in per_seed),
+              "num_samples": sum(r["num_samples"] for r in per_seed),
+              "num_empty": sum(r["num_empty"] for r in per_seed),
               "num_tokens": sum(r["num_tokens"] for r in per_seed), "num_seeds": len(per_seed), **_settings(args),
               "checkpoint": str(args.checkpoint), "method": loaded.method, "num": args.num, "length": args.length,
               **settings.to_dict(),

@@ -36,7 +36,8 @@ def add_arguments(p) -> None:
     p.add_argument("--judge-dtype", choices=("fp32", "bf16"), default="fp32", help="judge precision")
     p.add_argument("--batch-size", type=int, default=8, help="judge batch size")
     p.add_argument("--gen-batch-size", type=int, default=8, help="sampling batch size")
-    p.add_argument("--protocol", choices=("elf", "elf-official", "mdlm"), default="elf", help="counting rules (see elflow eval --help)")
+    p.add_argument("--protocol", choices=("elf", "elf-official", "mdlm"), default="elf",
+                   help="counting rules (see elflow eval --help)")
     p.add_argument("--mauve", action="store_true",
                    help="also MAUVE of each cell's samples against real text (--references, else --num held-out rows "
                         "of the run's training data), a column of sweep.csv")

@@ -168,7 +168,8 @@ def generative_perplexity(texts: Iterable[str], model, tokenizer, batch_size: in
     if eos is None:
         raise ELFError("the judge tokenizer has no EOS token; the protocol pads with EOS")
     max_length = int(max_length or judge_context(model, tokenizer))
-    encoded = tokenizer([t for t in texts if t], add_special_tokens=False, verbose=False)["input_ids"] if any(texts) else []
+    kept = [t for t in texts if t]
+    encoded = tokenizer(kept, add_special_tokens=False, verbose=False)["input_ids"] if kept else []
     num_truncated = sum(len(x) > max_length for x in encoded)
     seqs = [x[:max_length] for x in encoded if len(x) > 0]
     num_empty = len(texts) - len(seqs)

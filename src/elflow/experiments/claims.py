@@ -91,7 +91,8 @@ _OPTIONS = dict(RUN_PRESETS["quickstart"][0]["short_run"])
 _PLAIN = {"short_run": {**_OPTIONS, "skip": "none"}}  # v and eps heads: no Gaussian skip
 
 
-_NO_TABLE = {"short_run": {**_OPTIONS, "table_readout": 0.0}}  # no fixed table to read out by (an encoder, a trained table)
+# no fixed table to read out by (an encoder, a trained table)
+_NO_TABLE = {"short_run": {**_OPTIONS, "table_readout": 0.0}}
 
 
 _ADALN = {"short_run": {**_OPTIONS, "head_modulation": False}}  # adaLN modulates the head itself
@@ -324,9 +325,10 @@ class Harness:
             atomic_write_json(held, report)
         method = get_method(loaded.method)
         settings = method.settings(loaded, seed=seed, batch_size=16, **variant.sampling)
-        _, scores = sample_and_score(method, loaded.net, space, self.num, settings,
-                                     lambda texts: judge_texts(texts, self.vocab, judge, self.mauve), folder / "samples" /
-                                     f"{key}.jsonl", {"variant": variant.name}, cfg.length)
+        _, scores = sample_and_score(
+            method, loaded.net, space, self.num, settings,
+            lambda texts: judge_texts(texts, self.vocab, judge, self.mauve),
+            folder / "samples" / f"{key}.jsonl", {"variant": variant.name}, cfg.length)
         figures = {"loss": report["model_loss"], "decode_acc": report["decode_accuracy"]["p=1.0"],
                    "gen_ppl": scores.get("gen_ppl", math.nan), "entropy": scores.get("judge_entropy", math.nan),
                    "corpus_words": scores.get("corpus_word_share", math.nan), "mauve": scores.get("mauve", math.nan),
@@ -415,7 +417,8 @@ def format_markdown(report: dict) -> str:
                     shown.append(item)
         verdicts = "; ".join(f"{f['finding']}: {f['verdict']}" for f in c["findings"])
         mauve = "; ".join(f"{name} {_cell(v.get('mauve', (None, None)))}" for name, v in c["variants"].items())
-        lines.append(f"| {c['title']} | {c['paper']} | {'; '.join(shown)} | {mauve} | **{c['verdict']}** ({verdicts}) |")
+        lines.append(f"| {c['title']} | {c['paper']} | {'; '.join(shown)} | {mauve} | **{c['verdict']}** "
+                     f"({verdicts}) |")
     return "\n".join(lines) + "\n"
 
 

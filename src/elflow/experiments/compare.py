@@ -136,7 +136,8 @@ def compare(cfg, out, steps: int | None = None, minutes: float | None = None, nu
     if steps is None and minutes is None:
         minutes = DEFAULT_MINUTES
     if steps is not None and steps < 1 or minutes is not None and not (math.isfinite(minutes) and minutes > 0):
-        raise ELFError(f"the budget must be positive, got {'--steps ' + str(steps) if steps is not None else '--minutes ' + str(minutes)}")
+        given = f"--steps {steps}" if steps is not None else f"--minutes {minutes}"
+        raise ELFError(f"the budget must be positive, got {given}")
     if num < 1:
         raise ELFError(f"--num must be >= 1, got {num}")
     out = check_output(out, folder=True)
@@ -228,7 +229,8 @@ def format_table(rows: list[dict], info: dict, budget: dict | None = None) -> st
         cells = []
         for k, _, fmt in cols:
             v = r.get(k)
-            cells.append(f"{fmt.format(v) if v is not None and not (isinstance(v, float) and math.isnan(v)) else '-':>14}")
+            missing = v is None or (isinstance(v, float) and math.isnan(v))
+            cells.append(f"{'-' if missing else fmt.format(v):>14}")
         lines.append(f"{r['method']:<15}{r['setting']:<{width}}" + "".join(cells))
     lines.append("")
     if budget:

@@ -179,8 +179,9 @@ def conditional_report(run_dir, held: list[tuple[str, str]], num: int, steps: in
     t0 = time.perf_counter()
     for name, guidance in (("source dropped (guidance 0)", 0.0), ("guidance 1", 1.0), ("guidance 2", 2.0)):
         settings = settings_for(loaded, steps=steps, guidance=guidance, seed=seed, batch_size=32)
+        samples_file = run_dir / f"samples_guidance{guidance:g}.jsonl"
         records, score = sample_and_score(get_method(loaded.method), loaded.net, space, len(sources), settings,
-                                          lambda texts: bleu(texts, refs), run_dir / f"samples_guidance{guidance:g}.jsonl",
+                                          lambda texts: bleu(texts, refs), samples_file,
                                           references=refs, sources=sources,
                                           source_length=loaded.settings["source_length"], progress=True,
                                           source_slot=loaded.settings.get("source_slot", "packed"))

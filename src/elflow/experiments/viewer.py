@@ -217,7 +217,8 @@ _SCRIPT = r"""
       const pair = el("div", "pair");
       for (const [name, value] of [["source", sample.source], ["reference", sample.reference]]) {
         const d = el("div", name);
-        d.append(el("span", "label", name), document.createTextNode(value === undefined || value === null ? "(none)" : value));
+        const shown = value === undefined || value === null ? "(none)" : value;
+        d.append(el("span", "label", name), document.createTextNode(shown));
         pair.append(d);
       }
       box.append(pair);
@@ -313,7 +314,8 @@ def _finite(obj):
 def _inline_json(obj) -> str:
     """Strict JSON (a non-finite number as null) safe inside a <script> element: no '<', '>' or '&' can end
     it or open a comment."""
-    return json.dumps(_finite(obj), ensure_ascii=False, allow_nan=False).replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+    text = json.dumps(_finite(obj), ensure_ascii=False, allow_nan=False)
+    return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
 
 
 def render_page(doc: dict, title: str | None = None) -> str:

@@ -50,7 +50,8 @@ class TokenTransformer(nn.Module):
         if config.tie_embeddings and out_vocab > in_vocab:
             raise ValueError(f"a tied read-out needs out_vocab <= in_vocab, got {out_vocab} > {in_vocab}")
         if torch.get_default_device().type != "meta":  # (built on meta: only counted)
-            what = ", ".join(f"{k} {getattr(config, k)}" for k in ("depth", "hidden", "heads", "vocab_size", "max_length"))
+            sizes = ("depth", "hidden", "heads", "vocab_size", "max_length")
+            what = ", ".join(f"{k} {getattr(config, k)}" for k in sizes)
             check_memory(4 * token_lm_params(config, in_vocab, out_vocab), f"a network of {what}",
                          hint="choose a smaller --depth / --hidden / --length (or check the stored config)")
         self.config = c = config

@@ -128,7 +128,8 @@ LOSS_NAMES = {"loss": "total", "loss_denoise": "denoising (v-space MSE)", "loss_
               "loss_per_token": "next-token / masked-token cross-entropy"}
 
 
-LEGEND_BELOW = dict(fontsize=9, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, frameon=False)  # off the curves
+# a legend below the axes, off the curves
+LEGEND_BELOW = dict(fontsize=9, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, frameon=False)
 
 
 # the values a log axis is labelled with, per decade, from the sparsest set to the densest
@@ -261,5 +262,6 @@ def describe_start(setup) -> str:
         why = (" (this CPU has native bf16 matmuls; --dtype fp32 for full precision)" if setup.dtype == "bf16"
                else " (this CPU has no native bf16 matmuls)" if not fast_bf16(setup.device) else "")
     ranks = f" x {setup.world} ranks" if setup.world > 1 else ""
-    return (f"training {setup.method.title} ({setup.params['model']:,} parameters) on {device_name(setup.device)}{ranks}, "
+    return (f"training {setup.method.title} ({setup.params['model']:,} parameters) on "
+            f"{device_name(setup.device)}{ranks}, "
             f"precision {setup.dtype}{why}")

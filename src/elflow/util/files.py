@@ -178,7 +178,8 @@ def utf8_lines(path: str | os.PathLike) -> list[str]:
     except UnicodeDecodeError as e:
         line = data.count(b"\n", 0, e.start) + 1
         raise ELFError(f"{path}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); elflow reads "
-                       "UTF-8: convert the file (iconv -f latin1 -t utf-8), or pass a text file, not a binary one") from None
+                       "UTF-8: convert the file (iconv -f latin1 -t utf-8), or pass a text file, not a binary "
+                       "one") from None
     lines = text.split("\n")
     if lines and lines[-1] == "":
         lines.pop()
