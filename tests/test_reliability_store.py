@@ -446,7 +446,14 @@ def _slow_prepare(tmp_path, out, log, *flags, delay=0.3, session=False):
             % ([str(ROOT / "src"), str(ROOT / "tests")], delay, str(log),
                ["prepare", str(src), "--space", "minilm", "--out", str(out), "--quiet", *flags]))
     return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=session)
+                            start_new_session=session, preexec_fn=_default_signals)
+
+
+def _default_signals() -> None:
+    """SIGINT and SIGTERM at their defaults in a child, as in a terminal: a test run in the background (a shell
+    job, some CI runners) inherits SIGINT ignored, and a Python started so never sees Ctrl-C."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
 
 
 def _workers_of(proc, log, count: int = 2) -> set:
@@ -517,11 +524,19 @@ def test_workers_ignore_sigint_and_sigterm_and_die_with_their_parent(monkeypatch
 
     monkeypatch.setattr(workers_mod, "available_cores", lambda: 2)
     tasks = [(TextFiles([(f"f{i}.txt", b"some text")], "stop"), (9, None)) for i in range(8)]
-    rows = [result.ids[0][:-1].tolist() for _, (result, _) in
-            workers_mod.ordered_results(iter(tasks), DispositionSpace(), 2, 1 << 20)]
+    # handlers of our own in this process (a test run in the background may start with SIGINT ignored), so that
+    # a worker that ignores them did so itself
+    before = {sig: signal.signal(sig, signal.default_int_handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        rows = [result.ids[0][:-1].tolist() for _, (result, _) in
+                workers_mod.ordered_results(iter(tasks), DispositionSpace(), 2, 1 << 20)]
+        # this process keeps its handlers
+        assert all(signal.getsignal(sig) is signal.default_int_handler for sig in before)
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
     assert {r[3] for r in rows} - {os.getpid()}  # tokenized in worker processes
     assert all(r[:3] == [1, 1, signal.SIGKILL] for r in rows if r[3] != os.getpid())
-    assert signal.getsignal(signal.SIGINT) != signal.SIG_IGN  # this process keeps its handlers
 
 
 def test_sigint_to_the_group_leaves_the_workers_silent(tmp_path, store):
