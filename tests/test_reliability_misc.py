@@ -353,6 +353,7 @@ def test_an_error_under_an_open_progress_bar_starts_its_own_line(capsys, monkeyp
     assert err.endswith("elflow toy: error: it broke\n")  # the bar is not drawn again after the error
 
 
+@pytest.mark.slow
 def test_a_resumed_runs_metrics_equal_the_uninterrupted_ones_but_timing(tmp_path, tiny_t5_dir, tiny_corpus_file,
                                                                         cache):
     """Logging every 2 steps, a checkpoint every 3: step 3 is logged (a checkpoint's step is a logging step), so
@@ -432,6 +433,7 @@ def killed(tmp_path_factory, tiny_t5_dir, tiny_corpus_file, cache):
     return full, cut, err
 
 
+@pytest.mark.slow
 def test_a_killed_rank_is_one_line_on_the_others_and_the_run_resumes(killed, tmp_path):
     full, cut, err = killed
     assert "[rank0]" not in err and "Connection closed by peer" not in err.replace("(Connection closed by peer", "")
@@ -454,6 +456,7 @@ def test_a_killed_rank_is_one_line_on_the_others_and_the_run_resumes(killed, tmp
     assert _untimed(two / "metrics.jsonl") == _untimed(full / "metrics.jsonl")
 
 
+@pytest.mark.slow
 def test_a_resume_on_another_number_of_ranks_differs_by_summation_order_only(killed, tmp_path):
     """Resumed on one process: the same data and noise, but the gradients of the four micro-batches of a step
     are summed in another order (one process adds them in turn, two ranks add two each and Gloo adds the

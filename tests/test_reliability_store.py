@@ -482,6 +482,7 @@ def _gone(pids, within: float = 20.0) -> bool:
     return not any(_alive(p) for p in pids)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("existing", [True, False], ids=["overwrite", "new-folder"])
 def test_sigterm_stops_prepare_and_says_what_became_of_the_folder(tmp_path, store, existing):
     out = store if existing else tmp_path / "new"
@@ -539,6 +540,7 @@ def test_workers_ignore_sigint_and_sigterm_and_die_with_their_parent(monkeypatch
     assert all(r[:3] == [1, 1, signal.SIGKILL] for r in rows if r[3] != os.getpid())
 
 
+@pytest.mark.slow
 def test_sigint_to_the_group_leaves_the_workers_silent(tmp_path, store):
     before = snapshot(store)
     log = tmp_path / "calls.log"

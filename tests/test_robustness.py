@@ -1081,7 +1081,11 @@ STATE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("command,setup,needles", [c[1:] for c in STATE_CASES], ids=[c[0] for c in STATE_CASES])
+SLOW_STATE_CASES = {"sample-length-beyond-memory"}  # (it sizes a 10-million-position sampling)
+
+
+@pytest.mark.parametrize("command,setup,needles", [
+    pytest.param(*c[1:], id=c[0], marks=pytest.mark.slow if c[0] in SLOW_STATE_CASES else ()) for c in STATE_CASES])
 def test_bad_run_state_seeds_sizes_and_encodings_are_one_line(capsys, tmp_path, trained, tiny_t5_dir,
                                                                tiny_corpus_file, cache, monkeypatch, command, setup,
                                                                needles):

@@ -56,6 +56,7 @@ def test_without_wandb_installed_the_flag_is_one_line(tmp_path, tiny_t5_dir, tin
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_wandb_dir_decides_where_wandbs_files_go_and_resume_still_continues_the_run(tmp_path, tiny_t5_dir,
                                                                                      tiny_corpus_file, monkeypatch):
     """W&B's own convention: WANDB_DIR, where set, holds its files (scratch on a cluster); the run folder keeps
