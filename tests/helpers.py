@@ -55,6 +55,19 @@ class SlowSpace(CharSpace):
         return super().tokenize(texts, eos)
 
 
+def assert_one_error(code, err, command, *needles):
+    """The command failed with exit 2 and printed exactly one line, its own error, holding every needle; returns
+    that line."""
+    assert code == 2, err
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"elflow {command}: error: "), lines[0]
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+    return lines[0]
+
+
 def reference_dir(*names: str) -> Path:
     """tests/reference, after checking that it holds `names` (the authors' reference vectors: README there).
     Usable at module level: a missing file skips the module with a reason that strict runs refuse."""

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import CharSpace, fill, small_tmpfs
+from helpers import CharSpace, assert_one_error, fill, small_tmpfs
 
 from elflow.cli import main
 from elflow.data import corpus, sources
@@ -36,17 +36,6 @@ def cli(capsys, args):
     except SystemExit as e:
         code = e.code
     return code, capsys.readouterr().err
-
-
-def one_error(code, err, command, *needles):
-    assert code == 2, err
-    assert "Traceback" not in err
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1, err
-    assert lines[0].startswith(f"elflow {command}: error: "), lines[0]
-    for n in needles:
-        assert n in lines[0], (n, lines[0])
-    return lines[0]
 
 
 def snapshot(root: Path) -> dict:
@@ -149,7 +138,7 @@ def test_prepare_refuses_a_source_in_one_line_and_writes_nothing(tmp_path, space
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     r = subprocess.run([sys.executable, "-m", "elflow.cli", "prepare", str(source), "--space", space_flag, "--out",
                         str(out), *flags], env=env, capture_output=True, text=True, timeout=120)
-    one_error(r.returncode, r.stderr, "prepare", *needles)
+    assert_one_error(r.returncode, r.stderr, "prepare", *needles)
     assert not out.exists()
 
 
@@ -158,7 +147,7 @@ def test_prepare_refuses_a_source_in_one_line_and_writes_nothing(tmp_path, space
                          ids=["dev-zero", "fifo", "folder-of-a-link-to-dev-zero"])
 def test_train_data_that_is_not_a_regular_file_is_one_line(capsys, tmp_path, space_flag, make, needle):
     code, err = cli(capsys, train_args(make(tmp_path), tmp_path / "run", space_flag, tmp_path / "cache"))
-    one_error(code, err, "train", needle)
+    assert_one_error(code, err, "train", needle)
     assert not (tmp_path / "run").exists() and not (tmp_path / "cache" / "stores").exists()
 
 
@@ -253,7 +242,7 @@ def test_train_on_a_damaged_store_is_one_line_and_writes_no_run(capsys, tmp_path
     before = snapshot(folder)
     extra = ["--source-length", "4"] if which == "pairs" else []
     code, err = cli(capsys, train_args(folder, tmp_path / "r_s02", space_flag, tmp_path / "cache", *extra))
-    line = one_error(code, err, "train", str(folder), *needles)
+    line = assert_one_error(code, err, "train", str(folder), *needles)
     assert "--overwrite" in line
     assert not (tmp_path / "r_s02").exists()  # nothing written, not even run.json
     assert snapshot(folder) == before
@@ -317,7 +306,7 @@ def test_resume_on_a_changed_store_is_refused_naming_it(capsys, tmp_path, space_
         assert main(["prepare", str(src), "--space", space_flag, "--out", str(store), "--overwrite", "--quiet"]) == 0
     before = snapshot(run_on_store)
     code, err = cli(capsys, _resume(run_on_store, tmp_path / "cache"))
-    one_error(code, err, "train", str(store), *needles)
+    assert_one_error(code, err, "train", str(store), *needles)
     assert snapshot(run_on_store) == before
 
 
@@ -337,7 +326,7 @@ def test_a_checkpoint_saved_before_stores_were_recorded_resumes(capsys, tmp_path
 
 def test_init_from_a_store_says_it_is_a_store(capsys, tmp_path, space_flag, store):
     code, err = cli(capsys, train_args(store, tmp_path / "run", space_flag, tmp_path / "cache", "--init-from", store))
-    one_error(code, err, "train", f"{store} is a token store", "not a run")
+    assert_one_error(code, err, "train", f"{store} is a token store", "not a run")
     assert not (tmp_path / "run").exists()
 
 
@@ -352,7 +341,7 @@ def test_a_bad_source_during_overwrite_keeps_the_old_store_and_the_users_files(c
     (mixed / "b.txt").write_bytes("caf\u00e9 au lait\n".encode("latin-1"))
     before = snapshot(store)
     code, err = cli(capsys, ["prepare", mixed, "--space", space_flag, "--out", store, "--overwrite", "--quiet"])
-    one_error(code, err, "prepare", "b.txt is not valid UTF-8")
+    assert_one_error(code, err, "prepare", "b.txt is not valid UTF-8")
     assert snapshot(store) == before
 
 
@@ -402,11 +391,11 @@ def test_a_full_disk_during_overwrite_keeps_the_old_store(capsys, tmp_path, spac
     fill(small_fs, leave=64 << 10)
     code, err = cli(capsys, ["prepare", tmp_path / "big.txt", "--space", space_flag, "--out", st, "--overwrite",
                              "--workers", "1", "--quiet"])
-    one_error(code, err, "prepare", f"no space left on the device of {st}", f"the store in {st} was kept as it was")
+    assert_one_error(code, err, "prepare", f"no space left on the device of {st}", f"the store in {st} was kept as it was")
     assert snapshot(st) == before
     code, err = cli(capsys, ["prepare", tmp_path / "big.txt", "--space", space_flag, "--out", small_fs / "new",
                              "--quiet"])
-    one_error(code, err, "prepare", "no space left", f"nothing was kept: {small_fs / 'new'}, which this prepare had "
+    assert_one_error(code, err, "prepare", "no space left", f"nothing was kept: {small_fs / 'new'}, which this prepare had "
                                                      "made, was removed")
     assert not (small_fs / "new").exists()
 
@@ -415,7 +404,7 @@ def test_a_full_cache_is_named_as_the_cache(capsys, tmp_path, space_flag, small_
     (tmp_path / "big.txt").write_text(words(200000))
     fill(small_fs, leave=64 << 10)
     code, err = cli(capsys, train_args(tmp_path / "big.txt", tmp_path / "run", space_flag, small_fs / "cache"))
-    line = one_error(code, err, "train", "no space left", "choose another cache folder than", "--cache-dir or "
+    line = assert_one_error(code, err, "train", "no space left", "choose another cache folder than", "--cache-dir or "
                      "ELFLOW_CACHE")
     assert "--out" not in line and not (tmp_path / "run").exists()
 
@@ -426,7 +415,7 @@ def test_a_read_only_cache_is_one_line_naming_it(capsys, tmp_path, space_flag, s
     if r.returncode != 0:
         pytest.skip(f"cannot remount the tmpfs read-only ({r.stderr.strip()})")
     code, err = cli(capsys, train_args(_corpus(tmp_path), tmp_path / "run", space_flag, small_fs / "cache"))
-    one_error(code, err, "train", f"the cache folder {small_fs / 'cache'} cannot be written (Read-only file system)",
+    assert_one_error(code, err, "train", f"the cache folder {small_fs / 'cache'} cannot be written (Read-only file system)",
               "--cache-dir or ELFLOW_CACHE")
     assert not (tmp_path / "run").exists()
 

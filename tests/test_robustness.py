@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import checkpoint_weights, fill, small_tmpfs, tiny_config
+from helpers import assert_one_error, checkpoint_weights, fill, small_tmpfs, tiny_config
 from safetensors.torch import load_file
 
 from elflow.cli import main
@@ -35,17 +35,6 @@ def cli(capsys, args):
         code = e.code
     out, err = capsys.readouterr()
     return code, out, err
-
-
-def assert_one_error(code, err, command, *needles):
-    assert code == 2, err
-    assert "Traceback" not in err
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1, err
-    assert lines[0].startswith(f"elflow {command}: error: "), lines[0]
-    for n in needles:
-        assert n in lines[0], (n, lines[0])
-    return lines[0]
 
 
 def snapshot(root: Path) -> dict:

@@ -80,16 +80,14 @@ def _signals_held():
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
-def _in_worker(task):
-    with contextlib.redirect_stderr(io.StringIO()) as err:  # warnings go back to the main process, in order
-        result = task.run(_WORKER["space"], _WORKER["max_chars"])
-    return result, err.getvalue()
-
-
 def _in_process(task, space, max_chars):
-    with contextlib.redirect_stderr(io.StringIO()) as err:
+    with contextlib.redirect_stderr(io.StringIO()) as err:  # warnings go back to the main process, in order
         result = task.run(space, max_chars)
     return result, err.getvalue()
+
+
+def _in_worker(task):
+    return _in_process(task, _WORKER["space"], _WORKER["max_chars"])
 
 
 def ordered_results(tasks: Iterator, space, workers: int, max_chars: int) -> Iterator:
