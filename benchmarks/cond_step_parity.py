@@ -11,13 +11,15 @@ them, each as the largest absolute difference (and, for tensors, relative to the
     terms     per-token v-MSE (denoise rows) and cross-entropy (decode rows) at the scored positions
     loss      the step's loss
     grads     the gradient of every parameter, by optimiser group (Muon: 2-D, Adam: the rest)
-    update    the first optimiser step of every Muon parameter from the same gradient (elflow's; lr 1e-3;
-              see `elflow_updates`), with the ratio of the two steps' norms
+    update    the first optimiser step of every parameter from the same gradient (elflow's default update
+              against the released optimiser re-written in tests/authors_cond_step.py; lr 1e-3; see
+              `elflow_updates`), Muon and Adam groups both, with the ratio of the two steps' norms
 
 The first term whose relative difference exceeds its tolerance is printed as the first difference: 1e-4 for
 every term up to the gradients (fp32 against fp32, the same operations in other orders), 1e-3 for the
 steps (five fp32 Newton-Schulz iterations amplify rounding in a matrix's small singular directions: two
-evaluations of the same step, torch's `addmm` chain and a plain one, differ by up to 2e-4 here).
+evaluations of the same step, an `addmm` chain and a plain one, differ by up to 2e-4 here; an Adam step of
+1e-3 read as the difference of two fp32 weights near 1 keeps about 1e-4 of it).
 
     PYTHONPATH=src python benchmarks/cond_step_parity.py            # the demo network, L 48, source 24, B 32
     PYTHONPATH=src python benchmarks/cond_step_parity.py --quick    # the tiny network, seconds
@@ -34,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from authors_cond_step import authors_cond_loss, muon_update  # noqa: E402
+from authors_cond_step import authors_cond_loss, released_first_step  # noqa: E402
 
 from elflow import flow  # noqa: E402
 from elflow.flow import Recipe, draw_training_noise, elf_loss
@@ -108,9 +110,9 @@ def diff(a: torch.Tensor, b: torch.Tensor) -> dict:
     return {"abs": abs_, "rel": abs_ / scale}
 
 
-def elflow_updates(net, grads, muon_names):
-    """The first step of elflow's optimiser (ELFOptimizer, Muon on the 2-D parameters, Newton-Schulz iterated
-    in fp32 as the released optimiser runs it) from `grads`: {name: before - after} for the Muon parameters.
+def elflow_updates(net, grads):
+    """The first step of elflow's optimiser (ELFOptimizer's default update, Newton-Schulz iterated in fp32 as
+    the released optimiser runs it) from `grads`: {name: before - after} for every parameter.
     The gradients are not clipped: clipping scales them all by one factor, to which Muon's step is blind but
     for its eps (1e-7 on the norm of a matrix, a share 1e-3 of the smallest clipped norms here, which Newton-
     Schulz then amplifies in the small singular directions), so a clipped comparison would measure the two
@@ -118,9 +120,9 @@ def elflow_updates(net, grads, muon_names):
     for n, p in net.named_parameters():
         p.grad = grads[n].clone()
     before = {n: p.detach().clone() for n, p in net.named_parameters()}
-    opt = ELFOptimizer(list(net.named_parameters()), lr=LR, ns_dtype=torch.float32, ns_method="iterate")
+    opt = ELFOptimizer(list(net.named_parameters()), lr=LR, ns_method="iterate")
     opt.step()
-    out = {n: before[n] - p.detach() for n, p in net.named_parameters() if n in muon_names}
+    out = {n: before[n] - p.detach() for n, p in net.named_parameters()}
     with torch.no_grad():
         for n, p in net.named_parameters():
             p.copy_(before[n])
@@ -159,12 +161,13 @@ def compare(quick: bool, seed: int) -> dict:
         for n in names:
             add(f"grad [{group}] {n}", g_e[n], g_a[n])
 
-    upd_e = elflow_updates(net, g_e, set(opt.muon_names))
-    for n in opt.muon_names:
-        upd_a = muon_update(n, g_e[n], LR)  # the same gradient: the optimiser alone
-        r = diff(upd_e[n], upd_a)
-        ratio = (upd_e[n].norm() / upd_a.norm()).item()
-        rows.append({"term": f"update [Muon] {n}", **r, "norm_ratio": ratio, "tol": TOL_UPDATE})
+    upd_e = elflow_updates(net, g_e)
+    for group, names in (("Muon", opt.muon_names), ("Adam", opt.adam_names)):
+        for n in names:
+            upd_a = released_first_step(n, g_e[n], LR)  # the same gradient: the optimiser alone
+            r = diff(upd_e[n], upd_a)
+            ratio = (upd_e[n].norm() / upd_a.norm()).item()
+            rows.append({"term": f"update [{group}] {n}", **r, "norm_ratio": ratio, "tol": TOL_UPDATE})
 
     first = next((r for r in rows if r["rel"] > r.get("tol", TOL)), None)
     return {"quick": quick, "seed": seed, "rows": d.decode.numel(), "decode_rows": int(dec.sum()),

@@ -15,11 +15,12 @@ The released step, per example (decode rows: `d.decode`):
     loss     (sum of the v-MSE over the denoise rows' scored positions + sum of the cross-entropy over the
              decode rows' scored positions) / (scored positions of the batch); scored = not source (and valid)
 
-Their optimiser (`muon_update`): Muon on every 2-D parameter as they store it (Nesterov momentum 0.95, five
-Newton-Schulz steps in fp32, the step scaled by sqrt(max(1, rows / columns)) of the stored matrix). They
-store the decode head's two matrices as (in, out) kernels (`proj_kernel` (H, C), `unembed_kernel` (C, V)),
-the transposes of elflow's nn.Linear weights (`AUTHORS_TRANSPOSED`; their optimiser state holds them so,
-tests/reference/checkpoint_7); every other matrix is stored as elflow stores it.
+Their optimiser (`released_first_step`): Muon on every 2-D parameter as they store it (bias-corrected Nesterov
+momentum 0.95, five Newton-Schulz steps in fp32 from G / (|G| + 1e-8), the step scaled by sqrt(max(1,
+fan_out / fan_in))), Nesterov-Adam on the rest. They store the decode head's two matrices as (in, out) kernels
+(`proj_kernel` (H, C), `unembed_kernel` (C, V)), the transposes of elflow's nn.Linear weights
+(`AUTHORS_TRANSPOSED`; their optimiser state holds them so, tests/reference/checkpoint_7), and read those
+kernels' fans accordingly; every other matrix is stored as elflow stores it.
 """
 
 from __future__ import annotations
@@ -109,18 +110,17 @@ def authors_cond_loss(net, x, tokens, known, d, recipe, valid=None, record=None)
 
 
 # ---------------------------------------------------------------------------------------------------------
-# the optimiser's 2-D step
+# the optimiser's step
 
 
-def newton_schulz5(g: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
-    """The quintic Newton-Schulz iteration (3.4445, -4.7750, 2.0315) on g (m, n), in fp32, from g divided by
-    max(|g|, eps)."""
+def newton_schulz5(g: torch.Tensor, steps: int = 5, eps: float = 1e-8) -> torch.Tensor:
+    """The quintic Newton-Schulz iteration (3.4445, -4.7750, 2.0315) on g (m, n), in fp32, from g / (|g| + eps)."""
     a, b, c = 3.4445, -4.7750, 2.0315
     x = g.float()
     tall = x.shape[0] > x.shape[1]
     if tall:
         x = x.T
-    x = x / x.norm().clamp_min(eps)
+    x = x / (x.norm() + eps)
     for _ in range(steps):
         gram = x @ x.T
         x = a * x + (b * gram + c * gram @ gram) @ x
@@ -133,12 +133,43 @@ def clip_by_global_norm(grads: dict, max_norm: float = 1.0) -> dict:
     return {n: g * min(1.0, max_norm / (norm + 1e-6)) for n, g in grads.items()}
 
 
-def muon_update(name: str, grad: torch.Tensor, lr: float, momentum: float = 0.95) -> torch.Tensor:
-    """The released Muon's first step (zero momentum buffer) for elflow's parameter `name` with gradient
-    `grad`, returned in elflow's layout: the step is computed on the matrix as the authors store it."""
-    stored = grad.T if name in AUTHORS_TRANSPOSED else grad
-    buf = (1 - momentum) * stored  # the buffer after its first update, from zero
-    nesterov = stored + momentum * (buf - stored)  # grad.lerp(buf, momentum)
-    rows, cols = stored.shape
-    step = lr * math.sqrt(max(1.0, rows / cols)) * newton_schulz5(nesterov)
-    return step.T if name in AUTHORS_TRANSPOSED else step
+class ReleasedOptimizer:
+    """The released optimiser re-written from its formulas, on elflow's parameters by name: Muon on every
+    matrix, computed on the matrix as the authors store it (the decode head's kernels (in, out)), bias-corrected
+    Nesterov momentum b = 0.95, five fp32 Newton-Schulz steps from G / (|G| + 1e-8), the step scaled by
+    sqrt(max(1, fan_out / fan_in)) of the true fans; Nesterov-Adam (0.9, 0.999, eps 1e-8) on the rest; a
+    parameter without a gradient stepped with a zero one. `step(params, lr)` moves {name: parameter} in place
+    by their .grad."""
+
+    def __init__(self, momentum: float = 0.95, betas=(0.9, 0.999), eps: float = 1e-8):
+        self.b, (self.b1, self.b2), self.eps = momentum, betas, eps
+        self.t, self.m, self.v = 0, {}, {}
+
+    @torch.no_grad()
+    def step(self, params: dict, lr: float) -> None:
+        self.t += 1
+        t = self.t
+        for name, p in params.items():
+            g = p.grad.float() if p.grad is not None else torch.zeros_like(p, dtype=torch.float32)
+            if p.ndim == 2:
+                kernel = name in AUTHORS_TRANSPOSED
+                g = g.T if kernel else g  # as stored
+                m = self.m[name] = self.m.get(name, torch.zeros_like(g)) * self.b + (1 - self.b) * g
+                u = self.b * m / (1 - self.b ** (t + 1)) + (1 - self.b) * g / (1 - self.b ** t)
+                fan_in, fan_out = g.shape if kernel else g.shape[::-1]
+                step = lr * math.sqrt(max(1.0, fan_out / fan_in)) * newton_schulz5(u)
+                p -= step.T if kernel else step
+            else:
+                m = self.m[name] = self.m.get(name, torch.zeros_like(g)) * self.b1 + (1 - self.b1) * g
+                v = self.v[name] = self.v.get(name, torch.zeros_like(g)) * self.b2 + (1 - self.b2) * g * g
+                m_hat = self.b1 * m / (1 - self.b1 ** (t + 1)) + (1 - self.b1) * g / (1 - self.b1 ** t)
+                p -= lr * m_hat / ((v / (1 - self.b2 ** t)).sqrt() + self.eps)
+
+
+def released_first_step(name: str, grad: torch.Tensor, lr: float) -> torch.Tensor:
+    """The released optimiser's first step (`ReleasedOptimizer`, t = 1) for elflow's parameter `name` with
+    gradient `grad`: the change of the weights, in elflow's layout."""
+    p = torch.zeros_like(grad, dtype=torch.float32, requires_grad=True)
+    p.grad = grad.float()
+    ReleasedOptimizer().step({name: p}, lr)
+    return -p.detach()

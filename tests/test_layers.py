@@ -216,17 +216,3 @@ assert len(texts) == 2
 """)
     assert "elflow.runs.load" in modules and "elflow.generate" in modules  # it did load and generate
     assert not modules & {"elflow.train", "elflow.optim", "elflow.config", "elflow.cli"}, sorted(modules)
-
-
-def test_the_readers_path_in_the_readme_is_the_files_as_they_are():
-    """README's table of the files a training step and a sampling call pass through: each count is the file's,
-    the total is their sum, and it stays under 4,000 lines."""
-    import re
-
-    readme = (PACKAGE.parents[1] / "README.md").read_text()
-    rows = re.findall(r"^\| `([\w/]+\.py)` \| (\d+) \| [^|]+ \|$", readme, flags=re.M)
-    total = re.search(r"^\| \*\*all\*\* \| \*\*([\d,]+)\*\* \|", readme, flags=re.M)
-    assert len(rows) >= 10 and total
-    counts = {f: len((PACKAGE / f).read_text().splitlines()) for f, _ in rows}
-    assert {f: int(n) for f, n in rows} == counts
-    assert int(total.group(1).replace(",", "")) == sum(counts.values()) < 4000

@@ -1,5 +1,8 @@
 """Muon's Newton-Schulz: both evaluations against an SVD, against torch's own, and through a real Muon step."""
 
+import copy
+import math
+
 import pytest
 import torch
 import torch.optim._muon as muon_impl
@@ -7,7 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from elflow.experiments.bench import newton_schulz_flops
 from elflow.newton_schulz import method_for, newton_schulz, ns_precision, resolve_ns_method
-from elflow.optim import ELFOptimizer
+from elflow.optim import ELFOptimizer, head_transposed_factor
 from elflow.util.devices import fast_bf16
 
 COEF = (3.4445, -4.7750, 2.0315)
@@ -118,7 +121,7 @@ def test_muon_step_is_the_same_with_either_method_and_torch_is_restored():
     x = torch.randn(32, 20, generator=torch.Generator().manual_seed(4))
     for dtype, method in ((torch.float32, "iterate"), (torch.float32, "spectral"), (torch.bfloat16, "iterate")):
         net = small_net()
-        opt = ELFOptimizer(net.named_parameters(), lr=0.05, ns_dtype=dtype, ns_method=method)
+        opt = ELFOptimizer(net.named_parameters(), lr=0.05, ns_dtype=dtype, ns_method=method, update_rule="torch-fan")
         assert opt.ns_method == method and len(opt.optimizers) == 2  # Muon for weights, Adam for biases
         for _ in range(3):
             net(x).pow(2).mean().backward()
@@ -131,7 +134,8 @@ def test_muon_step_is_the_same_with_either_method_and_torch_is_restored():
     spectral_off = (results["spectral"] - results["iterate"]).norm()
     assert spectral_off < 1e-3 * moved and spectral_off < (results["bf16"] - results["iterate"]).norm() / 4
     expected = "iterate" if fast_bf16("cpu") else "by-shape"  # bf16 Newton-Schulz iterates on AMX CPUs
-    assert ELFOptimizer(torch.nn.Linear(4, 4).named_parameters(), lr=0.1).ns_method == expected
+    assert ELFOptimizer(torch.nn.Linear(4, 4).named_parameters(), lr=0.1, update_rule="torch-fan").ns_method == expected
+    assert ELFOptimizer(torch.nn.Linear(4, 4).named_parameters(), lr=0.1).ns_dtype == torch.float32  # released
     with ns_precision(torch.float32, "spectral"):
         assert muon_impl._zeropower_via_newtonschulz is not original
     assert muon_impl._zeropower_via_newtonschulz is original
@@ -151,3 +155,156 @@ def test_cosine_decay_after_warmup():
     assert cos[-1] == 0.0
     with pytest.raises(ValueError):
         lr_at(50, lr, warm, "cosine")  # no total
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the released update against an independent implementation of its formulas
+
+
+class KernelNet(torch.nn.Module):
+    """A matrix stored (out, in) as nn.Linear stores it, one stored (in, out) as the authors' decode head
+    stores its kernels, a vector for Adam, and a branch (`side`) that gets gradients only when it is used."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(5)
+        g = torch.Generator().manual_seed(5)
+        self.lin = torch.nn.Linear(6, 10)  # (out, in) = (10, 6): sqrt(10 / 6)
+        self.kernel = torch.nn.Parameter(torch.randn(10, 24, generator=g) * 0.3)  # (in, out): sqrt(24 / 10)
+        self.gain = torch.nn.Parameter(1 + 0.1 * torch.randn(24, generator=g))
+        self.side = torch.nn.Linear(6, 24)
+
+    def forward(self, x, use_side: bool):
+        y = (torch.tanh(self.lin(x)) @ self.kernel) * self.gain
+        return y + self.side(x) if use_side else y
+
+
+def reference_released_steps(net: torch.nn.Module, in_out: set, batches, lr: float) -> dict:
+    """The released update written from its formulas alone, in float64, on a float64 copy of `net`."""
+    b, (b1, b2), a_b_c = 0.95, (0.9, 0.999), (3.4445, -4.7750, 2.0315)
+    net = copy.deepcopy(net).double()
+    m = {n: torch.zeros_like(p) for n, p in net.named_parameters()}
+    v = {n: torch.zeros_like(p) for n, p in net.named_parameters()}
+    for t, (x, target, use_side) in enumerate(batches, start=1):
+        net.zero_grad(set_to_none=True)
+        (net(x.double(), use_side) - target.double()).pow(2).mean().backward()
+        with torch.no_grad():
+            for n, p in net.named_parameters():
+                g = p.grad if p.grad is not None else torch.zeros_like(p)  # no gradient: a zero one
+                if p.ndim == 2:
+                    m[n] = m[n] + (1 - b) * (g - m[n])
+                    u = b * m[n] / (1 - b ** (t + 1)) + (1 - b) * g / (1 - b ** t)
+                    wide = u if u.shape[0] <= u.shape[1] else u.T
+                    X = wide / (torch.linalg.matrix_norm(wide) + 1e-8)
+                    for _ in range(5):
+                        A = X @ X.T
+                        X = a_b_c[0] * X + (a_b_c[1] * A + a_b_c[2] * A @ A) @ X
+                    X = X if u.shape[0] <= u.shape[1] else X.T
+                    fan_in, fan_out = p.shape if n in in_out else p.shape[::-1]
+                    p -= lr * math.sqrt(max(1.0, fan_out / fan_in)) * X
+                else:
+                    m[n] = b1 * m[n] + (1 - b1) * g
+                    v[n] = b2 * v[n] + (1 - b2) * g * g
+                    m_hat = b1 * m[n] / (1 - b1 ** (t + 1)) + (1 - b1) * g / (1 - b1 ** t)
+                    p -= lr * m_hat / ((v[n] / (1 - b2 ** t)).sqrt() + 1e-8)
+    return {n: p.detach() for n, p in net.named_parameters()}
+
+
+def steps_of(rule: str, in_out=("kernel",), ns_method: str = "iterate"):
+    """(elflow's weights after three steps, the reference's), the side branch used in the first step only."""
+    net, gen = KernelNet(), torch.Generator().manual_seed(6)
+    batches = [(torch.randn(16, 6, generator=gen), torch.randn(16, 24, generator=gen), i == 0) for i in range(3)]
+    expected = reference_released_steps(net, {"kernel"}, batches, lr=0.02)
+    opt = ELFOptimizer(net.named_parameters(), lr=0.02, update_rule=rule, in_out=in_out, ns_method=ns_method)
+    for x, target, use_side in batches:
+        (net(x, use_side) - target).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach() for n, p in net.named_parameters()}, expected
+
+
+def worst(mine: dict, expected: dict) -> tuple[float, str]:
+    return max((rel(mine[n], expected[n]), n) for n in expected)
+
+
+def test_the_released_update_equals_its_formulas_on_every_parameter():
+    """Three steps: Muon on both matrices (one stored (in, out)), Nesterov-Adam on the vectors, and the side
+    branch, whose gradients stop after the first step, still moving by its decaying moments."""
+    mine, expected = steps_of("released")
+    err, name = worst(mine, expected)
+    assert err < 1e-6, name
+    side = KernelNet().side
+    assert (mine["side.weight"] - side.weight).norm() > 0.05  # it kept moving after step 1 (3 steps of 0.02)
+
+
+def test_the_reference_tells_the_earlier_updates_and_a_misread_layout_apart():
+    """The test can fail: torch's Muon and Adam (no bias correction, Adam without Nesterov, no step without a
+    gradient) and the (in, out) matrix read as (out, in) are each far from the released update."""
+    for rule, in_out in (("torch-fan", ()), ("released", ())):
+        mine, expected = steps_of(rule, in_out)
+        assert worst(mine, expected)[0] > 1e-3, (rule, in_out)
+
+
+def test_the_released_update_evaluated_spectrally_stays_close():
+    """The CPU's default evaluation of Newton-Schulz (by-shape: spectral for large matrices) computes the same
+    polynomial; on these small matrices it is within fp32 rounding of the iteration."""
+    mine, expected = steps_of("released", ns_method="spectral")
+    assert worst(mine, expected)[0] < 1e-4
+
+
+def test_the_released_update_resumes_exactly_from_its_state():
+    """state_dict / load_state_dict in the middle of a run: the same weights as without the interruption."""
+    gen = torch.Generator().manual_seed(7)
+    batches = [(torch.randn(16, 6, generator=gen), torch.randn(16, 24, generator=gen), i % 2 == 0) for i in range(4)]
+
+    def run(split: int | None):
+        net = KernelNet()
+        opt = ELFOptimizer(net.named_parameters(), lr=0.02, in_out=("kernel",))
+        for i, (x, target, side) in enumerate(batches):
+            if i == split:
+                state = copy.deepcopy(opt.state_dict())
+                opt = ELFOptimizer(net.named_parameters(), lr=0.02, in_out=("kernel",))
+                opt.load_state_dict(state)
+            (net(x, side) - target).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        return flat(net)
+
+    assert torch.equal(run(None), run(2))
+
+
+def test_the_earlier_rules_scale_the_decode_head_as_they_did():
+    """torch-fan: one Muon group at torch's fan scale; torch-head-transposed: the decode head's two matrices
+    each in a group of their own at the factor (transpose's scale) / (fan scale)."""
+    from elflow.model import ELF, get_config
+
+    torch.manual_seed(0)
+    net = ELF(get_config("tiny", max_length=16))  # decode head: proj (32, 64), unembed (100, 32)
+    for rule, groups in (("torch-fan", 1), ("torch-head-transposed", 3)):
+        opt = ELFOptimizer(list(net.named_parameters()), lr=1e-3, update_rule=rule)
+        assert isinstance(opt.optimizers[0], torch.optim.Muon) and len(opt.optimizers[0].param_groups) == groups
+        opt.set_lr(2e-3)
+        lrs = sorted(g["lr"] for g in opt.optimizers[0].param_groups)
+        expected = [2e-3] if rule == "torch-fan" else sorted([2e-3, 2e-3 * (100 / 32) ** -0.5, 2e-3 * 2 ** 0.5])
+        assert lrs == pytest.approx(expected)
+    assert head_transposed_factor("decode_head.unembed.weight", (32100, 512), "torch-head-transposed") == \
+        pytest.approx((512 / 32100) ** 0.5)
+    assert head_transposed_factor("blocks.0.attn.qkv.weight", (2304, 768), "torch-head-transposed") == 1.0
+    assert head_transposed_factor("decode_head.unembed.weight", (32100, 512), "torch-fan") == 1.0
+    with pytest.raises(ValueError, match="update_rule"):
+        ELFOptimizer(list(net.named_parameters()), lr=1e-3, update_rule="fan")
+
+
+def test_runs_stored_with_a_muon_scale_keep_their_update():
+    from elflow.config import TrainConfig
+    from elflow.runs.checkpoint import upgrade_train
+
+    def stored(d):  # a run description as read back from run.json or state.json
+        return TrainConfig.from_dict(upgrade_train(d))
+
+    assert TrainConfig().update_rule == "released"
+    assert stored({}).update_rule == "torch-fan"  # stored before the setting existed: torch's Muon, fan rule
+    assert stored({"muon_scale": "fan"}).update_rule == "torch-fan"
+    assert stored({"muon_scale": "released"}).update_rule == "torch-head-transposed"
+    assert stored({"optimizer": "adamw"}).update_rule == "released"  # no Muon: the default, unused
+    assert stored({"update_rule": "released"}).update_rule == "released"

@@ -15,7 +15,7 @@ from elflow.methods import METHOD_NAMES, check_run
 from elflow.methods.baseline import MATCHES
 from elflow.model import CONDITIONINGS, DECODERS, PREDICTIONS, PRESETS, SKIPS
 from elflow.newton_schulz import NS_METHODS
-from elflow.optim import ADAMW_BLR, LR_DECAYS, MUON_SCALES, OPTIMIZERS, base_lr
+from elflow.optim import ADAMW_BLR, LR_DECAYS, MUON_BLR, OPTIMIZERS, UPDATE_RULE_HELP, UPDATE_RULES, base_lr
 from elflow.space import FIXED_TABLE_KINDS, TABLE_STREAM, drawn_table, fixed_vectors
 from elflow.util.devices import resolve_dtype
 from elflow.util.distributed import DIST_TIMEOUT_MINUTES
@@ -151,10 +151,8 @@ class TrainConfig(Record):
                                      "steps), spectral (on the Gram matrix's eigenvalues, faster on a CPU for "
                                      "large matrices), by-shape (spectral where it pays); auto: by-shape for fp32 "
                                      "Newton-Schulz on CPUs, iterate on GPUs", choices=NS_METHODS)
-    muon_scale: str = setting("released", "Muon's step scale on the decode head's two matrices: released: "
-                                          "sqrt(max(1, fan_in / fan_out)), as the released code steps them (it "
-                                          "stores them as (in, out) kernels); fan: sqrt(max(1, fan_out / fan_in)), "
-                                          "the rule every other matrix follows", choices=MUON_SCALES)
+    update_rule: str = setting("released", "how Muon and Adam step the weights: " + "; ".join(
+        f"{k}: {v}" for k, v in UPDATE_RULE_HELP.items()), choices=UPDATE_RULES)
     grad_clip: float = setting(1.0, "gradient-norm clipping (0: none)", check=AT_LEAST_0)
     dtype: str = setting("auto", "autocast precision; auto: bf16 on GPUs and CPUs with native bf16 matmuls, "
                                  "else fp32, stored resolved with the run (--print-config shows what it picks on "
@@ -265,7 +263,7 @@ class TrainConfig(Record):
                        space_stream=(self.space_stream or TABLE_STREAM) if drawn else None,
                        ema_decay=self.ema_decay if self.ema_decay is not None else (SMALL_EMA if small else 0.9999),
                        length=self.length if self.length is not None else (preset.max_length if preset else None),
-                       lr=self.lr if self.lr is not None else base_lr(self.batch, 1e-3 if self.optimizer == "muon"
+                       lr=self.lr if self.lr is not None else base_lr(self.batch, MUON_BLR if self.optimizer == "muon"
                                                                        else ADAMW_BLR))
 
     def validate(self, stored=None) -> None:
@@ -310,7 +308,7 @@ class TrainConfig(Record):
         except ELFError as e:
             raise ELFError(f"{stored}: {e}" if stored is not None else str(e)) from None
         if self.optimizer == "adamw":
-            for attr in ("adam_heads", "ns_method", "muon_scale"):
+            for attr in ("adam_heads", "ns_method", "update_rule"):
                 if getattr(self, attr) != next(f for f in fields(self) if f.name == attr).default:
                     raise ELFError(f"{name(attr)} sets up Muon; it does not apply to --optimizer adamw")
         readout = (self.short_run or {}).get("table_readout")

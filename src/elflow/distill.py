@@ -65,7 +65,7 @@ def _base_config(teacher_info: dict, overrides: dict):
     stored = (stored_training(teacher_info["checkpoint"]) or {}).get("train", {})
     known = {f.name for f in fields(TrainConfig)}
     keep = ("preset", "data", "text_field", "on_bad", "space", "latent_std", "length", "layout", "batch",
-            "micro_batch", "adam_heads", "ns_method", "muon_scale", "grad_clip", "dtype", "compile", "model",
+            "micro_batch", "adam_heads", "ns_method", "grad_clip", "dtype", "compile", "model",
             "task", "source_length", "source_field", "target_field", "space_dim", "space_seed", "val_fraction")
     base = {k: stored[k] for k in keep if k in stored and k in known}
     if stored:  # the teacher's table draw (stream 1 where it stored none)

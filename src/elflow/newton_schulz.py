@@ -1,6 +1,7 @@
-"""How Muon's Newton-Schulz polynomial is evaluated: torch's five iterations, or the same polynomial applied to
-the eigenvalues of the Gram matrix (spectral), which is several times faster in fp32 on a CPU for the large
-matrices; bf16 on GPUs (as torch does), fp32 on CPUs without native bf16 matrix units. `ns_precision` installs
+"""How Muon's Newton-Schulz polynomial is evaluated: five iterations, or the same polynomial applied to the
+eigenvalues of the Gram matrix (spectral), which is several times faster in fp32 on a CPU for the large
+matrices. The released update runs it in fp32 (elflow.optim.ReleasedMuonAdam); the earlier torch-based updates
+in bf16 on GPUs (as torch does) and fp32 on CPUs without native bf16 matrix units, `ns_precision` installing
 the choice into torch.optim.Muon for one step. docs/internals.md ("the optimiser recipe") has the measurements'
 reading."""
 
@@ -31,11 +32,14 @@ def method_for(shape, method: str) -> str:
 
 
 def newton_schulz(g: torch.Tensor, ns_coefficients=(3.4445, -4.7750, 2.0315), ns_steps: int = 5,
-                  eps: float = 1e-7, dtype: torch.dtype = torch.float32, method: str = "iterate") -> torch.Tensor:
-    """The quintic Newton-Schulz orthogonalisation of torch.optim.Muon, in `dtype`, evaluated by `method`.
+                  eps: float = 1e-7, dtype: torch.dtype = torch.float32, method: str = "iterate",
+                  added_eps: bool = False) -> torch.Tensor:
+    """The quintic Newton-Schulz orthogonalisation of g (m, n) in `dtype`, evaluated by `method`, starting from
+    g / max(|g|_F, eps) as torch.optim.Muon does, or, with `added_eps`, from g / (|g|_F + eps) as the released
+    optimiser does.
 
-    The signature matches torch's private `_zeropower_via_newtonschulz(grad, coefficients, steps, eps)`,
-    which always runs in bf16 and iterates. g (m, n). See the module docstring for the methods.
+    The leading arguments match torch's private `_zeropower_via_newtonschulz(grad, coefficients, steps, eps)`,
+    which always runs in bf16 and iterates. See the module docstring for the methods.
     """
     if method not in NS_METHODS[1:]:  # "auto" is resolved by the optimiser (resolve_ns_method)
         raise ValueError(f"Newton-Schulz method must be iterate, spectral or by-shape, got {method!r}")
@@ -45,7 +49,7 @@ def newton_schulz(g: torch.Tensor, ns_coefficients=(3.4445, -4.7750, 2.0315), ns
     tall = g.size(0) > g.size(1)
     if tall:
         x = x.T
-    x = x / x.norm().clamp(min=eps)  # spectral norm <= 1
+    x = x / (x.norm() + eps) if added_eps else x / x.norm().clamp(min=eps)  # spectral norm <= 1
     if method == "spectral":  # eigh needs fp32 or wider
         wide = x if x.dtype in (torch.float32, torch.float64) else x.float()
         out = _spectral_newton_schulz(wide, a, b, c, ns_steps)

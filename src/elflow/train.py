@@ -182,7 +182,7 @@ def set_up(cfg: TrainConfig, method: Method, rank: int, world: int, device, cach
     named = list(net.named_parameters()) + [("space." + n, p) for n, p in space.named_parameters()
                                             if p.requires_grad]
     optimizer = ELFOptimizer(named, lr=cfg.lr, adam=method.adam_names(net, cfg), ns_method=cfg.ns_method,
-                             kind=cfg.optimizer, weight_decay=cfg.weight_decay, muon_scale=cfg.muon_scale)
+                             kind=cfg.optimizer, weight_decay=cfg.weight_decay, update_rule=cfg.update_rule)
     ema = EMA(net, cfg.ema_decay)
     batches = Batches(train_set, micro * accum, seed=cfg.seed, rank=rank, world_size=world)
     steps = cfg.steps if cfg.epochs is None else max(1, math.ceil(cfg.epochs * batches.per_epoch))

@@ -15,6 +15,13 @@ def _true_or_false(text: str) -> bool:
     return text.lower() == "true"
 
 
+def _replaced_muon_scale(text: str):
+    raise argparse.ArgumentTypeError(
+        "replaced by --update-rule: its default, released, is now the authors' whole update (the decode head "
+        "scaled by the fan rule like every matrix); --muon-scale fan was --update-rule torch-fan, --muon-scale "
+        "released was --update-rule torch-head-transposed")
+
+
 # ----------------------------------------------------------------------------------------------------------
 # the flags: one per TrainConfig field and nested key, each defaulting to "not given" so that --resume can
 # tell what the command line changes
@@ -55,6 +62,7 @@ def add_setting_arguments(p) -> None:
             kind = {"type": typ, "metavar": sub.upper()}
         cfg_group.add_argument("--" + sub.replace("_", "-"), default=S, dest=f"{key}.{sub}", **kind,
                                help=with_default(text, default_text))
+    cfg_group.add_argument("--muon-scale", default=S, dest="muon_scale", type=_replaced_muon_scale, help=S)
     cfg_group.add_argument("--defaults", default=S, choices=tuple(RUN_PRESETS),
                            help=with_default("start from a named set of run settings, elflow.config.RUN_PRESETS "
                                              "(quickstart: what `elflow quickstart` trains; the paper's conditional "

@@ -167,6 +167,8 @@ def split_space_state(model_sd: dict) -> tuple[dict, dict]:
     return net, space
 
 
+# the update rule of a run stored with "muon_scale" (or without it: "fan")
+LEGACY_MUON_SCALES = {"fan": "torch-fan", "released": "torch-head-transposed"}
 SHORT_RUN_FIELDS = ("skip", "time_scale", "head_modulation", "table_readout")  # elflow.model.ShortRunOptions
 ROUND_RECORD = ("distilled_steps", "teacher_steps", "sampling")
 
@@ -174,8 +176,10 @@ ROUND_RECORD = ("distilled_steps", "teacher_steps", "sampling")
 def upgrade_train(train: dict) -> dict:
     """A stored run description ("train" of run.json or state.json) in today's layout. Earlier elflows stored
     the short-run options among the network settings ("model"), a distillation round's record among the
-    recipe's constants, a drawn table's space without its stream (stream 1, the draw from the seed), and no
-    Muon scale of the decode head (they stepped it by the fan rule, "fan")."""
+    recipe's constants, a drawn table's space without its stream (stream 1, the draw from the seed), and the
+    optimiser's update as "muon_scale" (torch's Muon and Adam, the decode head scaled by the fan rule, "fan", or
+    as its transposes, "released"), or as nothing before that (the fan rule): read as the update rules
+    "torch-fan" and "torch-head-transposed" (elflow.optim.UPDATE_RULES)."""
     if not isinstance(train, dict):
         return train
     train = dict(train)
@@ -191,8 +195,10 @@ def upgrade_train(train: dict) -> dict:
                                      "teacher_steps": record.get("teacher_steps")}
     if "space_stream" not in train and isinstance(train.get("space"), str) and drawn_table(train["space"]):
         train["space_stream"] = 1
-    if "muon_scale" not in train and train.get("optimizer", "muon") == "muon":
-        train["muon_scale"] = "fan"
+    if "update_rule" not in train:
+        scale = train.pop("muon_scale", "fan")
+        if train.get("optimizer", "muon") == "muon":
+            train["update_rule"] = LEGACY_MUON_SCALES.get(scale, scale)
     return train
 
 
