@@ -220,11 +220,11 @@ def _read_wandb_file(path: Path) -> dict:
 
 
 def elflow_to_official(sd: dict) -> dict:
-    """elflow's state dict -> the authors' names and layouts: the inverse of runs.official.official_to_elflow,
+    """elflow's state dict -> the authors' names and layouts: the inverse of runs.released.released_to_elflow,
     written out name by name so that the round trip checks the map."""
     import re
 
-    from elflow.runs.official import TRANSPOSED
+    from elflow.runs.released import TRANSPOSED
 
     inverse_t = {v: k for k, v in TRANSPOSED.items()}
     fixed = {
@@ -281,3 +281,32 @@ def layout_documents(docs_ids: list[list[int]], length: int, pad_id: int, eos_id
     real = torch.arange(length)[None, :] < lengths[:, None]  # (N, L)
     mask = torch.ones_like(real) if pad_in_loss else real.clone()
     return tokens, mask, real
+
+
+def as_layout_1(doc: dict) -> dict:
+    """A run.json or a checkpoint's state.json of today's layout, written as elflow wrote it before the run
+    record: the record's parts at the top level ("train", "model", "space", "space_id", "method", "params",
+    "short_run") and, in a checkpoint, the model's layout as "settings"."""
+    rec = doc["record"]
+    out = {k: v for k, v in doc.items() if k not in ("record", "format")}
+    if "step" in doc:
+        out["format"] = "elflow-checkpoint-1"
+    space = dict(rec["space"])
+    space_id = space.pop("id", None)
+    out.update(method=rec["method"], params=rec["params"], train=rec["train"], model=rec["network"], space=space,
+               space_id=space_id)
+    if rec.get("options"):
+        out["short_run"] = rec["options"]
+    if "step" in doc:
+        settings = {"length": rec["length"]}
+        task = rec.get("task")
+        if task:
+            settings.update(source_length=task["source_length"], source_slot=task["source_slot"],
+                            **({"task": task["name"]} if task.get("name") else {}))
+        pd = rec.get("distillation")
+        if pd:
+            settings.update(distilled_steps=pd["student_steps"], teacher_steps=pd["teacher_steps"])
+        out["settings"] = settings
+    if isinstance(out.get("files"), dict):  # the sha256 of each file, without its size
+        out["files"] = {k: v["sha256"] if isinstance(v, dict) else v for k, v in out["files"].items()}
+    return out

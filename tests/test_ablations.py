@@ -101,22 +101,22 @@ def test_each_option_trains_saves_loads_and_samples(name, base_args, tmp_path):
     flags, network = OPTIONS[name]
     run = tmp_path / "run"
     assert main(base_args + flags + ["--out", str(run)]) == 0
-    stored = json.loads((run / "run.json").read_text())["train"]
-    loaded, space = load_for_sampling(run, device="cpu")
+    stored = json.loads((run / "run.json").read_text())["record"]["train"]
+    net, space = load_for_sampling(run, device="cpu")
     for key, value in network.items():
-        assert getattr(loaded.net.config, key) == value, key
+        assert getattr(net.config, key) == value, key
     if name == "adamw":
         assert stored["optimizer"] == "adamw" and stored["lr"] == pytest.approx(5e-5 * 4 / 256)
         opt = torch.load(next((run / "checkpoints").iterdir()) / "optimizer.pt", weights_only=True)
         (adamw,) = opt["optimizer"]  # one AdamW over every parameter, no Muon
-        assert sum(len(g["params"]) for g in adamw["param_groups"]) == len(list(loaded.net.parameters()))
+        assert sum(len(g["params"]) for g in adamw["param_groups"]) == len(list(net.parameters()))
         assert all("ns_steps" not in g and "betas" in g for g in adamw["param_groups"])
     if name == "recipe":
         assert stored["recipe"] == {"noise_scale": 1.5, "t_mean": -0.5, "t_std": 1.2, "decode_prob": 0.4,
                                     "omega_low": 1.0, "omega_high": 3.0}
-        assert loaded.recipe["noise_scale"] == 1.5
+        assert net.record.recipe.noise_scale == 1.5
     if name == "no-self-cond":
-        assert not hasattr(loaded.net, "self_cond_proj") and loaded.settings["sampling"]["omega"] == 1.0
+        assert not hasattr(net, "self_cond_proj") and net.record.sampling.omega == 1.0
     out = tmp_path / "s.jsonl"
     assert main(["sample", str(run), "--steps", "3", "--num", "2", "--quiet", "--out", str(out)]) == 0
     records = [json.loads(line) for line in out.read_text().splitlines()]
@@ -161,7 +161,7 @@ def test_a_separate_decoder_trains_in_two_stages_and_is_one_model(base_args, tmp
     run = tmp_path / "sep"
     assert main(args + ["--steps", "4", "--decoder", "separate", "--decoder-steps", "2", "--ckpt-every", "2",
                         "--out", str(run)]) == 0
-    stage = json.loads((run / "decoder" / "run.json").read_text())["train"]
+    stage = json.loads((run / "decoder" / "run.json").read_text())["record"]["train"]
     assert stage["decoder"] == "shared" and stage["steps"] == 2 and stage["recipe"]["decode_prob"] == 1.0
     first = load_file(run / "decoder" / "checkpoints" / "step_0000002" / "ema.safetensors")
     for step in (2, 4):
@@ -169,11 +169,11 @@ def test_a_separate_decoder_trains_in_two_stages_and_is_one_model(base_args, tmp
             w = load_file(run / "checkpoints" / f"step_{step:07d}" / f"{part}.safetensors")
             assert all(torch.equal(w["decoder." + k], v) for k, v in first.items())
             assert not any(k.startswith("denoiser.decode_head") for k in w)
-    loaded, space = load_for_sampling(run, device="cpu")
-    assert isinstance(loaded.net, SeparateDecoderELF)
-    z = torch.randn(2, 16, loaded.net.config.dim)
+    net, space = load_for_sampling(run, device="cpu")
+    assert isinstance(net, SeparateDecoderELF)
+    z = torch.randn(2, 16, net.config.dim)
     w = torch.full((2,), 3.0)
-    assert torch.equal(loaded.net.decode(z, w), loaded.net.decoder.decode(z, w))
+    assert torch.equal(net.decode(z, w), net.decoder.decode(z, w))
     assert main(["sample", str(run), "--steps", "3", "--num", "2", "--quiet", "--out", str(tmp_path / "s.jsonl")]) == 0
 
     part = tmp_path / "part"

@@ -258,7 +258,7 @@ def test_a_few_steps_of_the_trainer_lower_the_heldout_loss(name, tmp_path, tiny_
     method = methods.get_method(name)
     space = build_space(method.space_spec({"kind": "t5", "name": str(tiny_t5_dir)}))
     _, val = build_dataset(str(tiny_corpus_file), space, 16, val_fraction=0.1, seed=0, cache_dir=cache)
-    trained = load(tmp_path / "run", use_ema=False).net
+    trained = load(tmp_path / "run", use_ema=False)
     torch.manual_seed(1)
     before = heldout_loss(method, method.network(trained.config, space), val)
     assert before == pytest.approx(math.log(space.vocab_size), abs=0.4)  # an untrained model is near uniform
@@ -302,12 +302,12 @@ def test_compare_trains_three_matched_methods_and_judges_them(tmp_path, tiny_t5_
         assert info[name]["steps"] == 3 and info[name]["tokens"] == 3 * 4 * 16
         assert json.loads((tmp_path / name / "run.json").read_text())["method"] == name
     with torch.device("meta"):
-        from elflow.runs.load import read_weights
+        from elflow.runs.record import RunRecord
 
-        elf_trunk = ELF(read_weights(tmp_path / "elf")[0]).num_params(exclude_decode_head=True)
+        elf_trunk = ELF(RunRecord.read(tmp_path / "elf").network).num_params(exclude_decode_head=True)
     for name in ("ar", "mdlm"):
         model = {"ar": ar, "mdlm": mdlm}[name].build(TokenLMConfig(**json.loads(
-            (tmp_path / name / "run.json").read_text())["model"]), types.SimpleNamespace(vocab_size=300))
+            (tmp_path / name / "run.json").read_text())["record"]["network"]), types.SimpleNamespace(vocab_size=300))
         assert abs(methods.trunk_params(model) - elf_trunk) / elf_trunk <= 0.05
     assert [(r["method"], r["setting"]) for r in res["rows"]] == [
         ("elf", "steps=4 omega=1"), ("ar", "temperature=0.8"), ("ar", "temperature=1"), ("mdlm", "steps=4"),

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from elflow.data.layout import encoder_mask, pair_layout
 from elflow.flow import decode_tokens, sample
 from elflow.generate import extract_targets
-from elflow.runs.official import build_from_state_dict, official_to_elflow
+from elflow.runs.released import build_from_state_dict, released_to_elflow
 
 REF = reference_dir("authors_cond_distill.safetensors", "authors_cond_distill.json", "official_tiny.safetensors")
 EOS = 1
@@ -30,7 +30,7 @@ def cases():
 @pytest.fixture(scope="module")
 def net():
     w = load_file(REF / "official_tiny.safetensors")
-    sd = official_to_elflow({k[len("params."):]: v for k, v in w.items() if k.startswith("params.")})
+    sd = released_to_elflow({k[len("params."):]: v for k, v in w.items() if k.startswith("params.")})
     return build_from_state_dict(sd, max_length=16).eval()
 
 

@@ -32,10 +32,10 @@ def cond_release(tmp_path_factory):
 
 
 def test_a_released_conditional_model_knows_its_layout_and_defaults(cond_release, tiny_t5_dir):
-    loaded = load(cond_release)
-    assert loaded.conditional and loaded.settings["source_length"] == 8 and loaded.settings["length"] == 16
-    assert loaded.settings["sampling"] == {"sampler": "ode", "steps": 64, "guidance": 2.0, "omega": 1.0,
-                                           "gamma": 0.0}
+    record = load(cond_release).record
+    assert record.conditional and record.task.source_length == 8 and record.length == 16
+    s = record.sampling
+    assert (s.sampler, s.steps, s.guidance, s.omega, s.gamma) == ("ode", 64, 2.0, 1.0, 0.0)
     _, space = load_for_sampling(cond_release, space=str(tiny_t5_dir))
     assert space.dim == 32 and space.scale == pytest.approx(0.2)
 
@@ -110,13 +110,13 @@ def uncond_run(tmp_path_factory, tiny_t5_dir, tiny_corpus_file):
 def test_prompt_and_suffix_come_back_unchanged_and_the_rest_varies(uncond_run, tmp_path):
     from elflow.generate import SamplingSettings, generate
 
-    loaded, space = load_for_sampling(uncond_run, device="cpu")
+    net, space = load_for_sampling(uncond_run, device="cpu")
     prompt, suffix = "the king of", "sweet night"
     head = space.tokenizer.decode(space.tokenize([prompt], eos=False)[0])
     tail = space.tokenizer.decode(space.tokenize([suffix], eos=False)[0])
     texts = {}
     for seed in (0, 1):
-        recs = generate(loaded.net, space, 4, SamplingSettings(steps=3, seed=seed), prompt=prompt, suffix=suffix,
+        recs = generate(net, space, 4, SamplingSettings(steps=3, seed=seed), prompt=prompt, suffix=suffix,
                         progress=False)
         texts[seed] = [r["text"] for r in recs]
         assert all(t.startswith(head) and t.endswith(tail) for t in texts[seed]), texts[seed]
@@ -161,11 +161,11 @@ def cond_run(tmp_path_factory, tiny_t5_dir):
 
 def test_a_model_trained_on_pairs_is_conditional_and_samples_from_sources(cond_run, tmp_path):
     run, pairs = cond_run
-    loaded = load(run)
-    assert loaded.conditional and loaded.settings["source_length"] == 6 and loaded.settings["length"] == 16
-    assert loaded.settings["sampling"]["guidance"] == 2.0
-    state = json.loads((run / "run.json").read_text())["train"]
-    assert state["source_length"] == 6 and state["source_field"] == "input"
+    record = load(run).record
+    assert record.conditional and record.task.source_length == 6 and record.length == 16
+    assert record.sampling.guidance == 2.0
+    stored = json.loads((run / "run.json").read_text())["record"]
+    assert stored["task"]["source_length"] == 6 and stored["task"]["source_field"] == "input"
     out = tmp_path / "s.jsonl"
     assert main(["sample", str(run), "--source", str(pairs), "--steps", "2", "--quiet", "--out", str(out)]) == 0
     recs = [json.loads(x) for x in out.read_text().splitlines()]
@@ -246,27 +246,26 @@ def test_a_released_distilled_model_samples_with_the_few_step_defaults(tmp_path,
 
 
 def test_sampling_starts_from_the_noise_scale_the_model_was_trained_with(uncond_run):
-    """A model trained with another noise scale samples from z0 = noise_scale N(0, 1) with its own scale."""
+    """A model trained with another noise scale samples from z0 = noise_scale N(0, 1) with its own scale: the
+    recipe of its record."""
     import elflow.flow as flow
-    from elflow.generate import settings_for
 
-    loaded, space = load_for_sampling(uncond_run, device="cpu")
-    assert settings_for(loaded).noise_scale == 2.0
-    loaded.recipe["noise_scale"] = 1.0
-    s = settings_for(loaded, steps=2)
-    assert s.noise_scale == 1.0
+    net, space = load_for_sampling(uncond_run, device="cpu")
+    assert net.record.recipe.noise_scale == 2.0
+    net.record = net.record.replace(recipe=net.record.recipe.replace(noise_scale=1.0))
+    s = net.record.sampling_settings(steps=2)
     seen = {}
     real = flow.sample
 
     def spy(net, z0, grid, **kw):
-        seen["std"], seen["scale"] = z0.std().item(), kw["noise_scale"]
+        seen["std"], seen["scale"] = z0.std().item(), kw["recipe"].noise_scale
         return real(net, z0, grid, **kw)
 
     flow.sample, saved = spy, flow.sample
     try:
         from elflow.generate import generate
 
-        generate(loaded.net, space, 8, s, progress=False)
+        generate(net, space, 8, s, progress=False)
     finally:
         flow.sample = saved
     assert seen["scale"] == 1.0 and 0.8 < seen["std"] < 1.2
@@ -279,9 +278,9 @@ def test_a_conditional_teacher_distils_into_conditional_students(cond_run, tmp_p
     run, pairs = cond_run
     rounds = distill.distill(run, tmp_path / "pd", student_steps=[2, 1], teacher_steps=2, steps_per_round=2,
                              ckpt_every=2, dtype="fp32", seed=1, quiet=True)
-    student = load(rounds[1])
-    assert student.conditional and student.settings["source_length"] == 6
-    assert student.settings["distilled_steps"] == 1
+    student = load(rounds[1]).record
+    assert student.conditional and student.task.source_length == 6
+    assert student.distillation.student_steps == 1
     out = tmp_path / "s.jsonl"
     assert main(["sample", str(rounds[1]), "--source", str(pairs), "--quiet", "--out", str(out)]) == 0
     rec = json.loads(out.read_text().splitlines()[0])
@@ -311,7 +310,7 @@ def test_quickstart_conditional_trains_in_stages_and_draws_its_bleu_curve(tmp_pa
     rows = {r["model"]: r["bleu"] for r in report["rows"]}
     assert rows["copy the source"] == pytest.approx(100.0)
     assert report["curve"][-1]["bleu"] == pytest.approx(rows["guidance 2"])
-    stored = json.loads((out / "run.json").read_text())["train"]
+    stored = json.loads((out / "run.json").read_text())["record"]["train"]
     assert stored["source_slot"] == "fixed" and not ShortRunOptions.from_dict(stored["short_run"]).active
     assert (out / "bleu.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # run again with --resume: the run is finished, so nothing is trained or measured again

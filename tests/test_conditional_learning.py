@@ -99,18 +99,18 @@ def test_sources_of_varied_lengths_are_copied_in_the_fixed_slot(varied):
     targets read back at their positions), and the model copies as well as with sources of one length (in
     the released layout the same run reads about 60% of the target tokens: benchmarks/RESULTS.md, section 10)."""
     task, run, records = varied
-    assert json.loads((run / "run.json").read_text())["train"]["source_slot"] == "fixed"
+    assert json.loads((run / "run.json").read_text())["record"]["train"]["source_slot"] == "fixed"
     check_learned(task, run, records)
 
 
 def check_learned(task, run, records):
-    loaded, space = load_for_sampling(run)
+    net, space = load_for_sampling(run)
     refs = [r["reference"] for r in records]
     acc = token_accuracy(space, [r["text"] for r in records], refs)
-    settings = settings_for(loaded, seed=0, batch_size=64)
-    dropped = generate(loaded.net, space, len(records), settings, sources=[r["source"] for r in records],
-                       source_length=loaded.settings["source_length"], progress=False, drop_source=True,
-                       source_slot=loaded.settings.get("source_slot", "packed"))
+    settings = settings_for(net.record, seed=0, batch_size=64)
+    dropped = generate(net, space, len(records), settings, sources=[r["source"] for r in records],
+                       source_length=net.record.source_length, progress=False, drop_source=True,
+                       source_slot=net.record.source_slot)
     acc_dropped = token_accuracy(space, [r["text"] for r in dropped], refs)
     print(f"{task}: {acc:.1%} of target tokens right with the source, {acc_dropped:.1%} with it dropped")
     assert acc >= 0.9, f"{task}: {acc:.1%} of target tokens right"
@@ -125,12 +125,12 @@ def test_the_final_state_holds_the_data_not_the_starting_noise(trained):
     plain Gaussian skip, `--skip gaussian`, keeps 0.14 of z0 on these tasks: benchmarks/RESULTS.md,
     section 10)."""
     task, run, records = trained
-    assert json.loads((run / "run.json").read_text())["train"]["short_run"]["skip"] == "gated"
-    loaded, space = load_for_sampling(run)
-    net, recipe = loaded.net, Recipe.from_dict(loaded.recipe)
-    s = settings_for(loaded, seed=0)
+    assert json.loads((run / "run.json").read_text())["record"]["train"]["short_run"]["skip"] == "gated"
+    net, space = load_for_sampling(run)
+    recipe = net.record.recipe
+    s = settings_for(net.record, seed=0)
     sources, refs = [r["source"] for r in records], [r["reference"] for r in records]
-    L, S = net.config.max_length, loaded.settings["source_length"]
+    L, S = net.config.max_length, net.record.source_length
     _, known_mask, known = conditioning(space, L, len(sources), sources, S)
     ids_ref, _, x = conditioning(space, L, len(sources), [f"{a} {b}" for a, b in zip(sources, refs)], L - 1)
     target = ~known_mask & (ids_ref != space.eos_id)  # the reference's target tokens

@@ -8,9 +8,10 @@ import torch
 from helpers import reference_dir
 from safetensors.torch import load_file
 
+import elflow
 from elflow import distill
 from elflow.generate import distilled_defaults
-from elflow.methods import distill as pd
+from elflow.methods import pd
 from elflow.runs.checkpoint import write_state
 from elflow.util.errors import ELFError
 
@@ -21,10 +22,10 @@ TOL = 1e-5
 
 @pytest.fixture(scope="module")
 def official_net():
-    from elflow.runs.official import build_from_state_dict, official_to_elflow
+    from elflow.runs.released import build_from_state_dict, released_to_elflow
 
     ref = load_file(REF / "official_tiny.safetensors")
-    sd = official_to_elflow({k[len("params."):]: v for k, v in ref.items() if k.startswith("params.")})
+    sd = released_to_elflow({k[len("params."):]: v for k, v in ref.items() if k.startswith("params.")})
     return build_from_state_dict(sd, max_length=16).eval()
 
 
@@ -234,20 +235,22 @@ def full_distillation(teacher_run, tmp_path_factory):
 
 @pytest.mark.slow
 def test_rounds_are_ordinary_runs_with_few_step_sampling_defaults(full_distillation, teacher_run):
-    from elflow.runs.load import read_weights
+    from elflow.runs.record import Distillation, RunRecord
 
     out, rounds = full_distillation
     assert list(rounds) == [2, 1] and rounds[2] == out / "2-step" and rounds[1] == out / "1-step"
+    teacher = RunRecord.read(teacher_run[0])
     for n in (2, 1):
-        cfg, sd, spec, recipe, info = read_weights(out / f"{n}-step")
-        assert info["checkpoint"].endswith("step_0000003")
-        assert info["distilled_steps"] == n and info["sampling"] == distilled_defaults(n)
-        # the round's record is its own, beside the teacher's recipe constants
-        train = json.loads((out / f"{n}-step" / "run.json").read_text())["train"]
-        assert train["distillation"] == {"student_steps": n, "teacher_steps": 2} and not set(train["recipe"])
-        assert recipe == {}
-    run1 = json.loads((out / "1-step" / "run.json").read_text())["train"]
-    run2 = json.loads((out / "2-step" / "run.json").read_text())["train"]
+        net = elflow.load(out / f"{n}-step")
+        assert net.origin.path.endswith("step_0000003")
+        record = net.record
+        assert record.distillation == Distillation("pd", n, 2)
+        assert record.sampling.to_dict() == {**record.sampling.to_dict(), **distilled_defaults(n)}
+        # the round's record is its own, with the teacher's recipe
+        assert record.train.distillation == {"student_steps": n, "teacher_steps": 2}
+        assert record.recipe == teacher.recipe
+    run1 = json.loads((out / "1-step" / "run.json").read_text())["record"]["train"]
+    run2 = json.loads((out / "2-step" / "run.json").read_text())["record"]["train"]
     assert run2["init_from"].startswith(str(teacher_run[0]))  # round 1: the teacher
     assert run1["init_from"] == str(out / "2-step")  # round k + 1: round k's student (its EMA)
     assert run1["warmup_frac"] == 0.1 and run1["ema_decay"] == 0.5

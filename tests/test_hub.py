@@ -13,7 +13,7 @@ import elflow
 from elflow.cli import main
 from elflow.train import train
 
-FILES = {"README.md", "config.json", "model.safetensors", "recipe.json", "sampling.json", "space.json"}
+FILES = {"README.md", "config.json", "model.safetensors"}
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +29,7 @@ def pushed(tmp_path_factory, tiny_t5_dir, tiny_corpus_file):
 def test_a_space_on_a_local_encoder_folder_is_named_in_a_warning(pushed, tiny_t5_dir, capsys):
     from elflow.runs.push import local_encoders
 
-    spec = json.loads((pushed[1] / "space.json").read_text())["space"]
+    spec = json.loads((pushed[1] / "config.json").read_text())["record"]["space"]
     assert local_encoders(spec) == [str(tiny_t5_dir)]
     assert local_encoders({"kind": "hf", "name": "minilm"}) == []
 
@@ -58,14 +58,14 @@ def test_the_folder_loads_and_samples_the_texts_of_its_run(pushed, tmp_path):
 def test_the_card_names_the_runs_settings(pushed):
     run, folder = pushed
     card = (folder / "README.md").read_text()
-    meta = json.loads((run / "run.json").read_text())
+    meta = json.loads((run / "run.json").read_text())["record"]
     assert card.startswith("---\n") and "library_name: elflow" in card
     rows = dict(line.strip("|").split(" | ", 1) for line in card.splitlines() if line.startswith("| ") and " | " in line)
     rows = {k.strip(): v.strip(" |") for k, v in rows.items()}
     assert rows["parameters"] == f"{meta['params']['model']:,}"
     assert rows["preset"] == "tiny" and rows["steps trained"] == "6 of 6" and rows["sequence length"] == "16"
     assert rows["training tokens"] == f"{6 * 4 * 16:,}" and rows["precision"] == "fp32" and rows["EMA decay"] == "0.9"
-    assert rows["data"] == meta["train"]["data"] and rows["embedding space"] == meta["space_id"]
+    assert rows["data"] == meta["train"]["data"] and rows["embedding space"] == meta["space"]["id"]
     assert rows["sampling defaults"].startswith("steps 32, sampler sde")
     assert rows["training loss, total (step 6)"] == f"{_last_loss(run):.4g}"
     assert 'elflow.load("someone/tiny-elf")' in card and "elflow sample someone/tiny-elf" in card

@@ -15,7 +15,7 @@ from elflow.methods import ar, mdlm
 from elflow.methods.token_net import TokenLMConfig
 from elflow.model import ELF, get_config, num_params
 from elflow.runs.checkpoint import list_checkpoints
-from elflow.runs.load import load_for_sampling, read_weights
+from elflow.runs.load import load_for_sampling, load_init_weights
 from elflow.train import train
 from elflow.util.errors import ELFError
 
@@ -56,10 +56,10 @@ def judge_dir(tiny_t5_judge_dir):
 @pytest.mark.parametrize("method", ["ar", "mdlm"])
 def test_a_baseline_run_records_its_method_shape_and_matched_size(runs, method, tiny_t5_dir):
     run = runs[method]
-    meta = json.loads((run / "run.json").read_text())
-    state = json.loads((run / "checkpoints" / "step_0000004" / "state.json").read_text())
+    meta = json.loads((run / "run.json").read_text())["record"]
+    state = json.loads((run / "checkpoints" / "step_0000004" / "state.json").read_text())["record"]
     assert meta["method"] == state["method"] == meta["train"]["method"] == method
-    shape = TokenLMConfig(**state["model"])
+    shape = TokenLMConfig(**state["network"])
     net = MODULES[method].build(shape, type("V", (), {"vocab_size": 300})())
     elf = get_config("tiny", dim=32, vocab_size=300, max_length=16)  # the tiny T5's width and vocabulary
     with torch.device("meta"):
@@ -117,11 +117,11 @@ def test_the_optimiser_takes_adam_parameters_by_name():
 
 
 def test_the_loader_builds_the_baseline_from_its_ema_weights(runs):
-    loaded, space = load_for_sampling(runs["ar"], device="cpu")
-    assert loaded.method == "ar" and isinstance(loaded.net, torch.nn.Module) and space.vocab_size == 300
+    net, space = load_for_sampling(runs["ar"], device="cpu")
+    assert net.record.method == "ar" and isinstance(net, torch.nn.Module) and space.vocab_size == 300
     ema = load_file(runs["ar"] / "checkpoints" / "step_0000004" / "ema.safetensors")
-    assert all(torch.equal(v, ema[k]) for k, v in loaded.net.state_dict().items() if k in ema)
-    assert set(ema) == {k for k, _ in loaded.net.named_parameters()}
+    assert all(torch.equal(v, ema[k]) for k, v in net.state_dict().items() if k in ema)
+    assert set(ema) == {k for k, _ in net.named_parameters()}
 
 
 @pytest.mark.parametrize("method,flags", [("ar", ["--temperature", "0.8", "--top-p", "0.9"]),
@@ -137,7 +137,7 @@ def test_sample_cli_draws_with_the_baselines_own_sampler(runs, method, flags, tm
     # 5 x 100,003 + 0, as every sampler seeds its batches: generate.sample_batches), the tokenizer
     state = json.loads((runs[method] / "checkpoints" / "step_0000004" / "state.json").read_text())
     module = MODULES[method]
-    net = module.build(TokenLMConfig(**state["model"]), type("V", (), {"vocab_size": 300})())
+    net = module.build(TokenLMConfig(**state["record"]["network"]), type("V", (), {"vocab_size": 300})())
     net.load_state_dict(load_file(runs[method] / "checkpoints" / "step_0000004" / "ema.safetensors"))
     settings = (ar.ARSampling(temperature=0.8, top_p=0.9) if method == "ar" else mdlm.MDLMSampling(steps=4))
     ids = module.sample_tokens(net.eval(), 3, 16, settings, torch.Generator().manual_seed(5 * 100_003)).tolist()
@@ -169,7 +169,7 @@ def test_elf_only_uses_of_a_baseline_are_one_line_errors(runs, capsys, tmp_path,
                    "--source-length", "ELF")
     assert not list(tmp_path.glob("x.jsonl"))
     with pytest.raises(ELFError, match="AR baseline"):
-        read_weights(a)
+        load_init_weights(a)
 
 
 def test_an_unknown_method_lists_the_choices(capsys):

@@ -6,7 +6,7 @@ import torch
 from helpers import elflow_to_official, reference_dir
 from safetensors.torch import load_file
 
-from elflow.runs.official import build_from_state_dict, infer_config, official_to_elflow, read_official_checkpoint
+from elflow.runs.released import build_from_state_dict, infer_config, released_to_elflow, read_released_checkpoint
 from elflow.util.errors import ELFError
 
 REF = reference_dir("official_tiny.safetensors", "checkpoint_7")
@@ -21,7 +21,7 @@ def ref():
 
 @pytest.fixture(scope="module")
 def net(ref):
-    sd = official_to_elflow({k[len("params."):]: v for k, v in ref.items() if k.startswith("params.")})
+    sd = released_to_elflow({k[len("params."):]: v for k, v in ref.items() if k.startswith("params.")})
     return build_from_state_dict(sd, max_length=16).eval()
 
 
@@ -65,7 +65,7 @@ def test_mixed_per_row_gate(net, ref):
 
 @torch.no_grad()
 def test_plain_input_without_self_conditioning(ref):
-    sd = official_to_elflow({k[len("params."):]: v for k, v in ref.items() if k.startswith("params.")})
+    sd = released_to_elflow({k[len("params."):]: v for k, v in ref.items() if k.startswith("params.")})
     sd = {k: v for k, v in sd.items() if not k.startswith("self_cond_proj")}
     plain = build_from_state_dict(sd, max_length=16).eval()
     assert not plain.config.self_cond
@@ -74,16 +74,16 @@ def test_plain_input_without_self_conditioning(ref):
 
 @torch.no_grad()
 def test_released_checkpoint_file_uses_ema(ref):
-    sd = read_official_checkpoint(REF / "checkpoint_7")
+    sd = read_released_checkpoint(REF / "checkpoint_7")
     net = build_from_state_dict(sd, max_length=16).eval()
     assert close(net(ref["in.z"], ref["in.t"], ref["in.w"], x_prev=ref["in.x_prev"]), ref["out.denoise_sc"]) < TOL
     # a folder resolves to its checkpoint_<N>
-    assert read_official_checkpoint(REF).keys() == sd.keys()
+    assert read_released_checkpoint(REF).keys() == sd.keys()
 
 
 def test_key_map_round_trip(ref):
     theirs = {k[len("params."):]: v for k, v in ref.items() if k.startswith("params.")}
-    back = elflow_to_official(official_to_elflow(theirs))
+    back = elflow_to_official(released_to_elflow(theirs))
     assert back.keys() == theirs.keys()
     assert all(torch.equal(back[k], theirs[k]) for k in theirs)
 
@@ -92,11 +92,11 @@ def test_unknown_key_is_refused(ref):
     theirs = {k[len("params."):]: v for k, v in ref.items() if k.startswith("params.")}
     theirs["blocks.0.attn.extra.weight"] = torch.zeros(2)
     with pytest.raises(ELFError, match="unexpected keys"):
-        official_to_elflow(theirs)
+        released_to_elflow(theirs)
 
 
 def test_wrong_shape_is_refused(ref):
-    sd = official_to_elflow({k[len("params."):]: v for k, v in ref.items() if k.startswith("params.")})
+    sd = released_to_elflow({k[len("params."):]: v for k, v in ref.items() if k.startswith("params.")})
     sd["blocks.1.mlp.w3.weight"] = torch.zeros(64, 99)
     with pytest.raises(ELFError):
         build_from_state_dict(sd, max_length=16, config=infer_config(sd, max_length=16))
@@ -125,7 +125,7 @@ def test_files_that_are_not_checkpoints_are_refused(tmp_path):
     junk = tmp_path / "checkpoint_3"
     junk.write_bytes(b"not a checkpoint at all")
     with pytest.raises(ELFError, match="cannot be read as a tensors-only checkpoint"):
-        read_official_checkpoint(junk)
+        read_released_checkpoint(junk)
 
     class Evil:
         def __reduce__(self):
@@ -135,10 +135,10 @@ def test_files_that_are_not_checkpoints_are_refused(tmp_path):
     evil.parent.mkdir()
     evil.write_bytes(pickle.dumps({"params": Evil()}))
     with pytest.raises(ELFError, match="never unpickles"):
-        read_official_checkpoint(evil.parent)
+        read_released_checkpoint(evil.parent)
     torch.save({"weights": {}}, tmp_path / "checkpoint_9")
     with pytest.raises(ELFError, match="not an ELF checkpoint"):
-        read_official_checkpoint(tmp_path / "checkpoint_9")
+        read_released_checkpoint(tmp_path / "checkpoint_9")
 
 
 def test_sampling_from_an_authors_checkpoint_with_a_local_t5_folder(tiny_t5_dir, tmp_path):

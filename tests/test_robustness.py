@@ -330,7 +330,7 @@ def test_overwrite_failing_before_its_first_checkpoint_restores_the_old_run(
     assert code == 0, err
     assert (run_copy / "notes.txt").read_text() == "mine"
     assert [p.name for p in list_checkpoints(run_copy)] == ["step_0000003"]
-    assert json.loads((run_copy / "run.json").read_text())["train"]["seed"] == 7
+    assert json.loads((run_copy / "run.json").read_text())["record"]["train"]["seed"] == 7
     assert not (run_copy / ".replaced-run").exists() and not (run_copy / ".lock").exists()
 
 
@@ -389,7 +389,7 @@ def test_stale_lock_and_temporaries_are_cleared_and_keep_0_keeps_all(capsys, run
     assert code == 0, err
     assert not tmp.exists() and not (run_copy / ".lock").exists()
     assert [int(p.name[5:]) for p in list_checkpoints(run_copy)] == [3, 6, 8, 10, 12, 14]
-    stored = json.loads((run_copy / "run.json").read_text())["train"]
+    stored = json.loads((run_copy / "run.json").read_text())["record"]["train"]
     assert stored["batch"] == 4 and stored["seed"] == 1 and stored["steps"] == 14
 
 
@@ -753,13 +753,13 @@ def test_an_output_that_appears_while_sampling_is_kept(capsys, tmp_path, trained
     from elflow.methods.elf import ELFMethod
 
     out = tmp_path / "s.jsonl"
-    real = ELFMethod.sample
+    real = ELFMethod.generate
 
     def another_writer(self, *a, **k):
         records = real(self, *a, **k)
         out.write_text("the other command's samples\n")  # a second `elflow sample --out s.jsonl` finished first
         return records
-    monkeypatch.setattr(ELFMethod, "sample", another_writer)
+    monkeypatch.setattr(ELFMethod, "generate", another_writer)
     code, _, err = cli(capsys, _sample_args(trained, out))
     assert_one_error(code, err, "sample", str(out), "appeared while this command ran", "--overwrite")
     assert out.read_text() == "the other command's samples\n"
@@ -919,7 +919,8 @@ def _rehash_files(ck: Path) -> None:
     from elflow.util.files import sha256_file
 
     state = json.loads((ck / "state.json").read_text())
-    state["files"] = {name: sha256_file(ck / name) for name in state["files"]}
+    state["files"] = {name: {"sha256": sha256_file(ck / name), "bytes": (ck / name).stat().st_size}
+                      for name in state["files"]}
     write_state(ck, state)
 
 
@@ -995,13 +996,13 @@ STATE_CASES = [
      lambda t, r, t5, c, k: _new_run(t5, c, k, t / "new", space=f"random-table:{t5}", **{"space-dim": 10**8}),
      ["x 100000000 vectors", "more than the", "--space-dim"]),
     ("sample-state-depth-huge", "sample",
-     lambda t, r, t5, c, k: _sample_args(_rewrite_state(r, lambda s: _set(s, "model.depth", 10**9)), t / "s.jsonl"),
+     lambda t, r, t5, c, k: _sample_args(_rewrite_state(r, lambda s: _set(s, "record.network.depth", 10**9)), t / "s.jsonl"),
      ["depth 1000000000", "more than the"]),
     ("sample-state-depth-negative", "sample",
-     lambda t, r, t5, c, k: _sample_args(_rewrite_state(r, lambda s: _set(s, "model.depth", -5)), t / "s.jsonl"),
-     ["depth must be >= 1", "-5"]),
+     lambda t, r, t5, c, k: _sample_args(_rewrite_state(r, lambda s: _set(s, "record.network.depth", -5)), t / "s.jsonl"),
+     ["depth must be an integer >= 1", "-5"]),
     ("sample-state-depth-text", "sample",
-     lambda t, r, t5, c, k: _sample_args(_rewrite_state(r, lambda s: _set(s, "model.depth", "abc")), t / "s.jsonl"),
+     lambda t, r, t5, c, k: _sample_args(_rewrite_state(r, lambda s: _set(s, "record.network.depth", "abc")), t / "s.jsonl"),
      ["state.json", "cannot be read"]),
     ("sample-state-a-list", "sample",
      lambda t, r, t5, c, k: _sample_args(_rewrite_state(r, lambda s: [1, 2]), t / "s.jsonl"),
@@ -1022,7 +1023,7 @@ STATE_CASES = [
      lambda t, r, t5, c, k: ((r / "run.json").write_text('{"train": []}'), _resume(r, k))[-1],
      ["run.json", "\"train\" must be a JSON object"]),
     ("resume-run-json-batch-text", "train",
-     lambda t, r, t5, c, k: (_edit_json(r / "run.json", "train.batch", "four"), _resume(r, k))[-1],
+     lambda t, r, t5, c, k: (_edit_json(r / "run.json", "record.train.batch", "four"), _resume(r, k))[-1],
      ["run.json: its setting 'batch' must be a number >= 1", "'four'"]),
     ("quickstart-report-only-run-json-garbage", "quickstart",
      lambda t, r, t5, c, k: ((r / "run.json").write_text("garbage"), ["quickstart", "--report-only", "--out", r])[-1],
@@ -1043,7 +1044,7 @@ STATE_CASES = [
     ("resume-steps-already-passed", "train", lambda t, r, t5, c, k: _resume(r, k, "--steps", "5"),
      ["already at step 6, past --steps 5", "nothing was changed"]),
     ("resume-run-json-data-edited", "train",
-     lambda t, r, t5, c, k: (_edit_json(r / "run.json", "train.data", "/etc/passwd"), _resume(r, k, "--steps", "8"))[-1],
+     lambda t, r, t5, c, k: (_edit_json(r / "run.json", "record.train.data", "/etc/passwd"), _resume(r, k, "--steps", "8"))[-1],
      ["describes another run than its checkpoint", "/etc/passwd"]),
     ("sample-checkpoint-without-state-json", "sample",
      lambda t, r, t5, c, k: ((r / "checkpoints" / "step_0000006" / "state.json").unlink(),
@@ -1191,7 +1192,7 @@ def test_init_from_the_run_being_overwritten(capsys, run_copy, tiny_t5_dir, tiny
                                           **{"init-from": run_copy}), "--overwrite"])
     assert code == 0, err
     assert [p.name for p in list_checkpoints(run_copy)] == ["step_0000003"]
-    assert json.loads((run_copy / "run.json").read_text())["train"]["seed"] == 2
+    assert json.loads((run_copy / "run.json").read_text())["record"]["train"]["seed"] == 2
 
 
 def test_a_warning_is_one_line_once(capsys, trained, tmp_path):
@@ -1219,7 +1220,7 @@ def test_temporaries_of_a_killed_writer_are_removed(capsys, trained, tmp_path):
 
 
 def test_a_checkpoint_removed_while_it_is_read_gives_way_to_the_next(capsys, run_copy, tmp_path, monkeypatch):
-    import elflow.runs.load as loader
+    import elflow.runs.record as loader
 
     real = loader.load_checkpoint
     removed = []

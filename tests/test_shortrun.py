@@ -7,9 +7,10 @@ import math
 import pytest
 import torch
 
-from elflow.methods.elf import network_from_state_dict, stored_network
+from elflow.methods.elf import METHOD
 from elflow.model import ELF, ShortRunOptions, build_network, gaussian_posterior, get_config
 from elflow.runs.checkpoint import upgrade_state
+from elflow.runs.released import build_from_state_dict
 from elflow.util.errors import ELFError
 
 
@@ -45,15 +46,15 @@ def test_a_network_stored_with_its_options_among_its_config_loads_with_the_same_
     net.set_readout_table(torch.randn(100, 32, generator=torch.Generator().manual_seed(2)))
     flat = {**net.config.to_dict(), **net.options.to_dict(), "grad_checkpoint": False}
     stored = upgrade_state({"model": json.loads(json.dumps(flat))})
-    cfg, options = stored_network(stored["model"], stored.get("short_run"))
+    cfg, options = METHOD.network_config(stored["model"]), ShortRunOptions.from_dict(stored["short_run"])
     assert cfg == net.config and options == net.options
-    assert stored_network(net.config.to_dict(), net.options.to_dict()) == (cfg, options)
-    again = network_from_state_dict(net.state_dict(), cfg, options)
+    assert METHOD.network_config(net.config.to_dict()) == cfg
+    again = build_from_state_dict(net.state_dict(), config=cfg, options=options)
     z, t, w = torch.randn(2, 5, 32), torch.tensor([0.2, 0.9]), torch.ones(2)
     with torch.no_grad():
         assert torch.equal(again(z, t, w), net(z, t, w)) and torch.equal(again.decode(z, w), net.decode(z, w))
     with pytest.raises(ELFError, match="unexpected"):  # the options' tensors do not fit the paper's network
-        network_from_state_dict(net.state_dict(), cfg)
+        build_from_state_dict(net.state_dict(), config=cfg)
 
 
 def test_gaussian_posterior_equals_a_regression_on_samples():

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import checkpoint_weights, run_alone_and_on_two_ranks, tiny_config
+from helpers import as_layout_1, checkpoint_weights, run_alone_and_on_two_ranks, tiny_config
 from safetensors.torch import load_file
 
 from elflow.runs.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
@@ -54,7 +54,7 @@ def test_run_folder_contents_and_metrics(uninterrupted):
     assert [p.name for p in list_checkpoints(run)] == ["step_0000003", "step_0000006"]
     ck = load_checkpoint(latest_checkpoint(run))
     st = ck["state"]
-    assert st["step"] == 6 and st["model"]["dim"] == 32 and st["space_id"].startswith("t5:")
+    assert st["step"] == 6 and st["record"]["network"]["dim"] == 32 and st["record"]["space"]["id"].startswith("t5:")
     assert st["data_position"] and (run / "loss.png").exists()
     recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == [1, 2, 3, 4, 5, 6]
@@ -302,7 +302,7 @@ def test_print_config_and_the_first_line_name_the_resolved_precision(tmp_path, t
                  "--cache-dir", str(tmp_path / "c"), "--out", str(run)]) == 0
     first = capsys.readouterr().err.splitlines()[0]
     assert first.startswith("training an ELF model") and "on cpu (" in first and f"precision {picked}" in first
-    assert json.loads((run / "run.json").read_text())["train"]["dtype"] == picked
+    assert json.loads((run / "run.json").read_text())["record"]["train"]["dtype"] == picked
 
 
 def test_word_stats_by_hand():
@@ -331,19 +331,19 @@ def test_a_random_table_run_stored_without_a_stream_keeps_its_table(tmp_path, ti
     old = tmp_path / "old"
     train(cfg, old, quiet=True, cache_dir=tmp_path / "cache")
     for f in [old / "run.json", *old.glob("checkpoints/*/state.json")]:  # what an elflow without streams wrote
-        d = json.loads(f.read_text())
+        d = as_layout_1(json.loads(f.read_text()))
         d["train"].pop("space_stream")
         if "space" in d:
             d["space"].pop("stream")
             assert d["space_id"].endswith(":seed0")
         f.write_text(json.dumps(d))
         (f.parent / "state.sha256").unlink(missing_ok=True)  # nor the hash of state.json beside it
-    loaded, space = load_for_sampling(old)
+    net, space = load_for_sampling(old)
     first_draws = torch.randn(space.table.shape, generator=torch.Generator().manual_seed(0))
     assert space.stream == 1 and torch.equal(space.table, first_draws)
-    assert torch.equal(loaded.net.readout_table, space.table[:loaded.net.config.vocab_size])
+    assert torch.equal(net.readout_table, space.table[:net.config.vocab_size])
     assert main(["train", "--out", str(old), "--resume", "--steps", "4", "--quiet"]) == 0
-    assert json.loads((old / "run.json").read_text())["train"].get("space_stream", 1) == 1
+    assert json.loads((old / "run.json").read_text())["record"]["train"]["space_stream"] == 1
     assert main(["train", *base, "--steps", "2", "--out", str(tmp_path / "new")]) == 0
     _, fresh = load_for_sampling(tmp_path / "new")
     assert fresh.stream == 2 and not torch.allclose(fresh.table, space.table)
@@ -362,8 +362,7 @@ def test_table_readout_run_carries_the_token_vectors(tmp_path, tiny_t5_dir, tiny
             "--steps", "4", "--space", f"random-table:{tiny_t5_dir}"]
     assert main(args + ["--table-readout", "1", "--out", str(tmp_path / "tied")]) == 0
     assert main(args + ["--out", str(tmp_path / "plain")]) == 0
-    loaded, space = load_for_sampling(tmp_path / "tied")
-    net = loaded.net
+    net, space = load_for_sampling(tmp_path / "tied")
     V = net.config.vocab_size
     assert net.options.table_readout == 1.0
     assert torch.equal(net.readout_table, space.table[:V])  # random-table: the rows themselves (scale 1)
@@ -397,11 +396,10 @@ def test_gaussian_skip_run_carries_the_training_moments(tmp_path, tiny_t5_dir, t
             "--dtype", "fp32", "--seed", "1", "--skip", "gaussian", "--lr-decay", "cosine", "--log-every", "1", "--quiet",
             "--cache-dir", str(cache)]
     assert main(args + ["--steps", "6", "--out", str(run)]) == 0
-    loaded, space = load_for_sampling(run)
+    net, space = load_for_sampling(run)
     train_set, _ = build_dataset(str(tiny_corpus_file), space, 16, val_fraction=0.02, seed=1, cache_dir=cache)
     assert len(train_set) <= 512  # the moments then cover every row
     x = space.encode(train_set.tokens, attention_mask=train_set.attention_mask).double()[train_set.mask]
-    net = loaded.net
     assert net.options.skip == "gaussian"
     assert torch.allclose(net.skip_mean.double(), x.mean(0), atol=1e-5)
     assert torch.allclose(net.skip_var.double(), x.var(0, unbiased=False), rtol=1e-4)
@@ -416,7 +414,7 @@ def test_gaussian_skip_run_carries_the_training_moments(tmp_path, tiny_t5_dir, t
     # stopped after step 3 and resumed: the same weights as the uninterrupted run
     from elflow.config import TrainConfig
 
-    cfg = TrainConfig.from_dict(json.loads((run / "run.json").read_text())["train"])
+    cfg = TrainConfig.from_dict(json.loads((run / "run.json").read_text())["record"]["train"])
     part = tmp_path / "part"
     train(cfg, part, cache_dir=cache, quiet=True, stop_after=3)
     train(cfg, part, resume=True, cache_dir=cache, quiet=True)
@@ -443,8 +441,8 @@ def test_samples_printed_during_training_come_from_the_ema_weights(method, optio
     printed = [line.split(": ", 1)[1] for line in (out.out + out.err).splitlines() if "[step 2] sample" in line]
     assert len(printed) == 2
     if method == "elf":
-        loaded, space = load_for_sampling(run, device="cpu")
-        ids, _ = generate_tokens(loaded.net, 2, 16, 3, "sde", omega=3.0, generator=torch.Generator().manual_seed(1))
+        net, space = load_for_sampling(run, device="cpu")
+        ids, _ = generate_tokens(net, 2, 16, 3, "sde", omega=3.0, generator=torch.Generator().manual_seed(1))
         assert printed == [t[:300] for t in space.decode(ids)]
 
 

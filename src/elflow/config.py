@@ -211,10 +211,14 @@ class TrainConfig(Record):
                                       "(elflow.distill)", cli=False, default_factory=dict)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "TrainConfig":
+    def from_dict(cls, d: dict, strict: bool = False) -> "TrainConfig":
         """From a stored config (in today's layout: elflow.runs.checkpoint.upgrade_train reads earlier ones);
-        keys it does not know are ignored, missing ones take their defaults."""
+        missing keys take their defaults; keys it does not know are a ValueError naming them when `strict` (a
+        record of today's layout), else ignored (an earlier layout's settings that are gone)."""
         names = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - names)
+        if strict and unknown:
+            raise ValueError(f"unknown settings {unknown}")
         return cls(**{k: v for k, v in d.items() if k in names})
 
     @classmethod

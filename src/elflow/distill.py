@@ -1,5 +1,5 @@
 """Progressive distillation's rounds: each round a training run whose objective is the teacher's
-(elflow.methods.distill), started from the previous round's student; the rounds of one distillation share a
+(elflow.methods.pd), started from the previous round's student; the rounds of one distillation share a
 folder (OUT/<N>-step, by the student's steps) with a manifest (distill.json) that --resume and --overwrite read."""
 
 from __future__ import annotations
@@ -15,13 +15,20 @@ import torch.distributed as dist
 
 from elflow.config import TrainConfig
 from elflow.generate import distilled_defaults
-from elflow.methods.distill import DistillObjective, check_schedule
+from elflow.methods.pd import PDMethod, check_schedule
 from elflow.model import PRESETS
 from elflow.runs.checkpoint import list_checkpoints
-from elflow.runs.folder import REPLACED, check_not_inside, recover_replaced, run_folders_holding, set_aside
-from elflow.runs.load import load_init_weights, stored_training
+from elflow.runs.folder import (
+    REPLACED,
+    check_not_inside,
+    recover_replaced,
+    run_folders_holding,
+    set_aside,
+    stored_config,
+)
+from elflow.runs.load import load_init_weights
 from elflow.runs.log import training_records
-from elflow.runs.official import build_from_state_dict
+from elflow.runs.released import build_from_state_dict
 from elflow.train import train
 from elflow.util.distributed import setup_distributed
 from elflow.util.errors import ELFError
@@ -37,14 +44,16 @@ def _teacher_device():
 
 
 def load_teacher(path, length: int | None = None, device=None):
-    """(frozen network, info): the EMA weights of a run or checkpoint (its trained weights, with a warning,
-    where it stored no EMA), in eval mode and without gradients."""
-    cfg, sd, info = load_init_weights(path)
+    """(frozen network, its record, origin): the EMA weights of a run or checkpoint (its trained weights, with a
+    warning, where it stored no EMA), in eval mode and without gradients."""
+    record, sd, origin = load_init_weights(path, need="distill")
+    cfg = record.network
     if length and length > cfg.max_length:
         cfg = cfg.replace(max_length=length)
-    net = build_from_state_dict(sd, config=cfg, options=info.get("short_run")).to(device or "cpu").eval()
+    net = build_from_state_dict(sd, config=cfg, options=record.options, where=origin.path)
+    net = net.to(device or "cpu").eval()
     net.requires_grad_(False)
-    return net, info
+    return net, record, origin
 
 
 MANIFEST = "distill.json"
@@ -56,30 +65,26 @@ SAME_ON_RESUME = ("preset", "model", "short_run", "data", "space", "latent_std",
                   "seed", "lr", "ema_decay", "warmup_frac")
 
 
-def _base_config(teacher_info: dict, overrides: dict):
+# the teacher's training config a distillation keeps (its data and how it is read, its network and run)
+KEPT = ("preset", "data", "text_field", "on_bad", "space", "latent_std", "length", "layout", "batch", "micro_batch",
+        "adam_heads", "ns_method", "grad_clip", "dtype", "compile", "model", "task", "source_length", "source_field",
+        "target_field", "space_dim", "space_seed", "space_stream", "val_fraction", "recipe")
+
+
+def _base_config(record, origin, overrides: dict) -> TrainConfig:
     """The rounds' TrainConfig: the teacher's stored data and network settings, then the overrides."""
-    from dataclasses import fields
-
-
-
-    stored = (stored_training(teacher_info["checkpoint"]) or {}).get("train", {})
-    known = {f.name for f in fields(TrainConfig)}
-    keep = ("preset", "data", "text_field", "on_bad", "space", "latent_std", "length", "layout", "batch",
-            "micro_batch", "adam_heads", "ns_method", "grad_clip", "dtype", "compile", "model",
-            "task", "source_length", "source_field", "target_field", "space_dim", "space_seed", "val_fraction")
-    base = {k: stored[k] for k in keep if k in stored and k in known}
-    if stored:  # the teacher's table draw (stream 1 where it stored none)
-        base["space_stream"] = TrainConfig.from_dict(stored).space_stream
-    scale = teacher_info.get("space", {}).get("latent_std")
+    stored = record.train.to_dict() if record.train else {}
+    base = {k: stored[k] for k in KEPT if k in stored}
+    scale = record.space.latent_std
     if isinstance(scale, (int, float)) and base.get("space") is not None:
         base["latent_std"] = repr(float(scale))  # the teacher's resolved scale: no re-estimate, the same space
     base.update({k: v for k, v in overrides.items() if v is not None})
     if "data" not in base or "space" not in base:
-        raise ELFError(f"{teacher_info['checkpoint']} stores no training data settings (a converted checkpoint?); "
-                       "pass --data and --space")
+        raise ELFError(f"{origin.path} stores no training data settings (a converted or released model); pass "
+                       "--data and --space")
     if base.get("preset") not in PRESETS:
         base["preset"] = "elf-b"  # every shape field is set from the teacher below
-    shape = {k: v for k, v in teacher_info["config"].items() if k not in ("dim", "vocab_size", "max_length")}
+    shape = {k: v for k, v in record.network.to_dict().items() if k not in ("dim", "vocab_size", "max_length")}
     if overrides.get("predict") not in (None, shape.get("predict", "x")):
         raise ELFError(f"--predict {overrides['predict']}: the students start from the teacher's weights, whose head "
                        f"predicts {shape.get('predict', 'x')}; distil with --predict {shape.get('predict', 'x')}")
@@ -87,9 +92,8 @@ def _base_config(teacher_info: dict, overrides: dict):
         if key in shape:
             base[key] = shape.pop(key)
     base["model"] = shape
-    base["short_run"] = dict(teacher_info.get("short_run") or {})  # the students are networks of the teacher's kind
-    base["length"] = base.get("length") or teacher_info["config"]["max_length"]
-    base["recipe"] = TrainConfig.from_dict(stored).recipe  # the teacher's recipe constants
+    base["short_run"] = record.options.to_dict() if record.options.active else {}  # students of the teacher's kind
+    base["length"] = base.get("length") or record.length
     base["sample_every"] = 0
     return TrainConfig(**base)
 
@@ -120,9 +124,8 @@ def distill(teacher, out, student_steps=(16, 8, 4, 2, 1), teacher_steps: int = 6
     _check_out(out, [teacher])
 
     device = _teacher_device()
-    teacher_net, info = load_teacher(teacher, device=device)
-    info = {**info, "config": teacher_net.config.to_dict()}
-    cfg = _base_config(info, overrides)
+    teacher_net, record, origin = load_teacher(teacher, device=device)
+    cfg = _base_config(record, origin, overrides)
     cfg.steps = steps_per_round or cfg.steps
     cfg.epochs = None if steps_per_round else epochs
     cfg.warmup_frac = warmup_frac
@@ -132,8 +135,8 @@ def distill(teacher, out, student_steps=(16, 8, 4, 2, 1), teacher_steps: int = 6
     if cfg.length > teacher_net.config.max_length:
         teacher_net = load_teacher(teacher, cfg.length, device)[0]
 
-    manifest = {"format": "elflow-distill-1", "teacher": info["checkpoint"], "teacher_space_id": info.get("space_id"),
-                "teacher_ema": info.get("ema", True), "student_steps": steps, "teacher_steps": teacher_steps,
+    manifest = {"format": "elflow-distill-1", "teacher": origin.path, "teacher_space_id": record.space.id,
+                "teacher_ema": origin.ema, "student_steps": steps, "teacher_steps": teacher_steps,
                 "train": {k: cfg.to_dict()[k] for k in SAME_ON_RESUME}}
     # under torchrun: one group for all rounds; rank 0 alone reads and writes OUT
     group = _process_group(cfg.dist_timeout)
@@ -166,13 +169,15 @@ def distill(teacher, out, student_steps=(16, 8, 4, 2, 1), teacher_steps: int = 6
             if group is not None:  # every rank takes rank 0's view of the folder, before anyone writes it
                 dist.broadcast_object_list(seen, src=0)
             rdir, again = out / seen[0], seen[1]
-            init = info["checkpoint"] if i == 0 else str(rounds[steps[i - 1]])
+            init = origin.path if i == 0 else str(rounds[steps[i - 1]])
             rcfg = _round_config(cfg, n, teacher_steps, init, out, rdir.name)
+            if again:  # a round that has begun continues with its own optimiser's update (an earlier run's rule)
+                rcfg = replace(rcfg, update_rule=stored_config(rdir).update_rule)
             said = f"round {i + 1} of {len(steps)}, the {n}-step student ({rdir})"
             if main and not quiet:
                 print(f"{said}: training", file=sys.stderr)
             summary = train(rcfg, rdir, resume=again, cache_dir=cache_dir, quiet=quiet,
-                            stop_after=left, objective=DistillObjective(teacher_net, n, teacher_steps))
+                            stop_after=left, method=PDMethod(teacher_net, n, teacher_steps))
             rounds[n] = rdir
             if left is not None:
                 left -= summary["end_step"] - summary["start_step"]

@@ -111,10 +111,11 @@ def sample_guidance(n: int, generator: torch.Generator | None = None, low: float
 
 
 def time_grid(steps: int, kind: str = "logit_normal", generator: torch.Generator | None = None,
-              device=None) -> torch.Tensor:
+              device=None, mean: float = T_MEAN, std: float = T_STD) -> torch.Tensor:
     """steps + 1 increasing times from exactly 0 to exactly 1.
 
-    "logit_normal": 0, the sorted sigmoid of steps - 1 draws of N(-1.5, 0.8^2), 1 (the released sampler).
+    "logit_normal": 0, the sorted sigmoid of steps - 1 draws of N(mean, std^2), 1: the released sampler, which
+    draws its grid from the model's own training times (the recipe's t_mean, t_std; -1.5, 0.8 as released).
     "uniform": 0, 1/steps, ..., 1.
     """
     if not isinstance(steps, int) or steps < 1:
@@ -123,7 +124,7 @@ def time_grid(steps: int, kind: str = "logit_normal", generator: torch.Generator
     if kind == "uniform":
         grid = torch.arange(steps + 1, dtype=torch.float32, device=device) / steps
     elif kind == "logit_normal":
-        interior = sample_time(steps - 1, generator=generator).to(device).sort().values
+        interior = sample_time(steps - 1, generator, mean, std).to(device).sort().values
         zero, one = torch.zeros(1, device=device), torch.ones(1, device=device)
         grid = torch.cat([zero, interior, one])
     else:
@@ -354,7 +355,7 @@ def check_sampling_args(steps: int, gamma: float, omega: float, guidance: float 
 def sample(net, z0: torch.Tensor, grid: torch.Tensor, *, sampler: str = "sde", gamma: float = 1.5,
            omega=3.0, guidance: float = 1.0, known: torch.Tensor | None = None,
            known_mask: torch.Tensor | None = None, generator: torch.Generator | None = None,
-           noise_scale: float = NOISE_SCALE, t_eps: float = T_EPS, callback: Callable | None = None):
+           recipe: Recipe = Recipe(), callback: Callable | None = None):
     """Integrate z0 (B, L, C) over the time grid (grid[0] = 0 ... grid[-1] = 1): returns (z_final, x_last).
 
     net(z, t, omega, x_prev) -> x is called once per step (twice when guidance != 1 with known positions).
@@ -388,6 +389,7 @@ def sample(net, z0: torch.Tensor, grid: torch.Tensor, *, sampler: str = "sde", g
             return torch.where(keep, known, a)
         x_prev = torch.where(keep, known, torch.zeros_like(z0))
     guided = keep is not None and guidance != 1.0
+    t_eps = recipe.t_eps
 
     def denoise(z, t, slot):
         tt = t.expand(B)
@@ -408,7 +410,7 @@ def sample(net, z0: torch.Tensor, grid: torch.Tensor, *, sampler: str = "sde", g
         step = ode_step
     else:
         step = functools.partial(sde_step, gamma=gamma, noise=torch.empty_like(z0), generator=generator,
-                                 noise_scale=noise_scale, pin=pin, consistent=sampler == "vc")
+                                 noise_scale=recipe.noise_scale, pin=pin, consistent=sampler == "vc")
     z = pin(z0)
     for i in range(n):
         z, x_prev = (step if i < n - 1 else ode_step)(denoise, z, grid[i], grid[i + 1], x_prev)
@@ -432,9 +434,9 @@ def generate_tokens(net, batch: int, length: int, steps: int = 32, sampler: str 
     check_sampling_args(steps, gamma, omega, guidance, sampler, recipe)
     device = device or next(net.parameters()).device
     z0 = recipe.noise_scale * torch.randn(batch, length, net.config.dim, generator=generator, device=device)
-    times = time_grid(steps, grid, generator=generator, device=device)
+    times = time_grid(steps, grid, generator=generator, device=device, mean=recipe.t_mean, std=recipe.t_std)
     w = torch.full((batch,), float(omega), device=device)
     z, _ = sample(net, z0, times, sampler=sampler, gamma=gamma, omega=w, guidance=guidance, known=known,
-                  known_mask=known_mask, generator=generator, noise_scale=recipe.noise_scale, t_eps=recipe.t_eps,
+                  known_mask=known_mask, generator=generator, recipe=recipe,
                   callback=callback)
     return decode_tokens(net, z, w), z

@@ -10,51 +10,43 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
 
 from elflow.data.layout import encoder_mask, pair_layout, warn_sources_cut
-from elflow.flow import NOISE_SCALE, T_EPS, Recipe, check_sampling_args, decode_tokens, generate_tokens
+from elflow.flow import Recipe, check_sampling_args, decode_tokens, generate_tokens
 from elflow.util.devices import autocast
 from elflow.util.errors import ELFError, Record, check_seed
 from elflow.util.files import atomic_write
 
-# the sampler settings of a model when no flag is given, by the kind of model; a distilled model's depend on its
-# steps: its few-step settings up to FEW_STEPS, its longer ones beyond, DISTILLED_STEPS when none are given
-FEW_STEPS = DISTILLED_STEPS = 8  # (the released few-step model's)
+# the sampler settings of a model when no flag is given, by the kind of model; a progressively distilled
+# model's depend on its steps: its few-step settings up to FEW_STEPS, its longer ones beyond, DISTILLED_STEPS
+# when none are given (the released few-step model's)
+FEW_STEPS = DISTILLED_STEPS = 8
 SAMPLING_DEFAULTS = {
     "text": {"sampler": "sde", "steps": 32, "gamma": 1.5, "omega": 3.0, "guidance": 1.0},
     "conditional": {"sampler": "ode", "steps": 64, "gamma": 0.0, "omega": 1.0, "guidance": 2.0},
     "distilled": {"sampler": "sde", "gamma": 1.5, "omega": 2.5},  # a progressively distilled student, <= 8 steps
     "distilled-long": {"sampler": "sde", "gamma": 2.0, "omega": 2.0},  # the same beyond 8 steps
 }
+GRIDS = ("logit_normal", "uniform")
+DTYPES = ("fp32", "bf16")
+MAX_SAMPLING_STEPS = 10_000  # a sampler of more steps is refused: the released recipe samples with at most 64
 
 
 def distilled_defaults(steps: int) -> dict:
-    """The settings of a distilled model sampled at `steps` steps."""
+    """The settings of a progressively distilled model sampled at `steps` steps."""
     return {**SAMPLING_DEFAULTS["distilled" if steps <= FEW_STEPS else "distilled-long"], "steps": int(steps)}
-
-
-def model_sampling(conditional: bool = False, distilled_steps: int | None = None,
-                   self_conditioned: bool = True) -> dict:
-    """The sampler settings a kind of model is stored with, where they differ from a text model's: a
-    conditional model's, a distilled model's few-step ones (at its step count), and omega 1 for a network
-    without self-conditioning (nothing for omega to guide by). The one statement of these rules."""
-    sampling = dict(SAMPLING_DEFAULTS["conditional"]) if conditional else {}
-    if distilled_steps:
-        sampling.update(distilled_defaults(distilled_steps))
-    if not self_conditioned:
-        sampling["omega"] = 1.0
-    return sampling
 
 
 @dataclass(frozen=True)
 class SamplingSettings(Record):
     """How to sample: the step count, the step kind and its back-off gamma, the self-conditioning guidance
-    omega, the source guidance (conditional models), the time grid, the seed, the batch size and the
-    autocast precision."""
+    omega, the source guidance (conditional models), the time grid's kind, the seed, the batch size and the
+    autocast precision. The path's constants (noise scale, t_eps) and the logit-normal grid's distribution are
+    the model's own, its recipe's (elflow.flow.Recipe)."""
 
     steps: int = SAMPLING_DEFAULTS["text"]["steps"]
     sampler: str = SAMPLING_DEFAULTS["text"]["sampler"]
@@ -65,19 +57,30 @@ class SamplingSettings(Record):
     seed: int = 0
     batch_size: int = 8
     dtype: str = "fp32"
-    noise_scale: float = NOISE_SCALE  # the model's own: z0 = noise_scale N(0, 1), as it was trained
-    t_eps: float = T_EPS
 
-    def check(self) -> "SamplingSettings":
+    def check(self, recipe: Recipe | None = None) -> "SamplingSettings":
+        """The settings if every one is usable (ELFError naming the first that is not); a warning for an
+        omega outside the range `recipe` trained on."""
+        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or not 1 <= self.steps <= \
+                MAX_SAMPLING_STEPS:
+            raise ELFError(f"steps must be an integer from 1 to {MAX_SAMPLING_STEPS:,} (the released recipe samples "
+                           f"with at most 64), got {self.steps!r}")
+        for name in ("gamma", "omega", "guidance"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ELFError(f"{name} must be a number, got {v!r}")
         try:
-            check_sampling_args(self.steps, self.gamma, self.omega, self.guidance, self.sampler)
+            check_sampling_args(self.steps, self.gamma, self.omega, self.guidance, self.sampler,
+                                recipe or Recipe())
         except ValueError as e:
             raise ELFError(str(e)) from None
-        if self.batch_size < 1:
-            raise ELFError(f"the batch size must be >= 1, got {self.batch_size}")
+        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
+            raise ELFError(f"the batch size must be an integer >= 1, got {self.batch_size!r}")
         check_seed(self.seed)
-        if self.grid not in ("logit_normal", "uniform"):
-            raise ELFError(f"grid must be 'logit_normal' or 'uniform', got {self.grid!r}")
+        if self.grid not in GRIDS:
+            raise ELFError(f"grid must be one of {', '.join(GRIDS)}, got {self.grid!r}")
+        if self.dtype not in DTYPES:
+            raise ELFError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         return self
 
     def tag(self) -> str:
@@ -89,22 +92,37 @@ class SamplingSettings(Record):
         return f"{self.sampler}, {self.steps} steps, omega {self.omega:g}"
 
 
+def default_sampling(conditional: bool = False, distilled_steps: int | None = None,
+                     self_conditioned: bool = True) -> SamplingSettings:
+    """The settings a kind of model samples with when no flag is given: a text model's, a conditional model's,
+    a progressively distilled model's few-step ones (at its step count), and omega 1 for a network without
+    self-conditioning (nothing for omega to guide by). The one statement of these rules."""
+    values = dict(SAMPLING_DEFAULTS["conditional" if conditional else "text"])
+    if distilled_steps:
+        values.update(distilled_defaults(distilled_steps))
+    if not self_conditioned:
+        values["omega"] = 1.0
+    return SamplingSettings(**values)
+
+
 # the sampling flags an ELF model's sampler takes (besides --seed and --batch)
 ELF_KNOBS = ("steps", "sampler", "gamma", "omega", "guidance", "grid", "dtype")
 
 
-def settings_for(loaded, **given) -> SamplingSettings:
-    """A loaded model's (checkpoint.Loaded) own defaults, a conditional or distilled model's from
-    SAMPLING_DEFAULTS, overridden by the values given (None = not given)."""
-    stored = dict(loaded.settings.get("sampling") or {})
-    if loaded.settings.get("distilled_steps") or loaded.settings.get("distilled"):
-        n = given.get("steps") or loaded.settings.get("distilled_steps") or DISTILLED_STEPS
-        stored.update(model_sampling(distilled_steps=n))  # the few-step settings depend on the step count alone
+def settings_for(record, **given) -> SamplingSettings:
+    """A model's sampler settings (its record's, elflow.runs.record.RunRecord): its stored defaults with the
+    values `given` on top (None = not given); a progressively distilled model's sampler, gamma and omega follow
+    the step count it samples with."""
+    stored = record.sampling
+    pd = record.distillation if record.distillation and record.distillation.objective == "pd" else None
+    if pd is not None:
+        n = given.get("steps") or pd.student_steps or DISTILLED_STEPS
+        stored = stored.replace(**distilled_defaults(n))
     names = {f.name for f in fields(SamplingSettings)}
-    chosen = {k: loaded.recipe[k] for k in ("noise_scale", "t_eps") if k in loaded.recipe}
-    chosen.update({k: v for k, v in stored.items() if k in names})
-    chosen.update({k: v for k, v in given.items() if k in names and v is not None})
-    return replace(SamplingSettings(), **chosen).check()
+    bad = sorted(k for k, v in given.items() if k not in names and v is not None)
+    if bad:
+        raise ELFError(f"unknown sampling setting {bad[0]!r}; the settings are {', '.join(sorted(names))}")
+    return stored.replace(**{k: v for k, v in given.items() if v is not None and k in names}).check(record.recipe)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -213,7 +231,8 @@ def gather_records(records: list[dict], world: int) -> list[dict]:
 def generate(net, space, num: int, settings: SamplingSettings = SamplingSettings(), length: int | None = None,
              sources: list[str] | None = None, source_length: int | None = None, prompt: str | None = None,
              suffix: str | None = None, progress: bool = True, trajectory: set[int] | None = None,
-             part: tuple[int, int] = (0, 1), drop_source: bool = False, source_slot: str = "packed") -> list[dict]:
+             part: tuple[int, int] = (0, 1), drop_source: bool = False, source_slot: str = "packed",
+             recipe: Recipe | None = None) -> list[dict]:
     """`num` samples as records {"index", "text"} (+ "source"). With `trajectory` (sampling steps), each record
     of the first batch also holds "trajectory": the decode readout of the sampler's guess at those steps (at
     the last step, of the sample itself), a list of {"step", "t" (the time the guess was made at), "ids" (the
@@ -222,19 +241,28 @@ def generate(net, space, num: int, settings: SamplingSettings = SamplingSettings
     same texts in any batch split of the same size; `part` = (rank, ranks) draws only that rank's batches
     (`sample_batches`; `gather_records` puts the ranks' records together).
 
-    `source_slot`: where the targets start, as the model was trained (its settings' "source_slot").
+    `source_slot`: where the targets start, as the model was trained (its record's task). `recipe`: the path's
+    constants and the training times the logit-normal grid is drawn from, as the model was trained (its
+    record's; default: the released recipe, or the record of a network loaded by elflow.load).
     `drop_source`: the source-dropped model of a conditional network, as training drops a source: the
     source positions hold zeros for every pass, the readout's included (guidance 0 alone drops the source
     from the denoiser's passes only; the readout still sees it)."""
-    settings.check()
-    if num < 1:
+    if recipe is None:
+        record = getattr(net, "record", None)
+        recipe = record.recipe if record is not None else Recipe()
+    settings.check(recipe)
+    if isinstance(num, bool) or not isinstance(num, int) or num < 1:
         raise ELFError(f"the number of samples must be >= 1, got {num}")
     if sources is not None and len(sources) != num:
         raise ELFError(f"{len(sources)} sources for {num} samples")
     trained = net.config.max_length
-    length = length or trained
-    if length > trained:
-        raise ELFError(f"--length {length} exceeds the longest sequence this network covers ({trained})")
+    length = trained if length is None else length
+    if isinstance(length, bool) or not isinstance(length, int) or not 1 <= length <= trained:
+        raise ELFError(f"--length must be an integer from 1 to {trained} (the longest sequence this network covers), "
+                       f"got {length!r}")
+    if trajectory is not None and not all(isinstance(i, int) and 0 <= i < settings.steps for i in trajectory):
+        raise ELFError(f"trajectory steps must be integers from 0 to {settings.steps - 1} (0-based sampling steps), "
+                       f"got {sorted(trajectory, key=str)[:5]}")
     from tqdm.auto import tqdm
 
     if sources is not None and source_length and part[0] == 0:
@@ -265,7 +293,7 @@ def generate(net, space, num: int, settings: SamplingSettings = SamplingSettings
         with autocast(device, settings.dtype):
             ids, _ = generate_tokens(net, bs, length, settings.steps, settings.sampler, settings.gamma,
                                      settings.omega, settings.grid, settings.guidance, known, known_mask, g,
-                                     Recipe(noise_scale=settings.noise_scale, t_eps=settings.t_eps), device=device,
+                                     recipe, device=device,
                                      callback=keep if trajectory else None)
         held = [[] for _ in range(bs)] if known_mask is None else [r.nonzero().flatten().tolist() for r in known_mask]
         readouts = []  # per recorded step, per row: (ids, shown positions, text)

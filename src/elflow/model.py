@@ -22,8 +22,30 @@ DECODERS = ("shared", "separate")  # who reads out tokens: the denoiser itself, 
 SKIPS = ("none", "gaussian", "gated")  # the short-run skip of z into the guess
 
 
+MAX_MLP_RATIO = 64.0  # a SwiGLU wider than 64 x the hidden width is no network anyone trains
+
+
 class TransformerShape:
-    """What every transformer config here derives from its hidden width, heads and MLP ratio."""
+    """What every transformer config here derives from its hidden width, heads and MLP ratio, and the checks of
+    the fields they share."""
+
+    def check_shape(self, sizes) -> None:
+        """ValueError naming the first field of `sizes` that is no integer >= 1 (bools refused), an MLP ratio
+        that is no number in (0, 64], or a RoPE base that is no finite number > 1 (a base <= 1 gives every
+        position the same angle)."""
+        name = type(self).__name__
+        for f in sizes:
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}.{f} must be an integer >= 1, got {v!r}")
+        r = self.mlp_ratio
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not (math.isfinite(r) and 0 < r <= MAX_MLP_RATIO):
+            raise ValueError(f"{name}.mlp_ratio must be a number in (0, {MAX_MLP_RATIO:g}], got {r!r}")
+        theta = self.rope_theta
+        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not (math.isfinite(theta) and theta > 1):
+            raise ValueError(f"{name}.rope_theta must be a finite number > 1, got {theta!r}")
+        if self.mlp_hidden < 1:
+            raise ValueError(f"{name}: mlp_ratio {r} gives a SwiGLU of no width at hidden {self.hidden}")
 
     @property
     def head_dim(self) -> int:
@@ -60,9 +82,13 @@ class ELFConfig(Record, TransformerShape):
     t_eps: float | None = None
 
     def __post_init__(self):
-        for f in ("depth", "hidden", "heads", "dim", "vocab_size", "max_length", "bottleneck"):
-            if getattr(self, f) < 1:
-                raise ValueError(f"ELFConfig.{f} must be >= 1, got {getattr(self, f)}")
+        self.check_shape(("depth", "hidden", "heads", "dim", "vocab_size", "max_length", "bottleneck"))
+        for f in ("time_tokens", "omega_tokens", "mode_tokens"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"ELFConfig.{f} must be an integer >= 0, got {v!r}")
+        if not isinstance(self.self_cond, bool):
+            raise ValueError(f"ELFConfig.self_cond must be true or false, got {self.self_cond!r}")
         if self.hidden % self.heads:
             raise ValueError(f"ELFConfig: hidden {self.hidden} is not divisible by heads {self.heads}")
         if (self.hidden // self.heads) % 2:

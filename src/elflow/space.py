@@ -8,6 +8,8 @@ alone (for the token baselines). `build_space(spec)` builds any of them; docs/in
 from __future__ import annotations
 
 import hashlib
+import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -339,10 +341,93 @@ class TokenizerSpace(EmbeddingSpace):
 
 
 # ----------------------------------------------------------------------------------------------------
+# The spec stored with a model
+@dataclass(frozen=True)
+class SpaceSpec:
+    """A space as a model stores it: what `build_space` rebuilds it from, and the id of the space it was
+    trained in (checked against the space built). kind: one of KINDS; name: the encoder or tokenizer (hub id,
+    folder or "minilm"; a tokens space names none, its base is `of`); latent_std: a number, "auto" or "table";
+    dim, seed, stream: a drawn table's; of: a tokens space's base spec."""
+
+    kind: str
+    name: str = ""
+    latent_std: float | str | None = None
+    shift: float = 0.0
+    dim: int | None = None
+    seed: int | None = None
+    stream: int | None = None
+    of: dict | None = None
+    id: str | None = None
+
+    @classmethod
+    def from_dict(cls, d, space_id: str | None = None) -> "SpaceSpec":
+        """The spec of a stored dict (a built space's `config()`), checked field by field: ValueError naming the
+        field for a value of the wrong type or out of range."""
+        if not isinstance(d, dict):
+            raise ValueError(f"a space spec is a JSON object, got {type(d).__name__}")
+        unknown = sorted(set(d) - {"kind", "name", "latent_std", "shift", "dim", "seed", "stream", "of", "id"})
+        if unknown:
+            raise ValueError(f"unknown fields {unknown}")
+        kind, name = d.get("kind"), d.get("name", "")
+        if kind not in KINDS:
+            raise ValueError(f"'kind' must be one of {', '.join(KINDS)}, got {kind!r}")
+        if not isinstance(name, str) or (kind != "tokens" and not name):
+            raise ValueError(f"'name' must name an encoder or tokenizer, got {name!r}")
+        std = d.get("latent_std")
+        if std is not None and std not in ("auto", "table") and not _positive_number(std):
+            raise ValueError(f"'latent_std' must be a positive number, 'auto' or 'table', got {std!r}")
+        shift = d.get("shift", 0.0)
+        if not _number(shift):
+            raise ValueError(f"'shift' must be a finite number, got {shift!r}")
+        for key, low in (("dim", 1), ("seed", 0)):
+            v = d.get(key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < low):
+                raise ValueError(f"{key!r} must be an integer >= {low}, got {v!r}")
+        if d.get("stream") is not None and d["stream"] not in TABLE_STREAMS:
+            raise ValueError(f"'stream' must be one of {TABLE_STREAMS}, got {d['stream']!r}")
+        of = d.get("of")
+        if kind == "tokens":
+            if not isinstance(of, dict):
+                raise ValueError("a tokens space needs 'of', the spec of the space whose tokenizer it uses")
+            cls.from_dict({k: v for k, v in of.items() if k != "id"})
+        elif of is not None:
+            raise ValueError(f"'of' belongs to a tokens space, not to a {kind} space")
+        sid = d.get("id", space_id)
+        if sid is not None and not isinstance(sid, str):
+            raise ValueError(f"'id' must be a string, got {sid!r}")
+        return cls(kind, name, std, float(shift), d.get("dim"), d.get("seed"), d.get("stream"), of, sid)
+
+    def to_dict(self) -> dict:
+        """The stored form: the fields that are set (a tokens space without its empty name)."""
+        out = {"kind": self.kind, "name": self.name, "latent_std": self.latent_std, "shift": self.shift,
+               "dim": self.dim, "seed": self.seed, "stream": self.stream, "of": self.of, "id": self.id}
+        return {k: v for k, v in out.items() if v is not None and not (k == "name" and v == "")}
+
+    def build_spec(self) -> dict:
+        """The dict `build_space` takes."""
+        return {k: v for k, v in self.to_dict().items() if k != "id"}
+
+    @classmethod
+    def of_space(cls, space: "EmbeddingSpace") -> "SpaceSpec":
+        """The spec of a built space, with its id."""
+        return cls.from_dict(space.config(), space.space_id)
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _positive_number(v) -> bool:
+    return _number(v) and v > 0
+
+
+# ----------------------------------------------------------------------------------------------------
 # Building from a spec
 def _normalise_spec(spec) -> dict:
     if isinstance(spec, EmbeddingSpace):
         return spec.config()
+    if isinstance(spec, SpaceSpec):
+        return spec.build_spec()
     if isinstance(spec, str):
         s = spec.strip()
         if s in TABLE_KINDS:
@@ -435,7 +520,7 @@ def _default_std(kind: str, name: str):
     return 1.0  # random and learned tables are N(0, 1)
 
 
-def build_space(spec: dict | str, device=None, dtype=None, calibration=None) -> EmbeddingSpace:
+def build_space(spec: SpaceSpec | dict | str, device=None, dtype=None, calibration=None) -> EmbeddingSpace:
     """Build an embedding space from a name or a dict.
 
     Names: "minilm" (offline default), a hub id such as "t5-small", a local folder, "t5:<name>", "hf:<name>",

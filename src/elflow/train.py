@@ -27,17 +27,17 @@ from elflow.data.batches import Batches, Prefetch
 from elflow.data.corpus import calibration_for
 from elflow.data.datasets import check_same_store, run_data, store_record
 from elflow.flow import Recipe, recipe_for
-from elflow.generate import model_sampling
 from elflow.methods import Method, TrainedPass, get_method
-from elflow.model import get_config
+from elflow.model import ShortRunOptions, get_config
 from elflow.optim import EMA, ELFOptimizer, lr_at
 from elflow.runs.checkpoint import load_checkpoint, save_checkpoint
 from elflow.runs.folder import RunFolder, check_run_dir, claim_run, micro_batch_for, no_space, shared_folder_check
 from elflow.runs.load import check_init_compatible, load_init_weights
 from elflow.runs.log import RunLogger, describe_start, plot_losses, tracked_settings, trim_metrics
+from elflow.runs.record import Distillation, RunRecord, Task, checkpoint_state, record_of_state
 from elflow.runs.stages import DECODER_STAGE, attach_decoder, decoder_stage
 from elflow.runs.tracking import Tracker, require_wandb
-from elflow.space import build_space, check_compatible, space_spec
+from elflow.space import SpaceSpec, build_space, check_compatible, space_spec
 from elflow.util.devices import (
     autocast,
     check_device,
@@ -47,7 +47,7 @@ from elflow.util.devices import (
 )
 from elflow.util.distributed import destroy_group, on_every_rank, on_rank0, raise_if_peer_lost, setup_distributed
 from elflow.util.errors import ELFError, first_line
-from elflow.util.files import NoSpace, atomic_write_json, disk_full
+from elflow.util.files import NoSpace, disk_full
 
 __all__ = ["TrainConfig", "train", "train_step", "shard_generators"]
 
@@ -149,6 +149,7 @@ class Setup:
     batches: Batches
     steps: int  # the schedule's length (cfg.steps, or cfg.epochs passes over the data)
     warmup: int
+    record: RunRecord | None = None  # the run's description (`run_record`), made once set-up is done
 
     def lr_at(self, step: int) -> float:
         return lr_at(step, self.cfg.lr, self.warmup, self.cfg.lr_decay, self.steps)
@@ -187,18 +188,20 @@ def set_up(cfg: TrainConfig, method: Method, rank: int, world: int, device, cach
     batches = Batches(train_set, micro * accum, seed=cfg.seed, rank=rank, world_size=world)
     steps = cfg.steps if cfg.epochs is None else max(1, math.ceil(cfg.epochs * batches.per_epoch))
     warmup = cfg.warmup if cfg.warmup_frac is None else math.ceil(cfg.warmup_frac * steps)
-    return Setup(cfg, method, params, rank, world, device, micro, accum, length, resolve_dtype(cfg.dtype, device),
-                 space, net, recipe, named, optimizer, ema, batches, steps, warmup)
+    setup = Setup(cfg, method, params, rank, world, device, micro, accum, length, resolve_dtype(cfg.dtype, device),
+                  space, net, recipe, named, optimizer, ema, batches, steps, warmup)
+    setup.record = run_record(setup)
+    return setup
 
 
 def start_from(setup: Setup, path, quiet: bool = False) -> None:
     """Load stored weights into a fresh run (`--init-from`): its EMA starts from them; the optimiser is new."""
-    init_cfg, init_sd, info = load_init_weights(path, warn=lambda m: setup.rank == 0 and print(m, file=sys.stderr))
-    check_init_compatible(path, init_cfg, info, setup.net, setup.space)
+    record, init_sd, origin = load_init_weights(path, warn=lambda m: setup.rank == 0 and print(m, file=sys.stderr))
+    check_init_compatible(path, record, setup.net, setup.space)
     setup.net.load_state_dict(init_sd)
     setup.ema = EMA(setup.net, setup.cfg.ema_decay)
     if setup.rank == 0 and not quiet:
-        print(f"starting from the weights of {info['checkpoint']}", file=sys.stderr)
+        print(f"starting from the weights of {origin.path}", file=sys.stderr)
 
 
 def restore(setup: Setup, ckpt: Path | None, quiet: bool = False) -> int:
@@ -207,7 +210,9 @@ def restore(setup: Setup, ckpt: Path | None, quiet: bool = False) -> int:
         return 0
     blob = load_checkpoint(ckpt, map_location=setup.device)
     check_same_store(blob["state"].get("data_store"), setup.batches.dataset, ckpt / "state.json")
-    check_compatible(blob["state"]["space_id"], setup.space)
+    stored = record_of_state(blob["state"], str(ckpt / "state.json"))
+    if stored.space.id:
+        check_compatible(stored.space.id, setup.space)
     try:
         setup.net.load_state_dict(blob["model"])
         if blob["space"] or setup.space.trainable:
@@ -230,35 +235,29 @@ def restore(setup: Setup, ckpt: Path | None, quiet: bool = False) -> int:
 def save(out: Path, step: int, setup: Setup, data_position: dict | None = None) -> Path:
     """The checkpoint of `step`; `data_position` is the data iterator's state after that step's batch (its
     own state by default; a prefetching loop has read ahead)."""
-    cfg = setup.cfg
     position = data_position if data_position is not None else setup.batches.state_dict()
-    state = {"format": "elflow-checkpoint-1", "method": setup.method.name, "params": setup.params,
-             "train": cfg.to_dict(), **setup.method.describe(setup.net),
-             "space": setup.space.config(), "space_id": setup.space.space_id, "data_position": position,
-             "world_size": setup.world, "settings": model_settings(setup),
-             "data_store": store_record(setup.batches.dataset)}
+    state = checkpoint_state(setup.record, step, position, store_record(setup.batches.dataset), setup.world)
     rng = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()
     return save_checkpoint(out, step, setup.net.state_dict(), setup.ema.state_dict(),
-                           {"optimizer": setup.optimizer.state_dict(), "rng": rng}, state, keep=cfg.keep,
+                           {"optimizer": setup.optimizer.state_dict(), "rng": rng}, state, keep=setup.cfg.keep,
                            space_sd=setup.space.trainable_state_dict())
 
 
-def model_settings(setup: Setup) -> dict:
-    """What a user of the model needs to know without flags: its length; for a conditional model its source
-    length and task; for a distilled one its step count; and the sampling defaults of its kind
-    (generate.model_sampling)."""
+def run_record(setup: Setup) -> RunRecord:
+    """The run's description, made once from its config and what set-up built: the network, the space, the
+    recipe, the task, the distillation and the sampling defaults of its kind."""
     cfg = setup.cfg
-    out = {"length": setup.length}
-    if cfg.source_length:
-        out.update(source_length=cfg.source_length, source_slot=cfg.source_slot,
-                   **({"task": cfg.task} if cfg.task else {}))
-    student = cfg.distillation.get("student_steps") if cfg.distillation else None
-    if student:
-        out.update(distilled_steps=student, teacher_steps=cfg.distillation["teacher_steps"])
-    sampling = model_sampling(bool(cfg.source_length), student, setup.recipe.self_conditioned)
-    return {**out, **({"sampling": sampling} if sampling else {})}
+    config, options = setup.method.network_of(setup.net)
+    task = Task(cfg.source_length, cfg.source_slot, cfg.task, cfg.source_field, cfg.target_field) \
+        if cfg.source_length else None
+    d = cfg.distillation or {}
+    distillation = Distillation(d.get("objective", "pd"), d.get("student_steps"), d.get("teacher_steps")) \
+        if d else None
+    base = RunRecord(setup.method.name, config, SpaceSpec.of_space(setup.space), setup.length, setup.recipe,
+                     options or ShortRunOptions(), task, None, cfg, distillation, setup.params)
+    return base.replace(sampling=setup.method.default_sampling(base))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -380,11 +379,11 @@ def train_loop(setup: Setup, out: Path, start: int, quiet: bool = False, stop_af
 
 def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwrite: bool = False,
           cache_dir=None, quiet: bool = False, stop_after: int | None = None, device: str | None = None,
-          command: str = "elflow train", objective=None, time_limit: float | None = None) -> dict:
+          command: str = "elflow train", method: Method | None = None, time_limit: float | None = None) -> dict:
     """Train; returns a summary dict (rank 0). `stop_after` ends the process's work after that many steps
     of this invocation (for tests and time-boxed runs) while keeping the schedule of `cfg.steps`;
-    `time_limit` (seconds) ends it after the first step past it (a wall-clock budget). `objective` (an
-    elflow.methods.elf.Objective) replaces ELF's own (distillation's rounds).
+    `time_limit` (seconds) ends it after the first step past it (a wall-clock budget). `method` trains with
+    another method object than the config's (a distillation round's elflow.methods.pd.PDMethod).
 
     Everything is checked before the run folder changes; --overwrite sets the old run aside and drops it
     only once the new run's first checkpoint is written (it comes back if the new run fails before). A
@@ -398,9 +397,7 @@ def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwr
     if cfg.wandb:
         require_wandb()
     device = check_device(device)
-    method = get_method(cfg.method)
-    if objective is not None:
-        method = method.with_objective(objective)
+    method = method if method is not None else get_method(cfg.method)
     decoder_from = None
     with flushed_denormals():
         if cfg.separate_decoder and not cfg.init_from:  # (a run started from weights has its decoder in them)
@@ -467,11 +464,7 @@ def train_one(cfg: TrainConfig, out: Path, method: Method, resume: bool, overwri
             on_rank0(start_tracker, rank, world)
 
         def write_meta():
-            atomic_write_json(out / "run.json", {"train": cfg.to_dict(), "method": setup.method.name,
-                                                 **setup.method.describe(setup.net), "params": setup.params,
-                                                 "space": setup.space.config(), "space_id": setup.space.space_id,
-                                                 "world_size": world,
-                                                 **({"stage_of": stage_of.to_dict()} if stage_of else {})})
+            setup.record.write(out, world_size=world, **({"stage_of": stage_of.to_dict()} if stage_of else {}))
 
         try:
             on_rank0(write_meta, rank, world)

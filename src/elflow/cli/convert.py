@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from elflow.runs.official import convert
+from elflow.runs.load import convert_released
 from elflow.util.errors import ELFError
 from elflow.util.files import check_output
 
@@ -19,6 +19,6 @@ def run(args) -> int:
     if out.is_dir() and any(out.iterdir()):
         raise ELFError(f"{out} exists and is not empty; the converted checkpoint goes into a new folder: choose "
                        "another out")
-    out = convert(args.checkpoint, out, args.max_length)
+    out = convert_released(args.checkpoint, out, args.max_length)
     print(f"wrote {out}")
     return 0

@@ -294,13 +294,13 @@ def _run_conditional_task(args, part: tuple[int, int] = (0, 1)) -> int:
     for path in (samples_path, report_path):
         check_output(path, args.overwrite)
     sources, refs = _validation_pairs(task, args.num, args.source_field, args.reference_field or "output")
-    loaded, space = load_for_sampling(args.checkpoint, device=args.device, space=args.encoder)
-    if not loaded.conditional:
+    net, space = load_for_sampling(args.checkpoint, device=args.device, space=args.encoder)
+    if not net.record.conditional:
         raise ELFError(f"{args.checkpoint} is not a conditional model (it was not trained on pairs); "
                        f"--task {task} needs one")
-    settings = settings_from_args(loaded, args)
+    settings = settings_from_args(net.record, args)
     with _hold(out, part):
-        return _conditional_task(args, task, metric, loaded, space, settings, sources, refs, samples_path,
+        return _conditional_task(args, task, metric, net, space, settings, sources, refs, samples_path,
                                  report_path, part)
 
 
@@ -311,14 +311,14 @@ def _hold(out: Path, part: tuple[int, int]):
     return FolderHold(out, "elflow eval") if part[0] == 0 else nullcontext()
 
 
-def _conditional_task(args, task, metric, loaded, space, settings, sources, refs, samples_path, report_path,
+def _conditional_task(args, task, metric, net, space, settings, sources, refs, samples_path, report_path,
                       part) -> int:
     t0 = time.time()
     records, (res, summary) = sample_and_score(
-        get_method(loaded.method), loaded.net, space, len(sources), settings, lambda texts: _score(metric, texts, refs),
+        get_method(net.record.method), net, space, len(sources), settings, lambda texts: _score(metric, texts, refs),
         samples_path, {"checkpoint": str(args.checkpoint)}, args.length, refs, progress=not args.json,
-        overwrite=args.overwrite, part=part, sources=sources, source_length=loaded.settings["source_length"],
-        source_slot=loaded.settings.get("source_slot", "packed"))
+        overwrite=args.overwrite, part=part, sources=sources, source_length=net.record.source_length,
+        source_slot=net.record.source_slot)
     report = {"task": task, "metric": metric, **res, "num_examples": len(records), **settings.to_dict(),
               "checkpoint": str(args.checkpoint), "samples": str(samples_path), "seconds": time.time() - t0}
     if part[0] == 0:
@@ -372,9 +372,9 @@ def _run_unconditional(args, part: tuple[int, int]) -> int:
         return 0
 
 
-    loaded, space = load_for_sampling(args.checkpoint, device=args.device, space=args.encoder,
+    net, space = load_for_sampling(args.checkpoint, device=args.device, space=args.encoder,
                                       max_length=args.length)
-    settings = settings_from_args(loaded, args)
+    settings = settings_from_args(net.record, args)
     seeds = args.seeds or [settings.seed]
     ckpt = Path(args.checkpoint).expanduser()
     out = (Path(args.out) if args.out else (ckpt if ckpt.is_dir() else Path("eval-" + ckpt.name)) / "eval"
@@ -383,10 +383,10 @@ def _run_unconditional(args, part: tuple[int, int]) -> int:
     for path in [report_path] + [out / f"samples_seed{seed}.jsonl" for seed in seeds]:
         check_output(path, args.overwrite)
     with _hold(out, part):
-        return _sample_and_judge(args, loaded, space, settings, seeds, out, report_path, t0, part)
+        return _sample_and_judge(args, net, space, settings, seeds, out, report_path, t0, part)
 
 
-def _sample_and_judge(args, loaded, space, settings, seeds, out, report_path, t0, part) -> int:
+def _sample_and_judge(args, net, space, settings, seeds, out, report_path, t0, part) -> int:
     main = part[0] == 0
     refs, what = _mauve_references(args, args.checkpoint, args.num) if args.mauve else ([], "")
     model, tok = load_judge(args.judge, args.judge_dtype, args.device)
@@ -397,7 +397,7 @@ def _sample_and_judge(args, loaded, space, settings, seeds, out, report_path, t0
         judge = lambda texts: {**judge_only(texts), **mauve(texts)}  # noqa: E731
     per_seed = []
     for seed in seeds:
-        _, res = sample_and_score(get_method(loaded.method), loaded.net, space, args.num, replace(settings, seed=seed),
+        _, res = sample_and_score(get_method(net.record.method), net, space, args.num, replace(settings, seed=seed),
                                   judge, out / f"samples_seed{seed}.jsonl", {"checkpoint": str(args.checkpoint)},
                                   args.length, progress=not args.json, overwrite=args.overwrite, part=part)
         _check_result(res, f"seed {seed} ({out / f'samples_seed{seed}.jsonl'})")
@@ -410,7 +410,7 @@ def _sample_and_judge(args, loaded, space, settings, seeds, out, report_path, t0
               "num_samples": sum(r["num_samples"] for r in per_seed),
               "num_empty": sum(r["num_empty"] for r in per_seed),
               "num_tokens": sum(r["num_tokens"] for r in per_seed), "num_seeds": len(per_seed), **_settings(args),
-              "checkpoint": str(args.checkpoint), "method": loaded.method, "num": args.num, "length": args.length,
+              "checkpoint": str(args.checkpoint), "method": net.record.method, "num": args.num, "length": args.length,
               **settings.to_dict(),
               "seeds": list(seeds), "per_seed": per_seed, "seconds": time.time() - t0}
     se = lambda x: f" +- {x:.3f}" if x is not None else ""  # noqa: E731

@@ -75,32 +75,33 @@ def run(args) -> int:
 
 def _sample(args, rank: int, world: int, device):
     """(the records of every rank in index order, the settings written with them, the space)."""
-    loaded, space = load_for_sampling(args.checkpoint, device=str(device), space=args.encoder,
-                                      use_ema=not args.raw_weights, max_length=args.length)
-    method = get_method(loaded.method)
-    settings = settings_from_args(loaded, args)
+    net, space = load_for_sampling(args.checkpoint, device=str(device), space=args.encoder,
+                                   use_ema=not args.raw_weights, max_length=args.length)
+    record = net.record
+    method = get_method(record.method)
+    settings = settings_from_args(record, args)
     for flag, value, feature in (("--source", args.source, "pairs"), ("--prompt", args.prompt, "known"),
                                  ("--suffix", args.suffix, "known"), ("--html", args.html or None, "trajectory"),
                                  ("--trajectory", args.trajectory, "trajectory")):
         if value is not None:
             require(method, feature, flag, args.checkpoint)
-    trained = loaded.settings.get("length") or loaded.net.config.max_length
-    check_attention_memory(args.length or trained, settings.batch_size, loaded.net.config.heads, str(device))
+    trained = record.length
+    check_attention_memory(args.length or trained, settings.batch_size, net.config.heads, str(device))
     if args.length is not None and args.length > trained:
         print(f"warning: --length {args.length} is longer than the {trained} positions the model was trained on; "
               "expect poorer samples", file=sys.stderr)
     known, refs = {}, None  # what the samples hold fixed
     if args.source is not None:
-        if not loaded.conditional:
+        if not record.conditional:
             raise ELFError("this model was not trained on pairs: a source means nothing to it; "
                            "to continue a text, pass --prompt")
         if args.prompt or args.suffix:
             raise ELFError("--source cannot be combined with --prompt or --suffix")
         known["sources"], refs = read_sources(args.source, args.source_field, args.reference_field)
-        known["source_length"] = loaded.settings.get("source_length")
-        known["source_slot"] = loaded.settings.get("source_slot", "packed")
+        known["source_length"] = record.source_length
+        known["source_slot"] = record.source_slot
         args.num = len(known["sources"])
-    elif loaded.conditional and (args.prompt or args.suffix):
+    elif record.conditional and (args.prompt or args.suffix):
         raise ELFError("this is a conditional model: pass --source, not --prompt / --suffix")
     known.update({k: v for k, v in (("prompt", args.prompt), ("suffix", args.suffix)) if v is not None})
     if args.trajectory is not None:
@@ -109,9 +110,8 @@ def _sample(args, rank: int, world: int, device):
         if bad:
             raise ELFError(f"--trajectory steps must lie in 1..{n} (sampling with {n} steps), got {bad}")
         known["trajectory"] = {s - 1 for s in args.trajectory} if args.trajectory else set(range(n))  # 0-based
-    net = loaded.net
-    records = method.sample(net, space, args.num, settings, args.length, progress=not args.quiet and rank == 0,
-                            part=(rank, world), **known)
+    records = method.generate(net, space, args.num, settings, args.length, progress=not args.quiet and rank == 0,
+                              part=(rank, world), **known)
     records = gather_records(records, world)
     for r, ref in zip(records, refs or []):
         if ref is not None:

@@ -7,11 +7,10 @@ import hashlib
 import json
 from pathlib import Path
 
-from elflow.config import TrainConfig
 from elflow.data.datasets import run_data
 from elflow.eval.metrics import generative_perplexity, summary_of
 from elflow.generate import gather_records, write_samples
-from elflow.runs.load import stored_training
+from elflow.runs.record import RunRecord
 from elflow.space import build_space, tokenizer_spec
 from elflow.util.errors import ELFError
 from elflow.util.files import atomic_write_json, cache_root
@@ -25,7 +24,7 @@ def sample_and_score(method, net, space, num: int, settings, score, path=None, m
     reference if given, written to `path` (if any) with the settings and `meta` (generate.write_samples), and
     `score(texts)`. Returns (records, the score). `part` = (rank, ranks) under torchrun: each rank draws its
     batches, every rank gets all the records (rank 0 alone writes them) and scores them (a sharded judge)."""
-    records = method.sample(net, space, num, settings, length, progress=progress and part[0] == 0, part=part,
+    records = method.generate(net, space, num, settings, length, progress=progress and part[0] == 0, part=part,
                             **known)
     records = gather_records(records, part[1])
     for r, ref in zip(records, references or []):
@@ -40,16 +39,14 @@ def heldout_texts(checkpoint, num: int, cache_dir=None) -> tuple[list[str], str]
     folder `checkpoint` was trained on, at its length, decoded by its tokenizer and cut at the first EOS as
     samples are. ELFError saying why when there are none (an authors' checkpoint, a conditional model, data that
     cannot be read from here)."""
-    stored = stored_training(checkpoint) if checkpoint else None
-    train = (stored or {}).get("train") or {}
-    if "data" not in train:
+    record = RunRecord.read(checkpoint) if checkpoint else None
+    if record is None or record.train is None:
         raise ELFError("the model records no training data elflow can read")
-    cfg = TrainConfig.from_dict(train).resolved()
+    cfg = record.train.resolved()
     if cfg.source_length:
         raise ELFError("a conditional model's held-out text is a task's references (--task)")
-    spec = stored["space"]
-    space = build_space(tokenizer_spec(spec))
-    length = cfg.length or stored["settings"].get("length")
+    space = build_space(tokenizer_spec(record.space.build_spec()))
+    length = cfg.length or record.length
     try:
         _, val = run_data(cfg, space, length, cache_dir)
     except (ELFError, OSError) as e:

@@ -18,7 +18,6 @@ from elflow.eval.mauve import MIN_TEXTS, mauve_against
 from elflow.eval.scoring import sample_and_score
 from elflow.experiments.compare import cached_judge, judge_texts, row_documents
 from elflow.experiments.encoder_train import train_encoder
-from elflow.flow import Recipe
 from elflow.methods import get_method
 from elflow.runs.load import load_for_sampling
 from elflow.space import build_space, space_spec, tokenizer_spec
@@ -311,7 +310,7 @@ class Harness:
         path = folder / "measures" / f"{key}.json"
         if path.is_file():
             return json.loads(path.read_text())
-        loaded, space = load_for_sampling(folder, device=self.device)
+        net, space = load_for_sampling(folder, device=self.device)
         cfg = self.config(variant, seed)
         held = folder / "heldout.json"
         if held.is_file():
@@ -320,13 +319,13 @@ class Harness:
             _, val_set = build_dataset(cfg.data, space, cfg.length, layout=cfg.layout, val_fraction=cfg.val_fraction,
                                        seed=cfg.seed, cache_dir=self.cache_dir, field=cfg.text_field,
                                        on_bad=cfg.on_bad)
-            report = validation_report(loaded.net, space, val_set, Recipe.from_dict(loaded.recipe), rows=64,
+            report = validation_report(net, space, val_set, net.record.recipe, rows=64,
                                        decode_levels=(1.0,), device=self.device or "cpu")
             atomic_write_json(held, report)
-        method = get_method(loaded.method)
-        settings = method.settings(loaded, seed=seed, batch_size=16, **variant.sampling)
+        method = get_method(net.record.method)
+        settings = method.sampling_settings(net.record, seed=seed, batch_size=16, **variant.sampling)
         _, scores = sample_and_score(
-            method, loaded.net, space, self.num, settings,
+            method, net, space, self.num, settings,
             lambda texts: judge_texts(texts, self.vocab, judge, self.mauve),
             folder / "samples" / f"{key}.jsonl", {"variant": variant.name}, cfg.length)
         figures = {"loss": report["model_loss"], "decode_acc": report["decode_accuracy"]["p=1.0"],

@@ -195,12 +195,12 @@ def _compare(cfg, out, steps, minutes, num, judge, elf_steps, omegas, ar_tempera
     mauve = mauve_against(references, *judge) if len(references) >= MIN_TEXTS else None
     rows = []
     for method in METHOD_NAMES:
-        loaded, space = load_for_sampling(out / method, device=device)
+        net, space = load_for_sampling(out / method, device=device)
         chosen = get_method(method)
         for label, knobs in _cells(*grids[method]):
-            settings = chosen.settings(loaded, seed=seed, batch_size=16, **knobs)
+            settings = chosen.sampling_settings(net.record, seed=seed, batch_size=16, **knobs)
             name = f"{method}_{label.replace(' ', '_').replace('=', '')}.jsonl"
-            _, scores = sample_and_score(chosen, loaded.net, space, num, settings,
+            _, scores = sample_and_score(chosen, net, space, num, settings,
                                          lambda texts: judge_texts(texts, vocab, judge, mauve), out / "samples" / name,
                                          {"method": method, "checkpoint": str(out / method)}, cfg.length,
                                          progress=not quiet)

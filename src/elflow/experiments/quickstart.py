@@ -16,7 +16,6 @@ from elflow.distill import distill, round_dir
 from elflow.eval.diagnostics import corpus_vocabulary, validation_report, word_stats
 from elflow.eval.metrics import bleu
 from elflow.eval.scoring import sample_and_score
-from elflow.flow import Recipe
 from elflow.generate import distilled_defaults, generate, settings_for
 from elflow.methods import get_method
 from elflow.model import ShortRunOptions
@@ -68,17 +67,16 @@ def report(run_dir, sampler: str = DEMO_SAMPLER, steps: int = DEMO_SAMPLE_STEPS,
 
     run_dir = Path(run_dir)
     tc = stored_config(run_dir)
-    loaded, space = load_for_sampling(run_dir, device="cpu")
-    net = loaded.net
+    net, space = load_for_sampling(run_dir, device="cpu")
     length = tc.length or net.config.max_length
     train_set, val_set = build_dataset(tc.data, space, length, layout=tc.layout, val_fraction=tc.val_fraction,
                                        seed=tc.seed, cache_dir=cache_dir)
-    trained, planned = _step_of(loaded.settings["checkpoint"]), tc.steps
+    trained, planned = net.origin.step, tc.steps
     t0 = time.perf_counter()
-    val = validation_report(net, space, val_set, Recipe.from_dict(loaded.recipe), seed=seed)
-    settings = settings_for(loaded, steps=steps, sampler=sampler, omega=omega, seed=seed, batch_size=16)
+    val = validation_report(net, space, val_set, net.record.recipe, seed=seed)
+    settings = settings_for(net.record, steps=steps, sampler=sampler, omega=omega, seed=seed, batch_size=16)
     vocab = corpus_vocabulary(space.decode(train_set.tokens[: min(len(train_set), 4000)]))
-    records, gen_stats = sample_and_score(get_method(loaded.method), net, space, num, settings,
+    records, gen_stats = sample_and_score(get_method(net.record.method), net, space, num, settings,
                                           lambda texts: word_stats(texts, vocab), run_dir / "samples.jsonl",
                                           {"length": length}, length, progress=True)
     texts = [r["text"] for r in records]
@@ -128,12 +126,11 @@ def conditional_config(args, pairs_file: Path):
 @torch.no_grad()
 def curve_point(run_dir, held: list[tuple[str, str]], steps: int, seed: int = 0) -> dict:
     """{"step", "bleu"}: BLEU of the run's newest checkpoint (its EMA weights) with guidance 2 on `held`."""
-    loaded, space = load_for_sampling(run_dir, device="cpu")
-    settings = settings_for(loaded, steps=steps, guidance=2.0, seed=seed, batch_size=32)
-    records = generate(loaded.net, space, len(held), settings, sources=[s for s, _ in held],
-                       source_length=loaded.settings["source_length"], progress=False,
-                       source_slot=loaded.settings.get("source_slot", "packed"))
-    return {"step": _step_of(loaded.settings["checkpoint"]), "lines": len(held),
+    net, space = load_for_sampling(run_dir, device="cpu")
+    settings = settings_for(net.record, steps=steps, guidance=2.0, seed=seed, batch_size=32)
+    records = generate(net, space, len(held), settings, sources=[s for s, _ in held],
+                       source_length=net.record.source_length, progress=False, source_slot=net.record.source_slot)
+    return {"step": net.origin.step, "lines": len(held),
             "bleu": bleu([r["text"] for r in records], [t for _, t in held])}
 
 
@@ -172,19 +169,19 @@ def conditional_report(run_dir, held: list[tuple[str, str]], num: int, steps: in
     unconditional pass alone), with guidance 1 and 2; with `curve` ({"step", "bleu"} points of the training),
     bleu.png of it."""
     run_dir = Path(run_dir)
-    loaded, space = load_for_sampling(run_dir, device="cpu")
+    net, space = load_for_sampling(run_dir, device="cpu")
     held = held[:num]
     sources, refs = [s for s, _ in held], [t for _, t in held]
     rows = [{"model": "copy the source", "bleu": bleu(sources, refs)}]
     t0 = time.perf_counter()
     for name, guidance in (("source dropped (guidance 0)", 0.0), ("guidance 1", 1.0), ("guidance 2", 2.0)):
-        settings = settings_for(loaded, steps=steps, guidance=guidance, seed=seed, batch_size=32)
+        settings = settings_for(net.record, steps=steps, guidance=guidance, seed=seed, batch_size=32)
         samples_file = run_dir / f"samples_guidance{guidance:g}.jsonl"
-        records, score = sample_and_score(get_method(loaded.method), loaded.net, space, len(sources), settings,
+        records, score = sample_and_score(get_method(net.record.method), net, space, len(sources), settings,
                                           lambda texts: bleu(texts, refs), samples_file,
                                           references=refs, sources=sources,
-                                          source_length=loaded.settings["source_length"], progress=True,
-                                          source_slot=loaded.settings.get("source_slot", "packed"))
+                                          source_length=net.record.source_length, progress=True,
+                                          source_slot=net.record.source_slot)
         rows.append({"model": name, "bleu": score, **settings.to_dict()})
         if guidance == 2.0:
             examples = records[:3]
@@ -296,7 +293,7 @@ def distillation_report(teacher_dir, rounds: dict, num: int = 32, seed: int = 0,
     teacher_dir = Path(teacher_dir)
     tc = stored_config(teacher_dir)
     teacher, space = load_for_sampling(teacher_dir, device="cpu")
-    length = tc.length or teacher.net.config.max_length
+    length = tc.length or teacher.config.max_length
     train_set, val_set = build_dataset(tc.data, space, length, layout=tc.layout, val_fraction=tc.val_fraction,
                                        seed=tc.seed, cache_dir=cache_dir)
     vocab = corpus_vocabulary(space.decode(train_set.tokens[: min(len(train_set), 4000)]))
@@ -304,12 +301,11 @@ def distillation_report(teacher_dir, rounds: dict, num: int = 32, seed: int = 0,
     models += [(f"student ({n} steps)", load_for_sampling(rounds[n], device="cpu", space=space)[0], (n,))
                for n in sorted(rounds, reverse=True)]
     rows = []
-    for name, loaded, counts in models:
-        acc = validation_report(loaded.net, space, val_set, Recipe.from_dict(loaded.recipe), rows=64,
-                                seed=seed)["decode_accuracy"]["p=1.0"]
+    for name, net, counts in models:
+        acc = validation_report(net, space, val_set, net.record.recipe, rows=64, seed=seed)["decode_accuracy"]["p=1.0"]
         for n in counts:
-            settings = settings_for(loaded, seed=seed, batch_size=16, **distilled_defaults(n))  # students' too
-            _, stats = sample_and_score(get_method(loaded.method), loaded.net, space, num, settings,
+            settings = settings_for(net.record, seed=seed, batch_size=16, **distilled_defaults(n))  # students' too
+            _, stats = sample_and_score(get_method(net.record.method), net, space, num, settings,
                                         lambda texts: word_stats(texts, vocab), length=length, progress=True)
             rows.append({"model": name, "steps": n, "decode_accuracy": acc, **stats, **settings.to_dict()})
     real = word_stats(space.decode(val_set.tokens[:num]), vocab)

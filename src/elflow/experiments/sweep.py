@@ -121,9 +121,9 @@ def run_sweep(checkpoint: str, grid: dict, fixed: dict, out: str | Path, num: in
              for values in itertools.product(*grid.values())]
     todo = [c for c in cells if _key({**c, "seed": seed, "num": num}) not in done]
     if todo:
-        loaded, space = load_for_sampling(checkpoint, device=device)
-        if loaded.method != chosen.name:
-            raise ELFError(f"{checkpoint} holds a {loaded.method} model, not {chosen.name}")
+        net, space = load_for_sampling(checkpoint, device=device)
+        if net.record.method != chosen.name:
+            raise ELFError(f"{checkpoint} holds a {net.record.method} model, not {chosen.name}")
         model, tok = load_judge(judge, judge_dtype, device)
         score = judge_score(model, tok, batch_size, protocol, progress=progress)
         if references is not None:
@@ -136,9 +136,9 @@ def run_sweep(checkpoint: str, grid: dict, fixed: dict, out: str | Path, num: in
     for k, cell in enumerate(todo):
         t0 = time.time()
         knobs = {n: v for n, v in cell.items() if n in chosen.knobs}
-        settings = chosen.settings(loaded, seed=seed, batch_size=gen_batch_size, **knobs)
+        settings = chosen.sampling_settings(net.record, seed=seed, batch_size=gen_batch_size, **knobs)
         name = f"{settings.tag()}_seed{seed}"
-        _, res = sample_and_score(chosen, loaded.net, space, num, settings, score, out / "samples" / f"{name}.jsonl",
+        _, res = sample_and_score(chosen, net, space, num, settings, score, out / "samples" / f"{name}.jsonl",
                                   {"checkpoint": str(checkpoint)}, length, progress=progress)
         if not math.isfinite(res["gen_ppl"]):  # e.g. every sample empty: no number, and no row that holds NaN
             raise ELFError(f"cell {name}: its {num} samples give no finite perplexity ({res['num_empty']} empty); "

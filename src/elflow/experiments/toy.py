@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from elflow.flow import NOISE_SCALE, T_EPS, sample, time_grid
-from elflow.methods.distill import pd_target
+from elflow.flow import NOISE_SCALE, T_EPS, Recipe, sample, time_grid
+from elflow.methods.pd import pd_target
 from elflow.util.files import atomic_write
 
 
@@ -77,7 +77,7 @@ def run_toy(mixture: GaussianMixture, steps_list=(1, 2, 4, 8, 16), num: int = 44
             guesses.append(x_pred[:, 0].clone())
 
         z, _ = sample(denoiser, z0.clone(), times,
-                      sampler=sampler, gamma=gamma, noise_scale=mixture.noise_scale,
+                      sampler=sampler, gamma=gamma, recipe=Recipe(noise_scale=mixture.noise_scale),
                       generator=torch.Generator().manual_seed(seed + 2), callback=record)
         out[n] = {"final": z[:, 0], "path": torch.stack(path), "guesses": torch.stack(guesses),
                   "inside": int(mixture.inside(z[:, 0]).sum())}

@@ -74,10 +74,10 @@ def check_run(cfg) -> None:
     method.check(cfg)
 
 
-def settings_from_args(loaded, args):
-    """The sampler settings of a loaded model (checkpoint.Loaded) from the sampling flags of
-    generate.add_sampling_arguments: its own defaults with the flags given on top; a flag its sampler does not
-    take is a one-line error."""
+def settings_from_args(record, args):
+    """The sampler settings of a model (its RunRecord, elflow.runs.record) from the sampling flags of
+    elflow.cli.common.add_sampling_arguments: its own defaults with the flags given on top; a flag its sampler
+    does not take is a one-line error."""
     given = {k: getattr(args, k, None) for k in SAMPLING_FLAGS}
-    return get_method(loaded.method).settings(loaded, seed=getattr(args, "seed", None),
-                                              batch_size=getattr(args, "batch", None), **given)
+    return get_method(record.method).sampling_settings(record, seed=getattr(args, "seed", None),
+                                                       batch_size=getattr(args, "batch", None), **given)

@@ -42,21 +42,32 @@ class Method:
     def check(self, cfg) -> None:
         """ELFError for the first setting of the run (a TrainConfig) this method cannot train with."""
 
-    def with_objective(self, objective) -> "Method":
-        raise ELFError(f"a training objective replaces ELF's loss; --method {self.name} has its own")
-
     def build(self, cfg, shape, space, data, recipe, device) -> tuple[nn.Module, dict]:
         raise NotImplementedError
 
-    def describe(self, net) -> dict:
-        """The network's entries of run.json and state.json ("model": its config)."""
-        return {"model": net.config.to_dict()}
+    # -- the network as a record stores it (elflow.runs.record) ------------------------------------------
+    config_type: type = object  # the network config's type
+    sampling_type: type = object  # the sampling settings' type
 
-    def stored_config(self, state: dict) -> tuple[object, dict]:
-        """(network config, settings it adds) from a stored state (state.json) written by `describe`."""
+    def network_config(self, d: dict):
+        """The network config of a stored dict (ValueError / ELFError for one that is malformed)."""
+        if not isinstance(d, dict):
+            raise ValueError(f"expected a JSON object, got {type(d).__name__}")
+        return self.config_type.from_dict(d)
+
+    def network_of(self, net) -> tuple[object, object]:
+        """(the network's config, its options: None for a method without any) as a record stores them."""
+        return net.config, None
+
+    def build_network(self, record, max_length: int | None = None) -> nn.Module:
+        """The (untrained) network a record describes; `max_length` widens its position table."""
         raise NotImplementedError
 
-    def load(self, config, state_dict: dict, settings: dict) -> nn.Module:
+    def check_record(self, record) -> None:
+        """ELFError for a record whose network, options, recipe and sampling settings do not fit together."""
+
+    def default_sampling(self, record):
+        """The sampling settings a model of this record samples with when no flag is given."""
         raise NotImplementedError
 
     def fits(self, space, net) -> None:
@@ -87,11 +98,13 @@ class Method:
                 raise ELFError(f"--{name.replace('_', '-')} does not apply to {self.title}; its sampler takes "
                                f"{takes}")
 
-    def settings(self, loaded, **given):
+    def sampling_settings(self, record, seed=None, batch_size=None, **given):
+        """The settings a model samples with: `record`'s defaults with the flags given on top (None: not
+        given); a flag its sampler does not take is a one-line error."""
         raise NotImplementedError
 
-    def sample(self, net, space, num: int, settings, length: int | None = None, progress: bool = True,
-               part: tuple[int, int] = (0, 1), **known) -> list[dict]:
+    def generate(self, net, space, num: int, settings, length: int | None = None, progress: bool = True,
+                 part: tuple[int, int] = (0, 1), **known) -> list[dict]:
         """Records {"index", "text", ...} of `num` samples; `part` = (rank, ranks): only that rank's batches,
         which together with the other ranks' are the samples of one process (generate.sample_batches)."""
         raise NotImplementedError

@@ -3,7 +3,7 @@ the ELF network of the same flags, and the float64 categorical draw of their sam
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 
@@ -41,6 +41,16 @@ class BaselineSampling:
 
     def to_dict(self) -> dict:
         return {k: v for k, v in asdict(self).items() if v is not None}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "BaselineSampling":
+        unknown = sorted(set(d) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"BaselineSampling: unknown fields {unknown}")
+        return cls(**d)
+
+    def replace(self, **kw) -> "BaselineSampling":
+        return replace(self, **kw)
 
     def _knobs(self):
         return [(k, v) for k, v in (("steps", self.steps), ("temperature", self.temperature),
@@ -94,20 +104,24 @@ class TokenMethod(Method):
         net = self.network(config, space).to(device)
         return net, {"model": num_params(net), "elf": target, "match": cfg.match}
 
-    def stored_config(self, state: dict):
-        try:
-            return TokenLMConfig.from_dict(state["model"]), {}
-        except (ValueError, TypeError) as e:
-            raise ELFError(f"the stored {self.name} network config cannot be read: {e}") from None
+    config_type = TokenLMConfig
+    sampling_type = BaselineSampling
 
-    def load(self, config, state_dict, settings):
-        net = self.network(config, _Vocabulary(config.vocab_size))
-        try:
-            net.load_state_dict(state_dict)
-        except RuntimeError as e:
-            raise ELFError(f"the weights do not fit the stored {self.name} shape "
-                           f"({str(e).splitlines()[0][:200]})") from None
-        return net
+    def build_network(self, record, max_length=None):
+        config = record.network
+        if max_length and max_length > config.max_length:
+            config = config.replace(max_length=max_length)
+        return self.network(config, _Vocabulary(config.vocab_size))
+
+    def check_record(self, record) -> None:
+        if record.sampling.method != self.name:
+            raise ELFError(f"sampling settings of {record.sampling.method!r}, not of {self.name!r}")
+        self.sampler_settings(record.sampling)
+        if record.task is not None or record.options.active:
+            raise ELFError(f"a {self.name} model has no conditional task and no short-run options")
+
+    def default_sampling(self, record) -> BaselineSampling:
+        return BaselineSampling(self.name, **self.defaults)
 
     def fits(self, space, net) -> None:
         if space.vocab_size != net.config.vocab_size:
@@ -135,17 +149,18 @@ class TokenMethod(Method):
         sampler_net = self.network(net.config, space).to(next(net.parameters()).device)
         ema.copy_to(sampler_net)
         given = {"steps": cfg.sample_steps} if "steps" in self.knobs else {}
-        return self.texts(sampler_net, space, num, length, self.settings(None, **given), cfg.seed)
+        return self.texts(sampler_net, space, num, length, self.sampling_settings(None, **given), cfg.seed)
 
     # -- sampling -----------------------------------------------------------------------------------------
-    def settings(self, loaded=None, seed=None, batch_size=None, **given) -> BaselineSampling:
+    def sampling_settings(self, record=None, seed=None, batch_size=None, **given) -> BaselineSampling:
         self.check_knobs(given)
-        values = {k: v if given.get(k) is None else given[k] for k, v in self.defaults.items()}
-        s = BaselineSampling(self.name, **values, **({} if seed is None else {"seed": seed}),
-                             **({} if batch_size is None else {"batch_size": batch_size}))
+        stored = record.sampling if record is not None else self.default_sampling(None)
+        values = {k: getattr(stored, k) if given.get(k) is None else given[k] for k in self.defaults}
+        s = BaselineSampling(self.name, **values, seed=stored.seed if seed is None else seed,
+                             batch_size=stored.batch_size if batch_size is None else batch_size)
         self.sampler_settings(s)  # checks the values
-        if s.batch_size < 1:
-            raise ELFError(f"the batch size must be >= 1, got {s.batch_size}")
+        if isinstance(s.batch_size, bool) or not isinstance(s.batch_size, int) or s.batch_size < 1:
+            raise ELFError(f"the batch size must be an integer >= 1, got {s.batch_size!r}")
         return s
 
     @torch.no_grad()
@@ -171,10 +186,10 @@ class TokenMethod(Method):
         """The texts of `records` of one process."""
         return [r["text"] for r in self.records(model, space, num, length, settings, seed, batch_size)]
 
-    def sample(self, net, space, num, settings, length=None, progress=True, part=(0, 1), **known) -> list[dict]:
+    def generate(self, net, space, num, settings, length=None, progress=True, part=(0, 1), **known) -> list[dict]:
         """`num` samples as records {"index", "text"} (the format of generate.generate); `part`: one rank's."""
-        if num < 1:
-            raise ELFError(f"the number of samples must be >= 1, got {num}")
+        if isinstance(num, bool) or not isinstance(num, int) or num < 1:
+            raise ELFError(f"the number of samples must be an integer >= 1, got {num!r}")
         return self.records(net, space, num, length or net.config.max_length, settings, settings.seed,
                             settings.batch_size, part)
 

@@ -1,37 +1,25 @@
 """ELF as a method: flow matching in an embedding space (elflow.flow) with the network of elflow.model.
 
 A training step of one shard: `draw` (outside torch.compile and DDP) draws times, noise, branches and dropped
-sources; `loss` encodes the batch (a dropped source hidden from its target), applies the objective (ELF's
-own, or distillation's through `with_objective`) and returns the sums the log reads (`step_sums`). The
-network as stored with a run (its config and options) is read and written here too.
+sources; `loss` encodes the batch (a dropped source hidden from its target), applies ELF's objective
+(`flow.elf_loss`) and returns the sums the log reads (`step_sums`). A distillation is a method of its own on
+the same network (elflow.methods.pd). The network as a record stores it is read and built here too.
 """
 
 from __future__ import annotations
 
 from contextlib import nullcontext
-from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
 from elflow.data.layout import encoder_mask
 from elflow.flow import TIME_BINS, Recipe, draw_training_noise, elf_loss, generate_tokens, time_bin, time_bin_labels
-from elflow.generate import ELF_KNOBS, generate, settings_for
+from elflow.generate import DISTILLED_STEPS, ELF_KNOBS, SamplingSettings, default_sampling, generate, settings_for
 from elflow.methods.base import FEATURES, Method
 from elflow.model import ELFConfig, ShortRunOptions, build_network, check_network, options_of
 from elflow.space import latent_moments, learned, token_vectors
 from elflow.util.devices import check_memory
 from elflow.util.errors import ELFError
-
-
-@dataclass(frozen=True)
-class Objective:
-    """What a training step minimises. `draw(shape, recipe, generator=, cpu_generator=, device=, conditional=)`
-    draws a batch's randomness (with `t`, `decode` and a `drop_source` (B,) CPU bool tensor, read by the
-    encoder mask); `loss(net, x, tokens, draw, recipe, valid=, known=)` returns (loss, rows) as elf_loss does."""
-
-    draw: Callable = draw_training_noise
-    loss: Callable = elf_loss
 
 
 def step_sums(loss: torch.Tensor, rows: dict, draw) -> dict:
@@ -64,12 +52,6 @@ class ELFMethod(Method):
     knobs = ELF_KNOBS
     sweep_axes = ("sampler", "steps", "omega")
     sweep_fixed = ("gamma", "grid")
-
-    def __init__(self, objective: Objective | None = None):
-        self.objective = objective or Objective()
-
-    def with_objective(self, objective) -> "ELFMethod":
-        return ELFMethod(objective)
 
     # -- the run ----------------------------------------------------------------------------------------------
     def check(self, cfg) -> None:
@@ -106,16 +88,39 @@ class ELFMethod(Method):
         n = net.num_params()
         return net, {"model": n, "elf": n, "match": cfg.match}
 
-    def describe(self, net) -> dict:
-        shape, options = describe_network(net)
-        return {"model": shape, **({"short_run": options} if options else {})}
+    # -- the network as a record stores it -------------------------------------------------------------
+    config_type = ELFConfig
+    sampling_type = SamplingSettings
 
-    def stored_config(self, state: dict):
-        cfg, options = stored_network(state["model"], state.get("short_run"))
-        return cfg, ({"short_run": options.to_dict()} if options.active else {})
+    def network_config(self, d):
+        if not isinstance(d, dict):
+            raise ValueError(f"expected a JSON object, got {type(d).__name__}")
+        return ELFConfig.from_dict({k: v for k, v in d.items() if k not in RUN_ONLY})
 
-    def load(self, config, state_dict, settings):
-        return network_from_state_dict(state_dict, config, settings.get("short_run"))
+    def network_of(self, net):
+        return net.config, net.options
+
+    def build_network(self, record, max_length=None):
+        config = record.network
+        if max_length and max_length > config.max_length:
+            config = config.replace(max_length=max_length)
+        check_network_memory(config, record.options)
+        return build_network(config, record.options)
+
+    def check_record(self, record) -> None:
+        net, recipe = record.network, record.recipe
+        check_network(net.predict, net.conditioning, record.options)
+        if net.self_cond != recipe.self_conditioned:
+            raise ELFError(f"self_cond {net.self_cond} while the recipe's self_cond_prob is {recipe.self_cond_prob}")
+        if net.predict != "x" and (net.noise_scale, net.t_eps) != (recipe.noise_scale, recipe.t_eps):
+            raise ELFError(f"a {net.predict}-predicting head with noise_scale {net.noise_scale} and t_eps "
+                           f"{net.t_eps}, while the recipe's are {recipe.noise_scale} and {recipe.t_eps}")
+        record.sampling.check(recipe)
+
+    def default_sampling(self, record):
+        pd = record.distillation if record.distillation and record.distillation.objective == "pd" else None
+        steps = (pd.student_steps or DISTILLED_STEPS) if pd else None
+        return default_sampling(record.conditional, steps, record.recipe.self_conditioned)
 
     def fits(self, space, net) -> None:
         cfg = net.config
@@ -133,20 +138,25 @@ class ELFMethod(Method):
     def draw(self, batch, space, recipe, generator, cpu_generator):
         tokens = batch["tokens"]
         B, L = tokens.shape
-        return self.objective.draw((B, L, space.dim), recipe, generator=generator, cpu_generator=cpu_generator,
+        return draw_training_noise((B, L, space.dim), recipe, generator=generator, cpu_generator=cpu_generator,
                                    device=tokens.device, conditional=batch.get("known") is not None)
 
     def loss(self, net, space, batch, draw, recipe):
-        tokens, mask = batch["tokens"], batch.get("mask")  # mask: the positions the loss scores
+        x = self.encode(space, batch, draw)
+        loss, rows = elf_loss(net, x, batch["tokens"], draw, recipe, valid=batch.get("mask"), known=batch.get("known"))
+        return loss, step_sums(loss, rows, draw)
+
+    @staticmethod
+    def encode(space, batch, draw) -> torch.Tensor:
+        """The batch's clean embeddings (B, L, C) in fp32: a conditional row's source encoded seeing only itself
+        and hidden from its target where the draw drops it (`data.layout.encoder_mask`)."""
         attention = batch.get("attention_mask")  # real tokens: the keys the encoder may attend to
         known = batch.get("known")  # the source positions of conditional data
         if known is not None:
             valid = attention if attention is not None else torch.ones_like(known)
             attention = encoder_mask(known, valid, draw.drop_source)
         with nullcontext() if space.trainable else torch.no_grad():
-            x = space.encode(tokens, attention)
-        loss, rows = self.objective.loss(net, x.float(), tokens, draw, recipe, valid=mask, known=known)
-        return loss, step_sums(loss, rows, draw)
+            return space.encode(batch["tokens"], attention).float()
 
     def summarize(self, t: dict) -> dict:
         rec = {}
@@ -174,11 +184,11 @@ class ELFMethod(Method):
         return space.decode(tokens.cpu())
 
     # -- sampling -----------------------------------------------------------------------------------------
-    def settings(self, loaded, seed=None, batch_size=None, **given):
+    def sampling_settings(self, record, seed=None, batch_size=None, **given):
         self.check_knobs(given)
-        return settings_for(loaded, seed=seed, batch_size=batch_size, **given)
+        return settings_for(record, seed=seed, batch_size=batch_size, **given)
 
-    def sample(self, net, space, num, settings, length=None, progress=True, part=(0, 1), **known) -> list[dict]:
+    def generate(self, net, space, num, settings, length=None, progress=True, part=(0, 1), **known) -> list[dict]:
         return generate(net, space, num, settings, length, progress=progress, part=part, **known)
 
 
@@ -186,23 +196,8 @@ METHOD = ELFMethod()
 
 
 # ----------------------------------------------------------------------------------------------------------
-# the network as stored with a run
-
-
-def describe_network(net) -> tuple[dict, dict]:
-    """(the network's config, its short-run options; {} for the paper's network) as stored with a run."""
-    return net.config.to_dict(), net.options.to_dict() if net.options.active else {}
-
-
+# the network's size
 RUN_ONLY = ("grad_checkpoint",)  # a setting of the run that earlier elflows stored with the network config
-
-
-def stored_network(model: dict, short_run: dict | None = None) -> tuple[ELFConfig, ShortRunOptions]:
-    """(ELFConfig, ShortRunOptions) of a stored network: its "model" config and its "short_run" options."""
-    try:
-        return ELFConfig.from_dict({k: v for k, v in model.items() if k not in RUN_ONLY}), options_of(short_run)
-    except ValueError as e:
-        raise ELFError(f"the stored network config cannot be read: {e}") from None
 
 
 def network_bytes(config: ELFConfig, options: ShortRunOptions | None = None) -> int:
@@ -223,24 +218,3 @@ def check_network_memory(config: ELFConfig, options: ShortRunOptions | None = No
                                                                "max_length"))
     check_memory(network_bytes(config, options), f"a network of {what}",
                  hint="choose a smaller --depth / --hidden / --length (or check the stored config)")
-
-
-def network_from_state_dict(sd: dict[str, torch.Tensor], config: ELFConfig, options=None):
-    """The network of `config` and `options` holding these (elflow-named) weights; weights that fit no such
-    network are a one-line error."""
-    options = options_of(options)
-    check_network_memory(config, options)
-    net = build_network(config, options)
-    expected = net.state_dict()
-    missing = [k for k in expected if k not in sd]
-    unexpected = [k for k in sd if k not in expected]
-    if missing or unexpected:
-        raise ELFError(f"weights do not fit an ELF network of shape {config}: missing {missing[:6]}, "
-                       f"unexpected {unexpected[:6]}")
-    wrong = [f"{k}: {tuple(sd[k].shape)} (expected {tuple(v.shape)})" for k, v in expected.items()
-             if sd[k].shape != v.shape]
-    if wrong:
-        raise ELFError(f"weights have shapes that fit no ELF network of this shape: {wrong[:4]}")
-    net.load_state_dict(sd)
-    return net
-

@@ -30,9 +30,9 @@ class TokenLMConfig(Record, TransformerShape):
     tie_embeddings: bool = False  # read out with the input table (its first out_vocab rows)
 
     def __post_init__(self):
-        for f in ("depth", "hidden", "heads", "vocab_size", "max_length"):
-            if getattr(self, f) < 1:
-                raise ValueError(f"TokenLMConfig.{f} must be >= 1, got {getattr(self, f)}")
+        self.check_shape(("depth", "hidden", "heads", "vocab_size", "max_length"))
+        if not isinstance(self.tie_embeddings, bool):
+            raise ValueError(f"TokenLMConfig.tie_embeddings must be true or false, got {self.tie_embeddings!r}")
         if self.hidden % self.heads or (self.hidden // self.heads) % 2:
             raise ValueError(f"TokenLMConfig: hidden {self.hidden} must split into {self.heads} heads of even size")
 

@@ -24,13 +24,14 @@ import tempfile
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load, save_file
 
 from elflow.runs.tracking import ID_FILE
 from elflow.space import drawn_table
 from elflow.util.errors import ELFError, first_line
-from elflow.util.files import FolderLock, NoSpace, atomic_write_text, disk_full, file_mode, folder_mode, read_json
+from elflow.util.files import FolderLock, NoSpace, atomic_write_text, disk_full, file_mode, folder_mode
 from elflow.util.files import sha256_file as _sha256
+from elflow.util.jsonio import RECORD_BYTES, parse, read_limited
 
 STEP_DIR = re.compile(r"step_(\d+)")
 
@@ -128,7 +129,7 @@ def write_checkpoint(folder: str | os.PathLike, model_sd: dict, ema_sd: dict, op
             with open(tmp / "optimizer.pt", "wb") as f:  # a Python file: its OSError is the cause torch reports
                 torch.save(optimizer_state, f)
             names.append("optimizer.pt")
-        files = {name: _sha256(tmp / name) for name in names}
+        files = {name: {"sha256": _sha256(tmp / name), "bytes": (tmp / name).stat().st_size} for name in names}
         write_state(tmp, {**state, "files": files})
         for f in tmp.iterdir():
             os.chmod(f, file_mode())  # safetensors makes its files 0600; a checkpoint's files get the umask's mode
@@ -223,11 +224,14 @@ def upgrade_state(state: dict) -> dict:
 
 
 def trained_space_state(ckpt: str | os.PathLike) -> dict:
-    """The embedding space's trained parameters stored in a checkpoint folder (either layout)."""
+    """The embedding space's trained parameters stored in a checkpoint folder (either layout), read as listed."""
     ckpt = Path(ckpt)
-    if (ckpt / "space.safetensors").exists():
-        return load_file(ckpt / "space.safetensors")
-    return split_space_state(load_file(ckpt / "model.safetensors"))[1]
+    files = read_state(ckpt)["files"]
+    name = "space.safetensors" if "space.safetensors" in files else "model.safetensors"
+    if name not in files:
+        return {}
+    sd = load_tensors(ckpt / name, files[name]["sha256"], files[name]["bytes"])
+    return sd if name == "space.safetensors" else split_space_state(sd)[1]
 
 
 def remove_stale_temporaries(run_dir: str | os.PathLike) -> list[Path]:
@@ -274,74 +278,165 @@ def is_elflow_folder(path: Path) -> bool:
 PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 
 
+STATE_BYTES = RECORD_BYTES  # state.json: a record and a data position
+
+
 def read_state(ckpt: Path) -> dict:
-    """A checkpoint's state.json, checked against state.sha256: a dict whose "files" maps plain file names of
-    this folder to sha256 digests. ELFError naming the file otherwise."""
+    """A checkpoint's state.json, checked against state.sha256 (both read as regular files, bounded, never
+    through a link), with "files" normalised to {name: {"sha256", "bytes"}} (bytes None where an earlier
+    elflow recorded no size): plain file names of this folder. ELFError naming the file otherwise."""
     state_path = ckpt / "state.json"
-    if not state_path.is_file():
+    if not os.path.lexists(state_path):
         raise ELFError(f"{state_path}: missing; {ckpt} is not a complete checkpoint")
     hash_path = ckpt / STATE_HASH
+    data = read_limited(state_path, STATE_BYTES, own=True)
+    if os.path.lexists(hash_path):
+        try:
+            recorded = read_limited(hash_path, 200, own=True).decode("ascii").strip()
+        except UnicodeDecodeError:
+            raise ELFError(f"{hash_path}: corrupted (not a sha256 digest)") from None
+        if hashlib.sha256(data).hexdigest() != recorded:
+            raise ELFError(f"{state_path}: corrupted or edited (its sha256 does not match {hash_path})")
+    # else a checkpoint saved without it (an earlier elflow): its names are still checked below
     try:
-        recorded = hash_path.read_text().strip()
-    except FileNotFoundError:
-        recorded = None  # a checkpoint saved without it (an earlier elflow): its names are still checked below
-    except (OSError, UnicodeDecodeError) as e:
-        raise ELFError(f"{hash_path}: cannot be read ({e})") from None
-    if recorded is not None and _sha256(state_path) != recorded:
-        raise ELFError(f"{state_path}: corrupted or edited (its sha256 does not match {hash_path})")
-    state = read_json(state_path)
-    files = state.get("files", {})
-    if not isinstance(files, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in files.items()):
-        raise ELFError(f"{state_path}: corrupted (\"files\" must map file names to sha256 digests)")
-    bad = [k for k in files if not PLAIN_NAME.fullmatch(k) or k in (".", "..")]
-    if bad:
-        raise ELFError(f"{state_path}: refused: its \"files\" name {bad[0]!r}, which is not a plain file name in the "
-                       "checkpoint folder (nothing outside it is read)")
-    if not isinstance(state.get("step", 0), int) or state.get("step", 0) < 0:
-        raise ELFError(f"{state_path}: corrupted (\"step\" must be an integer >= 0, got {state.get('step')!r})")
-    for key in ("model", "space", "train", "settings"):
+        state = parse(data, str(state_path))
+    except ELFError as e:
+        raise ELFError(f"{state_path}: corrupted or truncated ({str(e).split(': ', 1)[-1]})") from None
+    if not isinstance(state, dict):
+        found = {"list": "array", "str": "string", "NoneType": "null"}.get(type(state).__name__, "number")
+        raise ELFError(f"{state_path}: corrupted (a JSON object was expected, found {found})")
+    state["files"] = listed_files(state.get("files", {}), state_path, "checkpoint")
+    step = state.get("step", 0)
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ELFError(f"{state_path}: corrupted (\"step\" must be an integer >= 0, got {step!r})")
+    for key in ("model", "space", "train", "settings", "record"):
         if key in state and not isinstance(state[key], dict):
             raise ELFError(f"{state_path}: corrupted ({key!r} must be a JSON object, got "
                            f"{type(state[key]).__name__})")
-    return upgrade_state(state)
+    return state if "record" in state else upgrade_state(state)
+
+
+def listed_files(files, where, what: str) -> dict:
+    """The files a state.json (or a model folder's config.json) lists, {name: {"sha256", "bytes"}}: plain names
+    of the folder, each with a sha256 digest and, where recorded, a size."""
+    if not isinstance(files, dict):
+        raise ELFError(f"{where}: corrupted (\"files\" must map file names to their sha256)")
+    out = {}
+    for name, v in files.items():
+        if not isinstance(name, str) or not PLAIN_NAME.fullmatch(name) or name in (".", ".."):
+            raise ELFError(f"{where}: refused: its \"files\" name {name!r}, which is not a plain file name in the "
+                           f"{what} folder (nothing outside it is read)")
+        digest, size = (v, None) if isinstance(v, str) else (
+            (v.get("sha256"), v.get("bytes")) if isinstance(v, dict) else (None, None))
+        if not isinstance(digest, str) or not re.fullmatch(r"[0-9a-f]{64}", digest) or size is not None and (
+                isinstance(size, bool) or not isinstance(size, int) or size < 0):
+            raise ELFError(f"{where}: corrupted (\"files\" must map {name} to its sha256 and size)")
+        out[name] = {"sha256": digest, "bytes": size}
+    return out
+
+
+WEIGHT_FILE_MAX = 1 << 40  # no weight file of an earlier elflow's checkpoint, which recorded no size, is larger
+
+
+def _check_file(f: Path, entry: dict) -> None:
+    """A listed file as it must be: a regular file (not a link), of the recorded size, of the recorded sha256."""
+    try:
+        st = os.lstat(f)
+    except FileNotFoundError:
+        raise ELFError(f"{f}: missing from the checkpoint") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ELFError(f"{f}: not a regular file (a link, a device or a folder); refused")
+    if entry["bytes"] is not None and st.st_size != entry["bytes"]:
+        raise ELFError(f"{f}: corrupted or truncated ({st.st_size:,} bytes, {entry['bytes']:,} recorded at save)")
+    if _sha256(f) != entry["sha256"]:
+        raise ELFError(f"{f}: corrupted or truncated (its sha256 does not match the one recorded at save)")
 
 
 def verify_checkpoint(ckpt: Path, need_optimizer: bool = True) -> dict:
-    """state.json (`read_state`), with every file's hash checked; ELFError naming the first bad file. Without
-    `need_optimizer`, a missing optimizer.pt is allowed (sampling needs only the weights)."""
+    """state.json (`read_state`), with every listed file checked (regular, its size and sha256); ELFError
+    naming the first bad file. Without `need_optimizer`, a missing optimizer.pt is allowed (sampling needs
+    only the weights)."""
     state = read_state(ckpt)
-    for name, digest in state.get("files", {}).items():
-        f = ckpt / name
-        try:
-            mode = os.lstat(f).st_mode
-        except FileNotFoundError:
-            if name == "optimizer.pt" and not need_optimizer:
-                continue
-            raise ELFError(f"{f}: missing from the checkpoint") from None
-        if not stat.S_ISREG(mode):
-            raise ELFError(f"{f}: not a regular file (a link, a device, a folder); refused")
-        if _sha256(f) != digest:
-            raise ELFError(f"{f}: corrupted or truncated (its sha256 does not match the one recorded at save)")
+    for name, entry in state["files"].items():
+        if name == "optimizer.pt" and not need_optimizer and not os.path.lexists(ckpt / name):
+            continue
+        _check_file(ckpt / name, entry)
     return state
 
 
-def load_checkpoint(ckpt: str | os.PathLike, with_optimizer: bool = True, map_location="cpu") -> dict:
-    """Read and verify a checkpoint folder: {"state", "model" (the network's weights), "space" (a learned
-    space's parameters, either layout), "ema", "optimizer"}."""
-    ckpt = Path(ckpt)
-    state = verify_checkpoint(ckpt, need_optimizer=with_optimizer)
-    out = {"state": state, "path": ckpt}
+def load_tensors(path: Path, sha256: str, size: int | None) -> dict:
+    """The tensors of a safetensors file that a checkpoint or model folder lists: read once as a regular file
+    (never through a link), bounded by its recorded size, its bytes checked against the recorded sha256."""
+    data = read_limited(path, size if size is not None else WEIGHT_FILE_MAX, own=True)
+    if size is not None and len(data) != size:
+        raise ELFError(f"{path}: corrupted or truncated ({len(data):,} bytes, {size:,} recorded at save)")
+    if hashlib.sha256(data).hexdigest() != sha256:
+        raise ELFError(f"{path}: corrupted or truncated (its sha256 does not match the one recorded at save)")
     try:
-        out["model"], out["space"] = split_space_state(load_file(ckpt / "model.safetensors", device=str(map_location)))
-        if (ckpt / "space.safetensors").exists():
-            out["space"] = load_file(ckpt / "space.safetensors", device=str(map_location))
-        ema = ckpt / "ema.safetensors"  # a recorded file was checked above; an unrecorded one may be absent
-        out["ema"] = load_file(ema, device=str(map_location)) if ema.exists() else {}
+        return load(data)
     except Exception as e:  # safetensors raises its own error types on bad headers
-        raise ELFError(f"{ckpt}: weights cannot be read ({first_line(e)})") from None
+        raise ELFError(f"{path}: weights cannot be read ({first_line(e)})") from None
+
+
+def check_tensors(sd: dict, where) -> None:
+    """Weights as they must be: floating-point tensors, every value finite; ELFError naming `where` and the
+    first tensor that is not."""
+    for k, w in sd.items():
+        if not isinstance(w, torch.Tensor) or not w.is_floating_point():
+            raise ELFError(f"{where}: weight {k} holds {getattr(w, 'dtype', type(w).__name__)} values, not "
+                           "floating-point weights; refused")
+        if not torch.isfinite(w).all():
+            raise ELFError(f"{where}: weight {k} holds NaN or infinite values; the model cannot sample (a training "
+                           "that diverged, or a damaged file)")
+
+
+def load_weights(net: torch.nn.Module, sd: dict, where) -> None:
+    """Load `sd` into `net`, every tensor checked first: the names and shapes of the network, floating-point
+    values, all finite. One ELFError naming `where` and the first tensor that is not."""
+    expected = net.state_dict()
+    missing = [k for k in expected if k not in sd]
+    unexpected = [k for k in sd if k not in expected]
+    if missing or unexpected:
+        raise ELFError(f"{where}: the weights do not fit the network its record describes: missing {missing[:4]}, "
+                       f"unexpected {unexpected[:4]}")
+    for k, v in expected.items():
+        w = sd[k]
+        if tuple(w.shape) != tuple(v.shape):
+            raise ELFError(f"{where}: weight {k} has shape {tuple(w.shape)}, the network's is {tuple(v.shape)}")
+    check_tensors(sd, where)
+    net.load_state_dict(sd)
+
+
+UNLISTED = ("model.safetensors", "ema.safetensors", "space.safetensors", "optimizer.pt")
+
+
+def load_checkpoint(ckpt: str | os.PathLike, with_optimizer: bool = True, map_location="cpu") -> dict:
+    """Read a checkpoint folder, only the files its state.json lists, each checked as it is read:
+    {"state", "model" (the network's weights), "space" (a learned space's parameters, either layout), "ema"
+    ({} where none was saved), "optimizer"}. A weight file that is present but not listed is refused."""
+    ckpt = Path(ckpt)
+    state = read_state(ckpt)
+    files = state["files"]
+    stray = [n for n in UNLISTED if n not in files and os.path.lexists(ckpt / n)]
+    if stray:
+        raise ELFError(f"{ckpt / stray[0]}: not listed in {ckpt / 'state.json'}; an unlisted file is never read "
+                       "(remove it, or restore the checkpoint as it was saved)")
+    if "model.safetensors" not in files:
+        raise ELFError(f"{ckpt / 'state.json'}: corrupted (its \"files\" do not list model.safetensors)")
+    out = {"state": state, "path": ckpt}
+
+    def tensors(name):
+        sd = load_tensors(ckpt / name, files[name]["sha256"], files[name]["bytes"])
+        return {k: v.to(map_location) for k, v in sd.items()} if str(map_location) != "cpu" else sd
+
+    out["model"], out["space"] = split_space_state(tensors("model.safetensors"))
+    if "space.safetensors" in files:
+        out["space"] = tensors("space.safetensors")
+    out["ema"] = tensors("ema.safetensors") if "ema.safetensors" in files else {}
     if with_optimizer:
-        if not (ckpt / "optimizer.pt").exists():
+        if "optimizer.pt" not in files:
             raise ELFError(f"{ckpt}: holds no optimiser state (a converted checkpoint?); it can sample, not resume")
+        _check_file(ckpt / "optimizer.pt", files["optimizer.pt"])
         try:
             out["optimizer"] = torch.load(ckpt / "optimizer.pt", map_location=map_location, weights_only=True)
         except Exception as e:

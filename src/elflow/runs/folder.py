@@ -20,11 +20,11 @@ from elflow.runs.checkpoint import (
     remove_stale_temporaries,
     restore_aside,
     set_aside,
-    upgrade_train,
 )
+from elflow.runs.record import record_of_state, run_file
 from elflow.runs.stages import DECODER_STAGE, in_first_stage
 from elflow.util.errors import ELFError
-from elflow.util.files import FolderHold, FolderLock, NoSpace, check_output, probe_writable, read_json
+from elflow.util.files import FolderHold, FolderLock, NoSpace, check_output, probe_writable
 
 
 class RunFolder:
@@ -97,31 +97,29 @@ def check_run_dir(out: Path, cfg: TrainConfig, resume: bool, overwrite: bool, de
 
 
 def stored_config(out: Path) -> TrainConfig:
-    """The resolved and checked settings of the run in `out` (of the run an interrupted --overwrite set aside,
-    which the next start brings back). A file that cannot be read, or a setting out of range, is a one-line
-    error naming run.json and the setting as it is stored."""
+    """The resolved and checked training config of the run in `out` (of the run an interrupted --overwrite set
+    aside, which the next start brings back), from its record. A file that cannot be read, or a setting out of
+    range, is a one-line error naming run.json and the setting as it is stored."""
     src = out
     if (out / REPLACED / "run.json").exists() and not list_checkpoints(out):
         src = out / REPLACED
-    if in_first_stage(src):  # a --decoder separate run still in its decoder stage: the stage holds its settings
+    if in_first_stage(src):  # a --decoder separate run still in its decoder stage: the stage holds its config
         path = src / DECODER_STAGE / "run.json"
-        return read_train_config(read_json(path).get("stage_of"), path)
+        return checked(run_file(path.parent)["stage_of"], path)
     path = src / "run.json"
     if not path.exists():
         raise ELFError(f"{out} holds no run to resume; check --out, or start the run without --resume")
-    return read_train_config(read_json(path).get("train"), path)
+    return checked(run_file(src)["record"].train, path)
 
 
-def read_train_config(train, path) -> TrainConfig:
-    """A stored run description ("train" of run.json or of a checkpoint's state.json) as a checked
-    TrainConfig; ELFError naming `path` and the stored setting."""
-    if not isinstance(train, dict):
-        raise ELFError(f"{path}: corrupted (\"train\" must be a JSON object of settings, got "
-                       f"{type(train).__name__})")
+def checked(cfg: TrainConfig | None, path) -> TrainConfig:
+    """A stored training config, resolved and checked; ELFError naming `path` and the stored setting."""
+    if cfg is None:
+        raise ELFError(f"{path}: holds no training config (a converted or released model); it cannot be resumed")
     try:
-        cfg = TrainConfig.from_dict(upgrade_train(train)).resolved()
+        cfg = cfg.resolved()
     except (ValueError, KeyError, TypeError) as e:
-        raise ELFError(f"{path}: its settings cannot be read ({type(e).__name__}: {e})") from None
+        raise ELFError(f"{path}: its config cannot be read ({type(e).__name__}: {e})") from None
     cfg.validate(stored=path)
     return cfg
 
@@ -148,7 +146,7 @@ def resume_point(out: Path, cfg: TrainConfig) -> Path | None:
         return None
     for why in bad:
         print(f"warning: skipping a bad checkpoint: {why}", file=sys.stderr)
-    stored = read_train_config(read_state(ckpt).get("train", {}), ckpt / "state.json")
+    stored = checked(record_of_state(read_state(ckpt), str(ckpt / "state.json")).train, ckpt / "state.json")
     diff = resume_conflicts(stored, cfg)
     if diff:
         raise ELFError(f"{out / 'run.json'} describes another run than its checkpoint {ckpt.name} "
@@ -158,9 +156,9 @@ def resume_point(out: Path, cfg: TrainConfig) -> Path | None:
 
 def micro_batch_for(cfg: TrainConfig, world: int, stored: dict | None = None) -> int:
     """The rows per forward/backward of `cfg` on `world` ranks: --micro-batch, else the stored run's (on
-    --resume: a run's first start resolves it to batch / its ranks; `stored` is its run.json), else batch /
+    --resume: a run's first start resolves it to batch / its ranks; `stored` is its run.json, `run_file`), else batch /
     ranks. A batch it does not split over the ranks is a one-line ELFError that says what to give."""
-    kept = (stored or {}).get("train", {}).get("micro_batch")
+    kept = stored["record"].train.micro_batch if stored and stored["record"].train else None
     if cfg.micro_batch or kept:
         micro = cfg.micro_batch or kept
     elif stored and stored.get("world_size"):  # a stored run without a micro-batch: its first start's
@@ -217,9 +215,9 @@ def claim_run(folder: RunFolder, cfg: TrainConfig, world: int, resume: bool, ove
     check_run_dir(out, cfg, resume, overwrite, device)
     stored = None
     if resume and (out / "run.json").exists():
-        stored = read_json(out / "run.json")
+        stored = run_file(out)
     micro = micro_batch_for(cfg, world, stored)
-    before = (stored or {}).get("train", {}).get("micro_batch")
+    before = stored["record"].train.micro_batch if stored and stored["record"].train else None
     if before and before != micro:
         print(f"warning: continuing with --micro-batch {micro} instead of the run's {before}: from here on the "
               "run draws other noise than an uninterrupted run would", file=sys.stderr)

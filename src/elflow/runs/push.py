@@ -14,54 +14,44 @@ from safetensors.torch import save
 
 from elflow.data.corpus import read_sources
 from elflow.methods import get_method
-from elflow.runs.checkpoint import SPACE_PREFIX, load_checkpoint, resolve_checkpoint, trained_space_state
-from elflow.runs.load import load, load_for_sampling, stored_training
+from elflow.runs.checkpoint import check_tensors, load_checkpoint, resolve_checkpoint
+from elflow.runs.load import load_for_sampling
 from elflow.runs.log import LOSS_NAMES, training_records
-from elflow.runs.model_folder import MODEL_FORMAT, NETWORK_KEYS
+from elflow.runs.model_folder import MODEL_FORMAT
+from elflow.runs.record import RunRecord, record_of_state
 from elflow.util.errors import ELFError
-from elflow.util.files import atomic_write, atomic_write_json, atomic_write_text, check_output, sha256_file
+from elflow.util.files import atomic_write, atomic_write_json, atomic_write_text, check_output, read_json, sha256_file
 from elflow.util.hub import hub_offline, hub_reachable
 
 
-def model_folder_files(path: str | os.PathLike, sampling: dict | None = None) -> dict[str, object]:
-    """The files of the model folder of an elflow run or checkpoint: {name: tensors (dict) or JSON object}.
-    `sampling`: the sampler settings stored as its defaults (those it samples with from the run, if None)."""
+def model_folder_files(path: str | os.PathLike) -> dict[str, object]:
+    """The files of the model folder of an elflow run or checkpoint: {name: tensors (dict) or JSON object}:
+    the EMA weights, a learned space's parameters, and config.json holding the model's record and step."""
     ckpt = resolve_checkpoint(path)
     blob = load_checkpoint(ckpt, with_optimizer=False)
-    st = blob["state"]
     if not blob["ema"]:
         raise ELFError(f"{ckpt} holds no EMA weights; a model folder holds the EMA weights that sample")
-    net_sd = {k: v for k, v in blob["ema"].items() if not k.startswith(SPACE_PREFIX)}
-    space_sd = trained_space_state(ckpt)
-    train = st.get("train", {})
-    config = {"format": MODEL_FORMAT, "method": st.get("method", "elf"),
-              **{k: st[k] for k in NETWORK_KEYS if k in st}, "params": st.get("params"), "step": st.get("step")}
-    settings = {k: v for k, v in st.get("settings", {}).items() if k != "sampling"}
-    if sampling is None:
-        loaded = load(ckpt)
-        sampling = get_method(loaded.method).settings(loaded).to_dict()
-    defaults = {k: v for k, v in sampling.items() if k not in ("seed", "batch_size", "dtype", "method")}
-    files = {"model.safetensors": net_sd, **({"space.safetensors": space_sd} if space_sd else {}),
-             "config.json": config, "recipe.json": {"recipe": train.get("recipe", {}), "train": train},
-             "space.json": {"space": st["space"], "space_id": st.get("space_id")},
-             "sampling.json": {**settings, "sampling": defaults}}
-    return files
+    record = record_of_state(blob["state"], str(ckpt / "state.json"))
+    check_tensors(blob["ema"], ckpt / "ema.safetensors")  # a model that cannot sample is not published
+    config = {"format": MODEL_FORMAT, "record": record.to_dict(), "step": blob["state"].get("step")}
+    return {"model.safetensors": blob["ema"], **({"space.safetensors": blob["space"]} if blob["space"] else {}),
+            "config.json": config}
 
 
 def write_model_folder(files: dict[str, object], folder: str | os.PathLike) -> Path:
-    """Write `model_folder_files` (and any text files given, such as README.md) into `folder`, the weights'
-    sha256 recorded in config.json; each file atomically."""
+    """Write `model_folder_files` (and any text files given, such as README.md) into `folder`, each weight
+    file's sha256 and size recorded in config.json; each file atomically."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    digests = {}
+    listed = {}
     for name, content in files.items():
         if name.endswith(".safetensors"):
             with atomic_write(folder / name) as f:
                 f.write(save(content))
-            digests[name] = sha256_file(folder / name)
+            listed[name] = {"sha256": sha256_file(folder / name), "bytes": (folder / name).stat().st_size}
     for name, content in files.items():
         if name == "config.json":
-            content = {**content, "files": digests}
+            content = {**content, "files": listed}
         if isinstance(content, dict) and name.endswith(".json"):
             atomic_write_json(folder / name, content)
         elif isinstance(content, str):
@@ -90,8 +80,8 @@ def run_metrics(run_dir: Path | None, step: int | None) -> list[tuple[str, str]]
         out += [(f"training loss, {name} (step {r['step']})", f"{r[k]:.4g}")
                 for k, name in LOSS_NAMES.items() if isinstance(r.get(k), (int, float))]
     try:
-        report = json.loads((run_dir / "report.json").read_text())
-    except (OSError, ValueError):
+        report = read_json(run_dir / "report.json")
+    except ELFError:
         report = {}
     val = report.get("validation") or {}
     if "model_loss" in val:
@@ -105,8 +95,8 @@ def run_metrics(run_dir: Path | None, step: int | None) -> list[tuple[str, str]]
                         f"{stats['word_entropy']:.2f} / {stats['corpus_word_share']:.1%}"))
     for path in sorted((run_dir / "eval").rglob("*.json")) if (run_dir / "eval").is_dir() else []:
         try:
-            rep = json.loads(path.read_text())
-        except (OSError, ValueError):
+            rep = read_json(path)
+        except ELFError:
             continue
         where = path.relative_to(run_dir).as_posix()
         if isinstance(rep.get("gen_ppl"), (int, float)):
@@ -146,41 +136,40 @@ def _table(rows) -> str:
     return "| | |\n|---|---|\n" + "".join(f"| {k} | {v} |\n" for k, v in rows)
 
 
-def model_card(hub_id: str, files: dict, metrics: list[tuple[str, str]], samples: list[dict],
-               sample_settings: dict) -> str:
-    """README.md of a model folder (`model_folder_files`): YAML metadata, the settings, the training data and
-    steps, `metrics`, `samples` (records with "text", and "source" for conditional models) and the usage."""
+def model_card(hub_id: str, record: RunRecord, step: int | None, metrics: list[tuple[str, str]],
+               samples: list[dict], sample_settings: dict) -> str:
+    """README.md of a model folder: YAML metadata, the model's record (settings, training data and steps),
+    `metrics`, `samples` (records with "text", and "source" for conditional models) and the usage."""
     from huggingface_hub import ModelCardData
 
-    config, recipe, space, sampling = (files[n] for n in ("config.json", "recipe.json", "space.json",
-                                                          "sampling.json"))
-    train, method = recipe["train"], get_method(config["method"])
-    params = (config.get("params") or {}).get("model")
-    data = train.get("data", "?")
+    method = get_method(record.method)
+    train = record.train.to_dict() if record.train else {}
+    params = (record.params or {}).get("model")
     meta = ModelCardData(library_name="elflow", pipeline_tag="text-generation",
                          tags=["elflow", "flow-matching", "text-generation", method.name])
-    shape = config.get("model", {})
+    shape = record.network.to_dict()
     network = ", ".join(f"{k} {shape[k]}" for k in ("depth", "hidden", "heads", "dim", "vocab_size", "max_length")
                         if k in shape)
     settings = [("method", f"{method.name} ({method.title})"),
                 ("parameters", f"{params:,}" if isinstance(params, int) else "?"),
                 ("preset", train.get("preset", "?")), ("network", network or "?")]
-    if config.get("short_run"):
-        settings.append(("short-run options", ", ".join(f"{k} {v}" for k, v in config["short_run"].items())))
-    settings += [("embedding space", space.get("space_id") or json.dumps(space["space"])),
-                 ("sequence length", sampling.get("length", "?"))]
-    if sampling.get("source_length"):
-        settings.append(("source length", sampling["source_length"]))
-    if sampling.get("task"):
-        settings.append(("task", sampling["task"]))
-    if sampling.get("distilled_steps"):
-        settings.append(("distilled to", f"{sampling['distilled_steps']} sampling steps "
-                                         f"(teacher {sampling.get('teacher_steps')})"))
-    settings.append(("sampling defaults", ", ".join(f"{k} {v}" for k, v in sampling.get("sampling", {}).items())))
-    step = config.get("step")
-    batch, length = train.get("batch"), sampling.get("length")
+    if record.options.active:
+        settings.append(("short-run options", ", ".join(f"{k} {v}" for k, v in record.options.to_dict().items())))
+    settings += [("embedding space", record.space.id or json.dumps(record.space.to_dict())),
+                 ("sequence length", record.length)]
+    if record.task:
+        settings.append(("source length", record.task.source_length))
+        if record.task.name:
+            settings.append(("task", record.task.name))
+    if record.distillation:
+        d = record.distillation
+        settings.append(("distilled", f"{d.objective}, {d.student_steps or '?'} sampling steps (teacher "
+                                      f"{d.teacher_steps or '?'})"))
+    defaults = {k: v for k, v in record.sampling.to_dict().items() if k not in ("seed", "batch_size", "dtype", "method")}
+    settings.append(("sampling defaults", ", ".join(f"{k} {v}" for k, v in defaults.items())))
+    batch, length = train.get("batch"), record.length
     tokens = step * batch * length if all(isinstance(v, int) for v in (step, batch, length)) else None
-    training = [("data", data), ("layout", train.get("layout", "?")),
+    training = [("data", train.get("data", "?")), ("layout", train.get("layout", "?")),
                 ("held-out share", train.get("val_fraction", "?")),
                 ("steps trained", f"{step:,} of {train.get('steps', '?'):,}" if isinstance(step, int)
                  and isinstance(train.get("steps"), int) else step),
@@ -208,14 +197,14 @@ def model_card(hub_id: str, files: dict, metrics: list[tuple[str, str]], samples
     for r in samples:
         text = r["text"].replace("\n", " ").replace("`", "'")
         lines += ([f"- source: `{r['source']}`", f"  output: `{text}`"] if "source" in r else [f"- `{text}`"])
-    sample_cmd = (f"elflow sample {hub_id} --source \"...\" --out out.jsonl" if sampling.get("source_length")
+    sample_cmd = (f"elflow sample {hub_id} --source \"...\" --out out.jsonl" if record.conditional
                   else f"elflow sample {hub_id} --num {len(samples)} --seed 0 --out samples.jsonl")
-    lines += ["", "## Use", "", "```bash", *install_lines(source), sample_cmd, "```", "", "```python", "import elflow",
-              "from elflow.runs.load import load_for_sampling", "from elflow.methods import get_method", "",
-              f'net = elflow.load("{hub_id}")                   # the network, EMA weights, eval mode',
-              f'loaded, space = load_for_sampling("{hub_id}")   # (network with its settings, embedding space)',
-              "method = get_method(loaded.method)",
-              f"records = method.sample(loaded.net, space, {len(samples)}, method.settings(loaded, seed=0))",
+    lines += ["", "## Use", "", "```bash", *install_lines(source), sample_cmd, "```", "", "```python",
+              "import elflow", "from elflow.methods import get_method", "from elflow.runs.load import load_for_sampling",
+              "", f'net = elflow.load("{hub_id}")   # the network (EMA weights, eval mode); net.record describes it',
+              f'net, space = load_for_sampling("{hub_id}")   # the same network and its embedding space',
+              "method = get_method(net.record.method)",
+              f"records = method.generate(net, space, {len(samples)}, net.record.sampling_settings(seed=0))",
               'print([r["text"] for r in records])', "```", ""]
     return "\n".join(lines)
 
@@ -238,42 +227,45 @@ def build_folder(path, hub_id: str, folder: Path, num_samples: int = CARD_SAMPLE
     with samples drawn from that folder."""
     ckpt = resolve_checkpoint(path)
     files = model_folder_files(ckpt)
-    for name in local_encoders(files["space.json"]["space"]):
+    config = files["config.json"]
+    for name in local_encoders(config["record"]["space"]):
         print(f"warning: the model's embedding space reads the local encoder folder {name}, which is not uploaded; "
               "whoever loads the model needs that folder at the same path",
               file=sys.stderr)
     write_model_folder(files, folder)
     samples, shown = [], {}
+    net, space = load_for_sampling(folder, device=device)
+    record = net.record
     if num_samples > 0:
-        loaded, space = load_for_sampling(folder, device=device)
-        method = get_method(loaded.method)
-        settings = method.settings(loaded, seed=0)
+        method = get_method(record.method)
+        settings = record.sampling_settings(seed=0)
         known = {}
-        if loaded.conditional:  # a conditional model needs sources: its data file's, if it can be read
-            known = _data_sources(ckpt, num_samples)
+        if record.conditional:  # a conditional model needs sources: its data file's, if it can be read
+            known = _data_sources(record, num_samples)
             if not known:
                 num_samples = 0
         if num_samples:
-            samples = method.sample(loaded.net, space, num_samples, settings, progress=progress, **known)
-        shown = {k: v for k, v in settings.to_dict().items() if k not in ("batch_size", "method", "dtype",
-                                                                           "noise_scale", "t_eps")}
-    state = json.loads((ckpt / "state.json").read_text())
-    card = model_card(hub_id, files, run_metrics(_run_folder(ckpt), state.get("step")), samples, shown)
+            samples = method.generate(net, space, num_samples, settings, progress=progress, **known)
+            if all(not r["text"].strip() for r in samples):
+                raise ELFError(f"{path}: the model gives only empty texts ({num_samples} of {num_samples} samples); "
+                               "nothing is published")
+        shown = {k: v for k, v in settings.to_dict().items() if k not in ("batch_size", "method", "dtype")}
+    card = model_card(hub_id, record, config.get("step"), run_metrics(_run_folder(ckpt), config.get("step")),
+                      samples, shown)
     atomic_write_text(folder / "README.md", card)
     return folder
 
 
-def _data_sources(ckpt: Path, num: int) -> dict:
+def _data_sources(record: RunRecord, num: int) -> dict:
     """{"sources", "source_length", "source_slot"} for the card's samples of a conditional model: the first
     `num` sources of the pairs .jsonl it was trained on ({} when its data is no such file)."""
-    stored = stored_training(ckpt) or {}
-    train = stored.get("train", {})
-    data = Path(str(train.get("data", ""))).expanduser()
+    train = record.train
+    data = Path(str(train.data if train else "")).expanduser()
     if data.suffix != ".jsonl" or not data.is_file():
         return {}
-    sources, _ = read_sources(str(data), train.get("source_field", "input"), train.get("target_field", "output"))
-    return {"sources": sources[:num], "source_length": train.get("source_length"),
-            "source_slot": train.get("source_slot", "packed")}
+    sources, _ = read_sources(str(data), record.task.source_field, record.task.target_field)
+    return {"sources": sources[:num], "source_length": record.task.source_length,
+            "source_slot": record.task.source_slot}
 
 
 def upload_problem() -> str | None:

@@ -22,8 +22,8 @@ def attach_decoder(net, path, space) -> None:
     """A separate decoder's weights into `net` (a SeparateDecoderELF): the EMA weights of the decode-only run
     `path`, which must hold a network of the decoder's shape and options in the same space."""
 
-    init_cfg, sd, info = load_init_weights(path)
-    check_init_compatible(path, init_cfg, info, net.decoder, space)
+    record, sd, _ = load_init_weights(path)
+    check_init_compatible(path, record, net.decoder, space)
     net.load_decoder(sd)
 
 

@@ -137,9 +137,10 @@ def read_limited(path: str | os.PathLike, max_bytes: int, what: str = "", own: b
     except OSError as e:
         raise ELFError(f"{name}: cannot be read ({e.strerror or e})") from None
     with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):  # swapped after the check
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):  # swapped after the check
             raise ELFError(f"{name}: not a regular file; refused")
-        data = f.read(max_bytes + 1)
+        data = f.read(min(max_bytes, st.st_size) + 1)  # one byte more than it holds: a file that grew shows
     if len(data) > max_bytes:
         raise ELFError(f"{name}: more than the {max_bytes:,} bytes elflow reads from such a file")
     return data

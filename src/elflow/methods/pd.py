@@ -1,5 +1,6 @@
-"""Progressive distillation's objective: a student that takes one step of size s where its frozen teacher takes
-K sub-steps, regressed on the x whose single Euler step lands where the teacher's K steps land."""
+"""Progressive distillation: a student that takes one step of size s where its frozen teacher takes K
+sub-steps, regressed on the x whose single Euler step lands where the teacher's K steps land (`PDMethod`, ELF
+trained with this objective; elflow.distill runs its rounds)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from elflow.flow import (
     to_device,
     token_mean_loss,
 )
+from elflow.methods.elf import ELFMethod, step_sums
 from elflow.util.errors import ELFError
 
 SUB_STEP_MIN_SPAN = 1e-3  # below this interval the extrapolation to t = 1 is ill-conditioned: use the guess
@@ -78,11 +80,12 @@ def pd_target(teacher, z_t_s, t_s, t_t, omega, sc_half, x0, known_mask, steps: i
     return torch.where(span < SUB_STEP_MIN_SPAN, guess, z_t_s + scale * (z - z_t_s))
 
 
-def sample_sub_step_times(t_s, t_t, steps: int, generator: torch.Generator | None = None) -> torch.Tensor:
+def sample_sub_step_times(t_s, t_t, steps: int, generator: torch.Generator | None = None, mean: float = T_MEAN,
+                          std: float = T_STD) -> torch.Tensor:
     """(B, steps + 1) times t_s = tau_0 < ... < tau_steps = t_t: the interior ones are sorted logit-normal
-    (-1.5, 0.8) draws u mapped to tau = t_s + (t_t - t_s) u."""
+    (mean, std; the teacher's training times, -1.5, 0.8 as released) draws u mapped to tau = t_s + (t_t - t_s) u."""
     B = t_s.shape[0]
-    u = sample_time(B * (steps - 1), generator, T_MEAN, T_STD).reshape(B, steps - 1).to(t_s.device)
+    u = sample_time(B * (steps - 1), generator, mean, std).reshape(B, steps - 1).to(t_s.device)
     u = u.sort(dim=1).values
     zero, one = torch.zeros(B, 1, device=t_s.device), torch.ones(B, 1, device=t_s.device)
     frac = torch.cat([zero, u, one], dim=1)
@@ -120,13 +123,13 @@ def draw_distill_noise(shape, recipe: Recipe, step_size: float, teacher_steps: i
     r = torch.rand(2, B, generator=cpu_generator)
     decode = r[0] < recipe.decode_prob
     self_cond = (r[1] < recipe.self_cond_prob) & ~decode
-    u = sample_time(B, generator).to(device)
+    u = sample_time(B, generator, recipe.t_mean, recipe.t_std).to(device)
     omega = sample_guidance(B, generator, recipe.omega_low, recipe.omega_high).to(device)
     eps = torch.randn(B, L, C, generator=generator, device=device)
     p = decode_levels((B, L, 1), recipe, generator, device)
     t_s = u * max(1.0 - step_size, STEP_SIZE_FLOOR)
     t_t = t_s + step_size
-    sub = sample_sub_step_times(t_s, t_t, teacher_steps, generator)
+    sub = sample_sub_step_times(t_s, t_t, teacher_steps, generator, recipe.t_mean, recipe.t_std)
     rows = {"decode_rows": row_index(decode, device), "self_cond_rows": row_index(self_cond, device),
             "distill_rows": row_index(~decode, device)}
     decode, self_cond = to_device(decode, device), to_device(self_cond, device)
@@ -175,20 +178,27 @@ def distill_loss(student, teacher, x, tokens, draw: DistillDraw, recipe: Recipe 
     return token_mean_loss(err, logits, tokens, is_dec, dec, scored_positions(known, valid))
 
 
-class DistillObjective:
-    """The distillation objective as an elflow.methods.elf.Objective: draw(...) and loss(...), for
-    `elflow.train.train(..., objective=...)`."""
+class PDMethod(ELFMethod):
+    """ELF trained as a progressive-distillation student of a frozen `teacher`: each row a decode row (the
+    ordinary decode cross-entropy) or a distillation row whose target is the teacher's `teacher_steps //
+    student_steps` sub-steps over one student step (`distill_loss`). The student is an ELF network: its runs
+    are ELF runs whose record says how it was distilled."""
 
     def __init__(self, teacher, student_steps: int, teacher_steps: int):
         self.teacher = teacher
         self.step_size = 1.0 / student_steps
         self.sub_steps = teacher_steps // student_steps
 
-    def draw(self, shape, recipe, generator=None, cpu_generator=None, device=None, conditional=False):
-        return draw_distill_noise(shape, recipe, self.step_size, self.sub_steps, generator, cpu_generator, device)
+    def draw(self, batch, space, recipe, generator, cpu_generator):
+        B, L = batch["tokens"].shape
+        return draw_distill_noise((B, L, space.dim), recipe, self.step_size, self.sub_steps, generator,
+                                  cpu_generator, batch["tokens"].device)
 
-    def loss(self, net, x, tokens, draw, recipe, valid=None, known=None, trained=None):
-        return distill_loss(net, self.teacher, x, tokens, draw, recipe, valid, known, trained, self.sub_steps)
+    def loss(self, net, space, batch, draw, recipe):
+        x = self.encode(space, batch, draw)
+        loss, rows = distill_loss(net, self.teacher, x, batch["tokens"], draw, recipe, valid=batch.get("mask"),
+                                  known=batch.get("known"), teacher_steps=self.sub_steps)
+        return loss, step_sums(loss, rows, draw)
 
 
 # ----------------------------------------------------------------------------------------------------------

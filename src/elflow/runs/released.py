@@ -1,5 +1,5 @@
-"""The authors' released checkpoints: their file format, their parameter names, the network shape inferred
-from weights, the released models' layouts and sampling defaults, and `elflow convert`.
+"""The released checkpoints (the authors' PyTorch port): their file format, their parameter names, the network
+shape inferred from weights and the released models' layouts (elflow.runs.load.convert_released converts one).
 
 Their file is one torch.save dict ("params", "ema_params1", optimiser state, step), read with
 torch.load(weights_only=True). The only layout differences are names and the decode head, which they store
@@ -8,26 +8,23 @@ as (in, out) kernels where elflow uses nn.Linear (out, in).
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from pathlib import Path
 
 import torch
 
-from elflow.flow import recipe_for
-from elflow.generate import model_sampling
-from elflow.methods.elf import network_from_state_dict
-from elflow.model import PRESETS, ELFConfig
-from elflow.runs.checkpoint import write_checkpoint
+from elflow.model import PRESETS, ELFConfig, build_network
+from elflow.runs.checkpoint import load_weights
 from elflow.util.errors import ELFError
+from elflow.util.files import read_json
 
 
 # ----------------------------------------------------------------------------------------------------------
 # the authors' released checkpoints: one torch.save file `checkpoint_<step>` holding a dict with "params" (the
 # model state dict), "ema_params1" (the EMA weights, used for sampling), optimiser state and the step. Read
 # with torch.load(weights_only=True), which refuses anything but tensors and plain containers.
-def find_official_file(path: str | os.PathLike) -> Path:
+def find_released_file(path: str | os.PathLike) -> Path:
     """A `checkpoint_<N>` file, or the one with the largest N in a folder."""
     path = Path(path)
     if path.is_file():
@@ -35,14 +32,19 @@ def find_official_file(path: str | os.PathLike) -> Path:
     if path.is_dir():
         found = [(int(m.group(1)), p) for p in path.iterdir() if (m := re.fullmatch(r"checkpoint_(\d+)", p.name))]
         if found:
-            return max(found)[1]
-        raise ELFError(f"{path}: no checkpoint_<step> file in this folder")
+            newest = max(found)[1]
+            if not newest.is_file():
+                raise ELFError(f"{newest}: not a regular file (a fifo, a device or a folder); a released "
+                               "checkpoint is one file")
+            return newest
+        raise ELFError(f"{path}: no checkpoint_<step> file in this folder (nor an elflow run, checkpoint or model "
+                       "folder)")
     raise ELFError(f"{path}: no such file or folder")
 
 
-def read_official_checkpoint(path: str | os.PathLike, which: str = "ema_params1") -> dict[str, torch.Tensor]:
+def read_released_checkpoint(path: str | os.PathLike, which: str = "ema_params1") -> dict[str, torch.Tensor]:
     """Their checkpoint file -> elflow-named state dict of `which` ("ema_params1" or "params")."""
-    path = find_official_file(path)
+    path = find_released_file(path)
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # pickle.UnpicklingError for foreign objects, RuntimeError for truncated files
@@ -55,61 +57,47 @@ def read_official_checkpoint(path: str | os.PathLike, which: str = "ema_params1"
     sd = ckpt.get(which) or ckpt["params"]
     if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
         raise ELFError(f"{path}: '{which}' is not a dict of tensors")
-    return official_to_elflow(dict(sd))
+    return released_to_elflow(dict(sd))
 
 
 def build_from_state_dict(sd: dict[str, torch.Tensor], max_length: int = 1024, heads: int | None = None,
-                          config: ELFConfig | None = None, options=None):
-    """An ELF network holding these (elflow-named) weights, its shape inferred unless `config` is given."""
+                          config: ELFConfig | None = None, options=None, where: str = "the weights"):
+    """An ELF network holding these (elflow-named) weights, its shape inferred unless `config` is given; the
+    weights checked as every loader checks them (elflow.runs.checkpoint.load_weights)."""
     config = config or infer_config(sd, max_length=max_length, heads=heads)
-    return network_from_state_dict(sd, config, options)
+    net = build_network(config, options)
+    load_weights(net, sd, where)
+    return net
 
 
-AUTHORS_SPACE = {"kind": "t5", "name": "t5-small", "latent_std": 0.2}  # the released models' space
+RELEASED_SPACE = {"kind": "t5", "name": "t5-small", "latent_std": 0.2}  # the released models' space
 
 
-# the released conditional and distilled models: their layout and sampling defaults (known without flags)
+# the released conditional and distilled models: their layout (their sampling defaults follow from their kind)
 RELEASES = {
-    "ELF-B-de-en-torch": {"task": "wmt14-de-en", "length": 128, "source_length": 64,
-                          "sampling": model_sampling(conditional=True)},
-    "ELF-B-xsum-torch": {"task": "xsum", "length": 1088, "source_length": 1024,
-                         "sampling": model_sampling(conditional=True)},
+    "ELF-B-de-en-torch": {"task": "wmt14-de-en", "length": 128, "source_length": 64},
+    "ELF-B-xsum-torch": {"task": "xsum", "length": 1088, "source_length": 1024},
     "ELF-B-PD-owt-torch": {"distilled": True},
 }
 
 
-def authors_settings(folder: Path, name: str) -> dict:
-    """Layout and sampling defaults of an authors' checkpoint: its release's, then a config.json beside it
-    (max_length, max_input_length)."""
+def release_settings(folder: Path, name: str) -> dict:
+    """The layout of a released checkpoint: its release's, then a config.json beside it (max_length,
+    max_input_length)."""
     out = dict(next((v for k, v in RELEASES.items() if k in name), {}))
     f = folder / "config.json"
-    if f.exists():
-        try:
-            cfg = json.loads(f.read_text())
-        except (ValueError, UnicodeDecodeError):
-            cfg = {}
-        if isinstance(cfg, dict):
-            for key, ours in (("max_length", "length"), ("max_input_length", "source_length")):
-                if isinstance(cfg.get(key), int):
-                    out[ours] = cfg[key]
+    if f.is_file():
+        cfg = read_json(f, "the released model's config", own=False)
+        for key, ours in (("max_length", "length"), ("max_input_length", "source_length")):
+            v = cfg.get(key)
+            if v is not None:
+                if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_RELEASED_LENGTH:
+                    raise ELFError(f"{f}: {key} must be an integer from 1 to {MAX_RELEASED_LENGTH}, got {v!r}")
+                out[ours] = v
     return out
 
 
-def convert(src: str | os.PathLike, out: str | os.PathLike, max_length: int | None = None) -> Path:
-    """An authors' checkpoint -> an elflow checkpoint folder (safetensors + JSON) that samples, not resumes.
-    The layout and sampling defaults of a released conditional or distilled model are kept."""
-    f = find_official_file(src)
-    ema = read_official_checkpoint(f, which="ema_params1")
-    params = read_official_checkpoint(f, which="params")
-    settings = authors_settings(f.parent, str(src))
-    cfg = infer_config(ema, max_length=max_length or settings.get("length", 1024))
-    build_from_state_dict(ema, config=cfg)  # refuses weights that fit no network
-    step = int(m.group(1)) if (m := re.fullmatch(r"checkpoint_(\d+)", f.name)) else 0
-    state = {"format": "elflow-checkpoint-1", "step": step, "model": cfg.to_dict(), "space": dict(AUTHORS_SPACE),
-             "train": {"preset": preset_name(cfg), "converted_from": str(f),
-                       "recipe": recipe_for({}, True).to_dict() if settings.get("source_length") else {}},
-             "settings": settings, "data_position": None}
-    return write_checkpoint(out, params, ema, None, state)
+MAX_RELEASED_LENGTH = 1 << 16  # positions: the released models take 1,088 at most
 
 
 # their name (regex) -> ours; blocks keep their names (blocks.N.norm1, .attn.qkv, .attn.q_norm, ...)
@@ -138,7 +126,7 @@ RENAMES = [
 TRANSPOSED = {"proj_kernel": "decode_head.proj.weight", "unembed_kernel": "decode_head.unembed.weight"}
 
 
-def official_to_elflow(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def released_to_elflow(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Their state dict -> elflow's. Unknown keys raise an error naming them."""
     out, unknown = {}, []
     for key, value in sd.items():
@@ -172,18 +160,24 @@ def infer_config(sd: dict[str, torch.Tensor], max_length: int = 1024, heads: int
         dim = sd["x_head.weight"].shape[0]
         vocab = sd["decode_head.unembed.weight"].shape[0]
         head_dim = sd["blocks.0.attn.q_norm.weight"].shape[0]
-    except KeyError as e:
+    except (KeyError, IndexError) as e:
         raise ELFError(f"the weights lack {e.args[0]!r}: not an ELF network state dict") from None
+    if min(hidden, bottleneck, dim, vocab, head_dim) < 1 or hidden % head_dim:
+        raise ELFError(f"the weights' shapes fit no ELF network (hidden {hidden}, head dim {head_dim}, dim {dim}, "
+                       f"vocabulary {vocab}, bottleneck {bottleneck})")
     depth = 1 + max(int(m.group(1)) for k in sd if (m := re.match(r"blocks\.(\d+)\.", k)))
     from_heads = hidden // head_dim
     if heads is not None and heads != from_heads:
         raise ELFError(f"--heads {heads} contradicts the weights (head dim {head_dim}, so {from_heads} heads)")
     mlp_hidden = sd["blocks.0.mlp.w3.weight"].shape[1]
-    cfg = ELFConfig(
-        depth=depth, hidden=hidden, heads=from_heads, dim=dim, vocab_size=vocab, max_length=max_length,
-        bottleneck=bottleneck, time_tokens=sd["time_tokens"].shape[1], omega_tokens=sd["omega_tokens"].shape[1],
-        mode_tokens=sd["mode_tokens"].shape[1], self_cond="self_cond_proj.weight" in sd,
-    )
+    try:
+        cfg = ELFConfig(
+            depth=depth, hidden=hidden, heads=from_heads, dim=dim, vocab_size=vocab, max_length=max_length,
+            bottleneck=bottleneck, time_tokens=sd["time_tokens"].shape[1], omega_tokens=sd["omega_tokens"].shape[1],
+            mode_tokens=sd["mode_tokens"].shape[1], self_cond="self_cond_proj.weight" in sd,
+        )
+    except (KeyError, IndexError, ValueError) as e:
+        raise ELFError(f"the weights fit no ELF network ({e})") from None
     if cfg.mlp_hidden != mlp_hidden:
         ratio = mlp_hidden * 3 / 2 / hidden
         cfg = cfg.replace(mlp_ratio=ratio)

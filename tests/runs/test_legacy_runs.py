@@ -1,0 +1,160 @@
+"""Runs written by elflow before its redesign (commit 7c8d27f), read and continued by the code of today.
+
+tests/fixtures/legacy holds what the old code wrote: runs of ELF, of conditional ELF and of the AR and MDLM
+baselines, each complete and stopped half-way, a progressive distillation (complete and stopped), the folder
+`elflow push` uploads and an authors' checkpoint converted; with the texts the old code sampled from each
+(expected/, with the commands that sampled them) and make.sh, which made it all. Today's code must:
+
+- load every run, checkpoint, model folder and converted checkpoint (`elflow.load`: the stored EMA weights);
+- sample from each, with the same flags and seed, exactly the texts the old code sampled;
+- resume each stopped run to the end of its schedule and end with the complete run's last checkpoint,
+  weights, EMA and optimiser state (RNG states included) equal tensor for tensor.
+
+The runs store paths relative to the fixture's root (their space's tokenizer ./t5-tiny, their data
+corpus.txt or pairs.jsonl, a distillation's teacher elf/...), so each test works in a copy of the fixture
+and from that copy's root; the fixture itself is never written (test_the_fixture_is_unchanged checks).
+Everything runs on the CPU, where the fixture was made.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # every input is in the fixture
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+# this file is tests/<folder>/test_legacy_runs.py; the fixture is tests/fixtures/legacy
+N = 1
+FIXTURE = Path(__file__).resolve().parents[N] / "fixtures" / "legacy"
+if not (FIXTURE / "SHA256SUMS").is_file() and (Path(__file__).resolve().parent / "SHA256SUMS").is_file():
+    FIXTURE = Path(__file__).resolve().parent  # run from inside the fixture's own folder
+EXPECTED = FIXTURE / "expected"
+# {"name", "argv"}: `elflow ARGV --out expected/NAME.jsonl` made each expected file
+COMMANDS = [json.loads(line) for line in (EXPECTED / "commands.jsonl").read_text().splitlines()]
+# the flags make.sh distilled pd and pd-stopped with (a distillation's flags are given again on --resume)
+DISTILL = ["elf", "--student-steps", "2,1", "--teacher-steps", "4", "--steps-per-round", "2", "--lr", "3e-3",
+           "--ema-decay", "0.5", "--log-every", "1", "--ckpt-every", "2"]
+NOT_FIXTURE = ("__pycache__", "test_*.py", "conftest.py")  # beside the fixture when the test is run from it
+SCRIPTS = ("SHA256SUMS", "make.sh", "make_helpers.py", "README.md")  # what made the fixture, and its list
+
+
+def copy_fixture(to: Path) -> Path:
+    shutil.copytree(FIXTURE, to, ignore=shutil.ignore_patterns(*NOT_FIXTURE))
+    return to
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def checkpoint(run: Path, step: int) -> Path:
+    """The run's checkpoint folder of `step`."""
+    folder = run / "checkpoints" / f"step_{step:07d}"
+    found = sorted(p.name for p in (run / "checkpoints").iterdir()) if (run / "checkpoints").is_dir() else []
+    assert folder.is_dir(), f"{run} has no checkpoint of step {step} (it has {found})"
+    return folder
+
+
+def weights_file(path: Path) -> Path:
+    """The EMA weights a run, checkpoint, model folder or converted checkpoint stores (what elflow.load reads)."""
+    if (path / "checkpoints").is_dir():
+        path = max((path / "checkpoints").glob("step_*"))
+    return path / "ema.safetensors" if (path / "ema.safetensors").is_file() else path / "model.safetensors"
+
+
+def assert_same(a, b, where: str) -> None:
+    """a equals b: tensors by dtype, shape and value (torch.equal), containers item by item, the rest by ==."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor), f"{where}: a tensor and a {type(b)}"
+        assert (a.dtype, a.shape) == (b.dtype, b.shape), f"{where}: {a.dtype} {a.shape} vs {b.dtype} {b.shape}"
+        assert torch.equal(a, b), f"{where}: values differ (max |a - b| {(a.double() - b.double()).abs().max()})"
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), f"{where}: keys {sorted(map(str, set(a) ^ set(b)))} differ"
+        for k in a:
+            assert_same(a[k], b[k], f"{where}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), f"{where}: lengths differ"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def assert_same_checkpoint(got: Path, want: Path) -> None:
+    for name in ("model.safetensors", "ema.safetensors"):
+        assert_same(load_file(got / name), load_file(want / name), f"{got / name}")
+    assert_same(torch.load(got / "optimizer.pt", weights_only=True),
+                torch.load(want / "optimizer.pt", weights_only=True), f"{got / 'optimizer.pt'}")
+
+
+@pytest.fixture(scope="module")
+def legacy_copy(tmp_path_factory) -> Path:
+    """One copy of the fixture for the tests that only read (loading and sampling)."""
+    return copy_fixture(tmp_path_factory.mktemp("legacy") / "legacy")
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=[c["name"] for c in COMMANDS])
+def test_loads_and_samples_the_old_texts(command, legacy_copy, tmp_path, monkeypatch):
+    import elflow
+    from elflow.cli import main
+
+    monkeypatch.chdir(legacy_copy)
+    path = command["argv"][1]  # sample PATH FLAGS...
+    net = elflow.load(path)  # the stored EMA weights, in eval mode, whatever the parameters are now called
+    assert not net.training
+    stored = sorted((tuple(t.shape), t.flatten().tolist()) for t in load_file(weights_file(Path(path))).values())
+    loaded = sorted((tuple(t.shape), t.flatten().tolist()) for t in net.state_dict().values())
+    assert loaded == stored, f"elflow.load({path!r}) holds other weights than {weights_file(Path(path))}"
+
+    out = tmp_path / "samples.jsonl"
+    assert main([*command["argv"], "--out", str(out)]) == 0
+    want = read_jsonl(EXPECTED / f"{command['name']}.jsonl")
+    got = read_jsonl(out)
+    assert [r["text"] for r in got] == [r["text"] for r in want]
+    for field in ("source", "reference"):  # a conditional model's: one output per source, in order
+        assert [r.get(field) for r in got] == [r.get(field) for r in want]
+
+
+@pytest.mark.parametrize("name", ["elf", "cond", "ar", "mdlm"])
+def test_a_stopped_run_resumes_to_the_complete_run(name, tmp_path, monkeypatch):
+    from elflow.cli import main
+
+    root = copy_fixture(tmp_path / "legacy")
+    monkeypatch.chdir(root)
+    assert main(["train", "--out", f"{name}-stopped", "--resume", "--quiet", "--device", "cpu",
+                 "--cache-dir", str(tmp_path / "cache")]) == 0
+    assert_same_checkpoint(checkpoint(root / f"{name}-stopped", 4), checkpoint(FIXTURE / name, 4))
+
+
+def test_a_stopped_distillation_resumes_to_the_complete_one(tmp_path, monkeypatch):
+    from elflow.cli import main
+
+    root = copy_fixture(tmp_path / "legacy")
+    monkeypatch.chdir(root)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # distill has no --device: the CPU's numbers
+    assert main(["distill", *DISTILL, "--out", "pd-stopped", "--resume", "--quiet",
+                 "--cache-dir", str(tmp_path / "cache")]) == 0
+    for student in ("2-step", "1-step"):
+        assert_same_checkpoint(checkpoint(root / "pd-stopped" / student, 2), checkpoint(FIXTURE / "pd" / student, 2))
+
+
+def test_the_fixture_is_unchanged():
+    """Every file of the fixture is as make.sh wrote it (SHA256SUMS), and there is no other."""
+    listed = dict(reversed(line.split(maxsplit=1)) for line in (FIXTURE / "SHA256SUMS").read_text().splitlines())
+    present = set()
+    for path in FIXTURE.rglob("*"):
+        rel = path.relative_to(FIXTURE)
+        own = len(rel.parts) == 1 and (rel.name in SCRIPTS or any(rel.match(p) for p in NOT_FIXTURE))
+        if path.is_file() and "__pycache__" not in rel.parts and not own:
+            present.add(rel.as_posix())
+    assert present == set(listed), f"added: {sorted(present - set(listed))}, missing: {sorted(set(listed) - present)}"
+    changed = [n for n, d in listed.items() if hashlib.sha256((FIXTURE / n).read_bytes()).hexdigest() != d]
+    assert not changed, f"changed: {changed}"
