@@ -411,15 +411,10 @@ def run(args) -> int:
             if args.task != "unconditional":
                 return _run_conditional_task(args, (rank, world))
             return _run_unconditional(args, (rank, world))
-    except (KeyboardInterrupt, _terminated()) as e:
-        e.outcome = "nothing of this eval was written; run it again to start afresh"
+    except BaseException as e:
+        if not isinstance(e, Exception):  # Ctrl-C or SIGTERM: what became of the output, for the closing line
+            e.outcome = "nothing of this eval was written; run it again to start afresh"
         raise
-
-
-def _terminated():
-    from elflow.cli import Terminated
-
-    return Terminated
 
 
 def _run_unconditional(args, part: tuple[int, int]) -> int:

@@ -210,7 +210,8 @@ def mauve_from_features(p_features, q_features, *, num_buckets: int | str = "aut
         score = star = 1.0
     else:
         score, star = curve_area(out.divergence_curve), curve_area(_smoothed_curve(out, len(p), len(q)))
-    return {"mauve": score, "mauve_star": star, "frontier_integral": float(out.frontier_integral), "texts": (len(p), len(q)),
+    return {"mauve": score, "mauve_star": star, "frontier_integral": float(out.frontier_integral),
+            "texts": (len(p), len(q)),
             "clusters": int(out.num_buckets), "seed": seed, "kmeans_num_redo": kmeans_num_redo,
             "kmeans_max_iter": kmeans_max_iter}
 
