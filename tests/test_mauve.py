@@ -3,15 +3,16 @@ a judge trained on the built-in corpus telling held-out text from uniform words 
 that wins on generative perplexity."""
 
 import collections
+import itertools
 import random
 import sys
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from conftest import tiny_corpus_text
 from helpers import MISSING_DATA
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from elflow.eval.mauve import MIN_TEXTS, curve_area, judge_features, mauve_from_features, mauve_score
 from elflow.util.errors import ELFError
@@ -126,7 +127,7 @@ def test_the_area_is_the_area_under_the_frontier_in_any_order_of_its_points(path
     path, which needs no sorting), at most 1."""
     import numpy as np
 
-    want = sum((x0 - x1) * (y0 + y1) / 2 for (x0, y0), (x1, y1) in zip(path, path[1:]))
+    want = sum((x0 - x1) * (y0 + y1) / 2 for (x0, y0), (x1, y1) in itertools.pairwise(path))
     points = list(path)
     rnd.shuffle(points)
     assert curve_area(np.array(points)) == pytest.approx(min(1.0, want), abs=1e-12)
