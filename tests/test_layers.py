@@ -35,7 +35,7 @@ LAYERS = [
     ["runs.stages", "runs.push"],
     ["runs.folder"],
     ["train"],
-    ["distill", "eval.gpt2_tokenizer", "eval.metrics", "eval.diagnostics", "eval.mauve"],
+    ["distill", "eval.gpt2_tokenizer", "eval.metrics", "eval.diagnostics", "eval.mauve", "eval.outputs"],
     ["eval.judge"],
     ["eval.scoring"],
     ["experiments.figures", "experiments.viewer", "experiments.schedules", "experiments.toy",

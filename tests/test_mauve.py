@@ -3,6 +3,7 @@ a judge trained on the built-in corpus telling held-out text from uniform words 
 that wins on generative perplexity."""
 
 import collections
+import itertools
 import random
 import sys
 
@@ -10,8 +11,10 @@ import pytest
 import torch
 from conftest import tiny_corpus_text
 from helpers import MISSING_DATA
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from elflow.eval.mauve import MIN_TEXTS, judge_features, mauve_from_features, mauve_score
+from elflow.eval.mauve import MIN_TEXTS, curve_area, judge_features, mauve_from_features, mauve_score
 from elflow.util.errors import ELFError
 
 
@@ -73,6 +76,61 @@ def test_identical_sets_score_one_and_the_result_is_reproducible(tiny_judge, lin
     other = mauve_score(lines[:40], lines[20:60], model, tok, seed=7, num_buckets=5, threads=1)
     again = mauve_score(lines[:40], lines[20:60], model, tok, seed=7, num_buckets=5, threads=1)
     assert other["clusters"] == 5 and other["mauve"] == again["mauve"] and 0 < other["mauve"] <= 1
+
+
+def test_identical_sets_whose_texts_all_fall_in_one_cluster_score_one(tiny_judge, lines):
+    """20 copies of one text against the same 20: every feature is the same, k-means puts all of them in one
+    cluster, the two histograms are equal and every inner point of mauve-text's divergence curve is exactly
+    (1, 1), tied with an end point. Integrated along the curve that is the whole unit square: 1 (an unstable
+    sort that takes the end point first cuts a quarter off: 0.75)."""
+    import mauve
+    import numpy as np
+
+    model, tok = tiny_judge
+    res = mauve_score([lines[0]] * 20, [lines[0]] * 20, model, tok)
+    assert res["mauve"] == 1.0 and res["mauve_star"] == 1.0 and res["clusters"] == 2
+    feats = np.repeat(np.random.RandomState(0).randn(1, 16).astype(np.float32), 20, axis=0)
+    raw = mauve.compute_mauve(p_features=feats, q_features=feats.copy(), num_buckets=2, seed=25)
+    inner = raw.divergence_curve[1:-1]
+    assert (inner == 1.0).all() and raw.divergence_curve[0].tolist() == [1.0, 0.0]  # the tie
+    assert curve_area(raw.divergence_curve) == 1.0
+    assert curve_area(raw.divergence_curve[np.random.RandomState(1).permutation(27)]) == 1.0  # in any order
+    assert mauve_from_features(feats, feats.copy())["mauve"] == 1.0
+
+
+def test_without_ties_the_score_is_mauve_texts_own(lines):
+    import mauve
+    import numpy as np
+
+    for seed in range(3):
+        p = np.random.RandomState(seed).randn(40, 16).astype(np.float32)
+        q = np.random.RandomState(seed + 10).randn(40, 16).astype(np.float32) + 0.3
+        ours = mauve_from_features(p, q, seed=seed, num_buckets=4)
+        theirs = mauve.compute_mauve(p_features=p, q_features=q, num_buckets=4, seed=seed)
+        assert ours["mauve"] == theirs.mauve and ours["mauve_star"] == theirs.mauve_star
+        assert ours["frontier_integral"] == theirs.frontier_integral
+
+
+@st.composite
+def frontiers(draw):
+    """A divergence frontier as mauve-text lays it out: from (1, 0) to (0, 1), x never rising and y never
+    falling, with points repeated (ties on either axis)."""
+    xs = sorted(draw(st.lists(st.sampled_from([0.0, 0.2, 0.5, 0.7, 1.0]), min_size=1, max_size=12)), reverse=True)
+    ys = sorted(draw(st.lists(st.sampled_from([0.0, 0.1, 0.5, 0.9, 1.0]), min_size=len(xs), max_size=len(xs))))
+    return [(1.0, 0.0), *zip(xs, ys), (0.0, 1.0)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(frontiers(), st.randoms(use_true_random=False))
+def test_the_area_is_the_area_under_the_frontier_in_any_order_of_its_points(path, rnd):
+    """curve_area of the points, shuffled, is the area under the path they trace (a trapezoid sum along the
+    path, which needs no sorting), at most 1."""
+    import numpy as np
+
+    want = sum((x0 - x1) * (y0 + y1) / 2 for (x0, y0), (x1, y1) in itertools.pairwise(path))
+    points = list(path)
+    rnd.shuffle(points)
+    assert curve_area(np.array(points)) == pytest.approx(min(1.0, want), abs=1e-12)
 
 
 def test_too_few_or_mismatched_inputs_are_refused(tiny_judge, lines):

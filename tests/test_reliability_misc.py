@@ -148,7 +148,7 @@ CASES = [
     ("view-step-without-t", "view",
      lambda t, run, e: ((t / "x.json").write_text(json.dumps({**json.loads(_traj(run).read_text()),
                                                                "steps": [{"step": 0}, {"t": 0.5}, {}]})),
-                        ["view", t / "x.json"])[-1], ["a recorded step is not"]),
+                        ["view", t / "x.json"])[-1], ["steps[0].step is 0, out of range"]),
     ("sample-html-out", "sample",
      lambda t, run, e: ["sample", run, "--html", "--num", "1", "--steps", "1", "--out", t / "s13.html"],
      ["names the samples file, which is JSONL", "OUT.trajectory.html", "--out " + "{t}/s13.jsonl",

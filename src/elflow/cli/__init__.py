@@ -11,6 +11,7 @@ import argparse
 import importlib
 import signal
 import sys
+import unicodedata
 import warnings
 
 import elflow  # the package itself, always loaded first: its version
@@ -93,34 +94,60 @@ def main(argv: list[str] | None = None) -> int:
     except Terminated as e:  # `outcome`: what the command's clean-up did with its output, where it says
         end_bars()
         outcome = getattr(e, "outcome", None) or "what it was writing was left as it was"
-        print(f"elflow {args.command}: stopped by SIGTERM ({outcome})", file=sys.stderr)
+        say(args.command, f"stopped by SIGTERM ({outcome})")
         return 128 + signal.SIGTERM
     except ELFError as e:
         end_bars()
-        print(f"elflow {args.command}: error: {e}", file=sys.stderr)
+        say(args.command, f"error: {e}")
         return 2
     except OSError as e:  # a system failure outside elflow's checks: one line, not a traceback
         end_bars()
         where = f": {e.filename}" if e.filename else ""
         if disk_full(e):
-            print(f"elflow {args.command}: error: no space left on device{where}; free some space, then run the "
-                  "command again", file=sys.stderr)
+            say(args.command, f"error: no space left on device{where}; free some space, then run the command again")
             return 2
-        print(f"elflow {args.command}: error: {e.strerror or e}{where}", file=sys.stderr)
+        say(args.command, f"error: {e.strerror or e}{where}")
         return 1
     except KeyboardInterrupt as e:
         end_bars()
         outcome = getattr(e, "outcome", None)
-        print(f"elflow {args.command}: interrupted" + (f" ({outcome})" if outcome else ""), file=sys.stderr)
+        say(args.command, "interrupted" + (f" ({outcome})" if outcome else ""))
         return 130
     except RuntimeError as e:  # a collective whose peer process died (torchrun): one line
         if not peer_lost(e):
             raise
         end_bars()
-        print(f"elflow {args.command}: error: {peer_lost(e)}", file=sys.stderr)
+        say(args.command, f"error: {peer_lost(e)}")
         return 2
     finally:
         _restore(previous)
+
+
+_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+_BIDI = {chr(c) for c in (*range(0x202A, 0x202F), *range(0x2066, 0x206A))}  # embeddings, overrides, isolates
+
+
+def one_line(text) -> str:
+    """`text` as one line that cannot move the terminal's cursor: a newline, carriage return or tab, any other
+    control character (C0, DEL, C1), a Unicode line or paragraph separator and a bidirectional override are
+    written as escapes (\\n, \\r, \\t, \\x1b, \\u2028, \\u202e). A path with such a character in its name
+    stays one line in a message."""
+    out = []
+    for ch in str(text):
+        if ch in _ESCAPES:
+            out.append(_ESCAPES[ch])
+        elif ch in _BIDI or unicodedata.category(ch) in ("Cc", "Zl", "Zp"):
+            out.append(f"\\x{ord(ch):02x}" if ord(ch) < 0x100 else f"\\u{ord(ch):04x}")
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
+def say(command: str, message: str) -> None:
+    """The command's closing line on stderr, `elflow CMD: MESSAGE`, as one line (`one_line`)."""
+    print(one_line(f"elflow {command}: {message}"), file=sys.stderr)
 
 
 def check_seeds(args) -> None:
@@ -178,10 +205,11 @@ def _one_line_warnings(message, category, filename, lineno, file=None, line=None
     if str(message) not in _shown:
         _shown.add(str(message))
         bars = _open_bars()
+        line = one_line(f"warning: {message}")
         if bars:  # above the bars, which are drawn again below it
-            bars[0].write(f"warning: {message}", file=sys.stderr)
+            bars[0].write(line, file=sys.stderr)
         else:
-            print(f"warning: {message}", file=sys.stderr)
+            print(line, file=sys.stderr)
 
 
 def _one_line_signals_and_warnings(command: str):

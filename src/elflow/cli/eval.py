@@ -14,7 +14,7 @@ from elflow.cli.common import add_sampling_arguments, check_sampling_flags
 from elflow.data.corpus import read_pairs, read_sources
 from elflow.data.tasks import PAIR_TASKS
 from elflow.eval.judge import load_judge
-from elflow.eval.mauve import mauve_against
+from elflow.eval.mauve import clusters_for, mauve_against
 from elflow.eval.metrics import (
     DTYPES,
     PROTOCOLS,
@@ -27,7 +27,9 @@ from elflow.eval.metrics import (
     rouge,
     summary_of,
 )
-from elflow.eval.scoring import heldout_texts, judged_heldout, sample_and_score
+from elflow.eval.outputs import Outputs, check_outside_runs, default_folder, own_run
+from elflow.eval.scoring import check_sampled, heldout_texts, judged_heldout, read_real_texts, sample_and_score
+from elflow.generate import write_samples
 from elflow.methods import get_method, settings_from_args
 from elflow.runs.load import load_for_sampling
 from elflow.runs.tracking import Tracker, require_wandb
@@ -35,6 +37,7 @@ from elflow.util.devices import check_device
 from elflow.util.distributed import process_group
 from elflow.util.errors import ELFError
 from elflow.util.files import FolderHold, atomic_write_json, check_output
+from elflow.util.jsonio import iter_jsonl
 
 
 def _heldout(args, checkpoint, num: int, judge, main: bool = True) -> dict | None:
@@ -115,7 +118,9 @@ def add_arguments(p) -> None:
     g.add_argument("--device", default=None, help="cuda / cpu (default: cuda when available)")
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print one JSON object instead of a summary")
-    o.add_argument("--report", default=None, help="report file (default: next to the samples, or in --out)")
+    o.add_argument("--report", default=None,
+                   help="report file (default: next to the samples, or in --out); never inside a run folder but the "
+                        "evaluated run's own eval/")
     s = p.add_argument_group("generate first (instead of SAMPLES)")
     s.add_argument("--checkpoint", default=None, help="run folder, checkpoint or hub id to sample from")
     s.add_argument("--num", "--num-samples", type=int, default=1000,
@@ -125,7 +130,9 @@ def add_arguments(p) -> None:
     add_sampling_arguments(s)
     s.add_argument("--seeds", type=int, nargs="+", default=None,
                    help="one sample set per seed; mean +- s.e. (default: --seed, else 0)")
-    s.add_argument("--out", default=None, help="folder for the samples and the report")
+    s.add_argument("--out", default=None,
+                   help="folder for the samples and the report (default: RUN/eval/SETTINGS, RUN/eval/CKPT/SETTINGS for "
+                        "a checkpoint folder CKPT of RUN); never inside a run folder but the evaluated run's own eval/")
     s.add_argument("--encoder", default=None,
                    help="T5 encoder folder or hub id for the authors' checkpoints (default t5-small)")
     o.add_argument("--overwrite", action="store_true",
@@ -158,18 +165,39 @@ def _clusters(text: str):
     return n
 
 
+def _check_flags(args) -> None:
+    """The plain ranges of eval's own flags, checked before anything is read, sampled or judged."""
+    if args.batch_size < 1:
+        raise ELFError(f"--batch-size must be an integer >= 1, got {args.batch_size}")
+    if args.max_length is not None and args.max_length < 1:
+        raise ELFError(f"--max-length must be an integer >= 1 (the judge's tokens kept per text), got "
+                       f"{args.max_length}; leave it out for the judge's context")
+    if args.checkpoint is not None and args.num < 1:
+        raise ELFError(f"--num must be an integer >= 1, got {args.num}")
+    seeds = args.seeds or []
+    twice = sorted({s for s in seeds if seeds.count(s) > 1})
+    if twice:
+        raise ELFError(f"--seeds names seed {', '.join(map(str, twice))} more than once; each seed gives one sample "
+                       "set: pass distinct seeds")
+
+
 def _mauve_references(args, checkpoint, num: int) -> tuple[list[str], str]:
-    """The real texts --mauve compares the samples with, and what they are: --references, else `num` held-out
-    rows of the data the elflow run `checkpoint` was trained on. Read before the judge is loaded."""
+    """The real texts --mauve compares the samples with (blank ones dropped), and what they are: --references,
+    else `num` held-out rows of the data the elflow run `checkpoint` was trained on. Read before the judge is
+    loaded; a set without any text is one line naming it."""
     if args.references:
-        return read_references(args.references, args.reference_field or "text"), str(args.references)
+        return read_real_texts(args.references, args.reference_field or "text"), str(args.references)
     if checkpoint is None:
         raise ELFError("--mauve compares the samples with real text: pass --references FILE (.jsonl, or one text "
                        "per line), or samples that name the elflow run they came from")
     try:
-        return heldout_texts(checkpoint, num, args.cache_dir)
+        refs, what = heldout_texts(checkpoint, num, args.cache_dir)
     except ELFError as e:
         raise ELFError(f"--mauve has no held-out text to compare with ({e}); pass --references FILE") from None
+    refs = [t for t in refs if t.strip()]
+    if not refs:
+        raise ELFError(f"--mauve has no held-out text to compare with ({what} are all empty); pass --references FILE")
+    return refs, what
 
 
 def _mauve(args, refs: list[str], judge):
@@ -186,13 +214,16 @@ def _mauve_line(res: dict, what: str) -> str:
 
 def _sampled_from(samples_path) -> str | None:
     """The model a samples file was drawn from (the "checkpoint" that `elflow sample` writes in each line)."""
+    from contextlib import closing
+
     try:
-        with open(Path(samples_path).expanduser(), encoding="utf-8") as f:
-            first = next((line for line in f if line.strip()), "")
-        value = json.loads(first).get("checkpoint") if first else None
-    except (OSError, ValueError, AttributeError):
+        with closing(iter_jsonl(Path(samples_path).expanduser())) as lines:
+            for _, value in lines:
+                found = value.get("checkpoint") if isinstance(value, dict) else None
+                return found if isinstance(found, str) else None
+    except ELFError:
         return None
-    return value if isinstance(value, str) else None
+    return None
 
 
 def _settings(args) -> dict:
@@ -200,17 +231,23 @@ def _settings(args) -> dict:
             "protocol": args.protocol}
 
 
-def _emit(report: dict, path: Path, as_json: bool, summary: str, args=None, tables: dict | None = None) -> None:
-    """Write the report, print it (as JSON, or `summary`), and with --wandb log it (`tables`: see _track)."""
+def _emit(report: dict, path: Path, args, summary: str, outputs: Outputs, writers: dict | None = None,
+          tables: dict | None = None) -> None:
+    """Write the report and the other outputs (`writers`: {path: function(path, overwrite)}) together, print the
+    report (as JSON with --json, else `summary`), and with --wandb log it (`tables`: see _track)."""
     clean = json.loads(json.dumps(report, default=str), parse_constant=lambda c: None)
-    atomic_write_json(path, clean, bool(getattr(args, "overwrite", False)))
-    if as_json:
+    outputs.write({**(writers or {}), path: lambda p, overwrite: atomic_write_json(p, clean, overwrite)})
+    if args.json:
         print(json.dumps(clean))
     else:
         print(summary)
         print(f"report: {path}")
-    if args is not None and getattr(args, "wandb", None):
+    if getattr(args, "wandb", None):
         _track(args, path.parent, clean, tables or {}, "eval")
+
+
+def _samples_writer(records: list[dict], meta: dict):
+    return lambda path, overwrite: write_samples(path, records, meta, overwrite)
 
 
 def _format(res: dict) -> str:
@@ -233,6 +270,14 @@ def _check_result(res: dict, where: str) -> None:
                        f"{res['num_tokens']} tokens counted); nothing is written")
 
 
+def _report_path(args, default: Path, allowed: Path | None, outputs: Outputs) -> Path:
+    """--report, checked as any output (not inside a run folder but under `allowed`), else `default`, a place
+    of eval's own (beside the samples it scores, or in the eval folder)."""
+    if args.report:
+        return outputs.add(args.report, "--report", allowed)
+    return outputs.add(default, "--report", inside_checked=True)
+
+
 def _run_text_task(args) -> int:
     if not args.samples:
         raise ELFError(f"--task {args.task} needs a SAMPLES.jsonl file of hypotheses")
@@ -244,6 +289,8 @@ def _run_text_task(args) -> int:
     if len(refs) != len(hyps):
         raise ELFError(f"{args.samples} has {len(hyps)} hypotheses but {args.references} has {len(refs)} "
                        "references; they must pair up line by line")
+    outputs = Outputs(args.overwrite)
+    path = _report_path(args, Path(args.samples).with_suffix(f".{args.task}.json"), None, outputs)
     if args.task == "translation":
         res = {"bleu": bleu(hyps, refs), "tokenize": "13a", "lowercase": True, "effective_order": True}
         summary = f"BLEU {res['bleu']:.2f} ({len(hyps)} pairs)"
@@ -252,9 +299,7 @@ def _run_text_task(args) -> int:
         summary = f"ROUGE-1 {res['rouge1']:.2f}  ROUGE-2 {res['rouge2']:.2f}  ROUGE-L {res['rougeL']:.2f}"
     report = {"task": args.task, **res, "num_pairs": len(hyps), "samples": str(args.samples),
               "references": str(args.references)}
-    path = Path(args.report) if args.report else Path(args.samples).with_suffix(f".{args.task}.json")
-    check_output(path, args.overwrite, "--report")
-    _emit(report, path, args.json, summary, args)
+    _emit(report, path, args, summary, outputs)
     return 0
 
 
@@ -277,6 +322,23 @@ def _validation_pairs(task: str, num: int, source_field: str, reference_field: s
     return sources[:num], refs[:num]
 
 
+def _out_folder(args, tag: str | None = None) -> tuple[Path, Path | None]:
+    """The eval folder (--out, else the model's own: RUN/eval[/CKPT][/TAG], see outputs.default_folder) and the
+    place the evaluated run's outputs may take (RUN/eval); --out is checked as a folder output: no link, no
+    device, not a file, not inside a run folder but under RUN/eval."""
+    ckpt = Path(args.checkpoint).expanduser()
+    run = own_run(ckpt)
+    allowed = run / "eval" if run is not None else None
+    if args.out:
+        out = check_output(args.out, args.overwrite, "--out", folder=True)
+        check_outside_runs(out, "--out", allowed)
+        return out, allowed
+    out = default_folder(ckpt, "eval", Path("eval-" + ckpt.name) / "eval")
+    out = out / tag if tag else out
+    check_output(out, args.overwrite, "--out", folder=True)
+    return out, allowed
+
+
 def _run_conditional_task(args, part: tuple[int, int] = (0, 1)) -> int:
     task = args.task
     if task not in PAIR_TASKS and not task.endswith(".jsonl"):
@@ -284,15 +346,12 @@ def _run_conditional_task(args, part: tuple[int, int] = (0, 1)) -> int:
                        f"{', '.join(PAIR_TASKS)} or a FILE.jsonl of pairs")
     if args.checkpoint is None:
         raise ELFError(f"--task {task} generates first: pass --checkpoint RUN (a conditional model)")
-    if args.num < 1:
-        raise ELFError(f"--num must be >= 1, got {args.num}")
     metric = args.metric or (PAIR_TASKS[task]["metric"] if task in PAIR_TASKS else "bleu")
-    ckpt = Path(args.checkpoint).expanduser()
-    out = Path(args.out) if args.out else (ckpt if ckpt.is_dir() else Path("eval-" + ckpt.name)) / "eval"
+    out, allowed = _out_folder(args)
     name = Path(task).stem if task.endswith(".jsonl") else task
-    samples_path, report_path = out / f"{name}.samples.jsonl", Path(args.report or out / f"{name}.{metric}.json")
-    for path in (samples_path, report_path):
-        check_output(path, args.overwrite)
+    outputs = Outputs(args.overwrite)
+    samples_path = outputs.add(out / f"{name}.samples.jsonl", inside_checked=True)
+    report_path = _report_path(args, out / f"{name}.{metric}.json", allowed, outputs)
     sources, refs = _validation_pairs(task, args.num, args.source_field, args.reference_field or "output")
     net, space = load_for_sampling(args.checkpoint, device=args.device, space=args.encoder)
     if not net.record.conditional:
@@ -301,7 +360,7 @@ def _run_conditional_task(args, part: tuple[int, int] = (0, 1)) -> int:
     settings = settings_from_args(net.record, args)
     with _hold(out, part):
         return _conditional_task(args, task, metric, net, space, settings, sources, refs, samples_path,
-                                 report_path, part)
+                                 report_path, outputs, part)
 
 
 def _hold(out: Path, part: tuple[int, int]):
@@ -312,18 +371,23 @@ def _hold(out: Path, part: tuple[int, int]):
 
 
 def _conditional_task(args, task, metric, net, space, settings, sources, refs, samples_path, report_path,
-                      part) -> int:
+                      outputs, part) -> int:
     t0 = time.time()
+
+    def score(texts):
+        check_sampled(texts, f"{args.checkpoint} on {task}")
+        return _score(metric, texts, refs)
+
     records, (res, summary) = sample_and_score(
-        get_method(net.record.method), net, space, len(sources), settings, lambda texts: _score(metric, texts, refs),
-        samples_path, {"checkpoint": str(args.checkpoint)}, args.length, refs, progress=not args.json,
-        overwrite=args.overwrite, part=part, sources=sources, source_length=net.record.source_length,
+        get_method(net.record.method), net, space, len(sources), settings, score, None, None, args.length, refs,
+        progress=not args.json, part=part, sources=sources, source_length=net.record.source_length,
         source_slot=net.record.source_slot)
     report = {"task": task, "metric": metric, **res, "num_examples": len(records), **settings.to_dict(),
               "checkpoint": str(args.checkpoint), "samples": str(samples_path), "seconds": time.time() - t0}
     if part[0] == 0:
-        _emit(report, report_path, args.json, f"{summary}  ({len(records)} examples, {settings.sampler}, "
-              f"{settings.steps} steps, guidance {settings.guidance:g}, omega {settings.omega:g})", args,
+        writers = {samples_path: _samples_writer(records, {**settings.to_dict(), "checkpoint": str(args.checkpoint)})}
+        _emit(report, report_path, args, f"{summary}  ({len(records)} examples, {settings.sampler}, "
+              f"{settings.steps} steps, guidance {settings.guidance:g}, omega {settings.omega:g})", outputs, writers,
               {"examples": (["source", "output", "reference"],
                             [[r.get("source"), r["text"], r.get("reference")] for r in records[:100]])})
     return 0
@@ -331,6 +395,7 @@ def _conditional_task(args, task, metric, net, space, settings, sources, refs, s
 
 def run(args) -> int:
     check_sampling_flags(args)
+    _check_flags(args)
     args.device = check_device(args.device)
     if args.wandb:
         require_wandb()
@@ -340,67 +405,87 @@ def run(args) -> int:
         return _run_text_task(args)
     if args.task == "unconditional" and (args.samples is None) == (args.checkpoint is None):
         raise ELFError("pass either SAMPLES.jsonl to judge, or --checkpoint RUN to sample first (not both)")
-    with process_group(args.device) as (rank, world, device):  # under torchrun: sampling and judging sharded
-        args.device = str(device)
-        if args.task != "unconditional":
-            return _run_conditional_task(args, (rank, world))
-        return _run_unconditional(args, (rank, world))
+    try:
+        with process_group(args.device) as (rank, world, device):  # under torchrun: sampling and judging sharded
+            args.device = str(device)
+            if args.task != "unconditional":
+                return _run_conditional_task(args, (rank, world))
+            return _run_unconditional(args, (rank, world))
+    except BaseException as e:
+        if not isinstance(e, Exception):  # Ctrl-C or SIGTERM: what became of the output, for the closing line
+            e.outcome = "nothing of this eval was written; run it again to start afresh"
+        raise
 
 
 def _run_unconditional(args, part: tuple[int, int]) -> int:
-    t0 = time.time()
-    main = part[0] == 0
     if args.samples is not None:
-        texts = read_texts(args.samples, args.field)  # before loading the judge: fail fast on bad input
-        _check_texts(texts, args.samples)
-        check_output(Path(args.report) if args.report else Path(args.samples).with_suffix(".eval.json"),
-                     args.overwrite, "--report")
-        refs, what = _mauve_references(args, _sampled_from(args.samples), len(texts)) if args.mauve else ([], "")
-        model, tok = load_judge(args.judge, args.judge_dtype, args.device)
-        mauve = _mauve(args, refs, (model, tok)) if args.mauve else None
-        res = generative_perplexity(texts, model, tok, args.batch_size, args.protocol, args.max_length,
-                                    progress=not args.json and main, part=part)
-        _check_result(res, args.samples)
-        scores = mauve(texts) if mauve else {}
-        held = _heldout(args, _sampled_from(args.samples), len(texts), (model, tok), main)
-        report = {**summary_of(res), **scores, **_settings(args), "samples": str(args.samples),
-                  "seconds": time.time() - t0, **({"heldout": held} if held else {})}
-        path = Path(args.report) if args.report else Path(args.samples).with_suffix(".eval.json")
-        if main:
-            lines = [f"samples: {_format(res)}", _mauve_line(scores, what) if scores else None, _heldout_line(held)]
-            _emit(report, path, args.json, "\n".join(filter(None, lines)), args)
-        return 0
-
-
+        return _judge_samples_file(args, part)
+    t0 = time.time()
+    if args.out:
+        _out_folder(args)  # a refused --out is said before the model is read
     net, space = load_for_sampling(args.checkpoint, device=args.device, space=args.encoder,
                                       max_length=args.length)
     settings = settings_from_args(net.record, args)
     seeds = args.seeds or [settings.seed]
-    ckpt = Path(args.checkpoint).expanduser()
-    out = (Path(args.out) if args.out else (ckpt if ckpt.is_dir() else Path("eval-" + ckpt.name)) / "eval"
-           / settings.tag())
-    report_path = Path(args.report) if args.report else out / "report.json"
-    for path in [report_path] + [out / f"samples_seed{seed}.jsonl" for seed in seeds]:
-        check_output(path, args.overwrite)
-    with _hold(out, part):
-        return _sample_and_judge(args, net, space, settings, seeds, out, report_path, t0, part)
-
-
-def _sample_and_judge(args, net, space, settings, seeds, out, report_path, t0, part) -> int:
-    main = part[0] == 0
+    out, allowed = _out_folder(args, settings.tag())
+    outputs = Outputs(args.overwrite)
+    report_path = _report_path(args, out / "report.json", allowed, outputs)
+    seeds = {seed: outputs.add(out / f"samples_seed{seed}.jsonl", inside_checked=True) for seed in seeds}
     refs, what = _mauve_references(args, args.checkpoint, args.num) if args.mauve else ([], "")
+    if args.mauve:
+        clusters_for(args.num, len(refs), args.mauve_clusters)  # too few texts: said before any sampling
+    with _hold(out, part):
+        return _sample_and_judge(args, net, space, settings, seeds, report_path, outputs, (refs, what), t0, part)
+
+
+def _judge_samples_file(args, part: tuple[int, int]) -> int:
+    t0 = time.time()
+    main = part[0] == 0
+    texts = read_texts(args.samples, args.field)  # before loading the judge: fail fast on bad input
+    _check_texts(texts, args.samples)
+    outputs = Outputs(args.overwrite)
+    source = own_run(_sampled_from(args.samples))
+    path = _report_path(args, Path(args.samples).with_suffix(".eval.json"),
+                        source / "eval" if source is not None else None, outputs)
+    refs, what = _mauve_references(args, _sampled_from(args.samples), len(texts)) if args.mauve else ([], "")
+    if args.mauve:
+        clusters_for(sum(1 for t in texts if t.strip()), len(refs), args.mauve_clusters)
+    model, tok = load_judge(args.judge, args.judge_dtype, args.device)
+    mauve = _mauve(args, refs, (model, tok)) if args.mauve else None
+    res = generative_perplexity(texts, model, tok, args.batch_size, args.protocol, args.max_length,
+                                progress=not args.json and main, part=part)
+    _check_result(res, args.samples)
+    scores = mauve(texts) if mauve else {}
+    held = _heldout(args, _sampled_from(args.samples), len(texts), (model, tok), main)
+    report = {**summary_of(res), **scores, **_settings(args), "samples": str(args.samples),
+              "seconds": time.time() - t0, **({"heldout": held} if held else {})}
+    if main:
+        lines = [f"samples: {_format(res)}", _mauve_line(scores, what) if scores else None, _heldout_line(held)]
+        _emit(report, path, args, "\n".join(filter(None, lines)), outputs)
+    return 0
+
+
+def _sample_and_judge(args, net, space, settings, seeds, report_path, outputs, references, t0, part) -> int:
+    main = part[0] == 0
+    refs, what = references
     model, tok = load_judge(args.judge, args.judge_dtype, args.device)
     judge = judge_score(model, tok, args.batch_size, args.protocol, args.max_length, part)
     if args.mauve:
         mauve = _mauve(args, refs, (model, tok))
         judge_only = judge
         judge = lambda texts: {**judge_only(texts), **mauve(texts)}  # noqa: E731
-    per_seed = []
-    for seed in seeds:
-        _, res = sample_and_score(get_method(net.record.method), net, space, args.num, replace(settings, seed=seed),
-                                  judge, out / f"samples_seed{seed}.jsonl", {"checkpoint": str(args.checkpoint)},
-                                  args.length, progress=not args.json, overwrite=args.overwrite, part=part)
-        _check_result(res, f"seed {seed} ({out / f'samples_seed{seed}.jsonl'})")
+    per_seed, writers = [], {}
+    for seed, path in seeds.items():  # {seed: its samples file}
+
+        def score(texts, seed=seed):
+            check_sampled(texts, f"{args.checkpoint} (seed {seed})")
+            return judge(texts)
+
+        chosen = replace(settings, seed=seed)
+        records, res = sample_and_score(get_method(net.record.method), net, space, args.num, chosen, score,
+                                        None, None, args.length, progress=not args.json, part=part)
+        _check_result(res, f"seed {seed}")
+        writers[path] = _samples_writer(records, {**chosen.to_dict(), "checkpoint": str(args.checkpoint)})
         per_seed.append({"seed": seed, **res})
         if not args.json and main:
             print(f"seed {seed}: {_format(res)}" + (f"  mauve {res['mauve']:.4f}" if "mauve" in res else ""))
@@ -427,6 +512,6 @@ def _sample_and_judge(args, net, space, settings, seeds, out, report_path, t0, p
     if held:
         report["heldout"] = held
     if main:
-        _emit(report, report_path, args.json, "\n".join(filter(None, [summary, _heldout_line(held)])), args,
+        _emit(report, report_path, args, "\n".join(filter(None, [summary, _heldout_line(held)])), outputs, writers,
               {"per_seed": (columns, [[r[c] for c in columns] for r in per_seed])})
     return 0

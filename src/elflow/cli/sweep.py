@@ -5,8 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from elflow.cli.common import add_arguments as add_tracking
-from elflow.eval.metrics import read_references
-from elflow.eval.scoring import heldout_texts
+from elflow.eval.mauve import clusters_for
+from elflow.eval.outputs import check_outside_runs, default_folder, own_run
+from elflow.eval.scoring import heldout_texts, read_real_texts
 from elflow.experiments.sweep import _FLOAT, COLUMNS, plot_sweep, read_csv, run_sweep
 from elflow.flow import SAMPLERS
 from elflow.methods import get_method
@@ -44,7 +45,9 @@ def add_arguments(p) -> None:
     p.add_argument("--references", default=None,
                    help="--mauve's real texts: a .jsonl file (its `text` field) or one text per line")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--out", default=None, help="output folder (default: RUN/sweep, or ./sweep)")
+    p.add_argument("--out", default=None,
+                   help="output folder (default: RUN/sweep, RUN/sweep/CKPT for a checkpoint folder CKPT of RUN, or "
+                        "./sweep); never inside a run folder but the swept run's own sweep/")
     p.add_argument("--plot-only", action="store_true", help="redraw the plot from OUT/sweep.csv")
     p.add_argument("--overwrite", action="store_true",
                    help="start a new sweep in an OUT that holds one of another checkpoint, judge or protocol")
@@ -63,11 +66,14 @@ SWEEP_FLAGS = ("omega", "steps", "sampler", "temperature", "top_p")  # the knob 
 def _references(args) -> list[str]:
     """--mauve's real texts: --references, else --num held-out rows of the run's training data."""
     if args.references:
-        return read_references(args.references, "text")
+        return read_real_texts(args.references, "text")
     try:
-        return heldout_texts(args.checkpoint, args.num)[0]
+        refs = [t for t in heldout_texts(args.checkpoint, args.num)[0] if t.strip()]
     except ELFError as e:
         raise ELFError(f"--mauve has no held-out text to compare with ({e}); pass --references FILE") from None
+    if not refs:
+        raise ELFError("--mauve has no held-out text to compare with (the rows are all empty); pass --references FILE")
+    return refs
 
 
 def _method_grid(args, method) -> tuple[dict, dict]:
@@ -98,8 +104,6 @@ def _check_continuation(out: Path, args) -> dict:
     if diff and not args.overwrite:
         raise ELFError(f"{out} holds a sweep of another {', '.join(diff)}; choose another --out, or pass "
                        "--overwrite to replace it")
-
-    check_output(out, folder=True)
     return wanted
 
 
@@ -120,15 +124,22 @@ def _track(args, out: Path, rows: list[dict], png: Path) -> None:
         tracker.finish()
 
 
+def _out_folder(args) -> Path:
+    """--out, else the model's own sweep folder (outputs.default_folder), checked as a folder output: no link,
+    device or file, and not inside a run folder but under the swept run's own RUN/sweep."""
+    run = own_run(args.checkpoint) if args.checkpoint else None
+    if args.out:
+        out = check_output(args.out, flag="--out", folder=True)
+        check_outside_runs(out, "--out", run / "sweep" if run is not None else None)
+        return out
+    out = default_folder(args.checkpoint, "sweep", Path("sweep")) if args.checkpoint else Path("sweep")
+    return check_output(out, flag="--out", folder=True)
+
+
 def run(args) -> int:
     if args.wandb:
         require_wandb()
-    if args.out:
-        out = Path(args.out)
-    elif args.checkpoint and Path(args.checkpoint).expanduser().is_dir():
-        out = Path(args.checkpoint).expanduser() / "sweep"
-    else:
-        out = Path("sweep")
+    out = _out_folder(args)
     if args.plot_only:
         if not (out / "sweep.csv").exists():
             raise ELFError(f"{out / 'sweep.csv'} does not exist; run the sweep first or pass --out")
@@ -142,9 +153,14 @@ def run(args) -> int:
         grid, fixed = _method_grid(args, get_method(method))
         if args.num < 1 or min(grid.get("steps", [1])) < 1:
             raise ELFError("--num and every --steps value must be at least 1")
+        for flag, value in (("--batch-size", args.batch_size), ("--gen-batch-size", args.gen_batch_size)):
+            if value < 1:
+                raise ELFError(f"{flag} must be an integer >= 1, got {value}")
 
         args.device = check_device(args.device)
         references = _references(args) if args.mauve else None
+        if references is not None:
+            clusters_for(args.num, len(references), "auto")  # too few texts: said before any cell is sampled
         fresh = args.overwrite and (out / "sweep.csv").exists()
         wanted = _check_continuation(out, args)
         with FolderHold(out, "elflow sweep"):

@@ -23,7 +23,7 @@ import torch
 
 from elflow.util.errors import ELFError, first_line
 
-__all__ = ["MIN_TEXTS", "judge_features", "mauve_from_features", "mauve_score", "mauve_against"]
+__all__ = ["MIN_TEXTS", "clusters_for", "judge_features", "mauve_from_features", "mauve_score", "mauve_against"]
 
 MIN_TEXTS = 10  # per side; also at least 2 texts per cluster on average, or the histograms are mostly empty
 
@@ -36,6 +36,15 @@ def _context(model, tokenizer) -> int:
             return v
     m = getattr(tokenizer, "model_max_length", None)
     return int(m) if isinstance(m, int) and 0 < m < 1_000_000 else 1024
+
+
+def _max_length(max_length, model, tokenizer) -> int:
+    """The judge tokens kept per text: `max_length` (at least 1), else the judge's context."""
+    if max_length is None:
+        return _context(model, tokenizer)
+    if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
+        raise ELFError(f"max_length must be an integer >= 1 (judge tokens kept per text), got {max_length!r}")
+    return max_length
 
 
 def _texts(texts, name: str) -> list[str]:
@@ -61,7 +70,7 @@ def judge_features(texts, model, tokenizer, batch_size: int = 8, max_length: int
         raise ELFError("no texts to featurise")
     if batch_size < 1:
         raise ELFError(f"batch size must be at least 1, got {batch_size}")
-    max_length = int(max_length or _context(model, tokenizer))
+    max_length = _max_length(max_length, model, tokenizer)
     encoded = tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
     for i, (text, ids) in enumerate(zip(texts, encoded)):
         if not ids:
@@ -115,7 +124,7 @@ def _mauve_package():
     return mauve
 
 
-def _clusters(n_p: int, n_q: int, num_buckets) -> int:
+def clusters_for(n_p: int, n_q: int, num_buckets) -> int:
     """The k-means clusters for n_p and n_q texts; ELFError when there are too few texts for them."""
     if num_buckets == "auto":
         clusters = max(2, round(min(n_p, n_q) / 10))
@@ -126,15 +135,53 @@ def _clusters(n_p: int, n_q: int, num_buckets) -> int:
     need = max(MIN_TEXTS, 2 * clusters)
     if min(n_p, n_q) < need:
         raise ELFError(f"MAUVE with {clusters} clusters needs at least {need} texts a side, got {n_p} and {n_q}: "
-                       "pass more texts (a few hundred a side is usual) or fewer num_buckets")
+                       "pass more texts (a few hundred a side is usual) or fewer clusters (--mauve-clusters)")
     return clusters
+
+
+CURVE_POINTS = 25  # mixture weights on the divergence curve (mauve-text's default)
+SCALING = 5  # the constant c of exp(-c KL) (mauve-text's default)
+
+
+def curve_area(curve) -> float:
+    """MAUVE from a divergence curve ((m, 2) points exp(-c KL(Q|R)), exp(-c KL(P|R)) with R running from Q to P):
+    mauve-text's formula, the mean of the area under the curve integrated along x and along y after sorting
+    the points by that axis, with points that tie on the axis taken in their order along the curve (the other
+    coordinate descending), and at most 1.
+
+    mauve-text sorts by one axis with an unstable sort. Where the two histograms are equal, every point between
+    the two end points is exactly (1, 1), they tie with the end point (1, 0) on x (and (0, 1) on y), and the
+    sort may put the end point first: 20 copies of one text against themselves then score 0.75 (a quarter of the
+    square cut off), on features where every text falls in one cluster. Ordered along the curve the same points
+    enclose the whole square: 1. Without ties the order, and so the score, is mauve-text's own; the bound at 1
+    removes a float rounding above it (1.0000000000000002)."""
+    from sklearn.metrics import auc
+
+    points = np.asarray(curve, dtype=np.float64)
+    x, y = points[:, 0], points[:, 1]
+    along_x = np.lexsort((-y, x))  # x ascending; a tie: the higher y first, as the curve runs
+    along_y = np.lexsort((-x, y))
+    return float(min(1.0, 0.5 * (auc(x[along_x], y[along_x]) + auc(y[along_y], x[along_y]))))
+
+
+def _smoothed_curve(out, n_p: int, n_q: int):
+    """The divergence curve of the Krichevsky-Trofimov-smoothed histograms (MAUVE*), as mauve-text builds it:
+    the cluster counts (recovered from its histograms) plus 0.5, normalised."""
+    from mauve.compute_mauve import get_divergence_curve_for_multinomials
+
+    p_counts, q_counts = np.rint(out.p_hist * n_p), np.rint(out.q_hist * n_q)
+    p_s, q_s = (p_counts + 0.5) / (p_counts + 0.5).sum(), (q_counts + 0.5) / (q_counts + 0.5).sum()
+    weights = np.linspace(1e-6, 1 - 1e-6, CURVE_POINTS)
+    return get_divergence_curve_for_multinomials(p_s, q_s, weights, SCALING)
 
 
 def mauve_from_features(p_features, q_features, *, num_buckets: int | str = "auto", seed: int = 25,
                         kmeans_num_redo: int = 5, kmeans_max_iter: int = 500, threads: int | None = None) -> dict:
-    """MAUVE of two (n, H) feature sets with mauve-text. num_buckets: k-means clusters, "auto" = max(2,
-    round(min(n_p, n_q) / 10)) as mauve-text's rule; seed fixes PCA and k-means (the same features and seed
-    give the same score); threads: faiss's OpenMP threads for k-means (None: faiss's default, every core)."""
+    """MAUVE of two (n, H) feature sets with mauve-text: its quantisation and divergence curve, integrated by
+    `curve_area` (mauve-text's number wherever no points tie; two equal histograms score exactly 1).
+    num_buckets: k-means clusters, "auto" = max(2, round(min(n_p, n_q) / 10)) as mauve-text's rule; seed fixes
+    PCA and k-means (the same features and seed give the same score); threads: faiss's OpenMP threads for
+    k-means (None: faiss's default, every core)."""
     p = np.asarray(torch.as_tensor(p_features).detach().float().cpu())
     q = np.asarray(torch.as_tensor(q_features).detach().float().cpu())
     if p.ndim != 2 or q.ndim != 2 or p.shape[1] != q.shape[1]:
@@ -142,7 +189,7 @@ def mauve_from_features(p_features, q_features, *, num_buckets: int | str = "aut
                        f"{q.shape}; featurise both sets with the same judge")
     if not (np.isfinite(p).all() and np.isfinite(q).all()):
         raise ELFError("the features hold inf or nan; featurise the texts with a judge in fp32")
-    clusters = _clusters(len(p), len(q), num_buckets)
+    clusters = clusters_for(len(p), len(q), num_buckets)
     if kmeans_num_redo < 1 or kmeans_max_iter < 1 or (threads is not None and threads < 1):
         raise ELFError("kmeans_num_redo, kmeans_max_iter and threads must be at least 1")
     mauve = _mauve_package()
@@ -154,11 +201,17 @@ def mauve_from_features(p_features, q_features, *, num_buckets: int | str = "aut
     try:
         with _quiet_native_stderr():  # faiss warns from C++ on every call that n / 10 clusters is few points
             out = mauve.compute_mauve(p_features=p, q_features=q, num_buckets=clusters, seed=seed,
-                                      kmeans_num_redo=kmeans_num_redo, kmeans_max_iter=kmeans_max_iter, verbose=False)
+                                      kmeans_num_redo=kmeans_num_redo, kmeans_max_iter=kmeans_max_iter, verbose=False,
+                                      divergence_curve_discretization_size=CURVE_POINTS,
+                                      mauve_scaling_factor=SCALING)
     finally:
         faiss.omp_set_num_threads(before)
-    return {"mauve": float(out.mauve), "mauve_star": float(out.mauve_star),
-            "frontier_integral": float(out.frontier_integral), "texts": (len(p), len(q)),
+    if np.array_equal(out.p_hist, out.q_hist):  # equal histograms: the curve is the corner (1, 1), the area 1
+        score = star = 1.0
+    else:
+        score, star = curve_area(out.divergence_curve), curve_area(_smoothed_curve(out, len(p), len(q)))
+    return {"mauve": score, "mauve_star": star, "frontier_integral": float(out.frontier_integral),
+            "texts": (len(p), len(q)),
             "clusters": int(out.num_buckets), "seed": seed, "kmeans_num_redo": kmeans_num_redo,
             "kmeans_max_iter": kmeans_max_iter}
 
@@ -172,9 +225,9 @@ def mauve_score(p_texts, q_texts, model, tokenizer, *, num_buckets: int | str = 
     (n_p, n_q), clusters, seed, the k-means settings, featurizer (what the features are) and max_length."""
     p_texts, q_texts = _texts(p_texts, "p_texts"), _texts(q_texts, "q_texts")
     # too few texts and a missing package are reported before any text is featurised
-    _clusters(len(p_texts), len(q_texts), num_buckets)
+    clusters_for(len(p_texts), len(q_texts), num_buckets)
     _mauve_package()
-    max_length = int(max_length or _context(model, tokenizer))
+    max_length = _max_length(max_length, model, tokenizer)
     p = judge_features(p_texts, model, tokenizer, batch_size, max_length)
     q = judge_features(q_texts, model, tokenizer, batch_size, max_length)
     res = mauve_from_features(p, q, num_buckets=num_buckets, seed=seed, kmeans_num_redo=kmeans_num_redo,
@@ -192,14 +245,18 @@ def mauve_against(references, model, tokenizer, *, num_buckets: int | str = "aut
     """A score for sample sets (elflow.eval.scoring.sample_and_score's `score`): texts -> {"mauve", and
     "mauve_settings": featurizer, texts (n samples, n references), clusters, seed, empty (samples skipped)}.
     The references are featurised once; empty texts (samples cut at a first EOS) are skipped on both sides."""
-    refs = [t for t in _texts(references, "references") if t.strip()]
-    max_length = int(max_length or _context(model, tokenizer))
+    given = _texts(references, "references")
+    refs = [t for t in given if t.strip()]
+    if not refs:
+        raise ELFError(f"the references hold no text ({len(given)} given, every one empty); MAUVE compares the "
+                       "samples with real texts")
+    max_length = _max_length(max_length, model, tokenizer)
     q = judge_features(refs, model, tokenizer, batch_size, max_length)
 
     def score(texts) -> dict:
         texts = _texts(texts, "texts")
         kept = [t for t in texts if t.strip()]
-        _clusters(len(kept), len(refs), num_buckets)
+        clusters_for(len(kept), len(refs), num_buckets)
         p = judge_features(kept, model, tokenizer, batch_size, max_length)
         res = mauve_from_features(p, q, num_buckets=num_buckets, seed=seed, threads=threads)
         return {"mauve": res["mauve"], "mauve_settings": {

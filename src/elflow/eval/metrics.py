@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -23,11 +24,30 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 # ----------------------------------------------------------------------------------------------------------
 # inputs
+_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+          (stat.S_ISFIFO, "a fifo"), (stat.S_ISSOCK, "a socket"))
+
+
+def check_input_file(path: Path, what: str, hint: str) -> Path:
+    """`path` as an input file that can be read: one line naming `what` and the path for one that does not
+    exist, cannot be examined, or is a folder, a device, a fifo or a socket (never opened: reading one would
+    block or never end), then `hint` (what to pass instead)."""
+    try:
+        mode = os.stat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        raise ELFError(f"{what} {str(path)!r} does not exist; {hint}") from None
+    except OSError as e:
+        raise ELFError(f"{what} {str(path)!r} cannot be read ({e.strerror or e}); {hint}") from None
+    for test, kind in _KINDS:
+        if test(mode):
+            raise ELFError(f"{what} {str(path)!r} is {kind}, not a regular file; {hint}")
+    return path
+
+
 def read_texts(jsonl_path: str | os.PathLike, field: str = "text") -> list[str]:
     """The `field` of every line of a JSONL file (as `elflow sample` writes them); blank lines are skipped."""
-    path = Path(jsonl_path).expanduser()
-    if not path.is_file():
-        raise ELFError(f"samples file {str(path)!r} does not exist; pass a .jsonl file written by `elflow sample`")
+    path = check_input_file(Path(jsonl_path).expanduser(), "samples file",
+                            "pass a .jsonl file written by `elflow sample`")
     texts = []
     for lineno, line in enumerate(utf8_lines(path), 1):
         if not line.strip():
@@ -47,11 +67,10 @@ def read_texts(jsonl_path: str | os.PathLike, field: str = "text") -> list[str]:
 
 def read_references(path: str | os.PathLike, field: str) -> list[str]:
     """References: a .jsonl file (read from `field`) or a text file with one reference per line."""
-    path = Path(path).expanduser()
+    path = check_input_file(Path(path).expanduser(), "references file",
+                            "pass a .jsonl file or a text file with one reference per line")
     if path.suffix in (".jsonl", ".json"):
         return read_texts(path, field)
-    if not path.is_file():
-        raise ELFError(f"references file {str(path)!r} does not exist")
     lines = utf8_lines(path)
     return [line.rstrip("\r") for line in lines]
 
@@ -167,6 +186,8 @@ def generative_perplexity(texts: Iterable[str], model, tokenizer, batch_size: in
     eos = tokenizer.eos_token_id
     if eos is None:
         raise ELFError("the judge tokenizer has no EOS token; the protocol pads with EOS")
+    if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1):
+        raise ELFError(f"max_length must be an integer >= 1 (judge tokens kept per text), got {max_length!r}")
     max_length = int(max_length or judge_context(model, tokenizer))
     kept = [t for t in texts if t]
     encoded = tokenizer(kept, add_special_tokens=False, verbose=False)["input_ids"] if kept else []

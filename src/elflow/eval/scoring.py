@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from elflow.data.datasets import run_data
-from elflow.eval.metrics import generative_perplexity, summary_of
+from elflow.eval.metrics import generative_perplexity, read_references, summary_of
 from elflow.generate import gather_records, write_samples
 from elflow.runs.record import RunRecord
 from elflow.space import build_space, tokenizer_spec
@@ -87,3 +87,23 @@ def judged_heldout(texts: list[str], judge_name: str, judge, settings: dict, cac
                                         settings["max_length"], progress=progress))
     atomic_write_json(path, res)
     return {**res, "cached": False}
+
+
+def check_sampled(texts: list[str], model: str, outcome: str = "nothing is written") -> None:
+    """A sample set in which every text is empty gives no score (no Gen-PPL, no MAUVE, a BLEU of nothing): one
+    line saying that `model` gave only empty texts, and `outcome` (what became of the output)."""
+    if not any(t.strip() for t in texts):
+        raise ELFError(f"{model} gives only empty texts (all {len(texts)} samples are empty: a model that ends "
+                       f"every sample at once, or weights that are not finite); there is nothing to score: {outcome}")
+
+
+def read_real_texts(path, field: str = "text", flag: str = "--references") -> list[str]:
+    """The real texts MAUVE compares samples with: the non-blank texts of `path` (a .jsonl file's `field`, or one
+    text per line); a file without any is one line naming it (before any judging)."""
+    texts = read_references(path, field)
+    kept = [t for t in texts if t.strip()]
+    if not kept:
+        held = f"only {len(texts)} empty texts" if texts else "nothing: it is empty"
+        raise ELFError(f"{flag} {path} holds no text ({held}); MAUVE compares the samples with real texts: pass a "
+                       "file of them")
+    return kept

@@ -13,7 +13,7 @@ from pathlib import Path
 from elflow.eval.judge import load_judge
 from elflow.eval.mauve import mauve_against
 from elflow.eval.metrics import judge_score
-from elflow.eval.scoring import sample_and_score
+from elflow.eval.scoring import check_sampled, sample_and_score
 from elflow.experiments.figures import plot_tradeoff
 from elflow.methods import get_method
 from elflow.runs.load import load_for_sampling
@@ -113,6 +113,9 @@ def run_sweep(checkpoint: str, grid: dict, fixed: dict, out: str | Path, num: in
     `references` (real texts) each row also holds MAUVE against them (`mauve`: mauve_against's settings)."""
     chosen = get_method(method)
     out = Path(out)
+    for name, value in (("num", num), ("batch_size", batch_size), ("gen_batch_size", gen_batch_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ELFError(f"{name} must be an integer >= 1, got {value!r}")
     csv_path = out / "sweep.csv"
     rows = read_csv(csv_path) if csv_path.exists() and not fresh else []
     done = {_key(r) for r in rows}
@@ -138,7 +141,13 @@ def run_sweep(checkpoint: str, grid: dict, fixed: dict, out: str | Path, num: in
         knobs = {n: v for n, v in cell.items() if n in chosen.knobs}
         settings = chosen.sampling_settings(net.record, seed=seed, batch_size=gen_batch_size, **knobs)
         name = f"{settings.tag()}_seed{seed}"
-        _, res = sample_and_score(chosen, net, space, num, settings, score, out / "samples" / f"{name}.jsonl",
+        cell_path = out / "samples" / f"{name}.jsonl"
+
+        def scored(texts, name=name, cell_path=cell_path):
+            check_sampled(texts, f"{checkpoint} in cell {name}", f"the samples are in {cell_path}")
+            return score(texts)
+
+        _, res = sample_and_score(chosen, net, space, num, settings, scored, cell_path,
                                   {"checkpoint": str(checkpoint)}, length, progress=progress)
         if not math.isfinite(res["gen_ppl"]):  # e.g. every sample empty: no number, and no row that holds NaN
             raise ELFError(f"cell {name}: its {num} samples give no finite perplexity ({res['num_empty']} empty); "

@@ -115,36 +115,136 @@ def read_trajectory(path) -> dict:
             raise ELFError(f"{path} is a samples file (JSONL), not a trajectory: record one with "
                            f"`elflow sample RUN --trajectory`, which writes OUT.trajectory.json") from None
         raise ELFError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    return check_trajectory(doc, path)
+
+
+def _kind(value) -> str:
+    """A JSON value's type, as the document names it."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true/false"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    return "an array" if isinstance(value, list) else "an object" if isinstance(value, dict) else type(value).__name__
+
+
+class _Doc:
+    """The checks of one document, each failure one line naming the file and the field."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def fail(self, field: str, what: str):
+        raise ELFError(f"{self.path}: not a trajectory elflow can show: {field} {what} (record one with `elflow "
+                       "sample RUN --trajectory`)")
+
+    def need(self, value, field: str, want: str, ok) -> None:
+        if not ok(value):
+            self.fail(field, f"is {_kind(value)}, not {want}")
+
+    def integer(self, value, field: str, low: int = 0, high: int | None = None, what: str = "a number") -> int:
+        """A whole number from `low` to `high` - 1 (`what`: what it counts, for the message)."""
+        if isinstance(value, float):
+            self.fail(field, f"is {value!r}, not a whole number")
+        self.need(value, field, "a whole number", lambda v: isinstance(v, int) and not isinstance(v, bool))
+        if value < low or (high is not None and value >= high):
+            if high is not None and high <= low:
+                self.fail(field, f"is {value}, but the row holds no positions")
+            span = f"from {low} to {high - 1}" if high is not None else f">= {low}"
+            self.fail(field, f"is {value}, out of range ({what} {span})")
+        return value
+
+    def array(self, value, field: str) -> list:
+        self.need(value, field, "an array", lambda v: isinstance(v, list))
+        return value
+
+    def positions(self, value, field: str, length: int) -> list:
+        for i, p in enumerate(self.array(value, field)):
+            self.integer(p, f"{field}[{i}]", 0, length, "a position of the row")
+        return value
+
+
+def check_trajectory(doc, path) -> dict:
+    """A parsed TRAJECTORY.json, checked field by field as the page reads it, as the current version (a version-1
+    file's steps, counted from 0, are counted from 1). Each wrong type or value is one ELFError naming the
+    field: the format and version; settings an object; steps [{"step": whole number, increasing, "t": number or
+    null}]; each sample an object with "index" (whole number >= 0), "text" (string), "source" / "reference"
+    (string or null, if present), "known" (positions of its row) and one step record per step, each with "ids"
+    (whole numbers >= 0, as many at every step), "text" (string) and "spans" ([[string, [positions]], ...],
+    the strings joining to "text"). Positions lie in the row (0 to len(ids) - 1)."""
+    d = _Doc(path)
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise ELFError(f"{path} is not an elflow trajectory (no \"format\": \"{FORMAT}\"): record one with "
                        "`elflow sample RUN --trajectory`")
     version = doc.get("version")
-    if not isinstance(version, int) or version < 1:
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
         raise ELFError(f"{path}: the trajectory's version is {version!r}, not a positive whole number")
     if version > VERSION:
         raise ELFError(f"{path} was written by a newer elflow (trajectory format {version}; this one reads up to "
                        f"{VERSION}): upgrade elflow")
-    for key, kind in (("settings", dict), ("steps", list), ("samples", list)):
-        if not isinstance(doc.get(key), kind):
-            raise ELFError(f"{path}: the trajectory has no {key!r} {kind.__name__}")
+    for key, kind, want in (("settings", dict, "an object"), ("steps", list, "an array"),
+                            ("samples", list, "an array")):
+        if key not in doc:
+            d.fail(f'"{key}"', "is missing")
+        d.need(doc[key], f'"{key}"', want, lambda v, kind=kind: isinstance(v, kind))
     n = len(doc["steps"])
     if n == 0 or not doc["samples"]:
         raise ELFError(f"{path}: the trajectory records no steps or no samples")
-    for s in doc["steps"]:
-        step, t = (s.get("step"), s.get("t")) if isinstance(s, dict) else (None, None)
-        if not (isinstance(step, int) and not isinstance(step, bool) and (_number(t) or t is None)):
-            raise ELFError(f"{path}: a recorded step is not {{\"step\": number, \"t\": number}}")
-    for i, s in enumerate(doc["samples"]):
-        if not isinstance(s, dict) or not isinstance(s.get("steps"), list) or len(s["steps"]) != n:
-            raise ELFError(f"{path}: sample {i} does not hold one record for each of the {n} steps")
-        for st in s["steps"]:
-            if not (isinstance(st, dict) and isinstance(st.get("ids"), list) and isinstance(st.get("text"), str)
-                    and isinstance(st.get("spans"), list)):
-                raise ELFError(f"{path}: sample {i} has a step without 'ids', 'text' and 'spans'")
+    first = 0 if version == 1 else 1
+    last = first - 1
+    for k, s in enumerate(doc["steps"]):
+        d.need(s, f"steps[{k}]", "an object", lambda v: isinstance(v, dict))
+        step = d.integer(s.get("step"), f"steps[{k}].step", first, what="a step number")
+        if step <= last:
+            d.fail(f"steps[{k}].step", f"is {step}, not after the step before it ({last})")
+        last = step
+        d.need(s.get("t"), f"steps[{k}].t", "a number or null", lambda v: v is None or _number(v))
+    for i, sample in enumerate(doc["samples"]):
+        _check_sample(d, sample, i, n)
     if version == 1:
-        doc = {**doc, "version": VERSION, "steps": [{**s, "step": s["step"] + 1} if isinstance(s, dict)
-                                                    and isinstance(s.get("step"), int) else s for s in doc["steps"]]}
+        doc = {**doc, "version": VERSION, "steps": [{**s, "step": s["step"] + 1} for s in doc["steps"]]}
     return doc
+
+
+def _check_sample(d: _Doc, sample, i: int, n: int) -> None:
+    where = f"samples[{i}]"
+    d.need(sample, where, "an object", lambda v: isinstance(v, dict))
+    d.integer(sample.get("index"), f"{where}.index", what="a sample index")
+    d.need(sample.get("text"), f"{where}.text", "a string", lambda v: isinstance(v, str))
+    for key in ("source", "reference"):
+        if key in sample:
+            d.need(sample[key], f"{where}.{key}", "a string or null", lambda v: v is None or isinstance(v, str))
+    steps = d.array(sample.get("steps"), f"{where}.steps")
+    if len(steps) != n:
+        raise ELFError(f"{d.path}: sample {i} does not hold one record for each of the {n} steps (it holds "
+                       f"{len(steps)})")
+    length = None
+    for k, rec in enumerate(steps):
+        at = f"{where}.steps[{k}]"
+        d.need(rec, at, "an object", lambda v: isinstance(v, dict))
+        ids = d.array(rec.get("ids"), f"{at}.ids")
+        for j, token in enumerate(ids):
+            d.integer(token, f"{at}.ids[{j}]", what="a token id")
+        if length is None:
+            length = len(ids)
+        elif len(ids) != length:
+            d.fail(f"{at}.ids", f"holds {len(ids)} ids where {where}.steps[0] holds {length} (one row, one length)")
+        text = rec.get("text")
+        d.need(text, f"{at}.text", "a string", lambda v: isinstance(v, str))
+        pieces = []
+        for j, span in enumerate(d.array(rec.get("spans"), f"{at}.spans")):
+            d.need(span, f"{at}.spans[{j}]", "a [piece, [positions]] pair",
+                   lambda v: isinstance(v, list) and len(v) == 2)
+            d.need(span[0], f"{at}.spans[{j}][0]", "a string (a piece of the text)", lambda v: isinstance(v, str))
+            d.positions(span[1], f"{at}.spans[{j}][1]", length)
+            pieces.append(span[0])
+        if "".join(pieces) != text:
+            d.fail(f"{at}.spans", "do not join to its text (the pieces must spell it exactly)")
+    if "known" in sample:
+        d.positions(sample["known"], f"{where}.known", length)
 
 
 # ----------------------------------------------------------------------------------------------------------
