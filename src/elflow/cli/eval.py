@@ -31,6 +31,7 @@ from elflow.eval.scoring import heldout_texts, judged_heldout, sample_and_score
 from elflow.methods import get_method, settings_from_args
 from elflow.runs.load import load_for_sampling
 from elflow.runs.tracking import Tracker, require_wandb
+from elflow.util import jsonio
 from elflow.util.devices import check_device
 from elflow.util.distributed import process_group
 from elflow.util.errors import ELFError
@@ -187,11 +188,10 @@ def _mauve_line(res: dict, what: str) -> str:
 def _sampled_from(samples_path) -> str | None:
     """The model a samples file was drawn from (the "checkpoint" that `elflow sample` writes in each line)."""
     try:
-        with open(Path(samples_path).expanduser(), encoding="utf-8") as f:
-            first = next((line for line in f if line.strip()), "")
-        value = json.loads(first).get("checkpoint") if first else None
-    except (OSError, ValueError, AttributeError):
+        _, first = next(jsonio.iter_jsonl(Path(samples_path).expanduser(), allow_nonfinite=True), (0, None))
+    except (OSError, ELFError):
         return None
+    value = first.get("checkpoint") if isinstance(first, dict) else None
     return value if isinstance(value, str) else None
 
 
@@ -202,7 +202,7 @@ def _settings(args) -> dict:
 
 def _emit(report: dict, path: Path, as_json: bool, summary: str, args=None, tables: dict | None = None) -> None:
     """Write the report, print it (as JSON, or `summary`), and with --wandb log it (`tables`: see _track)."""
-    clean = json.loads(json.dumps(report, default=str), parse_constant=lambda c: None)
+    clean = jsonio.json_safe(report)
     atomic_write_json(path, clean, bool(getattr(args, "overwrite", False)))
     if as_json:
         print(json.dumps(clean))
