@@ -90,14 +90,14 @@ def parse(text: str | bytes, where: str, *, allow_nonfinite: bool = False, max_d
     deeper than `max_depth`, with an integer of more than MAX_INT_DIGITS digits, or with NaN / Infinity
     (unless `allow_nonfinite`, which reads them as floats)."""
     if isinstance(text, (bytes, bytearray)):
-        nul = text.find(b"\x00")
-        if nul >= 0:
-            raise BadJSON(f"{where}: binary data, not UTF-8 text (a NUL byte at offset {nul})")
         try:
             text = bytes(text).decode("utf-8")
         except UnicodeDecodeError as e:
             raise BadJSON(f"{where}: not UTF-8 text (byte 0x{text[e.start]:02x} at offset {e.start}); elflow reads "
                           "UTF-8: convert the file (iconv -f latin1 -t utf-8)") from None
+    nul = text.find("\x00")
+    if nul >= 0:
+        raise BadJSON(f"{where}: not valid JSON (a NUL character at offset {nul}: binary data?)")
     hooks = {"parse_int": _check_int}
     if not allow_nonfinite:
         hooks.update(parse_constant=_refuse_constant, parse_float=_check_float_finite)
