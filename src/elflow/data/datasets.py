@@ -289,7 +289,7 @@ def check_same_store(recorded, rows, where) -> None:
     current = (store.manifest.get("source") or {}).get("fingerprint")
     change = None if source is None or current is None else source_difference(source, current)
     if change is not None:
-        name = (store.manifest.get("source") or {}).get("name") or "its source"
-        raise ELFError(f"{store.folder} was prepared again from other text than this run was trained on ({name}: "
-                       f"{change}; {where} records the text before); resume on the data the run started on, or "
-                       "start a new run with --overwrite or another --out")
+        name = (store.manifest.get("source") or {}).get("name") or "the source"
+        raise ELFError(f"{name} is not the text this run was trained on ({change}; {where} records the text as it "
+                       f"was, and {store.folder} was prepared from it as it is now); resume on the data the run "
+                       "started on, or start a new run with --overwrite or another --out")

@@ -156,7 +156,7 @@ def prepare_store(source, space, out, *, pairs: bool = False, layout: str = "pac
             swap_in(out)
     except BaseException as e:
         written = writer_tokens(writer)
-        outcome = _clean_up(out, writer, created, replacing)
+        outcome = _clean_up_surely(out, writer, created, replacing)
         if isinstance(e, (OSError, NoSpace)) and disk_full(e):
             raise ELFError(f"no space left on the device of {out} ({written}); free some space or {advice}: "
                            f"{outcome}") from None
@@ -191,6 +191,28 @@ def _clean_up(out: Path, writer, created: bool, replacing: bool) -> str:
         shutil.rmtree(out, ignore_errors=True)
         return f"nothing was kept: {out}, which this prepare had made, was removed"
     return f"nothing was kept: its partial files were removed from {out}"
+
+
+def _clean_up_surely(out: Path, writer, created: bool, replacing: bool) -> str:
+    """`_clean_up`, finished even when a signal (SIGTERM, Ctrl-C) comes while it runs: it is done again from
+    where it stands (each of its steps may be), then the signal's exception is raised, saying what became of
+    the folder. An error of the clean-up itself is raised as it is."""
+    late, outcome = None, f"its clean-up of {out} was stopped by signals again and again"
+    for _ in range(8):
+        try:
+            outcome = _clean_up(out, writer, created, replacing)
+            break
+        except Exception:
+            raise
+        except BaseException as e:  # a signal's exception: raised below, once the clean-up is done
+            late = late or e
+    if late is not None:
+        try:
+            late.outcome = outcome
+        except AttributeError:
+            pass
+        raise late
+    return outcome
 
 
 def _change(before: dict, after: dict) -> str:

@@ -104,8 +104,7 @@ def parse(text: str | bytes, where: str, *, allow_nonfinite: bool = False, max_d
     try:
         value = json.loads(text, **hooks)
     except RecursionError:
-        raise BadJSON(f"{where}: nested too deeply (deeper than {max_depth} levels); not a file elflow "
-                      "reads") from None
+        raise BadJSON(f"{where}: nested too deeply (deeper than {max_depth} levels)") from None
     except _Refused as e:
         raise BadJSON(f"{where}: {e}") from None
     except json.JSONDecodeError as e:
@@ -114,7 +113,7 @@ def parse(text: str | bytes, where: str, *, allow_nonfinite: bool = False, max_d
     except ValueError as e:  # Python's own limit on integer digits, reached before the hook in some versions
         raise BadJSON(f"{where}: not valid JSON ({e})") from None
     if not _depth_ok(value, max_depth):
-        raise BadJSON(f"{where}: nested too deeply (deeper than {max_depth} levels); not a file elflow reads")
+        raise BadJSON(f"{where}: nested too deeply (deeper than {max_depth} levels)")
     return value
 
 
