@@ -5,27 +5,19 @@ store are checked field by field; the source a store was prepared from is compar
 prepare worker that dies ends the command in seconds with one line and no child left."""
 
 import hashlib
+import itertools
 import json
 import os
 import signal
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 from helpers import CharSpace, assert_one_error
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_reliability_store import (  # noqa: F401  (space_flag, store: fixtures)
-    _gone,
-    _slow_prepare,
-    _workers_of,
-    cli,
-    snapshot,
-    space_flag,
-    store,
-    train_args,
-    words,
-)
+from test_reliability_store import _gone, _slow_prepare, _workers_of, cli, snapshot, train_args, words
 
 from elflow.data import corpus, integrity
 from elflow.data.corpus import jsonl_object, read_pairs, read_sources
@@ -42,6 +34,22 @@ BAD_LINES = [("nested-100000-deep", NEST, "nested too deeply"),
              ("an-integer-of-5001-digits", BIGINT, "an integer of 5001 digits")]
 
 
+@pytest.fixture(scope="module")
+def t5_flag(tiny_t5_dir):
+    return f"t5:{tiny_t5_dir}"
+
+
+@pytest.fixture
+def text_store(tmp_path, t5_flag, capsys):
+    """A text store of 20 documents prepared from a .jsonl."""
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps({"text": words(30, i)}) + "\n" for i in range(20)))
+    out = tmp_path / "st"
+    code, err = cli(capsys, ["prepare", src, "--space", t5_flag, "--out", out, "--quiet"])
+    assert code == 0, err
+    return out
+
+
 def _bad_file(tmp_path, line, name="bad.jsonl"):
     path = tmp_path / name
     path.write_text(json.dumps({"text": words(20)}) + "\n" + line + json.dumps({"text": words(20, 1)}) + "\n")
@@ -52,23 +60,23 @@ def _bad_file(tmp_path, line, name="bad.jsonl"):
 # one class of input: a JSONL line the reader refuses, for every command that reads JSONL
 
 
-def _commands(path, tmp, space_flag):
+def _commands(path, tmp, t5_flag):
     cache = tmp / "cache"
     return {
         "eval": ["eval", path, "--judge", "none"],
-        "prepare": ["prepare", path, "--space", space_flag, "--out", tmp / "st", "--quiet", "--workers", "1"],
-        "prepare-2-workers": ["prepare", path, "--space", space_flag, "--out", tmp / "st", "--quiet", "--workers", "2"],
-        "train": train_args(path, tmp / "run", space_flag, cache),
+        "prepare": ["prepare", path, "--space", t5_flag, "--out", tmp / "st", "--quiet", "--workers", "1"],
+        "prepare-2-workers": ["prepare", path, "--space", t5_flag, "--out", tmp / "st", "--quiet", "--workers", "2"],
+        "train": train_args(path, tmp / "run", t5_flag, cache),
         "train-encoder": ["train-encoder", "--steps", "1", "--data", path, "--vocab", "80", "--out", tmp / "enc"],
     }
 
 
 @pytest.mark.parametrize("command", ["eval", "prepare", "prepare-2-workers", "train", "train-encoder"])
 @pytest.mark.parametrize("case,line,needle", BAD_LINES, ids=[c[0] for c in BAD_LINES])
-def test_a_bad_jsonl_line_is_one_line_naming_it_for_every_command(capsys, tmp_path, space_flag, command, case, line,
+def test_a_bad_jsonl_line_is_one_line_naming_it_for_every_command(capsys, tmp_path, t5_flag, command, case, line,
                                                                   needle):
     path = _bad_file(tmp_path, line)
-    args = _commands(path, tmp_path, space_flag)[command]
+    args = _commands(path, tmp_path, t5_flag)[command]
     before = sorted(p.name for p in tmp_path.iterdir())
     code, err = cli(capsys, args)
     assert_one_error(code, err, args[0], f"{path} line 2: {needle}")
@@ -76,10 +84,10 @@ def test_a_bad_jsonl_line_is_one_line_naming_it_for_every_command(capsys, tmp_pa
 
 
 @pytest.mark.parametrize("workers", ["1", "2"])
-def test_on_bad_skip_passes_over_such_a_line_with_its_warning(capsys, tmp_path, space_flag, workers):
+def test_on_bad_skip_passes_over_such_a_line_with_its_warning(capsys, tmp_path, t5_flag, workers):
     path = tmp_path / "mixed.jsonl"
     path.write_text(json.dumps({"text": words(20)}) + "\n" + NEST + BIGINT + json.dumps({"text": words(20, 1)}) + "\n")
-    code, err = cli(capsys, ["prepare", path, "--space", space_flag, "--out", tmp_path / "st", "--quiet",
+    code, err = cli(capsys, ["prepare", path, "--space", t5_flag, "--out", tmp_path / "st", "--quiet",
                              "--on-bad", "skip", "--workers", workers])
     assert code == 0, err
     assert f"skipping: {path} line 2: nested too deeply" in err
@@ -90,13 +98,13 @@ def test_on_bad_skip_passes_over_such_a_line_with_its_warning(capsys, tmp_path, 
     assert store.count == 2 and store.manifest["source"]["skipped_bytes"] == skipped
 
 
-def test_an_old_store_is_kept_when_its_replacement_meets_a_bad_line(capsys, tmp_path, space_flag, store):
-    before = snapshot(store)
+def test_an_old_store_is_kept_when_its_replacement_meets_a_bad_line(capsys, tmp_path, t5_flag, text_store):
+    before = snapshot(text_store)
     path = _bad_file(tmp_path, NEST)
-    code, err = cli(capsys, ["prepare", path, "--space", space_flag, "--out", store, "--overwrite", "--quiet",
+    code, err = cli(capsys, ["prepare", path, "--space", t5_flag, "--out", text_store, "--overwrite", "--quiet",
                              "--workers", "2"])
     assert_one_error(code, err, "prepare", f"{path} line 2: nested too deeply")
-    assert snapshot(store) == before
+    assert snapshot(text_store) == before
 
 
 @pytest.mark.parametrize("case,line,needle", BAD_LINES, ids=[c[0] for c in BAD_LINES])
@@ -120,8 +128,8 @@ def test_a_trajectory_with_a_huge_integer_is_one_line(capsys, tmp_path):
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.binary(max_size=200) | st.text(max_size=80).map(str.encode) | st.sampled_from([NEST, BIGINT, "[NaN]", "7"]).map(
-    str.encode))
+@given(st.binary(max_size=200) | st.text(max_size=80).map(str.encode)
+       | st.sampled_from([NEST, BIGINT, "[NaN]", "7"]).map(str.encode))
 def test_any_line_is_a_record_nothing_or_one_error(raw):
     """A .jsonl line of any bytes is an object, nothing (blank, or skipped with a warning) or one ELFError."""
     assert jsonl_object(raw, "f.jsonl", 1, "skip") is None or isinstance(jsonl_object(raw, "f.jsonl", 1, "skip"), dict)
@@ -147,13 +155,13 @@ def test_a_samples_file_of_any_lines_is_texts_or_one_error(tmp_path, lines):
         assert all(isinstance(t, str) for t in texts)
 
 
-def test_a_link_loop_is_named_as_one(capsys, tmp_path, space_flag):
+def test_a_link_loop_is_named_as_one(capsys, tmp_path, t5_flag):
     (tmp_path / "lp1.txt").symlink_to("lp2.txt")
     (tmp_path / "lp2.txt").symlink_to("lp1.txt")
     (tmp_path / "gone.txt").symlink_to("nothing-here.txt")
     for src, needle in ((tmp_path / "lp1.txt", "is a loop of symbolic links"),
                         (tmp_path / "gone.txt", "is a symbolic link to nothing-here.txt, which leads to nothing")):
-        code, err = cli(capsys, ["prepare", src, "--space", space_flag, "--out", tmp_path / "st", "--quiet"])
+        code, err = cli(capsys, ["prepare", src, "--space", t5_flag, "--out", tmp_path / "st", "--quiet"])
         assert_one_error(code, err, "prepare", str(src), needle)
         assert not (tmp_path / "st").exists()
 
@@ -207,17 +215,20 @@ def test_any_fingerprint_reads_to_a_valid_one_or_names_its_field(key, value):
 
 MANIFEST_KEYS = ["kind", "layout", "dtype", "records", "tokens", "source_length", "bytes", "fingerprint", "source",
                  "build", ("tokenizer", "id"), ("tokenizer", "vocab_size"), ("tokenizer", "eos_id"),
-                 ("tokenizer", "pad_id"), ("tokenizer", "space"), ("fingerprint", "blocks"), ("bytes", "ids.bin")]
+                 ("tokenizer", "pad_id"), ("tokenizer", "space"), ("fingerprint", "blocks"), ("bytes", "ids.bin"),
+                 ("source", "fingerprint"), ("source", "fingerprint", "sha256"), ("source", "fingerprint", "listing"),
+                 ("source", "fingerprint", "bytes")]
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.sampled_from(MANIFEST_KEYS), json_values)
 def test_any_manifest_field_reads_or_is_refused_naming_it(small_manifest, key, value):
     m = json.loads(json.dumps(small_manifest))
-    if isinstance(key, tuple):
-        m[key[0]][key[1]] = value
-    else:
-        m[key] = value
+    *parents, last = key if isinstance(key, tuple) else (key,)
+    inner = m
+    for k in parents:
+        inner = inner[k]
+    inner[last] = value
     try:
         check_manifest(m, "st/manifest.json")
         if m.get("fingerprint") is not None:
@@ -260,10 +271,10 @@ MANIFEST_CASES = [
 
 
 @pytest.mark.parametrize("edit,needles", [c[1:] for c in MANIFEST_CASES], ids=[c[0] for c in MANIFEST_CASES])
-def test_train_on_a_store_with_a_bad_manifest_is_one_line(capsys, tmp_path, space_flag, store, edit, needles):
-    _edit_manifest(store, edit)
-    code, err = cli(capsys, train_args(store, tmp_path / "run", space_flag, tmp_path / "cache"))
-    assert_one_error(code, err, "train", str(store), *needles)
+def test_train_on_a_store_with_a_bad_manifest_is_one_line(capsys, tmp_path, t5_flag, text_store, edit, needles):
+    _edit_manifest(text_store, edit)
+    code, err = cli(capsys, train_args(text_store, tmp_path / "run", t5_flag, tmp_path / "cache"))
+    assert_one_error(code, err, "train", str(text_store), *needles)
     assert not (tmp_path / "run").exists()
 
 
@@ -281,9 +292,9 @@ def _reseal(ck, edit):
     (lambda s: s["data_store"]["fingerprint"].update(blocks=0), ["data_store.fingerprint.blocks is 0"]),
     (lambda s: s["data_store"].update(fingerprint=[1, 2]), ["data_store.fingerprint is [1, 2], not an object"]),
 ], ids=["blocks-1-block-bytes-1", "blocks-0", "not-an-object"])
-def test_resume_with_a_changed_record_of_its_store_is_one_line(capsys, tmp_path, space_flag, store, edit, needles):
+def test_resume_with_a_changed_record_of_its_store_is_one_line(capsys, tmp_path, t5_flag, text_store, edit, needles):
     run, cache = tmp_path / "run", tmp_path / "cache"
-    code, err = cli(capsys, train_args(store, run, space_flag, cache, "--steps", "1"))
+    code, err = cli(capsys, train_args(text_store, run, t5_flag, cache, "--steps", "1"))
     assert code == 0, err
     _reseal(run / "checkpoints" / "step_0000001", edit)
     before = snapshot(run)
@@ -298,7 +309,7 @@ def test_resume_with_a_changed_record_of_its_store_is_one_line(capsys, tmp_path,
 
 def _text(n_chars: int, seed: int = 0) -> str:
     rng = np.random.default_rng(seed)
-    words_ = np.array("the king of love sweet night lord heart well yes aside".split())
+    words_ = np.array(["the", "king", "of", "love", "sweet", "night", "lord", "heart", "well", "yes", "aside"])
     out, size = [], 0
     while size < n_chars:
         w = str(rng.choice(words_))
@@ -317,7 +328,7 @@ def test_a_store_prepared_again_from_edited_text_is_refused_on_resume_even_outsi
         b"big.txt\0" + hashlib.sha256(text.encode()).hexdigest().encode() + b"\n").hexdigest()
     assert recorded["source"]["listing"][0][3] == hashlib.sha256(text.encode()).hexdigest()  # the file's own sha256
     spans = block_spans(old.ids.nbytes, 4)
-    at = next(b for (_, b), (a, _) in zip(spans, spans[1:]) if a - b > 1000) // 4 + 100  # between two blocks
+    at = next(b for (_, b), (a, _) in itertools.pairwise(spans) if a - b > 1000) // 4 + 100  # between two blocks
     edited = text[:at] + ("Y" if text[at] != "Y" else "Z") + text[at + 1:]
     src.write_text(edited)
     new = prepare_store(src, CharSpace(), tmp_path / "st", workers=1, chunk_bytes=1 << 18, overwrite=True)
@@ -331,16 +342,16 @@ def test_a_store_prepared_again_from_edited_text_is_refused_on_resume_even_outsi
 
 
 @pytest.mark.slow
-def test_train_data_file_edited_mid_way_then_resumed_says_the_data_changed(capsys, tmp_path, space_flag):
+def test_train_data_file_edited_mid_way_then_resumed_says_the_data_changed(capsys, tmp_path, t5_flag):
     src, run, cache = tmp_path / "corpus.txt", tmp_path / "run", tmp_path / "cache"
     text = _text(2_400_000)  # over 600,000 tokens of 2 bytes: the sampled blocks cover under a half
     src.write_text(text)
-    code, err = cli(capsys, train_args(src, run, space_flag, cache, "--steps", "1"))
+    code, err = cli(capsys, train_args(src, run, t5_flag, cache, "--steps", "1"))
     assert code == 0, err
     (cached,) = (cache / "stores").glob("*/manifest.json")
     ids = TokenStore(cached.parent).ids
     spans = block_spans(ids.nbytes, 2)
-    gap = max(zip(spans, spans[1:]), key=lambda g: g[1][0] - g[0][1])
+    gap = max(itertools.pairwise(spans), key=lambda g: g[1][0] - g[0][1])
     middle = (gap[0][1] + gap[1][0]) // 4 * len(text) // len(ids)  # the gap's middle token, as a character
     at = next(i for i in range(middle, len(text)) if text[i] == " " and text[i + 1:].split(" ", 2)[0] !=
               text[i + 1:].split(" ", 2)[1])
@@ -352,14 +363,36 @@ def test_train_data_file_edited_mid_way_then_resumed_says_the_data_changed(capsy
     assert snapshot(run) == before
 
 
-def test_a_missing_store_is_named_before_any_lookup(tmp_path, store):
-    rows = TokenStore(store).rows("packed", 8)
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.sampled_from(["sha256", "listing", "files", "bytes", None]), json_values)
+def test_any_recorded_source_is_compared_or_refused_naming_its_field(store_rows, key, value):
+    recorded = json.loads(json.dumps(store_record(store_rows)))
+    if key is None:
+        recorded["source"] = value
+    else:
+        recorded["source"][key] = value
+    try:
+        check_same_store(recorded, store_rows, "state.json")
+    except ELFError as e:
+        assert "\n" not in str(e)
+        assert str(e).startswith("state.json: data_store.source") or "is not the text this run was trained on" in str(e)
+
+
+@pytest.fixture(scope="module")
+def store_rows(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("r")
+    (folder / "a.txt").write_text(words(50))
+    return prepare_store(folder / "a.txt", CharSpace(), folder / "st", workers=1).rows("packed", 8)
+
+
+def test_a_missing_store_is_named_before_any_lookup(tmp_path, text_store):
+    rows = TokenStore(text_store).rows("packed", 8)
     recorded = store_record(rows)
-    check_recorded_store(recorded, str(store), "state.json")  # there: nothing to say
+    check_recorded_store(recorded, str(text_store), "state.json")  # there: nothing to say
     gone = tmp_path / "moved"
-    os.replace(store, gone)
-    with pytest.raises(ELFError, match=f"{store}: the token store this run was trained on .* is missing"):
-        check_recorded_store(recorded, str(store), "state.json")
+    os.replace(text_store, gone)
+    with pytest.raises(ELFError, match=f"{text_store}: the token store this run was trained on .* is missing"):
+        check_recorded_store(recorded, str(text_store), "state.json")
     cached = {**recorded, "folder": str(tmp_path / "cache" / "stores" / ("0" * 24))}  # a hub set's: prepared again
     check_recorded_store(cached, "someone/dataset", "state.json")
     with pytest.raises(ELFError, match="data_store.fingerprint.blocks is 0"):
@@ -375,7 +408,7 @@ def _children(pid: int) -> set:
     for d in os.listdir("/proc"):
         if d.isdigit():
             try:
-                if int(open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()[1]) == pid:
+                if int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
                     out.add(int(d))
             except (OSError, IndexError, ValueError):
                 pass

@@ -14,7 +14,7 @@ from pathlib import Path
 from elflow.data.batches import split_rows
 from elflow.data.corpus import BUILTIN_NAMES, _warn, check_on_bad, local_source
 from elflow.data.ingest import prepare_store
-from elflow.data.integrity import Fingerprint
+from elflow.data.integrity import Fingerprint, check_source_fingerprint
 from elflow.data.layout import check_source_slot
 from elflow.data.sources import source_difference, source_fingerprint
 from elflow.data.store import StoreRows, TokenStore, file_lock, is_store
@@ -246,8 +246,8 @@ def _recorded(recorded, where) -> tuple[Fingerprint | None, dict | None]:
     fp = recorded.get("fingerprint")
     before = None if fp is None else Fingerprint.from_dict(fp, where, RECORD_ADVICE, "data_store.fingerprint")
     source = recorded.get("source")
-    if source is not None and not isinstance(source, dict):
-        raise ELFError(f"{where}: data_store.source is not an object; {RECORD_ADVICE}")
+    if source is not None:
+        check_source_fingerprint(source, where, RECORD_ADVICE, "data_store.source")
     return before, source
 
 

@@ -88,6 +88,29 @@ def check_dtype(name, vocab_size: int, where) -> np.dtype:
     return want
 
 
+def check_source_fingerprint(fp, where, advice: str, name: str) -> dict:
+    """A source's fingerprint as a record holds it (`sources.source_fingerprint`: a manifest's, a checkpoint's),
+    its content fields checked: `sha256` 64 hex digits, `listing` entries [name, bytes, mtime_ns, sha256],
+    `files` and `bytes` counts. One ELFError naming `where` and the field (`name`.field) otherwise."""
+    if not isinstance(fp, dict):
+        raise ELFError(f"{where}: {name} is {_shown(fp)}, not an object; {advice}")
+    for key in ("files", "bytes"):
+        if key in fp:
+            whole(fp, key, where, 0, MAX_COUNT, advice, f"{name}.{key}")
+    if "sha256" in fp and not (isinstance(fp["sha256"], str) and _SHA256.fullmatch(fp["sha256"])):
+        raise ELFError(f"{where}: {name}.sha256 is {_shown(fp['sha256'])}, not a sha256 (64 hex digits); {advice}")
+    listing = fp.get("listing")
+    if listing is not None:
+        ok = isinstance(listing, list) and all(
+            isinstance(e, list) and len(e) == 4 and isinstance(e[0], str) and isinstance(e[3], str)
+            and _SHA256.fullmatch(e[3]) is not None and all(type(v) is int and v >= 0 for v in e[1:3])
+            for e in listing)
+        if not ok:
+            raise ELFError(f"{where}: {name}.listing is not a list of [name, bytes, mtime, sha256] entries; "
+                           f"{advice}")
+    return fp
+
+
 def block_spans(nbytes: int, itemsize: int, blocks: int = BLOCKS, block_bytes: int = BLOCK_BYTES) -> list:
     """(start, stop) byte spans of the blocks a sampled check reads: the whole array when it is small, else
     `blocks` blocks spread evenly from its first byte to its last (one block: the first), each aligned to the

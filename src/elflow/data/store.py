@@ -16,6 +16,7 @@ from elflow.data.integrity import (
     Fingerprint,
     check_arrays,
     check_dtype,
+    check_source_fingerprint,
     field_of,
     ids_dtype,
     sampled_check,
@@ -218,8 +219,8 @@ def check_manifest(m: dict, path) -> dict:
     if m.get("fingerprint") is not None:
         Fingerprint.from_dict(m["fingerprint"], path, AGAIN)
     source = field_of(m, "source", dict, path, AGAIN, optional=True)
-    if source is not None:
-        field_of(source, "fingerprint", dict, path, AGAIN, "source.fingerprint", optional=True)
+    if source is not None and source.get("fingerprint") is not None:
+        check_source_fingerprint(source["fingerprint"], path, AGAIN, "source.fingerprint")
     field_of(m, "build", dict, path, AGAIN, optional=True)
     return m
 

@@ -187,9 +187,9 @@ class _Pool:
     def died(self, k: int) -> ELFError:
         proc = self.procs[k]
         proc.join(timeout=1.0)
-        return ELFError(f"a prepare worker process (pid {proc.pid}) died ({_ending(proc.exitcode)}: killed by the "
-                        "system, perhaps for lack of memory); nothing of this prepare was kept: run again with "
-                        "fewer --workers")
+        why = "; the system kills so when memory runs out" if proc.exitcode == -signal.SIGKILL else ""
+        return ELFError(f"a prepare worker process (pid {proc.pid}) died ({_ending(proc.exitcode)}{why}); nothing "
+                        "of this prepare was kept: run again, with fewer --workers if memory is short")
 
     def send(self, task) -> int:
         """Hand `task` to the least busy worker; returns which."""
