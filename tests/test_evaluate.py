@@ -240,7 +240,7 @@ def test_read_texts(tmp_path):
     p.write_text(json.dumps({"text": "a"}) + "\n\n" + json.dumps({"text": ""}) + "\n")
     assert read_texts(p) == ["a", ""]
     p.write_text(json.dumps({"body": "a"}) + "\n")
-    with pytest.raises(ELFError, match="s.jsonl:1.*--field"):
+    with pytest.raises(ELFError, match="s.jsonl line 1.*--field"):
         read_texts(p)
 
 

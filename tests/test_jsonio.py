@@ -30,12 +30,12 @@ def test_every_value_within_the_bounds_reads_back_exactly(value):
 @given(st.integers(min_value=MAX_DEPTH + 1, max_value=5000), st.sampled_from(["[", '{"a":']))
 def test_nesting_past_the_limit_is_one_line_naming_the_file(depth, opener):
     closer = "]" if opener == "[" else "}"
-    with pytest.raises(BadJSON, match=r"^x\.json: nested deeper than"):
+    with pytest.raises(BadJSON, match=r"^x\.json: nested too deeply"):
         parse(opener * depth + "1" + closer * depth, "x.json")
 
 
 def test_nesting_deeper_than_pythons_recursion_is_one_line():
-    with pytest.raises(BadJSON, match="nested deeper"):
+    with pytest.raises(BadJSON, match="nested too deeply"):
         parse("[" * 100_000 + "]" * 100_000, "deep.json")
 
 

@@ -1052,10 +1052,10 @@ STATE_CASES = [
      ["incomplete elflow checkpoint folder (no state.json)"]),
     ("eval-samples-latin-1", "eval",
      lambda t, r, t5, c, k: ["eval", _write(t / "l.jsonl", b'{"text": "caf\xe9"}\n'), "--judge", t / "no-judge"],
-     ["l.jsonl:1: not UTF-8 text", "0xe9"]),
+     ["l.jsonl line 1: not UTF-8 text", "0xe9"]),
     ("eval-samples-binary", "eval",
      lambda t, r, t5, c, k: ["eval", _write(t / "b.jsonl", bytes(range(256))), "--judge", t / "no-judge"],
-     ["not UTF-8 text"]),
+     ["b.jsonl line 1: not valid JSON (a NUL character at offset 0: binary data?)"]),
     ("eval-judge-with-pickled-weights", "eval",
      lambda t, r, t5, c, k: ["eval", _write(t / "s.jsonl", b'{"text": "a b"}\n'), "--judge", _pickled_judge(t / "pj")],
      ["does not hold a loadable causal LM", "pickled weights are never loaded"]),
@@ -1256,7 +1256,7 @@ def test_sources_that_are_not_utf8_are_one_line(tmp_path):
 
     src = tmp_path / "src.jsonl"
     src.write_bytes('{"input": "caf\u00e9"}\n'.encode("latin-1"))
-    with pytest.raises(ELFError, match=r"src.jsonl:1: not UTF-8 text \(byte 0xe9 .*iconv"):
+    with pytest.raises(ELFError, match=r"src.jsonl line 1: not UTF-8 text \(byte 0xe9 .*iconv"):
         read_sources(str(src))
 
 

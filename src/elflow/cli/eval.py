@@ -33,11 +33,11 @@ from elflow.generate import write_samples
 from elflow.methods import get_method, settings_from_args
 from elflow.runs.load import load_for_sampling
 from elflow.runs.tracking import Tracker, require_wandb
+from elflow.util import jsonio
 from elflow.util.devices import check_device
 from elflow.util.distributed import process_group
 from elflow.util.errors import ELFError
 from elflow.util.files import FolderHold, atomic_write_json, check_output
-from elflow.util.jsonio import iter_jsonl
 
 
 def _heldout(args, checkpoint, num: int, judge, main: bool = True) -> dict | None:
@@ -217,13 +217,12 @@ def _sampled_from(samples_path) -> str | None:
     from contextlib import closing
 
     try:
-        with closing(iter_jsonl(Path(samples_path).expanduser())) as lines:
-            for _, value in lines:
-                found = value.get("checkpoint") if isinstance(value, dict) else None
-                return found if isinstance(found, str) else None
-    except ELFError:
+        with closing(jsonio.iter_jsonl(Path(samples_path).expanduser(), allow_nonfinite=True)) as lines:
+            _, first = next(lines, (0, None))
+    except (OSError, ELFError):
         return None
-    return None
+    value = first.get("checkpoint") if isinstance(first, dict) else None
+    return value if isinstance(value, str) else None
 
 
 def _settings(args) -> dict:
@@ -235,7 +234,7 @@ def _emit(report: dict, path: Path, args, summary: str, outputs: Outputs, writer
           tables: dict | None = None) -> None:
     """Write the report and the other outputs (`writers`: {path: function(path, overwrite)}) together, print the
     report (as JSON with --json, else `summary`), and with --wandb log it (`tables`: see _track)."""
-    clean = json.loads(json.dumps(report, default=str), parse_constant=lambda c: None)
+    clean = jsonio.json_safe(report)
     outputs.write({**(writers or {}), path: lambda p, overwrite: atomic_write_json(p, clean, overwrite)})
     if args.json:
         print(json.dumps(clean))

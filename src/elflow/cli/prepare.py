@@ -38,8 +38,8 @@ def add_arguments(p) -> None:
     p.add_argument("--max-documents", type=int, default=None,
                    help="read at most this many documents or pairs (default: all)")
     p.add_argument("--hash", action="store_true",
-                   help="record a sha256 of the source files' contents in the manifest (default: names, sizes and "
-                        "modification times only)")
+                   help="kept for earlier scripts: the sha256 of each source file is now always recorded in the "
+                        "manifest, taken while the file is read for tokenizing")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the store in --out (only a store's own files; other files stay)")
     p.add_argument("--cache-dir", default=None,
@@ -60,7 +60,7 @@ def run(args) -> int:
     store = prepare_store(args.source, space, out, pairs=pairs, layout=args.layout, source_length=args.source_length,
                           field=args.field, source_field=args.source_field, target_field=args.target_field,
                           on_bad=args.on_bad, split=args.split, max_documents=args.max_documents,
-                          workers=args.workers, full_hash=args.hash, overwrite=args.overwrite,
+                          workers=args.workers, overwrite=args.overwrite,
                           progress=False if args.quiet else None, cache_dir=args.cache_dir, space_name=args.space)
     m = store.manifest
     size = sum(m["bytes"].values())

@@ -17,7 +17,7 @@ from elflow.train import train
 from elflow.util.devices import check_device
 from elflow.util.distributed import on_rank0, process_group
 from elflow.util.errors import ELFError
-from elflow.util.files import check_output
+from elflow.util.files import check_output, read_json
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -84,8 +84,8 @@ def _group_timeout(args) -> float | None:
     if getattr(args, "resume", False):
         out = Path(getattr(args, "out", None) or f"runs/{getattr(args, 'preset', TrainConfig.preset)}")
         try:
-            return float(json.loads((out / "run.json").read_text())["train"]["dist_timeout"])
-        except (OSError, ValueError, KeyError, TypeError):
+            return float(read_json(out / "run.json")["train"]["dist_timeout"])
+        except (ELFError, OSError, ValueError, KeyError, TypeError, OverflowError):
             pass
     return None
 

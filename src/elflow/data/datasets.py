@@ -5,17 +5,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 import tempfile
 from datetime import timedelta
 from pathlib import Path
 
 from elflow.data.batches import split_rows
-from elflow.data.corpus import _warn, check_on_bad
+from elflow.data.corpus import BUILTIN_NAMES, _warn, check_on_bad, local_source
 from elflow.data.ingest import prepare_store
-from elflow.data.integrity import Fingerprint
+from elflow.data.integrity import Fingerprint, check_source_fingerprint
 from elflow.data.layout import check_source_slot
-from elflow.data.sources import source_fingerprint
+from elflow.data.sources import source_difference, source_fingerprint
 from elflow.data.store import StoreRows, TokenStore, file_lock, is_store
 from elflow.util.distributed import distributed
 from elflow.util.errors import ELFError
@@ -219,19 +220,63 @@ def run_data(cfg, space, length: int, cache_dir=None):
 
 # ----------------------------------------------------------------------------------------------------
 # The store a run reads, recorded and checked on resume
+RECORD_ADVICE = ("the checkpoint's record of its token store was changed or damaged: resume from another checkpoint, "
+                 "or start a new run with --overwrite or another --out")
+
+
 def store_record(rows) -> dict | None:
-    """What a run records of the token store its rows are read from: the folder and the store's fingerprint
-    (None for rows held in memory)."""
+    """What a run records of the token store its rows are read from: the folder, the store's fingerprint and
+    the fingerprint of the source the store was prepared from, the sha256 of its text included (None for rows
+    held in memory)."""
     store = getattr(rows, "store", None)
-    return None if store is None else {"folder": str(store.folder), "fingerprint": store.fingerprint.to_dict()}
+    if store is None:
+        return None
+    source = (store.manifest.get("source") or {}).get("fingerprint")
+    return {"folder": str(store.folder), "fingerprint": store.fingerprint.to_dict(),
+            **({"source": source} if source is not None else {})}
+
+
+def _recorded(recorded, where) -> tuple[Fingerprint | None, dict | None]:
+    """(store fingerprint, source fingerprint) of a checkpoint's record `recorded` (`store_record`), checked
+    field by field; (None, None) for a run recorded without one (an earlier elflow, rows held in memory)."""
+    if recorded is None:
+        return None, None
+    if not isinstance(recorded, dict):
+        raise ELFError(f"{where}: data_store is not an object; {RECORD_ADVICE}")
+    fp = recorded.get("fingerprint")
+    before = None if fp is None else Fingerprint.from_dict(fp, where, RECORD_ADVICE, "data_store.fingerprint")
+    source = recorded.get("source")
+    if source is not None:
+        check_source_fingerprint(source, where, RECORD_ADVICE, "data_store.source")
+    return before, source
+
+
+def check_recorded_store(recorded, source, where) -> None:
+    """Before a run's data `source` is read on resume: the token store folder the checkpoint (its state.json
+    `where`) records, when the run was given one, must still be there; a missing one is one line naming it,
+    not a lookup of its name on the hub. The record is checked field by field (`check_same_store` compares it
+    once the data is read). A store in the cache (of a hub dataset) is prepared again as on a start."""
+    _recorded(recorded, where)
+    if not isinstance(recorded, dict) or not isinstance(recorded.get("folder"), str):
+        return
+    if str(source) in BUILTIN_NAMES or local_source(source) is not None:
+        return
+    folder = Path(recorded["folder"])
+    if folder.parent.name == "stores" and re.fullmatch(r"[0-9a-f]{24}", folder.name):
+        return
+    raise ELFError(f"{source}: the token store this run was trained on ({where} records it as {folder}) is "
+                   "missing; put it back, or prepare it again from the same text with `elflow prepare`, then "
+                   "resume")
 
 
 def check_same_store(recorded, rows, where) -> None:
-    """Refuse to continue a run (recorded in `where`) on another token store than the one it was trained on:
-    the fingerprint `recorded` (`store_record`) must be the store's. A run recorded without one (an earlier
-    elflow) is not checked."""
+    """Refuse to continue a run (recorded in `where`) on other data than it was trained on: the fingerprint
+    `recorded` (`store_record`) must be the store's, and the source the store was prepared from must hold the
+    same text (its sha256, where both record one: a store prepared again from an edited file is refused even
+    where the sampled blocks are the same). A run recorded without one (an earlier elflow) is not checked;
+    a record that is not one (a changed state.json) is refused field by field."""
     store = getattr(rows, "store", None)
-    before = Fingerprint.from_dict(recorded.get("fingerprint")) if isinstance(recorded, dict) else None
+    before, source = _recorded(recorded, where)
     if store is None or before is None:
         return
     now = store.fingerprint
@@ -241,3 +286,10 @@ def check_same_store(recorded, rows, where) -> None:
         raise ELFError(f"{store.folder} is not the token store this run was trained on ({where} records another: "
                        f"{before.difference(now)}); resume on the store the run started on, or start a new run "
                        "with --overwrite or another --out")
+    current = (store.manifest.get("source") or {}).get("fingerprint")
+    change = None if source is None or current is None else source_difference(source, current)
+    if change is not None:
+        name = (store.manifest.get("source") or {}).get("name") or "the source"
+        raise ELFError(f"{name} is not the text this run was trained on ({change}; {where} records the text as it "
+                       f"was, and {store.folder} was prepared from it as it is now); resume on the data the run "
+                       "started on, or start a new run with --overwrite or another --out")

@@ -17,7 +17,7 @@ import numpy as np
 
 from elflow.data.corpus import _warn, check_on_bad, report_bad, skipped_files
 from elflow.data.reading import Piece, source_tasks
-from elflow.data.sources import resolve_source, source_changed, source_fingerprint
+from elflow.data.sources import SourceHashes, cheap_part, resolve_source, source_changed, source_fingerprint
 from elflow.data.store import (
     LOCK,
     PARTIAL,
@@ -68,9 +68,9 @@ def _check_out(out: Path, source, overwrite: bool, cache_dir) -> None:
 def prepare_store(source, space, out, *, pairs: bool = False, layout: str = "packed", source_length: int | None = None,
                   field: str = "text", source_field: str = "input", target_field: str = "output",
                   on_bad: str = "stop", split: str = "train", max_documents: int | None = None,
-                  workers: int | None = None, chunk_bytes: int = CHUNK_BYTES, full_hash: bool = False,
-                  overwrite: bool = False, progress: bool | None = None, cache_dir=None,
-                  space_name: str | None = None, advice: str = "choose another --out") -> TokenStore:
+                  workers: int | None = None, chunk_bytes: int = CHUNK_BYTES, overwrite: bool = False,
+                  progress: bool | None = None, cache_dir=None, space_name: str | None = None,
+                  advice: str = "choose another --out") -> TokenStore:
     """Tokenize `source` into a store at `out` (the module docstring says how) and open it.
 
     pairs: (source, target) pairs (a .jsonl of `source_field` / `target_field` records, a named task or a hub
@@ -81,7 +81,9 @@ def prepare_store(source, space, out, *, pairs: bool = False, layout: str = "pac
     space. A store already in `out` (`overwrite`) stays whole until the new one is complete in
     `out/.prepare-new`, then the new one is swapped in; on any failure or signal nothing that looks like a
     complete store is left but the old one, and the exception's `outcome` says what became of the folder.
-    A source that changed while it was read is an error; nothing of it is kept."""
+    A source that changed while it was read is an error; nothing of it is kept. The manifest records the
+    source's fingerprint with the sha256 of each local file, taken as the file was read (`SourceHashes`), and
+    how many bytes of bad input were skipped (--on-bad skip)."""
     from tqdm.auto import tqdm
 
     check_on_bad(on_bad)
@@ -96,7 +98,9 @@ def prepare_store(source, space, out, *, pairs: bool = False, layout: str = "pac
     t0, cpu0 = time.time(), time.process_time()
     fields = (source_field, target_field) if pairs else (field,)
     before = source_fingerprint(source, cache_dir)
-    tasks, how = source_tasks(source, space, pairs, fields, on_bad, split, max_documents, chunk_bytes, cache_dir)
+    hashes = SourceHashes()
+    tasks, how = source_tasks(source, space, pairs, fields, on_bad, split, max_documents, chunk_bytes, cache_dir,
+                              hashes)
     workers = auto_workers(how.get("total"), chunk_bytes) if workers is None else workers
     path = resolve_source(source, cache_dir)
     for entry, why in skipped_files(path) if path is not None else []:
@@ -113,7 +117,7 @@ def prepare_store(source, space, out, *, pairs: bool = False, layout: str = "pac
         raise
     if lock is None:
         raise ELFError(f"{out} is being written by another `elflow prepare`; wait for it, or choose another --out")
-    writer, replacing, unknown = None, False, 0
+    writer, replacing, unknown, read = None, False, 0, None
     try:
         finish_swap(out)  # a replacement that an earlier prepare left unfinished
         replacing = holds_store_files(out)
@@ -123,21 +127,22 @@ def prepare_store(source, space, out, *, pairs: bool = False, layout: str = "pac
                    else not progress, desc=f"prepare {Path(str(source)).name or source}", mininterval=1.0,
                    file=sys.stderr, dynamic_ncols=True)
         with bar:
-            docs = _fill(writer, ordered_results(tasks, space, workers, chunk_bytes), space.eos_id, on_bad,
+            read = _fill(writer, ordered_results(tasks, space, workers, chunk_bytes), space.eos_id, on_bad,
                          max_documents, bar, t0)
-        if docs == 0:
+        if read.docs == 0:
             raise ELFError(f"{source} holds no usable {'pairs' if pairs else 'text'}: every file, line or record was "
                            "empty or unreadable")
-        after = source_fingerprint(source, cache_dir, full_hash)
-        if {k: v for k, v in after.items() if k != "sha256"} != before:
+        after = source_fingerprint(source, cache_dir, hashes)
+        if cheap_part(after) != before:
             raise source_changed(source, _change(before, after))
+        read.close(how)
         manifest = {
             "layout": "pairs" if pairs else layout,
             "tokenizer": {"id": space.tokenizer_id, "space": space_name or getattr(space, "name", None),
                           "vocab_size": int(space.vocab_size), "eos_id": int(space.eos_id),
                           "pad_id": int(space.pad_id)},
             "source": {"name": str(source), "fingerprint": after, "fields": list(fields), "split": split,
-                       "on_bad": on_bad, "max_documents": max_documents,
+                       "on_bad": on_bad, "max_documents": max_documents, "skipped_bytes": read.skipped,
                        "pretokenized": bool(how.get("pretokenized"))},
             **({"source_length": source_length} if pairs else {}),
             "build": {"workers": workers, "chunk_bytes": chunk_bytes, "seconds": round(time.time() - t0, 3),
@@ -151,7 +156,7 @@ def prepare_store(source, space, out, *, pairs: bool = False, layout: str = "pac
             swap_in(out)
     except BaseException as e:
         written = writer_tokens(writer)
-        outcome = _clean_up(out, writer, created, replacing)
+        outcome = _clean_up_surely(out, writer, created, replacing)
         if isinstance(e, (OSError, NoSpace)) and disk_full(e):
             raise ELFError(f"no space left on the device of {out} ({written}); free some space or {advice}: "
                            f"{outcome}") from None
@@ -167,7 +172,10 @@ def prepare_store(source, space, out, *, pairs: bool = False, layout: str = "pac
             pass
         lock.close()
     store = TokenStore(out)
-    _report_useless(source, space_name or getattr(space, "name", None), store, how, unknown)
+    if read.skipped:
+        _warn(f"warning: {read.skipped:,} bytes of {source} were bad input and were skipped (--on-bad skip; each "
+              "is named above); the store holds the rest")
+    _report_useless(source, space_name or getattr(space, "name", None), store, read.text_bytes, unknown)
     return store
 
 
@@ -185,6 +193,28 @@ def _clean_up(out: Path, writer, created: bool, replacing: bool) -> str:
     return f"nothing was kept: its partial files were removed from {out}"
 
 
+def _clean_up_surely(out: Path, writer, created: bool, replacing: bool) -> str:
+    """`_clean_up`, finished even when a signal (SIGTERM, Ctrl-C) comes while it runs: it is done again from
+    where it stands (each of its steps may be), then the signal's exception is raised, saying what became of
+    the folder. An error of the clean-up itself is raised as it is."""
+    late, outcome = None, f"its clean-up of {out} was stopped by signals again and again"
+    for _ in range(8):
+        try:
+            outcome = _clean_up(out, writer, created, replacing)
+            break
+        except Exception:
+            raise
+        except BaseException as e:  # a signal's exception: raised below, once the clean-up is done
+            late = late or e
+    if late is not None:
+        try:
+            late.outcome = outcome
+        except AttributeError:
+            pass
+        raise late
+    return outcome
+
+
 def _change(before: dict, after: dict) -> str:
     if before.get("files") != after.get("files"):
         return f"{before.get('files')} files when it was listed, {after.get('files')} now"
@@ -198,14 +228,13 @@ def _unknown_id(space) -> int | None:
     return unk if isinstance(unk, int) and unk != getattr(space, "eos_id", None) else None
 
 
-def _report_useless(source, space_name, store: TokenStore, how: dict, unknown: int) -> None:
+def _report_useless(source, space_name, store: TokenStore, size: int | None, unknown: int) -> None:
     """A warning for a store whose tokenizer did not fit the text: most of its tokens unknown, or far fewer
-    tokens than the text's bytes would give."""
+    tokens than the `size` bytes of text it was given (skipped input aside) would give."""
     text = store.num_tokens - (store.count if store.kind == "text" else 0)  # the EOS aside
     why = []
     if unknown and unknown >= UNKNOWN_SHARE * max(text, 1):
         why.append(f"{unknown / max(text, 1):.0%} of its {text:,} tokens are the unknown token")
-    size = how.get("total") if how.get("unit") == "B" else None
     if size and size >= BYTES_PER_TOKEN * max(text, 1):
         why.append(f"{size:,} bytes of text gave only {text:,} tokens")
     if why:
@@ -227,20 +256,44 @@ def _version() -> str:
         return "unknown"
 
 
-def _fill(writer: StoreWriter, results: Iterator, eos_id: int, on_bad: str, max_documents, bar, t0) -> int:
-    """Append the tasks' results to the store in order; returns the number of records."""
-    docs = 0
-    piece_state = None  # (file, nonblank so far, dropped) of the large file being read in pieces
+class Read:
+    """What `_fill` read: records written, bytes handed to the tokenizing tasks (for a source counted in
+    bytes), bytes of bad input skipped, and whether the source was read to its end (not cut by
+    --max-documents)."""
+
+    def __init__(self):
+        self.docs, self.handed, self.skipped, self.complete = 0, 0, 0, True
+        self.text_bytes: int | None = None
+
+    def close(self, how: dict) -> None:
+        """The totals, once the source is read: bad lines passed over while it was read (too long to be handed
+        to a task) are the bytes of a source read to its end that no task was handed; `text_bytes` is what
+        the tokenizer was given (None for a source not counted in bytes)."""
+        if how.get("unit") != "B":
+            return
+        if self.complete:
+            self.skipped += max(int(how.get("total") or 0) - self.handed, 0)
+            self.handed = int(how.get("total") or 0)
+        self.text_bytes = max(self.handed - self.skipped, 0)
+
+
+def _fill(writer: StoreWriter, results: Iterator, eos_id: int, on_bad: str, max_documents, bar, t0) -> Read:
+    """Append the tasks' results to the store in order; returns what was read (`Read`)."""
+    read = Read()
+    piece_state = None  # (file, nonblank so far, dropped, bytes) of the large file being read in pieces
     for (size, piece), (result, warnings) in results:
         part = isinstance(result, Piece)
+        read.handed += size
         if warnings and not (part and not piece[1] and piece_state[2]):  # one warning per skipped file
             sys.stderr.write(warnings)
         if not part:  # documents or pairs
-            docs += result.write(writer, None if max_documents is None else max_documents - docs)
+            read.docs += result.write(writer, None if max_documents is None else max_documents - read.docs)
+            read.skipped += result.skipped
         else:  # a piece of a large text file
             name, at_start, last = piece
             if at_start:
-                piece_state = [name, False, False]
+                piece_state = [name, False, False, 0]
+            piece_state[3] += size
             if not piece_state[2]:
                 if result.ids is None:  # a bad piece, skipped: the whole file goes
                     writer.drop_record()
@@ -252,13 +305,17 @@ def _fill(writer: StoreWriter, results: Iterator, eos_id: int, on_bad: str, max_
                 if piece_state[1]:
                     writer.extend(np.asarray([eos_id]))
                     writer.end_record()
-                    docs += 1
+                    read.docs += 1
                 else:
                     writer.drop_record()
                     report_bad(on_bad, f"{name} is empty")
+                    read.skipped += piece_state[3]
+            elif last:
+                read.skipped += piece_state[3]
         bar.update(size)
         elapsed = max(time.time() - t0, 1e-9)
-        bar.set_postfix_str(f"{docs:,} docs, {writer.tokens / elapsed:,.0f} tok/s", refresh=False)
-        if max_documents is not None and docs >= max_documents:
+        bar.set_postfix_str(f"{read.docs:,} docs, {writer.tokens / elapsed:,.0f} tok/s", refresh=False)
+        if max_documents is not None and read.docs >= max_documents:
+            read.complete = False
             break
-    return docs
+    return read

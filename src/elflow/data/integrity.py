@@ -1,10 +1,14 @@
-"""A token store's arrays checked against its manifest: ids below the vocabulary, offsets from 0 to the ids'
-count and never decreasing. Every element is checked when a store is written (`check_arrays`), sampled blocks
-when it is opened (`sampled_check`); the blocks' sha256 is the store's fingerprint (`Fingerprint`)."""
+"""A token store's records and arrays checked: a fingerprint or a manifest read field by field, each value of
+its type and in its range (`Fingerprint.from_dict`, `check_fields`); the arrays against the manifest: ids
+below the vocabulary, offsets from 0 to the ids' count and never decreasing. Every element is checked when a
+store is written (`check_arrays`), sampled blocks when it is opened (`sampled_check`); the blocks' sha256 is
+the store's fingerprint (`Fingerprint`)."""
 
 from __future__ import annotations
 
 import hashlib
+import json
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,6 +25,49 @@ BLOCK_BYTES = 1 << 16  # bytes per block (an array of at most BLOCKS * BLOCK_BYT
 
 
 FULL_BYTES = 1 << 23  # bytes per step of the full check
+
+
+MAX_BLOCKS = 1 << 12  # the most blocks a recorded fingerprint may ask a check to read from each array
+
+
+MAX_BLOCK_BYTES = 1 << 26  # the largest block it may ask for
+
+
+MAX_COUNT = 1 << 62  # tokens, records or bytes a record may name
+
+
+MAX_VOCAB = 1 << 32  # ids.bin holds uint32 at most
+
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def _shown(value) -> str:
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def whole(d: dict, key: str, where, low: int, high: int, advice: str, name: str | None = None) -> int:
+    """d[key], which must be an integer (not a bool, not a float) from `low` to `high`; an ELFError naming
+    `where` and the field (`name`, else `key`) with `advice` otherwise."""
+    v = d.get(key)
+    if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:
+        what = "missing" if key not in d else f"{_shown(v)}, not a whole number from {low:,} to {high:,}"
+        raise ELFError(f"{where}: {name or key} is {what}; {advice}")
+    return v
+
+
+def field_of(d: dict, key: str, kind, where, advice: str, name: str | None = None, optional: bool = False):
+    """d[key], which must be a `kind` (None allowed where `optional`); an ELFError naming the field otherwise."""
+    v = d.get(key)
+    if (v is None and optional) or (isinstance(v, kind) and not isinstance(v, bool)):
+        return v
+    want = {str: "a string", dict: "an object", list: "an array"}.get(kind, getattr(kind, "__name__", str(kind)))
+    what = "missing" if key not in d else f"{_shown(v)}, not {want}"
+    raise ELFError(f"{where}: {name or key} is {what}; {advice}")
 
 
 def ids_dtype(vocab_size: int) -> np.dtype:
@@ -41,11 +88,39 @@ def check_dtype(name, vocab_size: int, where) -> np.dtype:
     return want
 
 
+def check_source_fingerprint(fp, where, advice: str, name: str) -> dict:
+    """A source's fingerprint as a record holds it (`sources.source_fingerprint`: a manifest's, a checkpoint's),
+    its content fields checked: `sha256` 64 hex digits, `listing` entries [name, bytes, mtime_ns, sha256],
+    `files` and `bytes` counts. One ELFError naming `where` and the field (`name`.field) otherwise."""
+    if not isinstance(fp, dict):
+        raise ELFError(f"{where}: {name} is {_shown(fp)}, not an object; {advice}")
+    for key in ("files", "bytes"):
+        if key in fp:
+            whole(fp, key, where, 0, MAX_COUNT, advice, f"{name}.{key}")
+    if "sha256" in fp and not (isinstance(fp["sha256"], str) and _SHA256.fullmatch(fp["sha256"])):
+        raise ELFError(f"{where}: {name}.sha256 is {_shown(fp['sha256'])}, not a sha256 (64 hex digits); {advice}")
+    listing = fp.get("listing")
+    if listing is not None:
+        ok = isinstance(listing, list) and all(
+            isinstance(e, list) and len(e) == 4 and isinstance(e[0], str) and isinstance(e[3], str)
+            and _SHA256.fullmatch(e[3]) is not None and all(type(v) is int and v >= 0 for v in e[1:3])
+            for e in listing)
+        if not ok:
+            raise ELFError(f"{where}: {name}.listing is not a list of [name, bytes, mtime, sha256] entries; "
+                           f"{advice}")
+    return fp
+
+
 def block_spans(nbytes: int, itemsize: int, blocks: int = BLOCKS, block_bytes: int = BLOCK_BYTES) -> list:
     """(start, stop) byte spans of the blocks a sampled check reads: the whole array when it is small, else
-    `blocks` blocks spread evenly from its first byte to its last, each aligned to the item size."""
+    `blocks` blocks spread evenly from its first byte to its last (one block: the first), each aligned to the
+    item size. `blocks` and `block_bytes` are at least 1."""
+    if blocks < 1 or block_bytes < 1:
+        raise ValueError(f"blocks and block_bytes must be at least 1, got {blocks} and {block_bytes}")
     if nbytes <= blocks * block_bytes:
         return [(0, nbytes)]
+    if blocks == 1:
+        return [(0, block_bytes)]
     step = (nbytes - block_bytes) / (blocks - 1)
     spans = []
     for i in range(blocks):
@@ -114,12 +189,24 @@ class Fingerprint:
                 "block_bytes": self.block_bytes}
 
     @classmethod
-    def from_dict(cls, d) -> "Fingerprint | None":
-        try:
-            return cls(int(d["tokens"]), int(d["records"]), str(d["sha256"]), int(d.get("blocks", BLOCKS)),
-                       int(d.get("block_bytes", BLOCK_BYTES)))
-        except (TypeError, KeyError, ValueError, AttributeError):
-            return None
+    def from_dict(cls, d, where, advice: str = "prepare the store again with --overwrite",
+                  name: str = "fingerprint") -> "Fingerprint":
+        """The fingerprint a record holds (a manifest's, a checkpoint's), checked field by field: counts from 0,
+        a sha256 of 64 hex digits, 1 to MAX_BLOCKS blocks of 1 to MAX_BLOCK_BYTES bytes (absent: the
+        defaults). Anything else is one ELFError naming `where` and the field (`name`.field) with `advice`."""
+        if not isinstance(d, dict):
+            raise ELFError(f"{where}: {name} is {_shown(d)}, not an object; {advice}")
+        tokens = whole(d, "tokens", where, 0, MAX_COUNT, advice, f"{name}.tokens")
+        records = whole(d, "records", where, 0, MAX_COUNT, advice, f"{name}.records")
+        digest = d.get("sha256")
+        if not isinstance(digest, str) or not _SHA256.fullmatch(digest):
+            raise ELFError(f"{where}: {name}.sha256 is {_shown(digest) if 'sha256' in d else 'missing'}, not a "
+                           f"sha256 (64 hex digits); {advice}")
+        given = {k: d[k] for k in ("blocks", "block_bytes") if k in d}
+        blocks = whole({"blocks": BLOCKS, **given}, "blocks", where, 1, MAX_BLOCKS, advice, f"{name}.blocks")
+        block_bytes = whole({"block_bytes": BLOCK_BYTES, **given}, "block_bytes", where, 1, MAX_BLOCK_BYTES, advice,
+                            f"{name}.block_bytes")
+        return cls(tokens, records, digest, blocks, block_bytes)
 
     def difference(self, other: "Fingerprint") -> str:
         """How `other` differs from this one, in words."""

@@ -24,7 +24,15 @@ from elflow.data.corpus import (
     read_pairs,
     report_bad,
 )
-from elflow.data.sources import CUT_TEXT, cut_pieces, file_pieces, line_batches, read_small_file, resolve_source
+from elflow.data.sources import (
+    CUT_TEXT,
+    SourceHashes,
+    cut_pieces,
+    file_pieces,
+    line_batches,
+    read_small_file,
+    resolve_source,
+)
 from elflow.util.errors import ELFError
 
 PIECE_CHARS = 1 << 16  # the length of the pieces a tokenizer call sees (cut before whitespace)
@@ -36,8 +44,10 @@ GROUP_CHARS = 1 << 18  # text per tokenizer call
 # What a task makes
 @dataclass
 class Documents:
-    """Documents' ids, each ending with one EOS."""
+    """Documents' ids, each ending with one EOS; `skipped`: bytes of bad input the task passed over
+    (--on-bad skip)."""
     ids: list
+    skipped: int = 0
 
     def write(self, writer, limit: int | None) -> int:
         """Append at most `limit` documents to the store being written; returns how many."""
@@ -48,8 +58,9 @@ class Documents:
 
 @dataclass
 class Pairs:
-    """(source ids, target ids) pairs, without EOS."""
+    """(source ids, target ids) pairs, without EOS; `skipped` as for `Documents`."""
     pairs: list
+    skipped: int = 0
 
     def write(self, writer, limit: int | None) -> int:
         take = self.pairs if limit is None else self.pairs[:limit]
@@ -78,13 +89,15 @@ class JsonlLines:
     on_bad: str
 
     def run(self, space, max_chars: int) -> Documents:
-        texts = []
+        texts, skipped = [], 0
         for k, raw in enumerate(self.lines):
             obj = jsonl_object(raw, self.path, self.first + k, self.on_bad)
             text = field_text(obj, self.field, self.path, self.first + k, self.on_bad) if obj is not None else None
             if text is not None:
                 texts.append(text)
-        return Documents(tokenize(space, texts, max_chars))
+            elif raw.strip():
+                skipped += len(raw)
+        return Documents(tokenize(space, texts, max_chars), skipped)
 
 
 @dataclass
@@ -94,8 +107,14 @@ class TextFiles:
     on_bad: str
 
     def run(self, space, max_chars: int) -> Documents:
-        texts = [t for t in (decode_text(raw, path, self.on_bad) for path, raw in self.files) if t is not None]
-        return Documents(tokenize(space, texts, max_chars))
+        texts, skipped = [], 0
+        for path, raw in self.files:
+            text = decode_text(raw, path, self.on_bad)
+            if text is not None:
+                texts.append(text)
+            else:
+                skipped += len(raw)
+        return Documents(tokenize(space, texts, max_chars), skipped)
 
 
 @dataclass
@@ -149,13 +168,16 @@ class JsonlPairs:
 
     def run(self, space, max_chars: int) -> Pairs:
         pairs, (src_field, tgt_field), path, on_bad = [], self.fields, self.path, self.on_bad
+        skipped = 0
         for k, raw in enumerate(self.lines):
             line, obj = self.first + k, jsonl_object(raw, path, self.first + k, on_bad)
             src = field_text(obj, src_field, path, line, on_bad, "--source-field") if obj is not None else None
             tgt = field_text(obj, tgt_field, path, line, on_bad, "--target-field") if src is not None else None
             if src is not None and tgt is not None:
                 pairs.append((src, tgt))
-        return Pairs(tokenize_pairs(space, pairs, max_chars))
+            elif raw.strip():
+                skipped += len(raw)
+        return Pairs(tokenize_pairs(space, pairs, max_chars), skipped)
 
 
 @dataclass
@@ -167,7 +189,7 @@ class HubPairs:
     on_bad: str
 
     def run(self, space, max_chars: int) -> Pairs:
-        kept = []
+        kept, skipped = [], 0
         for k, (src, tgt) in enumerate(self.pairs):
             if not isinstance(src, str) or not isinstance(tgt, str):
                 raise ELFError(f"{self.name}: record {self.first + k + 1} holds a {type(src).__name__} source and a "
@@ -175,9 +197,10 @@ class HubPairs:
                                "and --target-field")
             if not src.strip():
                 report_bad(self.on_bad, f"{self.name}: record {self.first + k + 1} has an empty source")
+                skipped += len(src) + len(tgt)
                 continue
             kept.append((src, tgt))
-        return Pairs(tokenize_pairs(space, kept, max_chars))
+        return Pairs(tokenize_pairs(space, kept, max_chars), skipped)
 
 
 @dataclass
@@ -235,8 +258,10 @@ def document_ids(ids, eos_id: int, mask=None) -> np.ndarray:
 
 # ----------------------------------------------------------------------------------------------------
 # A source as tasks
-def _text_tasks(path: Path, field: str, on_bad: str, chunk_bytes: int) -> Iterator[tuple[object, tuple]]:
-    """(task, (bytes, piece flag)) for a local text source, in the source's order."""
+def _text_tasks(path: Path, field: str, on_bad: str, chunk_bytes: int, hashes: SourceHashes
+                ) -> Iterator[tuple[object, tuple]]:
+    """(task, (bytes, piece flag)) for a local text source, in the source's order; each file's sha256 is taken
+    into `hashes` as it is read."""
     group, size = [], 0
     for file in local_files(path):
         name = str(file)
@@ -244,13 +269,14 @@ def _text_tasks(path: Path, field: str, on_bad: str, chunk_bytes: int) -> Iterat
             if group:
                 yield TextFiles(group, on_bad), (size, None)
                 group, size = [], 0
-            for first, lines, n in line_batches(file, chunk_bytes, on_bad):
+            for first, lines, n in line_batches(file, chunk_bytes, on_bad, hashes.reader(file)):
                 yield JsonlLines(name, first, lines, field, on_bad), (n, None)
+            hashes.finished(file)
         elif (listed := file.stat().st_size) > chunk_bytes:
             if group:
                 yield TextFiles(group, on_bad), (size, None)
                 group, size = [], 0
-            pieces = file_pieces(file, chunk_bytes)
+            pieces = file_pieces(file, chunk_bytes, hashes.reader(file))
             piece = next(pieces, None)
             while piece is not None:
                 following = next(pieces, None)
@@ -258,8 +284,10 @@ def _text_tasks(path: Path, field: str, on_bad: str, chunk_bytes: int) -> Iterat
                 yield FilePiece(name, first_line, raw, at_start, on_bad), (len(raw), (name, at_start,
                                                                                       following is None))
                 piece = following
+            hashes.finished(file)
         else:
-            raw = read_small_file(file, listed)
+            raw = read_small_file(file, listed, hashes.reader(file))
+            hashes.finished(file)
             group.append((name, raw))
             size += len(raw)
             if size >= chunk_bytes:
@@ -300,8 +328,10 @@ def pretokenized_pairs(rows, name: str):
 
 
 def source_tasks(source, space, pairs: bool, fields, on_bad: str, split: str, max_documents, chunk_bytes: int,
-           cache_dir) -> tuple[Iterator, dict]:
-    """The tasks that read `source`, and what the manifest says about how it was read."""
+                 cache_dir, hashes: SourceHashes | None = None) -> tuple[Iterator, dict]:
+    """The tasks that read `source`, and what the manifest says about how it was read. The sha256 of each
+    local file read is taken into `hashes` as it is read."""
+    hashes = SourceHashes() if hashes is None else hashes
     name = str(source)
     path = resolve_source(source, cache_dir)
     rows = None
@@ -323,12 +353,13 @@ def source_tasks(source, space, pairs: bool, fields, on_bad: str, split: str, ma
                          lambda r: 2 * (len(r[0]) + len(r[1] if pairs else [])))
         return tasks, {"pretokenized": True, "unit": "doc"}
     if path is not None and not pairs:
-        return _text_tasks(path, fields[0], on_bad, chunk_bytes), {"unit": "B", "total": sum(
+        return _text_tasks(path, fields[0], on_bad, chunk_bytes, hashes), {"unit": "B", "total": sum(
             f.stat().st_size for f in local_files(path))}
     if path is not None and path.suffix == ".jsonl":
         def jsonl_pairs():
-            for first, lines, n in line_batches(path, chunk_bytes, on_bad):
+            for first, lines, n in line_batches(path, chunk_bytes, on_bad, hashes.reader(path)):
                 yield JsonlPairs(str(path), first, lines, tuple(fields), on_bad), (n, None)
+            hashes.finished(path)
         return jsonl_pairs(), {"unit": "B", "total": path.stat().st_size}
     if pairs:  # a hub pair set (or a clear error from read_pairs)
         it = read_pairs(source, fields[0], fields[1], on_bad, split, max_documents)

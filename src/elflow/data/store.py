@@ -4,14 +4,24 @@ manifest (`elflow.data.integrity`). docs/data.md has the format."""
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from elflow.data.integrity import Fingerprint, check_arrays, check_dtype, ids_dtype, sampled_check
+from elflow.data.integrity import (
+    MAX_COUNT,
+    MAX_VOCAB,
+    Fingerprint,
+    check_arrays,
+    check_dtype,
+    check_source_fingerprint,
+    field_of,
+    ids_dtype,
+    sampled_check,
+    whole,
+)
 from elflow.data.store_folder import (  # noqa: F401  (the folder's names and locks, read from here too)
     IDS,
     LOCK,
@@ -26,6 +36,7 @@ from elflow.data.store_folder import (  # noqa: F401  (the folder's names and lo
     recover,
     store_lock,
 )
+from elflow.util import jsonio
 from elflow.util.errors import ELFError
 from elflow.util.files import atomic_write_json
 
@@ -48,9 +59,11 @@ def is_store(path) -> bool:
         return False
     if any((path / name).exists() for name in (IDS, OFFSETS, IDS + PARTIAL, OFFSETS + PARTIAL, STAGE)):
         return True
+    if not os.path.lexists(path / MANIFEST):
+        return False
     try:
-        return json.loads((path / MANIFEST).read_text()).get("format") == FORMAT
-    except (OSError, ValueError, AttributeError):
+        return jsonio.read_json(path / MANIFEST, max_bytes=jsonio.RECORD_BYTES).get("format") == FORMAT
+    except ELFError:
         return False
 
 
@@ -172,12 +185,44 @@ def upgrade_manifest(m: dict) -> dict:
     return m if "fingerprint" in m else {**m, "fingerprint": None}
 
 
-def _count(d: dict, key: str, least: int) -> int:
-    """d[key], which must be a whole number of at least `least` (ValueError naming `key` otherwise)."""
-    v = d[key]
-    if isinstance(v, bool) or not isinstance(v, int) or v < least:
-        raise ValueError(key)
-    return v
+AGAIN = "the manifest was changed or damaged: prepare the store again with --overwrite"
+
+
+LAYOUTS = ("packed", "document", "pairs")
+
+
+def check_manifest(m: dict, path) -> dict:
+    """A store's manifest (read from `path`) checked field by field, each value of its type and in its range;
+    one ELFError naming the file and the field otherwise. The dtype is checked against the vocabulary
+    apart (`integrity.check_dtype`), the fingerprint by `Fingerprint.from_dict`."""
+    kind = field_of(m, "kind", str, path, AGAIN)
+    if kind not in PARTS:
+        raise ELFError(f"{path}: kind is {kind!r}, not one of {', '.join(PARTS)}; {AGAIN}")
+    layout = field_of(m, "layout", str, path, AGAIN, optional=True)
+    if layout is not None and layout not in LAYOUTS:
+        raise ELFError(f"{path}: layout is {layout!r}, not one of {', '.join(LAYOUTS)}; {AGAIN}")
+    tok = field_of(m, "tokenizer", dict, path, AGAIN)
+    field_of(tok, "id", str, path, AGAIN, "tokenizer.id")
+    field_of(tok, "space", str, path, AGAIN, "tokenizer.space", optional=True)
+    vocab = whole(tok, "vocab_size", path, 1, MAX_VOCAB, AGAIN, "tokenizer.vocab_size")
+    for key in ("eos_id", "pad_id"):
+        whole(tok, key, path, 0, vocab - 1, AGAIN, f"tokenizer.{key}")
+    field_of(m, "dtype", str, path, AGAIN)  # which one: integrity.check_dtype, against the vocabulary
+    whole(m, "records", path, 1, MAX_COUNT, AGAIN)
+    whole(m, "tokens", path, 1, MAX_COUNT, AGAIN)
+    if "source_length" in m and m["source_length"] is not None:
+        whole(m, "source_length", path, 1, MAX_COUNT, AGAIN)
+    if "bytes" in m:  # the files' sizes themselves are compared with the counts (`TokenStore._check_sizes`)
+        sizes = field_of(m, "bytes", dict, path, AGAIN)
+        for name in (IDS, OFFSETS):
+            whole(sizes, name, path, 0, MAX_COUNT, AGAIN, f"bytes.{name}")
+    if m.get("fingerprint") is not None:
+        Fingerprint.from_dict(m["fingerprint"], path, AGAIN)
+    source = field_of(m, "source", dict, path, AGAIN, optional=True)
+    if source is not None and source.get("fingerprint") is not None:
+        check_source_fingerprint(source["fingerprint"], path, AGAIN, "source.fingerprint")
+    field_of(m, "build", dict, path, AGAIN, optional=True)
+    return m
 
 
 def _map(path: Path, dtype: np.dtype, count: int) -> np.ndarray:
@@ -210,7 +255,8 @@ class TokenStore:
             self._check_sizes()
             self.ids = _map(self.folder / IDS, self.dtype, self.num_tokens)
             self.offsets = _map(self.folder / OFFSETS, np.dtype("<i8"), PARTS[self.kind] * self.count + 1)
-        recorded = None if m["fingerprint"] is None else Fingerprint.from_dict(m["fingerprint"])
+        recorded = None if m["fingerprint"] is None else Fingerprint.from_dict(m["fingerprint"],
+                                                                               self.folder / MANIFEST)
         self.fingerprint = self.sampled(*((recorded.blocks, recorded.block_bytes) if recorded else ()))
         if m["fingerprint"] is not None and recorded != self.fingerprint:
             raise ELFError(f"{self.folder}: its arrays are not those its manifest describes (their fingerprint "
@@ -227,7 +273,7 @@ class TokenStore:
         if not f.is_dir():
             raise ELFError(f"{f} is not a token store folder (it does not exist); make one with `elflow prepare`")
         path = f / MANIFEST
-        if not path.is_file():
+        if not os.path.lexists(path):
             if locked_by_other(f):
                 state = "it is being written by a running `elflow prepare`; wait for it to finish"
             elif any((f / n).exists() for n in (IDS, OFFSETS, IDS + PARTIAL, OFFSETS + PARTIAL)):
@@ -237,26 +283,17 @@ class TokenStore:
                 state = "it holds no store; make one with `elflow prepare`"
             raise ELFError(f"{f} has no {MANIFEST}: {state}")
         try:
-            m = json.loads(path.read_bytes().decode("utf-8"))
-        except (OSError, ValueError) as e:
-            raise ELFError(f"{path} cannot be read ({e}); prepare the store again with --overwrite") from None
+            m = jsonio.read_json(path, kind=None, max_bytes=jsonio.RECORD_BYTES, own=True)
+        except ELFError as e:
+            raise ELFError(f"{e}; prepare the store again with --overwrite") from None
         if not isinstance(m, dict) or m.get("format") != FORMAT:
             raise ELFError(f"{path} is not the manifest of an elflow token store")
-        if m.get("version") != VERSION:
-            raise ELFError(f"{f} is a token store of format version {m.get('version')}; this elflow reads version "
-                           f"{VERSION}: prepare it again")
-        try:
-            m["kind"], m["tokenizer"]["id"], m["dtype"]
-            if m["kind"] not in PARTS:
-                raise KeyError("kind")
-            vocab = _count(m["tokenizer"], "vocab_size", 1)
-            for key in ("eos_id", "pad_id"):
-                if _count(m["tokenizer"], key, 0) >= vocab:
-                    raise ValueError(key)
-            _count(m, "records", 1), _count(m, "tokens", 1)
-        except (KeyError, TypeError, ValueError) as e:
-            raise ELFError(f"{path} lacks a valid {e} entry; prepare the store again with --overwrite") from None
-        return m
+        version = m.get("version")
+        if isinstance(version, bool) or version != VERSION:
+            shown = version if isinstance(version, (int, str)) and len(str(version)) < 20 else "unknown"
+            raise ELFError(f"{f} is a token store of format version {shown}; this elflow reads version {VERSION}: "
+                           "prepare it again")
+        return check_manifest(m, path)
 
     def _check_sizes(self) -> None:
         expected = {IDS: self.num_tokens * self.dtype.itemsize, OFFSETS: (PARTS[self.kind] * self.count + 1) * 8}

@@ -3,7 +3,6 @@ ROUGE, and reading samples files. docs/evaluation.md states the protocol."""
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import stat
@@ -13,8 +12,8 @@ from typing import Iterable, Sequence
 import torch
 import torch.nn.functional as F
 
+from elflow.util import jsonio
 from elflow.util.errors import ELFError
-from elflow.util.files import utf8_lines
 
 PROTOCOLS = ("elf", "elf-official", "mdlm")
 
@@ -24,6 +23,9 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 # ----------------------------------------------------------------------------------------------------------
 # inputs
+MAX_TEXTS_BYTES = 1 << 30  # a samples or references file, whose texts are all held in memory
+
+
 _KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
           (stat.S_ISFIFO, "a fifo"), (stat.S_ISSOCK, "a socket"))
 
@@ -45,33 +47,40 @@ def check_input_file(path: Path, what: str, hint: str) -> Path:
 
 
 def read_texts(jsonl_path: str | os.PathLike, field: str = "text") -> list[str]:
-    """The `field` of every line of a JSONL file (as `elflow sample` writes them); blank lines are skipped."""
+    """The `field` of every line of a JSONL file (as `elflow sample` writes them); blank lines are skipped. The
+    file is read by the bounded reader (elflow.util.jsonio): a regular file of at most MAX_TEXTS_BYTES, each
+    line at most jsonio.MAX_LINE_BYTES; a line that is binary, not UTF-8, not JSON, nested too deeply or holds a
+    huge integer is one error naming the file and the line."""
     path = check_input_file(Path(jsonl_path).expanduser(), "samples file",
                             "pass a .jsonl file written by `elflow sample`")
     texts = []
-    for lineno, line in enumerate(utf8_lines(path), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ELFError(f"{path}:{lineno}: not valid JSON ({e.msg}); each line must be one JSON object")
+    for lineno, obj in jsonio.iter_jsonl(path, max_bytes=MAX_TEXTS_BYTES, allow_nonfinite=True):
         if not isinstance(obj, dict) or field not in obj:
-            keys = ", ".join(obj) if isinstance(obj, dict) else type(obj).__name__
-            raise ELFError(f"{path}:{lineno}: no {field!r} field (found: {keys}); choose the field with --field")
+            keys = ", ".join(obj)[:200] if isinstance(obj, dict) else f"a JSON {type(obj).__name__}"
+            raise ELFError(f"{path} line {lineno}: no {field!r} field (found: {keys}); choose the field with --field")
         if not isinstance(obj[field], str):
-            raise ELFError(f"{path}:{lineno}: field {field!r} is {type(obj[field]).__name__}, not a string")
+            raise ELFError(f"{path} line {lineno}: field {field!r} is {type(obj[field]).__name__}, not a string")
         texts.append(obj[field])
     return texts
 
 
 def read_references(path: str | os.PathLike, field: str) -> list[str]:
-    """References: a .jsonl file (read from `field`) or a text file with one reference per line."""
+    """References: a .jsonl file (read from `field`) or a UTF-8 text file with one reference per line, each
+    read by the bounded reader (at most MAX_TEXTS_BYTES)."""
     path = check_input_file(Path(path).expanduser(), "references file",
                             "pass a .jsonl file or a text file with one reference per line")
     if path.suffix in (".jsonl", ".json"):
         return read_texts(path, field)
-    lines = utf8_lines(path)
+    data = jsonio.read_limited(path, MAX_TEXTS_BYTES, "references")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise ELFError(f"{path} line {line}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); elflow "
+                       "reads UTF-8: convert the file (iconv -f latin1 -t utf-8)") from None
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
     return [line.rstrip("\r") for line in lines]
 
 

@@ -12,6 +12,7 @@ from elflow.eval.metrics import generative_perplexity, read_references, summary_
 from elflow.generate import gather_records, write_samples
 from elflow.runs.record import RunRecord
 from elflow.space import build_space, tokenizer_spec
+from elflow.util import jsonio
 from elflow.util.errors import ELFError
 from elflow.util.files import atomic_write_json, cache_root
 
@@ -68,6 +69,22 @@ def _judge_identity(judge: str) -> dict:
     return {"hub": judge}
 
 
+def _cached_figures(path: Path) -> dict | None:
+    """A judge's figures cached in `path` (read by the bounded reader, NaN allowed: a figure of no tokens), or
+    None when there are none or they are not figures (a damaged cache entry is judged again)."""
+    if not path.is_file():
+        return None
+    try:
+        figures = jsonio.read_json(path, max_bytes=jsonio.RECORD_BYTES, own=True, allow_nonfinite=True)
+    except ELFError:
+        return None
+    numbers = ("gen_ppl", "entropy", "nll_sum")
+    if not all(isinstance(figures.get(k), (int, float)) and not isinstance(figures.get(k), bool) for k in numbers):
+        return None
+    count = figures.get("num_tokens")
+    return figures if isinstance(count, int) and not isinstance(count, bool) and count >= 0 else None
+
+
 def judged_heldout(texts: list[str], judge_name: str, judge, settings: dict, cache_dir=None,
                    progress: bool = False) -> dict:
     """The judge's figures of held-out `texts` (generative_perplexity without the per-sample lists), cached
@@ -78,10 +95,9 @@ def judged_heldout(texts: list[str], judge_name: str, judge, settings: dict, cac
     key = hashlib.sha256(json.dumps({"texts": digest.hexdigest(), "judge": _judge_identity(judge_name),
                                      **settings}, sort_keys=True).encode()).hexdigest()[:24]
     path = cache_root(cache_dir) / "judged" / f"{key}.json"
-    try:
-        return {**json.loads(path.read_text()), "cached": True}
-    except (OSError, ValueError):
-        pass
+    cached = _cached_figures(path)
+    if cached is not None:
+        return {**cached, "cached": True}
     model, tok = judge
     res = summary_of(generative_perplexity(texts, model, tok, settings["batch_size"], settings["protocol"],
                                         settings["max_length"], progress=progress))

@@ -22,8 +22,9 @@ from elflow.methods import get_method
 from elflow.runs.load import load_for_sampling
 from elflow.space import build_space, space_spec, tokenizer_spec
 from elflow.train import train
+from elflow.util import jsonio
 from elflow.util.errors import ELFError
-from elflow.util.files import FolderHold, atomic_write, atomic_write_json, check_output
+from elflow.util.files import FolderHold, atomic_write, atomic_write_json, check_output, read_json
 
 NOISE = 2.0  # standard errors of the paired seed differences a finding must clear
 
@@ -308,14 +309,15 @@ class Harness:
         judge = self.judge()
         key = _key({"sampling": variant.sampling, "num": self.num, "judge": self.judge_name, "figures": list(FIGURES)})
         path = folder / "measures" / f"{key}.json"
-        if path.is_file():
-            return json.loads(path.read_text())
+        cached = _read_cache(path, (*FIGURES, "params", "steps"))
+        if cached is not None:
+            return cached
         net, space = load_for_sampling(folder, device=self.device)
         cfg = self.config(variant, seed)
         held = folder / "heldout.json"
-        if held.is_file():
-            report = json.loads(held.read_text())
-        else:
+        report = _read_cache(held, ("model_loss", "decode_accuracy"))
+        accuracy = (report or {}).get("decode_accuracy")
+        if not (isinstance(accuracy, dict) and "p=1.0" in accuracy):
             _, val_set = build_dataset(cfg.data, space, cfg.length, layout=cfg.layout, val_fraction=cfg.val_fraction,
                                        seed=cfg.seed, cache_dir=self.cache_dir, field=cfg.text_field,
                                        on_bad=cfg.on_bad)
@@ -331,10 +333,22 @@ class Harness:
         figures = {"loss": report["model_loss"], "decode_acc": report["decode_accuracy"]["p=1.0"],
                    "gen_ppl": scores.get("gen_ppl", math.nan), "entropy": scores.get("judge_entropy", math.nan),
                    "corpus_words": scores.get("corpus_word_share", math.nan), "mauve": scores.get("mauve", math.nan),
-                   "params": json.loads((folder / "run.json").read_text())["params"]["model"],
-                   "steps": json.loads((folder / "done.json").read_text())["steps"]}
+                   "params": read_json(folder / "run.json")["params"]["model"],
+                   "steps": read_json(folder / "done.json")["steps"]}
         atomic_write_json(path, figures)
         return figures
+
+
+def _read_cache(path: Path, keys: tuple) -> dict | None:
+    """A figures file this harness wrote (NaN allowed), read by the bounded reader; None when it is missing,
+    damaged or lacks one of `keys` (the figures are measured again)."""
+    if not path.is_file():
+        return None
+    try:
+        figures = jsonio.read_json(path, max_bytes=jsonio.RECORD_BYTES, own=True, allow_nonfinite=True)
+    except ELFError:
+        return None
+    return figures if all(k in figures for k in keys) else None
 
 
 def run_claims(claims: list[Claim], out, seeds: int = DEFAULT_SEEDS, minutes: float | None = DEFAULT_MINUTES,
@@ -383,7 +397,7 @@ def _run_claims(claims, out, seeds, minutes, steps, num, base, cache_dir, device
     bar.close()
     report = {"command": command, "budget": budget, "seeds": seeds, "num": num, "noise": NOISE,
               "judge": getattr(harness, "judge_name", None), "claims": results}
-    clean = json.loads(json.dumps(report, default=str), parse_constant=lambda c: None)  # nan -> null
+    clean = jsonio.json_safe(report)  # nan -> null
     atomic_write_json(out / "claims.json", clean)
     with atomic_write(out / "claims.md", "w") as f:
         f.write(format_markdown(clean))

@@ -24,6 +24,7 @@ from elflow.runs.load import load_for_sampling
 from elflow.runs.log import read_metrics
 from elflow.space import build_space, space_spec, tokenizer_spec
 from elflow.train import train
+from elflow.util import jsonio
 from elflow.util.devices import check_device
 from elflow.util.errors import ELFError
 from elflow.util.files import FolderHold, atomic_write_json, cache_root, check_output, read_json
@@ -210,7 +211,7 @@ def _compare(cfg, out, steps, minutes, num, judge, elf_steps, omegas, ar_tempera
 
     result = {"budget": budget, "match": cfg.match, "judge": judge_name, "num": num, "rows": rows, "methods": info,
               "out": str(out), "config": cfg.to_dict()}
-    clean = json.loads(json.dumps(result, default=str), parse_constant=lambda c: None)  # nan -> null
+    clean = jsonio.json_safe(result)  # nan -> null
     atomic_write_json(out / "compare.json", clean)
     plot_rows(rows, out / "compare.png")
     printer(format_table(rows, info, budget))

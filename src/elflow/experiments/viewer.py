@@ -11,6 +11,7 @@ from pathlib import Path
 
 from elflow.util.errors import ELFError
 from elflow.util.files import atomic_write_text
+from elflow.util.jsonio import MAX_JSON_BYTES, BadJSON, parse, read_limited
 
 FORMAT = "elflow-trajectory"
 
@@ -93,28 +94,22 @@ def read_trajectory(path) -> dict:
         kind = "a folder" if stat.S_ISDIR(st.st_mode) else "not a regular file (a device, fifo or socket)"
         raise ELFError(f"{path} is {kind}; pass a trajectory file (OUT.trajectory.json of `elflow sample RUN "
                        "--trajectory`)")
+    data = read_limited(path, MAX_JSON_BYTES)  # the bounded reader: a regular file of at most MAX_JSON_BYTES
     try:
-        text = path.read_bytes().decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ELFError(f"{path}: not a trajectory (not UTF-8 text: byte 0x{e.object[e.start]:02x} at offset "
-                       f"{e.start}); record one with `elflow sample RUN --trajectory`") from None
-    except OSError as e:
-        raise ELFError(f"{path}: cannot be read ({e.strerror or e})") from None
-    try:
-        doc = json.loads(text)
-    except RecursionError:
-        raise ELFError(f"{path}: not a trajectory (JSON nested too deeply to read)") from None
-    except json.JSONDecodeError as e:
-        first = text.lstrip().splitlines()[0] if text.strip() else ""
+        doc = parse(data, str(path), allow_nonfinite=True)
+    except BadJSON as e:
+        first = data.lstrip().split(b"\n", 1)[0]
         try:
-            head = json.loads(first)
+            head = parse(first, str(path), allow_nonfinite=True)
             looks_like_samples = isinstance(head, dict) and "text" in head
-        except (json.JSONDecodeError, RecursionError):
+        except BadJSON:
             looks_like_samples = False
         if looks_like_samples:
             raise ELFError(f"{path} is a samples file (JSONL), not a trajectory: record one with "
                            f"`elflow sample RUN --trajectory`, which writes OUT.trajectory.json") from None
-        raise ELFError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+        detail = str(e)[len(str(path)) + 2:] if str(e).startswith(f"{path}: ") else str(e)
+        raise ELFError(f"{path}: not a trajectory ({detail}); record one with `elflow sample RUN "
+                       "--trajectory`") from None
     return check_trajectory(doc, path)
 
 

@@ -9,7 +9,9 @@ import sys
 from pathlib import Path
 
 from elflow.flow import TIME_BINS, time_bin_labels
+from elflow.util import jsonio
 from elflow.util.devices import device_name, fast_bf16
+from elflow.util.errors import ELFError
 from elflow.util.files import atomic_write, atomic_write_text
 
 
@@ -23,8 +25,8 @@ def read_metrics(path: Path) -> list[dict]:
         return recs
     for line in lines:
         try:
-            rec = json.loads(line)
-        except ValueError:
+            rec = jsonio.parse(line, str(path), allow_nonfinite=True)
+        except ELFError:
             continue
         if isinstance(rec, dict):
             recs.append(rec)
@@ -42,8 +44,8 @@ def trim_metrics(out: Path, step: int) -> int:
     kept, dropped = [], 0
     for line in raw.splitlines():
         try:
-            rec = json.loads(line)
-        except ValueError:
+            rec = jsonio.parse(line, str(path), allow_nonfinite=True)
+        except ELFError:
             rec = None
         steps = rec.get("step") if isinstance(rec, dict) else None
         if not isinstance(rec, dict) or (isinstance(steps, (int, float)) and steps > step):
@@ -202,8 +204,9 @@ def loss_figure(run_dir: Path):
     import matplotlib.pyplot as plt
 
     try:
-        val = json.loads((run_dir / "report.json").read_text()).get("validation") or {}
-    except (OSError, ValueError, AttributeError):
+        val = jsonio.read_json(run_dir / "report.json", max_bytes=jsonio.RECORD_BYTES, own=True,
+                               allow_nonfinite=True).get("validation") or {}
+    except (ELFError, AttributeError):
         val = {}
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 5.2))
     shown = []

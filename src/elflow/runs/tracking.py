@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
 
+from elflow.util import jsonio
 from elflow.util.errors import ELFError
 from elflow.util.files import atomic_write_json
 
@@ -30,8 +30,8 @@ def require_wandb():
 def _stored(folder: Path, project: str) -> dict | None:
     """The W&B run recorded in `folder` for `project`, if any."""
     try:
-        info = json.loads((folder / ID_FILE).read_text())
-    except (OSError, ValueError):
+        info = jsonio.read_json(folder / ID_FILE, max_bytes=jsonio.RECORD_BYTES, own=True)
+    except ELFError:
         return None
     return info if isinstance(info, dict) and info.get("project") == project and info.get("id") else None
 

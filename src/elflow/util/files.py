@@ -350,10 +350,11 @@ class FolderLock:
 
     def _holder(self) -> dict | None:
         try:
-            info = json.loads(self.path.read_text())
-            return info if isinstance(info, dict) and isinstance(info.get("pid"), int) else None
-        except (OSError, ValueError):
+            info = jsonio.read_json(self.path, kind=None, max_bytes=jsonio.RECORD_BYTES, own=True)
+        except ELFError:
             return None
+        pid = info.get("pid") if isinstance(info, dict) else None
+        return info if isinstance(pid, int) and not isinstance(pid, bool) and 0 < pid < 2**31 else None
 
     def _stale(self, holder: dict | None) -> bool:
         if holder is None:  # empty or garbled: a holder killed while writing it, unless it is being written now

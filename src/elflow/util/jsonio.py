@@ -6,7 +6,10 @@ JSONL file) for anything it refuses. Files a run, a checkpoint, a model folder o
     parse(text, where)                  one JSON value from text
     read_json(path, what, kind)         one JSON file, whole
     iter_jsonl(path, what)              (line number, value) of each non-blank line of a JSONL file
+    jsonl_lines(path, what)             (line number, raw bytes) of each line of a JSONL file, for a reader that
+                                        parses them elsewhere (a worker process)
     read_limited(path, max_bytes)       the bytes of a regular file, bounded (the reads above use it)
+    json_safe(value)                    a copy of a value as plain JSON data (NaN and Infinity as null)
 """
 
 from __future__ import annotations
@@ -36,6 +39,11 @@ class BadJSON(ELFError):
 
 def _name(path, what: str = "") -> str:
     return f"{path}" + (f" ({what})" if what else "")
+
+
+def size_text(n: int) -> str:
+    """A size in words: whole MiB, else bytes."""
+    return f"{n >> 20:,} MiB" if n >= 1 << 20 and n % (1 << 20) == 0 else f"{n:,} bytes"
 
 
 def _check_int(text: str):
@@ -78,21 +86,25 @@ def _depth_ok(value, limit: int) -> bool:
 
 
 def parse(text: str | bytes, where: str, *, allow_nonfinite: bool = False, max_depth: int = MAX_DEPTH):
-    """One JSON value from `text`; BadJSON naming `where` for text that is not UTF-8 or not JSON, nested deeper
-    than `max_depth`, with an integer of more than MAX_INT_DIGITS digits, or with NaN / Infinity (unless
-    `allow_nonfinite`, which reads them as floats)."""
-    if isinstance(text, bytes):
+    """One JSON value from `text`; BadJSON naming `where` for text that is binary, not UTF-8 or not JSON, nested
+    deeper than `max_depth`, with an integer of more than MAX_INT_DIGITS digits, or with NaN / Infinity
+    (unless `allow_nonfinite`, which reads them as floats)."""
+    if isinstance(text, (bytes, bytearray)):
         try:
-            text = text.decode("utf-8")
+            text = bytes(text).decode("utf-8")
         except UnicodeDecodeError as e:
-            raise BadJSON(f"{where}: not UTF-8 text (byte 0x{text[e.start]:02x} at offset {e.start})") from None
+            raise BadJSON(f"{where}: not UTF-8 text (byte 0x{text[e.start]:02x} at offset {e.start}); elflow reads "
+                          "UTF-8: convert the file (iconv -f latin1 -t utf-8)") from None
+    nul = text.find("\x00")
+    if nul >= 0:
+        raise BadJSON(f"{where}: not valid JSON (a NUL character at offset {nul}: binary data?)")
     hooks = {"parse_int": _check_int}
     if not allow_nonfinite:
         hooks.update(parse_constant=_refuse_constant, parse_float=_check_float_finite)
     try:
         value = json.loads(text, **hooks)
     except RecursionError:
-        raise BadJSON(f"{where}: nested deeper than {max_depth} levels; not a file elflow reads") from None
+        raise BadJSON(f"{where}: nested too deeply (deeper than {max_depth} levels)") from None
     except _Refused as e:
         raise BadJSON(f"{where}: {e}") from None
     except json.JSONDecodeError as e:
@@ -101,7 +113,7 @@ def parse(text: str | bytes, where: str, *, allow_nonfinite: bool = False, max_d
     except ValueError as e:  # Python's own limit on integer digits, reached before the hook in some versions
         raise BadJSON(f"{where}: not valid JSON ({e})") from None
     if not _depth_ok(value, max_depth):
-        raise BadJSON(f"{where}: nested deeper than {max_depth} levels; not a file elflow reads")
+        raise BadJSON(f"{where}: nested too deeply (deeper than {max_depth} levels)")
     return value
 
 
@@ -171,49 +183,105 @@ def _json_type(py: str) -> str:
             "NoneType": "null", "bool": "true/false"}.get(py, py)
 
 
-def iter_jsonl(path: str | os.PathLike, what: str = "", *, max_line_bytes: int = MAX_LINE_BYTES,
-               max_bytes: int = MAX_JSONL_BYTES, allow_nonfinite: bool = False, on_bad=None):
-    """(line number, value) of each non-blank line of the JSONL file `path`, read line by line, each line at
-    most `max_line_bytes` and the file at most `max_bytes`. A bad line (not UTF-8, not JSON, too deep, too
-    long, a huge integer) is a BadJSON naming the file and the line, or, when `on_bad(line_number, message)`
-    is given, reported to it and skipped. A file that is not a regular file is one ELFError."""
-    name = _name(path, what)
+def _open_regular(path, name: str, max_bytes: int | None):
+    """`path` opened for reading in binary, which must be a regular file of at most `max_bytes` (None: any
+    size); never blocks on a fifo."""
     try:
-        st = os.stat(path)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except FileNotFoundError:
         raise ELFError(f"{name}: missing") from None
     except OSError as e:
         raise ELFError(f"{name}: cannot be read ({e.strerror or e})") from None
-    kind = _kind_of(st.st_mode)
+    f = os.fdopen(fd, "rb")
+    st = os.fstat(fd)
+    kind = _kind_of(st.st_mode) or (None if stat.S_ISREG(st.st_mode) else "not a regular file")
     if kind is not None:
+        f.close()
         raise ELFError(f"{name}: {kind}, not a regular file; refused")
-    if st.st_size > max_bytes:
+    if max_bytes is not None and st.st_size > max_bytes:
+        f.close()
         raise ELFError(f"{name}: {st.st_size:,} bytes, more than the {max_bytes:,} elflow reads from such a file")
-    with open(path, "rb") as f:
+    return f
+
+
+def jsonl_lines(path: str | os.PathLike, what: str = "", *, max_line_bytes: int = MAX_LINE_BYTES,
+                max_bytes: int | None = MAX_JSONL_BYTES, on_bad=None, digest=None):
+    """(line number, raw bytes) of every line of the JSONL file `path`, blank ones included, read line by
+    line: memory holds one line of at most `max_line_bytes`. A longer line is a BadJSON naming the file and
+    the line or, when `on_bad(line_number, message)` is given, reported to it and passed over (read and
+    dropped in pieces). The file must be a regular file of at most `max_bytes` (None: a stream of any
+    length, read in constant memory). `digest` (a hashlib object) is fed every byte read, the passed-over
+    lines included, so a caller has the file's hash without reading it twice."""
+    name = _name(path, what)
+    read = 0
+    with _open_regular(path, name, max_bytes) as f:
         number = 0
         while True:
             raw = f.readline(max_line_bytes + 1)
             if not raw:
                 return
             number += 1
-            where = f"{name} line {number}"
+            read += len(raw)
+            if digest is not None:
+                digest.update(raw)
             if len(raw) > max_line_bytes and not raw.endswith(b"\n"):
                 while raw and not raw.endswith(b"\n"):  # the rest of the long line, read and dropped in chunks
                     raw = f.readline(max_line_bytes + 1)
-                message = f"{where}: longer than {max_line_bytes:,} bytes"
+                    read += len(raw)
+                    if digest is not None:
+                        digest.update(raw)
+                if max_bytes is not None and read > max_bytes:
+                    raise _grew(name, max_bytes)
+                message = (f"{name} line {number}: longer than {size_text(max_line_bytes)}, the longest .jsonl line "
+                           "elflow reads (each line is read whole); split the record")
                 if on_bad is None:
                     raise BadJSON(message)
                 on_bad(number, message)
                 continue
-            if not raw.strip():
-                continue
-            try:
-                yield number, parse(raw, where, allow_nonfinite=allow_nonfinite)
-            except BadJSON as e:
-                if on_bad is None:
-                    raise
-                on_bad(number, str(e))
+            if max_bytes is not None and read > max_bytes:
+                raise _grew(name, max_bytes)
+            yield number, raw
 
 
-__all__ = ["BadJSON", "MAX_DEPTH", "MAX_INT_DIGITS", "parse", "read_json", "iter_jsonl", "read_limited",
-           "RECORD_BYTES"]
+def _grew(name: str, max_bytes: int) -> ELFError:
+    return ELFError(f"{name}: more than the {max_bytes:,} bytes elflow reads from such a file (it grew while it "
+                    "was read)")
+
+
+def iter_jsonl(path: str | os.PathLike, what: str = "", *, max_line_bytes: int = MAX_LINE_BYTES,
+               max_bytes: int | None = MAX_JSONL_BYTES, allow_nonfinite: bool = False, on_bad=None):
+    """(line number, value) of each non-blank line of the JSONL file `path`, read line by line (`jsonl_lines`:
+    each line at most `max_line_bytes`, the file at most `max_bytes`). A bad line (not UTF-8, not JSON, too
+    deep, too long, a huge integer) is a BadJSON naming the file and the line, or, when `on_bad(line_number,
+    message)` is given, reported to it and skipped. A file that is not a regular file is one ELFError."""
+    name = _name(path, what)
+    for number, raw in jsonl_lines(path, what, max_line_bytes=max_line_bytes, max_bytes=max_bytes, on_bad=on_bad):
+        if not raw.strip():
+            continue
+        try:
+            yield number, parse(raw, f"{name} line {number}", allow_nonfinite=allow_nonfinite)
+        except BadJSON as e:
+            if on_bad is None:
+                raise
+            on_bad(number, str(e))
+
+
+def json_safe(value):
+    """A copy of `value` as plain JSON data, for a report: NaN and Infinity become null, an object JSON has no
+    type for becomes its str."""
+    return json.loads(json.dumps(value, default=str), parse_constant=lambda _: None)
+
+
+__all__ = [
+    "MAX_DEPTH",
+    "MAX_INT_DIGITS",
+    "RECORD_BYTES",
+    "BadJSON",
+    "iter_jsonl",
+    "json_safe",
+    "jsonl_lines",
+    "parse",
+    "read_json",
+    "read_limited",
+    "size_text",
+]
