@@ -513,3 +513,28 @@ def test_a_confident_readout_gradient_holds_denormals_that_training_flushes(tmp_
     T.train(cfg_for(tiny_t5_dir, tiny_corpus_file), tmp_path / "run", cache_dir=tmp_path / "c", quiet=True,
             stop_after=1)
     assert seen == [0.0] and gradient_of_the_improbable_token() == kept
+
+
+def test_a_new_run_that_fails_before_its_first_checkpoint_leaves_no_run(tmp_path, tiny_t5_dir, tiny_corpus_file,
+                                                                       monkeypatch):
+    """A fresh run refused after it wrote run.json (a bad id met in the first batch, say) takes what it wrote
+    with it, so the same command can be run again; files of other programs in the folder stay."""
+    import elflow.train as trainer
+    from elflow.util.errors import ELFError
+
+    def refused(*a, **k):
+        raise ELFError("the first batch holds an id outside the vocabulary")
+
+    cfg = cfg_for(tiny_t5_dir, tiny_corpus_file)
+    run, cache = tmp_path / "run", tmp_path / "cache"
+    monkeypatch.setattr(trainer, "train_loop", refused)
+    with pytest.raises(ELFError, match="outside the vocabulary"):
+        train(cfg, run, cache_dir=cache, quiet=True)
+    assert not run.exists()  # it made the folder, and took it with it
+    run.mkdir()
+    (run / "notes.txt").write_text("mine")
+    with pytest.raises(ELFError):
+        train(cfg, run, cache_dir=cache, quiet=True, overwrite=True)
+    assert sorted(p.name for p in run.iterdir()) == ["notes.txt"]
+    monkeypatch.undo()
+    assert train(cfg, run, cache_dir=cache, quiet=True, overwrite=True, stop_after=1)["end_step"] == 1

@@ -25,12 +25,12 @@ import torch.distributed as dist
 from elflow.config import TrainConfig
 from elflow.data.batches import Batches, Prefetch
 from elflow.data.corpus import calibration_for
-from elflow.data.datasets import check_same_store, run_data, store_record
+from elflow.data.datasets import check_recorded_store, check_same_store, run_data, store_record
 from elflow.flow import Recipe, recipe_for
 from elflow.methods import Method, TrainedPass, get_method
 from elflow.model import ShortRunOptions, get_config
 from elflow.optim import EMA, ELFOptimizer, lr_at
-from elflow.runs.checkpoint import load_checkpoint, save_checkpoint
+from elflow.runs.checkpoint import load_checkpoint, read_state, save_checkpoint
 from elflow.runs.folder import RunFolder, check_run_dir, claim_run, micro_batch_for, no_space, shared_folder_check
 from elflow.runs.load import check_init_compatible, load_init_weights
 from elflow.runs.log import RunLogger, describe_start, plot_losses, tracked_settings, trim_metrics
@@ -439,6 +439,9 @@ def train_one(cfg: TrainConfig, out: Path, method: Method, resume: bool, overwri
         if world > 1:
             on_every_rank(lambda: shared_folder_check(out, claim["lock"], claim["host"]), rank, world)
         cfg = replace(cfg, micro_batch=claim["micro_batch"])
+        if claim["checkpoint"]:  # the store it was trained on, before its data is read (not a hub lookup)
+            ckpt_dir = out / "checkpoints" / claim["checkpoint"]
+            check_recorded_store(read_state(ckpt_dir).get("data_store"), cfg.data, ckpt_dir / "state.json")
         if rank == 0 and cfg.epochs is None and cfg.warmup_frac is None and cfg.steps < cfg.warmup:
             print(f"warning: --steps {cfg.steps} is shorter than --warmup {cfg.warmup}: the learning rate stops at "
                   f"{lr_at(cfg.steps - 1, cfg.lr, cfg.warmup):.3g}, never reaching {cfg.lr:.3g}", file=sys.stderr)

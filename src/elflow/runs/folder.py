@@ -5,6 +5,7 @@ ranks, and the check that every node of a multi-node run sees the same folder.""
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 import time
@@ -13,6 +14,7 @@ from pathlib import Path
 from elflow.config import TrainConfig, mutable_flags, resume_conflicts
 from elflow.runs.checkpoint import (
     REPLACED,
+    RUN_FILES,
     list_checkpoints,
     newest_usable,
     read_state,
@@ -36,6 +38,7 @@ class RunFolder:
         self.out, self.command = out, command
         self.hold = FolderHold(out, command)
         self.aside = out / REPLACED
+        self.fresh = False  # a new run in a folder that held none: what it wrote goes if it fails before saving
 
     @property
     def lock(self):
@@ -67,8 +70,21 @@ class RunFolder:
         try:
             if not ok and self.aside.is_dir():
                 restore_aside(self.out)
+            elif not ok and self.fresh and not list_checkpoints(self.out):
+                remove_run_files(self.out)  # a run that failed before its first checkpoint leaves no run behind
         finally:
             self.hold.close(ok)
+
+
+def remove_run_files(out: Path) -> None:
+    """The files a run writes into its folder (never other files), removed: links and files unlinked, folders
+    removed with what they hold."""
+    for name in RUN_FILES:
+        p = out / name
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        elif os.path.lexists(p):
+            p.unlink()
 
 
 def check_run_dir(out: Path, cfg: TrainConfig, resume: bool, overwrite: bool, device=None) -> None:
@@ -213,6 +229,7 @@ def claim_run(folder: RunFolder, cfg: TrainConfig, world: int, resume: bool, ove
     check_output(out, folder=True)
     folder.open()
     check_run_dir(out, cfg, resume, overwrite, device)
+    folder.fresh = not resume and not (out / "run.json").exists()
     stored = None
     if resume and (out / "run.json").exists():
         stored = run_file(out)
