@@ -7,17 +7,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields, replace
 
-from elflow.data.layout import SOURCE_SLOTS
+from elflow.data.layout import LAYOUTS, SOURCE_SLOTS
 from elflow.data.tasks import PAIR_TASKS
-from elflow.flow import SAMPLERS, Recipe
+from elflow.flow import RECIPE_RANGES, SAMPLERS, Recipe, recipe_for
 from elflow.generate import SAMPLING_DEFAULTS
 from elflow.methods import METHOD_NAMES, check_run
 from elflow.methods.baseline import MATCHES
 from elflow.model import CONDITIONINGS, DECODERS, PREDICTIONS, PRESETS, SKIPS
 from elflow.newton_schulz import NS_METHODS
-from elflow.optim import ADAMW_BLR, LR_DECAYS, MUON_BLR, OPTIMIZERS, UPDATE_RULE_HELP, UPDATE_RULES, base_lr
+from elflow.optim import ADAMW_BLR, EMA_DECAY, LR_DECAYS, MUON_BLR, OPTIMIZERS, UPDATE_RULE_HELP, UPDATE_RULES, base_lr
 from elflow.space import FIXED_TABLE_KINDS, TABLE_STREAM, drawn_table, fixed_vectors
-from elflow.util.devices import resolve_dtype
+from elflow.util.devices import RUN_DTYPES, resolve_dtype
 from elflow.util.distributed import DIST_TIMEOUT_MINUTES
 from elflow.util.errors import SEED_MAX, ELFError, Record
 
@@ -62,15 +62,24 @@ def setting(default=None, help: str = "", *, default_help: str | None = None, ch
     return field(default=default, metadata=meta)
 
 
-# the embedding space of each preset when --space is not given; tiny is a 32-dim random table over the MiniLM
-# tokenizer (no encoder to run), so that it is cheap end to end
-DEFAULT_SPACE = {"tiny": "random-table:minilm", "demo": "minilm"}
+# the run defaults that follow from the network's size (--preset), where a size has its own: tiny is a 32-dim
+# random table over the MiniLM tokenizer (no encoder to run), so that it is cheap end to end; the small sizes
+# average their weights over a shorter window. The paper's sizes take the paper's (PAPER_SIZE_DEFAULTS).
+SIZE_DEFAULTS = {
+    "tiny": {"space": "random-table:minilm", "space_dim": 32, "ema_decay": 0.995},
+    "demo": {"space": "minilm", "space_dim": None, "ema_decay": 0.995},
+}
+PAPER_SIZE_DEFAULTS = {"space": "t5-small", "space_dim": None, "ema_decay": EMA_DECAY}
 
 
-DEFAULT_SPACE_DIM = {"tiny": 32}
+def size_default(preset: str, key: str):
+    return SIZE_DEFAULTS.get(preset, PAPER_SIZE_DEFAULTS)[key]
 
 
-SMALL_EMA = 0.995  # the EMA decay of the small presets (tiny, demo); the others use the paper's 0.9999
+def _size_help(key: str, show=str) -> str:
+    """A setting's default by size, in words, from SIZE_DEFAULTS."""
+    own = [f"{show(v[key])} for {name}" for name, v in SIZE_DEFAULTS.items() if v[key] is not None]
+    return ", ".join(own) + f", {show(PAPER_SIZE_DEFAULTS[key])} otherwise"
 
 
 @dataclass
@@ -117,8 +126,7 @@ class TrainConfig(Record):
     space: str | None = setting(None, "embedding space: minilm (offline), t5-small, t5:PATH, hf:PATH, or a table "
                                       "over a base encoder's vocabulary: token-table[:BASE], random-table[:BASE], "
                                       "learned-table[:BASE]",
-                                default_help="random-table:minilm (32-dim) for tiny, minilm for demo, t5-small "
-                                             "otherwise")
+                                default_help=_size_help("space"))
     space_dim: int | None = setting(None, "vector size of a random-table / learned-table space",
                                     default_help="32 for tiny's default space, else the base encoder's",
                                     check=AT_LEAST_1)
@@ -129,7 +137,7 @@ class TrainConfig(Record):
                                            "sample) or 'table' (a table's own std)", default_help="the space's")
     length: int | None = setting(None, "sequence length L", default_help="the preset's", check=AT_LEAST_1)
     layout: str = setting("packed", "packed: documents run on across rows; document: one document per row",
-                          choices=("packed", "document"))
+                          choices=LAYOUTS)
     batch: int = setting(32, "global batch: rows per optimiser step over all ranks", check=AT_LEAST_1)
     micro_batch: int | None = setting(None, "rows per forward/backward; batch / (ranks x micro-batch) "
                                             "accumulation steps. Stored with the run: a resume on another number "
@@ -144,7 +152,7 @@ class TrainConfig(Record):
     lr_decay: str = setting("constant", "after the warm-up: constant (the paper's) or a cosine decay to 0 at the "
                                         "run's last step (short runs)", choices=LR_DECAYS)
     ema_decay: float | None = setting(None, "EMA decay of the weights used for sampling",
-                                      default_help=f"{SMALL_EMA} for tiny and demo, 0.9999 otherwise", check=UNIT)
+                                      default_help=_size_help("ema_decay"), check=UNIT)
     adam_heads: bool = setting(False, "optimise output heads and embedders with Adam instead of Muon "
                                       "(cheaper on CPU)")
     ns_method: str = setting("auto", "how Muon's Newton-Schulz polynomial is evaluated: iterate (torch's five "
@@ -156,7 +164,7 @@ class TrainConfig(Record):
     grad_clip: float = setting(1.0, "gradient-norm clipping (0: none)", check=AT_LEAST_0)
     dtype: str = setting("auto", "autocast precision; auto: bf16 on GPUs and CPUs with native bf16 matmuls, "
                                  "else fp32, stored resolved with the run (--print-config shows what it picks on "
-                                 "--device)", choices=("auto", "bf16", "fp32"))
+                                 "--device)", choices=RUN_DTYPES)
     compile: bool = setting(False, "torch.compile the network")
     tf32: bool = setting(True, "TF32 matmuls for the fp32 work of a step on CUDA GPUs (the input path, the heads, "
                                "the loss); no effect on CPUs")
@@ -254,18 +262,18 @@ class TrainConfig(Record):
     def resolved(self, device=None) -> "TrainConfig":
         """The same run with every preset-dependent default filled in; with a `device`, `dtype` "auto" becomes
         the precision it picks there."""
-        small = self.preset in ("tiny", "demo")
         space, space_dim = self.space, self.space_dim
         if space is None:
-            space = DEFAULT_SPACE.get(self.preset, "t5-small")
+            space = size_default(self.preset, "space")
             if space_dim is None:
-                space_dim = DEFAULT_SPACE_DIM.get(self.preset)
+                space_dim = size_default(self.preset, "space_dim")
         preset = PRESETS.get(self.preset)
         drawn = drawn_table(space)  # a table drawn from the space seed
         dtype = resolve_dtype(self.dtype, device) if device is not None else self.dtype
         return replace(self, space=space, space_dim=space_dim, dtype=dtype,
                        space_stream=(self.space_stream or TABLE_STREAM) if drawn else None,
-                       ema_decay=self.ema_decay if self.ema_decay is not None else (SMALL_EMA if small else 0.9999),
+                       ema_decay=self.ema_decay if self.ema_decay is not None else size_default(self.preset,
+                                                                                                 "ema_decay"),
                        length=self.length if self.length is not None else (preset.max_length if preset else None),
                        lr=self.lr if self.lr is not None else base_lr(self.batch, MUON_BLR if self.optimizer == "muon"
                                                                        else ADAMW_BLR))
@@ -370,25 +378,37 @@ NESTED_FLAGS: dict[tuple[str, str], tuple] = {
     ("short_run", "table_readout"): (float, "weight w of the readout's table match: the decode logits gain "
                                         "w z . R_k / sqrt(C), R_k token k's own vector in the space (table spaces "
                                         "only; 0 in the released networks)", AT_LEAST_0, "the preset's"),
-    ("recipe", "noise_scale"): (float, "ELF: the noise scale of the training path and of sampling's z0", POSITIVE,
-                                "2, as released"),
-    ("recipe", "t_mean"): (float, "ELF: mean of the logit-normal training times t = sigmoid(N(mean, std^2))", ANY,
-                           "-1.5, as released"),
-    ("recipe", "t_std"): (float, "ELF: std of the logit-normal training times", POSITIVE, "0.8, as released"),
-    ("recipe", "decode_prob"): (float, "ELF: share of rows in the decode branch (the denoiser has the rest)",
-                                PROBABILITY, "0.2, as released"),
-    ("recipe", "self_cond_prob"): (float, "ELF: share of denoise rows that are self-conditioned; 0 builds the "
-                                          "network without the self-conditioning input and turns its guidance off",
-                                   PROBABILITY, "0.5, as released"),
-    ("recipe", "omega_low"): (float, "ELF: lowest training guidance scale omega", AT_LEAST_0, "0.5, as released"),
-    ("recipe", "omega_high"): (float, "ELF: highest training guidance scale omega", AT_LEAST_0, "5, as released"),
-    ("recipe", "source_drop_prob"): (float, "ELF on pairs: share of rows whose source is dropped (the unconditional "
-                                            "half of source guidance)", UNIT, "0.1, as released"),
-    ("recipe", "decode_noise_scale"): (float, "decode corruption scale", POSITIVE, "5; 1 for conditional runs"),
-    ("recipe", "decode_clean_prob"): (float, "share of the decode rows' tokens given clean (p = 1) instead of a "
-                                             "corrupted level (the released levels almost never come near 1)",
-                                      UNIT, "0, as released"),
 }
+
+
+# the recipe's flags (one per constant of elflow.flow.Recipe): their help; their ranges are RECIPE_RANGES and
+# their defaults the released recipe's, read from there
+RECIPE_HELP = {
+    "noise_scale": "ELF: the noise scale of the training path and of sampling's z0",
+    "t_mean": "ELF: mean of the logit-normal training times t = sigmoid(N(mean, std^2)) (and of the sampling grid)",
+    "t_std": "ELF: std of the logit-normal training times (and of the sampling grid)",
+    "decode_prob": "ELF: share of rows in the decode branch (the denoiser has the rest)",
+    "self_cond_prob": "ELF: share of denoise rows that are self-conditioned; 0 builds the network without the "
+                      "self-conditioning input and turns its guidance off",
+    "omega_low": "ELF: lowest training guidance scale omega",
+    "omega_high": "ELF: highest training guidance scale omega",
+    "source_drop_prob": "ELF on pairs: share of rows whose source is dropped (the unconditional half of source "
+                        "guidance)",
+    "decode_noise_scale": "decode corruption scale",
+    "decode_clean_prob": "share of the decode rows' tokens given clean (p = 1) instead of a corrupted level (the "
+                         "released levels almost never come near 1)",
+}
+
+
+def _recipe_default(name: str) -> str:
+    value = getattr(Recipe(), name)
+    if name == "decode_noise_scale":
+        return f"{value:g}; {recipe_for({}, conditional=True).decode_noise_scale:g} for conditional runs"
+    return f"{value:g}, as released"
+
+
+NESTED_FLAGS.update({("recipe", name): (float, text, RECIPE_RANGES[name], _recipe_default(name))
+                     for name, text in RECIPE_HELP.items()})
 
 
 MUTABLE = tuple(f.name for f in fields(TrainConfig) if f.metadata.get("mutable"))

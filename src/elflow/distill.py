@@ -17,15 +17,10 @@ from elflow.config import TrainConfig
 from elflow.generate import distilled_defaults
 from elflow.methods.pd import PDMethod, check_schedule
 from elflow.model import PRESETS
-from elflow.runs.checkpoint import list_checkpoints
-from elflow.runs.folder import (
-    REPLACED,
-    check_not_inside,
-    recover_replaced,
-    run_folders_holding,
-    set_aside,
-    stored_config,
-)
+from elflow.optim import EMA_DECAY
+from elflow.runs.checkpoint import list_checkpoints, recover_replaced, set_aside
+from elflow.runs.claim import check_not_inside, run_folders_holding, stored_config
+from elflow.runs.folder import DISTILL_MANIFEST, REPLACED, REPORT_FILE, RUN_FILE
 from elflow.runs.load import load_init_weights
 from elflow.runs.log import training_records
 from elflow.runs.released import build_from_state_dict
@@ -56,7 +51,7 @@ def load_teacher(path, length: int | None = None, device=None):
     return net, record, origin
 
 
-MANIFEST = "distill.json"
+
 
 
 # settings a resumed distillation must share with the stored one
@@ -99,7 +94,8 @@ def _base_config(record, origin, overrides: dict) -> TrainConfig:
 
 
 def distill(teacher, out, student_steps=(16, 8, 4, 2, 1), teacher_steps: int = 64, steps_per_round: int | None = None,
-            epochs: float | None = None, warmup_frac: float = 0.1, ema_decay: float = 0.9999, lr: float | None = None,
+            epochs: float | None = None, warmup_frac: float = 0.1, ema_decay: float = EMA_DECAY,
+            lr: float | None = None,
             resume: bool = False, overwrite: bool = False, cache_dir=None, quiet: bool = False,
             stop_after: int | None = None, **overrides) -> dict:
     """Run the distillation rounds into `out`/<N>-step (`round_dir`); returns {N: the round's run folder}.
@@ -148,7 +144,7 @@ def distill(teacher, out, student_steps=(16, 8, 4, 2, 1), teacher_steps: int = 6
             hold.open()  # held for the whole distillation: a second command on OUT is refused
             fresh = _prepare_out(out, manifest, resume, overwrite)
             if fresh:
-                atomic_write_json(out / MANIFEST, manifest)
+                atomic_write_json(out / DISTILL_MANIFEST, manifest)
             status = [fresh]
         except ELFError as e:
             hold.close(False)
@@ -165,7 +161,7 @@ def distill(teacher, out, student_steps=(16, 8, 4, 2, 1), teacher_steps: int = 6
     try:
         for i, n in enumerate(steps):
             rdir = round_dir(out, n)
-            seen = [rdir.name, (rdir / "run.json").exists()]
+            seen = [rdir.name, (rdir / RUN_FILE).exists()]
             if group is not None:  # every rank takes rank 0's view of the folder, before anyone writes it
                 dist.broadcast_object_list(seen, src=0)
             rdir, again = out / seen[0], seen[1]
@@ -211,7 +207,7 @@ def round_dir(out: Path, n: int) -> Path:
     """The run folder of the round whose student takes `n` steps: OUT/<n>-step (OUT/round-<n> where a
     distillation made before that name holds it)."""
     legacy = out / f"round-{n}"
-    return legacy if (legacy / "run.json").exists() and not (out / f"{n}-step").exists() else out / f"{n}-step"
+    return legacy if (legacy / RUN_FILE).exists() and not (out / f"{n}-step").exists() else out / f"{n}-step"
 
 
 def round_result(rdir: Path) -> str:
@@ -250,7 +246,8 @@ def _own_names(folder: Path) -> set[str]:
     """The files of a distillation in `folder`: its record, its rounds, its report (never other files)."""
     if not folder.is_dir():
         return set()
-    return {p.name for p in folder.iterdir() if p.name in (MANIFEST, "report.json") or ROUND_DIR.fullmatch(p.name)}
+    return {p.name for p in folder.iterdir()
+            if p.name in (DISTILL_MANIFEST, REPORT_FILE) or ROUND_DIR.fullmatch(p.name)}
 
 
 def _started(out: Path) -> bool:
@@ -264,8 +261,8 @@ def _settle(out: Path, fresh: bool, ok: bool, steps) -> None:
     names = _own_names(out) | _own_names(out / REPLACED)
     outcome = recover_replaced(out, lambda d: ok or _started(d), names)
     if outcome is None and fresh and not ok and not _started(out) and (
-            not any((round_dir(out, n) / "run.json").exists() for n in steps)):
-        (out / MANIFEST).unlink(missing_ok=True)
+            not any((round_dir(out, n) / RUN_FILE).exists() for n in steps)):
+        (out / DISTILL_MANIFEST).unlink(missing_ok=True)
 
 
 def _check_out(out: Path, teacher) -> None:
@@ -287,7 +284,7 @@ def _prepare_out(out: Path, manifest: dict, resume: bool, overwrite: bool) -> bo
     names = _own_names(out) | _own_names(out / REPLACED)
     if recover_replaced(out, _started, names) == "restored":
         print(f"restored the distillation in {out} that an interrupted --overwrite was replacing", file=sys.stderr)
-    stored_path = out / MANIFEST
+    stored_path = out / DISTILL_MANIFEST
     if stored_path.exists():
         if overwrite:
             set_aside(out, sorted(_own_names(out)))

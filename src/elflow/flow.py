@@ -36,6 +36,27 @@ DECODE_NOISE_SCALE = 5.0  # the decode branch's noise n ~ N(0, s^2): 5 for text,
 CONDITIONAL_DECODE_NOISE_SCALE = 1.0  # 1 for a conditional model (translation, summarisation)
 
 
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+# the range of each constant of the recipe: (check, what it must be); the one statement of these ranges, which
+# the recipe, its command-line flags and a stored record are all checked against
+RECIPE_RANGES = {
+    "noise_scale": (lambda v: _finite(v) and v > 0, "> 0"),
+    "t_eps": (lambda v: _finite(v) and 0 < v < 1, "in (0, 1)"),
+    "decode_prob": (lambda v: _finite(v) and 0 <= v <= 1, "in [0, 1]"),
+    "self_cond_prob": (lambda v: _finite(v) and 0 <= v <= 1, "in [0, 1]"),
+    "decode_noise_scale": (lambda v: _finite(v) and v > 0, "> 0"),
+    "decode_clean_prob": (lambda v: _finite(v) and 0 <= v < 1, "in [0, 1)"),  # 1: no decode row ever corrupted
+    "omega_low": (lambda v: _finite(v) and v >= 0, ">= 0"),
+    "omega_high": (lambda v: _finite(v) and v >= 0, ">= 0"),
+    "source_drop_prob": (lambda v: _finite(v) and 0 <= v < 1, "in [0, 1)"),  # 1: no source ever seen
+    "t_mean": (_finite, "(finite)"),
+    "t_std": (lambda v: _finite(v) and v > 0, "> 0"),
+}
+
+
 @dataclass(frozen=True)
 class Recipe(Record):
     """The training recipe's constants (released OpenWebText values by default); `from_dict` refuses a key that
@@ -54,17 +75,9 @@ class Recipe(Record):
     t_std: float = T_STD
 
     def __post_init__(self):
-        bad = [f"{k} {v!r}" for k, v in self.to_dict().items()
-               if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v)]
-        if bad:
-            raise ValueError(f"the recipe's constants must be finite numbers: {', '.join(bad)}")
-        positive = ("noise_scale", "t_std", "decode_noise_scale")
-        shares = ("decode_prob", "self_cond_prob", "source_drop_prob", "decode_clean_prob")
-        bad = [f"{k} {getattr(self, k)} (must be > 0)" for k in positive if not getattr(self, k) > 0]
-        bad += [f"{k} {getattr(self, k)} (must lie in [0, 1])" for k in shares if not 0 <= getattr(self, k) <= 1]
-        if not 0 < self.t_eps < 1:
-            bad.append(f"t_eps {self.t_eps} (must lie in (0, 1))")
-        if not 0 <= self.omega_low <= self.omega_high:
+        bad = [f"{k} {v!r} (must be {RECIPE_RANGES[k][1]})" for k, v in self.to_dict().items()
+               if not RECIPE_RANGES[k][0](v)]
+        if not bad and not self.omega_low <= self.omega_high:
             bad.append(f"omega range [{self.omega_low}, {self.omega_high}] (needs 0 <= omega_low <= omega_high)")
         if bad:
             raise ValueError(f"the recipe's constants are out of range: {'; '.join(bad)}")
@@ -110,6 +123,31 @@ def sample_guidance(n: int, generator: torch.Generator | None = None, low: float
     return torch.exp(math.log1p(low) + u * (math.log1p(high) - math.log1p(low))) - 1.0
 
 
+SAMPLERS = ("ode", "sde", "vc")
+GRIDS = ("logit_normal", "uniform")  # the kinds of time grid (`time_grid`)
+MAX_SAMPLING_STEPS = 10_000  # a sampler of more steps is refused: the released recipe samples with at most 64
+
+
+def _count(v, low: int, high: int | None = None) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= low and (high is None or v <= high)
+
+
+def _non_negative(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+
+
+# what a sampler accepts, setting by setting: (check, what the value must be); the one statement of these ranges,
+# which the samplers, the sampling settings and the command line's flags all check
+SAMPLING_RANGES = {
+    "steps": (lambda v: _count(v, 1, MAX_SAMPLING_STEPS),
+              f"an integer from 1 to {MAX_SAMPLING_STEPS:,} (the released recipe samples with at most 64 steps)"),
+    "gamma": (_non_negative, "a finite number >= 0"),
+    "omega": (_non_negative, "a finite number >= 0"),
+    "guidance": (_non_negative, "a finite number >= 0"),
+    "batch_size": (lambda v: _count(v, 1), "an integer >= 1"),
+}
+
+
 def time_grid(steps: int, kind: str = "logit_normal", generator: torch.Generator | None = None,
               device=None, mean: float = T_MEAN, std: float = T_STD) -> torch.Tensor:
     """steps + 1 increasing times from exactly 0 to exactly 1.
@@ -118,8 +156,8 @@ def time_grid(steps: int, kind: str = "logit_normal", generator: torch.Generator
     draws its grid from the model's own training times (the recipe's t_mean, t_std; -1.5, 0.8 as released).
     "uniform": 0, 1/steps, ..., 1.
     """
-    if not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"time_grid: steps must be an integer >= 1, got {steps!r}")
+    if not SAMPLING_RANGES["steps"][0](steps):
+        raise ValueError(f"time_grid: steps must be {SAMPLING_RANGES['steps'][1]}, got {steps!r}")
     device = device if device is not None else _device(generator)
     if kind == "uniform":
         grid = torch.arange(steps + 1, dtype=torch.float32, device=device) / steps
@@ -128,7 +166,7 @@ def time_grid(steps: int, kind: str = "logit_normal", generator: torch.Generator
         zero, one = torch.zeros(1, device=device), torch.ones(1, device=device)
         grid = torch.cat([zero, interior, one])
     else:
-        raise ValueError(f"time_grid: kind must be 'logit_normal' or 'uniform', got {kind!r}")
+        raise ValueError(f"time_grid: kind must be one of {', '.join(GRIDS)}, got {kind!r}")
     grid[0], grid[-1] = 0.0, 1.0
     return grid
 
@@ -331,22 +369,16 @@ def sde_step(denoise, z, t, t_next, x_prev, *, gamma, noise, generator, noise_sc
     return z_b + (t_next - t_b) * v, x
 
 
-SAMPLERS = ("ode", "sde", "vc")
-
-
 def check_sampling_args(steps: int, gamma: float, omega: float, guidance: float = 1.0, sampler: str = "sde",
                         recipe: Recipe = Recipe()) -> None:
-    """ValueError for settings no sampler can use; a warning for an omega outside the trained range."""
+    """ValueError for settings no sampler can use (SAMPLING_RANGES); a warning for an omega outside the range
+    the model trained on."""
     if sampler not in SAMPLERS:
         raise ValueError(f"unknown sampler {sampler!r}; choose one of {', '.join(SAMPLERS)}")
-    if not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
-    if not math.isfinite(gamma) or gamma < 0:
-        raise ValueError(f"gamma must be a finite number >= 0, got {gamma}")
-    if not math.isfinite(guidance) or guidance < 0:
-        raise ValueError(f"guidance must be a finite number >= 0, got {guidance}")
-    if not math.isfinite(omega) or omega < 0:
-        raise ValueError(f"omega must be a finite number >= 0, got {omega}")
+    for name, value in (("steps", steps), ("gamma", gamma), ("guidance", guidance), ("omega", omega)):
+        ok, what = SAMPLING_RANGES[name]
+        if not ok(value):
+            raise ValueError(f"{name} must be {what}, got {value!r}")
     if not recipe.omega_low <= omega <= recipe.omega_high:
         warnings.warn(f"omega {omega} lies outside the range the model was trained on "
                       f"[{recipe.omega_low}, {recipe.omega_high}]; results may be poor", stacklevel=2)

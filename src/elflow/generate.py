@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 
 from elflow.data.layout import encoder_mask, pair_layout, warn_sources_cut
-from elflow.flow import Recipe, check_sampling_args, decode_tokens, generate_tokens
-from elflow.util.devices import autocast
+from elflow.flow import GRIDS, SAMPLING_RANGES, Recipe, check_sampling_args, decode_tokens, generate_tokens
+from elflow.util.devices import AUTOCAST_DTYPES, autocast
 from elflow.util.errors import ELFError, Record, check_seed
 from elflow.util.files import atomic_write
 
@@ -31,9 +31,6 @@ SAMPLING_DEFAULTS = {
     "distilled": {"sampler": "sde", "gamma": 1.5, "omega": 2.5},  # a progressively distilled student, <= 8 steps
     "distilled-long": {"sampler": "sde", "gamma": 2.0, "omega": 2.0},  # the same beyond 8 steps
 }
-GRIDS = ("logit_normal", "uniform")
-DTYPES = ("fp32", "bf16")
-MAX_SAMPLING_STEPS = 10_000  # a sampler of more steps is refused: the released recipe samples with at most 64
 
 
 def distilled_defaults(steps: int) -> dict:
@@ -61,26 +58,19 @@ class SamplingSettings(Record):
     def check(self, recipe: Recipe | None = None) -> "SamplingSettings":
         """The settings if every one is usable (ELFError naming the first that is not); a warning for an
         omega outside the range `recipe` trained on."""
-        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or not 1 <= self.steps <= \
-                MAX_SAMPLING_STEPS:
-            raise ELFError(f"steps must be an integer from 1 to {MAX_SAMPLING_STEPS:,} (the released recipe samples "
-                           f"with at most 64), got {self.steps!r}")
-        for name in ("gamma", "omega", "guidance"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)):
-                raise ELFError(f"{name} must be a number, got {v!r}")
         try:
             check_sampling_args(self.steps, self.gamma, self.omega, self.guidance, self.sampler,
                                 recipe or Recipe())
         except ValueError as e:
             raise ELFError(str(e)) from None
-        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
-            raise ELFError(f"the batch size must be an integer >= 1, got {self.batch_size!r}")
+        ok, what = SAMPLING_RANGES["batch_size"]
+        if not ok(self.batch_size):
+            raise ELFError(f"the batch size must be {what}, got {self.batch_size!r}")
         check_seed(self.seed)
         if self.grid not in GRIDS:
             raise ELFError(f"grid must be one of {', '.join(GRIDS)}, got {self.grid!r}")
-        if self.dtype not in DTYPES:
-            raise ELFError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in AUTOCAST_DTYPES:
+            raise ELFError(f"dtype must be one of {', '.join(AUTOCAST_DTYPES)}, got {self.dtype!r}")
         return self
 
     def tag(self) -> str:

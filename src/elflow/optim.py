@@ -36,6 +36,7 @@ NS_EPS = 1e-8  # the released normalisation: G / (|G|_F + NS_EPS)
 
 ADAMW_BLR = 5e-5  # AdamW's lr per 256 rows: the paper's tuned 1e-4 for ELF-B at batch 512
 MUON_BLR = 1e-3  # Muon's lr per 256 rows: 2e-3 at the paper's batch of 512
+EMA_DECAY = 0.9999  # the paper's EMA of the weights, updated every optimiser step
 
 
 def fan_scale(shape, in_out: bool = False) -> float:
@@ -247,7 +248,7 @@ class ELFOptimizer:
 class EMA:
     """An exponential moving average of the weights, kept in fp32, starting from the initial weights."""
 
-    def __init__(self, module: torch.nn.Module, decay: float = 0.9999):
+    def __init__(self, module: torch.nn.Module, decay: float = EMA_DECAY):
         if not 0.0 <= decay < 1.0:
             raise ValueError(f"EMA decay must lie in [0, 1), got {decay}")
         self.decay = decay

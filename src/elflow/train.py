@@ -6,7 +6,7 @@
 A global batch of `cfg.batch` rows is cut into shards of `micro_batch` rows: rank r runs shards r*A .. r*A+A-1
 (A accumulation steps). Each shard draws its noise from generators seeded by (seed, step, shard), so a run's
 numbers depend on the global batch alone, and a resume needs no generator state to continue exactly. Rank 0
-decides about the run folder (elflow.runs.folder) and alone logs and saves.
+decides about the run folder (elflow.runs.claim) and alone logs and saves.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ from elflow.methods import Method, TrainedPass, get_method
 from elflow.model import ShortRunOptions, get_config
 from elflow.optim import EMA, ELFOptimizer, lr_at
 from elflow.runs.checkpoint import load_checkpoint, read_state, save_checkpoint
-from elflow.runs.folder import RunFolder, check_run_dir, claim_run, micro_batch_for, no_space, shared_folder_check
+from elflow.runs.claim import RunFolder, check_run_dir, claim_run, micro_batch_for, no_space, shared_folder_check
+from elflow.runs.folder import CHECKPOINTS, RUN_FILE, STATE_FILE
 from elflow.runs.load import check_init_compatible, load_init_weights
 from elflow.runs.log import RunLogger, describe_start, plot_losses, tracked_settings, trim_metrics
 from elflow.runs.record import Distillation, RunRecord, Task, checkpoint_state, record_of_state
@@ -209,8 +210,8 @@ def restore(setup: Setup, ckpt: Path | None, quiet: bool = False) -> int:
     if ckpt is None:
         return 0
     blob = load_checkpoint(ckpt, map_location=setup.device)
-    check_same_store(blob["state"].get("data_store"), setup.batches.dataset, ckpt / "state.json")
-    stored = record_of_state(blob["state"], str(ckpt / "state.json"))
+    check_same_store(blob["state"].get("data_store"), setup.batches.dataset, ckpt / STATE_FILE)
+    stored = record_of_state(blob["state"], str(ckpt / STATE_FILE))
     if stored.space.id:
         check_compatible(stored.space.id, setup.space)
     try:
@@ -406,7 +407,7 @@ def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwr
                 check_run_dir(out, cfg, resume, overwrite)  # before the first stage writes anything
                 began = time.perf_counter()
                 stage = train_one(decoder_stage(cfg), decoder_from, get_method(cfg.method),
-                                  (decoder_from / "run.json").exists() and not overwrite, overwrite, cache_dir,
+                                  (decoder_from / RUN_FILE).exists() and not overwrite, overwrite, cache_dir,
                                   quiet, stop_after, device, f"{command} (decoder stage)", time_limit, stage_of=cfg)
                 if stage["end_step"] < decoder_stage(cfg).steps:  # stopped inside the first stage
                     return stage
@@ -440,17 +441,17 @@ def train_one(cfg: TrainConfig, out: Path, method: Method, resume: bool, overwri
             on_every_rank(lambda: shared_folder_check(out, claim["lock"], claim["host"]), rank, world)
         cfg = replace(cfg, micro_batch=claim["micro_batch"])
         if claim["checkpoint"]:  # the store it was trained on, before its data is read (not a hub lookup)
-            ckpt_dir = out / "checkpoints" / claim["checkpoint"]
-            check_recorded_store(read_state(ckpt_dir).get("data_store"), cfg.data, ckpt_dir / "state.json")
+            ckpt_dir = out / CHECKPOINTS / claim["checkpoint"]
+            check_recorded_store(read_state(ckpt_dir).get("data_store"), cfg.data, ckpt_dir / STATE_FILE)
         if rank == 0 and cfg.epochs is None and cfg.warmup_frac is None and cfg.steps < cfg.warmup:
             print(f"warning: --steps {cfg.steps} is shorter than --warmup {cfg.warmup}: the learning rate stops at "
                   f"{lr_at(cfg.steps - 1, cfg.lr, cfg.warmup):.3g}, never reaching {cfg.lr:.3g}", file=sys.stderr)
         setup = set_up(cfg, method, rank, world, dev, cache_dir, decoder_from)
         if not resume and cfg.init_from:  # read before a replaced run is set aside (it may be the one in --out)
             start_from(setup, cfg.init_from, quiet)
-        if overwrite and (out / "run.json").exists():
+        if overwrite and (out / RUN_FILE).exists():
             on_rank0(folder.set_aside, rank, world)
-        ckpt = out / "checkpoints" / claim["checkpoint"] if claim["checkpoint"] else None
+        ckpt = out / CHECKPOINTS / claim["checkpoint"] if claim["checkpoint"] else None
         start = restore(setup, ckpt, quiet)
         if resume and start == 0 and cfg.init_from:
             start_from(setup, cfg.init_from, quiet)

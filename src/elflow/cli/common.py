@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
-from elflow.flow import SAMPLERS
+from elflow.flow import GRIDS, SAMPLERS, SAMPLING_RANGES
 from elflow.generate import FEW_STEPS, SAMPLING_DEFAULTS, SamplingSettings
-from elflow.methods.baseline import BaselineSampling
+from elflow.methods.baseline import KNOB_RANGES, BaselineSampling
 from elflow.methods.mdlm import MDLMSampling
 from elflow.runs.tracking import HELP_PROJECT
+from elflow.util.devices import AUTOCAST_DTYPES
 from elflow.util.errors import ELFError
 
 
@@ -40,13 +40,14 @@ def add_sampling_arguments(p) -> None:
     p.add_argument("--guidance", type=float, default=None,
                    help="source guidance of conditional models: v = v_u + g (v_c - v_u) (default: the model's own: "
                         f"{SAMPLING_DEFAULTS['conditional']['guidance']} for conditional models)")
-    p.add_argument("--grid", choices=["logit_normal", "uniform"], default=None,
+    p.add_argument("--grid", choices=GRIDS, default=None,
                    help=f"time grid (default {d.grid})")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default 0)")
     p.add_argument("--batch", type=int, default=None,
                    help=f"samples per batch (default {d.batch_size}; {BaselineSampling.batch_size} for AR and MDLM "
                         "baselines)")
-    p.add_argument("--dtype", choices=["fp32", "bf16"], default=None, help="autocast precision (default fp32)")
+    p.add_argument("--dtype", choices=AUTOCAST_DTYPES, default=None,
+                   help=f"autocast precision (default {d.dtype})")
     p.add_argument("--temperature", type=float, default=None,
                    help="AR and MDLM baselines: divide the logits by this (default 1)")
     p.add_argument("--top-p", type=float, default=None, help="AR baselines: nucleus sampling mass (default 1)")
@@ -55,13 +56,8 @@ def add_sampling_arguments(p) -> None:
 def check_sampling_flags(args) -> None:
     """The plain ranges of the sampler flags given (those of `add_sampling_arguments`), checked before any
     model is read: ELFError naming the flag."""
-    checks = (("steps", lambda v: v >= 1, "an integer >= 1"), ("batch", lambda v: v >= 1, "an integer >= 1"),
-              ("gamma", lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0"),
-              ("omega", lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0"),
-              ("guidance", lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0"),
-              ("temperature", lambda v: v > 0, "a number > 0"),
-              ("top_p", lambda v: 0 < v <= 1, "a number in (0, 1]"))
-    for name, ok, what in checks:
+    ranges = {**{"batch" if k == "batch_size" else k: v for k, v in SAMPLING_RANGES.items()}, **KNOB_RANGES}
+    for name, (ok, what) in ranges.items():
         value = getattr(args, name, None)
         if value is not None and not ok(value):
             raise ELFError(f"--{name.replace('_', '-')} must be {what}, got {value:g}")

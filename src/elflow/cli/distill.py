@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from elflow.cli.common import add_arguments as add_tracking
 from elflow.distill import distill
+from elflow.optim import EMA_DECAY
 from elflow.runs.tracking import require_wandb
+from elflow.util.devices import RUN_DTYPES
 from elflow.util.errors import ELFError
 
 
@@ -31,7 +33,8 @@ def add_arguments(p) -> None:
     p.add_argument("--batch", type=int, default=None, help="global batch (default: the teacher's)")
     p.add_argument("--micro-batch", type=int, default=None, help="rows per forward/backward (accumulation)")
     p.add_argument("--lr", type=float, default=None, help="learning rate (default 1e-3 * batch / 256)")
-    p.add_argument("--ema-decay", type=float, default=0.9999, help="EMA decay of each round's student")
+    p.add_argument("--ema-decay", type=float, default=EMA_DECAY, help=f"EMA decay of each round's student "
+                                                                     f"(default {EMA_DECAY})")
     p.add_argument("--warmup-frac", type=float, default=0.1, help="warm-up as a fraction of each round")
     p.add_argument("--data", default=None, help="training text (default: the teacher's)")
     p.add_argument("--space", default=None, help="embedding space (default: the teacher's)")
@@ -40,7 +43,7 @@ def add_arguments(p) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the students' noise and data order")
     p.add_argument("--predict", choices=("x", "v", "eps"), default=None,
                    help="the students' prediction target; it must be the teacher's (default: the teacher's)")
-    p.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default=None, help="autocast (default: the teacher's)")
+    p.add_argument("--dtype", choices=RUN_DTYPES, default=None, help="autocast (default: the teacher's)")
     p.add_argument("--log-every", type=int, default=10, help="steps per metrics line")
     p.add_argument("--ckpt-every", type=int, default=500, help="steps per checkpoint (and one at each round's end)")
     p.add_argument("--keep", type=int, default=3, help="checkpoints kept per round")

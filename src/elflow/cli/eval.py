@@ -31,6 +31,7 @@ from elflow.eval.outputs import Outputs, check_outside_runs, default_folder, own
 from elflow.eval.scoring import check_sampled, heldout_texts, judged_heldout, read_real_texts, sample_and_score
 from elflow.generate import write_samples
 from elflow.methods import get_method, settings_from_args
+from elflow.runs.folder import REPORT_FILE
 from elflow.runs.load import load_for_sampling
 from elflow.runs.tracking import Tracker, require_wandb
 from elflow.util import jsonio
@@ -428,7 +429,7 @@ def _run_unconditional(args, part: tuple[int, int]) -> int:
     seeds = args.seeds or [settings.seed]
     out, allowed = _out_folder(args, settings.tag())
     outputs = Outputs(args.overwrite)
-    report_path = _report_path(args, out / "report.json", allowed, outputs)
+    report_path = _report_path(args, out / REPORT_FILE, allowed, outputs)
     seeds = {seed: outputs.add(out / f"samples_seed{seed}.jsonl", inside_checked=True) for seed in seeds}
     refs, what = _mauve_references(args, args.checkpoint, args.num) if args.mauve else ([], "")
     if args.mauve:

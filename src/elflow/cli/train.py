@@ -12,7 +12,8 @@ import torch
 
 from elflow.cli.settings import add_setting_arguments, given_settings, with_default
 from elflow.config import RUN_PRESETS, TrainConfig, mutable_flags, resume_conflicts
-from elflow.runs.folder import stored_config
+from elflow.runs.claim import stored_config
+from elflow.runs.folder import RUN_FILE
 from elflow.train import train
 from elflow.util.devices import check_device
 from elflow.util.distributed import on_rank0, process_group
@@ -84,7 +85,7 @@ def _group_timeout(args) -> float | None:
     if getattr(args, "resume", False):
         out = Path(getattr(args, "out", None) or f"runs/{getattr(args, 'preset', TrainConfig.preset)}")
         try:
-            return float(read_json(out / "run.json")["train"]["dist_timeout"])
+            return float(read_json(out / RUN_FILE)["train"]["dist_timeout"])
         except (ELFError, OSError, ValueError, KeyError, TypeError, OverflowError):
             pass
     return None

@@ -15,7 +15,7 @@ from elflow.data.batches import split_rows
 from elflow.data.corpus import BUILTIN_NAMES, _warn, check_on_bad, local_source
 from elflow.data.ingest import prepare_store
 from elflow.data.integrity import Fingerprint, check_source_fingerprint
-from elflow.data.layout import check_source_slot
+from elflow.data.layout import LAYOUTS, check_source_slot
 from elflow.data.sources import source_difference, source_fingerprint
 from elflow.data.store import StoreRows, TokenStore, file_lock, is_store
 from elflow.util.distributed import distributed
@@ -158,7 +158,7 @@ def build_dataset(source, space, length: int, layout: str = "packed", val_fracti
     """(train, validation) rows of `length` tokens of a text source in `layout`, read from its store (the
     source itself when it is a store folder, else its store in the cache, prepared once); the validation rows
     are chosen at random from `seed` (`data.split_rows`)."""
-    if layout not in ("packed", "document"):
+    if layout not in LAYOUTS:
         raise ELFError(f"layout must be 'packed' or 'document', got {layout!r}")
     check_on_bad(on_bad)
     _check_length(space, length)

@@ -16,6 +16,7 @@ from typing import Iterator
 import numpy as np
 
 from elflow.data.corpus import _warn, check_on_bad, report_bad, skipped_files
+from elflow.data.layout import LAYOUTS
 from elflow.data.reading import Piece, source_tasks
 from elflow.data.sources import SourceHashes, cheap_part, resolve_source, source_changed, source_fingerprint
 from elflow.data.store import (
@@ -87,7 +88,7 @@ def prepare_store(source, space, out, *, pairs: bool = False, layout: str = "pac
     from tqdm.auto import tqdm
 
     check_on_bad(on_bad)
-    if layout not in ("packed", "document"):
+    if layout not in LAYOUTS:
         raise ELFError(f"layout must be 'packed' or 'document', got {layout!r}")
     if chunk_bytes < 1:
         raise ELFError(f"the chunk size must be at least 1 byte, got {chunk_bytes}")

@@ -32,6 +32,7 @@ def encoder_mask(known: torch.Tensor, valid: torch.Tensor, drop: torch.Tensor | 
     return allowed
 
 
+LAYOUTS = ("packed", "document")  # text rows: documents run on across rows, or one document per row
 SOURCE_SLOTS = ("packed", "fixed")  # where a pair's target starts: right after its source, or at source_length
 
 

@@ -22,6 +22,7 @@ from elflow.data.integrity import (
     sampled_check,
     whole,
 )
+from elflow.data.layout import LAYOUTS
 from elflow.data.store_folder import (  # noqa: F401  (the folder's names and locks, read from here too)
     IDS,
     LOCK,
@@ -188,7 +189,7 @@ def upgrade_manifest(m: dict) -> dict:
 AGAIN = "the manifest was changed or damaged: prepare the store again with --overwrite"
 
 
-LAYOUTS = ("packed", "document", "pairs")
+STORE_LAYOUTS = (*LAYOUTS, "pairs")  # a store of text rows, or of (source, target) pairs
 
 
 def check_manifest(m: dict, path) -> dict:
@@ -199,8 +200,8 @@ def check_manifest(m: dict, path) -> dict:
     if kind not in PARTS:
         raise ELFError(f"{path}: kind is {kind!r}, not one of {', '.join(PARTS)}; {AGAIN}")
     layout = field_of(m, "layout", str, path, AGAIN, optional=True)
-    if layout is not None and layout not in LAYOUTS:
-        raise ELFError(f"{path}: layout is {layout!r}, not one of {', '.join(LAYOUTS)}; {AGAIN}")
+    if layout is not None and layout not in STORE_LAYOUTS:
+        raise ELFError(f"{path}: layout is {layout!r}, not one of {', '.join(STORE_LAYOUTS)}; {AGAIN}")
     tok = field_of(m, "tokenizer", dict, path, AGAIN)
     field_of(tok, "id", str, path, AGAIN, "tokenizer.id")
     field_of(tok, "space", str, path, AGAIN, "tokenizer.space", optional=True)
@@ -361,7 +362,7 @@ class StoreRows:
     def __init__(self, store: TokenStore, layout: str, length: int, pad_in_loss: bool = True,
                  source_length: int | None = None, index: np.ndarray | None = None, info: dict | None = None,
                  fixed_slot: bool = False):
-        layouts = ("pairs",) if store.kind == "pairs" else ("packed", "document")
+        layouts = ("pairs",) if store.kind == "pairs" else LAYOUTS
         if layout not in layouts:
             other = ("it holds (source, target) pairs: train on it with --source-length" if store.kind == "pairs"
                      else "it holds text: pairs need a store prepared with --source-length")

@@ -12,7 +12,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from elflow.runs.folder import run_folders_holding
+from elflow.runs.claim import run_folders_holding
+from elflow.runs.folder import RUN_FILE
 from elflow.util.errors import ELFError
 from elflow.util.files import check_output
 
@@ -38,7 +39,7 @@ def default_folder(checkpoint, name: str, fallback: Path) -> Path:
     if run is None:
         return path / name if path.is_dir() else fallback
     for p in (path, *path.parents):  # the run as the path names it (relative stays relative)
-        if (p / "run.json").is_file() and p.resolve() == run:
+        if (p / RUN_FILE).is_file() and p.resolve() == run:
             run_path = p
             break
     else:

@@ -80,7 +80,8 @@ def train_step_flops(c: ELFConfig, length: int, rows: int, sc_rows: int, dec_row
     return {"selfcond_pass": sc_rows * fx, "trained_pass": 3 * (rows * fx + dec_rows * fhead)}
 
 
-def reference_recipe_flops(c: ELFConfig, length: int, decode_prob: float = 0.2, self_cond_prob: float = 0.5) -> dict:
+def reference_recipe_flops(c: ELFConfig, length: int, decode_prob: float = Recipe.decode_prob,
+                           self_cond_prob: float = Recipe.self_cond_prob) -> dict:
     """Expected ELF FLOPs per training token, of elflow's recipe and of the reference listing.
 
     Reference listing, per denoising row: the x0 pass always, the xs pass on self-conditioned rows, then

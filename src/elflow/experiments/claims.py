@@ -19,6 +19,7 @@ from elflow.eval.scoring import sample_and_score
 from elflow.experiments.compare import cached_judge, judge_texts, row_documents
 from elflow.experiments.encoder_train import train_encoder
 from elflow.methods import get_method
+from elflow.runs.folder import RUN_FILE
 from elflow.runs.load import load_for_sampling
 from elflow.space import build_space, space_spec, tokenizer_spec
 from elflow.train import train
@@ -333,7 +334,7 @@ class Harness:
         figures = {"loss": report["model_loss"], "decode_acc": report["decode_accuracy"]["p=1.0"],
                    "gen_ppl": scores.get("gen_ppl", math.nan), "entropy": scores.get("judge_entropy", math.nan),
                    "corpus_words": scores.get("corpus_word_share", math.nan), "mauve": scores.get("mauve", math.nan),
-                   "params": read_json(folder / "run.json")["params"]["model"],
+                   "params": read_json(folder / RUN_FILE)["params"]["model"],
                    "steps": read_json(folder / "done.json")["steps"]}
         atomic_write_json(path, figures)
         return figures

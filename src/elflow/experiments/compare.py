@@ -20,6 +20,7 @@ from elflow.eval.metrics import generative_perplexity
 from elflow.eval.scoring import sample_and_score
 from elflow.experiments.figures import plot_tradeoff
 from elflow.methods import METHOD_NAMES, get_method
+from elflow.runs.folder import METRICS_FILE, RUN_FILE
 from elflow.runs.load import load_for_sampling
 from elflow.runs.log import read_metrics
 from elflow.space import build_space, space_spec, tokenizer_spec
@@ -110,7 +111,7 @@ def cached_judge(documents: list[str], cache_dir=None, device=None, progress: bo
 # training and judging
 def _train_seconds(run_dir: Path) -> float:
     """Training time of an elflow run: the sum of its logged intervals."""
-    path = run_dir / "metrics.jsonl"
+    path = run_dir / METRICS_FILE
 
     recs = read_metrics(path)
     return sum(r.get("elapsed", 0.0) for r in recs if r.get("kind", "train") == "train")
@@ -180,7 +181,7 @@ def _compare(cfg, out, steps, minutes, num, judge, elf_steps, omegas, ar_tempera
         summary = train(replace(cfg, method=method), out / method, overwrite=overwrite, quiet=quiet,
                         cache_dir=cache_dir, device=device, command=f"elflow compare ({method})",
                         time_limit=minutes * 60 if minutes is not None else None)
-        meta = read_json(out / method / "run.json")
+        meta = read_json(out / method / RUN_FILE)
         info[method] = {"steps": summary["end_step"], "seconds": _train_seconds(out / method),
                         "tokens": summary["end_step"] * cfg.batch * cfg.length, "params": meta["params"]["model"],
                         "elf_params": meta["params"]["elf"], "shape": {k: meta["model"][k] for k in

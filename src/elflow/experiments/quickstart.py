@@ -20,7 +20,8 @@ from elflow.generate import distilled_defaults, generate, settings_for
 from elflow.methods import get_method
 from elflow.model import ShortRunOptions
 from elflow.runs.checkpoint import latest_checkpoint, read_state
-from elflow.runs.folder import check_run_dir, stored_config
+from elflow.runs.claim import check_run_dir, stored_config
+from elflow.runs.folder import REPORT_FILE, RUN_FILE, SAMPLES_FILE
 from elflow.runs.load import load_for_sampling
 from elflow.runs.log import plot_losses
 from elflow.space import fixed_vectors
@@ -77,14 +78,14 @@ def report(run_dir, sampler: str = DEMO_SAMPLER, steps: int = DEMO_SAMPLE_STEPS,
     settings = settings_for(net.record, steps=steps, sampler=sampler, omega=omega, seed=seed, batch_size=16)
     vocab = corpus_vocabulary(space.decode(train_set.tokens[: min(len(train_set), 4000)]))
     records, gen_stats = sample_and_score(get_method(net.record.method), net, space, num, settings,
-                                          lambda texts: word_stats(texts, vocab), run_dir / "samples.jsonl",
+                                          lambda texts: word_stats(texts, vocab), run_dir / SAMPLES_FILE,
                                           {"length": length}, length, progress=True)
     texts = [r["text"] for r in records]
     real_stats = word_stats(space.decode(val_set.tokens[:num]), vocab)
     out = {"steps_trained": trained, "steps_planned": planned, "validation": val, "samples": gen_stats,
            "real_text": real_stats, "sampler": sampler, "steps": steps, "omega": omega, "num": num,
            "seconds": time.perf_counter() - t0}
-    atomic_write_json(run_dir / "report.json", out)
+    atomic_write_json(run_dir / REPORT_FILE, out)
 
     plot_losses(run_dir)  # loss.png again, now with the Gaussian baseline's held-out loss
 
@@ -187,7 +188,7 @@ def conditional_report(run_dir, held: list[tuple[str, str]], num: int, steps: in
             examples = records[:3]
     out = {"task": task, "held_out": len(held), "rows": rows, "curve": curve or [],
            "seconds": time.perf_counter() - t0}
-    atomic_write_json(run_dir / "report.json", out)
+    atomic_write_json(run_dir / REPORT_FILE, out)
     if curve:
         plot_curve(curve, rows, run_dir / "bleu.png", task)
     printer(f"\n=== BLEU on {len(held)} held-out lines (sacrebleu, lowercase; ODE, {steps} steps) ===")
@@ -219,7 +220,7 @@ def train_and_report(args, cfg, out: Path, command: str, what: str, make_report)
         check_run_dir(out, cfg, args.resume, args.overwrite, default_device())
         print(f"{command}: training {what} in {out}", file=sys.stderr)
         train(cfg, out, resume=args.resume, overwrite=args.overwrite, cache_dir=args.cache_dir, command=command)
-    elif not (out / "run.json").exists():
+    elif not (out / RUN_FILE).exists():
         raise ELFError(f"{out} holds no run; run `{command}` without --report-only first")
     t1 = time.perf_counter()
     with FolderLock(out, f"{command} (report)"):
@@ -269,7 +270,7 @@ def run_conditional(args) -> int:
                     atomic_write_json(curve_file, curve)
                 print(f"step {end}: held-out BLEU {curve[-1]['bleu']:.2f} (guidance 2, {len(curve_held)} lines)",
                       file=sys.stderr)
-    elif not (out / "run.json").exists():
+    elif not (out / RUN_FILE).exists():
         raise ELFError(f"{out} holds no run; run `{command}` without --report-only first")
     t1 = time.perf_counter()
     curve = read_json(curve_file, kind=list) if curve_file.exists() else []
@@ -310,7 +311,7 @@ def distillation_report(teacher_dir, rounds: dict, num: int = 32, seed: int = 0,
             rows.append({"model": name, "steps": n, "decode_accuracy": acc, **stats, **settings.to_dict()})
     real = word_stats(space.decode(val_set.tokens[:num]), vocab)
     out = {"rows": rows, "real_text": real, "num": num}
-    atomic_write_json(Path(rounds[min(rounds)]).parent / "report.json", out)
+    atomic_write_json(Path(rounds[min(rounds)]).parent / REPORT_FILE, out)
     printer(f"\n=== teacher and students (SDE gamma 1.5, omega 2.5; {num} samples each) ===")
     printer(f"  {'model':<20}{'steps':>6}{'word entropy':>14}{'corpus words':>14}{'decode acc.':>13}")
     for r in rows:
@@ -322,7 +323,7 @@ def distillation_report(teacher_dir, rounds: dict, num: int = 32, seed: int = 0,
 
 def run_distill(args) -> int:
     teacher = Path(args.out)
-    if not (teacher / "run.json").exists():
+    if not (teacher / RUN_FILE).exists():
         raise ELFError(f"{teacher} holds no run to distil; run `elflow quickstart` first (or pass its --out)")
     if args.distill_steps < 1:
         raise ELFError(f"--distill-steps must be >= 1, got {args.distill_steps}")
@@ -337,7 +338,7 @@ def run_distill(args) -> int:
                          log_every=10, ckpt_every=max(args.distill_steps // 2, 1), keep=2)
     else:
         rounds = {n: round_dir(out, n) for n in PD_STUDENTS}
-        missing = [str(p) for p in rounds.values() if not (p / "run.json").exists()]
+        missing = [str(p) for p in rounds.values() if not (p / RUN_FILE).exists()]
         if missing:
             raise ELFError(f"no distilled rounds in {out} ({', '.join(missing)}); run without --report-only first")
     t1 = time.perf_counter()

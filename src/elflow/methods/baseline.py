@@ -3,6 +3,7 @@ the ELF network of the same flags, and the float64 categorical draw of their sam
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields, replace
 
 import torch
@@ -15,6 +16,15 @@ from elflow.space import tokenizer_spec
 from elflow.util.errors import ELFError
 
 MATCHES = ("total", "trunk")
+
+
+def _positive(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+
+
+# the token samplers' own knobs: (check, what the value must be)
+KNOB_RANGES = {"temperature": (_positive, "a finite number > 0"),
+               "top_p": (lambda v: _positive(v) and v <= 1, "a number in (0, 1]")}
 
 
 def table_names(model) -> list[str]:

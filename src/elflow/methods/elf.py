@@ -17,7 +17,7 @@ from elflow.flow import TIME_BINS, Recipe, draw_training_noise, elf_loss, genera
 from elflow.generate import DISTILLED_STEPS, ELF_KNOBS, SamplingSettings, default_sampling, generate, settings_for
 from elflow.methods.base import FEATURES, Method
 from elflow.model import ELFConfig, ShortRunOptions, build_network, check_network, options_of
-from elflow.space import latent_moments, learned, token_vectors
+from elflow.space import DEFAULT_SPACE, latent_moments, learned, token_vectors
 from elflow.util.devices import check_memory
 from elflow.util.errors import ELFError
 
@@ -67,7 +67,7 @@ class ELFMethod(Method):
                                "distillation)")
             if cfg.epochs is not None and not (cfg.decoder_steps or cfg.decoder_from):
                 raise ELFError("--decoder separate with --epochs needs --decoder-steps (the decoder stage's length)")
-            if learned(cfg.space or "minilm"):
+            if learned(cfg.space or DEFAULT_SPACE):
                 raise ELFError("--decoder separate needs a frozen space: a learned table would move under the "
                                "frozen decoder while the denoiser trains")
         elif cfg.decoder_steps or cfg.decoder_from:

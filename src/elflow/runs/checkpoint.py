@@ -21,34 +21,38 @@ import shutil
 import stat
 import sys
 import tempfile
+from dataclasses import fields
 from pathlib import Path
 
 import torch
 from safetensors.torch import load, save_file
 
-from elflow.runs.tracking import ID_FILE
+from elflow.model import ShortRunOptions
+from elflow.runs.folder import (
+    CHECKPOINTS,
+    EMA_WEIGHTS,
+    MODEL_WEIGHTS,
+    OPTIMIZER_STATE,
+    REPLACED,
+    RUN_FILE,
+    RUN_FILES,
+    SPACE_WEIGHTS,
+    STATE_FILE,
+    STATE_HASH,
+    STEP_DIR,
+    step_dir,
+)
 from elflow.space import drawn_table
 from elflow.util.errors import ELFError, first_line
 from elflow.util.files import FolderLock, NoSpace, atomic_write_text, disk_full, file_mode, folder_mode
 from elflow.util.files import sha256_file as _sha256
 from elflow.util.jsonio import RECORD_BYTES, parse, read_limited
 
-STEP_DIR = re.compile(r"step_(\d+)")
-
-
 SPACE_PREFIX = "space."  # space parameters inside model.safetensors (the other layout)
-
-
-STATE_HASH = "state.sha256"  # beside state.json: its sha256
-
-
-REPLACED = ".replaced-run"  # a run's files that --overwrite set aside, kept until the new run's first checkpoint
 
 
 # ----------------------------------------------------------------------------------------------------------
 # a run replaced by --overwrite: its files wait in RUN/.replaced-run until the new run's first checkpoint
-RUN_FILES = ("run.json", "metrics.jsonl", "loss.png", "checkpoints", "tb", "report.json", "samples.jsonl", "wandb",
-             ID_FILE)
 
 
 def set_aside(out: Path, names=RUN_FILES) -> None:
@@ -119,16 +123,16 @@ def write_checkpoint(folder: str | os.PathLike, model_sd: dict, ema_sd: dict, op
     try:
         os.chmod(tmp, folder_mode())
         contig = lambda sd: {k: v.detach().contiguous().cpu() for k, v in sd.items()}  # noqa: E731
-        save_file(contig(model_sd), tmp / "model.safetensors")
-        save_file(contig(ema_sd), tmp / "ema.safetensors")
-        names = ["model.safetensors", "ema.safetensors"]
+        save_file(contig(model_sd), tmp / MODEL_WEIGHTS)
+        save_file(contig(ema_sd), tmp / EMA_WEIGHTS)
+        names = [MODEL_WEIGHTS, EMA_WEIGHTS]
         if space_sd:
-            save_file(contig(space_sd), tmp / "space.safetensors")
-            names.append("space.safetensors")
+            save_file(contig(space_sd), tmp / SPACE_WEIGHTS)
+            names.append(SPACE_WEIGHTS)
         if optimizer_state is not None:
-            with open(tmp / "optimizer.pt", "wb") as f:  # a Python file: its OSError is the cause torch reports
+            with open(tmp / OPTIMIZER_STATE, "wb") as f:  # a Python file: its OSError is the cause torch reports
                 torch.save(optimizer_state, f)
-            names.append("optimizer.pt")
+            names.append(OPTIMIZER_STATE)
         files = {name: {"sha256": _sha256(tmp / name), "bytes": (tmp / name).stat().st_size} for name in names}
         write_state(tmp, {**state, "files": files})
         for f in tmp.iterdir():
@@ -156,7 +160,7 @@ def write_state(ckpt: str | os.PathLike, state: dict) -> None:
     """state.json of a checkpoint folder and, beside it, its sha256 (state.sha256)."""
     ckpt = Path(ckpt)
     text = json.dumps(state, indent=2) + "\n"
-    atomic_write_text(ckpt / "state.json", text)
+    atomic_write_text(ckpt / STATE_FILE, text)
     atomic_write_text(ckpt / STATE_HASH, hashlib.sha256(text.encode()).hexdigest() + "\n")
 
 
@@ -170,7 +174,7 @@ def split_space_state(model_sd: dict) -> tuple[dict, dict]:
 
 # the update rule of a run stored with "muon_scale" (or without it: "fan")
 LEGACY_MUON_SCALES = {"fan": "torch-fan", "released": "torch-head-transposed"}
-SHORT_RUN_FIELDS = ("skip", "time_scale", "head_modulation", "table_readout")  # elflow.model.ShortRunOptions
+SHORT_RUN_FIELDS = tuple(f.name for f in fields(ShortRunOptions))
 ROUND_RECORD = ("distilled_steps", "teacher_steps", "sampling")
 
 
@@ -227,16 +231,16 @@ def trained_space_state(ckpt: str | os.PathLike) -> dict:
     """The embedding space's trained parameters stored in a checkpoint folder (either layout), read as listed."""
     ckpt = Path(ckpt)
     files = read_state(ckpt)["files"]
-    name = "space.safetensors" if "space.safetensors" in files else "model.safetensors"
+    name = SPACE_WEIGHTS if "space.safetensors" in files else "model.safetensors"
     if name not in files:
         return {}
     sd = load_tensors(ckpt / name, files[name]["sha256"], files[name]["bytes"])
-    return sd if name == "space.safetensors" else split_space_state(sd)[1]
+    return sd if name == SPACE_WEIGHTS else split_space_state(sd)[1]
 
 
 def remove_stale_temporaries(run_dir: str | os.PathLike) -> list[Path]:
     """Remove the temporary folders of saves that were killed mid-way (`.tmp-step_*`); returns them."""
-    root = Path(run_dir) / "checkpoints"
+    root = Path(run_dir) / CHECKPOINTS
     stale = [p for p in root.glob(".tmp-step_*") if p.is_dir()] if root.is_dir() else []
     for p in stale:
         shutil.rmtree(p, ignore_errors=True)
@@ -246,7 +250,7 @@ def remove_stale_temporaries(run_dir: str | os.PathLike) -> list[Path]:
 def save_checkpoint(run_dir: str | os.PathLike, step: int, model_sd: dict, ema_sd: dict, optimizer_state,
                     state: dict, keep: int = 3, space_sd: dict | None = None) -> Path:
     """Write checkpoints/step_<step>/ atomically, then keep the newest `keep` (0: keep all)."""
-    final = write_checkpoint(Path(run_dir) / "checkpoints" / f"step_{step:07d}", model_sd, ema_sd,
+    final = write_checkpoint(Path(run_dir) / CHECKPOINTS / step_dir(step), model_sd, ema_sd,
                              optimizer_state, {**state, "step": step}, space_sd)
     for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
@@ -255,7 +259,7 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model_sd: dict, ema_s
 
 def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
     """Finished checkpoint folders of a run, oldest first (temporary folders are ignored)."""
-    root = Path(run_dir) / "checkpoints"
+    root = Path(run_dir) / CHECKPOINTS
     if not root.is_dir():
         return []
     found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := STEP_DIR.fullmatch(p.name))]
@@ -263,11 +267,11 @@ def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
 
 
 def is_elflow_checkpoint(path: Path) -> bool:
-    return path.is_dir() and (path / "state.json").exists() and (path / "model.safetensors").exists()
+    return path.is_dir() and (path / STATE_FILE).exists() and (path / MODEL_WEIGHTS).exists()
 
 
-ELFLOW_MARKS = ("checkpoints", "run.json", REPLACED, "state.json", STATE_HASH,
-                "model.safetensors", "ema.safetensors")
+ELFLOW_MARKS = (CHECKPOINTS, RUN_FILE, REPLACED, STATE_FILE, STATE_HASH,
+                "model.safetensors", EMA_WEIGHTS)
 
 
 def is_elflow_folder(path: Path) -> bool:
@@ -285,7 +289,7 @@ def read_state(ckpt: Path) -> dict:
     """A checkpoint's state.json, checked against state.sha256 (both read as regular files, bounded, never
     through a link), with "files" normalised to {name: {"sha256", "bytes"}} (bytes None where an earlier
     elflow recorded no size): plain file names of this folder. ELFError naming the file otherwise."""
-    state_path = ckpt / "state.json"
+    state_path = ckpt / STATE_FILE
     if not os.path.lexists(state_path):
         raise ELFError(f"{state_path}: missing; {ckpt} is not a complete checkpoint")
     hash_path = ckpt / STATE_HASH
@@ -358,7 +362,7 @@ def verify_checkpoint(ckpt: Path, need_optimizer: bool = True) -> dict:
     only the weights)."""
     state = read_state(ckpt)
     for name, entry in state["files"].items():
-        if name == "optimizer.pt" and not need_optimizer and not os.path.lexists(ckpt / name):
+        if name == OPTIMIZER_STATE and not need_optimizer and not os.path.lexists(ckpt / name):
             continue
         _check_file(ckpt / name, entry)
     return state
@@ -407,7 +411,7 @@ def load_weights(net: torch.nn.Module, sd: dict, where) -> None:
     net.load_state_dict(sd)
 
 
-UNLISTED = ("model.safetensors", "ema.safetensors", "space.safetensors", "optimizer.pt")
+UNLISTED = (MODEL_WEIGHTS, EMA_WEIGHTS, SPACE_WEIGHTS, OPTIMIZER_STATE)
 
 
 def load_checkpoint(ckpt: str | os.PathLike, with_optimizer: bool = True, map_location="cpu") -> dict:
@@ -429,16 +433,16 @@ def load_checkpoint(ckpt: str | os.PathLike, with_optimizer: bool = True, map_lo
         sd = load_tensors(ckpt / name, files[name]["sha256"], files[name]["bytes"])
         return {k: v.to(map_location) for k, v in sd.items()} if str(map_location) != "cpu" else sd
 
-    out["model"], out["space"] = split_space_state(tensors("model.safetensors"))
+    out["model"], out["space"] = split_space_state(tensors(MODEL_WEIGHTS))
     if "space.safetensors" in files:
-        out["space"] = tensors("space.safetensors")
-    out["ema"] = tensors("ema.safetensors") if "ema.safetensors" in files else {}
+        out["space"] = tensors(SPACE_WEIGHTS)
+    out["ema"] = tensors(EMA_WEIGHTS) if "ema.safetensors" in files else {}
     if with_optimizer:
         if "optimizer.pt" not in files:
             raise ELFError(f"{ckpt}: holds no optimiser state (a converted checkpoint?); it can sample, not resume")
-        _check_file(ckpt / "optimizer.pt", files["optimizer.pt"])
+        _check_file(ckpt / OPTIMIZER_STATE, files[OPTIMIZER_STATE])
         try:
-            out["optimizer"] = torch.load(ckpt / "optimizer.pt", map_location=map_location, weights_only=True)
+            out["optimizer"] = torch.load(ckpt / OPTIMIZER_STATE, map_location=map_location, weights_only=True)
         except Exception as e:
             raise ELFError(f"{ckpt / 'optimizer.pt'}: cannot be read with weights_only=True ({first_line(e)}); it is "
                            "corrupted, or holds Python objects, which elflow never unpickles") from None
@@ -478,7 +482,7 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
         return path
     if path.is_dir() and (path / REPLACED).is_dir():
         bring_back_replaced(path)
-    if path.is_dir() and (path / "checkpoints").is_dir():
+    if path.is_dir() and (path / CHECKPOINTS).is_dir():
         ckpt, bad = newest_usable(path, need_optimizer=False)
         if ckpt is None:
             if bad:
@@ -487,7 +491,7 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
         for why in bad:
             print_warning(f"warning: skipping a bad checkpoint: {why}")
         return ckpt
-    if path.is_dir() and (path / "state.json").exists():
+    if path.is_dir() and (path / STATE_FILE).exists():
         return path  # a checkpoint folder missing its weights: its verification names what is missing
     if is_elflow_folder(path):
         raise ELFError(f"{path}: an incomplete elflow checkpoint folder (no state.json); it cannot be read")

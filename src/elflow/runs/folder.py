@@ -1,285 +1,55 @@
-"""The run folder's rules, as the trainer applies them: the hold on it (lock, clean-up of interrupted saves,
-the run that --overwrite replaces, set aside until the new run's first checkpoint), what --resume and
---overwrite may do with it, the checkpoint a resume continues from, the micro-batch over a new number of
-ranks, and the check that every node of a multi-node run sees the same folder."""
+"""The names of the files and folders a run, a checkpoint and a model folder hold: the one place they are
+spelled. What may be done with a run folder is elflow.runs.claim's; how a checkpoint is written and read,
+elflow.runs.checkpoint's.
+
+    RUN/run.json                      the run's record (elflow.runs.record) and how it runs
+    RUN/metrics.jsonl, loss.png, tb/  its log, the loss figure, TensorBoard's events
+    RUN/checkpoints/step_NNNNNNN/     model.safetensors, ema.safetensors, space.safetensors, optimizer.pt,
+                                      state.json and state.sha256
+    RUN/report.json, samples.jsonl    what `elflow quickstart` writes of its run
+    RUN/decoder/                      the first stage of a --decoder separate run
+    RUN/.replaced-run/                a run that --overwrite set aside until the new run's first checkpoint
+    OUT/distill.json                  a distillation's manifest, beside its rounds OUT/<N>-step
+"""
 
 from __future__ import annotations
 
-import os
-import shutil
-import sys
-import time
+import re
 from pathlib import Path
 
-from elflow.config import TrainConfig, mutable_flags, resume_conflicts
-from elflow.runs.checkpoint import (
-    REPLACED,
-    RUN_FILES,
-    list_checkpoints,
-    newest_usable,
-    read_state,
-    recover_replaced,
-    remove_stale_temporaries,
-    restore_aside,
-    set_aside,
-)
-from elflow.runs.record import record_of_state, run_file
-from elflow.runs.stages import DECODER_STAGE, in_first_stage
-from elflow.util.errors import ELFError
-from elflow.util.files import FolderHold, FolderLock, NoSpace, check_output, probe_writable
+from elflow.runs.tracking import ID_FILE
+
+RUN_FILE = "run.json"
+METRICS_FILE = "metrics.jsonl"
+LOSS_PLOT = "loss.png"
+TENSORBOARD = "tb"
+WANDB_FOLDER = "wandb"
+CHECKPOINTS = "checkpoints"
+REPORT_FILE = "report.json"
+SAMPLES_FILE = "samples.jsonl"
+DECODER_STAGE = "decoder"
+REPLACED = ".replaced-run"
+DISTILL_MANIFEST = "distill.json"
+
+STATE_FILE = "state.json"
+STATE_HASH = "state.sha256"
+MODEL_WEIGHTS = "model.safetensors"
+EMA_WEIGHTS = "ema.safetensors"
+SPACE_WEIGHTS = "space.safetensors"
+OPTIMIZER_STATE = "optimizer.pt"
+MODEL_CONFIG = "config.json"  # a model folder's record and file list
+
+STEP_DIR = re.compile(r"step_(\d+)")
+
+# a run's own files and folders: what --overwrite sets aside (and nothing else)
+RUN_FILES = (RUN_FILE, METRICS_FILE, LOSS_PLOT, CHECKPOINTS, TENSORBOARD, REPORT_FILE, SAMPLES_FILE, WANDB_FOLDER,
+             ID_FILE)
 
 
-class RunFolder:
-    """Rank 0's hold on the run folder (`FolderHold`: made, locked, the folders it made removed after a
-    failure), the clean-up of interrupted saves and replacements, and the run being replaced, which is set
-    aside and comes back if the new run fails before its first checkpoint."""
-
-    def __init__(self, out: Path, command: str):
-        self.out, self.command = out, command
-        self.hold = FolderHold(out, command)
-        self.aside = out / REPLACED
-        self.fresh = False  # a new run in a folder that held none: what it wrote goes if it fails before saving
-
-    @property
-    def lock(self):
-        return self.hold.lock
-
-    def open(self) -> None:
-        self.hold.open()
-        self.recover()
-        for p in remove_stale_temporaries(self.out):
-            print(f"removed {p}, left by a save that was interrupted", file=sys.stderr)
-
-    def recover(self) -> None:
-        """A replacement interrupted before the new run's first checkpoint: the old run comes back."""
-        if recover_replaced(self.out, lambda d: bool(list_checkpoints(d))) == "restored":
-            print(f"restored the run in {self.out} that an interrupted --overwrite was replacing", file=sys.stderr)
-
-    def set_aside(self) -> None:
-        """Move the run's own files (never other files) out of the way of the new run."""
-        set_aside(self.out)
-
-    def commit(self) -> None:
-        """The new run has a checkpoint: the replaced run is dropped."""
-        if self.aside.is_dir():
-            shutil.rmtree(self.aside)
-
-    def close(self, ok: bool) -> None:
-        if self.hold.lock is None:  # the folder was never ours (another command holds it)
-            return
-        try:
-            if not ok and self.aside.is_dir():
-                restore_aside(self.out)
-            elif not ok and self.fresh and not list_checkpoints(self.out):
-                remove_run_files(self.out)  # a run that failed before its first checkpoint leaves no run behind
-        finally:
-            self.hold.close(ok)
+def step_dir(step: int) -> str:
+    """The name of the checkpoint folder of `step`."""
+    return f"step_{step:07d}"
 
 
-def remove_run_files(out: Path) -> None:
-    """The files a run writes into its folder (never other files), removed: links and files unlinked, folders
-    removed with what they hold."""
-    for name in RUN_FILES:
-        p = out / name
-        if p.is_dir() and not p.is_symlink():
-            shutil.rmtree(p, ignore_errors=True)
-        elif os.path.lexists(p):
-            p.unlink()
-
-
-def check_run_dir(out: Path, cfg: TrainConfig, resume: bool, overwrite: bool, device=None) -> None:
-    """What --resume / --overwrite may do with the folder as it is; the folder is not changed here. `device`:
-    where the run resumes (a stored dtype "auto" is read as what it picks there). A new run may not be written
-    inside its --init-from run (`check_not_inside`)."""
-    if cfg.init_from and not resume:
-        check_not_inside(out, cfg.init_from, "--init-from")
-    ours = {FolderLock.NAME, REPLACED, DECODER_STAGE}
-    if not (out / "run.json").exists() and not in_first_stage(out):
-        if resume:
-            raise ELFError(f"{out} holds no run to resume; check --out, or start the run without --resume")
-        if out.is_dir() and any(p.name not in ours for p in out.iterdir()) and not overwrite:
-            raise ELFError(f"{out} exists and is not an elflow run folder; choose another --out or pass --overwrite "
-                           "(its files are left as they are)")
-        return
-    if overwrite:
-        return
-    if not resume:
-        raise ELFError(f"{out} already holds a run; pass --resume to continue it or --overwrite to replace it")
-    diff = resume_conflicts(stored_config(out), cfg, device)
-    if diff:
-        raise ELFError(f"{out} holds a different run ({'; '.join(diff)}); on --resume only "
-                       f"{mutable_flags()} may change. Resume it with its "
-                       "own settings, or choose another --out")
-
-
-def stored_config(out: Path) -> TrainConfig:
-    """The resolved and checked training config of the run in `out` (of the run an interrupted --overwrite set
-    aside, which the next start brings back), from its record. A file that cannot be read, or a setting out of
-    range, is a one-line error naming run.json and the setting as it is stored."""
-    src = out
-    if (out / REPLACED / "run.json").exists() and not list_checkpoints(out):
-        src = out / REPLACED
-    if in_first_stage(src):  # a --decoder separate run still in its decoder stage: the stage holds its config
-        path = src / DECODER_STAGE / "run.json"
-        return checked(run_file(path.parent)["stage_of"], path)
-    path = src / "run.json"
-    if not path.exists():
-        raise ELFError(f"{out} holds no run to resume; check --out, or start the run without --resume")
-    return checked(run_file(src)["record"].train, path)
-
-
-def checked(cfg: TrainConfig | None, path) -> TrainConfig:
-    """A stored training config, resolved and checked; ELFError naming `path` and the stored setting."""
-    if cfg is None:
-        raise ELFError(f"{path}: holds no training config (a converted or released model); it cannot be resumed")
-    try:
-        cfg = cfg.resolved()
-    except (ValueError, KeyError, TypeError) as e:
-        raise ELFError(f"{path}: its config cannot be read ({type(e).__name__}: {e})") from None
-    cfg.validate(stored=path)
-    return cfg
-
-
-def no_space(e: BaseException, out: Path) -> ELFError:
-    """The one-line error of a full disk while writing the run in `out`, naming its last good checkpoint."""
-    good = list_checkpoints(out)
-    last = f"step {int(good[-1].name[5:])}" if good else "none"
-    where = e.path if isinstance(e, NoSpace) else (getattr(e, "filename", None) or out)
-    return ELFError(f"no space left on device: {where}; last good checkpoint: {last}; free some space, "
-                    "then run again with --resume")
-
-
-def resume_point(out: Path, cfg: TrainConfig) -> Path | None:
-    """The checkpoint a --resume continues from, chosen before anything is built or read: the newest that
-    passes verification (with its optimiser state), whose stored run is the one of run.json. None for a run
-    that saved none yet; ELFError when it saved some and none can be resumed, or for a checkpoint of another run
-    than run.json describes (an edited run.json)."""
-    ckpt, bad = newest_usable(out, need_optimizer=True)
-    if ckpt is None:
-        if list_checkpoints(out):
-            raise ELFError(f"{out}: no checkpoint can be resumed ({'; '.join(bad)}); nothing was changed. Restore "
-                           "the files, or start the run again with --overwrite")
-        return None
-    for why in bad:
-        print(f"warning: skipping a bad checkpoint: {why}", file=sys.stderr)
-    stored = checked(record_of_state(read_state(ckpt), str(ckpt / "state.json")).train, ckpt / "state.json")
-    diff = resume_conflicts(stored, cfg)
-    if diff:
-        raise ELFError(f"{out / 'run.json'} describes another run than its checkpoint {ckpt.name} "
-                       f"({'; '.join(diff)}); run.json was edited or replaced: restore it")
-    return ckpt
-
-
-def micro_batch_for(cfg: TrainConfig, world: int, stored: dict | None = None) -> int:
-    """The rows per forward/backward of `cfg` on `world` ranks: --micro-batch, else the stored run's (on
-    --resume: a run's first start resolves it to batch / its ranks; `stored` is its run.json, `run_file`), else batch /
-    ranks. A batch it does not split over the ranks is a one-line ELFError that says what to give."""
-    kept = stored["record"].train.micro_batch if stored and stored["record"].train else None
-    if cfg.micro_batch or kept:
-        micro = cfg.micro_batch or kept
-    elif stored and stored.get("world_size"):  # a stored run without a micro-batch: its first start's
-        micro = max(1, cfg.batch // int(stored["world_size"]))
-    else:
-        micro = max(1, cfg.batch // world)
-    if cfg.batch % (world * micro) == 0:
-        return micro
-    shards = cfg.batch // micro
-    if stored is None or cfg.batch % micro:
-        raise ELFError(f"--batch {cfg.batch} is not divisible by world size {world} x --micro-batch {micro}; "
-                       f"choose a batch that is a multiple of {world * micro}")
-    ranks = [str(r) for r in range(1, shards + 1) if shards % r == 0]
-    smaller = [m for m in range(micro - 1, 0, -1) if cfg.batch % (world * m) == 0]
-    other = (f", or give --micro-batch {smaller[0]} to continue with that micro-batch (the rest of the run then "
-             "draws other noise than an uninterrupted run)" if smaller else "")
-    raise ELFError(f"the run's --batch {cfg.batch} in micro-batches of {micro} rows does not split over {world} "
-                   f"ranks: resume it on {' or '.join(ranks)} rank{'s' if ranks != ['1'] else ''} to continue "
-                   f"exactly{other}")
-
-
-SHARED_FOLDER_WAIT = 5.0  # seconds a rank looks for rank 0's lock (a network filesystem's caches lag)
-
-
-def shared_folder_check(out: Path, lock_text: str, host0: str) -> None:
-    """ELFError unless this rank sees the lock rank 0 took in `out` (its text, broadcast): a run folder on
-    several nodes must be one folder that every node sees."""
-    deadline = time.monotonic() + SHARED_FOLDER_WAIT
-    while True:
-        try:
-            seen = (out / FolderLock.NAME).read_text()
-        except OSError:
-            seen = None
-        if seen == lock_text or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
-    if seen != lock_text:
-        raise ELFError(f"--out {out} is not shared between the nodes: this node does not see the lock that rank 0 "
-                       f"(host {host0}) holds in it ({(out / FolderLock.NAME).absolute()} is "
-                       f"{'missing' if seen is None else 'another'} here). A run on several nodes needs a run "
-                       "folder on a filesystem that every node mounts at the same path (NFS, Lustre, GPFS, ...)")
-
-
-def claim_run(folder: RunFolder, cfg: TrainConfig, world: int, resume: bool, overwrite: bool, device=None) -> dict:
-    """Rank 0's decisions about the run folder, which every rank follows: hold it (lock, clean-up), check
-    what --resume / --overwrite may do with it (a stored dtype "auto" read as what it picks on `device`),
-    resolve the micro-batch (the stored run's on --resume) and choose the checkpoint to resume from. Returns
-    them with the lock's text (for `shared_folder_check`)."""
-    import socket
-
-    out = folder.out
-    check_output(out, folder=True)
-    folder.open()
-    check_run_dir(out, cfg, resume, overwrite, device)
-    folder.fresh = not resume and not (out / "run.json").exists()
-    stored = None
-    if resume and (out / "run.json").exists():
-        stored = run_file(out)
-    micro = micro_batch_for(cfg, world, stored)
-    before = stored["record"].train.micro_batch if stored and stored["record"].train else None
-    if before and before != micro:
-        print(f"warning: continuing with --micro-batch {micro} instead of the run's {before}: from here on the "
-              "run draws other noise than an uninterrupted run would", file=sys.stderr)
-    ckpt = resume_point(out, cfg) if resume else None
-    if resume:
-        check_steps_left(out, ckpt, cfg)
-    check_writable(out)
-    return {"micro_batch": micro, "checkpoint": None if ckpt is None else ckpt.name,
-            "lock": (out / FolderLock.NAME).read_text(), "host": socket.gethostname()}
-
-
-def check_steps_left(out: Path, ckpt: Path | None, cfg: TrainConfig) -> None:
-    """A --resume whose --steps the run has already passed changes nothing: ELFError saying so."""
-    if ckpt is None or cfg.epochs is not None:
-        return
-    step = read_state(ckpt)["step"]
-    if step > cfg.steps:
-        raise ELFError(f"{out} is already at step {step}, past --steps {cfg.steps}; nothing was changed. Pass a "
-                       f"--steps above {step} to train further")
-
-
-def check_writable(out: Path) -> None:
-    """The run folder and its checkpoints/ take new files (an immutable or read-only checkpoints/ is found
-    before any step is trained)."""
-    for folder in (out, out / "checkpoints"):
-        if folder.is_dir():
-            try:
-                probe_writable(folder)
-            except OSError as e:
-                raise ELFError(f"{folder}: cannot write in it ({e.strerror or e}); nothing was trained. Make it "
-                               "writable, then run again") from None
-
-
-def run_folders_holding(path) -> list[Path]:
-    """The run folders (folders with a run.json) that `path` is or lies in, innermost first, resolved: a run
-    folder, a checkpoint folder's run, a run nested in another's folder and that one too."""
-    path = Path(path).expanduser().resolve()
-    return [p for p in (path, *path.parents) if (p / "run.json").is_file()]
-
-
-def check_not_inside(out, path, flag: str) -> None:
-    """Refuse an --out that lies inside a run folder holding `path` (the run of `flag`): a command's output
-    goes into a folder of its own, never among another run's files (whose --overwrite would take them)."""
-    out = Path(out).expanduser().resolve()
-    for run in run_folders_holding(path):
-        if run in out.parents:
-            raise ELFError(f"--out {out} lies inside {run}, the run folder of {flag} {path}; the output must go "
-                           "into a folder of its own, outside that run: choose another --out")
+def checkpoint_dir(run: str | Path, step: int) -> Path:
+    return Path(run) / CHECKPOINTS / step_dir(step)

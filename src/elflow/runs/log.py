@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from elflow.flow import TIME_BINS, time_bin_labels
+from elflow.runs.folder import LOSS_PLOT, METRICS_FILE, REPORT_FILE
 from elflow.util import jsonio
 from elflow.util.devices import device_name, fast_bf16
 from elflow.util.errors import ELFError
@@ -37,7 +38,7 @@ def trim_metrics(out: Path, step: int) -> int:
     """On resume from the checkpoint at `step`: metrics.jsonl keeps its records up to that step (a killed
     run logged past its last checkpoint; those steps are trained again) and loses a half-written last line.
     Returns how many lines went."""
-    path = out / "metrics.jsonl"
+    path = out / METRICS_FILE
     if not path.exists():
         return 0
     raw = path.read_bytes().decode("utf-8", errors="replace")
@@ -87,7 +88,7 @@ class RunLogger:
     def log(self, rec: dict) -> None:
         if not self.enabled:
             return
-        with open(self.out / "metrics.jsonl", "a") as f:
+        with open(self.out / METRICS_FILE, "a") as f:
             f.write(json.dumps(rec) + "\n")
         if self.tb is not None:
             for k, v in rec.items():
@@ -174,7 +175,7 @@ def _value_axis(ax, values: list[float]) -> None:
 def training_records(run_dir: Path) -> list[dict]:
     """The training records of RUN/metrics.jsonl (kind "train"), in order; a line cut short by a killed run is
     skipped."""
-    return [r for r in read_metrics(Path(run_dir) / "metrics.jsonl") if r.get("kind", "train") == "train"
+    return [r for r in read_metrics(Path(run_dir) / METRICS_FILE) if r.get("kind", "train") == "train"
             and isinstance(r.get("step"), (int, float))]
 
 
@@ -185,7 +186,7 @@ def plot_losses(run_dir: Path) -> None:
         return
     import matplotlib.pyplot as plt
 
-    with atomic_write(run_dir / "loss.png") as f:
+    with atomic_write(run_dir / LOSS_PLOT) as f:
         fig.savefig(f, format="png", dpi=100)
     plt.close(fig)
 
@@ -204,7 +205,7 @@ def loss_figure(run_dir: Path):
     import matplotlib.pyplot as plt
 
     try:
-        val = jsonio.read_json(run_dir / "report.json", max_bytes=jsonio.RECORD_BYTES, own=True,
+        val = jsonio.read_json(run_dir / REPORT_FILE, max_bytes=jsonio.RECORD_BYTES, own=True,
                                allow_nonfinite=True).get("validation") or {}
     except (ELFError, AttributeError):
         val = {}

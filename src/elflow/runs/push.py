@@ -15,6 +15,7 @@ from safetensors.torch import save
 from elflow.data.corpus import read_sources
 from elflow.methods import get_method
 from elflow.runs.checkpoint import check_tensors, load_checkpoint, resolve_checkpoint
+from elflow.runs.folder import CHECKPOINTS, EMA_WEIGHTS, REPORT_FILE, STATE_FILE
 from elflow.runs.load import load_for_sampling
 from elflow.runs.log import LOSS_NAMES, training_records
 from elflow.runs.model_folder import MODEL_FORMAT
@@ -31,8 +32,8 @@ def model_folder_files(path: str | os.PathLike) -> dict[str, object]:
     blob = load_checkpoint(ckpt, with_optimizer=False)
     if not blob["ema"]:
         raise ELFError(f"{ckpt} holds no EMA weights; a model folder holds the EMA weights that sample")
-    record = record_of_state(blob["state"], str(ckpt / "state.json"))
-    check_tensors(blob["ema"], ckpt / "ema.safetensors")  # a model that cannot sample is not published
+    record = record_of_state(blob["state"], str(ckpt / STATE_FILE))
+    check_tensors(blob["ema"], ckpt / EMA_WEIGHTS)  # a model that cannot sample is not published
     config = {"format": MODEL_FORMAT, "record": record.to_dict(), "step": blob["state"].get("step")}
     return {"model.safetensors": blob["ema"], **({"space.safetensors": blob["space"]} if blob["space"] else {}),
             "config.json": config}
@@ -64,7 +65,7 @@ CARD_SAMPLES = 3  # samples shown in the card
 
 def _run_folder(ckpt: Path) -> Path | None:
     """The run folder a checkpoint folder belongs to (RUN/checkpoints/step_N), if it is one."""
-    return ckpt.parent.parent if ckpt.parent.name == "checkpoints" else None
+    return ckpt.parent.parent if ckpt.parent.name == CHECKPOINTS else None
 
 
 def run_metrics(run_dir: Path | None, step: int | None) -> list[tuple[str, str]]:
@@ -80,7 +81,7 @@ def run_metrics(run_dir: Path | None, step: int | None) -> list[tuple[str, str]]
         out += [(f"training loss, {name} (step {r['step']})", f"{r[k]:.4g}")
                 for k, name in LOSS_NAMES.items() if isinstance(r.get(k), (int, float))]
     try:
-        report = read_json(run_dir / "report.json")
+        report = read_json(run_dir / REPORT_FILE)
     except ELFError:
         report = {}
     val = report.get("validation") or {}
@@ -165,7 +166,8 @@ def model_card(hub_id: str, record: RunRecord, step: int | None, metrics: list[t
         d = record.distillation
         settings.append(("distilled", f"{d.objective}, {d.student_steps or '?'} sampling steps (teacher "
                                       f"{d.teacher_steps or '?'})"))
-    defaults = {k: v for k, v in record.sampling.to_dict().items() if k not in ("seed", "batch_size", "dtype", "method")}
+    defaults = {k: v for k, v in record.sampling.to_dict().items()
+                if k not in ("seed", "batch_size", "dtype", "method")}
     settings.append(("sampling defaults", ", ".join(f"{k} {v}" for k, v in defaults.items())))
     batch, length = train.get("batch"), record.length
     tokens = step * batch * length if all(isinstance(v, int) for v in (step, batch, length)) else None
@@ -200,7 +202,8 @@ def model_card(hub_id: str, record: RunRecord, step: int | None, metrics: list[t
     sample_cmd = (f"elflow sample {hub_id} --source \"...\" --out out.jsonl" if record.conditional
                   else f"elflow sample {hub_id} --num {len(samples)} --seed 0 --out samples.jsonl")
     lines += ["", "## Use", "", "```bash", *install_lines(source), sample_cmd, "```", "", "```python",
-              "import elflow", "from elflow.methods import get_method", "from elflow.runs.load import load_for_sampling",
+              "import elflow", "from elflow.methods import get_method",
+              "from elflow.runs.load import load_for_sampling",
               "", f'net = elflow.load("{hub_id}")   # the network (EMA weights, eval mode); net.record describes it',
               f'net, space = load_for_sampling("{hub_id}")   # the same network and its embedding space',
               "method = get_method(net.record.method)",

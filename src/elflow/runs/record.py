@@ -33,6 +33,7 @@ from elflow.flow import Recipe, recipe_for
 from elflow.methods import get_method
 from elflow.model import ShortRunOptions
 from elflow.runs.checkpoint import load_checkpoint, upgrade_state, upgrade_train, verify_checkpoint
+from elflow.runs.folder import MODEL_WEIGHTS, RUN_FILE, STATE_FILE
 from elflow.runs.locate import locate
 from elflow.runs.model_folder import load_listed, read_model_folder_files
 from elflow.runs.released import RELEASED_SPACE, infer_config, read_released_checkpoint, release_settings
@@ -213,7 +214,7 @@ class RunRecord:
     def write(self, folder: str | os.PathLike, **extra) -> Path:
         """run.json of a run folder: the record, and `extra` (how the run runs: world_size, stage_of), written
         atomically."""
-        path = Path(folder) / "run.json"
+        path = Path(folder) / RUN_FILE
         atomic_write_json(path, {"format": RUN_FORMAT, "record": self.to_dict(), **extra})
         return path
 
@@ -241,7 +242,7 @@ def _positive_int(v) -> int:
 def run_file(folder: str | os.PathLike) -> dict:
     """run.json of a run folder in today's layout: {"record": RunRecord, "world_size", "stage_of"
     (TrainConfig or None)}; an earlier run.json is upgraded."""
-    path = Path(folder) / "run.json"
+    path = Path(folder) / RUN_FILE
     doc = read_json(path)
     where = str(path)
     if doc.get("format") == RUN_FORMAT:
@@ -372,11 +373,11 @@ def _read_located(found, use_ema: bool, weights: bool) -> tuple[RunRecord, dict 
         state, files = read_model_folder_files(found.path)
         where = str(found.path / "config.json")
         record = RunRecord.from_dict(state["record"], where) if "record" in state else upgrade(state, where)
-        sd = load_listed(found.path, files, "model.safetensors", where) if weights else None
+        sd = load_listed(found.path, files, MODEL_WEIGHTS, where) if weights else None
         return record, sd, Origin(str(found.path), found.kind, state.get("step"), True)
     if found.kind == "checkpoint":
         state = verify_checkpoint(found.path, need_optimizer=False)
-        record = record_of_state(state, str(found.path / "state.json"))
+        record = record_of_state(state, str(found.path / STATE_FILE))
         sd = None
         if weights:
             sd = load_checkpoint(found.path, with_optimizer=False)["ema" if use_ema else "model"]

@@ -8,14 +8,16 @@ from dataclasses import replace
 from pathlib import Path
 
 from elflow.config import TrainConfig
+from elflow.runs.folder import (
+    DECODER_STAGE,  # the first stage's run folder, inside the run's own
+    RUN_FILE,
+)
 from elflow.runs.load import check_init_compatible, load_init_weights
-
-DECODER_STAGE = "decoder"  # the first stage's run folder, inside the run's own
 
 
 def in_first_stage(out: Path) -> bool:
     """Whether `out` holds a --decoder separate run that has not yet started its second stage."""
-    return not (out / "run.json").exists() and (out / DECODER_STAGE / "run.json").exists()
+    return not (out / RUN_FILE).exists() and (out / DECODER_STAGE / RUN_FILE).exists()
 
 
 def attach_decoder(net, path, space) -> None:

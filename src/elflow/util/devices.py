@@ -61,6 +61,10 @@ def device_name(device) -> str:
     return f"cpu ({model}, {torch.get_num_threads()} threads)"
 
 
+AUTOCAST_DTYPES = ("fp32", "bf16")  # the precisions a forward pass runs in
+RUN_DTYPES = ("auto", *AUTOCAST_DTYPES)  # a run's: "auto" picks one by the device (`resolve_dtype`)
+
+
 def resolve_dtype(dtype: str, device) -> str:
     """"auto" -> bf16 on GPUs and CPUs with native bf16 matmuls (AMX, AVX512-BF16), fp32 elsewhere."""
     return ("bf16" if fast_bf16(device) else "fp32") if dtype == "auto" else dtype
