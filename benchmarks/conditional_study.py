@@ -16,7 +16,7 @@ with a few network options changed; each trained run is then measured on held-ou
   x-guess from the target noised to time t (t = 0.5 ... 0.95), with and without the source, beside the
   readout of the noised input itself; the inputs and the guess of the network at the known (source)
   positions as training builds them (`flow.elf_loss`, captured) against those the sampler builds
-  (`flow.sample`), from the same noised target.
+  (`flow.integrate`), from the same noised target.
 
     PYTHONPATH=src python benchmarks/conditional_study.py train copy-qs copy-released copy-minilm
     PYTHONPATH=src python benchmarks/conditional_study.py measure copy-qs --variants all
@@ -244,7 +244,7 @@ def oracles(loaded, space, held, ts=(0.3, 0.5, 0.7, 0.9, 0.95), seed=0) -> dict:
     """The readout of clean targets; the readout of the denoiser's guess from the noised target (with and
     without the source) beside the readout of the noised input; the network's inputs and guess at the known
     positions as training builds them against the sampler."""
-    from elflow.flow import Draw, Recipe, elf_loss, row_index, sample
+    from elflow.flow import Draw, Recipe, elf_loss, integrate, row_index
 
     net = loaded.net
     recipe = Recipe.from_dict(loaded.recipe)
@@ -278,7 +278,7 @@ def oracles(loaded, space, held, ts=(0.3, 0.5, 0.7, 0.9, 0.95), seed=0) -> dict:
             row["mse_baseline"] = ((base - x).pow(2).mean(-1) * target).sum().item() / target.sum().item()
         guesses[f"t={t}"] = row
 
-    # known positions: what training's elf_loss feeds the network against what flow.sample feeds it
+    # known positions: what training's elf_loss feeds the network against what flow.integrate feeds it
     t = 0.5
     seen = {}
 
@@ -306,7 +306,7 @@ def oracles(loaded, space, held, ts=(0.3, 0.5, 0.7, 0.9, 0.95), seed=0) -> dict:
 
     _, kmask, kx = conditioning(space, L, N, [s for s, _ in held], SOURCE_LENGTH, source_slot=slot)
     z_sample_in = t * x + (1 - t) * recipe.noise_scale * eps
-    z_final, _ = sample(Spy(), z_sample_in, torch.tensor([t, 1.0]), sampler="ode", omega=ones, guidance=1.0,
+    z_final, _ = integrate(Spy(), z_sample_in, torch.tensor([t, 1.0]), sampler="ode", omega=ones, guidance=1.0,
                         known=kx, known_mask=kmask, noise_scale=recipe.noise_scale, t_eps=recipe.t_eps)
     z_s, slot_s = seen["sample"]
     x_train = torch.where(pin, x, net(z_train, draw.t, ones, slot_train))

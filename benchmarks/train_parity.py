@@ -45,7 +45,7 @@ from elflow.config import TrainConfig  # noqa: E402
 from elflow.data.batches import Prefetch  # noqa: E402
 from elflow.data.corpus import task_pairs_file  # noqa: E402
 from elflow.data.datasets import run_data  # noqa: E402
-from elflow.flow import sample_decode_level  # noqa: E402
+from elflow.flow import draw_decode_level  # noqa: E402
 from elflow.methods import get_method  # noqa: E402
 from elflow.methods.base import TrainedPass  # noqa: E402
 from elflow.train import set_up, shard_generators, train_step  # noqa: E402
@@ -110,7 +110,7 @@ def held_out(net, space, recipe, rows: list[dict], seed: int = 1234) -> dict:
         scored = (valid & ~known).float()
         eps = torch.randn(B, L, space.dim, generator=gen)
         noise = torch.randn(B, L, space.dim, generator=gen)
-        p = sample_decode_level((B, L, 1), gen)
+        p = draw_decode_level((B, L, 1), gen)
         for dropped in ((False, True) if pairs else (False,)):
             drop = torch.full((B,), dropped)
             mask = released_encoder_mask(known, batch["attention_mask"], drop) if pairs else batch.get("attention_mask")

@@ -9,7 +9,7 @@ from helpers import reference_dir
 from safetensors.torch import load_file
 
 from elflow.data.layout import encoder_mask, pair_layout
-from elflow.flow import decode_tokens, sample
+from elflow.flow import decode_tokens, integrate
 from elflow.generate import extract_targets
 from elflow.runs.released import build_from_state_dict, released_to_elflow
 
@@ -59,7 +59,7 @@ def _run(net, ref, c, name):
     draws = ref[f"{name}.sde_eps"] if c["method"] == "sde" else None
     g = torch.Generator().manual_seed(7) if draws is not None else None
     with torch.no_grad():
-        z, _ = sample(net, ref["sample.z0"].clone(), ref["sample.grid"], sampler=c["method"], gamma=c["gamma"],
+        z, _ = integrate(net, ref["sample.z0"].clone(), ref["sample.grid"], sampler=c["method"], gamma=c["gamma"],
                       omega=c["omega"], guidance=c["source_guidance"], known=known, known_mask=known_mask,
                       generator=g)
         ids = decode_tokens(net, z, c["omega"])
@@ -93,7 +93,7 @@ def test_guidance_costs_a_second_pass_only_when_it_acts(net, ref):
     for guidance, known_, mask_, expected in ((2.0, known, mask, 12), (1.0, known, mask, 6), (2.0, None, None, 6)):
         calls.clear()
         with torch.no_grad():
-            sample(counted, ref["sample.z0"], grid, sampler="ode", guidance=guidance, known=known_, known_mask=mask_)
+            integrate(counted, ref["sample.z0"], grid, sampler="ode", guidance=guidance, known=known_, known_mask=mask_)
         assert len(calls) == expected
 
 

@@ -255,19 +255,19 @@ def test_sampling_starts_from_the_noise_scale_the_model_was_trained_with(uncond_
     net.record = net.record.replace(recipe=net.record.recipe.replace(noise_scale=1.0))
     s = net.record.sampling_settings(steps=2)
     seen = {}
-    real = flow.sample
+    real = flow.integrate
 
     def spy(net, z0, grid, **kw):
         seen["std"], seen["scale"] = z0.std().item(), kw["recipe"].noise_scale
         return real(net, z0, grid, **kw)
 
-    flow.sample, saved = spy, flow.sample
+    flow.integrate, saved = spy, flow.integrate
     try:
         from elflow.generate import generate
 
         generate(net, space, 8, s, progress=False)
     finally:
-        flow.sample = saved
+        flow.integrate = saved
     assert seen["scale"] == 1.0 and 0.8 < seen["std"] < 1.2
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from elflow.cli import main
-from elflow.flow import Recipe, generate_tokens
+from elflow.flow import generate_tokens
 from elflow.generate import conditioning, generate, settings_for
 from elflow.runs.load import load_for_sampling
 from elflow.space import build_space

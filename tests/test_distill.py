@@ -79,7 +79,7 @@ def test_sub_step_times_run_from_t_s_to_t_t_in_order():
     g = torch.Generator().manual_seed(0)
     t_s = torch.tensor([0.0, 0.3, 0.75])
     t_t = t_s + 0.25
-    times = pd.sample_sub_step_times(t_s, t_t, 8, g)
+    times = pd.draw_sub_step_times(t_s, t_t, 8, g)
     assert times.shape == (3, 9)
     assert torch.equal(times[:, 0], t_s) and torch.equal(times[:, -1], t_t)
     assert (times.diff(dim=1) >= 0).all()
@@ -102,7 +102,7 @@ def test_pd_target_of_an_exact_straight_line_teacher_is_its_guess():
     t_s, t_t = torch.tensor([0.1, 0.5]), torch.tensor([0.35, 0.75])
     z = torch.randn(2, 5, 3)
     known = torch.zeros(2, 5, dtype=torch.bool)
-    times = pd.sample_sub_step_times(t_s, t_t, 4, torch.Generator().manual_seed(1))
+    times = pd.draw_sub_step_times(t_s, t_t, 4, torch.Generator().manual_seed(1))
     tgt = pd.pd_target(teacher, z, t_s, t_t, torch.ones(2), torch.zeros_like(z), z, known, 4, times)
     assert torch.allclose(tgt, x_star, atol=1e-5)
     # an interval below 1e-3 returns the teacher's last guess

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from elflow.flow import Recipe, draw_training_noise, elf_loss, euler_step, generate_tokens, sample, time_grid
+from elflow.flow import Recipe, draw_training_noise, elf_loss, euler_step, generate_tokens, integrate, time_grid
 from elflow.methods.elf import step_sums as step_metrics
 from elflow.model import ELF, get_config
 
@@ -253,7 +253,7 @@ def test_euler_step_moves_the_right_fraction_and_lands_on_the_guess():
     assert torch.allclose(euler_step(z, torch.tensor(0.75), torch.tensor(1.0), x_hat), x_hat)
     # a whole run: the last Euler step returns the last guess, with any grid and any step kind
     for step in ("ode", "sde", "vc"):
-        out, last = sample(lambda z_, t_, w_, xp: 0.5 * z_ + 1.0, torch.randn(2, 4, 3), time_grid(6, "uniform"),
+        out, last = integrate(lambda z_, t_, w_, xp: 0.5 * z_ + 1.0, torch.randn(2, 4, 3), time_grid(6, "uniform"),
                            sampler=step, gamma=1.5, generator=torch.Generator().manual_seed(0))
         assert torch.allclose(out, last)
 
@@ -268,7 +268,7 @@ def _backed_off_std(step):
 
     z = 1.8 * torch.randn(400_000, 1, 1, generator=torch.Generator().manual_seed(0))
     grid = torch.tensor([0.10, 0.12, 1.0])
-    sample(denoise, z, grid, sampler=step, gamma=1.5, generator=torch.Generator().manual_seed(1),
+    integrate(denoise, z, grid, sampler=step, gamma=1.5, generator=torch.Generator().manual_seed(1),
            callback=lambda i, t, z_, x: seen.setdefault("first", (seen["z"].std().item(), seen["t"][0].item())))
     return seen["first"]
 
@@ -332,7 +332,7 @@ def test_sampling_loop_has_no_host_sync_no_buffer_per_step_and_one_decode_pass(m
             state["buffers"] += state["in_loop"]
             return _original(*a, **k)
         monkeypatch.setattr(torch, name, counted)
-    loop = flow.sample
+    loop = flow.integrate
 
     def watched(*a, **k):
         state["in_loop"] = True

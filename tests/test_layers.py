@@ -42,7 +42,7 @@ LAYERS = [
      "experiments.encoder_train", "experiments.bench"],
     ["experiments.sweep", "experiments.compare"],
     ["experiments.quickstart", "experiments.claims"],
-    ["cli.settings", "cli.common"],
+    ["cli.train_flags", "cli.common"],
     ["cli.quickstart", "cli.prepare", "cli.train", "cli.sample", "cli.view", "cli.distill", "cli.eval",
      "cli.train_judge", "cli.train_encoder", "cli.sweep", "cli.claims", "cli.compare", "cli.push", "cli.convert",
      "cli.bench", "cli.toy", "cli.schedules"],

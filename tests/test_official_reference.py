@@ -6,7 +6,7 @@ import torch
 from helpers import elflow_to_official, reference_dir
 from safetensors.torch import load_file
 
-from elflow.runs.released import build_from_state_dict, infer_config, released_to_elflow, read_released_checkpoint
+from elflow.runs.released import build_from_state_dict, infer_config, read_released_checkpoint, released_to_elflow
 from elflow.util.errors import ELFError
 
 REF = reference_dir("official_tiny.safetensors", "checkpoint_7")

@@ -7,7 +7,7 @@ import torch
 
 from elflow.experiments.schedules import schedule_statistics
 from elflow.experiments.toy import grid_mixture, ring_mixture, run_toy
-from elflow.flow import sample_decode_level, sample_guidance, sample_time, time_grid
+from elflow.flow import draw_decode_level, draw_guidance, draw_time, time_grid
 
 
 @pytest.fixture(scope="module")
@@ -39,12 +39,12 @@ def test_exact_closed_forms(mean, std):
     sig = torch.sigmoid(torch.tensor(mean)).item()
     density = 0.3989 / (std * sig * (1 - sig))  # of sigmoid(N(m, s^2)) at its median
     tol = 4 / (2 * density * n ** 0.5)
-    assert sample_time(n, g, mean, std).median().item() == pytest.approx(sig, abs=tol)
-    assert sample_decode_level((n,), g, mean, std).median().item() == pytest.approx(sig, abs=tol)
-    omega = sample_guidance(n, g)
+    assert draw_time(n, g, mean, std).median().item() == pytest.approx(sig, abs=tol)
+    assert draw_decode_level((n,), g, mean, std).median().item() == pytest.approx(sig, abs=tol)
+    omega = draw_guidance(n, g)
     assert omega.median().item() == pytest.approx(2.0, abs=4 / (2 * n ** 0.5 / (3 * math.log(4.0))))
     assert omega.min() >= 0.5 and omega.max() <= 5.0
-    assert sample_time(7, g).shape == (7,) and sample_decode_level((2, 3, 1), g).shape == (2, 3, 1)
+    assert draw_time(7, g).shape == (7,) and draw_decode_level((2, 3, 1), g).shape == (2, 3, 1)
 
 
 @pytest.mark.parametrize("kind", ["logit_normal", "uniform"])

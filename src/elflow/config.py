@@ -1,5 +1,5 @@
 """The description of a training run: `TrainConfig` (every setting besides the network's shape, stored with
-the run), its named presets (`--defaults`: RUN_PRESETS) and what --resume may change. elflow.cli.settings
+the run), its named presets (`--defaults`: RUN_PRESETS) and what --resume may change. elflow.cli.train_flags
 makes `elflow train`'s flags from its fields."""
 
 from __future__ import annotations

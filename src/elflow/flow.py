@@ -103,24 +103,42 @@ def _device(generator):
     return generator.device if generator is not None else None
 
 
-def sample_time(n: int, generator: torch.Generator | None = None, mean: float = T_MEAN, std: float = T_STD):
+def draw_time(n: int, generator: torch.Generator | None = None, mean: float = T_MEAN, std: float = T_STD):
     """(n,) training times t = sigmoid(N(mean, std^2))."""
     u = torch.randn(n, generator=generator, device=_device(generator))
     return torch.sigmoid(mean + std * u)
 
 
-def sample_decode_level(shape, generator: torch.Generator | None = None, mean: float = P_MEAN, std: float = P_STD):
+def draw_decode_level(shape, generator: torch.Generator | None = None, mean: float = P_MEAN, std: float = P_STD):
     """Decode corruption levels p = sigmoid(N(0.8, 0.8^2)) of any shape (one per token in training)."""
     u = torch.randn(tuple(shape), generator=generator, device=_device(generator))
     return torch.sigmoid(mean + std * u)
 
 
-def sample_guidance(n: int, generator: torch.Generator | None = None, low: float = OMEGA_LOW, high: float = OMEGA_HIGH):
+def draw_guidance(n: int, generator: torch.Generator | None = None, low: float = OMEGA_LOW, high: float = OMEGA_HIGH):
     """(n,) guidance scales omega, log-uniform in 1 + omega over [low, high]."""
     if not (-1 < low <= high):
-        raise ValueError(f"sample_guidance: need -1 < low <= high, got low={low}, high={high}")
+        raise ValueError(f"draw_guidance: need -1 < low <= high, got low={low}, high={high}")
     u = torch.rand(n, generator=generator, device=_device(generator))
     return torch.exp(math.log1p(low) + u * (math.log1p(high) - math.log1p(low))) - 1.0
+
+
+# the sampler settings of a model when no flag is given, by the kind of model; a progressively distilled
+# model's depend on its steps: its few-step settings up to FEW_STEPS, its longer ones beyond, DISTILLED_STEPS
+# when none are given (the released few-step model's)
+FEW_STEPS = DISTILLED_STEPS = 8
+SAMPLING_DEFAULTS = {  # the text sampling defaults (TEXT_SAMPLING) are the samplers' own keyword defaults
+    "text": {"sampler": "sde", "steps": 32, "gamma": 1.5, "omega": 3.0, "guidance": 1.0},
+    "conditional": {"sampler": "ode", "steps": 64, "gamma": 0.0, "omega": 1.0, "guidance": 2.0},
+    "distilled": {"sampler": "sde", "gamma": 1.5, "omega": 2.5},  # a progressively distilled student, <= 8 steps
+    "distilled-long": {"sampler": "sde", "gamma": 2.0, "omega": 2.0},  # the same beyond 8 steps
+}
+TEXT_SAMPLING = SAMPLING_DEFAULTS["text"]
+
+
+def distilled_defaults(steps: int) -> dict:
+    """The settings of a progressively distilled model sampled at `steps` steps."""
+    return {**SAMPLING_DEFAULTS["distilled" if steps <= FEW_STEPS else "distilled-long"], "steps": int(steps)}
 
 
 SAMPLERS = ("ode", "sde", "vc")
@@ -162,7 +180,7 @@ def time_grid(steps: int, kind: str = "logit_normal", generator: torch.Generator
     if kind == "uniform":
         grid = torch.arange(steps + 1, dtype=torch.float32, device=device) / steps
     elif kind == "logit_normal":
-        interior = sample_time(steps - 1, generator, mean, std).to(device).sort().values
+        interior = draw_time(steps - 1, generator, mean, std).to(device).sort().values
         zero, one = torch.zeros(1, device=device), torch.ones(1, device=device)
         grid = torch.cat([zero, interior, one])
     else:
@@ -197,7 +215,7 @@ class Draw:
 def decode_levels(shape, recipe: Recipe, generator: torch.Generator | None = None, device=None) -> torch.Tensor:
     """The decode branch's corruption levels p (one per token), a share recipe.decode_clean_prob of them set to
     1 (clean). The clean draw comes after the levels, so that at share 0 the random stream is the released one."""
-    p = sample_decode_level(shape, generator)  # on the generator's device
+    p = draw_decode_level(shape, generator)  # on the generator's device
     if recipe.decode_clean_prob > 0:
         p = p.masked_fill(torch.rand(p.shape, generator=generator, device=p.device) < recipe.decode_clean_prob, 1.0)
     return p.to(device)
@@ -212,8 +230,8 @@ def draw_training_noise(shape, recipe: Recipe, generator: torch.Generator | None
     decode = r[0] < recipe.decode_prob
     self_cond = (r[1] < recipe.self_cond_prob) & ~decode
     drop_source = (r[2] < recipe.source_drop_prob) & torch.tensor(conditional)
-    t = sample_time(B, generator, recipe.t_mean, recipe.t_std).to(device)
-    omega = sample_guidance(B, generator, recipe.omega_low, recipe.omega_high).to(device)
+    t = draw_time(B, generator, recipe.t_mean, recipe.t_std).to(device)
+    omega = draw_guidance(B, generator, recipe.omega_low, recipe.omega_high).to(device)
     eps = torch.randn(B, L, C, generator=generator, device=device)
     p = decode_levels((B, L, 1), recipe, generator, device)
     rows = {"decode_rows": row_index(decode, device), "self_cond_rows": row_index(self_cond, device)}
@@ -384,8 +402,8 @@ def check_sampling_args(steps: int, gamma: float, omega: float, guidance: float 
                       f"[{recipe.omega_low}, {recipe.omega_high}]; results may be poor", stacklevel=2)
 
 
-def sample(net, z0: torch.Tensor, grid: torch.Tensor, *, sampler: str = "sde", gamma: float = 1.5,
-           omega=3.0, guidance: float = 1.0, known: torch.Tensor | None = None,
+def integrate(net, z0: torch.Tensor, grid: torch.Tensor, *, sampler: str = TEXT_SAMPLING["sampler"],
+              gamma: float = TEXT_SAMPLING["gamma"], omega=TEXT_SAMPLING["omega"], guidance: float = 1.0, known: torch.Tensor | None = None,
            known_mask: torch.Tensor | None = None, generator: torch.Generator | None = None,
            recipe: Recipe = Recipe(), callback: Callable | None = None):
     """Integrate z0 (B, L, C) over the time grid (grid[0] = 0 ... grid[-1] = 1): returns (z_final, x_last).
@@ -458,8 +476,9 @@ def decode_tokens(net, z: torch.Tensor, omega) -> torch.Tensor:
 
 
 @torch.no_grad()
-def generate_tokens(net, batch: int, length: int, steps: int = 32, sampler: str = "sde", gamma: float = 1.5,
-                    omega: float = 3.0, grid: str = "logit_normal", guidance: float = 1.0, known=None,
+def generate_tokens(net, batch: int, length: int, steps: int = TEXT_SAMPLING["steps"],
+                    sampler: str = TEXT_SAMPLING["sampler"], gamma: float = TEXT_SAMPLING["gamma"],
+                    omega: float = TEXT_SAMPLING["omega"], grid: str = "logit_normal", guidance: float = 1.0, known=None,
                     known_mask=None, generator: torch.Generator | None = None, recipe: Recipe = Recipe(),
                     device=None, callback: Callable | None = None):
     """Draw z0 = noise_scale N(0, 1) and a fresh time grid, sample, decode: (ids (B, L), z_final (B, L, C))."""
@@ -468,7 +487,7 @@ def generate_tokens(net, batch: int, length: int, steps: int = 32, sampler: str 
     z0 = recipe.noise_scale * torch.randn(batch, length, net.config.dim, generator=generator, device=device)
     times = time_grid(steps, grid, generator=generator, device=device, mean=recipe.t_mean, std=recipe.t_std)
     w = torch.full((batch,), float(omega), device=device)
-    z, _ = sample(net, z0, times, sampler=sampler, gamma=gamma, omega=w, guidance=guidance, known=known,
+    z, _ = integrate(net, z0, times, sampler=sampler, gamma=gamma, omega=w, guidance=guidance, known=known,
                   known_mask=known_mask, generator=generator, recipe=recipe,
                   callback=callback)
     return decode_tokens(net, z, w), z

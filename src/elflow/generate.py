@@ -16,26 +16,20 @@ from pathlib import Path
 import torch
 
 from elflow.data.layout import encoder_mask, pair_layout, warn_sources_cut
-from elflow.flow import GRIDS, SAMPLING_RANGES, Recipe, check_sampling_args, decode_tokens, generate_tokens
+from elflow.flow import (
+    DISTILLED_STEPS,
+    GRIDS,
+    SAMPLING_DEFAULTS,
+    SAMPLING_RANGES,
+    Recipe,
+    check_sampling_args,
+    decode_tokens,
+    distilled_defaults,
+    generate_tokens,
+)
 from elflow.util.devices import AUTOCAST_DTYPES, autocast
 from elflow.util.errors import ELFError, Record, check_seed
 from elflow.util.files import atomic_write
-
-# the sampler settings of a model when no flag is given, by the kind of model; a progressively distilled
-# model's depend on its steps: its few-step settings up to FEW_STEPS, its longer ones beyond, DISTILLED_STEPS
-# when none are given (the released few-step model's)
-FEW_STEPS = DISTILLED_STEPS = 8
-SAMPLING_DEFAULTS = {
-    "text": {"sampler": "sde", "steps": 32, "gamma": 1.5, "omega": 3.0, "guidance": 1.0},
-    "conditional": {"sampler": "ode", "steps": 64, "gamma": 0.0, "omega": 1.0, "guidance": 2.0},
-    "distilled": {"sampler": "sde", "gamma": 1.5, "omega": 2.5},  # a progressively distilled student, <= 8 steps
-    "distilled-long": {"sampler": "sde", "gamma": 2.0, "omega": 2.0},  # the same beyond 8 steps
-}
-
-
-def distilled_defaults(steps: int) -> dict:
-    """The settings of a progressively distilled model sampled at `steps` steps."""
-    return {**SAMPLING_DEFAULTS["distilled" if steps <= FEW_STEPS else "distilled-long"], "steps": int(steps)}
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The ELF network: one transformer that denoises embeddings and, in decode mode, reads them out as tokens.
 
-Imports torch and the error type only. The released network is the authors' exactly; its variants are fields
+Imports torch and the error type only. The released network is reproduced exactly; its variants are fields
 read here alone (ELFConfig's predict / conditioning / decoder, ShortRunOptions for short runs), whose defaults
 are the released network. docs/method.md reads out the layers, shapes and variants."""
 

@@ -13,11 +13,11 @@ import torch
 from elflow.newton_schulz import default_ns_dtype, newton_schulz, ns_precision, resolve_ns_method
 
 OPTIMIZERS = ("muon", "adamw")
-# how Muon + Adam step the weights; "released" is the authors' update, the others are the updates of earlier
+# how Muon + Adam step the weights; "released" is the released update, the others are the updates of earlier
 # elflow runs, kept so that those runs resume exactly
 UPDATE_RULES = ("released", "torch-fan", "torch-head-transposed")
 UPDATE_RULE_HELP = {
-    "released": "the authors' update: bias-corrected Nesterov momentum, fp32 Newton-Schulz on G / (|G| + 1e-8), "
+    "released": "the released update: bias-corrected Nesterov momentum, fp32 Newton-Schulz on G / (|G| + 1e-8), "
                 "every matrix scaled by sqrt(max(1, fan_out / fan_in)); Nesterov-Adam on the rest; a parameter "
                 "without a gradient stepped with a zero one",
     "torch-fan": "torch.optim.Muon (no bias correction) with the fan rule on every matrix, torch.optim.Adam on "

@@ -1,8 +1,10 @@
 """Two tiny runs to read back with other code (run with the code under test on PYTHONPATH): a plain one and
 one with the short-run options, 6 steps each in fp32, each also stopped at step 3 (NAME-full, NAME-part).
     python old_side.py CORPUS.txt OUT"""
-import sys, json
+import sys
+
 from elflow.train import TrainConfig, train
+
 corpus = sys.argv[1]; base = sys.argv[2]
 common = dict(preset="tiny", data=corpus, space="random-table:minilm", length=16, batch=4, warmup=2, ema_decay=0.9,
               log_every=1, ckpt_every=3, keep=5, dtype="fp32", seed=1, steps=6,

@@ -35,7 +35,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "claims": ("elflow.cli.claims", "re-test the paper's ablation findings at small scale, with seeds and a verdict"),
     "compare": ("elflow.cli.compare", "train ELF, an AR and an MDLM baseline for one budget and judge them alike"),
     "push": ("elflow.cli.push", "upload a trained model with a model card to the Hugging Face Hub (or --dry-run)"),
-    "convert": ("elflow.cli.convert", "convert an authors' checkpoint to an elflow checkpoint folder"),
+    "convert": ("elflow.cli.convert", "convert a released checkpoint to an elflow checkpoint folder"),
     "bench": ("elflow.cli.bench", "time forward / train / sample against the device's matmul peak"),
     "toy": ("elflow.cli.toy", "Figure 1: the 2-D toy with an exact denoiser"),
     "schedules": ("elflow.cli.schedules", "Figure 2: the training distributions and sampling grids"),

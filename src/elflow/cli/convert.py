@@ -8,7 +8,7 @@ from elflow.util.files import check_output
 
 
 def add_arguments(p) -> None:
-    p.add_argument("checkpoint", help="the authors' checkpoint_<step> file, or a folder holding one")
+    p.add_argument("checkpoint", help="the released checkpoint_<step> file, or a folder holding one")
     p.add_argument("out", help="the elflow checkpoint folder to write")
     p.add_argument("--max-length", type=int, default=None,
                    help="longest sequence the converted model samples (default: its release's, else 1024)")

@@ -17,6 +17,7 @@ from elflow.eval.judge import load_judge
 from elflow.eval.mauve import clusters_for, mauve_against
 from elflow.eval.metrics import (
     DTYPES,
+    PROTOCOL_ALIASES,
     PROTOCOLS,
     bleu,
     generative_perplexity,
@@ -113,8 +114,8 @@ def add_arguments(p) -> None:
                    help="hub id or local folder with a causal LM and its tokenizer (offline: `elflow train-judge`)")
     g.add_argument("--judge-dtype", choices=tuple(DTYPES), default="fp32", help="judge precision")
     g.add_argument("--batch-size", type=int, default=8, help="judge batch size (does not change the result)")
-    g.add_argument("--protocol", choices=PROTOCOLS, default="elf",
-                   help="elf: the paper's; elf-official: the authors' target weights; mdlm: MDLM/Duo entropy")
+    g.add_argument("--protocol", choices=(*PROTOCOLS, *PROTOCOL_ALIASES), default="elf",
+                   help="elf: the paper's; elf-released: the released code's target weights; mdlm: MDLM/Duo entropy")
     g.add_argument("--max-length", type=int, default=None, help="truncation length (default: judge context)")
     g.add_argument("--device", default=None, help="cuda / cpu (default: cuda when available)")
     o = p.add_argument_group("output")
@@ -135,7 +136,7 @@ def add_arguments(p) -> None:
                    help="folder for the samples and the report (default: RUN/eval/SETTINGS, RUN/eval/CKPT/SETTINGS for "
                         "a checkpoint folder CKPT of RUN); never inside a run folder but the evaluated run's own eval/")
     s.add_argument("--encoder", default=None,
-                   help="T5 encoder folder or hub id for the authors' checkpoints (default t5-small)")
+                   help="T5 encoder folder or hub id for the released checkpoints (default t5-small)")
     o.add_argument("--overwrite", action="store_true",
                    help="replace an existing report (and samples with --checkpoint)")
     g.add_argument("--heldout", action=argparse.BooleanOptionalAction, default=True,

@@ -19,7 +19,7 @@ from elflow.util.files import atomic_write_json, check_output
 
 def add_arguments(p) -> None:
     p.add_argument("checkpoint", metavar="RUN_OR_CHECKPOINT",
-                   help="an elflow run folder or checkpoint folder, an authors' checkpoint_<step> file or its "
+                   help="an elflow run folder or checkpoint folder, a released checkpoint_<step> file or its "
                         "folder, or a hub id such as embedded-language-flows/ELF-B-owt-torch")
     add_sampling_arguments(p)
     p.add_argument("--num", "--num-samples", type=int, default=16,
@@ -41,7 +41,7 @@ def add_arguments(p) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--raw-weights", action="store_true", help="use the trained weights instead of the EMA")
     p.add_argument("--encoder", default=None,
-                   help="T5 encoder folder or hub id for the authors' checkpoints (default t5-small)")
+                   help="T5 encoder folder or hub id for the released checkpoints (default t5-small)")
     p.add_argument("--trajectory", nargs="*", type=int, default=None, metavar="STEP",
                    help="record how the first batch's samples emerge: the decode readout of the sampler's guess "
                         "at these steps (counted from 1, the first, to N, the last; default: every step), written "

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from elflow.cli.common import add_arguments as add_tracking
 from elflow.eval.mauve import clusters_for
+from elflow.eval.metrics import PROTOCOL_ALIASES, PROTOCOLS
 from elflow.eval.outputs import check_outside_runs, default_folder, own_run
 from elflow.eval.scoring import heldout_texts, read_real_texts
 from elflow.experiments.sweep import _FLOAT, COLUMNS, plot_sweep, read_csv, run_sweep
@@ -37,7 +38,7 @@ def add_arguments(p) -> None:
     p.add_argument("--judge-dtype", choices=("fp32", "bf16"), default="fp32", help="judge precision")
     p.add_argument("--batch-size", type=int, default=8, help="judge batch size")
     p.add_argument("--gen-batch-size", type=int, default=8, help="sampling batch size")
-    p.add_argument("--protocol", choices=("elf", "elf-official", "mdlm"), default="elf",
+    p.add_argument("--protocol", choices=(*PROTOCOLS, *PROTOCOL_ALIASES), default="elf",
                    help="counting rules (see elflow eval --help)")
     p.add_argument("--mauve", action="store_true",
                    help="also MAUVE of each cell's samples against real text (--references, else --num held-out rows "

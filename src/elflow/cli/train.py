@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from elflow.cli.settings import add_setting_arguments, given_settings, with_default
+from elflow.cli.train_flags import add_config_arguments, given_config, with_default
 from elflow.config import RUN_PRESETS, TrainConfig, mutable_flags, resume_conflicts
 from elflow.runs.claim import stored_config
 from elflow.runs.folder import RUN_FILE
@@ -25,7 +25,7 @@ from elflow.util.files import check_output, read_json
 # CLI: one flag per TrainConfig field, plus the flags that say where and how to run
 def add_arguments(p) -> None:
     """The run settings' flags (runconfig), then where and how to run; every flag defaults to "not given"."""
-    add_setting_arguments(p)
+    add_config_arguments(p)
     g = p.add_argument_group("where and how to run")
     S = argparse.SUPPRESS
     g.add_argument("--out", default=S, help=with_default("run folder", "runs/<preset>"))
@@ -48,7 +48,7 @@ def config_from_args(args) -> TrainConfig:
     """The run's settings: the stored ones on --resume (with the changes the command line may make), else the
     command line over the defaults (or over --defaults NAME); resolved and checked."""
     defaults = getattr(args, "defaults", None)
-    given = given_settings(args, RUN_PRESETS[defaults][0] if defaults in RUN_PRESETS else None)
+    given = given_config(args, RUN_PRESETS[defaults][0] if defaults in RUN_PRESETS else None)
     if getattr(args, "resume", False):
         if hasattr(args, "defaults"):
             raise ELFError("--defaults does not go with --resume: a resumed run keeps its stored settings")

@@ -481,7 +481,7 @@ def is_saved_dataset(path: Path) -> bool:
 
 
 def pretokenized_rows(source, split: str):
-    """The records of one of the authors' pre-tokenized sets (`input_ids`, and for pairs
+    """The records of one of the released pre-tokenized sets (`input_ids`, and for pairs
     `condition_input_ids`): a folder written by `datasets.save_to_disk`, or a hub set of the authors'
     organisation or of a named task, streamed. None when `source` is something else."""
     path = Path(str(source)).expanduser()

@@ -183,8 +183,8 @@ def build_pairs(source, space, source_length: int = 64, length: int = 128, val_f
 
     source: a pair store, a .jsonl file of {source_field, target_field} records, a named task ("wmt14-de-en",
     "xsum") or a hub dataset name read with the same fields. In T5-small's space, a folder saved with
-    `datasets.save_to_disk` or a hub set holding the authors' pre-tokenized columns (condition_input_ids /
-    input_ids) is used as it is, and a named task reads the authors' pre-tokenized copy."""
+    `datasets.save_to_disk` or a hub set holding the released pre-tokenized columns (condition_input_ids /
+    input_ids) is used as it is, and a named task reads the released pre-tokenized copy."""
     check_on_bad(on_bad)
     if not 0 < source_length < length:
         raise ELFError(f"the source length {source_length} must be between 1 and the sequence length "

@@ -338,7 +338,7 @@ def source_tasks(source, space, pairs: bool, fields, on_bad: str, split: str, ma
     if is_t5_small(space) and (path is None or path.is_dir()):
         rows = pretokenized_rows(source, split)
     elif path is not None and is_saved_dataset(path):
-        raise ELFError(f"{name} is a saved `datasets` folder of the authors' pre-tokenized T5-small ids; prepare it "
+        raise ELFError(f"{name} is a saved `datasets` folder of the released pre-tokenized T5-small ids; prepare it "
                        "with --space t5-small (or a folder of T5-small's tokenizer named t5-small)")
     if rows is not None:
         columns = set(getattr(rows, "column_names", None) or next(iter(rows)).keys())

@@ -9,7 +9,7 @@ from collections import Counter
 
 import torch
 
-from elflow.flow import TIME_BINS, Recipe, sample_time, time_bin, time_bin_labels
+from elflow.flow import TIME_BINS, Recipe, draw_time, time_bin, time_bin_labels
 from elflow.model import gaussian_posterior
 from elflow.space import latent_moments
 
@@ -34,7 +34,7 @@ def validation_report(net, space, dataset, recipe: Recipe = Recipe(), moments=No
         mask = b["mask"].to(device).float()
         x = space.encode(tokens, attention_mask=b.get("attention_mask")).float()
         B, L, C = x.shape
-        t = sample_time(B, g).to(device)
+        t = draw_time(B, g).to(device)
         eps = torch.randn(B, L, C, generator=g).to(device)
         tt = t[:, None, None]
         z = tt * x + (1 - tt) * recipe.noise_scale * eps

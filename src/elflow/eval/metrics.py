@@ -15,7 +15,13 @@ import torch.nn.functional as F
 from elflow.util import jsonio
 from elflow.util.errors import ELFError
 
-PROTOCOLS = ("elf", "elf-official", "mdlm")
+PROTOCOLS = ("elf", "elf-released", "mdlm")
+PROTOCOL_ALIASES = {"elf-official": "elf-released"}  # an earlier name, still read
+
+
+def protocol_of(name: str) -> str:
+    """A protocol's name, an earlier alias read as the name it now has."""
+    return PROTOCOL_ALIASES.get(name, name)
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -100,14 +106,15 @@ def target_weights(ids: torch.Tensor, eos_id: int, protocol: str = "elf") -> tor
     """(N, L) padded ids -> (N, L-1) weights of the targets ids[:, 1:].
 
     "elf"/"mdlm": 1 for a non-EOS target or the first EOS of the row, else 0 (MDLM's `first_eos + token_mask`
-    on bool tensors is a logical or, which is the same set). "elf-official": [cumulative EOS count == 1] +
+    on bool tensors is a logical or, which is the same set). "elf-released": [cumulative EOS count == 1] +
     [target != EOS] as integers, so a token between the first and second EOS of a row counts twice.
     """
     is_eos = ids == eos_id
     count = is_eos.cumsum(-1)
+    protocol = protocol_of(protocol)
     if protocol in ("elf", "mdlm"):
         w = (~is_eos) | (is_eos & (count == 1))
-    elif protocol == "elf-official":
+    elif protocol == "elf-released":
         w = (count == 1).long() + (~is_eos).long()
     else:
         raise ELFError(f"unknown protocol {protocol!r}; choose one of {', '.join(PROTOCOLS)}")
@@ -187,6 +194,7 @@ def generative_perplexity(texts: Iterable[str], model, tokenizer, batch_size: in
     """
     from tqdm.auto import tqdm
 
+    protocol = protocol_of(protocol)
     if protocol not in PROTOCOLS:
         raise ELFError(f"unknown protocol {protocol!r}; choose one of {', '.join(PROTOCOLS)}")
     if batch_size < 1:

@@ -38,7 +38,7 @@ def sample_and_score(method, net, space, num: int, settings, score, path=None, m
 def heldout_texts(checkpoint, num: int, cache_dir=None) -> tuple[list[str], str]:
     """(texts, what they are): `num` rows of the held-out split of the data the elflow run, checkpoint or model
     folder `checkpoint` was trained on, at its length, decoded by its tokenizer and cut at the first EOS as
-    samples are. ELFError saying why when there are none (an authors' checkpoint, a conditional model, data that
+    samples are. ELFError saying why when there are none (a released checkpoint, a conditional model, data that
     cannot be read from here)."""
     record = RunRecord.read(checkpoint) if checkpoint else None
     if record is None or record.train is None:

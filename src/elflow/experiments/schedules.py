@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from elflow.flow import sample_decode_level, sample_guidance, sample_time, time_grid
+from elflow.flow import draw_decode_level, draw_guidance, draw_time, time_grid
 from elflow.util.files import atomic_write
 
 
@@ -14,9 +14,9 @@ from elflow.util.files import atomic_write
 def schedule_statistics(n: int = 200_000, grids: int = 2000, steps: int = 32, seed: int = 0) -> dict:
     """Monte-Carlo statistics of the schedules, to compare with the values the method's description gives."""
     g = torch.Generator().manual_seed(seed)
-    t = sample_time(n, g)
-    p = sample_decode_level((n,), g)
-    w = sample_guidance(n, g)
+    t = draw_time(n, g)
+    p = draw_decode_level((n,), g)
+    w = draw_guidance(n, g)
     top = torch.stack([time_grid(steps, generator=g)[-2] for _ in range(grids)])
     return {
         "t_median": t.median().item(),
@@ -48,8 +48,8 @@ def schedules_figure(n: int = 100_000, seed: int = 0, steps=(8, 32)):
 
     g = torch.Generator().manual_seed(seed)
     fig, axes = plt.subplots(1, 4, figsize=(17, 3.8))
-    draws = [("training time t", "t", sample_time(n, g)), ("decode level p", "p", sample_decode_level((n,), g)),
-             ("guidance omega", "omega", sample_guidance(n, g))]
+    draws = [("training time t", "t", draw_time(n, g)), ("decode level p", "p", draw_decode_level((n,), g)),
+             ("guidance omega", "omega", draw_guidance(n, g))]
     for ax, (name, symbol, x) in zip(axes, draws):
         ax.hist(x.numpy(), bins=120, density=True, color="tab:blue", alpha=0.75)
         ax.axvline(x.median().item(), color="k", ls="--", lw=1, label=f"median {x.median().item():.2f}")

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from elflow.flow import NOISE_SCALE, T_EPS, Recipe, sample, time_grid
+from elflow.flow import NOISE_SCALE, T_EPS, Recipe, integrate, time_grid
 from elflow.methods.pd import pd_target
 from elflow.util.files import atomic_write
 
@@ -76,7 +76,7 @@ def run_toy(mixture: GaussianMixture, steps_list=(1, 2, 4, 8, 16), num: int = 44
             path.append(z[:, 0].clone())
             guesses.append(x_pred[:, 0].clone())
 
-        z, _ = sample(denoiser, z0.clone(), times,
+        z, _ = integrate(denoiser, z0.clone(), times,
                       sampler=sampler, gamma=gamma, recipe=Recipe(noise_scale=mixture.noise_scale),
                       generator=torch.Generator().manual_seed(seed + 2), callback=record)
         out[n] = {"final": z[:, 0], "path": torch.stack(path), "guesses": torch.stack(guesses),

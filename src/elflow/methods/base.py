@@ -16,7 +16,7 @@ FEATURES = {
     "init-from": "starting from another run's weights (--init-from)",
     "distill": "progressive distillation (elflow distill)",
     "grad-checkpoint": "activation checkpointing (--grad-checkpoint)",
-    "encoder": "an encoder for the authors' checkpoints (--encoder)",
+    "encoder": "an encoder for the released checkpoints (--encoder)",
     "flow": "the flow objective's constants and the network's variants (--predict, --conditioning, --bottleneck, "
             "--decoder, --noise-scale, --decode-prob, ...)",
 }

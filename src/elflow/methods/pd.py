@@ -14,10 +14,10 @@ from elflow.flow import (
     T_STD,
     Recipe,
     decode_levels,
+    draw_guidance,
+    draw_time,
     euler_step,
     row_index,
-    sample_guidance,
-    sample_time,
     scored_positions,
     to_device,
     token_mean_loss,
@@ -80,12 +80,12 @@ def pd_target(teacher, z_t_s, t_s, t_t, omega, sc_half, x0, known_mask, steps: i
     return torch.where(span < SUB_STEP_MIN_SPAN, guess, z_t_s + scale * (z - z_t_s))
 
 
-def sample_sub_step_times(t_s, t_t, steps: int, generator: torch.Generator | None = None, mean: float = T_MEAN,
+def draw_sub_step_times(t_s, t_t, steps: int, generator: torch.Generator | None = None, mean: float = T_MEAN,
                           std: float = T_STD) -> torch.Tensor:
     """(B, steps + 1) times t_s = tau_0 < ... < tau_steps = t_t: the interior ones are sorted logit-normal
     (mean, std; the teacher's training times, -1.5, 0.8 as released) draws u mapped to tau = t_s + (t_t - t_s) u."""
     B = t_s.shape[0]
-    u = sample_time(B * (steps - 1), generator, mean, std).reshape(B, steps - 1).to(t_s.device)
+    u = draw_time(B * (steps - 1), generator, mean, std).reshape(B, steps - 1).to(t_s.device)
     u = u.sort(dim=1).values
     zero, one = torch.zeros(B, 1, device=t_s.device), torch.ones(B, 1, device=t_s.device)
     frac = torch.cat([zero, u, one], dim=1)
@@ -123,13 +123,13 @@ def draw_distill_noise(shape, recipe: Recipe, step_size: float, teacher_steps: i
     r = torch.rand(2, B, generator=cpu_generator)
     decode = r[0] < recipe.decode_prob
     self_cond = (r[1] < recipe.self_cond_prob) & ~decode
-    u = sample_time(B, generator, recipe.t_mean, recipe.t_std).to(device)
-    omega = sample_guidance(B, generator, recipe.omega_low, recipe.omega_high).to(device)
+    u = draw_time(B, generator, recipe.t_mean, recipe.t_std).to(device)
+    omega = draw_guidance(B, generator, recipe.omega_low, recipe.omega_high).to(device)
     eps = torch.randn(B, L, C, generator=generator, device=device)
     p = decode_levels((B, L, 1), recipe, generator, device)
     t_s = u * max(1.0 - step_size, STEP_SIZE_FLOOR)
     t_t = t_s + step_size
-    sub = sample_sub_step_times(t_s, t_t, teacher_steps, generator, recipe.t_mean, recipe.t_std)
+    sub = draw_sub_step_times(t_s, t_t, teacher_steps, generator, recipe.t_mean, recipe.t_std)
     rows = {"decode_rows": row_index(decode, device), "self_cond_rows": row_index(self_cond, device),
             "distill_rows": row_index(~decode, device)}
     decode, self_cond = to_device(decode, device), to_device(self_cond, device)

@@ -275,7 +275,7 @@ ELFLOW_MARKS = (CHECKPOINTS, RUN_FILE, REPLACED, STATE_FILE, STATE_HASH,
 
 
 def is_elflow_folder(path: Path) -> bool:
-    """An elflow run or checkpoint folder, complete or not (anything else is read as the authors' format)."""
+    """An elflow run or checkpoint folder, complete or not (anything else is read as the released format)."""
     return path.is_dir() and any((path / name).exists() for name in ELFLOW_MARKS)
 
 

@@ -1,4 +1,4 @@
-"""The released checkpoints (the authors' PyTorch port): their file format, their parameter names, the network
+"""The released checkpoints (the authors' PyTorch port, as released): their file format, their parameter names, the network
 shape inferred from weights and the released models' layouts (elflow.runs.load.convert_released converts one).
 
 Their file is one torch.save dict ("params", "ema_params1", optimiser state, step), read with
@@ -21,7 +21,7 @@ from elflow.util.files import read_json
 
 
 # ----------------------------------------------------------------------------------------------------------
-# the authors' released checkpoints: one torch.save file `checkpoint_<step>` holding a dict with "params" (the
+# the released checkpoints: one torch.save file `checkpoint_<step>` holding a dict with "params" (the
 # model state dict), "ema_params1" (the EMA weights, used for sampling), optimiser state and the step. Read
 # with torch.load(weights_only=True), which refuses anything but tensors and plain containers.
 def find_released_file(path: str | os.PathLike) -> Path:
@@ -142,7 +142,7 @@ def released_to_elflow(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         else:
             unknown.append(key)
     if unknown:
-        raise ELFError(f"unexpected keys in the authors' checkpoint: {unknown[:8]}"
+        raise ELFError(f"unexpected keys in the released checkpoint: {unknown[:8]}"
                        f"{' ...' if len(unknown) > 8 else ''}; is this an ELF checkpoint?")
     return out
 

@@ -17,7 +17,7 @@ def _true_or_false(text: str) -> bool:
 
 def _replaced_muon_scale(text: str):
     raise argparse.ArgumentTypeError(
-        "replaced by --update-rule: its default, released, is now the authors' whole update (the decode head "
+        "replaced by --update-rule: its default, released, is now the released update in full (the decode head "
         "scaled by the fan rule like every matrix); --muon-scale fan was --update-rule torch-fan, --muon-scale "
         "released was --update-rule torch-head-transposed")
 
@@ -33,7 +33,7 @@ def with_default(text: str, default_text) -> str:
     return f"{text} (default: {default_text})".replace("%", "%%")
 
 
-def add_setting_arguments(p) -> None:
+def add_config_arguments(p) -> None:
     """The run settings' flags (and --defaults) in a group of `p`."""
     S = argparse.SUPPRESS
     cfg_group = p.add_argument_group("run settings (stored with the run; --print-config shows them resolved)")
@@ -70,7 +70,7 @@ def add_setting_arguments(p) -> None:
                                              "none"))
 
 
-def given_settings(args, base: dict | None = None) -> dict:
+def given_config(args, base: dict | None = None) -> dict:
     """The TrainConfig values given on the command line, a nested flag setting one key of its dict: of the
     dict given whole on the command line, else of `base`'s (the --defaults preset's values: `--skip gated`
     over the quickstart keeps its other short-run options), else of an empty one."""
