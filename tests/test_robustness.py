@@ -260,9 +260,9 @@ def test_one_short_run_flag_over_the_quickstart_keeps_its_other_options(capsys):
     """A nested flag sets one key of the preset's dict: `--skip none` over `--defaults quickstart` changes the
     skip alone (the time scale, head modulation and table readout stay the quickstart's); without --defaults
     the other options are the plain defaults (off)."""
-    from elflow.config import RUN_PRESETS
+    from elflow.config import RUN_DEFAULTS
 
-    preset = RUN_PRESETS["quickstart"][0]["short_run"]
+    preset = RUN_DEFAULTS["quickstart"][0]["short_run"]
     code, out, err = cli(capsys, ["train", "--defaults", "quickstart", "--skip", "none", "--time-scale", "10",
                                   "--print-config"])
     assert code == 0, err

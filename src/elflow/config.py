@@ -1,6 +1,7 @@
-"""The description of a training run: `TrainConfig` (every setting besides the network's shape, stored with
-the run), its named presets (`--defaults`: RUN_PRESETS) and what --resume may change. elflow.cli.train_flags
-makes `elflow train`'s flags from its fields."""
+"""The training config: `TrainConfig` (how a run trains, besides the network's shape; a part of the run's
+record), the named configs of `--defaults` (RUN_DEFAULTS) and what --resume may change. Words: a "preset" is a
+network size (elflow.model.PRESETS, --preset); "defaults" a named training config (--defaults).
+elflow.cli.train_flags makes `elflow train`'s flags from its fields."""
 
 from __future__ import annotations
 
@@ -231,12 +232,12 @@ class TrainConfig(Record):
 
     @classmethod
     def named(cls, name: str | None, **overrides) -> "TrainConfig":
-        """A named preset of settings (RUN_PRESETS) with `overrides` on top; None: the plain defaults."""
+        """A named training config (RUN_DEFAULTS) with `overrides` on top; None: the plain defaults."""
         if name is None:
             return cls(**overrides)
-        if name not in RUN_PRESETS:
-            raise ELFError(f"unknown settings preset {name!r}; choose one of {', '.join(RUN_PRESETS)}")
-        base, derived = RUN_PRESETS[name]
+        if name not in RUN_DEFAULTS:
+            raise ELFError(f"unknown --defaults {name!r}; choose one of {', '.join(RUN_DEFAULTS)}")
+        base, derived = RUN_DEFAULTS[name]
         values = {k: dict(v) if isinstance(v, dict) else v for k, v in {**base, **overrides}.items()}
         for key, fn in derived.items():
             if key not in overrides:
@@ -341,8 +342,8 @@ class TrainConfig(Record):
             raise ELFError(f"{'the run' if stored is None else stored}'s recipe cannot be read: {e}") from None
 
 
-# named presets of settings: (values, settings derived from the others unless given)
-RUN_PRESETS: dict[str, tuple[dict, dict]] = {
+# named training configs (--defaults): (values, values derived from the others unless given)
+RUN_DEFAULTS: dict[str, tuple[dict, dict]] = {
     # `elflow quickstart`: the demo network on the built-in corpus for a few minutes on a CPU: a random table
     # over MiniLM's tokenizer, lr 3e-3, EMA 0.95, and the network's options for short runs
     # (elflow.model.ShortRunOptions)

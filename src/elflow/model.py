@@ -118,7 +118,7 @@ class ELFConfig(Record, TransformerShape):
         return 0 if self.adaln else self.time_tokens + self.omega_tokens + self.mode_tokens
 
 
-# network sizes by name (--preset); the run presets of a whole run are elflow.config.RUN_PRESETS (--defaults)
+# network sizes by name (--preset); the run presets of a whole run are elflow.config.RUN_DEFAULTS (--defaults)
 PRESETS: dict[str, ELFConfig] = {
     "tiny": ELFConfig(depth=2, hidden=64, heads=4, bottleneck=16, dim=32, vocab_size=100, max_length=32),  # tests
     # the offline quick-start: MiniLM-L6 space (384 dims, BERT vocabulary), L = 64, minutes on a laptop CPU

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from elflow.config import RUN_PRESETS, TrainConfig
+from elflow.config import RUN_DEFAULTS, TrainConfig
 from elflow.experiments.compare import DEFAULT_MINUTES, JUDGE_DEFAULTS, compare
 from elflow.methods.baseline import MATCHES
 from elflow.model import PRESETS
@@ -19,7 +19,7 @@ def add_arguments(p) -> None:
                    "folder, a .jsonl file or a hub dataset")
     b.add_argument("--preset", default="demo", choices=tuple(PRESETS), help="ELF's size; the baselines match its "
                    "parameter count")
-    quick = RUN_PRESETS["quickstart"][0]
+    quick = RUN_DEFAULTS["quickstart"][0]
     b.add_argument("--space", default=None, help=f"embedding space (default: the quickstart's {quick['space']} for "
                                                  "the demo preset, else the preset's)")
     b.add_argument("--length", type=int, default=64, help="sequence length")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from elflow.config import RUN_PRESETS
+from elflow.config import RUN_DEFAULTS
 from elflow.data.tasks import COND_TASKS
 from elflow.experiments.quickstart import (
     COND_STEPS,
@@ -29,7 +29,7 @@ def add_arguments(p) -> None:
     p.add_argument("--batch", type=int, default=32, help="rows per optimiser step")
     p.add_argument("--length", type=int, default=64, help="sequence length L")
 
-    preset = RUN_PRESETS["quickstart"][0]
+    preset = RUN_DEFAULTS["quickstart"][0]
     p.add_argument("--lr", type=float, default=None, help=f"learning rate (default: {preset['lr']:g})")
     p.add_argument("--space", default=None,
                    help=f"embedding space (default: {preset['space']}; minilm trains in the MiniLM-L6 encoder's own "

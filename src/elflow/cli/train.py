@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from elflow.cli.train_flags import add_config_arguments, given_config, with_default
-from elflow.config import RUN_PRESETS, TrainConfig, mutable_flags, resume_conflicts
+from elflow.config import RUN_DEFAULTS, TrainConfig, mutable_flags, resume_conflicts
 from elflow.runs.claim import stored_config
 from elflow.runs.folder import RUN_FILE
 from elflow.train import train
@@ -48,7 +48,7 @@ def config_from_args(args) -> TrainConfig:
     """The run's settings: the stored ones on --resume (with the changes the command line may make), else the
     command line over the defaults (or over --defaults NAME); resolved and checked."""
     defaults = getattr(args, "defaults", None)
-    given = given_config(args, RUN_PRESETS[defaults][0] if defaults in RUN_PRESETS else None)
+    given = given_config(args, RUN_DEFAULTS[defaults][0] if defaults in RUN_DEFAULTS else None)
     if getattr(args, "resume", False):
         if hasattr(args, "defaults"):
             raise ELFError("--defaults does not go with --resume: a resumed run keeps its stored settings")

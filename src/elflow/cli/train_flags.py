@@ -1,12 +1,12 @@
-"""`elflow train`'s run-settings flags, one per TrainConfig field (and nested key), each defaulting to "not given"
-so that --resume can tell what the command line changes."""
+"""`elflow train`'s flags of the training config, one per TrainConfig field (and nested key), each defaulting to
+"not given" so that --resume can tell what the command line changes."""
 
 from __future__ import annotations
 
 import argparse
 from dataclasses import fields
 
-from elflow.config import NESTED_FLAGS, RUN_PRESETS, TrainConfig, flag_of
+from elflow.config import NESTED_FLAGS, RUN_DEFAULTS, TrainConfig, flag_of
 
 
 def _true_or_false(text: str) -> bool:
@@ -34,9 +34,10 @@ def with_default(text: str, default_text) -> str:
 
 
 def add_config_arguments(p) -> None:
-    """The run settings' flags (and --defaults) in a group of `p`."""
+    """The training config's flags (and --defaults) in a group of `p`."""
     S = argparse.SUPPRESS
-    cfg_group = p.add_argument_group("run settings (stored with the run; --print-config shows them resolved)")
+    cfg_group = p.add_argument_group("training config (stored in the run's record; --print-config shows it "
+                                     "resolved)")
     for f in fields(TrainConfig):
         meta = f.metadata
         if not meta.get("cli", True):
@@ -63,8 +64,8 @@ def add_config_arguments(p) -> None:
         cfg_group.add_argument("--" + sub.replace("_", "-"), default=S, dest=f"{key}.{sub}", **kind,
                                help=with_default(text, default_text))
     cfg_group.add_argument("--muon-scale", default=S, dest="muon_scale", type=_replaced_muon_scale, help=S)
-    cfg_group.add_argument("--defaults", default=S, choices=tuple(RUN_PRESETS),
-                           help=with_default("start from a named set of run settings, elflow.config.RUN_PRESETS "
+    cfg_group.add_argument("--defaults", default=S, choices=tuple(RUN_DEFAULTS),
+                           help=with_default("start from a named training config, elflow.config.RUN_DEFAULTS "
                                              "(quickstart: what `elflow quickstart` trains; the paper's conditional "
                                              "tasks); other flags override it. --preset is the network's size",
                                              "none"))

@@ -10,7 +10,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from elflow.config import RUN_PRESETS, TrainConfig
+from elflow.config import RUN_DEFAULTS, TrainConfig
 from elflow.data.datasets import build_dataset
 from elflow.eval.diagnostics import corpus_vocabulary, validation_report
 from elflow.eval.judge import load_judge
@@ -86,7 +86,7 @@ class Claim:
 # the base of every variant: the quickstart's settings (random table over MiniLM's tokenizer, the network's
 # options for short runs); variants that change the space, the head or the conditioning drop the options that
 # do not go with them
-_OPTIONS = dict(RUN_PRESETS["quickstart"][0]["short_run"])
+_OPTIONS = dict(RUN_DEFAULTS["quickstart"][0]["short_run"])
 
 
 _PLAIN = {"short_run": {**_OPTIONS, "skip": "none"}}  # v and eps heads: no Gaussian skip
@@ -266,7 +266,7 @@ class Harness:
             settings["space"] = settings["space"].replace("{encoder}", str(self.encoder_folder()))
         steps = self.budget.get("steps") or BUDGET_CAP
         if self.budget.get("steps") and "warmup" not in settings:  # the quickstart's warm-up share of its 250 steps
-            settings["warmup"] = min(RUN_PRESETS["quickstart"][0]["warmup"], max(1, steps // 5))
+            settings["warmup"] = min(RUN_DEFAULTS["quickstart"][0]["warmup"], max(1, steps // 5))
         cfg = TrainConfig.named("quickstart", **{**settings, "seed": seed, "steps": steps, "sample_every": 0,
                                                  "ckpt_every": steps, "keep": 1})
         cfg = cfg.resolved()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from elflow.config import RUN_PRESETS, TrainConfig
+from elflow.config import RUN_DEFAULTS, TrainConfig
 from elflow.data.corpus import task_pairs_file
 from elflow.data.datasets import build_dataset
 from elflow.distill import distill, round_dir
@@ -47,7 +47,7 @@ def preset_overrides(args) -> dict:
     """The quickstart preset's settings this command's flags replace when given (--lr, --space). The preset's
     table readout needs fixed token vectors: a --space without them (an encoder, a learned table) drops it."""
     over = {name: getattr(args, name) for name in ("lr", "space") if getattr(args, name, None) is not None}
-    options = RUN_PRESETS["quickstart"][0]["short_run"]
+    options = RUN_DEFAULTS["quickstart"][0]["short_run"]
     table = "space" not in over or fixed_vectors(over["space"])  # one frozen vector per token: the readout's table
     if options.get("table_readout") and not table:
         over["short_run"] = {**options, "table_readout": 0.0}
