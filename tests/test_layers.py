@@ -19,7 +19,7 @@ LAYERS = [
     ["model", "newton_schulz", "runs.tracking"],
     ["optim", "flow", "runs.folder", "data.tasks", "data.layout", "data.integrity", "data.store_folder"],
     ["encoders", "data.corpus", "data.store", "data.batches"],
-    ["space", "data.sources"],
+    ["space", "data.origins"],
     ["data.reading", "data.workers"],
     ["data.ingest"],
     ["data.datasets", "generate"],

@@ -16,8 +16,8 @@ from helpers import CharSpace, assert_one_error, fill, small_tmpfs
 from elflow.cli import main
 from elflow.data import corpus, sources
 from elflow.data.ingest import prepare_store
+from elflow.data.origins import read_small_file
 from elflow.data.reading import TextFiles
-from elflow.data.sources import read_small_file
 from elflow.data.store import TokenStore
 from elflow.data.workers import available_cores
 from elflow.util.errors import ELFError

@@ -16,7 +16,7 @@ from elflow.data.corpus import BUILTIN_NAMES, _warn, check_on_bad, local_source
 from elflow.data.ingest import prepare_store
 from elflow.data.integrity import Fingerprint, check_source_fingerprint
 from elflow.data.layout import LAYOUTS, check_source_slot
-from elflow.data.sources import source_difference, source_fingerprint
+from elflow.data.origins import origin_difference, origin_fingerprint
 from elflow.data.store import StoreRows, TokenStore, file_lock, is_store
 from elflow.util.distributed import distributed
 from elflow.util.errors import ELFError
@@ -31,7 +31,7 @@ PREPARE_TIMEOUT = timedelta(days=7)  # how long the other ranks wait for rank 0'
 # ----------------------------------------------------------------------------------------------------
 # Stores in the cache, prepared once
 def _cache_key(kind: str, source, space, options: dict, cache_dir) -> str:
-    key = {"v": STORE_KEY_VERSION, "kind": kind, "source": source_fingerprint(source, cache_dir),
+    key = {"v": STORE_KEY_VERSION, "kind": kind, "source": origin_fingerprint(source, cache_dir),
            "tokenizer": space.tokenizer_id, "eos": space.eos_id, "pad": space.pad_id, **options}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
 
@@ -287,7 +287,7 @@ def check_same_store(recorded, rows, where) -> None:
                        f"{before.difference(now)}); resume on the store the run started on, or start a new run "
                        "with --overwrite or another --out")
     current = (store.manifest.get("source") or {}).get("fingerprint")
-    change = None if source is None or current is None else source_difference(source, current)
+    change = None if source is None or current is None else origin_difference(source, current)
     if change is not None:
         name = (store.manifest.get("source") or {}).get("name") or "the source"
         raise ELFError(f"{name} is not the text this run was trained on ({change}; {where} records the text as it "

@@ -17,8 +17,8 @@ import numpy as np
 
 from elflow.data.corpus import _warn, check_on_bad, report_bad, skipped_files
 from elflow.data.layout import LAYOUTS
+from elflow.data.origins import OriginHashes, cheap_part, origin_changed, origin_fingerprint, resolve_origin
 from elflow.data.reading import Piece, source_tasks
-from elflow.data.sources import SourceHashes, cheap_part, resolve_source, source_changed, source_fingerprint
 from elflow.data.store import (
     LOCK,
     PARTIAL,
@@ -56,7 +56,7 @@ def auto_workers(total_bytes: int | None, chunk_bytes: int = CHUNK_BYTES) -> int
 def _check_out(out: Path, source, overwrite: bool, cache_dir) -> None:
     if out.exists() and not out.is_dir():
         raise ELFError(f"--out {out} is a file, not a folder; choose another --out")
-    path = resolve_source(source, cache_dir)
+    path = resolve_origin(source, cache_dir)
     if path is not None and (out.resolve() == path.resolve() or path.resolve() in out.resolve().parents):
         raise ELFError(f"--out {out} lies inside the source {path}; write the store somewhere else")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
@@ -83,7 +83,7 @@ def prepare_store(source, space, out, *, pairs: bool = False, layout: str = "pac
     `out/.prepare-new`, then the new one is swapped in; on any failure or signal nothing that looks like a
     complete store is left but the old one, and the exception's `outcome` says what became of the folder.
     A source that changed while it was read is an error; nothing of it is kept. The manifest records the
-    source's fingerprint with the sha256 of each local file, taken as the file was read (`SourceHashes`), and
+    source's fingerprint with the sha256 of each local file, taken as the file was read (`OriginHashes`), and
     how many bytes of bad input were skipped (--on-bad skip)."""
     from tqdm.auto import tqdm
 
@@ -98,12 +98,12 @@ def prepare_store(source, space, out, *, pairs: bool = False, layout: str = "pac
     _check_out(out, source, overwrite, cache_dir)
     t0, cpu0 = time.time(), time.process_time()
     fields = (source_field, target_field) if pairs else (field,)
-    before = source_fingerprint(source, cache_dir)
-    hashes = SourceHashes()
+    before = origin_fingerprint(source, cache_dir)
+    hashes = OriginHashes()
     tasks, how = source_tasks(source, space, pairs, fields, on_bad, split, max_documents, chunk_bytes, cache_dir,
                               hashes)
     workers = auto_workers(how.get("total"), chunk_bytes) if workers is None else workers
-    path = resolve_source(source, cache_dir)
+    path = resolve_origin(source, cache_dir)
     for entry, why in skipped_files(path) if path is not None else []:
         _warn(f"warning: skipping {entry}: {why}, not a regular file")
     created = not out.exists()
@@ -133,9 +133,9 @@ def prepare_store(source, space, out, *, pairs: bool = False, layout: str = "pac
         if read.docs == 0:
             raise ELFError(f"{source} holds no usable {'pairs' if pairs else 'text'}: every file, line or record was "
                            "empty or unreadable")
-        after = source_fingerprint(source, cache_dir, hashes)
+        after = origin_fingerprint(source, cache_dir, hashes)
         if cheap_part(after) != before:
-            raise source_changed(source, _change(before, after))
+            raise origin_changed(source, _change(before, after))
         read.close(how)
         manifest = {
             "layout": "pairs" if pairs else layout,

@@ -89,7 +89,7 @@ def check_dtype(name, vocab_size: int, where) -> np.dtype:
 
 
 def check_source_fingerprint(fp, where, advice: str, name: str) -> dict:
-    """A source's fingerprint as a record holds it (`sources.source_fingerprint`: a manifest's, a checkpoint's),
+    """A source's fingerprint as a record holds it (`sources.origin_fingerprint`: a manifest's, a checkpoint's),
     its content fields checked: `sha256` 64 hex digits, `listing` entries [name, bytes, mtime_ns, sha256],
     `files` and `bytes` counts. One ELFError naming `where` and the field (`name`.field) otherwise."""
     if not isinstance(fp, dict):

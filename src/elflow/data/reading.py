@@ -24,14 +24,14 @@ from elflow.data.corpus import (
     read_pairs,
     report_bad,
 )
-from elflow.data.sources import (
+from elflow.data.origins import (
     CUT_TEXT,
-    SourceHashes,
+    OriginHashes,
     cut_pieces,
     file_pieces,
     line_batches,
     read_small_file,
-    resolve_source,
+    resolve_origin,
 )
 from elflow.util.errors import ELFError
 
@@ -258,7 +258,7 @@ def document_ids(ids, eos_id: int, mask=None) -> np.ndarray:
 
 # ----------------------------------------------------------------------------------------------------
 # A source as tasks
-def _text_tasks(path: Path, field: str, on_bad: str, chunk_bytes: int, hashes: SourceHashes
+def _text_tasks(path: Path, field: str, on_bad: str, chunk_bytes: int, hashes: OriginHashes
                 ) -> Iterator[tuple[object, tuple]]:
     """(task, (bytes, piece flag)) for a local text source, in the source's order; each file's sha256 is taken
     into `hashes` as it is read."""
@@ -328,12 +328,12 @@ def pretokenized_pairs(rows, name: str):
 
 
 def source_tasks(source, space, pairs: bool, fields, on_bad: str, split: str, max_documents, chunk_bytes: int,
-                 cache_dir, hashes: SourceHashes | None = None) -> tuple[Iterator, dict]:
+                 cache_dir, hashes: OriginHashes | None = None) -> tuple[Iterator, dict]:
     """The tasks that read `source`, and what the manifest says about how it was read. The sha256 of each
     local file read is taken into `hashes` as it is read."""
-    hashes = SourceHashes() if hashes is None else hashes
+    hashes = OriginHashes() if hashes is None else hashes
     name = str(source)
-    path = resolve_source(source, cache_dir)
+    path = resolve_origin(source, cache_dir)
     rows = None
     if is_t5_small(space) and (path is None or path.is_dir()):
         rows = pretokenized_rows(source, split)

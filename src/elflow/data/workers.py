@@ -17,7 +17,7 @@ import traceback
 from collections import deque
 from typing import Iterator
 
-from elflow.data.sources import WINDOW
+from elflow.data.origins import WINDOW
 from elflow.util.errors import ELFError
 
 PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process gets when its parent ends

@@ -1,6 +1,7 @@
-"""A local source as bytes: where it is, its fingerprint (with the sha256 of each file, taken as the file is read
-for tokenizing), its .jsonl lines in batches and its large .txt files in pieces cut before a whitespace run,
-each read within bounds (`elflow.data.reading` makes tasks of them)."""
+"""A local data origin (the file or folder of text a store is prepared from; "source" is reserved for the
+input of a conditional model) as bytes: where it is, its fingerprint (with the sha256 of each file, taken as
+the file is read for tokenizing), its .jsonl lines in batches and its large .txt files in pieces cut before a
+whitespace run, each read within bounds (`elflow.data.reading` makes tasks of them)."""
 
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ CUT_TEXT = re.compile(r"(?<=[!-~])[ \t\n\r\f\v]")
 LISTED = 256  # files whose own size, mtime and sha256 a fingerprint lists (a larger folder: the totals only)
 
 
-def resolve_source(source, cache_dir) -> Path | None:
+def resolve_origin(source, cache_dir) -> Path | None:
     """The local path a source names (the built-in corpus's folder for 'builtin'), or None for a hub name; a
     link loop or a link to nothing is an ELFError saying so."""
     if str(source) in BUILTIN_NAMES:
@@ -64,7 +65,7 @@ def _source_files(path: Path) -> list[Path]:
     return local_files(path)
 
 
-class SourceHashes:
+class OriginHashes:
     """The sha256 of each file of a local source, fed by the readers as they read it for tokenizing (so that
     hashing costs no second read); a file no reader read to its end is hashed whole when asked for."""
 
@@ -87,14 +88,14 @@ class SourceHashes:
         return done if done is not None else sha256_file(file)
 
 
-def source_fingerprint(source, cache_dir=None, hashes: SourceHashes | None = None) -> dict:
+def origin_fingerprint(source, cache_dir=None, hashes: OriginHashes | None = None) -> dict:
     """What identifies a source: the built-in corpus's checksum, a hub dataset's name, or for local files
     their count, bytes and a digest of their names, sizes and mtimes (cheap: nothing is read). With `hashes`
     (after the files were read), the content too: `sha256` of the whole source (of each file's name and
     sha256) and, for up to LISTED files, `listing` of each file's [name, bytes, mtime_ns, sha256]."""
     if str(source) in BUILTIN_NAMES:
         return {"builtin": SHAKESPEARE_SHA256, "clean": CLEAN_VERSION}
-    path = resolve_source(source, cache_dir)
+    path = resolve_origin(source, cache_dir)
     if path is None:
         return {"hub": str(source)}
     files = _source_files(path)
@@ -117,11 +118,11 @@ CONTENT_KEYS = ("sha256", "listing")  # what a fingerprint holds of the content,
 
 
 def cheap_part(fingerprint: dict) -> dict:
-    """A source fingerprint without its content hashes: what `source_fingerprint` gives before a read."""
+    """A source fingerprint without its content hashes: what `origin_fingerprint` gives before a read."""
     return {k: v for k, v in fingerprint.items() if k not in CONTENT_KEYS}
 
 
-def source_difference(before: dict, after: dict) -> str | None:
+def origin_difference(before: dict, after: dict) -> str | None:
     """How the source of fingerprint `after` differs from that of `before` (None: the same text). Content is
     compared where both hold its sha256 (a file touched but not changed is the same), else names, sizes and
     modification times."""
@@ -243,13 +244,13 @@ def read_small_file(path: Path, size: int, digest=None) -> bytes:
     with open(path, "rb") as f:
         raw = f.read(size + 1)
     if len(raw) > size:
-        raise source_changed(path, f"it grew past the {size:,} bytes it had when it was listed")
+        raise origin_changed(path, f"it grew past the {size:,} bytes it had when it was listed")
     if digest is not None:
         digest.update(raw)
     return raw
 
 
-def source_changed(source, detail: str) -> ELFError:
+def origin_changed(source, detail: str) -> ELFError:
     """The error of a source that changed while a store was prepared from it."""
     return ELFError(f"{source} changed while it was read ({detail}); nothing of it was kept: prepare the store "
                     "again once the source no longer changes")
