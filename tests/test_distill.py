@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 import elflow
 from elflow import distill
-from elflow.generate import distilled_defaults
+from elflow.flow import distilled_defaults
 from elflow.methods import pd
 from elflow.runs.checkpoint import write_state
 from elflow.util.errors import ELFError

@@ -15,7 +15,7 @@ def _help(capsys, *args) -> str:
 
 
 def test_sample_help_states_the_models_own_defaults_by_kind_of_model(capsys):
-    from elflow.generate import SAMPLING_DEFAULTS
+    from elflow.flow import SAMPLING_DEFAULTS
 
     text = _help(capsys, "sample")
     assert "default 32" not in text and "default sde" not in text and "default 3.0" not in text

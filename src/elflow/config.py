@@ -10,8 +10,7 @@ from dataclasses import dataclass, field, fields, replace
 
 from elflow.data.layout import LAYOUTS, SOURCE_SLOTS
 from elflow.data.tasks import PAIR_TASKS
-from elflow.flow import RECIPE_RANGES, SAMPLERS, Recipe, recipe_for
-from elflow.generate import SAMPLING_DEFAULTS
+from elflow.flow import RECIPE_RANGES, SAMPLERS, SAMPLING_DEFAULTS, Recipe, recipe_for
 from elflow.methods import METHOD_NAMES, check_run
 from elflow.methods.baseline import MATCHES
 from elflow.model import CONDITIONINGS, DECODERS, PREDICTIONS, PRESETS, SKIPS

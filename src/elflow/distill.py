@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from elflow.config import TrainConfig
-from elflow.generate import distilled_defaults
+from elflow.flow import distilled_defaults
 from elflow.methods.pd import PDMethod, check_schedule
 from elflow.model import PRESETS
 from elflow.optim import EMA_DECAY

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from elflow.flow import GRIDS, SAMPLERS, SAMPLING_RANGES
-from elflow.generate import FEW_STEPS, SAMPLING_DEFAULTS, SamplingSettings
+from elflow.flow import FEW_STEPS, GRIDS, SAMPLERS, SAMPLING_DEFAULTS, SAMPLING_RANGES
+from elflow.generate import SamplingSettings
 from elflow.methods.baseline import KNOB_RANGES, BaselineSampling
 from elflow.methods.mdlm import MDLMSampling
 from elflow.runs.tracking import HELP_PROJECT

@@ -16,7 +16,8 @@ from elflow.distill import distill, round_dir
 from elflow.eval.diagnostics import corpus_vocabulary, validation_report, word_stats
 from elflow.eval.metrics import bleu
 from elflow.eval.scoring import sample_and_score
-from elflow.generate import distilled_defaults, generate, settings_for
+from elflow.flow import distilled_defaults
+from elflow.generate import generate, settings_for
 from elflow.methods import get_method
 from elflow.model import ShortRunOptions
 from elflow.runs.checkpoint import latest_checkpoint, read_state

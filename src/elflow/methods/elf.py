@@ -13,8 +13,17 @@ from contextlib import nullcontext
 import torch
 
 from elflow.data.layout import encoder_mask
-from elflow.flow import TIME_BINS, Recipe, draw_training_noise, elf_loss, generate_tokens, time_bin, time_bin_labels
-from elflow.generate import DISTILLED_STEPS, ELF_KNOBS, SamplingSettings, default_sampling, generate, settings_for
+from elflow.flow import (
+    DISTILLED_STEPS,
+    TIME_BINS,
+    Recipe,
+    draw_training_noise,
+    elf_loss,
+    generate_tokens,
+    time_bin,
+    time_bin_labels,
+)
+from elflow.generate import ELF_KNOBS, SamplingSettings, default_sampling, generate, settings_for
 from elflow.methods.base import FEATURES, Method
 from elflow.model import ELFConfig, ShortRunOptions, build_network, check_network, options_of
 from elflow.space import DEFAULT_SPACE, latent_moments, learned, token_vectors
