@@ -14,7 +14,7 @@ import pytest
 from helpers import CharSpace, assert_one_error, fill, small_tmpfs
 
 from elflow.cli import main
-from elflow.data import corpus, sources
+from elflow.data import corpus, origins
 from elflow.data.ingest import prepare_store
 from elflow.data.origins import read_small_file
 from elflow.data.reading import TextFiles
@@ -605,7 +605,7 @@ def test_a_jsonl_line_longer_than_the_cap_is_bad_input_and_the_line_numbers_hold
 
 
 def test_a_run_without_whitespace_is_cut_with_a_warning(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(sources, "RUN_BYTES", 1000)
+    monkeypatch.setattr(origins, "RUN_BYTES", 1000)
     src = tmp_path / "run.txt"
     src.write_text("first line\n" + "x" * 5000 + " tail\n")
     store = prepare_store(src, CharSpace(), tmp_path / "s", chunk_bytes=100, workers=1)
