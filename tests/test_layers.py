@@ -18,7 +18,7 @@ LAYERS = [
     ["util.files", "util.devices", "util.distributed", "util.hub"],
     ["model", "newton_schulz", "runs.tracking"],
     ["optim", "flow", "data.tasks", "data.layout", "data.integrity", "data.store_folder"],
-    ["encoders", "data.corpus", "data.store", "data.batches"],
+    ["encoders", "flowmap", "data.corpus", "data.store", "data.batches"],
     ["space", "data.sources"],
     ["data.reading", "data.workers"],
     ["data.ingest"],

@@ -89,21 +89,40 @@ def run_toy(mixture: GaussianMixture, steps_list=(1, 2, 4, 8, 16), num: int = 44
 class ToyNet(torch.nn.Module):
     """An x-predictor for 2-D points: (z (B, 1, 2), t (B,)) -> x (B, 1, 2), an MLP on z and Fourier features
     of t. Called as the samplers and `distill.pd_target` call a network: net(z, t, omega, x_prev), the last
-    two ignored."""
+    two ignored. With `target_time` it is a flow map's network: the features of a target time t_target (B,)
+    join the input (net(z, s, t_target=t); t_target None means t_target = t, the plain denoiser)."""
 
-    def __init__(self, width: int = 256, depth: int = 3, freqs: int = 8):
+    def __init__(self, width: int = 256, depth: int = 3, freqs: int = 8, target_time: bool = False):
         super().__init__()
+        self.width, self.depth, self.freqs, self.target_time = width, depth, freqs, target_time
         self.register_buffer("k", torch.arange(1, freqs + 1, dtype=torch.float32) * math.pi, persistent=False)
-        layers, size = [], 2 + 1 + 2 * freqs
+        layers, size = [], 2 + (1 + 2 * freqs) * (2 if target_time else 1)
         for _ in range(depth):
             layers += [torch.nn.Linear(size, width), torch.nn.SiLU()]
             size = width
         self.mlp = torch.nn.Sequential(*layers, torch.nn.Linear(size, 2))
 
-    def forward(self, z, t, omega=None, x_prev=None):
-        t = t.reshape(-1, 1).to(z.dtype)
-        feats = torch.cat([z.reshape(-1, 2), t, torch.sin(t * self.k), torch.cos(t * self.k)], dim=-1)
-        return self.mlp(feats).reshape(z.shape)
+    def _time_features(self, t, like):
+        t = t.reshape(-1, 1).to(like.dtype)
+        return [t, torch.sin(t * self.k), torch.cos(t * self.k)]
+
+    def forward(self, z, t, omega=None, x_prev=None, t_target=None):
+        feats = [z.reshape(-1, 2), *self._time_features(t, z)]
+        if self.target_time:
+            feats += self._time_features(t if t_target is None else t_target, z)
+        return self.mlp(torch.cat(feats, dim=-1)).reshape(z.shape)
+
+
+def flow_map_student(teacher: ToyNet) -> ToyNet:
+    """A ToyNet with the target-time input that starts equal to `teacher` at every target time: the teacher's
+    weights, zeros on the new input's columns. As a map (flowmap.map_from_x) it starts as the teacher's Euler
+    step from s to t."""
+    student = ToyNet(teacher.width, teacher.depth, teacher.freqs, target_time=True)
+    state = {k: v.clone() for k, v in teacher.state_dict().items()}
+    first = state["mlp.0.weight"]
+    state["mlp.0.weight"] = torch.cat([first, torch.zeros(first.shape[0], 1 + 2 * teacher.freqs)], dim=1)
+    student.load_state_dict(state)
+    return student
 
 
 def _fit(net, loss_fn, steps: int, lr: float, seed: int) -> list[float]:
