@@ -15,6 +15,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "elflow"
 # package ("runs.load"); a package's __init__ by the package's name ("methods").
 LAYERS = [
     ["util.errors", "util", "data", "runs", "eval", "experiments"],  # (the packages' docstrings)
+    ["util.jsonio"],
     ["util.files", "util.devices", "util.distributed", "util.hub"],
     ["model", "newton_schulz", "runs.tracking"],
     ["optim", "flow", "data.tasks", "data.layout", "data.integrity", "data.store_folder"],

@@ -15,6 +15,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from elflow.util import jsonio
 from elflow.util.errors import ELFError
 
 
@@ -149,24 +150,11 @@ def atomic_write_json(path, obj, overwrite: bool = True) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n", overwrite)
 
 
-def read_json(path: str | os.PathLike, what: str = "", kind: type = dict):
-    """A JSON file elflow wrote (run.json, state.json, distill.json, ...): its object, which must be a `kind`;
-    ELFError naming the file for one that is missing, unreadable, not UTF-8, not JSON or of another type."""
-    path = Path(path)
-    name = f"{path}" + (f" ({what})" if what else "")
-    try:
-        obj = json.loads(path.read_bytes().decode("utf-8"))
-    except FileNotFoundError:
-        raise ELFError(f"{name}: missing") from None
-    except UnicodeDecodeError:
-        raise ELFError(f"{name}: corrupted (not UTF-8 text)") from None
-    except json.JSONDecodeError as e:
-        raise ELFError(f"{name}: corrupted or truncated (not JSON: {e.msg} at line {e.lineno})") from None
-    except OSError as e:
-        raise ELFError(f"{name}: cannot be read ({e.strerror or e})") from None
-    if not isinstance(obj, kind):
-        raise ELFError(f"{name}: corrupted (a JSON {kind.__name__} was expected, found {type(obj).__name__})")
-    return obj
+def read_json(path: str | os.PathLike, what: str = "", kind: type = dict, own: bool = True):
+    """A JSON file elflow wrote (run.json, state.json, distill.json, ...): its object, which must be a `kind`,
+    read by the bounded reader (elflow.util.jsonio) as a regular file of at most jsonio.RECORD_BYTES, never
+    through a link unless `own` is False; one ELFError naming the file otherwise."""
+    return jsonio.read_json(path, what, kind, max_bytes=jsonio.RECORD_BYTES, own=own)
 
 
 def utf8_lines(path: str | os.PathLike) -> list[str]:
