@@ -39,7 +39,7 @@ LAYERS = [
     ["eval.scoring"],
     ["experiments.figures", "experiments.viewer", "experiments.schedules", "experiments.toy",
      "experiments.encoder_train", "experiments.bench"],
-    ["experiments.sweep", "experiments.compare"],
+    ["experiments.sweep", "experiments.compare", "experiments.toy_distill"],
     ["experiments.quickstart", "experiments.claims"],
     ["cli.settings", "cli.common"],
     ["cli.quickstart", "cli.prepare", "cli.train", "cli.sample", "cli.view", "cli.distill", "cli.eval",

@@ -1,12 +1,15 @@
-"""Figure 2 statistics against the explainer (Monte-Carlo), grid properties, and the Figure 1 toy."""
+"""Figure 2 statistics against the explainer (Monte-Carlo), grid properties, the Figure 1 toy and its
+distillation comparison (energy distances, the flow-map student, `elflow toy --json` and its limits)."""
 
+import json
 import math
 
 import pytest
 import torch
 
 from elflow.experiments.schedules import schedule_statistics
-from elflow.experiments.toy import grid_mixture, ring_mixture, run_toy
+from elflow.experiments.toy import ToyNet, flow_map_student, grid_mixture, ring_mixture, run_toy
+from elflow.experiments.toy_distill import energy_distance, map_of
 from elflow.flow import sample_decode_level, sample_guidance, sample_time, time_grid
 
 
@@ -118,15 +121,23 @@ def test_toy_figure_labels_its_axes_and_keeps_its_legend_clear_of_the_panels():
     from elflow.experiments.toy import toy_figure
 
     mix = ring_mixture()
-    for steps in ((1,), (1, 4), (1, 2, 4, 8, 16)):
-        fig = toy_figure(mix, run_toy(mix, steps_list=steps, num=20), "title")
+    one = run_toy(mix, steps_list=(1, 4), num=20)
+    rows_of_panels = [one, {"a, 1 step": one[1], "b, 4 steps": {**one[4], "energy": 0.0123}, "c": one[4]}]
+    for steps, results in [*((s, run_toy(mix, steps_list=s, num=20)) for s in ((1,), (1, 4), (1, 2, 4, 8, 16))),
+                           ((1, 4, 1, 4, 4), rows_of_panels)]:
+        fig = toy_figure(mix, results, "title")
         fig.canvas.draw()
         *axes, key = fig.axes
         assert [a.get_xlabel() for a in axes] == ["$x_1$"] * len(steps) and axes[0].get_ylabel() == "$x_2$"
+        if isinstance(results, list):  # rows of panels: the first of each row labels its y axis
+            assert [a.get_ylabel() for a in axes] == ["$x_2$", "", "$x_2$", "", ""]
+            assert axes[2].get_position().y1 < axes[0].get_position().y0  # the second row below the first
+            assert axes[3].get_title() == "b, 4 steps: 9/20 inside\nenergy distance 0.0123"
         assert all(len(a.get_xticklabels()) >= 5 and a.get_xticklabels()[0].get_fontsize() >= 9 for a in axes)
         assert all(a.get_legend() is None for a in axes)  # no legend over a panel's points
         legend = key.get_legend()
         names = [t.get_text() for t in legend.get_texts()]
+        assert all(h.get_alpha() == 1 for h in legend.legend_handles)
         assert names == ["data (the mixture)", "path of z from noise", "guesses of x at each step",
                          "samples (where z ends)", "data mean"]
         box = legend.get_window_extent()
@@ -134,3 +145,88 @@ def test_toy_figure_labels_its_axes_and_keeps_its_legend_clear_of_the_panels():
             assert box.y1 <= a.get_tightbbox().y0 + 1
         assert box.x0 >= 0 and box.x1 <= fig.bbox.x1 and box.y0 >= 0  # inside the figure
         plt.close(fig)
+
+
+def test_energy_distance_against_its_definition_and_a_closed_form():
+    a, b = torch.zeros(5, 2), torch.zeros(7, 2)
+    b[:, 0] = 3.0
+    assert energy_distance(a, b) == pytest.approx(6.0)  # two point masses d apart: 2 d
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(300, 2, generator=g), torch.randn(200, 2, generator=g) + 0.5
+
+    def mean_dist(p, q):  # every pair, directly
+        return (p.double()[:, None] - q.double()[None]).pow(2).sum(-1).sqrt().mean().item()
+
+    direct = 2 * mean_dist(x, y) - mean_dist(x, x) - mean_dist(y, y)
+    assert energy_distance(x, y, block=7) == pytest.approx(direct, rel=1e-10)
+    assert energy_distance(x, y) == pytest.approx(direct, rel=1e-10)
+    assert energy_distance(y, x) == pytest.approx(direct, rel=1e-10) and abs(energy_distance(x, x)) < 1e-12
+    # N(0, 1) against N(mu, 1) in 1-D: 2 E|N(mu, 2)| - 2 E|N(0, 2)|, E|N(m, s^2)| = s sqrt(2/pi) e^(-m^2/2s^2)
+    # + m (1 - 2 Phi(-m/s)); sampling adds about 1/n
+    mu, s2, n = 1.0, math.sqrt(2), 3000
+    fold = s2 * math.sqrt(2 / math.pi) * math.exp(-mu ** 2 / 4) + mu * math.erf(mu / 2)
+    exact = 2 * fold - 2 * s2 * math.sqrt(2 / math.pi)
+    p, q = torch.randn(n, 1, generator=g), torch.randn(n, 1, generator=g) + mu
+    assert energy_distance(p, q) == pytest.approx(exact, abs=0.03)
+
+
+def test_the_flow_map_student_starts_as_its_teacher_and_samples_as_its_euler_ode():
+    torch.manual_seed(0)
+    teacher = ToyNet(width=32, depth=2)
+    student = flow_map_student(teacher)
+    g = torch.Generator().manual_seed(1)
+    z, s, t = torch.randn(50, 1, 2, generator=g), torch.rand(50, generator=g), torch.rand(50, generator=g)
+    assert torch.allclose(student(z, s, t_target=t), teacher(z, s), atol=1e-6)
+    assert torch.allclose(student(z, s), teacher(z, s), atol=1e-6)  # no target time: the diagonal
+    mix = ring_mixture()
+    as_map = run_toy(mix, (1, 4), 30, map_net=map_of(student))
+    as_ode = run_toy(mix, (1, 4), 30, denoiser=teacher)
+    for n in (1, 4):
+        assert torch.allclose(as_map[n]["final"], as_ode[n]["final"], atol=1e-5)
+        assert as_map[n]["path"].shape == as_ode[n]["path"].shape == (n + 1, 30, 2)
+    with torch.no_grad():  # the target time reaches the output once its weights are not zero
+        student.mlp[0].weight[:, -1] = 1.0
+    assert not torch.allclose(student(z, s, t_target=t), teacher(z, s), atol=1e-3)
+
+
+def _cli(capsys, args):
+    from elflow.cli import main
+
+    try:
+        code = main([str(a) for a in args])
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_toy_json_prints_one_object_of_energy_distances(tmp_path, capsys):
+    """The exact denoiser at N = 1 lands every sample on the data mean (the origin): its energy distance to the
+    ring is 2 R - E|Y - Y'|, about 3.8 - 2.41 (the mean chord of 8 clusters on radius 1.9 and their spread)."""
+    code, out, err = _cli(capsys, ["toy", "--json", "--steps", "1", "16", "--num", "20", "--out", tmp_path / "t.png"])
+    assert code == 0, err
+    got = json.loads(out)  # the whole of stdout is one object
+    assert [(r["name"], r["steps"]) for r in got["rows"]] == [("exact", 1), ("exact", 16)]
+    assert all(set(r) == {"name", "steps", "energy_distance"} for r in got["rows"])
+    chord = sum(2 * 1.9 * math.sin(math.pi * k / 8) for k in range(8)) / 8
+    assert got["rows"][0]["energy_distance"] == pytest.approx(2 * 1.9 - chord - 0.02, abs=0.03)
+    assert 0 < got["floor"] < 0.005 and got["rows"][1]["energy_distance"] < 0.01
+    assert got["samples"] == 4000 and (tmp_path / "t.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("args,needles", [
+    (["--steps", "20000"], ["--steps 20,000", "limit of 10,000"]),
+    (["--num", "2000000"], ["--num 2,000,000", "limit of 1,000,000"]),
+    (["--clusters", "65"], ["--clusters 65", "limit of 64 on the ring"]),
+    (["--layout", "grid", "--clusters", "17"], ["limit of 16 per side of the grid"]),
+    (["--steps", *map(str, range(1, 14))], ["13 --steps values", "limit of 12"]),
+    (["--num", "100000", "--steps", "300"], ["30,000,000", "points kept"]),
+    (["--layout", "grid", "--clusters", "16", "--num", "10000", "--steps", "500"], ["1,280,000,000"]),
+    (["--num", "0"], [">= 1"]),
+])
+def test_toy_refuses_sizes_that_cannot_fit_before_any_work(tmp_path, capsys, args, needles):
+    from helpers import assert_one_error
+
+    code, out, err = _cli(capsys, ["toy", *args, "--out", tmp_path / "t.png"])
+    assert_one_error(code, err, "toy", *needles)
+    assert out == "" and not (tmp_path / "t.png").exists()

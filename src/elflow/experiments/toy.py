@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from elflow.flow import NOISE_SCALE, T_EPS, sample, time_grid
+from elflow.flowmap import sample_flow_map
 from elflow.methods.distill import pd_target
 from elflow.util.files import atomic_write
 
@@ -61,9 +62,11 @@ def grid_mixture(k: int = 4, spacing: float = 1.5, std: float = 0.1) -> Gaussian
 
 
 def run_toy(mixture: GaussianMixture, steps_list=(1, 2, 4, 8, 16), num: int = 44, seed: int = 0,
-            sampler: str = "ode", gamma: float = 0.0, grid: str = "uniform", denoiser=None):
-    """Sample with each step count from the same starting noise. Returns {N: dict(final, path, guesses)}.
-    `denoiser(z, t, omega, x_prev) -> x` defaults to the mixture's exact posterior mean."""
+            sampler: str = "ode", gamma: float = 0.0, grid: str = "uniform", denoiser=None, map_net=None):
+    """Sample with each step count from the same starting noise. Returns {N: dict(final, path, guesses, inside)}.
+    `denoiser(z, t, omega, x_prev) -> x` defaults to the mixture's exact posterior mean; a flow map's network
+    `map_net(z, s, t) -> x_hat` instead jumps from grid time to grid time (flowmap.sample_flow_map; the sampler
+    and gamma do not apply to it)."""
     denoiser = denoiser or (lambda z_, t_, w_, x_prev: mixture.posterior_mean(z_, t_))
     g = torch.Generator().manual_seed(seed)
     z0 = mixture.noise_scale * torch.randn(num, 1, 2, generator=g)
@@ -72,13 +75,16 @@ def run_toy(mixture: GaussianMixture, steps_list=(1, 2, 4, 8, 16), num: int = 44
         times = time_grid(n, grid, generator=torch.Generator().manual_seed(seed + 1))
         path, guesses = [z0[:, 0].clone()], []
 
-        def record(i, t, z, x_pred):
+        def record(i, t, z, x_pred, path=path, guesses=guesses):
             path.append(z[:, 0].clone())
             guesses.append(x_pred[:, 0].clone())
 
-        z, _ = sample(denoiser, z0.clone(), times,
-                      sampler=sampler, gamma=gamma, noise_scale=mixture.noise_scale,
-                      generator=torch.Generator().manual_seed(seed + 2), callback=record)
+        if map_net is not None:
+            z, _ = sample_flow_map(map_net, z0.clone(), times, callback=record)
+        else:
+            z, _ = sample(denoiser, z0.clone(), times,
+                          sampler=sampler, gamma=gamma, noise_scale=mixture.noise_scale,
+                          generator=torch.Generator().manual_seed(seed + 2), callback=record)
         out[n] = {"final": z[:, 0], "path": torch.stack(path), "guesses": torch.stack(guesses),
                   "inside": int(mixture.inside(z[:, 0]).sum())}
     return out
@@ -166,7 +172,6 @@ def distill_toy(teacher: ToyNet, mixture: GaussianMixture, student_steps=(4, 2, 
     Euler path over [t_s, t_s + 1/N] gives the x-space target (`distill.pd_target`)."""
     import copy
 
-
     students, current = {}, teacher
     for n in student_steps:
         s = 1.0 / n
@@ -187,79 +192,73 @@ def distill_toy(teacher: ToyNet, mixture: GaussianMixture, student_steps=(4, 2, 
     return students
 
 
-def distillation_table(mixture: GaussianMixture, num: int = 200, seed: int = 0, teacher_train_steps: int = 3000,
-                       distill_train_steps: int = 1500) -> list[dict]:
-    """Samples inside a cluster, of `num`, at N = 1, 2, 4 (and 16) steps: the exact denoiser, the trained
-    teacher, and each student at its own step count. ODE, uniform grid, the same starting noise."""
-    teacher = train_toy_teacher(mixture, teacher_train_steps, seed=seed)
-    students = distill_toy(teacher, mixture, steps=distill_train_steps, seed=seed)
-    rows = []
-    for name, denoiser, ns in (("exact denoiser", None, (1, 2, 4, 16)), ("trained teacher", teacher, (1, 2, 4, 16)),
-                               *((f"student ({n} steps)", students[n], (n,)) for n in (4, 2, 1))):
-        res = run_toy(mixture, ns, num, seed, denoiser=denoiser)
-        rows.append({"model": name, **{f"N={n}": r["inside"] for n, r in res.items()}, "results": res})
-    return rows
-
-
-def toy_figure(mixture: GaussianMixture, results: dict, title: str | None = None):
+def toy_figure(mixture: GaussianMixture, results, title: str | None = None):
     """One panel per step count (or model): the data, each sample's path z_t, the guesses along it and where
-    it ends; a legend in a row of its own below the panels names each kind of mark. Returns the figure."""
+    it ends; a legend in a row of its own below the panels names each kind of mark. `results` is one row of
+    panels ({name or N: run_toy's result}) or a list of such rows, drawn one above the other. A result with
+    an "energy" entry shows its energy distance to the mixture in the panel's title. Returns the figure."""
     import textwrap
 
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.collections import LineCollection
 
-    ns = list(results)
-    width = 3.3 * len(ns)
+    rows_of = [results] if isinstance(results, dict) else list(results)
+    cols = max(len(r) for r in rows_of)
+    width = 3.3 * cols
     ncol = max(1, min(5, int(width / 2.6)))  # as many of the five names to a row as fit
-    rows = -(-5 // ncol)
-    fig = plt.figure(figsize=(width, 3.9 + 0.28 * rows + 0.25 * bool(title)), layout="constrained")
-    grid = fig.add_gridspec(2, len(ns), height_ratios=(3.6, 0.28 * rows))
-    axes = [fig.add_subplot(grid[0, 0])]
-    axes += [fig.add_subplot(grid[0, i], sharex=axes[0], sharey=axes[0]) for i in range(1, len(ns))]
+    key_rows = -(-5 // ncol)
+    energy = any("energy" in r for row in rows_of for r in row.values())
+    fig = plt.figure(figsize=(width, (3.6 + 0.3 * energy) * len(rows_of) + 0.3 + 0.28 * key_rows
+                              + 0.25 * bool(title)), layout="constrained")
+    grid = fig.add_gridspec(len(rows_of) + 1, cols, height_ratios=(*[3.6 + 0.3 * energy] * len(rows_of),
+                                                                     0.28 * key_rows))
+    axes = []
     data = mixture.sample(600, torch.Generator().manual_seed(123))
-    for ax, n in zip(axes, ns):
-        r = results[n]
-        ax.scatter(data[:, 0], data[:, 1], s=2, c="lightgray", label="data (the mixture)")
-        for j in range(r["path"].shape[1]):
-            ax.plot(r["path"][:, j, 0], r["path"][:, j, 1], lw=0.5, c="tab:blue", alpha=0.4,
-                    label="path of z from noise" if j == 0 else None)
-        g = r["guesses"].reshape(-1, 2)
-        ax.scatter(g[:, 0], g[:, 1], s=6, c="tab:orange", alpha=0.5, label="guesses of x at each step")
-        ax.scatter(r["final"][:, 0], r["final"][:, 1], s=10, c="tab:red", label="samples (where z ends)")
-        ax.plot(*mixture.mean.tolist(), "k+", ms=12, mew=2, label="data mean")
-        name = n if isinstance(n, str) else f"N = {n} step" + "s" * (n != 1)
-        ax.set_title(f"{name}: {r['inside']}/{len(r['final'])} inside", fontsize=11)
-        ax.set_aspect("equal")
-        ax.set_xlim(-3.2, 3.2)
-        ax.set_ylim(-3.2, 3.2)
-        ax.set_xticks(range(-3, 4))
-        ax.set_yticks(range(-3, 4))
-        ax.tick_params(labelsize=10, labelleft=ax is axes[0])
-        ax.set_xlabel("$x_1$", fontsize=11)
-    axes[0].set_ylabel("$x_2$", fontsize=11)
-    key = fig.add_subplot(grid[1, :])
+    for i, row in enumerate(rows_of):
+        for j, (n, r) in enumerate(row.items()):
+            ax = fig.add_subplot(grid[i, j], **({"sharex": axes[0], "sharey": axes[0]} if axes else {}))
+            axes.append(ax)
+            ax.scatter(data[:, 0], data[:, 1], s=2, c="lightgray", label="data (the mixture)")
+            ax.add_collection(LineCollection(r["path"].transpose(0, 1).numpy(), lw=0.5, colors="tab:blue",
+                                             alpha=0.4, label="path of z from noise"))
+            g = r["guesses"].reshape(-1, 2)
+            ax.scatter(g[:, 0], g[:, 1], s=6, c="tab:orange", alpha=0.5, label="guesses of x at each step")
+            ax.scatter(r["final"][:, 0], r["final"][:, 1], s=10, c="tab:red", label="samples (where z ends)")
+            ax.plot(*mixture.mean.tolist(), "k+", ms=12, mew=2, label="data mean")
+            name = n if isinstance(n, str) else f"N = {n} step" + "s" * (n != 1)
+            text = f"{name}: {r['inside']}/{len(r['final'])} inside"
+            ax.set_title(text + (f"\nenergy distance {r['energy']:.4f}" if "energy" in r else ""), fontsize=11)
+            ax.set_aspect("equal")
+            ax.set_xlim(-3.2, 3.2)
+            ax.set_ylim(-3.2, 3.2)
+            ax.set_xticks(range(-3, 4))
+            ax.set_yticks(range(-3, 4))
+            ax.tick_params(labelsize=10, labelleft=j == 0)
+            ax.set_xlabel("$x_1$", fontsize=11)
+            if j == 0:
+                ax.set_ylabel("$x_2$", fontsize=11)
+    key = fig.add_subplot(grid[-1, :])
     key.axis("off")
     handles, labels = axes[-1].get_legend_handles_labels()
     legend = key.legend(handles, labels, loc="center", ncol=ncol, fontsize=10, frameon=False)
-    for h in legend.legend_handles:  # full-size, full-strength marks, however small and faint in the panels
+    for h, label in zip(legend.legend_handles, labels):  # full-size, full-strength marks, however faint in panels
         h.set_alpha(1)
-        if hasattr(h, "set_sizes"):
-            h.set_sizes([30])
-        elif h.get_linestyle() != "None":
+        if label.startswith("path"):
             h.set_linewidth(2)
+        elif hasattr(h, "set_sizes"):
+            h.set_sizes([30])
     if title:
         fig.suptitle(textwrap.fill(title, max(30, int(width * 11))), fontsize=12)
     return fig
 
 
-def plot_toy(mixture: GaussianMixture, results: dict, path, title: str | None = None,
+def plot_toy(mixture: GaussianMixture, results, path, title: str | None = None,
              overwrite: bool = True) -> None:
     """`toy_figure` written to a PNG (atomically; an existing file only with `overwrite`)."""
     import matplotlib.pyplot as plt
-
 
     fig = toy_figure(mixture, results, title)
     with atomic_write(path, overwrite=overwrite) as f:
