@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 import math
 
+from elflow.experiments import toy_distill
 from elflow.experiments.toy import grid_mixture, plot_toy, ring_mixture, run_toy
-from elflow.experiments.toy_distill import ENERGY_SAMPLES, TABLE_STEPS, distillation_table, energy_floor, energy_rows
+from elflow.experiments.toy_distill import TABLE_STEPS, distillation_table, energy_floor, energy_rows
 from elflow.flow import SAMPLERS
 from elflow.util.errors import ELFError
 from elflow.util.files import check_output
@@ -38,8 +39,8 @@ def add_arguments(p) -> None:
                         "steps, and add their rows: energy distances to the mixture at 1, 2, 4 (16, 64) steps "
                         "(about 3 CPU-minutes)")
     p.add_argument("--json", action="store_true",
-                   help=f"print one JSON object: rows of energy distances of {ENERGY_SAMPLES:,} samples to the "
-                        "mixture, Euler ODE whatever --sampler draws (the exact denoiser at each --steps; with "
+                   help=f"print one JSON object: rows of energy distances of {toy_distill.ENERGY_SAMPLES:,} samples "
+                        "to the mixture, Euler ODE whatever --sampler draws (the exact denoiser at each --steps; with "
                         "--distill every model)")
     p.add_argument("--out", default="toy.png", help="where to write the PNG")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
@@ -68,8 +69,9 @@ def check_sizes(args) -> None:
         raise ELFError(f"--num x the sum of --steps is {kept:,}, above the limit of {MAX_KEPT:,} points kept for "
                        "the figure (16 bytes each); lower --num or --steps")
     clusters = args.clusters if args.layout == "ring" else args.clusters ** 2
-    work = (args.num + ENERGY_SAMPLES * args.json) * sum(args.steps) * clusters
-    work += ENERGY_SAMPLES * sum(TABLE_STEPS) * clusters * args.distill
+    energy = toy_distill.ENERGY_SAMPLES
+    work = (args.num + energy * (args.json or args.distill)) * sum(args.steps) * clusters
+    work += energy * sum(TABLE_STEPS) * clusters * args.distill
     if work > MAX_WORK:
         raise ELFError(f"the exact denoiser would run {work:,} sample-steps x clusters, above the limit of "
                        f"{MAX_WORK:,} (about two CPU-minutes); lower --num, --steps or --clusters")
@@ -87,8 +89,8 @@ def run(args) -> int:
         print(f"{'N':>4}  inside a cluster (of {args.num})")
         for n, r in res.items():
             print(f"{n:>4}  {r['inside']:>4}  {'#' * round(40 * r['inside'] / args.num)}")
-    out = {"layout": args.layout, "clusters": args.clusters, "seed": args.seed, "samples": ENERGY_SAMPLES,
-           "rows": [], "floor": None}
+    out = {"layout": args.layout, "clusters": args.clusters, "seed": args.seed,
+           "samples": toy_distill.ENERGY_SAMPLES, "rows": [], "floor": None}
     figure = [res]
     if args.distill:  # every model at TABLE_STEPS on the ODE; the exact denoiser's other --steps below
         table = distillation_table(mix, args.num, args.seed)

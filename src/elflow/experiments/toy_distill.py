@@ -4,7 +4,9 @@ steps, each scored by the energy distance of its samples to the mixture."""
 
 from __future__ import annotations
 
+import functools
 import time
+from contextlib import contextmanager
 
 import torch
 
@@ -26,25 +28,50 @@ PD_STEPS = (4, 2, 1)  # the progressive students, in the order they are distille
 TEACHER_PATH_STEPS = 16  # Euler steps of the teacher's path that a progressive student's target follows
 
 
-# the sizes of `elflow toy --distill` (about three CPU-minutes together, single-threaded)
-DISTILL_SIZES = {"teacher_steps": 2000, "student_steps": 1800, "batch": 512}
+# the sizes of `elflow toy --distill` (about three CPU-minutes together): the teacher's training, then the
+# students' (PD's three rounds share student_steps equally; the flow map has them all), and both students'
+# learning rate (each does better at 3e-3 than at 1e-3 on this budget; docs/method.md)
+DISTILL_SIZES = {"teacher_steps": 2000, "teacher_batch": 1024, "student_steps": 1800, "batch": 512, "lr": 3e-3}
 
 
-def energy_distance(a: torch.Tensor, b: torch.Tensor, block: int = 2048) -> float:
-    """2 E|X - Y| - E|X - X'| - E|Y - Y'| between the empirical distributions of the points a (n, d) and b (m, d):
-    every pair counted (the statistic of the two sets themselves, >= 0, 0 only for equal sets), in float64,
-    block x block distances at a time so that memory stays bounded whatever n and m."""
+@contextmanager
+def single_thread():
+    """torch on one thread inside: for a small MLP on 2-D points more threads only add synchronisation (on two
+    cores the table's work took 2.2 times the CPU time of one thread)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _single_threaded(fn):
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with single_thread():
+            return fn(*args, **kwargs)
+    return run
+
+
+def mean_distance(a: torch.Tensor, b: torch.Tensor, block: int = 2048) -> float:
+    """The mean Euclidean distance over every pair of a point of a (n, d) and one of b (m, d), in float64, block x
+    block distances at a time so that memory stays bounded whatever n and m."""
     a, b = a.reshape(len(a), -1).double(), b.reshape(len(b), -1).double()
+    total = 0.0
+    for i in range(0, len(a), block):
+        for j in range(0, len(b), block):
+            d = torch.cdist(a[i:i + block], b[j:j + block], compute_mode="donot_use_mm_for_euclid_dist")
+            total += d.sum().item()
+    return total / (len(a) * len(b))
 
-    def mean_distance(p, q):
-        total = 0.0
-        for i in range(0, len(p), block):
-            for j in range(0, len(q), block):
-                total += torch.cdist(p[i:i + block], q[j:j + block],
-                                     compute_mode="donot_use_mm_for_euclid_dist").sum().item()
-        return total / (len(p) * len(q))
 
-    return 2 * mean_distance(a, b) - mean_distance(a, a) - mean_distance(b, b)
+def energy_distance(a: torch.Tensor, b: torch.Tensor, block: int = 2048, b_self: float | None = None) -> float:
+    """2 E|X - Y| - E|X - X'| - E|Y - Y'| between the empirical distributions of the points a (n, d) and b (m, d):
+    every pair counted (the statistic of the two sets themselves, >= 0, 0 only for equal sets), in bounded
+    memory (`mean_distance`). b_self, if given, is mean_distance(b, b) computed once for many a."""
+    b_self = mean_distance(b, b, block) if b_self is None else b_self
+    return 2 * mean_distance(a, b, block) - mean_distance(a, a, block) - b_self
 
 
 def distill_flow_map_toy(teacher: ToyNet, mixture: GaussianMixture, steps: int = 1800, batch: int = 512,
@@ -88,46 +115,55 @@ def final_points(mixture: GaussianMixture, steps: int, n: int, seed: int, denois
     return z[:, 0]
 
 
-def energy_rows(mixture: GaussianMixture, models: list[tuple], n: int = ENERGY_SAMPLES, seed: int = 0) -> list[dict]:
+@_single_threaded
+def energy_rows(mixture: GaussianMixture, models: list[tuple], n: int | None = None, seed: int = 0) -> list[dict]:
     """Rows {"name", "steps", "energy_distance"}: each model at each of its step counts, `n` samples from the
     same starting noises against `n` draws of the mixture. models: (name, step counts, denoiser, map_net), a
-    denoiser(z, t) -> x for the Euler ODE (None: the exact posterior mean) or a map network."""
+    denoiser(z, t) -> x for the Euler ODE (None: the exact posterior mean) or a map network. n defaults to
+    ENERGY_SAMPLES."""
+    n = ENERGY_SAMPLES if n is None else n
     truth = mixture.sample(n, torch.Generator().manual_seed(seed + 7919))
+    truth_self = mean_distance(truth, truth)
     rows = []
     for name, counts, den, map_net in models:
         for k in counts:
             pts = final_points(mixture, k, n, seed + 104729, den, map_net)
-            rows.append({"name": name, "steps": k, "energy_distance": energy_distance(pts, truth)})
+            rows.append({"name": name, "steps": k, "energy_distance": energy_distance(pts, truth, b_self=truth_self)})
     return rows
 
 
-def energy_floor(mixture: GaussianMixture, n: int = ENERGY_SAMPLES, seed: int = 0) -> float:
-    """The energy distance between two independent draws of n points of the mixture: what sampling noise alone
-    gives (the rows' truth draw against a second one)."""
+def energy_floor(mixture: GaussianMixture, n: int | None = None, seed: int = 0) -> float:
+    """The energy distance between two independent draws of n (ENERGY_SAMPLES) points of the mixture: what
+    sampling noise alone gives (the rows' truth draw against a second one)."""
+    n = ENERGY_SAMPLES if n is None else n
     truth = mixture.sample(n, torch.Generator().manual_seed(seed + 7919))
     return energy_distance(mixture.sample(n, torch.Generator().manual_seed(seed + 15485863)), truth)
 
 
-def distillation_table(mixture: GaussianMixture, num: int = 44, seed: int = 0, teacher_train_steps: int | None = None,
-                       student_train_steps: int | None = None, batch: int | None = None,
-                       energy_samples: int = ENERGY_SAMPLES) -> dict:
-    """Train the teacher, its progressive students and the flow-map student (equal student training steps and
-    batch: PD's rounds share `student_train_steps` equally), then score them. Sizes default to DISTILL_SIZES.
+@_single_threaded
+def distillation_table(mixture: GaussianMixture, num: int = 44, seed: int = 0, energy_samples: int | None = None,
+                       **sizes) -> dict:
+    """Train the teacher, its progressive students and the flow-map student (equal student training steps,
+    batch and learning rate: PD's rounds share student_steps equally), then score them. `sizes` are any of
+    DISTILL_SIZES' keys, which give the others.
 
     Returns {"rows": [{"name", "steps", "energy_distance"}], "floor": energy_floor, "figure": rows of panels
     for toy_figure (each run_toy's result at `num` samples, with its "energy"), "sizes", "cpu_seconds"}.
     Names: "exact" (the exact denoiser's Euler ODE), "teacher" (the trained teacher's), "pd" (the progressive
     student of that step count), "flow-map" (the one flow-map student)."""
-    sizes = {**DISTILL_SIZES, **{k: v for k, v in (("teacher_steps", teacher_train_steps),
-                                                   ("student_steps", student_train_steps), ("batch", batch))
-                                 if v is not None}}
-    per_round = sizes["student_steps"] // len(PD_STEPS)
+    unknown = sorted(set(sizes) - set(DISTILL_SIZES))
+    if unknown:
+        raise ValueError(f"distillation_table: unknown sizes {unknown}; known: {sorted(DISTILL_SIZES)}")
+    sizes = {**DISTILL_SIZES, **sizes}
+    energy_samples = ENERGY_SAMPLES if energy_samples is None else energy_samples
+    per_round = max(1, sizes["student_steps"] // len(PD_STEPS))
     sizes["student_steps"] = per_round * len(PD_STEPS)
     clock = time.process_time()
-    teacher = train_toy_teacher(mixture, sizes["teacher_steps"], batch=2 * sizes["batch"], seed=seed)
+    teacher = train_toy_teacher(mixture, sizes["teacher_steps"], batch=sizes["teacher_batch"], seed=seed)
     students = distill_toy(teacher, mixture, PD_STEPS, TEACHER_PATH_STEPS, steps=per_round, batch=sizes["batch"],
-                           seed=seed)
-    fmap = distill_flow_map_toy(teacher, mixture, steps=sizes["student_steps"], batch=sizes["batch"], seed=seed)
+                           lr=sizes["lr"], seed=seed)
+    fmap = distill_flow_map_toy(teacher, mixture, steps=sizes["student_steps"], batch=sizes["batch"], lr=sizes["lr"],
+                                seed=seed)
     trained = time.process_time() - clock
 
     def den(net):
@@ -149,6 +185,6 @@ def distillation_table(mixture: GaussianMixture, num: int = 44, seed: int = 0, t
             panels[f"{label}, {n} step" + "s" * (n != 1)] = {**res, "energy": energy[(name, n)]}
         figure.append(panels)
     return {"rows": rows, "floor": energy_floor(mixture, energy_samples, seed), "figure": figure,
-            "sizes": {**sizes, "teacher_batch": 2 * sizes["batch"], "pd_rounds": list(PD_STEPS),
-                      "pd_steps_per_round": per_round, "energy_samples": energy_samples},
+            "sizes": {**sizes, "pd_rounds": list(PD_STEPS), "pd_steps_per_round": per_round,
+                      "energy_samples": energy_samples},
             "cpu_seconds": {"training": trained, "total": time.process_time() - clock}}
