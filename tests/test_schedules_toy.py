@@ -92,20 +92,26 @@ def test_posterior_mean_is_exact_against_monte_carlo():
     assert torch.allclose(mix.posterior_mean(z, t)[0].double(), mc, atol=5e-3)
 
 
+@pytest.fixture(scope="module")
+def toy_teacher():
+    """The slow tests' teacher: 600 steps of batch 512 on the 8-cluster ring, on one thread (a small MLP)."""
+    from elflow.experiments.toy import train_toy_teacher
+    from elflow.experiments.toy_distill import single_thread
+
+    with single_thread():
+        return train_toy_teacher(ring_mixture(), steps=600, batch=512, seed=0)
+
+
 @pytest.mark.slow
-def test_toy_distillation_students_reach_clusters_in_one_step_where_the_teacher_cannot():
+def test_toy_distillation_students_reach_clusters_in_one_step_where_the_teacher_cannot(toy_teacher):
     """A small trained teacher at N = 1 lands on the data mean (nothing inside a cluster); its distilled
     one-step student lands inside clusters, as the teacher's own 16-step path does."""
-    from elflow.experiments.toy import distill_toy, ring_mixture, run_toy, train_toy_teacher
+    from elflow.experiments.toy import distill_toy
+    from elflow.experiments.toy_distill import single_thread
 
-    mix = ring_mixture()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a small MLP: threads only add synchronisation
-    try:
-        teacher = train_toy_teacher(mix, steps=600, batch=512, seed=0)
+    mix, teacher = ring_mixture(), toy_teacher
+    with single_thread():
         students = distill_toy(teacher, mix, student_steps=(4, 2, 1), steps=300, batch=512, seed=0)
-    finally:
-        torch.set_num_threads(threads)
     n = 100
     at_one = run_toy(mix, (1,), n, seed=1, denoiser=teacher)[1]
     assert at_one["inside"] == 0
@@ -214,6 +220,10 @@ def test_toy_json_prints_one_object_of_energy_distances(tmp_path, capsys):
     assert got["samples"] == 4000 and (tmp_path / "t.png").stat().st_size > 0
 
 
+def ed_of(got: dict, name: str, steps: int) -> float:
+    return next(r["energy_distance"] for r in got["rows"] if (r["name"], r["steps"]) == (name, steps))
+
+
 def test_toy_distill_json_has_every_models_rows_and_the_figure_their_panels(tmp_path, capsys, monkeypatch):
     """The layout of `elflow toy --distill --json` with a few training steps (the learning itself is the slow
     test's): rows for the exact denoiser and the teacher at 1, 2, 4, 16, 64 steps and the extra --steps, the PD
@@ -235,6 +245,17 @@ def test_toy_distill_json_has_every_models_rows_and_the_figure_their_panels(tmp_
     assert all(r["energy_distance"] >= 0 for r in got["rows"])
     assert got["sizes"]["student_steps"] == 6 and got["sizes"]["pd_steps_per_round"] == 2
     assert got["samples"] == got["sizes"]["energy_samples"] == 300
+    # the text output's table of the same rows: a line per model, blank where a model has no such step count
+    from elflow.cli.toy import print_table
+
+    print_table(got["rows"], got["floor"], got)
+    lines = capsys.readouterr().out.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("model"))
+    assert lines[head].split() == ["model", "N=1", "N=2", "N=4", "N=8", "N=16", "N=64"]
+    cells = {line[:22].strip(): line[22:] for line in lines[head + 1:head + 5]}
+    assert list(cells) == ["exact denoiser", "trained teacher", "PD student (N steps)", "flow-map student"]
+    assert len(cells["exact denoiser"].split()) == 6 and len(cells["PD student (N steps)"].split()) == 3
+    assert float(cells["flow-map student"].split()[0]) == pytest.approx(ed_of(got, "flow-map", 1), abs=1e-4)
     assert (tmp_path / "t.png").stat().st_size > 0
 
 
@@ -257,26 +278,21 @@ def test_toy_refuses_sizes_that_cannot_fit_before_any_work(tmp_path, capsys, arg
 
 
 @pytest.mark.slow
-def test_the_flow_map_student_beats_the_teacher_and_the_progressive_student_at_one_step():
-    """At equal student training (300 steps of batch 512: PD's three rounds 100 each), the flow-map student's
-    one-step samples are closer to the mixture than the teacher's one Euler step and than the one-step PD
-    student's; one student serves every step count (2 and 4 steps beat the teacher's too), and at one step it
-    is within a small margin of the teacher's own 64-step ODE, the most a distilled student can copy."""
-    from elflow.experiments.toy import distill_toy, train_toy_teacher
-    from elflow.experiments.toy_distill import distill_flow_map_toy, energy_rows
+def test_the_flow_map_student_beats_the_teacher_and_the_progressive_student_at_one_step(toy_teacher):
+    """At equal student training (300 steps of batch 512 at one learning rate: PD's three rounds 100 each), the
+    flow-map student's one-step samples are closer to the mixture than the teacher's one Euler step and than
+    the one-step PD student's; one student serves every step count (2 and 4 steps beat the teacher's too), and
+    at one step it is within a small margin of the teacher's own 64-step ODE, the most a student can copy."""
+    from elflow.experiments.toy import distill_toy
+    from elflow.experiments.toy_distill import distill_flow_map_toy, energy_rows, single_thread
 
-    mix = ring_mixture()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a small MLP: threads only add synchronisation
-    try:
-        teacher = train_toy_teacher(mix, steps=600, batch=512, seed=0)
-        pd = distill_toy(teacher, mix, student_steps=(4, 2, 1), steps=100, batch=512, seed=0)
-        fmap = distill_flow_map_toy(teacher, mix, steps=300, batch=512, seed=0)
-        rows = energy_rows(mix, [("teacher", (1, 2, 4, 64), lambda z, t: teacher(z, t), None),
-                                 ("pd", (1,), lambda z, t: pd[1](z, t), None),
-                                 ("flow-map", (1, 2, 4), None, map_of(fmap))], n=4000, seed=0)
-    finally:
-        torch.set_num_threads(threads)
+    mix, teacher = ring_mixture(), toy_teacher
+    with single_thread():
+        pd = distill_toy(teacher, mix, student_steps=(4, 2, 1), steps=100, batch=512, lr=3e-3, seed=0)
+        fmap = distill_flow_map_toy(teacher, mix, steps=300, batch=512, lr=3e-3, seed=0)
+    rows = energy_rows(mix, [("teacher", (1, 2, 4, 64), lambda z, t: teacher(z, t), None),
+                             ("pd", (1,), lambda z, t: pd[1](z, t), None),
+                             ("flow-map", (1, 2, 4), None, map_of(fmap))], n=4000, seed=0)
     ed = {(r["name"], r["steps"]): r["energy_distance"] for r in rows}
     assert ed[("flow-map", 1)] < ed[("pd", 1)], ed
     assert ed[("flow-map", 1)] < ed[("teacher", 1)] / 10, ed

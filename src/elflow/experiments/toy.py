@@ -1,5 +1,6 @@
-"""Figure 1: a 2-D Gaussian mixture with its exact denoiser, sampled by each sampler at several step counts, and
-a toy progressive distillation."""
+"""Figure 1: a 2-D Gaussian mixture with its exact denoiser, sampled by each sampler at several step counts; a
+small trained teacher, its progressive distillation, and the network of its flow-map student (the comparison
+itself is experiments.toy_distill's)."""
 
 from __future__ import annotations
 

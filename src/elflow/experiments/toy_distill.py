@@ -75,7 +75,7 @@ def energy_distance(a: torch.Tensor, b: torch.Tensor, block: int = 2048, b_self:
 
 
 def distill_flow_map_toy(teacher: ToyNet, mixture: GaussianMixture, steps: int = 1800, batch: int = 512,
-                         lr: float = 1e-3, seed: int = 0, diagonal: float = DIAGONAL_SHARE,
+                         lr: float = 3e-3, seed: int = 0, diagonal: float = DIAGONAL_SHARE,
                          t_eps: float = T_EPS) -> ToyNet:
     """A flow-map student of the toy teacher by Lagrangian map distillation (flowmap.lmd_loss): it starts as
     the teacher (flow_map_student), z_s lies on the data's path at s, and (s, t) pairs come from
