@@ -33,13 +33,14 @@ Teacher = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (z, t) -> x
 # share of training pairs with t = s (the diagonal term). 0 by default: a student that starts as its teacher
 # (zero weights on the target time) meets the diagonal term from its first step, the LMD pairs with t close to
 # s keep it met, and diagonal rows only take rows from the jumps (on the toy, shares of 0.1, 0.25 and 0.5 gave
-# 1-step samples 2%, 12% and 80% further from the data; docs/method.md)
+# 1-step samples 2%, 19% and 77% further from the data; docs/method.md)
 DIAGONAL_SHARE = 0.0
 
 
 def _rows(v: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """(B,) times as (B, 1, ..., 1), broadcastable against `like` (B, ...)."""
-    return v.reshape(-1, *([1] * (like.ndim - 1))).to(like.dtype)
+    """(B,) times as (B, 1, ..., 1), broadcastable against `like` (B, ...), in the wider of the two dtypes (times
+    never rounded to a low-precision z's)."""
+    return v.reshape(-1, *([1] * (like.ndim - 1))).to(torch.promote_types(v.dtype, like.dtype))
 
 
 def map_from_x(x_hat: torch.Tensor, z: torch.Tensor, s: torch.Tensor, t: torch.Tensor,
