@@ -403,9 +403,9 @@ def check_sampling_args(steps: int, gamma: float, omega: float, guidance: float 
 
 
 def integrate(net, z0: torch.Tensor, grid: torch.Tensor, *, sampler: str = TEXT_SAMPLING["sampler"],
-              gamma: float = TEXT_SAMPLING["gamma"], omega=TEXT_SAMPLING["omega"], guidance: float = 1.0, known: torch.Tensor | None = None,
-           known_mask: torch.Tensor | None = None, generator: torch.Generator | None = None,
-           recipe: Recipe = Recipe(), callback: Callable | None = None):
+              gamma: float = TEXT_SAMPLING["gamma"], omega=TEXT_SAMPLING["omega"], guidance: float = 1.0,
+              known: torch.Tensor | None = None, known_mask: torch.Tensor | None = None,
+              generator: torch.Generator | None = None, recipe: Recipe = Recipe(), callback: Callable | None = None):
     """Integrate z0 (B, L, C) over the time grid (grid[0] = 0 ... grid[-1] = 1): returns (z_final, x_last).
 
     net(z, t, omega, x_prev) -> x is called once per step (twice when guidance != 1 with known positions).
@@ -478,8 +478,8 @@ def decode_tokens(net, z: torch.Tensor, omega) -> torch.Tensor:
 @torch.no_grad()
 def generate_tokens(net, batch: int, length: int, steps: int = TEXT_SAMPLING["steps"],
                     sampler: str = TEXT_SAMPLING["sampler"], gamma: float = TEXT_SAMPLING["gamma"],
-                    omega: float = TEXT_SAMPLING["omega"], grid: str = "logit_normal", guidance: float = 1.0, known=None,
-                    known_mask=None, generator: torch.Generator | None = None, recipe: Recipe = Recipe(),
+                    omega: float = TEXT_SAMPLING["omega"], grid: str = "logit_normal", guidance: float = 1.0,
+                    known=None, known_mask=None, generator: torch.Generator | None = None, recipe: Recipe = Recipe(),
                     device=None, callback: Callable | None = None):
     """Draw z0 = noise_scale N(0, 1) and a fresh time grid, sample, decode: (ids (B, L), z_final (B, L, C))."""
     check_sampling_args(steps, gamma, omega, guidance, sampler, recipe)

@@ -1,5 +1,6 @@
-"""Figure 1: a 2-D Gaussian mixture with its exact denoiser, sampled by each sampler at several step counts, and
-a toy progressive distillation."""
+"""Figure 1: a 2-D Gaussian mixture with its exact denoiser, sampled by each sampler at several step counts; a
+small trained teacher, its progressive distillation, and the network of its flow-map student (the comparison
+itself is experiments.toy_distill's)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from elflow.flow import NOISE_SCALE, T_EPS, Recipe, integrate, time_grid
+from elflow.flowmap import integrate_map
 from elflow.methods.pd import pd_target
 from elflow.util.files import atomic_write
 
@@ -19,7 +21,7 @@ class GaussianMixture:
     std: float  # per-cluster standard deviation s
     noise_scale: float = NOISE_SCALE  # sigma, as in ELF
 
-    def sample(self, n: int, generator=None) -> torch.Tensor:
+    def draw(self, n: int, generator=None) -> torch.Tensor:
         k = torch.randint(len(self.means), (n,), generator=generator)
         return self.means[k] + self.std * torch.randn(n, 2, generator=generator)
 
@@ -61,9 +63,11 @@ def grid_mixture(k: int = 4, spacing: float = 1.5, std: float = 0.1) -> Gaussian
 
 
 def run_toy(mixture: GaussianMixture, steps_list=(1, 2, 4, 8, 16), num: int = 44, seed: int = 0,
-            sampler: str = "ode", gamma: float = 0.0, grid: str = "uniform", denoiser=None):
-    """Sample with each step count from the same starting noise. Returns {N: dict(final, path, guesses)}.
-    `denoiser(z, t, omega, x_prev) -> x` defaults to the mixture's exact posterior mean."""
+            sampler: str = "ode", gamma: float = 0.0, grid: str = "uniform", denoiser=None, map_net=None):
+    """Sample with each step count from the same starting noise. Returns {N: dict(final, path, guesses, inside)}.
+    `denoiser(z, t, omega, x_prev) -> x` defaults to the mixture's exact posterior mean; a flow map's network
+    `map_net(z, s, t) -> x_hat` instead jumps from grid time to grid time (flowmap.integrate_map; the sampler
+    and gamma do not apply to it)."""
     denoiser = denoiser or (lambda z_, t_, w_, x_prev: mixture.posterior_mean(z_, t_))
     g = torch.Generator().manual_seed(seed)
     z0 = mixture.noise_scale * torch.randn(num, 1, 2, generator=g)
@@ -72,13 +76,16 @@ def run_toy(mixture: GaussianMixture, steps_list=(1, 2, 4, 8, 16), num: int = 44
         times = time_grid(n, grid, generator=torch.Generator().manual_seed(seed + 1))
         path, guesses = [z0[:, 0].clone()], []
 
-        def record(i, t, z, x_pred):
+        def record(i, t, z, x_pred, path=path, guesses=guesses):
             path.append(z[:, 0].clone())
             guesses.append(x_pred[:, 0].clone())
 
-        z, _ = integrate(denoiser, z0.clone(), times,
-                      sampler=sampler, gamma=gamma, recipe=Recipe(noise_scale=mixture.noise_scale),
-                      generator=torch.Generator().manual_seed(seed + 2), callback=record)
+        if map_net is not None:
+            z, _ = integrate_map(map_net, z0.clone(), times, callback=record)
+        else:
+            z, _ = integrate(denoiser, z0.clone(), times,
+                             sampler=sampler, gamma=gamma, recipe=Recipe(noise_scale=mixture.noise_scale),
+                             generator=torch.Generator().manual_seed(seed + 2), callback=record)
         out[n] = {"final": z[:, 0], "path": torch.stack(path), "guesses": torch.stack(guesses),
                   "inside": int(mixture.inside(z[:, 0]).sum())}
     return out
@@ -89,21 +96,40 @@ def run_toy(mixture: GaussianMixture, steps_list=(1, 2, 4, 8, 16), num: int = 44
 class ToyNet(torch.nn.Module):
     """An x-predictor for 2-D points: (z (B, 1, 2), t (B,)) -> x (B, 1, 2), an MLP on z and Fourier features
     of t. Called as the samplers and `distill.pd_target` call a network: net(z, t, omega, x_prev), the last
-    two ignored."""
+    two ignored. With `target_time` it is a flow map's network: the features of a target time t_target (B,)
+    join the input (net(z, s, t_target=t); t_target None means t_target = t, the plain denoiser)."""
 
-    def __init__(self, width: int = 256, depth: int = 3, freqs: int = 8):
+    def __init__(self, width: int = 256, depth: int = 3, freqs: int = 8, target_time: bool = False):
         super().__init__()
+        self.width, self.depth, self.freqs, self.target_time = width, depth, freqs, target_time
         self.register_buffer("k", torch.arange(1, freqs + 1, dtype=torch.float32) * math.pi, persistent=False)
-        layers, size = [], 2 + 1 + 2 * freqs
+        layers, size = [], 2 + (1 + 2 * freqs) * (2 if target_time else 1)
         for _ in range(depth):
             layers += [torch.nn.Linear(size, width), torch.nn.SiLU()]
             size = width
         self.mlp = torch.nn.Sequential(*layers, torch.nn.Linear(size, 2))
 
-    def forward(self, z, t, omega=None, x_prev=None):
-        t = t.reshape(-1, 1).to(z.dtype)
-        feats = torch.cat([z.reshape(-1, 2), t, torch.sin(t * self.k), torch.cos(t * self.k)], dim=-1)
-        return self.mlp(feats).reshape(z.shape)
+    def _time_features(self, t, like):
+        t = t.reshape(-1, 1).to(like.dtype)
+        return [t, torch.sin(t * self.k), torch.cos(t * self.k)]
+
+    def forward(self, z, t, omega=None, x_prev=None, t_target=None):
+        feats = [z.reshape(-1, 2), *self._time_features(t, z)]
+        if self.target_time:
+            feats += self._time_features(t if t_target is None else t_target, z)
+        return self.mlp(torch.cat(feats, dim=-1)).reshape(z.shape)
+
+
+def flow_map_student(teacher: ToyNet) -> ToyNet:
+    """A ToyNet with the target-time input that starts equal to `teacher` at every target time: the teacher's
+    weights, zeros on the new input's columns. As a map (flowmap.map_from_x) it starts as the teacher's Euler
+    step from s to t."""
+    student = ToyNet(teacher.width, teacher.depth, teacher.freqs, target_time=True)
+    state = {k: v.clone() for k, v in teacher.state_dict().items()}
+    first = state["mlp.0.weight"]
+    state["mlp.0.weight"] = torch.cat([first, torch.zeros(first.shape[0], 1 + 2 * teacher.freqs)], dim=1)
+    student.load_state_dict(state)
+    return student
 
 
 def _fit(net, loss_fn, steps: int, lr: float, seed: int) -> list[float]:
@@ -130,7 +156,7 @@ def train_toy_teacher(mixture: GaussianMixture, steps: int = 3000, batch: int = 
     net = ToyNet()
 
     def loss_fn(g):
-        x = mixture.sample(batch, g)[:, None]
+        x = mixture.draw(batch, g)[:, None]
         t = torch.rand(batch, generator=g)
         tt = t[:, None, None]
         z = tt * x + (1 - tt) * mixture.noise_scale * torch.randn(x.shape, generator=g)
@@ -147,14 +173,13 @@ def distill_toy(teacher: ToyNet, mixture: GaussianMixture, student_steps=(4, 2, 
     Euler path over [t_s, t_s + 1/N] gives the x-space target (`distill.pd_target`)."""
     import copy
 
-
     students, current = {}, teacher
     for n in student_steps:
         s = 1.0 / n
         student = copy.deepcopy(current).train().requires_grad_(True)
 
         def loss_fn(g, student=student, s=s, n=n):
-            x = mixture.sample(batch, g)[:, None]
+            x = mixture.draw(batch, g)[:, None]
             t_s = torch.rand(batch, generator=g) * (1 - s)
             tt = t_s[:, None, None]
             z = tt * x + (1 - tt) * mixture.noise_scale * torch.randn(x.shape, generator=g)
@@ -168,79 +193,73 @@ def distill_toy(teacher: ToyNet, mixture: GaussianMixture, student_steps=(4, 2, 
     return students
 
 
-def distillation_table(mixture: GaussianMixture, num: int = 200, seed: int = 0, teacher_train_steps: int = 3000,
-                       distill_train_steps: int = 1500) -> list[dict]:
-    """Samples inside a cluster, of `num`, at N = 1, 2, 4 (and 16) steps: the exact denoiser, the trained
-    teacher, and each student at its own step count. ODE, uniform grid, the same starting noise."""
-    teacher = train_toy_teacher(mixture, teacher_train_steps, seed=seed)
-    students = distill_toy(teacher, mixture, steps=distill_train_steps, seed=seed)
-    rows = []
-    for name, denoiser, ns in (("exact denoiser", None, (1, 2, 4, 16)), ("trained teacher", teacher, (1, 2, 4, 16)),
-                               *((f"student ({n} steps)", students[n], (n,)) for n in (4, 2, 1))):
-        res = run_toy(mixture, ns, num, seed, denoiser=denoiser)
-        rows.append({"model": name, **{f"N={n}": r["inside"] for n, r in res.items()}, "results": res})
-    return rows
-
-
-def toy_figure(mixture: GaussianMixture, results: dict, title: str | None = None):
+def toy_figure(mixture: GaussianMixture, results, title: str | None = None):
     """One panel per step count (or model): the data, each sample's path z_t, the guesses along it and where
-    it ends; a legend in a row of its own below the panels names each kind of mark. Returns the figure."""
+    it ends; a legend in a row of its own below the panels names each kind of mark. `results` is one row of
+    panels ({name or N: run_toy's result}) or a list of such rows, drawn one above the other. A result with
+    an "energy" entry shows its energy distance to the mixture in the panel's title. Returns the figure."""
     import textwrap
 
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.collections import LineCollection
 
-    ns = list(results)
-    width = 3.3 * len(ns)
+    rows_of = [results] if isinstance(results, dict) else list(results)
+    cols = max(len(r) for r in rows_of)
+    width = 3.3 * cols
     ncol = max(1, min(5, int(width / 2.6)))  # as many of the five names to a row as fit
-    rows = -(-5 // ncol)
-    fig = plt.figure(figsize=(width, 3.9 + 0.28 * rows + 0.25 * bool(title)), layout="constrained")
-    grid = fig.add_gridspec(2, len(ns), height_ratios=(3.6, 0.28 * rows))
-    axes = [fig.add_subplot(grid[0, 0])]
-    axes += [fig.add_subplot(grid[0, i], sharex=axes[0], sharey=axes[0]) for i in range(1, len(ns))]
-    data = mixture.sample(600, torch.Generator().manual_seed(123))
-    for ax, n in zip(axes, ns):
-        r = results[n]
-        ax.scatter(data[:, 0], data[:, 1], s=2, c="lightgray", label="data (the mixture)")
-        for j in range(r["path"].shape[1]):
-            ax.plot(r["path"][:, j, 0], r["path"][:, j, 1], lw=0.5, c="tab:blue", alpha=0.4,
-                    label="path of z from noise" if j == 0 else None)
-        g = r["guesses"].reshape(-1, 2)
-        ax.scatter(g[:, 0], g[:, 1], s=6, c="tab:orange", alpha=0.5, label="guesses of x at each step")
-        ax.scatter(r["final"][:, 0], r["final"][:, 1], s=10, c="tab:red", label="samples (where z ends)")
-        ax.plot(*mixture.mean.tolist(), "k+", ms=12, mew=2, label="data mean")
-        name = n if isinstance(n, str) else f"N = {n} step" + "s" * (n != 1)
-        ax.set_title(f"{name}: {r['inside']}/{len(r['final'])} inside", fontsize=11)
-        ax.set_aspect("equal")
-        ax.set_xlim(-3.2, 3.2)
-        ax.set_ylim(-3.2, 3.2)
-        ax.set_xticks(range(-3, 4))
-        ax.set_yticks(range(-3, 4))
-        ax.tick_params(labelsize=10, labelleft=ax is axes[0])
-        ax.set_xlabel("$x_1$", fontsize=11)
-    axes[0].set_ylabel("$x_2$", fontsize=11)
-    key = fig.add_subplot(grid[1, :])
+    key_rows = -(-5 // ncol)
+    energy = any("energy" in r for row in rows_of for r in row.values())
+    fig = plt.figure(figsize=(width, (3.6 + 0.3 * energy) * len(rows_of) + 0.3 + 0.28 * key_rows
+                              + 0.25 * bool(title)), layout="constrained")
+    grid = fig.add_gridspec(len(rows_of) + 1, cols, height_ratios=(*[3.6 + 0.3 * energy] * len(rows_of),
+                                                                     0.28 * key_rows))
+    axes = []
+    data = mixture.draw(600, torch.Generator().manual_seed(123))
+    for i, row in enumerate(rows_of):
+        for j, (n, r) in enumerate(row.items()):
+            ax = fig.add_subplot(grid[i, j], **({"sharex": axes[0], "sharey": axes[0]} if axes else {}))
+            axes.append(ax)
+            ax.scatter(data[:, 0], data[:, 1], s=2, c="lightgray", label="data (the mixture)")
+            ax.add_collection(LineCollection(r["path"].transpose(0, 1).numpy(), lw=0.5, colors="tab:blue",
+                                             alpha=0.4, label="path of z from noise"))
+            g = r["guesses"].reshape(-1, 2)
+            ax.scatter(g[:, 0], g[:, 1], s=6, c="tab:orange", alpha=0.5, label="guesses of x at each step")
+            ax.scatter(r["final"][:, 0], r["final"][:, 1], s=10, c="tab:red", label="samples (where z ends)")
+            ax.plot(*mixture.mean.tolist(), "k+", ms=12, mew=2, label="data mean")
+            name = n if isinstance(n, str) else f"N = {n} step" + "s" * (n != 1)
+            text = f"{name}: {r['inside']}/{len(r['final'])} inside"
+            ax.set_title(text + (f"\nenergy distance {r['energy']:.4f}" if "energy" in r else ""), fontsize=11)
+            ax.set_aspect("equal")
+            ax.set_xlim(-3.2, 3.2)
+            ax.set_ylim(-3.2, 3.2)
+            ax.set_xticks(range(-3, 4))
+            ax.set_yticks(range(-3, 4))
+            ax.tick_params(labelsize=10, labelleft=j == 0)
+            ax.set_xlabel("$x_1$", fontsize=11)
+            if j == 0:
+                ax.set_ylabel("$x_2$", fontsize=11)
+    key = fig.add_subplot(grid[-1, :])
     key.axis("off")
     handles, labels = axes[-1].get_legend_handles_labels()
     legend = key.legend(handles, labels, loc="center", ncol=ncol, fontsize=10, frameon=False)
-    for h in legend.legend_handles:  # full-size, full-strength marks, however small and faint in the panels
+    for h, label in zip(legend.legend_handles, labels):  # full-size, full-strength marks, however faint in panels
         h.set_alpha(1)
-        if hasattr(h, "set_sizes"):
-            h.set_sizes([30])
-        elif h.get_linestyle() != "None":
+        if label.startswith("path"):
             h.set_linewidth(2)
+        elif hasattr(h, "set_sizes"):
+            h.set_sizes([30])
     if title:
         fig.suptitle(textwrap.fill(title, max(30, int(width * 11))), fontsize=12)
     return fig
 
 
-def plot_toy(mixture: GaussianMixture, results: dict, path, title: str | None = None,
+def plot_toy(mixture: GaussianMixture, results, path, title: str | None = None,
              overwrite: bool = True) -> None:
     """`toy_figure` written to a PNG (atomically; an existing file only with `overwrite`)."""
     import matplotlib.pyplot as plt
-
 
     fig = toy_figure(mixture, results, title)
     with atomic_write(path, overwrite=overwrite) as f:

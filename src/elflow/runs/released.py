@@ -1,5 +1,6 @@
-"""The released checkpoints (the authors' PyTorch port, as released): their file format, their parameter names, the network
-shape inferred from weights and the released models' layouts (elflow.runs.load.convert_released converts one).
+"""The released checkpoints (of the authors' PyTorch port): their file format, their parameter names, the
+network shape inferred from weights and the released models' layouts (elflow.runs.load.convert_released
+converts one).
 
 Their file is one torch.save dict ("params", "ema_params1", optimiser state, step), read with
 torch.load(weights_only=True). The only layout differences are names and the decode head, which they store
