@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 from elflow.config import TrainConfig
-from elflow.flow import distilled_defaults
+from elflow.flow import FLOW_MAP_STEPS, distilled_defaults
+from elflow.methods.lmd import MapMethod
 from elflow.methods.pd import PDMethod, check_schedule
 from elflow.model import PRESETS
 from elflow.optim import EMA_DECAY
@@ -191,6 +192,46 @@ def distill(teacher, out, student_steps=(16, 8, 4, 2, 1), teacher_steps: int = 6
         if group is not None:
             dist.destroy_process_group()
     return rounds
+
+
+def distill_flow_map(teacher, out, steps: int = 1000, sample_steps: int = FLOW_MAP_STEPS, warmup_frac: float = 0.1,
+                     ema_decay: float = EMA_DECAY, lr: float | None = None, resume: bool = False,
+                     overwrite: bool = False, cache_dir=None, quiet: bool = False, stop_after: int | None = None,
+                     **overrides) -> Path:
+    """Distil `teacher` into one flow-map student (elflow.methods.lmd) trained for `steps` optimiser steps in
+    the run folder `out`, which samples at any step count (`sample_steps` by default). The student is the
+    teacher's network with a target time, started from the teacher's EMA weights; `overrides` are TrainConfig
+    fields as for `distill`. `resume` continues a stopped one exactly; `stop_after` ends this invocation after
+    that many steps."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ELFError(f"--steps must be an integer >= 1 (the student's optimiser steps), got {steps!r}")
+    if isinstance(sample_steps, bool) or not isinstance(sample_steps, int) or not 1 <= sample_steps <= 64:
+        raise ELFError(f"the student's default sampling steps must be an integer from 1 to 64, got {sample_steps!r}")
+    if not 0 <= warmup_frac <= 1:
+        raise ELFError(f"--warmup-frac must lie in [0, 1], got {warmup_frac}")
+    out = check_output(out, folder=True)
+    _check_out(out, [teacher])
+    device = _teacher_device()
+    teacher_net, record, origin = load_teacher(teacher, device=device)
+    if record.distillation is not None:
+        raise ELFError(f"{teacher} is a distilled student ({record.distillation.objective}); a flow-map student is "
+                       "distilled from an undistilled ELF model")
+    if record.network.decoder == "separate":
+        raise ELFError(f"{teacher} reads out with a separate decoder; a flow-map student is distilled from a model "
+                       "whose one network denoises and decodes")
+    cfg = _base_config(record, origin, overrides)
+    cfg = replace(cfg, model={**cfg.model, "target_time": True}, steps=steps, epochs=None, warmup_frac=warmup_frac,
+                  ema_decay=ema_decay, init_from=origin.path, sample_sampler="map", sample_steps=sample_steps,
+                  distillation={"objective": "flow-map", "student_steps": sample_steps})
+    if lr is not None:
+        cfg = replace(cfg, lr=lr)
+    if cfg.length > teacher_net.config.max_length:
+        teacher_net = load_teacher(teacher, cfg.length, device)[0]
+    if resume and (out / RUN_FILE).exists():
+        cfg = replace(cfg, update_rule=stored_config(out).update_rule)
+    train(cfg, out, resume=resume, overwrite=overwrite, cache_dir=cache_dir, quiet=quiet, stop_after=stop_after,
+          method=MapMethod(teacher_net), command="elflow distill --objective flow-map")
+    return out
 
 
 def _process_group(timeout_minutes: float):

@@ -132,7 +132,9 @@ SAMPLING_DEFAULTS = {  # the text sampling defaults (TEXT_SAMPLING) are the samp
     "conditional": {"sampler": "ode", "steps": 64, "gamma": 0.0, "omega": 1.0, "guidance": 2.0},
     "distilled": {"sampler": "sde", "gamma": 1.5, "omega": 2.5},  # a progressively distilled student, <= 8 steps
     "distilled-long": {"sampler": "sde", "gamma": 2.0, "omega": 2.0},  # the same beyond 8 steps
+    "flow-map": {"sampler": "map", "grid": "uniform", "gamma": 0.0},  # a flow-map student's jumps
 }
+FLOW_MAP_STEPS = 4  # a flow-map student's default step count (it samples at any)
 TEXT_SAMPLING = SAMPLING_DEFAULTS["text"]
 
 
@@ -141,7 +143,7 @@ def distilled_defaults(steps: int) -> dict:
     return {**SAMPLING_DEFAULTS["distilled" if steps <= FEW_STEPS else "distilled-long"], "steps": int(steps)}
 
 
-SAMPLERS = ("ode", "sde", "vc")
+SAMPLERS = ("ode", "sde", "vc", "map")  # "map": the jumps of a flow-map student (elflow.methods.lmd)
 GRIDS = ("logit_normal", "uniform")  # the kinds of time grid (`time_grid`)
 MAX_SAMPLING_STEPS = 10_000  # a sampler of more steps is refused: the released recipe samples with at most 64
 
@@ -370,6 +372,13 @@ def ode_step(denoise, z, t, t_next, x_prev):
     return z + (t_next - t) * v, x
 
 
+def map_step(denoise, z, t, t_next, x_prev):
+    """A flow map's jump: the guess x_hat for the target t' gives z' = z + (t' - t) v, v = (x_hat - z) /
+    max(1 - t, t_eps) (elflow.flowmap.map_from_x); at t' = 1 it lands on x_hat, as the last Euler step does."""
+    x, v = denoise(z, t, x_prev, t_next)
+    return z + (t_next - t) * v, x
+
+
 def sde_step(denoise, z, t, t_next, x_prev, *, gamma, noise, generator, noise_scale, pin, consistent=False):
     """Back off to t_b = alpha t, alpha = clip(1 - gamma (t' - t), 0, 1), re-noise z_b = alpha z + std e, then
     Euler from t_b to t'. The released step has std = (1 - alpha) noise_scale; the variance-consistent one
@@ -410,7 +419,8 @@ def integrate(net, z0: torch.Tensor, grid: torch.Tensor, *, sampler: str = TEXT_
 
     net(z, t, omega, x_prev) -> x is called once per step (twice when guidance != 1 with known positions).
     Every interval but the last uses `sampler` ("ode", "sde" or "vc"); the last is a plain Euler step, which
-    lands on the guess. The previous guess fills the self-conditioning slot (zeros at the first step).
+    lands on the guess. "map" is a flow-map student's: every interval one jump, net(..., target=t') (its last
+    lands on the guess too). The previous guess fills the self-conditioning slot (zeros at the first step).
 
     known (B, L, C) clean embeddings and known_mask (B, L) bool mark positions held fixed (a conditional
     model's source, a prompt, a suffix): z and the guess are the clean values there and v = 0, and the first
@@ -441,29 +451,31 @@ def integrate(net, z0: torch.Tensor, grid: torch.Tensor, *, sampler: str = TEXT_
     guided = keep is not None and guidance != 1.0
     t_eps = recipe.t_eps
 
-    def denoise(z, t, slot):
+    def denoise(z, t, slot, target=None):
         tt = t.expand(B)
         clip = (1 - t).clamp_min(t_eps)
-        x = net(z, tt, w, slot)
+        at = {} if target is None else {"target": target.expand(B)}  # a flow map's jump to `target`
+        x = net(z, tt, w, slot, **at)
         if keep is None:
             return x, (x - z) / clip
         v = torch.where(keep, 0.0, (x - z) / clip)
         if guided:  # the unconditional pass: the known positions dropped, its outputs zero there
             z_u, s_u = z.masked_fill(keep, 0.0), slot.masked_fill(keep, 0.0)
-            x_u = net(z_u, tt, w, s_u).masked_fill(keep, 0.0)
+            x_u = net(z_u, tt, w, s_u, **at).masked_fill(keep, 0.0)
             v_u = ((x_u - z_u) / clip).masked_fill(keep, 0.0)
             v = v_u + guidance * (v - v_u)
             x = x_u + guidance * (x - x_u)
         return pin(x), v
 
-    if sampler == "ode":
-        step = ode_step
+    if sampler in ("ode", "map"):
+        step = {"ode": ode_step, "map": map_step}[sampler]
     else:
         step = functools.partial(sde_step, gamma=gamma, noise=torch.empty_like(z0), generator=generator,
                                  noise_scale=recipe.noise_scale, pin=pin, consistent=sampler == "vc")
     z = pin(z0)
     for i in range(n):
-        z, x_prev = (step if i < n - 1 else ode_step)(denoise, z, grid[i], grid[i + 1], x_prev)
+        last = ode_step if sampler != "map" else map_step  # the last interval lands on the guess
+        z, x_prev = (step if i < n - 1 else last)(denoise, z, grid[i], grid[i + 1], x_prev)
         if callback is not None:
             callback(i, grid[i], z, x_prev)
     return z, x_prev

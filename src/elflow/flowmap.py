@@ -24,6 +24,7 @@ import warnings
 from collections.abc import Callable
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from elflow.flow import T_EPS
 
@@ -63,7 +64,9 @@ def map_and_time_derivative(net: MapNet, z: torch.Tensor, s: torch.Tensor, t: to
     def in_t(t_):
         return flow_map(net, z, s, t_, t_eps)
 
-    with warnings.catch_warnings():  # torch's first forward-mode pass loads decompositions with a deprecated call
+    # attention in its composite form: the fused kernels have no forward-mode derivative
+    with warnings.catch_warnings(), sdpa_kernel([SDPBackend.MATH]):
+        # torch's first forward-mode pass loads decompositions with a deprecated call
         warnings.filterwarnings("ignore", message=".*torch.jit.script.* is deprecated", category=DeprecationWarning)
         return torch.func.jvp(in_t, (t,), (torch.ones_like(t),))
 

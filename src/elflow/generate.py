@@ -77,13 +77,16 @@ class SamplingSettings(Record):
 
 
 def default_sampling(conditional: bool = False, distilled_steps: int | None = None,
-                     self_conditioned: bool = True) -> SamplingSettings:
+                     self_conditioned: bool = True, flow_map_steps: int | None = None) -> SamplingSettings:
     """The settings a kind of model samples with when no flag is given: a text model's, a conditional model's,
-    a progressively distilled model's few-step ones (at its step count), and omega 1 for a network without
-    self-conditioning (nothing for omega to guide by). The one statement of these rules."""
+    a progressively distilled model's few-step ones (at its step count), a flow-map student's jumps (at its
+    default step count, on a uniform grid), and omega 1 for a network without self-conditioning (nothing for
+    omega to guide by). The one statement of these rules."""
     values = dict(SAMPLING_DEFAULTS["conditional" if conditional else "text"])
     if distilled_steps:
         values.update(distilled_defaults(distilled_steps))
+    if flow_map_steps:
+        values.update(SAMPLING_DEFAULTS["flow-map"], steps=int(flow_map_steps))
     if not self_conditioned:
         values["omega"] = 1.0
     return SamplingSettings(**values)
@@ -235,6 +238,9 @@ def generate(net, space, num: int, settings: SamplingSettings = SamplingSettings
         record = getattr(net, "record", None)
         recipe = record.recipe if record is not None else Recipe()
     settings.check(recipe)
+    if settings.sampler == "map" and not getattr(net.config, "target_time", False):
+        raise ELFError("the map sampler jumps with a flow-map student (elflow distill --objective flow-map); this "
+                       "network takes no target time: choose --sampler ode, sde or vc")
     if isinstance(num, bool) or not isinstance(num, int) or num < 1:
         raise ELFError(f"the number of samples must be >= 1, got {num}")
     if sources is not None and len(sources) != num:

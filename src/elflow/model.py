@@ -78,6 +78,7 @@ class ELFConfig(Record, TransformerShape):
     predict: str = "x"  # the denoise head's target (PREDICTIONS)
     conditioning: str = "tokens"  # prefix tokens, or adaLN-Zero in every block (CONDITIONINGS)
     decoder: str = "shared"  # "separate": the readout is a second network's (SeparateDecoderELF)
+    target_time: bool = False  # a flow map: the time t' it jumps to enters beside t (elflow.methods.flowmap)
     noise_scale: float | None = None
     t_eps: float | None = None
 
@@ -87,8 +88,9 @@ class ELFConfig(Record, TransformerShape):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"ELFConfig.{f} must be an integer >= 0, got {v!r}")
-        if not isinstance(self.self_cond, bool):
-            raise ValueError(f"ELFConfig.self_cond must be true or false, got {self.self_cond!r}")
+        for f in ("self_cond", "target_time"):
+            if not isinstance(getattr(self, f), bool):
+                raise ValueError(f"ELFConfig.{f} must be true or false, got {getattr(self, f)!r}")
         if self.hidden % self.heads:
             raise ValueError(f"ELFConfig: hidden {self.hidden} is not divisible by heads {self.heads}")
         if (self.hidden // self.heads) % 2:
@@ -403,6 +405,11 @@ class ELF(nn.Module):
             self.skip_noise = nn.Parameter(torch.ones(()), requires_grad=False)
         if o.table_readout:  # the space's vector for each token id (zeros until set)
             self.readout_table = nn.Parameter(torch.zeros(c.vocab_size, c.dim), requires_grad=False)
+        if c.target_time:  # the embedding of the target time, added to t's: zero at first, the network its teacher
+            self.target_embed = ScalarEmbedder(c.hidden)
+            nn.init.normal_(self.target_embed.fc1.weight, std=0.02)
+            for p in (self.target_embed.fc1.bias, self.target_embed.fc2.weight, self.target_embed.fc2.bias):
+                nn.init.zeros_(p)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -429,24 +436,29 @@ class ELF(nn.Module):
             nn.init.zeros_(lin.bias)
 
     # -- the shared trunk ----------------------------------------------------------------------------------
-    def embed_time(self, t: torch.Tensor) -> torch.Tensor:
-        """(B,) flow times -> (B, H): the time embedding of the prefix tokens (or of adaLN's condition)."""
-        return self.time_embed(t * self.options.time_scale)
+    def embed_time(self, t: torch.Tensor, target: torch.Tensor | None = None) -> torch.Tensor:
+        """(B,) flow times -> (B, H): the time embedding of the prefix tokens (or of adaLN's condition); a flow
+        map's adds the embedding of the target time it jumps to (`target`, (B,); None: t itself)."""
+        e = self.time_embed(t * self.options.time_scale)
+        if self.config.target_time:
+            e = e + self.target_embed((t if target is None else target.to(t.device)) * self.options.time_scale)
+        return e
 
-    def condition(self, t, omega, gate) -> torch.Tensor:
+    def condition(self, t, omega, gate, target=None) -> torch.Tensor:
         """adaLN's condition c = e(t) + e(omega) + gate * mode, (B, H), in fp32."""
         dev = self.mode_embed.device
-        return (self.embed_time(t.to(dev)) + self.omega_embed(omega.to(dev))
+        return (self.embed_time(t.to(dev), target) + self.omega_embed(omega.to(dev))
                 + self.mode_embed * gate.to(dev, torch.float32)[:, None])
 
-    def trunk(self, z, t, omega, x_prev, gate) -> torch.Tensor:
+    def trunk(self, z, t, omega, x_prev, gate, target=None) -> torch.Tensor:
         """The transformer's output at the L text positions, (B, L, H); P = num_prefix tokens come first.
 
         gate (B,) float: 1 switches a row to decode mode (its mode tokens on), 0 keeps it in denoise mode.
-        A network without self-conditioning (config.self_cond False) ignores x_prev.
+        A network without self-conditioning (config.self_cond False) ignores x_prev. `target` (B,): the time a
+        flow map jumps to (config.target_time; None: t, the instantaneous guess); other networks refuse it.
         """
         c = self.config
-        B, L, C = self._check_inputs(z, t, omega, x_prev)
+        B, L, C = self._check_inputs(z, t, omega, x_prev, target)
         modulations = [None] * c.depth
         with torch.autocast(z.device.type, enabled=False):  # input path and prefix in fp32, as the reference
             z = z.float()
@@ -455,10 +467,10 @@ class ELF(nn.Module):
                 z = self.self_cond_proj(torch.cat([z, x_prev], dim=-1))
             h = self.bottleneck_out(self.bottleneck_in(z))  # (B, L, H)
             if c.adaln:
-                cond = F.silu(self.condition(t, omega, gate))
+                cond = F.silu(self.condition(t, omega, gate, target))
                 modulations = [m(cond) for m in self.block_modulation]  # (B, 6H) each
             else:
-                time = self.time_tokens + self.embed_time(t.to(z.device))[:, None, :]  # (B, T, H)
+                time = self.time_tokens + self.embed_time(t.to(z.device), target)[:, None, :]  # (B, T, H)
                 om = self.omega_tokens + self.omega_embed(omega.to(z.device))[:, None, :]  # (B, W, H)
                 mode = self.mode_tokens * gate.to(z.device, torch.float32)[:, None, None]  # zeros in denoise mode
                 h = torch.cat([time, om, mode, h], dim=1)  # (B, P + L, H)
@@ -473,7 +485,7 @@ class ELF(nn.Module):
         return h[:, c.num_prefix:]  # drop the prefix: (B, L, H)
 
     # -- the heads -----------------------------------------------------------------------------------------
-    def denoise_head(self, h: torch.Tensor, z: torch.Tensor, t: torch.Tensor, omega=None) -> torch.Tensor:
+    def denoise_head(self, h: torch.Tensor, z: torch.Tensor, t: torch.Tensor, omega=None, target=None) -> torch.Tensor:
         """x_pred (B, L, C) from the trunk's output h: RMSNorm, the modulations of the variant, the head, the
         Gaussian skip, and the head's target turned into x."""
         c, o = self.config, self.options
@@ -482,10 +494,11 @@ class ELF(nn.Module):
             if c.adaln:
                 if omega is None:
                     raise ValueError("an adaLN network's denoise head needs omega")
-                cond = F.silu(self.condition(t, omega, torch.zeros_like(t)))
+                cond = F.silu(self.condition(t, omega, torch.zeros_like(t), target))
                 h = modulate(h, *self.final_modulation(cond).chunk(2, dim=-1))
             if o.head_modulation:
-                h = modulate(h, *self.head_modulation(F.silu(self.embed_time(t.to(h.device)))).chunk(2, dim=-1))
+                e = self.embed_time(t.to(h.device), target)
+                h = modulate(h, *self.head_modulation(F.silu(e)).chunk(2, dim=-1))
             out = self.x_head(h)
             if o.skip != "none":
                 mean, std = gaussian_posterior(z.float(), t.to(z.device), self.skip_mean, self.skip_var,
@@ -499,10 +512,13 @@ class ELF(nn.Module):
         with torch.autocast(h.device.type, enabled=False):
             return self.decode_head(h.float())  # (B, L, V)
     # -- the three passes ----------------------------------------------------------------------------------
-    def forward(self, z, t, omega, x_prev=None) -> torch.Tensor:
+    def forward(self, z, t, omega, x_prev=None, target=None) -> torch.Tensor:
         """Denoise: z (B, L, C) at times t (B,) with guidance scales omega (B,) and the self-conditioning
-        input x_prev (B, L, C) (None: zeros) -> the predicted clean embeddings x_pred (B, L, C)."""
-        return self.denoise_head(self.trunk(z, t, omega, x_prev, z.new_zeros(z.shape[0])), z, t, omega)
+        input x_prev (B, L, C) (None: zeros) -> the predicted clean embeddings x_pred (B, L, C). A flow map
+        (config.target_time) takes the time it jumps to, `target` (B,): its guess x_hat, whose jump lands at
+        z + (target - t)(x_hat - z) / max(1 - t, t_eps) (elflow.flowmap.map_from_x)."""
+        h = self.trunk(z, t, omega, x_prev, z.new_zeros(z.shape[0]), target)
+        return self.denoise_head(h, z, t, omega, target)
 
     def decode(self, z, omega) -> torch.Tensor:
         """Read out tokens: the pass at t = 1 with a zero self-conditioning input and the mode tokens on (plus
@@ -522,7 +538,7 @@ class ELF(nn.Module):
         h = self.trunk(z, t, omega, x_prev, gate)
         return self.denoise_head(h, z, t, omega), self.logits_head(h[logits_rows])
 
-    def _check_inputs(self, z, t, omega, x_prev):
+    def _check_inputs(self, z, t, omega, x_prev, target=None):
         c = self.config
         if z.dim() != 3 or z.shape[-1] != c.dim:
             raise ValueError(f"ELF: z must have shape (B, L, {c.dim}), got {tuple(z.shape)}")
@@ -533,6 +549,10 @@ class ELF(nn.Module):
             if not isinstance(s, torch.Tensor) or s.shape != (B,):
                 shape = tuple(s.shape) if isinstance(s, torch.Tensor) else type(s).__name__
                 raise ValueError(f"ELF: {name} must be a tensor of shape ({B},), got {shape}")
+        if target is not None and not c.target_time:
+            raise ValueError("ELF: a target time is given to a network that takes none (config.target_time False)")
+        if target is not None and (not isinstance(target, torch.Tensor) or target.shape != (B,)):
+            raise ValueError(f"ELF: target must be a tensor of shape ({B},)")
         if x_prev is not None and x_prev.shape != z.shape:
             raise ValueError(f"ELF: x_prev must have the shape of z {tuple(z.shape)}, got {tuple(x_prev.shape)}")
         return z.shape

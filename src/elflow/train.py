@@ -199,7 +199,11 @@ def start_from(setup: Setup, path, quiet: bool = False) -> None:
     """Load stored weights into a fresh run (`--init-from`): its EMA starts from them; the optimiser is new."""
     record, init_sd, origin = load_init_weights(path, warn=lambda m: setup.rank == 0 and print(m, file=sys.stderr))
     check_init_compatible(path, record, setup.net, setup.space)
-    setup.net.load_state_dict(init_sd)
+    new = set(setup.net.state_dict()) - set(init_sd)
+    if new and all(k.startswith("target_embed.") for k in new):  # a flow map from its teacher: the new input stays 0
+        setup.net.load_state_dict(init_sd, strict=False)
+    else:
+        setup.net.load_state_dict(init_sd)
     setup.ema = EMA(setup.net, setup.cfg.ema_decay)
     if setup.rank == 0 and not quiet:
         print(f"starting from the weights of {origin.path}", file=sys.stderr)

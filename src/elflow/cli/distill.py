@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from elflow.cli.common import add_arguments as add_tracking
-from elflow.distill import distill
+from elflow.distill import distill, distill_flow_map
+from elflow.flow import FLOW_MAP_STEPS
 from elflow.optim import EMA_DECAY
 from elflow.runs.tracking import require_wandb
 from elflow.util.devices import RUN_DTYPES
@@ -22,7 +23,15 @@ def _int_list(text: str) -> list[int]:
 
 def add_arguments(p) -> None:
     p.add_argument("teacher", metavar="TEACHER", help="an elflow run or checkpoint folder (its EMA weights teach)")
-    p.add_argument("--student-steps", default="16,8,4,2,1", help="the students' step counts, one round each")
+    p.add_argument("--objective", choices=("pd", "flow-map"), default="pd",
+                   help="pd: progressive distillation, one student per step count, in rounds (OUT/<N>-step); "
+                        "flow-map: one student that samples at any step count, trained in one phase into OUT "
+                        "(default pd)")
+    p.add_argument("--student-steps", default=None,
+                   help="pd: the students' step counts, one round each (default 16,8,4,2,1); flow-map: the "
+                        f"student's default sampling steps (default {FLOW_MAP_STEPS}; it samples at any)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="flow-map: the student's optimiser steps (default 1000); pd rounds take --steps-per-round")
     p.add_argument("--teacher-steps", type=int, default=64, help="teacher steps over [0, 1] (sub-steps per "
                    "student step: this / student steps)")
     length = p.add_mutually_exclusive_group()
@@ -70,7 +79,24 @@ def run(args) -> int:
                                                "dtype", "predict")}
     overrides.update(seed=args.seed, log_every=args.log_every, ckpt_every=args.ckpt_every, keep=args.keep,
                      wandb=args.wandb, wandb_run=args.wandb_run)
-    rounds = distill(args.teacher, args.out, _int_list(args.student_steps), args.teacher_steps,
+    if args.objective == "flow-map":
+        if args.steps_per_round is not None or args.epochs is not None:
+            raise ELFError("--steps-per-round and --epochs set the rounds of --objective pd; a flow-map student trains "
+                           "for --steps")
+        steps = _int_list(args.student_steps) if args.student_steps else [FLOW_MAP_STEPS]
+        if len(steps) != 1:
+            raise ELFError(f"--student-steps of a flow-map student is one step count (its default), got "
+                           f"{args.student_steps}")
+        out = distill_flow_map(args.teacher, args.out, 1000 if args.steps is None else args.steps, steps[0],
+                               warmup_frac=args.warmup_frac, ema_decay=args.ema_decay, lr=args.lr,
+                               resume=args.resume, overwrite=args.overwrite, cache_dir=args.cache_dir,
+                               quiet=args.quiet, **overrides)
+        print(f"flow-map student: {out} (elflow sample {out} --steps K, for any K)")
+        return 0
+    if args.steps is not None:
+        raise ELFError("--steps is the optimiser steps of a flow-map student (--objective flow-map); the rounds of "
+                       "--objective pd take --steps-per-round")
+    rounds = distill(args.teacher, args.out, _int_list(args.student_steps or "16,8,4,2,1"), args.teacher_steps,
                      steps_per_round=args.steps_per_round, epochs=args.epochs, warmup_frac=args.warmup_frac,
                      ema_decay=args.ema_decay, lr=args.lr, resume=args.resume, overwrite=args.overwrite,
                      cache_dir=args.cache_dir, quiet=args.quiet, **overrides)

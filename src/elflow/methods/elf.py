@@ -15,6 +15,7 @@ import torch
 from elflow.data.layout import encoder_mask
 from elflow.flow import (
     DISTILLED_STEPS,
+    FLOW_MAP_STEPS,
     TIME_BINS,
     Recipe,
     draw_training_noise,
@@ -125,11 +126,18 @@ class ELFMethod(Method):
             raise ELFError(f"a {net.predict}-predicting head with noise_scale {net.noise_scale} and t_eps "
                            f"{net.t_eps}, while the recipe's are {recipe.noise_scale} and {recipe.t_eps}")
         record.sampling.check(recipe)
+        flow_map = bool(record.distillation and record.distillation.objective == "flow-map")
+        if net.target_time != flow_map:
+            raise ELFError(f"target_time {net.target_time} while the model is {'' if flow_map else 'not '}a flow-map "
+                           "student")
+        if record.sampling.sampler == "map" and not net.target_time:
+            raise ELFError("its sampling defaults jump with the map sampler, which needs a flow-map student")
 
     def default_sampling(self, record):
-        pd = record.distillation if record.distillation and record.distillation.objective == "pd" else None
-        steps = (pd.student_steps or DISTILLED_STEPS) if pd else None
-        return default_sampling(record.conditional, steps, record.recipe.self_conditioned)
+        d = record.distillation
+        pd = (d.student_steps or DISTILLED_STEPS) if d and d.objective == "pd" else None
+        fm = (d.student_steps or FLOW_MAP_STEPS) if d and d.objective == "flow-map" else None
+        return default_sampling(record.conditional, pd, record.recipe.self_conditioned, fm)
 
     def fits(self, space, net) -> None:
         cfg = net.config

@@ -94,6 +94,7 @@ def _warn(msg: str) -> None:
 
 
 SHAPE_FREE = ("max_length",)  # network config fields that do not change the weights
+# a flow-map student starts from an undistilled network's weights: its target time's embedding is new (and zero)
 
 
 def check_init_compatible(path, record: RunRecord, net, space) -> None:
@@ -106,7 +107,8 @@ def check_init_compatible(path, record: RunRecord, net, space) -> None:
     config, options = get_method(record.method).network_of(net)
     a = {**record.network.to_dict(), **(record.options.to_dict() if options is not None else {})}
     b = {**config.to_dict(), **(options.to_dict() if options is not None else {})}
-    diff = [f"{k} {a[k]} vs {b.get(k)}" for k in a if k not in SHAPE_FREE and a[k] != b.get(k)]
+    free = SHAPE_FREE + (("target_time",) if b.get("target_time") and not a.get("target_time") else ())
+    diff = [f"{k} {a[k]} vs {b.get(k)}" for k in a if k not in free and a[k] != b.get(k)]
     if diff:
         raise ELFError(f"{path} holds a network of another shape than this run's ({', '.join(diff)})")
 
