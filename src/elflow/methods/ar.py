@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from elflow.methods.baseline import TokenMethod, sample_categorical
 from elflow.methods.token_net import TokenLMConfig, TokenTransformer, fit_token_lm
 from elflow.model import apply_rope
+from elflow.util.budget import LONG, Estimate, check_fits, held, merge, tensor, transformer_pass
 from elflow.util.errors import ELFError
 
 
@@ -136,6 +137,12 @@ def sample_tokens(model: TokenTransformer, batch: int, length: int, settings: AR
     if batch < 1 or length < 1:
         raise ELFError(f"AR sampling needs batch and length >= 1, got {batch}, {length}")
     device = model.embed.weight.device
+    c, V = model.config, model.out_vocab  # the key/value cache, a one-position pass, its logits and draw
+    check_fits(Estimate("AR sampling", f"--batch {batch} --length {length}", merge(
+        {"key/value cache": 2 * c.depth * tensor(batch, length, c.hidden), "ids": tensor(batch, length, element=LONG),
+         "draws": held(tensor(batch, V), 2 * tensor(batch, V) + 4 * tensor(batch, V, element=LONG))},
+        transformer_pass(batch, 1, c.hidden, c.depth, c.heads, c.mlp_hidden, vocab=V)),
+        "choose a smaller --batch or --length"), device)
     cache = _Cache(model, batch, length, device, model.embed.weight.dtype)
     out = torch.empty(batch, length, dtype=torch.long, device=device)
     current = torch.full((batch,), bos_id(model), dtype=torch.long, device=device)

@@ -3,6 +3,7 @@ schedule and the ancestral sampler with the SUBS parameterisation."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -10,6 +11,8 @@ import torch.nn.functional as F
 
 from elflow.methods.baseline import TokenMethod, sample_categorical
 from elflow.methods.token_net import TokenLMConfig, TokenTransformer, fit_token_lm
+from elflow.util.budget import (LONG, MAX_SAMPLING_STEPS, Estimate, check_count, check_fits, held, merge, tensor,
+                                transformer_pass)
 from elflow.util.errors import ELFError
 
 EPS = 1e-3  # the smallest training time: the loss weight 1/t stays below 1/EPS
@@ -116,6 +119,15 @@ def sample_tokens(model: TokenTransformer, batch: int, length: int, settings: MD
     if length > model.config.max_length:
         raise ELFError(f"cannot sample {length} positions: this network's max_length is {model.config.max_length}")
     device = model.embed.weight.device
+    check_count(settings.steps, "the MDLM sampler's steps", MAX_SAMPLING_STEPS, "it samples with 64 by default",
+                hint="pass a smaller --steps")
+    c, V = model.config, model.out_vocab  # a pass, its logits, and the unmasked positions' weights and CDF
+    mean = batch * length / settings.steps  # positions unmasked per step, with six standard deviations to spare
+    n = min(batch * length, math.ceil(mean + 6 * math.sqrt(mean) + 8))
+    check_fits(Estimate("MDLM sampling", f"--batch {batch} --length {length} --steps {settings.steps}", merge(
+        transformer_pass(batch, length, c.hidden, c.depth, c.heads, c.mlp_hidden, vocab=V),
+        {"draws": held(tensor(n, V), 2 * tensor(n, V) + 2 * tensor(n, V, element=LONG))}),
+        "choose a smaller --batch or --length"), device)
     m = mask_id(model)
     x = torch.full((batch, length), m, dtype=torch.long, device=device)
     times = torch.linspace(1.0, 0.0, settings.steps + 1, dtype=torch.float64).tolist()
