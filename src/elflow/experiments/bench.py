@@ -14,13 +14,14 @@ import torch.nn.functional as F
 from elflow.flow import Recipe, draw_training_noise, generate_tokens
 from elflow.methods import get_method
 from elflow.methods.base import TrainedPass
-from elflow.methods.elf import HEAD_PREFIXES, network_bytes
+from elflow.methods.elf import HEAD_PREFIXES
 from elflow.model import ELF, PRESETS, ELFConfig, get_config
 from elflow.newton_schulz import NS_METHODS, method_for
 from elflow.optim import EMA, ELFOptimizer
 from elflow.train import shard_generators, train_step
 from elflow.util.budget import (FLOAT, LONG, MAX_ITERATIONS, MAX_MATMUL_SIZE, MAX_MICRO_BATCHES, MAX_THREADS, Estimate,
-                                check_count, check_fits, elf_sampling, held, merge, tensor, transformer_pass, weights)
+                                check_count, check_fits, elf_params, elf_sampling, held, merge, tensor,
+                                transformer_pass, weights)
 from elflow.util.devices import autocast, default_device
 from elflow.util.errors import ELFError
 
@@ -258,7 +259,7 @@ def check_bench(mode: str, preset: str, cfg: ELFConfig, batch: int, length: int,
     H, C, V = cfg.hidden, cfg.dim, cfg.vocab_size
     flags = (f"--batch {B} --length {L} (--preset {preset}: depth {cfg.depth}, hidden {H}, heads {cfg.heads}, "
              f"vocab size {V})")
-    net = network_bytes(cfg)
+    net = FLOAT * elf_params(cfg)
     parts = {"weights": net, "matmul peak": 4 * tensor(peak_size, peak_size)}
     if mode == "forward":
         work = merge({"inputs": 4 * tensor(B, L, C)}, transformer_pass(B, N, H, cfg.depth, cfg.heads, cfg.mlp_hidden))
@@ -310,7 +311,7 @@ def bench(mode: str, preset: str = "tiny", depth=None, hidden=None, heads=None, 
     if threads:  # (0 or None: torch's own count)
         torch.set_num_threads(check_count(threads, "--threads", MAX_THREADS, "more threads than cores only slow it"))
     device = torch.device(device or default_device())
-    L = length or PRESETS[preset].max_length
+    L = PRESETS[preset].max_length if length is None else length
     if L < 1:
         raise ELFError(f"--length must be >= 1, got {L}")
     try:

@@ -126,7 +126,7 @@ def sample_tokens(model: TokenTransformer, batch: int, length: int, settings: MD
     n = min(batch * length, math.ceil(mean + 6 * math.sqrt(mean) + 8))
     check_fits(Estimate("MDLM sampling", f"--batch {batch} --length {length} --steps {settings.steps}", merge(
         transformer_pass(batch, length, c.hidden, c.depth, c.heads, c.mlp_hidden, vocab=V),
-        {"draws": held(tensor(n, V), 2 * tensor(n, V) + 2 * tensor(n, V, element=LONG))}),
+        {"draws": held(tensor(n, V), tensor(n, V) + 2 * tensor(n, V, element=LONG))}),
         "choose a smaller --batch or --length"), device)
     m = mask_id(model)
     x = torch.full((batch, length), m, dtype=torch.long, device=device)

@@ -124,6 +124,24 @@ def block_params(width: int, heads: int, mlp: int | None = None) -> int:
     return 4 * width * width + 4 * width + 2 * (width // heads) + 2 * width + 3 * width * mlp + 2 * mlp + width
 
 
+def elf_params(config) -> int:
+    """The parameters and buffers (RoPE tables) of an ELF network of `config` (an ELFConfig: the released network
+    with the short-run options off), by formula: no network is built, so any size is counted at once."""
+    c = config
+    H, C, V, b, depth = c.hidden, c.dim, c.vocab_size, c.bottleneck, c.depth
+    mlp = getattr(c, "mlp_hidden", int(H * 8 // 3))
+    n = (2 * C * C + C if getattr(c, "self_cond", True) else 0) + C * b + b * H + H
+    n += 2 * (256 * H + H + H * H + H)  # the t and omega embedders
+    if getattr(c, "conditioning", "tokens") == "adaln":
+        n += H + depth * (6 * H * H + 6 * H) + 2 * H * H + 2 * H
+    else:
+        n += (c.time_tokens + c.omega_tokens + c.mode_tokens) * H
+    n += depth * block_params(H, c.heads, mlp) + H + H * C + C  # the blocks, the final norm, the x head
+    n += 2 * (c.max_length + getattr(c, "num_prefix", 12)) * (H // c.heads)  # RoPE's cos and sin
+    head = H * C + C + C * V + V  # the decode head: a separate decoder's alone
+    return (2 * n if getattr(c, "decoder", "shared") == "separate" else n) + head
+
+
 def transformer_pass(batch: int, length: int, width: int, depth: int, heads: int, mlp: int | None = None, *,
                      vocab: int = 0, logit_rows: int | None = None, logit_length: int | None = None,
                      backward: bool = False, gated: bool = True, eager_attention: bool = False,
@@ -290,8 +308,9 @@ def elf_sampling(config, *, steps: int, batch_size: int, num: int, length: int |
     file ("steps in m/sampling.json")."""
     flags = flags or {}
     steps, trajectory_steps = _step_counts(steps, trajectory_steps, flags)
-    num = check_count(num, flags.get("num", "--num"), MAX_SAMPLES,
-                      "the paper scores 5,000 samples per setting; the samples are kept until written")
+    if flags.get("num", "--num"):  # (a call that keeps no samples names none: its batch is its size)
+        num = check_count(num, flags.get("num", "--num"), MAX_SAMPLES,
+                          "the paper scores 5,000 samples per setting; the samples are kept until written")
     batch = check_size(batch_size, flags.get("batch_size", "--batch"))
     length = check_size(config.max_length if length is None else length, flags.get("length", "--length"))
     rows = min(batch, num)
