@@ -319,3 +319,44 @@ def test_compare_trains_three_matched_methods_and_judges_them(tmp_path, tiny_t5_
     assert (tmp_path / "compare.png").exists() and (tmp_path / "compare.json").exists()
     assert len((tmp_path / "samples" / "ar_temperature0.8.jsonl").read_text().splitlines()) == 4
     assert any("judge ppl" in line for line in lines)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the samplers' size checks
+@pytest.mark.parametrize("steps", [10**12, 10_001])
+def test_an_mdlm_step_count_past_the_bound_is_refused_before_its_time_grid(steps):
+    """MDLM --steps 10^12 made a 8 TB time grid: now one line before anything is drawn."""
+    with pytest.raises(ELFError, match=r"^the MDLM sampler's steps must be an integer from 1 to 10,000 .*--steps$"):
+        mdlm.sample_tokens(built(mdlm), 2, 12, mdlm.MDLMSampling(steps=steps), torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("module,settings", [(ar, ar.ARSampling()), (mdlm, mdlm.MDLMSampling(steps=4))])
+def test_a_sampling_batch_over_the_memory_is_refused_naming_its_flags(monkeypatch, module, settings):
+    from elflow.util import budget
+
+    monkeypatch.setattr(budget, "available_memory", lambda device=None: (2**30, "available on this machine"))
+    with pytest.raises(ELFError) as e:
+        module.sample_tokens(built(module), 10**8, 12, settings, torch.Generator().manual_seed(0))
+    line = str(e.value)
+    assert "\n" not in line and line.startswith(f"{module.METHOD.name.upper()} sampling at --batch 100000000 --length "
+                                                "12") and "more than the 1.0 GiB of memory" in line
+    assert module.sample_tokens(built(module), 4, 12, settings, torch.Generator().manual_seed(0)).shape == (4, 12)
+
+
+@pytest.mark.slow
+def test_sample_refuses_an_mdlm_step_count_past_the_bound_in_one_line_writing_nothing(tmp_path, capsys,
+                                                                                        tiny_t5_dir, tiny_corpus_file):
+    from helpers import assert_one_error
+
+    from elflow.cli import main
+
+    run = tmp_path / "mdlm"
+    assert main(["train", "--method", "mdlm", "--preset", "tiny", "--data", str(tiny_corpus_file), "--space",
+                 f"t5:{tiny_t5_dir}", "--length", "16", "--batch", "4", "--steps", "1", "--warmup", "0", "--dtype",
+                 "fp32", "--quiet", "--cache-dir", str(tmp_path / "cache"), "--out", str(run)]) == 0
+    capsys.readouterr()
+    out = tmp_path / "s.jsonl"
+    code = main(["sample", str(run), "--num", "2", "--steps", str(10**12), "--quiet", "--out", str(out)])
+    assert_one_error(code, capsys.readouterr().err, "sample", "the MDLM sampler's steps must be an integer from 1 to "
+                     "10,000", "got 1,000,000,000,000")
+    assert not out.exists()

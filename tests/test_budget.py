@@ -97,6 +97,20 @@ def test_block_params_counts_a_block():
             assert budget.block_params(width, heads, mlp) == num_params(Block(width, heads, mlp))
 
 
+@pytest.mark.parametrize("preset,kw", [("tiny", {}), ("demo", {}), ("elf-b", {}), ("tiny", {"conditioning": "adaln"}),
+                                       ("tiny", {"self_cond": False}), ("demo", {"decoder": "separate"})])
+def test_elf_params_counts_every_parameter_and_buffer_of_the_network(preset, kw):
+    import torch
+
+    from elflow.model import build_network, get_config
+
+    cfg = get_config(preset, **kw)
+    with torch.device("meta"):
+        net = build_network(cfg)
+    assert budget.elf_params(cfg) == sum(t.numel() for t in [*net.parameters(), *net.buffers()])
+    assert budget.elf_params(cfg.replace(hidden=10**12, heads=4)) > 10**24  # any size, at once
+
+
 # ----------------------------------------------------------------------------------------------------------
 # an ELF sampling call
 def test_a_sampling_step_count_past_the_bound_is_refused_before_any_estimate(monkeypatch):
@@ -109,6 +123,8 @@ def test_a_sampling_step_count_past_the_bound_is_refused_before_any_estimate(mon
         check_elf_sampling(Config, steps=10**12, batch_size=2, num=2, flags={"steps": "steps in m/sampling.json"})
     with pytest.raises(ELFError, match=r"^--num must be an integer from 1 to 10,000,000 "):
         check_elf_sampling(Config, steps=2, batch_size=1, num=10**9)
+    with pytest.raises(ELFError, match=r"^--teacher-steps must be an integer from 1 to 10,000 "):
+        budget.check_sampling_steps(10**12, "--teacher-steps")
     with pytest.raises(ELFError, match=r"^--trajectory must be an integer from 0 to 4 "):
         check_elf_sampling(Config, steps=4, batch_size=1, num=1, trajectory_steps=5)
     assert check_elf_sampling(Config, steps=MAX_SAMPLING_STEPS, batch_size=2, num=MAX_SAMPLES).total > 0

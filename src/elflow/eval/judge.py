@@ -297,7 +297,8 @@ def check_judge_training(cfg: JudgeConfig, batch_size: int, steps: int, device=N
     params = V * H + cfg.depth * block_params(H, cfg.heads, M) + H
     step = transformer_pass(batch, cfg.context, H, cfg.depth, cfg.heads, M, vocab=V, backward=True)
     flags = f"--batch-size {batch} --context {cfg.context} --hidden {H} --depth {cfg.depth} --heads {cfg.heads}"
-    return check_fits(Estimate("training the judge", flags, merge({"weights and AdamW": training_weights(params, V * H)}, step),
+    parts = merge({"weights and AdamW": training_weights(params, V * H)}, step)
+    return check_fits(Estimate("training the judge", flags, parts,
                                "choose a smaller --batch-size, --context, --hidden or --depth"),
                       device or default_device())
 

@@ -3,30 +3,39 @@ the device has available, and the counts that set time alone are held under boun
 
 API (bytes are Python ints: no size overflows)
     check_count(value, flag, limit, why, low=1, hint="") -> int
-        an integer count in low..limit, else ELFError naming the flag, the range and why the bound is there;
-        call it before anything is allocated, also for counts read from a stored model
-    transformer_pass(batch, length, width, depth, heads, mlp, ...) -> dict
-        (a) the peak bytes of one network pass by part (activations, attention, logits) at (batch, length,
-        width, depth, heads, MLP width, vocabulary), no-grad or forward + backward
-    weights(params, copies=1) -> int, tensor(*shape, element=4) -> int
-        the bytes of parameters (and their gradients or optimiser states: copies) and of one tensor: (c)
-    Estimate(what, flags, parts, hint)
-        the estimate of one call: what it is, the flags that set its size, its parts in bytes, what to do
+        an integer count in low..limit, else ELFError naming the flag (or the file a stored count comes from),
+        the range and why the bound is there; check_sampling_steps(steps, flag="--steps") -> int is the one
+        of sampler step counts (MAX_SAMPLING_STEPS); check_size(value, flag) -> int a size >= 1
+    transformer_pass(batch, length, width, depth, heads, mlp, *, vocab, backward, ...) -> dict
+        (a) a network pass's peak bytes by part (activations, attention, logits), no-grad or forward + backward
+    elf_sampling(config, *, steps, batch_size, num, length, trajectory_steps, ...) -> Estimate
+        (b) an ELF sampling call (elflow.generate.generate): its counts bounded, then its peak
+    tensor(*shape, element=4), weights(params, copies), training_weights(params, largest), held(each, total)
+        (c) the bytes of tensors, of parameters (with gradients and optimiser states), of buffers made again
+        and again; elf_params(config) and block_params(width, heads, mlp) count parameters by formula
+    Estimate(what, flags, parts, hint), merge(*parts) -> dict
+        one call's estimate: what it is, the flags that set its size, its parts in bytes (summed), what to do
     check_fits(estimate, device=None) -> Estimate
-        ELFError (one line: the flags, the estimate by part, the memory available, what to do) when the estimate
-        exceeds the memory available on the device: free RAM on a CPU (MemAvailable, within the process's
-        limits), free memory on a GPU
-    elf_sampling(config, steps=, batch_size=, num=, length=, trajectory_steps=, ...) -> Estimate
-    check_elf_sampling(config, ..., device=None) -> Estimate
-        (b) an ELF sampling call: its step count bounded, then its memory; the docstring shows the call
+        ELFError in one line (the work, the flags, the estimate by part, the memory, what to do) when the
+        estimate exceeds available_memory(device): on a CPU MemAvailable, within the process's cgroup and
+        ulimit; on a GPU its free memory and what torch's allocator holds unused
+    check_elf_sampling(config, *, steps, batch_size, num, ..., device=None) -> Estimate
+        elf_sampling checked against the device; its docstring shows the calls from a loaded model
     check_toy(num, steps, clusters, layout="ring", device=None) -> Estimate
-        the 2-D toy's counts and memory
+        `elflow toy`'s counts and memory
 
-How an estimate is made: every part is counted in fp32 (bf16 autocast needs less); a part made of many tensors
-of a few MiB that live and die inside a pass (a block's activations) counts ALLOCATOR_SLACK times its live
-bytes, because an allocator keeps freed blocks for reuse and cannot always fill the holes between them
-(measured on CPU: the process's peak RSS is 1.2-1.8x the live tensors of a sampling or training pass); one
-large buffer (logits, a draw) counts once. tests/test_budget.py checks estimates against measured peaks.
+Example (a command's check, before it builds or writes anything):
+
+    est = Estimate("training the judge", f"--batch-size {b} --context {n}", merge(
+        {"weights and AdamW": training_weights(params, vocab * width)},
+        transformer_pass(b, n, width, depth, heads, vocab=vocab, backward=True)), "choose a smaller --batch-size")
+    check_fits(est, device)
+
+How an estimate is made: every part is counted in fp32 (bf16 autocast needs less) and the parts are summed;
+buffers made and freed again and again (a pass's activations, a step's gradients) count ALLOCATOR_SLACK times
+their live bytes while they are under HEAP_BLOCK, as an allocator keeps freed blocks for reuse and cannot always
+fill the holes between them; one large buffer (logits, a draw) counts once. tests/test_budget.py measures the
+peak RSS of calls in fresh processes: each estimate lies between 1 and 2.25 times it.
 """
 
 from __future__ import annotations
@@ -60,6 +69,7 @@ TRAINING_COPIES = 4  # buffers of a step the size of the largest tensor: a tied 
 FIGURE_BYTES = 32 * 2**20  # a matplotlib figure's canvas and artists: measured 26 MiB (Figure 2), 11 MiB (Figure 1)
 PLOT_LINE_BYTES = 16_000  # one line drawn in a figure: measured 11 KB
 RECORD_BYTES = 1_000  # a sample's record (dict, index, settings) before its text
+BATCH_BYTES = 200  # the description of one batch of samples (its number, first index, rows and seed)
 TEXT_BYTES_PER_TOKEN = 32  # a sample's text: a token decodes to a few characters, a str holds up to 4 bytes each
 TRAJECTORY_BYTES_PER_TOKEN = 400  # one recorded step of one row, per position: ids, shown positions and text as
 # Python lists (8-byte pointers to 28-byte ints), then the trajectory's JSON document and its page
@@ -221,8 +231,9 @@ def _cpu_available() -> tuple[int | None, str]:
             found.append((info["MemAvailable"], "available on this machine"))
     except (OSError, ValueError, IndexError):
         pass
+    v1 = "/sys/fs/cgroup/memory/memory."
     for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                         ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+                         (v1 + "limit_in_bytes", v1 + "usage_in_bytes")):
         try:
             with open(limit) as f, open(usage) as g:
                 cap, used = f.read().strip(), int(g.read().strip())
@@ -282,12 +293,10 @@ def check_fits(estimate: Estimate, device=None) -> Estimate:
 
 # ----------------------------------------------------------------------------------------------------------
 # an ELF sampling call
-def _step_counts(steps: int, trajectory_steps: int, flags: dict) -> tuple[int, int]:
-    why = "the released recipe samples with at most 64 steps"
-    steps = check_count(steps, flags.get("steps", "--steps"), MAX_SAMPLING_STEPS, why)
-    trajectory_steps = check_count(trajectory_steps, flags.get("trajectory_steps", "--trajectory"), steps,
-                                   "the steps of the sampling", low=0)
-    return steps, trajectory_steps
+def check_sampling_steps(steps, flag: str = "--steps") -> int:
+    """A sampler's step count in 1..MAX_SAMPLING_STEPS (ELFError otherwise): an ELF sampling call's, a
+    distillation teacher's (--teacher-steps), a training run's previews (--sample-steps), a stored model's."""
+    return check_count(steps, flag, MAX_SAMPLING_STEPS, "the released recipe samples with at most 64 steps")
 
 
 def elf_sampling(config, *, steps: int, batch_size: int, num: int, length: int | None = None,
@@ -307,7 +316,9 @@ def elf_sampling(config, *, steps: int, batch_size: int, num: int, length: int |
     --trajectory; None leaves a count out of the message); a value read from a stored model is named by its
     file ("steps in m/sampling.json")."""
     flags = flags or {}
-    steps, trajectory_steps = _step_counts(steps, trajectory_steps, flags)
+    steps = check_sampling_steps(steps, flags.get("steps", "--steps"))
+    trajectory_steps = check_count(trajectory_steps, flags.get("trajectory_steps", "--trajectory"), steps,
+                                   "the steps of the sampling", low=0)
     if flags.get("num", "--num"):  # (a call that keeps no samples names none: its batch is its size)
         num = check_count(num, flags.get("num", "--num"), MAX_SAMPLES,
                           "the paper scores 5,000 samples per setting; the samples are kept until written")
@@ -323,7 +334,7 @@ def elf_sampling(config, *, steps: int, batch_size: int, num: int, length: int |
     kept = {"weights": weights(params),
             "sampler buffers": held(tensor(rows, length, C), (2 if guided else 1) * 6 * tensor(rows, length, C))
             + tensor(steps + 1),
-            "samples": num * (RECORD_BYTES + TEXT_BYTES_PER_TOKEN * length) + num // batch * 200,
+            "samples": num * (RECORD_BYTES + TEXT_BYTES_PER_TOKEN * length) + num // batch * BATCH_BYTES,
             "trajectory": trajectory_steps * rows * length * (TRAJECTORY_BYTES_PER_TOKEN + LONG)}
     names = [("steps", steps), ("batch_size", batch), ("num", num), ("length", length)]
     default = {"steps": "--steps", "batch_size": "--batch", "num": "--num", "length": "--length"}
@@ -346,11 +357,14 @@ def check_elf_sampling(config, *, steps: int, batch_size: int, num: int, length:
                            length=args.length, trajectory_steps=len(known.get("trajectory", ())),
                            guided=loaded.conditional and settings.guidance != 1, device=device)
 
-    A step count read from a stored model (a model folder's sampling.json) is named by where it comes from:
+    A count read from a stored model (a model folder's sampling.json) is named by where it comes from, and a
+    flag of another name by its own (train's previews):
 
         check_elf_sampling(net.config, steps=settings.steps, ..., flags={"steps": "steps in m/sampling.json"})
+        check_elf_sampling(config, steps=args.sample_steps, batch_size=n, num=n, params=elf_params(config),
+                           flags={"steps": "--sample-steps", "num": "--sample-num"}, device=device)
 
-    A distillation teacher's steps: check_count(teacher_steps, "--teacher-steps", MAX_SAMPLING_STEPS, why)."""
+    A distillation teacher's steps alone: check_sampling_steps(args.teacher_steps, "--teacher-steps")."""
     return check_fits(elf_sampling(config, steps=steps, batch_size=batch_size, num=num, length=length,
                                    trajectory_steps=trajectory_steps, guided=guided, table_readout=table_readout,
                                    params=params, flags=flags), device)
@@ -371,7 +385,8 @@ def check_toy(num: int, steps, clusters: int, layout: str = "ring", device=None)
                        f"{MAX_TOY_CLUSTERS:,} (the figure must tell its clusters apart); choose a smaller --clusters")
     paths = sum(2 * tensor(n + 1, num, 2) for n in steps)
     denoiser = {"denoiser": held(tensor(num, k, 2, element=LONG), 6 * tensor(num, k, 2, element=LONG))}
-    kept = {"paths": paths, "figure": 20_000 * num * len(steps), "clusters": tensor(k, 2, element=LONG)}
+    kept = {"paths": paths, "figure": FIGURE_BYTES + PLOT_LINE_BYTES * num * len(steps),
+            "clusters": tensor(k, 2, element=LONG)}
     flags = f"--num {num} --steps {' '.join(map(str, steps))} --clusters {side}"
     return check_fits(Estimate("the toy", flags, merge(kept, denoiser),
                                "choose a smaller --num, fewer --steps or fewer --clusters"), device)
