@@ -278,10 +278,10 @@ from elflow.methods import ar
 from elflow.methods.token_net import TokenLMConfig
 seen = []
 ar.check_fits = lambda estimate, device=None: seen.append(estimate) or estimate
-net = ar.build(TokenLMConfig(depth=2, hidden=256, heads=4, vocab_size=1000, max_length=64),
+net = ar.build(TokenLMConfig(depth=2, hidden=256, heads=4, vocab_size=1000, max_length=32),
                types.SimpleNamespace(vocab_size=1000)).eval()
 small = lambda: ar.sample_tokens(net, 1, 8, ar.ARSampling(), torch.Generator().manual_seed(0))
-call = lambda: ar.sample_tokens(net, 128, 64, ar.ARSampling(), torch.Generator().manual_seed(0))
+call = lambda: ar.sample_tokens(net, 128, 32, ar.ARSampling(), torch.Generator().manual_seed(0))
 estimate = lambda: seen[-1]
 """,
     "schedules": """
