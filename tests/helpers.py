@@ -68,6 +68,15 @@ def assert_one_error(code, err, command, *needles):
     return lines[0]
 
 
+def assert_not_an_integer(code, err, command, flag):
+    """An integer flag given a non-integer (nan, inf) was refused by the command line's parser: exit 2, no
+    traceback, its last line the command's error naming the flag (the parser prints its usage above it)."""
+    assert code == 2, err
+    assert "Traceback" not in err
+    last = [line for line in err.splitlines() if line.strip()][-1]
+    assert last.startswith(f"elflow {command}: error: argument {flag}: invalid int value"), last
+
+
 def reference_dir(*names: str) -> Path:
     """tests/reference, after checking that it holds `names` (the authors' reference vectors: README there).
     Usable at module level: a missing file skips the module with a reason that strict runs refuse."""

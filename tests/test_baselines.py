@@ -9,7 +9,7 @@ import torch
 
 from elflow import methods
 from elflow.methods import ar, mdlm
-from elflow.methods.baseline import sample_categorical
+from elflow.methods.baseline import draw_categorical
 from elflow.methods.token_net import TokenLMConfig, fit_token_lm, token_lm_params
 from elflow.model import ELF, get_config, num_params
 from elflow.util.errors import ELFError
@@ -67,16 +67,16 @@ def recording(monkeypatch, module):
 
     def wrapped(weights, generator=None):
         seen.append(weights.clone())
-        return sample_categorical(weights, generator)
+        return draw_categorical(weights, generator)
 
-    monkeypatch.setattr(module, "sample_categorical", wrapped)
+    monkeypatch.setattr(module, "draw_categorical", wrapped)
     return seen
 
 
 def test_ar_sampler_draws_each_id_from_the_model_in_float64(monkeypatch):
     model = built(ar)
     seen = recording(monkeypatch, ar)
-    ids = ar.sample_tokens(model, 4, 10, ar.ARSampling(), torch.Generator().manual_seed(0))
+    ids = ar.generate_tokens(model, 4, 10, ar.ARSampling(), torch.Generator().manual_seed(0))
     assert ids.shape == (4, 10) and len(seen) == 10
     assert all(w.dtype == torch.float64 for w in seen)
     with torch.no_grad():  # the distribution each id was drawn from, by a full forward over the sampled rows
@@ -141,7 +141,7 @@ def test_mdlm_sampler_unmasks_on_schedule_and_never_emits_the_mask(monkeypatch):
     inputs = []
     model.register_forward_pre_hook(lambda mod, args: inputs.append(args[0].clone()))
     seen = recording(monkeypatch, mdlm)
-    ids = mdlm.sample_tokens(model, 64, 64, mdlm.MDLMSampling(steps=4), torch.Generator().manual_seed(0))
+    ids = mdlm.generate_tokens(model, 64, 64, mdlm.MDLMSampling(steps=4), torch.Generator().manual_seed(0))
     assert not (ids == V).any() and ids.max() < V
     assert all(w.dtype == torch.float64 and (w[..., V] == 0).all() for w in seen)
     # the network sees x_t at t = 1, 3/4, 1/2, 1/4: each position still masked with probability t
@@ -159,7 +159,7 @@ def test_samplers_are_reproducible_per_seed_and_differ_across_seeds(module, sett
     model = built(module)
 
     def draw(seed):
-        return module.sample_tokens(model, 3, 12, settings, torch.Generator().manual_seed(seed))
+        return module.generate_tokens(model, 3, 12, settings, torch.Generator().manual_seed(seed))
 
     assert torch.equal(draw(1), draw(1))
     assert not torch.equal(draw(1), draw(2))
@@ -170,8 +170,8 @@ def test_categorical_draws_resolve_float64_differences():
     u = torch.rand(16, 1, dtype=torch.float64, generator=torch.Generator().manual_seed(5))  # the draws to come
     # id 1 holds a sliver of mass 2e-12 just where each row's draw falls: float32 cannot resolve it
     weights = torch.cat([u - 1e-12, torch.full_like(u, 2e-12), 1 - u - 1e-12], dim=1)
-    assert (sample_categorical(weights, g) == 1).all()
-    freq = torch.bincount(sample_categorical(torch.tensor([0.2, 0.0, 0.5, 0.3]).expand(200000, 4), g), minlength=4)
+    assert (draw_categorical(weights, g) == 1).all()
+    freq = torch.bincount(draw_categorical(torch.tensor([0.2, 0.0, 0.5, 0.3]).expand(200000, 4), g), minlength=4)
     assert freq[1] == 0 and torch.allclose(freq.double() / 200000, torch.tensor([0.2, 0.0, 0.5, 0.3],
                                                                                 dtype=torch.float64), atol=0.005)
 
@@ -319,3 +319,44 @@ def test_compare_trains_three_matched_methods_and_judges_them(tmp_path, tiny_t5_
     assert (tmp_path / "compare.png").exists() and (tmp_path / "compare.json").exists()
     assert len((tmp_path / "samples" / "ar_temperature0.8.jsonl").read_text().splitlines()) == 4
     assert any("judge ppl" in line for line in lines)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the samplers' size checks
+@pytest.mark.parametrize("steps", [10**12, 10_001])
+def test_an_mdlm_step_count_past_the_bound_is_refused_before_its_time_grid(steps):
+    """MDLM --steps 10^12 made a 8 TB time grid: now one line before anything is drawn."""
+    with pytest.raises(ELFError, match=r"^the MDLM sampler's steps must be an integer from 1 to 10,000 .*--steps$"):
+        mdlm.generate_tokens(built(mdlm), 2, 12, mdlm.MDLMSampling(steps=steps), torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("module,settings", [(ar, ar.ARSampling()), (mdlm, mdlm.MDLMSampling(steps=4))])
+def test_a_sampling_batch_over_the_memory_is_refused_naming_its_flags(monkeypatch, module, settings):
+    from elflow.util import budget
+
+    monkeypatch.setattr(budget, "available_memory", lambda device=None: (2**30, "available on this machine"))
+    with pytest.raises(ELFError) as e:
+        module.generate_tokens(built(module), 10**8, 12, settings, torch.Generator().manual_seed(0))
+    line = str(e.value)
+    assert "\n" not in line and line.startswith(f"{module.METHOD.name.upper()} sampling at --batch 100000000 --length "
+                                                "12") and "more than the 1.0 GiB of memory" in line
+    assert module.generate_tokens(built(module), 4, 12, settings, torch.Generator().manual_seed(0)).shape == (4, 12)
+
+
+@pytest.mark.slow
+def test_sample_refuses_an_mdlm_step_count_past_the_bound_in_one_line_writing_nothing(tmp_path, capsys,
+                                                                                        tiny_t5_dir, tiny_corpus_file):
+    from helpers import assert_one_error
+
+    from elflow.cli import main
+
+    run = tmp_path / "mdlm"
+    assert main(["train", "--method", "mdlm", "--preset", "tiny", "--data", str(tiny_corpus_file), "--space",
+                 f"t5:{tiny_t5_dir}", "--length", "16", "--batch", "4", "--steps", "1", "--warmup", "0", "--dtype",
+                 "fp32", "--quiet", "--cache-dir", str(tmp_path / "cache"), "--out", str(run)]) == 0
+    capsys.readouterr()
+    out = tmp_path / "s.jsonl"
+    code = main(["sample", str(run), "--num", "2", "--steps", str(10**12), "--quiet", "--out", str(out)])
+    assert_one_error(code, capsys.readouterr().err, "sample", "the MDLM sampler's steps must be an integer from 1 to "
+                     "10,000", "got 1,000,000,000,000")
+    assert not out.exists()

@@ -72,6 +72,54 @@ def test_bad_input_is_a_clean_error(capsys):
     assert "--batch" in capsys.readouterr().err
 
 
+BIG = str(10**12)
+SIZES = [  # (mode, flag, value, what the one line says): every flag that sets memory or time, each kind of bad value
+    *[("forward", f, "0", f"{f} must be >= 1, got 0") for f in ("--batch", "--length", "--iters", "--peak-size")],
+    ("sample", "--steps", "0", "--steps must be >= 1, got 0"),
+    ("train", "--accum", "0", "--accum must be >= 1, got 0"),
+    *[("forward", f, "0", f"ELFConfig.{f[2:].replace('-', '_')} must be >= 1") for f in ("--depth", "--hidden")],
+    *[("forward", f, "-3", f"{f} must be >= 1, got -3") for f in ("--batch", "--length", "--iters", "--peak-size")],
+    ("forward", "--warmup", "-1", "--warmup must be >= 0, got -1"),
+    ("forward", "--threads", "-3", "--threads must be an integer from 1 to 4,096"),
+    *[("forward", f, BIG, "needs about") for f in ("--batch", "--length", "--depth", "--hidden", "--vocab-size")],
+    ("train", "--batch", BIG, "bench train at --batch 1000000000000 --accum 1 --length 32"),
+    ("sample", "--batch", BIG, "bench sample at --steps 32 --batch 1000000000000 --length 32"),
+    ("sample", "--steps", BIG, "--steps must be an integer from 1 to 10,000"),
+    ("forward", "--iters", BIG, "--iters must be an integer from 1 to 100,000"),
+    ("forward", "--warmup", BIG, "--warmup must be an integer from 0 to 100,000"),
+    ("train", "--accum", BIG, "--accum must be an integer from 1 to 65,536"),
+    ("forward", "--peak-size", BIG, "--peak-size must be an integer from 1 to 65,536"),
+    ("forward", "--peak-size", "60000", "matmul peak"),  # within the bound, over this machine's memory
+    ("forward", "--threads", BIG, "--threads must be an integer from 1 to 4,096"),
+]
+
+
+@pytest.mark.parametrize("mode,flag,value,needle", SIZES)
+def test_a_bad_size_is_refused_in_one_line_before_any_work(capsys, monkeypatch, mode, flag, value, needle):
+    """bench --steps 10^12, --batch 10^6, --peak-size 10^8 and the rest: one line, exit 2, before a network is
+    built or a matmul timed."""
+    from helpers import assert_one_error
+
+    import elflow.experiments.bench as b
+    from elflow.util import budget
+
+    monkeypatch.setattr(budget, "available_memory", lambda device=None: (8 * 2**30, "available on this machine"))
+    monkeypatch.setattr(b, "ELF", None)  # building a network would fail
+    monkeypatch.setattr(b, "matmul_peak", None)
+    code = main(["bench", mode, "--preset", "tiny", flag, value])
+    assert_one_error(code, capsys.readouterr().err, "bench", needle)
+
+
+@pytest.mark.parametrize("flag", ["--batch", "--length", "--steps", "--iters", "--peak-size", "--accum", "--hidden"])
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_a_size_that_is_no_integer_is_refused_by_the_parser(capsys, flag, value):
+    from helpers import assert_not_an_integer
+
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "forward", flag, value])
+    assert_not_an_integer(e.value.code, capsys.readouterr().err, "bench", flag)
+
+
 @pytest.mark.parametrize("decode", [False, True])
 def test_pass_flops_match_flop_counter(decode):
     """The formula against torch's FlopCounterMode (SDPA forced onto the math path so it is counted)."""

@@ -62,3 +62,67 @@ def test_a_trained_encoder_beats_its_baselines_and_is_a_space(tmp_path, tiny_cor
     assert main(["train-encoder", "--hidden", "30", "--heads", "4", "--out", str(tmp_path / "bad")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "does not split into --heads" in err[0]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the size check of `elflow train-encoder`
+BIG = str(10**12)
+
+
+@pytest.mark.parametrize("flag,value,needle", [
+    *[(f, v, f"{f} must be at least 1") for f in ("--vocab", "--length", "--hidden", "--depth", "--heads", "--steps",
+                                                   "--batch") for v in ("0", "-4")],
+    ("--steps", BIG, "--steps must be an integer from 1 to 100,000,000"),
+    ("--hidden", "1000000", "training the encoder at --vocab 2000 --length 64 --hidden 1000000"),  # 10^12 weights
+    ("--length", "100000000", "training the encoder at --vocab 2000 --length 100000000"),  # 10^8 positions
+    *[(f, BIG, "needs about") for f in ("--vocab", "--length", "--hidden", "--depth", "--batch")],
+    ("--heads", BIG, "does not split into --heads"),
+])
+def test_train_encoder_refuses_a_bad_size_in_one_line_before_anything_is_written(tmp_path, capsys, monkeypatch, flag,
+                                                                                 value, needle):
+    """train-encoder --hidden 10^6, --length 10^8 and the rest: one line, exit 2, before the corpus is read, and
+    --out is not made (so no tokenizer file is left in it)."""
+    from helpers import assert_one_error
+
+    import elflow.experiments.encoder_train as e
+    from elflow.cli import main
+    from elflow.util import budget
+
+    monkeypatch.setattr(budget, "available_memory", lambda device=None: (8 * 2**30, "available on this machine"))
+    monkeypatch.setattr(e, "read_documents", None)  # reading the corpus would fail
+    out = tmp_path / "enc"
+    code = main(["train-encoder", flag, value, "--out", str(out)])
+    assert_one_error(code, capsys.readouterr().err, "train-encoder", needle)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("flag", ["--vocab", "--length", "--hidden", "--depth", "--heads", "--steps", "--batch"])
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_train_encoder_refuses_a_size_that_is_no_integer(tmp_path, capsys, flag, value):
+    from helpers import assert_not_an_integer
+
+    from elflow.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["train-encoder", flag, value, "--out", str(tmp_path / "enc")])
+    assert_not_an_integer(e.value.code, capsys.readouterr().err, "train-encoder", flag)
+    assert not (tmp_path / "enc").exists()
+
+
+@pytest.mark.slow
+def test_a_window_longer_than_the_corpus_leaves_no_tokenizer_behind(tmp_path, tiny_corpus_file, capsys):
+    """--length past what the corpus holds is found after the tokenizer is trained: the tokenizer lives in a
+    temporary folder until the encoder is saved, so the refused --out is left as it was (not made), and the same
+    command with a good --length then runs into it."""
+    from helpers import assert_one_error
+
+    from elflow.cli import main
+
+    out = tmp_path / "enc"
+    args = ["train-encoder", "--data", str(tiny_corpus_file), "--vocab", "200", "--hidden", "32", "--heads", "2",
+            "--depth", "1", "--steps", "1", "--batch", "4", "--quiet", "--out", str(out)]
+    code = main([*args, "--length", "1000"])
+    assert_one_error(code, capsys.readouterr().err, "train-encoder", "fewer than two windows of --length 1000")
+    assert not out.exists()
+    assert main([*args, "--length", "16"]) == 0
+    assert {"tokenizer_config.json", "config.json", "elflow_encoder.json"} <= {p.name for p in out.iterdir()}

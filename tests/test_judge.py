@@ -223,3 +223,49 @@ def test_train_judge_smoke(tmp_path, gpt2_tok, capsys):
     assert main(["eval", str(samples), "--judge", str(out), "--json", "--device", "cpu"]) == 0
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert res["num_samples"] == 1 and res["num_empty"] == 1 and res["gen_ppl"] > 1 and res["max_length"] == 16
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the size check of `elflow train-judge`
+BIG = str(10**12)
+
+
+@pytest.mark.parametrize("flag,value,needle", [
+    *[(f, v, f"{f} must be at least 1") for f in ("--steps", "--batch-size", "--hidden", "--depth", "--heads")
+      for v in ("0", "-4")],
+    ("--context", "0", "--context must be at least 2"), ("--context", "-4", "--context must be at least 2"),
+    ("--steps", BIG, "--steps must be an integer from 1 to 100,000,000"),
+    ("--hidden", "1000000", "training the judge at --batch-size 8 --context 128 --hidden 1000000"),  # 10^13 weights
+    ("--batch-size", "1000000", "training the judge at --batch-size 1000000 --context 128"),  # 10^6 x 128 x 50,257
+    *[(f, BIG, "needs about") for f in ("--batch-size", "--depth", "--context", "--hidden")],
+    ("--heads", BIG, "must split into 1000000000000 heads"),
+])
+def test_train_judge_refuses_a_bad_size_in_one_line_before_any_work(tmp_path, capsys, monkeypatch, flag, value,
+                                                                    needle):
+    """train-judge --hidden 10^6, --batch-size 10^6 and the rest: one line, exit 2, before the tokenizer is built
+    and with nothing written (--out is not made)."""
+    from helpers import assert_one_error
+
+    import elflow.eval.judge as j
+    from elflow.cli import main
+    from elflow.util import budget
+
+    monkeypatch.setattr(budget, "available_memory", lambda device=None: (8 * 2**30, "available on this machine"))
+    monkeypatch.setattr(j, "build_gpt2_tokenizer", None)  # building the tokenizer would fail
+    out = tmp_path / "judge"
+    code = main(["train-judge", flag, value, "--out", str(out)])
+    assert_one_error(code, capsys.readouterr().err, "train-judge", needle)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("flag", ["--steps", "--batch-size", "--hidden", "--depth", "--heads", "--context"])
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_train_judge_refuses_a_size_that_is_no_integer(tmp_path, capsys, flag, value):
+    from helpers import assert_not_an_integer
+
+    from elflow.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["train-judge", flag, value, "--out", str(tmp_path / "judge")])
+    assert_not_an_integer(e.value.code, capsys.readouterr().err, "train-judge", flag)
+    assert not (tmp_path / "judge").exists()

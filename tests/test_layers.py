@@ -16,6 +16,7 @@ LAYERS = [
     ["util.errors", "util", "data", "runs", "eval", "experiments"],  # (the packages' docstrings)
     ["util.jsonio"],
     ["util.files", "util.devices", "util.distributed", "util.hub"],
+    ["util.budget"],
     ["model", "newton_schulz", "runs.tracking"],
     ["optim", "flow", "runs.folder", "data.tasks", "data.layout", "data.integrity", "data.store_folder"],
     ["encoders", "flowmap", "data.corpus", "data.store", "data.batches"],

@@ -134,13 +134,13 @@ def test_sample_cli_draws_with_the_baselines_own_sampler(runs, method, flags, tm
     recs = [json.loads(x) for x in out.read_text().splitlines()]
     assert [r["index"] for r in recs] == [0, 1, 2] and all(r["method"] == method and r["seed"] == 5 for r in recs)
     # the same draws by hand: the EMA weights, the module's sampler, the generator of batch 0 of seed 5 (seeded
-    # 5 x 100,003 + 0, as every sampler seeds its batches: generate.sample_batches), the tokenizer
+    # 5 x 100,003 + 0, as every sampler seeds its batches: generate.generation_batches), the tokenizer
     state = json.loads((runs[method] / "checkpoints" / "step_0000004" / "state.json").read_text())
     module = MODULES[method]
     net = module.build(TokenLMConfig(**state["record"]["network"]), type("V", (), {"vocab_size": 300})())
     net.load_state_dict(load_file(runs[method] / "checkpoints" / "step_0000004" / "ema.safetensors"))
     settings = (ar.ARSampling(temperature=0.8, top_p=0.9) if method == "ar" else mdlm.MDLMSampling(steps=4))
-    ids = module.sample_tokens(net.eval(), 3, 16, settings, torch.Generator().manual_seed(5 * 100_003)).tolist()
+    ids = module.generate_tokens(net.eval(), 3, 16, settings, torch.Generator().manual_seed(5 * 100_003)).tolist()
     tok = AutoTokenizer.from_pretrained(tiny_t5_dir)
     texts = tok.batch_decode([row[: row.index(1)] if 1 in row else row for row in ids], skip_special_tokens=True)
     assert [r["text"] for r in recs] == texts

@@ -298,3 +298,37 @@ def test_the_flow_map_student_beats_the_teacher_and_the_progressive_student_at_o
     assert ed[("flow-map", 1)] < ed[("teacher", 1)] / 10, ed
     assert all(ed[("flow-map", n)] < ed[("teacher", n)] for n in (2, 4)), ed
     assert ed[("flow-map", 1)] < 1.5 * ed[("teacher", 64)], ed
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the size check of `elflow schedules`
+@pytest.mark.parametrize("value,needle", [
+    ("0", "--samples must be at least 2"), ("-5", "--samples must be at least 2"),
+    (str(10**12), "--samples must be an integer from 2 to 1,000,000,000"),
+    (str(10**11), "--samples must be an integer from 2 to 1,000,000,000"),
+    ("500000000", "the schedules' statistics at --samples 500000000 needs about"),  # over 1 GiB
+])
+def test_schedules_refuses_a_bad_number_of_draws_in_one_line_writing_nothing(tmp_path, capsys, monkeypatch, value,
+                                                                             needle):
+    from helpers import assert_one_error
+
+    from elflow.cli import main
+    from elflow.util import budget
+
+    monkeypatch.setattr(budget, "available_memory", lambda device=None: (2**30, "available on this machine"))
+    out = tmp_path / "s.png"
+    code = main(["schedules", "--samples", value, "--out", str(out)])
+    assert_one_error(code, capsys.readouterr().err, "schedules", needle)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_schedules_refuses_draws_that_are_no_integer(tmp_path, capsys, value):
+    from helpers import assert_not_an_integer
+
+    from elflow.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["schedules", "--samples", value, "--out", str(tmp_path / "s.png")])
+    assert_not_an_integer(e.value.code, capsys.readouterr().err, "schedules", "--samples")
+    assert not (tmp_path / "s.png").exists()

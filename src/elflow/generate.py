@@ -193,7 +193,7 @@ def _texts(space, ids: torch.Tensor, shown: list[list[int]]) -> list[str]:
     return space.tokenizer.batch_decode([[r[p] for p in s] for r, s in zip(rows, shown)], skip_special_tokens=True)
 
 
-def sample_batches(num: int, batch_size: int, seed: int, part: tuple[int, int] = (0, 1)):
+def generation_batches(num: int, batch_size: int, seed: int, part: tuple[int, int] = (0, 1)):
     """(batch number, first sample index, rows, seed) of the batches of `num` samples that rank part[0] of
     part[1] draws: every part[1]-th batch of `batch_size` rows. Batch b draws from a generator seeded by
     (seed, b) alone, so the batches of all ranks together are the samples of one process."""
@@ -226,7 +226,7 @@ def generate(net, space, num: int, settings: SamplingSettings = SamplingSettings
     row's ids, known positions as given), "shown" (the positions its text is made of), "known" (the positions
     held fixed), "text"}. Batch i draws from a generator seeded by (seed, i), so the same settings give the
     same texts in any batch split of the same size; `part` = (rank, ranks) draws only that rank's batches
-    (`sample_batches`; `gather_records` puts the ranks' records together).
+    (`generation_batches`; `gather_records` puts the ranks' records together).
 
     `source_slot`: where the targets start, as the model was trained (its record's task). `recipe`: the path's
     constants and the training times the logit-normal grid is drawn from, as the model was trained (its
@@ -259,7 +259,7 @@ def generate(net, space, num: int, settings: SamplingSettings = SamplingSettings
         warn_sources_cut(space, sources, source_length)
     device = next(net.parameters()).device
     records = []
-    batches = list(sample_batches(num, settings.batch_size, settings.seed, part))
+    batches = list(generation_batches(num, settings.batch_size, settings.seed, part))
     bar = tqdm(total=sum(bs for _, _, bs, _ in batches), desc="sample", unit="text", disable=not progress,
                file=sys.stderr)
     for b, start, bs, seed in batches:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from elflow.experiments.encoder_train import train_encoder
+from elflow.experiments.encoder_train import check_encoder_training, train_encoder
 from elflow.util.devices import check_device
 from elflow.util.errors import ELFError
 from elflow.util.files import FolderHold, check_output
@@ -51,8 +51,11 @@ def run(args) -> int:
                                         f"got {args.length}")):
         if not ok:
             raise ELFError(what)
-    out = check_output(args.out, folder=True)
     check_device(args.device)
+    check_encoder_training(vocab=args.vocab, length=args.length, density=args.density, span=args.span,
+                           hidden=args.hidden, depth=args.depth, heads=args.heads, batch=args.batch, steps=args.steps,
+                           device=args.device)
+    out = check_output(args.out, folder=True)
     if out.is_dir() and any(out.iterdir()) and not args.overwrite:
         raise ELFError(f"--out {out} is not empty; pass --overwrite to write the encoder into it, or choose another "
                        "--out")

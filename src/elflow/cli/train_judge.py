@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 
-from elflow.eval.judge import NOT_GPT2_NOTE, JudgeConfig, train_judge
+from elflow.eval.judge import NOT_GPT2_NOTE, JudgeConfig, check_judge_training, train_judge
 from elflow.util.devices import check_device
 from elflow.util.errors import ELFError
 from elflow.util.files import FolderHold, check_output
@@ -43,11 +43,12 @@ def run(args) -> int:
     if not (math.isfinite(args.lr) and args.lr > 0) or args.warmup < 0:
         raise ELFError(f"--lr must be a finite number > 0 and --warmup >= 0, got {args.lr} and {args.warmup}")
     check_device(args.device)
+    cfg = JudgeConfig(hidden=args.hidden, depth=args.depth, heads=args.heads, context=args.context)
+    check_judge_training(cfg, args.batch_size, args.steps, args.device)
     out = check_output(args.out, folder=True)
     if out.is_dir() and any(out.iterdir()) and not args.overwrite:
         raise ELFError(f"--out {out} is not empty; pass --overwrite to write the judge into it (its files of the "
                        "same names are replaced), or choose another --out")
-    cfg = JudgeConfig(hidden=args.hidden, depth=args.depth, heads=args.heads, context=args.context)
     with FolderHold(out, "elflow train-judge"):
         info = train_judge(args.out, cfg, data=args.data, steps=args.steps, batch_size=args.batch_size,
                            lr=args.lr, warmup=args.warmup, seed=args.seed, val_every=args.val_every,

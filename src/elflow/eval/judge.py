@@ -20,6 +20,17 @@ from elflow.encoders import tokenizer_fingerprint
 from elflow.eval.gpt2_tokenizer import build_gpt2_tokenizer
 from elflow.eval.metrics import DTYPES
 from elflow.model import Block, RMSNorm, TransformerShape, rope_tables
+from elflow.util.budget import (
+    MAX_TRAINING_STEPS,
+    Estimate,
+    block_params,
+    check_count,
+    check_fits,
+    check_size,
+    merge,
+    training_weights,
+    transformer_pass,
+)
 from elflow.util.devices import default_device
 from elflow.util.errors import ELFError, Record, first_line
 from elflow.util.files import NoSpace, atomic_write_json, disk_full, file_mode
@@ -285,6 +296,22 @@ def heldout_perplexity(judge: CausalJudge, stream: torch.Tensor, context: int, b
     return math.exp(total / count)
 
 
+def check_judge_training(cfg: JudgeConfig, batch_size: int, steps: int, device=None) -> Estimate:
+    """Refuse, before anything is built, a judge's training whose step count is past any real use or whose
+    memory (weights, gradients and AdamW's two states; a training step's activations and logits over GPT-2's
+    vocabulary) exceeds what `device` has available."""
+    check_count(steps, "--steps", MAX_TRAINING_STEPS, "the judge trains for 200 steps by default")
+    batch = check_size(batch_size, "--batch-size")
+    H, M, V = cfg.hidden, cfg.mlp_hidden, cfg.vocab_size
+    params = V * H + cfg.depth * block_params(H, cfg.heads, M) + H
+    step = transformer_pass(batch, cfg.context, H, cfg.depth, cfg.heads, M, vocab=V, backward=True)
+    flags = f"--batch-size {batch} --context {cfg.context} --hidden {H} --depth {cfg.depth} --heads {cfg.heads}"
+    parts = merge({"weights and AdamW": training_weights(params, V * H)}, step)
+    return check_fits(Estimate("training the judge", flags, parts,
+                               "choose a smaller --batch-size, --context, --hidden or --depth"),
+                      device or default_device())
+
+
 def train_judge(out: str | Path, cfg: JudgeConfig = JudgeConfig(), data: str = "builtin", steps: int = 200,
                 batch_size: int = 8, lr: float = 3e-3, warmup: int = 30, seed: int = 0, val_every: int = 10,
                 device: str | None = None, cache_dir=None, progress: bool = True,
@@ -300,6 +327,7 @@ def train_judge(out: str | Path, cfg: JudgeConfig = JudgeConfig(), data: str = "
 
     t0 = time.time()
     device = device or default_device()
+    check_judge_training(cfg, batch_size, steps, device)
     say("train-judge: building the GPT-2 tokenizer (from its ranks, cached after the first run)")
     tokenizer = build_gpt2_tokenizer(cache_dir)
     if len(tokenizer) != cfg.vocab_size or tokenizer.eos_token_id != cfg.eos_id:

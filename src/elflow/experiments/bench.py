@@ -19,6 +19,24 @@ from elflow.model import ELF, PRESETS, ELFConfig, get_config
 from elflow.newton_schulz import NS_METHODS, method_for
 from elflow.optim import EMA, ELFOptimizer
 from elflow.train import shard_generators, train_step
+from elflow.util.budget import (
+    FLOAT,
+    LONG,
+    MAX_ITERATIONS,
+    MAX_MATMUL_SIZE,
+    MAX_MICRO_BATCHES,
+    MAX_THREADS,
+    Estimate,
+    check_count,
+    check_fits,
+    elf_params,
+    elf_sampling,
+    held,
+    merge,
+    tensor,
+    transformer_pass,
+    weights,
+)
 from elflow.util.devices import autocast, default_device
 from elflow.util.errors import ELFError
 
@@ -235,6 +253,51 @@ class _TimedNet(nn.Module):
         return self.timer.wrap("trained_pass_forward", self.net.mixed)(*a)
 
 
+def _standin_shape(dim: int, vocab_size: int) -> tuple[int, int, int]:
+    """(vocabulary, layers, heads) of StandInSpace's encoder for an embedding width `dim`."""
+    if dim == 512:
+        return 32128, 6, 8
+    return max(vocab_size, 8), 6 if dim >= 256 else 1, max(1, dim // 64)
+
+
+def check_bench(mode: str, preset: str, cfg: ELFConfig, batch: int, length: int, steps: int, iters: int, warmup: int,
+                accum: int, peak_size: int, space: str, device) -> Estimate:
+    """Refuse, before anything is built, iteration counts past any real use and a benchmark whose memory exceeds
+    what `device` has available: the network's weights, the matmul peak's operands, and the timed work (a
+    no-grad pass; a sampling call; a training step with its optimiser states, EMA, stand-in encoder, a
+    self-conditioning pass and a trained pass with every row's logits)."""
+    why = "a benchmark times a few iterations after a few more of warm-up"
+    check_count(iters, "--iters", MAX_ITERATIONS, why)
+    check_count(warmup, "--warmup", MAX_ITERATIONS, why, low=0)
+    check_count(accum, "--accum", MAX_MICRO_BATCHES, "ELF-B's 512 rows in micro-batches of one row take 512")
+    check_count(peak_size, "--peak-size", MAX_MATMUL_SIZE, "the defaults are 2,048 on a CPU and 8,192 on a GPU")
+    B, L, N = batch, length, length + cfg.num_prefix
+    H, C, V = cfg.hidden, cfg.dim, cfg.vocab_size
+    flags = (f"--batch {B} --length {L} (--preset {preset}: depth {cfg.depth}, hidden {H}, heads {cfg.heads}, "
+             f"vocab size {V})")
+    net = FLOAT * elf_params(cfg)
+    parts = {"weights": net, "matmul peak": 4 * tensor(peak_size, peak_size)}
+    if mode == "forward":
+        work = merge({"inputs": 4 * tensor(B, L, C)}, transformer_pass(B, N, H, cfg.depth, cfg.heads, cfg.mlp_hidden))
+    elif mode == "sample":
+        est = elf_sampling(cfg, steps=steps, batch_size=B, num=B, length=L, flags={"num": None})
+        work, flags = est.parts, est.flags + flags[flags.index(" ("):]
+    else:
+        enc_vocab, layers, enc_heads = _standin_shape(C, V)
+        largest = max(V * C, 2 * cfg.mlp_hidden * H, 3 * H * H) * FLOAT
+        work = merge(
+            {"optimiser and EMA": weights(net // FLOAT, 4) + held(largest, net + 4 * largest),
+             "encoder": 0 if space == "none" else FLOAT * (enc_vocab * C + layers * 12 * C * C),
+             "tokens": tensor(accum, B, L, element=LONG)},
+            transformer_pass(B, N, H, cfg.depth, cfg.heads, cfg.mlp_hidden),  # self-conditioning, no grad
+            transformer_pass(B, N, H, cfg.depth, cfg.heads, cfg.mlp_hidden, vocab=V, logit_length=L, backward=True),
+            {} if space == "none" else transformer_pass(B, L, C, layers, enc_heads, 4 * C, gated=False,
+                                                        eager_attention=True))
+        flags = flags.replace("--length", f"--accum {accum} --length")
+    return check_fits(Estimate(f"bench {mode}", flags, merge(parts, work), "choose a smaller --batch, --length or "
+                               "--peak-size, or a smaller network (--depth, --hidden, --vocab-size)"), device)
+
+
 def bench(mode: str, preset: str = "tiny", depth=None, hidden=None, heads=None, length=None, batch: int = 4,
           steps: int = 32, dtype: str = "fp32", compile: bool = False, device=None, warmup: int = 1,
           iters: int = 3, accum: int = 1, space: str = "standin", grad_checkpoint: bool = False,
@@ -253,16 +316,18 @@ def bench(mode: str, preset: str = "tiny", depth=None, hidden=None, heads=None, 
             raise ELFError(f"--{name} must be >= 1, got {v}")
     if warmup < 0:
         raise ELFError(f"--warmup must be >= 0, got {warmup}")
+    if peak_size is not None and peak_size < 1:
+        raise ELFError(f"--peak-size must be >= 1, got {peak_size}")
     if space not in ("standin", "none"):
         raise ELFError(f"--space must be standin or none, got {space!r}")
     if ns_dtype not in ("auto", "fp32", "bf16"):
         raise ELFError(f"--ns-dtype must be auto, fp32 or bf16, got {ns_dtype!r}")
     if ns_method not in NS_METHODS:
         raise ELFError(f"--ns-method must be one of {', '.join(NS_METHODS)}, got {ns_method!r}")
-    if threads:
-        torch.set_num_threads(threads)
+    if threads:  # (0 or None: torch's own count)
+        torch.set_num_threads(check_count(threads, "--threads", MAX_THREADS, "more threads than cores only slow it"))
     device = torch.device(device or default_device())
-    L = length or PRESETS[preset].max_length
+    L = PRESETS[preset].max_length if length is None else length
     if L < 1:
         raise ELFError(f"--length must be >= 1, got {L}")
     try:
@@ -270,6 +335,9 @@ def bench(mode: str, preset: str = "tiny", depth=None, hidden=None, heads=None, 
                          max_length=max(L, PRESETS[preset].max_length))
     except ValueError as e:
         raise ELFError(str(e)) from e
+    peak_size = peak_size or (8192 if device.type == "cuda" else 2048)
+    B = batch
+    check_bench(mode, preset, cfg, B, L, steps, iters, warmup, accum, peak_size, space, device)
     torch.manual_seed(seed)
     net = ELF(cfg).to(device)
     net.grad_checkpoint = grad_checkpoint
@@ -278,7 +346,7 @@ def bench(mode: str, preset: str = "tiny", depth=None, hidden=None, heads=None, 
         torch.cuda.reset_peak_memory_stats(device)
     peak = matmul_peak(device, torch.bfloat16 if dtype == "bf16" else torch.float32, peak_size)
     g = torch.Generator(device=device).manual_seed(seed)
-    B, C = batch, cfg.dim
+    C = cfg.dim
     rec = {"mode": mode, "preset": preset, "config": cfg.to_dict(), "device": device.type,
            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "threads": torch.get_num_threads(), "dtype": dtype, "compile": compile, "batch": B, "length": L,

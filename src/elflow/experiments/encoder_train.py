@@ -13,6 +13,17 @@ import numpy as np
 import torch
 
 from elflow.data.corpus import read_documents
+from elflow.util.budget import (
+    MAX_TRAINING_STEPS,
+    Estimate,
+    check_count,
+    check_fits,
+    check_size,
+    merge,
+    tensor,
+    training_weights,
+    transformer_pass,
+)
 from elflow.util.devices import default_device
 from elflow.util.errors import ELFError
 from elflow.util.files import atomic_write_json
@@ -53,7 +64,8 @@ def corrupt_spans(ids: np.ndarray, mask: np.ndarray, sentinels: list[int], eos: 
 
 
 def _tokenizer(docs: list[str], vocab: int, sentinels: int, folder: Path):
-    """A T5 tokenizer (sentencepiece unigram, pad 0, EOS 1, unk 2, `sentinels` extra ids) trained on `docs`."""
+    """A T5 tokenizer (sentencepiece unigram, pad 0, EOS 1, unk 2, `sentinels` extra ids) trained on `docs`, in
+    a temporary folder inside `folder`: nothing is left in `folder` (the caller saves it with the encoder)."""
     import sentencepiece as spm
     from transformers import T5Tokenizer
 
@@ -67,9 +79,9 @@ def _tokenizer(docs: list[str], vocab: int, sentinels: int, folder: Path):
         except RuntimeError as e:
             raise ELFError(vocab_advice(str(e), vocab, text.read_text(encoding="utf-8"))) from None
         text.unlink()
-        tokenizer = T5Tokenizer.from_pretrained(tmp, extra_ids=sentinels)
-        tokenizer.save_pretrained(str(folder))
-    return T5Tokenizer.from_pretrained(str(folder))
+        saved = Path(tmp) / "saved"
+        T5Tokenizer.from_pretrained(tmp, extra_ids=sentinels).save_pretrained(str(saved))
+        return T5Tokenizer.from_pretrained(str(saved))
 
 
 def vocab_advice(error: str, vocab: int, text: str) -> str:
@@ -134,6 +146,40 @@ def _unigram_entropy(batches, train_labels: list[torch.Tensor]) -> float:
     return float(-(counts / counts.sum()).log()[held].mean())
 
 
+def window_lengths(length: int, density: float, span: float) -> tuple[int, int]:
+    """(input, target) lengths of a span-corrupted window of `length` tokens (`span_noise_mask`'s counts)."""
+    noise = min(max(int(round(length * density)), 1), length - 1)
+    spans = min(max(int(round(noise / span)), 1), noise, length - noise)
+    return length - noise + spans, noise + spans + 1
+
+
+def check_encoder_training(*, vocab: int, length: int, density: float, span: float, hidden: int, depth: int,
+                           heads: int, batch: int, steps: int, sentinels: int = 100, device=None) -> Estimate:
+    """Refuse, before anything is read or written, a training whose step count is past any real use or whose
+    memory exceeds what `device` has available: the T5's weights, gradients and AdamW states, and a step of its
+    encoder and decoder (T5 writes attention out: every block keeps its scores; its tanh GELU keeps about 12
+    buffers of the MLP's width), the logits over the vocabulary and its sentinels."""
+    check_count(steps, "--steps", MAX_TRAINING_STEPS, "the encoder trains for 300 steps by default")
+    if not (0 < density < 1 and span >= 1):
+        raise ELFError(f"--density must lie in (0, 1) and --span be at least 1, got {density} and {span}")
+    for flag, v in (("--vocab", vocab), ("--length", length), ("--hidden", hidden), ("--depth", depth),
+                    ("--heads", heads), ("--batch", batch)):
+        check_size(v, flag)
+    V, H, F = 64 * math.ceil((vocab + sentinels) / 64), hidden, 4 * hidden
+    n_in, n_out = window_lengths(length, density, span)
+    params = V * H + depth * (12 * H * H + 6 * H * F + 5 * H) + 2 * 32 * heads + 2 * H
+    saved = 12 * H + 6 * F
+    encoder = transformer_pass(batch, n_in, H, depth, heads, F, backward=True, eager_attention=True, saved=saved)
+    decoder = transformer_pass(batch, n_out, H, depth, heads, F, vocab=V, backward=True, eager_attention=True,
+                               saved=saved + 8 * H)
+    cross = {"attention": 3 * depth * tensor(batch, heads, n_out, n_in), "encoder states": 2 * depth * tensor(
+        batch, n_in, H)}
+    flags = (f"--vocab {vocab} --length {length} --hidden {H} --depth {depth} --heads {heads} --batch {batch}")
+    return check_fits(Estimate("training the encoder", flags, merge(
+        {"weights and AdamW": training_weights(params, V * H)}, encoder, decoder, cross),
+        "choose a smaller --batch, --length, --hidden, --depth or --vocab"), device or default_device())
+
+
 def train_encoder(out, data: str = "builtin", *, vocab: int = 2000, sentinels: int = 100, length: int = 64,
                   density: float = 0.15, span: float = 3.0, hidden: int = 128, depth: int = 2, heads: int = 4,
                   steps: int = 300, batch: int = 32, lr: float = 2e-3, warmup: int = 30, seed: int = 0,
@@ -146,6 +192,8 @@ def train_encoder(out, data: str = "builtin", *, vocab: int = 2000, sentinels: i
 
     t0 = time.time()
     device = torch.device(device or default_device())
+    check_encoder_training(vocab=vocab, length=length, density=density, span=span, hidden=hidden, depth=depth,
+                           heads=heads, batch=batch, steps=steps, sentinels=sentinels, device=device)
     docs = list(read_documents(data, on_bad=on_bad, cache_dir=cache_dir))
     if not docs:
         raise ELFError(f"--data {data!r} holds no documents")
@@ -201,6 +249,7 @@ def train_encoder(out, data: str = "builtin", *, vocab: int = 2000, sentinels: i
     encoder = T5EncoderModel(config)
     own = encoder.state_dict()
     encoder.load_state_dict({k: v for k, v in model.state_dict().items() if k in own})
+    tokenizer.save_pretrained(str(out))
     encoder.save_pretrained(str(out))
     info = {"data": str(data), "steps": steps, "batch": batch, "length": length, "lr": lr, "seed": seed,
             "vocab": len(tokenizer), "hidden": hidden, "depth": depth, "heads": heads, "density": density,

@@ -6,11 +6,22 @@ from __future__ import annotations
 import torch
 
 from elflow.flow import draw_decode_level, draw_guidance, draw_time, time_grid
+from elflow.util.budget import FIGURE_BYTES, MAX_DRAWS, Estimate, check_count, check_fits, held, tensor
 from elflow.util.files import atomic_write
 
 
 # ----------------------------------------------------------------------------------------------------------
 # `elflow schedules`: Figure 2
+def check_schedules(n: int, grids: int = 2000, steps: int = 32) -> Estimate:
+    """Refuse, before any draw, a number of draws past any real use or whose memory exceeds this machine's:
+    the three kept draws of `n` values, the three that a draw and a statistic make on the way (measured: five
+    live), the grids, and the figure."""
+    n = check_count(n, "--samples", MAX_DRAWS, "200,000 draws give the statistics to three decimals", low=2)
+    return check_fits(Estimate("the schedules' statistics", f"--samples {n}", {
+        "draws": held(tensor(n), 6 * tensor(n)), "grids": tensor(grids, steps + 1) * 2, "figure": FIGURE_BYTES},
+        "choose a smaller --samples"))
+
+
 def schedule_statistics(n: int = 200_000, grids: int = 2000, steps: int = 32, seed: int = 0) -> dict:
     """Monte-Carlo statistics of the schedules, to compare with the values the method's description gives."""
     g = torch.Generator().manual_seed(seed)

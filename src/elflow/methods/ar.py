@@ -8,9 +8,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from elflow.methods.baseline import TokenMethod, sample_categorical
+from elflow.methods.baseline import TokenMethod, draw_categorical
 from elflow.methods.token_net import TokenLMConfig, TokenTransformer, fit_token_lm
 from elflow.model import apply_rope
+from elflow.util.budget import LONG, Estimate, check_fits, held, merge, tensor, transformer_pass
 from elflow.util.errors import ELFError
 
 
@@ -130,18 +131,24 @@ def cached_logits(model: TokenTransformer, inputs: torch.Tensor) -> torch.Tensor
 
 
 @torch.no_grad()
-def sample_tokens(model: TokenTransformer, batch: int, length: int, settings: ARSampling = ARSampling(),
+def generate_tokens(model: TokenTransformer, batch: int, length: int, settings: ARSampling = ARSampling(),
                   generator: torch.Generator | None = None) -> torch.Tensor:
     """`batch` rows of `length` ids, drawn ancestrally from BOS (see the module docstring)."""
     if batch < 1 or length < 1:
         raise ELFError(f"AR sampling needs batch and length >= 1, got {batch}, {length}")
     device = model.embed.weight.device
+    c, V = model.config, model.out_vocab  # the key/value cache, a one-position pass, its logits and draw
+    check_fits(Estimate("AR sampling", f"--batch {batch} --length {length}", merge(
+        {"key/value cache": 2 * c.depth * tensor(batch, length, c.hidden), "ids": tensor(batch, length, element=LONG),
+         "draws": held(tensor(batch, V), 2 * tensor(batch, V) + 4 * tensor(batch, V, element=LONG))},
+        transformer_pass(batch, 1, c.hidden, c.depth, c.heads, c.mlp_hidden, vocab=V)),
+        "choose a smaller --batch or --length"), device)
     cache = _Cache(model, batch, length, device, model.embed.weight.dtype)
     out = torch.empty(batch, length, dtype=torch.long, device=device)
     current = torch.full((batch,), bos_id(model), dtype=torch.long, device=device)
     for pos in range(length):
         weights = next_token_probs(cache.step(current, pos), settings)  # (B, V) float64
-        current = sample_categorical(weights, generator)
+        current = draw_categorical(weights, generator)
         out[:, pos] = current
     return out
 
@@ -156,7 +163,7 @@ class ARMethod(TokenMethod):
 
     network = staticmethod(build)
     fit_config = staticmethod(fit_config)
-    sample_tokens = staticmethod(sample_tokens)
+    generate_tokens = staticmethod(generate_tokens)
 
     def objective(self, net, tokens, mask, draw):
         return loss(net, tokens, mask)

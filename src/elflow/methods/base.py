@@ -106,7 +106,7 @@ class Method:
     def generate(self, net, space, num: int, settings, length: int | None = None, progress: bool = True,
                  part: tuple[int, int] = (0, 1), **known) -> list[dict]:
         """Records {"index", "text", ...} of `num` samples; `part` = (rank, ranks): only that rank's batches,
-        which together with the other ranks' are the samples of one process (generate.sample_batches)."""
+        which together with the other ranks' are the samples of one process (generate.generation_batches)."""
         raise NotImplementedError
 
 

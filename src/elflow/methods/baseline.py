@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 
-from elflow.generate import sample_batches
+from elflow.generate import generation_batches
 from elflow.methods.base import Method
 from elflow.methods.token_net import TokenLMConfig
 from elflow.model import ELF, num_params
@@ -97,7 +97,7 @@ class TokenMethod(Method):
     def objective(self, net, tokens, mask, draw):
         raise NotImplementedError
 
-    def sample_tokens(self, model, batch: int, length: int, settings, generator) -> torch.Tensor:
+    def generate_tokens(self, model, batch: int, length: int, settings, generator) -> torch.Tensor:
         raise NotImplementedError
 
     def sampler_settings(self, s: BaselineSampling):
@@ -178,15 +178,15 @@ class TokenMethod(Method):
                 batch_size: int = 16, part: tuple[int, int] = (0, 1)) -> list[dict]:
         """Records {"index", "text"} of `num` samples decoded by the space's tokenizer (cut at the first EOS),
         batch b drawn from a generator seeded by (seed, b); `part` = (rank, ranks): that rank's batches
-        (generate.sample_batches)."""
+        (generate.generation_batches)."""
         device = model.embed.weight.device
         was_training = model.training
         model.eval()
         own = self.sampler_settings(settings)
         out = []
-        for _, start, rows, batch_seed in sample_batches(num, batch_size, seed, part):
+        for _, start, rows, batch_seed in generation_batches(num, batch_size, seed, part):
             g = torch.Generator(device=device).manual_seed(batch_seed)
-            texts = space.decode(self.sample_tokens(model, rows, length, own, g).cpu())
+            texts = space.decode(self.generate_tokens(model, rows, length, own, g).cpu())
             out += [{"index": start + j, "text": t} for j, t in enumerate(texts)]
         model.train(was_training)
         return out
@@ -229,7 +229,7 @@ def fit_shape(method: TokenMethod, elf_config, space, match: str = "total", tie:
         raise ELFError(f"{method.name}: cannot match the ELF network's {target:,} parameters: {e}") from None
 
 
-def sample_categorical(weights, generator=None):
+def draw_categorical(weights, generator=None):
     """One draw per row of `weights` (..., V): non-negative, not necessarily normalised. Returns (...) ids.
 
     Inverse CDF in float64: u ~ U[0, 1) scaled by the row's total, the first index whose cumulative weight

@@ -3,13 +3,25 @@ schedule and the ancestral sampler with the SUBS parameterisation."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from elflow.methods.baseline import TokenMethod, sample_categorical
+from elflow.methods.baseline import TokenMethod, draw_categorical
 from elflow.methods.token_net import TokenLMConfig, TokenTransformer, fit_token_lm
+from elflow.util.budget import (
+    LONG,
+    MAX_SAMPLING_STEPS,
+    Estimate,
+    check_count,
+    check_fits,
+    held,
+    merge,
+    tensor,
+    transformer_pass,
+)
 from elflow.util.errors import ELFError
 
 EPS = 1e-3  # the smallest training time: the loss weight 1/t stays below 1/EPS
@@ -108,7 +120,7 @@ def loss(model: TokenTransformer, tokens: torch.Tensor, mask: torch.Tensor | Non
 
 
 @torch.no_grad()
-def sample_tokens(model: TokenTransformer, batch: int, length: int, settings: MDLMSampling = MDLMSampling(),
+def generate_tokens(model: TokenTransformer, batch: int, length: int, settings: MDLMSampling = MDLMSampling(),
                   generator: torch.Generator | None = None) -> torch.Tensor:
     """`batch` rows of `length` ids by ancestral unmasking from all-mask (see the module docstring)."""
     if batch < 1 or length < 1:
@@ -116,6 +128,15 @@ def sample_tokens(model: TokenTransformer, batch: int, length: int, settings: MD
     if length > model.config.max_length:
         raise ELFError(f"cannot sample {length} positions: this network's max_length is {model.config.max_length}")
     device = model.embed.weight.device
+    check_count(settings.steps, "the MDLM sampler's steps", MAX_SAMPLING_STEPS, "it samples with 64 by default",
+                hint="pass a smaller --steps")
+    c, V = model.config, model.out_vocab  # a pass, its logits, and the unmasked positions' weights and CDF
+    mean = batch * length / settings.steps  # positions unmasked per step, with six standard deviations to spare
+    n = min(batch * length, math.ceil(mean + 6 * math.sqrt(mean) + 8))
+    check_fits(Estimate("MDLM sampling", f"--batch {batch} --length {length} --steps {settings.steps}", merge(
+        transformer_pass(batch, length, c.hidden, c.depth, c.heads, c.mlp_hidden, vocab=V),
+        {"draws": held(tensor(n, V), tensor(n, V) + 2 * tensor(n, V, element=LONG))}),
+        "choose a smaller --batch or --length"), device)
     m = mask_id(model)
     x = torch.full((batch, length), m, dtype=torch.long, device=device)
     times = torch.linspace(1.0, 0.0, settings.steps + 1, dtype=torch.float64).tolist()
@@ -129,7 +150,7 @@ def sample_tokens(model: TokenTransformer, batch: int, length: int, settings: MD
             continue
         logits = _subs_logits(model(x)[rows, cols], m)  # (n, V + 1), the mask id's logit -inf
         weights = torch.softmax(logits.to(torch.float64) / settings.temperature, dim=-1)
-        x = x.index_put((rows, cols), sample_categorical(weights, generator))
+        x = x.index_put((rows, cols), draw_categorical(weights, generator))
     return x
 
 
@@ -142,7 +163,7 @@ class MDLMMethod(TokenMethod):
 
     network = staticmethod(build)
     fit_config = staticmethod(fit_config)
-    sample_tokens = staticmethod(sample_tokens)
+    generate_tokens = staticmethod(generate_tokens)
 
     def token_draw(self, tokens, generator):
         return draw(tokens, generator)

@@ -1,0 +1,392 @@
+"""The size check: before any work, an estimate of the peak memory of a whole call is compared with the memory
+the device has available, and the counts that set time alone are held under bounds that no real use reaches.
+
+API (bytes are Python ints: no size overflows)
+    check_count(value, flag, limit, why, low=1, hint="") -> int
+        an integer count in low..limit, else ELFError naming the flag (or the file a stored count comes from),
+        the range and why the bound is there; check_sampling_steps(steps, flag="--steps") -> int is the one
+        of sampler step counts (MAX_SAMPLING_STEPS); check_size(value, flag) -> int a size >= 1
+    transformer_pass(batch, length, width, depth, heads, mlp, *, vocab, backward, ...) -> dict
+        (a) a network pass's peak bytes by part (activations, attention, logits), no-grad or forward + backward
+    elf_sampling(config, *, steps, batch_size, num, length, trajectory_steps, ...) -> Estimate
+        (b) an ELF sampling call (elflow.generate.generate): its counts bounded, then its peak
+    tensor(*shape, element=4), weights(params, copies), training_weights(params, largest), held(each, total)
+        (c) the bytes of tensors, of parameters (with gradients and optimiser states), of buffers made again
+        and again; elf_params(config) and block_params(width, heads, mlp) count parameters by formula
+    Estimate(what, flags, parts, hint), merge(*parts) -> dict
+        one call's estimate: what it is, the flags that set its size, its parts in bytes (summed), what to do
+    check_fits(estimate, device=None) -> Estimate
+        ELFError in one line (the work, the flags, the estimate by part, the memory, what to do) when the
+        estimate exceeds available_memory(device): on a CPU MemAvailable, within the process's cgroup and
+        ulimit; on a GPU its free memory and what torch's allocator holds unused
+    check_elf_sampling(config, *, steps, batch_size, num, ..., device=None) -> Estimate
+        elf_sampling checked against the device; its docstring shows the calls from a loaded model
+    check_toy(num, steps, clusters, layout="ring", device=None) -> Estimate
+        `elflow toy`'s counts and memory
+
+Example (a command's check, before it builds or writes anything):
+
+    est = Estimate("training the judge", f"--batch-size {b} --context {n}", merge(
+        {"weights and AdamW": training_weights(params, vocab * width)},
+        transformer_pass(b, n, width, depth, heads, vocab=vocab, backward=True)), "choose a smaller --batch-size")
+    check_fits(est, device)
+
+How an estimate is made: every part is counted in fp32 (bf16 autocast needs less) and the parts are summed;
+buffers made and freed again and again (a pass's activations, a step's gradients) count ALLOCATOR_SLACK times
+their live bytes while they are under HEAP_BLOCK, as an allocator keeps freed blocks for reuse and cannot always
+fill the holes between them; one large buffer (logits, a draw) counts once. tests/test_budget.py measures the
+peak RSS of calls in fresh processes: each estimate lies between 1 and 2.25 times it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+
+from elflow.util.devices import human_bytes
+from elflow.util.errors import ELFError
+
+FLOAT = 4  # bytes of an fp32 element: every estimate counts in fp32
+LONG = 8  # bytes of an int64 (token ids) or a float64 element
+ALLOCATOR_SLACK = 2.0  # buffers made and freed again and again: peak RSS / live tensor bytes measured 1.2-1.8
+HEAP_BLOCK = 32 * 2**20  # glibc's largest heap block: larger ones are mapped apart and go back when freed
+
+# Bounds of counts that set time (and, through buffers of their size, memory), each far past real use. They are
+# checked first, so that a mistyped count is refused at once, whatever memory the machine has.
+MAX_SAMPLING_STEPS = 10_000  # the released recipe samples with at most 64 steps, its distillation teacher with 64
+MAX_SAMPLES = 10_000_000  # the paper scores 5,000 samples per setting; samples are kept until written
+MAX_TRAINING_STEPS = 100_000_000  # ELF-B trains 95,000 optimiser steps (1,000 times fewer)
+MAX_ITERATIONS = 100_000  # a benchmark times a few iterations after a few more of warm-up (defaults 3 and 1)
+MAX_MICRO_BATCHES = 65_536  # gradient accumulation: ELF-B's 512 rows in micro-batches of one row take 512
+MAX_THREADS = 4_096  # CPU threads: the largest machines have a few hundred cores
+MAX_MATMUL_SIZE = 65_536  # the matmul peak's square side: 2,048 on a CPU and 8,192 on a GPU by default
+MAX_DRAWS = 1_000_000_000  # Monte-Carlo draws of a schedule: 200,000 give its statistics to three decimals
+MAX_TOY_SAMPLES = 100_000  # the toy draws one path per sample in each panel: 44 by default, thousands are a blot
+MAX_TOY_CLUSTERS = 10_000  # beyond 60 clusters on the toy's ring (std 0.1, radius 1.9) neighbours touch
+
+TRAINING_COPIES = 4  # buffers of a step the size of the largest tensor: a tied table's second gradient, the sum
+FIGURE_BYTES = 32 * 2**20  # a matplotlib figure's canvas and artists: measured 26 MiB (Figure 2), 11 MiB (Figure 1)
+PLOT_LINE_BYTES = 16_000  # one line drawn in a figure: measured 11 KB
+RECORD_BYTES = 1_000  # a sample's record (dict, index, settings) before its text
+BATCH_BYTES = 200  # the description of one batch of samples (its number, first index, rows and seed)
+TEXT_BYTES_PER_TOKEN = 32  # a sample's text: a token decodes to a few characters, a str holds up to 4 bytes each
+TRAJECTORY_BYTES_PER_TOKEN = 400  # one recorded step of one row, per position: ids, shown positions and text as
+# Python lists (8-byte pointers to 28-byte ints), then the trajectory's JSON document and its page
+
+
+# ----------------------------------------------------------------------------------------------------------
+# counts
+def check_count(value, flag: str, limit: int, why: str, low: int = 1, hint: str = "") -> int:
+    """`value` as an int in low..limit; ELFError otherwise: one line with the flag (or where a stored value comes
+    from), the range, `why` the bound is there and what to do. A float (a count read from JSON) must be whole;
+    NaN, infinities, booleans and strings are refused."""
+    ok = not isinstance(value, bool) and isinstance(value, (int, float))
+    if ok and isinstance(value, float):
+        ok = math.isfinite(value) and value.is_integer()
+    if ok and low <= value <= limit:
+        return int(value)
+    shown = f"{value:,}" if ok else repr(value)
+    raise ELFError(f"{flag} must be an integer from {low:,} to {limit:,} ({why}), got {shown}"
+                   + (f"; {hint}" if hint else ""))
+
+
+def check_size(value, flag: str, low: int = 1) -> int:
+    """A size (a width, a length, a batch) as an int >= low; its upper bound is the memory check's."""
+    return check_count(value, flag, 2**62, "its memory is checked against the device's", low)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# estimates
+def tensor(*shape: int, element: int = FLOAT) -> int:
+    """Bytes of one tensor of this shape (Python ints: no overflow, whatever the sizes)."""
+    n = element
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def held(each: int, total: int) -> int:
+    """The memory that buffers of `each` bytes, `total` in all at their peak, take from the machine when they
+    are freed and made again (a pass's activations, a step's gradients): ALLOCATOR_SLACK times their bytes,
+    as an allocator keeps freed blocks for reuse and cannot always fill the holes between them; once with
+    buffers over HEAP_BLOCK, which go back to the system when freed."""
+    return int(total if each > HEAP_BLOCK else ALLOCATOR_SLACK * total)
+
+
+def weights(params: int, copies: int = 1) -> int:
+    """Bytes of `params` fp32 parameters held `copies` times (weights, gradients, optimiser states, an EMA)."""
+    return FLOAT * int(params) * copies
+
+
+def training_weights(params: int, largest: int) -> int:
+    """Bytes of the parameters of a network trained with AdamW, `largest` the element count of its largest
+    tensor: the weights and AdamW's two states, made once; the gradients, and TRAINING_COPIES buffers of the
+    largest tensor's size (a tied table's second gradient and their sum, the update's temporaries), made
+    again at every step and so `held`."""
+    return weights(params, 3) + held(FLOAT * largest, weights(params) + weights(largest, TRAINING_COPIES))
+
+
+def block_params(width: int, heads: int, mlp: int | None = None) -> int:
+    """Parameters of one of elflow's transformer blocks (elflow.model.Block): qkv and output projections with
+    biases, QK-norms, two RMSNorms, the SwiGLU's projections with biases."""
+    mlp = int(width * 8 // 3) if mlp is None else mlp
+    return 4 * width * width + 4 * width + 2 * (width // heads) + 2 * width + 3 * width * mlp + 2 * mlp + width
+
+
+def elf_params(config) -> int:
+    """The parameters and buffers (RoPE tables) of an ELF network of `config` (an ELFConfig: the released network
+    with the short-run options off), by formula: no network is built, so any size is counted at once."""
+    c = config
+    H, C, V, b, depth = c.hidden, c.dim, c.vocab_size, c.bottleneck, c.depth
+    mlp = getattr(c, "mlp_hidden", int(H * 8 // 3))
+    n = (2 * C * C + C if getattr(c, "self_cond", True) else 0) + C * b + b * H + H
+    n += 2 * (256 * H + H + H * H + H)  # the t and omega embedders
+    if getattr(c, "conditioning", "tokens") == "adaln":
+        n += H + depth * (6 * H * H + 6 * H) + 2 * H * H + 2 * H
+    else:
+        n += (c.time_tokens + c.omega_tokens + c.mode_tokens) * H
+    n += depth * block_params(H, c.heads, mlp) + H + H * C + C  # the blocks, the final norm, the x head
+    n += 2 * (c.max_length + getattr(c, "num_prefix", 12)) * (H // c.heads)  # RoPE's cos and sin
+    head = H * C + C + C * V + V  # the decode head: a separate decoder's alone
+    return (2 * n if getattr(c, "decoder", "shared") == "separate" else n) + head
+
+
+def transformer_pass(batch: int, length: int, width: int, depth: int, heads: int, mlp: int | None = None, *,
+                     vocab: int = 0, logit_rows: int | None = None, logit_length: int | None = None,
+                     backward: bool = False, gated: bool = True, eager_attention: bool = False,
+                     saved: int | None = None) -> dict:
+    """The peak bytes of one pass of a pre-norm transformer over `batch` rows of `length` positions (prefix
+    tokens included), by part:
+
+    activations: no-grad, one block's live buffers at a time: the residual stream, its normed copy and the
+        MLP's (3 x width + 4 x mlp per token: the gated MLP's two projections in one, its activation and
+        product; 2 x mlp ungated), or the attention's (10 x width); with `backward`, what each block keeps
+        for the backward pass (`saved` elements per token; elflow's block keeps 14 x width + 4 x mlp) and one
+        block's buffers besides. `held`: ALLOCATOR_SLACK times, below HEAP_BLOCK.
+    attention: one block's score matrix (batch x heads x length^2), what attention without a fused kernel
+        holds at a time; `eager_attention` (attention written out, as T5's): its scores, probabilities and
+        position bias, kept by every block for the backward pass.
+    logits: `logit_rows` (default: batch) x `logit_length` (default: length) x `vocab` in fp32; with
+        `backward` the log-softmax, its gradient and the logits' gradient too (four copies).
+    """
+    mlp = int(width * 8 // 3) if mlp is None else mlp
+    tokens = batch * length
+    block = max(3 * width + (4 if gated else 2) * mlp, 10 * width)
+    saved = 14 * width + 4 * mlp if saved is None else saved
+    per_token = depth * saved + block if backward else block
+    scores = tensor(batch, heads, length, length)
+    attention = (3 * depth if backward else 3) * scores if eager_attention else scores
+    rows = batch if logit_rows is None else logit_rows
+    logits = tensor(rows, length if logit_length is None else logit_length, vocab) * (4 if backward else 1)
+    return {"activations": held(tensor(tokens, width), FLOAT * tokens * per_token), "attention": attention,
+            "logits": logits}
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """The estimated peak memory of one call: `what` it is, the `flags` that set its size (as the user wrote
+    them, "--batch 8 --length 64"), its `parts` in bytes and the `hint` of what to do when it does not fit."""
+
+    what: str
+    flags: str
+    parts: dict = field(default_factory=dict)
+    hint: str = "choose smaller sizes"
+
+    @property
+    def total(self) -> int:
+        return int(sum(self.parts.values()))
+
+    def describe(self) -> str:
+        shown = [f"{k} {size(v)}" for k, v in sorted(self.parts.items(), key=lambda kv: -kv[1]) if v > 0]
+        return f"about {size(self.total)} ({', '.join(shown[:5])})"
+
+
+def size(n: int) -> str:
+    """Bytes in words: "1.5 GiB"; past 1,024 PiB in powers of ten of PiB ("5.7e+10 PiB")."""
+    return human_bytes(n) if n < 2**60 else f"{n / 2**50:.2g} PiB"
+
+
+def merge(*parts: dict) -> dict:
+    """Parts summed by name. The parts of a call are summed, not the largest taken: the buffers one pass frees
+    stay with the allocator while the next pass makes its own (measured: the decode pass's logits come on top of
+    what the sampling passes left)."""
+    out: dict = {}
+    for p in parts:
+        for k, v in p.items():
+            out[k] = out.get(k, 0) + int(v)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the memory of a device
+def _cpu_available() -> tuple[int | None, str]:
+    """Bytes of RAM this process can still take: MemAvailable, within its cgroup's limit and its address-space
+    and data limits; None where none of them can be read."""
+    found = []
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if line.split()[1:]}
+        if "MemAvailable" in info:
+            found.append((info["MemAvailable"], "available on this machine"))
+    except (OSError, ValueError, IndexError):
+        pass
+    v1 = "/sys/fs/cgroup/memory/memory."
+    for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                         (v1 + "limit_in_bytes", v1 + "usage_in_bytes")):
+        try:
+            with open(limit) as f, open(usage) as g:
+                cap, used = f.read().strip(), int(g.read().strip())
+            if cap.isdigit() and int(cap) < 2**60:
+                found.append((max(int(cap) - used, 0), "left under this process's memory limit (cgroup)"))
+                break
+        except (OSError, ValueError):
+            continue
+    try:
+        import resource
+
+        status = {}
+        with open("/proc/self/status") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key in ("VmSize", "VmData") and rest.split():
+                    status[key] = int(rest.split()[0]) * 1024
+        for rlimit, key in ((resource.RLIMIT_AS, "VmSize"), (resource.RLIMIT_DATA, "VmData")):
+            soft = resource.getrlimit(rlimit)[0]
+            if soft != resource.RLIM_INFINITY and key in status:
+                found.append((max(soft - status[key], 0), "left under this process's memory limit (ulimit)"))
+    except (ImportError, OSError, ValueError):
+        pass
+    if not found:
+        try:
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "on this machine"
+        except (ValueError, OSError, AttributeError):
+            return None, ""
+    return min(found)
+
+
+def available_memory(device=None) -> tuple[int | None, str]:
+    """(bytes this process can still allocate on `device`, where in words); (None, "") where unknown. A GPU:
+    its free memory plus what torch's allocator holds unused; a CPU: `_cpu_available`."""
+    if device is not None and str(device).startswith("cuda"):
+        try:
+            import torch
+
+            dev = torch.device(device)
+            free, _ = torch.cuda.mem_get_info(dev)
+            cached = torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
+            return int(free + cached), f"free on {dev}"
+        except (RuntimeError, AssertionError, ValueError, ImportError):
+            return None, ""
+    return _cpu_available()
+
+
+def check_fits(estimate: Estimate, device=None) -> Estimate:
+    """ELFError when `estimate` needs more memory than `device` has available (one line: the work, the flags
+    that set its size, the estimate by part, the memory, what to do); the estimate otherwise."""
+    have, where = available_memory(device)
+    if have is not None and estimate.total > have:
+        raise ELFError(f"{estimate.what} at {estimate.flags} needs {estimate.describe()}, more than the "
+                       f"{size(have)} of memory {where}; {estimate.hint}")
+    return estimate
+
+
+# ----------------------------------------------------------------------------------------------------------
+# an ELF sampling call
+def check_sampling_steps(steps, flag: str = "--steps") -> int:
+    """A sampler's step count in 1..MAX_SAMPLING_STEPS (ELFError otherwise): an ELF sampling call's, a
+    distillation teacher's (--teacher-steps), a training run's previews (--sample-steps), a stored model's."""
+    return check_count(steps, flag, MAX_SAMPLING_STEPS, "the released recipe samples with at most 64 steps")
+
+
+def elf_sampling(config, *, steps: int, batch_size: int, num: int, length: int | None = None,
+                 trajectory_steps: int = 0, guided: bool = False, table_readout: bool = False, params: int = 0,
+                 flags: dict | None = None) -> Estimate:
+    """The estimate of `generate` (elflow.generate) on an ELF network: the counts are checked first (steps in
+    1..MAX_SAMPLING_STEPS, num in 1..MAX_SAMPLES, trajectory_steps in 0..steps), then its peak is estimated:
+    the network's no-grad pass at the batch (twice as many rows' worth of sampler buffers when `guided`: a
+    conditional model sampled with guidance != 1), the decode pass's logits (twice with `table_readout`), the
+    sampler's z / x / noise and velocity buffers, the time grid of steps + 1, the records of `num` samples, and
+    the first batch's readouts at `trajectory_steps` recorded steps. `params`: the network's parameter count
+    when it is not in memory yet (0 once it is loaded: its weights are then already taken).
+
+    `config` is the network's ELFConfig (or anything with depth, hidden, heads, dim, vocab_size, max_length;
+    num_prefix and mlp_hidden are read where present). `flags` names where each count comes from, for the
+    message: keys steps, batch_size, num, length, trajectory_steps (default --steps, --batch, --num, --length,
+    --trajectory; None leaves a count out of the message); a value read from a stored model is named by its
+    file ("steps in m/sampling.json")."""
+    flags = flags or {}
+    steps = check_sampling_steps(steps, flags.get("steps", "--steps"))
+    trajectory_steps = check_count(trajectory_steps, flags.get("trajectory_steps", "--trajectory"), steps,
+                                   "the steps of the sampling", low=0)
+    if flags.get("num", "--num"):  # (a call that keeps no samples names none: its batch is its size)
+        num = check_count(num, flags.get("num", "--num"), MAX_SAMPLES,
+                          "the paper scores 5,000 samples per setting; the samples are kept until written")
+    batch = check_size(batch_size, flags.get("batch_size", "--batch"))
+    length = check_size(config.max_length if length is None else length, flags.get("length", "--length"))
+    rows = min(batch, num)
+    prefix = getattr(config, "num_prefix", 12)
+    mlp = getattr(config, "mlp_hidden", None)
+    C, V, H = config.dim, config.vocab_size, config.hidden
+    trunk = transformer_pass(rows, length + prefix, H, config.depth, config.heads, mlp)
+    decode = {"logits": tensor(rows, length, V) * (2 if table_readout else 1) + tensor(rows, length, element=LONG),
+              "decode head": tensor(rows, length + prefix, H) + 2 * tensor(rows, length, C)}
+    kept = {"weights": weights(params),
+            "sampler buffers": held(tensor(rows, length, C), (2 if guided else 1) * 6 * tensor(rows, length, C))
+            + tensor(steps + 1),
+            "samples": num * (RECORD_BYTES + TEXT_BYTES_PER_TOKEN * length) + num // batch * BATCH_BYTES,
+            "trajectory": trajectory_steps * rows * length * (TRAJECTORY_BYTES_PER_TOKEN + LONG)}
+    names = [("steps", steps), ("batch_size", batch), ("num", num), ("length", length)]
+    default = {"steps": "--steps", "batch_size": "--batch", "num": "--num", "length": "--length"}
+    shown = " ".join(f"{flags.get(k, default[k])} {v}" for k, v in names if flags.get(k, default[k]))
+    if trajectory_steps:
+        shown += f" ({trajectory_steps} recorded steps)"
+    return Estimate("sampling", shown, merge(kept, trunk, decode), "choose a smaller batch (--batch), fewer samples "
+                    "(--num), a shorter --length or fewer recorded steps")
+
+
+def check_elf_sampling(config, *, steps: int, batch_size: int, num: int, length: int | None = None,
+                       trajectory_steps: int = 0, guided: bool = False, table_readout: bool = False,
+                       params: int = 0, flags: dict | None = None, device=None) -> Estimate:
+    """`elf_sampling`'s counts and estimate checked against the memory of `device`: call it before the first
+    sample is drawn (for a network not loaded yet, pass its parameter count). From a loaded model:
+
+        from elflow.util.budget import check_elf_sampling
+        net = loaded.net                                  # an ELF; net.config is its ELFConfig
+        check_elf_sampling(net.config, steps=settings.steps, batch_size=settings.batch_size, num=args.num,
+                           length=args.length, trajectory_steps=len(known.get("trajectory", ())),
+                           guided=loaded.conditional and settings.guidance != 1, device=device)
+
+    A count read from a stored model (a model folder's sampling.json) is named by where it comes from, and a
+    flag of another name by its own (train's previews):
+
+        check_elf_sampling(net.config, steps=settings.steps, ..., flags={"steps": "steps in m/sampling.json"})
+        check_elf_sampling(config, steps=args.sample_steps, batch_size=n, num=n, params=elf_params(config),
+                           flags={"steps": "--sample-steps", "num": "--sample-num"}, device=device)
+
+    A distillation teacher's steps alone: check_sampling_steps(args.teacher_steps, "--teacher-steps")."""
+    return check_fits(elf_sampling(config, steps=steps, batch_size=batch_size, num=num, length=length,
+                                   trajectory_steps=trajectory_steps, guided=guided, table_readout=table_readout,
+                                   params=params, flags=flags), device)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the toy
+def check_toy(num: int, steps, clusters: int, layout: str = "ring", device=None) -> Estimate:
+    """`elflow toy`'s counts (--num, each --steps, --clusters) and memory: for each step count, the path and the
+    guesses of every sample (steps + 1 points of 2 coordinates), the exact denoiser's (num x clusters)
+    float64 buffers, and one line per sample in each panel of the figure."""
+    num = check_count(num, "--num", MAX_TOY_SAMPLES, "one path per sample is drawn in each panel")
+    steps = [check_count(n, "--steps", MAX_SAMPLING_STEPS, "the figure's step counts are 1 to 16") for n in steps]
+    side = check_count(clusters, "--clusters", MAX_TOY_CLUSTERS, "the figure must tell its clusters apart")
+    k = side * side if layout == "grid" else side
+    if k > MAX_TOY_CLUSTERS:
+        raise ELFError(f"--clusters {side} makes a {side} x {side} grid of {k:,} clusters, more than "
+                       f"{MAX_TOY_CLUSTERS:,} (the figure must tell its clusters apart); choose a smaller --clusters")
+    paths = sum(2 * tensor(n + 1, num, 2) for n in steps)
+    denoiser = {"denoiser": held(tensor(num, k, 2, element=LONG), 6 * tensor(num, k, 2, element=LONG))}
+    kept = {"paths": paths, "figure": FIGURE_BYTES + PLOT_LINE_BYTES * num * len(steps),
+            "clusters": tensor(k, 2, element=LONG)}
+    flags = f"--num {num} --steps {' '.join(map(str, steps))} --clusters {side}"
+    return check_fits(Estimate("the toy", flags, merge(kept, denoiser),
+                               "choose a smaller --num, fewer --steps or fewer --clusters"), device)

@@ -1,0 +1,330 @@
+"""The size check (elflow.util.budget): counts held under their bounds with one-line errors, estimates refused
+against the memory available, that memory read within the process's limits, and estimates that bound the
+measured peak memory of real calls (in a fresh process) from above, within about a factor of two."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from elflow.util import budget
+from elflow.util.budget import (
+    MAX_SAMPLES,
+    MAX_SAMPLING_STEPS,
+    Estimate,
+    check_count,
+    check_elf_sampling,
+    check_fits,
+    check_toy,
+    elf_sampling,
+)
+from elflow.util.errors import ELFError
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+GiB = 2**30
+
+
+class Config:
+    """What an ELF sampling estimate reads of a network's ELFConfig: the tiny preset's shape."""
+    depth, hidden, heads, dim, vocab_size, max_length, num_prefix, mlp_hidden = 2, 64, 4, 32, 100, 16, 12, 170
+
+
+def with_memory(monkeypatch, nbytes):
+    monkeypatch.setattr(budget, "available_memory", lambda device=None: (nbytes, "available on this machine"))
+
+
+def one_line(e: pytest.ExceptionInfo) -> str:
+    text = str(e.value)
+    assert "\n" not in text and text
+    return text
+
+
+# ----------------------------------------------------------------------------------------------------------
+# counts
+@pytest.mark.parametrize("value,shown", [(0, "got 0"), (-3, "got -3"), (float("nan"), "got nan"),
+                                         (float("inf"), "got inf"), (10**12, "got 1,000,000,000,000"),
+                                         (2.5, "got 2.5"), (True, "got True"), ("12", "got '12'"), (None, "got None")])
+def test_a_count_out_of_range_or_not_an_integer_is_one_line_naming_the_flag_the_range_and_why(value, shown):
+    with pytest.raises(ELFError) as e:
+        check_count(value, "--steps", 10_000, "the released recipe samples with at most 64 steps",
+                    hint="pass a smaller --steps")
+    line = one_line(e)
+    assert line.startswith("--steps must be an integer from 1 to 10,000 (the released recipe samples with at most "
+                           "64 steps), ") and shown in line and line.endswith("; pass a smaller --steps")
+
+
+def test_a_count_in_range_comes_back_as_an_int_also_from_a_whole_float():
+    assert check_count(64, "--steps", 10_000, "") == 64
+    assert check_count(64.0, "steps in m/sampling.json", 10_000, "") == 64
+    assert type(check_count(64.0, "x", 10_000, "")) is int
+    assert check_count(0, "--warmup", 10, "", low=0) == 0
+    assert check_count(10_000, "--steps", 10_000, "") == 10_000
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the memory of the device
+def test_an_estimate_over_the_available_memory_is_refused_in_one_line_with_its_parts(monkeypatch):
+    with_memory(monkeypatch, GiB)
+    est = Estimate("sampling", "--batch 8 --length 64", {"activations": 3 * GiB, "logits": GiB // 2}, "choose less")
+    with pytest.raises(ELFError) as e:
+        check_fits(est)
+    assert one_line(e) == ("sampling at --batch 8 --length 64 needs about 3.5 GiB (activations 3.0 GiB, logits "
+                           "512.0 MiB), more than the 1.0 GiB of memory available on this machine; choose less")
+    small = Estimate("sampling", "--batch 1", {"activations": GiB - 1})
+    assert check_fits(small) is small
+
+
+def test_sizes_past_any_unit_are_written_in_powers_of_ten():
+    assert budget.size(3 * 2**60) == "3.1e+03 PiB" and budget.size(1536) == "1.5 KiB"
+
+
+def test_the_available_memory_of_a_cpu_is_within_the_machine_and_within_an_address_space_limit():
+    have, where = budget.available_memory("cpu")
+    assert 0 < have <= os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") and where
+    code = ("import resource; from elflow.util.budget import available_memory, _cpu_available\n"
+            "size = int(next(l for l in open('/proc/self/status') if l.startswith('VmSize')).split()[1]) * 1024\n"
+            "resource.setrlimit(resource.RLIMIT_AS, (size + 2**30, resource.RLIM_INFINITY))\n"
+            "print(*available_memory('cpu'), sep='|')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(SRC)})
+    assert out.returncode == 0, out.stderr
+    have, where = out.stdout.strip().split("|")
+    assert 0.9 * 2**30 < int(have) <= 2**30 and "limit" in where
+
+
+def test_block_params_counts_a_block():
+    import torch
+
+    from elflow.model import Block, num_params
+
+    for width, heads, mlp in ((64, 4, 170), (96, 2, 256)):
+        with torch.device("meta"):
+            assert budget.block_params(width, heads, mlp) == num_params(Block(width, heads, mlp))
+
+
+@pytest.mark.parametrize("preset,kw", [("tiny", {}), ("demo", {}), ("elf-b", {}), ("tiny", {"conditioning": "adaln"}),
+                                       ("tiny", {"self_cond": False}), ("demo", {"decoder": "separate"})])
+def test_elf_params_counts_every_parameter_and_buffer_of_the_network(preset, kw):
+    import torch
+
+    from elflow.model import build_network, get_config
+
+    cfg = get_config(preset, **kw)
+    with torch.device("meta"):
+        net = build_network(cfg)
+    assert budget.elf_params(cfg) == sum(t.numel() for t in [*net.parameters(), *net.buffers()])
+    assert budget.elf_params(cfg.replace(hidden=10**12, heads=4)) > 10**24  # any size, at once
+
+
+# ----------------------------------------------------------------------------------------------------------
+# an ELF sampling call
+def test_a_sampling_step_count_past_the_bound_is_refused_before_any_estimate(monkeypatch):
+    """sample --steps 10^12 (and a model folder's stored steps): refused by its bound, named where it comes from."""
+    with_memory(monkeypatch, 10**18)
+    for steps in (10**12, MAX_SAMPLING_STEPS + 1, 0, -2):
+        with pytest.raises(ELFError, match=r"^--steps must be an integer from 1 to 10,000 "):
+            check_elf_sampling(Config, steps=steps, batch_size=2, num=2)
+    with pytest.raises(ELFError, match=r"^steps in m/sampling.json must be an integer from 1 to 10,000"):
+        check_elf_sampling(Config, steps=10**12, batch_size=2, num=2, flags={"steps": "steps in m/sampling.json"})
+    with pytest.raises(ELFError, match=r"^--num must be an integer from 1 to 10,000,000 "):
+        check_elf_sampling(Config, steps=2, batch_size=1, num=10**9)
+    with pytest.raises(ELFError, match=r"^--teacher-steps must be an integer from 1 to 10,000 "):
+        budget.check_sampling_steps(10**12, "--teacher-steps")
+    with pytest.raises(ELFError, match=r"^--trajectory must be an integer from 0 to 4 "):
+        check_elf_sampling(Config, steps=4, batch_size=1, num=1, trajectory_steps=5)
+    assert check_elf_sampling(Config, steps=MAX_SAMPLING_STEPS, batch_size=2, num=MAX_SAMPLES).total > 0
+
+
+def test_a_batch_whose_activations_exceed_the_memory_is_refused_naming_its_flags(monkeypatch):
+    """sample --num 200000 --batch 200000 on the tiny network: 1.4 GB of attention scores alone passed the old
+    attention check; the whole pass needs tens of GiB."""
+    with_memory(monkeypatch, 3 * GiB)
+    with pytest.raises(ELFError) as e:
+        check_elf_sampling(Config, steps=1, batch_size=200_000, num=200_000, length=16)
+    line = one_line(e)
+    assert line.startswith("sampling at --steps 1 --batch 200000 --num 200000 --length 16 needs about ")
+    assert "activations" in line and "more than the 3.0 GiB of memory available" in line and "--batch" in line
+    check_elf_sampling(Config, steps=1, batch_size=64, num=200_000, length=16)  # the same samples in small batches
+
+
+def test_the_sampling_estimate_grows_with_what_it_holds():
+    def total(**kw):
+        return elf_sampling(Config, **{"steps": 8, "batch_size": 8, "num": 8, **kw}).total
+
+    assert total(batch_size=64, num=64) > 4 * total()
+    assert total(num=10_000) - total() >= 10_000 * budget.RECORD_BYTES * 0.99  # records of the samples
+    assert total(trajectory_steps=8) - total() == 8 * 8 * 16 * (budget.TRAJECTORY_BYTES_PER_TOKEN + 8)
+    assert total(guided=True) > total() and total(table_readout=True) > total()
+    assert total(params=10**6) - total() == 4 * 10**6
+    est = elf_sampling(Config, steps=2, batch_size=4, num=4, flags={"num": None, "batch_size": "--batch-size"})
+    assert est.flags == "--steps 2 --batch-size 4 --length 16"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the toy
+def test_the_toy_counts_are_bounded_and_its_memory_checked(monkeypatch):
+    with_memory(monkeypatch, GiB)
+    assert check_toy(44, [1, 2, 4, 8, 16], 8).total < 100 * 2**20
+    for kw, needle in ((dict(num=10**9), "--num must be"), (dict(steps=[1, 10**12]), "--steps must be"),
+                       (dict(clusters=10**8), "--clusters must be"), (dict(num=0), "--num must be"),
+                       (dict(clusters=200, layout="grid"), "200 x 200 grid of 40,000 clusters"),
+                       (dict(num=100_000, clusters=10_000), "needs about")):
+        args = {"num": 44, "steps": [1, 2], "clusters": 8, **kw}
+        with pytest.raises(ELFError) as e:
+            check_toy(**args)
+        assert needle in one_line(e)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# estimates against measured peaks
+MEASURE = r"""
+import ctypes, gc, json, sys
+import torch
+
+def status(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key):
+            return int(line.split()[1]) * 1024
+
+def peak(fn):
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak RSS starts again from the current RSS
+    base = status("VmRSS:")
+    fn()
+    return status("VmHWM:") - base
+
+CASE
+small()  # kernels' first use, not the call's
+measured = max(peak(call), peak(call))
+estimate = estimate() if callable(estimate) else estimate  # (a sampler's, made by its own check)
+print(json.dumps({"measured": measured, "estimate": estimate.total, "parts": estimate.parts}))
+"""
+
+CASES = {
+    "elf-sampling": """
+from elflow.flow import generate_tokens
+from elflow.model import ELF, get_config
+from elflow.util.budget import elf_sampling
+cfg = get_config("tiny", hidden=128, heads=4)
+net = ELF(cfg).eval()
+small = lambda: torch.no_grad()(generate_tokens)(net, 2, 32, steps=2)
+call = lambda: torch.no_grad()(generate_tokens)(net, 256, 32, steps=2)
+estimate = elf_sampling(cfg, steps=2, batch_size=256, num=256, length=32)
+""",
+    "elf-sampling-readout": """
+from elflow.flow import generate_tokens
+from elflow.model import ELF, get_config
+from elflow.util.budget import elf_sampling
+cfg = get_config("demo", depth=2, hidden=128, heads=2)
+net = ELF(cfg).eval()
+small = lambda: torch.no_grad()(generate_tokens)(net, 1, 64, steps=1)
+call = lambda: torch.no_grad()(generate_tokens)(net, 16, 64, steps=2)
+estimate = elf_sampling(cfg, steps=2, batch_size=16, num=16, length=64)
+""",
+    "judge-training": """
+import torch.nn.functional as F
+from elflow.eval.judge import CausalJudge, JudgeConfig, check_judge_training
+cfg = JudgeConfig(hidden=64, depth=2, heads=2, context=64)
+def train(batch, steps=2):
+    judge = CausalJudge(cfg)
+    opt = torch.optim.AdamW(judge.parameters())
+    x = torch.randint(0, cfg.vocab_size, (batch, cfg.context + 1))
+    for _ in range(steps):
+        loss = F.cross_entropy(judge(x[:, :-1]).flatten(0, 1).float(), x[:, 1:].flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+small = lambda: train(1, 1)
+call = lambda: train(8)
+estimate = check_judge_training(cfg, 8, 2, "cpu")
+""",
+    "encoder-training": """
+from transformers import T5Config, T5ForConditionalGeneration
+from elflow.experiments.encoder_train import check_encoder_training, window_lengths
+H, depth, heads, L, B, vocab = 64, 2, 4, 64, 16, 200
+V = 64 * -(-(vocab + 100) // 64)
+cfg = T5Config(vocab_size=V, d_model=H, d_kv=H // heads, d_ff=4 * H, num_layers=depth, num_decoder_layers=depth,
+               num_heads=heads, dropout_rate=0.0, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
+               feed_forward_proj="gated-gelu")
+n_in, n_out = window_lengths(L, 0.15, 3.0)
+def train(batch, steps=2):
+    model = T5ForConditionalGeneration(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    x, y = torch.randint(3, V, (batch, n_in)), torch.randint(3, V, (batch, n_out))
+    for _ in range(steps):
+        loss = model(input_ids=x, attention_mask=torch.ones_like(x), labels=y).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+small = lambda: train(1, 1)
+call = lambda: train(B)
+estimate = check_encoder_training(vocab=vocab, length=L, density=0.15, span=3.0, hidden=H, depth=depth, heads=heads,
+                                  batch=B, steps=2, device="cpu")
+""",
+    "mdlm-sampling": """
+import types
+from elflow.methods import mdlm
+from elflow.methods.token_net import TokenLMConfig
+from elflow.util import budget
+seen = []
+mdlm.check_fits = lambda estimate, device=None: seen.append(estimate) or estimate
+net = mdlm.build(TokenLMConfig(depth=2, hidden=128, heads=4, vocab_size=3000, max_length=64),
+                 types.SimpleNamespace(vocab_size=3000)).eval()
+settings = mdlm.MDLMSampling(steps=1)
+small = lambda: mdlm.generate_tokens(net, 1, 64, settings, torch.Generator().manual_seed(0))
+call = lambda: mdlm.generate_tokens(net, 32, 64, settings, torch.Generator().manual_seed(0))
+estimate = lambda: seen[-1]
+""",
+    "ar-sampling": """
+import types
+from elflow.methods import ar
+from elflow.methods.token_net import TokenLMConfig
+seen = []
+ar.check_fits = lambda estimate, device=None: seen.append(estimate) or estimate
+net = ar.build(TokenLMConfig(depth=2, hidden=256, heads=4, vocab_size=1000, max_length=32),
+               types.SimpleNamespace(vocab_size=1000)).eval()
+small = lambda: ar.generate_tokens(net, 1, 8, ar.ARSampling(), torch.Generator().manual_seed(0))
+call = lambda: ar.generate_tokens(net, 128, 32, ar.ARSampling(), torch.Generator().manual_seed(0))
+estimate = lambda: seen[-1]
+""",
+    "schedules": """
+from elflow.experiments.schedules import check_schedules, schedule_statistics
+small = lambda: schedule_statistics(n=100)
+call = lambda: schedule_statistics(n=400_000)
+estimate = check_schedules(400_000)
+estimate.parts.pop("figure")  # (no figure is drawn here)
+""",
+    "toy": """
+from elflow.experiments.toy import plot_toy, ring_mixture, run_toy
+from elflow.util.budget import check_toy
+import tempfile, os
+mix = ring_mixture(8)
+folder = tempfile.mkdtemp()
+def draw(num):
+    plot_toy(mix, run_toy(mix, [1, 2, 4, 8, 16], num), os.path.join(folder, "t.png"))
+small = lambda: draw(2)
+call = lambda: draw(500)
+estimate = check_toy(500, [1, 2, 4, 8, 16], 8)
+""",
+}
+
+
+SLOW = ("elf-sampling", "judge-training", "encoder-training", "ar-sampling", "toy")  # 10-70 s each on a busy CPU
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="the peak RSS is read from Linux's /proc")
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW else c for c in CASES])
+def test_the_estimate_bounds_the_measured_peak_within_about_two(case):
+    """In a fresh process, the peak RSS of the call (above what the process held before it, the larger of two
+    calls) never exceeds its estimate, and the estimate is at most about twice that peak."""
+    out = subprocess.run([sys.executable, "-c", MEASURE.replace("CASE", CASES[case])], capture_output=True, text=True,
+                         timeout=600, env={**os.environ, "PYTHONPATH": str(SRC), "HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    measured, estimate = got["measured"], got["estimate"]
+    assert measured <= estimate <= 2.25 * measured, (measured, estimate, got["parts"])
