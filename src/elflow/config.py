@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, fields, replace
 
 from elflow.data.layout import LAYOUTS, SOURCE_SLOTS
 from elflow.data.tasks import PAIR_TASKS
-from elflow.flow import RECIPE_RANGES, SAMPLERS, SAMPLING_DEFAULTS, Recipe, recipe_for
+from elflow.flow import RECIPE_RANGES, SAMPLERS, SAMPLING_DEFAULTS, SAMPLING_RANGES, Recipe, recipe_for
 from elflow.methods import METHOD_NAMES, check_run
 from elflow.methods.baseline import MATCHES
 from elflow.model import CONDITIONINGS, DECODERS, PREDICTIONS, PRESETS, SKIPS
@@ -181,7 +181,7 @@ class TrainConfig(Record):
     sample_every: int = setting(0, "print samples of the EMA model every N steps (0: never)", check=AT_LEAST_0,
                                 mutable=True)
     sample_steps: int = setting(SAMPLING_DEFAULTS["text"]["steps"], "sampling steps of those samples",
-                                check=AT_LEAST_1, mutable=True)
+                                check=SAMPLING_RANGES["steps"], mutable=True)
     sample_sampler: str = setting(SAMPLING_DEFAULTS["text"]["sampler"], "sampler of those samples", choices=SAMPLERS,
                                   mutable=True)
     sample_omega: float = setting(SAMPLING_DEFAULTS["text"]["omega"], "guidance scale of those samples",
@@ -304,7 +304,8 @@ class TrainConfig(Record):
             if meta.get("check"):
                 ok, what = meta["check"]
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or not ok(v):
-                    raise ELFError(f"{flag} must be a number {what}, got {v!r}")
+                    must = what if what.startswith(("a ", "an ")) else f"a number {what}"
+                    raise ELFError(f"{flag} must be {must}, got {v!r}")
         for key, (typ, _, check, _) in NESTED_FLAGS.items():
             d = getattr(self, key[0])
             v = d.get(key[1])

@@ -24,6 +24,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from elflow.util.budget import MAX_SAMPLING_STEPS  # a sampler of more steps is refused
 from elflow.util.errors import Record
 
 # the released recipe (OpenWebText, and the conditional tasks where said)
@@ -145,7 +146,6 @@ def distilled_defaults(steps: int) -> dict:
 
 SAMPLERS = ("ode", "sde", "vc", "map")  # "map": the jumps of a flow-map student (elflow.methods.lmd)
 GRIDS = ("logit_normal", "uniform")  # the kinds of time grid (`time_grid`)
-MAX_SAMPLING_STEPS = 10_000  # a sampler of more steps is refused: the released recipe samples with at most 64
 
 
 def _count(v, low: int, high: int | None = None) -> bool:

@@ -27,6 +27,7 @@ from elflow.flow import (
     distilled_defaults,
     generate_tokens,
 )
+from elflow.util.budget import check_elf_sampling
 from elflow.util.devices import AUTOCAST_DTYPES, autocast
 from elflow.util.errors import ELFError, Record, check_seed
 from elflow.util.files import atomic_write
@@ -253,6 +254,11 @@ def generate(net, space, num: int, settings: SamplingSettings = SamplingSettings
     if trajectory is not None and not all(isinstance(i, int) and 0 <= i < settings.steps for i in trajectory):
         raise ELFError(f"trajectory steps must be integers from 0 to {settings.steps - 1} (0-based sampling steps), "
                        f"got {sorted(trajectory, key=str)[:5]}")
+    known = sources is not None or prompt is not None or suffix is not None
+    check_elf_sampling(net.config, steps=settings.steps, batch_size=settings.batch_size, num=num, length=length,
+                       trajectory_steps=len(trajectory or ()), guided=known and settings.guidance != 1,
+                       table_readout=bool(getattr(getattr(net, "options", None), "table_readout", 0)),
+                       device=next(net.parameters()).device)
     from tqdm.auto import tqdm
 
     if sources is not None and source_length and part[0] == 0:

@@ -11,7 +11,7 @@ from elflow.experiments.viewer import trajectory_document, write_page
 from elflow.generate import gather_records, write_samples
 from elflow.methods import get_method, require, settings_from_args
 from elflow.runs.load import load_for_sampling
-from elflow.util.devices import check_attention_memory, check_device
+from elflow.util.devices import check_device
 from elflow.util.distributed import process_group
 from elflow.util.errors import ELFError
 from elflow.util.files import atomic_write_json, check_output
@@ -86,7 +86,6 @@ def _sample(args, rank: int, world: int, device):
         if value is not None:
             require(method, feature, flag, args.checkpoint)
     trained = record.length
-    check_attention_memory(args.length or trained, settings.batch_size, net.config.heads, str(device))
     if args.length is not None and args.length > trained:
         print(f"warning: --length {args.length} is longer than the {trained} positions the model was trained on; "
               "expect poorer samples", file=sys.stderr)

@@ -23,6 +23,7 @@ from elflow.flow import (
     token_mean_loss,
 )
 from elflow.methods.elf import ELFMethod, step_sums
+from elflow.util.budget import check_sampling_steps
 from elflow.util.errors import ELFError
 
 SUB_STEP_MIN_SPAN = 1e-3  # below this interval the extrapolation to t = 1 is ill-conditioned: use the guess
@@ -206,8 +207,7 @@ class PDMethod(ELFMethod):
 def check_schedule(student_steps, teacher_steps: int) -> list[int]:
     """The student step counts as a list; ELFError unless they fall strictly and each divides the teacher's."""
     steps = list(student_steps)
-    if not isinstance(teacher_steps, int) or teacher_steps < 1:
-        raise ELFError(f"--teacher-steps must be an integer >= 1, got {teacher_steps!r}")
+    check_sampling_steps(teacher_steps, "--teacher-steps")
     if not steps or any(not isinstance(n, int) or n < 1 for n in steps):
         raise ELFError(f"--student-steps must be integers >= 1, got {steps}")
     if any(b >= a for a, b in zip(steps, steps[1:])):

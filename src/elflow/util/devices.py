@@ -164,10 +164,3 @@ def check_memory(nbytes: float, what: str, device=None, hint: str = "choose a sm
         where = "this GPU" if device is not None and str(device).startswith("cuda") else "this machine"
         raise ELFError(f"{what} needs {human_bytes(nbytes)}, more than the {human_bytes(total)} of memory "
                        f"{where} has; {hint}")
-
-
-def check_attention_memory(length: int, batch: int, heads: int, device) -> None:
-    """Refuse a --length whose attention scores (batch x heads x length^2 in fp32, as attention without a fused
-    kernel holds them) need more memory than the device has: any length the memory allows is sampled."""
-    check_memory(4 * batch * heads * length**2, f"--length {length} (attention over {length} positions, "
-                 f"{batch} samples x {heads} heads per batch)", device, hint="choose a smaller --length or --batch")
