@@ -135,7 +135,8 @@ SAMPLING_DEFAULTS = {  # the text sampling defaults (TEXT_SAMPLING) are the samp
     "distilled-long": {"sampler": "sde", "gamma": 2.0, "omega": 2.0},  # the same beyond 8 steps
     "flow-map": {"sampler": "map", "grid": "uniform", "gamma": 0.0},  # a flow-map student's jumps
 }
-FLOW_MAP_STEPS = 4  # a flow-map student's default step count (it samples at any)
+FLOW_MAP_STEPS = 4  # a flow-map student's default step count (it samples at any up to MAX_MAP_STEPS)
+MAX_MAP_STEPS = 64  # a flow map jumps: more steps than its teacher's sampler takes (64) gain nothing
 TEXT_SAMPLING = SAMPLING_DEFAULTS["text"]
 
 
@@ -402,6 +403,8 @@ def check_sampling_args(steps: int, gamma: float, omega: float, guidance: float 
     the model trained on."""
     if sampler not in SAMPLERS:
         raise ValueError(f"unknown sampler {sampler!r}; choose one of {', '.join(SAMPLERS)}")
+    if sampler == "map" and isinstance(steps, int) and not 1 <= steps <= MAX_MAP_STEPS:
+        raise ValueError(f"a flow map samples with 1 to {MAX_MAP_STEPS} steps (its jumps), got {steps!r}")
     for name, value in (("steps", steps), ("gamma", gamma), ("guidance", guidance), ("omega", omega)):
         ok, what = SAMPLING_RANGES[name]
         if not ok(value):
