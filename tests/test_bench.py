@@ -77,7 +77,7 @@ SIZES = [  # (mode, flag, value, what the one line says): every flag that sets m
     *[("forward", f, "0", f"{f} must be >= 1, got 0") for f in ("--batch", "--length", "--iters", "--peak-size")],
     ("sample", "--steps", "0", "--steps must be >= 1, got 0"),
     ("train", "--accum", "0", "--accum must be >= 1, got 0"),
-    *[("forward", f, "0", f"ELFConfig.{f[2:].replace('-', '_')} must be >= 1") for f in ("--depth", "--hidden")],
+    *[("forward", f, "0", f"ELFConfig.{f[2:].replace('-', '_')} must be an integer >= 1, got 0") for f in ("--depth", "--hidden")],
     *[("forward", f, "-3", f"{f} must be >= 1, got -3") for f in ("--batch", "--length", "--iters", "--peak-size")],
     ("forward", "--warmup", "-1", "--warmup must be >= 0, got -1"),
     ("forward", "--threads", "-3", "--threads must be an integer from 1 to 4,096"),

@@ -152,20 +152,26 @@ def test_an_eval_that_fails_after_sampling_leaves_nothing_and_its_rerun_works(ru
 
 def test_a_model_that_gives_only_empty_texts_is_one_line_and_writes_nothing(runs, tiny_t5_judge_dir, tmp_path,
                                                                            capsys):
-    """The EMA weights made NaN (the checkpoint resealed): every sample is empty; eval says so, writes nothing,
-    with or without MAUVE; sweep says so and names the samples it kept."""
+    """The EMA readout made to say EOS first at every position (the checkpoint resealed): every sample is empty;
+    eval says so, writes nothing, with or without MAUVE; sweep says so and names the samples it kept."""
     import shutil
+
+    from transformers import AutoTokenizer
 
     from elflow.runs.checkpoint import read_state, write_state
     from elflow.util.files import sha256_file
 
     made, cache = runs
-    run = tmp_path / "nan"
+    run = tmp_path / "eos"
     shutil.copytree(made["base"], run)
     ck = run / "checkpoints" / "step_0000002"
     ema = load_file(ck / "ema.safetensors")
-    save_file({k: torch.full_like(v, float("nan")) if v.is_floating_point() else v for k, v in ema.items()},
-              ck / "ema.safetensors")
+    eos = AutoTokenizer.from_pretrained(tiny_t5_judge_dir).eos_token_id
+    ema["decode_head.unembed.weight"] = torch.zeros_like(ema["decode_head.unembed.weight"])
+    bias = torch.zeros_like(ema["decode_head.unembed.bias"])
+    bias[eos] = 100.0
+    ema["decode_head.unembed.bias"] = bias
+    save_file(ema, ck / "ema.safetensors")
     state = read_state(ck)
     state["files"]["ema.safetensors"] = sha256_file(ck / "ema.safetensors")
     write_state(ck, state)

@@ -29,7 +29,7 @@ def test_sample_help_states_the_models_own_defaults_by_kind_of_model(capsys):
     assert "lowercased by an uncased one such as MiniLM's" in text
 
 
-@pytest.mark.parametrize("flag, value, says", [("--steps", "0", "--steps must be an integer >= 1, got 0"),
+@pytest.mark.parametrize("flag, value, says", [("--steps", "0", "--steps must be an integer from 1 to 10,000 (the released recipe samples with at most 64 steps), got 0"),
                                                ("--gamma", "-1", "--gamma must be a finite number >= 0"),
                                                ("--omega", "-0.5", "--omega must be a finite number >= 0"),
                                                ("--batch", "0", "--batch must be an integer >= 1"),

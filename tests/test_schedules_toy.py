@@ -59,7 +59,7 @@ def test_time_grid(kind, steps):
 
 
 def test_time_grid_bad_input():
-    with pytest.raises(ValueError, match="steps must be an integer >= 1"):
+    with pytest.raises(ValueError, match="steps must be an integer from 1 to 10,000"):
         time_grid(0)
     with pytest.raises(ValueError, match="kind must be"):
         time_grid(4, "cosine")

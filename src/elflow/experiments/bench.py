@@ -40,7 +40,7 @@ from elflow.util.budget import (
 from elflow.util.devices import autocast, default_device
 from elflow.util.errors import ELFError
 
-MODES = ("forward", "train", "integrate")
+MODES = ("forward", "train", "sample")
 
 
 FLOP_FORMULA = ("pass/row = 2L(2C^2 + Cb + bH) + depth(2N(4H^2 + 3HM) + 4N^2 H) + 4(256H + H^2) + head "
