@@ -236,18 +236,33 @@ def sample(net: ELF, B: int, L: int, steps: int = 32, gamma: float = 1.5, omega:
 # one command: train on the built-in corpus and show samples
 
 
-def main():
+def bounded(low: int, high: int):
+    """An argparse type: an integer from low to high, else a one-line usage error."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"expected an integer from {low} to {high:,}, got {value}")
+        return value
+    return parse
+
+
+def main(argv=None):
     p = argparse.ArgumentParser(description="train a small ELF on the built-in corpus and sample from it")
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--steps", type=bounded(1, 1_000_000), default=300)
+    p.add_argument("--batch", type=bounded(1, 1024), default=32)
     p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args()
+    p.add_argument("--seed", type=bounded(0, 2**31 - 1), default=0)
+    args = p.parse_args(argv)
+    if not 0 < args.lr < 1:
+        p.error(f"--lr must be in (0, 1), got {args.lr}")
     from elflow.data.datasets import build_dataset  # the frozen space and the token rows: elflow's
-    from elflow.space import build_space
+    from elflow.space import build_space, space_spec
 
     torch.manual_seed(args.seed)
-    space = build_space("random-table:minilm")  # a frozen random table over MiniLM's tokenizer, x ~ N(0, 1)
+    space = build_space(space_spec("random-table:minilm", None))  # a frozen random table over MiniLM's tokenizer, x ~ N(0, 1)
     rows = build_dataset("builtin", space, 64)[0].tokens  # (N, 64) packed rows of Shakespeare
     c = Config(dim=space.dim, vocab_size=space.vocab_size)
     net = ELF(c)

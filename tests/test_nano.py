@@ -90,3 +90,23 @@ def test_the_same_generator_gives_the_same_samples(nano, steps):
 
 def test_the_nano_file_stays_small():
     assert len(NANO.read_text().splitlines()) <= 400
+
+
+def test_main_trains_and_samples_offline(nano, monkeypatch, tmp_path, capsys):
+    """The file's own command, a few steps on the built-in corpus: it prints its losses and four samples."""
+    monkeypatch.setenv("ELFLOW_CACHE", str(tmp_path / "cache"))
+    nano.main(["--steps", "2", "--batch", "2"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("step 2: loss ") and len(lines) == 5
+    assert float(lines[0].split()[3]) > 0
+
+
+@pytest.mark.parametrize("argv, says", [(["--steps", "0"], "--steps: expected an integer from 1"),
+                                        (["--batch", "10**9"], "--batch: expected an integer, got"),
+                                        (["--batch", "100000"], "--batch: expected an integer from 1 to 1,024"),
+                                        (["--lr", "nan"], "--lr must be in (0, 1)")])
+def test_main_refuses_bad_flags_in_one_line(nano, capsys, argv, says):
+    with pytest.raises(SystemExit) as exit_:
+        nano.main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and says in err[-1]
