@@ -26,7 +26,7 @@ LAYERS = [
     ["data.datasets", "generate"],
     ["methods.base", "methods.token_net"],
     ["methods.baseline", "methods.elf"],
-    ["methods.ar", "methods.mdlm", "methods.pd"],
+    ["methods.ar", "methods.mdlm", "methods.pd", "methods.lmd"],
     ["methods"],
     ["config", "runs.checkpoint"],
     ["runs.released", "runs.model_folder", "runs.log"],
@@ -35,8 +35,8 @@ LAYERS = [
     ["runs.load"],
     ["runs.stages", "runs.push"],
     ["runs.claim"],
-    ["train"],
-    ["distill", "eval.gpt2_tokenizer", "eval.metrics", "eval.diagnostics", "eval.mauve", "eval.outputs"],
+    ["train", "runs.outputs"],
+    ["distill", "eval.gpt2_tokenizer", "eval.metrics", "eval.diagnostics", "eval.mauve"],
     ["eval.judge"],
     ["eval.scoring"],
     ["experiments.figures", "experiments.viewer", "experiments.schedules", "experiments.toy",
@@ -215,3 +215,13 @@ assert len(texts) == 2
 """)
     assert "elflow.runs.load" in modules and "elflow.generate" in modules  # it did load and generate
     assert not modules & {"elflow.train", "elflow.cli", "elflow.data.batches"}, sorted(modules)
+
+
+def test_every_output_path_is_checked_by_the_one_output_check():
+    """Outside runs.outputs, util.files.check_output is called only where the path is a run's own folder (train,
+    whose folder rules are runs.claim's) or is checked again (push's library call, after the command's
+    check_out): every other command's outputs get the run rule with the file rule."""
+    callers = {name for name, src in package_sources().items()
+               if any(isinstance(n, ast.Call) and getattr(n.func, "id", getattr(n.func, "attr", None)) == "check_output"
+                      for n in ast.walk(ast.parse(src)))}
+    assert callers <= {"util.files", "runs.outputs", "cli.train", "runs.claim", "runs.push"}, callers

@@ -518,7 +518,8 @@ def test_a_confident_readout_gradient_holds_denormals_that_training_flushes(tmp_
 def test_a_new_run_that_fails_before_its_first_checkpoint_leaves_no_run(tmp_path, tiny_t5_dir, tiny_corpus_file,
                                                                        monkeypatch):
     """A fresh run refused after it wrote run.json (a bad id met in the first batch, say) takes what it wrote
-    with it, so the same command can be run again; files of other programs in the folder stay."""
+    with it, so the same command can be run again; a folder holding files of other programs is refused, with
+    or without --overwrite, and left as it is."""
     import elflow.train as trainer
     from elflow.util.errors import ELFError
 
@@ -531,10 +532,17 @@ def test_a_new_run_that_fails_before_its_first_checkpoint_leaves_no_run(tmp_path
     with pytest.raises(ELFError, match="outside the vocabulary"):
         train(cfg, run, cache_dir=cache, quiet=True)
     assert not run.exists()  # it made the folder, and took it with it
+    monkeypatch.undo()
     run.mkdir()
     (run / "notes.txt").write_text("mine")
-    with pytest.raises(ELFError):
-        train(cfg, run, cache_dir=cache, quiet=True, overwrite=True)
-    assert sorted(p.name for p in run.iterdir()) == ["notes.txt"]
-    monkeypatch.undo()
-    assert train(cfg, run, cache_dir=cache, quiet=True, overwrite=True, stop_after=1)["end_step"] == 1
+    for overwrite in (False, True):
+        with pytest.raises(ELFError, match="holds notes.txt, which a run did not write"):
+            train(cfg, run, cache_dir=cache, quiet=True, overwrite=overwrite)
+        assert sorted(p.name for p in run.iterdir()) == ["notes.txt"]
+    (run / "notes.txt").unlink()
+    assert train(cfg, run, cache_dir=cache, quiet=True, stop_after=1)["end_step"] == 1
+    (run / "eval").mkdir()  # what eval writes by default into a run's folder
+    (run / "eval" / "report.json").write_text("{}")
+    with pytest.raises(ELFError, match="holds eval, which the run did not write; --overwrite replaces only"):
+        train(cfg, run, cache_dir=cache, quiet=True, overwrite=True, stop_after=1)
+    assert (run / "eval" / "report.json").read_text() == "{}" and (run / "run.json").is_file()

@@ -20,15 +20,16 @@ from elflow.methods.pd import PDMethod, check_schedule
 from elflow.model import PRESETS
 from elflow.optim import EMA_DECAY
 from elflow.runs.checkpoint import list_checkpoints, recover_replaced, set_aside
-from elflow.runs.claim import check_not_inside, run_folders_holding, stored_config
+from elflow.runs.claim import check_not_inside, check_only_own, run_folders_holding, stored_config
 from elflow.runs.folder import DISTILL_MANIFEST, REPLACED, REPORT_FILE, RUN_FILE
 from elflow.runs.load import load_init_weights
 from elflow.runs.log import training_records
+from elflow.runs.outputs import check_out
 from elflow.runs.released import build_from_state_dict
 from elflow.train import train
 from elflow.util.distributed import setup_distributed
 from elflow.util.errors import ELFError
-from elflow.util.files import FolderHold, FolderLock, atomic_write_json, check_output, read_json
+from elflow.util.files import FolderHold, atomic_write_json, read_json
 
 
 def _teacher_device():
@@ -117,7 +118,7 @@ def distill(teacher, out, student_steps=(16, 8, 4, 2, 1), teacher_steps: int = 6
         raise ELFError(f"--warmup-frac must lie in [0, 1], got {warmup_frac}")
     if steps_per_round is None and epochs is None:
         epochs = 1.0
-    out = check_output(out, folder=True)
+    out = check_out(out, folder=True)
     _check_out(out, [teacher])
 
     device = _teacher_device()
@@ -209,7 +210,7 @@ def distill_flow_map(teacher, out, steps: int = 1000, sample_steps: int = FLOW_M
         raise ELFError(f"the student's default sampling steps must be an integer from 1 to 64, got {sample_steps!r}")
     if not 0 <= warmup_frac <= 1:
         raise ELFError(f"--warmup-frac must lie in [0, 1], got {warmup_frac}")
-    out = check_output(out, folder=True)
+    out = check_out(out, folder=True)
     _check_out(out, [teacher])
     device = _teacher_device()
     teacher_net, record, origin = load_teacher(teacher, device=device)
@@ -328,6 +329,7 @@ def _prepare_out(out: Path, manifest: dict, resume: bool, overwrite: bool) -> bo
     stored_path = out / DISTILL_MANIFEST
     if stored_path.exists():
         if overwrite:
+            check_only_own(out, _own_names(out), "the distillation", "--overwrite replaces only what it wrote")
             set_aside(out, sorted(_own_names(out)))
             return True
         if not resume:
@@ -347,13 +349,10 @@ def _prepare_out(out: Path, manifest: dict, resume: bool, overwrite: bool) -> bo
         return False
     if resume:
         raise ELFError(f"{out} holds no distillation to resume; check --out, or start without --resume")
-    mine = _own_names(out)
-    if any(p.name != FolderLock.NAME for p in out.iterdir()):
-        if not overwrite:
-            raise ELFError(f"{out} exists and is not an elflow distillation folder; choose another --out or pass "
-                           "--overwrite (its files are left as they are)")
-        if mine:
-            set_aside(out, sorted(mine))
+    mine = _own_names(out) if overwrite else set()  # rounds whose record is gone: --overwrite replaces them
+    check_only_own(out, mine, "a distillation", "a distillation goes into an empty folder or a folder of its own")
+    if mine:
+        set_aside(out, sorted(mine))
     return True
 
 

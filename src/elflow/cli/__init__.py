@@ -52,13 +52,22 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line, like every other error of elflow: the command's error and
+    where its flags are listed (the usage block is --help's)."""
+
+    def error(self, message):
+        what = "commands" if self.prog == "elflow" else "flags"
+        self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the {what})\n")
+
+
 def _load(name: str):
     module_name, _ = COMMANDS[name]
     return importlib.import_module(module_name)
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="elflow",
         description="ELF: text generation by flow matching in a frozen encoder's embedding space.",
     )

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from elflow.runs.load import convert_released
+from elflow.runs.outputs import check_out
 from elflow.util.errors import ELFError
-from elflow.util.files import check_output
 
 
 def add_arguments(p) -> None:
@@ -15,7 +15,7 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    out = check_output(args.out, folder=True)
+    out = check_out(args.out, folder=True)
     if out.is_dir() and any(out.iterdir()):
         raise ELFError(f"{out} exists and is not empty; the converted checkpoint goes into a new folder: choose "
                        "another out")

@@ -28,18 +28,18 @@ from elflow.eval.metrics import (
     rouge,
     summary_of,
 )
-from elflow.eval.outputs import Outputs, check_outside_runs, default_folder, own_run
 from elflow.eval.scoring import check_sampled, heldout_texts, judged_heldout, read_real_texts, sample_and_score
 from elflow.generate import write_samples
 from elflow.methods import get_method, settings_from_args
 from elflow.runs.folder import REPORT_FILE
 from elflow.runs.load import load_for_sampling
+from elflow.runs.outputs import Outputs, check_out, default_folder, own_run
 from elflow.runs.tracking import Tracker, require_wandb
 from elflow.util import jsonio
 from elflow.util.devices import check_device
 from elflow.util.distributed import process_group
 from elflow.util.errors import ELFError
-from elflow.util.files import FolderHold, atomic_write_json, check_output
+from elflow.util.files import FolderHold, atomic_write_json
 
 
 def _heldout(args, checkpoint, num: int, judge, main: bool = True) -> dict | None:
@@ -331,13 +331,10 @@ def _out_folder(args, tag: str | None = None) -> tuple[Path, Path | None]:
     run = own_run(ckpt)
     allowed = run / "eval" if run is not None else None
     if args.out:
-        out = check_output(args.out, args.overwrite, "--out", folder=True)
-        check_outside_runs(out, "--out", allowed)
-        return out, allowed
+        return check_out(args.out, args.overwrite, "--out", folder=True, allowed=allowed), allowed
     out = default_folder(ckpt, "eval", Path("eval-" + ckpt.name) / "eval")
     out = out / tag if tag else out
-    check_output(out, args.overwrite, "--out", folder=True)
-    return out, allowed
+    return check_out(out, args.overwrite, "--out", folder=True, allowed=allowed), allowed
 
 
 def _run_conditional_task(args, part: tuple[int, int] = (0, 1)) -> int:

@@ -5,9 +5,9 @@ from __future__ import annotations
 from elflow.data.ingest import prepare_store
 from elflow.data.layout import LAYOUTS
 from elflow.data.workers import check_workers
+from elflow.runs.outputs import check_out
 from elflow.space import build_space, space_spec, tokenizer_spec
 from elflow.util.errors import ELFError
-from elflow.util.files import check_output
 
 
 def add_arguments(p) -> None:
@@ -55,7 +55,7 @@ def run(args) -> int:
         raise ELFError(f"--max-documents must be at least 1, got {args.max_documents}")
     if args.source_length is not None and args.source_length < 1:
         raise ELFError(f"--source-length must be at least 1, got {args.source_length}")
-    out = check_output(args.out, folder=True)
+    out = check_out(args.out, folder=True)
     space = build_space(tokenizer_spec(space_spec(args.space, None)))
     pairs = args.source_length is not None
     store = prepare_store(args.source, space, out, pairs=pairs, layout=args.layout, source_length=args.source_length,

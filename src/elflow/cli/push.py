@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 
+from elflow.runs.outputs import check_out
 from elflow.runs.push import CARD_SAMPLES, push
 from elflow.util.devices import check_device
 from elflow.util.errors import ELFError
@@ -27,6 +28,8 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     if args.samples < 0:
         raise ELFError(f"--samples must be >= 0, got {args.samples}")
+    if args.out is not None:
+        check_out(args.out, folder=True)  # the output rules, a run's folder included, before any work
     res = push(args.checkpoint, args.hub_id, private=args.private, revision=args.revision, out=args.out,
                dry_run=args.dry_run, num_samples=args.samples, device=check_device(args.device),
                progress=not args.quiet, commit_message=args.message)

@@ -7,14 +7,16 @@ from pathlib import Path
 
 from elflow.cli.common import add_sampling_arguments, check_samples_out, check_sampling_flags
 from elflow.data.corpus import read_sources
+from elflow.eval.scoring import check_sampled
 from elflow.experiments.viewer import trajectory_document, write_page
 from elflow.generate import gather_records, write_samples
 from elflow.methods import get_method, require, settings_from_args
 from elflow.runs.load import load_for_sampling
+from elflow.runs.outputs import Outputs
 from elflow.util.devices import check_device
 from elflow.util.distributed import process_group
 from elflow.util.errors import ELFError
-from elflow.util.files import atomic_write_json, check_output
+from elflow.util.files import atomic_write_json
 
 
 def add_arguments(p) -> None:
@@ -56,21 +58,22 @@ def run(args) -> int:
     check_sampling_flags(args)  # before the model loads
     args.device = check_device(args.device)
     check_samples_out(args.out)
-    check_output(args.out, args.overwrite)  # before any work
     if args.html and args.trajectory is None:
         args.trajectory = []
+    outputs = Outputs(args.overwrite)  # every output checked before any work, written together at the end
+    outputs.add(args.out)
     traj_path = Path(args.out).with_suffix(".trajectory.json") if args.trajectory is not None else None
     page_path = Path(args.out).with_suffix(".trajectory.html") if args.html else None
     for extra in (traj_path, page_path):
         if extra is not None:
-            check_output(extra, args.overwrite)
+            outputs.add(extra, "--out")
     if args.length is not None and args.length < 1:
         raise ELFError(f"--length must be >= 1, got {args.length}")
     if args.trajectory and min(args.trajectory) < 1:
         raise ELFError(f"--trajectory steps count from 1 (the first sampling step), got {min(args.trajectory)}")
     with process_group(args.device) as (rank, world, device):  # under torchrun: each rank draws its batches
         records, meta, space = _sample(args, rank, world, device)
-    return 0 if rank else _write(args, records, meta, space, traj_path, page_path)
+    return 0 if rank else _write(args, outputs, records, meta, space, traj_path, page_path)
 
 
 def _sample(args, rank: int, world: int, device):
@@ -120,15 +123,20 @@ def _sample(args, rank: int, world: int, device):
     return records, meta, space
 
 
-def _write(args, records, meta, space, traj_path, page_path) -> int:
+def _write(args, outputs: Outputs, records, meta, space, traj_path, page_path) -> int:
     rows = [r.pop("trajectory") for r in records if "trajectory" in r]  # kept apart from the samples file
-    write_samples(args.out, records, meta, args.overwrite)
-    if rows:
+    check_sampled([r["text"] for r in records], args.checkpoint)
+    writers = {outputs.paths[0]: lambda p, overwrite: write_samples(p, records, meta, overwrite)}
+    if traj_path is not None:
         seen = [{"step": pts[0]["step"] + 1, "t": pts[0]["t"],
                  **{k: [p[k] for p in pts] for k in ("ids", "shown", "known")},
                  "texts": [p["text"] for p in pts]} for pts in zip(*rows)]  # per recorded step (from 1)
         doc = trajectory_document(space.tokenizer, seen, records[:len(rows)], {**meta, "space": space.space_id})
-        atomic_write_json(traj_path, doc, args.overwrite)
+        writers[outputs.paths[1]] = lambda p, overwrite: atomic_write_json(p, doc, overwrite)
+        if page_path is not None:
+            writers[outputs.paths[2]] = lambda p, overwrite: write_page(doc, p, overwrite)
+    outputs.write(writers)
+    if traj_path is not None:
         print("how sample 0 emerges (decode readout of the guess at each chosen step):")
         m = min(6, len(seen))  # up to six of the recorded steps, spread out, the last one included
         for k in sorted({round(j * (len(seen) - 1) / max(m - 1, 1)) for j in range(m)}):
@@ -136,7 +144,6 @@ def _write(args, records, meta, space, traj_path, page_path) -> int:
                   f"{seen[k]['texts'][0][:200]}")
         print(f"wrote the trajectory of {len(rows)} samples x {len(seen)} steps to {traj_path}", file=sys.stderr)
         if page_path is not None:
-            write_page(doc, page_path, args.overwrite)
             print(f"wrote {page_path}; open it in a browser", file=sys.stderr)
     if not args.quiet:
         for r in records:

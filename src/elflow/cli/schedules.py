@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from elflow.experiments.schedules import EXPECTED, check_schedules, plot_schedules, schedule_statistics
+from elflow.runs.outputs import check_out
 from elflow.util.errors import ELFError
-from elflow.util.files import check_output
 
 
 def add_arguments(p) -> None:
@@ -18,7 +18,7 @@ def run(args) -> int:
     if args.samples < 2:
         raise ELFError(f"--samples must be at least 2 (medians and shares need draws), got {args.samples}")
     check_schedules(args.samples)
-    check_output(args.out, args.overwrite)
+    check_out(args.out, args.overwrite)
     stats = schedule_statistics(n=args.samples, seed=args.seed)
     print(f"{'statistic':<22}{'measured':>10}{'expected':>11}")
     for k, v in stats.items():

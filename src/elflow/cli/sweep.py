@@ -7,16 +7,16 @@ from pathlib import Path
 from elflow.cli.common import add_arguments as add_tracking
 from elflow.eval.mauve import clusters_for
 from elflow.eval.metrics import PROTOCOL_ALIASES, PROTOCOLS
-from elflow.eval.outputs import check_outside_runs, default_folder, own_run
 from elflow.eval.scoring import heldout_texts, read_real_texts
 from elflow.experiments.sweep import _FLOAT, COLUMNS, plot_sweep, read_csv, run_sweep
 from elflow.flow import SAMPLERS
 from elflow.methods import get_method
 from elflow.runs.load import method_of
+from elflow.runs.outputs import check_out, default_folder, own_run
 from elflow.runs.tracking import Tracker, require_wandb
 from elflow.util.devices import check_device
 from elflow.util.errors import ELFError
-from elflow.util.files import FolderHold, check_output, read_json
+from elflow.util.files import FolderHold, read_json
 
 
 def add_arguments(p) -> None:
@@ -130,11 +130,9 @@ def _out_folder(args) -> Path:
     device or file, and not inside a run folder but under the swept run's own RUN/sweep."""
     run = own_run(args.checkpoint) if args.checkpoint else None
     if args.out:
-        out = check_output(args.out, flag="--out", folder=True)
-        check_outside_runs(out, "--out", run / "sweep" if run is not None else None)
-        return out
+        return check_out(args.out, flag="--out", folder=True, allowed=run / "sweep" if run is not None else None)
     out = default_folder(args.checkpoint, "sweep", Path("sweep")) if args.checkpoint else Path("sweep")
-    return check_output(out, flag="--out", folder=True)
+    return check_out(out, flag="--out", folder=True, allowed=run / "sweep" if run is not None else None)
 
 
 def run(args) -> int:

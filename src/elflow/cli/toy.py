@@ -9,8 +9,8 @@ from elflow.experiments import toy_distill
 from elflow.experiments.toy import grid_mixture, plot_toy, ring_mixture, run_toy
 from elflow.experiments.toy_distill import TABLE_STEPS, distillation_table, energy_floor, energy_rows
 from elflow.flow import SAMPLERS
+from elflow.runs.outputs import check_out
 from elflow.util.errors import ELFError
-from elflow.util.files import check_output
 
 # sizes past which a run cannot fit in a few minutes and a few hundred MB, refused before any work
 MAX_NUM = 1_000_000  # samples per step count: each keeps its whole path for the figure
@@ -81,7 +81,7 @@ def run(args) -> int:
     check_sizes(args)
     if not (math.isfinite(args.gamma) and args.gamma >= 0):
         raise ELFError(f"--gamma must be a finite number >= 0, got {args.gamma}")
-    check_output(args.out, args.overwrite)
+    check_out(args.out, args.overwrite)
     mix = ring_mixture(args.clusters) if args.layout == "ring" else grid_mixture(args.clusters)
     gamma = 0.0 if args.sampler == "ode" else args.gamma
     res = run_toy(mix, args.steps, args.num, args.seed, args.sampler, gamma)

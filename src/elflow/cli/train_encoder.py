@@ -5,9 +5,10 @@ from __future__ import annotations
 import math
 
 from elflow.experiments.encoder_train import check_encoder_training, train_encoder
+from elflow.runs.outputs import check_out
 from elflow.util.devices import check_device
 from elflow.util.errors import ELFError
-from elflow.util.files import FolderHold, check_output
+from elflow.util.files import FolderHold
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -55,7 +56,7 @@ def run(args) -> int:
     check_encoder_training(vocab=args.vocab, length=args.length, density=args.density, span=args.span,
                            hidden=args.hidden, depth=args.depth, heads=args.heads, batch=args.batch, steps=args.steps,
                            device=args.device)
-    out = check_output(args.out, folder=True)
+    out = check_out(args.out, folder=True)
     if out.is_dir() and any(out.iterdir()) and not args.overwrite:
         raise ELFError(f"--out {out} is not empty; pass --overwrite to write the encoder into it, or choose another "
                        "--out")

@@ -6,9 +6,10 @@ import json
 import math
 
 from elflow.eval.judge import NOT_GPT2_NOTE, JudgeConfig, check_judge_training, train_judge
+from elflow.runs.outputs import check_out
 from elflow.util.devices import check_device
 from elflow.util.errors import ELFError
-from elflow.util.files import FolderHold, check_output
+from elflow.util.files import FolderHold
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -45,7 +46,7 @@ def run(args) -> int:
     check_device(args.device)
     cfg = JudgeConfig(hidden=args.hidden, depth=args.depth, heads=args.heads, context=args.context)
     check_judge_training(cfg, args.batch_size, args.steps, args.device)
-    out = check_output(args.out, folder=True)
+    out = check_out(args.out, folder=True)
     if out.is_dir() and any(out.iterdir()) and not args.overwrite:
         raise ELFError(f"--out {out} is not empty; pass --overwrite to write the judge into it (its files of the "
                        "same names are replaced), or choose another --out")

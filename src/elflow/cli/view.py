@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 from elflow.experiments.viewer import read_trajectory, write_page
-from elflow.util.files import check_output
+from elflow.runs.outputs import check_out
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -21,7 +21,7 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     out = Path(args.out) if args.out else Path(args.trajectory).with_suffix(".html")
     doc = read_trajectory(args.trajectory)  # the input first: a device or a non-trajectory writes nothing
-    check_output(out, args.overwrite)
+    check_out(out, args.overwrite)
     write_page(doc, out, args.overwrite)
     print(f"wrote {out} ({len(doc['samples'])} samples x {len(doc['steps'])} steps); open it in a browser",
           file=sys.stderr)

@@ -21,11 +21,12 @@ from elflow.experiments.encoder_train import train_encoder
 from elflow.methods import get_method
 from elflow.runs.folder import RUN_FILE
 from elflow.runs.load import load_for_sampling
+from elflow.runs.outputs import check_out
 from elflow.space import build_space, space_spec, tokenizer_spec
 from elflow.train import train
 from elflow.util import jsonio
 from elflow.util.errors import ELFError
-from elflow.util.files import FolderHold, atomic_write, atomic_write_json, check_output, read_json
+from elflow.util.files import FolderHold, atomic_write, atomic_write_json, read_json
 
 NOISE = 2.0  # standard errors of the paired seed differences a finding must clear
 
@@ -360,7 +361,7 @@ def run_claims(claims: list[Claim], out, seeds: int = DEFAULT_SEEDS, minutes: fl
     claims.md and one plot per claim under `out`; returns the report. `base`: TrainConfig settings over the
     quickstart's for every variant; `judge_settings`: overrides of the cached judge's (compare.JUDGE_DEFAULTS);
     `quiet` hides the trainings' progress bars, `progress` shows one over the variants."""
-    out = check_output(out, folder=True)
+    out = check_out(out, folder=True)
     with FolderHold(out, "elflow claims"):  # a second report into the same folder is refused while this one runs
         return _run_claims(claims, out, seeds, minutes, steps, num, base, cache_dir, device, quiet, printer, command,
                            judge_settings, progress)

@@ -23,12 +23,13 @@ from elflow.methods import METHOD_NAMES, get_method
 from elflow.runs.folder import METRICS_FILE, RUN_FILE
 from elflow.runs.load import load_for_sampling
 from elflow.runs.log import read_metrics
+from elflow.runs.outputs import check_out
 from elflow.space import build_space, space_spec, tokenizer_spec
 from elflow.train import train
 from elflow.util import jsonio
 from elflow.util.devices import check_device
 from elflow.util.errors import ELFError
-from elflow.util.files import FolderHold, atomic_write_json, cache_root, check_output, read_json
+from elflow.util.files import FolderHold, atomic_write_json, cache_root, read_json
 
 DEFAULT_MINUTES = 4.0  # minutes of training per method
 
@@ -142,7 +143,7 @@ def compare(cfg, out, steps: int | None = None, minutes: float | None = None, nu
         raise ELFError(f"the budget must be positive, got {given}")
     if num < 1:
         raise ELFError(f"--num must be >= 1, got {num}")
-    out = check_output(out, folder=True)
+    out = check_out(out, folder=True)
     taken = [n for n in (*METHOD_NAMES, "compare.json", "samples") if (out / n).exists()]
     if taken and not overwrite:
         raise ELFError(f"{out} already holds a comparison ({', '.join(taken)}); pass --overwrite to replace it, or "

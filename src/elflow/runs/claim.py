@@ -86,21 +86,42 @@ def remove_run_files(out: Path) -> None:
             p.unlink()
 
 
+def stored_files(out: Path) -> tuple[str, ...]:
+    """The names of the run's own files in `out`, as its run.json lists them (all of RUN_FILES when run.json is
+    missing or cannot be read: a run whose record was damaged is still replaced as a whole)."""
+    try:
+        return run_file(out)["files"]
+    except ELFError:
+        return RUN_FILES
+
+
+def check_only_own(out: Path, own, whose: str, rule: str) -> None:
+    """Refuse a folder `out` that holds anything but `own` (the names of what `whose` wrote) and elflow's own
+    bookkeeping (its lock, a run being replaced, a first stage): nothing that a command did not write is ever
+    replaced or mixed with a run's files. One line names what is there."""
+    if not out.is_dir():
+        return
+    allowed = {*own, FolderLock.NAME, REPLACED, DECODER_STAGE}
+    foreign = sorted(p.name for p in out.iterdir() if p.name not in allowed)
+    if foreign:
+        shown = ", ".join(foreign[:4]) + (f" and {len(foreign) - 4} more" if len(foreign) > 4 else "")
+        raise ELFError(f"{out} holds {shown}, which {whose} did not write; {rule} and never removes or mixes with "
+                       "other files: move them out of the folder, or choose another --out")
+
+
 def check_run_dir(out: Path, cfg: TrainConfig, resume: bool, overwrite: bool, device=None) -> None:
     """What --resume / --overwrite may do with the folder as it is; the folder is not changed here. `device`:
     where the run resumes (a stored dtype "auto" is read as what it picks there). A new run may not be written
     inside its --init-from run (`check_not_inside`)."""
     if cfg.init_from and not resume:
         check_not_inside(out, cfg.init_from, "--init-from")
-    ours = {FolderLock.NAME, REPLACED, DECODER_STAGE}
     if not (out / RUN_FILE).exists() and not in_first_stage(out):
         if resume:
             raise ELFError(f"{out} holds no run to resume; check --out, or start the run without --resume")
-        if out.is_dir() and any(p.name not in ours for p in out.iterdir()) and not overwrite:
-            raise ELFError(f"{out} exists and is not an elflow run folder; choose another --out or pass --overwrite "
-                           "(its files are left as they are)")
+        check_only_own(out, (), "a run", "a run goes into an empty folder or a folder of its own")
         return
     if overwrite:
+        check_only_own(out, stored_files(out), "the run", "--overwrite replaces only what the run wrote")
         return
     if not resume:
         raise ELFError(f"{out} already holds a run; pass --resume to continue it or --overwrite to replace it")

@@ -33,7 +33,7 @@ from elflow.flow import Recipe, recipe_for
 from elflow.methods import get_method
 from elflow.model import ShortRunOptions
 from elflow.runs.checkpoint import load_checkpoint, upgrade_state, upgrade_train, verify_checkpoint
-from elflow.runs.folder import MODEL_WEIGHTS, RUN_FILE, STATE_FILE
+from elflow.runs.folder import MODEL_WEIGHTS, RUN_FILE, RUN_FILES, STATE_FILE
 from elflow.runs.locate import locate
 from elflow.runs.model_folder import load_listed, read_model_folder_files
 from elflow.runs.released import RELEASED_SPACE, infer_config, read_released_checkpoint, release_settings
@@ -215,7 +215,7 @@ class RunRecord:
         """run.json of a run folder: the record, and `extra` (how the run runs: world_size, stage_of), written
         atomically."""
         path = Path(folder) / RUN_FILE
-        atomic_write_json(path, {"format": RUN_FORMAT, "record": self.to_dict(), **extra})
+        atomic_write_json(path, {"format": RUN_FORMAT, "record": self.to_dict(), "files": list(RUN_FILES), **extra})
         return path
 
     @classmethod
@@ -259,7 +259,16 @@ def run_file(folder: str | os.PathLike) -> dict:
     world = doc.get("world_size", 1)
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise ELFError(f"{where}: its field 'world_size' must be an integer >= 1, got {world!r}")
-    return {"record": record, "world_size": world, "stage_of": stage_of}
+    return {"record": record, "world_size": world, "stage_of": stage_of, "files": own_files(doc, where)}
+
+
+def own_files(doc: dict, where: str) -> tuple[str, ...]:
+    """The names a run folder's own files may have, as its run.json lists them (all of RUN_FILES for a run.json
+    that lists none); a listed name elflow never writes is ignored, so no run.json can claim another file."""
+    listed = doc.get("files", list(RUN_FILES))
+    if not isinstance(listed, list) or not all(isinstance(n, str) for n in listed):
+        raise ELFError(f"{where}: its field 'files' must be a list of file names, got {listed!r:.80}")
+    return tuple(n for n in RUN_FILES if n in listed)
 
 
 def checkpoint_state(record: RunRecord, step: int, data_position, data_store, world_size: int) -> dict:

@@ -1,10 +1,11 @@
-"""Where `elflow eval` and `elflow sweep` write, and the one writer of eval's files.
+"""Where a command writes: the one check of every output path and the one writer of a command's files.
 
-Every output path is checked before any work (`check_output`: no link, device, fifo or socket; an existing
-file only with --overwrite) and may not lie inside a run folder (a folder holding run.json), whose
-`train --overwrite` would take it, except under the evaluated run's own `eval/` (or `sweep/`) folder, where the
-defaults put it. An eval's files (its samples and its report) are written together once everything is
-computed: an eval that is refused, fails or is stopped leaves none of them behind.
+Every output path of every command is checked before any work by `check_out`: the file rule of
+`util.files.check_output` (no link, device, fifo or socket; an existing file only with --overwrite; a writable
+place), and no output inside a run folder (a folder holding run.json), whose files belong to the run, except
+under the evaluated run's own `eval/` (or `sweep/`) folder, where eval's and sweep's defaults put them. A
+command's files (eval's samples and report, sample's samples, trajectory and page) are written together once
+everything is computed (`Outputs`): a command that is refused, fails or is stopped leaves none of them behind.
 """
 
 from __future__ import annotations
@@ -47,6 +48,15 @@ def default_folder(checkpoint, name: str, fallback: Path) -> Path:
     return run_path / name if path.resolve() == run else run_path / name / path.resolve().name
 
 
+def check_out(path, overwrite: bool = False, flag: str = "--out", folder: bool = False,
+              allowed: Path | None = None) -> Path:
+    """Check an output path before any work: the file rule (`check_output`) and the run rule
+    (`check_outside_runs`); returns the path, expanded."""
+    path = check_output(path, overwrite, flag, folder)
+    check_outside_runs(path, flag, allowed)
+    return path
+
+
 def check_outside_runs(path, flag: str, allowed: Path | None = None) -> None:
     """Refuse an output `path` (file or folder) that is a run folder or lies inside one, unless it lies under
     `allowed` (the evaluated run's own RUN/eval or RUN/sweep) and that run is the innermost one holding it."""
@@ -77,9 +87,8 @@ class Outputs:
         """Check `path` (the output rule; not inside a run folder but under `allowed`, unless `inside_checked`:
         a place the caller chose and checked) and keep it; a path named twice is refused (two outputs that
         would overwrite each other)."""
-        path = check_output(path, self.overwrite, flag)
-        if not inside_checked:
-            check_outside_runs(path, flag, allowed)
+        path = check_output(path, self.overwrite, flag) if inside_checked else check_out(
+            path, self.overwrite, flag, allowed=allowed)
         key = os.path.abspath(path)
         if any(os.path.abspath(p) == key for p in self.paths):
             raise ELFError(f"{flag} {path} is named twice among this command's outputs; give each its own path")
