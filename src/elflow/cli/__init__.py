@@ -58,7 +58,7 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message):
         what = "commands" if self.prog == "elflow" else "flags"
-        self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the {what})\n")
+        self.exit(2, one_line(f"{self.prog}: error: {message} (`{self.prog} --help` lists the {what})") + "\n")
 
 
 def _load(name: str):
