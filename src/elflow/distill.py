@@ -88,6 +88,8 @@ def _base_config(record, origin, overrides: dict) -> TrainConfig:
     for key in ("predict", "conditioning", "decoder", "bottleneck"):  # the network's variants are run settings
         if key in shape:
             base[key] = shape.pop(key)
+    if not shape.get("target_time"):  # a student of progressive distillation has no target time; a teacher
+        shape.pop("target_time", None)  # recorded before the field existed stored none, and resumes alike
     base["model"] = shape
     base["short_run"] = record.options.to_dict() if record.options.active else {}  # students of the teacher's kind
     base["length"] = base.get("length") or record.length
