@@ -310,7 +310,13 @@ def test_overwrite_with_bad_settings_keeps_the_old_run(capsys, run_copy, tiny_t5
 @pytest.mark.slow
 def test_overwrite_failing_before_its_first_checkpoint_restores_the_old_run(
         capsys, run_copy, tiny_t5_dir, tiny_corpus_file, cache, monkeypatch):
-    (run_copy / "notes.txt").write_text("mine")
+    (run_copy / "notes.txt").write_text("mine")  # a file the run did not write: --overwrite takes nothing
+    before = snapshot(run_copy)
+    code, _, err = cli(capsys, ["train", *tiny_flags(tiny_t5_dir, tiny_corpus_file, cache, seed=7), "--out", run_copy,
+                                "--overwrite"])
+    assert_one_error(code, err, "train", "holds notes.txt, which the run did not write")
+    assert snapshot(run_copy) == before
+    (run_copy / "notes.txt").unlink()
     before = snapshot(run_copy)
     real = ckpt_mod.save_file
 
@@ -322,12 +328,11 @@ def test_overwrite_failing_before_its_first_checkpoint_restores_the_old_run(
     assert_one_error(code, err, "train", "no space left on device", "last good checkpoint: none")
     assert snapshot(run_copy) == before
 
-    # once the new run has written a checkpoint the old one is gone, and files it did not write stay
+    # once the new run has written a checkpoint the old one is gone
     monkeypatch.setattr(ckpt_mod, "save_file", real)
     code, _, err = cli(capsys, ["train", *tiny_flags(tiny_t5_dir, tiny_corpus_file, cache, seed=7, steps=3),
                                 "--out", run_copy, "--overwrite"])
     assert code == 0, err
-    assert (run_copy / "notes.txt").read_text() == "mine"
     assert [p.name for p in list_checkpoints(run_copy)] == ["step_0000003"]
     assert json.loads((run_copy / "run.json").read_text())["record"]["train"]["seed"] == 7
     assert not (run_copy / ".replaced-run").exists() and not (run_copy / ".lock").exists()
@@ -650,7 +655,7 @@ LOSS_CASES = [
     ("distill-out-of-own-files-without-overwrite", "distill",
      lambda t, run, c, h: ((t / "mine").mkdir(), (t / "mine" / "notes.txt").write_text("keep"),
                            _distill_args(run, t / "mine", c))[-1],
-     ["not an elflow distillation folder", "--overwrite"]),
+     ["holds notes.txt, which a distillation did not write", "folder of its own"]),
     ("distill-overwrite-while-another-runs", "distill",
      lambda t, run, c, h: ((t / "d").mkdir(), (t / "d" / "distill.json").write_text("{}"), _live_lock(t / "d", h),
                            _distill_args(run, t / "d", c, "--overwrite"))[-1],
@@ -728,6 +733,11 @@ def test_distill_overwrite_replaces_only_its_own_files_and_restores_them_on_fail
         (out / name / "x").write_text("old")
     (out / "distill.json").write_text(json.dumps({"teacher": "old"}))
     before, teacher = tree_state(tmp_path), tree_state(trained)
+    code, _, err = cli(capsys, _distill_args(trained, out, cache, "--overwrite"))  # a file it did not write
+    assert_one_error(code, err, "distill", "holds notes.txt, which the distillation did not write")
+    assert tree_state(tmp_path) == before
+    (out / "notes.txt").unlink()
+    before = tree_state(tmp_path)
     real = ckpt_mod.save_file
 
     def full_disk(sd, path, *a, **k):
@@ -735,12 +745,11 @@ def test_distill_overwrite_replaces_only_its_own_files_and_restores_them_on_fail
     monkeypatch.setattr(ckpt_mod, "save_file", full_disk)
     code, _, err = cli(capsys, _distill_args(trained, out, cache, "--overwrite"))
     assert_one_error(code, err, "distill", "no space left on device")
-    assert tree_state(tmp_path) == before  # the old distillation is back; the user's file untouched
+    assert tree_state(tmp_path) == before  # the old distillation is back
 
     monkeypatch.setattr(ckpt_mod, "save_file", real)
     code, _, err = cli(capsys, _distill_args(trained, out, cache, "--overwrite"))
     assert code == 0, err
-    assert (out / "notes.txt").read_text() == "mine"
     assert not (out / "9-step").exists() and not (out / "round-8").exists()
     assert not (out / ".replaced-run").exists() and not (out / ".lock").exists()
     assert json.loads((out / "distill.json").read_text())["student_steps"] == [1]
