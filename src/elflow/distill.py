@@ -29,7 +29,7 @@ from elflow.runs.released import build_from_state_dict
 from elflow.train import train
 from elflow.util.distributed import setup_distributed
 from elflow.util.errors import ELFError
-from elflow.util.files import FolderHold, atomic_write_json, read_json
+from elflow.util.files import FolderHold, atomic_write_json, read_json, resolved
 
 
 def _teacher_device():
@@ -312,11 +312,11 @@ def _settle(out: Path, fresh: bool, ok: bool, steps) -> None:
 def _check_out(out: Path, teacher) -> None:
     """--out may not be the teacher's folder or its run folder, nor a folder above or inside them: a
     distillation never writes over or among its teacher's files."""
-    resolved = out.expanduser().resolve()
+    out_path = resolved(out)
     for t in teacher:
-        for held in (Path(t).expanduser().resolve(), *run_folders_holding(t)):
-            if resolved == held or resolved in held.parents:
-                raise ELFError(f"--out {resolved} holds the teacher ({held}); the distillation must go into a "
+        for held in (resolved(t), *run_folders_holding(t)):
+            if out_path == held or out_path in held.parents:
+                raise ELFError(f"--out {out_path} holds the teacher ({held}); the distillation must go into a "
                                "folder of its own: choose another --out")
         check_not_inside(out, t, "the teacher")
 

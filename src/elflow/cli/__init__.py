@@ -61,6 +61,19 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, one_line(f"{self.prog}: error: {message} (`{self.prog} --help` lists the {what})") + "\n")
 
 
+EMPTY_OK = {"prompt", "suffix", "message"}  # the text arguments for which "" means something: no text
+
+
+def _refuse_empty_values(p: argparse.ArgumentParser, args) -> None:
+    """An empty string is no path, space, device or name: `--out ""` (an unset shell variable, say) is refused
+    here, for every command and argument at once, rather than read as the current folder."""
+    for a in p._actions:
+        if a.dest not in EMPTY_OK and getattr(args, a.dest, None) == "":
+            name = a.option_strings[0] if a.option_strings else (a.metavar or a.dest).upper()
+            rest = ", or leave the flag out" if a.option_strings else ""
+            p.error(f"argument {name}: an empty value; give it one (a path, a name){rest}")
+
+
 def _load(name: str):
     module_name, _ = COMMANDS[name]
     return importlib.import_module(module_name)
@@ -94,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
+    _refuse_empty_values(parser.subcommands[args.command], args)
     module = _load(args.command)
     previous = _one_line_signals_and_warnings(args.command)
     try:

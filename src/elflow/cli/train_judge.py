@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 
+from elflow.data.corpus import check_documents
 from elflow.eval.judge import NOT_GPT2_NOTE, JudgeConfig, check_judge_training, train_judge
 from elflow.runs.outputs import check_out
 from elflow.util.devices import check_device
@@ -44,6 +45,7 @@ def run(args) -> int:
     if not (math.isfinite(args.lr) and args.lr > 0) or args.warmup < 0:
         raise ELFError(f"--lr must be a finite number > 0 and --warmup >= 0, got {args.lr} and {args.warmup}")
     check_device(args.device)
+    check_documents(args.data)  # a bad --data is refused before the tokenizer is built
     cfg = JudgeConfig(hidden=args.hidden, depth=args.depth, heads=args.heads, context=args.context)
     check_judge_training(cfg, args.batch_size, args.steps, args.device)
     out = check_out(args.out, folder=True)

@@ -433,6 +433,16 @@ def read_documents(source: str | os.PathLike, field: str = "text", on_bad: str =
     return itertools.islice(it, max_documents) if max_documents is not None else it
 
 
+def check_documents(source, field: str = "text") -> None:
+    """Before any slow set-up: a local `source` (or one that looks like a path) is read up to its first
+    document, so that a missing, unreadable or empty source is refused at once. Hub names and the built-in
+    corpus are checked where they are read."""
+    if str(source) in BUILTIN_NAMES:
+        return
+    if local_source(source) is not None or _looks_like_path(str(source)):
+        read_documents(source, field, max_documents=1)
+
+
 def read_pairs(source: str | os.PathLike, source_field: str = "input", target_field: str = "output",
                on_bad: str = "stop", split: str = "train", max_documents: int | None = None
                ) -> list[tuple[str, str]] | Iterator[tuple[str, str]]:

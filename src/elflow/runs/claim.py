@@ -25,7 +25,7 @@ from elflow.runs.folder import CHECKPOINTS, DECODER_STAGE, REPLACED, RUN_FILE, R
 from elflow.runs.record import record_of_state, run_file
 from elflow.runs.stages import in_first_stage
 from elflow.util.errors import ELFError
-from elflow.util.files import FolderHold, FolderLock, NoSpace, check_output, probe_writable
+from elflow.util.files import FolderHold, FolderLock, NoSpace, check_output, probe_writable, resolved
 
 
 class RunFolder:
@@ -112,9 +112,13 @@ def check_only_own(out: Path, own, whose: str, rule: str) -> None:
 def check_run_dir(out: Path, cfg: TrainConfig, resume: bool, overwrite: bool, device=None) -> None:
     """What --resume / --overwrite may do with the folder as it is; the folder is not changed here. `device`:
     where the run resumes (a stored dtype "auto" is read as what it picks there). A new run may not be written
-    inside its --init-from run (`check_not_inside`)."""
+    inside its --init-from run (`check_not_inside`), nor inside any other run's folder."""
     if cfg.init_from and not resume:
         check_not_inside(out, cfg.init_from, "--init-from")
+    outer = run_folders_holding(resolved(out).parent)
+    if outer:
+        raise ELFError(f"--out {out} lies inside {outer[0]}, the folder of another run; a run goes into a folder of "
+                       "its own, outside any run (whose `train --overwrite` would take it): choose another --out")
     if not (out / RUN_FILE).exists() and not in_first_stage(out):
         if resume:
             raise ELFError(f"{out} holds no run to resume; check --out, or start the run without --resume")
@@ -291,14 +295,14 @@ def check_writable(out: Path) -> None:
 def run_folders_holding(path) -> list[Path]:
     """The run folders (folders with a run.json) that `path` is or lies in, innermost first, resolved: a run
     folder, a checkpoint folder's run, a run nested in another's folder and that one too."""
-    path = Path(path).expanduser().resolve()
+    path = resolved(path)
     return [p for p in (path, *path.parents) if (p / RUN_FILE).is_file()]
 
 
 def check_not_inside(out, path, flag: str) -> None:
     """Refuse an --out that lies inside a run folder holding `path` (the run of `flag`): a command's output
     goes into a folder of its own, never among another run's files (whose --overwrite would take them)."""
-    out = Path(out).expanduser().resolve()
+    out = resolved(out)
     for run in run_folders_holding(path):
         if run in out.parents:
             raise ELFError(f"--out {out} lies inside {run}, the run folder of {flag} {path}; the output must go "

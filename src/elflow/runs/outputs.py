@@ -16,7 +16,7 @@ from pathlib import Path
 from elflow.runs.claim import run_folders_holding
 from elflow.runs.folder import RUN_FILE
 from elflow.util.errors import ELFError
-from elflow.util.files import check_output
+from elflow.util.files import check_output, resolved
 
 
 def own_run(checkpoint) -> Path | None:
@@ -63,12 +63,12 @@ def check_outside_runs(path, flag: str, allowed: Path | None = None) -> None:
     runs = run_folders_holding(path)
     if not runs:
         return
-    resolved = Path(path).expanduser().resolve()
+    resolved_path = resolved(path)
     if allowed is not None:
-        allowed = Path(allowed).expanduser().resolve()
-        if runs[0] == allowed.parent and (resolved == allowed or allowed in resolved.parents):
+        allowed = resolved(allowed)
+        if runs[0] == allowed.parent and (resolved_path == allowed or allowed in resolved_path.parents):
             return
-    where = "is the folder of a run" if resolved == runs[0] else f"lies inside {runs[0]}, the folder of a run"
+    where = "is the folder of a run" if resolved_path == runs[0] else f"lies inside {runs[0]}, the folder of a run"
     own = f" (those of the run {allowed.parent} itself go under {allowed})" if allowed is not None else ""
     raise ELFError(f"{flag} {path} {where}; elflow writes no output among a run's files, which `train --overwrite` "
                    f"would take{own}: choose another {flag}")

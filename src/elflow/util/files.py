@@ -76,6 +76,16 @@ def _remove_dead_temporaries(path: Path) -> None:
                 pass
 
 
+def resolved(path: str | os.PathLike) -> Path:
+    """`path` made absolute with every symbolic link followed; a loop of links (which Path.resolve meets as a
+    RuntimeError) is an ELFError naming the path."""
+    try:
+        return Path(path).expanduser().resolve()
+    except RuntimeError:
+        raise ELFError(f"{path} is a loop of symbolic links (one link leads back to another), not a file or "
+                       "folder; point the link at a real one, or pass its own path") from None
+
+
 def glob_escape(text: str) -> str:
     import glob
 
