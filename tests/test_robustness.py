@@ -646,12 +646,12 @@ def _live_lock(folder: Path, holder) -> None:
 # (id, command, setup(tmp, run, cache, holder) -> argv, words of the error)
 LOSS_CASES = [
     ("distill-out-is-the-teacher", "distill",
-     lambda t, run, c, h: _distill_args(run, run, c, "--overwrite"), ["holds the teacher", "folder of its own"]),
+     lambda t, run, c, h: _distill_args(run, run, c, "--overwrite"), ["is the folder of a run", "choose another"]),
     ("distill-out-above-the-teacher", "distill",
      lambda t, run, c, h: _distill_args(run, t, c, "--overwrite"), ["holds the teacher"]),
     ("distill-out-is-the-run-of-a-teacher-checkpoint", "distill",
      lambda t, run, c, h: _distill_args(run / "checkpoints" / "step_0000006", run, c, "--overwrite"),
-     ["holds the teacher"]),
+     ["is the folder of a run", "choose another"]),
     ("distill-out-of-own-files-without-overwrite", "distill",
      lambda t, run, c, h: ((t / "mine").mkdir(), (t / "mine" / "notes.txt").write_text("keep"),
                            _distill_args(run, t / "mine", c))[-1],
