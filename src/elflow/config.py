@@ -17,9 +17,12 @@ from elflow.model import CONDITIONINGS, DECODERS, PREDICTIONS, PRESETS, SKIPS
 from elflow.newton_schulz import NS_METHODS
 from elflow.optim import ADAMW_BLR, EMA_DECAY, LR_DECAYS, MUON_BLR, OPTIMIZERS, UPDATE_RULE_HELP, UPDATE_RULES, base_lr
 from elflow.space import FIXED_TABLE_KINDS, TABLE_STREAM, drawn_table, fixed_vectors
+from elflow.util.budget import MAX_BATCH, MAX_LENGTH, MAX_TRAINING_STEPS
 from elflow.util.devices import RUN_DTYPES, resolve_dtype
 from elflow.util.distributed import DIST_TIMEOUT_MINUTES
 from elflow.util.errors import SEED_MAX, ELFError, Record
+
+MAX_EPOCHS = 1_000_000  # passes over the data: the paper's runs make a few
 
 
 def _positive(v) -> bool:
@@ -49,6 +52,21 @@ PROBABILITY = (lambda v: 0 <= v <= 1, "in [0, 1]")
 
 
 ANY = (math.isfinite, "(finite)")
+
+
+LENGTH = (lambda v: 1 <= v <= MAX_LENGTH, f"from 1 to {MAX_LENGTH:,} (the paper's longest is 1,088)")
+
+
+ROWS = (lambda v: 1 <= v <= MAX_BATCH, f"from 1 to {MAX_BATCH:,} (the paper's batch is 512)")
+
+
+STEPS = (lambda v: 1 <= v <= MAX_TRAINING_STEPS, f"from 1 to {MAX_TRAINING_STEPS:,} (ELF-B trains 95,000 steps)")
+
+
+EPOCHS = (lambda v: math.isfinite(v) and 0 < v <= MAX_EPOCHS, f"in (0, {MAX_EPOCHS:,}]")
+
+
+MINUTES = (lambda v: math.isfinite(v) and 0 < v <= 7 * 24 * 60, "in (0, 10,080] (a week)")
 
 
 def setting(default=None, help: str = "", *, default_help: str | None = None, choices=None, check=None,
@@ -135,17 +153,17 @@ class TrainConfig(Record):
                                              "(encoders.table_generator)", cli=False)
     latent_std: str | None = setting(None, "divide encoder outputs by this: a number, 'auto' (estimated on a "
                                            "sample) or 'table' (a table's own std)", default_help="the space's")
-    length: int | None = setting(None, "sequence length L", default_help="the preset's", check=AT_LEAST_1)
+    length: int | None = setting(None, "sequence length L", default_help="the preset's", check=LENGTH)
     layout: str = setting("packed", "packed: documents run on across rows; document: one document per row",
                           choices=LAYOUTS)
-    batch: int = setting(32, "global batch: rows per optimiser step over all ranks", check=AT_LEAST_1)
+    batch: int = setting(32, "global batch: rows per optimiser step over all ranks", check=ROWS)
     micro_batch: int | None = setting(None, "rows per forward/backward; batch / (ranks x micro-batch) "
                                             "accumulation steps. Stored with the run: a resume on another number "
                                             "of ranks keeps it and changes the accumulation, so that the run "
                                             "continues exactly; giving another one on --resume continues with "
                                             "other noise", default_help="batch / ranks at the run's start",
-                                      check=AT_LEAST_1, mutable=True)
-    steps: int = setting(1000, "optimiser steps (the schedule's length)", check=AT_LEAST_1, mutable=True)
+                                      check=ROWS, mutable=True)
+    steps: int = setting(1000, "optimiser steps (the schedule's length)", check=STEPS, mutable=True)
     lr: float | None = setting(None, "learning rate", default_help="1e-3 x batch / 256; AdamW 5e-5 x batch / 256",
                                check=POSITIVE)
     warmup: int = setting(100, "linear warm-up steps", check=AT_LEAST_0)
@@ -170,7 +188,7 @@ class TrainConfig(Record):
                                "the loss); no effect on CPUs")
     dist_timeout: float = setting(DIST_TIMEOUT_MINUTES, "minutes a rank waits for the others under torchrun before "
                                                         "the job fails (covers a data preparation or a download on "
-                                                        "one node while the others wait)", check=POSITIVE,
+                                                        "one node while the others wait)", check=MINUTES,
                                   mutable=True)
     grad_checkpoint: bool = setting(False, "activation checkpointing per block")
     seed: int = setting(0, "seed of the initialisation, the data order and the noise", check=SEED)
@@ -185,7 +203,7 @@ class TrainConfig(Record):
     sample_sampler: str = setting(SAMPLING_DEFAULTS["text"]["sampler"], "sampler of those samples", choices=SAMPLERS,
                                   mutable=True)
     sample_omega: float = setting(SAMPLING_DEFAULTS["text"]["omega"], "guidance scale of those samples",
-                                  check=AT_LEAST_0, mutable=True)
+                                  check=SAMPLING_RANGES["omega"], mutable=True)
     tensorboard: bool = setting(False, "also log to TensorBoard (RUN/tb)", mutable=True)
     wandb: str | None = setting(None, "also log to this Weights & Biases project: the metrics records, the run's "
                                       "settings and the samples shown during training (needs `pip install "
@@ -206,7 +224,7 @@ class TrainConfig(Record):
     source_field: str = setting("input", "the source field of pair records")
     target_field: str = setting("output", "the target field of pair records")
     epochs: float | None = setting(None, "the run's length in passes over the data (replaces --steps)",
-                                   check=POSITIVE)
+                                   check=EPOCHS)
     warmup_frac: float | None = setting(None, "the warm-up as a fraction of the run (replaces --warmup)", check=UNIT)
     init_from: str | None = setting(None, "start from the weights of this run or checkpoint (its EMA weights; a "
                                     "fresh optimiser, EMA and step 0)", flag="--init-from")

@@ -43,18 +43,23 @@ def _finite(v) -> bool:
 
 # the range of each constant of the recipe: (check, what it must be); the one statement of these ranges, which
 # the recipe, its command-line flags and a stored record are all checked against
+MAX_SCALE = 100.0  # gamma, omega and guidance: far beyond any useful value (trained omega 0.5-5), and below
+# where the guided extrapolation overflows low precision arithmetic
+MAX_LOGIT = 10.0  # the logit-normal time's mean and spread: at 10 every drawn time is within 5e-5 of 0 or 1
+MAX_NOISE_SCALE = 1_000.0  # the paths' noise scales (2 and 1 as released): beyond, the data is lost in the noise
+
 RECIPE_RANGES = {
-    "noise_scale": (lambda v: _finite(v) and v > 0, "> 0"),
+    "noise_scale": (lambda v: _finite(v) and 0 < v <= MAX_NOISE_SCALE, f"in (0, {MAX_NOISE_SCALE:g}]"),
     "t_eps": (lambda v: _finite(v) and 0 < v < 1, "in (0, 1)"),
     "decode_prob": (lambda v: _finite(v) and 0 <= v <= 1, "in [0, 1]"),
     "self_cond_prob": (lambda v: _finite(v) and 0 <= v <= 1, "in [0, 1]"),
-    "decode_noise_scale": (lambda v: _finite(v) and v > 0, "> 0"),
+    "decode_noise_scale": (lambda v: _finite(v) and 0 < v <= MAX_NOISE_SCALE, f"in (0, {MAX_NOISE_SCALE:g}]"),
     "decode_clean_prob": (lambda v: _finite(v) and 0 <= v < 1, "in [0, 1)"),  # 1: no decode row ever corrupted
-    "omega_low": (lambda v: _finite(v) and v >= 0, ">= 0"),
-    "omega_high": (lambda v: _finite(v) and v >= 0, ">= 0"),
+    "omega_low": (lambda v: _finite(v) and 0 <= v <= MAX_SCALE, f"from 0 to {MAX_SCALE:g}"),
+    "omega_high": (lambda v: _finite(v) and 0 <= v <= MAX_SCALE, f"from 0 to {MAX_SCALE:g}"),
     "source_drop_prob": (lambda v: _finite(v) and 0 <= v < 1, "in [0, 1)"),  # 1: no source ever seen
-    "t_mean": (_finite, "(finite)"),
-    "t_std": (lambda v: _finite(v) and v > 0, "> 0"),
+    "t_mean": (lambda v: _finite(v) and abs(v) <= MAX_LOGIT, f"from -{MAX_LOGIT:g} to {MAX_LOGIT:g}"),
+    "t_std": (lambda v: _finite(v) and 0 < v <= MAX_LOGIT, f"in (0, {MAX_LOGIT:g}]"),
 }
 
 
@@ -157,14 +162,18 @@ def _non_negative(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
 
 
+def _scale(v) -> bool:
+    return _non_negative(v) and v <= MAX_SCALE
+
+
 # what a sampler accepts, setting by setting: (check, what the value must be); the one statement of these ranges,
 # which the samplers, the sampling settings and the command line's flags all check
 SAMPLING_RANGES = {
     "steps": (lambda v: _count(v, 1, MAX_SAMPLING_STEPS),
               f"an integer from 1 to {MAX_SAMPLING_STEPS:,} (the released recipe samples with at most 64 steps)"),
-    "gamma": (_non_negative, "a finite number >= 0"),
-    "omega": (_non_negative, "a finite number >= 0"),
-    "guidance": (_non_negative, "a finite number >= 0"),
+    "gamma": (_scale, f"a number from 0 to {MAX_SCALE:g}"),
+    "omega": (_scale, f"a number from 0 to {MAX_SCALE:g}"),
+    "guidance": (_scale, f"a number from 0 to {MAX_SCALE:g}"),
     "batch_size": (lambda v: _count(v, 1), "an integer >= 1"),
 }
 

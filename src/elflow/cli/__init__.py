@@ -61,7 +61,7 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, one_line(f"{self.prog}: error: {message} (`{self.prog} --help` lists the {what})") + "\n")
 
 
-EMPTY_OK = {"prompt", "suffix", "message"}  # the text arguments for which "" means something: no text
+EMPTY_OK = {"prompt", "suffix", "message", "wandb"}  # "" means something here: no text; --wandb '' turns W&B off
 
 
 def _refuse_empty_values(p: argparse.ArgumentParser, args) -> None:

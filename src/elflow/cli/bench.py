@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 
+from elflow.cli.common import check_counts
 from elflow.experiments.bench import MODES, bench
 from elflow.model import PRESETS
 from elflow.newton_schulz import NS_METHODS
+from elflow.util.budget import MAX_THREADS, check_sampling_steps
 from elflow.util.devices import check_device
 
 
@@ -45,6 +47,8 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
+    check_sampling_steps(args.steps)
+    check_counts(args, threads=(MAX_THREADS, "more threads than cores only slow it"))
     args.device = check_device(args.device)
     rec = bench(args.mode, args.preset, args.depth, args.hidden, args.heads, args.length, args.batch, args.steps,
                 args.dtype, args.compile, args.device, args.warmup, args.iters, args.accum, args.space,

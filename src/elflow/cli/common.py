@@ -9,6 +9,7 @@ from elflow.generate import SamplingSettings
 from elflow.methods.baseline import KNOB_RANGES, BaselineSampling
 from elflow.methods.mdlm import MDLMSampling
 from elflow.runs.tracking import HELP_PROJECT
+from elflow.util.budget import check_count
 from elflow.util.devices import AUTOCAST_DTYPES
 from elflow.util.errors import ELFError
 
@@ -61,6 +62,25 @@ def check_sampling_flags(args) -> None:
         value = getattr(args, name, None)
         if value is not None and not ok(value):
             raise ELFError(f"--{name.replace('_', '-')} must be {what}, got {value:g}")
+
+
+def check_counts(args, **bounds) -> None:
+    """Each named integer flag that is set, in its range: bounds name=(limit, why) or (limit, why, low); one line
+    naming the flag otherwise (elflow.util.budget.check_count). Lists (nargs="+") are checked value by value."""
+    for name, (limit, why, *low) in bounds.items():
+        value = getattr(args, name, None)
+        for v in value if isinstance(value, list) else [value]:
+            if v is not None:
+                check_count(v, f"--{name.replace('_', '-')}", limit, why, *low)
+
+
+def check_scales(args, **ranges) -> None:
+    """Each named float flag (or list of them) that is set, within its range: ranges name=(check, what)."""
+    for name, (ok, what) in ranges.items():
+        value = getattr(args, name, None)
+        for v in value if isinstance(value, list) else [value]:
+            if v is not None and not ok(v):
+                raise ELFError(f"--{name.replace('_', '-')} must be {what}, got {v:g}")
 
 
 def check_samples_out(out: str) -> None:

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from elflow.cli.common import check_counts, check_scales
 from elflow.config import RUN_DEFAULTS, TrainConfig
 from elflow.experiments.compare import DEFAULT_MINUTES, JUDGE_DEFAULTS, compare
-from elflow.methods.baseline import MATCHES
+from elflow.flow import SAMPLING_RANGES
+from elflow.methods.baseline import KNOB_RANGES, MATCHES
 from elflow.model import PRESETS
+from elflow.util.budget import MAX_SAMPLES, MAX_SAMPLING_STEPS, MAX_TRAINING_STEPS
 from elflow.util.errors import ELFError
 
 
@@ -56,8 +59,12 @@ def run(args) -> int:
     for name in ("num", "length", "batch", "judge_steps"):
         if getattr(args, name) < 1:
             raise ELFError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if min(args.elf_steps + args.mdlm_steps) < 1:
-        raise ELFError("every --elf-steps and --mdlm-steps value must be >= 1")
+    check_counts(args, steps=(MAX_TRAINING_STEPS, "ELF-B trains 95,000 steps"),
+                 judge_steps=(MAX_TRAINING_STEPS, "the judge trains for 200 steps by default"),
+                 elf_steps=(MAX_SAMPLING_STEPS, "the released recipe samples with at most 64 steps"),
+                 mdlm_steps=(MAX_SAMPLING_STEPS, "MDLM samples with 64 steps by default"),
+                 num=(MAX_SAMPLES, "the paper scores 5,000 samples per setting"))
+    check_scales(args, omega=SAMPLING_RANGES["omega"], temperature=KNOB_RANGES["temperature"])
     given = dict(preset=args.preset, data=args.data, length=args.length, batch=args.batch, seed=args.seed,
                  match=args.match, **({"space": args.space} if args.space else {}),
                  **({"lr": args.lr} if args.lr is not None else {}))

@@ -7,6 +7,7 @@ from elflow.distill import distill, distill_flow_map
 from elflow.flow import FLOW_MAP_STEPS
 from elflow.optim import EMA_DECAY
 from elflow.runs.tracking import require_wandb
+from elflow.util.budget import MAX_LENGTH, MAX_TRAINING_STEPS, check_count
 from elflow.util.devices import RUN_DTYPES
 from elflow.util.errors import ELFError
 
@@ -71,6 +72,13 @@ def run(args) -> int:
         v = getattr(args, name)
         if v is not None and v < 1:
             raise ELFError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    if args.length is not None:
+        check_count(args.length, "--length", MAX_LENGTH, "the paper's longest sequence is 1,088 positions")
+    for flag, value in (("--steps", args.steps), ("--steps-per-round", args.steps_per_round)):
+        if value is not None:
+            check_count(value, flag, MAX_TRAINING_STEPS, "ELF-B trains 95,000 steps")
+    if args.keep is not None and args.keep < 0:
+        raise ELFError(f"--keep must be >= 0 (0 keeps every checkpoint), got {args.keep}")
     if args.lr is not None and not args.lr > 0:
         raise ELFError(f"--lr must be > 0, got {args.lr}")
     if not 0 <= args.ema_decay < 1:

@@ -36,6 +36,7 @@ from elflow.runs.load import load_for_sampling
 from elflow.runs.outputs import Outputs, check_out, default_folder, own_run
 from elflow.runs.tracking import Tracker, require_wandb
 from elflow.util import jsonio
+from elflow.util.budget import MAX_LENGTH, MAX_SAMPLES, check_count
 from elflow.util.devices import check_device
 from elflow.util.distributed import process_group
 from elflow.util.errors import ELFError
@@ -174,8 +175,9 @@ def _check_flags(args) -> None:
     if args.max_length is not None and args.max_length < 1:
         raise ELFError(f"--max-length must be an integer >= 1 (the judge's tokens kept per text), got "
                        f"{args.max_length}; leave it out for the judge's context")
-    if args.checkpoint is not None and args.num < 1:
-        raise ELFError(f"--num must be an integer >= 1, got {args.num}")
+    check_count(args.num, "--num", MAX_SAMPLES, "the paper scores 5,000 samples per setting")
+    if args.length is not None:
+        check_count(args.length, "--length", MAX_LENGTH, "the paper's longest sequence is 1,088 positions")
     seeds = args.seeds or []
     twice = sorted({s for s in seeds if seeds.count(s) > 1})
     if twice:

@@ -6,8 +6,8 @@ import sys
 
 from elflow.runs.outputs import check_out
 from elflow.runs.push import CARD_SAMPLES, push
+from elflow.util.budget import check_count
 from elflow.util.devices import check_device
-from elflow.util.errors import ELFError
 
 
 def add_arguments(p) -> None:
@@ -26,8 +26,7 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    if args.samples < 0:
-        raise ELFError(f"--samples must be >= 0, got {args.samples}")
+    check_count(args.samples, "--samples", 1_000, "a model card shows a few samples", 0)
     if args.out is not None:
         check_out(args.out, folder=True)  # the output rules, a run's folder included, before any work
     res = push(args.checkpoint, args.hub_id, private=args.private, revision=args.revision, out=args.out,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from elflow.cli.common import check_counts, check_scales
 from elflow.config import RUN_DEFAULTS
 from elflow.data.tasks import COND_TASKS
 from elflow.experiments.quickstart import (
@@ -18,7 +19,8 @@ from elflow.experiments.quickstart import (
     total_time,
     train_and_report,
 )
-from elflow.flow import SAMPLERS
+from elflow.flow import SAMPLERS, SAMPLING_RANGES
+from elflow.util.budget import MAX_SAMPLES, MAX_TRAINING_STEPS
 from elflow.util.errors import ELFError
 
 
@@ -66,8 +68,10 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     if args.conditional and args.distill:
         raise ELFError("--conditional and --distill are separate demonstrations; pass one")
-    if args.steps is not None and args.steps < 1:
-        raise ELFError(f"--steps must be >= 1, got {args.steps}")
+    check_counts(args, steps=(MAX_TRAINING_STEPS, "ELF-B trains 95,000 steps"),
+                 distill_steps=(MAX_TRAINING_STEPS, "the demonstration's rounds take 40 each"),
+                 num=(MAX_SAMPLES, "the paper scores 5,000 samples per setting"))
+    check_scales(args, omega=SAMPLING_RANGES["omega"])
     if args.conditional:
         args.steps = args.steps or COND_STEPS
         args.task, args.curve_num = args.task or "copy", 64 if args.curve_num is None else args.curve_num

@@ -5,12 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from elflow.cli.common import add_arguments as add_tracking
+from elflow.cli.common import check_scales
 from elflow.eval.mauve import clusters_for
 from elflow.eval.metrics import PROTOCOL_ALIASES, PROTOCOLS
 from elflow.eval.scoring import heldout_texts, read_real_texts
 from elflow.experiments.sweep import _FLOAT, COLUMNS, plot_sweep, read_csv, run_sweep
-from elflow.flow import SAMPLERS
+from elflow.flow import SAMPLERS, SAMPLING_RANGES
 from elflow.methods import get_method
+from elflow.methods.baseline import KNOB_RANGES
 from elflow.runs.load import method_of
 from elflow.runs.outputs import check_out, default_folder, own_run
 from elflow.runs.tracking import Tracker, require_wandb
@@ -148,6 +150,7 @@ def run(args) -> int:
         if not args.checkpoint:
             raise ELFError("pass the run folder, checkpoint or hub id to sweep (or --plot-only)")
 
+        check_scales(args, omega=SAMPLING_RANGES["omega"], gamma=SAMPLING_RANGES["gamma"], **KNOB_RANGES)
         method = method_of(args.checkpoint)
         grid, fixed = _method_grid(args, get_method(method))
         if args.num < 1 or min(grid.get("steps", [1])) < 1:

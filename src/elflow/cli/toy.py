@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-import math
 
+from elflow.cli.common import check_scales
 from elflow.experiments import toy_distill
 from elflow.experiments.toy import grid_mixture, plot_toy, ring_mixture, run_toy
 from elflow.experiments.toy_distill import TABLE_STEPS, distillation_table, energy_floor, energy_rows
-from elflow.flow import SAMPLERS
+from elflow.flow import SAMPLERS, SAMPLING_RANGES
 from elflow.runs.outputs import check_out
 from elflow.util.errors import ELFError
 
@@ -79,8 +79,7 @@ def check_sizes(args) -> None:
 
 def run(args) -> int:
     check_sizes(args)
-    if not (math.isfinite(args.gamma) and args.gamma >= 0):
-        raise ELFError(f"--gamma must be a finite number >= 0, got {args.gamma}")
+    check_scales(args, gamma=SAMPLING_RANGES["gamma"])
     check_out(args.out, args.overwrite)
     mix = ring_mixture(args.clusters) if args.layout == "ring" else grid_mixture(args.clusters)
     gamma = 0.0 if args.sampler == "ode" else args.gamma

@@ -46,7 +46,8 @@ def run(args) -> int:
     if args.hidden % args.heads:
         raise ELFError(f"--hidden {args.hidden} does not split into --heads {args.heads}")
     for ok, what in ((0 < args.density < 1, f"--density must lie in (0, 1), got {args.density}"),
-                     (args.span >= 1, f"--span must be at least 1, got {args.span}"),
+                     (math.isfinite(args.span) and 1 <= args.span <= args.length,
+                      f"--span must be a number from 1 to --length {args.length}, got {args.span}"),
                      (math.isfinite(args.lr) and args.lr > 0, f"--lr must be a finite number > 0, got {args.lr}"),
                      (args.length >= 4, f"--length must be at least 4 (a window needs a span and tokens around it), "
                                         f"got {args.length}")):

@@ -39,6 +39,8 @@ def run(args) -> int:
     for name in ("steps", "batch_size", "hidden", "depth", "heads"):
         if getattr(args, name) < 1:
             raise ELFError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.val_every < 2:
+        raise ELFError(f"--val-every must be at least 2 (every N-th document is held out), got {args.val_every}")
     if args.context < 2:
         raise ELFError(f"--context must be at least 2 (a judge scores each token given the ones before it), "
                        f"got {args.context}")

@@ -23,7 +23,7 @@ def _positive(v) -> bool:
 
 
 # the token samplers' own knobs: (check, what the value must be)
-KNOB_RANGES = {"temperature": (_positive, "a finite number > 0"),
+KNOB_RANGES = {"temperature": (lambda v: _positive(v) and v <= 100, "a number in (0, 100]"),
                "top_p": (lambda v: _positive(v) and v <= 1, "a number in (0, 1]")}
 
 
