@@ -317,3 +317,32 @@ def as_layout_1(doc: dict) -> dict:
     if isinstance(out.get("files"), dict):  # the sha256 of each file, without its size
         out["files"] = {k: v["sha256"] if isinstance(v, dict) else v for k, v in out["files"].items()}
     return out
+
+
+def readout_without_specials(folder, tokenizer_dir) -> None:
+    """Every checkpoint under `folder` (a run or a student) made to never read out a special token (EOS, pad,
+    unk) or one that decodes to blank ("▁"): a tiny random model may end every sample at once, which `sample` refuses as no result; this keeps its
+    samples non-empty wherever the test is about something else. Each checkpoint is resealed (its sha256)."""
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer
+
+    from elflow.runs.checkpoint import read_state, write_state
+    from elflow.util.files import sha256_file
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    special = sorted(set(tok.all_special_ids) | {i for i in range(len(tok)) if not tok.decode([i]).strip()})
+    for state in Path(folder).rglob("state.json"):
+        ck = state.parent
+        for name in ("ema.safetensors", "model.safetensors"):
+            if (ck / name).is_file():
+                weights = load_file(ck / name)
+                bias = weights["decode_head.unembed.bias"].clone()
+                bias[special] = -1e4
+                weights["decode_head.unembed.bias"] = bias
+                save_file(weights, ck / name)
+        record = read_state(ck)
+        for name, entry in record["files"].items():
+            digest = sha256_file(ck / name)
+            record["files"][name] = ({**entry, "sha256": digest, "bytes": (ck / name).stat().st_size}
+                                     if isinstance(entry, dict) else digest)
+        write_state(ck, record)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from elflow.cli.common import add_sampling_arguments, check_samples_out, check_sampling_flags
 from elflow.data.corpus import read_sources
+from elflow.eval.scoring import check_sampled
 from elflow.experiments.viewer import trajectory_document, write_page
 from elflow.generate import gather_records, write_samples
 from elflow.methods import get_method, require, settings_from_args
@@ -124,10 +125,7 @@ def _sample(args, rank: int, world: int, device):
 
 def _write(args, outputs: Outputs, records, meta, space, traj_path, page_path) -> int:
     rows = [r.pop("trajectory") for r in records if "trajectory" in r]  # kept apart from the samples file
-    if not any(r["text"].strip() for r in records):  # written as drawn; scoring them is what refuses
-        print(f"elflow sample: warning: every one of the {len(records)} samples of {args.checkpoint} is empty (a "
-              "model that ends every sample at once, or weights that are not finite); eval cannot score them",
-              file=sys.stderr)
+    check_sampled([r["text"] for r in records], args.checkpoint)
     writers = {outputs.paths[0]: lambda p, overwrite: write_samples(p, records, meta, overwrite)}
     if traj_path is not None:
         seen = [{"step": pts[0]["step"] + 1, "t": pts[0]["t"],
