@@ -75,7 +75,7 @@ def test_bad_input_is_a_clean_error(capsys):
 BIG = str(10**12)
 SIZES = [  # (mode, flag, value, what the one line says): every flag that sets memory or time, each kind of bad value
     *[("forward", f, "0", f"{f} must be >= 1, got 0") for f in ("--batch", "--length", "--iters", "--peak-size")],
-    ("sample", "--steps", "0", "--steps must be >= 1, got 0"),
+    ("sample", "--steps", "0", "--steps must be an integer from 1 to 10,000"),
     ("train", "--accum", "0", "--accum must be >= 1, got 0"),
     *[("forward", f, "0", f"ELFConfig.{f[2:].replace('-', '_')} must be an integer >= 1, got 0") for f in ("--depth", "--hidden")],
     *[("forward", f, "-3", f"{f} must be >= 1, got -3") for f in ("--batch", "--length", "--iters", "--peak-size")],

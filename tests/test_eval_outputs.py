@@ -198,7 +198,7 @@ def test_flags_are_refused_before_the_model_is_sampled(runs, tiny_t5_judge_dir, 
                         (["--max-length", "-5"], "--max-length must be an integer >= 1"),
                         (["--max-length", "0"], "--max-length must be an integer >= 1"),
                         (["--batch-size", "0"], "--batch-size must be an integer >= 1"),
-                        (["--num", "0"], "--num must be an integer >= 1"),
+                        (["--num", "0"], "--num must be an integer from 1 to 10,000,000"),
                         (["--mauve"], "MAUVE with 2 clusters needs at least 10 texts a side, got 4 and 4")]:
         code, _, err = cli(capsys, sample_argv(made["base"], tiny_t5_judge_dir, cache, "--out", tmp_path / "ev",
                                                *extra))

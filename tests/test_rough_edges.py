@@ -30,8 +30,8 @@ def test_sample_help_states_the_models_own_defaults_by_kind_of_model(capsys):
 
 
 @pytest.mark.parametrize("flag, value, says", [("--steps", "0", "--steps must be an integer from 1 to 10,000 (the released recipe samples with at most 64 steps), got 0"),
-                                               ("--gamma", "-1", "--gamma must be a finite number >= 0"),
-                                               ("--omega", "-0.5", "--omega must be a finite number >= 0"),
+                                               ("--gamma", "-1", "--gamma must be a number from 0 to 100"),
+                                               ("--omega", "-0.5", "--omega must be a number from 0 to 100"),
                                                ("--batch", "0", "--batch must be an integer >= 1"),
                                                ("--top-p", "1.5", "--top-p must be a number in (0, 1]")])
 def test_sampling_flags_out_of_range_are_refused_before_the_model_loads(flag, value, says, tmp_path, monkeypatch,
