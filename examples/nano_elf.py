@@ -4,7 +4,7 @@ Embedded Language Flows: text is encoded by a frozen encoder into clean embeddin
 transformer learns to turn noise into such embeddings by x-prediction flow matching, and, switched by its
 mode tokens, reads clean embeddings out as tokens. This file is where to start an idea; elflow (the library)
 is where to scale it. It computes the same numbers as the library's released network, objective and sampler
-(tests/test_nano.py checks the forward, the loss, the gradients and the samples against elflow's).
+(tests/project/test_nano.py checks the forward, the loss, the gradients and the samples against elflow's).
 
     python examples/nano_elf.py                 # trains on the built-in corpus (Shakespeare), prints samples
     python examples/nano_elf.py --steps 50      # a smoke run

@@ -1,9 +1,14 @@
-"""Shared test fixtures. Tests run offline: the hub is switched off before anything imports it."""
+"""Shared test fixtures, defined here once for every folder of tests/ (plain helpers are in helpers.py). Tests
+run offline: the hub is switched off before anything imports it."""
 
 from __future__ import annotations
 
+import errno
+import json
 import os
 import random
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -88,6 +93,159 @@ def tiny_corpus_file(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("tiny_corpus") / "corpus.txt"
     path.write_text(tiny_corpus_text(400, seed=1))
     return path
+
+
+
+# ----------------------------------------------------------------------------------------------------------
+# a tiny trained run, shared by the tests of one module (each module trains its own)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, tiny_t5_dir, tiny_corpus_file, cache) -> Path:
+    """An uninterrupted 6-step run of the tiny preset with checkpoints at steps 3 and 6."""
+    from helpers import tiny_config
+
+    from elflow.train import train
+
+    run = tmp_path_factory.mktemp("trained") / "run"
+    train(tiny_config(tiny_t5_dir, tiny_corpus_file), run, cache_dir=cache, quiet=True)
+    return run
+
+
+@pytest.fixture(scope="module")
+def trained_with_trajectory(trained) -> Path:
+    """`trained`, with a trajectory sampled from it beside the run (helpers.sampled_trajectory finds it)."""
+    from elflow.cli import main
+
+    traj = trained.parent / "s.jsonl"
+    assert main(["sample", str(trained), "--num", "2", "--steps", "3", "--trajectory", "--quiet", "--out",
+                 str(traj)]) == 0
+    return trained
+
+
+@pytest.fixture
+def run_copy(trained, tmp_path) -> Path:
+    dst = tmp_path / "run"
+    shutil.copytree(trained, dst)
+    return dst
+
+
+@pytest.fixture(scope="module")
+def fixed_slot(tmp_path_factory, tiny_t5_dir, cache) -> Path:
+    """A conditional run in the fixed source slot, sources of up to 4 tokens, rows of 16."""
+    from helpers import tiny_config
+
+    from elflow.train import train
+
+    folder = tmp_path_factory.mktemp("fixed")
+    rng = random.Random(0)
+    words = "the king of love and sweet night lord good heart".split()
+    pairs = folder / "pairs.jsonl"
+    with open(pairs, "w") as f:
+        for _ in range(64):
+            s = " ".join(rng.choice(words) for _ in range(rng.randint(1, 3)))
+            f.write(json.dumps({"input": s, "output": s}) + "\n")
+    run = folder / "run"
+    cfg = tiny_config(tiny_t5_dir, pairs, source_length=4, source_slot="fixed", steps=2, ckpt_every=2)
+    train(cfg, run, cache_dir=cache, quiet=True)
+    return run
+
+
+# ----------------------------------------------------------------------------------------------------------
+# token stores
+
+
+@pytest.fixture(scope="module")
+def space_flag(tiny_t5_dir) -> str:
+    return f"t5:{tiny_t5_dir}"
+
+
+@pytest.fixture
+def store(tmp_path, space_flag, capsys) -> Path:
+    """A text store of 20 documents (prepared from a .jsonl), with a file of the user's beside it."""
+    from helpers import words
+
+    from elflow.cli import main
+
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps({"text": words(30, i)}) + "\n" for i in range(20)))
+    out = tmp_path / "st"
+    assert main(["prepare", str(src), "--space", space_flag, "--out", str(out), "--quiet"]) == 0
+    (out / "mine.txt").write_text("keep")
+    capsys.readouterr()
+    return out
+
+
+@pytest.fixture
+def text_store(tmp_path, space_flag, capsys) -> Path:
+    """A text store of 20 documents prepared from a .jsonl."""
+    from helpers import cli, words
+
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps({"text": words(30, i)}) + "\n" for i in range(20)))
+    out = tmp_path / "st"
+    code, _, err = cli(capsys, ["prepare", src, "--space", space_flag, "--out", out, "--quiet"])
+    assert code == 0, err
+    return out
+
+
+@pytest.fixture
+def pair_store(tmp_path, space_flag, capsys) -> Path:
+    from helpers import words
+
+    from elflow.cli import main
+
+    src = tmp_path / "pairs.jsonl"
+    src.write_text("".join(json.dumps({"input": words(6, i), "output": words(4, 100 + i)}) + "\n" for i in range(12)))
+    out = tmp_path / "ps"
+    assert main(["prepare", str(src), "--space", space_flag, "--out", str(out), "--source-length", "8",
+                 "--quiet"]) == 0
+    capsys.readouterr()
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# faults
+
+
+@pytest.fixture
+def read_only(monkeypatch):
+    """Make every write probe fail as on a read-only file system."""
+    from elflow.util import files
+
+    def refuse(*a, **k):
+        raise OSError(errno.EROFS, "Read-only file system")
+    monkeypatch.setattr(files, "probe_writable", refuse)
+
+
+@pytest.fixture
+def no_cuda(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A 12 MB tmpfs (mounting needs root; the test skips with the reason where it is not allowed)."""
+    from helpers import small_tmpfs
+
+    with small_tmpfs(tmp_path / "fs") as fs:
+        yield fs
+
+
+@pytest.fixture
+def live_process():
+    """A process that stays alive for the test (a lock holder)."""
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    yield holder
+    holder.kill()
+    holder.wait()
 
 
 def pytest_sessionfinish(session, exitstatus):

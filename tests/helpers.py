@@ -346,3 +346,169 @@ def readout_without_specials(folder, tokenizer_dir) -> None:
             record["files"][name] = ({**entry, "sha256": digest, "bytes": (ck / name).stat().st_size}
                                      if isinstance(entry, dict) else digest)
         write_state(ck, record)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the command line in this process, and what it leaves on disk
+
+
+def cli(capsys, args):
+    """(exit code, stdout, stderr) of `elflow ARGS` run in this process (an argparse exit gives its code)."""
+    from elflow.cli import main
+
+    try:
+        code = main([str(a) for a in args])
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def visible(err: str) -> list[str]:
+    """The lines a terminal shows of `err`: of each line, what follows its last carriage return (a progress
+    bar's redraws)."""
+    return [line.split("\r")[-1] for line in err.split("\n")]
+
+
+def one_error(code, err: str, command: str, *needles) -> str:
+    """The command failed with exit 2 and one error line of its own, which starts a line of the terminal (not
+    beside a progress bar) and holds every needle."""
+    assert code == 2, err
+    assert "Traceback" not in err
+    errors = [line for line in visible(err) if "error:" in line]
+    assert len(errors) == 1 and errors[0].startswith(f"elflow {command}: error: "), err
+    for n in needles:
+        assert n in errors[0], (n, errors[0])
+    return errors[0]
+
+
+def snapshot(root: Path) -> dict:
+    """Every file under `root` (or `root` itself) with its bytes."""
+    root = Path(root)
+    if root.is_file():
+        return {root.name: root.read_bytes()}
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def snapshot_with_folders(root: Path) -> dict:
+    """Every file under `root`, hidden ones too, with its bytes (a folder's name maps to None)."""
+    return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() else None) for p in sorted(root.rglob("*"))}
+
+
+def tree(root: Path) -> dict:
+    """Every entry under `root`, links not followed: a file's bytes, a link's target, a folder."""
+    import os
+    import stat
+
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            p = Path(dirpath) / name
+            s = os.lstat(p)
+            key = str(p.relative_to(root))
+            if stat.S_ISLNK(s.st_mode):
+                out[key] = ("link", os.readlink(p))
+            elif stat.S_ISREG(s.st_mode):
+                out[key] = p.read_bytes()
+            else:
+                out[key] = stat.S_IFMT(s.st_mode)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# tiny runs and token stores
+
+
+def tiny_flags(t5_dir, corpus, cache, **kw):
+    """CLI flags of the run that `tiny_config` describes (test_train's tiny run)."""
+    flags = {"preset": "tiny", "data": corpus, "space": f"t5:{t5_dir}", "length": 16, "batch": 4, "steps": 6,
+             "warmup": 2, "ema-decay": 0.9, "log-every": 1, "ckpt-every": 3, "keep": 5, "dtype": "fp32", "seed": 1,
+             "cache-dir": cache}
+    flags.update(kw)
+    return [x for k, v in flags.items() for x in (f"--{k}", v)] + ["--quiet"]
+
+
+def assert_bit_identical(run_a: Path, run_b: Path, step: int):
+    for a, b in zip(checkpoint_weights(run_a, step), checkpoint_weights(run_b, step)):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert torch.equal(a[k], b[k]), k
+
+
+def sampled_trajectory(run: Path) -> Path:
+    """The trajectory the `trained_with_trajectory` fixture sampled beside `run`."""
+    return run.parent / "s.trajectory.json"
+
+
+def words(n: int, seed: int = 0) -> str:
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    vocab = np.array("the king of love sweet night lord heart well yes aside".split())
+    return " ".join(rng.choice(vocab, n)) + "\n"
+
+
+def train_args(data, out, space_flag, cache, *extra):
+    return ["train", "--preset", "tiny", "--data", data, "--space", space_flag, "--length", "16", "--batch", "4",
+            "--latent-std", "0.2", "--steps", "2", "--warmup", "0", "--ckpt-every", "1", "--dtype", "fp32",
+            "--out", out, "--cache-dir",
+            cache, "--quiet", *extra]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# command lines and file trees of the fault tests
+
+
+def tree_state(root: Path) -> dict:
+    """Every entry under `root`, links and special files not followed: a regular file's bytes, a link's target,
+    a device's or fifo's type and numbers."""
+    import os
+    import stat as st
+
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            p = Path(dirpath) / name
+            s = os.lstat(p)
+            rel = str(p.relative_to(root))
+            if st.S_ISLNK(s.st_mode):
+                out[rel] = ("link", os.readlink(p))
+            elif st.S_ISREG(s.st_mode):
+                out[rel] = ("file", p.read_bytes())
+            elif st.S_ISDIR(s.st_mode):
+                out[rel] = ("dir",)
+            else:
+                out[rel] = ("special", st.S_IFMT(s.st_mode), s.st_rdev)
+    return out
+
+
+def distill_args(teacher, out, cache, *extra):
+    return ["distill", teacher, "--out", out, "--cache-dir", cache, "--quiet", "--dtype", "fp32", "--batch", "4",
+            "--student-steps", "1", "--teacher-steps", "2", "--steps-per-round", "1", "--ckpt-every", "1", *extra]
+
+
+def sample_args(run, out, *extra):
+    return ["sample", run, "--num", "1", "--steps", "1", "--quiet", "--out", out, *extra]
+
+
+def resume_args(run, cache, *extra):
+    return ["train", "--resume", "--out", run, "--cache-dir", cache, "--quiet", *extra]
+
+
+def new_run_args(t5, corpus, cache, out, **kw):
+    return ["train", *tiny_flags(t5, corpus, cache, **kw), "--out", out]
+
+
+TIMING = ("tokens_per_s", "elapsed")  # the fields of a metrics record that measure time
+
+
+def untimed(path: Path) -> list[dict]:
+    """The records of a metrics log without the fields that measure time."""
+    import json
+
+    return [{k: v for k, v in json.loads(line).items() if k not in TIMING} for line in path.read_text().splitlines()]
+
+
+def corpus_of_words(tmp):
+    (tmp / "c.txt").write_text(words(200))
+    return tmp / "c.txt"

@@ -34,7 +34,7 @@ Example (a command's check, before it builds or writes anything):
 How an estimate is made: every part is counted in fp32 (bf16 autocast needs less) and the parts are summed;
 buffers made and freed again and again (a pass's activations, a step's gradients) count ALLOCATOR_SLACK times
 their live bytes while they are under HEAP_BLOCK, as an allocator keeps freed blocks for reuse and cannot always
-fill the holes between them; one large buffer (logits, a draw) counts once. tests/test_budget.py measures the
+fill the holes between them; one large buffer (logits, a draw) counts once. tests/util/test_budget.py measures the
 peak RSS of calls in fresh processes: each estimate lies between 1 and 2.25 times it.
 """
 

@@ -23,7 +23,7 @@ from elflow.util.budget import (
 )
 from elflow.util.errors import ELFError
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 GiB = 2**30
 
 

@@ -18,7 +18,7 @@ from elflow.util.errors import ELFError
 
 pytestmark = pytest.mark.slow  # multi-process / learning runs: `python -m pytest -m slow`
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 

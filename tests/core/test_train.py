@@ -17,7 +17,7 @@ from elflow.runs.checkpoint import latest_checkpoint, list_checkpoints, load_che
 from elflow.train import train
 from elflow.util.errors import ELFError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 cfg_for = tiny_config

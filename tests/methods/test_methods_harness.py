@@ -30,11 +30,6 @@ weights = checkpoint_weights
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("cache")
-
-
-@pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_t5_dir, tiny_corpus_file, cache):
     """An uninterrupted 4-step run of each baseline."""
     out = {}

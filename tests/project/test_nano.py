@@ -10,7 +10,7 @@ import torch
 from elflow.flow import Draw, Recipe, elf_loss, generate_tokens
 from elflow.model import ELF, get_config
 
-NANO = Path(__file__).resolve().parents[1] / "examples" / "nano_elf.py"
+NANO = Path(__file__).resolve().parents[2] / "examples" / "nano_elf.py"
 
 
 @pytest.fixture(scope="module")

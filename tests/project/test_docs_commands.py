@@ -12,7 +12,7 @@ import pytest
 
 from elflow.cli import COMMANDS, build_parser
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 PLACEHOLDER = re.compile(r"^[A-Z][A-Z0-9_]*$")  # RUN, OUT, HUB_ID: a name the reader fills in
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import reference_dir
+from helpers import cli, reference_dir
 from safetensors.torch import load_file
 
 import elflow
@@ -321,14 +321,6 @@ def test_init_from_starts_from_the_stored_ema(teacher_run, tmp_path, tiny_t5_dir
     assert any(not torch.equal(teacher_model[k], teacher_ema[k]) for k in teacher_ema)  # EMA, not raw weights
 
 
-def _cli(argv, capsys):
-    from elflow.cli import main
-
-    rc = main(argv)
-    err = capsys.readouterr().err
-    return rc, err
-
-
 def _distill_argv(teacher, out, cache, *extra):
     return ["distill", str(teacher), "--out", str(out), "--cache-dir", str(cache), "--quiet", "--dtype", "fp32",
             "--batch", "4", *extra]
@@ -345,7 +337,7 @@ def _distill_argv(teacher, out, cache, *extra):
 def test_bad_distillation_input_is_one_line_and_writes_nothing(teacher_run, tmp_path, capsys, extra, message):
     teacher, cache = teacher_run
     out = tmp_path / "out"
-    rc, err = _cli(_distill_argv(teacher, out, cache, "--steps-per-round", "1", *extra), capsys)
+    rc, _, err = cli(capsys, _distill_argv(teacher, out, cache, "--steps-per-round", "1", *extra))
     assert rc == 2
     lines = [x for x in err.splitlines() if x.strip()]
     assert len(lines) == 1 and lines[0].startswith("elflow distill: error:") and message in lines[0]
@@ -357,11 +349,11 @@ def test_resume_into_another_distillation_is_refused(full_distillation, teacher_
     out, _ = full_distillation
     before = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
     manifest = (out / "distill.json").read_bytes()
-    rc, err = _cli(_distill_argv(teacher, out, cache, "--student-steps", "4,2,1", "--teacher-steps", "4",
-                                 "--steps-per-round", "3", "--resume"), capsys)
+    rc, _, err = cli(capsys, _distill_argv(teacher, out, cache, "--student-steps", "4,2,1", "--teacher-steps", "4",
+                                 "--steps-per-round", "3", "--resume"))
     assert rc == 2 and "holds another distillation" in err and len(err.strip().splitlines()) == 1
-    rc, err = _cli(_distill_argv(teacher, out, cache, "--student-steps", "2,1", "--teacher-steps", "2",
-                                 "--steps-per-round", "3"), capsys)
+    rc, _, err = cli(capsys, _distill_argv(teacher, out, cache, "--student-steps", "2,1", "--teacher-steps", "2",
+                                 "--steps-per-round", "3"))
     assert rc == 2 and "already holds a distillation" in err
     assert (out / "distill.json").read_bytes() == manifest
     assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before
@@ -378,8 +370,8 @@ def test_a_teacher_without_ema_teaches_with_its_raw_weights_and_a_warning(teache
     del state["files"]["ema.safetensors"]
     write_state(ck, state)
     out = tmp_path / "out"
-    rc, err = _cli(_distill_argv(ck, out, cache, "--student-steps", "1", "--teacher-steps", "1",
-                                 "--steps-per-round", "1", "--ckpt-every", "1", "--lr", "1e-9"), capsys)
+    rc, _, err = cli(capsys, _distill_argv(ck, out, cache, "--student-steps", "1", "--teacher-steps", "1",
+                                 "--steps-per-round", "1", "--ckpt-every", "1", "--lr", "1e-9"))
     assert rc == 0 and "holds no EMA weights" in err
     assert json.loads((out / "distill.json").read_text())["teacher_ema"] is False
     # the round started from the raw weights (one step at lr 1e-9 since), not from the teacher's EMA
@@ -398,9 +390,10 @@ def test_init_from_a_network_of_another_shape_is_refused(teacher_run, tmp_path, 
                                                          tiny_corpus_file):
     teacher, cache = teacher_run
     out = tmp_path / "run"
-    rc, err = _cli(["train", "--preset", "tiny", "--data", str(tiny_corpus_file), "--space", f"t5:{tiny_t5_dir}",
-                    "--length", "16", "--batch", "4", "--steps", "1", "--warmup", "1", "--depth", "3", "--dtype",
-                    "fp32", "--init-from", str(teacher), "--out", str(out), "--cache-dir", str(cache)], capsys)
+    rc, _, err = cli(capsys, ["train", "--preset", "tiny", "--data", str(tiny_corpus_file), "--space",
+                              f"t5:{tiny_t5_dir}", "--length", "16", "--batch", "4", "--steps", "1", "--warmup", "1",
+                              "--depth", "3", "--dtype", "fp32", "--init-from", str(teacher), "--out", str(out),
+                              "--cache-dir", str(cache)])
     assert rc == 2 and "another shape" in err and "depth 2 vs 3" in err and len(err.strip().splitlines()) == 1
     assert not out.exists()
 
@@ -411,8 +404,8 @@ def test_sample_uses_the_stored_few_step_defaults(full_distillation, teacher_run
     for src, extra, expect in [(out / "1-step", [], (1, 1.5, 2.5)), (out / "1-step", ["--steps", "3"], (3, 1.5, 2.5)),
                                (teacher, ["--steps", "2"], (2, 1.5, 3.0))]:
         dest = tmp_path / "s.jsonl"
-        rc, _ = _cli(["sample", str(src), "--num", "1", "--quiet", "--device", "cpu", "--out", str(dest),
-                      "--overwrite", *extra], capsys)
+        rc, _, _ = cli(capsys, ["sample", str(src), "--num", "1", "--quiet", "--device", "cpu", "--out", str(dest),
+                      "--overwrite", *extra])
         rec = json.loads(dest.read_text().splitlines()[0])
         assert rc == 0 and (rec["steps"], rec["gamma"], rec["omega"]) == expect
 
@@ -437,7 +430,7 @@ def test_a_distillation_killed_with_sigkill_resumes_bit_identically(teacher_run,
            "--teacher-steps", "2", "--steps-per-round", "40", "--ckpt-every", "2", "--keep", "50", "--log-every",
            "1", "--dtype", "fp32", "--seed", "3", "--ema-decay", "0.5", "--quiet", "--out", str(out),
            "--cache-dir", str(cache)]
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src")}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     first = out / "2-step" / "checkpoints" / "step_0000002"
     try:

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from helpers import cli
 
 from elflow.experiments.schedules import schedule_statistics
 from elflow.experiments.toy import ToyNet, flow_map_student, grid_mixture, ring_mixture, run_toy
@@ -195,21 +196,10 @@ def test_the_flow_map_student_starts_as_its_teacher_and_samples_as_its_euler_ode
     assert not torch.allclose(student(z, s, t_target=t), teacher(z, s), atol=1e-3)
 
 
-def _cli(capsys, args):
-    from elflow.cli import main
-
-    try:
-        code = main([str(a) for a in args])
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 def test_toy_json_prints_one_object_of_energy_distances(tmp_path, capsys):
     """The exact denoiser at N = 1 lands every sample on the data mean (the origin): its energy distance to the
     ring is 2 R - E|Y - Y'|, about 3.8 - 2.41 (the mean chord of 8 clusters on radius 1.9 and their spread)."""
-    code, out, err = _cli(capsys, ["toy", "--json", "--steps", "1", "16", "--num", "20", "--out", tmp_path / "t.png"])
+    code, out, err = cli(capsys, ["toy", "--json", "--steps", "1", "16", "--num", "20", "--out", tmp_path / "t.png"])
     assert code == 0, err
     got = json.loads(out)  # the whole of stdout is one object
     assert [(r["name"], r["steps"]) for r in got["rows"]] == [("exact", 1), ("exact", 16)]
@@ -235,7 +225,7 @@ def test_toy_distill_json_has_every_models_rows_and_the_figure_their_panels(tmp_
     monkeypatch.setitem(toy_distill.DISTILL_SIZES, "batch", 16)
     monkeypatch.setitem(toy_distill.DISTILL_SIZES, "teacher_batch", 16)
     monkeypatch.setattr(toy_distill, "ENERGY_SAMPLES", 300)
-    code, out, err = _cli(capsys, ["toy", "--distill", "--json", "--steps", "1", "8", "--num", "10",
+    code, out, err = cli(capsys, ["toy", "--distill", "--json", "--steps", "1", "8", "--num", "10",
                                    "--out", tmp_path / "t.png"])
     assert code == 0, err
     got = json.loads(out)
@@ -272,7 +262,7 @@ def test_toy_distill_json_has_every_models_rows_and_the_figure_their_panels(tmp_
 def test_toy_refuses_sizes_that_cannot_fit_before_any_work(tmp_path, capsys, args, needles):
     from helpers import assert_one_error
 
-    code, out, err = _cli(capsys, ["toy", *args, "--out", tmp_path / "t.png"])
+    code, out, err = cli(capsys, ["toy", *args, "--out", tmp_path / "t.png"])
     assert_one_error(code, err, "toy", *needles)
     assert out == "" and not (tmp_path / "t.png").exists()
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[1] / "src" / "elflow"
+PACKAGE = Path(__file__).resolve().parents[2] / "src" / "elflow"
 
 # bottom to top; a module may import from strictly lower layers only. Modules are named by their path in the
 # package ("runs.load"); a package's __init__ by the package's name ("methods").

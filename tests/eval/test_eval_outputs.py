@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_one_error
+from helpers import assert_one_error, cli
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
@@ -17,12 +17,6 @@ from safetensors.torch import load_file, save_file
 import elflow.cli.eval as eval_cli
 from elflow.cli import main, one_line
 from elflow.util.errors import ELFError
-
-
-def cli(capsys, args):
-    code = main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def files_under(root: Path) -> list[str]:

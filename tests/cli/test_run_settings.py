@@ -1,0 +1,95 @@
+"""The run settings as one description: `train --print-config` resolves a preset's defaults, the quickstart's
+settings are one named preset that a single flag changes one key of, and a stored config of an earlier layout
+reads as the same run."""
+import json
+
+import pytest
+from helpers import cli
+
+from elflow.config import TrainConfig
+from elflow.util.errors import ELFError
+
+# ----------------------------------------------------------------------------------------------------------
+# the run settings: one description
+
+
+def test_print_config_resolves_the_preset_defaults(capsys):
+    code, out, err = cli(capsys, ["train", "--preset", "tiny", "--print-config"])
+    assert code == 0, err
+    cfg = json.loads(out)
+    assert cfg["space"] == "random-table:minilm" and cfg["space_dim"] == 32
+    assert cfg["ema_decay"] == 0.995 and cfg["length"] == 32 and cfg["lr"] == pytest.approx(1e-3 * 32 / 256)
+    code, out, _ = cli(capsys, ["train", "--preset", "elf-b", "--batch", "512", "--print-config"])
+    cfg = json.loads(out)
+    assert cfg["space"] == "t5-small" and cfg["ema_decay"] == 0.9999 and cfg["lr"] == pytest.approx(2e-3)
+
+
+def test_quickstart_settings_are_one_named_preset(capsys):
+    from types import SimpleNamespace
+
+    from elflow.experiments.quickstart import demo_config
+
+    args = SimpleNamespace(length=64, batch=32, steps=250, lr=None, space=None, seed=0, sample_steps=64, sampler="vc",
+                           omega=3.0)
+    cfg = demo_config(args)
+    expected = dict(preset="demo", data="builtin", space="random-table:minilm", length=64, batch=32, steps=250,
+                    lr=3e-3, warmup=50, ema_decay=0.95, adam_heads=True, dtype="auto", seed=0, log_every=10,
+                    ckpt_every=62, keep=2, sample_every=62, sample_steps=64, sample_sampler="vc", sample_omega=3.0,
+                    short_run={"skip": "gated", "time_scale": 1000.0, "head_modulation": True, "table_readout": 1.0},
+                    recipe={})
+    assert {k: getattr(cfg, k) for k in expected} == expected
+    # the same settings from `elflow train --defaults quickstart`
+    code, out, _ = cli(capsys, ["train", "--defaults", "quickstart", "--print-config"])
+    from elflow.cli.train import run_device
+
+    assert json.loads(out) == cfg.resolved(run_device(None)).to_dict()  # dtype auto: what it picks here
+    # --lr and --space replace the preset's and nothing else (a space without fixed token vectors also drops
+    # the table readout); the preset itself is not changed
+    mine = demo_config(SimpleNamespace(**{**vars(args), "lr": 1e-3, "space": "token-table:minilm"}))
+    assert (mine.lr, mine.space) == (1e-3, "token-table:minilm")
+    assert {k: v for k, v in mine.to_dict().items() if k not in ("lr", "space")} == \
+        {k: v for k, v in cfg.to_dict().items() if k not in ("lr", "space")}
+    mine = demo_config(SimpleNamespace(**{**vars(args), "space": "minilm"}))
+    assert mine.short_run == {**cfg.short_run, "table_readout": 0.0} and mine.space == "minilm"
+    assert {k: v for k, v in mine.to_dict().items() if k not in ("short_run", "space")} == \
+        {k: v for k, v in cfg.to_dict().items() if k not in ("short_run", "space")}
+    mine.short_run["skip"] = "none"
+    assert demo_config(args).short_run["skip"] == "gated"
+
+
+def test_one_short_run_flag_over_the_quickstart_keeps_its_other_options(capsys):
+    """A nested flag sets one key of the preset's dict: `--skip none` over `--defaults quickstart` changes the
+    skip alone (the time scale, head modulation and table readout stay the quickstart's); without --defaults
+    the other options are the plain defaults (off)."""
+    from elflow.config import RUN_DEFAULTS
+
+    preset = RUN_DEFAULTS["quickstart"][0]["short_run"]
+    code, out, err = cli(capsys, ["train", "--defaults", "quickstart", "--skip", "none", "--time-scale", "10",
+                                  "--print-config"])
+    assert code == 0, err
+    assert json.loads(out)["short_run"] == {**preset, "skip": "none", "time_scale": 10.0}
+    assert preset["time_scale"] == 1000.0 and preset["skip"] != "none"  # the preset itself is not changed
+    code, out, err = cli(capsys, ["train", "--preset", "tiny", "--skip", "gaussian", "--print-config"])
+    assert code == 0, err
+    assert json.loads(out)["short_run"] == {"skip": "gaussian"}
+
+
+def test_a_config_with_options_and_round_records_among_other_settings_reads_as_the_same_run():
+    """Short-run options stored among the network settings and a distillation round's record among the
+    recipe's constants are read into their own settings (elflow.runs.checkpoint.upgrade_train, the one reader of
+    earlier layouts); the recipe refuses keys it does not know."""
+    from elflow.flow import Recipe
+    from elflow.runs.checkpoint import upgrade_train
+
+    stored = TrainConfig(preset="tiny").to_dict()
+    stored.update(model={"depth": 3, "skip": "gaussian", "table_readout": 1.0}, short_run={}, distillation={},
+                  recipe={"decode_noise_scale": 1.0, "distilled_steps": 4, "teacher_steps": 16,
+                          "sampling": {"steps": 4, "sampler": "sde", "gamma": 1.5, "omega": 2.5}})
+    cfg = TrainConfig.from_dict(upgrade_train(json.loads(json.dumps(stored))))
+    assert cfg.model == {"depth": 3} and cfg.short_run == {"skip": "gaussian", "table_readout": 1.0}
+    assert cfg.recipe == {"decode_noise_scale": 1.0} and cfg.distillation == {"student_steps": 4, "teacher_steps": 16}
+    assert TrainConfig.from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(ValueError, match="unknown fields"):
+        Recipe.from_dict({"noise": 2.0})
+    with pytest.raises(ELFError, match="recipe"):
+        TrainConfig(recipe={"noise": 2.0}).resolved().validate()
