@@ -29,7 +29,7 @@ from elflow.runs.released import build_from_state_dict
 from elflow.train import train
 from elflow.util.distributed import setup_distributed
 from elflow.util.errors import ELFError
-from elflow.util.files import FolderHold, atomic_write_json, read_json, resolved
+from elflow.util.files import FolderHold, atomic_write_json, check_output, read_json, resolved
 
 
 def _teacher_device():
@@ -212,7 +212,11 @@ def distill_flow_map(teacher, out, steps: int = 1000, sample_steps: int = FLOW_M
         raise ELFError(f"the student's default sampling steps must be an integer from 1 to 64, got {sample_steps!r}")
     if not 0 <= warmup_frac <= 1:
         raise ELFError(f"--warmup-frac must lie in [0, 1], got {warmup_frac}")
-    out = check_out(out, folder=True)
+    out = check_output(out, False, "--out", folder=True)  # the student's own run folder, which --resume reopens,
+    outer = run_folders_holding(resolved(out).parent)     # but never inside another run's folder
+    if outer:
+        raise ELFError(f"--out {out} lies inside {outer[0]}, the folder of another run; the student goes into a "
+                       "folder of its own, outside any run: choose another --out")
     _check_out(out, [teacher])
     device = _teacher_device()
     teacher_net, record, origin = load_teacher(teacher, device=device)
