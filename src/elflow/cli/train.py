@@ -13,12 +13,11 @@ import torch
 from elflow.cli.train_flags import add_config_arguments, given_config, with_default
 from elflow.config import RUN_DEFAULTS, TrainConfig, mutable_flags, resume_conflicts
 from elflow.runs.claim import stored_config
-from elflow.runs.folder import RUN_FILE
 from elflow.train import train
 from elflow.util.devices import check_device
 from elflow.util.distributed import on_rank0, process_group
 from elflow.util.errors import ELFError
-from elflow.util.files import check_output, read_json
+from elflow.util.files import check_output
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -85,7 +84,7 @@ def _group_timeout(args) -> float | None:
     if getattr(args, "resume", False):
         out = Path(getattr(args, "out", None) or f"runs/{getattr(args, 'preset', TrainConfig.preset)}")
         try:
-            return float(read_json(out / RUN_FILE)["train"]["dist_timeout"])
+            return float(stored_config(out).dist_timeout)
         except (ELFError, OSError, ValueError, KeyError, TypeError, OverflowError):
             pass
     return None

@@ -19,7 +19,6 @@ from elflow.eval.scoring import sample_and_score
 from elflow.experiments.compare import cached_judge, judge_texts, row_documents
 from elflow.experiments.encoder_train import train_encoder
 from elflow.methods import get_method
-from elflow.runs.folder import RUN_FILE
 from elflow.runs.load import load_for_sampling
 from elflow.runs.outputs import check_out
 from elflow.space import build_space, space_spec, tokenizer_spec
@@ -335,7 +334,7 @@ class Harness:
         figures = {"loss": report["model_loss"], "decode_acc": report["decode_accuracy"]["p=1.0"],
                    "gen_ppl": scores.get("gen_ppl", math.nan), "entropy": scores.get("judge_entropy", math.nan),
                    "corpus_words": scores.get("corpus_word_share", math.nan), "mauve": scores.get("mauve", math.nan),
-                   "params": read_json(folder / RUN_FILE)["params"]["model"],
+                   "params": net.record.params["model"],
                    "steps": read_json(folder / "done.json")["steps"]}
         atomic_write_json(path, figures)
         return figures

@@ -20,16 +20,17 @@ from elflow.eval.metrics import generative_perplexity
 from elflow.eval.scoring import sample_and_score
 from elflow.experiments.figures import plot_tradeoff
 from elflow.methods import METHOD_NAMES, get_method
-from elflow.runs.folder import METRICS_FILE, RUN_FILE
+from elflow.runs.folder import METRICS_FILE
 from elflow.runs.load import load_for_sampling
 from elflow.runs.log import read_metrics
 from elflow.runs.outputs import check_out
+from elflow.runs.record import RunRecord
 from elflow.space import build_space, space_spec, tokenizer_spec
 from elflow.train import train
 from elflow.util import jsonio
 from elflow.util.devices import check_device
 from elflow.util.errors import ELFError
-from elflow.util.files import FolderHold, atomic_write_json, cache_root, read_json
+from elflow.util.files import FolderHold, atomic_write_json, cache_root
 
 DEFAULT_MINUTES = 4.0  # minutes of training per method
 
@@ -182,11 +183,12 @@ def _compare(cfg, out, steps, minutes, num, judge, elf_steps, omegas, ar_tempera
         summary = train(replace(cfg, method=method), out / method, overwrite=overwrite, quiet=quiet,
                         cache_dir=cache_dir, device=device, command=f"elflow compare ({method})",
                         time_limit=minutes * 60 if minutes is not None else None)
-        meta = read_json(out / method / RUN_FILE)
+        record = RunRecord.read(out / method)
+        network = record.network.to_dict()
         info[method] = {"steps": summary["end_step"], "seconds": _train_seconds(out / method),
-                        "tokens": summary["end_step"] * cfg.batch * cfg.length, "params": meta["params"]["model"],
-                        "elf_params": meta["params"]["elf"], "shape": {k: meta["model"][k] for k in
-                                                                        ("depth", "hidden", "heads")},
+                        "tokens": summary["end_step"] * cfg.batch * cfg.length, "params": record.params["model"],
+                        "elf_params": record.params["elf"], "shape": {k: network[k] for k in
+                                                                       ("depth", "hidden", "heads")},
                         "loss": (summary.get("last") or {}).get("loss")}
 
     vocab = corpus_vocabulary(tokens_space.decode(train_set.tokens[: min(len(train_set), 4000)]))
