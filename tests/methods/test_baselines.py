@@ -300,7 +300,7 @@ def test_compare_trains_three_matched_methods_and_judges_them(tmp_path, tiny_t5_
     info = res["methods"]
     for name in ("elf", "ar", "mdlm"):  # every method: the same budget, through the one trainer
         assert info[name]["steps"] == 3 and info[name]["tokens"] == 3 * 4 * 16
-        assert json.loads((tmp_path / name / "run.json").read_text())["method"] == name
+        assert json.loads((tmp_path / name / "run.json").read_text())["record"]["method"] == name
     with torch.device("meta"):
         from elflow.runs.record import RunRecord
 
@@ -357,6 +357,6 @@ def test_sample_refuses_an_mdlm_step_count_past_the_bound_in_one_line_writing_no
     capsys.readouterr()
     out = tmp_path / "s.jsonl"
     code = main(["sample", str(run), "--num", "2", "--steps", str(10**12), "--quiet", "--out", str(out)])
-    assert_one_error(code, capsys.readouterr().err, "sample", "the MDLM sampler's steps must be an integer from 1 to "
-                     "10,000", "got 1,000,000,000,000")
+    assert_one_error(code, capsys.readouterr().err, "sample", "--steps must be an integer from 1 to 10,000",
+                     "got 1,000,000,000,000")
     assert not out.exists()

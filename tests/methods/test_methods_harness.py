@@ -232,7 +232,7 @@ def test_compare_cli_end_to_end(tmp_path, tiny_t5_dir, tiny_corpus_file, judge_d
         m = res["methods"][name]
         assert m["steps"] == 2 and m["tokens"] == 2 * 4 * 16
         assert abs(m["params"] - m["elf_params"]) / m["elf_params"] <= 0.05
-        assert json.loads((out / name / "run.json").read_text())["method"] == name
+        assert json.loads((out / name / "run.json").read_text())["record"]["method"] == name
     assert res["methods"]["elf"]["params"] == res["methods"]["elf"]["elf_params"]
     assert "judge ppl" in printed and "held-out text" in printed and (out / "compare.png").exists()
     one_line_error(capsys, argv, "already holds a comparison")  # never silently overwritten

@@ -61,7 +61,8 @@ def check_sampling_flags(args) -> None:
     for name, (ok, what) in ranges.items():
         value = getattr(args, name, None)
         if value is not None and not ok(value):
-            raise ELFError(f"--{name.replace('_', '-')} must be {what}, got {value:g}")
+            raise ELFError(f"--{name.replace('_', '-')} must be {what}, got {value:,}" if isinstance(value, int)
+                           else f"--{name.replace('_', '-')} must be {what}, got {value:g}")
 
 
 def check_counts(args, **bounds) -> None:
