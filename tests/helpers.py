@@ -151,6 +151,13 @@ def small_tmpfs(folder: Path, size: str = "12m"):
         subprocess.run(["umount", "-l", str(folder)], check=False)
 
 
+def full_disk(sd, path, *a, **k):
+    """A stand-in for a checkpoint's save_file on a full disk: ENOSPC naming the file."""
+    import errno
+
+    raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+
 def fill(fs: Path, leave: int = 0) -> Path:
     """Take the free space of the file system of `fs` but `leave` bytes, in one file; returns it (delete it
     to free the space)."""
@@ -393,26 +400,6 @@ def snapshot(root: Path) -> dict:
 def snapshot_with_folders(root: Path) -> dict:
     """Every file under `root`, hidden ones too, with its bytes (a folder's name maps to None)."""
     return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() else None) for p in sorted(root.rglob("*"))}
-
-
-def tree(root: Path) -> dict:
-    """Every entry under `root`, links not followed: a file's bytes, a link's target, a folder."""
-    import os
-    import stat
-
-    out = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in dirnames + filenames:
-            p = Path(dirpath) / name
-            s = os.lstat(p)
-            key = str(p.relative_to(root))
-            if stat.S_ISLNK(s.st_mode):
-                out[key] = ("link", os.readlink(p))
-            elif stat.S_ISREG(s.st_mode):
-                out[key] = p.read_bytes()
-            else:
-                out[key] = stat.S_IFMT(s.st_mode)
-    return out
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -12,7 +12,6 @@ value is refused, before any model work, so the whole matrix is fast.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -21,12 +20,13 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from helpers import assert_one_error, reference_dir
+from helpers import assert_not_an_integer, assert_one_error, reference_dir
 
 from elflow.cli import COMMANDS, build_parser, main
 
 LIMIT_S = int(os.environ.get("ELFLOW_MATRIX_LIMIT_S", "60"))  # a refusal comes before any work: far below this
-INT_BAD = ("0", "-1", "1000000000000", "nan")
+INT_BAD = ("0", "-1", "1000000000000", "nan", "inf")
+NOT_INTEGERS = ("nan", "inf")  # refused by the parser itself, for an int flag
 FLOAT_BAD = ("0", "-1", "nan", "inf", "1e12")
 
 # ----------------------------------------------------------------------------------------------------------
@@ -212,18 +212,17 @@ def assert_refused(capsys, world: World, argv: list[str], *needles) -> str:
 # numbers: every numeric flag of every command
 
 
-def numeric_flags(cmd: str) -> list[tuple[str, str]]:
-    """(flag, "int" | "float") of every option of `cmd` whose parser type is int or float."""
+def numeric_flags(cmd: str) -> list[tuple[str, str, str]]:
+    """(flag, "int" | "float", how the parser's errors name it: its spellings joined by "/") of every option of
+    `cmd` whose parser type is int or float."""
     p = build_parser(only=cmd).subcommands[cmd]
-    found = []
-    for a in p._actions:
-        if a.option_strings and a.type in (int, float) and not isinstance(a, argparse._HelpAction):
-            found.append((a.option_strings[0], a.type.__name__))
-    return found
+    return [(a.option_strings[0], a.type.__name__, "/".join(a.option_strings)) for a in p._actions
+            if a.option_strings and a.type in (int, float)]
 
 
-NUMBER_CASES = [(cmd, flag, value) for cmd in COMMANDS for flag, kind in numeric_flags(cmd)
+NUMBER_CASES = [(cmd, flag, value) for cmd in COMMANDS for flag, kind, _ in numeric_flags(cmd)
                 for value in (INT_BAD if kind == "int" else FLOAT_BAD)]
+INT_FLAGS = {(cmd, flag): spelled for cmd in COMMANDS for flag, kind, spelled in numeric_flags(cmd) if kind == "int"}
 
 
 def with_flag(argv: list[str], flag: str, value: str) -> list[str]:
@@ -256,6 +255,8 @@ def test_a_bad_number_is_refused(capsys, world, clean_out, cmd, flag, value):
     line = assert_refused(capsys, world, [cmd] + with_flag(world.base(cmd), flag, value))
     # the flag is named, or the size check says what would not fit in memory
     assert any(n in line for n in names_of(flag)) or "needs" in line and "memory" in line, line
+    if (cmd, flag) in INT_FLAGS and value in NOT_INTEGERS:  # the parser's line, and where the flags are listed
+        assert_not_an_integer(2, line, cmd, INT_FLAGS[cmd, flag])
 
 
 def test_every_accepted_value_is_a_real_flag_value():

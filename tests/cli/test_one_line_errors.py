@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers import cli, one_error, sampled_trajectory, tree
+from helpers import cli, one_error, sampled_trajectory, tree_state
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -111,8 +111,8 @@ def test_one_line_and_nothing_written(capsys, tmp_path, trained_with_trajectory,
     shutil.copytree(trained_with_trajectory, run)
     shutil.copy(sampled_trajectory(trained_with_trajectory), sampled_trajectory(run))
     argv = setup(tmp_path, run, (tiny_t5_dir, tiny_corpus_file, cache))
-    before = tree(tmp_path)
+    before = tree_state(tmp_path)
     code, _, err = cli(capsys, argv)
     one_error(code, err, command, *[n.format(t=tmp_path) for n in needles])
-    assert tree(tmp_path) == before
+    assert tree_state(tmp_path) == before
     assert not Path("/dev/zero.html").exists()

@@ -2,7 +2,6 @@
 teacher, files of the user's own, a device node, a fifo, links), runs one command and checks exit 2, one line,
 no traceback and every entry under the test folder unchanged; an overwritten distillation and an output that
 appears while sampling."""
-import errno
 import json
 import shutil
 import socket
@@ -13,6 +12,7 @@ from helpers import (
     assert_one_error,
     cli,
     distill_args,
+    full_disk,
     sample_args,
     tree_state,
 )
@@ -135,8 +135,6 @@ def test_distill_overwrite_replaces_only_its_own_files_and_restores_them_on_fail
     before = tree_state(tmp_path)
     real = ckpt_mod.save_file
 
-    def full_disk(sd, path, *a, **k):
-        raise OSError(errno.ENOSPC, "No space left on device", str(path))
     monkeypatch.setattr(ckpt_mod, "save_file", full_disk)
     code, _, err = cli(capsys, distill_args(trained, out, cache, "--overwrite"))
     assert_one_error(code, err, "distill", "no space left on device")

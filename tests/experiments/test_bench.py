@@ -110,16 +110,6 @@ def test_a_bad_size_is_refused_in_one_line_before_any_work(capsys, monkeypatch, 
     assert_one_error(code, capsys.readouterr().err, "bench", needle)
 
 
-@pytest.mark.parametrize("flag", ["--batch", "--length", "--steps", "--iters", "--peak-size", "--accum", "--hidden"])
-@pytest.mark.parametrize("value", ["nan", "inf"])
-def test_a_size_that_is_no_integer_is_refused_by_the_parser(capsys, flag, value):
-    from helpers import assert_not_an_integer
-
-    with pytest.raises(SystemExit) as e:
-        main(["bench", "forward", flag, value])
-    assert_not_an_integer(e.value.code, capsys.readouterr().err, "bench", flag)
-
-
 @pytest.mark.parametrize("decode", [False, True])
 def test_pass_flops_match_flop_counter(decode):
     """The formula against torch's FlopCounterMode (SDPA forced onto the math path so it is counted)."""

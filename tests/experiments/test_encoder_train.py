@@ -96,19 +96,6 @@ def test_train_encoder_refuses_a_bad_size_in_one_line_before_anything_is_written
     assert not out.exists()
 
 
-@pytest.mark.parametrize("flag", ["--vocab", "--length", "--hidden", "--depth", "--heads", "--steps", "--batch"])
-@pytest.mark.parametrize("value", ["nan", "inf"])
-def test_train_encoder_refuses_a_size_that_is_no_integer(tmp_path, capsys, flag, value):
-    from helpers import assert_not_an_integer
-
-    from elflow.cli import main
-
-    with pytest.raises(SystemExit) as e:
-        main(["train-encoder", flag, value, "--out", str(tmp_path / "enc")])
-    assert_not_an_integer(e.value.code, capsys.readouterr().err, "train-encoder", flag)
-    assert not (tmp_path / "enc").exists()
-
-
 @pytest.mark.slow
 def test_a_window_longer_than_the_corpus_leaves_no_tokenizer_behind(tmp_path, tiny_corpus_file, capsys):
     """--length past what the corpus holds is found after the tokenizer is trained: the tokenizer lives in a

@@ -310,15 +310,3 @@ def test_schedules_refuses_a_bad_number_of_draws_in_one_line_writing_nothing(tmp
     code = main(["schedules", "--samples", value, "--out", str(out)])
     assert_one_error(code, capsys.readouterr().err, "schedules", needle)
     assert not out.exists()
-
-
-@pytest.mark.parametrize("value", ["nan", "inf"])
-def test_schedules_refuses_draws_that_are_no_integer(tmp_path, capsys, value):
-    from helpers import assert_not_an_integer
-
-    from elflow.cli import main
-
-    with pytest.raises(SystemExit) as e:
-        main(["schedules", "--samples", value, "--out", str(tmp_path / "s.png")])
-    assert_not_an_integer(e.value.code, capsys.readouterr().err, "schedules", "--samples")
-    assert not (tmp_path / "s.png").exists()

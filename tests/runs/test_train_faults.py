@@ -2,7 +2,6 @@
 checkpoint keeps the old run, a full disk during a save keeps the last checkpoint (and resume is exact), locks
 held, stale or left behind, resumes that change what may not change, an interrupted overwrite undone, no
 network."""
-import errno
 import json
 import socket
 import subprocess
@@ -13,6 +12,7 @@ from helpers import (
     assert_bit_identical,
     assert_one_error,
     cli,
+    full_disk,
     snapshot,
     tiny_flags,
 )
@@ -48,8 +48,6 @@ def test_overwrite_failing_before_its_first_checkpoint_restores_the_old_run(
     before = snapshot(run_copy)
     real = ckpt_mod.save_file
 
-    def full_disk(sd, path, *a, **k):
-        raise OSError(errno.ENOSPC, "No space left on device", str(path))
     monkeypatch.setattr(ckpt_mod, "save_file", full_disk)
     code, _, err = cli(capsys, ["train", *tiny_flags(tiny_t5_dir, tiny_corpus_file, cache, seed=7), "--out", run_copy,
                                 "--overwrite"])
@@ -73,9 +71,7 @@ def test_enospc_during_a_save_keeps_the_last_checkpoint_and_resume_is_exact(
     real = ckpt_mod.save_file
 
     def full_disk_at_step_6(sd, path, *a, **k):
-        if "step_0000006" in str(path):
-            raise OSError(errno.ENOSPC, "No space left on device", str(path))
-        return real(sd, path, *a, **k)
+        return (full_disk if "step_0000006" in str(path) else real)(sd, path, *a, **k)
     monkeypatch.setattr(ckpt_mod, "save_file", full_disk_at_step_6)
     code, _, err = cli(capsys, ["train", *tiny_flags(tiny_t5_dir, tiny_corpus_file, cache), "--out", run])
     line = assert_one_error(code, err, "train", "no space left on device: ", "; last good checkpoint: step 3")
