@@ -23,6 +23,13 @@ already in --out (so a stopped run continues where it stopped):
 Writes RESULTS/results.json (settings, every number per seed, wall times, the CPU) and RESULTS/few_step.png
 (Gen-PPL and MAUVE against sampling steps: mean over seeds, each seed's points).
 
+On a machine without mauve-text (a GPU machine with torch alone): --no-mauve judges Gen-PPL and entropy only and
+--features FILE.npz keeps the judge's features of every sample set and of the references (what `elflow eval
+--mauve` clusters); `--report-only --mauve-from FILE.npz` on a machine with mauve-text then adds MAUVE to every
+row, as `elflow eval --mauve` computes it from the same features. --device runs the teacher, the judge's
+training and every evaluation there; --teacher-via train trains the teacher with `elflow train --defaults
+quickstart` (the quickstart's model without its report); --deadline stops starting stages at a unix time.
+
 The run reported in docs/few_step.md (a shared 2-core CPU, under load from other jobs):
 
     OMP_NUM_THREADS=2 python benchmarks/few_step_text.py --out /tmp/fs --teacher-train-steps 100 \\
@@ -33,6 +40,8 @@ The run reported in docs/few_step.md (a shared 2-core CPU, under load from other
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import platform
@@ -42,6 +51,15 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+ELFLOW = [sys.executable, "-m", "elflow.cli"]  # the `elflow` command, also where it is not installed
+FEATURES = "features"  # OUT/features/<row>.npy: the judge's features of a sample set
+
+
+def shown(cmd: list[str]) -> str:
+    """A command as a person types it: `elflow ...` for the CLI."""
+    if cmd[:len(ELFLOW)] == ELFLOW:
+        cmd = ["elflow", *cmd[len(ELFLOW):]]
+    return " ".join(cmd)
 
 
 def cpu_model() -> str:
@@ -54,20 +72,48 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def run(cmd: list[str], log: Path) -> tuple[float, str]:
-    """Run `cmd`, its stderr into `log`; (wall seconds, stdout). Exits with the command's last lines on failure."""
-    print("$ " + " ".join(cmd), flush=True)
+def gpu_name(device: str | None) -> str | None:
+    try:
+        import torch
+
+        return torch.cuda.get_device_name(0) if str(device).startswith("cuda") and torch.cuda.is_available() else None
+    except (ImportError, RuntimeError):
+        return None
+
+
+class Failed(Exception):
+    """A command that failed: its line and its last lines of output."""
+
+
+def run(cmd: list[str], log: Path, in_process: bool = False, env: dict | None = None,
+        soft: bool = False) -> tuple[float, str]:
+    """Run `cmd`, its stderr into `log`; (wall seconds, stdout). `in_process`: an `elflow` command run by the
+    CLI's own entry point in this process (no start-up). Exits with the command's last lines on failure (raises
+    Failed with them if `soft`)."""
+    print("$ " + shown(cmd), flush=True)
     t0 = time.time()
     with open(log, "a") as err:
-        err.write("$ " + " ".join(cmd) + "\n")
+        err.write("$ " + shown(cmd) + "\n")
         err.flush()
-        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
+        if in_process and cmd[:len(ELFLOW)] == ELFLOW:
+            from elflow.cli import main as elflow_main
+
+            out, msgs = io.StringIO(), io.StringIO()
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(msgs):
+                code = elflow_main(cmd[len(ELFLOW):])
+            err.write(msgs.getvalue())
+            stdout = out.getvalue()
+        else:
+            p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+            code, stdout = p.returncode, p.stdout
     wall = time.time() - t0
-    if p.returncode != 0:
+    if code != 0:
         tail = log.read_text().replace("\r", "\n").splitlines()[-5:]
-        sys.exit(f"failed ({p.returncode}): {' '.join(cmd)}\n" + "\n".join(tail))
+        if soft:
+            raise Failed(f"failed ({code}): {shown(cmd)}: " + " / ".join(t for t in tail[-2:] if t.strip()))
+        sys.exit(f"failed ({code}): {shown(cmd)}\n" + "\n".join(tail))
     print(f"  done in {wall:.0f} s", flush=True)
-    return wall, p.stdout
+    return wall, stdout
 
 
 def load(path: Path):
@@ -120,7 +166,68 @@ def main(argv=None) -> int:
     ap.add_argument("--teacher-evals", action=argparse.BooleanOptionalAction, default=True,
                     help="judge the teacher with each seed (--no-teacher-evals: the students alone)")
     ap.add_argument("--report-only", action="store_true", help="only gather results.json and the plot")
+    ap.add_argument("--device", default=None,
+                    help="cuda or cpu: the teacher's training and every evaluation (default: cuda when available)")
+    ap.add_argument("--judge-device", default="cpu", help="where the judge trains (train-judge --device)")
+    ap.add_argument("--teacher-via", choices=("quickstart", "train"), default="quickstart",
+                    help="quickstart: `elflow quickstart` (with its report); train: `elflow train --defaults "
+                         "quickstart`, the same model without the report")
+    ap.add_argument("--fm-batch", default=None,
+                    help="the flow map's batch (default: --batch); 'match': the batch that gives the flow map PD's "
+                         "teacher forward passes in as many optimiser steps (benchmarks/few_step_cond.py)")
+    ap.add_argument("--mauve", action=argparse.BooleanOptionalAction, default=True,
+                    help="MAUVE in every evaluation (needs mauve-text; --no-mauve: Gen-PPL and entropy only)")
+    ap.add_argument("--features", default=None,
+                    help="also keep the judge's features of every sample set and of the references in this .npz")
+    ap.add_argument("--mauve-from", default=None,
+                    help="with --report-only: MAUVE of every row from the features in this .npz (--features)")
+    ap.add_argument("--in-process", action=argparse.BooleanOptionalAction, default=True,
+                    help="run `elflow eval` in this process (no start-up per row); trainings always run apart")
+    ap.add_argument("--deadline", type=float, default=None,
+                    help="unix time after which no stage starts (default: $FEW_STEP_DEADLINE if set)")
     args = ap.parse_args(argv)
+    if args.deadline is None and os.environ.get("FEW_STEP_DEADLINE"):
+        try:
+            args.deadline = float(os.environ["FEW_STEP_DEADLINE"])
+        except ValueError:
+            sys.exit(f"few_step_text: FEW_STEP_DEADLINE must be a unix time in seconds, got "
+                     f"{os.environ['FEW_STEP_DEADLINE']!r}")
+    if args.mauve_from and not args.report_only:
+        sys.exit("few_step_text: --mauve-from adds MAUVE to gathered results: pass it with --report-only")
+    if args.mauve_from and not Path(args.mauve_from).is_file():
+        sys.exit(f"few_step_text: --mauve-from {args.mauve_from}: no such file")
+    if args.fm_batch not in (None, "match"):
+        try:
+            args.fm_batch = int(args.fm_batch)
+        except ValueError:
+            sys.exit(f"few_step_text: --fm-batch must be an integer or 'match', got {args.fm_batch!r}")
+    for name in ("num", "batch", "steps_per_round", "judge_steps", "teacher_train_steps", "sample_batch"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            sys.exit(f"few_step_text: --{name.replace('_', '-')} must be >= 1, got {v}")
+    import torch
+
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    for flag, dev in (("--device", args.device), ("--judge-device", args.judge_device)):
+        if dev.startswith("cuda") and not torch.cuda.is_available():
+            sys.exit(f"few_step_text: {flag} {dev}: this machine has no CUDA device; pass {flag} cpu")
+    env = dict(os.environ)
+    if args.device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""  # `elflow distill` takes the GPU when it sees one
+    t_start = time.time()
+    expect: dict[str, float] = {}
+
+    def allowed(name: str, kind: str) -> bool:
+        """Whether a stage may start: not past --deadline, nor expected (the longest of its kind) to end past it."""
+        if args.deadline is None:
+            return True
+        left = args.deadline - time.time()
+        if left <= 0 or expect.get(kind, 0.0) > left:
+            print(f"skipped {name}: {left:.0f} s to the deadline", flush=True)
+            state.setdefault("skipped", []).append(name) if name not in state.get("skipped", []) else None
+            return False
+        return True
 
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -131,20 +238,34 @@ def main(argv=None) -> int:
     state_file = out / "state.json"
     state = load(state_file) or {"walls": {}, "commands": {}}
 
-    def stage(name: str, cmd: list[str], done) -> str | None:
-        if done() or args.report_only:
+    def stage(name: str, cmd: list[str], done, kind: str | None = None) -> str | None:
+        if done() or args.report_only or not allowed(name, kind or name):
             return None
-        wall, stdout = run(cmd, log)
+        wall, stdout = run(cmd, log, env=env)
+        expect[kind or name] = max(expect.get(kind or name, 0.0), wall)
         state["walls"][name] = wall
-        state["commands"][name] = " ".join(cmd)
+        state["commands"][name] = shown(cmd)
+        if name in state.get("skipped", []):
+            state["skipped"].remove(name)
         save(state_file, state)
         return stdout
 
     teacher, judge = out / "teacher", out / "judge"
-    stage("teacher", ["elflow", "quickstart", "--out", str(teacher), "--steps", str(args.teacher_train_steps)],
-          lambda: (teacher / "report.json").is_file())
-    stage("judge", ["elflow", "train-judge", "--out", str(judge), "--steps", str(args.judge_steps), "--seed", "0",
-                    "--device", "cpu"], lambda: (judge / "elflow_judge.json").is_file())
+    if args.teacher_via == "quickstart":
+        stage("teacher", [*ELFLOW, "quickstart", "--out", str(teacher), "--steps", str(args.teacher_train_steps)],
+              lambda: (teacher / "report.json").is_file())
+    else:
+        stage("teacher", [*ELFLOW, "train", "--defaults", "quickstart", "--steps", str(args.teacher_train_steps),
+                          "--device", args.device, "--out", str(teacher), "--quiet"],
+              lambda: "teacher" in state["walls"] or (teacher / "report.json").is_file())
+    stage("judge", [*ELFLOW, "train-judge", "--out", str(judge), "--steps", str(args.judge_steps), "--seed", "0",
+                    "--device", args.judge_device], lambda: (judge / "elflow_judge.json").is_file())
+    if not (teacher / "run.json").is_file() or not (judge / "elflow_judge.json").is_file():
+        if args.report_only:
+            sys.exit(f"few_step_text: {out} holds no teacher or judge; run without --report-only first")
+        gather(args, out, results_dir, rounds, total, state)
+        print("few_step_text: no teacher or judge before the deadline; nothing more to do", flush=True)
+        return 0
 
     refs, real = out / "refs.jsonl", out / "heldout.jsonl"
     if not refs.is_file() and not args.report_only:
@@ -161,54 +282,143 @@ def main(argv=None) -> int:
     evals = out / "eval"
 
     def judge_flags() -> list[str]:
-        return ["--judge", str(judge), "--mauve", "--references", str(refs), "--no-heldout", "--json"]
+        mauve = ["--mauve", "--references", str(refs)] if args.mauve else []
+        return ["--judge", str(judge), *mauve, "--no-heldout", "--device", args.device, "--json"]
 
     def evaluate(name: str, checkpoint: Path, k: int, seeds: list[int]) -> None:
         report = evals / f"{name}.json"
-        if report.is_file() or args.report_only:
+        if report.is_file() or args.report_only or not allowed(name, "eval"):
             return
-        cmd = ["elflow", "eval", "--checkpoint", str(checkpoint), "--num", str(args.num), "--steps", str(k),
+        cmd = [*ELFLOW, "eval", "--checkpoint", str(checkpoint), "--num", str(args.num), "--steps", str(k),
                "--seeds", *map(str, seeds), "--batch", str(args.sample_batch), *judge_flags(),
                "--out", str(evals / name), "--overwrite"]
-        wall, stdout = run(cmd, log)
+        try:
+            wall, stdout = run(cmd, log, in_process=args.in_process, env=env, soft=True)
+        except Failed as e:  # a row without a score (every sample empty, say): noted, the others go on
+            print(f"  {name}: {e}", flush=True)
+            state.setdefault("failed", {})[name] = str(e)
+            save(state_file, state)
+            return
+        expect["eval"] = max(expect.get("eval", 0.0), wall)
         res = json.loads(stdout.strip().splitlines()[-1])
         res["wall_s"] = wall
-        res["command"] = " ".join(cmd)
+        res["command"] = shown(cmd)
+        if args.features:
+            features(name, {s: evals / name / f"samples_seed{s}.jsonl" for s in seeds})
         save(report, res)
 
+    judged: dict = {}
+
+    def features(name: str, files: dict) -> None:
+        """OUT/features/<name>-s<seed>.npy: the judge's features of the non-empty texts of each samples file, as
+        `elflow eval --mauve` featurises them."""
+        import numpy as np
+
+        from elflow.eval.judge import load_judge
+        from elflow.eval.mauve import judge_features
+
+        if "judge" not in judged:
+            judged["judge"] = load_judge(str(judge), "fp32", args.device)
+        model, tok = judged["judge"]
+        for seed, f in files.items():
+            texts = [json.loads(x)["text"] for x in Path(f).read_text().splitlines() if x.strip()]
+            kept = [t for t in texts if t.strip()]
+            feats = judge_features(kept, model, tok, 8).cpu().numpy()
+            (out / FEATURES).mkdir(exist_ok=True)
+            np.save(out / FEATURES / (f"{name}-s{seed}.npy" if seed is not None else f"{name}.npy"), feats)
+
     # the held-out row: real text against the references
-    if not (evals / "heldout.json").is_file() and not args.report_only:
-        cmd = ["elflow", "eval", str(real), *judge_flags(), "--report", str(evals / "heldout.report.json"),
+    if not (evals / "heldout.json").is_file() and not args.report_only and allowed("heldout", "eval"):
+        cmd = [*ELFLOW, "eval", str(real), *judge_flags(), "--report", str(evals / "heldout.report.json"),
                "--overwrite"]
-        wall, stdout = run(cmd, log)
+        wall, stdout = run(cmd, log, in_process=args.in_process, env=env)
         res = json.loads(stdout.strip().splitlines()[-1])
-        res.update(wall_s=wall, command=" ".join(cmd))
+        res.update(wall_s=wall, command=shown(cmd))
+        if args.features:
+            features("references", {None: refs})
+            features("heldout", {None: real})
         save(evals / "heldout.json", res)
 
     for s in args.seeds:  # one complete group per seed: the teacher sampled with seed s, then s's students
         for k in args.eval_steps if args.teacher_evals else []:
             evaluate(f"teacher-s{s}-k{k}", teacher, k, [s])
         pd, fm = out / f"pd-s{s}", out / f"fm-s{s}"
-        stage(f"pd-s{s}", ["elflow", "distill", str(teacher), "--objective", "pd", "--student-steps",
+        stage(f"pd-s{s}", [*ELFLOW, "distill", str(teacher), "--objective", "pd", "--student-steps",
                            args.student_steps, "--teacher-steps", str(args.teacher_steps), "--steps-per-round",
                            str(args.steps_per_round), "--batch", str(args.batch), "--micro-batch", str(args.batch), "--lr", str(args.lr),
                            "--ema-decay", str(args.ema_decay), "--seed", str(s), "--out", str(pd), "--quiet"],
-              lambda: f"pd-s{s}" in state["walls"])
-        stage(f"fm-s{s}", ["elflow", "distill", str(teacher), "--objective", "flow-map", "--steps", str(total),
-                           "--batch", str(args.batch), "--micro-batch", str(args.batch), "--lr", str(args.lr), "--ema-decay", str(args.ema_decay),
-                           "--seed", str(s), "--out", str(fm), "--quiet"],
-              lambda: f"fm-s{s}" in state["walls"])
+              lambda: f"pd-s{s}" in state["walls"], kind="pd")
+        fm_batch = fm_batch_for(args, teacher, rounds, total, state)
+        stage(f"fm-s{s}", [*ELFLOW, "distill", str(teacher), "--objective", "flow-map", "--steps", str(total),
+                           "--batch", str(fm_batch), "--micro-batch", str(fm_batch), "--lr", str(args.lr),
+                           "--ema-decay", str(args.ema_decay), "--seed", str(s), "--out", str(fm), "--quiet"],
+              lambda: f"fm-s{s}" in state["walls"], kind="fm")
         for k in args.eval_steps:
-            if k in rounds:
+            if k in rounds and f"pd-s{s}" in state["walls"]:
                 evaluate(f"pd-s{s}-k{k}", pd / f"{k}-step", k, [s])
-            evaluate(f"fm-s{s}-k{k}", fm, k, [s])
+            if f"fm-s{s}" in state["walls"]:
+                evaluate(f"fm-s{s}-k{k}", fm, k, [s])
         gather(args, out, results_dir, rounds, total, state)  # partial results after every seed
 
     if args.teacher_full_steps:  # last: the most expensive row (0 skips it)
         for s in args.seeds:
             evaluate(f"teacher-s{s}-k{args.teacher_full_steps}", teacher, args.teacher_full_steps, [s])
     gather(args, out, results_dir, rounds, total, state)
+    if args.features:
+        pack_features(out, Path(args.features))
+    print(f"few_step_text: done in {time.time() - t_start:.0f} s; {results_dir / 'results.json'}", flush=True)
     return 0
+
+
+def fm_batch_for(args, teacher: Path, rounds: list[int], total: int, state: dict) -> int:
+    """--fm-batch, else --batch; 'match': the batch whose teacher forward passes over `total` steps equal PD's
+    (few_step_cond.budget, from the teacher's recipe), kept in the state as the budget."""
+    if isinstance(args.fm_batch, int) and not isinstance(args.fm_batch, bool):
+        if args.fm_batch < 1:
+            sys.exit(f"few_step_text: --fm-batch must be >= 1, got {args.fm_batch}")
+        return args.fm_batch
+    if args.fm_batch != "match":
+        return args.batch
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from few_step_cond import budget
+
+    recipe = load(teacher / "run.json")["record"]["recipe"]
+    state["budget"] = budget(recipe, rounds, args.teacher_steps, args.steps_per_round, args.batch, total, None)
+    return state["budget"]["fm_batch"]
+
+
+def pack_features(out: Path, path: Path) -> None:
+    """Every OUT/features/*.npy in one .npz (its keys the file names without .npy)."""
+    import numpy as np
+
+    arrays = {f.stem: np.load(f) for f in sorted((out / FEATURES).glob("*.npy"))}
+    if arrays:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        np.savez_compressed(path, **arrays)
+
+
+def mauve_from(path: Path, rows: list[dict], held: dict | None) -> dict:
+    """MAUVE of every row's seeds and of the held-out text against the references, from the features in `path`
+    (`elflow eval --mauve`'s computation on the same features: clusters a tenth of the texts, seed 25)."""
+    import numpy as np
+
+    from elflow.eval.mauve import mauve_from_features
+
+    feats = np.load(path)
+    if "references" not in feats:
+        sys.exit(f"few_step_text: {path} holds no features of the references")
+    q = feats["references"]
+    prefix = {"teacher": "teacher", "PD": "pd", "flow map": "fm"}
+    for r in rows:
+        for p in r["per_seed"]:
+            key = f"{prefix[r['model']]}-s{p['seed']}-k{r['steps']}-s{p['seed']}"
+            if key in feats:
+                res = mauve_from_features(feats[key], q, num_buckets="auto", seed=25)
+                p["mauve"] = res["mauve"]
+                p["mauve_settings"] = {k: res[k] for k in ("texts", "clusters", "seed")}
+    if held is not None and "heldout" in feats:
+        held["mauve"] = mauve_from_features(feats["heldout"], q, num_buckets="auto", seed=25)["mauve"]
+    return {"features": str(path), "keys": len(feats.files)}
 
 
 def gather(args, out: Path, results_dir: Path, rounds: list[int], total: int, state: dict) -> dict:
@@ -239,14 +449,15 @@ def gather(args, out: Path, results_dir: Path, rounds: list[int], total: int, st
                     walls += rep["wall_s"]
             if seeds:
                 rows.append({"model": method, "steps": k, "settings": sett, "per_seed": seeds, "wall_s": walls})
+    held = load(evals / "heldout.json")
+    held_row = None if held is None else {m: held.get(m) for m in keep}
+    mauve_note = mauve_from(Path(args.mauve_from), rows, held_row) if args.mauve_from else None
     for r in rows:
         for m in ("gen_ppl", "entropy", "mauve"):
             vals = [p[m] for p in r["per_seed"] if p.get(m) is not None]
             r[m] = statistics.fmean(vals) if vals else None
             r[m + "_spread"] = (max(vals) - min(vals)) / 2 if len(vals) > 1 else None
             r[m + "_values"] = vals
-    held = load(evals / "heldout.json")
-    held_row = None if held is None else {m: held.get(m) for m in keep}
 
     trainings = {}
     for s in args.seeds:
@@ -263,6 +474,7 @@ def gather(args, out: Path, results_dir: Path, rounds: list[int], total: int, st
     result = {
         "what": "PD students and the flow-map student of one quickstart teacher, judged by one offline judge",
         "cpu": cpu_model(), "cpu_count": os.cpu_count(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "gpu": gpu_name(args.device),
         "python": platform.python_version(), "torch": torch_version,
         "settings": {"teacher_train_steps": args.teacher_train_steps, "judge_steps": args.judge_steps,
                      "seeds": args.seeds, "pd_rounds": rounds, "pd_teacher_steps": args.teacher_steps,
@@ -271,7 +483,11 @@ def gather(args, out: Path, results_dir: Path, rounds: list[int], total: int, st
                      "num_samples_per_seed": args.num, "eval_steps": args.eval_steps,
                      "teacher_full_steps": args.teacher_full_steps, "mauve_references": state.get("references"),
                      "mauve": "elflow eval --mauve: judge last hidden state, clusters auto (a tenth of the texts), "
-                              "seed 25"},
+                              "seed 25", "mauve_from_features": mauve_note, "device": args.device,
+                     "judge_device": args.judge_device, "teacher_via": args.teacher_via,
+                     "fm_batch": (state.get("budget") or {}).get("fm_batch") or args.fm_batch or args.batch,
+                     "budget": state.get("budget")},
+        "skipped_past_deadline": state.get("skipped", []), "failed_rows": state.get("failed", {}),
         "commands": state["commands"], "walls_s": state["walls"],
         "teacher": {"wall_s": state["walls"].get("teacher"), "last": last_losses(out / "teacher")},
         "trainings": trainings, "heldout_text": held_row, "rows": rows,

@@ -112,6 +112,15 @@ def run_alone_and_on_two_ranks(args: list[str], one: Path, two: Path) -> None:
     assert r.returncode == 0, r.stderr[-3000:]
 
 
+def free_port() -> int:
+    """A TCP port of localhost that nothing listens on (at the time of asking)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def prepare_on_rank(rank: int, world: int, port: int, corpus: str, cache: str, log: str, out: str) -> None:
     """One rank of a Gloo group whose collectives time out after 2 s, reading a corpus whose preparation takes
     longer (SlowSpace); saves its training rows to `out`.<rank>."""

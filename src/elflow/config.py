@@ -15,9 +15,10 @@ from elflow.methods import METHOD_NAMES, check_run
 from elflow.methods.baseline import MATCHES
 from elflow.model import CONDITIONINGS, DECODERS, PREDICTIONS, PRESETS, SKIPS
 from elflow.newton_schulz import NS_METHODS
-from elflow.optim import ADAMW_BLR, EMA_DECAY, LR_DECAYS, MUON_BLR, OPTIMIZERS, UPDATE_RULE_HELP, UPDATE_RULES, base_lr
+from elflow.optim import (ADAMW_BLR, EMA_DECAY, LR_DECAYS, LR_SCHEDULES, MUON_BLR, OPTIMIZERS, UPDATE_RULE_HELP,
+                          UPDATE_RULES, base_lr)
 from elflow.space import FIXED_TABLE_KINDS, TABLE_STREAM, drawn_table, fixed_vectors
-from elflow.util.budget import MAX_BATCH, MAX_LENGTH, MAX_TRAINING_STEPS
+from elflow.util.budget import LENGTH_BOUND, MAX_BATCH, MAX_LENGTH, MAX_TRAINING_STEPS, TRAINING_STEPS_BOUND
 from elflow.util.devices import RUN_DTYPES, resolve_dtype
 from elflow.util.distributed import DIST_TIMEOUT_MINUTES
 from elflow.util.errors import SEED_MAX, ELFError, Record
@@ -54,13 +55,13 @@ PROBABILITY = (lambda v: 0 <= v <= 1, "in [0, 1]")
 ANY = (math.isfinite, "(finite)")
 
 
-LENGTH = (lambda v: 1 <= v <= MAX_LENGTH, f"from 1 to {MAX_LENGTH:,} (the paper's longest is 1,088)")
+LENGTH = (lambda v: 1 <= v <= MAX_LENGTH, f"from 1 to {MAX_LENGTH:,} ({LENGTH_BOUND[1]})")
 
 
 ROWS = (lambda v: 1 <= v <= MAX_BATCH, f"from 1 to {MAX_BATCH:,} (the paper's batch is 512)")
 
 
-STEPS = (lambda v: 1 <= v <= MAX_TRAINING_STEPS, f"from 1 to {MAX_TRAINING_STEPS:,} (ELF-B trains 95,000 steps)")
+STEPS = (lambda v: 1 <= v <= MAX_TRAINING_STEPS, f"from 1 to {MAX_TRAINING_STEPS:,} ({TRAINING_STEPS_BOUND[1]})")
 
 
 EPOCHS = (lambda v: math.isfinite(v) and 0 < v <= MAX_EPOCHS, f"in (0, {MAX_EPOCHS:,}]")
@@ -169,6 +170,10 @@ class TrainConfig(Record):
     warmup: int = setting(100, "linear warm-up steps", check=AT_LEAST_0)
     lr_decay: str = setting("constant", "after the warm-up: constant (the paper's) or a cosine decay to 0 at the "
                                         "run's last step (short runs)", choices=LR_DECAYS)
+    lr_schedule: str = setting("released", "where the warm-up starts: released (step k from 0 at lr k / W, as the "
+                                           "authors' code; the first step only fills the optimiser's moments) or "
+                                           "one-ahead (lr (k + 1) / W: the schedule of earlier elflow runs, which "
+                                           "keep it when resumed)", choices=LR_SCHEDULES, cli=False)
     ema_decay: float | None = setting(None, "EMA decay of the weights used for sampling",
                                       default_help=_size_help("ema_decay"), check=UNIT)
     adam_heads: bool = setting(False, "optimise output heads and embedders with Adam instead of Muon "
@@ -431,6 +436,13 @@ NESTED_FLAGS.update({("recipe", name): (float, text, RECIPE_RANGES[name], _recip
 
 
 MUTABLE = tuple(f.name for f in fields(TrainConfig) if f.metadata.get("mutable"))
+# how a run steps that a newer elflow does otherwise: a run that continues keeps its own
+KEPT_FROM_EARLIER = ("update_rule", "lr_schedule")
+
+
+def kept_from(stored: TrainConfig, cfg: TrainConfig) -> TrainConfig:
+    """`cfg` (a distillation's config, rebuilt from its teacher) stepping as the stored run it continues does."""
+    return replace(cfg, **{k: getattr(stored, k) for k in KEPT_FROM_EARLIER})
 
 
 def resume_conflicts(stored: TrainConfig, cfg: TrainConfig, device=None) -> list[str]:

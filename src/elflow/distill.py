@@ -13,20 +13,30 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from elflow.config import TrainConfig
-from elflow.flow import FLOW_MAP_STEPS, distilled_defaults
+from elflow.config import TrainConfig, kept_from
+from elflow.data.datasets import check_not_relative
+from elflow.flow import FLOW_MAP_STEPS, distilled_defaults, recipe_for
 from elflow.methods.lmd import MapMethod
 from elflow.methods.pd import PDMethod, check_schedule
 from elflow.model import PRESETS
 from elflow.optim import EMA_DECAY
-from elflow.runs.checkpoint import list_checkpoints, recover_replaced, set_aside
-from elflow.runs.claim import check_not_inside, check_only_own, run_folders_holding, stored_config
-from elflow.runs.folder import DISTILL_MANIFEST, REPLACED, REPORT_FILE, RUN_FILE
+from elflow.runs.checkpoint import list_checkpoints, read_state, recover_replaced, set_aside
+from elflow.runs.claim import (
+    absolute_paths,
+    check_not_inside,
+    check_only_own,
+    local_path,
+    micro_batch_for,
+    run_folders_holding,
+    stored_config,
+)
+from elflow.runs.folder import DISTILL_MANIFEST, REPLACED, REPORT_FILE, RUN_FILE, STATE_FILE
 from elflow.runs.load import load_init_weights
 from elflow.runs.log import training_records
 from elflow.runs.outputs import check_out
 from elflow.runs.released import build_from_state_dict
 from elflow.train import train
+from elflow.util.budget import check_fits, elf_params, elf_training, weights
 from elflow.util.distributed import setup_distributed
 from elflow.util.errors import ELFError
 from elflow.util.files import FolderHold, atomic_write_json, check_output, read_json, resolved
@@ -40,10 +50,13 @@ def _teacher_device():
     return torch.device("cpu")
 
 
-def load_teacher(path, length: int | None = None, device=None):
+def load_teacher(path, length: int | None = None, device=None, check=None):
     """(frozen network, its record, origin): the EMA weights of a run or checkpoint (its trained weights, with a
-    warning, where it stored no EMA), in eval mode and without gradients."""
+    warning, where it stored no EMA), in eval mode and without gradients. `check(record, origin)` runs once the
+    weights are read, before the network is built."""
     record, sd, origin = load_init_weights(path, need="distill")
+    if check is not None:
+        check(record, origin)
     cfg = record.network
     if length and length > cfg.max_length:
         cfg = cfg.replace(max_length=length)
@@ -79,6 +92,9 @@ def _base_config(record, origin, overrides: dict) -> TrainConfig:
     if "data" not in base or "space" not in base:
         raise ELFError(f"{origin.path} stores no training data settings (a converted or released model); pass "
                        "--data and --space")
+    if overrides.get("data") is None and origin.format == "checkpoint":  # the teacher's data, as recorded
+        state = Path(origin.path) / STATE_FILE
+        check_not_relative(base["data"], read_state(Path(origin.path)).get("data_store"), state)
     if base.get("preset") not in PRESETS:
         base["preset"] = "elf-b"  # every shape field is set from the teacher below
     shape = {k: v for k, v in record.network.to_dict().items() if k not in ("dim", "vocab_size", "max_length")}
@@ -94,7 +110,7 @@ def _base_config(record, origin, overrides: dict) -> TrainConfig:
     base["short_run"] = record.options.to_dict() if record.options.active else {}  # students of the teacher's kind
     base["length"] = base.get("length") or record.length
     base["sample_every"] = 0
-    return TrainConfig(**base)
+    return absolute_paths(TrainConfig(**base))
 
 
 def distill(teacher, out, student_steps=(16, 8, 4, 2, 1), teacher_steps: int = 64, steps_per_round: int | None = None,
@@ -124,7 +140,7 @@ def distill(teacher, out, student_steps=(16, 8, 4, 2, 1), teacher_steps: int = 6
     _check_out(out, [teacher])
 
     device = _teacher_device()
-    teacher_net, record, origin = load_teacher(teacher, device=device)
+    teacher_net, record, origin = load_teacher(teacher, device=device, check=_memory_check(overrides, device, False))
     cfg = _base_config(record, origin, overrides)
     cfg.steps = steps_per_round or cfg.steps
     cfg.epochs = None if steps_per_round else epochs
@@ -135,7 +151,7 @@ def distill(teacher, out, student_steps=(16, 8, 4, 2, 1), teacher_steps: int = 6
     if cfg.length > teacher_net.config.max_length:
         teacher_net = load_teacher(teacher, cfg.length, device)[0]
 
-    manifest = {"format": "elflow-distill-1", "teacher": origin.path, "teacher_space_id": record.space.id,
+    manifest = {"format": "elflow-distill-1", "teacher": local_path(origin.path), "teacher_space_id": record.space.id,
                 "teacher_ema": origin.ema, "student_steps": steps, "teacher_steps": teacher_steps,
                 "train": {k: cfg.to_dict()[k] for k in SAME_ON_RESUME}}
     # under torchrun: one group for all rounds; rank 0 alone reads and writes OUT
@@ -171,8 +187,8 @@ def distill(teacher, out, student_steps=(16, 8, 4, 2, 1), teacher_steps: int = 6
             rdir, again = out / seen[0], seen[1]
             init = origin.path if i == 0 else str(rounds[steps[i - 1]])
             rcfg = _round_config(cfg, n, teacher_steps, init, out, rdir.name)
-            if again:  # a round that has begun continues with its own optimiser's update (an earlier run's rule)
-                rcfg = replace(rcfg, update_rule=stored_config(rdir).update_rule)
+            if again:  # a round that has begun continues with its own update and schedule (an earlier run's)
+                rcfg = kept_from(stored_config(rdir), rcfg)
             said = f"round {i + 1} of {len(steps)}, the {n}-step student ({rdir})"
             if main and not quiet:
                 print(f"{said}: training", file=sys.stderr)
@@ -219,7 +235,7 @@ def distill_flow_map(teacher, out, steps: int = 1000, sample_steps: int = FLOW_M
                        "folder of its own, outside any run: choose another --out")
     _check_out(out, [teacher])
     device = _teacher_device()
-    teacher_net, record, origin = load_teacher(teacher, device=device)
+    teacher_net, record, origin = load_teacher(teacher, device=device, check=_memory_check(overrides, device, True))
     if record.distillation is not None:
         raise ELFError(f"{teacher} is a distilled student ({record.distillation.objective}); a flow-map student is "
                        "distilled from an undistilled ELF model")
@@ -235,10 +251,28 @@ def distill_flow_map(teacher, out, steps: int = 1000, sample_steps: int = FLOW_M
     if cfg.length > teacher_net.config.max_length:
         teacher_net = load_teacher(teacher, cfg.length, device)[0]
     if resume and (out / RUN_FILE).exists():
-        cfg = replace(cfg, update_rule=stored_config(out).update_rule)
+        cfg = kept_from(stored_config(out), cfg)
     train(cfg, out, resume=resume, overwrite=overwrite, cache_dir=cache_dir, quiet=quiet, stop_after=stop_after,
           method=MapMethod(teacher_net), command="elflow distill --objective flow-map")
     return out
+
+
+def _memory_check(overrides: dict, device, tangents: bool):
+    """The check a distillation makes once its teacher's weights are read, before any network is built: the
+    teacher's network and its no-grad passes, and a student's training step (elflow.util.budget.elf_training;
+    `tangents` for a flow-map student), at the students' micro-batch and length, refused in one line when they
+    do not fit `device` (the space's encoder is counted once it is built, in elflow.train.set_up)."""
+    def check(record, origin) -> None:
+        cfg = _base_config(record, origin, overrides)
+        shape = record.network.replace(max_length=max(cfg.length, record.network.max_length))
+        micro = micro_batch_for(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+        recipe = recipe_for(cfg.recipe, conditional=bool(cfg.source_length))
+        flags = f"--batch {cfg.batch}" + (f" --micro-batch {micro}" if micro != cfg.batch else "")
+        check_fits(elf_training(shape, rows=micro, length=cfg.length, decode_share=recipe.decode_prob,
+                                self_cond_share=recipe.self_cond_prob, checkpointing=bool(cfg.grad_checkpoint),
+                                tangents=tangents, teacher=shape, teacher_weights=weights(elf_params(shape)),
+                                what=f"distilling {origin.path}", flags=f"{flags} --length {cfg.length}"), device)
+    return check
 
 
 def _process_group(timeout_minutes: float):
@@ -343,9 +377,10 @@ def _prepare_out(out: Path, manifest: dict, resume: bool, overwrite: bool) -> bo
                            "to replace it (the old one is kept until the new one's first checkpoint)")
         stored = read_json(stored_path)
 
+        stored = {**stored, "teacher": local_path(stored.get("teacher"))}  # (a path recorded relative: from here)
         diff = [k for k in ("teacher", "student_steps", "teacher_steps") if stored.get(k) != manifest[k]]
-        try:
-            train = TrainConfig.from_dict(stored.get("train", {})).to_dict()  # options read where they are stored
+        try:  # options read where they are stored, paths from here
+            train = absolute_paths(TrainConfig.from_dict(stored.get("train", {}))).to_dict()
         except (TypeError, ValueError, AttributeError) as e:
             raise ELFError(f"{stored_path}: corrupted ({type(e).__name__}: {e})") from None
         diff += [f"train.{k}" for k in SAME_ON_RESUME if train[k] != manifest["train"][k]]

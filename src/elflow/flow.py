@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from elflow.util.budget import MAX_SAMPLING_STEPS  # a sampler of more steps is refused
-from elflow.util.errors import Record
+from elflow.util.errors import ELFError, Record
 
 # the released recipe (OpenWebText, and the conditional tasks where said)
 NOISE_SCALE = 2.0  # eps ~ N(0, NOISE_SCALE^2) on the path; z0 of the sampler
@@ -336,17 +336,17 @@ def token_mean_loss(err: torch.Tensor, logits: torch.Tensor, tokens: torch.Tenso
     so that a row weighs as many tokens as it scores (rows of packed text all score L: then it equals the
     mean of the rows' means). err (B, L) per-token denoising error, logits (Bd, L, V) of the decode rows
     `dec` (indices; is_dec (B,) bool), tokens (B, L), w (B, L) the scored positions (0 / 1). Returns
-    (loss, rows): per-row tensors (no host sync) for the metrics, "denoise" and "decode" (the row's token
-    mean; 0 on rows of the other branch), "correct" and "scored" decode tokens."""
+    (loss, rows): per-row tensors (no host sync) for the metrics, "denoise" and "decode" (the sum over the
+    row's scored positions; 0 on rows of the other branch), "scored" (the row's scored positions), "correct"
+    decode tokens."""
     per_row = w.sum(-1)  # (B,)
-    n = per_row.clamp_min(1)
-    denoise = torch.where(is_dec, torch.zeros_like(n), (err * w).sum(-1))  # (B,) sums
+    denoise = torch.where(is_dec, torch.zeros_like(per_row), (err * w).sum(-1))  # (B,) sums
     ce = token_nll(logits, tokens[dec])  # (Bd, L)
-    decode = torch.zeros_like(n).index_copy(0, dec, (ce * w[dec]).sum(-1))
-    correct = torch.zeros_like(n).index_copy(0, dec, ((logits.argmax(-1) == tokens[dec]).float() * w[dec]).sum(-1))
+    decode = torch.zeros_like(per_row).index_copy(0, dec, (ce * w[dec]).sum(-1))
+    correct = torch.zeros_like(per_row).index_copy(0, dec,
+                                                   ((logits.argmax(-1) == tokens[dec]).float() * w[dec]).sum(-1))
     loss = (denoise.sum() + decode.sum()) / per_row.sum().clamp_min(1)
-    rows = {"denoise": (denoise / n).detach(), "decode": (decode / n).detach(), "correct": correct,
-            "scored": per_row * is_dec.float()}
+    rows = {"denoise": denoise.detach(), "decode": decode.detach(), "scored": per_row, "correct": correct}
     return loss, rows
 
 
@@ -423,6 +423,75 @@ def check_sampling_args(steps: int, gamma: float, omega: float, guidance: float 
                       f"[{recipe.omega_low}, {recipe.omega_high}]; results may be poor", stacklevel=2)
 
 
+def _net_device(net):
+    """The device of a network's parameters; None for a plain function."""
+    params = net.parameters() if isinstance(net, torch.nn.Module) else iter(())
+    p = next(params, None)
+    return p.device if p is not None else None
+
+
+def _check_tensor(x, name: str, ndim: int, device=None) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise ELFError(f"integrate: {name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.device.type == "meta":
+        raise ELFError(f"integrate: {name} is on the meta device, which holds no values; make it on cpu or cuda")
+    if device is not None and x.device != device:
+        raise ELFError(f"integrate: {name} is on {x.device}, the network on {device}; move it there")
+    if x.ndim != ndim or x.numel() == 0:
+        raise ELFError(f"integrate: {name} must be a non-empty {ndim}-D tensor, got shape {tuple(x.shape)}")
+    return x
+
+
+def check_integrate_args(net, z0, grid, sampler, gamma, omega, guidance, known, known_mask) -> None:
+    """`integrate`'s arguments, checked once before its loop (one host read each of z0, the grid and the known
+    values, none per step): ELFError naming the first that is wrong. z0 a floating-point (B, L, C) tensor of
+    finite values on the network's device (C its width and L within its length where it has them); the grid a
+    1-D tensor of at least two finite times in [0, 1], never falling; a sampler of SAMPLERS; gamma and guidance
+    within SAMPLING_RANGES, omega too or a (B,) tensor; known (B, L, C) finite values with known_mask (B, L),
+    both or neither."""
+    device = _net_device(net)
+    _check_tensor(z0, "z0", 3, device)
+    if not z0.is_floating_point():
+        raise ELFError(f"integrate: z0 must hold floating-point values, got {z0.dtype}")
+    config = getattr(net, "config", None)
+    dim, length = getattr(config, "dim", None), getattr(config, "max_length", None)
+    if isinstance(dim, int) and z0.shape[-1] != dim:
+        raise ELFError(f"integrate: z0 has {z0.shape[-1]} channels per position, the network's space has {dim}: "
+                       f"z0 must have shape (B, L, {dim})")
+    if isinstance(length, int) and z0.shape[1] > length:
+        raise ELFError(f"integrate: z0 has {z0.shape[1]} positions, more than the {length} the network covers")
+    if sampler not in SAMPLERS:
+        raise ELFError(f"integrate: unknown sampler {sampler!r}; choose one of {', '.join(SAMPLERS)}")
+    for name, value in (("gamma", gamma), ("guidance", guidance)) + ((("omega", omega),)
+                                                                     if not isinstance(omega, torch.Tensor) else ()):
+        ok, what = SAMPLING_RANGES[name]
+        if not ok(value):
+            raise ELFError(f"integrate: {name} must be {what}, got {value!r}")
+    if isinstance(omega, torch.Tensor):
+        _check_tensor(omega, "omega", 1, z0.device)
+        if omega.shape[0] != z0.shape[0] or not bool(torch.isfinite(omega).all()):
+            raise ELFError(f"integrate: an omega tensor must hold {z0.shape[0]} finite values (one per row of z0), "
+                           f"got shape {tuple(omega.shape)}")
+    _check_tensor(grid, "grid", 1)
+    times = grid.detach().to("cpu", torch.float64)
+    if times.numel() < 2 or not bool(torch.isfinite(times).all()) or times.min() < 0 or times.max() > 1 \
+            or bool((times.diff() < 0).any()):
+        raise ELFError(f"integrate: the time grid must hold at least two finite times in [0, 1], rising from the "
+                       f"noise (0) to the data (1) as time_grid makes them, got {times.tolist()[:6]}")
+    if (known is None) != (known_mask is None):
+        raise ELFError("integrate: known and known_mask go together: pass both, or neither")
+    if known is not None:
+        _check_tensor(known, "known", 3)
+        _check_tensor(known_mask, "known_mask", 2)
+        if tuple(known.shape) != tuple(z0.shape) or tuple(known_mask.shape) != tuple(z0.shape[:2]):
+            raise ELFError(f"integrate: known must have z0's shape {tuple(z0.shape)} and known_mask "
+                           f"{tuple(z0.shape[:2])}, got {tuple(known.shape)} and {tuple(known_mask.shape)}")
+        if not known.is_floating_point() or not bool(torch.isfinite(known).all()):
+            raise ELFError("integrate: known must hold finite floating-point values")
+    if not bool(torch.isfinite(z0).all()):
+        raise ELFError("integrate: z0 holds NaN or infinite values; start from finite noise (noise_scale * randn)")
+
+
 def integrate(net, z0: torch.Tensor, grid: torch.Tensor, *, sampler: str = TEXT_SAMPLING["sampler"],
               gamma: float = TEXT_SAMPLING["gamma"], omega=TEXT_SAMPLING["omega"], guidance: float = 1.0,
               known: torch.Tensor | None = None, known_mask: torch.Tensor | None = None,
@@ -439,13 +508,11 @@ def integrate(net, z0: torch.Tensor, grid: torch.Tensor, *, sampler: str = TEXT_
     slot holds them. With guidance g != 1 a second pass sees z and the slot with the known positions zeroed
     (the source dropped) and v = v_u + g (v_c - v_u), x = x_u + g (x_c - x_u). Without known positions
     guidance has nothing to act on and costs no pass. `callback(i, t, z, x)` sees each step's guess.
-    No host sync inside the loop; the noise buffer is allocated once.
+    Every argument is checked once first (`check_integrate_args`); no host sync inside the loop; the noise
+    buffer is allocated once.
     """
+    check_integrate_args(net, z0, grid, sampler, gamma, omega, guidance, known, known_mask)
     n = grid.numel() - 1
-    if n < 1:
-        raise ValueError("the time grid needs at least two points (steps >= 1)")
-    if sampler not in SAMPLERS:
-        raise ValueError(f"unknown sampler {sampler!r}; choose one of {', '.join(SAMPLERS)}")
     B = z0.shape[0]
     grid = grid.to(z0.device, torch.float32)
     w = omega if isinstance(omega, torch.Tensor) else torch.full((B,), float(omega), device=z0.device)

@@ -215,6 +215,36 @@ def gather_records(records: list[dict], world: int) -> list[dict]:
     return sorted(records, key=lambda r: r["index"])
 
 
+def check_generate_args(net, space, settings, sources, prompt, suffix, part) -> None:
+    """What `generate` is given, checked before anything is drawn (ELFError naming the first that is wrong): an
+    ELF network (a module with its config) whose weights are on cpu or cuda, its embedding space (of the
+    network's width), SamplingSettings, sources a list of texts, prompt and suffix texts, part (rank, ranks)."""
+    config = getattr(net, "config", None)
+    if not isinstance(net, torch.nn.Module) or not isinstance(getattr(config, "dim", None), int):
+        raise ELFError(f"generate: net must be an ELF network (elflow.load or load_for_sampling gives one), got "
+                       f"{type(net).__name__}")
+    p = next(net.parameters(), None)
+    if p is None or p.device.type not in ("cpu", "cuda"):
+        raise ELFError(f"generate: the network's weights are on {p.device if p is not None else 'no device'}; "
+                       "elflow samples on cpu or cuda (net.to('cpu'))")
+    if not all(hasattr(space, a) for a in ("tokenizer", "tokenize", "encode", "eos_id", "dim")):
+        raise ELFError(f"generate: space must be the network's embedding space (load_for_sampling gives it), got "
+                       f"{type(space).__name__}")
+    if space.dim != config.dim:
+        raise ELFError(f"generate: the space's vectors have {space.dim} dimensions, the network's {config.dim}: "
+                       "pass the space the network was trained in (load_for_sampling gives it)")
+    if not isinstance(settings, SamplingSettings):
+        raise ELFError(f"generate: settings must be SamplingSettings, got {type(settings).__name__}")
+    if sources is not None and (not isinstance(sources, list) or not all(isinstance(x, str) for x in sources)):
+        raise ELFError("generate: sources must be a list of texts, one per sample")
+    for name, text in (("prompt", prompt), ("suffix", suffix)):
+        if text is not None and not isinstance(text, str):
+            raise ELFError(f"generate: {name} must be a text, got {type(text).__name__}")
+    if not (isinstance(part, (tuple, list)) and len(part) == 2 and all(isinstance(x, int) and not isinstance(x, bool)
+                                                              for x in part) and 0 <= part[0] < part[1]):
+        raise ELFError(f"generate: part must be (rank, ranks) with 0 <= rank < ranks, got {part!r}")
+
+
 @torch.no_grad()
 def generate(net, space, num: int, settings: SamplingSettings = SamplingSettings(), length: int | None = None,
              sources: list[str] | None = None, source_length: int | None = None, prompt: str | None = None,
@@ -235,6 +265,7 @@ def generate(net, space, num: int, settings: SamplingSettings = SamplingSettings
     `drop_source`: the source-dropped model of a conditional network, as training drops a source: the
     source positions hold zeros for every pass, the readout's included (guidance 0 alone drops the source
     from the denoiser's passes only; the readout still sees it)."""
+    check_generate_args(net, space, settings, sources, prompt, suffix, part)
     if recipe is None:
         record = getattr(net, "record", None)
         recipe = record.recipe if record is not None else Recipe()

@@ -7,10 +7,12 @@ polynomial is evaluated fast on a CPU is elflow.newton_schulz."""
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
 from elflow.newton_schulz import default_ns_dtype, newton_schulz, ns_precision, resolve_ns_method
+from elflow.util.errors import ELFError
 
 OPTIMIZERS = ("muon", "adamw")
 # how Muon + Adam step the weights; "released" is the released update, the others are the updates of earlier
@@ -60,18 +62,29 @@ def base_lr(batch: int, blr: float = MUON_BLR) -> float:
 
 
 LR_DECAYS = ("constant", "cosine")
+# where the warm-up starts: "released" runs optimiser step k (from 0) at lr k / W, so that the first step only
+# fills the momentum and Adam moments, and starts the cosine at step W; "one-ahead" runs step k at lr (k + 1) / W
+# and starts the cosine one step earlier: the schedule of earlier elflow runs, kept so that they resume exactly
+LR_SCHEDULES = ("released", "one-ahead")
 
 
-def lr_at(step: int, lr: float, warmup: int, decay: str = "constant", total: int | None = None) -> float:
-    """Linear warm-up over `warmup` optimiser steps, then constant (the paper's schedule) or, with
-    decay="cosine", a half cosine from lr down to 0 at step `total` (steps counted from 0)."""
+def lr_at(step: int, lr: float, warmup: int, decay: str = "constant", total: int | None = None,
+          schedule: str = "released") -> float:
+    """The learning rate of optimiser step `step` (counted from 0): a linear warm-up over `warmup` steps, then
+    constant (the paper's) or, with decay="cosine", a half cosine from lr down to 0 at step `total`.
+
+        released   k < W: lr k / W;      then lr (1 + cos(pi min(1, (k - W) / (total - W)))) / 2
+        one-ahead  k < W: lr (k + 1) / W; then the same with k + 1 in place of k"""
+    if schedule not in LR_SCHEDULES:
+        raise ValueError(f"lr_at: schedule must be one of {', '.join(LR_SCHEDULES)}; got {schedule!r}")
+    k = step + 1 if schedule == "one-ahead" else step
     if step < warmup:
-        return lr * (step + 1) / warmup
+        return lr * k / warmup
     if decay == "constant":
         return lr
     if decay != "cosine" or not total:
         raise ValueError(f"lr_at: decay must be 'constant', or 'cosine' with a total step count; got {decay!r}")
-    done = min(1.0, (step - warmup + 1) / max(total - warmup, 1))
+    done = min(1.0, (k - warmup) / max(total - warmup, 1))
     return lr * 0.5 * (1.0 + math.cos(math.pi * done))
 
 
@@ -275,3 +288,157 @@ class EMA:
     def copy_to(self, module: torch.nn.Module) -> None:
         for p, s in zip(module.parameters(), self.shadow):
             p.copy_(s)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the optimiser state a resume loads, checked before it is used
+
+# the settings of a group that the update reads from the group itself: a stored state that changes one of them
+# steps with another rule than the run's
+GROUP_SETTINGS = ("muon", "in_out", "momentum", "betas", "eps", "weight_decay", "ns_steps", "nesterov",
+                  "ns_coefficients", "adjust_lr_fn", "lr_scale", "amsgrad", "maximize", "decoupled_weight_decay")
+MOMENT_WORDS = {"m": "momentum", "v": "second moment", "momentum_buffer": "momentum", "exp_avg": "first moment",
+                "exp_avg_sq": "second moment", "max_exp_avg_sq": "largest second moment"}
+
+
+class _Misfit(Exception):
+    """What does not fit, said once by `check_optimizer_state` with the file it came from."""
+
+
+def _moments_of(opt, group: dict) -> tuple[tuple[str, ...], bool]:
+    """(the tensors each parameter's state holds, whether it holds a step count) under `opt` for `group`."""
+    if isinstance(opt, ReleasedMuonAdam):
+        return (("m",) if group["muon"] else ("m", "v")), True
+    if isinstance(opt, torch.optim.Muon):
+        return ("momentum_buffer",), False
+    return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group.get("amsgrad") else ()), True
+
+
+def _same(a, b) -> bool:
+    """Two group settings alike: equal numbers, strings or flags (a flag only equals a flag), element by element
+    for sequences; NaN equals nothing."""
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b
+    return a == b
+
+
+def _check_group(saved, own: dict, ours: dict, released: bool, what: str) -> None:
+    """A stored group against the run's: a dict with the same parameter count and every setting of
+    GROUP_SETTINGS the run's group has (all of them present under the released update)."""
+    if not isinstance(saved, dict) or not isinstance(saved.get("params"), list):
+        raise _Misfit(f"{what} is not a parameter group")
+    if len(saved["params"]) != len(own["params"]):
+        raise _Misfit(f"{what} holds {len(saved['params'])} parameters, this run's has {len(own['params'])} "
+                      "(another network, --update-rule or --optimizer)")
+    if saved["params"] != own["params"]:
+        raise _Misfit(f"{what} numbers its parameters {saved['params'][:4]}..., this run's {own['params'][:4]}...")
+    for key in GROUP_SETTINGS:
+        if key not in ours:
+            continue
+        if key not in saved:
+            if released:
+                raise _Misfit(f"{what} has no setting {key!r}")
+            continue
+        if not _same(saved[key], ours[key]):
+            raise _Misfit(f"{what} has {key} {saved[key]!r}, this run's update has {ours[key]!r} (another "
+                          "--update-rule, --optimizer or --weight-decay, or an edited file)")
+
+
+def _step_count(value, name: str, limit: int | None) -> float:
+    """A stored step count as a number: a whole number from 0 to `limit` (the checkpoint's step)."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_complex() or value.device.type == "meta":
+            raise _Misfit(f"parameter {name}: its step count is a tensor of shape {tuple(value.shape)}, not a number")
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _Misfit(f"parameter {name}: its step count is {type(value).__name__}, not a number")
+    top = "" if limit is None else f" to {limit:,} (the checkpoint's step)"
+    if not math.isfinite(value) or value != int(value) or value < 0 or (limit is not None and value > limit):
+        raise _Misfit(f"parameter {name}: its step count is {value!r}, not a whole number from 0{top}")
+    return value
+
+
+def _check_param(state, p: torch.Tensor, name: str, moments: tuple, has_step: bool, limit) -> float | None:
+    """One parameter's stored state: every moment of the update present, of the parameter's shape,
+    floating-point and finite; its step count (`_step_count`), returned."""
+    if not isinstance(state, dict):
+        raise _Misfit(f"parameter {name}: its state is {type(state).__name__}, not a record of moments")
+    for key in moments:
+        t = state.get(key)
+        word = f"{MOMENT_WORDS.get(key, key)} {key!r}"
+        if not isinstance(t, torch.Tensor):
+            raise _Misfit(f"parameter {name}: its state holds no {word}" if t is None else
+                          f"parameter {name}: its {word} is {type(t).__name__}, not a tensor")
+        if tuple(t.shape) != tuple(p.shape):
+            raise _Misfit(f"parameter {name}: its {word} has shape {tuple(t.shape)}, the parameter's is "
+                          f"{tuple(p.shape)}")
+        if not t.is_floating_point() or t.device.type == "meta":
+            raise _Misfit(f"parameter {name}: its {word} holds {t.dtype} values on {t.device.type}, not "
+                          "floating-point numbers")
+        if not bool(torch.isfinite(t).all()):
+            raise _Misfit(f"parameter {name}: its {word} holds NaN or infinite values (a training that "
+                          "diverged, or a damaged file)")
+    if not has_step:
+        return None
+    if "step" not in state:
+        raise _Misfit(f"parameter {name}: its state holds no step count")
+    return _step_count(state["step"], name, limit)
+
+
+def _check_part(opt, saved, names: dict, what: str, limit) -> None:
+    """One optimiser's stored state (torch's state_dict layout) against `opt`; `what` names it ("" where the
+    update has one)."""
+    if not isinstance(saved, dict) or not isinstance(saved.get("state"), dict) \
+            or not isinstance(saved.get("param_groups"), list):
+        raise _Misfit(f"{what or 'it'} is not an optimiser state (a record of 'state' and 'param_groups')")
+    released = isinstance(opt, ReleasedMuonAdam)
+    own, ours = opt.state_dict()["param_groups"], opt.param_groups
+    if len(saved["param_groups"]) != len(own):
+        raise _Misfit(f"{what or 'it'} holds {len(saved['param_groups'])} parameter groups, this run's update has "
+                      f"{len(own)} (another network, --update-rule or --optimizer)")
+    steps, bare = {}, []
+    for g, (group, mine, live) in enumerate(zip(saved["param_groups"], own, ours)):
+        _check_group(group, mine, live, released, f"{what}group {g + 1}")
+        moments, has_step = _moments_of(opt, live)
+        for index, p in zip(mine["params"], live["params"]):
+            name = names.get(id(p), f"number {index}")
+            if index not in saved["state"]:
+                bare.append(name)
+                continue
+            steps[name] = _check_param(saved["state"][index], p, name, moments, has_step, limit)
+    if released and steps and bare:  # the released update steps every parameter at every step
+        raise _Misfit(f"parameter {bare[0]}: its state is missing, while {len(steps)} others have one")
+    counts = [s for s in steps.values() if s is not None]
+    if released and counts:  # one count, the checkpoint's step: every parameter steps at every step
+        expected = limit if limit is not None else max(set(counts), key=counts.count)
+        odd = next((n for n, s in steps.items() if s != expected), None)
+        if odd is not None:
+            other = "the checkpoint's step" if limit is not None else "the other parameters' count"
+            raise _Misfit(f"parameter {odd}: its step count is {steps[odd]:g}, {other} is {expected:g} (the "
+                          "released update steps every parameter at every step)")
+
+
+def check_optimizer_state(optimizer: ELFOptimizer, states, named, where, step: int | None = None) -> None:
+    """The optimiser state a resume is to load (`ELFOptimizer.state_dict`'s list), checked against the run's
+    `optimizer` (built for its network and update rule) before anything of it is used: its parts and their
+    groups, each group's parameter count and settings (the 'muon' flag among them), and per parameter (named by
+    `named`, the (name, parameter) pairs the optimiser was built from) the moments its update reads, present,
+    of the parameter's shape, floating-point and finite, and its step count, a whole number from 0 to `step`
+    (the checkpoint's; under the released update every parameter's is `step`). One ELFError naming `where`
+    (the state's file) and the first parameter or group that does not fit, and what to do."""
+    names = {id(p): n for n, p in named}
+    parts = optimizer.optimizers
+    step = step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None
+    try:
+        if not isinstance(states, list) or len(states) != len(parts):
+            n = len(states) if isinstance(states, list) else f"a {type(states).__name__}, not a list of"
+            raise _Misfit(f"it holds {n} optimiser states, this run's update ({optimizer.kind}, --update-rule "
+                          f"{optimizer.update_rule}) has {len(parts)}")
+        for k, (opt, saved) in enumerate(zip(parts, states)):
+            _check_part(opt, saved, names, f"its optimiser {k + 1} of {len(parts)}, " if len(parts) > 1 else "", step)
+    except _Misfit as e:
+        ckpt = os.path.dirname(str(where)) or "."
+        raise ELFError(f"{where}: {e}; the run cannot resume from it. Resume from an earlier checkpoint (move this "
+                       f"one aside), or start a new run from its weights with --init-from {ckpt}") from None

@@ -24,7 +24,7 @@ from elflow.encoders import (
     tokenizer_eos_id,
     tokenizer_fingerprint,
 )
-from elflow.util.devices import check_memory
+from elflow.util.budget import Estimate, check_fits
 from elflow.util.errors import ELFError
 
 DEFAULT_SPACE = "minilm"
@@ -259,8 +259,8 @@ class TableSpace(EmbeddingSpace):
                 config = load_config(target, local, name)
                 dim = getattr(config, "d_model", None) or getattr(config, "hidden_size")
             n_rows = len(tokenizer)
-            check_memory(n_rows * int(dim) * 4, f"the {kind} space of {n_rows} x {dim} vectors",
-                         hint="choose a smaller --space-dim")
+            check_fits(Estimate(f"the {kind} space", f"{n_rows} x {dim} vectors", {"table": n_rows * int(dim) * 4},
+                                "choose a smaller --space-dim"))
             weight = torch.randn(n_rows, int(dim), generator=gen)  # N(0, 1): unit scale by construction
             max_length = None
         if latent_std == "table":

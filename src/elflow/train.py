@@ -29,16 +29,25 @@ from elflow.data.datasets import check_recorded_store, check_same_store, run_dat
 from elflow.flow import Recipe, recipe_for
 from elflow.methods import Method, TrainedPass, get_method
 from elflow.model import ShortRunOptions, get_config
-from elflow.optim import EMA, ELFOptimizer, lr_at
+from elflow.optim import EMA, ELFOptimizer, check_optimizer_state, lr_at
 from elflow.runs.checkpoint import load_checkpoint, read_state, save_checkpoint
-from elflow.runs.claim import RunFolder, check_run_dir, claim_run, micro_batch_for, no_space, shared_folder_check
-from elflow.runs.folder import CHECKPOINTS, RUN_FILE, STATE_FILE
+from elflow.runs.claim import (
+    RunFolder,
+    absolute_paths,
+    check_run_dir,
+    claim_run,
+    micro_batch_for,
+    no_space,
+    shared_folder_check,
+)
+from elflow.runs.folder import CHECKPOINTS, OPTIMIZER_STATE, RUN_FILE, STATE_FILE, checkpoint_dir
 from elflow.runs.load import check_init_compatible, load_init_weights
 from elflow.runs.log import RunLogger, describe_start, plot_losses, tracked_settings, trim_metrics
 from elflow.runs.record import Distillation, RunRecord, Task, checkpoint_state, record_of_state
 from elflow.runs.stages import DECODER_STAGE, attach_decoder, decoder_stage
 from elflow.runs.tracking import Tracker, require_wandb
 from elflow.space import SpaceSpec, build_space, check_compatible, space_spec
+from elflow.util.budget import check_training
 from elflow.util.devices import (
     autocast,
     check_device,
@@ -153,7 +162,7 @@ class Setup:
     record: RunRecord | None = None  # the run's description (`run_record`), made once set-up is done
 
     def lr_at(self, step: int) -> float:
-        return lr_at(step, self.cfg.lr, self.warmup, self.cfg.lr_decay, self.steps)
+        return lr_at(step, self.cfg.lr, self.warmup, self.cfg.lr_decay, self.steps, self.cfg.lr_schedule)
 
 
 def set_up(cfg: TrainConfig, method: Method, rank: int, world: int, device, cache_dir=None,
@@ -177,6 +186,7 @@ def set_up(cfg: TrainConfig, method: Method, rank: int, world: int, device, cach
                            **cfg.network_fields(recipe))
     except (TypeError, ValueError) as e:
         raise ELFError(f"the network settings do not fit together: {e}") from None
+    check_training(cfg, shape, space, recipe, method, micro, len(train_set), device)  # before the network
     net, params = method.build(cfg, shape, space, train_set, recipe, device)
     if decoder_from is not None:
         attach_decoder(net, decoder_from, space)
@@ -223,6 +233,8 @@ def restore(setup: Setup, ckpt: Path | None, quiet: bool = False) -> int:
         if blob["space"] or setup.space.trainable:
             setup.space.load_trainable_state_dict(blob["space"])
         setup.ema.load_state_dict(blob["ema"])
+        check_optimizer_state(setup.optimizer, blob["optimizer"]["optimizer"], setup.named, ckpt / OPTIMIZER_STATE,
+                              blob["state"]["step"])
         setup.optimizer.load_state_dict(blob["optimizer"]["optimizer"])
         torch.set_rng_state(blob["optimizer"]["rng"]["torch"].cpu())
         if "cuda" in blob["optimizer"]["rng"] and torch.cuda.is_available():
@@ -308,6 +320,8 @@ def train_loop(setup: Setup, out: Path, start: int, quiet: bool = False, stop_af
     tokens_per_step = cfg.batch * setup.length
     totals, n_logged, t_log = {}, 0, time.perf_counter()
     last_good, checked = None, start  # the last checkpoint written; the last step known to be finite
+    before = f"{checkpoint_dir(out, start)} (the one this run resumed from)" if start else \
+        "none (no checkpoint was saved yet)"
     end = setup.steps if stop_after is None else min(setup.steps, start + stop_after)
     summary = {"start_step": start}
     t_start = time.perf_counter()
@@ -319,7 +333,7 @@ def train_loop(setup: Setup, out: Path, start: int, quiet: bool = False, stop_af
         if nonfinite is not None and nonfinite.item():
             what = f"at step {done}" if done == checked + 1 else f"in steps {checked + 1}..{done}"
             raise ELFError(f"non-finite loss or gradient {what}; stopping without saving. The last good "
-                           f"checkpoint is {last_good or 'none (no checkpoint was saved yet)'}; try a lower --lr "
+                           f"checkpoint is {last_good or before}; try a lower --lr "
                            "or --dtype fp32, then --resume.")
         checked = done
 
@@ -397,7 +411,7 @@ def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwr
     Training runs with CPU denormals flushed to zero (`flushed_denormals`): no value training keeps is that
     small, and a CPU step stays at full speed."""
     out = Path(out)
-    cfg = cfg.resolved()
+    cfg = absolute_paths(cfg.resolved())  # the paths it records name the same files from any folder
     cfg.validate()
     if cfg.wandb:
         require_wandb()
@@ -449,7 +463,7 @@ def train_one(cfg: TrainConfig, out: Path, method: Method, resume: bool, overwri
             check_recorded_store(read_state(ckpt_dir).get("data_store"), cfg.data, ckpt_dir / STATE_FILE)
         if rank == 0 and cfg.epochs is None and cfg.warmup_frac is None and cfg.steps < cfg.warmup:
             print(f"warning: --steps {cfg.steps} is shorter than --warmup {cfg.warmup}: the learning rate stops at "
-                  f"{lr_at(cfg.steps - 1, cfg.lr, cfg.warmup):.3g}, never reaching {cfg.lr:.3g}", file=sys.stderr)
+                  f"{lr_at(cfg.steps - 1, cfg.lr, cfg.warmup, schedule=cfg.lr_schedule):.3g}, never reaching {cfg.lr:.3g}", file=sys.stderr)
         setup = set_up(cfg, method, rank, world, dev, cache_dir, decoder_from)
         if not resume and cfg.init_from:  # read before a replaced run is set aside (it may be the one in --out)
             start_from(setup, cfg.init_from, quiet)

@@ -100,6 +100,25 @@ def test_eval_report_is_not_replaced(capsys, tmp_path):
     assert report.read_text() == "{}"
 
 
+def test_a_sweep_or_an_eval_whose_samples_in_all_are_past_the_bound_is_refused_before_any_work(capsys, trained,
+                                                                                            tmp_path):
+    """Each list value and --num within its own range, their product is not: 2,000 omegas x 2,000 step counts x 2
+    samplers x --num 10,000, and 30,000 --seeds x --num 10,000,000, are one line each, before the run or the
+    judge is read (the judge named here does not exist)."""
+    omegas = [f"{1 + i / 1000:.3f}" for i in range(2000)]
+    steps = [str(i) for i in range(1, 2001)]
+    code, _, err = cli(capsys, ["sweep", trained, "--judge", tmp_path / "no-judge", "--omega", *omegas, "--steps",
+                                *steps, "--num", "10000", "--out", tmp_path / "sw"])
+    assert_one_error(code, err, "sweep", "2 --sampler values x 2,000 --steps values x 2,000 --omega values x --num "
+                     "10,000 make 80,000,000,000 samples, more than 10,000,000", "choose a smaller --num")
+    code, _, err = cli(capsys, ["eval", "--checkpoint", trained, "--num", "10000000", "--steps", "1", "--judge",
+                                tmp_path / "no-judge", "--no-heldout", "--seeds", *map(str, range(30000)), "--out",
+                                tmp_path / "ev"])
+    assert_one_error(code, err, "eval", "30,000 --seeds x --num 10,000,000 make 300,000,000,000 samples",
+                     "pass fewer --seeds")
+    assert not (tmp_path / "sw").exists() and not (tmp_path / "ev").exists()
+
+
 def test_no_nan_in_train_config_checks():
     for bad in (dict(lr=math.nan), dict(grad_clip=math.inf), dict(sample_omega=math.nan)):
         with pytest.raises(ELFError):

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import cli, visible
+from helpers import cli, one_error, visible
 
 from elflow.cli import main
 
@@ -103,3 +103,45 @@ def test_an_error_under_an_open_progress_bar_starts_its_own_line(capsys, monkeyp
     assert code == 2 and "elflow toy: error: it broke" in lines, err
     assert [line for line in lines if "warning: half way" in line] == ["warning: half way"], err
     assert err.endswith("elflow toy: error: it broke\n")  # the bar is not drawn again after the error
+
+
+def test_sample_to_a_full_standard_output_says_what_it_wrote(tmp_path, trained):
+    """Standard output on /dev/full: the samples are written, and the one line says so and why the texts were not
+    printed (not "no space left on device; free some space", which sent the user to rerun into an --out that
+    now exists); no second complaint at exit."""
+    import os
+    import subprocess
+
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full on this system")
+    out = tmp_path / "s.jsonl"
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    with open("/dev/full", "w") as full:
+        r = subprocess.run([sys.executable, "-m", "elflow.cli", "sample", str(trained), "--num", "2", "--steps", "1",
+                            "--out", str(out)], stdout=full, stderr=subprocess.PIPE, text=True, env=env, timeout=600)
+    line = one_error(r.returncode, r.stderr, "sample")  # (beside the progress bar's lines)
+    assert line == (f"elflow sample: error: wrote 2 samples to {out}, but standard output cannot be written (No "
+                    "space left on device), so the texts were not printed; --quiet prints none"), line
+    assert "Exception ignored" not in r.stderr
+    assert len(out.read_text().splitlines()) == 2
+
+
+class _GoneReader:
+    """A standard output whose reader has gone (a pipe into `head` that exited): writing fails, flushing with
+    nothing written does not."""
+
+    def write(self, text):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def flush(self):
+        pass
+
+
+@pytest.mark.parametrize("stdout", [None, _GoneReader()], ids=["closed", "reader-gone"])
+def test_sample_with_standard_output_closed_or_its_reader_gone_writes_quietly(capsys, tmp_path, trained, monkeypatch,
+                                                                             stdout):
+    out = tmp_path / "s.jsonl"
+    monkeypatch.setattr(sys, "stdout", stdout)
+    code, _, err = cli(capsys, ["sample", trained, "--num", "2", "--steps", "1", "--out", out])
+    assert code == 0 and "error" not in err and visible(err)[-2:] == [f"wrote 2 samples to {out}", ""], err
+    assert len(out.read_text().splitlines()) == 2

@@ -60,7 +60,7 @@ def test_a_changing_number_of_decode_and_self_conditioned_rows_compiles_once(tra
     for decode, self_cond in [(1, 2), (0, 3), (2, 0), (0, 0)]:
         draw = with_rows(model, batch, decode, self_cond)
         loss, sums = compiled(batch, draw)
-        assert sums["decode_n"] == decode
+        assert sums["decode_rows"] == decode
         assert torch.allclose(loss, model(batch, draw)[0], rtol=1e-5, atol=1e-6)
     assert len(graphs) == 1
     torch._dynamo.reset()

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from helpers import assert_one_error, checkpoint_weights, readout_without_specials, tiny_config
+from helpers import assert_one_error, checkpoint_weights, readout_without_specials, tiny_config, tree_state
 
 import elflow
 from elflow.cli import main
@@ -141,3 +141,23 @@ def test_a_stopped_flow_map_distillation_resumes_exactly(teacher_run, tmp_path):
     for a, b in zip(checkpoint_weights(full, 4), checkpoint_weights(part, 4)):
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     shutil.rmtree(part)
+
+
+def test_pd_flags_are_refused_and_a_resume_names_the_setting_it_would_change(teacher_run, tmp_path, capsys):
+    """--teacher-steps sets progressive distillation's teacher sub-steps; the flow map learns from the teacher's
+    velocity and takes none: refused, on a start and on a --resume, in one line that writes nothing. A resume with
+    another setting of the student is refused naming it."""
+    out = tmp_path / "fm"
+    code = distil(teacher_run, out, "--teacher-steps", "9999")
+    assert_one_error(code, capsys.readouterr().err, "distill", "--teacher-steps 9999", "--objective pd",
+                     "drop --teacher-steps")
+    assert not out.exists()
+    assert distil(teacher_run, out, "--steps", "2") == 0
+    before = tree_state(out)
+    code = distil(teacher_run, out, "--steps", "6", "--teacher-steps", "4", "--resume")
+    assert_one_error(code, capsys.readouterr().err, "distill", "--teacher-steps 4", "drop --teacher-steps")
+    for flag, value, named in (("--lr", "0.01", "lr: "), ("--student-steps", "8", "'student_steps': 8"),
+                               ("--warmup-frac", "0.5", "warmup_frac: 0.1 -> 0.5")):
+        code = distil(teacher_run, out, "--steps", "6", flag, value, "--resume")
+        assert_one_error(code, capsys.readouterr().err, "distill", "holds a different run", named)
+    assert tree_state(out) == before

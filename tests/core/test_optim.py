@@ -5,12 +5,14 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch.optim._muon as muon_impl
 from torch.utils.flop_counter import FlopCounterMode
 
 from elflow.experiments.bench import newton_schulz_flops
 from elflow.newton_schulz import method_for, newton_schulz, ns_precision, resolve_ns_method
-from elflow.optim import ELFOptimizer, head_transposed_factor
+from elflow.optim import ELFOptimizer, check_optimizer_state, head_transposed_factor
 from elflow.util.devices import fast_bf16
 
 COEF = (3.4445, -4.7750, 2.0315)
@@ -141,20 +143,45 @@ def test_muon_step_is_the_same_with_either_method_and_torch_is_restored():
     assert muon_impl._zeropower_via_newtonschulz is original
 
 
-def test_cosine_decay_after_warmup():
-    import math
+def released_rate(k: int, lr: float, warmup: int, decay: str = "constant", total: int | None = None) -> float:
+    """The released schedule written out: optax's linear_schedule(0 -> lr over W) joined at W with a constant
+    or a cosine_decay_schedule(decay_steps = total - W), alpha 0."""
+    if k < warmup:
+        return lr * k / warmup
+    if decay == "constant":
+        return lr
+    return lr * (1 + math.cos(math.pi * min(1.0, (k - warmup) / (total - warmup)))) / 2
 
+
+@pytest.mark.parametrize("warmup", [0, 1, 2, 10, 37])
+@pytest.mark.parametrize("decay", ["constant", "cosine"])
+def test_the_schedule_is_the_released_one(warmup, decay):
+    from elflow.optim import lr_at
+
+    lr, total = 3e-3, 110
+    got = [lr_at(k, lr, warmup, decay, total) for k in range(total + 5)]
+    want = [released_rate(k, lr, warmup, decay, total) for k in range(total + 5)]
+    assert got == pytest.approx(want, rel=1e-12, abs=1e-15)
+    if warmup:
+        assert got[0] == 0.0  # the first step only fills the momentum and the Adam moments
+    if decay == "cosine":
+        assert got[total - 1] > 0 and got[total] == pytest.approx(0.0, abs=1e-15)
+
+
+def test_the_earlier_schedule_runs_one_step_ahead():
     from elflow.optim import lr_at
 
     lr, warm, total = 3e-3, 10, 110
-    assert [lr_at(s, lr, warm) for s in (0, 9, 10, 109)] == [lr / 10, lr, lr, lr]  # the paper's: constant
-    cos = [lr_at(s, lr, warm, "cosine", total) for s in range(total)]
-    assert cos[:warm] == [lr_at(s, lr, warm) for s in range(warm)]
-    assert all(a >= b for a, b in zip(cos[warm:], cos[warm + 1:]))  # never rises after the warm-up
-    assert math.isclose(cos[warm + 49], lr / 2, rel_tol=1e-9)  # halfway through the decay
-    assert cos[-1] == 0.0
+    ahead = [lr_at(k, lr, warm, "cosine", total, schedule="one-ahead") for k in range(total)]
+    assert ahead[:warm] == pytest.approx([lr * (k + 1) / warm for k in range(warm)], rel=1e-12)
+    assert ahead[warm:total - 1] == pytest.approx([released_rate(k + 1, lr, warm, "cosine", total)
+                                                   for k in range(warm, total - 1)], rel=1e-12)
+    assert ahead[-1] == 0.0
+    assert [lr_at(k, lr, warm, schedule="one-ahead") for k in (0, 9, 10, 109)] == [lr / 10, lr, lr, lr]
     with pytest.raises(ValueError):
         lr_at(50, lr, warm, "cosine")  # no total
+    with pytest.raises(ValueError):
+        lr_at(5, lr, warm, schedule="early")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -308,3 +335,125 @@ def test_runs_stored_with_a_muon_scale_keep_their_update():
     assert stored({"muon_scale": "released"}).update_rule == "torch-head-transposed"
     assert stored({"optimizer": "adamw"}).update_rule == "released"  # no Muon: the default, unused
     assert stored({"update_rule": "released"}).update_rule == "released"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the stored state a resume loads: checked against the run's network and update rule before it is used
+
+UPDATES = (("muon", "released"), ("muon", "torch-fan"), ("muon", "torch-head-transposed"), ("adamw", "released"))
+_STEPPED: dict = {}
+
+
+def stepped(kind: str, rule: str):
+    """(the tiny network's named parameters, a fresh optimiser of `kind` and `rule` for them, a copy of the
+    state of one that took two steps)."""
+    from elflow.model import ELF, get_config
+
+    if (kind, rule) not in _STEPPED:
+        torch.manual_seed(0)
+        named = list(ELF(get_config("tiny", max_length=16)).named_parameters())
+        opt = ELFOptimizer(named, lr=1e-3, kind=kind, update_rule=rule, ns_method="iterate")
+        for _ in range(2):
+            for _, p in named:
+                p.grad = torch.randn_like(p)
+            opt.step()
+            opt.zero_grad()
+        _STEPPED[kind, rule] = named, opt.state_dict()
+    named, state = _STEPPED[kind, rule]
+    return named, ELFOptimizer(named, lr=1e-3, kind=kind, update_rule=rule, ns_method="iterate"), \
+        copy.deepcopy(state)
+
+
+def stored_parameters(opt: ELFOptimizer, named) -> list[tuple[int, int, str]]:
+    """(part, index in the stored state, name) of every parameter of `opt`."""
+    names = {id(p): n for n, p in named}
+    out = []
+    for k, part in enumerate(opt.optimizers):
+        for stored, live in zip(part.state_dict()["param_groups"], part.param_groups):
+            out += [(k, i, names[id(p)]) for i, p in zip(stored["params"], live["params"])]
+    return out
+
+
+@pytest.mark.parametrize("kind, rule", UPDATES)
+def test_the_state_of_every_update_passes_its_check_and_loads(kind, rule):
+    named, fresh, state = stepped(kind, rule)
+    check_optimizer_state(fresh, state, named, "run/checkpoints/step_0000002/optimizer.pt", 2)
+    fresh.load_state_dict(state)
+
+
+def _transposed(t):
+    return t.t().contiguous() if t.ndim == 2 and t.shape[0] != t.shape[1] else t.reshape(-1)[:-1].clone()
+
+
+# a damage to one parameter's stored state -> what the line says
+PARAMETER_DAMAGES = {
+    "nan-moment": (lambda s, key: s[key].view(-1).__setitem__(0, float("nan")), "NaN or infinite"),
+    "inf-moment": (lambda s, key: s[key].fill_(float("inf")), "NaN or infinite"),
+    "transposed-moment": (lambda s, key: s.__setitem__(key, _transposed(s[key])), "has shape"),
+    "moment-missing": (lambda s, key: s.pop(key), "holds no"),
+    "integer-moment": (lambda s, key: s.__setitem__(key, s[key].long()), "not floating-point"),
+    "step-negative": (lambda s, key: s.__setitem__("step", torch.tensor(-5.0)), "step count is -5"),
+    "step-fraction": (lambda s, key: s.__setitem__("step", torch.tensor(1.5)), "step count is 1.5"),
+    "step-nan": (lambda s, key: s.__setitem__("step", torch.tensor(float("nan"))), "step count is nan"),
+    "step-beyond-the-checkpoint": (lambda s, key: s.__setitem__("step", torch.tensor(9.0)), "step count is 9"),
+    "step-a-vector": (lambda s, key: s.__setitem__("step", torch.ones(2)), "not a number"),
+    "step-missing": (lambda s, key: s.pop("step"), "no step count"),
+    "not-a-record": (lambda s, key: s.clear() or s.update(x=1) or None, "holds no"),
+}
+
+
+@settings(max_examples=60, deadline=None)
+@given(update=st.sampled_from(UPDATES), damage=st.sampled_from(sorted(PARAMETER_DAMAGES)),
+       which=st.integers(min_value=0, max_value=10**6))
+def test_a_damaged_parameter_state_is_one_line_naming_the_file_and_the_parameter(update, damage, which):
+    """Whatever parameter's state is damaged, and however: an ELFError naming the file and that parameter,
+    before anything is loaded (where the update keeps no step count, the step damages do not apply)."""
+    from elflow.util.errors import ELFError
+
+    named, fresh, state = stepped(*update)
+    k, index, name = stored_parameters(fresh, named)[which % len(named)]
+    entry = state[k]["state"][index]
+    moment = next(key for key in ("m", "exp_avg", "momentum_buffer") if key in entry)
+    if damage.startswith("step") and "step" not in entry:
+        return
+    change, words = PARAMETER_DAMAGES[damage]
+    change(entry, moment)
+    with pytest.raises(ELFError) as e:
+        check_optimizer_state(fresh, state, named, "run/checkpoints/step_0000002/optimizer.pt", 2)
+    line = str(e.value)
+    assert "\n" not in line and line.startswith("run/checkpoints/step_0000002/optimizer.pt: ")
+    assert f"parameter {name}:" in line and words in line, line
+    assert line.endswith("--init-from run/checkpoints/step_0000002"), line
+
+
+def test_a_changed_group_or_layout_is_one_line():
+    """The 'muon' flag of a group flipped, a setting made NaN or dropped, a group lost or shortened, a part
+    more: refused, naming what differs; under the released update, one parameter's step count behind the
+    others' is refused too (every parameter steps at every step)."""
+    from elflow.util.errors import ELFError
+
+    def refused(state, *words, kind="muon", rule="released", fresh=None, named=None):
+        with pytest.raises(ELFError) as e:
+            check_optimizer_state(fresh, state, named, "ck/optimizer.pt", 2)
+        for w in words:
+            assert w in str(e.value), (w, str(e.value))
+
+    for change, words in (
+            (lambda s: s[0]["param_groups"][0].update(muon=False), ["group 1 has muon False", "True"]),
+            (lambda s: s[0]["param_groups"][-1].update(betas=(float("nan"), 0.999)), ["has betas (nan, 0.999)"]),
+            (lambda s: s[0]["param_groups"][0].pop("in_out"), ["group 1 has no setting 'in_out'"]),
+            (lambda s: s[0]["param_groups"].pop(), ["holds 1 parameter groups, this run's update has 2"]),
+            (lambda s: s[0]["param_groups"][0]["params"].pop(), ["group 1 holds", "parameters, this run's has"]),
+            (lambda s: s.append(s[0]), ["it holds 2 optimiser states", "has 1"]),
+            (lambda s: s[0]["state"].pop(0), ["its state is missing, while"]),
+            (lambda s: s[0]["state"][3]["step"].fill_(1), ["step count is 1, the checkpoint's step is 2"])):
+        named, fresh, state = stepped("muon", "released")
+        change(state)
+        refused(state, *words, fresh=fresh, named=named)
+    named, fresh, state = stepped("muon", "torch-fan")
+    refused(state[:1], "it holds 1 optimiser states", "torch-fan) has 2", fresh=fresh, named=named)
+    state[0]["param_groups"][0]["nesterov"] = False
+    refused(state, "its optimiser 1 of 2, group 1 has nesterov False", fresh=fresh, named=named)
+    named, fresh, state = stepped("muon", "torch-fan")  # Adam's count may lag where a parameter had no gradient
+    state[1]["state"][0]["step"].fill_(1)
+    check_optimizer_state(fresh, state, named, "ck/optimizer.pt", 2)

@@ -60,7 +60,8 @@ def test_run_folder_contents_and_metrics(uninterrupted):
     assert [r["step"] for r in recs] == [1, 2, 3, 4, 5, 6]
     for key in ("loss", "grad_norm", "lr", "tokens_per_s"):
         assert all(key in r for r in recs)
-    assert recs[0]["lr"] == pytest.approx(1e-3 * 4 / 256 * 0.5)  # warm-up: step 1 of 2
+    lr = 1e-3 * 4 / 256
+    assert [r["lr"] for r in recs[:3]] == pytest.approx([0.0, lr / 2, lr])  # a warm-up of 2 steps, from rate 0
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in recs)
 
 
@@ -185,7 +186,7 @@ def test_a_compiled_pass_takes_the_same_step(tiny_t5_dir):
         model = torch.compile(model, backend="eager") if compiled else model
         for step in range(2):
             m = train_step(model, shards, opt, EMA(net, 0.9), step, 0, 0, "fp32")
-            assert m["nonfinite"] == 0 and m["decode_n"] + m["denoise_n"] == 4
+            assert m["nonfinite"] == 0 and m["decode_rows"] + m["denoise_rows"] == 4
         weights.append(net.state_dict())
     assert all(torch.allclose(weights[0][k], weights[1][k], atol=1e-6) for k in weights[0])
 
@@ -547,3 +548,88 @@ def test_a_new_run_that_fails_before_its_first_checkpoint_leaves_no_run(tmp_path
     with pytest.raises(ELFError, match="holds eval, which the run did not write; --overwrite replaces only"):
         train(cfg, run, cache_dir=cache, quiet=True, overwrite=True, stop_after=1)
     assert (run / "eval" / "report.json").read_text() == "{}" and (run / "run.json").is_file()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the learning-rate schedule and the logged branch losses, as the authors' code has them
+
+
+@pytest.mark.parametrize("kw, warmup", [(dict(warmup=3), 3), (dict(warmup=1), 1),
+                                        (dict(warmup_frac=0.5, lr_decay="cosine"), 3)])
+def test_each_optimiser_step_runs_at_the_released_rate(kw, warmup, tmp_path, tiny_t5_dir, tiny_corpus_file):
+    """Under accumulation (2 micro-batches a step) and across a resume, step k (from 0) runs at lr k / W in the
+    warm-up (W = ceil(0.5 x 5) = 3 for the fraction), then lr or the cosine to 0 at the last step; the first step
+    at rate 0 leaves the weights where they started, so the EMA equals them."""
+    import math
+
+    lr, steps = 3e-3, 5
+    cfg = cfg_for(tiny_t5_dir, tiny_corpus_file, steps=steps, lr=lr, batch=4, micro_batch=2, ckpt_every=1, **kw)
+    run, cache = tmp_path / "run", tmp_path / "cache"
+    train(cfg, run, cache_dir=cache, quiet=True, stop_after=2)
+    train(cfg, run, resume=True, cache_dir=cache, quiet=True)
+
+    def want(k):
+        if k < warmup:
+            return lr * k / warmup
+        if cfg.lr_decay == "constant":
+            return lr
+        return lr * (1 + math.cos(math.pi * min(1.0, (k - warmup) / (steps - warmup)))) / 2
+
+    recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs if r["kind"] == "train"] == [1, 2, 3, 4, 5]
+    assert [r["lr"] for r in recs if r["kind"] == "train"] == pytest.approx([want(k) for k in range(steps)], abs=1e-15)
+    weights, ema = final_weights(run, 1)
+    assert_same(weights, ema)  # nothing moved at step 0's rate of 0
+    assert not all(torch.equal(a, b) for a, b in zip(*(w.values() for w in final_weights(run, 2))))
+
+
+def test_a_run_of_the_earlier_schedule_keeps_it(tmp_path, tiny_t5_dir, tiny_corpus_file):
+    """A run recorded with the one-ahead warm-up steps at lr (k + 1) / W, its first step moving the weights."""
+    cfg = cfg_for(tiny_t5_dir, tiny_corpus_file, steps=3, lr=3e-3, warmup=2, ckpt_every=1,
+                  lr_schedule="one-ahead")
+    run = tmp_path / "run"
+    train(cfg, run, cache_dir=tmp_path / "cache", quiet=True)
+    recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["lr"] for r in recs if r["kind"] == "train"] == pytest.approx([1.5e-3, 3e-3, 3e-3], abs=1e-15)
+    weights, ema = final_weights(run, 1)
+    assert any(not torch.equal(weights[k], ema[k]) for k in weights)
+
+
+def test_the_branch_losses_are_token_means_over_the_step():
+    """loss_denoise / loss_decode: one token mean over the scored positions of the branch's rows (the authors'
+    l2_loss and ce_loss), on rows of unequal lengths over two shards; the mean of the rows' means apart."""
+    from types import SimpleNamespace
+
+    from elflow.flow import token_mean_loss
+    from elflow.methods.elf import ELFMethod, step_sums
+
+    torch.manual_seed(0)
+    B, L, V = 5, 6, 7
+    lengths = [6, 2, 4, 3, 5]  # scored positions per row
+    w = torch.tensor([[1.0] * n + [0.0] * (L - n) for n in lengths])
+    err = torch.rand(B, L)
+    tokens = torch.randint(V, (B, L))
+    is_dec = torch.tensor([False, True, False, True, False])
+    dec = is_dec.nonzero().squeeze(1)
+    logits = torch.randn(len(dec), L, V)
+    draw = SimpleNamespace(decode=is_dec, t=torch.tensor([0.05, 1.0, 0.4, 1.0, 0.7]))
+    totals = {}
+    for rows in (slice(0, 3), slice(3, 5)):  # two micro-batches of one step
+        sub = is_dec[rows]
+        sub_dec = sub.nonzero().squeeze(1)
+        loss, parts = token_mean_loss(err[rows], logits[(dec >= rows.start) & (dec < rows.stop)], tokens[rows], sub,
+                                      sub_dec, w[rows])
+        sums = step_sums(loss, parts, SimpleNamespace(decode=sub, t=draw.t[rows]))
+        totals = {k: totals[k] + v if k in totals else v for k, v in sums.items()}
+    rec = ELFMethod().summarize({k: v.item() if v.numel() == 1 else v.tolist() for k, v in totals.items()})
+
+    # by hand: the denoise rows 0, 2, 4 score 6 + 4 + 5 positions, the decode rows 1 and 3 score 2 + 3
+    den_sum = sum(float(err[r, :lengths[r]].sum()) for r in (0, 2, 4))
+    assert rec["loss_denoise"] == pytest.approx(den_sum / 15, rel=1e-6)
+    assert rec["loss_denoise_rows"] == pytest.approx(
+        sum(float(err[r, :lengths[r]].mean()) for r in (0, 2, 4)) / 3, rel=1e-6)
+    ce = [-torch.log_softmax(logits[i], -1)[torch.arange(L), tokens[r]] for i, r in enumerate((1, 3))]
+    ce_sums = [float(ce[0][:2].sum()), float(ce[1][:3].sum())]
+    assert rec["loss_decode"] == pytest.approx(sum(ce_sums) / 5, rel=1e-6)
+    assert rec["loss_decode_rows"] == pytest.approx((ce_sums[0] / 2 + ce_sums[1] / 3) / 2, rel=1e-6)
+    assert rec["loss_denoise"] != pytest.approx(rec["loss_denoise_rows"], rel=1e-3)  # unequal lengths tell them apart

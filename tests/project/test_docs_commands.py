@@ -99,3 +99,19 @@ def test_a_command_that_drifted_is_caught():
                 "elflow sample runs/demo --sampler euler", "elflow toy --steps many"):
         with pytest.raises(Refused):
             parse(elflow_argv(bad))
+
+
+def test_a_shown_trajectory_records_steps_the_sampler_takes():
+    """`sample --trajectory STEP ...` as shown: every step within the sampling steps, --steps where given, else a
+    text model's default step count (what runs/demo samples with)."""
+    from elflow.generate import SamplingSettings
+
+    past = []
+    for doc, line, text in COMMAND_LINES:
+        argv = elflow_argv(text)
+        if argv[:1] == ["sample"]:
+            args = parse(argv)
+            steps = args.steps or SamplingSettings().steps
+            if args.trajectory and max(args.trajectory) > steps:
+                past.append(f"{doc}:{line}: `{text}` records step {max(args.trajectory)} of {steps}")
+    assert not past, past

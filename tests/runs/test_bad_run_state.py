@@ -79,6 +79,21 @@ def _pickled_optimizer(run: Path) -> Path:
     return run
 
 
+def _edited_optimizer(run: Path, change) -> Path:
+    """Every checkpoint of `run` with its optimiser states (optimizer.pt's list) changed by `change`, resealed."""
+    for ck in list_checkpoints(run):
+        blob = torch.load(ck / "optimizer.pt", weights_only=True)
+        change(blob["optimizer"])
+        torch.save(blob, ck / "optimizer.pt")
+        _rehash_files(ck)
+    return run
+
+
+def _oblong_matrix(states) -> dict:
+    """The stored state of the first Muon matrix that is not square."""
+    return next(s for s in states[0]["state"].values() if s["m"].ndim == 2 and s["m"].shape[0] != s["m"].shape[1])
+
+
 def _pickled_judge(folder: Path) -> Path:
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 1, "n_embd": 8, "n_head": 2,
@@ -150,6 +165,25 @@ STATE_CASES = [
     ("resume-a-pickled-optimizer", "train",
      lambda t, r, t5, c, k: resume_args(_pickled_optimizer(r), k, "--steps", "8"),
      ["optimizer.pt: cannot be read with weights_only=True", "never unpickles"]),
+    ("resume-an-optimizer-state-with-a-nan-momentum", "train",
+     lambda t, r, t5, c, k: resume_args(_edited_optimizer(r, lambda s: s[0]["state"][0]["m"].fill_(float("nan"))),
+                                        k, "--steps", "8"),
+     ["step_0000006/optimizer.pt: parameter ", "momentum 'm' holds NaN or infinite values", "--init-from"]),
+    ("resume-an-optimizer-state-with-a-transposed-momentum", "train",
+     lambda t, r, t5, c, k: resume_args(_edited_optimizer(
+         r, lambda s: _oblong_matrix(s).update(m=_oblong_matrix(s)["m"].t().contiguous())), k, "--steps", "8"),
+     ["step_0000006/optimizer.pt: parameter ", "momentum 'm' has shape", "the parameter's is"]),
+    ("resume-an-optimizer-state-without-its-momentum", "train",
+     lambda t, r, t5, c, k: resume_args(_edited_optimizer(r, lambda s: s[0]["state"][1].pop("m")), k, "--steps", "8"),
+     ["step_0000006/optimizer.pt: parameter ", "its state holds no momentum 'm'"]),
+    ("resume-an-optimizer-state-with-a-negative-step", "train",
+     lambda t, r, t5, c, k: resume_args(_edited_optimizer(r, lambda s: s[0]["state"][0]["step"].fill_(-5)), k,
+                                        "--steps", "8"),
+     ["step_0000006/optimizer.pt: parameter ", "step count is -5.0, not a whole number from 0 to 6"]),
+    ("resume-an-optimizer-state-whose-group-is-no-longer-muon", "train",
+     lambda t, r, t5, c, k: resume_args(_edited_optimizer(r, lambda s: s[0]["param_groups"][0].update(muon=False)),
+                                        k, "--steps", "8"),
+     ["step_0000006/optimizer.pt: group 1 has muon False, this run's update has True"]),
     ("resume-every-checkpoint-unusable", "train",
      lambda t, r, t5, c, k: ([(ck / "optimizer.pt").unlink() for ck in list_checkpoints(r)],
                              resume_args(r, k, "--steps", "8"))[-1],

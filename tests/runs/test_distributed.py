@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import checkpoint_weights, tiny_config
+from helpers import checkpoint_weights, free_port, tiny_config
 
 from elflow.cli import main
 from elflow.runs.claim import micro_batch_for
@@ -37,12 +37,6 @@ def assert_same_weights(run_a: Path, run_b: Path, step: int) -> None:
         assert a.keys() == b.keys()
         for k in a:
             assert torch.allclose(a[k], b[k], atol=2e-5, rtol=1e-4), (k, (a[k] - b[k]).abs().max())
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def two_nodes(args: list[str], cwds: tuple[Path, Path]) -> list[subprocess.CompletedProcess]:

@@ -73,3 +73,33 @@ def test_wandb_dir_decides_where_wandbs_files_go_and_resume_still_continues_the_
     first, second = wandb_offline_runs(scratch)
     assert first["id"] == second["id"] == json.loads((run / "wandb-run.json").read_text())["id"]
     assert [h["_step"] for h in first["history"] + second["history"]] == [1, 2, 3, 4, 5, 6]
+
+
+def _file(tmp_path):
+    (tmp_path / "a-file").write_text("mine")
+    return tmp_path / "a-file"
+
+
+@pytest.mark.parametrize("where, said", [
+    (lambda t: "/dev/null", "WANDB_DIR=/dev/null: /dev/null is not a folder"),
+    (lambda t: _file(t), "a-file is not a folder"),
+    (lambda t: _file(t) / "wandb", "a-file is not a folder, so"),
+], ids=["a-device", "a-file", "under-a-file"])
+@pytest.mark.parametrize("command", ["train", "eval"])
+def test_a_wandb_dir_that_cannot_hold_wandbs_files_is_one_line(capsys, tmp_path, tiny_t5_dir, tiny_corpus_file,
+                                                               tiny_t5_judge_dir, monkeypatch, command, where, said):
+    """WANDB_DIR a device, a file or a path under a file, with --wandb: one line naming the variable, exit 2,
+    before anything is written (W&B would stop on it after the run folder was made)."""
+    from helpers import assert_one_error, cli, new_run_args, tree_state
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(where(tmp_path)))
+    samples = tmp_path / "s.jsonl"
+    samples.write_text(json.dumps({"text": "a line of text"}) + "\n")
+    argv = {"train": new_run_args(tiny_t5_dir, tiny_corpus_file, tmp_path / "cache", tmp_path / "run"),
+            "eval": ["eval", samples, "--judge", tiny_t5_judge_dir, "--device", "cpu", "--no-heldout", "--report",
+                     tmp_path / "report.json"]}[command]
+    before = tree_state(tmp_path)
+    code, _, err = cli(capsys, [*argv, "--wandb", "elflow-test"])
+    assert_one_error(code, err, command, said, "Set WANDB_DIR to a folder you can write")
+    assert tree_state(tmp_path) == before

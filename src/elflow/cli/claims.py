@@ -15,7 +15,7 @@ from elflow.experiments.claims import (
     run_claims,
     select_claims,
 )
-from elflow.util.budget import MAX_SAMPLES, MAX_TRAINING_STEPS
+from elflow.util.budget import SAMPLES_BOUND, TRAINING_STEPS_BOUND
 from elflow.util.devices import check_device
 from elflow.util.errors import ELFError
 
@@ -55,8 +55,7 @@ def run(args) -> int:
     seeds = args.seeds if args.seeds is not None else (QUICK_SEEDS if args.quick else DEFAULT_SEEDS)
     if seeds < 1 or args.num < 1:
         raise ELFError(f"--seeds and --num must be >= 1, got {seeds} and {args.num}")
-    check_counts(args, steps=(MAX_TRAINING_STEPS, "ELF-B trains 95,000 steps"),
-                 num=(MAX_SAMPLES, "the paper scores 5,000 samples per setting"))
+    check_counts(args, steps=TRAINING_STEPS_BOUND, num=SAMPLES_BOUND)
     minutes = args.minutes if args.minutes is not None else DEFAULT_MINUTES
     if not (math.isfinite(minutes) and minutes > 0):
         raise ELFError(f"--minutes must be a positive number, got {minutes}")

@@ -57,12 +57,7 @@ def add_sampling_arguments(p) -> None:
 def check_sampling_flags(args) -> None:
     """The plain ranges of the sampler flags given (those of `add_sampling_arguments`), checked before any
     model is read: ELFError naming the flag."""
-    ranges = {**{"batch" if k == "batch_size" else k: v for k, v in SAMPLING_RANGES.items()}, **KNOB_RANGES}
-    for name, (ok, what) in ranges.items():
-        value = getattr(args, name, None)
-        if value is not None and not ok(value):
-            raise ELFError(f"--{name.replace('_', '-')} must be {what}, got {value:,}" if isinstance(value, int)
-                           else f"--{name.replace('_', '-')} must be {what}, got {value:g}")
+    check_scales(args, **{"batch" if k == "batch_size" else k: v for k, v in SAMPLING_RANGES.items()}, **KNOB_RANGES)
 
 
 def check_counts(args, **bounds) -> None:
@@ -76,12 +71,14 @@ def check_counts(args, **bounds) -> None:
 
 
 def check_scales(args, **ranges) -> None:
-    """Each named float flag (or list of them) that is set, within its range: ranges name=(check, what)."""
+    """Each named flag (or list of them) that is set, within its range: ranges name=(check, what); one line
+    naming the flag otherwise."""
     for name, (ok, what) in ranges.items():
         value = getattr(args, name, None)
         for v in value if isinstance(value, list) else [value]:
             if v is not None and not ok(v):
-                raise ELFError(f"--{name.replace('_', '-')} must be {what}, got {v:g}")
+                shown = f"{v:,}" if isinstance(v, int) else f"{v:g}"
+                raise ELFError(f"--{name.replace('_', '-')} must be {what}, got {shown}")
 
 
 def check_samples_out(out: str) -> None:

@@ -10,7 +10,7 @@ from elflow.experiments.compare import DEFAULT_MINUTES, JUDGE_DEFAULTS, compare
 from elflow.flow import SAMPLING_RANGES
 from elflow.methods.baseline import KNOB_RANGES, MATCHES
 from elflow.model import PRESETS
-from elflow.util.budget import MAX_SAMPLES, MAX_SAMPLING_STEPS, MAX_TRAINING_STEPS
+from elflow.util.budget import MAX_SAMPLING_STEPS, MAX_TRAINING_STEPS, SAMPLES_BOUND, TRAINING_STEPS_BOUND
 from elflow.util.errors import ELFError
 
 
@@ -59,11 +59,10 @@ def run(args) -> int:
     for name in ("num", "length", "batch", "judge_steps"):
         if getattr(args, name) < 1:
             raise ELFError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    check_counts(args, steps=(MAX_TRAINING_STEPS, "ELF-B trains 95,000 steps"),
+    check_counts(args, steps=TRAINING_STEPS_BOUND, num=SAMPLES_BOUND,
                  judge_steps=(MAX_TRAINING_STEPS, "the judge trains for 200 steps by default"),
                  elf_steps=(MAX_SAMPLING_STEPS, "the released recipe samples with at most 64 steps"),
-                 mdlm_steps=(MAX_SAMPLING_STEPS, "MDLM samples with 64 steps by default"),
-                 num=(MAX_SAMPLES, "the paper scores 5,000 samples per setting"))
+                 mdlm_steps=(MAX_SAMPLING_STEPS, "MDLM samples with 64 steps by default"))
     check_scales(args, omega=SAMPLING_RANGES["omega"], temperature=KNOB_RANGES["temperature"])
     given = dict(preset=args.preset, data=args.data, length=args.length, batch=args.batch, seed=args.seed,
                  match=args.match, **({"space": args.space} if args.space else {}),

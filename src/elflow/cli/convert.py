@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from elflow.cli.common import check_counts
 from elflow.runs.load import convert_released
 from elflow.runs.outputs import check_out
-from elflow.util.budget import MAX_LENGTH, check_count
+from elflow.util.budget import LENGTH_BOUND
 from elflow.util.errors import ELFError
 
 
@@ -16,8 +17,7 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    if args.max_length is not None:
-        check_count(args.max_length, "--max-length", MAX_LENGTH, "the paper's longest sequence is 1,088 positions")
+    check_counts(args, max_length=LENGTH_BOUND)
     out = check_out(args.out, folder=True)
     if out.is_dir() and any(out.iterdir()):
         raise ELFError(f"{out} exists and is not empty; the converted checkpoint goes into a new folder: choose "

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from elflow.cli.common import add_arguments as add_tracking
+from elflow.cli.common import check_counts
 from elflow.distill import distill, distill_flow_map
 from elflow.flow import FLOW_MAP_STEPS
 from elflow.optim import EMA_DECAY
 from elflow.runs.tracking import require_wandb
-from elflow.util.budget import MAX_LENGTH, MAX_TRAINING_STEPS, check_count
+from elflow.util.budget import LENGTH_BOUND, TRAINING_STEPS_BOUND
 from elflow.util.devices import RUN_DTYPES
 from elflow.util.errors import ELFError
+
+PD_TEACHER_STEPS = 64  # the released distillation's teacher steps
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -33,8 +36,9 @@ def add_arguments(p) -> None:
                         f"student's default sampling steps (default {FLOW_MAP_STEPS}; it samples at any)")
     p.add_argument("--steps", type=int, default=None,
                    help="flow-map: the student's optimiser steps (default 1000); pd rounds take --steps-per-round")
-    p.add_argument("--teacher-steps", type=int, default=64, help="teacher steps over [0, 1] (sub-steps per "
-                   "student step: this / student steps)")
+    p.add_argument("--teacher-steps", type=int, default=None, help=f"pd: teacher steps over [0, 1] (sub-steps per "
+                   f"student step: this / student steps; default {PD_TEACHER_STEPS}); a flow-map student learns from "
+                   "the teacher's velocity at each time, not from its steps")
     length = p.add_mutually_exclusive_group()
     length.add_argument("--steps-per-round", type=int, default=None, help="optimiser steps per round")
     length.add_argument("--epochs", type=float, default=None, help="passes over the data per round (default 1)")
@@ -72,11 +76,7 @@ def run(args) -> int:
         v = getattr(args, name)
         if v is not None and v < 1:
             raise ELFError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
-    if args.length is not None:
-        check_count(args.length, "--length", MAX_LENGTH, "the paper's longest sequence is 1,088 positions")
-    for flag, value in (("--steps", args.steps), ("--steps-per-round", args.steps_per_round)):
-        if value is not None:
-            check_count(value, flag, MAX_TRAINING_STEPS, "ELF-B trains 95,000 steps")
+    check_counts(args, length=LENGTH_BOUND, steps=TRAINING_STEPS_BOUND, steps_per_round=TRAINING_STEPS_BOUND)
     if args.keep is not None and args.keep < 0:
         raise ELFError(f"--keep must be >= 0 (0 keeps every checkpoint), got {args.keep}")
     if args.lr is not None and not args.lr > 0:
@@ -91,6 +91,10 @@ def run(args) -> int:
         if args.steps_per_round is not None or args.epochs is not None:
             raise ELFError("--steps-per-round and --epochs set the rounds of --objective pd; a flow-map student trains "
                            "for --steps")
+        if args.teacher_steps is not None:
+            raise ELFError(f"--teacher-steps {args.teacher_steps} sets the teacher's sub-steps of --objective pd; a "
+                           "flow-map student learns from the teacher's velocity at each time and takes no teacher "
+                           "steps: drop --teacher-steps")
         steps = _int_list(args.student_steps) if args.student_steps else [FLOW_MAP_STEPS]
         if len(steps) != 1:
             raise ELFError(f"--student-steps of a flow-map student is one step count (its default), got "
@@ -104,7 +108,8 @@ def run(args) -> int:
     if args.steps is not None:
         raise ELFError("--steps is the optimiser steps of a flow-map student (--objective flow-map); the rounds of "
                        "--objective pd take --steps-per-round")
-    rounds = distill(args.teacher, args.out, _int_list(args.student_steps or "16,8,4,2,1"), args.teacher_steps,
+    teacher_steps = PD_TEACHER_STEPS if args.teacher_steps is None else args.teacher_steps
+    rounds = distill(args.teacher, args.out, _int_list(args.student_steps or "16,8,4,2,1"), teacher_steps,
                      steps_per_round=args.steps_per_round, epochs=args.epochs, warmup_frac=args.warmup_frac,
                      ema_decay=args.ema_decay, lr=args.lr, resume=args.resume, overwrite=args.overwrite,
                      cache_dir=args.cache_dir, quiet=args.quiet, **overrides)

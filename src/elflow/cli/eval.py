@@ -10,7 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from elflow.cli.common import add_arguments as add_tracking
-from elflow.cli.common import add_sampling_arguments, check_sampling_flags
+from elflow.cli.common import add_sampling_arguments, check_counts, check_sampling_flags
 from elflow.data.corpus import read_pairs, read_sources
 from elflow.data.tasks import PAIR_TASKS
 from elflow.eval.judge import load_judge
@@ -36,9 +36,9 @@ from elflow.runs.load import load_for_sampling
 from elflow.runs.outputs import Outputs, check_out, default_folder, own_run
 from elflow.runs.tracking import Tracker, require_wandb
 from elflow.util import jsonio
-from elflow.util.budget import MAX_LENGTH, MAX_SAMPLES, check_count
+from elflow.util.budget import LENGTH_BOUND, SAMPLES_BOUND, check_seeds
 from elflow.util.devices import check_device
-from elflow.util.distributed import process_group
+from elflow.util.distributed import DIST_TIMEOUT_HELP, DIST_TIMEOUT_MINUTES, check_dist_timeout, process_group
 from elflow.util.errors import ELFError
 from elflow.util.files import FolderHold, atomic_write_json
 
@@ -119,6 +119,8 @@ def add_arguments(p) -> None:
                    help="elf: the paper's; elf-released: the released code's target weights; mdlm: MDLM/Duo entropy")
     g.add_argument("--max-length", type=int, default=None, help="truncation length (default: judge context)")
     g.add_argument("--device", default=None, help="cuda / cpu (default: cuda when available)")
+    g.add_argument("--dist-timeout", type=float, default=DIST_TIMEOUT_MINUTES, metavar="MINUTES",
+                   help=DIST_TIMEOUT_HELP)
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print one JSON object instead of a summary")
     o.add_argument("--report", default=None,
@@ -175,14 +177,14 @@ def _check_flags(args) -> None:
     if args.max_length is not None and args.max_length < 1:
         raise ELFError(f"--max-length must be an integer >= 1 (the judge's tokens kept per text), got "
                        f"{args.max_length}; leave it out for the judge's context")
-    check_count(args.num, "--num", MAX_SAMPLES, "the paper scores 5,000 samples per setting")
-    if args.length is not None:
-        check_count(args.length, "--length", MAX_LENGTH, "the paper's longest sequence is 1,088 positions")
+    check_counts(args, num=SAMPLES_BOUND, length=LENGTH_BOUND)
     seeds = args.seeds or []
     twice = sorted({s for s in seeds if seeds.count(s) > 1})
     if twice:
         raise ELFError(f"--seeds names seed {', '.join(map(str, twice))} more than once; each seed gives one sample "
                        "set: pass distinct seeds")
+    if args.num is not None:
+        check_seeds(len(seeds) or 1, args.num)
 
 
 def _mauve_references(args, checkpoint, num: int) -> tuple[list[str], str]:
@@ -396,6 +398,7 @@ def _conditional_task(args, task, metric, net, space, settings, sources, refs, s
 def run(args) -> int:
     check_sampling_flags(args)
     _check_flags(args)
+    check_dist_timeout(args.dist_timeout)
     args.device = check_device(args.device)
     if args.wandb:
         require_wandb()
@@ -406,7 +409,7 @@ def run(args) -> int:
     if args.task == "unconditional" and (args.samples is None) == (args.checkpoint is None):
         raise ELFError("pass either SAMPLES.jsonl to judge, or --checkpoint RUN to sample first (not both)")
     try:
-        with process_group(args.device) as (rank, world, device):  # under torchrun: sampling and judging sharded
+        with process_group(args.device, args.dist_timeout) as (rank, world, device):  # under torchrun: sharded
             args.device = str(device)
             if args.task != "unconditional":
                 return _run_conditional_task(args, (rank, world))

@@ -20,7 +20,7 @@ from elflow.experiments.quickstart import (
     train_and_report,
 )
 from elflow.flow import SAMPLERS, SAMPLING_RANGES
-from elflow.util.budget import MAX_SAMPLES, MAX_TRAINING_STEPS
+from elflow.util.budget import MAX_TRAINING_STEPS, SAMPLES_BOUND, TRAINING_STEPS_BOUND
 from elflow.util.errors import ELFError
 
 
@@ -68,9 +68,8 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     if args.conditional and args.distill:
         raise ELFError("--conditional and --distill are separate demonstrations; pass one")
-    check_counts(args, steps=(MAX_TRAINING_STEPS, "ELF-B trains 95,000 steps"),
-                 distill_steps=(MAX_TRAINING_STEPS, "the demonstration's rounds take 40 each"),
-                 num=(MAX_SAMPLES, "the paper scores 5,000 samples per setting"))
+    check_counts(args, steps=TRAINING_STEPS_BOUND, num=SAMPLES_BOUND,
+                 distill_steps=(MAX_TRAINING_STEPS, "the demonstration's rounds take 40 each"))
     check_scales(args, omega=SAMPLING_RANGES["omega"])
     if args.conditional:
         args.steps = args.steps or COND_STEPS

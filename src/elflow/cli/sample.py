@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from elflow.methods import get_method, require, settings_from_args
 from elflow.runs.load import load_for_sampling
 from elflow.runs.outputs import Outputs
 from elflow.util.devices import check_device
-from elflow.util.distributed import process_group
+from elflow.util.distributed import DIST_TIMEOUT_HELP, DIST_TIMEOUT_MINUTES, check_dist_timeout, process_group
 from elflow.util.errors import ELFError
 from elflow.util.files import atomic_write_json
 
@@ -41,6 +42,8 @@ def add_arguments(p) -> None:
     p.add_argument("--out", default="samples.jsonl", help="JSONL output (one object per sample)")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--dist-timeout", type=float, default=DIST_TIMEOUT_MINUTES, metavar="MINUTES",
+                   help=DIST_TIMEOUT_HELP)
     p.add_argument("--raw-weights", action="store_true", help="use the trained weights instead of the EMA")
     p.add_argument("--encoder", default=None,
                    help="T5 encoder folder or hub id for the released checkpoints (default t5-small)")
@@ -56,6 +59,7 @@ def add_arguments(p) -> None:
 
 def run(args) -> int:
     check_sampling_flags(args)  # before the model loads
+    check_dist_timeout(args.dist_timeout)
     args.device = check_device(args.device)
     check_samples_out(args.out)
     if args.html and args.trajectory is None:
@@ -71,7 +75,8 @@ def run(args) -> int:
         raise ELFError(f"--length must be >= 1, got {args.length}")
     if args.trajectory and min(args.trajectory) < 1:
         raise ELFError(f"--trajectory steps count from 1 (the first sampling step), got {min(args.trajectory)}")
-    with process_group(args.device) as (rank, world, device):  # under torchrun: each rank draws its batches
+    # under torchrun: each rank draws its batches
+    with process_group(args.device, args.dist_timeout) as (rank, world, device):
         records, meta, space = _sample(args, rank, world, device)
     return 0 if rank else _write(args, outputs, records, meta, space, traj_path, page_path)
 
@@ -136,17 +141,48 @@ def _write(args, outputs: Outputs, records, meta, space, traj_path, page_path) -
         if page_path is not None:
             writers[outputs.paths[2]] = lambda p, overwrite: write_page(doc, p, overwrite)
     outputs.write(writers)
+    shown, said = [], []  # what goes to standard output, then to standard error
     if traj_path is not None:
-        print("how sample 0 emerges (decode readout of the guess at each chosen step):")
+        shown.append("how sample 0 emerges (decode readout of the guess at each chosen step):")
         m = min(6, len(seen))  # up to six of the recorded steps, spread out, the last one included
         for k in sorted({round(j * (len(seen) - 1) / max(m - 1, 1)) for j in range(m)}):
-            print(f"  step {seen[k]['step']:>3} of {meta['steps']} (t = {seen[k]['t']:.3f}): "
-                  f"{seen[k]['texts'][0][:200]}")
-        print(f"wrote the trajectory of {len(rows)} samples x {len(seen)} steps to {traj_path}", file=sys.stderr)
+            shown.append(f"  step {seen[k]['step']:>3} of {meta['steps']} (t = {seen[k]['t']:.3f}): "
+                         f"{seen[k]['texts'][0][:200]}")
+        said.append(f"wrote the trajectory of {len(rows)} samples x {len(seen)} steps to {traj_path}")
         if page_path is not None:
-            print(f"wrote {page_path}; open it in a browser", file=sys.stderr)
+            said.append(f"wrote {page_path}; open it in a browser")
     if not args.quiet:
-        for r in records:
-            print(f"--- sample {r['index']}\n{r['text']}")
-    print(f"wrote {len(records)} samples to {args.out}", file=sys.stderr)
+        shown += [f"--- sample {r['index']}\n{r['text']}" for r in records]
+    written = f"wrote {len(records)} samples to {args.out}"
+    print_results(shown, written + (f" and their trajectory to {traj_path}" if traj_path is not None else ""))
+    for line in said + [written]:
+        print(line, file=sys.stderr)
     return 0
+
+
+def print_results(lines: list[str], written: str) -> None:
+    """`lines` on standard output, flushed, after the outputs are written (`written` says what they are). A
+    reader that has gone (a pipe into `head`) ends the printing without a word; any other failure (a full
+    disk, /dev/full) is one ELFError saying what was written. Standard output then leads nowhere, so that
+    nothing fails again at exit."""
+    if sys.stdout is None:  # closed when the command started
+        return
+    try:
+        for line in lines:
+            print(line)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _stdout_to_nowhere()
+    except OSError as e:
+        _stdout_to_nowhere()
+        raise ELFError(f"{written}, but standard output cannot be written ({e.strerror or e}), so the texts were "
+                       "not printed; --quiet prints none") from None
+
+
+def _stdout_to_nowhere() -> None:
+    try:
+        fd = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(fd, sys.stdout.fileno())
+        os.close(fd)
+    except (OSError, ValueError, AttributeError):  # a stream without a descriptor of its own
+        pass

@@ -16,6 +16,7 @@ from elflow.methods.baseline import KNOB_RANGES
 from elflow.runs.load import method_of
 from elflow.runs.outputs import check_out, default_folder, own_run
 from elflow.runs.tracking import Tracker, require_wandb
+from elflow.util.budget import check_sweep
 from elflow.util.devices import check_device
 from elflow.util.errors import ELFError
 from elflow.util.files import FolderHold, read_json
@@ -155,6 +156,7 @@ def run(args) -> int:
         grid, fixed = _method_grid(args, get_method(method))
         if args.num < 1 or min(grid.get("steps", [1])) < 1:
             raise ELFError("--num and every --steps value must be at least 1")
+        check_sweep(grid, args.num)  # the cells x --num, before anything is read
         for flag, value in (("--batch-size", args.batch_size), ("--gen-batch-size", args.gen_batch_size)):
             if value < 1:
                 raise ELFError(f"{flag} must be an integer >= 1, got {value}")

@@ -12,7 +12,7 @@ import torch
 
 from elflow.cli.train_flags import add_config_arguments, given_config, with_default
 from elflow.config import RUN_DEFAULTS, TrainConfig, mutable_flags, resume_conflicts
-from elflow.runs.claim import stored_config
+from elflow.runs.claim import absolute_paths, relocated, stored_config
 from elflow.train import train
 from elflow.util.devices import check_device
 from elflow.util.distributed import on_rank0, process_group
@@ -52,11 +52,11 @@ def config_from_args(args) -> TrainConfig:
         if hasattr(args, "defaults"):
             raise ELFError("--defaults does not go with --resume: a resumed run keeps its stored settings")
         out = args.out if hasattr(args, "out") else f"runs/{given.get('preset', TrainConfig.preset)}"
-        stored = stored_config(check_output(out, folder=True))
+        stored = relocated(stored_config(check_output(out, folder=True)), given)  # its paths read from here
         merged = {**stored.to_dict()}
         for k, v in given.items():
             merged[k] = {**merged[k], **v} if isinstance(v, dict) else v
-        cfg = TrainConfig(**merged).resolved()
+        cfg = absolute_paths(TrainConfig(**merged).resolved())
         diff = resume_conflicts(stored, cfg, run_device(getattr(args, "device", None)))
         if diff:
             raise ELFError(f"on --resume only {mutable_flags()} may change; "

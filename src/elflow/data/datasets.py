@@ -251,12 +251,30 @@ def _recorded(recorded, where) -> tuple[Fingerprint | None, dict | None]:
     return before, source
 
 
+def check_not_relative(source, recorded, where) -> None:
+    """A run's --data `source` as a run recorded it before elflow wrote its paths absolute: a path relative to the
+    folder it was trained in (which its record does not hold) that names nothing from here is one line saying
+    so, not a lookup of its name on the hub. The checkpoint's record of its store (`store_record`) tells a
+    local path from a hub name: a store given by that path, or a store prepared from local files."""
+    text = str(source)
+    if not isinstance(recorded, dict) or text in BUILTIN_NAMES or Path(text).expanduser().is_absolute():
+        return
+    if local_source(text) is not None:
+        return
+    folder, origin = recorded.get("folder"), recorded.get("source")
+    if (isinstance(folder, str) and Path(folder) == Path(text)) or (isinstance(origin, dict) and "files" in origin):
+        raise ELFError(f"{where} records --data {text!r}, a path relative to the folder the run was trained in, "
+                       f"which the record does not hold, and {text!r} names nothing here: run from that folder, or "
+                       "pass --data with its path from here")
+
+
 def check_recorded_store(recorded, source, where) -> None:
     """Before a run's data `source` is read on resume: the token store folder the checkpoint (its state.json
     `where`) records, when the run was given one, must still be there; a missing one is one line naming it,
     not a lookup of its name on the hub. The record is checked field by field (`check_same_store` compares it
     once the data is read). A store in the cache (of a hub dataset) is prepared again as on a start."""
     _recorded(recorded, where)
+    check_not_relative(source, recorded, where)
     if not isinstance(recorded, dict) or not isinstance(recorded.get("folder"), str):
         return
     if str(source) in BUILTIN_NAMES or local_source(source) is not None:

@@ -31,6 +31,10 @@ class Method:
     knobs: tuple[str, ...] = ()  # the sampling flags its sampler takes, besides --seed and --batch
     sweep_axes: tuple[str, ...] = ()  # the knobs `elflow sweep` varies: curves by all but the last, which runs along
     sweep_fixed: tuple[str, ...] = ()  # the knobs a sweep holds at one value
+    # what a training step holds besides the trained pass (elflow.util.budget.check_training reads them)
+    teacher = None  # a frozen network whose no-grad passes make the targets (a distillation's teacher)
+    tangents: bool = False  # the trained pass also carries forward-mode tangents (a time derivative)
+    logits_everywhere: bool = False  # every position of every row is read out over the vocabulary
 
     def __repr__(self) -> str:
         return f"<method {self.name}>"

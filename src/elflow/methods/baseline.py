@@ -80,6 +80,7 @@ class TokenMethod(Method):
 
     features = frozenset()
     defaults: dict = {}  # the sampler's knobs and their default values
+    logits_everywhere = True
 
     def space_spec(self, spec: dict) -> dict:
         return tokenizer_spec(spec)

@@ -28,24 +28,30 @@ from elflow.generate import ELF_KNOBS, SamplingSettings, default_sampling, gener
 from elflow.methods.base import FEATURES, Method
 from elflow.model import ELFConfig, ShortRunOptions, build_network, check_network, options_of
 from elflow.space import DEFAULT_SPACE, latent_moments, learned, token_vectors
-from elflow.util.devices import check_memory
+from elflow.util.budget import Estimate, check_fits
 from elflow.util.errors import ELFError
 
 
 def step_sums(loss: torch.Tensor, rows: dict, draw) -> dict:
-    """Per-row losses of one shard -> sums and counts (overall, per branch, per time bin) that add up across
-    shards, steps and ranks; no host sync."""
+    """Per-row sums of one shard (`flow.token_mean_loss`'s rows) -> sums and counts that add up across shards,
+    steps and ranks; no host sync. Each branch's loss is kept as the authors log it, a sum over the scored
+    positions of the branch's rows and their count (one token mean per log line), and as the sum of each row's
+    own token mean and the row count (the mean of the rows' means); the time bins hold rows' means."""
     dev = loss.device
     is_dec = draw.decode.to(dev)
     den = (~is_dec).float()
+    scored = rows["scored"]
+    row_mean = {k: rows[k] / scored.clamp_min(1) for k in ("denoise", "decode")}
     bins = time_bin(draw.t.detach())
     nb = len(TIME_BINS) - 1
     return {
         "loss": loss.detach(),
-        "denoise_sum": rows["denoise"].sum(), "denoise_n": den.sum(),
-        "decode_sum": rows["decode"].sum(), "decode_n": is_dec.float().sum(),
-        "decode_correct": rows["correct"].sum(), "decode_tokens": rows["scored"].sum(),
-        "bin_sum": torch.zeros(nb, device=dev).index_add(0, bins, rows["denoise"] * den),
+        "denoise_sum": rows["denoise"].sum(), "denoise_tokens": (scored * den).sum(),
+        "decode_sum": rows["decode"].sum(), "decode_tokens": (scored * is_dec.float()).sum(),
+        "denoise_row_sum": row_mean["denoise"].sum(), "denoise_rows": den.sum(),
+        "decode_row_sum": row_mean["decode"].sum(), "decode_rows": is_dec.float().sum(),
+        "decode_correct": rows["correct"].sum(),
+        "bin_sum": torch.zeros(nb, device=dev).index_add(0, bins, row_mean["denoise"] * den),
         "bin_n": torch.zeros(nb, device=dev).index_add(0, bins, den),
     }
 
@@ -177,10 +183,11 @@ class ELFMethod(Method):
 
     def summarize(self, t: dict) -> dict:
         rec = {}
-        if t["denoise_n"]:
-            rec["loss_denoise"] = t["denoise_sum"] / t["denoise_n"]
-        if t["decode_n"]:
-            rec["loss_decode"] = t["decode_sum"] / t["decode_n"]
+        for branch in ("denoise", "decode"):  # the authors' token mean, and the mean of the rows' means
+            if t[f"{branch}_tokens"]:
+                rec[f"loss_{branch}"] = t[f"{branch}_sum"] / t[f"{branch}_tokens"]
+            if t[f"{branch}_rows"]:
+                rec[f"loss_{branch}_rows"] = t[f"{branch}_row_sum"] / t[f"{branch}_rows"]
         if t["decode_tokens"]:
             rec["decode_acc"] = t["decode_correct"] / t["decode_tokens"]
         for label, s, n in zip(time_bin_labels(), t["bin_sum"], t["bin_n"]):
@@ -234,9 +241,9 @@ def network_bytes(config: ELFConfig, options: ShortRunOptions | None = None) -> 
 
 
 def check_network_memory(config: ELFConfig, options: ShortRunOptions | None = None) -> None:
-    """Refuse, before anything is allocated, a network whose weights alone need more memory than this machine
-    has (a mistyped --depth, --hidden, or a stored config of such numbers)."""
+    """Refuse, before anything is allocated, a network whose weights alone need more memory than this process
+    can still take (a mistyped --depth, --hidden, or a stored config of such numbers)."""
     what = ", ".join(f"{k} {getattr(config, k)}" for k in ("depth", "hidden", "heads", "dim", "vocab_size",
                                                                "max_length"))
-    check_memory(network_bytes(config, options), f"a network of {what}",
-                 hint="choose a smaller --depth / --hidden / --length (or check the stored config)")
+    check_fits(Estimate("the network", what, {"weights": network_bytes(config, options)},
+                        "choose a smaller --depth / --hidden / --length (or check the stored config)"))

@@ -109,6 +109,8 @@ class MapMethod(ELFMethod):
     """ELF trained as a flow-map student of a frozen `teacher` (module docstring). The student is an ELF network
     with a target time: its runs are ELF runs whose record says how it was distilled."""
 
+    tangents = True  # the map's time derivative (flowmap.lmd_residual)
+
     def __init__(self, teacher):
         self.teacher = teacher
 

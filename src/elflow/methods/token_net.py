@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from elflow.model import Block, RMSNorm, TransformerShape, num_params, rope_tables
-from elflow.util.devices import check_memory
+from elflow.util.budget import Estimate, check_fits
 from elflow.util.errors import Record
 
 
@@ -52,8 +52,8 @@ class TokenTransformer(nn.Module):
         if torch.get_default_device().type != "meta":  # (built on meta: only counted)
             sizes = ("depth", "hidden", "heads", "vocab_size", "max_length")
             what = ", ".join(f"{k} {getattr(config, k)}" for k in sizes)
-            check_memory(4 * token_lm_params(config, in_vocab, out_vocab), f"a network of {what}",
-                         hint="choose a smaller --depth / --hidden / --length (or check the stored config)")
+            check_fits(Estimate("the network", what, {"weights": 4 * token_lm_params(config, in_vocab, out_vocab)},
+                                "choose a smaller --depth / --hidden / --length (or check the stored config)"))
         self.config = c = config
         self.causal, self.in_vocab, self.out_vocab = causal, in_vocab, out_vocab
         self.embed = nn.Embedding(in_vocab, c.hidden)

@@ -184,7 +184,8 @@ def upgrade_train(train: dict) -> dict:
     recipe's constants, a drawn table's space without its stream (stream 1, the draw from the seed), and the
     optimiser's update as "muon_scale" (torch's Muon and Adam, the decode head scaled by the fan rule, "fan", or
     as its transposes, "released"), or as nothing before that (the fan rule): read as the update rules
-    "torch-fan" and "torch-head-transposed" (elflow.optim.UPDATE_RULES)."""
+    "torch-fan" and "torch-head-transposed" (elflow.optim.UPDATE_RULES); their warm-up ran one step ahead of
+    the released schedule ("one-ahead", elflow.optim.LR_SCHEDULES)."""
     if not isinstance(train, dict):
         return train
     train = dict(train)
@@ -200,6 +201,7 @@ def upgrade_train(train: dict) -> dict:
                                      "teacher_steps": record.get("teacher_steps")}
     if "space_stream" not in train and isinstance(train.get("space"), str) and drawn_table(train["space"]):
         train["space_stream"] = 1
+    train.setdefault("lr_schedule", "one-ahead")
     if "update_rule" not in train:
         scale = train.pop("muon_scale", "fan")
         if train.get("optimizer", "muon") == "muon":

@@ -9,9 +9,11 @@ import os
 import shutil
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from elflow.config import TrainConfig, mutable_flags, resume_conflicts
+from elflow.data.corpus import BUILTIN_NAMES
 from elflow.runs.checkpoint import (
     list_checkpoints,
     newest_usable,
@@ -24,6 +26,7 @@ from elflow.runs.checkpoint import (
 from elflow.runs.folder import CHECKPOINTS, DECODER_STAGE, REPLACED, RUN_FILE, RUN_FILES, STATE_FILE
 from elflow.runs.record import record_of_state, run_file
 from elflow.runs.stages import in_first_stage
+from elflow.space import TABLE_KINDS
 from elflow.util.errors import ELFError
 from elflow.util.files import FolderHold, FolderLock, NoSpace, check_output, probe_writable, resolved
 
@@ -129,11 +132,62 @@ def check_run_dir(out: Path, cfg: TrainConfig, resume: bool, overwrite: bool, de
         return
     if not resume:
         raise ELFError(f"{out} already holds a run; pass --resume to continue it or --overwrite to replace it")
-    diff = resume_conflicts(stored_config(out), cfg, device)
+    diff = resume_conflicts(relocated(stored_config(out), cfg), cfg, device)
     if diff:
         raise ELFError(f"{out} holds a different run ({'; '.join(diff)}); on --resume only "
                        f"{mutable_flags()} may change. Resume it with its "
                        "own settings, or choose another --out")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the paths a run records: absolute, so that they name the same files from any working folder
+PATH_SETTINGS = ("data", "init_from", "decoder_from")  # settings that name a file or folder, or a hub name
+
+
+def local_path(value: str | None) -> str | None:
+    """`value` written absolute (os.path.abspath) where it names a local file or folder from here; unchanged
+    where nothing of that name is here (a hub name, or a path whose reader will say it is missing) and for the
+    built-in corpus's name."""
+    if not value or str(value) in BUILTIN_NAMES:
+        return value
+    path = os.path.expanduser(str(value))
+    return os.path.abspath(path) if os.path.lexists(path) else value
+
+
+def _space_path(space: str | None) -> str | None:
+    """--space with the encoder folder it names written absolute (t5:PATH, hf:PATH, KIND:BASE or a bare folder);
+    "minilm" and the table kinds are names."""
+    if not space:
+        return space
+    kind, sep, rest = space.partition(":")
+    if sep and kind in ("t5", "hf", *TABLE_KINDS):
+        return f"{kind}:{_space_path(rest)}" if rest else space
+    if space == "minilm" or space in TABLE_KINDS or not os.path.isdir(os.path.expanduser(space)):
+        return space
+    return os.path.abspath(os.path.expanduser(space))
+
+
+def absolute_paths(cfg: TrainConfig) -> TrainConfig:
+    """`cfg` with every setting that names a local file or folder (--data, --init-from, --decoder-from, the
+    encoder folder of --space) written absolute, as a run records it: a run made in one folder is read the same
+    from any other. Hub names, 'builtin' and paths of nothing here stay as they are."""
+    return replace(cfg, space=_space_path(cfg.space), **{k: local_path(getattr(cfg, k)) for k in PATH_SETTINGS})
+
+
+def relocated(stored: TrainConfig, given=None) -> TrainConfig:
+    """A stored run's settings as read from here (`absolute_paths`). A run recorded by an earlier elflow may hold
+    a path relative to the folder it was trained in, which its record does not hold: where that path names
+    same); where it names nothing here, the value `given` (a TrainConfig or a dict of the command line's
+    settings) holds for it where that names a local file or folder, as the user's word of where it is now.
+    Otherwise it stays relative, and the reader of the setting says so."""
+    cfg = absolute_paths(stored)
+    get = given.get if isinstance(given, dict) else (lambda k: getattr(given, k, None))
+    moved = {}
+    for k in PATH_SETTINGS:
+        value, now = getattr(cfg, k), local_path(get(k))
+        if value and not os.path.isabs(os.path.expanduser(str(value))) and now and os.path.isabs(now):
+            moved[k] = now
+    return replace(cfg, **moved) if moved else cfg
 
 
 def stored_config(out: Path) -> TrainConfig:
@@ -187,7 +241,7 @@ def resume_point(out: Path, cfg: TrainConfig) -> Path | None:
     for why in bad:
         print(f"warning: skipping a bad checkpoint: {why}", file=sys.stderr)
     stored = checked(record_of_state(read_state(ckpt), str(ckpt / STATE_FILE)).train, ckpt / STATE_FILE)
-    diff = resume_conflicts(stored, cfg)
+    diff = resume_conflicts(relocated(stored, cfg), cfg)
     if diff:
         raise ELFError(f"{out / 'run.json'} describes another run than its checkpoint {ckpt.name} "
                        f"({'; '.join(diff)}); run.json was edited or replaced: restore it")

@@ -29,12 +29,27 @@ from elflow.util.devices import check_device, default_device
 from elflow.util.errors import ELFError, first_line
 
 
+def check_load_args(path_or_hub_id, device, use_ema, max_length) -> str | None:
+    """`load`'s arguments, checked before anything is read (ELFError naming the first that is wrong): a path or
+    hub id (a non-empty str or path), a device (None, a str or a torch.device of this machine), use_ema a bool,
+    max_length None or a whole number >= 1. Returns the device as a string (None: the default)."""
+    if not isinstance(path_or_hub_id, (str, os.PathLike)) or not str(os.fspath(path_or_hub_id)).strip():
+        raise ELFError(f"load: the model must be a path or a hub id (a non-empty str), got {path_or_hub_id!r}")
+    if device is not None and not isinstance(device, (str, torch.device)):
+        raise ELFError(f"load: device must be 'cpu', 'cuda', 'cuda:N' or a torch.device, got {device!r}")
+    if not isinstance(use_ema, bool):
+        raise ELFError(f"load: use_ema must be True or False, got {use_ema!r}")
+    if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1):
+        raise ELFError(f"load: max_length must be None or a whole number >= 1, got {max_length!r}")
+    return check_device(str(device) if device is not None else None, "device")
+
+
 def load(path_or_hub_id: str | os.PathLike, device=None, use_ema: bool = True,
          max_length: int | None = None) -> torch.nn.Module:
     """The network of any model `read_model` reads, of any method, in eval mode with its EMA weights (unless
     use_ema=False); `net.record` is its RunRecord, `net.origin` where the weights came from. `max_length`
-    widens its position table."""
-    device = check_device(device, "device") or "cpu"
+    widens its position table. Its arguments are checked first (`check_load_args`)."""
+    device = check_load_args(path_or_hub_id, device, use_ema, max_length) or "cpu"
     record, sd, origin = read_model(path_or_hub_id, use_ema)
     if not sd:
         raise ELFError(f"{path_or_hub_id} holds no {'EMA ' if use_ema else ''}weights"
@@ -50,8 +65,11 @@ def load_for_sampling(path_or_hub_id, device=None, space=None, use_ema: bool = T
                       max_length: int | None = None):
     """(network, embedding space): `load`'s network and the space its record describes, checked against it.
     `space` overrides the stored one: a build_space spec, a folder or hub id of a T5 encoder (for the released
-    checkpoints offline), or a ready space object."""
-    device = torch.device(check_device(device, "device") or default_device())
+    checkpoints offline), or a ready space object; anything else is an ELFError, as are `load`'s bad arguments."""
+    if space is not None and not isinstance(space, (str, dict, EmbeddingSpace)):
+        raise ELFError(f"load_for_sampling: space must be None (the stored one), a space spec (str or dict), an "
+                       f"encoder folder or hub id, or an EmbeddingSpace; got {type(space).__name__} {space!r:.60}")
+    device = torch.device(check_load_args(path_or_hub_id, device, use_ema, max_length) or default_device())
     net = load(path_or_hub_id, device=device, use_ema=use_ema, max_length=max_length)
     record = net.record
     method = get_method(record.method)

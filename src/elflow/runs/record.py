@@ -35,13 +35,13 @@ from elflow.model import ShortRunOptions
 from elflow.runs.checkpoint import load_checkpoint, upgrade_state, upgrade_train, verify_checkpoint
 from elflow.runs.folder import MODEL_WEIGHTS, RUN_FILE, RUN_FILES, STATE_FILE
 from elflow.runs.locate import locate
+from elflow.runs.migrate import RECORD_VERSION, current
 from elflow.runs.model_folder import load_listed, read_model_folder_files
 from elflow.runs.released import RELEASED_SPACE, infer_config, read_released_checkpoint, release_settings
 from elflow.space import SpaceSpec
 from elflow.util.errors import ELFError, Record
 from elflow.util.files import atomic_write_json, read_json
 
-RECORD_VERSION = 2  # version 1: the layout of state.json / run.json / model folders before the record
 RUN_FORMAT = "elflow-run-2"  # run.json
 CHECKPOINT_FORMAT = "elflow-checkpoint-2"  # a checkpoint's state.json
 DISTILL_OBJECTIVES = ("pd", "flow-map")  # progressive distillation; one flow-map student for every step count
@@ -147,6 +147,7 @@ class RunRecord:
         is malformed, from a newer elflow, or disagrees with another part."""
         if not isinstance(d, dict):
             raise ELFError(f"{where}: the record must be a JSON object, got {type(d).__name__}")
+        d = current(d)
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         version = d.get("version")

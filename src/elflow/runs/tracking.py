@@ -18,13 +18,40 @@ HELP_PROJECT = ("log to this Weights & Biases project (needs `pip install \"elfl
 
 
 def require_wandb():
-    """The wandb module; a one-line ELFError when it is not installed."""
+    """The wandb module, with $WANDB_DIR usable where it is set (`check_wandb_dir`); a one-line ELFError when it
+    is not installed."""
     try:
         import wandb
     except ImportError:
         raise ELFError("--wandb needs the wandb package, which is not installed: pip install \"elflow[wandb]\" "
                        "(or pip install wandb)") from None
+    check_wandb_dir()
     return wandb
+
+
+def _unusable_folder(path: Path) -> str:
+    """Why W&B cannot write under `path` (made where missing), "" if it can: the path, or its nearest parent that
+    exists, must be a folder this process may write."""
+    probe = path
+    while not os.path.lexists(probe) and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        return f"{probe} is not a folder" if probe == path else f"{probe} is not a folder, so {path} cannot be made"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return f"{probe} cannot be written by this user" + ("" if probe == path else f", so {path} cannot be made")
+    return ""
+
+
+def check_wandb_dir() -> None:
+    """$WANDB_DIR, where it is set, a folder W&B can write its files under (or make); checked before anything is
+    written: one ELFError naming the variable otherwise."""
+    chosen = os.environ.get("WANDB_DIR")
+    if not chosen:
+        return
+    why = _unusable_folder(Path(chosen).expanduser())
+    if why:
+        raise ELFError(f"WANDB_DIR={chosen}: {why}; W&B writes its files there. Set WANDB_DIR to a folder you can "
+                       "write, or unset it to keep them in the run folder")
 
 
 def _stored(folder: Path, project: str) -> dict | None:
@@ -43,7 +70,11 @@ def wandb_dir(folder: Path) -> Path:
     if not chosen:
         return folder
     path = Path(chosen).expanduser()
-    path.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ELFError(f"WANDB_DIR={chosen}: cannot be made a folder ({e.strerror or e}); W&B writes its files "
+                       "there. Set WANDB_DIR to a folder you can write, or unset it") from None
     return path
 
 

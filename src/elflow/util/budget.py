@@ -23,6 +23,15 @@ API (bytes are Python ints: no size overflows)
         elf_sampling checked against the device; its docstring shows the calls from a loaded model
     check_toy(num, steps, clusters, layout="ring", device=None) -> Estimate
         `elflow toy`'s counts and memory
+    check_total(factors, limit, unit, why, hint) -> int
+        a product of counts held under its bound, one line naming each factor: check_sweep(grid, num) (a sweep's
+        cells x --num), check_seeds(seeds, num) (eval's --seeds x --num), check_previews(steps, every,
+        sample_steps) (a training run's previews)
+    elf_training(config, *, rows, length, ...) -> Estimate, check_training(cfg, shape, space, recipe, method,
+        micro, data_rows, device=None) -> Estimate
+        (d) a training step's peak: weights, gradients, optimiser state, EMA, the activations at the
+        micro-batch, the frozen encoder's and a distillation teacher's passes; check_training reads them from
+        a run's set-up (elflow.train.set_up) and bounds its previews
 
 Example (a command's check, before it builds or writes anything):
 
@@ -66,6 +75,14 @@ MAX_MATMUL_SIZE = 65_536  # the matmul peak's square side: 2,048 on a CPU and 8,
 MAX_DRAWS = 1_000_000_000  # Monte-Carlo draws of a schedule: 200,000 give its statistics to three decimals
 MAX_TOY_SAMPLES = 100_000  # the toy draws one path per sample in each panel: 44 by default, thousands are a blot
 MAX_TOY_CLUSTERS = 10_000  # beyond 60 clusters on the toy's ring (std 0.1, radius 1.9) neighbours touch
+# Bounds of products of counts, each factor within its own bound: the work of a whole command
+MAX_PREVIEW_PASSES = 2_000_000  # a run's previews, in network passes of one row: ELF-B's 95,000 steps previewed
+# every 1,000 steps with 64 sampling steps of 2 samples take 12,160
+PREVIEW_SAMPLES = 2  # the samples of each preview (elflow.train.show_samples)
+# (limit, why) of the counts several commands take, for check_count and cli.common.check_counts
+SAMPLES_BOUND = (MAX_SAMPLES, "the paper scores 5,000 samples per setting")
+TRAINING_STEPS_BOUND = (MAX_TRAINING_STEPS, "ELF-B trains 95,000 steps")
+LENGTH_BOUND = (MAX_LENGTH, "the paper's longest sequence is 1,088 positions")
 
 TRAINING_COPIES = 4  # buffers of a step the size of the largest tensor: a tied table's second gradient, the sum
 FIGURE_BYTES = 32 * 2**20  # a matplotlib figure's canvas and artists: measured 26 MiB (Figure 2), 11 MiB (Figure 1)
@@ -370,6 +387,150 @@ def check_elf_sampling(config, *, steps: int, batch_size: int, num: int, length:
     return check_fits(elf_sampling(config, steps=steps, batch_size=batch_size, num=num, length=length,
                                    trajectory_steps=trajectory_steps, guided=guided, table_readout=table_readout,
                                    params=params, flags=flags), device)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# products of counts
+def check_total(factors, limit: int, unit: str, why: str, hint: str) -> int:
+    """The product of `factors` ((text, count) pairs, each count already within its own bound: "2,000 --omega
+    values", "--num 10,000") when it is at most `limit`; ELFError otherwise, one line naming every factor, the
+    product in `unit`s, the bound, `why` it is there and what to do."""
+    total = 1
+    for _, n in factors:
+        total *= int(n)
+    if total > limit:
+        shown = " x ".join(text for text, _ in factors)
+        raise ELFError(f"{shown} make {total:,} {unit}, more than {limit:,} ({why}); {hint}")
+    return total
+
+
+def check_previews(steps: int, every: int, sample_steps: int, samples: int = PREVIEW_SAMPLES) -> int:
+    """The network passes of a training run's previews (`steps` // `every` previews of `samples` samples drawn
+    in `sample_steps` steps) within MAX_PREVIEW_PASSES; none when `every` is 0."""
+    if not every:
+        return 0
+    previews = int(steps) // int(every)
+    return check_total([(f"{previews:,} previews (--steps {steps:,} / --sample-every {every:,})", previews),
+                        (f"--sample-steps {sample_steps:,}", sample_steps), (f"{samples} samples", samples)],
+                       MAX_PREVIEW_PASSES, "network passes of one row",
+                       "previews watch a run: ELF-B's 95,000 steps previewed every 1,000 take 12,160",
+                       "choose a larger --sample-every or a smaller --sample-steps (0 for --sample-every: none)")
+
+
+def check_sweep(grid: dict, num: int) -> int:
+    """The samples of a sweep (its cells, the product of the values of each axis of `grid`, {flag name: values},
+    times --num), within MAX_SAMPLES."""
+    factors = [(f"{len(v):,} --{k.replace('_', '-')} values", len(v)) for k, v in grid.items()]
+    return check_total(factors + [(f"--num {num:,}", num)], MAX_SAMPLES, "samples",
+                       "the paper's sweeps score 5,000 samples in each of a few dozen cells; every sample is drawn "
+                       "and judged", "sweep fewer values, or choose a smaller --num")
+
+
+def check_seeds(seeds: int, num: int) -> int:
+    """The samples of an evaluation over `seeds` seeds of --num samples each, within MAX_SAMPLES."""
+    return check_total([(f"{seeds:,} --seeds", seeds), (f"--num {num:,}", num)], MAX_SAMPLES, "samples",
+                       "the paper scores 5,000 samples per setting and seed; every sample is drawn and judged",
+                       "pass fewer --seeds, or a smaller --num")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# a training step
+def flagged_rows(rows: int, share: float) -> int:
+    """The most rows of `rows` that a per-row draw with probability `share` picks in practice: the mean and three
+    standard deviations, within 0..rows."""
+    share = min(max(float(share), 0.0), 1.0)
+    mean = rows * share
+    return min(rows, math.ceil(mean + 3 * math.sqrt(mean * (1 - share)))) if share else 0
+
+
+def encoder_pass(encoder, rows: int, length: int) -> int:
+    """The peak bytes of a frozen encoder's no-grad pass over `rows` x `length` tokens, its shape read from its
+    Hugging Face config (T5's or BERT's names); its attention is counted written out (scores, probabilities
+    and position bias)."""
+    c = getattr(encoder, "config", None)
+    width = getattr(c, "d_model", None) or getattr(c, "hidden_size", None)
+    if not width:
+        return 0
+    depth = getattr(c, "num_layers", None) or getattr(c, "num_hidden_layers", 1)
+    heads = getattr(c, "num_heads", None) or getattr(c, "num_attention_heads", 1)
+    mlp = getattr(c, "d_ff", None) or getattr(c, "intermediate_size", None) or 4 * width
+    return sum(transformer_pass(rows, length, width, depth, heads, mlp, gated=False,
+                                eager_attention=True).values())
+
+
+def elf_training(config, *, rows: int, length: int, trainable: int = 0, decode_share: float = 0.2,
+                 self_cond_share: float = 0.5, checkpointing: bool = False, tangents: bool = False,
+                 logits_everywhere: bool = False, adamw: bool = False, previews: bool = False, encoder: int = 0,
+                 teacher=None, teacher_weights: int = 0, what: str = "training", flags: str = "") -> Estimate:
+    """The estimate of one training step of the network of `config` (an ELFConfig, or anything with depth,
+    hidden, heads, dim, vocab_size; a token baseline is sized to it) at `rows` rows of `length` positions:
+
+    weights, optimiser state (two moments at most), gradients and the update's temporaries, the EMA, and with
+    `previews` the network the previews sample with; the trained pass's saved activations (per block only its
+    input with `checkpointing`; twice with forward-mode `tangents`), its logits on `decode_share` of the rows
+    (on every row and position for `logits_everywhere`), the flow's per-token buffers, the no-grad
+    self-conditioning pass on `self_cond_share` of the rows, `encoder` (the frozen encoder's pass, bytes), the
+    no-grad pass of a `teacher` (its config) and `teacher_weights`, the bytes of its weights not taken yet.
+    `trainable` counts the parameters trained beside the network (a learned table); `what` and `flags` name
+    the work in the message."""
+    c = config
+    H, C, V, depth = c.hidden, c.dim, c.vocab_size, c.depth
+    mlp = getattr(c, "mlp_hidden", int(H * 8 // 3))
+    prefix = 0 if logits_everywhere else getattr(c, "num_prefix", 12)
+    params = elf_params(c)
+    largest = max(C * V, 2 * mlp * H)
+    trained = params + int(trainable)
+    saved = 14 * H + 4 * mlp
+    if checkpointing:  # each block keeps its input; one block's buffers are made again in the backward pass
+        saved = H + math.ceil(saved / depth)
+    decode = rows if logits_everywhere else flagged_rows(rows, decode_share)
+    step = transformer_pass(rows, length + prefix, H, depth, c.heads, mlp, vocab=V, logit_rows=decode,
+                            logit_length=length, backward=True, saved=saved)
+    if tangents:
+        step["activations"] *= 2
+    guess = transformer_pass(flagged_rows(rows, self_cond_share), length + prefix, H, depth, c.heads, mlp)
+    parts = {"weights": weights(params + trainable), "optimiser state": weights(trained, 2),
+             "gradients and update": held(FLOAT * largest, weights(trained, 2 if adamw else 1)
+                                          + weights(largest, TRAINING_COPIES)),
+             "EMA": weights(params), "previews": weights(params) if previews else 0,
+             "flow buffers": held(tensor(rows, length, C), 12 * tensor(rows, length, C)),
+             "self-conditioning pass": sum(guess.values()), "frozen encoder": int(encoder)}
+    if teacher is not None:
+        t = teacher
+        passes = transformer_pass(rows, length + prefix, t.hidden, t.depth, t.heads, getattr(t, "mlp_hidden", None))
+        parts["teacher"] = sum(passes.values()) + int(teacher_weights)
+    held_always = sum(parts[k] for k in ("weights", "optimiser state", "gradients and update", "EMA", "previews"))
+    if 2 * held_always >= sum(parts.values()) + sum(step.values()):  # the network's own state is most of it
+        hint = (f"the network's weights, gradients, optimiser state and EMA alone take {size(held_always)}: choose a "
+                "smaller --preset (or --depth / --hidden)")
+    else:
+        hint = ("choose a smaller --micro-batch (the batch is then accumulated) or a shorter --length; "
+                "--grad-checkpoint keeps less of each block")
+    return Estimate(what, flags, merge(parts, step), hint)
+
+
+def check_training(cfg, shape, space, recipe, method, micro: int, data_rows: int, device=None) -> Estimate:
+    """A training run's previews bounded (`check_previews`) and its step's memory checked against `device`,
+    before its network is built: `cfg` the run's TrainConfig, `shape` the ELF network's config, `space` the
+    embedding space (built: its frozen encoder's weights are taken already, its pass is counted), `recipe` the
+    flow recipe, `method` the training method (a distillation's holds its `teacher`, loaded), `micro` the rows
+    of a forward/backward pass, `data_rows` the rows of the training split (the steps of an --epochs run)."""
+    steps = cfg.steps if cfg.epochs is None else max(1, math.ceil(cfg.epochs * max(1, data_rows // cfg.batch)))
+    check_previews(steps, cfg.sample_every, cfg.sample_steps)
+    trainable = sum(p.numel() for p in space.parameters() if p.requires_grad) if hasattr(space, "parameters") else 0
+    encoder = getattr(space, "encoder", None)
+    teacher = getattr(method, "teacher", None)
+    length = cfg.length or shape.max_length
+    flags = (f"--preset {cfg.preset} (depth {shape.depth}, hidden {shape.hidden}) --batch {cfg.batch}"
+             + (f" --micro-batch {micro}" if micro != cfg.batch else ""))
+    est = elf_training(shape, rows=micro, length=length, trainable=trainable, decode_share=recipe.decode_prob,
+                       self_cond_share=recipe.self_cond_prob, checkpointing=bool(cfg.grad_checkpoint),
+                       tangents=getattr(method, "tangents", False),
+                       logits_everywhere=getattr(method, "logits_everywhere", False),
+                       adamw=cfg.optimizer == "adamw", previews=bool(cfg.sample_every),
+                       encoder=encoder_pass(encoder, micro, length) if encoder is not None else 0,
+                       teacher=getattr(teacher, "config", None), flags=f"{flags} --length {length}")
+    return check_fits(est, device)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -1,10 +1,9 @@
 """Devices and precision: the default device, bf16 where it is fast (GPUs, CPUs with AMX / AVX512-BF16),
-autocast, TF32, flushed CPU denormals, and the memory check that refuses a size before anything is allocated."""
+autocast, TF32, flushed CPU denormals, and sizes in words (the memory check is elflow.util.budget.check_fits)."""
 
 from __future__ import annotations
 
 import functools
-import os
 from contextlib import contextmanager
 
 from elflow.util.errors import ELFError
@@ -138,29 +137,3 @@ def human_bytes(n: float) -> str:
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1024
     return f"{n:.1f} PiB"
-
-
-def device_memory(device=None) -> int | None:
-    """Bytes of memory of `device` (a GPU's total; for the CPU, the machine's physical memory); None where
-    unknown."""
-    if device is not None and str(device).startswith("cuda"):
-        import torch
-
-        try:
-            return torch.cuda.get_device_properties(torch.device(device)).total_memory
-        except (RuntimeError, AssertionError, ValueError):
-            return None
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-def check_memory(nbytes: float, what: str, device=None, hint: str = "choose a smaller size") -> None:
-    """ELFError when `what` needs more than all the memory of `device` (so that it never allocates until the
-    machine runs out)."""
-    total = device_memory(device)
-    if total is not None and nbytes > total:
-        where = "this GPU" if device is not None and str(device).startswith("cuda") else "this machine"
-        raise ELFError(f"{what} needs {human_bytes(nbytes)}, more than the {human_bytes(total)} of memory "
-                       f"{where} has; {hint}")
