@@ -121,6 +121,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def cli_under_memory_limit(args: list, limit: int = 6 * 10**9) -> tuple[int, str]:
+    """(exit code, stderr) of `elflow ARGS` in a fresh process whose address space is limited to `limit` bytes
+    (RLIMIT_AS, as `prlimit --as` sets it): what that process may allocate, whatever the machine has."""
+    import os
+    import resource
+    import subprocess
+    import sys
+
+    def limited():
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src"), "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-m", "elflow.cli", *map(str, args)], env=env, capture_output=True, text=True,
+                       preexec_fn=limited, timeout=600, check=False)
+    return r.returncode, r.stderr
+
+
 def prepare_on_rank(rank: int, world: int, port: int, corpus: str, cache: str, log: str, out: str) -> None:
     """One rank of a Gloo group whose collectives time out after 2 s, reading a corpus whose preparation takes
     longer (SlowSpace); saves its training rows to `out`.<rank>."""

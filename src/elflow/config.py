@@ -15,8 +15,17 @@ from elflow.methods import METHOD_NAMES, check_run
 from elflow.methods.baseline import MATCHES
 from elflow.model import CONDITIONINGS, DECODERS, PREDICTIONS, PRESETS, SKIPS
 from elflow.newton_schulz import NS_METHODS
-from elflow.optim import (ADAMW_BLR, EMA_DECAY, LR_DECAYS, LR_SCHEDULES, MUON_BLR, OPTIMIZERS, UPDATE_RULE_HELP,
-                          UPDATE_RULES, base_lr)
+from elflow.schedule import (
+    ADAMW_BLR,
+    EMA_DECAY,
+    LR_DECAYS,
+    LR_SCHEDULES,
+    MUON_BLR,
+    OPTIMIZERS,
+    UPDATE_RULE_HELP,
+    UPDATE_RULES,
+    base_lr,
+)
 from elflow.space import FIXED_TABLE_KINDS, TABLE_STREAM, drawn_table, fixed_vectors
 from elflow.util.budget import LENGTH_BOUND, MAX_BATCH, MAX_LENGTH, MAX_TRAINING_STEPS, TRAINING_STEPS_BOUND
 from elflow.util.devices import RUN_DTYPES, resolve_dtype

@@ -19,7 +19,7 @@ from elflow.flow import FLOW_MAP_STEPS, distilled_defaults, recipe_for
 from elflow.methods.lmd import MapMethod
 from elflow.methods.pd import PDMethod, check_schedule
 from elflow.model import PRESETS
-from elflow.optim import EMA_DECAY
+from elflow.schedule import EMA_DECAY
 from elflow.runs.checkpoint import list_checkpoints, read_state, recover_replaced, set_aside
 from elflow.runs.claim import (
     absolute_paths,
@@ -36,8 +36,8 @@ from elflow.runs.log import training_records
 from elflow.runs.outputs import check_out
 from elflow.runs.released import build_from_state_dict
 from elflow.train import train
-from elflow.util.budget import check_fits, elf_params, elf_training, weights
-from elflow.util.distributed import setup_distributed
+from elflow.util.budget import check_fits, elf_params, elf_training, precision, weights
+from elflow.util.distributed import setup_distributed, world_size
 from elflow.util.errors import ELFError
 from elflow.util.files import FolderHold, atomic_write_json, check_output, read_json, resolved
 
@@ -77,8 +77,8 @@ SAME_ON_RESUME = ("preset", "model", "short_run", "data", "space", "latent_std",
 
 # the teacher's training config a distillation keeps (its data and how it is read, its network and run)
 KEPT = ("preset", "data", "text_field", "on_bad", "space", "latent_std", "length", "layout", "batch", "micro_batch",
-        "adam_heads", "ns_method", "grad_clip", "dtype", "compile", "model", "task", "source_length", "source_field",
-        "target_field", "space_dim", "space_seed", "space_stream", "val_fraction", "recipe")
+        "adam_heads", "ns_method", "grad_clip", "dtype", "compile", "model", "task", "source_length", "source_slot",
+        "source_field", "target_field", "space_dim", "space_seed", "space_stream", "val_fraction", "recipe")
 
 
 def _base_config(record, origin, overrides: dict) -> TrainConfig:
@@ -265,20 +265,21 @@ def _memory_check(overrides: dict, device, tangents: bool):
     def check(record, origin) -> None:
         cfg = _base_config(record, origin, overrides)
         shape = record.network.replace(max_length=max(cfg.length, record.network.max_length))
-        micro = micro_batch_for(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+        micro = micro_batch_for(cfg, world_size())
         recipe = recipe_for(cfg.recipe, conditional=bool(cfg.source_length))
         flags = f"--batch {cfg.batch}" + (f" --micro-batch {micro}" if micro != cfg.batch else "")
         check_fits(elf_training(shape, rows=micro, length=cfg.length, decode_share=recipe.decode_prob,
                                 self_cond_share=recipe.self_cond_prob, checkpointing=bool(cfg.grad_checkpoint),
                                 tangents=tangents, teacher=shape, teacher_weights=weights(elf_params(shape)),
-                                what=f"distilling {origin.path}", flags=f"{flags} --length {cfg.length}"), device)
+                                **precision(device, cfg.dtype), what=f"distilling {origin.path}",
+                                flags=f"{flags} --length {cfg.length}"), device)
     return check
 
 
 def _process_group(timeout_minutes: float):
     """Under torchrun (WORLD_SIZE > 1) the process group every round trains in (its collectives wait
     `timeout_minutes`), else None."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+    if world_size() <= 1:
         return None
 
     setup_distributed(timeout_minutes=timeout_minutes)

@@ -1,6 +1,6 @@
-"""The paper's optimiser recipe: Muon on every 2-D weight matrix and Nesterov-Adam on the rest, exactly as the
-authors' released code steps them (`ReleasedMuonAdam`), a linear warm-up then a constant (or cosine) learning
-rate, and the EMA of the weights. `ELFOptimizer` also keeps the two earlier updates, built on torch.optim.Muon
+"""The paper's optimiser: Muon on every 2-D weight matrix and Nesterov-Adam on the rest, exactly as the authors'
+released code steps them (`ReleasedMuonAdam`), and the EMA of the weights; the recipe's settings and the
+learning-rate schedule are elflow.schedule, which a model's loader reads without this module. `ELFOptimizer` also keeps the two earlier updates, built on torch.optim.Muon
 and torch.optim.Adam, so that runs trained with them resume exactly (UPDATE_RULES). How the Newton-Schulz
 polynomial is evaluated fast on a CPU is elflow.newton_schulz."""
 
@@ -12,22 +12,20 @@ import os
 import torch
 
 from elflow.newton_schulz import default_ns_dtype, newton_schulz, ns_precision, resolve_ns_method
+from elflow.schedule import (  # noqa: F401 (the recipe's settings, read here too)
+    ADAMW_BLR,
+    EMA_DECAY,
+    LR_DECAYS,
+    LR_SCHEDULES,
+    MUON_BLR,
+    OPTIMIZERS,
+    UPDATE_RULE_HELP,
+    UPDATE_RULES,
+    base_lr,
+    lr_at,
+)
 from elflow.util.errors import ELFError
 
-OPTIMIZERS = ("muon", "adamw")
-# how Muon + Adam step the weights; "released" is the released update, the others are the updates of earlier
-# elflow runs, kept so that those runs resume exactly
-UPDATE_RULES = ("released", "torch-fan", "torch-head-transposed")
-UPDATE_RULE_HELP = {
-    "released": "the released update: bias-corrected Nesterov momentum, fp32 Newton-Schulz on G / (|G| + 1e-8), "
-                "every matrix scaled by sqrt(max(1, fan_out / fan_in)); Nesterov-Adam on the rest; a parameter "
-                "without a gradient stepped with a zero one",
-    "torch-fan": "torch.optim.Muon (no bias correction) with the fan rule on every matrix, torch.optim.Adam on "
-                 "the rest: the update of runs made with --muon-scale fan or before that setting",
-    "torch-head-transposed": "torch-fan with the decode head's two matrices scaled as their (in, out) "
-                             "transposes, sqrt(max(1, fan_in / fan_out)): the update of runs made with "
-                             "--muon-scale released",
-}
 # the matrices whose step "torch-head-transposed" rescales
 DECODE_HEAD_MATRICES = ("decode_head.proj.weight", "decode_head.unembed.weight")
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -36,9 +34,6 @@ ADAM_BETAS = (0.9, 0.999)
 ADAM_EPS = 1e-8
 NS_EPS = 1e-8  # the released normalisation: G / (|G|_F + NS_EPS)
 
-ADAMW_BLR = 5e-5  # AdamW's lr per 256 rows: the paper's tuned 1e-4 for ELF-B at batch 512
-MUON_BLR = 1e-3  # Muon's lr per 256 rows: 2e-3 at the paper's batch of 512
-EMA_DECAY = 0.9999  # the paper's EMA of the weights, updated every optimiser step
 
 
 def fan_scale(shape, in_out: bool = False) -> float:
@@ -54,38 +49,6 @@ def head_transposed_factor(name: str, shape, rule: str) -> float:
     if rule != "torch-head-transposed" or not name.endswith(DECODE_HEAD_MATRICES) or len(shape) != 2:
         return 1.0
     return fan_scale(shape, in_out=True) / fan_scale(shape)
-
-
-def base_lr(batch: int, blr: float = MUON_BLR) -> float:
-    """lr = blr * global batch / 256 (2e-3 at the paper's batch of 512; AdamW's ADAMW_BLR gives 1e-4)."""
-    return blr * batch / 256
-
-
-LR_DECAYS = ("constant", "cosine")
-# where the warm-up starts: "released" runs optimiser step k (from 0) at lr k / W, so that the first step only
-# fills the momentum and Adam moments, and starts the cosine at step W; "one-ahead" runs step k at lr (k + 1) / W
-# and starts the cosine one step earlier: the schedule of earlier elflow runs, kept so that they resume exactly
-LR_SCHEDULES = ("released", "one-ahead")
-
-
-def lr_at(step: int, lr: float, warmup: int, decay: str = "constant", total: int | None = None,
-          schedule: str = "released") -> float:
-    """The learning rate of optimiser step `step` (counted from 0): a linear warm-up over `warmup` steps, then
-    constant (the paper's) or, with decay="cosine", a half cosine from lr down to 0 at step `total`.
-
-        released   k < W: lr k / W;      then lr (1 + cos(pi min(1, (k - W) / (total - W)))) / 2
-        one-ahead  k < W: lr (k + 1) / W; then the same with k + 1 in place of k"""
-    if schedule not in LR_SCHEDULES:
-        raise ValueError(f"lr_at: schedule must be one of {', '.join(LR_SCHEDULES)}; got {schedule!r}")
-    k = step + 1 if schedule == "one-ahead" else step
-    if step < warmup:
-        return lr * k / warmup
-    if decay == "constant":
-        return lr
-    if decay != "cosine" or not total:
-        raise ValueError(f"lr_at: decay must be 'constant', or 'cosine' with a total step count; got {decay!r}")
-    done = min(1.0, (k - warmup) / max(total - warmup, 1))
-    return lr * 0.5 * (1.0 + math.cos(math.pi * done))
 
 
 class ReleasedMuonAdam(torch.optim.Optimizer):

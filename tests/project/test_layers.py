@@ -17,7 +17,7 @@ LAYERS = [
     ["util.jsonio"],
     ["util.files", "util.devices", "util.distributed", "util.hub"],
     ["util.budget"],
-    ["model", "newton_schulz", "runs.tracking"],
+    ["model", "newton_schulz", "runs.tracking", "schedule", "runs.migrate"],
     ["optim", "flow", "runs.folder", "data.tasks", "data.layout", "data.integrity", "data.store_folder"],
     ["encoders", "flowmap", "data.corpus", "data.store", "data.batches"],
     ["space", "data.origins"],

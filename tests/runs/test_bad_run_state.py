@@ -6,7 +6,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_one_error, cli, distill_args, new_run_args, resume_args, sample_args, tree_state
+from helpers import (
+    assert_one_error,
+    cli,
+    cli_under_memory_limit,
+    distill_args,
+    new_run_args,
+    resume_args,
+    sample_args,
+    tree_state,
+)
 from safetensors.torch import load_file
 
 from elflow.runs.checkpoint import list_checkpoints, write_state
@@ -238,3 +247,16 @@ def test_bad_run_state_seeds_sizes_and_encodings_are_one_line(capsys, tmp_path, 
     assert tree_state(tmp_path) == before
     assert sorted(p.name for p in Path(cache).rglob("*")) == cached  # nothing read into the cache either
     assert not (tmp_path / "PWNED").exists()  # no pickle ever ran
+
+
+def test_a_stored_network_past_the_process_memory_limit_is_one_line(run_copy, tmp_path):
+    """A record whose vocab_size is 10^8 (a 12 GiB network) sampled under a 6 GB address-space limit, on a machine
+    with more memory than that: refused against the process's own limit, before anything is allocated (not an
+    allocator's traceback)."""
+    run = _rewrite_state(run_copy, lambda s: _set(s, "record.network.vocab_size", 10**8))
+    before = tree_state(tmp_path)
+    code, err = cli_under_memory_limit(sample_args(run, tmp_path / "s.jsonl"))
+    assert_one_error(code, err, "sample", "the network at depth 2, hidden 64, heads 4, dim 32, vocab_size 100000000",
+                     "needs about 12.3 GiB (weights 12.3 GiB)", "left under this process's memory limit (ulimit)",
+                     "check the stored config")
+    assert tree_state(tmp_path) == before

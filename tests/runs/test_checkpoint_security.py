@@ -64,4 +64,4 @@ def test_a_checkpoint_file_that_is_a_link_is_refused(capsys, tmp_path, trained):
     (ck / "ema.safetensors").unlink()
     (ck / "ema.safetensors").symlink_to(tmp_path / "elsewhere.safetensors")
     code, _, err = cli(capsys, sample_args(ck, tmp_path / "s.jsonl"))
-    assert_one_error(code, err, "sample", "ema.safetensors", "not a regular file")
+    assert_one_error(code, err, "sample", "ema.safetensors", "a symbolic link", "refused")

@@ -131,6 +131,28 @@ def test_resume_refuses_changes_that_may_not_change(capsys, run_copy, cache, tmp
     assert not (tmp_path / "typo").exists()
 
 
+def test_a_resumed_run_that_turns_non_finite_names_the_checkpoint_it_resumed_from(capsys, run_copy, cache,
+                                                                                  monkeypatch):
+    """A non-finite step before the resumed run's first checkpoint: the line names the checkpoint the run resumed
+    from (not "no checkpoint was saved yet"), and nothing after it is written."""
+    import elflow.train as train_module
+
+    real = train_module.finish_step
+
+    def poisoned(*a, **k):
+        out = real(*a, **k)
+        out["nonfinite"] = out["nonfinite"] + 1
+        return out
+
+    monkeypatch.setattr(train_module, "finish_step", poisoned)
+    code, _, err = cli(capsys, ["train", "--resume", "--out", run_copy, "--steps", "8", "--cache-dir", cache,
+                                "--quiet"])
+    assert_one_error(code, err, "train", "non-finite loss or gradient at step 7",
+                     f"The last good checkpoint is {run_copy / 'checkpoints' / 'step_0000006'} (the one this run "
+                     "resumed from)")
+    assert [p.name for p in list_checkpoints(run_copy)] == ["step_0000003", "step_0000006"]
+
+
 def test_interrupted_overwrite_is_undone_at_the_next_start(capsys, run_copy, trained, cache):
     aside = run_copy / ".replaced-run"
     aside.mkdir()

@@ -164,6 +164,78 @@ def test_the_sampling_estimate_grows_with_what_it_holds():
 
 
 # ----------------------------------------------------------------------------------------------------------
+# products of counts
+def test_the_products_of_counts_are_bounded_each_with_its_reason():
+    """Each count within its own bound, their product is held under one too: a sweep's cells x --num, eval's
+    --seeds x --num, a run's previews (steps / --sample-every x --sample-steps x 2 samples); one line naming
+    every factor, the product, the bound and why it is there."""
+    grid = {"sampler": ["ode", "sde"], "steps": list(range(1, 2001)), "omega": [1.0] * 2000}
+    with pytest.raises(ELFError) as e:
+        budget.check_sweep(grid, 10_000)
+    assert one_line(e).startswith("2 --sampler values x 2,000 --steps values x 2,000 --omega values x --num 10,000 "
+                                  "make 80,000,000,000 samples, more than 10,000,000 (the paper's sweeps score 5,000 "
+                                  "samples in each of a few dozen cells")
+    assert budget.check_sweep({"omega": [0.5, 1, 2, 3, 4], "steps": [8, 16, 32], "sampler": ["ode", "sde"]},
+                              5_000) == 150_000
+    with pytest.raises(ELFError) as e:
+        budget.check_seeds(30_000, 10_000_000)
+    assert one_line(e).startswith("30,000 --seeds x --num 10,000,000 make 300,000,000,000 samples, more than "
+                                  "10,000,000 (the paper scores 5,000 samples per setting and seed")
+    assert budget.check_seeds(3, 5_000) == 15_000
+    with pytest.raises(ELFError) as e:
+        budget.check_previews(10_000, 1, 10_000)
+    assert one_line(e).startswith("10,000 previews (--steps 10,000 / --sample-every 1) x --sample-steps 10,000 x "
+                                  "2 samples make 200,000,000 network passes of one row, more than 2,000,000")
+    assert budget.check_previews(95_000, 1_000, 64) == 12_160  # ELF-B's run, previewed every 1,000 steps
+    assert budget.check_previews(250, 62, 64) == 512  # the quickstart's
+    assert budget.check_previews(10**12, 0, 10_000) == 0  # no previews
+
+
+def test_the_one_memory_check_is_the_budget_s():
+    """Every size is checked by check_fits against what this process can still take (its cgroup and ulimit
+    within the machine's memory); the second check, against the machine's whole memory, is gone."""
+    from elflow.util import devices
+
+    assert not hasattr(devices, "check_memory") and not hasattr(devices, "device_memory")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# a training step
+class Shape:
+    """What a training estimate reads of an ELFConfig: ELF-L's shape in MiniLM's space."""
+    depth, hidden, heads, dim, vocab_size, max_length, num_prefix, mlp_hidden, bottleneck = (
+        32, 1280, 16, 384, 30522, 16, 12, 3413, 128)
+    time_tokens, omega_tokens, mode_tokens = 4, 4, 4
+
+
+def test_a_training_step_counts_the_network_s_state_and_the_passes_at_the_micro_batch(monkeypatch):
+    """train --preset elf-l --space minilm --batch 4 --length 16 under a 6 GB limit: the weights, gradients,
+    optimiser state and EMA alone take 12 GiB, said in one line with what to do; the passes grow with the rows,
+    and less with activation checkpointing, more with a flow map's tangents and a teacher."""
+    def total(**kw):
+        return budget.elf_training(Shape, **{"rows": 4, "length": 16, **kw}).total
+
+    with_memory(monkeypatch, 6 * GiB)
+    with pytest.raises(ELFError) as e:
+        check_fits(budget.elf_training(Shape, rows=4, length=16, flags="--preset elf-l --batch 4 --length 16"))
+    line = one_line(e)
+    assert line.startswith("training at --preset elf-l --batch 4 --length 16 needs about 13.1 GiB (optimiser state")
+    assert "EMA" in line and "more than the 6.0 GiB of memory" in line
+    assert line.endswith("optimiser state and EMA alone take 12.2 GiB: choose a smaller --preset (or --depth / "
+                         "--hidden)")
+    assert total(rows=64) > total() + 8 * GiB
+    assert total(rows=64, checkpointing=True) < total(rows=64) - 4 * GiB
+    assert total(tangents=True) > total() and total(teacher=Shape) > total() and total(previews=True) > total()
+    assert total(teacher=Shape, teacher_weights=GiB) == total(teacher=Shape) + GiB
+    assert total(gpu=True, bf16=True) < total()
+    with_memory(monkeypatch, 10 * GiB)
+    tiny = type("Tiny", (Shape,), {"depth": 2, "hidden": 64, "heads": 4, "dim": 32, "vocab_size": 100,
+                                   "mlp_hidden": 170})
+    with pytest.raises(ELFError, match="choose a smaller --micro-batch"):
+        check_fits(budget.elf_training(tiny, rows=4096, length=1024))
+
+
+# ----------------------------------------------------------------------------------------------------------
 # the toy
 def test_the_toy_counts_are_bounded_and_its_memory_checked(monkeypatch):
     with_memory(monkeypatch, GiB)
@@ -266,6 +338,34 @@ call = lambda: train(B)
 estimate = check_encoder_training(vocab=vocab, length=L, density=0.15, span=3.0, hidden=H, depth=depth, heads=heads,
                                   batch=B, steps=2, device="cpu")
 """,
+    "elf-training": """
+from torch import nn
+from elflow.flow import Recipe
+from elflow.methods import get_method
+from elflow.methods.base import TrainedPass
+from elflow.model import build_network, get_config
+from elflow.optim import EMA, ELFOptimizer
+from elflow.train import train_step
+from elflow.util.budget import elf_training
+V, C, L = 1000, 32, 64
+class Space(nn.Module):
+    trainable = False
+    def __init__(self):
+        super().__init__()
+        self.table, self.dim = nn.Embedding(V, C).requires_grad_(False), C
+    def encode(self, ids, attention=None):
+        return self.table(ids)
+cfg = get_config("tiny", dim=C, vocab_size=V, max_length=L)
+def train(batch, steps=2):
+    net = build_network(cfg)
+    opt, ema = ELFOptimizer(list(net.named_parameters()), lr=1e-3), EMA(net, 0.999)
+    model = TrainedPass(get_method("elf"), net, Space(), Recipe())
+    for s in range(steps):
+        train_step(model, [{"tokens": torch.randint(0, V, (batch, L))}], opt, ema, s, 0, 0, "fp32")
+small = lambda: train(1, 1)
+call = lambda: train(64)
+estimate = elf_training(cfg, rows=64, length=L)
+""",
     "mdlm-sampling": """
 import types
 from elflow.methods import mdlm
@@ -314,7 +414,7 @@ estimate = check_toy(500, [1, 2, 4, 8, 16], 8)
 }
 
 
-SLOW = ("elf-sampling", "judge-training", "encoder-training", "ar-sampling", "toy")  # 10-70 s each on a busy CPU
+SLOW = ("elf-sampling", "judge-training", "encoder-training", "ar-sampling", "toy", "elf-training")  # 10-70 s each on a busy CPU
 
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="the peak RSS is read from Linux's /proc")

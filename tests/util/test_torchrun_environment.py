@@ -71,8 +71,6 @@ def command(name, tmp_path, run, t5, corpus, cache, judge):
 @pytest.mark.parametrize("name", ["train", "sample", "eval", "distill"])
 def test_torchrun_variables_without_torchrun_are_one_line(capsys, torchrun_unset, tmp_path, trained, tiny_t5_dir,
                                                           tiny_corpus_file, cache, tiny_t5_judge_dir, name, case):
-    if name == "distill" and case == "world-size-a-word":
-        pytest.skip("distill reads WORLD_SIZE itself before the process group (elflow.distill)")
     env, words = BAD_ENVIRONMENTS[case]
     argv = command(name, tmp_path, trained, tiny_t5_dir, tiny_corpus_file, cache, tiny_t5_judge_dir)
     before = tree_state(tmp_path)
@@ -99,8 +97,22 @@ def test_a_group_whose_peers_never_come_ends_within_the_timeout(capfd, torchrun_
     assert time.monotonic() - began < 60
     said = "rank 0 of WORLD_SIZE=2: the torchrun group did not form" if rank == "0" else \
         "rank 1 of WORLD_SIZE=2: nothing answered at MASTER_ADDR=127.0.0.1"
-    assert_one_error(code, err, name, said, "within --dist-timeout 0.05 minutes")
+    assert_one_error(code, err, name, said, "within --dist-timeout 0.05 minutes", "every rank must start")
     assert tree_state(tmp_path) == before
+
+
+def test_rank_0_on_a_port_another_program_holds_is_one_line(capsys, torchrun_unset, tmp_path, trained):
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        for k, v in dict(RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)).items():
+            torchrun_unset.setenv(k, v)
+        code, _, err = cli(capsys, [*sample_args(trained, tmp_path / "s.jsonl"), "--dist-timeout", "0.05"])
+    assert_one_error(code, err, "sample", f"another program holds port {port} on this host", "--master-port")
+    assert not (tmp_path / "s.jsonl").exists()
 
 
 @pytest.mark.parametrize("flag_value", ["0", "-1", "nan", "inf", "1e12"])

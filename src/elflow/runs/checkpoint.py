@@ -14,6 +14,7 @@ earlier elflows. A run that `--overwrite` set aside (RUN/.replaced-run) comes ba
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import re
@@ -416,12 +417,16 @@ def load_weights(net: torch.nn.Module, sd: dict, where) -> None:
 UNLISTED = (MODEL_WEIGHTS, EMA_WEIGHTS, SPACE_WEIGHTS, OPTIMIZER_STATE)
 
 
-def load_checkpoint(ckpt: str | os.PathLike, with_optimizer: bool = True, map_location="cpu") -> dict:
-    """Read a checkpoint folder, only the files its state.json lists, each checked as it is read:
-    {"state", "model" (the network's weights), "space" (a learned space's parameters, either layout), "ema"
-    ({} where none was saved), "optimizer"}. A weight file that is present but not listed is refused."""
+def load_checkpoint(ckpt: str | os.PathLike, with_optimizer: bool = True, map_location="cpu", *,
+                    model: bool = True, ema: bool = True, state: dict | None = None) -> dict:
+    """Read a checkpoint folder, only the files its state.json lists, each read once and checked (its size and
+    sha256) on the bytes read: {"state", "model" (the network's weights; {} unless `model`), "space" (a learned
+    space's parameters, either layout; {} where none were saved or not read), "ema" ({} where none was saved or
+    not `ema`), "optimizer"}. `state`: its state.json, already read (`read_state`). A weight file that is
+    present but not listed is refused. Sampling with the EMA weights reads neither model.safetensors (unless
+    the space's parameters live there) nor optimizer.pt."""
     ckpt = Path(ckpt)
-    state = read_state(ckpt)
+    state = read_state(ckpt) if state is None else state
     files = state["files"]
     stray = [n for n in UNLISTED if n not in files and os.path.lexists(ckpt / n)]
     if stray:
@@ -429,26 +434,49 @@ def load_checkpoint(ckpt: str | os.PathLike, with_optimizer: bool = True, map_lo
                        "(remove it, or restore the checkpoint as it was saved)")
     if "model.safetensors" not in files:
         raise ELFError(f"{ckpt / 'state.json'}: corrupted (its \"files\" do not list model.safetensors)")
-    out = {"state": state, "path": ckpt}
+    out = {"state": state, "path": ckpt, "model": {}, "space": {}, "ema": {}}
 
     def tensors(name):
         sd = load_tensors(ckpt / name, files[name]["sha256"], files[name]["bytes"])
         return {k: v.to(map_location) for k, v in sd.items()} if str(map_location) != "cpu" else sd
 
-    out["model"], out["space"] = split_space_state(tensors(MODEL_WEIGHTS))
+    if model:
+        out["model"], out["space"] = split_space_state(tensors(MODEL_WEIGHTS))
     if "space.safetensors" in files:
         out["space"] = tensors(SPACE_WEIGHTS)
-    out["ema"] = tensors(EMA_WEIGHTS) if "ema.safetensors" in files else {}
+    if ema and "ema.safetensors" in files:
+        out["ema"] = tensors(EMA_WEIGHTS)
     if with_optimizer:
-        if "optimizer.pt" not in files:
-            raise ELFError(f"{ckpt}: holds no optimiser state (a converted checkpoint?); it can sample, not resume")
-        _check_file(ckpt / OPTIMIZER_STATE, files[OPTIMIZER_STATE])
-        try:
-            out["optimizer"] = torch.load(ckpt / OPTIMIZER_STATE, map_location=map_location, weights_only=True)
-        except Exception as e:
-            raise ELFError(f"{ckpt / 'optimizer.pt'}: cannot be read with weights_only=True ({first_line(e)}); it is "
-                           "corrupted, or holds Python objects, which elflow never unpickles") from None
+        out["optimizer"] = read_optimizer_state(ckpt, files, map_location)
     return out
+
+
+def read_optimizer_state(ckpt: Path, files: dict, map_location="cpu") -> dict:
+    """optimizer.pt of a checkpoint whose state.json lists `files`: read once, checked on the bytes read (its
+    size and sha256), loaded with weights_only=True."""
+    if OPTIMIZER_STATE not in files:
+        raise ELFError(f"{ckpt}: holds no optimiser state (a converted checkpoint?); it can sample, not resume")
+    entry = files[OPTIMIZER_STATE]
+    path = ckpt / OPTIMIZER_STATE
+    data = read_limited(path, entry["bytes"] if entry["bytes"] is not None else WEIGHT_FILE_MAX, own=True)
+    if entry["bytes"] is not None and len(data) != entry["bytes"]:
+        raise ELFError(f"{path}: corrupted or truncated ({len(data):,} bytes, {entry['bytes']:,} recorded at save)")
+    if hashlib.sha256(data).hexdigest() != entry["sha256"]:
+        raise ELFError(f"{path}: corrupted or truncated (its sha256 does not match the one recorded at save)")
+    try:
+        return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
+    except Exception as e:
+        raise ELFError(f"{path}: cannot be read with weights_only=True ({first_line(e)}); it is corrupted, or holds "
+                       "Python objects, which elflow never unpickles") from None
+
+
+def newest_first(run_dir: str | os.PathLike) -> list[Path]:
+    """A run folder's checkpoints, the newest first (an interrupted --overwrite's set-aside run brought back
+    first), none verified: a reader tries each in turn and takes the first that reads whole."""
+    run_dir = Path(run_dir)
+    if run_dir.is_dir() and (run_dir / REPLACED).is_dir():
+        bring_back_replaced(run_dir)
+    return list(reversed(list_checkpoints(run_dir)))
 
 
 def print_warning(msg: str) -> None:

@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 
 from elflow.methods import get_method, require
-from elflow.runs.checkpoint import check_tensors, is_elflow_folder, load_weights, trained_space_state, write_checkpoint
+from elflow.runs.checkpoint import check_tensors, is_elflow_folder, load_weights, write_checkpoint
 from elflow.runs.model_folder import is_model_folder
-from elflow.runs.record import Origin, RunRecord, checkpoint_state, read_model
+from elflow.runs.record import Origin, RunRecord, StoredModel, checkpoint_state, read_model, read_model_parts
 from elflow.runs.released import find_released_file, read_released_checkpoint
 from elflow.space import EmbeddingSpace, build_space, check_compatible, with_encoder
 from elflow.util.devices import check_device, default_device
@@ -50,14 +50,18 @@ def load(path_or_hub_id: str | os.PathLike, device=None, use_ema: bool = True,
     use_ema=False); `net.record` is its RunRecord, `net.origin` where the weights came from. `max_length`
     widens its position table. Its arguments are checked first (`check_load_args`)."""
     device = check_load_args(path_or_hub_id, device, use_ema, max_length) or "cpu"
-    record, sd, origin = read_model(path_or_hub_id, use_ema)
-    if not sd:
+    return _network(path_or_hub_id, read_model_parts(path_or_hub_id, use_ema), device, use_ema, max_length)
+
+
+def _network(path_or_hub_id, stored: StoredModel, device, use_ema: bool, max_length) -> torch.nn.Module:
+    """The network a stored model's record describes, its weights loaded (checked), in eval mode on `device`."""
+    if not stored.weights:
         raise ELFError(f"{path_or_hub_id} holds no {'EMA ' if use_ema else ''}weights"
                        + ("; pass --raw-weights to use the trained ones" if use_ema else ""))
-    net = get_method(record.method).build_network(record, max_length)
-    load_weights(net, sd, origin.path)
+    net = get_method(stored.record.method).build_network(stored.record, max_length)
+    load_weights(net, stored.weights, stored.origin.path)
     net = net.to(device).eval()
-    net.record, net.origin = record, origin
+    net.record, net.origin = stored.record, stored.origin
     return net
 
 
@@ -65,13 +69,15 @@ def load_for_sampling(path_or_hub_id, device=None, space=None, use_ema: bool = T
                       max_length: int | None = None):
     """(network, embedding space): `load`'s network and the space its record describes, checked against it.
     `space` overrides the stored one: a build_space spec, a folder or hub id of a T5 encoder (for the released
-    checkpoints offline), or a ready space object; anything else is an ELFError, as are `load`'s bad arguments."""
+    checkpoints offline), or a ready space object; anything else is an ELFError, as are `load`'s bad arguments.
+    One way: the record is read once, then the space is built, then the network, then each weight file it
+    needs is read and checked once (a learned space's parameters come from the same read)."""
     if space is not None and not isinstance(space, (str, dict, EmbeddingSpace)):
         raise ELFError(f"load_for_sampling: space must be None (the stored one), a space spec (str or dict), an "
                        f"encoder folder or hub id, or an EmbeddingSpace; got {type(space).__name__} {space!r:.60}")
     device = torch.device(check_load_args(path_or_hub_id, device, use_ema, max_length) or default_device())
-    net = load(path_or_hub_id, device=device, use_ema=use_ema, max_length=max_length)
-    record = net.record
+    stored = read_model_parts(path_or_hub_id, use_ema)
+    record = stored.record
     method = get_method(record.method)
     if isinstance(space, str) and space:
         require(method, "encoder", "--encoder", path_or_hub_id)
@@ -83,8 +89,9 @@ def load_for_sampling(path_or_hub_id, device=None, space=None, use_ema: bool = T
         sp = build_space(with_encoder(record.space.build_spec(), space), device=device)
     else:
         sp = build_space(record.space, device=device)
-    if sp.trainable and net.origin.format == "checkpoint":  # a learned table trained with the network
-        sp.load_trainable_state_dict(trained_space_state(net.origin.path))
+    if sp.trainable and stored.space:  # a learned table trained with the network
+        sp.load_trainable_state_dict(stored.space)
+    net = _network(path_or_hub_id, stored, device, use_ema, max_length)
     if record.space.id:
         check_compatible(record.space.id, sp)
     method.fits(sp, net)

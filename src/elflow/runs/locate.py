@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from elflow.data.store import is_store
-from elflow.runs.checkpoint import is_elflow_checkpoint, is_elflow_folder, resolve_checkpoint
+from elflow.runs.checkpoint import CHECKPOINTS, is_elflow_checkpoint, is_elflow_folder, newest_first, resolve_checkpoint
 from elflow.runs.model_folder import is_model_folder
 from elflow.runs.released import find_released_file
 from elflow.util.errors import ELFError
@@ -28,8 +28,10 @@ KINDS = ("checkpoint", "model-folder", "released")
 @dataclass(frozen=True)
 class Located:
     kind: str  # one of KINDS
-    path: Path  # the checkpoint folder, the model folder or the released file
+    path: Path  # the checkpoint folder (a run's newest), the model folder or the released file
     given: str  # the path or hub id as given
+    # a run folder's checkpoints, newest first, none read yet: the reader takes the first that reads whole
+    candidates: tuple[Path, ...] = ()
 
 
 def is_hub_id(s: str) -> bool:
@@ -97,8 +99,14 @@ def locate(path_or_hub_id) -> Located:
         return Located("released", p, s)
     if is_model_folder(p):
         return Located("model-folder", p, s)
+    if p.is_dir() and (p / CHECKPOINTS).is_dir() and not is_elflow_checkpoint(p):
+        candidates = tuple(newest_first(p))
+        if not candidates:
+            raise ELFError(f"{p}: this run has no checkpoint yet")
+        return Located("checkpoint", candidates[0], s, candidates)
     if is_elflow_checkpoint(p) or is_elflow_folder(p):
-        return Located("checkpoint", resolve_checkpoint(p), s)
+        ckpt = resolve_checkpoint(p)
+        return Located("checkpoint", ckpt, s, (ckpt,))
     if is_store(p):
         raise ELFError(f"{p} is a token store (made by `elflow prepare`: training data, for --data), not a run, a "
                        "checkpoint or a model; pass a run or checkpoint folder")

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
@@ -32,13 +33,13 @@ from elflow.data.tasks import PAIR_TASKS
 from elflow.flow import Recipe, recipe_for
 from elflow.methods import get_method
 from elflow.model import ShortRunOptions
-from elflow.runs.checkpoint import load_checkpoint, upgrade_state, upgrade_train, verify_checkpoint
+from elflow.runs.checkpoint import load_checkpoint, read_state, upgrade_state, upgrade_train
 from elflow.runs.folder import MODEL_WEIGHTS, RUN_FILE, RUN_FILES, STATE_FILE
 from elflow.runs.locate import locate
 from elflow.runs.migrate import RECORD_VERSION, current
 from elflow.runs.model_folder import load_listed, read_model_folder_files
 from elflow.runs.released import RELEASED_SPACE, infer_config, read_released_checkpoint, release_settings
-from elflow.space import SpaceSpec
+from elflow.space import SpaceSpec, learned
 from elflow.util.errors import ELFError, Record
 from elflow.util.files import atomic_write_json, read_json
 
@@ -362,10 +363,29 @@ class Origin:
     ema: bool = True
 
 
+@dataclass(frozen=True)
+class StoredModel:
+    """What `read_model_parts` read of a model: its record, its weights (elflow-named; None when not asked
+    for; {} where no EMA weights were stored and the EMA was asked for), a learned space's parameters ({} for
+    any other space) and where they came from."""
+
+    record: RunRecord
+    weights: dict | None
+    space: dict
+    origin: Origin
+
+
 def read_model(path_or_hub_id, use_ema: bool = True, weights: bool = True, tries: int = 5):
     """(record, weights (elflow-named; None unless `weights`), origin) of any model `locate` finds. Where no EMA
-    weights were stored and `use_ema` asks for them, the weights are {}. A run's checkpoint that vanishes
-    between the choice and the read (`--keep` of a training that runs) gives way to the next newest."""
+    weights were stored and `use_ema` asks for them, the weights are {}."""
+    m = read_model_parts(path_or_hub_id, use_ema, weights, tries)
+    return m.record, m.weights, m.origin
+
+
+def read_model_parts(path_or_hub_id, use_ema: bool = True, weights: bool = True, tries: int = 5) -> StoredModel:
+    """The record, weights and learned space parameters of any model `locate` finds, each file read once. A
+    run's newest checkpoint that cannot be read (or vanishes while it is read: `--keep` of a training that runs)
+    gives way to the next newest, with a warning for a damaged one."""
     for attempt in range(tries):
         found = locate(path_or_hub_id)
         try:
@@ -376,7 +396,7 @@ def read_model(path_or_hub_id, use_ema: bool = True, weights: bool = True, tries
     raise AssertionError("unreachable")
 
 
-def _read_located(found, use_ema: bool, weights: bool) -> tuple[RunRecord, dict | None, Origin]:
+def _read_located(found, use_ema: bool, weights: bool) -> StoredModel:
     if found.kind == "model-folder":
         if not use_ema:
             raise ELFError(f"{found.path} is a model folder: it holds the EMA weights only")
@@ -384,22 +404,45 @@ def _read_located(found, use_ema: bool, weights: bool) -> tuple[RunRecord, dict 
         where = str(found.path / "config.json")
         record = RunRecord.from_dict(state["record"], where) if "record" in state else upgrade(state, where)
         sd = load_listed(found.path, files, MODEL_WEIGHTS, where) if weights else None
-        return record, sd, Origin(str(found.path), found.kind, state.get("step"), True)
+        return StoredModel(record, sd, {}, Origin(str(found.path), found.kind, state.get("step"), True))
     if found.kind == "checkpoint":
-        state = verify_checkpoint(found.path, need_optimizer=False)
-        record = record_of_state(state, str(found.path / STATE_FILE))
-        sd = None
-        if weights:
-            sd = load_checkpoint(found.path, with_optimizer=False)["ema" if use_ema else "model"]
-        return record, sd, Origin(str(found.path), found.kind, state.get("step"), use_ema)
+        return _read_checkpoint(found, use_ema, weights)
     which = "ema_params1" if use_ema else "params"
     sd = read_released_checkpoint(found.path, which=which)
     settings = {"length": 1024, **release_settings(found.path.parent, found.given)}
     record = released_record(infer_config(sd, max_length=settings["length"]), settings, RELEASED_SPACE)
     m = re.fullmatch(r"checkpoint_(\d+)", found.path.name)
-    return record, sd if weights else None, Origin(str(found.path), found.kind, int(m.group(1)) if m else None,
-                                                   use_ema)
+    return StoredModel(record, sd if weights else None, {},
+                       Origin(str(found.path), found.kind, int(m.group(1)) if m else None, use_ema))
 
 
-__all__ = ["RunRecord", "Task", "Distillation", "Origin", "RECORD_VERSION", "DISTILL_OBJECTIVES",
+def _read_checkpoint(found, use_ema: bool, weights: bool) -> StoredModel:
+    """The first of a run's checkpoints (newest first) that reads whole: its state.json once, then each weight
+    file it needs once (the EMA's, or the trained weights; model.safetensors for a learned space's parameters
+    too); never optimizer.pt."""
+    bad = []
+    for ckpt in found.candidates or (found.path,):
+        try:
+            state = read_state(ckpt)
+            record = record_of_state(state, str(ckpt / STATE_FILE))
+            origin = Origin(str(ckpt), found.kind, state.get("step"), use_ema)
+            if not weights:
+                return StoredModel(record, None, {}, origin)
+            # a learned table's parameters: space.safetensors, or inside model.safetensors (the other layout)
+            space_in_model = learned(record.space) and "space.safetensors" not in state["files"]
+            parts = load_checkpoint(ckpt, with_optimizer=False, model=not use_ema or space_in_model, ema=use_ema,
+                                    state=state)
+        except ELFError as e:
+            if len(found.candidates) < 2:
+                raise
+            if ckpt.exists():
+                bad.append(str(e))
+            continue
+        for why in bad:
+            print(f"warning: skipping a bad checkpoint: {why}", file=sys.stderr)
+        return StoredModel(record, parts["ema" if use_ema else "model"], parts["space"], origin)
+    raise ELFError(f"{found.given}: none of its checkpoints can be read ({'; '.join(bad) or 'all vanished'})")
+
+
+__all__ = ["RunRecord", "Task", "Distillation", "Origin", "StoredModel", "read_model_parts", "RECORD_VERSION", "DISTILL_OBJECTIVES",
            "checkpoint_state", "record_of_state", "run_file", "upgrade", "released_record", "read_model"]

@@ -53,7 +53,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from elflow.util.devices import human_bytes
+from elflow.util.devices import human_bytes, resolve_dtype
 from elflow.util.errors import ELFError
 
 FLOAT = 4  # bytes of an fp32 element: every estimate counts in fp32
@@ -79,6 +79,8 @@ MAX_TOY_CLUSTERS = 10_000  # beyond 60 clusters on the toy's ring (std 0.1, radi
 MAX_PREVIEW_PASSES = 2_000_000  # a run's previews, in network passes of one row: ELF-B's 95,000 steps previewed
 # every 1,000 steps with 64 sampling steps of 2 samples take 12,160
 PREVIEW_SAMPLES = 2  # the samples of each preview (elflow.train.show_samples)
+BF16_SHARE = 0.75  # a bf16-autocast training step's activations and logits, against their fp32 bytes: measured
+# 0.6 on an H200 (ELF-B at L = 1024: 0.74 GiB a row, 1.23 GiB counted in fp32); logits keep two fp32 copies of four
 # (limit, why) of the counts several commands take, for check_count and cli.common.check_counts
 SAMPLES_BOUND = (MAX_SAMPLES, "the paper scores 5,000 samples per setting")
 TRAINING_STEPS_BOUND = (MAX_TRAINING_STEPS, "ELF-B trains 95,000 steps")
@@ -174,7 +176,7 @@ def elf_params(config) -> int:
 def transformer_pass(batch: int, length: int, width: int, depth: int, heads: int, mlp: int | None = None, *,
                      vocab: int = 0, logit_rows: int | None = None, logit_length: int | None = None,
                      backward: bool = False, gated: bool = True, eager_attention: bool = False,
-                     saved: int | None = None) -> dict:
+                     saved: int | None = None, gpu: bool = False) -> dict:
     """The peak bytes of one pass of a pre-norm transformer over `batch` rows of `length` positions (prefix
     tokens included), by part:
 
@@ -182,10 +184,12 @@ def transformer_pass(batch: int, length: int, width: int, depth: int, heads: int
         MLP's (3 x width + 4 x mlp per token: the gated MLP's two projections in one, its activation and
         product; 2 x mlp ungated), or the attention's (10 x width); with `backward`, what each block keeps
         for the backward pass (`saved` elements per token; elflow's block keeps 14 x width + 4 x mlp) and one
-        block's buffers besides. `held`: ALLOCATOR_SLACK times, below HEAP_BLOCK.
+        block's buffers besides. `held`: ALLOCATOR_SLACK times, below HEAP_BLOCK (on a `gpu`, whose
+        allocator caches blocks of every size, once).
     attention: one block's score matrix (batch x heads x length^2), what attention without a fused kernel
-        holds at a time; `eager_attention` (attention written out, as T5's): its scores, probabilities and
-        position bias, kept by every block for the backward pass.
+        holds at a time (none on a `gpu`, whose fused kernels keep no scores); `eager_attention` (attention
+        written out, as T5's): its scores, probabilities and position bias, kept by every block for the
+        backward pass.
     logits: `logit_rows` (default: batch) x `logit_length` (default: length) x `vocab` in fp32; with
         `backward` the log-softmax, its gradient and the logits' gradient too (four copies).
     """
@@ -195,10 +199,11 @@ def transformer_pass(batch: int, length: int, width: int, depth: int, heads: int
     saved = 14 * width + 4 * mlp if saved is None else saved
     per_token = depth * saved + block if backward else block
     scores = tensor(batch, heads, length, length)
-    attention = (3 * depth if backward else 3) * scores if eager_attention else scores
+    attention = (3 * depth if backward else 3) * scores if eager_attention else 0 if gpu else scores
     rows = batch if logit_rows is None else logit_rows
     logits = tensor(rows, length if logit_length is None else logit_length, vocab) * (4 if backward else 1)
-    return {"activations": held(tensor(tokens, width), FLOAT * tokens * per_token), "attention": attention,
+    live = FLOAT * tokens * per_token
+    return {"activations": live if gpu else held(tensor(tokens, width), live), "attention": attention,
             "logits": logits}
 
 
@@ -461,7 +466,8 @@ def encoder_pass(encoder, rows: int, length: int) -> int:
 def elf_training(config, *, rows: int, length: int, trainable: int = 0, decode_share: float = 0.2,
                  self_cond_share: float = 0.5, checkpointing: bool = False, tangents: bool = False,
                  logits_everywhere: bool = False, adamw: bool = False, previews: bool = False, encoder: int = 0,
-                 teacher=None, teacher_weights: int = 0, what: str = "training", flags: str = "") -> Estimate:
+                 teacher=None, teacher_weights: int = 0, gpu: bool = False, bf16: bool = False,
+                 what: str = "training", flags: str = "") -> Estimate:
     """The estimate of one training step of the network of `config` (an ELFConfig, or anything with depth,
     hidden, heads, dim, vocab_size; a token baseline is sized to it) at `rows` rows of `length` positions:
 
@@ -471,8 +477,9 @@ def elf_training(config, *, rows: int, length: int, trainable: int = 0, decode_s
     (on every row and position for `logits_everywhere`), the flow's per-token buffers, the no-grad
     self-conditioning pass on `self_cond_share` of the rows, `encoder` (the frozen encoder's pass, bytes), the
     no-grad pass of a `teacher` (its config) and `teacher_weights`, the bytes of its weights not taken yet.
-    `trainable` counts the parameters trained beside the network (a learned table); `what` and `flags` name
-    the work in the message."""
+    `trainable` counts the parameters trained beside the network (a learned table); on a `gpu` no allocator
+    slack and no attention scores (`transformer_pass`); under `bf16` autocast the passes' buffers and logits
+    count BF16_SHARE of their fp32 bytes; `what` and `flags` name the work in the message."""
     c = config
     H, C, V, depth = c.hidden, c.dim, c.vocab_size, c.depth
     mlp = getattr(c, "mlp_hidden", int(H * 8 // 3))
@@ -485,28 +492,39 @@ def elf_training(config, *, rows: int, length: int, trainable: int = 0, decode_s
         saved = H + math.ceil(saved / depth)
     decode = rows if logits_everywhere else flagged_rows(rows, decode_share)
     step = transformer_pass(rows, length + prefix, H, depth, c.heads, mlp, vocab=V, logit_rows=decode,
-                            logit_length=length, backward=True, saved=saved)
-    if tangents:
-        step["activations"] *= 2
-    guess = transformer_pass(flagged_rows(rows, self_cond_share), length + prefix, H, depth, c.heads, mlp)
+                            logit_length=length, backward=True, saved=saved, gpu=gpu)
+    step["activations"] *= 2 if tangents else 1
+    guess = transformer_pass(flagged_rows(rows, self_cond_share), length + prefix, H, depth, c.heads, mlp, gpu=gpu)
+    slack = (lambda each, total: total) if gpu else held
     parts = {"weights": weights(params + trainable), "optimiser state": weights(trained, 2),
-             "gradients and update": held(FLOAT * largest, weights(trained, 2 if adamw else 1)
-                                          + weights(largest, TRAINING_COPIES)),
+             "gradients and update": slack(FLOAT * largest, weights(trained, 2 if adamw else 1)
+                                           + weights(largest, TRAINING_COPIES)),
              "EMA": weights(params), "previews": weights(params) if previews else 0,
-             "flow buffers": held(tensor(rows, length, C), 12 * tensor(rows, length, C)),
+             "flow buffers": slack(tensor(rows, length, C), 12 * tensor(rows, length, C)),
              "self-conditioning pass": sum(guess.values()), "frozen encoder": int(encoder)}
     if teacher is not None:
         t = teacher
-        passes = transformer_pass(rows, length + prefix, t.hidden, t.depth, t.heads, getattr(t, "mlp_hidden", None))
-        parts["teacher"] = sum(passes.values()) + int(teacher_weights)
-    held_always = sum(parts[k] for k in ("weights", "optimiser state", "gradients and update", "EMA", "previews"))
-    if 2 * held_always >= sum(parts.values()) + sum(step.values()):  # the network's own state is most of it
-        hint = (f"the network's weights, gradients, optimiser state and EMA alone take {size(held_always)}: choose a "
+        passes = transformer_pass(rows, length + prefix, t.hidden, t.depth, t.heads, getattr(t, "mlp_hidden", None),
+                                  gpu=gpu)
+        parts["teacher"] = sum(passes.values())
+    if bf16:
+        for name, part in (("activations", step), ("logits", step), ("self-conditioning pass", parts),
+                           ("teacher", parts)):
+            if name in part:
+                part[name] = int(part[name] * BF16_SHARE)
+    parts["teacher"] = parts.get("teacher", 0) + int(teacher_weights)
+    return Estimate(what, flags, merge(parts, step), _training_hint(parts, step))
+
+
+def _training_hint(parts: dict, step: dict) -> str:
+    """What to do about a training step that does not fit: a smaller network where its own state (weights,
+    gradients, optimiser state, EMA) is most of the estimate, else a smaller micro-batch or length."""
+    own = sum(parts[k] for k in ("weights", "optimiser state", "gradients and update", "EMA", "previews"))
+    if 2 * own >= sum(parts.values()) + sum(step.values()):
+        return (f"the network's weights, gradients, optimiser state and EMA alone take {size(own)}: choose a "
                 "smaller --preset (or --depth / --hidden)")
-    else:
-        hint = ("choose a smaller --micro-batch (the batch is then accumulated) or a shorter --length; "
-                "--grad-checkpoint keeps less of each block")
-    return Estimate(what, flags, merge(parts, step), hint)
+    return ("choose a smaller --micro-batch (the batch is then accumulated) or a shorter --length; "
+            "--grad-checkpoint keeps less of each block")
 
 
 def check_training(cfg, shape, space, recipe, method, micro: int, data_rows: int, device=None) -> Estimate:
@@ -529,8 +547,15 @@ def check_training(cfg, shape, space, recipe, method, micro: int, data_rows: int
                        logits_everywhere=getattr(method, "logits_everywhere", False),
                        adamw=cfg.optimizer == "adamw", previews=bool(cfg.sample_every),
                        encoder=encoder_pass(encoder, micro, length) if encoder is not None else 0,
-                       teacher=getattr(teacher, "config", None), flags=f"{flags} --length {length}")
+                       teacher=getattr(teacher, "config", None), **precision(device, cfg.dtype),
+                       flags=f"{flags} --length {length}")
     return check_fits(est, device)
+
+
+def precision(device, dtype: str) -> dict:
+    """elf_training's `gpu` and `bf16` for a run on `device` (None: the CPU) in `dtype` (a run's --dtype)."""
+    gpu = device is not None and str(device).startswith("cuda")
+    return {"gpu": gpu, "bf16": resolve_dtype(dtype, device if device is not None else "cpu") == "bf16"}
 
 
 # ----------------------------------------------------------------------------------------------------------

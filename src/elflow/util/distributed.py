@@ -17,6 +17,8 @@ DIST_TIMEOUT_HELP = ("minutes a rank waits for the others under torchrun (for th
                      "collective) before the job fails with one line")
 ONE_PROCESS = "unset WORLD_SIZE, RANK and LOCAL_RANK to run in one process"
 TORCHRUN = f"start every rank with torchrun (`torchrun --nproc_per_node N -m elflow.cli ...`), or {ONE_PROCESS}"
+GATHER = ("every rank must start within that time: start them all with torchrun, with the same --master-addr and "
+          "--master-port on every node, or give a longer --dist-timeout")
 
 
 def check_dist_timeout(minutes, flag: str = "--dist-timeout") -> float:
@@ -93,7 +95,7 @@ def _reach_rank0(addr: str, port: int, rank: int, world: int, seconds: float) ->
             if time.monotonic() >= deadline:
                 raise ELFError(f"rank {rank} of WORLD_SIZE={world}: nothing answered at MASTER_ADDR={addr} "
                                f"MASTER_PORT={port} within --dist-timeout {seconds / 60:g} minutes (rank 0 never "
-                               f"started, or another address or port); {TORCHRUN}") from None
+                               f"started, or another address or port); {GATHER}") from None
             time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
 
 
@@ -111,9 +113,11 @@ def _join(backend: str, env, minutes: float, **kw) -> None:
         dist.init_process_group(backend, timeout=datetime.timedelta(minutes=minutes), **kw)
     except (RuntimeError, ValueError) as e:  # torch's DistError family, a bad rendezvous value
         text = " ".join(str(e).split())[:200]
+        taken = "address already in use" in text.lower()
+        hint = f"another program holds port {port} on this host: choose another --master-port" if taken else GATHER
         raise ELFError(f"rank {rank} of WORLD_SIZE={world}: the torchrun group did not form at MASTER_ADDR={addr} "
                        f"MASTER_PORT={port} within --dist-timeout {minutes:g} minutes ({type(e).__name__}: {text}); "
-                       f"{TORCHRUN}") from None
+                       f"{hint}") from None
 
 
 def setup_distributed(device: str | None = None, timeout_minutes: float | None = None):

@@ -1,0 +1,108 @@
+"""Loading an ELF-B-sized run to sample: which files are opened, how many bytes are read, and how long it takes,
+for two checkouts of elflow on the same run folder (each in its own interpreter; Python's audit hook sees every
+open).
+
+    python benchmarks/load_reads.py --before /tmp/elflow-before/src --out /tmp/load-bench \\
+        --results benchmarks/results/load_reads.json
+
+The run: `elflow train --preset elf-b` for one optimiser step at batch 1 and length 16 over a 512-dimensional
+random table of MiniLM's tokenizer (the network, EMA and optimiser state of ELF-B's size, 30,522 tokens instead
+of T5's 32,100); made once in --out and reused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+PROBE = r"""
+import json, os, sys, time
+opened, watching = [], [False]
+
+def hook(event, args):
+    if watching[0] and event == "open" and isinstance(args[0], (str, bytes, os.PathLike)):
+        opened.append(os.path.abspath(os.fsdecode(args[0])))
+
+sys.addaudithook(hook)
+from elflow.runs.load import load_for_sampling
+watching[0] = True
+t0 = time.perf_counter()
+net, space = load_for_sampling(sys.argv[1], device="cpu")
+seconds = time.perf_counter() - t0
+watching[0] = False
+print(json.dumps({"opened": opened, "seconds": seconds,
+                  "optim_imported": "elflow.optim" in sys.modules, "train_imported": "elflow.train" in sys.modules}))
+"""
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def make_run(out: Path) -> Path:
+    run = out / "elf-b"
+    if (run / "checkpoints").is_dir():
+        return run
+    cmd = [sys.executable, "-m", "elflow.cli", "train", "--preset", "elf-b", "--space", "random-table:minilm",
+           "--space-dim", "512", "--length", "16", "--batch", "1", "--steps", "1", "--warmup", "0", "--dtype",
+           "fp32", "--device", "cpu", "--out", str(run), "--quiet"]
+    subprocess.run(cmd, check=True, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    return run
+
+
+def probe(src: str, run: Path) -> dict:
+    done = subprocess.run([sys.executable, "-c", PROBE, str(run)], capture_output=True, text=True, check=True,
+                          env={**os.environ, "PYTHONPATH": src, "HF_HUB_OFFLINE": "1"})
+    seen = json.loads(done.stdout.splitlines()[-1])
+    ckpt = max((run / "checkpoints").iterdir())
+    files = {}
+    for path in seen["opened"]:
+        p = Path(path)
+        if p.parent == ckpt.resolve():
+            entry = files.setdefault(p.name, {"opens": 0, "bytes": 0})
+            entry["opens"] += 1
+            entry["bytes"] += p.stat().st_size
+    return {"seconds": seen["seconds"], "files": files, "bytes_read": sum(f["bytes"] for f in files.values()),
+            "optim_imported": seen["optim_imported"], "train_imported": seen["train_imported"]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--before", required=True, help="the src/ folder of the elflow to compare with")
+    p.add_argument("--out", default="/tmp/load-bench", help="where the ELF-B-sized run is made (reused)")
+    p.add_argument("--results", default=None, help="write the JSON here too")
+    p.add_argument("--repeats", type=int, default=3, help="loads per checkout (the time is the fastest)")
+    args = p.parse_args()
+    if not 1 <= args.repeats <= 20:
+        sys.exit("load_reads.py: --repeats must be from 1 to 20")
+    t0 = time.time()
+    run = make_run(Path(args.out))
+    result = {"cpu": cpu_model(), "run": str(run), "made_in_s": round(time.time() - t0, 1)}
+    for name, src in (("before", args.before), ("after", str(ROOT / "src"))):
+        runs = [probe(src, run) for _ in range(args.repeats)]
+        best = min(runs, key=lambda r: r["seconds"])
+        result[name] = {**best, "seconds_all": [round(r["seconds"], 3) for r in runs]}
+    result["bytes_ratio"] = result["before"]["bytes_read"] / max(result["after"]["bytes_read"], 1)
+    result["time_ratio"] = result["before"]["seconds"] / result["after"]["seconds"]
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.results:
+        Path(args.results).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""Loading a model to sample goes one way and reads each file once: the record once, each weight file it uses
+once (checked on the bytes read), never the optimiser state, and none of the training code."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+# run in a fresh interpreter: which files it opens (Python's audit hook sees every open) and which elflow
+# modules it imported, as JSON on stdout
+PROBE = r"""
+import json, os, sys
+opened, watching = [], [False]
+
+def hook(event, args):
+    if watching[0] and event == "open" and isinstance(args[0], (str, bytes, os.PathLike)):
+        opened.append(os.fsdecode(args[0]))
+
+sys.addaudithook(hook)
+from elflow.runs.load import load_for_sampling
+watching[0] = True
+net, space = load_for_sampling(sys.argv[1], device="cpu")
+watching[0] = False
+print(json.dumps({"opened": opened, "modules": sorted(m for m in sys.modules if m.startswith("elflow"))}))
+"""
+
+
+def probe(path: Path) -> dict:
+    done = subprocess.run([sys.executable, "-c", PROBE, str(path)], capture_output=True, text=True, timeout=300,
+                          env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def reads_in(seen: dict, ckpt: Path) -> dict:
+    """How often each file of the checkpoint folder was opened."""
+    names = [Path(p).name for p in seen["opened"] if Path(p).parent.resolve() == ckpt.resolve()]
+    return {n: names.count(n) for n in sorted(set(names))}
+
+
+def test_a_run_loads_reading_each_file_it_uses_once(trained):
+    seen = probe(trained)
+    newest = sorted((trained / "checkpoints").iterdir())[-1]
+    assert reads_in(seen, newest) == {"ema.safetensors": 1, "state.json": 1, "state.sha256": 1}
+    older = [p for p in seen["opened"] if "step_0000003" in p]
+    assert not older, f"an older checkpoint was read: {older}"
+    assert "elflow.optim" not in seen["modules"] and "elflow.train" not in seen["modules"]
+
+
+@pytest.fixture(scope="module")
+def learned_table_run(tmp_path_factory, tiny_t5_dir, tiny_corpus_file, cache):
+    from helpers import tiny_config
+
+    from elflow.train import train
+
+    run = tmp_path_factory.mktemp("learned") / "run"
+    train(tiny_config(tiny_t5_dir, tiny_corpus_file, space=f"learned-table:{tiny_t5_dir}", space_dim=8, steps=2,
+                      ckpt_every=2), run, cache_dir=cache, quiet=True)
+    return run
+
+
+def test_a_learned_space_comes_from_the_same_read_as_the_weights(learned_table_run):
+    """A learned table's parameters (space.safetensors) are read once, beside the EMA weights; the trained
+    weights are not read."""
+    seen = probe(learned_table_run)
+    ckpt = learned_table_run / "checkpoints" / "step_0000002"
+    assert reads_in(seen, ckpt) == {"ema.safetensors": 1, "space.safetensors": 1, "state.json": 1,
+                                    "state.sha256": 1}
+
+
+def test_a_damaged_newest_checkpoint_gives_way_to_the_one_before(trained, tmp_path, capsys):
+    """The newest checkpoint's EMA file damaged: the run samples from the one before, with a warning naming the
+    damaged file; the damaged checkpoint is read once."""
+    import shutil
+
+    from elflow.runs.load import load_for_sampling
+
+    run = tmp_path / "run"
+    shutil.copytree(trained, run)
+    ema = run / "checkpoints" / "step_0000006" / "ema.safetensors"
+    data = bytearray(ema.read_bytes())
+    data[-1] ^= 0xFF
+    ema.write_bytes(bytes(data))
+    net, _ = load_for_sampling(run, device="cpu")
+    assert net.origin.step == 3
+    err = capsys.readouterr().err
+    assert "warning: skipping a bad checkpoint" in err and "step_0000006/ema.safetensors" in err
