@@ -36,14 +36,27 @@ The budget of teacher forward passes (passes of one row through the frozen teach
 (decode share d, self-conditioning share p): a PD round whose student takes n steps of a T-step teacher grid
 gives each non-decode row one pass for the self-conditioning slot on a share p and T / n sub-step passes, so
 R B (1 - d) (p + T / n) per round; a flow-map step gives each non-decode row p + 1 passes (the slot, the
-teacher's velocity at the jump's end), S BF (1 - d) (p + 1) in all. Unless both are given, S is PD's optimiser
-steps in all and BF makes the two budgets equal (or BF = B and S makes them equal).
+teacher's velocity at the jump's end), S BF (1 - d) (p + 1) in all. With neither --fm-steps nor --fm-batch, S is
+PD's optimiser steps in all and BF the batch that makes the budgets equal; with one of them, the other is
+derived so; with both, the JSON states the ratio. (The teacher passes counted as batched calls, what a
+latency-bound GPU pays, are in the JSON too: 1 + T / n per PD step, 2 per flow-map step.)
 
 Writes RESULTS/results.json (settings, the budget, every BLEU per seed, wall times of every distillation and of
 sampling per step count, loss curves, the jump errors, the machine) and RESULTS/few_step_cond.png (BLEU against
 steps, one line per model, the seeds' range shaded; the jump errors beside it).
 
+The verdict per step count compares the flow map with PD beyond the seed spread: one side's lowest BLEU over
+the distillation seeds above the other side's highest. A single seed has no spread, so a step count with fewer
+than --verdict-seeds (3) seeds on either side is "undecided (N seed(s))", and goal_met is null with the reason
+in goal_reason, however large the gap between the means.
+
+--report-only gathers results.json and the plot again from a work folder alone (its eval reports, loss logs,
+state.json, teacher/run.json and heldout.jsonl: what gpu_few_step.sh packs into runs.tar.gz; no checkpoint),
+keeping the machine recorded there; pass the settings of the run that made it.
+
     python benchmarks/few_step_cond.py --out runs/few_step_cond --device cuda --seeds 0 1 2
+
+On one GPU machine, with the unconditional re-scoring beside it: `bash benchmarks/gpu_few_step.sh`.
 """
 
 from __future__ import annotations
@@ -333,7 +346,7 @@ class Runner:
         self.state_file = out / "state.json"
         self.state = load(self.state_file) or {"walls": {}, "commands": {}}
         self.state.setdefault("skipped", [])
-        self.expect: dict[str, float] = {}
+        self.walls: dict[str, list[float]] = {}
         self.t0 = time.time()
 
     def say(self, text: str) -> None:
@@ -344,21 +357,37 @@ class Runner:
         longest wall of that kind so far)."""
         if self.deadline is None:
             return True
-        left = self.deadline - time.time()
-        if left <= 0 or self.expect.get(kind, 0.0) > left:
-            self.say(f"skipped {name}: {left:.0f} s to the deadline, a {kind} stage takes ~{self.expect.get(kind, 0):.0f} s")
+        left, expect = self.deadline - time.time(), self.expected(kind)
+        if left <= 0 or expect > left:
+            self.say(f"skipped {name}: {left:.0f} s to the deadline, a {kind} stage takes ~{expect:.0f} s")
             if name not in self.state["skipped"]:
                 self.state["skipped"].append(name)
             return False
         return True
 
+    def expected(self, kind: str) -> float:
+        """The median wall of the stages of `kind` so far (0 before the first)."""
+        walls = self.walls.get(kind)
+        return statistics.median(walls) if walls else 0.0
+
     def record(self, name: str, kind: str, cmd: list[str], wall: float) -> None:
-        self.expect[kind] = max(self.expect.get(kind, 0.0), wall)
+        self.walls.setdefault(kind, []).append(wall)
         self.state["walls"][name] = wall
         self.state["commands"][name] = shown(cmd)
         if name in self.state["skipped"]:
             self.state["skipped"].remove(name)
         save(self.state_file, self.state)
+
+    def attempt(self, name: str, kind: str, cmd: list[str], **kw) -> tuple[float, str | None] | None:
+        """`run`, with a failure noted (state "failed", the line said) instead of raised: None then. A run of
+        one command fails alone; the stages that do not need it go on."""
+        try:
+            return self.run(name, kind, cmd, **kw)
+        except Stop as e:
+            self.say(f"  {name}: {e}")
+            self.state.setdefault("failed", {})[name] = str(e)
+            save(self.state_file, self.state)
+            return None
 
     def env(self) -> dict:
         env = dict(os.environ)
@@ -385,7 +414,7 @@ class Runner:
                 f.write(err.getvalue())
         else:
             with open(self.log, "a") as f:
-                p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=f, text=True, env=self.env())
+                p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=f, text=True, env=self.env(), check=False)
             code, stdout = p.returncode, p.stdout
         wall = time.time() - t0
         if code != 0:
@@ -423,6 +452,8 @@ def parse_args(argv):
     ap.add_argument("--fm-batch", type=int, default=None,
                     help="flow-map batch (default: the one that gives PD's teacher passes in --fm-steps)")
     ap.add_argument("--lr", type=float, default=1e-3, help="distillation learning rate (both)")
+    ap.add_argument("--student-dtype", choices=("auto", "bf16", "fp32"), default=None,
+                    help="both students' precision (default: the teacher's)")
     ap.add_argument("--ema-decay", type=float, default=0.95, help="distillation EMA decay (both)")
     ap.add_argument("--eval-steps", type=int, nargs="+", default=[1, 2, 4, 8], help="sampling steps K")
     ap.add_argument("--teacher-full-steps", type=int, default=64, help="the teacher's own steps, one more row (0: none)")
@@ -442,7 +473,12 @@ def parse_args(argv):
     ap.add_argument("--deadline", type=float, default=None,
                     help="unix time after which no stage starts (default: $FEW_STEP_DEADLINE if set)")
     ap.add_argument("--cache-dir", default=None, help="elflow's cache (default: $ELFLOW_CACHE or ~/.cache/elflow)")
-    ap.add_argument("--report-only", action="store_true", help="only gather results.json and the plot")
+    ap.add_argument("--verdict-seeds", type=int, default=3,
+                    help="distillation seeds each student needs at a step count before a gap counts as beyond the "
+                         "seed spread (fewer: that step count, and the goal, are undecided; at least 2)")
+    ap.add_argument("--report-only", action="store_true",
+                    help="only gather results.json and the plot from what --out holds (its eval reports, loss logs, "
+                         "state.json, teacher/run.json and heldout.jsonl; no checkpoint is read)")
     args = ap.parse_args(argv)
     if args.deadline is None and os.environ.get("FEW_STEP_DEADLINE"):
         try:
@@ -466,6 +502,8 @@ def parse_args(argv):
         raise Stop(f"--diag-grid must be a power of 2, got {args.diag_grid}")
     if not args.lr > 0 or not 0 <= args.ema_decay < 1:
         raise Stop("--lr must be > 0 and --ema-decay in [0, 1)")
+    if args.verdict_seeds < 2:
+        raise Stop(f"--verdict-seeds must be >= 2 (one seed has no spread), got {args.verdict_seeds}")
     if len(set(args.seeds)) != len(args.seeds):
         raise Stop(f"--seeds must be distinct, got {args.seeds}")
     if args.probe_seeds is None:
@@ -495,7 +533,8 @@ def run(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     results_dir = Path(args.results)
     r = Runner(out, args.deadline, device, args.in_process)
-    r.state["machine"] = machine(device)
+    if not (args.report_only and r.state.get("machine")):  # report-only: the machine the runs were made on
+        r.state["machine"] = machine(device)
     cache = ["--cache-dir", args.cache_dir] if args.cache_dir else []
 
     # held-out lines and the teacher's data
@@ -558,7 +597,10 @@ def run(args) -> int:
                "--steps", str(k), "--seed", str(seed), "--guidance", f"{guidance:g}", "--batch",
                str(args.sample_batch), "--device", device, *extra, "--json", "--out", str(evals / name),
                "--overwrite", *cache]
-        wall, stdout = r.run(name, "eval", cmd, in_process=True, allow=EMPTY)
+        done = r.attempt(name, "eval", cmd, in_process=True, allow=EMPTY)
+        if done is None:
+            return
+        wall, stdout = done
         if stdout is None:  # a model whose every output is empty scores no word: BLEU 0
             res = {"bleu": 0.0, "note": "every output empty (elflow eval scores none)", "steps": k,
                    "guidance": guidance, "seed": seed, "num_examples": len(lines)}
@@ -575,23 +617,22 @@ def run(args) -> int:
             for k in args.eval_steps:
                 evaluate(f"teacher-s{s}-k{k}{tag}", teacher, k, s, g, [])
         pd, fm = out / f"pd-s{s}", out / f"fm-s{s}"
-        if f"pd-s{s}" not in r.state["walls"]:
-            if not args.report_only and r.allowed(f"pd-s{s}", "pd"):
-                r.run(f"pd-s{s}", "pd", [
-                    *ELFLOW, "distill", str(teacher), "--objective", "pd", "--student-steps", args.student_steps,
-                    "--teacher-steps", str(args.teacher_steps), "--steps-per-round", str(args.steps_per_round),
-                    "--batch", str(args.batch), "--micro-batch", str(args.batch), "--lr", f"{args.lr:g}",
-                    "--ema-decay", f"{args.ema_decay:g}", "--seed", str(s), "--log-every", "5", "--keep", "1",
-                    "--out", str(pd), "--quiet", *(["--resume"] if (pd / "distill.json").is_file() else []),
-                    *cache])
-        if f"fm-s{s}" not in r.state["walls"]:
-            if not args.report_only and r.allowed(f"fm-s{s}", "fm"):
-                r.run(f"fm-s{s}", "fm", [
-                    *ELFLOW, "distill", str(teacher), "--objective", "flow-map", "--steps",
-                    str(bud["fm_optimiser_steps"]), "--batch", str(bud["fm_batch"]), "--micro-batch",
-                    str(bud["fm_batch"]), "--lr", f"{args.lr:g}", "--ema-decay", f"{args.ema_decay:g}", "--seed",
-                    str(s), "--log-every", "5", "--keep", "1", "--out", str(fm), "--quiet",
-                    *(["--resume"] if (fm / "run.json").is_file() else []), *cache])
+        if f"pd-s{s}" not in r.state["walls"] and not args.report_only and r.allowed(f"pd-s{s}", "pd"):
+            r.attempt(f"pd-s{s}", "pd", [
+                *ELFLOW, "distill", str(teacher), "--objective", "pd", "--student-steps", args.student_steps,
+                "--teacher-steps", str(args.teacher_steps), "--steps-per-round", str(args.steps_per_round),
+                "--batch", str(args.batch), "--micro-batch", str(args.batch), "--lr", f"{args.lr:g}",
+                "--ema-decay", f"{args.ema_decay:g}", "--seed", str(s), "--log-every", "5", "--keep", "1",
+                "--out", str(pd), "--quiet", *(["--resume"] if (pd / "distill.json").is_file() else []),
+                *(["--dtype", args.student_dtype] if args.student_dtype else []), *cache])
+        if f"fm-s{s}" not in r.state["walls"] and not args.report_only and r.allowed(f"fm-s{s}", "fm"):
+            r.attempt(f"fm-s{s}", "fm", [
+                *ELFLOW, "distill", str(teacher), "--objective", "flow-map", "--steps",
+                str(bud["fm_optimiser_steps"]), "--batch", str(bud["fm_batch"]), "--micro-batch",
+                str(bud["fm_batch"]), "--lr", f"{args.lr:g}", "--ema-decay", f"{args.ema_decay:g}", "--seed",
+                str(s), "--log-every", "5", "--keep", "1", "--out", str(fm), "--quiet",
+                *(["--resume"] if (fm / "run.json").is_file() else []),
+                *(["--dtype", args.student_dtype] if args.student_dtype else []), *cache])
         for g in scales:
             tag = "" if g == G else f"-g{g:g}"
             for k in args.eval_steps:
@@ -605,13 +646,20 @@ def run(args) -> int:
             r.say(f"jump diagnostic, seed {s}")
             t0 = time.time()
             pd_dirs = {n: pd / f"{n}-step" for n in args.rounds if (pd / f"{n}-step" / "run.json").is_file()}
-            res = diagnose(teacher, fm, pd_dirs, [x["input"] for x in lines[:args.diag_lines]], args.diag_grid,
-                           sorted({1.0, G}), device, teacher_jumps=s == args.seeds[0])
-            res["wall_s"] = time.time() - t0
-            r.say(f"  diag-s{s} done in {res['wall_s']:.1f} s")
-            r.expect["diag"] = max(r.expect.get("diag", 0.0), res["wall_s"])
-            res["seed"] = s
-            save(diag, res)
+            try:
+                res = diagnose(teacher, fm, pd_dirs, [x["input"] for x in lines[:args.diag_lines]], args.diag_grid,
+                               sorted({1.0, G}), device, teacher_jumps=s == args.seeds[0])
+            except Exception as e:  # noqa: BLE001 (a diagnostic: its failure is noted, the comparison goes on)
+                r.say(f"  diag-s{s} failed: {type(e).__name__}: {e}")
+                r.state.setdefault("failed", {})[f"diag-s{s}"] = f"{type(e).__name__}: {e}"
+                save(r.state_file, r.state)
+                res = None
+            if res is not None:
+                res["wall_s"] = time.time() - t0
+                r.say(f"  diag-s{s} done in {res['wall_s']:.1f} s")
+                r.walls.setdefault("diag", []).append(res["wall_s"])
+                res["seed"] = s
+                save(diag, res)
         gather(args, out, results_dir, r, bud, teacher, lines)  # partial results after every seed
 
     if args.teacher_full_steps:
@@ -620,6 +668,60 @@ def run(args) -> int:
     gather(args, out, results_dir, r, bud, teacher, lines)
     r.say(f"results: {results_dir / 'results.json'}")
     return 0
+
+
+def teacher_path(teacher: Path, command: str | None) -> str:
+    """Where the teacher was trained (its command's --out: a report gathered elsewhere names the run's folder,
+    not the copy it read), else `teacher`."""
+    words = (command or "").split()
+    return words[words.index("--out") + 1] if "--out" in words[:-1] else str(teacher)
+
+
+def judge(args, pairs: list[tuple[int, dict | None, dict | None]]) -> tuple[list[dict], bool | None, str]:
+    """(verdict per step count, goal met, why) from the PD and flow-map rows at each step count (None where a
+    row is missing). "Beyond the seed spread" needs --verdict-seeds distillation seeds on each side: the flow
+    map's lowest seed above PD's highest (or PD's lowest above the flow map's highest); with fewer, that step
+    count is undecided and so is the goal (None), whatever the gap between the means."""
+    need = args.verdict_seeds
+    verdict = []
+    for k, pd_row, fm_row in pairs:
+        if not (pd_row and fm_row):
+            continue
+        p, f = pd_row["bleu"], fm_row["bleu"]
+        n_pd, n_fm = len(pd_row["per_seed"]), len(fm_row["per_seed"])
+        n = min(n_pd, n_fm)
+        v = {"steps": k, "pd": p["mean"], "fm": f["mean"], "fm_minus_pd": f["mean"] - p["mean"],
+             "fm_at_least_pd": f["mean"] >= p["mean"], "seeds": [n_pd, n_fm], "seeds_needed": need}
+        if n < need:
+            v.update(fm_above_beyond_spread=None, pd_above_beyond_spread=None,
+                     verdict=f"undecided ({n} seed{'s' * (n != 1)})")
+        else:
+            v.update(fm_above_beyond_spread=f["min"] > p["max"], pd_above_beyond_spread=p["min"] > f["max"])
+            v["verdict"] = ("flow map better beyond the seed spread" if v["fm_above_beyond_spread"] else
+                            "PD better beyond the seed spread" if v["pd_above_beyond_spread"] else
+                            "within the seed spread")
+        verdict.append(v)
+    missing = sorted(({1, 2} | set(args.eval_steps)) - {v["steps"] for v in verdict})
+    if missing:
+        return verdict, None, f"undecided: no PD and flow-map rows at {missing} steps"
+    decided = [v for v in verdict if v["fm_above_beyond_spread"] is not None]
+    worse = [v["steps"] for v in decided if v["pd_above_beyond_spread"]]
+    if worse:
+        return verdict, False, f"not met: PD above the flow map beyond the seed spread at {worse} steps"
+    below = [v["steps"] for v in decided if not v["fm_at_least_pd"]]
+    if below:
+        return verdict, False, f"not met: the flow map's mean below PD's at {below} steps"
+    short = [v for v in verdict if v["fm_above_beyond_spread"] is None]
+    if short:
+        counts = sorted({min(v["seeds"]) for v in short})
+        return verdict, None, (f"undecided: {'/'.join(map(str, counts))} distillation seed(s) per student at "
+                               f"{[v['steps'] for v in short]} steps; beyond the seed spread needs {need} on each "
+                               "side")
+    within = [v["steps"] for v in verdict if v["steps"] in (1, 2) and not v["fm_above_beyond_spread"]]
+    if within:
+        return verdict, False, f"not met: the flow map not above PD beyond the seed spread at {within} steps"
+    return verdict, True, (f"met: the flow map's mean at least PD's at every step count and its lowest of {need}+ "
+                           "seeds above PD's highest at 1 and 2 steps")
 
 
 def gather(args, out: Path, results_dir: Path, r: Runner, bud: dict, teacher: Path, lines: list[dict]) -> dict:
@@ -654,20 +756,7 @@ def gather(args, out: Path, results_dir: Path, r: Runner, bud: dict, teacher: Pa
     def row(model, k):
         return next((x for x in rows if x["model"] == model and x["steps"] == k and x["guidance"] == G), None)
 
-    verdict = []
-    for k in args.eval_steps:
-        pd_row, fm_row = row("PD", k), row("flow map", k)
-        if pd_row and fm_row:
-            p, f = pd_row["bleu"], fm_row["bleu"]
-            verdict.append({"steps": k, "pd": p["mean"], "fm": f["mean"], "fm_minus_pd": f["mean"] - p["mean"],
-                            "fm_at_least_pd": f["mean"] >= p["mean"],
-                            "fm_above_beyond_spread": f["min"] > p["max"],
-                            "pd_above_beyond_spread": p["min"] > f["max"],
-                            "seeds": [len(pd_row["per_seed"]), len(fm_row["per_seed"])]})
-    goal = None
-    if verdict and {v["steps"] for v in verdict} >= {1, 2}:
-        goal = (all(v["fm_at_least_pd"] for v in verdict)
-                and all(v["fm_above_beyond_spread"] for v in verdict if v["steps"] in (1, 2)))
+    verdict, goal, reason = judge(args, [(k, row("PD", k), row("flow map", k)) for k in args.eval_steps])
 
     trainings = {}
     for s in args.seeds:
@@ -695,8 +784,10 @@ def gather(args, out: Path, results_dir: Path, r: Runner, bud: dict, teacher: Pa
         "settings": {k: getattr(args, k) for k in (
             "task", "teacher_via", "teacher_train_steps", "teacher_batch", "seeds", "student_steps", "teacher_steps",
             "steps_per_round", "batch", "lr", "ema_decay", "eval_steps", "teacher_full_steps", "guidance",
-            "probe_guidance", "probe_seeds", "sample_batch", "heldout", "diag_lines", "diag_grid")},
-        "teacher": {"path": str(teacher), "wall_s": r.state["walls"].get("teacher"),
+            "probe_guidance", "probe_seeds", "sample_batch", "heldout", "diag_lines", "diag_grid", "student_dtype",
+            "verdict_seeds")},
+        "teacher": {"path": teacher_path(teacher, r.state["commands"].get("teacher")),
+                    "wall_s": r.state["walls"].get("teacher"),
                     "command": r.state["commands"].get("teacher"), "loss": curve_summary(train_records(teacher))},
         "heldout": r.state.get("heldout"),
         "copy_the_source_bleu": bleu([x["input"] for x in lines], [x["output"] for x in lines]),
@@ -708,11 +799,12 @@ def gather(args, out: Path, results_dir: Path, r: Runner, bud: dict, teacher: Pa
                                  "v = v_u + g (v_c - v_u); neither student was trained with the source dropped, "
                                  "so each one's source-dropped pass is what it kept of its teacher's"},
         "rows": rows, "verdict": verdict,
-        "goal_met": goal,
+        "goal_met": goal, "goal_reason": reason,
         "goal": "the flow map at least as good as PD at every step count, better at 1 and 2 beyond the seed "
-                "spread (its lowest seed above PD's highest)",
+                f"spread (its lowest seed above PD's highest, with at least {args.verdict_seeds} distillation "
+                "seeds on each side); null: undecided",
         "trainings": trainings, "walls_s": r.state["walls"], "commands": r.state["commands"],
-        "skipped_past_deadline": r.state.get("skipped", []),
+        "skipped_past_deadline": r.state.get("skipped", []), "failed": r.state.get("failed", {}),
         "jumps": {"table": jump_table(diag_records), "runs": diag_meta, "training_pairs": shares,
                   "pd_pairs": "each PD round trains on one jump length, 1/n for its n-step student"},
     }
@@ -742,7 +834,8 @@ def plot(result: dict, path: Path, args) -> None:
         if not rows:
             continue
         ks = [x["steps"] for x in rows]
-        ax.plot(ks, [x["bleu"]["mean"] for x in rows], "-o", color=c, label=f"{model} ({len(rows[0]['per_seed'])} seeds)")
+        n = len(rows[0]["per_seed"])
+        ax.plot(ks, [x["bleu"]["mean"] for x in rows], "-o", color=c, label=f"{model} ({n} seed{'s' * (n != 1)})")
         ax.fill_between(ks, [x["bleu"]["min"] for x in rows], [x["bleu"]["max"] for x in rows], color=c, alpha=0.2)
         full = [x for x in result["rows"] if x["model"] == model and x["steps"] not in args.eval_steps
                 and x["guidance"] == args.guidance]
@@ -759,7 +852,8 @@ def plot(result: dict, path: Path, args) -> None:
         ax = axes[0][1]
         styles = {"teacher Euler": ("tab:gray", "-o")}
         for model in sorted({x["model"] for x in table}):
-            rows = sorted((x for x in table if x["model"] == model), key=lambda x: x["jump"])
+            # (the teacher's own step of the path's length with the path's slot is the path itself: error 0)
+            rows = sorted((x for x in table if x["model"] == model and x["rel"] > 1e-9), key=lambda x: x["jump"])
             color, style = styles.get(model, ("tab:red", "-o") if model == "flow map" else ("tab:blue", "s"))
             ax.plot([x["jump"] for x in rows], [x["rel"] for x in rows], style, color=color,
                     label=model if not model.startswith("PD") or model == f"PD {max(args.rounds)}-step" else None)
@@ -776,7 +870,7 @@ def plot(result: dict, path: Path, args) -> None:
     fig.suptitle(f"PD {len(args.rounds)} rounds x {args.steps_per_round} steps, batch {b['pd_batch']} vs flow map "
                  f"{b['fm_optimiser_steps']} steps, batch {b['fm_batch']}: {b['pd_teacher_passes']:.3g} / "
                  f"{b['fm_teacher_passes']:.3g} teacher passes; {result['heldout']['lines']} lines; "
-                 f"{m.get('gpu') or m.get('cpu')}", fontsize=8)
+                 f"{m.get('gpu') or m.get('cpu')}\nverdict: {result.get('goal_reason')}", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

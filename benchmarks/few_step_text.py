@@ -6,7 +6,9 @@ already in --out (so a stopped run continues where it stopped):
   teacher    `elflow quickstart --out OUT/teacher --steps T`: the demo preset on the built-in Shakespeare corpus
   judge      `elflow train-judge --out OUT/judge --steps J --seed 0 --device cpu`: one offline judge for every row
   references 2 x --num rows of the teacher's held-out split (`elflow.eval.scoring.heldout_texts`): the first
-             half is MAUVE's reference set for every row, the second half is scored as a row ("held-out text")
+             half is MAUVE's reference set for every row, the second half is scored as a row ("held-out text");
+             both sets are held out and disjoint, so a --num the split cannot give twice (the quickstart's
+             split holds 418 rows: --num 209 at most) is refused before the first stage, with the count
   per seed s:
     PD       `elflow distill OUT/teacher --objective pd --student-steps 16,8,4,2,1 --teacher-steps 16
               --steps-per-round R --batch B --micro-batch B --lr LR --ema-decay E --seed s --out OUT/pd-s<s>`
@@ -104,7 +106,7 @@ def run(cmd: list[str], log: Path, in_process: bool = False, env: dict | None = 
             err.write(msgs.getvalue())
             stdout = out.getvalue()
         else:
-            p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+            p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env, check=False)
             code, stdout = p.returncode, p.stdout
     wall = time.time() - t0
     if code != 0:
@@ -158,6 +160,8 @@ def main(argv=None) -> int:
                     help="flow-map optimiser steps (default: PD's rounds together)")
     ap.add_argument("--batch", type=int, default=4, help="distillation batch (both methods)")
     ap.add_argument("--lr", type=float, default=5e-4, help="distillation learning rate (both methods)")
+    ap.add_argument("--student-dtype", choices=("auto", "bf16", "fp32"), default=None,
+                    help="both students' precision (default: the teacher's)")
     ap.add_argument("--ema-decay", type=float, default=0.98, help="distillation EMA decay (both methods)")
     ap.add_argument("--eval-steps", type=int, nargs="+", default=[1, 2, 4, 8], help="sampling steps K")
     ap.add_argument("--teacher-full-steps", type=int, default=32, help="the teacher's own step count, also judged")
@@ -216,14 +220,20 @@ def main(argv=None) -> int:
     if args.device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""  # `elflow distill` takes the GPU when it sees one
     t_start = time.time()
-    expect: dict[str, float] = {}
+    walls: dict[str, list[float]] = {}
+
+    def expected(kind: str) -> float:
+        """The median wall of the stages of `kind` so far (0 before the first)."""
+        import statistics
+
+        return statistics.median(walls[kind]) if walls.get(kind) else 0.0
 
     def allowed(name: str, kind: str) -> bool:
         """Whether a stage may start: not past --deadline, nor expected (the longest of its kind) to end past it."""
         if args.deadline is None:
             return True
         left = args.deadline - time.time()
-        if left <= 0 or expect.get(kind, 0.0) > left:
+        if left <= 0 or expected(kind) > left:
             print(f"skipped {name}: {left:.0f} s to the deadline", flush=True)
             state.setdefault("skipped", []).append(name) if name not in state.get("skipped", []) else None
             return False
@@ -238,11 +248,22 @@ def main(argv=None) -> int:
     state_file = out / "state.json"
     state = load(state_file) or {"walls": {}, "commands": {}}
 
+    if not args.report_only and not (out / "refs.jsonl").is_file():  # before any training: enough held-out rows?
+        held_rows = heldout_rows(out / "teacher")
+        if held_rows < 2 * args.num:
+            sys.exit(too_few_rows(held_rows, args.num))
+
     def stage(name: str, cmd: list[str], done, kind: str | None = None) -> str | None:
         if done() or args.report_only or not allowed(name, kind or name):
             return None
-        wall, stdout = run(cmd, log, env=env)
-        expect[kind or name] = max(expect.get(kind or name, 0.0), wall)
+        try:
+            wall, stdout = run(cmd, log, env=env, soft=kind is not None)  # a seed's failed student: noted
+        except Failed as e:
+            print(f"  {name}: {e}", flush=True)
+            state.setdefault("failed", {})[name] = str(e)
+            save(state_file, state)
+            return None
+        walls.setdefault(kind or name, []).append(wall)
         state["walls"][name] = wall
         state["commands"][name] = shown(cmd)
         if name in state.get("skipped", []):
@@ -273,7 +294,7 @@ def main(argv=None) -> int:
 
         texts, what = heldout_texts(str(teacher), 2 * args.num)
         if len(texts) < 2 * args.num:
-            sys.exit(f"only {len(texts)} held-out rows; need {2 * args.num}")
+            sys.exit(too_few_rows(len(texts), args.num))
         real.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts[args.num:2 * args.num]))
         refs.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts[:args.num]))
         state["references"] = f"first {args.num} of {what}; the held-out row: the next {args.num}"
@@ -299,7 +320,7 @@ def main(argv=None) -> int:
             state.setdefault("failed", {})[name] = str(e)
             save(state_file, state)
             return
-        expect["eval"] = max(expect.get("eval", 0.0), wall)
+        walls.setdefault("eval", []).append(wall)
         res = json.loads(stdout.strip().splitlines()[-1])
         res["wall_s"] = wall
         res["command"] = shown(cmd)
@@ -339,6 +360,7 @@ def main(argv=None) -> int:
             features("heldout", {None: real})
         save(evals / "heldout.json", res)
 
+    dtype = ["--dtype", args.student_dtype] if args.student_dtype else []
     for s in args.seeds:  # one complete group per seed: the teacher sampled with seed s, then s's students
         for k in args.eval_steps if args.teacher_evals else []:
             evaluate(f"teacher-s{s}-k{k}", teacher, k, [s])
@@ -346,12 +368,12 @@ def main(argv=None) -> int:
         stage(f"pd-s{s}", [*ELFLOW, "distill", str(teacher), "--objective", "pd", "--student-steps",
                            args.student_steps, "--teacher-steps", str(args.teacher_steps), "--steps-per-round",
                            str(args.steps_per_round), "--batch", str(args.batch), "--micro-batch", str(args.batch), "--lr", str(args.lr),
-                           "--ema-decay", str(args.ema_decay), "--seed", str(s), "--out", str(pd), "--quiet"],
+                           "--ema-decay", str(args.ema_decay), "--seed", str(s), "--out", str(pd), "--quiet", *dtype],
               lambda: f"pd-s{s}" in state["walls"], kind="pd")
         fm_batch = fm_batch_for(args, teacher, rounds, total, state)
         stage(f"fm-s{s}", [*ELFLOW, "distill", str(teacher), "--objective", "flow-map", "--steps", str(total),
                            "--batch", str(fm_batch), "--micro-batch", str(fm_batch), "--lr", str(args.lr),
-                           "--ema-decay", str(args.ema_decay), "--seed", str(s), "--out", str(fm), "--quiet"],
+                           "--ema-decay", str(args.ema_decay), "--seed", str(s), "--out", str(fm), "--quiet", *dtype],
               lambda: f"fm-s{s}" in state["walls"], kind="fm")
         for k in args.eval_steps:
             if k in rounds and f"pd-s{s}" in state["walls"]:
@@ -368,6 +390,38 @@ def main(argv=None) -> int:
         pack_features(out, Path(args.features))
     print(f"few_step_text: done in {time.time() - t_start:.0f} s; {results_dir / 'results.json'}", flush=True)
     return 0
+
+
+def heldout_rows(teacher: Path) -> int:
+    """Rows in the held-out split the references come from: the trained teacher's (its record), else that of the
+    quickstart's settings, which the teacher is trained with (the split depends on the data, the tokenizer, the
+    length, --val-fraction and the seed, not on the steps). Reads the corpus's token store (prepared once); the
+    count is checked again on the trained teacher before the references are written."""
+    from elflow.util.errors import ELFError
+
+    if (teacher / "run.json").is_file():
+        from elflow.eval.scoring import heldout_texts
+
+        try:
+            return len(heldout_texts(str(teacher), 10 ** 9)[0])
+        except ELFError:
+            pass  # a teacher not trained to the end yet: the quickstart's split, which it will have
+    try:
+        from elflow.config import TrainConfig
+        from elflow.data.datasets import run_data
+        from elflow.space import build_space, space_spec, tokenizer_spec
+
+        cfg = TrainConfig.named("quickstart").resolved()
+        spec = space_spec(cfg.space, cfg.latent_std, cfg.space_dim, cfg.space_seed, cfg.space_stream)
+        return len(run_data(cfg, build_space(tokenizer_spec(spec)), cfg.length)[1])
+    except (ELFError, OSError) as e:
+        sys.exit(f"few_step_text: the teacher's held-out split cannot be read: {e}")
+
+
+def too_few_rows(rows: int, num: int) -> str:
+    """The refusal of a --num whose reference set and held-out row do not fit in the held-out split."""
+    return (f"few_step_text: the teacher's held-out split holds {rows} rows; --num {num} needs {2 * num} (a "
+            f"reference set and a scored held-out row of {num} each, disjoint): pass --num {rows // 2} or fewer")
 
 
 def fm_batch_for(args, teacher: Path, rounds: list[int], total: int, state: dict) -> int:

@@ -15,11 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from few_step_text import cpu_model  # (this folder is on the path when a script here runs)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -41,16 +42,6 @@ watching[0] = False
 print(json.dumps({"opened": opened, "seconds": seconds,
                   "optim_imported": "elflow.optim" in sys.modules, "train_imported": "elflow.train" in sys.modules}))
 """
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def make_run(out: Path) -> Path:

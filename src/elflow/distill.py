@@ -19,7 +19,6 @@ from elflow.flow import FLOW_MAP_STEPS, distilled_defaults, recipe_for
 from elflow.methods.lmd import MapMethod
 from elflow.methods.pd import PDMethod, check_schedule
 from elflow.model import PRESETS
-from elflow.schedule import EMA_DECAY
 from elflow.runs.checkpoint import list_checkpoints, read_state, recover_replaced, set_aside
 from elflow.runs.claim import (
     absolute_paths,
@@ -35,6 +34,7 @@ from elflow.runs.load import load_init_weights
 from elflow.runs.log import training_records
 from elflow.runs.outputs import check_out
 from elflow.runs.released import build_from_state_dict
+from elflow.schedule import EMA_DECAY
 from elflow.train import train
 from elflow.util.budget import check_fits, elf_params, elf_training, precision, weights
 from elflow.util.distributed import setup_distributed, world_size
@@ -43,8 +43,6 @@ from elflow.util.files import FolderHold, atomic_write_json, check_output, read_
 
 
 def _teacher_device():
-    import os
-
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")

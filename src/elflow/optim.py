@@ -12,18 +12,7 @@ import os
 import torch
 
 from elflow.newton_schulz import default_ns_dtype, newton_schulz, ns_precision, resolve_ns_method
-from elflow.schedule import (  # noqa: F401 (the recipe's settings, read here too)
-    ADAMW_BLR,
-    EMA_DECAY,
-    LR_DECAYS,
-    LR_SCHEDULES,
-    MUON_BLR,
-    OPTIMIZERS,
-    UPDATE_RULE_HELP,
-    UPDATE_RULES,
-    base_lr,
-    lr_at,
-)
+from elflow.schedule import EMA_DECAY, OPTIMIZERS, UPDATE_RULES
 from elflow.util.errors import ELFError
 
 # the matrices whose step "torch-head-transposed" rescales

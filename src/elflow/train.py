@@ -29,7 +29,7 @@ from elflow.data.datasets import check_recorded_store, check_same_store, run_dat
 from elflow.flow import Recipe, recipe_for
 from elflow.methods import Method, TrainedPass, get_method
 from elflow.model import ShortRunOptions, get_config
-from elflow.optim import EMA, ELFOptimizer, check_optimizer_state, lr_at
+from elflow.optim import EMA, ELFOptimizer, check_optimizer_state
 from elflow.runs.checkpoint import load_checkpoint, read_state, save_checkpoint
 from elflow.runs.claim import (
     RunFolder,
@@ -46,6 +46,7 @@ from elflow.runs.log import RunLogger, describe_start, plot_losses, tracked_sett
 from elflow.runs.record import Distillation, RunRecord, Task, checkpoint_state, record_of_state
 from elflow.runs.stages import DECODER_STAGE, attach_decoder, decoder_stage
 from elflow.runs.tracking import Tracker, require_wandb
+from elflow.schedule import lr_at
 from elflow.space import SpaceSpec, build_space, check_compatible, space_spec
 from elflow.util.budget import check_training
 from elflow.util.devices import (

@@ -5,9 +5,9 @@ import math
 
 import pytest
 import torch
+import torch.optim._muon as muon_impl
 from hypothesis import given, settings
 from hypothesis import strategies as st
-import torch.optim._muon as muon_impl
 from torch.utils.flop_counter import FlopCounterMode
 
 from elflow.experiments.bench import newton_schulz_flops
@@ -156,7 +156,7 @@ def released_rate(k: int, lr: float, warmup: int, decay: str = "constant", total
 @pytest.mark.parametrize("warmup", [0, 1, 2, 10, 37])
 @pytest.mark.parametrize("decay", ["constant", "cosine"])
 def test_the_schedule_is_the_released_one(warmup, decay):
-    from elflow.optim import lr_at
+    from elflow.schedule import lr_at
 
     lr, total = 3e-3, 110
     got = [lr_at(k, lr, warmup, decay, total) for k in range(total + 5)]
@@ -169,7 +169,7 @@ def test_the_schedule_is_the_released_one(warmup, decay):
 
 
 def test_the_earlier_schedule_runs_one_step_ahead():
-    from elflow.optim import lr_at
+    from elflow.schedule import lr_at
 
     lr, warm, total = 3e-3, 10, 110
     ahead = [lr_at(k, lr, warm, "cosine", total, schedule="one-ahead") for k in range(total)]

@@ -42,6 +42,16 @@ def _set(d: dict, keys: str, value) -> dict:
     return d
 
 
+def _without(d: dict, keys: str) -> dict:
+    """`d` with the field at the dotted path `keys` removed."""
+    *path, last = keys.split(".")
+    inner = d
+    for k in path:
+        inner = inner[k]
+    del inner[last]
+    return d
+
+
 def _edit_json(path: Path, keys: str, value) -> None:
     path.write_text(json.dumps(_set(json.loads(path.read_text()), keys, value)))
 
@@ -145,6 +155,15 @@ STATE_CASES = [
     ("sample-state-a-list", "sample",
      lambda t, r, t5, c, k: sample_args(_rewrite_state(r, lambda s: [1, 2]), t / "s.jsonl"),
      ["none of its checkpoints can be read", "a JSON object was expected, found array"]),
+    ("sample-state-without-network-predict", "sample",
+     lambda t, r, t5, c, k: sample_args(_rewrite_state(r, lambda s: _without(s, "record.network.predict")),
+                                        t / "s.jsonl"), ["'network.predict'", "lacks"]),
+    ("sample-state-without-recipe-noise-scale", "sample",
+     lambda t, r, t5, c, k: sample_args(_rewrite_state(r, lambda s: _without(s, "record.recipe.noise_scale")),
+                                        t / "s.jsonl"), ["'recipe.noise_scale'", "lacks"]),
+    ("sample-state-sampling-steps-huge", "sample",
+     lambda t, r, t5, c, k: sample_args(_rewrite_state(r, lambda s: _set(s, "record.sampling.steps", 100000)),
+                                        t / "s.jsonl"), ["field 'sampling'", "100000"]),
     ("eval-checkpoint-state-a-list", "eval",
      lambda t, r, t5, c, k: ["eval", "--checkpoint", _rewrite_state(r, lambda s: [1, 2]), "--out", t / "ev",
                              "--judge", t / "no-judge", "--num", "1"], ["a JSON object was expected"]),

@@ -3,7 +3,6 @@ one line from every command that forms one, naming the variable, exit 2, nothing
 other ranks never come ends with one line within the command's --dist-timeout, never a hang."""
 
 import json
-import os
 import time
 
 import pytest

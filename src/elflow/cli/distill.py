@@ -6,8 +6,8 @@ from elflow.cli.common import add_arguments as add_tracking
 from elflow.cli.common import check_counts
 from elflow.distill import distill, distill_flow_map
 from elflow.flow import FLOW_MAP_STEPS
-from elflow.schedule import EMA_DECAY
 from elflow.runs.tracking import require_wandb
+from elflow.schedule import EMA_DECAY
 from elflow.util.budget import LENGTH_BOUND, TRAINING_STEPS_BOUND
 from elflow.util.devices import RUN_DTYPES
 from elflow.util.errors import ELFError

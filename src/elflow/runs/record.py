@@ -165,7 +165,9 @@ class RunRecord:
 
         def part(name, make):
             try:
-                return make(d.get(name))
+                value = make(d.get(name))
+                _complete(name, d.get(name), value)
+                return value
             except ELFError as e:
                 raise ELFError(f"{where}: its record's field {name!r}: {e}") from None
             except (ValueError, TypeError, KeyError, AttributeError, OverflowError) as e:
@@ -196,6 +198,12 @@ class RunRecord:
         def bad(name, what):
             raise ELFError(f"{where}: its record's field {name!r} disagrees with the rest of the record: {what}")
 
+        check_sampling = getattr(self.sampling, "check", None)
+        if check_sampling is not None:
+            try:
+                check_sampling(self.recipe)
+            except ELFError as e:
+                raise ELFError(f"{where}: its record's field 'sampling': {e}") from None
         try:
             get_method(self.method).check_record(self)
         except ELFError as e:
@@ -225,6 +233,17 @@ class RunRecord:
         """The record of a run folder (its newest good checkpoint's), a checkpoint folder, a model folder made
         by `push`, or a released checkpoint (a checkpoint_<step> file or its folder), or a hub id of one."""
         return read_model(path, weights=False)[0]
+
+
+def _complete(name: str, stored, value) -> None:
+    """A stored part holds every field its type writes (`to_dict`): a missing one is an ELFError naming it (a
+    record of an earlier version gains its new fields in elflow.runs.migrate, never from today's defaults)."""
+    if value is None or not hasattr(value, "to_dict") or not isinstance(stored, dict):
+        return
+    missing = [k for k in value.to_dict() if k not in stored]
+    if missing:
+        raise ELFError(f"it lacks {', '.join(repr(f'{name}.{m}') for m in missing[:3])}; a record of this version "
+                       "holds every field (restore the file as elflow wrote it)")
 
 
 def _obj(v) -> dict:
