@@ -5,7 +5,7 @@ open).
     python benchmarks/load_reads.py --before /tmp/elflow-before/src --out /tmp/load-bench \\
         --results benchmarks/results/load_reads.json
 
-The run: `elflow train --preset elf-b` for one optimiser step at batch 1 and length 16 over a 512-dimensional
+The run: `elflow train --preset elf-b` (by the earlier checkout, whose record both read) for one optimiser step at batch 1 and length 16 over a 512-dimensional
 random table of MiniLM's tokenizer (the network, EMA and optimiser state of ELF-B's size, 30,522 tokens instead
 of T5's 32,100); made once in --out and reused.
 """
@@ -44,20 +44,23 @@ print(json.dumps({"opened": opened, "seconds": seconds,
 """
 
 
-def make_run(out: Path) -> Path:
+def make_run(out: Path, src: str) -> Path:
+    """The run, made by the elflow in `src` (the earlier one: both read its record)."""
     run = out / "elf-b"
     if (run / "checkpoints").is_dir():
         return run
     cmd = [sys.executable, "-m", "elflow.cli", "train", "--preset", "elf-b", "--space", "random-table:minilm",
            "--space-dim", "512", "--length", "16", "--batch", "1", "--steps", "1", "--warmup", "0", "--dtype",
            "fp32", "--device", "cpu", "--out", str(run), "--quiet"]
-    subprocess.run(cmd, check=True, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    subprocess.run(cmd, check=True, env={**os.environ, "PYTHONPATH": src})
     return run
 
 
 def probe(src: str, run: Path) -> dict:
-    done = subprocess.run([sys.executable, "-c", PROBE, str(run)], capture_output=True, text=True, check=True,
+    done = subprocess.run([sys.executable, "-c", PROBE, str(run)], capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": src, "HF_HUB_OFFLINE": "1"})
+    if done.returncode != 0:
+        sys.exit(f"load_reads.py: loading with {src} failed:\n{done.stderr[-2000:]}")
     seen = json.loads(done.stdout.splitlines()[-1])
     ckpt = max((run / "checkpoints").iterdir())
     files = {}
@@ -81,7 +84,7 @@ def main() -> None:
     if not 1 <= args.repeats <= 20:
         sys.exit("load_reads.py: --repeats must be from 1 to 20")
     t0 = time.time()
-    run = make_run(Path(args.out))
+    run = make_run(Path(args.out), args.before)
     result = {"cpu": cpu_model(), "run": str(run), "made_in_s": round(time.time() - t0, 1)}
     for name, src in (("before", args.before), ("after", str(ROOT / "src"))):
         runs = [probe(src, run) for _ in range(args.repeats)]

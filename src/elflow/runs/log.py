@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -13,18 +14,20 @@ from elflow.runs.folder import LOSS_PLOT, METRICS_FILE, REPORT_FILE
 from elflow.util import jsonio
 from elflow.util.devices import device_name, fast_bf16
 from elflow.util.errors import ELFError
-from elflow.util.files import atomic_write, atomic_write_text
+from elflow.util.files import append_own, atomic_write, atomic_write_text
+
+# metrics.jsonl is read whole, as a regular file of the run's own: a record a step at --log-every 1 is ~500 bytes,
+# so ELF-B's 95,000 steps take ~50 MB
+METRICS_BYTES = 512 * 2**20
 
 
 def read_metrics(path: Path) -> list[dict]:
     """The records of a metrics.jsonl; a line that is not a JSON object (the half-written last line of a
     killed run) is passed over."""
     recs = []
-    try:
-        lines = path.read_bytes().decode("utf-8", errors="replace").splitlines()
-    except FileNotFoundError:
+    if not os.path.lexists(path):
         return recs
-    for line in lines:
+    for line in jsonio.read_limited(path, METRICS_BYTES, own=True).decode("utf-8", errors="replace").splitlines():
         try:
             rec = jsonio.parse(line, str(path), allow_nonfinite=True)
         except ELFError:
@@ -39,9 +42,9 @@ def trim_metrics(out: Path, step: int) -> int:
     run logged past its last checkpoint; those steps are trained again) and loses a half-written last line.
     Returns how many lines went."""
     path = out / METRICS_FILE
-    if not path.exists():
+    if not os.path.lexists(path):
         return 0
-    raw = path.read_bytes().decode("utf-8", errors="replace")
+    raw = jsonio.read_limited(path, METRICS_BYTES, own=True).decode("utf-8", errors="replace")
     kept, dropped = [], 0
     for line in raw.splitlines():
         try:
@@ -88,8 +91,7 @@ class RunLogger:
     def log(self, rec: dict) -> None:
         if not self.enabled:
             return
-        with open(self.out / METRICS_FILE, "a") as f:
-            f.write(json.dumps(rec) + "\n")
+        append_own(self.out / METRICS_FILE, json.dumps(rec) + "\n")
         if self.tb is not None:
             for k, v in rec.items():
                 if isinstance(v, (int, float)) and k != "step":

@@ -160,6 +160,28 @@ def atomic_write_json(path, obj, overwrite: bool = True) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n", overwrite)
 
 
+def append_own(path: str | os.PathLike, text: str) -> None:
+    """Append `text` to a file elflow writes line by line (a run's metrics.jsonl), created if missing: only as a
+    regular file of its own, never through a symbolic link, never blocking on a fifo; ELFError naming the file
+    otherwise."""
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    try:
+        fd = os.open(path, flags, file_mode())
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.EMLINK):
+            raise ELFError(f"{path}: a symbolic link where elflow writes its own file; refused (move it away, "
+                           "then run again)") from None
+        if e.errno == errno.ENXIO:
+            raise ELFError(f"{path}: a fifo where elflow writes its own file; refused (move it away, then run "
+                           "again)") from None
+        raise
+    with os.fdopen(fd, "a") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise ELFError(f"{path}: not a regular file where elflow writes its own file; refused (move it away, "
+                           "then run again)")
+        f.write(text)
+
+
 def read_json(path: str | os.PathLike, what: str = "", kind: type = dict, own: bool = True):
     """A JSON file elflow wrote (run.json, state.json, distill.json, ...): its object, which must be a `kind`,
     read by the bounded reader (elflow.util.jsonio) as a regular file of at most jsonio.RECORD_BYTES, never

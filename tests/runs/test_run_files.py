@@ -1,0 +1,58 @@
+"""A run's own files go through the one reader and writer: metrics.jsonl as a link (to a file outside the run,
+to /dev/zero) or a fifo is one line on --resume, never followed, read without bound or waited on."""
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from helpers import assert_one_error, cli, resume_args
+
+
+def _link_outside(run: Path, tmp: Path) -> Path:
+    outside = tmp / "outside.jsonl"
+    outside.write_text('{"kind": "train", "step": 1}\n')
+    (run / "metrics.jsonl").unlink()
+    (run / "metrics.jsonl").symlink_to(outside)
+    return outside
+
+
+def _link_zero(run: Path, tmp: Path) -> None:
+    (run / "metrics.jsonl").unlink()
+    (run / "metrics.jsonl").symlink_to("/dev/zero")
+
+
+def _fifo(run: Path, tmp: Path) -> None:
+    (run / "metrics.jsonl").unlink()
+    os.mkfifo(run / "metrics.jsonl")
+
+
+@pytest.mark.parametrize("make, needle", [(_link_outside, "symbolic link"), (_link_zero, "symbolic link"),
+                                          (_fifo, "fifo")], ids=["link-outside", "link-dev-zero", "fifo"])
+def test_a_resume_refuses_a_metrics_file_that_is_not_its_own(capsys, tmp_path, trained, cache, make, needle):
+    run = tmp_path / "run"
+    shutil.copytree(trained, run, symlinks=True)
+    shutil.rmtree(run / "checkpoints" / "step_0000006")  # so that the resume has steps to train
+    outside = make(run, tmp_path)
+    before = outside.read_text() if outside else None
+    code, _, err = cli(capsys, resume_args(run, cache))
+    assert_one_error(code, err, "train", "metrics.jsonl", needle, "refused")
+    if outside:
+        assert outside.read_text() == before  # nothing was written through the link
+
+
+def test_metrics_are_appended_as_a_regular_file_of_the_run(tmp_path):
+    from elflow.util.errors import ELFError
+    from elflow.util.files import append_own
+
+    path = tmp_path / "m.jsonl"
+    append_own(path, "a\n")
+    append_own(path, "b\n")
+    assert path.read_text() == "a\nb\n"
+    target = tmp_path / "target"
+    target.write_text("")
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(target)
+    with pytest.raises(ELFError, match="symbolic link"):
+        append_own(link, "c\n")
+    assert target.read_text() == ""
