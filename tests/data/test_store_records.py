@@ -248,7 +248,9 @@ def test_a_missing_store_is_named_before_any_lookup(tmp_path, text_store):
     os.replace(text_store, gone)
     with pytest.raises(ELFError, match=f"{text_store}: the token store this run was trained on .* is missing"):
         check_recorded_store(recorded, str(text_store), "state.json")
-    cached = {**recorded, "folder": str(tmp_path / "cache" / "stores" / ("0" * 24))}  # a hub set's: prepared again
+    # a hub set's store, in the cache (its source lists no local files): prepared again
+    hub_source = {k: v for k, v in (recorded.get("source") or {}).items() if k != "files"} or None
+    cached = {**recorded, "folder": str(tmp_path / "cache" / "stores" / ("0" * 24)), "source": hub_source}
     check_recorded_store(cached, "someone/dataset", "state.json")
     with pytest.raises(ELFError, match="data_store.fingerprint.blocks is 0"):
         check_recorded_store({**recorded, "fingerprint": {**recorded["fingerprint"], "blocks": 0}}, "x", "state.json")
