@@ -56,3 +56,15 @@ def test_metrics_are_appended_as_a_regular_file_of_the_run(tmp_path):
     with pytest.raises(ELFError, match="symbolic link"):
         append_own(link, "c\n")
     assert target.read_text() == ""
+
+
+def test_a_folder_of_the_set_aside_name_that_elflow_did_not_make_is_kept(capsys, tmp_path, trained, cache):
+    """A user's own RUN/.replaced-run (no run.json in it): --resume refuses in one line and removes nothing."""
+    run = tmp_path / "run"
+    shutil.copytree(trained, run)
+    mine = run / ".replaced-run"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    code, _, err = cli(capsys, resume_args(run, cache))
+    assert_one_error(code, err, "train", ".replaced-run", "did not set aside", "move it out")
+    assert (mine / "notes.txt").read_text() == "mine"

@@ -31,6 +31,7 @@ from safetensors.torch import load, save_file
 from elflow.model import ShortRunOptions
 from elflow.runs.folder import (
     CHECKPOINTS,
+    DISTILL_MANIFEST,
     EMA_WEIGHTS,
     MODEL_WEIGHTS,
     OPTIMIZER_STATE,
@@ -82,12 +83,24 @@ def restore_aside(out: Path, names=RUN_FILES) -> None:
     aside.rmdir()
 
 
+def holds_set_aside(out: Path) -> bool:
+    """Whether OUT/.replaced-run is what elflow set aside (a folder holding a run's run.json or a distillation's
+    distill.json), not a user's folder of that name."""
+    aside = out / REPLACED
+    return aside.is_dir() and any(os.path.lexists(aside / n) for n in (RUN_FILE, DISTILL_MANIFEST))
+
+
 def recover_replaced(out: Path, done, names=RUN_FILES) -> str | None:
     """A replacement that was interrupted (the folder is held by the caller): with `done(out)` (the new run
     got as far as its first checkpoint) the files set aside go ("dropped"), else they come back
     ("restored"). None when nothing was set aside."""
     if not (out / REPLACED).is_dir():
         return None
+    if not holds_set_aside(out):
+        raise ELFError(f"{out / REPLACED}: a folder elflow did not set aside (it holds no {RUN_FILE} or "
+                       f"{DISTILL_MANIFEST}), under the name "
+                       "elflow keeps a replaced run in; nothing was changed: move it out of the run folder, then "
+                       "run again")
     if done(out):
         shutil.rmtree(out / REPLACED)
         return "dropped"

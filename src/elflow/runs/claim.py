@@ -15,6 +15,7 @@ from pathlib import Path
 from elflow.config import TrainConfig, mutable_flags, resume_conflicts
 from elflow.data.corpus import BUILTIN_NAMES
 from elflow.runs.checkpoint import (
+    holds_set_aside,
     list_checkpoints,
     newest_usable,
     read_state,
@@ -63,14 +64,14 @@ class RunFolder:
 
     def commit(self) -> None:
         """The new run has a checkpoint: the replaced run is dropped."""
-        if self.aside.is_dir():
+        if holds_set_aside(self.out):
             shutil.rmtree(self.aside)
 
     def close(self, ok: bool) -> None:
         if self.hold.lock is None:  # the folder was never ours (another command holds it)
             return
         try:
-            if not ok and self.aside.is_dir():
+            if not ok and holds_set_aside(self.out):
                 restore_aside(self.out)
             elif not ok and self.fresh and not list_checkpoints(self.out):
                 remove_run_files(self.out)  # a run that failed before its first checkpoint leaves no run behind
