@@ -177,8 +177,8 @@ class TrainConfig(Record):
     lr: float | None = setting(None, "learning rate", default_help="1e-3 x batch / 256; AdamW 5e-5 x batch / 256",
                                check=POSITIVE)
     warmup: int = setting(100, "linear warm-up steps", check=AT_LEAST_0)
-    lr_decay: str = setting("constant", "after the warm-up: constant (the paper's) or a cosine decay to 0 at the "
-                                        "run's last step (short runs)", choices=LR_DECAYS)
+    lr_decay: str = setting("constant", "after the warm-up: constant (the paper's) or a cosine decay to 0 at "
+                                        "step --steps, one past the run's last (short runs)", choices=LR_DECAYS)
     lr_schedule: str = setting("released", "where the warm-up starts: released (step k from 0 at lr k / W, as the "
                                            "authors' code; the first step only fills the optimiser's moments) or "
                                            "one-ahead (lr (k + 1) / W: the schedule of earlier elflow runs, which "

@@ -255,7 +255,8 @@ def test_rounds_are_ordinary_runs_with_few_step_sampling_defaults(full_distillat
     assert run1["init_from"] == str(out / "2-step")  # round k + 1: round k's student (its EMA)
     assert run1["warmup_frac"] == 0.1 and run1["ema_decay"] == 0.5
     recs = [json.loads(r) for r in (out / "1-step" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in recs] == [1, 2, 3] and recs[0]["lr"] == pytest.approx(1e-3 * 4 / 256)
+    lr = 1e-3 * 4 / 256  # a warm-up of ceil(0.1 x 3) = 1 step: the first at rate 0
+    assert [r["step"] for r in recs] == [1, 2, 3] and [r["lr"] for r in recs] == pytest.approx([0.0, lr, lr])
 
 
 @pytest.mark.slow

@@ -1,6 +1,7 @@
 """Training end to end on CPU: resume exactness (also after SIGKILL), DDP equivalence, checkpoints, sampling."""
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -411,7 +412,9 @@ def test_gaussian_skip_run_carries_the_training_moments(tmp_path, tiny_t5_dir, t
         assert torch.equal(w3[k], w6[k]) and torch.equal(e6[k], w6[k])  # frozen, and carried by the EMA
     assert not torch.equal(w3["x_head.weight"], w6["x_head.weight"])
     lrs = [json.loads(x)["lr"] for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert lrs[1] == max(lrs) and lrs[-1] == 0.0  # the cosine decay ends at 0
+    # the released cosine: the peak at the warm-up's end (step 2 of 6), down to 0 at step 6, one past the last
+    assert lrs[2] == max(lrs) and all(a > b for a, b in zip(lrs[2:], lrs[3:]))
+    assert lrs[-1] == pytest.approx(lrs[2] * (1 + math.cos(math.pi * 3 / 4)) / 2)
     # stopped after step 3 and resumed: the same weights as the uninterrupted run
     from elflow.config import TrainConfig
 
