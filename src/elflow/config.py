@@ -461,6 +461,17 @@ def resume_conflicts(stored: TrainConfig, cfg: TrainConfig, device=None) -> list
     return [f"{k}: {a[k]!r} -> {b[k]!r}" for k in a if k not in MUTABLE and a[k] != b[k]]
 
 
+def check_setting(name: str, value) -> None:
+    """One TrainConfig setting given as a flag by a command that builds the config itself (elflow distill): its
+    range from the setting's own definition; ELFError naming the flag."""
+    f = next(f for f in fields(TrainConfig) if f.name == name)
+    if value is None or not f.metadata.get("check"):
+        return
+    ok, what = f.metadata["check"]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
+        raise ELFError(f"{flag_of(f)} must be a number {what}, got {value!r}")
+
+
 def flag_of(f) -> str:
     """The command-line flag of a TrainConfig field."""
     return f.metadata.get("flag") or "--" + f.name.replace("_", "-")

@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from elflow.config import TrainConfig, kept_from
+from elflow.config import TrainConfig, check_setting, kept_from
 from elflow.data.datasets import check_not_relative
-from elflow.flow import FLOW_MAP_STEPS, distilled_defaults, recipe_for
+from elflow.flow import FLOW_MAP_STEPS, MAX_MAP_STEPS, distilled_defaults, recipe_for
 from elflow.methods.lmd import MapMethod
 from elflow.methods.pd import PDMethod, check_schedule
 from elflow.model import PRESETS
@@ -130,8 +130,7 @@ def distill(teacher, out, student_steps=(16, 8, 4, 2, 1), teacher_steps: int = 6
         raise ELFError(f"--steps-per-round must be >= 1, got {steps_per_round}")
     if epochs is not None and not epochs > 0:
         raise ELFError(f"--epochs must be > 0, got {epochs}")
-    if not 0 <= warmup_frac <= 1:
-        raise ELFError(f"--warmup-frac must lie in [0, 1], got {warmup_frac}")
+    check_setting("warmup_frac", warmup_frac)
     if steps_per_round is None and epochs is None:
         epochs = 1.0
     out = check_out(out, folder=True)
@@ -222,10 +221,10 @@ def distill_flow_map(teacher, out, steps: int = 1000, sample_steps: int = FLOW_M
     that many steps."""
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ELFError(f"--steps must be an integer >= 1 (the student's optimiser steps), got {steps!r}")
-    if isinstance(sample_steps, bool) or not isinstance(sample_steps, int) or not 1 <= sample_steps <= 64:
-        raise ELFError(f"the student's default sampling steps must be an integer from 1 to 64, got {sample_steps!r}")
-    if not 0 <= warmup_frac <= 1:
-        raise ELFError(f"--warmup-frac must lie in [0, 1], got {warmup_frac}")
+    if isinstance(sample_steps, bool) or not isinstance(sample_steps, int) or not 1 <= sample_steps <= MAX_MAP_STEPS:
+        raise ELFError(f"the student's default sampling steps must be an integer from 1 to {MAX_MAP_STEPS}, got "
+                       f"{sample_steps!r}")
+    check_setting("warmup_frac", warmup_frac)
     out = check_output(out, False, "--out", folder=True)  # the student's own run folder, which --resume reopens,
     outer = run_folders_holding(resolved(out).parent)     # but never inside another run's folder
     if outer:

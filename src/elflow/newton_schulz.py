@@ -31,7 +31,10 @@ def method_for(shape, method: str) -> str:
     return method
 
 
-def newton_schulz(g: torch.Tensor, ns_coefficients=(3.4445, -4.7750, 2.0315), ns_steps: int = 5,
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # the quintic's a, b, c (Muon's, as released)
+
+
+def newton_schulz(g: torch.Tensor, ns_coefficients=NS_COEFFICIENTS, ns_steps: int = 5,
                   eps: float = 1e-7, dtype: torch.dtype = torch.float32, method: str = "iterate",
                   added_eps: bool = False) -> torch.Tensor:
     """The quintic Newton-Schulz orthogonalisation of g (m, n) in `dtype`, evaluated by `method`, starting from

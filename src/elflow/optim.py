@@ -11,13 +11,12 @@ import os
 
 import torch
 
-from elflow.newton_schulz import default_ns_dtype, newton_schulz, ns_precision, resolve_ns_method
+from elflow.newton_schulz import NS_COEFFICIENTS, default_ns_dtype, newton_schulz, ns_precision, resolve_ns_method
 from elflow.schedule import EMA_DECAY, OPTIMIZERS, UPDATE_RULES
 from elflow.util.errors import ELFError
 
 # the matrices whose step "torch-head-transposed" rescales
 DECODE_HEAD_MATRICES = ("decode_head.proj.weight", "decode_head.unembed.weight")
-NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 MUON_MOMENTUM = 0.95
 ADAM_BETAS = (0.9, 0.999)
 ADAM_EPS = 1e-8

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from elflow.cli.common import add_arguments as add_tracking
 from elflow.cli.common import check_counts
+from elflow.config import check_setting
 from elflow.distill import distill, distill_flow_map
 from elflow.flow import FLOW_MAP_STEPS
 from elflow.runs.tracking import require_wandb
@@ -79,10 +80,8 @@ def run(args) -> int:
     check_counts(args, length=LENGTH_BOUND, steps=TRAINING_STEPS_BOUND, steps_per_round=TRAINING_STEPS_BOUND)
     if args.keep is not None and args.keep < 0:
         raise ELFError(f"--keep must be >= 0 (0 keeps every checkpoint), got {args.keep}")
-    if args.lr is not None and not args.lr > 0:
-        raise ELFError(f"--lr must be > 0, got {args.lr}")
-    if not 0 <= args.ema_decay < 1:
-        raise ELFError(f"--ema-decay must lie in [0, 1), got {args.ema_decay}")
+    for name in ("lr", "ema_decay", "warmup_frac"):  # the ranges of the training settings they set
+        check_setting(name, getattr(args, name))
     overrides = {k: getattr(args, k) for k in ("batch", "micro_batch", "data", "space", "latent_std", "length",
                                                "dtype", "predict")}
     overrides.update(seed=args.seed, log_every=args.log_every, ckpt_every=args.ckpt_every, keep=args.keep,

@@ -21,6 +21,7 @@ import sys
 import numpy as np
 import torch
 
+from elflow.eval.metrics import judge_context
 from elflow.util.errors import ELFError, first_line
 
 __all__ = ["MIN_TEXTS", "clusters_for", "judge_features", "mauve_from_features", "mauve_score", "mauve_against"]
@@ -28,20 +29,10 @@ __all__ = ["MIN_TEXTS", "clusters_for", "judge_features", "mauve_from_features",
 MIN_TEXTS = 10  # per side; also at least 2 texts per cluster on average, or the histograms are mostly empty
 
 
-def _context(model, tokenizer) -> int:
-    """The judge's context: the model's position limit, else the tokenizer's, else 1024."""
-    for name in ("n_positions", "max_position_embeddings", "n_ctx"):
-        v = getattr(model.config, name, None)
-        if isinstance(v, int) and v > 0:
-            return v
-    m = getattr(tokenizer, "model_max_length", None)
-    return int(m) if isinstance(m, int) and 0 < m < 1_000_000 else 1024
-
-
 def _max_length(max_length, model, tokenizer) -> int:
     """The judge tokens kept per text: `max_length` (at least 1), else the judge's context."""
     if max_length is None:
-        return _context(model, tokenizer)
+        return judge_context(model, tokenizer)
     if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
         raise ELFError(f"max_length must be an integer >= 1 (judge tokens kept per text), got {max_length!r}")
     return max_length

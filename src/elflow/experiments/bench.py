@@ -18,6 +18,7 @@ from elflow.methods.elf import HEAD_PREFIXES
 from elflow.model import ELF, PRESETS, ELFConfig, get_config
 from elflow.newton_schulz import NS_METHODS, method_for
 from elflow.optim import EMA, ELFOptimizer
+from elflow.schedule import EMA_DECAY
 from elflow.train import shard_generators, train_step
 from elflow.util.budget import (
     FLOAT,
@@ -390,7 +391,7 @@ def bench(mode: str, preset: str = "tiny", depth=None, hidden=None, heads=None, 
         nsd = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16}[ns_dtype]
         heads = [n for n, _ in net.named_parameters() if adam_heads and n.startswith(HEAD_PREFIXES)]
         opt = ELFOptimizer(list(net.named_parameters()), lr=1e-4, adam=heads, ns_dtype=nsd, ns_method=ns_method)
-        ema = EMA(net, 0.9999)
+        ema = EMA(net, EMA_DECAY)
         params = [p for p in net.parameters() if p.requires_grad]
         tok = torch.randint(0, cfg.vocab_size, (accum, B, L), device=device, generator=g)
         shards = [{"tokens": tok[a]} for a in range(accum)]
