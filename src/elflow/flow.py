@@ -152,6 +152,7 @@ def distilled_defaults(steps: int) -> dict:
 
 SAMPLERS = ("ode", "sde", "vc", "map")  # "map": the jumps of a flow-map student (elflow.methods.lmd)
 GRIDS = ("logit_normal", "uniform")  # the kinds of time grid (`time_grid`)
+DEFAULT_GRID = GRIDS[0]  # the released sampler's
 
 
 def _count(v, low: int, high: int | None = None) -> bool:
@@ -178,7 +179,7 @@ SAMPLING_RANGES = {
 }
 
 
-def time_grid(steps: int, kind: str = "logit_normal", generator: torch.Generator | None = None,
+def time_grid(steps: int, kind: str = DEFAULT_GRID, generator: torch.Generator | None = None,
               device=None, mean: float = T_MEAN, std: float = T_STD) -> torch.Tensor:
     """steps + 1 increasing times from exactly 0 to exactly 1.
 
@@ -569,7 +570,7 @@ def decode_tokens(net, z: torch.Tensor, omega) -> torch.Tensor:
 @torch.no_grad()
 def generate_tokens(net, batch: int, length: int, steps: int = TEXT_SAMPLING["steps"],
                     sampler: str = TEXT_SAMPLING["sampler"], gamma: float = TEXT_SAMPLING["gamma"],
-                    omega: float = TEXT_SAMPLING["omega"], grid: str = "logit_normal", guidance: float = 1.0,
+                    omega: float = TEXT_SAMPLING["omega"], grid: str = DEFAULT_GRID, guidance: float = 1.0,
                     known=None, known_mask=None, generator: torch.Generator | None = None, recipe: Recipe = Recipe(),
                     device=None, callback: Callable | None = None):
     """Draw z0 = noise_scale N(0, 1) and a fresh time grid, sample, decode: (ids (B, L), z_final (B, L, C))."""

@@ -17,6 +17,7 @@ import torch
 
 from elflow.data.layout import encoder_mask, pair_layout, warn_sources_cut
 from elflow.flow import (
+    DEFAULT_GRID,
     DISTILLED_STEPS,
     GRIDS,
     SAMPLING_DEFAULTS,
@@ -45,7 +46,7 @@ class SamplingSettings(Record):
     gamma: float = SAMPLING_DEFAULTS["text"]["gamma"]
     omega: float = SAMPLING_DEFAULTS["text"]["omega"]
     guidance: float = SAMPLING_DEFAULTS["text"]["guidance"]
-    grid: str = "logit_normal"
+    grid: str = DEFAULT_GRID
     seed: int = 0
     batch_size: int = 8
     dtype: str = "fp32"

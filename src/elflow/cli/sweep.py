@@ -10,7 +10,7 @@ from elflow.eval.mauve import clusters_for
 from elflow.eval.metrics import PROTOCOL_ALIASES, PROTOCOLS
 from elflow.eval.scoring import heldout_texts, read_real_texts
 from elflow.experiments.sweep import _FLOAT, COLUMNS, plot_sweep, read_csv, run_sweep
-from elflow.flow import SAMPLERS, SAMPLING_RANGES
+from elflow.flow import DEFAULT_GRID, GRIDS, SAMPLERS, SAMPLING_RANGES
 from elflow.methods import get_method
 from elflow.methods.baseline import KNOB_RANGES
 from elflow.runs.load import method_of
@@ -36,7 +36,7 @@ def add_arguments(p) -> None:
     p.add_argument("--num", type=int, default=1000, help="samples per cell")
     p.add_argument("--length", type=int, default=None, help="positions per sample (default: the model's)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
-    p.add_argument("--grid", default="logit_normal", help="sampling time grid: logit_normal or uniform")
+    p.add_argument("--grid", default=DEFAULT_GRID, choices=GRIDS, help="sampling time grid")
     p.add_argument("--judge", default="gpt2-large", help="hub id or folder (offline: `elflow train-judge`)")
     p.add_argument("--judge-dtype", choices=("fp32", "bf16"), default="fp32", help="judge precision")
     p.add_argument("--batch-size", type=int, default=8, help="judge batch size")
