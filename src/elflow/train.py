@@ -39,8 +39,9 @@ from elflow.runs.claim import (
     micro_batch_for,
     no_space,
     shared_folder_check,
+    stored_files,
 )
-from elflow.runs.folder import CHECKPOINTS, OPTIMIZER_STATE, RUN_FILE, STATE_FILE, checkpoint_dir
+from elflow.runs.folder import CHECKPOINTS, OPTIMIZER_STATE, RUN_FILE, STATE_FILE, checkpoint_dir, run_files
 from elflow.runs.load import check_init_compatible, load_init_weights
 from elflow.runs.log import RunLogger, describe_start, plot_losses, tracked_settings, trim_metrics
 from elflow.runs.record import Distillation, RunRecord, Task, checkpoint_state, record_of_state
@@ -486,8 +487,12 @@ def train_one(cfg: TrainConfig, out: Path, method: Method, resume: bool, overwri
 
             on_rank0(start_tracker, rank, world)
 
+        files = run_files(cfg.tensorboard, bool(cfg.wandb))
+        if resume and (out / RUN_FILE).exists():  # and what the run wrote before (a resume may turn logs off)
+            files = (*stored_files(out), *files)
+
         def write_meta():
-            setup.record.write(out, world_size=world, **({"stage_of": stage_of.to_dict()} if stage_of else {}))
+            setup.record.write(out, files, world_size=world, **({"stage_of": stage_of.to_dict()} if stage_of else {}))
 
         try:
             on_rank0(write_meta, rank, world)

@@ -68,3 +68,46 @@ def test_a_folder_of_the_set_aside_name_that_elflow_did_not_make_is_kept(capsys,
     code, _, err = cli(capsys, resume_args(run, cache))
     assert_one_error(code, err, "train", ".replaced-run", "did not set aside", "move it out")
     assert (mine / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("name, folder", [("samples.jsonl", False), ("report.json", False), ("tb", True),
+                                          ("wandb-run.json", False)])
+def test_overwrite_keeps_a_users_file_of_a_name_the_run_never_wrote(capsys, tmp_path, trained, tiny_t5_dir,
+                                                                    tiny_corpus_file, cache, name, folder):
+    """run.json lists what the run wrote (no samples, report, TensorBoard or W&B files for a plain run): a
+    user's file of such a name is refused by --overwrite, in one line naming it, and stays."""
+    import json
+
+    from helpers import new_run_args, tree_state
+
+    run = tmp_path / "run"
+    shutil.copytree(trained, run)
+    assert json.loads((run / "run.json").read_text())["files"] == ["run.json", "metrics.jsonl", "loss.png",
+                                                                   "checkpoints"]
+    mine = run / name
+    if folder:
+        mine.mkdir()
+        (mine / "events").write_text("mine")
+    else:
+        mine.write_text("mine")
+    before = tree_state(tmp_path)
+    code, _, err = cli(capsys, [*new_run_args(tiny_t5_dir, tiny_corpus_file, cache, run), "--overwrite"])
+    assert_one_error(code, err, "train", name, "did not write")
+    assert tree_state(tmp_path) == before
+
+
+def test_a_run_that_logs_to_tensorboard_lists_its_folder_and_keeps_it_listed(tmp_path, tiny_t5_dir,
+                                                                            tiny_corpus_file, cache):
+    import json
+
+    from helpers import tiny_config
+
+    from elflow.train import train
+
+    run = tmp_path / "run"
+    train(tiny_config(tiny_t5_dir, tiny_corpus_file, steps=2, ckpt_every=1, tensorboard=True), run,
+          cache_dir=cache, quiet=True, stop_after=1)
+    assert "tb" in json.loads((run / "run.json").read_text())["files"]
+    train(tiny_config(tiny_t5_dir, tiny_corpus_file, steps=2, ckpt_every=1, tensorboard=False), run, resume=True,
+          cache_dir=cache, quiet=True)
+    assert "tb" in json.loads((run / "run.json").read_text())["files"]  # written before: still the run's

@@ -25,6 +25,7 @@ from elflow.runs.claim import check_run_dir, stored_config
 from elflow.runs.folder import REPORT_FILE, RUN_FILE, SAMPLES_FILE
 from elflow.runs.load import load_for_sampling
 from elflow.runs.log import plot_losses
+from elflow.runs.record import own_files_added
 from elflow.space import fixed_vectors
 from elflow.train import train
 from elflow.util.devices import default_device
@@ -78,6 +79,7 @@ def report(run_dir, sampler: str = DEMO_SAMPLER, steps: int = DEMO_SAMPLE_STEPS,
     val = validation_report(net, space, val_set, net.record.recipe, seed=seed)
     settings = settings_for(net.record, steps=steps, sampler=sampler, omega=omega, seed=seed, batch_size=16)
     vocab = corpus_vocabulary(space.decode(train_set.tokens[: min(len(train_set), 4000)]))
+    own_files_added(run_dir, SAMPLES_FILE, REPORT_FILE)  # the report's files, the run's own from now on
     records, gen_stats = sample_and_score(get_method(net.record.method), net, space, num, settings,
                                           lambda texts: word_stats(texts, vocab), run_dir / SAMPLES_FILE,
                                           {"length": length}, length, progress=True)
@@ -189,6 +191,7 @@ def conditional_report(run_dir, held: list[tuple[str, str]], num: int, steps: in
             examples = records[:3]
     out = {"task": task, "held_out": len(held), "rows": rows, "curve": curve or [],
            "seconds": time.perf_counter() - t0}
+    own_files_added(run_dir, REPORT_FILE)
     atomic_write_json(run_dir / REPORT_FILE, out)
     if curve:
         plot_curve(curve, rows, run_dir / "bleu.png", task)

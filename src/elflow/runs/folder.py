@@ -41,9 +41,17 @@ MODEL_CONFIG = "config.json"  # a model folder's record and file list
 
 STEP_DIR = re.compile(r"step_(\d+)")
 
-# a run's own files and folders: what --overwrite sets aside (and nothing else)
+# the names a run's own files and folders may have: what --overwrite may set aside (and nothing else); run.json
+# lists those a run writes (`run_files`, and what a command adds to a run: `runs.record.own_files_added`)
 RUN_FILES = (RUN_FILE, METRICS_FILE, LOSS_PLOT, CHECKPOINTS, TENSORBOARD, REPORT_FILE, SAMPLES_FILE, WANDB_FOLDER,
              ID_FILE)
+
+
+def run_files(tensorboard: bool = False, wandb: bool = False) -> tuple[str, ...]:
+    """The names a training run writes into its folder: its record, metrics, loss plot and checkpoints, and the
+    TensorBoard and W&B files when it logs there."""
+    return (RUN_FILE, METRICS_FILE, LOSS_PLOT, CHECKPOINTS, *((TENSORBOARD,) if tensorboard else ()),
+            *((WANDB_FOLDER, ID_FILE) if wandb else ()))
 
 
 def step_dir(step: int) -> str:

@@ -221,11 +221,13 @@ class RunRecord:
             bad("distillation", f"a model of --method {self.method} is never distilled")
 
     # -- files ----------------------------------------------------------------------------------------
-    def write(self, folder: str | os.PathLike, **extra) -> Path:
-        """run.json of a run folder: the record, and `extra` (how the run runs: world_size, stage_of), written
-        atomically."""
+    def write(self, folder: str | os.PathLike, files=RUN_FILES, **extra) -> Path:
+        """run.json of a run folder: the record, the names of the files the run writes there (`files`: those
+        of runs.folder.run_files, with the ones it wrote before on a resume), and `extra` (how the run runs:
+        world_size, stage_of), written atomically."""
         path = Path(folder) / RUN_FILE
-        atomic_write_json(path, {"format": RUN_FORMAT, "record": self.to_dict(), "files": list(RUN_FILES), **extra})
+        listed = [n for n in RUN_FILES if n in files]
+        atomic_write_json(path, {"format": RUN_FORMAT, "record": self.to_dict(), "files": listed, **extra})
         return path
 
     @classmethod
@@ -281,6 +283,17 @@ def run_file(folder: str | os.PathLike) -> dict:
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise ELFError(f"{where}: its field 'world_size' must be an integer >= 1, got {world!r}")
     return {"record": record, "world_size": world, "stage_of": stage_of, "files": own_files(doc, where)}
+
+
+def own_files_added(folder: str | os.PathLike, *names: str) -> None:
+    """Before a command writes the files `names` (of runs.folder.RUN_FILES) into a run folder: run.json lists
+    them as the run's own, so that --overwrite and --resume may replace them (and only them)."""
+    path = Path(folder) / RUN_FILE
+    doc = read_json(path)
+    listed = own_files(doc, str(path))
+    if all(n in listed for n in names):
+        return
+    atomic_write_json(path, {**doc, "files": [n for n in RUN_FILES if n in listed or n in names]})
 
 
 def own_files(doc: dict, where: str) -> tuple[str, ...]:
