@@ -525,3 +525,12 @@ def untimed(path: Path) -> list[dict]:
 def corpus_of_words(tmp):
     (tmp / "c.txt").write_text(words(200))
     return tmp / "c.txt"
+
+
+def vocabulary(space, n: int = 12) -> list[str]:
+    """`n` words that the space's tokenizer reads as one token each, alone and in a row."""
+    pieces = space.tokenizer.convert_ids_to_tokens(list(range(space.vocab_size)))
+    words = sorted({p[1:] for p in pieces if p.startswith("\u2581") and p[1:].isalpha() and len(p) >= 3})
+    one = [w for w in words if len(space.tokenize([f"{w} {w}"], eos=False)[0]) == 2]
+    assert len(one) >= n, f"the tokenizer has {len(one)} one-token words"
+    return one[:n]

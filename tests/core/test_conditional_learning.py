@@ -9,6 +9,7 @@ import random
 
 import pytest
 import torch
+from helpers import vocabulary
 
 from elflow.cli import main
 from elflow.flow import generate_tokens
@@ -20,15 +21,6 @@ pytestmark = pytest.mark.slow  # multi-process / learning runs: `python -m pytes
 
 TASKS = {"copy": lambda w: w, "reverse": lambda w: w[::-1]}  # name -> the target from the source's words
 SOURCE_WORDS, STEPS = 4, 300
-
-
-def vocabulary(space, n: int = 12) -> list[str]:
-    """`n` words that the space's tokenizer reads as one token each, alone and in a row."""
-    pieces = space.tokenizer.convert_ids_to_tokens(list(range(space.vocab_size)))
-    words = sorted({p[1:] for p in pieces if p.startswith("\u2581") and p[1:].isalpha() and len(p) >= 3})
-    one = [w for w in words if len(space.tokenize([f"{w} {w}"], eos=False)[0]) == 2]
-    assert len(one) >= n, f"the tokenizer has {len(one)} one-token words"
-    return one[:n]
 
 
 def pairs(task: str, words: list[str], n: int, seed: int, lengths=(SOURCE_WORDS, SOURCE_WORDS)) -> list[dict]:

@@ -12,6 +12,7 @@ import random
 
 import pytest
 import torch
+from helpers import vocabulary
 
 from elflow.cli import main
 from elflow.space import build_space
@@ -19,15 +20,6 @@ from elflow.space import build_space
 pytestmark = pytest.mark.slow  # learning runs: `python -m pytest -m slow`
 
 TEACHER_STEPS, STUDENT_STEPS = 80, 250
-
-
-def vocabulary(space, n: int = 12) -> list[str]:
-    """`n` words that the space's tokenizer reads as one token each, alone and in a row."""
-    pieces = space.tokenizer.convert_ids_to_tokens(list(range(space.vocab_size)))
-    words = sorted({p[1:] for p in pieces if p.startswith("\u2581") and p[1:].isalpha() and len(p) >= 3})
-    one = [w for w in words if len(space.tokenize([f"{w} {w}"], eos=False)[0]) == 2]
-    assert len(one) >= n, f"the tokenizer has {len(one)} one-token words"
-    return one[:n]
 
 
 def copy_pairs(words: list[str], n: int, seed: int) -> list[dict]:
