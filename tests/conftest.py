@@ -261,3 +261,14 @@ def pytest_sessionfinish(session, exitstatus):
         for reason in sorted(set(reasons)):
             print(f"\nELFLOW_STRICT_SKIPS: a test was skipped for missing data: {reason}")
         session.exitstatus = 1
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny shapes run fastest on one thread (and a busy machine's spare threads only spin)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

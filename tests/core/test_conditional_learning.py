@@ -43,15 +43,6 @@ def token_accuracy(space, texts: list[str], refs: list[str]) -> float:
     return right / total
 
 
-@pytest.fixture(scope="module")
-def one_thread():
-    """Tiny shapes run fastest on one thread (and a busy machine's spare threads only spin)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def train_task(task: str, folder, tiny_t5_dir, *options: str, lengths=(SOURCE_WORDS, SOURCE_WORDS)):
     """Train the tiny network on `task` from the CLI and sample the held-out sources: (task, run, records)."""
     space = f"random-table:{tiny_t5_dir}"

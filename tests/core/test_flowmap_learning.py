@@ -11,7 +11,6 @@ import json
 import random
 
 import pytest
-import torch
 from helpers import vocabulary
 
 from elflow.cli import main
@@ -29,14 +28,6 @@ def copy_pairs(words: list[str], n: int, seed: int) -> list[dict]:
         line = " ".join(rng.choice(words) for _ in range(4))
         out.append({"input": line, "output": line})
     return out
-
-
-@pytest.fixture(scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def bleu_of(run, held, steps: int, out, capsys) -> float:

@@ -198,8 +198,8 @@ def upgrade_train(train: dict) -> dict:
     recipe's constants, a drawn table's space without its stream (stream 1, the draw from the seed), and the
     optimiser's update as "muon_scale" (torch's Muon and Adam, the decode head scaled by the fan rule, "fan", or
     as its transposes, "released"), or as nothing before that (the fan rule): read as the update rules
-    "torch-fan" and "torch-head-transposed" (elflow.optim.UPDATE_RULES); their warm-up ran one step ahead of
-    the released schedule ("one-ahead", elflow.optim.LR_SCHEDULES)."""
+    "torch-fan" and "torch-head-transposed" (elflow.schedule.UPDATE_RULES); their warm-up ran one step ahead of
+    the released schedule ("one-ahead", elflow.schedule.LR_SCHEDULES)."""
     if not isinstance(train, dict):
         return train
     train = dict(train)
@@ -241,17 +241,6 @@ def upgrade_state(state: dict) -> dict:
     if isinstance(space, dict) and space.get("kind") and drawn_table(space) and "stream" not in space:
         state["space"] = {**space, "stream": 1}
     return state
-
-
-def trained_space_state(ckpt: str | os.PathLike) -> dict:
-    """The embedding space's trained parameters stored in a checkpoint folder (either layout), read as listed."""
-    ckpt = Path(ckpt)
-    files = read_state(ckpt)["files"]
-    name = SPACE_WEIGHTS if "space.safetensors" in files else "model.safetensors"
-    if name not in files:
-        return {}
-    sd = load_tensors(ckpt / name, files[name]["sha256"], files[name]["bytes"])
-    return sd if name == SPACE_WEIGHTS else split_space_state(sd)[1]
 
 
 def remove_stale_temporaries(run_dir: str | os.PathLike) -> list[Path]:
@@ -384,14 +373,20 @@ def verify_checkpoint(ckpt: Path, need_optimizer: bool = True) -> dict:
     return state
 
 
-def load_tensors(path: Path, sha256: str, size: int | None) -> dict:
-    """The tensors of a safetensors file that a checkpoint or model folder lists: read once as a regular file
-    (never through a link), bounded by its recorded size, its bytes checked against the recorded sha256."""
+def read_checked(path: Path, sha256: str, size: int | None) -> bytes:
+    """The bytes of a file that a checkpoint or model folder lists: read once as a regular file (never through a
+    link), bounded by its recorded size, checked against the recorded size and sha256."""
     data = read_limited(path, size if size is not None else WEIGHT_FILE_MAX, own=True)
     if size is not None and len(data) != size:
         raise ELFError(f"{path}: corrupted or truncated ({len(data):,} bytes, {size:,} recorded at save)")
     if hashlib.sha256(data).hexdigest() != sha256:
         raise ELFError(f"{path}: corrupted or truncated (its sha256 does not match the one recorded at save)")
+    return data
+
+
+def load_tensors(path: Path, sha256: str, size: int | None) -> dict:
+    """The tensors of a safetensors file that a checkpoint or model folder lists (`read_checked`)."""
+    data = read_checked(path, sha256, size)
     try:
         return load(data)
     except Exception as e:  # safetensors raises its own error types on bad headers
@@ -469,13 +464,8 @@ def read_optimizer_state(ckpt: Path, files: dict, map_location="cpu") -> dict:
     size and sha256), loaded with weights_only=True."""
     if OPTIMIZER_STATE not in files:
         raise ELFError(f"{ckpt}: holds no optimiser state (a converted checkpoint?); it can sample, not resume")
-    entry = files[OPTIMIZER_STATE]
     path = ckpt / OPTIMIZER_STATE
-    data = read_limited(path, entry["bytes"] if entry["bytes"] is not None else WEIGHT_FILE_MAX, own=True)
-    if entry["bytes"] is not None and len(data) != entry["bytes"]:
-        raise ELFError(f"{path}: corrupted or truncated ({len(data):,} bytes, {entry['bytes']:,} recorded at save)")
-    if hashlib.sha256(data).hexdigest() != entry["sha256"]:
-        raise ELFError(f"{path}: corrupted or truncated (its sha256 does not match the one recorded at save)")
+    data = read_checked(path, files[OPTIMIZER_STATE]["sha256"], files[OPTIMIZER_STATE]["bytes"])
     try:
         return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
     except Exception as e:
