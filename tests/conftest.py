@@ -128,6 +128,20 @@ def trained_with_trajectory(trained) -> Path:
     return trained
 
 
+@pytest.fixture(scope="module")
+def teacher_run(request, tmp_path_factory, tiny_t5_dir, tiny_corpus_file) -> tuple[Path, Path]:
+    """(run, cache): a tiny ELF run to distil, trained once per module: `tiny_config`'s run with the settings of
+    the module's TEACHER_RUN dict on top (its steps, warm-up, checkpoints), e.g. TEACHER_RUN = dict(steps=2)."""
+    from helpers import tiny_config
+
+    from elflow.train import train
+
+    root = tmp_path_factory.mktemp("teacher")
+    settings = getattr(request.module, "TEACHER_RUN", {})
+    train(tiny_config(tiny_t5_dir, tiny_corpus_file, **settings), root / "run", cache_dir=root / "cache", quiet=True)
+    return root / "run", root / "cache"
+
+
 @pytest.fixture
 def run_copy(trained, tmp_path) -> Path:
     dst = tmp_path / "run"

@@ -97,6 +97,37 @@ def checkpoint_weights(run: Path, step: int):
     return load_file(ck / "model.safetensors"), load_file(ck / "ema.safetensors")
 
 
+def assert_same(a, b, where: str = "", exact: bool = True, rtol: float = 1e-2, atol: float = 1e-3) -> None:
+    """a equals b: tensors by dtype, shape and value (torch.equal; floats to `rtol` / `atol` where not `exact`),
+    containers (a state dict, an optimiser's state) item by item, the rest by ==; `where` names the item that
+    differs."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor), f"{where}: a tensor and a {type(b)}"
+        assert (a.dtype, a.shape) == (b.dtype, b.shape), f"{where}: {a.dtype} {a.shape} vs {b.dtype} {b.shape}"
+        same = torch.equal(a, b) if exact or not a.is_floating_point() else \
+            torch.allclose(a, b, rtol=rtol, atol=atol)
+        assert same, f"{where}: values differ (max |a - b| {(a.double() - b.double()).abs().max()})"
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), f"{where}: keys {sorted(map(str, set(a) ^ set(b)))} differ"
+        for k in a:
+            assert_same(a[k], b[k], f"{where}[{k!r}]", exact, rtol, atol)
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), f"{where}: lengths differ"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{i}]", exact, rtol, atol)
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def tiny_network(**options):
+    """The tiny preset's ELF network, drawn from seed 0, with the short-run `options` (none: the paper's
+    network)."""
+    from elflow.model import build_network, get_config
+
+    torch.manual_seed(0)
+    return build_network(get_config("tiny"), options)
+
+
 def run_alone_and_on_two_ranks(args: list[str], one: Path, two: Path) -> None:
     """`elflow ARGS --out ONE` in one process and `--out TWO` under torchrun with two Gloo ranks."""
     import os
@@ -323,17 +354,19 @@ def layout_documents(docs_ids: list[list[int]], length: int, pad_id: int, eos_id
     return tokens, mask, real
 
 
-def as_layout_1(doc: dict) -> dict:
+def as_layout_1(doc: dict, train: dict | None = None) -> dict:
     """A run.json or a checkpoint's state.json of today's layout, written as elflow wrote it before the run
     record: the record's parts at the top level ("train", "model", "space", "space_id", "method", "params",
-    "short_run") and, in a checkpoint, the model's layout as "settings"."""
+    "short_run") and, in a checkpoint, the model's layout as "settings". A checkpoint of that layout held the
+    run's training settings too: `train`, run.json's."""
     rec = doc["record"]
-    out = {k: v for k, v in doc.items() if k not in ("record", "format")}
+    train = doc.get("train", train)
+    out = {k: v for k, v in doc.items() if k not in ("record", "format", "train")}
     if "step" in doc:
         out["format"] = "elflow-checkpoint-1"
     space = dict(rec["space"])
     space_id = space.pop("id", None)
-    out.update(method=rec["method"], params=rec["params"], train=rec["train"], model=rec["network"], space=space,
+    out.update(method=rec["method"], params=rec["params"], train=dict(train), model=rec["network"], space=space,
                space_id=space_id)
     if rec.get("options"):
         out["short_run"] = rec["options"]
@@ -470,6 +503,24 @@ def train_args(data, out, space_flag, cache, *extra):
 
 # ----------------------------------------------------------------------------------------------------------
 # command lines and file trees of the fault tests
+
+
+def make_fifo(path: Path) -> Path:
+    """A fifo (named pipe) made at `path`, where nothing stands yet; returns the path."""
+    import os
+
+    os.mkfifo(path)
+    return Path(path)
+
+
+def dev_zero_link(path: Path) -> Path:
+    """A symbolic link at `path` to /dev/zero, its own time the epoch (a lock of that age would be taken for a
+    stale one); returns the path."""
+    import os
+
+    Path(path).symlink_to("/dev/zero")
+    os.utime(path, (0, 0), follow_symlinks=False)
+    return Path(path)
 
 
 def tree_state(root: Path) -> dict:

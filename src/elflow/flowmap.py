@@ -7,7 +7,11 @@ teacher, in elflow's conventions (x-prediction, t = 0 noise, t = 1 data):
                (the identity at t = s; at t = 1 it lands on x_hat; as t -> s, dX/dt -> the velocity of x_hat(z, s, s))
     teacher    v_T(z, t) = (x_T(z, t) - z) / (1 - t),  x_T the frozen teacher's x-prediction
     LMD        r = dX/dt (z_s, s, t) - sg[v_T(X(z_s, s, t), t)],  dX/dt exact, by forward-mode autodiff in t
-    sample     z_{k+1} = X(z_k, t_k, t_{k+1}) over any grid 0 = t_0 < ... < t_K = 1
+    sample     z_{k+1} = X(z_k, t_k, t_{k+1}) over any grid 0 = t_0 < ... < t_K = 1 (elflow.flow.integrate, its
+               "map" step)
+
+The map is the Euler step of the network's x for the target time (elflow.flow.euler_step), the one jump from a
+time to a later one that the samplers and a progressive teacher take too.
 
 The residual is computed in x-space and divided by the clipped 1 - t, r = ((1 - t) dX/dt - sg[x_T(X, t) - X])
 / max(1 - t, t_eps), the weighting of ELF's own loss: for t <= 1 - t_eps it is the velocity residual above,
@@ -26,7 +30,7 @@ from collections.abc import Callable
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from elflow.flow import T_EPS
+from elflow.flow import T_EPS, euler_step, per_row
 
 MapNet = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (z, s, t) -> x_hat
 Teacher = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (z, t) -> x
@@ -38,23 +42,10 @@ Teacher = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (z, t) -> x
 DIAGONAL_SHARE = 0.0
 
 
-def _rows(v: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """(B,) times as (B, 1, ..., 1), broadcastable against `like` (B, ...), in the wider of the two dtypes (times
-    never rounded to a low-precision z's)."""
-    return v.reshape(-1, *([1] * (like.ndim - 1))).to(torch.promote_types(v.dtype, like.dtype))
-
-
-def map_from_x(x_hat: torch.Tensor, z: torch.Tensor, s: torch.Tensor, t: torch.Tensor,
-               t_eps: float = T_EPS) -> torch.Tensor:
-    """X = z + (t - s) (x_hat - z) / max(1 - s, t_eps): the map's jump from (z, s) to t read from the network's
-    x output (one Euler step of size t - s towards x_hat). z, x_hat (B, ...), s, t (B,)."""
-    s_, t_ = _rows(s, z), _rows(t, z)
-    return z + (t_ - s_) * (x_hat - z) / (1 - s_).clamp_min(t_eps)
-
-
 def flow_map(net: MapNet, z: torch.Tensor, s: torch.Tensor, t: torch.Tensor, t_eps: float = T_EPS) -> torch.Tensor:
-    """X(z, s, t) of the map network net(z, s, t) -> x_hat."""
-    return map_from_x(net(z, s, t), z, s, t, t_eps)
+    """X(z, s, t) = z + (t - s)(x_hat - z) / max(1 - s, t_eps) of the map network net(z, s, t) -> x_hat: the Euler
+    step of size t - s towards x_hat (elflow.flow.euler_step). z (B, ...), s, t (B,)."""
+    return euler_step(z, s, t, net(z, s, t), t_eps)
 
 
 def map_and_time_derivative(net: MapNet, z: torch.Tensor, s: torch.Tensor, t: torch.Tensor,
@@ -73,7 +64,7 @@ def map_and_time_derivative(net: MapNet, z: torch.Tensor, s: torch.Tensor, t: to
 
 def teacher_velocity(teacher: Teacher, z: torch.Tensor, t: torch.Tensor, t_eps: float = T_EPS) -> torch.Tensor:
     """v_T(z, t) = (x_T(z, t) - z) / max(1 - t, t_eps), the teacher's velocity as its sampler reads it."""
-    return (teacher(z, t) - z) / (1 - _rows(t, z)).clamp_min(t_eps)
+    return (teacher(z, t) - z) / (1 - per_row(t, z)).clamp_min(t_eps)
 
 
 def lmd_residual(net: MapNet, teacher: Teacher, z: torch.Tensor, s: torch.Tensor, t: torch.Tensor,
@@ -87,7 +78,7 @@ def lmd_residual(net: MapNet, teacher: Teacher, z: torch.Tensor, s: torch.Tensor
     give the diagonal term."""
     X, dX = map_and_time_derivative(net, z, s, t, t_eps)
     X = X.detach()
-    t_ = _rows(t, z)
+    t_ = per_row(t, z)
     with torch.no_grad():
         gap = teacher(X, t).to(X.dtype) - X  # (1 - t) v_T(X, t), unclipped
     return ((1 - t_) * dX - gap) / (1 - t_).clamp_min(t_eps)
@@ -100,7 +91,7 @@ def diagonal_residual(net: MapNet, teacher: Teacher, z: torch.Tensor, s: torch.T
     through the jvp)."""
     with torch.no_grad():
         x_t = teacher(z, s)
-    return (net(z, s, s) - x_t.to(z.dtype)) / (1 - _rows(s, z)).clamp_min(t_eps)
+    return (net(z, s, s) - x_t.to(z.dtype)) / (1 - per_row(s, z)).clamp_min(t_eps)
 
 
 def lmd_loss(net: MapNet, teacher: Teacher, z: torch.Tensor, s: torch.Tensor, t: torch.Tensor,
@@ -131,25 +122,3 @@ def draw_time_pairs(n: int, generator: torch.Generator | None = None, diagonal: 
     t = torch.where(on_diag, u[0], t)
     s = torch.where(on_diag, u[0], s)
     return s.to(device), t.to(device)
-
-
-@torch.no_grad()
-def integrate_map(net: MapNet, z0: torch.Tensor, grid: torch.Tensor, t_eps: float = T_EPS,
-                    callback: Callable | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Integrate z0 (B, ...) over the time grid (K + 1 increasing times, grid[0] = 0, grid[-1] = 1) with the
-    map: z_{k+1} = X(z_k, t_k, t_{k+1}), one network pass per step. Returns (z_final, the last x_hat); at
-    t_K = 1 the last jump lands on its x_hat. callback(k, t_k, z_{k+1}, x_hat) sees each step, as
-    flow.sample's does."""
-    if grid.ndim != 1 or grid.numel() < 2:
-        raise ValueError(f"integrate_map: the grid needs at least two times in one dimension, got "
-                         f"shape {tuple(grid.shape)}")
-    B = z0.shape[0]
-    grid = grid.to(z0.device, torch.float32)
-    z, x_hat = z0, None
-    for k in range(grid.numel() - 1):
-        s, t = grid[k].expand(B), grid[k + 1].expand(B)
-        x_hat = net(z, s, t)
-        z = map_from_x(x_hat, z, s, t, t_eps)
-        if callback is not None:
-            callback(k, grid[k], z, x_hat)
-    return z, x_hat

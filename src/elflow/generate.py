@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from elflow.data.layout import encoder_mask, pair_layout, warn_sources_cut
+from elflow.data.layout import PACKED, encoder_mask, pair_layout, warn_sources_cut
 from elflow.flow import (
     DEFAULT_GRID,
     DISTILLED_STEPS,
@@ -117,7 +117,7 @@ def settings_for(record, **given) -> SamplingSettings:
 # ----------------------------------------------------------------------------------------------------------
 # known positions
 def conditioning(space, length: int, batch: int, sources: list[str] | None = None, source_length: int | None = None,
-                 prompt: str | None = None, suffix: str | None = None, device=None, source_slot: str = "packed"):
+                 prompt: str | None = None, suffix: str | None = None, device=None, source_slot: str = PACKED):
     """(known ids (B, L) long, known_mask (B, L) bool, known (B, L, C) clean embeddings), or None if nothing
     is held fixed. `sources` (one per row) fill the first positions of a conditional model's rows, cut to
     `source_length` (and padded to it with the "fixed" `source_slot`: the model's stored settings say which);
@@ -250,7 +250,7 @@ def check_generate_args(net, space, settings, sources, prompt, suffix, part) -> 
 def generate(net, space, num: int, settings: SamplingSettings = SamplingSettings(), length: int | None = None,
              sources: list[str] | None = None, source_length: int | None = None, prompt: str | None = None,
              suffix: str | None = None, progress: bool = True, trajectory: set[int] | None = None,
-             part: tuple[int, int] = (0, 1), drop_source: bool = False, source_slot: str = "packed",
+             part: tuple[int, int] = (0, 1), drop_source: bool = False, source_slot: str = PACKED,
              recipe: Recipe | None = None) -> list[dict]:
     """`num` samples as records {"index", "text"} (+ "source"). With `trajectory` (sampling steps), each record
     of the first batch also holds "trajectory": the decode readout of the sampler's guess at those steps (at
@@ -346,7 +346,7 @@ def generate(net, space, num: int, settings: SamplingSettings = SamplingSettings
 
 def write_samples(path, records: list[dict], settings: dict, overwrite: bool = True) -> Path:
     """The samples JSONL: one object per sample, {"index", "text", (source, reference), then the settings}.
-    Written atomically (a reader never sees half a file) under the output rule (`utils.output_rule`: without
+    Written atomically (a reader never sees half a file) under the output rule (`elflow.util.files.check_output`: without
     `overwrite` a file at `path` is never replaced, not even one that appeared while the samples were made);
     the caller checks `path` with `check_output` before the work."""
     path = Path(path)

@@ -154,6 +154,8 @@ class ShortRunOptions(Record):
             raise ValueError(f"skip must be one of {', '.join(SKIPS)}, got {self.skip!r}")
         if not (isinstance(self.time_scale, (int, float)) and math.isfinite(self.time_scale) and self.time_scale > 0):
             raise ValueError(f"time_scale must be a positive number, got {self.time_scale}")
+        if not isinstance(self.head_modulation, bool):
+            raise ValueError(f"head_modulation must be true or false, got {self.head_modulation!r}")
         if not (isinstance(self.table_readout, (int, float)) and math.isfinite(self.table_readout)
                 and self.table_readout >= 0):
             raise ValueError(f"table_readout must be a number >= 0, got {self.table_readout}")
@@ -161,6 +163,31 @@ class ShortRunOptions(Record):
     @property
     def active(self) -> bool:
         return self != ShortRunOptions()
+
+
+@dataclass(frozen=True)
+class NetworkOverrides(Record):
+    """The network settings a run gives beside its preset's shape (None: the preset's): --depth, --hidden,
+    --heads, and a distillation student's copy of its teacher's shape. The network's variants (bottleneck,
+    predict, conditioning, decoder) are settings of their own; its `dim`, `vocab_size` and `max_length` come
+    from the space and the data."""
+
+    depth: int | None = None
+    hidden: int | None = None
+    heads: int | None = None
+    mlp_ratio: float | None = None
+    time_tokens: int | None = None
+    omega_tokens: int | None = None
+    mode_tokens: int | None = None
+    rope_theta: float | None = None
+    self_cond: bool | None = None
+    target_time: bool | None = None
+    noise_scale: float | None = None
+    t_eps: float | None = None
+
+    def given(self) -> dict:
+        """The settings given (not None), as ELFConfig fields."""
+        return {k: v for k, v in self.to_dict().items() if v is not None}
 
 
 def options_of(options) -> ShortRunOptions:
@@ -516,7 +543,7 @@ class ELF(nn.Module):
         """Denoise: z (B, L, C) at times t (B,) with guidance scales omega (B,) and the self-conditioning
         input x_prev (B, L, C) (None: zeros) -> the predicted clean embeddings x_pred (B, L, C). A flow map
         (config.target_time) takes the time it jumps to, `target` (B,): its guess x_hat, whose jump lands at
-        z + (target - t)(x_hat - z) / max(1 - t, t_eps) (elflow.flowmap.map_from_x)."""
+        z + (target - t)(x_hat - z) / max(1 - t, t_eps) (elflow.flow.euler_step)."""
         h = self.trunk(z, t, omega, x_prev, z.new_zeros(z.shape[0]), target)
         return self.denoise_head(h, z, t, omega, target)
 

@@ -27,7 +27,7 @@ from elflow.encoders import (
 from elflow.util.budget import Estimate, check_fits
 from elflow.util.errors import ELFError
 
-DEFAULT_SPACE = "minilm"
+DEFAULT_ENCODER = "minilm"  # the encoder of a spec that names none (a table space's base: "random-table")
 
 
 T5_SMALL_STD = 0.2  # the paper's latent std for T5-small outputs
@@ -431,7 +431,7 @@ def _normalise_spec(spec) -> dict:
     if isinstance(spec, str):
         s = spec.strip()
         if s in TABLE_KINDS:
-            return {"kind": s, "name": DEFAULT_SPACE}
+            return {"kind": s, "name": DEFAULT_ENCODER}
         if s == "minilm":
             return {"kind": "hf", "name": "minilm"}
         if s.startswith("t5:"):
@@ -446,7 +446,7 @@ def _normalise_spec(spec) -> dict:
         raise ELFError(f"an embedding space spec must be a name or a dict, got {type(spec).__name__}")
     spec = dict(spec)
     spec.setdefault("kind", "hf")
-    spec.setdefault("name", DEFAULT_SPACE)
+    spec.setdefault("name", DEFAULT_ENCODER)
     if spec["kind"] not in KINDS:
         raise ELFError(f"unknown embedding space kind {spec['kind']!r}; choose one of {', '.join(KINDS)}")
     return spec
@@ -585,7 +585,7 @@ def latent_moments(space, dataset, batch: int = 32, max_rows: int = 512, device=
 @torch.no_grad()
 def token_vectors(space, vocab_size: int, device="cpu", batch: int = 4096) -> torch.Tensor:
     """The clean embedding of each token id alone, (vocab_size, C), for a space with one fixed vector per token
-    (a frozen table); the table readout (elflow.shortrun) compares the decode input with these."""
+    (a frozen table); the table readout (elflow.model.ShortRunOptions) compares the decode input with these."""
     if space.contextual or not isinstance(space, TableSpace):
         raise ELFError(f"the table readout needs a space with one vector per token (random-table or token-table); "
                        f"{space.space_id} embeds tokens in context. Pass --table-readout 0, or choose a table space")

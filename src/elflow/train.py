@@ -26,11 +26,11 @@ from elflow.config import TrainConfig
 from elflow.data.batches import Batches, Prefetch
 from elflow.data.corpus import calibration_for
 from elflow.data.datasets import check_recorded_store, check_same_store, run_data, store_record
-from elflow.flow import Recipe, recipe_for
+from elflow.flow import Recipe
 from elflow.methods import Method, TrainedPass, get_method
 from elflow.model import ShortRunOptions, get_config
 from elflow.optim import EMA, ELFOptimizer, check_optimizer_state
-from elflow.runs.checkpoint import load_checkpoint, read_state, save_checkpoint
+from elflow.runs.checkpoint import load_checkpoint, save_checkpoint
 from elflow.runs.claim import (
     RunFolder,
     absolute_paths,
@@ -44,8 +44,9 @@ from elflow.runs.claim import (
 from elflow.runs.folder import CHECKPOINTS, OPTIMIZER_STATE, RUN_FILE, STATE_FILE, checkpoint_dir, run_files
 from elflow.runs.load import check_init_compatible, load_init_weights
 from elflow.runs.log import RunLogger, describe_start, plot_losses, tracked_settings, trim_metrics
-from elflow.runs.record import Distillation, RunRecord, Task, checkpoint_state, record_of_state
+from elflow.runs.record import ParamCounts, RunRecord, Task
 from elflow.runs.stages import DECODER_STAGE, attach_decoder, decoder_stage
+from elflow.runs.stored import checkpoint_state, record_of_state, write_run
 from elflow.runs.tracking import Tracker, require_wandb
 from elflow.schedule import lr_at
 from elflow.space import SpaceSpec, build_space, check_compatible, space_spec
@@ -180,7 +181,7 @@ def set_up(cfg: TrainConfig, method: Method, rank: int, world: int, device, cach
     if space.max_length is not None and length > space.max_length:
         raise ELFError(f"--length {length} is longer than the encoder accepts ({space.max_length})")
     train_set = run_data(cfg, space, length, cache_dir)[0]
-    recipe = recipe_for(cfg.recipe, conditional=bool(cfg.source_length))
+    recipe = cfg.flow_recipe()
     if cfg.separate_decoder:  # the decoder is trained (first stage) and frozen: every row denoises
         recipe = recipe.replace(decode_prob=0.0)
     try:  # the ELF network of these settings (a baseline is sized to it)
@@ -221,11 +222,16 @@ def start_from(setup: Setup, path, quiet: bool = False) -> None:
         print(f"starting from the weights of {origin.path}", file=sys.stderr)
 
 
-def restore(setup: Setup, ckpt: Path | None, quiet: bool = False) -> int:
-    """Load the checkpoint `ckpt` (rank 0's choice, `claim_run`) into the run; returns its step (0 for none)."""
+def restore(setup: Setup, ckpt: Path | None, state: dict | None = None, quiet: bool = False) -> int:
+    """Load the checkpoint `ckpt` (rank 0's choice, `claim_run`, with the state.json it read: `state`) into the
+    run, each file read once and checked on the bytes read; returns its step (0 for none)."""
     if ckpt is None:
         return 0
-    blob = load_checkpoint(ckpt, map_location=setup.device)
+    try:
+        blob = load_checkpoint(ckpt, map_location=setup.device, state=state)
+    except ELFError as e:
+        raise ELFError(f"{e}; nothing was changed: restore the file, or move {ckpt.name} out of {ckpt.parent} to "
+                       "resume from the checkpoint before it") from None
     check_same_store(blob["state"].get("data_store"), setup.batches.dataset, ckpt / STATE_FILE)
     stored = record_of_state(blob["state"], str(ckpt / STATE_FILE))
     if stored.space.id:
@@ -259,7 +265,7 @@ def save(out: Path, step: int, setup: Setup, data_position: dict | None = None) 
     rng = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()
-    return save_checkpoint(out, step, setup.net.state_dict(), setup.ema.state_dict(),
+    return save_checkpoint(out, setup.net.state_dict(), setup.ema.state_dict(),
                            {"optimizer": setup.optimizer.state_dict(), "rng": rng}, state, keep=setup.cfg.keep,
                            space_sd=setup.space.trainable_state_dict())
 
@@ -271,12 +277,9 @@ def run_record(setup: Setup) -> RunRecord:
     config, options = setup.method.network_of(setup.net)
     task = Task(cfg.source_length, cfg.source_slot, cfg.task, cfg.source_field, cfg.target_field) \
         if cfg.source_length else None
-    d = cfg.distillation or {}
-    distillation = Distillation(d.get("objective", "pd"), d.get("student_steps"), d.get("teacher_steps")) \
-        if d else None
-    base = RunRecord(setup.method.name, config, SpaceSpec.of_space(setup.space), setup.length, setup.recipe,
-                     options or ShortRunOptions(), task, None, cfg, distillation, setup.params)
-    return base.replace(sampling=setup.method.default_sampling(base))
+    return RunRecord(setup.method.name, config, SpaceSpec.of_space(setup.space), setup.length, setup.recipe,
+                     options or ShortRunOptions(), task, None, cfg.distillation,
+                     ParamCounts.from_dict(setup.params)).with_default_sampling()
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -462,7 +465,7 @@ def train_one(cfg: TrainConfig, out: Path, method: Method, resume: bool, overwri
         cfg = replace(cfg, micro_batch=claim["micro_batch"])
         if claim["checkpoint"]:  # the store it was trained on, before its data is read (not a hub lookup)
             ckpt_dir = out / CHECKPOINTS / claim["checkpoint"]
-            check_recorded_store(read_state(ckpt_dir).get("data_store"), cfg.data, ckpt_dir / STATE_FILE)
+            check_recorded_store(claim["state"].get("data_store"), cfg.data, ckpt_dir / STATE_FILE)
         if rank == 0 and cfg.epochs is None and cfg.warmup_frac is None and cfg.steps < cfg.warmup:
             print(f"warning: --steps {cfg.steps} is shorter than --warmup {cfg.warmup}: the learning rate stops at "
                   f"{lr_at(cfg.steps - 1, cfg.lr, cfg.warmup, schedule=cfg.lr_schedule):.3g}, never reaching {cfg.lr:.3g}", file=sys.stderr)
@@ -472,7 +475,7 @@ def train_one(cfg: TrainConfig, out: Path, method: Method, resume: bool, overwri
         if overwrite and (out / RUN_FILE).exists():
             on_rank0(folder.set_aside, rank, world)
         ckpt = out / CHECKPOINTS / claim["checkpoint"] if claim["checkpoint"] else None
-        start = restore(setup, ckpt, quiet)
+        start = restore(setup, ckpt, claim["state"], quiet)
         if resume and start == 0 and cfg.init_from:
             start_from(setup, cfg.init_from, quiet)
         if resume and rank == 0:
@@ -492,7 +495,8 @@ def train_one(cfg: TrainConfig, out: Path, method: Method, resume: bool, overwri
             files = (*stored_files(out), *files)
 
         def write_meta():
-            setup.record.write(out, files, world_size=world, **({"stage_of": stage_of.to_dict()} if stage_of else {}))
+            write_run(out, setup.record, setup.cfg.to_dict(), files, world_size=world,
+                      **({"stage_of": stage_of.to_dict()} if stage_of else {}))
 
         try:
             on_rank0(write_meta, rank, world)

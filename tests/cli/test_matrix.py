@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from helpers import assert_not_an_integer, assert_one_error, reference_dir
+from helpers import assert_not_an_integer, assert_one_error, make_fifo, reference_dir
 
 from elflow.cli import COMMANDS, build_parser, main
 
@@ -154,7 +154,7 @@ def alarm(seconds: int):
         signal.signal(signal.SIGALRM, previous)
 
 
-def files_under(root: Path, skip: set[Path]) -> dict:
+def entry_stamps(root: Path, skip: set[Path]) -> dict:
     """Every entry under root (links not followed) with what identifies its content: kind, size, mtime."""
     seen = {}
     for dirpath, dirnames, filenames in os.walk(root):
@@ -196,12 +196,12 @@ def run_case(capsys, world: World, argv: list[str]) -> tuple[int, str]:
 def assert_refused(capsys, world: World, argv: list[str], *needles) -> str:
     """The contract of a refusal: exit 2, one error line naming the command (after any line saying what it
     was about to do), no traceback, nothing under the world changed (the cache aside), no child left."""
-    before, kids = files_under(world.root, {world.cache}), set(children())  # (earlier tests' pools may live on)
+    before, kids = entry_stamps(world.root, {world.cache}), set(children())  # (earlier tests' pools may live on)
     code, err = run_case(capsys, world, argv)
     assert code == 2 and "Traceback" not in err, err
     errors = [x for x in err.splitlines() if "error" in x.lower()]  # what it said it was doing may come first
     line = assert_one_error(code, "\n".join(errors), argv[0], *needles)
-    after = files_under(world.root, {world.cache})
+    after = entry_stamps(world.root, {world.cache})
     assert after == before, (f"{' '.join(map(str, argv))} changed "
                              f"{sorted(set(after.items()) ^ set(before.items()))[:6]}")
     assert set(children()) <= kids, "a child process was left running"
@@ -272,11 +272,6 @@ def test_every_accepted_value_is_a_real_flag_value():
 # paths: every input that names a file, a folder or a model, and every output
 
 
-def _fifo(p: Path) -> Path:
-    os.mkfifo(p)
-    return p
-
-
 def _link(p: Path, to) -> Path:
     p.symlink_to(to)
     return p
@@ -296,7 +291,7 @@ def _loop(p: Path) -> Path:
 BAD_INPUTS = {
     "missing": lambda d, w: d / "nothing-here",
     "empty-name": lambda d, w: "",
-    "fifo": lambda d, w: _fifo(d / "pipe"),
+    "fifo": lambda d, w: make_fifo(d / "pipe"),
     "device": lambda d, w: "/dev/zero",
     "empty-folder": lambda d, w: _folder(d / "empty"),
     "dangling-link": lambda d, w: _link(d / "dangling", d / "nothing-here"),
@@ -363,7 +358,7 @@ def _elsewhere(d: Path, kind: str) -> Path:
 
 
 BAD_OUTPUTS = {
-    "fifo": lambda d, w, kind: _fifo(d / "pipe"),
+    "fifo": lambda d, w, kind: make_fifo(d / "pipe"),
     "device": lambda d, w, kind: "/dev/null",
     "link": lambda d, w, kind: _link(d / "link", _elsewhere(d, kind)),
     "dangling-link": lambda d, w, kind: _link(d / "dangling", d / "nothing-here"),

@@ -13,6 +13,7 @@ from helpers import (
     cli,
     distill_args,
     full_disk,
+    make_fifo,
     sample_args,
     tree_state,
 )
@@ -33,12 +34,6 @@ def _char_device(path: Path) -> None:
         os.mknod(path, 0o666 | __import__("stat").S_IFCHR, os.makedev(1, 3))  # as /dev/null
     except PermissionError:
         pytest.skip("making a device node needs root")
-
-
-def _fifo(path: Path) -> None:
-    import os
-
-    os.mkfifo(path)
 
 
 def _live_lock(folder: Path, holder) -> None:
@@ -67,7 +62,7 @@ LOSS_CASES = [
      lambda t, run, c, h: (_char_device(t / "mynull"), sample_args(run, t / "mynull", "--overwrite"))[-1],
      ["is a character device", "not a regular file"]),
     ("sample-out-fifo-overwrite", "sample",
-     lambda t, run, c, h: (_fifo(t / "pipe"), sample_args(run, t / "pipe", "--overwrite"))[-1],
+     lambda t, run, c, h: (make_fifo(t / "pipe"), sample_args(run, t / "pipe", "--overwrite"))[-1],
      ["is a fifo", "not a regular file"]),
     ("sample-out-link-overwrite", "sample",
      lambda t, run, c, h: ((t / "keep").mkdir(), (t / "keep" / "target.jsonl").write_text("mine\n"),
@@ -81,11 +76,11 @@ LOSS_CASES = [
      lambda t, run, c, h: ((t / "loop.jsonl").symlink_to("loop.jsonl"), sample_args(run, t / "loop.jsonl"))[-1],
      ["is a symbolic link"]),
     ("sample-trajectory-out-fifo", "sample",
-     lambda t, run, c, h: (_fifo(t / "s.trajectory.json"), sample_args(run, t / "s.jsonl", "--trajectory",
-                                                                          "--overwrite"))[-1], ["is a fifo"]),
+     lambda t, run, c, h: (make_fifo(t / "s.trajectory.json"), sample_args(run, t / "s.jsonl", "--trajectory",
+                                                                              "--overwrite"))[-1], ["is a fifo"]),
     ("toy-out-fifo", "toy",
-     lambda t, run, c, h: (_fifo(t / "toy.png"), ["toy", "--steps", "1", "--num", "2", "--out", t / "toy.png",
-                                                  "--overwrite"])[-1], ["is a fifo"]),
+     lambda t, run, c, h: (make_fifo(t / "toy.png"), ["toy", "--steps", "1", "--num", "2", "--out", t / "toy.png",
+                                                      "--overwrite"])[-1], ["is a fifo"]),
     ("schedules-out-char-device", "schedules",
      lambda t, run, c, h: (_char_device(t / "dev.png"), ["schedules", "--samples", "1000", "--out", t / "dev.png",
                                                          "--overwrite"])[-1], ["is a character device"]),
@@ -101,7 +96,7 @@ LOSS_CASES = [
      lambda t, run, c, h: ((t / "r").symlink_to("r"), ["train", "--preset", "tiny", "--out", t / "r"])[-1],
      ["is a symbolic link", "not a folder"]),
     ("train-out-fifo", "train",
-     lambda t, run, c, h: (_fifo(t / "r"), ["train", "--preset", "tiny", "--out", t / "r", "--overwrite"])[-1],
+     lambda t, run, c, h: (make_fifo(t / "r"), ["train", "--preset", "tiny", "--out", t / "r", "--overwrite"])[-1],
      ["is a fifo"]),
 ]
 
@@ -118,6 +113,25 @@ def test_outputs_never_replace_what_stands_there(capsys, tmp_path, trained, cach
     assert tree_state(tmp_path) == before
 
 
+@pytest.mark.parametrize("name, make", [
+    ("notes.txt", lambda p: p.write_text("mine")),
+    ("samples.jsonl", lambda p: p.write_text('{"text": "mine"}\n')),
+    ("eval", lambda p: (p.mkdir(), (p / "report.json").write_text("{}"))),
+], ids=["notes", "samples", "eval-report"])
+def test_distill_overwrite_refuses_a_round_holding_files_its_run_did_not_write(capsys, tmp_path, trained, cache,
+                                                                                name, make):
+    """A file of another's inside a round's run folder (notes, samples, what `eval --checkpoint ROUND` wrote
+    there) is refused in one line naming the round and the file; nothing is set aside or dropped."""
+    out = tmp_path / "d"
+    code, _, err = cli(capsys, distill_args(trained, out, cache))
+    assert code == 0, err
+    make(out / "1-step" / name)
+    before = tree_state(tmp_path)
+    code, _, err = cli(capsys, distill_args(trained, out, cache, "--overwrite"))
+    assert_one_error(code, err, "distill", f"{out / '1-step'} holds {name}", "the round's run did not write")
+    assert tree_state(tmp_path) == before
+
+
 def test_distill_overwrite_replaces_only_its_own_files_and_restores_them_on_failure(
         capsys, tmp_path, trained, cache, monkeypatch):
     out = tmp_path / "stuff"
@@ -125,7 +139,7 @@ def test_distill_overwrite_replaces_only_its_own_files_and_restores_them_on_fail
     (out / "notes.txt").write_text("mine")
     for name in ("9-step", "round-8"):  # names a distillation writes (and wrote before): set aside, then back
         (out / name).mkdir()
-        (out / name / "x").write_text("old")
+        (out / name / "metrics.jsonl").write_text("old")  # a round's own file
     (out / "distill.json").write_text(json.dumps({"teacher": "old"}))
     before, teacher = tree_state(tmp_path), tree_state(trained)
     code, _, err = cli(capsys, distill_args(trained, out, cache, "--overwrite"))  # a file it did not write

@@ -7,7 +7,6 @@ import pytest
 from helpers import cli
 
 from elflow.config import TrainConfig
-from elflow.util.errors import ELFError
 
 # ----------------------------------------------------------------------------------------------------------
 # the run settings: one description
@@ -28,6 +27,7 @@ def test_quickstart_settings_are_one_named_preset(capsys):
     from types import SimpleNamespace
 
     from elflow.experiments.quickstart import demo_config
+    from elflow.model import ShortRunOptions
 
     args = SimpleNamespace(length=64, batch=32, steps=250, lr=None, space=None, seed=0, sample_steps=64, sampler="vc",
                            omega=3.0)
@@ -35,8 +35,9 @@ def test_quickstart_settings_are_one_named_preset(capsys):
     expected = dict(preset="demo", data="builtin", space="random-table:minilm", length=64, batch=32, steps=250,
                     lr=3e-3, warmup=50, ema_decay=0.95, adam_heads=True, dtype="auto", seed=0, log_every=10,
                     ckpt_every=62, keep=2, sample_every=62, sample_steps=64, sample_sampler="vc", sample_omega=3.0,
-                    short_run={"skip": "gated", "time_scale": 1000.0, "head_modulation": True, "table_readout": 1.0},
-                    recipe={})
+                    short_run=ShortRunOptions(skip="gated", time_scale=1000.0, head_modulation=True,
+                                              table_readout=1.0),
+                    recipe=None)
     assert {k: getattr(cfg, k) for k in expected} == expected
     # the same settings from `elflow train --defaults quickstart`
     code, out, _ = cli(capsys, ["train", "--defaults", "quickstart", "--print-config"])
@@ -50,18 +51,18 @@ def test_quickstart_settings_are_one_named_preset(capsys):
     assert {k: v for k, v in mine.to_dict().items() if k not in ("lr", "space")} == \
         {k: v for k, v in cfg.to_dict().items() if k not in ("lr", "space")}
     mine = demo_config(SimpleNamespace(**{**vars(args), "space": "minilm"}))
-    assert mine.short_run == {**cfg.short_run, "table_readout": 0.0} and mine.space == "minilm"
+    assert mine.short_run == cfg.short_run.replace(table_readout=0.0) and mine.space == "minilm"
     assert {k: v for k, v in mine.to_dict().items() if k not in ("short_run", "space")} == \
         {k: v for k, v in cfg.to_dict().items() if k not in ("short_run", "space")}
-    mine.short_run["skip"] = "none"
-    assert demo_config(args).short_run["skip"] == "gated"
+    assert demo_config(args).short_run.skip == "gated"  # the options are a frozen part: the preset's stay
 
 
 def test_one_short_run_flag_over_the_quickstart_keeps_its_other_options(capsys):
-    """A nested flag sets one key of the preset's dict: `--skip none` over `--defaults quickstart` changes the
-    skip alone (the time scale, head modulation and table readout stay the quickstart's); without --defaults
-    the other options are the plain defaults (off)."""
+    """A nested flag sets one field of the preset's part: `--skip none` over `--defaults quickstart` changes
+    the skip alone (the time scale, head modulation and table readout stay the quickstart's); without
+    --defaults the other options are the plain defaults (off)."""
     from elflow.config import RUN_DEFAULTS
+    from elflow.model import ShortRunOptions
 
     preset = RUN_DEFAULTS["quickstart"][0]["short_run"]
     code, out, err = cli(capsys, ["train", "--defaults", "quickstart", "--skip", "none", "--time-scale", "10",
@@ -71,25 +72,27 @@ def test_one_short_run_flag_over_the_quickstart_keeps_its_other_options(capsys):
     assert preset["time_scale"] == 1000.0 and preset["skip"] != "none"  # the preset itself is not changed
     code, out, err = cli(capsys, ["train", "--preset", "tiny", "--skip", "gaussian", "--print-config"])
     assert code == 0, err
-    assert json.loads(out)["short_run"] == {"skip": "gaussian"}
+    assert json.loads(out)["short_run"] == ShortRunOptions(skip="gaussian").to_dict()
 
 
 def test_a_config_with_options_and_round_records_among_other_settings_reads_as_the_same_run():
     """Short-run options stored among the network settings and a distillation round's record among the
-    recipe's constants are read into their own settings (elflow.runs.checkpoint.upgrade_train, the one reader of
-    earlier layouts); the recipe refuses keys it does not know."""
+    recipe's constants are read into their own settings (elflow.runs.migrate.train_1_to_2, the chain's step
+    from version 1); the recipe refuses keys it does not know."""
     from elflow.flow import Recipe
-    from elflow.runs.checkpoint import upgrade_train
+    from elflow.runs.migrate import train_1_to_2
 
     stored = TrainConfig(preset="tiny").to_dict()
     stored.update(model={"depth": 3, "skip": "gaussian", "table_readout": 1.0}, short_run={}, distillation={},
                   recipe={"decode_noise_scale": 1.0, "distilled_steps": 4, "teacher_steps": 16,
                           "sampling": {"steps": 4, "sampler": "sde", "gamma": 1.5, "omega": 2.5}})
-    cfg = TrainConfig.from_dict(upgrade_train(json.loads(json.dumps(stored))))
-    assert cfg.model == {"depth": 3} and cfg.short_run == {"skip": "gaussian", "table_readout": 1.0}
-    assert cfg.recipe == {"decode_noise_scale": 1.0} and cfg.distillation == {"student_steps": 4, "teacher_steps": 16}
+    from elflow.model import NetworkOverrides, ShortRunOptions
+    from elflow.runs.record import Distillation
+
+    cfg = TrainConfig.from_dict(train_1_to_2(json.loads(json.dumps(stored))))
+    assert cfg.model == NetworkOverrides(depth=3)
+    assert cfg.short_run == ShortRunOptions(skip="gaussian", table_readout=1.0)
+    assert cfg.recipe == Recipe(decode_noise_scale=1.0) and cfg.distillation == Distillation("pd", 4, 16)
     assert TrainConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(ValueError, match="unknown fields"):
         Recipe.from_dict({"noise": 2.0})
-    with pytest.raises(ELFError, match="recipe"):
-        TrainConfig(recipe={"noise": 2.0}).resolved().validate()

@@ -66,7 +66,7 @@ def test_an_empty_wandb_on_resume_turns_logging_off_and_says_so(capsys, tmp_path
     code, _, err = cli(capsys, ["train", "--out", run, "--resume", "--steps", "7", "--wandb", ""])
     assert code == 0, err
     assert "note: --wandb '': W&B logging is off for this run from here on" in err
-    assert json.loads((run / "run.json").read_text())["record"]["train"]["wandb"] == ""
+    assert json.loads((run / "run.json").read_text())["train"]["wandb"] == ""
 
 
 def test_train_encoder_skips_a_latin_1_file_with_on_bad_skip(capsys, tmp_path, tiny_corpus_file):

@@ -101,7 +101,7 @@ def test_each_option_trains_saves_loads_and_samples(name, base_args, tmp_path):
     flags, network = OPTIONS[name]
     run = tmp_path / "run"
     assert main(base_args + flags + ["--out", str(run)]) == 0
-    stored = json.loads((run / "run.json").read_text())["record"]["train"]
+    stored = json.loads((run / "run.json").read_text())["train"]
     net, space = load_for_sampling(run, device="cpu")
     for key, value in network.items():
         assert getattr(net.config, key) == value, key
@@ -112,8 +112,10 @@ def test_each_option_trains_saves_loads_and_samples(name, base_args, tmp_path):
         assert sum(len(g["params"]) for g in adamw["param_groups"]) == len(list(net.parameters()))
         assert all("ns_steps" not in g and "betas" in g for g in adamw["param_groups"])
     if name == "recipe":
-        assert stored["recipe"] == {"noise_scale": 1.5, "t_mean": -0.5, "t_std": 1.2, "decode_prob": 0.4,
-                                    "omega_low": 1.0, "omega_high": 3.0}
+        from elflow.flow import Recipe
+
+        assert stored["recipe"] == Recipe(noise_scale=1.5, t_mean=-0.5, t_std=1.2, decode_prob=0.4, omega_low=1.0,
+                                          omega_high=3.0).to_dict()
         assert net.record.recipe.noise_scale == 1.5
     if name == "no-self-cond":
         assert not hasattr(net, "self_cond_proj") and net.record.sampling.omega == 1.0
@@ -161,7 +163,7 @@ def test_a_separate_decoder_trains_in_two_stages_and_is_one_model(base_args, tmp
     run = tmp_path / "sep"
     assert main(args + ["--steps", "4", "--decoder", "separate", "--decoder-steps", "2", "--ckpt-every", "2",
                         "--out", str(run)]) == 0
-    stage = json.loads((run / "decoder" / "run.json").read_text())["record"]["train"]
+    stage = json.loads((run / "decoder" / "run.json").read_text())["train"]
     assert stage["decoder"] == "shared" and stage["steps"] == 2 and stage["recipe"]["decode_prob"] == 1.0
     first = load_file(run / "decoder" / "checkpoints" / "step_0000002" / "ema.safetensors")
     for step in (2, 4):

@@ -208,17 +208,8 @@ def _files(run: Path, step: int):
     return load_file(ck / "model.safetensors"), load_file(ck / "ema.safetensors")
 
 
-@pytest.fixture(scope="module")
-def teacher_run(tmp_path_factory, tiny_t5_dir, tiny_corpus_file):
-    from elflow.config import TrainConfig
-    from elflow.train import train
-
-    run = tmp_path_factory.mktemp("teacher") / "run"
-    cache = tmp_path_factory.mktemp("cache")
-    cfg = TrainConfig(preset="tiny", data=str(tiny_corpus_file), space=f"t5:{tiny_t5_dir}", length=16, batch=4,
-                      steps=2, warmup=0, ema_decay=0.9, log_every=1, ckpt_every=2, dtype="fp32", seed=1)
-    train(cfg, run, cache_dir=cache, quiet=True)  # no warm-up: both steps at the full rate
-    return run, cache
+# the module's teacher (conftest.teacher_run): two steps, both at the full rate (no warm-up), one checkpoint
+TEACHER_RUN = dict(steps=2, warmup=0, ckpt_every=2, keep=3)
 
 
 ROUND = dict(student_steps=[2, 1], teacher_steps=2, steps_per_round=3, ckpt_every=2, keep=5, log_every=1,
@@ -235,11 +226,12 @@ def full_distillation(teacher_run, tmp_path_factory):
 
 @pytest.mark.slow
 def test_rounds_are_ordinary_runs_with_few_step_sampling_defaults(full_distillation, teacher_run):
-    from elflow.runs.record import Distillation, RunRecord
+    from elflow.runs.record import Distillation
+    from elflow.runs.stored import read_record
 
     out, rounds = full_distillation
     assert list(rounds) == [2, 1] and rounds[2] == out / "2-step" and rounds[1] == out / "1-step"
-    teacher = RunRecord.read(teacher_run[0])
+    teacher = read_record(teacher_run[0])
     for n in (2, 1):
         net = elflow.load(out / f"{n}-step")
         assert net.origin.path.endswith("step_0000003")
@@ -247,10 +239,11 @@ def test_rounds_are_ordinary_runs_with_few_step_sampling_defaults(full_distillat
         assert record.distillation == Distillation("pd", n, 2)
         assert record.sampling.to_dict() == {**record.sampling.to_dict(), **distilled_defaults(n)}
         # the round's record is its own, with the teacher's recipe
-        assert record.train.distillation == {"student_steps": n, "teacher_steps": 2}
+        stored = json.loads((out / f"{n}-step" / "run.json").read_text())["train"]
+        assert stored["distillation"] == {"objective": "pd", "student_steps": n, "teacher_steps": 2}
         assert record.recipe == teacher.recipe
-    run1 = json.loads((out / "1-step" / "run.json").read_text())["record"]["train"]
-    run2 = json.loads((out / "2-step" / "run.json").read_text())["record"]["train"]
+    run1 = json.loads((out / "1-step" / "run.json").read_text())["train"]
+    run2 = json.loads((out / "2-step" / "run.json").read_text())["train"]
     assert run2["init_from"].startswith(str(teacher_run[0]))  # round 1: the teacher
     assert run1["init_from"] == str(out / "2-step")  # round k + 1: round k's student (its EMA)
     assert run1["warmup_frac"] == 0.1 and run1["ema_decay"] == 0.5
@@ -364,8 +357,9 @@ def test_a_teacher_without_ema_teaches_with_its_raw_weights_and_a_warning(teache
     import shutil
 
     teacher, cache = teacher_run
-    ck = tmp_path / "no_ema"
-    shutil.copytree(teacher / "checkpoints" / "step_0000002", ck)
+    run = tmp_path / "no_ema"  # the run copied, its checkpoint without EMA weights
+    shutil.copytree(teacher, run)
+    ck = run / "checkpoints" / "step_0000002"
     (ck / "ema.safetensors").unlink()
     state = json.loads((ck / "state.json").read_text())
     del state["files"]["ema.safetensors"]

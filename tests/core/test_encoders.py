@@ -184,10 +184,10 @@ def test_a_drawn_table_shares_no_draws_with_a_sampling_seed(tiny_t5_dir):
     """Stream 2 (every table built now) draws from a generator of its own: the table of space seed 0 is not
     the first draws of a generator seeded with 0 (a sampler's starting noise), nor of any small seed. A spec
     stored without a stream is stream 1, the draw from the seed itself, rebuilt exactly."""
-    from elflow.runs.checkpoint import upgrade_state
+    from elflow.runs.migrate import space_1_to_2
 
-    def stored_spec(spec):  # a spec as read back from a checkpoint
-        return upgrade_state({"space": spec})["space"]
+    def stored_spec(spec):  # a spec as read back from a checkpoint of version 1 of the record
+        return space_1_to_2(spec)
 
     spec = {"kind": "random-table", "name": str(tiny_t5_dir), "dim": 16, "seed": 0}
     new = build_space(spec)

@@ -9,17 +9,17 @@ import pytest
 import torch
 
 from elflow.experiments.toy import ring_mixture
+from elflow.flow import euler_step, integrate
 from elflow.flowmap import (
     diagonal_residual,
     draw_time_pairs,
     flow_map,
-    integrate_map,
     lmd_loss,
     lmd_residual,
     map_and_time_derivative,
-    map_from_x,
     teacher_velocity,
 )
+from elflow.util.errors import ELFError
 
 SIGMA = 2.0  # the path's noise scale
 
@@ -55,7 +55,7 @@ class Gaussian:
         return self.m + t_ * self.sd ** 2 / self.a(t_) ** 2 * (z - t_ * self.m)
 
     def net(self, z, s, t):
-        """The x output whose map (flowmap.map_from_x, 1 - s >= t_eps) is the exact one: x = z + (1 - s)(m +
+        """The x output whose map (flowmap.flow_map, 1 - s >= t_eps) is the exact one: x = z + (1 - s)(m +
         D (z - s m) / a_s) with D = (a_t - a_s) / (t - s) written without the division (finite at t = s)."""
         s_, t_ = self.rows(s, z), self.rows(t, z)
         d = (self.sd ** 2 * (t_ + s_) - SIGMA ** 2 * (2 - t_ - s_)) / (self.a(t_) + self.a(s_))
@@ -262,14 +262,16 @@ def test_sampling_with_the_exact_map_is_exact_at_every_step_count(steps):
     inner = torch.rand(steps - 1, generator=g, dtype=torch.float64).sort().values
     grid = torch.cat([torch.zeros(1, dtype=torch.float64), inner, torch.ones(1, dtype=torch.float64)])
     seen = []
-    z, x = integrate_map(gauss.net, z0, grid.float(), callback=lambda k, t, z_, x_: seen.append(k))
+    z, x = integrate(lambda z_, t_, w_, slot, target: gauss.net(z_, t_, target), z0, grid.float(), sampler="map",
+                     callback=lambda k, t, z_, x_: seen.append(k))
     assert torch.allclose(z, gauss.m + gauss.sd / SIGMA * z0, atol=1e-5)
     assert torch.allclose(x, z) and seen == list(range(steps))
 
 
-def test_sample_flow_map_refuses_a_grid_of_one_time():
-    with pytest.raises(ValueError, match="at least two times"):
-        integrate_map(Gaussian().net, torch.zeros(2, 2), torch.zeros(1))
+def test_sampling_a_flow_map_refuses_a_grid_of_one_time():
+    with pytest.raises(ELFError, match="at least two finite times"):
+        integrate(lambda z_, t_, w_, slot, target: Gaussian().net(z_, t_, target), torch.zeros(2, 1, 2),
+                  torch.zeros(1), sampler="map")
 
 
 def test_the_time_pairs_follow_their_documented_distribution():
@@ -290,9 +292,9 @@ def test_the_time_pairs_follow_their_documented_distribution():
         draw_time_pairs(4, diagonal=1.5)
 
 
-def test_map_from_x_clips_the_divisor_and_lands_on_x_at_t_1():
+def test_the_maps_jump_clips_the_divisor_and_lands_on_x_at_t_1():
     z, x = torch.tensor([[1.0, -1.0]]), torch.tensor([[3.0, 0.5]])
-    assert torch.allclose(map_from_x(x, z, torch.tensor([0.2]), torch.tensor([1.0])), x)
+    assert torch.allclose(euler_step(z, torch.tensor([0.2]), torch.tensor([1.0]), x), x)
     # 1 - s = 0.02 < t_eps = 0.05: the step moves (t - s) / 0.05 of the way
-    out = map_from_x(x, z, torch.tensor([0.98]), torch.tensor([0.99]))
+    out = euler_step(z, torch.tensor([0.98]), torch.tensor([0.99]), x)
     assert torch.allclose(out, z + 0.2 * (x - z), atol=1e-6)

@@ -7,15 +7,14 @@ import shutil
 
 import pytest
 import torch
-from helpers import assert_one_error, checkpoint_weights, readout_without_specials, tiny_config, tree_state
+from helpers import assert_one_error, checkpoint_weights, readout_without_specials, tree_state
 
 import elflow
 from elflow.cli import main
-from elflow.flow import Recipe, integrate, time_grid
-from elflow.flowmap import map_and_time_derivative, map_from_x
+from elflow.flow import Recipe, euler_step, integrate, time_grid
+from elflow.flowmap import map_and_time_derivative
 from elflow.methods.lmd import draw_map_noise, map_loss
 from elflow.model import ELF, get_config
-from elflow.train import train
 
 
 def pair():
@@ -57,10 +56,10 @@ def test_the_maps_time_derivative_through_the_network_equals_finite_differences(
     t = torch.tensor([0.3, 0.9])
     X, dX = map_and_time_derivative(net, z, s, t)
     h = 1e-3
-    fd = (map_from_x(net(z, s, t + h), z, s, t + h) - map_from_x(net(z, s, t - h), z, s, t - h)) / (2 * h)
-    assert torch.allclose(X, map_from_x(net(z, s, t), z, s, t), atol=1e-5)  # (attention: another kernel)
+    fd = (euler_step(z, s, t + h, net(z, s, t + h)) - euler_step(z, s, t - h, net(z, s, t - h))) / (2 * h)
+    assert torch.allclose(X, euler_step(z, s, t, net(z, s, t)), atol=1e-5)  # (attention: another kernel)
     assert (dX - fd).abs().max() < 2e-3 * fd.abs().max() and fd.abs().max() > 0.1
-    fd_wrong = (map_from_x(net(z, s, t), z, s, t + h) - map_from_x(net(z, s, t), z, s, t - h)) / (2 * h)
+    fd_wrong = (euler_step(z, s, t + h, net(z, s, t)) - euler_step(z, s, t - h, net(z, s, t))) / (2 * h)
     assert (dX - fd_wrong).abs().max() > 0.05 * fd.abs().max()  # the network's own dependence on t counts
 
 
@@ -89,17 +88,14 @@ def test_the_map_sampler_jumps_only_with_a_student_and_lands_on_the_guess():
             integrate(teacher, z0, time_grid(1, "uniform"), sampler="map", omega=w)
 
 
-@pytest.fixture(scope="module")
-def teacher_run(tmp_path_factory, tiny_t5_dir, tiny_corpus_file):
-    root = tmp_path_factory.mktemp("fm")
-    train(tiny_config(tiny_t5_dir, tiny_corpus_file, steps=4, ckpt_every=4), root / "teacher",
-          cache_dir=root / "cache", quiet=True)
-    return root
+# the module's teacher (conftest.teacher_run): four steps, one checkpoint
+TEACHER_RUN = dict(steps=4, ckpt_every=4)
 
 
-def distil(root, out, *extra):
-    return main(["distill", str(root / "teacher"), "--objective", "flow-map", "--steps", "4", "--ckpt-every", "2",
-                 "--cache-dir", str(root / "cache"), "--out", str(out), "--quiet", *extra])
+def distil(teacher_run, out, *extra):
+    teacher, cache = teacher_run
+    return main(["distill", str(teacher), "--objective", "flow-map", "--steps", "4", "--ckpt-every", "2",
+                 "--cache-dir", str(cache), "--out", str(out), "--quiet", *extra])
 
 
 def test_distill_flow_map_makes_one_student_that_samples_at_any_step_count(teacher_run, tmp_path, capsys, tiny_t5_dir):
@@ -120,7 +116,7 @@ def test_distill_flow_map_makes_one_student_that_samples_at_any_step_count(teach
     capsys.readouterr()
     code = main(["sample", str(out), "--steps", "65", "--out", str(tmp_path / "x.jsonl")])
     assert_one_error(code, capsys.readouterr().err, "sample", "1 to 64 steps")
-    code = main(["sample", str(teacher_run / "teacher"), "--sampler", "map", "--out", str(tmp_path / "x.jsonl")])
+    code = main(["sample", str(teacher_run[0]), "--sampler", "map", "--out", str(tmp_path / "x.jsonl")])
     assert_one_error(code, capsys.readouterr().err, "sample", "flow-map student")
     # a student does not teach a student
     code = main(["distill", str(out), "--objective", "flow-map", "--steps", "2", "--out", str(tmp_path / "again")])
@@ -132,12 +128,13 @@ def test_distill_flow_map_makes_one_student_that_samples_at_any_step_count(teach
 def test_a_stopped_flow_map_distillation_resumes_exactly(teacher_run, tmp_path):
     from elflow.distill import distill_flow_map
 
+    teacher, cache = teacher_run
     full, part = tmp_path / "full", tmp_path / "part"
-    kw = dict(ckpt_every=2, cache_dir=teacher_run / "cache", quiet=True)
-    distill_flow_map(teacher_run / "teacher", full, steps=4, **kw)
-    distill_flow_map(teacher_run / "teacher", part, steps=4, stop_after=2, **kw)
+    kw = dict(ckpt_every=2, cache_dir=cache, quiet=True)
+    distill_flow_map(teacher, full, steps=4, **kw)
+    distill_flow_map(teacher, part, steps=4, stop_after=2, **kw)
     assert not (part / "checkpoints" / "step_0000004").exists()
-    distill_flow_map(teacher_run / "teacher", part, steps=4, resume=True, **kw)
+    distill_flow_map(teacher, part, steps=4, resume=True, **kw)
     for a, b in zip(checkpoint_weights(full, 4), checkpoint_weights(part, 4)):
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     shutil.rmtree(part)

@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from helpers import reference_dir
+from helpers import reference_dir, tiny_network
 
 from elflow.model import ELF, PRESETS, ELFConfig, get_config
 
@@ -28,13 +28,8 @@ def test_presets_match_the_spec_table():
         assert (c.bottleneck, c.time_tokens, c.omega_tokens, c.mode_tokens) == (128, 4, 4, 4)
 
 
-def tiny(**kw):
-    torch.manual_seed(0)
-    return ELF(get_config("tiny", **kw))
-
-
 def test_call_contract_shapes_and_free_length():
-    net = tiny()
+    net = tiny_network()
     for L in (1, 7, 32):
         z = torch.randn(3, L, 32)
         t, w = torch.rand(3), torch.full((3,), 3.0)
@@ -44,7 +39,7 @@ def test_call_contract_shapes_and_free_length():
 
 
 def test_x_prev_none_means_zeros_and_init_is_zero_head():
-    net = tiny()
+    net = tiny_network()
     z, t, w = torch.randn(2, 5, 32), torch.rand(2), torch.ones(2)
     assert torch.equal(net(z, t, w), torch.zeros(2, 5, 32))  # zero-initialised x head
     torch.nn.init.normal_(net.x_head.weight)
@@ -54,7 +49,7 @@ def test_x_prev_none_means_zeros_and_init_is_zero_head():
 def test_sequence_positions_are_independent_of_length_beyond_attention():
     """RoPE: a shift-invariant relative encoding; changing t changes the output; per-row gate equals
     the scalar gate row by row."""
-    net = tiny()
+    net = tiny_network()
     torch.nn.init.normal_(net.x_head.weight)
     z, t, w = torch.randn(4, 6, 32), torch.rand(4), torch.rand(4) * 4
     gate = torch.tensor([1.0, 0.0, 1.0, 0.0])
@@ -73,7 +68,7 @@ def test_sequence_positions_are_independent_of_length_beyond_attention():
 
 
 def test_bf16_autocast_on_cpu_close_to_fp32():
-    net = tiny()
+    net = tiny_network()
     torch.nn.init.normal_(net.x_head.weight, std=0.1)
     z, t, w = torch.randn(2, 16, 32), torch.rand(2), torch.ones(2) * 2
     ref = net(z, t, w)
@@ -84,7 +79,7 @@ def test_bf16_autocast_on_cpu_close_to_fp32():
 
 
 def test_gradient_checkpointing_gives_the_same_gradients():
-    a, b = tiny(), tiny()
+    a, b = tiny_network(), tiny_network()
     b.grad_checkpoint = True
     b.load_state_dict(a.state_dict())
     for net in (a, b):
@@ -101,7 +96,7 @@ def test_gradient_checkpointing_gives_the_same_gradients():
 
 
 def test_torch_compile_works():
-    net = tiny()
+    net = tiny_network()
     compiled = torch.compile(net, backend="eager")
     z, t, w = torch.randn(2, 8, 32), torch.rand(2), torch.ones(2)
     assert torch.allclose(compiled(z, t, w), net(z, t, w))
@@ -119,7 +114,7 @@ def test_torch_compile_works():
     (dict(x_prev=torch.randn(2, 4, 32)), "x_prev must have the shape of z"),
 ])
 def test_mismatched_shapes_name_the_expected_ones(bad, match):
-    net = tiny()
+    net = tiny_network()
     args = dict(z=torch.randn(2, 5, 32), t=torch.rand(2), omega=torch.ones(2), x_prev=None)
     args.update(bad)
     with pytest.raises(ValueError, match=match):

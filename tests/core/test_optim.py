@@ -324,10 +324,10 @@ def test_the_earlier_rules_scale_the_decode_head_as_they_did():
 
 def test_runs_stored_with_a_muon_scale_keep_their_update():
     from elflow.config import TrainConfig
-    from elflow.runs.checkpoint import upgrade_train
+    from elflow.runs.migrate import train_1_to_2
 
-    def stored(d):  # a run description as read back from run.json or state.json
-        return TrainConfig.from_dict(upgrade_train(d))
+    def stored(d):  # a run description of version 1 of the record, as read back from run.json or state.json
+        return TrainConfig.from_dict(train_1_to_2(d))
 
     assert TrainConfig().update_rule == "released"
     assert stored({}).update_rule == "torch-fan"  # stored before the setting existed: torch's Muon, fan rule

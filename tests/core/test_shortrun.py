@@ -6,29 +6,25 @@ import math
 
 import pytest
 import torch
+from helpers import tiny_network
 
 from elflow.methods.elf import METHOD
 from elflow.model import ELF, ShortRunOptions, build_network, gaussian_posterior, get_config
-from elflow.runs.checkpoint import upgrade_state
+from elflow.runs.migrate import SHORT_RUN_FIELDS
 from elflow.runs.released import build_from_state_dict
 from elflow.util.errors import ELFError
 
 
-def tiny(**options):
-    torch.manual_seed(0)
-    return build_network(get_config("tiny"), options)
-
-
 def test_no_option_gives_the_papers_network_and_each_option_its_own_tensors():
-    assert type(tiny()) is ELF and type(tiny(**ShortRunOptions().to_dict())) is ELF
-    plain = tiny()
+    assert type(tiny_network()) is ELF and type(tiny_network(**ShortRunOptions().to_dict())) is ELF
+    plain = tiny_network()
     for options, extra in [({"skip": "gaussian"}, {"skip_mean", "skip_var", "skip_noise"}),
                            ({"table_readout": 1.0}, {"readout_table"}),
                            ({"head_modulation": True}, {"head_modulation.weight", "head_modulation.bias"}),
                            ({"time_scale": 1000.0}, set()),
                            ({"skip": "gated"}, {"skip_mean", "skip_var", "skip_noise", "skip_gate.weight",
                                                 "skip_gate.bias"})]:
-        net = tiny(**options)
+        net = tiny_network(**options)
         assert type(net) is ELF and net.options.active and set(net.state_dict()) == set(plain.state_dict()) | extra
         if "head_modulation" not in options:  # no draws for the options: the paper network's weights as without
             assert all(torch.equal(v, net.state_dict()[k]) for k, v in plain.state_dict().items())
@@ -39,14 +35,15 @@ def test_no_option_gives_the_papers_network_and_each_option_its_own_tensors():
 def test_a_network_stored_with_its_options_among_its_config_loads_with_the_same_outputs():
     """Stored networks may name the options (and activation checkpointing) in their config itself: they are
     read as the same network, with the same outputs."""
-    net = tiny(skip="gaussian", time_scale=1000.0, head_modulation=True, table_readout=1.0)
+    net = tiny_network(skip="gaussian", time_scale=1000.0, head_modulation=True, table_readout=1.0)
     torch.nn.init.normal_(net.x_head.weight)
     torch.nn.init.normal_(net.head_modulation.weight, std=0.1)
     net.set_gaussian_skip(torch.randn(32) * 0.1, torch.rand(32) + 0.5, 2.0)
     net.set_readout_table(torch.randn(100, 32, generator=torch.Generator().manual_seed(2)))
     flat = {**net.config.to_dict(), **net.options.to_dict(), "grad_checkpoint": False}
-    stored = upgrade_state({"model": json.loads(json.dumps(flat))})
-    cfg, options = METHOD.network_config(stored["model"]), ShortRunOptions.from_dict(stored["short_run"])
+    stored = json.loads(json.dumps(flat))  # version 1 of the record: the options among the network's settings
+    options = ShortRunOptions.from_dict({k: stored.pop(k) for k in SHORT_RUN_FIELDS if k in stored})
+    cfg = METHOD.network_config(stored)
     assert cfg == net.config and options == net.options
     assert METHOD.network_config(net.config.to_dict()) == cfg
     again = build_from_state_dict(net.state_dict(), config=cfg, options=options)
@@ -77,7 +74,7 @@ def test_gaussian_posterior_equals_a_regression_on_samples():
 
 
 def test_gaussian_skip_starts_as_the_baseline_and_returns_clean_inputs_at_t1():
-    net = tiny(skip="gaussian")
+    net = tiny_network(skip="gaussian")
     assert {n for n, p in net.named_parameters() if not p.requires_grad} == {"skip_mean", "skip_var", "skip_noise"}
     mean, var = torch.randn(32) * 0.1, torch.rand(32) + 0.5
     net.set_gaussian_skip(mean, var, 2.0)
@@ -93,7 +90,7 @@ def test_gaussian_skip_starts_as_the_baseline_and_returns_clean_inputs_at_t1():
     with pytest.raises(ValueError, match="shape"):
         net.set_gaussian_skip(mean[:4], var, 2.0)
     with pytest.raises(ValueError, match="skip='none'"):
-        tiny(time_scale=2.0).set_gaussian_skip(mean, var, 2.0)
+        tiny_network(time_scale=2.0).set_gaussian_skip(mean, var, 2.0)
     with pytest.raises(ValueError, match="skip must be one of"):
         ShortRunOptions(skip="residual")
 
@@ -101,7 +98,7 @@ def test_gaussian_skip_starts_as_the_baseline_and_returns_clean_inputs_at_t1():
 def test_gated_skip_starts_as_the_gaussian_skip_and_a_closed_gate_passes_no_noise():
     """skip="gated": a fresh network equals the Gaussian skip's (the gate starts at 0); where the gate is 1 the
     guess is mean + std x head, whatever noise z holds."""
-    gated, plain = tiny(skip="gated"), tiny(skip="gaussian")
+    gated, plain = tiny_network(skip="gated"), tiny_network(skip="gaussian")
     mean, var = torch.randn(32) * 0.1, torch.rand(32) + 0.5
     for net in (gated, plain):
         net.set_gaussian_skip(mean, var, 2.0)
@@ -119,9 +116,9 @@ def test_gated_skip_starts_as_the_gaussian_skip_and_a_closed_gate_passes_no_nois
 
 
 def test_table_readout_adds_the_table_match_to_the_readout_only():
-    net = tiny(table_readout=0.7)
+    net = tiny_network(table_readout=0.7)
     assert {n for n, p in net.named_parameters() if not p.requires_grad} == {"readout_table"}
-    assert net.num_params() == tiny().num_params()  # the table is data, not trained
+    assert net.num_params() == tiny_network().num_params()  # the table is data, not trained
     table = torch.randn(100, 32, generator=torch.Generator().manual_seed(0))
     net.set_readout_table(table)
     ids = torch.randint(0, 100, (3, 7), generator=torch.Generator().manual_seed(1))
@@ -146,15 +143,15 @@ def test_table_readout_adds_the_table_match_to_the_readout_only():
     with pytest.raises(ValueError, match="shape"):
         net.set_readout_table(table[:10])
     with pytest.raises(ValueError, match="without table_readout"):
-        tiny(time_scale=2.0).set_readout_table(table)
+        tiny_network(time_scale=2.0).set_readout_table(table)
     with pytest.raises(ValueError, match="table_readout must be a number >= 0"):
         ShortRunOptions(table_readout=-1.0)
 
 
 def test_time_scale_multiplies_t_before_its_features():
-    net = tiny()
+    net = tiny_network()
     torch.nn.init.normal_(net.x_head.weight)
-    scaled = tiny(time_scale=1000.0)
+    scaled = tiny_network(time_scale=1000.0)
     scaled.load_state_dict(net.state_dict())
     z, w, t = torch.randn(2, 5, 32), torch.ones(2), torch.tensor([0.001, 0.0004])
     assert torch.allclose(scaled(z, t, w), net(z, t * 1000, w), atol=1e-6)
@@ -164,9 +161,9 @@ def test_time_scale_multiplies_t_before_its_features():
 
 
 def test_head_modulation_starts_as_identity_and_can_switch_the_head_off():
-    plain = tiny()
+    plain = tiny_network()
     torch.nn.init.normal_(plain.x_head.weight)
-    mod = tiny(head_modulation=True)
+    mod = tiny_network(head_modulation=True)
     missing, unexpected = mod.load_state_dict(plain.state_dict(), strict=False)
     assert sorted(missing) == ["head_modulation.bias", "head_modulation.weight"] and not unexpected
     z, t, w = torch.randn(2, 5, 32), torch.rand(2), torch.ones(2)

@@ -11,7 +11,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import as_layout_1, checkpoint_weights, readout_without_specials, run_alone_and_on_two_ranks, tiny_config
+from helpers import (
+    as_layout_1,
+    assert_same,
+    checkpoint_weights,
+    readout_without_specials,
+    run_alone_and_on_two_ranks,
+    tiny_config,
+)
 from safetensors.torch import load_file
 
 from elflow.runs.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
@@ -27,19 +34,11 @@ cfg_for = tiny_config
 final_weights = checkpoint_weights
 
 
-def assert_same(a: dict, b: dict, exact=True):
-    assert a.keys() == b.keys()
-    for k in a:
-        if exact:
-            assert torch.equal(a[k], b[k]), k
-        else:
-            assert torch.allclose(a[k], b[k], atol=2e-5, rtol=1e-4), (k, (a[k] - b[k]).abs().max())
-
-
 def assert_same_runs(run_a: Path, run_b: Path, step: int, exact=True):
-    """The two runs' checkpoints at `step` hold the same weights and the same EMA."""
-    for a, b in zip(final_weights(run_a, step), final_weights(run_b, step)):
-        assert_same(a, b, exact)
+    """The two runs' checkpoints at `step` hold the same weights and the same EMA (to float rounding where not
+    `exact`)."""
+    for name, a, b in zip(("weights", "EMA"), *(final_weights(run, step) for run in (run_a, run_b))):
+        assert_same(a, b, f"{run_a.name} {name}", exact, rtol=1e-4, atol=2e-5)
 
 
 @pytest.fixture(scope="module")
@@ -304,7 +303,7 @@ def test_print_config_and_the_first_line_name_the_resolved_precision(tmp_path, t
                  "--cache-dir", str(tmp_path / "c"), "--out", str(run)]) == 0
     first = capsys.readouterr().err.splitlines()[0]
     assert first.startswith("training an ELF model") and "on cpu (" in first and f"precision {picked}" in first
-    assert json.loads((run / "run.json").read_text())["record"]["train"]["dtype"] == picked
+    assert json.loads((run / "run.json").read_text())["train"]["dtype"] == picked
 
 
 def test_word_stats_by_hand():
@@ -332,8 +331,9 @@ def test_a_random_table_run_stored_without_a_stream_keeps_its_table(tmp_path, ti
                       short_run={"table_readout": 1.0}, space_stream=1, data=str(tiny_corpus_file))
     old = tmp_path / "old"
     train(cfg, old, quiet=True, cache_dir=tmp_path / "cache")
+    settings = json.loads((old / "run.json").read_text())["train"]
     for f in [old / "run.json", *old.glob("checkpoints/*/state.json")]:  # what an elflow without streams wrote
-        d = as_layout_1(json.loads(f.read_text()))
+        d = as_layout_1(json.loads(f.read_text()), settings)
         d["train"].pop("space_stream")
         if "space" in d:
             d["space"].pop("stream")
@@ -345,7 +345,7 @@ def test_a_random_table_run_stored_without_a_stream_keeps_its_table(tmp_path, ti
     assert space.stream == 1 and torch.equal(space.table, first_draws)
     assert torch.equal(net.readout_table, space.table[:net.config.vocab_size])
     assert main(["train", "--out", str(old), "--resume", "--steps", "4", "--quiet"]) == 0
-    assert json.loads((old / "run.json").read_text())["record"]["train"]["space_stream"] == 1
+    assert json.loads((old / "run.json").read_text())["train"]["space_stream"] == 1
     assert main(["train", *base, "--steps", "2", "--out", str(tmp_path / "new")]) == 0
     _, fresh = load_for_sampling(tmp_path / "new")
     assert fresh.stream == 2 and not torch.allclose(fresh.table, space.table)
@@ -418,7 +418,7 @@ def test_gaussian_skip_run_carries_the_training_moments(tmp_path, tiny_t5_dir, t
     # stopped after step 3 and resumed: the same weights as the uninterrupted run
     from elflow.config import TrainConfig
 
-    cfg = TrainConfig.from_dict(json.loads((run / "run.json").read_text())["record"]["train"])
+    cfg = TrainConfig.from_dict(json.loads((run / "run.json").read_text())["train"])
     part = tmp_path / "part"
     train(cfg, part, cache_dir=cache, quiet=True, stop_after=3)
     train(cfg, part, resume=True, cache_dir=cache, quiet=True)
@@ -582,7 +582,7 @@ def test_each_optimiser_step_runs_at_the_released_rate(kw, warmup, tmp_path, tin
     assert [r["step"] for r in recs if r["kind"] == "train"] == [1, 2, 3, 4, 5]
     assert [r["lr"] for r in recs if r["kind"] == "train"] == pytest.approx([want(k) for k in range(steps)], abs=1e-15)
     weights, ema = final_weights(run, 1)
-    assert_same(weights, ema)  # nothing moved at step 0's rate of 0
+    assert_same(weights, ema, "step 1")  # nothing moved at step 0's rate of 0
     assert not all(torch.equal(a, b) for a, b in zip(*(w.values() for w in final_weights(run, 2))))
 
 

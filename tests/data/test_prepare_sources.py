@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import assert_one_error, cli, corpus_of_words, train_args, words
+from helpers import assert_one_error, cli, corpus_of_words, make_fifo, train_args, words
 
 from elflow.data.store import TokenStore
 
@@ -17,9 +17,8 @@ ROOT = Path(__file__).resolve().parents[2]
 # sources and arguments refused before anything is written: table-driven
 
 
-def _fifo(tmp):
-    os.mkfifo(tmp / "fifo.txt")
-    return tmp / "fifo.txt"
+def _fifo_source(tmp):
+    return make_fifo(tmp / "fifo.txt")
 
 
 def _link_folder(tmp):
@@ -41,7 +40,7 @@ def _notarget(tmp):
 SOURCE_CASES = [
     # (id, source maker, extra flags, words of the one line)
     ("dev-zero", lambda tmp: "/dev/zero", [], ["/dev/zero is a character device, not a regular file"]),
-    ("fifo", _fifo, [], ["fifo.txt is a fifo, not a regular file"]),
+    ("fifo", _fifo_source, [], ["fifo.txt is a fifo, not a regular file"]),
     ("folder-of-a-link-to-dev-zero", _link_folder, [],
      ["holds no .txt files it can read",
       "skipped, not regular files: a.txt (a link to /dev/zero, a character device)"]),
@@ -67,7 +66,7 @@ def test_prepare_refuses_a_source_in_one_line_and_writes_nothing(tmp_path, space
 
 
 @pytest.mark.parametrize("make,needle", [(lambda tmp: "/dev/zero", "is a character device"),
-                                         (_fifo, "is a fifo"), (_link_folder, "holds no .txt files it can read")],
+                                         (_fifo_source, "is a fifo"), (_link_folder, "holds no .txt files it can read")],
                          ids=["dev-zero", "fifo", "folder-of-a-link-to-dev-zero"])
 def test_train_data_that_is_not_a_regular_file_is_one_line(capsys, tmp_path, space_flag, make, needle):
     code, _, err = cli(capsys, train_args(make(tmp_path), tmp_path / "run", space_flag, tmp_path / "cache"))

@@ -19,12 +19,13 @@ from elflow.cli import main, one_line
 from elflow.util.errors import ELFError
 
 
-def files_under(root: Path) -> list[str]:
+def paths_under(root: Path) -> list[str]:
+    """The relative path of every file and folder under `root`, sorted."""
     return sorted(str(p.relative_to(root)) for p in Path(root).rglob("*"))
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, tiny_t5_dir, tiny_corpus_file):
+def base_and_other_runs(tmp_path_factory, tiny_t5_dir, tiny_corpus_file):
     """Two tiny runs (2 steps, a checkpoint at step 2): `base`, and `other`, a run whose folder outputs must
     not enter."""
     root = tmp_path_factory.mktemp("evalout")
@@ -59,13 +60,14 @@ def never(what):
 # outputs: checked before any work
 
 
-def test_outputs_that_are_links_run_folders_or_inside_runs_are_refused_before_any_work(runs, tiny_t5_judge_dir,
-                                                                                      tmp_path, capsys, monkeypatch):
-    made, cache = runs
+def test_outputs_that_are_links_run_folders_or_inside_runs_are_refused_before_any_work(base_and_other_runs,
+                                                                                      tiny_t5_judge_dir, tmp_path,
+                                                                                      capsys, monkeypatch):
+    made, cache = base_and_other_runs
     outside = tmp_path / "outside"
     outside.mkdir()
     (tmp_path / "dlink").symlink_to(outside)
-    before = {name: files_under(run) for name, run in made.items()}
+    before = {name: paths_under(run) for name, run in made.items()}
     monkeypatch.setattr(eval_cli, "load_judge", never("the judge"))
     monkeypatch.setattr(eval_cli, "sample_and_score", never("sampling"))
     cases = [
@@ -84,14 +86,14 @@ def test_outputs_that_are_links_run_folders_or_inside_runs_are_refused_before_an
     code, _, err = cli(capsys, ["eval", "--task", tmp_path / "no-pairs.jsonl", "--checkpoint", made["base"], "--out",
                                 tmp_path / "dlink"])
     assert_one_error(code, err, "eval", "--out", "is a symbolic link")
-    assert files_under(outside) == [] and {n: files_under(r) for n, r in made.items()} == before
+    assert paths_under(outside) == [] and {n: paths_under(r) for n, r in made.items()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dlink", "outside"]
 
 
-def test_the_default_places_and_the_runs_own_eval_folder(runs, tiny_t5_judge_dir, tmp_path, capsys):
+def test_the_default_places_and_the_runs_own_eval_folder(base_and_other_runs, tiny_t5_judge_dir, tmp_path, capsys):
     """--checkpoint RUN writes into RUN/eval/SETTINGS, a checkpoint folder CKPT of it into RUN/eval/CKPT/SETTINGS
     (never into the checkpoint); --out under RUN/eval is allowed; a report among another run's files is not."""
-    made, cache = runs
+    made, cache = base_and_other_runs
     run = tmp_path / "run"
     import shutil
 
@@ -100,7 +102,7 @@ def test_the_default_places_and_the_runs_own_eval_folder(runs, tiny_t5_judge_dir
     assert cli(capsys, sample_argv(run, tiny_t5_judge_dir, cache))[0] == 0
     assert cli(capsys, sample_argv(run / "checkpoints" / "step_0000002", tiny_t5_judge_dir, cache))[0] == 0
     assert cli(capsys, sample_argv(run, tiny_t5_judge_dir, cache, "--out", run / "eval" / "mine"))[0] == 0
-    assert files_under(run / "eval") == sorted([
+    assert paths_under(run / "eval") == sorted([
         "mine", "mine/report.json", "mine/samples_seed0.jsonl",
         tag, f"{tag}/report.json", f"{tag}/samples_seed0.jsonl",
         "step_0000002", f"step_0000002/{tag}", f"step_0000002/{tag}/report.json",
@@ -124,9 +126,9 @@ def _judge_that_fails(exc):
 
 
 @pytest.mark.parametrize("failure", [ELFError("the judge failed"), KeyboardInterrupt()], ids=["error", "ctrl-c"])
-def test_an_eval_that_fails_after_sampling_leaves_nothing_and_its_rerun_works(runs, tiny_t5_judge_dir, tmp_path,
-                                                                            capsys, monkeypatch, failure):
-    made, cache = runs
+def test_an_eval_that_fails_after_sampling_leaves_nothing_and_its_rerun_works(base_and_other_runs, tiny_t5_judge_dir,
+                                                                            tmp_path, capsys, monkeypatch, failure):
+    made, cache = base_and_other_runs
     out = tmp_path / "ev"
     argv = sample_argv(made["base"], tiny_t5_judge_dir, cache, "--out", out, "--seeds", "0", "1", "--json")
     sampled = []
@@ -140,12 +142,12 @@ def test_an_eval_that_fails_after_sampling_leaves_nothing_and_its_rerun_works(ru
     assert not out.exists()  # no samples file to block the rerun, no empty folder
     code, stdout, err = cli(capsys, argv)
     assert code == 0, err
-    assert files_under(out) == ["report.json", "samples_seed0.jsonl", "samples_seed1.jsonl"]
+    assert paths_under(out) == ["report.json", "samples_seed0.jsonl", "samples_seed1.jsonl"]
     assert json.loads(stdout)["num_seeds"] == 2
 
 
-def test_a_model_that_gives_only_empty_texts_is_one_line_and_writes_nothing(runs, tiny_t5_judge_dir, tmp_path,
-                                                                           capsys):
+def test_a_model_that_gives_only_empty_texts_is_one_line_and_writes_nothing(base_and_other_runs, tiny_t5_judge_dir,
+                                                                           tmp_path, capsys):
     """The EMA readout made to say EOS first at every position (the checkpoint resealed): every sample is empty;
     eval says so, writes nothing, with or without MAUVE; sweep says so and names the samples it kept."""
     import shutil
@@ -155,7 +157,7 @@ def test_a_model_that_gives_only_empty_texts_is_one_line_and_writes_nothing(runs
     from elflow.runs.checkpoint import read_state, write_state
     from elflow.util.files import sha256_file
 
-    made, cache = runs
+    made, cache = base_and_other_runs
     run = tmp_path / "eos"
     shutil.copytree(made["base"], run)
     ck = run / "checkpoints" / "step_0000002"
@@ -184,8 +186,9 @@ def test_a_model_that_gives_only_empty_texts_is_one_line_and_writes_nothing(runs
 # flags and inputs: refused up front, saying what the path is
 
 
-def test_flags_are_refused_before_the_model_is_sampled(runs, tiny_t5_judge_dir, tmp_path, capsys, monkeypatch):
-    made, cache = runs
+def test_flags_are_refused_before_the_model_is_sampled(base_and_other_runs, tiny_t5_judge_dir, tmp_path, capsys,
+                                                        monkeypatch):
+    made, cache = base_and_other_runs
     monkeypatch.setattr(eval_cli, "load_judge", never("the judge"))
     monkeypatch.setattr(eval_cli, "sample_and_score", never("sampling"))
     for extra, says in [(["--seeds", "1", "1"], "--seeds names seed 1 more than once"),
@@ -213,8 +216,9 @@ def test_flags_are_refused_before_the_model_is_sampled(runs, tiny_t5_judge_dir, 
 
 
 @pytest.mark.parametrize("kind", ["dev-zero", "fifo", "folder", "missing", "empty", "blank-jsonl", "blank-lines"])
-def test_references_that_hold_no_text_are_named_before_any_judging(tmp_path, capsys, kind, runs, monkeypatch):
-    made, _ = runs
+def test_references_that_hold_no_text_are_named_before_any_judging(tmp_path, capsys, kind, base_and_other_runs,
+                                                                    monkeypatch):
+    made, _ = base_and_other_runs
     refs = {"dev-zero": Path("/dev/zero"), "fifo": tmp_path / "fifo", "folder": tmp_path / "refs",
             "missing": tmp_path / "missing.txt", "empty": tmp_path / "empty.txt",
             "blank-jsonl": tmp_path / "blank.jsonl", "blank-lines": tmp_path / "blank.txt"}[kind]
@@ -265,10 +269,10 @@ def test_identical_degenerate_sets_score_one_through_eval(tiny_t5_judge_dir, tmp
 # the error printer
 
 
-def test_an_error_naming_a_path_with_a_newline_is_one_line_for_every_command(runs, tmp_path, capsys):
+def test_an_error_naming_a_path_with_a_newline_is_one_line_for_every_command(base_and_other_runs, tmp_path, capsys):
     odd = tmp_path / "nl\nname\x1b[31m.jsonl"
     odd.write_text("{}\n")
-    code, _, err = cli(capsys, ["sample", runs[0]["base"], "--out", odd])
+    code, _, err = cli(capsys, ["sample", base_and_other_runs[0]["base"], "--out", odd])
     assert "nl\\nname\\x1b[31m.jsonl already exists" in assert_one_error(code, err, "sample")
     for argv, command in [
                           (["eval", tmp_path / "s\nx.jsonl", "--judge", "no-judge"], "eval"),

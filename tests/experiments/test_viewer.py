@@ -17,7 +17,7 @@ PAIRS = [{"input": f"{a} {b}", "output": f"{b} {a}"} for a in ("king", "love", "
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, tiny_t5_dir, tiny_corpus_file):
+def text_and_conditional_runs(tmp_path_factory, tiny_t5_dir, tiny_corpus_file):
     """A tiny text model and a tiny conditional model, each trained for 2 steps."""
     root = tmp_path_factory.mktemp("viewer")
     text_run = root / "text"
@@ -56,8 +56,8 @@ def changed_spans(doc, j, k):
 # the file
 
 
-def test_the_trajectory_file_ends_on_the_samples_written(runs, tmp_path):
-    text_run, _, _ = runs
+def test_the_trajectory_file_ends_on_the_samples_written(text_and_conditional_runs, tmp_path):
+    text_run, _, _ = text_and_conditional_runs
     records, doc, page = sampled(text_run, tmp_path / "s.jsonl", "--num", "3", "--prompt", "the king")
     assert doc["format"] == "elflow-trajectory" and doc["version"] == 2 and page.is_file()
     assert [s["step"] for s in doc["steps"]] == [1, 2, 3, 4, 5]  # every step by default, counted from 1
@@ -82,10 +82,11 @@ def test_the_trajectory_file_ends_on_the_samples_written(runs, tmp_path):
     assert not (tmp_path / "few.trajectory.html").exists()
 
 
-def test_steps_count_from_1_on_the_terminal_in_the_file_and_in_a_version_1_file(runs, tmp_path, capsys):
+def test_steps_count_from_1_on_the_terminal_in_the_file_and_in_a_version_1_file(text_and_conditional_runs, tmp_path,
+                                                                                 capsys):
     """The terminal's lines, the file and the page count sampling steps from 1 (the last of 5 is step 5); a file
     of format version 1 (steps counted from 0) reads as the same steps counted from 1."""
-    text_run, _, _ = runs
+    text_run, _, _ = text_and_conditional_runs
     out = tmp_path / "s.jsonl"
     assert main(["sample", str(text_run), "--steps", "5", "--batch", "2", "--num", "2", "--quiet", "--trajectory",
                  "--out", str(out)]) == 0
@@ -132,8 +133,8 @@ def test_token_spans_join_to_the_decoded_text_for_both_kinds_of_tokenizer(tiny_t
     assert token_spans(sentencepiece, [], []) == []
 
 
-def test_view_rewrites_the_page_and_refuses_what_is_not_a_trajectory(runs, tmp_path, capsys):
-    text_run, _, _ = runs
+def test_view_rewrites_the_page_and_refuses_what_is_not_a_trajectory(text_and_conditional_runs, tmp_path, capsys):
+    text_run, _, _ = text_and_conditional_runs
     _, doc, page = sampled(text_run, tmp_path / "s.jsonl", "--num", "2")
     traj = tmp_path / "s.trajectory.json"
     assert main(["view", str(traj), "--out", str(tmp_path / "again.html")]) == 0
@@ -154,8 +155,8 @@ def test_view_rewrites_the_page_and_refuses_what_is_not_a_trajectory(runs, tmp_p
         assert not (tmp_path / "x.html").exists()
 
 
-def test_the_page_is_self_contained(runs, tmp_path):
-    text_run, _, _ = runs
+def test_the_page_is_self_contained(text_and_conditional_runs, tmp_path):
+    text_run, _, _ = text_and_conditional_runs
     _, doc, page = sampled(text_run, tmp_path / "s.jsonl", "--num", "2")
     source = page.read_text()
     assert "<script src" not in source and "<link" not in source and "@import" not in source
@@ -209,11 +210,11 @@ def read_sample(section):
                 known: toks.map((t) => t.classList.contains("known"))};""", section)
 
 
-def test_moving_the_slider_shows_each_steps_recorded_text(runs, tmp_path, browser):
+def test_moving_the_slider_shows_each_steps_recorded_text(text_and_conditional_runs, tmp_path, browser):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.common.keys import Keys
 
-    text_run, _, _ = runs
+    text_run, _, _ = text_and_conditional_runs
     _, doc, page = sampled(text_run, tmp_path / "s.jsonl", "--num", "2", "--prompt", "the king")
     browser.get(page.as_uri())
     sections = browser.find_elements(By.CSS_SELECTOR, "section.sample")
@@ -247,10 +248,10 @@ def test_moving_the_slider_shows_each_steps_recorded_text(runs, tmp_path, browse
     assert browser.get_log("browser") == []  # no script error
 
 
-def test_a_conditional_sample_shows_its_source_and_reference(runs, tmp_path, browser):
+def test_a_conditional_sample_shows_its_source_and_reference(text_and_conditional_runs, tmp_path, browser):
     from selenium.webdriver.common.by import By
 
-    _, cond_run, pairs = runs
+    _, cond_run, pairs = text_and_conditional_runs
     out = tmp_path / "c.jsonl"
     assert main(["sample", str(cond_run), "--source", str(pairs), "--steps", "4", "--batch", "3", "--quiet",
                  "--trajectory", "--out", str(out)]) == 0

@@ -232,7 +232,7 @@ def heldout_loss(method, model, dataset, batch: int = 32, rows: int = 256, seed:
     n = min(rows, len(dataset))
     for i in range(0, n, batch):
         b = dataset.batch(torch.arange(i, min(i + batch, n)))
-        _, metrics = method.objective(model, b["tokens"], b["mask"], method.token_draw(b["tokens"], g))
+        _, metrics = method.objective(model, b["tokens"], b, method.token_draw(b["tokens"], g), None)
         total += float(metrics["nll_sum"])
         count += float(metrics["tokens"])
     return total / max(count, 1.0)
@@ -302,9 +302,9 @@ def test_compare_trains_three_matched_methods_and_judges_them(tmp_path, tiny_t5_
         assert info[name]["steps"] == 3 and info[name]["tokens"] == 3 * 4 * 16
         assert json.loads((tmp_path / name / "run.json").read_text())["record"]["method"] == name
     with torch.device("meta"):
-        from elflow.runs.record import RunRecord
+        from elflow.runs.stored import read_record
 
-        elf_trunk = ELF(RunRecord.read(tmp_path / "elf").network).num_params(exclude_decode_head=True)
+        elf_trunk = ELF(read_record(tmp_path / "elf").network).num_params(exclude_decode_head=True)
     for name in ("ar", "mdlm"):
         model = {"ar": ar, "mdlm": mdlm}[name].build(TokenLMConfig(**json.loads(
             (tmp_path / name / "run.json").read_text())["record"]["network"]), types.SimpleNamespace(vocab_size=300))

@@ -30,7 +30,7 @@ weights = checkpoint_weights
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, tiny_t5_dir, tiny_corpus_file, cache):
+def baseline_runs(tmp_path_factory, tiny_t5_dir, tiny_corpus_file, cache):
     """An uninterrupted 4-step run of each baseline."""
     out = {}
     for method in ("ar", "mdlm"):
@@ -49,11 +49,12 @@ def judge_dir(tiny_t5_judge_dir):
 
 
 @pytest.mark.parametrize("method", ["ar", "mdlm"])
-def test_a_baseline_run_records_its_method_shape_and_matched_size(runs, method, tiny_t5_dir):
-    run = runs[method]
+def test_a_baseline_run_records_its_method_shape_and_matched_size(baseline_runs, method, tiny_t5_dir):
+    run = baseline_runs[method]
     meta = json.loads((run / "run.json").read_text())["record"]
     state = json.loads((run / "checkpoints" / "step_0000004" / "state.json").read_text())["record"]
-    assert meta["method"] == state["method"] == meta["train"]["method"] == method
+    settings = json.loads((run / "run.json").read_text())["train"]
+    assert meta["method"] == state["method"] == settings["method"] == method
     shape = TokenLMConfig(**state["network"])
     net = MODULES[method].build(shape, type("V", (), {"vocab_size": 300})())
     elf = get_config("tiny", dim=32, vocab_size=300, max_length=16)  # the tiny T5's width and vocabulary
@@ -67,16 +68,16 @@ def test_a_baseline_run_records_its_method_shape_and_matched_size(runs, method, 
 
 
 @pytest.mark.parametrize("method", ["ar", "mdlm"])
-def test_an_interrupted_then_resumed_baseline_run_equals_an_uninterrupted_one(runs, method, tmp_path, tiny_t5_dir,
-                                                                              tiny_corpus_file, cache):
+def test_an_interrupted_then_resumed_baseline_run_equals_an_uninterrupted_one(baseline_runs, method, tmp_path,
+                                                                              tiny_t5_dir, tiny_corpus_file, cache):
     run = tmp_path / "run"
     cfg = cfg_for(tiny_t5_dir, tiny_corpus_file, method=method)
     train(cfg, run, cache_dir=cache, quiet=True, stop_after=2)
     assert [p.name for p in list_checkpoints(run)] == ["step_0000002"]
     assert train(cfg, run, resume=True, cache_dir=cache, quiet=True)["start_step"] == 2
-    for a, b in zip(weights(run, 4), weights(runs[method], 4)):
+    for a, b in zip(weights(run, 4), weights(baseline_runs[method], 4)):
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    before = weights(runs[method], 2)[0]  # and the run did move
+    before = weights(baseline_runs[method], 2)[0]  # and the run did move
     assert any(not torch.equal(before[k], weights(run, 4)[0][k]) for k in before)
 
 
@@ -111,29 +112,30 @@ def test_the_optimiser_takes_adam_parameters_by_name():
 # loading and sampling
 
 
-def test_the_loader_builds_the_baseline_from_its_ema_weights(runs):
-    net, space = load_for_sampling(runs["ar"], device="cpu")
+def test_the_loader_builds_the_baseline_from_its_ema_weights(baseline_runs):
+    net, space = load_for_sampling(baseline_runs["ar"], device="cpu")
     assert net.record.method == "ar" and isinstance(net, torch.nn.Module) and space.vocab_size == 300
-    ema = load_file(runs["ar"] / "checkpoints" / "step_0000004" / "ema.safetensors")
+    ema = load_file(baseline_runs["ar"] / "checkpoints" / "step_0000004" / "ema.safetensors")
     assert all(torch.equal(v, ema[k]) for k, v in net.state_dict().items() if k in ema)
     assert set(ema) == {k for k, _ in net.named_parameters()}
 
 
 @pytest.mark.parametrize("method,flags", [("ar", ["--temperature", "0.8", "--top-p", "0.9"]),
                                           ("mdlm", ["--steps", "4"])])
-def test_sample_cli_draws_with_the_baselines_own_sampler(runs, method, flags, tmp_path, tiny_t5_dir):
+def test_sample_cli_draws_with_the_baselines_own_sampler(baseline_runs, method, flags, tmp_path, tiny_t5_dir):
     from transformers import AutoTokenizer
 
     out = tmp_path / "s.jsonl"
-    assert main(["sample", str(runs[method]), *flags, "--num", "3", "--seed", "5", "--quiet", "--out", str(out)]) == 0
+    assert main(["sample", str(baseline_runs[method]), *flags, "--num", "3", "--seed", "5", "--quiet", "--out",
+                 str(out)]) == 0
     recs = [json.loads(x) for x in out.read_text().splitlines()]
     assert [r["index"] for r in recs] == [0, 1, 2] and all(r["method"] == method and r["seed"] == 5 for r in recs)
     # the same draws by hand: the EMA weights, the module's sampler, the generator of batch 0 of seed 5 (seeded
     # 5 x 100,003 + 0, as every sampler seeds its batches: generate.generation_batches), the tokenizer
-    state = json.loads((runs[method] / "checkpoints" / "step_0000004" / "state.json").read_text())
+    state = json.loads((baseline_runs[method] / "checkpoints" / "step_0000004" / "state.json").read_text())
     module = MODULES[method]
     net = module.build(TokenLMConfig(**state["record"]["network"]), type("V", (), {"vocab_size": 300})())
-    net.load_state_dict(load_file(runs[method] / "checkpoints" / "step_0000004" / "ema.safetensors"))
+    net.load_state_dict(load_file(baseline_runs[method] / "checkpoints" / "step_0000004" / "ema.safetensors"))
     settings = (ar.ARSampling(temperature=0.8, top_p=0.9) if method == "ar" else mdlm.MDLMSampling(steps=4))
     ids = module.generate_tokens(net.eval(), 3, 16, settings, torch.Generator().manual_seed(5 * 100_003)).tolist()
     tok = AutoTokenizer.from_pretrained(tiny_t5_dir)
@@ -147,9 +149,9 @@ def one_line_error(capsys, argv, *words):
     assert "\n" not in err and "error" in err and all(w in err for w in words), err
 
 
-def test_elf_only_uses_of_a_baseline_are_one_line_errors(runs, capsys, tmp_path, tiny_t5_dir, tiny_corpus_file,
+def test_elf_only_uses_of_a_baseline_are_one_line_errors(baseline_runs, capsys, tmp_path, tiny_t5_dir, tiny_corpus_file,
                                                          cache):
-    a, m = str(runs["ar"]), str(runs["mdlm"])
+    a, m = str(baseline_runs["ar"]), str(baseline_runs["mdlm"])
     out = str(tmp_path / "x.jsonl")
     one_line_error(capsys, ["sample", a, "--prompt", "the king", "--out", out], "--prompt", "ELF model")
     one_line_error(capsys, ["sample", m, "--suffix", "the end", "--out", out], "--suffix", "ELF model")
@@ -177,12 +179,12 @@ def test_an_unknown_method_lists_the_choices(capsys):
     assert "\n" not in str(e.value) and all(name in str(e.value) for name in ("elf", "ar", "mdlm"))
 
 
-def test_eval_judges_a_baselines_samples(runs, judge_dir, tmp_path):
+def test_eval_judges_a_baselines_samples(baseline_runs, judge_dir, tmp_path):
     from elflow.eval.judge import load_judge
     from elflow.eval.metrics import generative_perplexity, read_texts
 
     out = tmp_path / "eval"
-    assert main(["eval", "--checkpoint", str(runs["mdlm"]), "--steps", "4", "--num", "3", "--judge",
+    assert main(["eval", "--checkpoint", str(baseline_runs["mdlm"]), "--steps", "4", "--num", "3", "--judge",
                  str(judge_dir), "--out", str(out), "--device", "cpu", "--json"]) == 0
     report = json.loads((out / "report.json").read_text())
     assert report["method"] == "mdlm" and report["steps"] == 4
@@ -193,22 +195,22 @@ def test_eval_judges_a_baselines_samples(runs, judge_dir, tmp_path):
         expected["entropy"])
 
 
-def test_sweep_runs_an_ar_models_temperatures(runs, judge_dir, tmp_path, capsys):
+def test_sweep_runs_an_ar_models_temperatures(baseline_runs, judge_dir, tmp_path, capsys):
     from elflow.experiments.sweep import read_csv
 
     out = tmp_path / "sweep"
-    assert main(["sweep", str(runs["ar"]), "--temperature", "0.8", "1", "--num", "2", "--judge", str(judge_dir),
-                 "--device", "cpu", "--out", str(out)]) == 0
+    assert main(["sweep", str(baseline_runs["ar"]), "--temperature", "0.8", "1", "--num", "2", "--judge",
+                 str(judge_dir), "--device", "cpu", "--out", str(out)]) == 0
     rows = read_csv(out / "sweep.csv")
     assert [(r["method"], r["temperature"], r["top_p"]) for r in rows] == [("ar", 0.8, 1.0), ("ar", 1.0, 1.0)]
     assert (out / "tradeoff.png").exists()
     # a cell's samples are `elflow sample`'s at the same settings and seed
-    assert main(["sample", str(runs["ar"]), "--temperature", "1", "--num", "2", "--quiet",
+    assert main(["sample", str(baseline_runs["ar"]), "--temperature", "1", "--num", "2", "--quiet",
                  "--out", str(tmp_path / "s.jsonl")]) == 0
     cell = [json.loads(x)["text"] for x in (out / "samples" / "ar_temperature1_topp1_seed0.jsonl").read_text().splitlines()]
     assert cell == [json.loads(x)["text"] for x in (tmp_path / "s.jsonl").read_text().splitlines()]
     capsys.readouterr()
-    one_line_error(capsys, ["sweep", str(runs["ar"]), "--omega", "1", "--judge", str(judge_dir), "--out",
+    one_line_error(capsys, ["sweep", str(baseline_runs["ar"]), "--omega", "1", "--judge", str(judge_dir), "--out",
                             str(tmp_path / "w")], "--omega", "--temperature")
 
 

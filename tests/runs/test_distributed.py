@@ -74,7 +74,7 @@ def test_a_run_of_two_ranks_resumes_on_one_rank_exactly(setup, tmp_path):
                         "--steps", "4", "--out", str(run)], env=ENV, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
     meta = json.loads((run / "run.json").read_text())
-    assert meta["record"]["train"]["micro_batch"] == 2 and meta["world_size"] == 2
+    assert meta["train"]["micro_batch"] == 2 and meta["world_size"] == 2
     assert main(["train", "--out", str(run), "--resume", "--steps", "8", "--quiet"]) == 0
     assert json.loads((run / "run.json").read_text())["world_size"] == 1
     assert_same_weights(run, full, 8)
@@ -92,7 +92,7 @@ def test_a_run_of_one_rank_resumes_on_two_nodes_exactly(setup, tmp_path):
     for r in nodes:
         assert r.returncode == 0, r.stderr[-3000:]
     meta = json.loads((run / "run.json").read_text())
-    train = meta["record"]["train"]
+    train = meta["train"]
     assert meta["world_size"] == 2 and train["dist_timeout"] == 7 and train["micro_batch"] == 2
     assert_same_weights(run, full, 8)
 

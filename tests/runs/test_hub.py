@@ -65,7 +65,9 @@ def test_the_card_names_the_runs_settings(pushed):
     assert rows["parameters"] == f"{meta['params']['model']:,}"
     assert rows["preset"] == "tiny" and rows["steps trained"] == "6 of 6" and rows["sequence length"] == "16"
     assert rows["training tokens"] == f"{6 * 4 * 16:,}" and rows["precision"] == "fp32" and rows["EMA decay"] == "0.9"
-    assert rows["data"] == meta["train"]["data"] and rows["embedding space"] == meta["space"]["id"]
+    settings = json.loads((run / "run.json").read_text())["train"]
+    assert rows["data"] == settings["data"] and rows["embedding space"] == meta["space"]["id"]
+    assert json.loads((folder / "config.json").read_text())["train"] == settings  # the folder keeps them
     assert rows["sampling defaults"].startswith("steps 32, sampler sde")
     assert rows["training loss, total (step 6)"] == f"{_last_loss(run):.4g}"
     assert 'elflow.load("someone/tiny-elf")' in card and "elflow sample someone/tiny-elf" in card

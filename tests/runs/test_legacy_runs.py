@@ -30,6 +30,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 import pytest
 import torch
+from helpers import assert_same
 from safetensors.torch import load_file
 
 # this file is tests/<folder>/test_legacy_runs.py; the fixtures are tests/fixtures/<name>
@@ -46,7 +47,8 @@ DISTILL = ["elf", "--student-steps", "2,1", "--teacher-steps", "4", "--steps-per
 # and the flow-map student's (record2 only)
 FLOW_MAP = ["elf", "--objective", "flow-map", "--steps", "4", "--lr", "3e-3", "--ema-decay", "0.5", "--log-every",
             "1", "--ckpt-every", "2"]
-NOT_FIXTURE = ("__pycache__", "test_*.py", "conftest.py")  # beside the fixture when the test is run from it
+# beside the fixture when the test is run from it (helpers.py: tests/helpers.py, which it imports)
+NOT_FIXTURE = ("__pycache__", "test_*.py", "conftest.py", "helpers.py")
 SCRIPTS = ("SHA256SUMS", "make.sh", "make_helpers.py", "README.md")  # what made the fixture, and its list
 
 
@@ -98,27 +100,6 @@ def this_cpu() -> str:
     except OSError:
         return ""
     return next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "")
-
-
-def assert_same(a, b, where: str, exact: bool = True) -> None:
-    """a equals b: tensors by dtype, shape and value (torch.equal; floats to 1e-3 where not `exact`),
-    containers item by item, the rest by ==."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor), f"{where}: a tensor and a {type(b)}"
-        assert (a.dtype, a.shape) == (b.dtype, b.shape), f"{where}: {a.dtype} {a.shape} vs {b.dtype} {b.shape}"
-        same = torch.equal(a, b) if exact or not a.is_floating_point() else \
-            torch.allclose(a, b, rtol=1e-2, atol=1e-3)
-        assert same, f"{where}: values differ (max |a - b| {(a.double() - b.double()).abs().max()})"
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and set(a) == set(b), f"{where}: keys {sorted(map(str, set(a) ^ set(b)))} differ"
-        for k in a:
-            assert_same(a[k], b[k], f"{where}[{k!r}]", exact)
-    elif isinstance(a, (list, tuple)):
-        assert isinstance(b, (list, tuple)) and len(a) == len(b), f"{where}: lengths differ"
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{where}[{i}]", exact)
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
 
 
 def assert_same_checkpoint(got: Path, want: Path, fixture: str) -> None:

@@ -40,6 +40,18 @@ def reads_in(seen: dict, ckpt: Path) -> dict:
     return {n: names.count(n) for n in sorted(set(names))}
 
 
+def copy_with_damaged_ema(run: Path, to: Path) -> Path:
+    """A copy of `run` whose newest checkpoint's EMA file has its last byte flipped (same size)."""
+    import shutil
+
+    shutil.copytree(run, to)
+    ema = to / "checkpoints" / "step_0000006" / "ema.safetensors"
+    data = bytearray(ema.read_bytes())
+    data[-1] ^= 0xFF
+    ema.write_bytes(bytes(data))
+    return to
+
+
 def test_a_run_loads_reading_each_file_it_uses_once(trained):
     seen = probe(trained)
     newest = sorted((trained / "checkpoints").iterdir())[-1]
@@ -73,17 +85,60 @@ def test_a_learned_space_comes_from_the_same_read_as_the_weights(learned_table_r
 def test_a_damaged_newest_checkpoint_gives_way_to_the_one_before(trained, tmp_path, capsys):
     """The newest checkpoint's EMA file damaged: the run samples from the one before, with a warning naming the
     damaged file; the damaged checkpoint is read once."""
-    import shutil
 
     from elflow.runs.load import load_for_sampling
 
-    run = tmp_path / "run"
-    shutil.copytree(trained, run)
-    ema = run / "checkpoints" / "step_0000006" / "ema.safetensors"
-    data = bytearray(ema.read_bytes())
-    data[-1] ^= 0xFF
-    ema.write_bytes(bytes(data))
+    run = copy_with_damaged_ema(trained, tmp_path / "run")
     net, _ = load_for_sampling(run, device="cpu")
     assert net.origin.step == 3
     err = capsys.readouterr().err
     assert "warning: skipping a bad checkpoint" in err and "step_0000006/ema.safetensors" in err
+
+
+RESUME_PROBE = r"""
+import json, os, sys
+opened = []
+
+def hook(event, args):
+    if event == "open" and isinstance(args[0], (str, bytes, os.PathLike)):
+        opened.append(os.fsdecode(args[0]))
+
+sys.addaudithook(hook)
+from elflow.cli import main
+code = main(["train", "--out", sys.argv[1], "--resume", "--steps", "7", "--quiet"])
+print(json.dumps({"code": code, "opened": opened}))
+"""
+
+
+def test_a_resume_reads_each_file_of_its_checkpoint_once(trained, cache, tmp_path):
+    """--resume chooses its checkpoint from state.json and the files' sizes, then loads each file once, checked
+    on the bytes read: weights, EMA and optimiser state one open each."""
+    import os
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(trained, run)
+    done = subprocess.run([sys.executable, "-c", RESUME_PROBE, str(run)], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1", "ELFLOW_CACHE": str(cache),
+                                            "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    seen = json.loads(done.stdout.splitlines()[-1])
+    assert seen["code"] == 0
+    counts = reads_in(seen, run / "checkpoints" / "step_0000006")
+    assert {n: counts.get(n) for n in ("model.safetensors", "ema.safetensors", "optimizer.pt")} == \
+        {"model.safetensors": 1, "ema.safetensors": 1, "optimizer.pt": 1}, counts
+    assert counts.get("state.json") == 1, counts
+
+
+def test_a_resume_whose_newest_checkpoint_is_damaged_says_what_to_do(trained, cache, tmp_path, capsys):
+    """A weight file of the newest checkpoint changed in place (same size): the resume that loads it refuses in
+    one line naming the file, changes nothing, and says how to resume from the checkpoint before it."""
+
+    from elflow.cli import main
+
+    run = copy_with_damaged_ema(trained, tmp_path / "run")
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != "lock"}
+    assert main(["train", "--out", str(run), "--resume", "--steps", "7", "--quiet", "--cache-dir", str(cache)]) != 0
+    err = capsys.readouterr().err
+    assert "step_0000006/ema.safetensors: corrupted" in err and "move step_0000006 out of" in err, err
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != "lock"} == before

@@ -1,46 +1,119 @@
-"""The record's migration chain: a record of an earlier version reads as today's, gaining exactly what its
-version lacked, with the value the code of that version used."""
+"""The migration chain: every stored layout (run.json, state.json, a model folder's files) of an earlier version
+reads as today's, gaining exactly what its version lacked, with the value the code of that version used."""
 
 import json
 from pathlib import Path
 
 import pytest
 
-from elflow.runs.migrate import RECORD_VERSION, current
+from elflow.runs import migrate
+from elflow.runs.migrate import RECORD_VERSION, document
 from elflow.runs.record import RunRecord
 from elflow.util.errors import ELFError
 
-RECORD2 = Path(__file__).resolve().parents[1] / "fixtures" / "record2"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+RECORD2, LEGACY = FIXTURES / "record2", FIXTURES / "legacy"
 
 
-def stored_record(run: str) -> dict:
-    return json.loads((RECORD2 / run / "run.json").read_text())["record"]
+def stored(folder: Path, run: str) -> dict:
+    return json.loads((folder / run / "run.json").read_text())
 
 
-def test_a_version_2_record_gains_the_schedule_its_runs_used():
-    old = stored_record("elf")
-    assert old["version"] == 2 and "lr_schedule" not in old["train"]
-    new = current(old)
-    assert new["version"] == RECORD_VERSION == 3
+def test_the_chain_reaches_todays_version_one_step_at_a_time():
+    assert RECORD_VERSION == 4 and sorted(migrate.STEPS) == [1, 2, 3]
+
+
+def test_a_version_2_run_file_gains_the_schedule_its_runs_used_and_its_settings_move_out_of_the_record():
+    old = stored(RECORD2, "elf")
+    assert old["record"]["version"] == 2 and "lr_schedule" not in old["record"]["train"]
+    new = document(old, "run.json")
+    assert new["record"]["version"] == RECORD_VERSION and "train" not in new["record"]
     assert new["train"]["lr_schedule"] == "one-ahead"
-    assert {k: v for k, v in new["train"].items() if k != "lr_schedule"} == old["train"]  # nothing else moves
-    assert {k: v for k, v in new.items() if k not in ("train", "version")} == \
-        {k: v for k, v in old.items() if k not in ("train", "version")}
-    assert RunRecord.from_dict(old).train.lr_schedule == "one-ahead"
+    parts = ("lr_schedule", "recipe", "model", "short_run", "distillation")  # the parts, whole (3 -> 4)
+    assert {k: v for k, v in new["train"].items() if k not in parts} == \
+        {k: v for k, v in old["record"]["train"].items() if k not in parts}  # nothing else moves
+    assert {k: v for k, v in new["record"].items() if k != "version"} == \
+        {k: v for k, v in old["record"].items() if k not in ("train", "version")}
+    assert {k: v for k, v in new.items() if k not in ("record", "train")} == \
+        {k: v for k, v in old.items() if k != "record"}
+    RunRecord.from_dict(new["record"])
 
 
-def test_a_record_of_today_and_what_is_no_record_pass_unchanged():
-    today = {**current(stored_record("elf"))}
-    assert current(today) == today
-    for odd in (None, [1, 2], "text", {"version": 99}, {"version": True}):
-        assert current(odd) == odd
+def test_each_step_changes_only_what_its_version_lacked():
+    v2 = stored(RECORD2, "cond")
+    v3 = migrate.STEPS[2](v2, "x")
+    assert v3["record"]["version"] == 3 and v3["record"]["train"]["lr_schedule"] == "one-ahead"
+    v4 = migrate.STEPS[3](v3, "x")
+    assert v4["record"]["version"] == 4 and "train" not in v4["record"]
+    assert v4["train"] == migrate.train_3_to_4(v3["record"]["train"])
+    assert document(v3, "x") == v4 == document(v2, "x")  # the chain from any version ends at the same document
 
 
-def test_a_new_run_records_the_released_schedule(trained):
-    record = RunRecord.read(trained)
-    assert record.version == RECORD_VERSION and record.train.lr_schedule == "released"
+def test_a_version_1_run_file_becomes_a_record_with_its_settings_beside_it():
+    old = stored(LEGACY, "cond")
+    assert "record" not in old and "muon_scale" in old["train"]
+    new = document(old, "run.json")
+    record = RunRecord.from_dict(new["record"])
+    assert record.task is not None and record.task.source_length == old["train"]["source_length"]
+    assert record.network.to_dict() == {**old["model"], **record.network.to_dict()}  # the network as stored
+    assert new["train"]["update_rule"] == {"fan": "torch-fan", "released": "torch-head-transposed"}[
+        old["train"]["muon_scale"]] and new["train"]["lr_schedule"] == "one-ahead"
+    assert "muon_scale" not in new["train"] and new["world_size"] == old["world_size"]
+
+
+def test_a_version_1_model_folder_and_a_converted_checkpoint_read_as_records():
+    from elflow.runs.model_folder import read_model_folder_files
+
+    doc, _ = read_model_folder_files(LEGACY / "model-folder")
+    assert "record" not in doc
+    RunRecord.from_dict(document(doc, "config.json")["record"])
+    state = json.loads((LEGACY / "converted" / "state.json").read_text())
+    new = document(state, "state.json")
+    assert new["train"] is None and new["converted_from"] == state["train"]["converted_from"]
+    assert new["data_store"] is None  # not recorded then: a resume compares nothing
+
+
+def test_a_record_of_today_passes_unchanged_and_what_is_no_document_is_one_line():
+    today = document(stored(RECORD2, "elf"), "x")
+    assert document(today, "x") == today
+    for odd, words in ((None, "JSON object"), ([1, 2], "JSON object"), ({"record": "x"}, "JSON object"),
+                       ({"record": {"version": True}}, "'version' must be an integer"),
+                       ({"record": {"version": 1}}, "'version' must be an integer"),
+                       ({"model": {}}, "no \"model\" or \"space\"")):
+        with pytest.raises(ELFError, match=words):
+            document(odd, "x")
+
+
+def test_a_new_run_records_todays_version_and_the_released_schedule(trained):
+    from elflow.runs.stored import run_file
+
+    stored_run = run_file(trained)
+    assert stored_run["record"].version == RECORD_VERSION and stored_run["train"]["lr_schedule"] == "released"
+    doc = json.loads((trained / "run.json").read_text())
+    assert "train" not in doc["record"] and doc["train"]["lr_schedule"] == "released"
 
 
 def test_a_record_from_a_newer_elflow_is_refused_in_one_line():
+    new = document(stored(RECORD2, "elf"), "x")
     with pytest.raises(ELFError, match="newer elflow"):
-        RunRecord.from_dict({**stored_record("elf"), "version": RECORD_VERSION + 1}, "x")
+        document({**new, "record": {**new["record"], "version": RECORD_VERSION + 1}}, "x")
+
+
+def test_version_3_settings_gain_their_parts_whole_as_that_version_read_them():
+    """A version-3 run stored the recipe flags' overrides (of the released recipe of its kind: decode noise 1.0
+    for a conditional run), the short-run options' overrides, and {} for no distillation; version 4 stores the
+    parts whole, equal to what version 3 resolved them to."""
+    from elflow.flow import Recipe, recipe_for
+    from elflow.model import ShortRunOptions
+
+    cond = document(stored(RECORD2, "cond"), "x")
+    old = stored(RECORD2, "cond")["record"]
+    assert cond["train"]["recipe"] == recipe_for(old["train"]["recipe"], conditional=True).to_dict() == \
+        RunRecord.from_dict(cond["record"]).recipe.to_dict()
+    assert Recipe.from_dict(cond["train"]["recipe"]).decode_noise_scale == 1.0
+    assert cond["train"]["distillation"] is None and old["train"]["distillation"] == {}
+    assert cond["train"]["short_run"] == ShortRunOptions.from_dict(old["train"]["short_run"]).to_dict()
+    fm = document(stored(RECORD2, "fm"), "x")["train"]["distillation"]
+    assert fm == {"objective": "flow-map", "student_steps": 4, "teacher_steps": None}
+    pd = document(stored(RECORD2 / "pd", "1-step"), "x")["train"]["distillation"]
+    assert pd == {"objective": "pd", "student_steps": 1, "teacher_steps": 4}

@@ -41,14 +41,13 @@ def made_here(tmp_path_factory, tiny_t5_dir, tiny_corpus_file):
 
 
 def recorded_relative(run: Path) -> Path:
-    """`run` as an earlier elflow wrote it: --data recorded as the relative path 'st' in run.json and in every
-    checkpoint (with the store's folder), each checkpoint resealed."""
+    """`run` as an earlier elflow wrote it: --data recorded as the relative path 'st' in run.json, and the
+    store's folder so in every checkpoint, each checkpoint resealed."""
     doc = json.loads((run / "run.json").read_text())
-    doc["record"]["train"]["data"] = "st"
+    doc["train"]["data"] = "st"
     (run / "run.json").write_text(json.dumps(doc, indent=2))
     for ck in list_checkpoints(run):
         state = read_state(ck)
-        state["record"]["train"]["data"] = "st"
         state["data_store"]["folder"] = "st"
         write_state(ck, state)
     return run
@@ -56,9 +55,9 @@ def recorded_relative(run: Path) -> Path:
 
 def test_a_run_records_its_paths_absolute(made_here):
     home = made_here / "home"
-    doc = json.loads((home / "runs" / "base" / "run.json").read_text())["record"]
+    doc = json.loads((home / "runs" / "base" / "run.json").read_text())
     assert doc["train"]["data"] == str(home / "st")
-    assert doc["train"]["space"] == f"t5:{home / 't5'}" and doc["space"]["name"] == str(home / "t5")
+    assert doc["train"]["space"] == f"t5:{home / 't5'}" and doc["record"]["space"]["name"] == str(home / "t5")
     state = read_state(list_checkpoints(home / "runs" / "base")[-1])
     assert state["data_store"]["folder"] == str(home / "st")
 
@@ -77,7 +76,7 @@ def test_a_run_resumes_samples_and_teaches_from_another_folder(made_here, tmp_pa
     code, _, err = cli(capsys, ["distill", "runs/demo", "--objective", "flow-map", "--steps", "1", "--batch", "4",
                                 "--out", tmp_path / "fm", "--quiet", *cache])
     assert code == 0, err
-    student = json.loads((tmp_path / "fm" / "run.json").read_text())["record"]["train"]
+    student = json.loads((tmp_path / "fm" / "run.json").read_text())["train"]
     assert student["init_from"] == str(demo / "checkpoints" / "step_0000002")
     assert student["data"] == str(made_here / "home" / "st")
     code, _, err = cli(capsys, ["train", "--resume", "--out", demo, "--steps", "3", "--quiet", *cache])
@@ -111,7 +110,7 @@ def test_an_earlier_run_with_a_relative_data_path_says_so_from_another_folder(ma
     code, _, err = cli(capsys, ["train", "--resume", "--out", old, "--steps", "3", "--data", "../home/st", "--quiet",
                                 *cache])
     assert code == 0, err
-    assert json.loads((old / "run.json").read_text())["record"]["train"]["data"] == str(home / "st")
+    assert json.loads((old / "run.json").read_text())["train"]["data"] == str(home / "st")
 
     older = recorded_relative(Path(shutil.copytree(home / "runs" / "base", home / "runs" / "older")))
     monkeypatch.chdir(home)

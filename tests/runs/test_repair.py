@@ -122,7 +122,7 @@ def test_init_from_the_run_being_overwritten(capsys, run_copy, tiny_t5_dir, tiny
                                           **{"init-from": run_copy}), "--overwrite"])
     assert code == 0, err
     assert [p.name for p in list_checkpoints(run_copy)] == ["step_0000003"]
-    assert json.loads((run_copy / "run.json").read_text())["record"]["train"]["seed"] == 2
+    assert json.loads((run_copy / "run.json").read_text())["train"]["seed"] == 2
 
 
 def test_a_warning_is_one_line_once(capsys, trained, tmp_path):
@@ -151,7 +151,7 @@ def test_temporaries_of_a_killed_writer_are_removed(capsys, trained, tmp_path):
 
 def test_a_checkpoint_removed_while_it_is_read_gives_way_to_the_next(capsys, run_copy, tmp_path, monkeypatch,
                                                                        tiny_t5_dir):
-    import elflow.runs.record as loader
+    import elflow.runs.stored as loader
 
     readout_without_specials(run_copy, tiny_t5_dir)  # a tiny model may end every sample at once
 

@@ -60,7 +60,7 @@ def test_overwrite_failing_before_its_first_checkpoint_restores_the_old_run(
                                 "--out", run_copy, "--overwrite"])
     assert code == 0, err
     assert [p.name for p in list_checkpoints(run_copy)] == ["step_0000003"]
-    assert json.loads((run_copy / "run.json").read_text())["record"]["train"]["seed"] == 7
+    assert json.loads((run_copy / "run.json").read_text())["train"]["seed"] == 7
     assert not (run_copy / ".replaced-run").exists() and not (run_copy / ".lock").exists()
 
 
@@ -117,7 +117,7 @@ def test_stale_lock_and_temporaries_are_cleared_and_keep_0_keeps_all(capsys, run
     assert code == 0, err
     assert not tmp.exists() and not (run_copy / ".lock").exists()
     assert [int(p.name[5:]) for p in list_checkpoints(run_copy)] == [3, 6, 8, 10, 12, 14]
-    stored = json.loads((run_copy / "run.json").read_text())["record"]["train"]
+    stored = json.loads((run_copy / "run.json").read_text())["train"]
     assert stored["batch"] == 4 and stored["seed"] == 1 and stored["steps"] == 14
 
 

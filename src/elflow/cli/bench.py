@@ -9,7 +9,7 @@ from elflow.experiments.bench import MODES, bench
 from elflow.model import PRESETS
 from elflow.newton_schulz import NS_METHODS
 from elflow.util.budget import MAX_THREADS, check_sampling_steps
-from elflow.util.devices import check_device
+from elflow.util.devices import AUTOCAST_DTYPES, RUN_DTYPES, check_device
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -25,7 +25,7 @@ def add_arguments(p) -> None:
     p.add_argument("--length", type=int, default=None, help="sequence length L (default: the preset's)")
     p.add_argument("--batch", type=int, default=4, help="rows per pass (train: per micro-batch)")
     p.add_argument("--steps", type=int, default=32, help="sample: sampling steps (the decode pass is extra)")
-    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="autocast precision")
+    p.add_argument("--dtype", choices=AUTOCAST_DTYPES, default="fp32", help="autocast precision")
     p.add_argument("--compile", action="store_true", help="torch.compile the network")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--warmup", type=int, default=1, help="untimed iterations first")
@@ -35,7 +35,7 @@ def add_arguments(p) -> None:
                    help="train: a random encoder of the real shape (standin) or free embeddings (none)")
     p.add_argument("--grad-checkpoint", action="store_true", help="train: activation checkpointing per block")
     p.add_argument("--adam-heads", action="store_true", help="train: heads and embedders on Adam, not Muon")
-    p.add_argument("--ns-dtype", choices=["auto", "fp32", "bf16"], default="auto",
+    p.add_argument("--ns-dtype", choices=RUN_DTYPES, default="auto",
                    help="train: Newton-Schulz dtype (auto: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--ns-method", choices=NS_METHODS, default="auto",
                    help="train: Newton-Schulz evaluation (auto: by-shape for fp32 on CPU, iterate otherwise)")

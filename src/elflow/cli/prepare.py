@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from elflow.data.ingest import prepare_store
-from elflow.data.layout import LAYOUTS
+from elflow.data.layout import LAYOUTS, PACKED
 from elflow.data.workers import check_workers
 from elflow.runs.outputs import check_out
 from elflow.space import build_space, space_spec, tokenizer_spec
@@ -20,7 +20,7 @@ def add_arguments(p) -> None:
                    help="the embedding space whose tokenizer the store holds ids of, as `elflow train --space` takes "
                         "it (minilm, t5-small, t5:FOLDER, random-table:minilm, ...); only its tokenizer is loaded")
     p.add_argument("--out", required=True, help="the store folder to write")
-    p.add_argument("--layout", choices=LAYOUTS, default="packed",
+    p.add_argument("--layout", choices=LAYOUTS, default=PACKED,
                    help="the text layout recorded as the store's own (a text store serves both) (default: packed)")
     p.add_argument("--source-length", type=int, default=None, metavar="S",
                    help="read (source, target) pairs instead of documents, for conditional training with "

@@ -5,13 +5,16 @@ from __future__ import annotations
 from pathlib import Path
 
 from elflow.cli.common import check_counts, check_scales
-from elflow.config import RUN_DEFAULTS
 from elflow.data.tasks import COND_TASKS
 from elflow.experiments.quickstart import (
     COND_STEPS,
+    DEMO_BATCH,
+    DEMO_LENGTH,
+    DEMO_OMEGA,
     DEMO_SAMPLE_STEPS,
     DEMO_SAMPLER,
     DEMO_STEPS,
+    QUICKSTART,
     demo_config,
     report,
     run_conditional,
@@ -28,10 +31,10 @@ def add_arguments(p) -> None:
     p.add_argument("--out", default="runs/demo", help="run folder")
     p.add_argument("--steps", type=int, default=None,
                    help=f"training steps (default: {DEMO_STEPS}; {COND_STEPS} with --conditional)")
-    p.add_argument("--batch", type=int, default=32, help="rows per optimiser step")
-    p.add_argument("--length", type=int, default=64, help="sequence length L")
+    p.add_argument("--batch", type=int, default=DEMO_BATCH, help="rows per optimiser step")
+    p.add_argument("--length", type=int, default=DEMO_LENGTH, help="sequence length L")
 
-    preset = RUN_DEFAULTS["quickstart"][0]
+    preset = QUICKSTART
     p.add_argument("--lr", type=float, default=None, help=f"learning rate (default: {preset['lr']:g})")
     p.add_argument("--space", default=None,
                    help=f"embedding space (default: {preset['space']}; minilm trains in the MiniLM-L6 encoder's own "
@@ -41,7 +44,7 @@ def add_arguments(p) -> None:
                    help="sampler of the final samples")
     p.add_argument("--sample-steps", type=int, default=DEMO_SAMPLE_STEPS,
                    help="sampling steps of the final samples")
-    p.add_argument("--omega", type=float, default=3.0, help="guidance scale of the final samples")
+    p.add_argument("--omega", type=float, default=DEMO_OMEGA, help="guidance scale of the final samples")
     p.add_argument("--num", type=int, default=32, help="samples to generate and score")
     p.add_argument("--resume", action="store_true", help="continue an interrupted quickstart run")
     p.add_argument("--overwrite", action="store_true", help="start again, replacing --out")

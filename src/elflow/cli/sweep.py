@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from elflow.cli.common import add_arguments as add_tracking
@@ -17,7 +18,7 @@ from elflow.runs.load import method_of
 from elflow.runs.outputs import check_out, default_folder, own_run
 from elflow.runs.tracking import Tracker, require_wandb
 from elflow.util.budget import check_sweep
-from elflow.util.devices import check_device
+from elflow.util.devices import AUTOCAST_DTYPES, check_device
 from elflow.util.errors import ELFError
 from elflow.util.files import FolderHold, read_json
 
@@ -38,7 +39,7 @@ def add_arguments(p) -> None:
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--grid", default=DEFAULT_GRID, choices=GRIDS, help="sampling time grid")
     p.add_argument("--judge", default="gpt2-large", help="hub id or folder (offline: `elflow train-judge`)")
-    p.add_argument("--judge-dtype", choices=("fp32", "bf16"), default="fp32", help="judge precision")
+    p.add_argument("--judge-dtype", choices=AUTOCAST_DTYPES, default="fp32", help="judge precision")
     p.add_argument("--batch-size", type=int, default=8, help="judge batch size")
     p.add_argument("--gen-batch-size", type=int, default=8, help="sampling batch size")
     p.add_argument("--protocol", choices=(*PROTOCOLS, *PROTOCOL_ALIASES), default="elf",
@@ -101,8 +102,8 @@ def _check_continuation(out: Path, args) -> dict:
     wanted = {"checkpoint": str(args.checkpoint), "judge": str(args.judge), "protocol": args.protocol,
               **({"mauve": args.references or "held-out text"} if args.mauve else {})}
     meta = out / "sweep.json"
-    stored = read_json(meta) if meta.exists() else {}
-    rows = read_csv(out / "sweep.csv") if (out / "sweep.csv").exists() else []
+    stored = read_json(meta) if os.path.lexists(meta) else {}
+    rows = read_csv(out / "sweep.csv") if os.path.lexists(out / "sweep.csv") else []
     seen = {**{k: rows[0].get(k) for k in ("judge", "protocol") if rows}, **stored}
     diff = [f"{k} {seen[k]!r} (now {v!r})" for k, v in wanted.items() if k in seen and str(seen[k]) != v]
     if diff and not args.overwrite:
@@ -143,7 +144,7 @@ def run(args) -> int:
         require_wandb()
     out = _out_folder(args)
     if args.plot_only:
-        if not (out / "sweep.csv").exists():
+        if not os.path.lexists(out / "sweep.csv"):
             raise ELFError(f"{out / 'sweep.csv'} does not exist; run the sweep first or pass --out")
         rows = read_csv(out / "sweep.csv")
         png = plot_sweep(rows, out / "tradeoff.png", title=f"judge: {rows[0].get('judge') or args.judge}")
@@ -165,7 +166,7 @@ def run(args) -> int:
         references = _references(args) if args.mauve else None
         if references is not None:
             clusters_for(args.num, len(references), "auto")  # too few texts: said before any cell is sampled
-        fresh = args.overwrite and (out / "sweep.csv").exists()
+        fresh = args.overwrite and os.path.lexists(out / "sweep.csv")
         wanted = _check_continuation(out, args)
         with FolderHold(out, "elflow sweep"):
             rows = run_sweep(args.checkpoint, grid, fixed, out, num=args.num, seed=args.seed, length=args.length,

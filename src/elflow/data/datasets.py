@@ -15,7 +15,7 @@ from elflow.data.batches import split_rows
 from elflow.data.corpus import BUILTIN_NAMES, _warn, check_on_bad, local_source
 from elflow.data.ingest import prepare_store
 from elflow.data.integrity import Fingerprint, check_source_fingerprint
-from elflow.data.layout import LAYOUTS, check_source_slot
+from elflow.data.layout import LAYOUTS, PACKED, check_source_slot
 from elflow.data.origins import origin_difference, origin_fingerprint
 from elflow.data.store import StoreRows, TokenStore, file_lock, is_store
 from elflow.util.distributed import distributed
@@ -151,7 +151,7 @@ def _info(store: TokenStore, state: str, source, layout: str, length: int) -> di
             "records": store.count, "corpus_tokens": store.num_tokens, "cache": state, "store": str(store.folder)}
 
 
-def build_dataset(source, space, length: int, layout: str = "packed", val_fraction: float = 0.01, seed: int = 0,
+def build_dataset(source, space, length: int, layout: str = PACKED, val_fraction: float = 0.01, seed: int = 0,
                   cache_dir=None, field: str = "text", on_bad: str = "stop", split: str = "train",
                   max_documents: int | None = None, pad_in_loss: bool = True, use_cache: bool = True
                   ) -> tuple[StoreRows, StoreRows]:
@@ -175,7 +175,7 @@ def build_dataset(source, space, length: int, layout: str = "packed", val_fracti
 def build_pairs(source, space, source_length: int = 64, length: int = 128, val_fraction: float = 0.01,
                 seed: int = 0, cache_dir=None, source_field: str = "input", target_field: str = "output",
                 on_bad: str = "stop", split: str = "train", max_documents: int | None = None,
-                use_cache: bool = True, source_slot: str = "packed") -> tuple[StoreRows, StoreRows]:
+                use_cache: bool = True, source_slot: str = PACKED) -> tuple[StoreRows, StoreRows]:
     """Conditional (source, target) rows (`data.pair_layout`): every row holds its source (cut to
     `source_length`), then its target right after it (at `source_length` with the "fixed" `source_slot`),
     EOS-padded to `length`; `known` marks the source. The
@@ -272,9 +272,19 @@ def check_recorded_store(recorded, source, where) -> None:
     """Before a run's data `source` is read on resume: the token store folder the checkpoint (its state.json
     `where`) records, when the run was given one, must still be there; a missing one is one line naming it,
     not a lookup of its name on the hub. The record is checked field by field (`check_same_store` compares it
-    once the data is read). A store in the cache (of a hub dataset) is prepared again as on a start."""
-    _recorded(recorded, where)
+    once the data is read). A store in the cache (of a hub dataset) is prepared again as on a start. Local
+    files whose count or size differ from the source the store was prepared from are refused here, before
+    anything is read (a run.json whose --data was edited; a store folder is compared once it is read)."""
+    _, before = _recorded(recorded, where)
     check_not_relative(source, recorded, where)
+    local = local_source(source)
+    if before is not None and (str(source) in BUILTIN_NAMES or local is not None and not is_store(local)):
+        now = origin_fingerprint(source)
+        a, b = ({k: fp.get(k) for k in ("builtin", "files", "bytes")} for fp in (before, now))
+        if a != b:
+            raise ELFError(f"--data {source} is not the data this run was trained on ({where} records "
+                           f"{origin_difference(before, now)}); resume on the data the run started on, or start "
+                           "a new run with --overwrite or another --out")
     if not isinstance(recorded, dict) or not isinstance(recorded.get("folder"), str):
         return
     if str(source) in BUILTIN_NAMES or local_source(source) is not None:

@@ -16,7 +16,7 @@ from typing import Iterator
 import numpy as np
 
 from elflow.data.corpus import _warn, check_on_bad, report_bad, skipped_files
-from elflow.data.layout import LAYOUTS
+from elflow.data.layout import LAYOUTS, PACKED
 from elflow.data.origins import OriginHashes, cheap_part, origin_changed, origin_fingerprint, resolve_origin
 from elflow.data.reading import Piece, source_tasks
 from elflow.data.store import (
@@ -66,7 +66,7 @@ def _check_out(out: Path, source, overwrite: bool, cache_dir) -> None:
                        "), or choose another --out")
 
 
-def prepare_store(source, space, out, *, pairs: bool = False, layout: str = "packed", source_length: int | None = None,
+def prepare_store(source, space, out, *, pairs: bool = False, layout: str = PACKED, source_length: int | None = None,
                   field: str = "text", source_field: str = "input", target_field: str = "output",
                   on_bad: str = "stop", split: str = "train", max_documents: int | None = None,
                   workers: int | None = None, chunk_bytes: int = CHUNK_BYTES, overwrite: bool = False,

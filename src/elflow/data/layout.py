@@ -32,8 +32,9 @@ def encoder_mask(known: torch.Tensor, valid: torch.Tensor, drop: torch.Tensor | 
     return allowed
 
 
-LAYOUTS = ("packed", "document")  # text rows: documents run on across rows, or one document per row
-SOURCE_SLOTS = ("packed", "fixed")  # where a pair's target starts: right after its source, or at source_length
+PACKED, DOCUMENT, FIXED = "packed", "document", "fixed"
+LAYOUTS = (PACKED, DOCUMENT)  # text rows: documents run on across rows, or one document per row
+SOURCE_SLOTS = (PACKED, FIXED)  # where a pair's target starts: right after its source, or at source_length
 
 
 def check_source_slot(source_slot: str) -> None:
@@ -42,7 +43,7 @@ def check_source_slot(source_slot: str) -> None:
 
 
 def pair_layout(sources: list[list[int]], targets: list[list[int]], length: int, max_source_length: int,
-                pad_id: int, source_slot: str = "packed") -> dict:
+                pad_id: int, source_slot: str = PACKED) -> dict:
     """Rows of source + target ids, the target starting right after its (variable-length) source.
 
     Each source is cut to max_source_length ids, the target follows it immediately, and the row is cut or
@@ -66,7 +67,7 @@ def pair_layout(sources: list[list[int]], targets: list[list[int]], length: int,
     row_len = torch.empty(n, dtype=torch.long)
     for i, (src, tgt) in enumerate(zip(sources, targets)):
         head = list(src[:max_source_length])
-        if source_slot == "fixed":
+        if source_slot == FIXED:
             head += [int(pad_id)] * (max_source_length - len(head))
         row = (head + list(tgt))[:length]
         ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)

@@ -22,7 +22,7 @@ from elflow.data.integrity import (
     sampled_check,
     whole,
 )
-from elflow.data.layout import LAYOUTS
+from elflow.data.layout import DOCUMENT, LAYOUTS, PACKED
 from elflow.data.store_folder import (  # noqa: F401  (the folder's names and locks, read from here too)
     IDS,
     LOCK,
@@ -374,7 +374,7 @@ class StoreRows:
                            f"{length} - 1, so that a target fits")
         self.store, self.layout, self._length = store, layout, int(length)
         self.pad_in_loss, self.source_length, self.fixed_slot = pad_in_loss, source_length, bool(fixed_slot)
-        if layout == "packed":
+        if layout == PACKED:
             self.num_rows = store.num_tokens // self._length
             if self.num_rows == 0:
                 raise ELFError(f"the store {store.folder} holds only {store.num_tokens} tokens, shorter than one "
@@ -405,10 +405,10 @@ class StoreRows:
             rows = self.index[rows].astype(np.int64)
         L, s = self._length, self.store
         pos = np.arange(L, dtype=np.int64)[None, :]  # (1, L)
-        if self.layout == "packed":
+        if self.layout == PACKED:
             tokens = np.asarray(s.ids[rows[:, None] * L + pos]).astype(np.int64)  # (B, L)
             out = {"tokens": tokens, "mask": np.ones(tokens.shape, bool), "attention_mask": np.ones(tokens.shape, bool)}
-        elif self.layout == "document":
+        elif self.layout == DOCUMENT:
             start, end = np.asarray(s.offsets[rows])[:, None], np.asarray(s.offsets[rows + 1])[:, None]
             self._check_bounds(rows, start, end)
             real = pos < np.minimum(end - start, L)  # (B, L): the document's tokens, its EOS included

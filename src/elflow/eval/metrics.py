@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from elflow.util import jsonio
+from elflow.util.devices import AUTOCAST_DTYPES
 from elflow.util.errors import ELFError
 
 PROTOCOLS = ("elf", "elf-released", "mdlm")
@@ -24,7 +25,7 @@ def protocol_of(name: str) -> str:
     return PROTOCOL_ALIASES.get(name, name)
 
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = dict(zip(AUTOCAST_DTYPES, (torch.float32, torch.bfloat16)))  # the judge's precisions
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -7,10 +7,11 @@ import hashlib
 import json
 from pathlib import Path
 
+from elflow.config import TrainConfig
 from elflow.data.datasets import run_data
 from elflow.eval.metrics import generative_perplexity, read_references, summary_of
 from elflow.generate import gather_records, write_samples
-from elflow.runs.record import RunRecord
+from elflow.runs.stored import read_model_parts, training_settings
 from elflow.space import build_space, tokenizer_spec
 from elflow.util import jsonio
 from elflow.util.errors import ELFError
@@ -40,10 +41,12 @@ def heldout_texts(checkpoint, num: int, cache_dir=None) -> tuple[list[str], str]
     folder `checkpoint` was trained on, at its length, decoded by its tokenizer and cut at the first EOS as
     samples are. ELFError saying why when there are none (a released checkpoint, a conditional model, data that
     cannot be read from here)."""
-    record = RunRecord.read(checkpoint) if checkpoint else None
-    if record is None or record.train is None:
+    stored = read_model_parts(checkpoint, weights=False) if checkpoint else None
+    settings = training_settings(stored.origin.path) if stored else {}
+    if not settings:
         raise ELFError("the model records no training data elflow can read")
-    cfg = record.train.resolved()
+    record = stored.record
+    cfg = TrainConfig.stored(settings, f"{checkpoint}'s run.json").resolved()
     if cfg.source_length:
         raise ELFError("a conditional model's held-out text is a task's references (--task)")
     space = build_space(tokenizer_spec(record.space.build_spec()))

@@ -38,7 +38,7 @@ from elflow.util.budget import (
     transformer_pass,
     weights,
 )
-from elflow.util.devices import autocast, default_device
+from elflow.util.devices import AUTOCAST_DTYPES, RUN_DTYPES, autocast, default_device
 from elflow.util.errors import ELFError
 
 MODES = ("forward", "train", "sample")
@@ -310,8 +310,8 @@ def bench(mode: str, preset: str = "tiny", depth=None, hidden=None, heads=None, 
         raise ELFError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
     if preset not in PRESETS:
         raise ELFError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
-    if dtype not in ("fp32", "bf16"):
-        raise ELFError(f"--dtype must be fp32 or bf16, got {dtype!r}")
+    if dtype not in AUTOCAST_DTYPES:
+        raise ELFError(f"--dtype must be one of {', '.join(AUTOCAST_DTYPES)}, got {dtype!r}")
     for name, v in (("batch", batch), ("iters", iters), ("accum", accum), ("steps", steps)):
         if v < 1:
             raise ELFError(f"--{name} must be >= 1, got {v}")
@@ -321,8 +321,8 @@ def bench(mode: str, preset: str = "tiny", depth=None, hidden=None, heads=None, 
         raise ELFError(f"--peak-size must be >= 1, got {peak_size}")
     if space not in ("standin", "none"):
         raise ELFError(f"--space must be standin or none, got {space!r}")
-    if ns_dtype not in ("auto", "fp32", "bf16"):
-        raise ELFError(f"--ns-dtype must be auto, fp32 or bf16, got {ns_dtype!r}")
+    if ns_dtype not in RUN_DTYPES:
+        raise ELFError(f"--ns-dtype must be one of {', '.join(RUN_DTYPES)}, got {ns_dtype!r}")
     if ns_method not in NS_METHODS:
         raise ELFError(f"--ns-method must be one of {', '.join(NS_METHODS)}, got {ns_method!r}")
     if threads:  # (0 or None: torch's own count)

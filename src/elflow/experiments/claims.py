@@ -334,7 +334,7 @@ class Harness:
         figures = {"loss": report["model_loss"], "decode_acc": report["decode_accuracy"]["p=1.0"],
                    "gen_ppl": scores.get("gen_ppl", math.nan), "entropy": scores.get("judge_entropy", math.nan),
                    "corpus_words": scores.get("corpus_word_share", math.nan), "mauve": scores.get("mauve", math.nan),
-                   "params": net.record.params["model"],
+                   "params": net.record.params.model,
                    "steps": read_json(folder / "done.json")["steps"]}
         atomic_write_json(path, figures)
         return figures
@@ -457,7 +457,6 @@ def _plot(result: dict, path: Path) -> None:
         ax.set_title(FIGURES[key], fontsize=10)
     fig.suptitle(f"{result['title']}: {result['verdict']}", fontsize=11)
     fig.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=110)
+    with atomic_write(path) as f:
+        fig.savefig(f, format="png", dpi=110)
     plt.close(fig)
-    tmp.replace(path)

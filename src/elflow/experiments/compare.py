@@ -24,7 +24,7 @@ from elflow.runs.folder import METRICS_FILE
 from elflow.runs.load import load_for_sampling
 from elflow.runs.log import read_metrics
 from elflow.runs.outputs import check_out
-from elflow.runs.record import RunRecord
+from elflow.runs.stored import read_record
 from elflow.space import build_space, space_spec, tokenizer_spec
 from elflow.train import train
 from elflow.util import jsonio
@@ -183,11 +183,11 @@ def _compare(cfg, out, steps, minutes, num, judge, elf_steps, omegas, ar_tempera
         summary = train(replace(cfg, method=method), out / method, overwrite=overwrite, quiet=quiet,
                         cache_dir=cache_dir, device=device, command=f"elflow compare ({method})",
                         time_limit=minutes * 60 if minutes is not None else None)
-        record = RunRecord.read(out / method)
+        record = read_record(out / method)
         network = record.network.to_dict()
         info[method] = {"steps": summary["end_step"], "seconds": _train_seconds(out / method),
-                        "tokens": summary["end_step"] * cfg.batch * cfg.length, "params": record.params["model"],
-                        "elf_params": record.params["elf"], "shape": {k: network[k] for k in
+                        "tokens": summary["end_step"] * cfg.batch * cfg.length, "params": record.params.model,
+                        "elf_params": record.params.elf, "shape": {k: network[k] for k in
                                                                        ("depth", "hidden", "heads")},
                         "loss": (summary.get("last") or {}).get("loss")}
 

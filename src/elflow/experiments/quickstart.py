@@ -25,31 +25,29 @@ from elflow.runs.claim import check_run_dir, stored_config
 from elflow.runs.folder import REPORT_FILE, RUN_FILE, SAMPLES_FILE
 from elflow.runs.load import load_for_sampling
 from elflow.runs.log import plot_losses
-from elflow.runs.record import own_files_added
+from elflow.runs.stored import own_files_added
 from elflow.space import fixed_vectors
 from elflow.train import train
 from elflow.util.devices import default_device
 from elflow.util.errors import ELFError
-from elflow.util.files import FolderLock, atomic_write, atomic_write_json, read_json
+from elflow.util.files import FolderLock, atomic_write, atomic_write_json, check_own, read_json
 
-# the quickstart's length and final sampler (its other settings are the "quickstart" preset of TrainConfig)
-DEMO_STEPS = 250
+# the quickstart's run: the "quickstart" settings of TrainConfig (its steps, batch, length and the sampler of
+# its final samples), and the guidance of those samples
+QUICKSTART = RUN_DEFAULTS["quickstart"][0]
+DEMO_STEPS, DEMO_BATCH, DEMO_LENGTH = QUICKSTART["steps"], QUICKSTART["batch"], QUICKSTART["length"]
+DEMO_SAMPLER, DEMO_SAMPLE_STEPS = QUICKSTART["sample_sampler"], QUICKSTART["sample_steps"]
+DEMO_OMEGA = 3.0
 
 
 COND_STEPS = 500  # the conditional demonstration's: where the copy task's held-out BLEU levels off (RESULTS.md, 10)
-
-
-DEMO_SAMPLER = "vc"
-
-
-DEMO_SAMPLE_STEPS = 64
 
 
 def preset_overrides(args) -> dict:
     """The quickstart preset's settings this command's flags replace when given (--lr, --space). The preset's
     table readout needs fixed token vectors: a --space without them (an encoder, a learned table) drops it."""
     over = {name: getattr(args, name) for name in ("lr", "space") if getattr(args, name, None) is not None}
-    options = RUN_DEFAULTS["quickstart"][0]["short_run"]
+    options = QUICKSTART["short_run"]
     table = "space" not in over or fixed_vectors(over["space"])  # one frozen vector per token: the readout's table
     if options.get("table_readout") and not table:
         over["short_run"] = {**options, "table_readout": 0.0}
@@ -64,11 +62,13 @@ def demo_config(args):
 
 
 @torch.no_grad()
-def report(run_dir, sampler: str = DEMO_SAMPLER, steps: int = DEMO_SAMPLE_STEPS, omega: float = 3.0, num: int = 32,
+def report(run_dir, sampler: str = DEMO_SAMPLER, steps: int = DEMO_SAMPLE_STEPS, omega: float = DEMO_OMEGA, num: int = 32,
            seed: int = 0, cache_dir=None, printer=print) -> dict:
     """Samples and learning figures for a trained run; written to <run>/report.json and samples.jsonl."""
 
     run_dir = Path(run_dir)
+    for name, what in ((SAMPLES_FILE, "the report's samples"), (REPORT_FILE, "the run's report")):
+        check_own(run_dir / name, what)  # a link, fifo or device there: refused before any work
     tc = stored_config(run_dir)
     net, space = load_for_sampling(run_dir, device="cpu")
     length = tc.length or net.config.max_length
@@ -166,6 +166,10 @@ def plot_curve(curve: list[dict], rows: list[dict], path: Path, task: str) -> Pa
     return path
 
 
+# the rows of the conditional report: the model with its source dropped, then guided
+REPORT_GUIDANCES = (("source dropped (guidance 0)", 0.0), ("guidance 1", 1.0), ("guidance 2", 2.0))
+
+
 @torch.no_grad()
 def conditional_report(run_dir, held: list[tuple[str, str]], num: int, steps: int, seed: int = 0,
                        printer=print, task: str = "shuffle", curve: list[dict] | None = None) -> dict:
@@ -173,12 +177,14 @@ def conditional_report(run_dir, held: list[tuple[str, str]], num: int, steps: in
     unconditional pass alone), with guidance 1 and 2; with `curve` ({"step", "bleu"} points of the training),
     bleu.png of it."""
     run_dir = Path(run_dir)
+    for name in (REPORT_FILE, *(f"samples_guidance{g:g}.jsonl" for _, g in REPORT_GUIDANCES)):
+        check_own(run_dir / name, "the report's files")  # a link, fifo or device there: refused before any work
     net, space = load_for_sampling(run_dir, device="cpu")
     held = held[:num]
     sources, refs = [s for s, _ in held], [t for _, t in held]
     rows = [{"model": "copy the source", "bleu": bleu(sources, refs)}]
     t0 = time.perf_counter()
-    for name, guidance in (("source dropped (guidance 0)", 0.0), ("guidance 1", 1.0), ("guidance 2", 2.0)):
+    for name, guidance in REPORT_GUIDANCES:
         settings = settings_for(net.record, steps=steps, guidance=guidance, seed=seed, batch_size=32)
         samples_file = run_dir / f"samples_guidance{guidance:g}.jsonl"
         records, score = sample_and_score(get_method(net.record.method), net, space, len(sources), settings,

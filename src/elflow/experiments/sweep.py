@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import itertools
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -18,7 +19,7 @@ from elflow.experiments.figures import plot_tradeoff
 from elflow.methods import get_method
 from elflow.runs.load import load_for_sampling
 from elflow.util.errors import ELFError
-from elflow.util.files import atomic_write_json, atomic_write_text
+from elflow.util.files import atomic_write_json, atomic_write_text, read_own_text
 
 COLUMNS = ["sampler", "steps", "omega", "gamma", "seed", "num", "gen_ppl", "entropy", "num_samples", "num_empty",
            "num_tokens", "protocol", "judge", "seconds", "method", "temperature", "top_p", "mauve"]
@@ -43,23 +44,39 @@ def write_csv(path: str | Path, rows: list[dict]) -> Path:
     return Path(path)
 
 
+SWEEP_CSV_BYTES = 64 << 20  # a sweep's CSV: a row is ~200 bytes, so some 300,000 cells
+
+
 def read_csv(path: str | Path) -> list[dict]:
-    """The rows of a sweep CSV, numbers parsed back."""
+    """The rows of a sweep CSV, numbers parsed back. The file is read by the bounded reader, as a file the sweep
+    wrote (a regular file of at most SWEEP_CSV_BYTES, never through a link); a number that does not parse is one
+    ELFError naming the file and the line."""
+    import io
+
+    text = read_own_text(path, SWEEP_CSV_BYTES, "the sweep's results")
     rows = []
-    with open(path, newline="") as f:
-        for r in csv.DictReader(f):
-            row = {}
-            for k, v in r.items():
-                if v == "" or v is None:
-                    row[k] = None
-                elif k in _INT:
-                    row[k] = int(float(v))
-                elif k in _FLOAT:
-                    row[k] = float(v)
-                else:
-                    row[k] = v
-            rows.append(row)
+    reader = csv.DictReader(io.StringIO(text, newline=""))
+    for r in reader:
+        try:
+            rows.append({k: _cell(k, v) for k, v in r.items()})
+        except ValueError as e:
+            raise ELFError(f"{path} line {reader.line_num}: {e}; the file is corrupted: move it away, then run "
+                           "again") from None
     return rows
+
+
+def _cell(column: str, value: str | None):
+    """One cell of a sweep CSV as the row holds it: None for an empty one, an int or a float in a column of
+    numbers (ValueError naming the column otherwise), else the text."""
+    if value == "" or value is None:
+        return None
+    if column not in _INT and column not in _FLOAT:
+        return value
+    try:
+        number = float(value)
+        return int(number) if column in _INT else number
+    except (ValueError, OverflowError):
+        raise ValueError(f"{column} is {str(value)[:40]!r}, not a number") from None
 
 
 def curves(rows: list[dict]) -> list[dict]:
@@ -117,7 +134,7 @@ def run_sweep(checkpoint: str, grid: dict, fixed: dict, out: str | Path, num: in
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ELFError(f"{name} must be an integer >= 1, got {value!r}")
     csv_path = out / "sweep.csv"
-    rows = read_csv(csv_path) if csv_path.exists() and not fresh else []
+    rows = read_csv(csv_path) if os.path.lexists(csv_path) and not fresh else []
     done = {_key(r) for r in rows}
     defaults = {k: v for k, v in getattr(chosen, "defaults", {}).items() if k in COLUMNS}
     cells = [{"method": chosen.name, **defaults, **dict(zip(grid, values)), **fixed}

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 import torch
 
 from elflow.flow import NOISE_SCALE, T_EPS, Recipe, integrate, time_grid
-from elflow.flowmap import integrate_map
 from elflow.methods.pd import pd_target
 from elflow.util.files import atomic_write
 
@@ -66,8 +65,8 @@ def run_toy(mixture: GaussianMixture, steps_list=(1, 2, 4, 8, 16), num: int = 44
             sampler: str = "ode", gamma: float = 0.0, grid: str = "uniform", denoiser=None, map_net=None):
     """Sample with each step count from the same starting noise. Returns {N: dict(final, path, guesses, inside)}.
     `denoiser(z, t, omega, x_prev) -> x` defaults to the mixture's exact posterior mean; a flow map's network
-    `map_net(z, s, t) -> x_hat` instead jumps from grid time to grid time (flowmap.integrate_map; the sampler
-    and gamma do not apply to it)."""
+    `map_net(z, s, t) -> x_hat` instead jumps from grid time to grid time (`sample_map`; the sampler and gamma
+    do not apply to it)."""
     denoiser = denoiser or (lambda z_, t_, w_, x_prev: mixture.posterior_mean(z_, t_))
     g = torch.Generator().manual_seed(seed)
     z0 = mixture.noise_scale * torch.randn(num, 1, 2, generator=g)
@@ -81,7 +80,7 @@ def run_toy(mixture: GaussianMixture, steps_list=(1, 2, 4, 8, 16), num: int = 44
             guesses.append(x_pred[:, 0].clone())
 
         if map_net is not None:
-            z, _ = integrate_map(map_net, z0.clone(), times, callback=record)
+            z, _ = sample_map(map_net, z0.clone(), times, callback=record)
         else:
             z, _ = integrate(denoiser, z0.clone(), times,
                              sampler=sampler, gamma=gamma, recipe=Recipe(noise_scale=mixture.noise_scale),
@@ -89,6 +88,14 @@ def run_toy(mixture: GaussianMixture, steps_list=(1, 2, 4, 8, 16), num: int = 44
         out[n] = {"final": z[:, 0], "path": torch.stack(path), "guesses": torch.stack(guesses),
                   "inside": int(mixture.inside(z[:, 0]).sum())}
     return out
+
+
+@torch.no_grad()
+def sample_map(map_net, z0: torch.Tensor, grid: torch.Tensor, callback=None):
+    """(z_final, the last x_hat) of the flow map `map_net(z, s, t) -> x_hat` from z0 (B, 1, 2) over the time grid:
+    flow.integrate's "map" step, one jump z_{k+1} = X(z_k, t_k, t_{k+1}) per interval (the slot and omega unused)."""
+    return integrate(lambda z, t, omega, x_prev, target: map_net(z, t, target), z0, grid, sampler="map",
+                     callback=callback)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -122,7 +129,7 @@ class ToyNet(torch.nn.Module):
 
 def flow_map_student(teacher: ToyNet) -> ToyNet:
     """A ToyNet with the target-time input that starts equal to `teacher` at every target time: the teacher's
-    weights, zeros on the new input's columns. As a map (flowmap.map_from_x) it starts as the teacher's Euler
+    weights, zeros on the new input's columns. As a map (flowmap.flow_map) it starts as the teacher's Euler
     step from s to t."""
     student = ToyNet(teacher.width, teacher.depth, teacher.freqs, target_time=True)
     state = {k: v.clone() for k, v in teacher.state_dict().items()}

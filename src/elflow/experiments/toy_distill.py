@@ -17,10 +17,11 @@ from elflow.experiments.toy import (
     distill_toy,
     flow_map_student,
     run_toy,
+    sample_map,
     train_toy_teacher,
 )
 from elflow.flow import T_EPS, Recipe, integrate, time_grid
-from elflow.flowmap import DIAGONAL_SHARE, draw_time_pairs, integrate_map, lmd_loss
+from elflow.flowmap import DIAGONAL_SHARE, draw_time_pairs, lmd_loss
 
 ENERGY_SAMPLES = 4000  # samples of each model (and of the mixture) in an energy distance
 TABLE_STEPS = (1, 2, 4, 16, 64)  # step counts of the exact denoiser, the teacher and the flow map
@@ -109,7 +110,7 @@ def final_points(mixture: GaussianMixture, steps: int, n: int, seed: int, denois
     z0 = mixture.noise_scale * torch.randn(n, 1, 2, generator=torch.Generator().manual_seed(seed))
     grid = time_grid(steps, "uniform")
     if map_net is not None:
-        return integrate_map(map_net, z0, grid)[0][:, 0]
+        return sample_map(map_net, z0, grid)[0][:, 0]
     den = denoiser or mixture.posterior_mean
     z, _ = integrate(lambda z_, t_, w_, x_prev: den(z_, t_), z0, grid, sampler="ode",
                      recipe=Recipe(noise_scale=mixture.noise_scale))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import MISSING, fields
 
+from elflow.flow import recipe_for
 from elflow.methods import ar, elf, mdlm
 from elflow.methods.base import Method, TrainedPass
 from elflow.methods.baseline import MATCHES, BaselineSampling, trunk_params
@@ -53,12 +54,15 @@ RUN_FEATURES = (("source_length", "--source-length", "pairs"), ("task", "--task"
 
 
 def _used(cfg, name: str):
-    """The flag-like name of a setting of `cfg` that differs from its default, else None; a dict setting
-    (the recipe) names its first key."""
-    default = next(f for f in fields(cfg) if f.name == name)
+    """The flag-like name of a setting of `cfg` that differs from its default, else None; the recipe names
+    its first field that differs from the released recipe of the run's kind."""
     value = getattr(cfg, name)
-    if isinstance(value, dict):
-        return next(iter(value), None)
+    if name == "recipe":
+        if value is None:
+            return None
+        released = recipe_for({}, conditional=bool(cfg.source_length)).to_dict()
+        return next((k for k, v in value.to_dict().items() if v != released[k]), None)
+    default = next(f for f in fields(cfg) if f.name == name)
     return name if value != (None if default.default is MISSING else default.default) else None
 
 

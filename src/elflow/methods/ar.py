@@ -165,8 +165,8 @@ class ARMethod(TokenMethod):
     fit_config = staticmethod(fit_config)
     generate_tokens = staticmethod(generate_tokens)
 
-    def objective(self, net, tokens, mask, draw):
-        return loss(net, tokens, mask)
+    def objective(self, net, tokens, batch, draw, recipe):
+        return loss(net, tokens, batch.get("mask"))
 
     def sampler_settings(self, s):
         return ARSampling(temperature=s.temperature, top_p=s.top_p)

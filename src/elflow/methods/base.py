@@ -82,10 +82,28 @@ class Method:
 
     # -- a training step ----------------------------------------------------------------------------------
     def draw(self, batch: dict, space, recipe, generator: torch.Generator, cpu_generator: torch.Generator):
+        """The shard's randomness, drawn outside the trained pass (None: the method draws none there)."""
         return None
 
     def loss(self, net, space, batch: dict, draw, recipe) -> tuple[torch.Tensor, dict]:
+        """The trained pass of one shard, every method's: what the network reads of the batch (`inputs`), the
+        method's objective on it (`objective`: the loss and its terms) and the sums of the shard that the log
+        reads (`sums`). Returns (loss, sums)."""
+        inputs = self.inputs(space, batch, draw)
+        loss, terms = self.objective(net, inputs, batch, draw, recipe)
+        return loss, self.sums(loss, terms, draw)
+
+    def inputs(self, space, batch: dict, draw):
+        """What the network reads of the batch: its token ids (B, L)."""
+        return batch["tokens"]
+
+    def objective(self, net, inputs, batch: dict, draw, recipe) -> tuple[torch.Tensor, dict]:
+        """(the loss of the batch, its terms: whatever `sums` reads) for the network's `inputs`."""
         raise NotImplementedError
+
+    def sums(self, loss: torch.Tensor, terms: dict, draw) -> dict:
+        """Tensors that add up across shards, steps and ranks (no host sync); `summarize` reads their totals."""
+        return {"loss": loss.detach()}
 
     def summarize(self, sums: dict) -> dict:
         return {}
@@ -116,7 +134,7 @@ class Method:
 
 class TrainedPass(nn.Module):
     """One method's trained pass as a module (see the module docstring): `draw(batch, generator,
-    cpu_generator)` outside the wrappers, `forward(batch, draw) -> (loss, sums)` inside them."""
+    cpu_generator)` outside the wrappers, `forward(batch, draw) -> (loss, sums)` inside them (`Method.loss`)."""
 
     def __init__(self, method: Method, net: nn.Module, space: nn.Module, recipe=None):
         super().__init__()

@@ -95,9 +95,6 @@ class TokenMethod(Method):
     def token_draw(self, tokens: torch.Tensor, generator):
         return None
 
-    def objective(self, net, tokens, mask, draw):
-        raise NotImplementedError
-
     def generate_tokens(self, model, batch: int, length: int, settings, generator) -> torch.Tensor:
         raise NotImplementedError
 
@@ -147,9 +144,8 @@ class TokenMethod(Method):
     def draw(self, batch, space, recipe, generator, cpu_generator):
         return self.token_draw(batch["tokens"], generator)
 
-    def loss(self, net, space, batch, draw, recipe):
-        loss, m = self.objective(net, batch["tokens"], batch.get("mask"), draw)
-        return loss, {"loss": loss.detach(), "nll_sum": m["nll_sum"].float(), "nll_n": m["tokens"].float()}
+    def sums(self, loss, terms, draw):
+        return {"loss": loss.detach(), "nll_sum": terms["nll_sum"].float(), "nll_n": terms["tokens"].float()}
 
     def summarize(self, t: dict) -> dict:
         """The loss terms per scored position over the logged steps."""

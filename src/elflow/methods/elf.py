@@ -1,9 +1,11 @@
 """ELF as a method: flow matching in an embedding space (elflow.flow) with the network of elflow.model.
 
 A training step of one shard: `draw` (outside torch.compile and DDP) draws times, noise, branches and dropped
-sources; `loss` encodes the batch (a dropped source hidden from its target), applies ELF's objective
-(`flow.elf_loss`) and returns the sums the log reads (`step_sums`). A distillation is a method of its own on
-the same network (elflow.methods.pd). The network as a record stores it is read and built here too.
+sources (`flow.draw_training_noise`); the trained pass (`Method.loss`) encodes the batch (`inputs`: a dropped
+source hidden from its target), applies ELF's objective (`objective`: `flow.elf_loss`) and returns the sums the
+log reads (`sums`: `step_sums`). A distillation is a method of its own on the same network, with its own draw
+and objective (elflow.methods.pd and elflow.methods.lmd). The network as a record stores it is read and built
+here too.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from elflow.flow import (
 from elflow.generate import ELF_KNOBS, SamplingSettings, default_sampling, generate, settings_for
 from elflow.methods.base import FEATURES, Method
 from elflow.model import ELFConfig, ShortRunOptions, build_network, check_network, options_of
-from elflow.space import DEFAULT_SPACE, latent_moments, learned, token_vectors
+from elflow.space import latent_moments, learned, token_vectors
 from elflow.util.budget import Estimate, check_fits
 from elflow.util.errors import ELFError
 
@@ -73,7 +75,7 @@ class ELFMethod(Method):
     def check(self, cfg) -> None:
         check_network(cfg.predict, cfg.conditioning, options_of(cfg.short_run))
         if cfg.separate_decoder:
-            if "decode_prob" in cfg.recipe:
+            if cfg.recipe is not None and cfg.recipe.decode_prob != Recipe().decode_prob:
                 raise ELFError("--decode-prob does not go with --decoder separate: its decoder trains alone "
                                "(--decoder-steps) and its denoiser never decodes")
             if cfg.decoder_from and cfg.decoder_steps:
@@ -83,12 +85,13 @@ class ELFMethod(Method):
                                "distillation)")
             if cfg.epochs is not None and not (cfg.decoder_steps or cfg.decoder_from):
                 raise ELFError("--decoder separate with --epochs needs --decoder-steps (the decoder stage's length)")
-            if learned(cfg.space or DEFAULT_SPACE):
+            if cfg.space is not None and learned(cfg.space):  # (the sizes' default spaces are frozen)
                 raise ELFError("--decoder separate needs a frozen space: a learned table would move under the "
                                "frozen decoder while the denoiser trains")
         elif cfg.decoder_steps or cfg.decoder_from:
             raise ELFError(f"--{'decoder-steps' if cfg.decoder_steps else 'decoder-from'} needs --decoder separate")
-        if "source_drop_prob" in cfg.recipe and not cfg.source_length:
+        if cfg.recipe is not None and cfg.recipe.source_drop_prob != Recipe().source_drop_prob and \
+                not cfg.source_length:
             raise ELFError("--source-drop-prob applies to runs on (source, target) pairs (--source-length)")
 
     def build(self, cfg, shape, space, data, recipe, device):
@@ -164,10 +167,14 @@ class ELFMethod(Method):
         return draw_training_noise((B, L, space.dim), recipe, generator=generator, cpu_generator=cpu_generator,
                                    device=tokens.device, conditional=batch.get("known") is not None)
 
-    def loss(self, net, space, batch, draw, recipe):
-        x = self.encode(space, batch, draw)
-        loss, rows = elf_loss(net, x, batch["tokens"], draw, recipe, valid=batch.get("mask"), known=batch.get("known"))
-        return loss, step_sums(loss, rows, draw)
+    def inputs(self, space, batch, draw):
+        return self.encode(space, batch, draw)
+
+    def objective(self, net, x, batch, draw, recipe):
+        return elf_loss(net, x, batch["tokens"], draw, recipe, valid=batch.get("mask"), known=batch.get("known"))
+
+    def sums(self, loss, rows, draw):
+        return step_sums(loss, rows, draw)
 
     @staticmethod
     def encode(space, batch, draw) -> torch.Tensor:
@@ -204,7 +211,7 @@ class ELFMethod(Method):
         sampler_net.eval()
         g = torch.Generator(device=device).manual_seed(cfg.seed)
         tokens, _ = generate_tokens(sampler_net, num, length, cfg.sample_steps, cfg.sample_sampler,
-                                    omega=cfg.sample_omega, generator=g, recipe=Recipe.from_dict(cfg.recipe))
+                                    omega=cfg.sample_omega, generator=g, recipe=cfg.flow_recipe())
         return space.decode(tokens.cpu())
 
     # -- sampling -----------------------------------------------------------------------------------------

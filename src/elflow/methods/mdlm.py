@@ -168,8 +168,8 @@ class MDLMMethod(TokenMethod):
     def token_draw(self, tokens, generator):
         return draw(tokens, generator)
 
-    def objective(self, net, tokens, mask, draw):
-        return nelbo(net, tokens, *draw, mask)
+    def objective(self, net, tokens, batch, draw, recipe):
+        return nelbo(net, tokens, *draw, batch.get("mask"))
 
     def sampler_settings(self, s):
         return MDLMSampling(steps=s.steps, temperature=s.temperature)

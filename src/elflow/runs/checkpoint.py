@@ -3,12 +3,12 @@
     run/checkpoints/step_0001000/
         model.safetensors      the trained weights            ema.safetensors   the EMA weights (sampling)
         space.safetensors      a learned space's parameters   optimizer.pt      optimiser and RNG states
-        state.json             step, the run's settings, the network's config, the data position, and the
-                               sha256 of every other file     state.sha256      the sha256 of state.json
+        state.json             step, data position and store, the model's record (elflow.runs.stored), and
+                               the sha256 of every other file state.sha256      the sha256 of state.json
 
 A checkpoint is written under a temporary name and renamed, verified file by file when read, and never
-unpickled (optimizer.pt loads with weights_only=True). `upgrade_state` is the one reader of the layouts of
-earlier elflows. A run that `--overwrite` set aside (RUN/.replaced-run) comes back before a reader looks.
+unpickled (optimizer.pt loads with weights_only=True). The state.json of an earlier elflow is read as today's
+by elflow.runs.migrate. A run that `--overwrite` set aside (RUN/.replaced-run) comes back before a reader looks.
 """
 
 from __future__ import annotations
@@ -22,13 +22,11 @@ import shutil
 import stat
 import sys
 import tempfile
-from dataclasses import fields
 from pathlib import Path
 
 import torch
 from safetensors.torch import load, save_file
 
-from elflow.model import ShortRunOptions
 from elflow.runs.folder import (
     CHECKPOINTS,
     DISTILL_MANIFEST,
@@ -44,7 +42,7 @@ from elflow.runs.folder import (
     STEP_DIR,
     step_dir,
 )
-from elflow.space import drawn_table
+from elflow.runs.migrate import document
 from elflow.util.errors import ELFError, first_line
 from elflow.util.files import FolderLock, NoSpace, atomic_write_text, disk_full, file_mode, folder_mode
 from elflow.util.files import sha256_file as _sha256
@@ -186,63 +184,6 @@ def split_space_state(model_sd: dict) -> tuple[dict, dict]:
     return net, space
 
 
-# the update rule of a run stored with "muon_scale" (or without it: "fan")
-LEGACY_MUON_SCALES = {"fan": "torch-fan", "released": "torch-head-transposed"}
-SHORT_RUN_FIELDS = tuple(f.name for f in fields(ShortRunOptions))
-ROUND_RECORD = ("distilled_steps", "teacher_steps", "sampling")
-
-
-def upgrade_train(train: dict) -> dict:
-    """A stored run description ("train" of run.json or state.json) in today's layout. Earlier elflows stored
-    the short-run options among the network settings ("model"), a distillation round's record among the
-    recipe's constants, a drawn table's space without its stream (stream 1, the draw from the seed), and the
-    optimiser's update as "muon_scale" (torch's Muon and Adam, the decode head scaled by the fan rule, "fan", or
-    as its transposes, "released"), or as nothing before that (the fan rule): read as the update rules
-    "torch-fan" and "torch-head-transposed" (elflow.schedule.UPDATE_RULES); their warm-up ran one step ahead of
-    the released schedule ("one-ahead", elflow.schedule.LR_SCHEDULES)."""
-    if not isinstance(train, dict):
-        return train
-    train = dict(train)
-    model, recipe = dict(train.get("model") or {}), dict(train.get("recipe") or {})
-    options = {k: model.pop(k) for k in SHORT_RUN_FIELDS if k in model}
-    if options:
-        train["model"], train["short_run"] = model, {**options, **(train.get("short_run") or {})}
-    record = {k: recipe.pop(k) for k in ROUND_RECORD if k in recipe}
-    if record:
-        train["recipe"] = recipe
-        if "distilled_steps" in record and not train.get("distillation"):
-            train["distillation"] = {"student_steps": record["distilled_steps"],
-                                     "teacher_steps": record.get("teacher_steps")}
-    if "space_stream" not in train and isinstance(train.get("space"), str) and drawn_table(train["space"]):
-        train["space_stream"] = 1
-    train.setdefault("lr_schedule", "one-ahead")
-    if "update_rule" not in train:
-        scale = train.pop("muon_scale", "fan")
-        if train.get("optimizer", "muon") == "muon":
-            train["update_rule"] = LEGACY_MUON_SCALES.get(scale, scale)
-    return train
-
-
-def upgrade_state(state: dict) -> dict:
-    """A stored state (a checkpoint's state.json, run.json, a model folder's files as one state) in today's
-    layout: its run description (`upgrade_train`), the short-run options of its network config under
-    "short_run", a drawn table's space spec with its stream, and "data_store" (the token store's
-    fingerprint) None where it was not recorded (a resume then compares nothing)."""
-    state = dict(state)
-    state.setdefault("data_store", None)
-    if "train" in state:
-        state["train"] = upgrade_train(state["train"])
-    model = state.get("model")
-    if isinstance(model, dict) and any(k in model for k in SHORT_RUN_FIELDS):
-        options = {k: v for k, v in model.items() if k in SHORT_RUN_FIELDS}
-        state["model"] = {k: v for k, v in model.items() if k not in SHORT_RUN_FIELDS}
-        state["short_run"] = {**options, **(state.get("short_run") or {})}
-    space = state.get("space")
-    if isinstance(space, dict) and space.get("kind") and drawn_table(space) and "stream" not in space:
-        state["space"] = {**space, "stream": 1}
-    return state
-
-
 def remove_stale_temporaries(run_dir: str | os.PathLike) -> list[Path]:
     """Remove the temporary folders of saves that were killed mid-way (`.tmp-step_*`); returns them."""
     root = Path(run_dir) / CHECKPOINTS
@@ -252,11 +193,12 @@ def remove_stale_temporaries(run_dir: str | os.PathLike) -> list[Path]:
     return stale
 
 
-def save_checkpoint(run_dir: str | os.PathLike, step: int, model_sd: dict, ema_sd: dict, optimizer_state,
-                    state: dict, keep: int = 3, space_sd: dict | None = None) -> Path:
-    """Write checkpoints/step_<step>/ atomically, then keep the newest `keep` (0: keep all)."""
-    final = write_checkpoint(Path(run_dir) / CHECKPOINTS / step_dir(step), model_sd, ema_sd,
-                             optimizer_state, {**state, "step": step}, space_sd)
+def save_checkpoint(run_dir: str | os.PathLike, model_sd: dict, ema_sd: dict, optimizer_state, state: dict,
+                    keep: int = 3, space_sd: dict | None = None) -> Path:
+    """Write checkpoints/step_<step>/ atomically (the step of `state`, elflow.runs.stored.checkpoint_state),
+    then keep the newest `keep` (0: keep all)."""
+    final = write_checkpoint(Path(run_dir) / CHECKPOINTS / step_dir(state["step"]), model_sd, ema_sd,
+                             optimizer_state, state, space_sd)
     for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return final
@@ -319,10 +261,10 @@ def read_state(ckpt: Path) -> dict:
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ELFError(f"{state_path}: corrupted (\"step\" must be an integer >= 0, got {step!r})")
     for key in ("model", "space", "train", "settings", "record"):
-        if key in state and not isinstance(state[key], dict):
+        if key in state and state[key] is not None and not isinstance(state[key], dict):
             raise ELFError(f"{state_path}: corrupted ({key!r} must be a JSON object, got "
                            f"{type(state[key]).__name__})")
-    return state if "record" in state else upgrade_state(state)
+    return document(state, str(state_path))
 
 
 def listed_files(files, where, what: str) -> dict:
@@ -347,8 +289,9 @@ def listed_files(files, where, what: str) -> dict:
 WEIGHT_FILE_MAX = 1 << 40  # no weight file of an earlier elflow's checkpoint, which recorded no size, is larger
 
 
-def _check_file(f: Path, entry: dict) -> None:
-    """A listed file as it must be: a regular file (not a link), of the recorded size, of the recorded sha256."""
+def _check_file(f: Path, entry: dict, contents: bool = True) -> None:
+    """A listed file as it must be: a regular file (not a link), of the recorded size and, with `contents`, of
+    the recorded sha256 (read whole)."""
     try:
         st = os.lstat(f)
     except FileNotFoundError:
@@ -357,19 +300,20 @@ def _check_file(f: Path, entry: dict) -> None:
         raise ELFError(f"{f}: not a regular file (a link, a device or a folder); refused")
     if entry["bytes"] is not None and st.st_size != entry["bytes"]:
         raise ELFError(f"{f}: corrupted or truncated ({st.st_size:,} bytes, {entry['bytes']:,} recorded at save)")
-    if _sha256(f) != entry["sha256"]:
+    if contents and _sha256(f) != entry["sha256"]:
         raise ELFError(f"{f}: corrupted or truncated (its sha256 does not match the one recorded at save)")
 
 
-def verify_checkpoint(ckpt: Path, need_optimizer: bool = True) -> dict:
-    """state.json (`read_state`), with every listed file checked (regular, its size and sha256); ELFError
-    naming the first bad file. Without `need_optimizer`, a missing optimizer.pt is allowed (sampling needs
-    only the weights)."""
+def verify_checkpoint(ckpt: Path, need_optimizer: bool = True, contents: bool = True) -> dict:
+    """state.json (`read_state`), with every listed file checked (regular, its size and, with `contents`, its
+    sha256: every file read whole); ELFError naming the first bad file. Without `need_optimizer`, a missing
+    optimizer.pt is allowed (sampling needs only the weights). Without `contents`, the reader that loads the
+    files checks each one's sha256 on the bytes it reads (`load_checkpoint`), so that each is read once."""
     state = read_state(ckpt)
     for name, entry in state["files"].items():
         if name == OPTIMIZER_STATE and not need_optimizer and not os.path.lexists(ckpt / name):
             continue
-        _check_file(ckpt / name, entry)
+        _check_file(ckpt / name, entry, contents)
     return state
 
 

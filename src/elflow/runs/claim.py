@@ -17,19 +17,32 @@ from elflow.data.corpus import BUILTIN_NAMES
 from elflow.runs.checkpoint import (
     holds_set_aside,
     list_checkpoints,
-    newest_usable,
-    read_state,
     recover_replaced,
     remove_stale_temporaries,
     restore_aside,
     set_aside,
+    verify_checkpoint,
 )
-from elflow.runs.folder import CHECKPOINTS, DECODER_STAGE, REPLACED, RUN_FILE, RUN_FILES, STATE_FILE
-from elflow.runs.record import record_of_state, run_file
+from elflow.runs.folder import (
+    CHECKPOINTS,
+    DECODER_STAGE,
+    LOSS_PLOT,
+    METRICS_FILE,
+    REPLACED,
+    REPORT_FILE,
+    RUN_FILE,
+    RUN_FILES,
+    SAMPLES_FILE,
+    STATE_FILE,
+    TENSORBOARD,
+    WANDB_FOLDER,
+)
 from elflow.runs.stages import in_first_stage
+from elflow.runs.stored import record_of_state, run_file
+from elflow.runs.tracking import ID_FILE
 from elflow.space import TABLE_KINDS
 from elflow.util.errors import ELFError
-from elflow.util.files import FolderHold, FolderLock, NoSpace, check_output, probe_writable, resolved
+from elflow.util.files import FolderHold, FolderLock, NoSpace, check_output, check_own, probe_writable, resolved
 
 
 class RunFolder:
@@ -113,6 +126,17 @@ def check_only_own(out: Path, own, whose: str, rule: str) -> None:
                        "other files: move them out of the folder, or choose another --out")
 
 
+def check_own_files(out: Path) -> None:
+    """The run's own files and folders in `out` (those a resume reads or writes) are what elflow wrote: a
+    regular file, a real folder (tb/, wandb/). A symbolic link (which would lead the run's writes out of the
+    folder), a fifo (a read that never ends) or a device (one that never stops) is one ELFError naming it
+    (`check_own`), before any work. checkpoints/ is read and written by elflow.runs.checkpoint's own checks."""
+    for name in (RUN_FILE, METRICS_FILE, LOSS_PLOT, REPORT_FILE, SAMPLES_FILE, ID_FILE):
+        check_own(out / name, f"the run's {name}")
+    for name in (TENSORBOARD, WANDB_FOLDER):
+        check_own(out / name, f"the run's {name}/ folder", folder=True)
+
+
 def check_run_dir(out: Path, cfg: TrainConfig, resume: bool, overwrite: bool, device=None) -> None:
     """What --resume / --overwrite may do with the folder as it is; the folder is not changed here. `device`:
     where the run resumes (a stored dtype "auto" is read as what it picks there). A new run may not be written
@@ -133,6 +157,7 @@ def check_run_dir(out: Path, cfg: TrainConfig, resume: bool, overwrite: bool, de
         return
     if not resume:
         raise ELFError(f"{out} already holds a run; pass --resume to continue it or --overwrite to replace it")
+    check_own_files(out)
     diff = resume_conflicts(relocated(stored_config(out), cfg), cfg, device)
     if diff:
         raise ELFError(f"{out} holds a different run ({'; '.join(diff)}); on --resume only "
@@ -204,13 +229,15 @@ def stored_config(out: Path) -> TrainConfig:
     path = src / RUN_FILE
     if not path.exists():
         raise ELFError(f"{out} holds no run to resume; check --out, or start the run without --resume")
-    return checked(run_file(src)["record"].train, path)
+    return checked(run_file(src)["train"], path)
 
 
-def checked(cfg: TrainConfig | None, path) -> TrainConfig:
-    """A stored training config, resolved and checked; ELFError naming `path` and the stored setting."""
-    if cfg is None:
+def checked(stored: dict | None, path) -> TrainConfig:
+    """Stored training settings (run.json's), read, resolved and checked; ELFError naming `path` and the
+    stored setting."""
+    if stored is None:
         raise ELFError(f"{path}: holds no training config (a converted or released model); it cannot be resumed")
+    cfg = TrainConfig.stored(stored, path)
     try:
         cfg = cfg.resolved()
     except (ValueError, KeyError, TypeError) as e:
@@ -228,32 +255,41 @@ def no_space(e: BaseException, out: Path) -> ELFError:
                     "then run again with --resume")
 
 
-def resume_point(out: Path, cfg: TrainConfig) -> Path | None:
-    """The checkpoint a --resume continues from, chosen before anything is built or read: the newest that
-    passes verification (with its optimiser state), whose stored run is the one of run.json. None for a run
-    that saved none yet; ELFError when it saved some and none can be resumed, or for a checkpoint of another run
-    than run.json describes (an edited run.json)."""
-    ckpt, bad = newest_usable(out, need_optimizer=True)
-    if ckpt is None:
+def resume_point(out: Path) -> tuple[Path | None, dict | None]:
+    """(the checkpoint a --resume continues from, its state.json), chosen before anything is built or read: the
+    newest whose state.json reads and whose listed files (its optimiser state too) are regular files of their
+    recorded sizes, and whose record is the one of run.json. Their contents are checked as they are loaded, once
+    (`load_checkpoint`). (None, None) for a run that saved none yet; ELFError when it saved some and none can
+    be resumed, or for a checkpoint of another model than run.json describes (an edited run.json)."""
+    bad = []
+    for ckpt in reversed(list_checkpoints(out)):
+        try:
+            state = verify_checkpoint(ckpt, need_optimizer=True, contents=False)
+            break
+        except ELFError as e:
+            if ckpt.exists():
+                bad.append(str(e))
+    else:
         if list_checkpoints(out):
             raise ELFError(f"{out}: no checkpoint can be resumed ({'; '.join(bad)}); nothing was changed. Restore "
                            "the files, or start the run again with --overwrite")
-        return None
+        return None, None
     for why in bad:
         print(f"warning: skipping a bad checkpoint: {why}", file=sys.stderr)
-    stored = checked(record_of_state(read_state(ckpt), str(ckpt / STATE_FILE)).train, ckpt / STATE_FILE)
-    diff = resume_conflicts(relocated(stored, cfg), cfg)
+    held = record_of_state(state, str(ckpt / STATE_FILE)).to_dict()
+    described = run_file(out)["record"].to_dict()
+    diff = [f"{k}: {held[k]!r:.60} -> {described[k]!r:.60}" for k in held if held[k] != described.get(k)]
     if diff:
-        raise ELFError(f"{out / 'run.json'} describes another run than its checkpoint {ckpt.name} "
+        raise ELFError(f"{out / 'run.json'} describes another model than its checkpoint {ckpt.name} holds "
                        f"({'; '.join(diff)}); run.json was edited or replaced: restore it")
-    return ckpt
+    return ckpt, state
 
 
 def micro_batch_for(cfg: TrainConfig, world: int, stored: dict | None = None) -> int:
     """The rows per forward/backward of `cfg` on `world` ranks: --micro-batch, else the stored run's (on
     --resume: a run's first start resolves it to batch / its ranks; `stored` is its run.json, `run_file`), else batch /
     ranks. A batch it does not split over the ranks is a one-line ELFError that says what to give."""
-    kept = stored["record"].train.micro_batch if stored and stored["record"].train else None
+    kept = (stored["train"] or {}).get("micro_batch") if stored else None
     if cfg.micro_batch or kept:
         micro = cfg.micro_batch or kept
     elif stored and stored.get("world_size"):  # a stored run without a micro-batch: its first start's
@@ -284,7 +320,7 @@ def shared_folder_check(out: Path, lock_text: str, host0: str) -> None:
     deadline = time.monotonic() + SHARED_FOLDER_WAIT
     while True:
         try:
-            seen = (out / FolderLock.NAME).read_text()
+            seen = FolderLock.text(out)
         except OSError:
             seen = None
         if seen == lock_text or time.monotonic() > deadline:
@@ -313,23 +349,23 @@ def claim_run(folder: RunFolder, cfg: TrainConfig, world: int, resume: bool, ove
     if resume and (out / RUN_FILE).exists():
         stored = run_file(out)
     micro = micro_batch_for(cfg, world, stored)
-    before = stored["record"].train.micro_batch if stored and stored["record"].train else None
+    before = (stored["train"] or {}).get("micro_batch") if stored else None
     if before and before != micro:
         print(f"warning: continuing with --micro-batch {micro} instead of the run's {before}: from here on the "
               "run draws other noise than an uninterrupted run would", file=sys.stderr)
-    ckpt = resume_point(out, cfg) if resume else None
-    if resume:
-        check_steps_left(out, ckpt, cfg)
+    ckpt, state = resume_point(out) if resume else (None, None)
+    if state is not None:
+        check_steps_left(out, state["step"], cfg)
     check_writable(out)
-    return {"micro_batch": micro, "checkpoint": None if ckpt is None else ckpt.name,
-            "lock": (out / FolderLock.NAME).read_text(), "host": socket.gethostname()}
+    return {"micro_batch": micro, "checkpoint": None if ckpt is None else ckpt.name, "state": state,
+            "lock": FolderLock.text(out), "host": socket.gethostname()}
 
 
-def check_steps_left(out: Path, ckpt: Path | None, cfg: TrainConfig) -> None:
-    """A --resume whose --steps the run has already passed changes nothing: ELFError saying so."""
-    if ckpt is None or cfg.epochs is not None:
+def check_steps_left(out: Path, step: int, cfg: TrainConfig) -> None:
+    """A --resume whose --steps the run has already passed (its checkpoint is at `step`) changes nothing:
+    ELFError saying so."""
+    if cfg.epochs is not None:
         return
-    step = read_state(ckpt)["step"]
     if step > cfg.steps:
         raise ELFError(f"{out} is already at step {step}, past --steps {cfg.steps}; nothing was changed. Pass a "
                        f"--steps above {step} to train further")

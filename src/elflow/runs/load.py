@@ -22,8 +22,9 @@ import torch
 from elflow.methods import get_method, require
 from elflow.runs.checkpoint import check_tensors, is_elflow_folder, load_weights, write_checkpoint
 from elflow.runs.model_folder import is_model_folder
-from elflow.runs.record import Origin, RunRecord, StoredModel, checkpoint_state, read_model, read_model_parts
+from elflow.runs.record import RunRecord
 from elflow.runs.released import find_released_file, read_released_checkpoint
+from elflow.runs.stored import Origin, StoredModel, checkpoint_state, read_model, read_model_parts, read_record
 from elflow.space import EmbeddingSpace, build_space, check_compatible, with_encoder
 from elflow.util.devices import check_device, default_device
 from elflow.util.errors import ELFError, first_line
@@ -143,7 +144,7 @@ def method_of(path) -> str:
     (a released checkpoint, a hub id), which is read only when the model is loaded."""
     p = Path(str(path)).expanduser()
     if is_model_folder(p) or is_elflow_folder(p):
-        return RunRecord.read(p).method
+        return read_record(p).method
     return "elf"
 
 
@@ -161,5 +162,4 @@ def convert_released(src: str | os.PathLike, out: str | os.PathLike, max_length:
         raise ELFError(f"{f}: its trained weights cannot be read ({first_line(e)})") from None
     net = get_method("elf").build_network(record)
     load_weights(net, ema, f)  # refuses weights that fit no network
-    state = checkpoint_state(record, origin.step or 0, None, None, 1)
-    return write_checkpoint(out, params, ema, None, {**state, "converted_from": str(f)})
+    return write_checkpoint(out, params, ema, None, checkpoint_state(record, origin.step or 0, converted_from=str(f)))

@@ -21,6 +21,7 @@ from elflow.runs.model_folder import is_model_folder
 from elflow.runs.released import find_released_file
 from elflow.util.errors import ELFError
 from elflow.util.hub import hub_offline, hub_reachable, hub_unavailable_reason
+from elflow.util.jsonio import open_regular
 
 KINDS = ("checkpoint", "model-folder", "released")
 
@@ -91,7 +92,7 @@ def locate(path_or_hub_id) -> Located:
         raise ELFError(f"{p} is {what}, not a model; pass a run or checkpoint folder, a model folder or a released "
                        "checkpoint_<step> file")
     if p.is_file():
-        with open(p, "rb") as f:
+        with open_regular(p) as f:  # never a fifo or a device
             head = f.read(4)
         if not (head.startswith(b"PK\x03\x04") or head[:1] == b"\x80"):  # torch.save's zip, or a pickle
             raise ELFError(f"{p}: not a checkpoint; pass an elflow run or checkpoint folder, or a released "

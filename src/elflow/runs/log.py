@@ -10,11 +10,11 @@ import sys
 from pathlib import Path
 
 from elflow.flow import TIME_BINS, time_bin_labels
-from elflow.runs.folder import LOSS_PLOT, METRICS_FILE, REPORT_FILE
+from elflow.runs.folder import LOSS_PLOT, METRICS_FILE, REPORT_FILE, TENSORBOARD
 from elflow.util import jsonio
 from elflow.util.devices import device_name, fast_bf16
 from elflow.util.errors import ELFError
-from elflow.util.files import append_own, atomic_write, atomic_write_text
+from elflow.util.files import append_own, atomic_write, atomic_write_text, own_folder
 
 # metrics.jsonl is read whole, as a regular file of the run's own: a record a step at --log-every 1 is ~500 bytes,
 # so ELF-B's 95,000 steps take ~50 MB
@@ -83,7 +83,7 @@ class RunLogger:
                 try:
                     from torch.utils.tensorboard import SummaryWriter
 
-                    self.tb = SummaryWriter(str(out / "tb"))
+                    self.tb = SummaryWriter(str(own_folder(out / TENSORBOARD, "the run's TensorBoard files")))
                 except ImportError:
                     print("warning: TensorBoard is not installed (pip install tensorboard); logging to JSONL only",
                           file=sys.stderr)

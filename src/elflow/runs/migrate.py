@@ -1,35 +1,237 @@
-"""Records of earlier versions read as today's: one linear chain of small steps, version N -> N + 1.
+"""Every stored layout elflow reads, made today's by one linear chain of small steps, version N -> N + 1.
 
-A stored record carries its version; `current` applies the steps from that version on, each of which fills in
-exactly what its version lacked, with the value that the code of that version used (never today's default), so
-that an older run samples the same texts and resumes bit for bit."""
+A stored document is a run's run.json, a checkpoint's state.json or a model folder's config.json (an earlier
+model folder's JSON files merged into one: elflow.runs.model_folder). Today's layout (version 4) holds
+
+    "record"   the model's description (elflow.runs.record.RunRecord.to_dict), version 4
+    "train"    run.json: the training settings (elflow.config.TrainConfig.to_dict); None for a model that was
+               not trained by elflow (a converted release)
+
+beside the document's own fields (a checkpoint's step, data position and store; run.json's files and ranks).
+Earlier versions:
+
+    1  before the record: the model's parts at the top level ("model", "space", "space_id", "method",
+       "params", "short_run", "settings", "train")
+    2  the record, with the training settings inside it ("record"."train")
+    3  version 2 with the learning-rate schedule's warm-up start (train.lr_schedule)
+
+Each step fills in exactly what its version lacked, with the value that the code of that version used (never
+today's default), so that an older run samples the same texts and resumes bit for bit. The authors' released
+checkpoints carry no record: `released_record` is their one entry into today's. Nothing else upgrades.
+"""
 
 from __future__ import annotations
 
-RECORD_VERSION = 3
+from dataclasses import fields
+
+from elflow.data.layout import PACKED
+from elflow.flow import recipe_for
+from elflow.methods import get_method
+from elflow.model import NetworkOverrides, ShortRunOptions
+from elflow.runs.record import RECORD_VERSION, Distillation, ParamCounts, RunRecord, Task
+from elflow.space import SpaceSpec, drawn_table
+from elflow.util.errors import ELFError
+
+PRE_RECORD = 1  # the version of a document that holds no "record"
 
 
-def _v2_to_v3(record: dict) -> dict:
-    """Version 3 records the learning-rate schedule's warm-up start (TrainConfig.lr_schedule). Version 2 runs
-    stepped at lr (k + 1) / W: "one-ahead"."""
-    train = record.get("train")
-    if isinstance(train, dict):
-        record = {**record, "train": {"lr_schedule": "one-ahead", **train}}
-    return record
-
-
-# version -> the step that makes a record of that version one version newer
-STEPS = {2: _v2_to_v3}
-
-
-def current(record):
-    """`record` (a stored record's JSON object) in today's layout: the steps from its version on, in order.
-    A record that is not an object, or whose version is not one of the chain's, is returned unchanged for the
-    record's own checks to name."""
-    if not isinstance(record, dict):
-        return record
-    version = record.get("version")
-    while isinstance(version, int) and not isinstance(version, bool) and version in STEPS:
-        record = {**STEPS[version](record), "version": version + 1}
+def document(doc, where: str) -> dict:
+    """`doc` (a stored document's JSON object, as read) in today's layout: the steps from its version on, in
+    order. ELFError naming `where` for a document that is not an object, whose version is not an integer, or
+    that a newer elflow wrote."""
+    if not isinstance(doc, dict):
+        raise ELFError(f"{where}: corrupted (a JSON object was expected, found {type(doc).__name__})")
+    version = version_of(doc, where)
+    if version > RECORD_VERSION:
+        raise ELFError(f"{where}: a record of version {version}, written by a newer elflow (this one reads up to "
+                       f"version {RECORD_VERSION}); upgrade elflow to read it")
+    while version < RECORD_VERSION:
+        doc = STEPS[version](doc, where)
         version += 1
-    return record
+    return doc
+
+
+def version_of(doc: dict, where: str) -> int:
+    if "record" not in doc:
+        return PRE_RECORD
+    record = doc["record"]
+    if not isinstance(record, dict):
+        raise ELFError(f"{where}: the record must be a JSON object, got {type(record).__name__}")
+    version = record.get("version")
+    if isinstance(version, bool) or not isinstance(version, int) or version < 2:
+        raise ELFError(f"{where}: its record's field 'version' must be an integer from 2 to {RECORD_VERSION}, got "
+                       f"{version!r}")
+    return version
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 1 -> 2: the record
+# the update rule of a run stored with "muon_scale" (or without it: "fan")
+LEGACY_MUON_SCALES = {"fan": "torch-fan", "released": "torch-head-transposed"}
+SHORT_RUN_FIELDS = tuple(f.name for f in fields(ShortRunOptions))
+ROUND_RECORD = ("distilled_steps", "teacher_steps", "sampling")
+
+
+def train_1_to_2(train):
+    """Version 1's training settings: the short-run options among the network settings ("model"), a
+    distillation round's record among the recipe's constants, a drawn table's space without its stream (stream
+    1, the draw from the seed), and the optimiser's update as "muon_scale" (torch's Muon and Adam, the decode
+    head scaled by the fan rule, "fan", or as its transposes, "released"), or as nothing before that (the fan
+    rule): the update rules "torch-fan" and "torch-head-transposed" (elflow.schedule.UPDATE_RULES)."""
+    if not isinstance(train, dict):
+        return train
+    train = dict(train)
+    model, recipe = dict(train.get("model") or {}), dict(train.get("recipe") or {})
+    options = {k: model.pop(k) for k in SHORT_RUN_FIELDS if k in model}
+    if options:
+        train["model"], train["short_run"] = model, {**options, **(train.get("short_run") or {})}
+    record = {k: recipe.pop(k) for k in ROUND_RECORD if k in recipe}
+    if record:
+        train["recipe"] = recipe
+        if "distilled_steps" in record and not train.get("distillation"):
+            train["distillation"] = {"student_steps": record["distilled_steps"],
+                                     "teacher_steps": record.get("teacher_steps")}
+    if "space_stream" not in train and isinstance(train.get("space"), str) and drawn_table(train["space"]):
+        train["space_stream"] = 1
+    if "update_rule" not in train:
+        scale = train.pop("muon_scale", "fan")
+        # AdamW runs stepped as AdamW does under every rule; they stored the rule's setting at its default
+        train["update_rule"] = LEGACY_MUON_SCALES.get(scale, scale) if train.get("optimizer", "muon") == "muon" \
+            else "released"
+    return train
+
+
+def space_1_to_2(space: dict) -> dict:
+    """Version 1's space spec: a drawn table without its stream is stream 1, the draw from the seed itself."""
+    if space.get("kind") and drawn_table(space) and "stream" not in space:
+        return {**space, "stream": 1}
+    return dict(space)
+
+
+def _1_to_2(doc: dict, where: str) -> dict:
+    """Version 1 -> 2: the record, built from the parts stored at the top level; the network's short-run
+    options under "short_run", a drawn table's space with its stream (1), "data_store" None where it was not
+    recorded (a resume then compares nothing)."""
+    for key in ("train", "model", "space", "settings", "short_run"):
+        if key in doc and doc[key] is not None and not isinstance(doc[key], dict):
+            raise ELFError(f"{where}: corrupted (\"{key}\" must be a JSON object, got {type(doc[key]).__name__})")
+    if "model" not in doc or "space" not in doc:
+        raise ELFError(f"{where}: corrupted (it describes no network: no \"model\" or \"space\")")
+    try:
+        record, train = _record_1(doc)
+    except ELFError as e:
+        raise ELFError(f"{where}: {e}") from None
+    except (ValueError, TypeError, KeyError, AttributeError, OverflowError) as e:
+        raise ELFError(f"{where}: its settings cannot be read ({type(e).__name__}: {e})") from None
+    rest = {k: v for k, v in doc.items() if k not in ("model", "space", "space_id", "method", "params", "short_run",
+                                                      "settings", "train", "format")}
+    if isinstance((doc.get("train") or {}).get("converted_from"), str):
+        rest.setdefault("converted_from", doc["train"]["converted_from"])
+    if "stage_of" in rest:
+        rest["stage_of"] = train_1_to_2(rest["stage_of"])
+    return {"data_store": None, **rest, "record": {**record.to_dict(), "train": train, "version": 2}}
+
+
+def _record_1(doc: dict) -> tuple[RunRecord, dict | None]:
+    method = get_method(doc.get("method", "elf"))
+    model = dict(doc["model"])
+    options = {k: model.pop(k) for k in SHORT_RUN_FIELDS if k in model}
+    options = {**options, **(doc.get("short_run") or {})}
+    space = space_1_to_2(doc["space"])
+    raw_train = dict(doc.get("train") or {})
+    released = "converted_from" in raw_train or not raw_train
+    train = None if released else train_1_to_2(raw_train)
+    settings = doc.get("settings")
+    if settings is None:  # run.json of version 1 stored the model's layout in its training settings alone
+        settings = {k: (train or {}).get(k) for k in ("length", "source_length", "source_slot", "task")}
+        settings = {k: v for k, v in settings.items() if v is not None}
+    settings = dict(settings)
+    network = method.network_config(model)
+    source_length = settings.get("source_length")
+    task = None
+    if source_length:
+        fields_read = (train.get("source_field", "input"), train.get("target_field", "output")) if train else ()
+        task = Task(source_length, settings.get("source_slot", PACKED), settings.get("task"), *fields_read)
+    pd = (train or {}).get("distillation") or {}
+    distillation = None
+    if pd.get("student_steps") or settings.get("distilled_steps") or settings.get("distilled"):
+        distillation = Distillation("pd", pd.get("student_steps") or settings.get("distilled_steps"),
+                                    pd.get("teacher_steps") or settings.get("teacher_steps"))
+    params = doc.get("params")
+    record = RunRecord(method.name, network, SpaceSpec.from_dict(space, doc.get("space_id")),
+                       settings.get("length") or network.max_length,
+                       recipe_for(raw_train.get("recipe") or {}, conditional=bool(source_length)),
+                       ShortRunOptions.from_dict(options), task, None, distillation,
+                       ParamCounts.from_dict(params) if isinstance(params, dict) else None)
+    sampling = method.default_sampling(record)
+    stored = settings.get("sampling") or {}
+    if stored:
+        sampling = sampling.replace(**{k: v for k, v in stored.items() if k in sampling.to_dict()})
+    return record.replace(sampling=sampling), train
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 2 -> 3 -> 4
+def _2_to_3(doc: dict, where: str) -> dict:
+    """Version 3 records the learning-rate schedule's warm-up start (train.lr_schedule). Version 2 runs stepped
+    at lr (k + 1) / W: "one-ahead"."""
+    def schedule(train):
+        return {"lr_schedule": "one-ahead", **train} if isinstance(train, dict) else train
+
+    out = {**doc, "record": {**doc["record"], "train": schedule(doc["record"].get("train")), "version": 3}}
+    if "stage_of" in doc:
+        out["stage_of"] = schedule(doc["stage_of"])
+    return out
+
+
+def train_3_to_4(train):
+    """Version 4's training settings hold the record's typed parts whole: the recipe (version 3 stored the
+    flags' overrides of the released recipe of the run's kind), the network settings beside the preset's, the
+    short-run options (overrides of the paper's network) and the distillation (None where version 3 stored {};
+    a progressive-distillation round's objective "pd")."""
+    if not isinstance(train, dict):
+        return train
+    train = dict(train)
+    conditional = bool(train.get("source_length"))
+    if isinstance(train.get("recipe"), dict):
+        train["recipe"] = recipe_for(train["recipe"], conditional=conditional).to_dict()
+    if isinstance(train.get("model"), dict):
+        train["model"] = NetworkOverrides.from_dict(train["model"]).to_dict()
+    if isinstance(train.get("short_run"), dict):
+        train["short_run"] = ShortRunOptions.from_dict(train["short_run"]).to_dict()
+    if isinstance(train.get("distillation"), dict):
+        d = train["distillation"]
+        train["distillation"] = Distillation.from_dict(d).to_dict() if d else None
+    return train
+
+
+def _3_to_4(doc: dict, where: str) -> dict:
+    """Version 4's record describes the model alone: the training settings move out of it, beside it, with
+    their parts whole (`train_3_to_4`)."""
+    record = dict(doc["record"])
+    try:
+        out = {**doc, "record": {**record, "version": 4}, "train": train_3_to_4(record.pop("train", None))}
+        out["record"].pop("train", None)
+        if "stage_of" in doc:
+            out["stage_of"] = train_3_to_4(doc["stage_of"])
+    except (ValueError, TypeError) as e:
+        raise ELFError(f"{where}: its training settings cannot be read ({e})") from None
+    return out
+
+
+# version -> the step that makes a document of that version one version newer
+STEPS = {1: _1_to_2, 2: _2_to_3, 3: _3_to_4}
+assert sorted(STEPS) == list(range(PRE_RECORD, RECORD_VERSION)), "the chain must reach today's version"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the authors' checkpoints
+def released_record(network, settings: dict, space: dict) -> RunRecord:
+    """The record of a released checkpoint: its network (inferred from its weights), the layout and defaults
+    of its release (`settings`: length, source_length, task, distilled) and its space."""
+    source_length = settings.get("source_length")
+    task = Task(source_length, PACKED, settings.get("task")) if source_length else None
+    distillation = Distillation("pd", None, None) if settings.get("distilled") else None
+    base = RunRecord("elf", network, SpaceSpec.from_dict(space), settings.get("length", network.max_length),
+                     recipe_for({}, conditional=task is not None), task=task, distillation=distillation)
+    return base.with_default_sampling()

@@ -1,13 +1,14 @@
 """A model folder: what `elflow push` uploads (and `push --dry-run` writes), and `elflow.load` reads back.
 
     model.safetensors    the EMA weights of the network     space.safetensors   a learned space's parameters
-    config.json          {"format", "record" (the model's RunRecord), "step", "files": the sha256 and size of
+    config.json          {"format", "record" (the model's RunRecord), "train" (the training settings of its run,
+                         elflow.config.TrainConfig's; null where it had none), "step", "files": the sha256 and size of
                          each weight file}
     README.md            the model card (elflow.runs.push)
 
 Folders of the earlier layout (MODEL_FORMAT_1: config.json with the network config, recipe.json, space.json,
-sampling.json) are read too: their files are merged into one state of a checkpoint's earlier layout, which
-elflow.runs.record.upgrade reads. Only the weight files config.json lists are read, as regular files (never
+sampling.json) are read too: their files are merged into one document of version 1, which elflow.runs.migrate
+makes today's. Only the weight files config.json lists are read, as regular files (never
 through a link), each checked against its recorded hash and size.
 """
 
@@ -15,14 +16,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from elflow.runs.checkpoint import listed_files, load_tensors, upgrade_state
+from elflow.runs.checkpoint import listed_files, load_tensors
+from elflow.runs.folder import MODEL_CONFIG
 from elflow.util.errors import ELFError
 from elflow.util.files import read_json
 
 MODEL_FORMAT = "elflow-model-2"
 MODEL_FORMAT_1 = "elflow-model-1"
 MODEL_FORMATS = (MODEL_FORMAT, MODEL_FORMAT_1)
-MODEL_JSON_1 = ("config.json", "recipe.json", "space.json", "sampling.json")
+MODEL_JSON_1 = (MODEL_CONFIG, "recipe.json", "space.json", "sampling.json")
 NETWORK_KEYS = ("model", "short_run")  # the network's entries of an earlier config.json
 
 
@@ -32,7 +34,7 @@ def model_json(folder: Path, name: str) -> dict:
 
 def is_model_folder(path: Path) -> bool:
     """An elflow model folder (config.json of MODEL_FORMATS), not a released folder with a config.json."""
-    f = Path(path) / "config.json"
+    f = Path(path) / MODEL_CONFIG
     if not f.is_file() or f.is_symlink():
         return False
     try:
@@ -42,23 +44,22 @@ def is_model_folder(path: Path) -> bool:
 
 
 def read_model_folder_files(folder: Path) -> tuple[dict, dict]:
-    """(state, files) of a model folder: state is config.json of today's layout (with "record"), or an earlier
-    folder's JSON files merged into one state of a checkpoint's earlier layout; files maps each weight file
-    to its recorded {"sha256", "bytes"} (bytes None where an earlier folder recorded none)."""
-    config = model_json(folder, "config.json")
-    files = listed_files(config.get("files"), folder / "config.json", "model")
+    """(document, files) of a model folder: config.json (with "record"), or an earlier folder's JSON files merged
+    into one document of version 1 (elflow.runs.migrate reads either); files maps each weight file to its
+    recorded {"sha256", "bytes"} (bytes None where an earlier folder recorded none)."""
+    config = model_json(folder, MODEL_CONFIG)
+    files = listed_files(config.get("files"), folder / MODEL_CONFIG, "model")
     if "model.safetensors" not in files:
-        raise ELFError(f"{folder / 'config.json'}: corrupted (its \"files\" do not list model.safetensors)")
+        raise ELFError(f"{folder / MODEL_CONFIG}: corrupted (its \"files\" do not list model.safetensors)")
     if config.get("format") == MODEL_FORMAT:
         return config, files
     recipe, space, sampling = (model_json(folder, n) for n in MODEL_JSON_1[1:])
     if "space" not in space:
         raise ELFError(f"{folder / 'space.json'}: no space description")
-    state = upgrade_state({"method": config.get("method", "elf"),
-                           **{k: config[k] for k in NETWORK_KEYS if k in config}, "params": config.get("params"),
-                           "step": config.get("step"), "train": recipe.get("train", {}), "space": space["space"],
-                           "space_id": space.get("space_id"), "settings": sampling})
-    return state, files
+    doc = {"method": config.get("method", "elf"), **{k: config[k] for k in NETWORK_KEYS if k in config},
+           "params": config.get("params"), "step": config.get("step"), "train": recipe.get("train", {}),
+           "space": space["space"], "space_id": space.get("space_id"), "settings": sampling}
+    return doc, files
 
 
 def load_listed(folder: Path, files: dict, name: str, where: str) -> dict:

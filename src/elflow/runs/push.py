@@ -15,11 +15,12 @@ from safetensors.torch import save
 from elflow.data.corpus import read_sources
 from elflow.methods import get_method
 from elflow.runs.checkpoint import check_tensors, load_checkpoint, resolve_checkpoint
-from elflow.runs.folder import CHECKPOINTS, EMA_WEIGHTS, REPORT_FILE, STATE_FILE
+from elflow.runs.folder import CHECKPOINTS, EMA_WEIGHTS, MODEL_CONFIG, REPORT_FILE, STATE_FILE
 from elflow.runs.load import load_for_sampling
 from elflow.runs.log import LOSS_NAMES, training_records
 from elflow.runs.model_folder import MODEL_FORMAT
-from elflow.runs.record import RunRecord, record_of_state
+from elflow.runs.record import RunRecord
+from elflow.runs.stored import record_of_state, training_settings
 from elflow.util.errors import ELFError
 from elflow.util.files import atomic_write, atomic_write_json, atomic_write_text, check_output, read_json, sha256_file
 from elflow.util.hub import hub_offline, hub_reachable
@@ -34,9 +35,10 @@ def model_folder_files(path: str | os.PathLike) -> dict[str, object]:
         raise ELFError(f"{ckpt} holds no EMA weights; a model folder holds the EMA weights that sample")
     record = record_of_state(blob["state"], str(ckpt / STATE_FILE))
     check_tensors(blob["ema"], ckpt / EMA_WEIGHTS)  # a model that cannot sample is not published
-    config = {"format": MODEL_FORMAT, "record": record.to_dict(), "step": blob["state"].get("step")}
+    config = {"format": MODEL_FORMAT, "record": record.to_dict(), "train": training_settings(ckpt) or None,
+              "step": blob["state"].get("step")}
     return {"model.safetensors": blob["ema"], **({"space.safetensors": blob["space"]} if blob["space"] else {}),
-            "config.json": config}
+            MODEL_CONFIG: config}
 
 
 def write_model_folder(files: dict[str, object], folder: str | os.PathLike) -> Path:
@@ -51,7 +53,7 @@ def write_model_folder(files: dict[str, object], folder: str | os.PathLike) -> P
                 f.write(save(content))
             listed[name] = {"sha256": sha256_file(folder / name), "bytes": (folder / name).stat().st_size}
     for name, content in files.items():
-        if name == "config.json":
+        if name == MODEL_CONFIG:
             content = {**content, "files": listed}
         if isinstance(content, dict) and name.endswith(".json"):
             atomic_write_json(folder / name, content)
@@ -138,14 +140,15 @@ def _table(rows) -> str:
 
 
 def model_card(hub_id: str, record: RunRecord, step: int | None, metrics: list[tuple[str, str]],
-               samples: list[dict], sample_settings: dict) -> str:
+               samples: list[dict], sample_settings: dict, train: dict | None = None) -> str:
     """README.md of a model folder: YAML metadata, the model's record (settings, training data and steps),
-    `metrics`, `samples` (records with "text", and "source" for conditional models) and the usage."""
+    `metrics`, `samples` (records with "text", and "source" for conditional models) and the usage; `train`:
+    the run's training settings (run.json's), where it has them."""
     from huggingface_hub import ModelCardData
 
     method = get_method(record.method)
-    train = record.train.to_dict() if record.train else {}
-    params = (record.params or {}).get("model")
+    train = train or {}
+    params = record.params.model if record.params else None
     meta = ModelCardData(library_name="elflow", pipeline_tag="text-generation",
                          tags=["elflow", "flow-matching", "text-generation", method.name])
     shape = record.network.to_dict()
@@ -230,13 +233,14 @@ def build_folder(path, hub_id: str, folder: Path, num_samples: int = CARD_SAMPLE
     with samples drawn from that folder."""
     ckpt = resolve_checkpoint(path)
     files = model_folder_files(ckpt)
-    config = files["config.json"]
+    config = files[MODEL_CONFIG]
     for name in local_encoders(config["record"]["space"]):
         print(f"warning: the model's embedding space reads the local encoder folder {name}, which is not uploaded; "
               "whoever loads the model needs that folder at the same path",
               file=sys.stderr)
     write_model_folder(files, folder)
     samples, shown = [], {}
+    train = training_settings(ckpt)
     net, space = load_for_sampling(folder, device=device)
     record = net.record
     if num_samples > 0:
@@ -244,7 +248,7 @@ def build_folder(path, hub_id: str, folder: Path, num_samples: int = CARD_SAMPLE
         settings = record.sampling_settings(seed=0)
         known = {}
         if record.conditional:  # a conditional model needs sources: its data file's, if it can be read
-            known = _data_sources(record, num_samples)
+            known = _data_sources(record, train, num_samples)
             if not known:
                 num_samples = 0
         if num_samples:
@@ -254,16 +258,16 @@ def build_folder(path, hub_id: str, folder: Path, num_samples: int = CARD_SAMPLE
                                "nothing is published")
         shown = {k: v for k, v in settings.to_dict().items() if k not in ("batch_size", "method", "dtype")}
     card = model_card(hub_id, record, config.get("step"), run_metrics(_run_folder(ckpt), config.get("step")),
-                      samples, shown)
+                      samples, shown, train)
     atomic_write_text(folder / "README.md", card)
     return folder
 
 
-def _data_sources(record: RunRecord, num: int) -> dict:
+def _data_sources(record: RunRecord, train: dict, num: int) -> dict:
     """{"sources", "source_length", "source_slot"} for the card's samples of a conditional model: the first
-    `num` sources of the pairs .jsonl it was trained on ({} when its data is no such file)."""
-    train = record.train
-    data = Path(str(train.data if train else "")).expanduser()
+    `num` sources of the pairs .jsonl it was trained on (`train`: its run's settings; {} when its data is no such
+    file)."""
+    data = Path(str(train.get("data") or "")).expanduser()
     if data.suffix != ".jsonl" or not data.is_file():
         return {}
     sources, _ = read_sources(str(data), record.task.source_field, record.task.target_field)

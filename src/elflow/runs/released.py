@@ -15,10 +15,13 @@ from pathlib import Path
 
 import torch
 
-from elflow.model import PRESETS, ELFConfig, build_network
+from elflow.model import ELFConfig, build_network
 from elflow.runs.checkpoint import load_weights
 from elflow.util.errors import ELFError
 from elflow.util.files import read_json
+from elflow.util.jsonio import open_regular
+
+RELEASED_LENGTH = ELFConfig.max_length  # the released unconditional models' sequence length (1,024)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -47,7 +50,10 @@ def read_released_checkpoint(path: str | os.PathLike, which: str = "ema_params1"
     """Their checkpoint file -> elflow-named state dict of `which` ("ema_params1" or "params")."""
     path = find_released_file(path)
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        with open_regular(path, "a released checkpoint") as f:  # never a fifo or a device
+            ckpt = torch.load(f, map_location="cpu", weights_only=True)
+    except ELFError:
+        raise
     except Exception as e:  # pickle.UnpicklingError for foreign objects, RuntimeError for truncated files
         raise ELFError(f"{path}: cannot be read as a tensors-only checkpoint ({type(e).__name__}: "
                        f"{str(e).splitlines()[0][:200]}). It is truncated, corrupted, or holds arbitrary "
@@ -61,7 +67,7 @@ def read_released_checkpoint(path: str | os.PathLike, which: str = "ema_params1"
     return released_to_elflow(dict(sd))
 
 
-def build_from_state_dict(sd: dict[str, torch.Tensor], max_length: int = 1024, heads: int | None = None,
+def build_from_state_dict(sd: dict[str, torch.Tensor], max_length: int = RELEASED_LENGTH, heads: int | None = None,
                           config: ELFConfig | None = None, options=None, where: str = "the weights"):
     """An ELF network holding these (elflow-named) weights, its shape inferred unless `config` is given; the
     weights checked as every loader checks them (elflow.runs.checkpoint.load_weights)."""
@@ -148,7 +154,7 @@ def released_to_elflow(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def infer_config(sd: dict[str, torch.Tensor], max_length: int = 1024, heads: int | None = None) -> ELFConfig:
+def infer_config(sd: dict[str, torch.Tensor], max_length: int = RELEASED_LENGTH, heads: int | None = None) -> ELFConfig:
     """The network shape from an elflow-named state dict.
 
     depth, hidden, dim, vocabulary, bottleneck and prefix sizes are read off the shapes. The number of heads
@@ -185,11 +191,3 @@ def infer_config(sd: dict[str, torch.Tensor], max_length: int = 1024, heads: int
         if cfg.mlp_hidden != mlp_hidden:
             raise ELFError(f"SwiGLU width {mlp_hidden} fits no mlp ratio for hidden {hidden}")
     return cfg
-
-
-def preset_name(cfg: ELFConfig) -> str | None:
-    """The preset whose depth/width/heads match, if any."""
-    for name, p in PRESETS.items():
-        if (p.depth, p.hidden, p.heads) == (cfg.depth, cfg.hidden, cfg.heads):
-            return name
-    return None

@@ -36,4 +36,4 @@ def decoder_stage(cfg: TrainConfig) -> TrainConfig:
     steps = cfg.decoder_steps or max(1, math.ceil(cfg.steps / 4))
     return replace(cfg, decoder="shared", decoder_steps=None, decoder_from=None, steps=steps, epochs=None,
                    warmup=math.ceil(cfg.warmup * steps / cfg.steps) if cfg.warmup_frac is None else cfg.warmup,
-                   recipe={**cfg.recipe, "decode_prob": 1.0}, sample_every=0)
+                   recipe=cfg.flow_recipe().replace(decode_prob=1.0), sample_every=0)

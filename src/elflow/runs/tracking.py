@@ -8,7 +8,7 @@ from pathlib import Path
 
 from elflow.util import jsonio
 from elflow.util.errors import ELFError
-from elflow.util.files import atomic_write_json
+from elflow.util.files import atomic_write_json, check_own, own_folder
 
 ID_FILE = "wandb-run.json"  # in a run folder: {"project", "id", "name"} of its W&B run
 
@@ -55,9 +55,14 @@ def check_wandb_dir() -> None:
 
 
 def _stored(folder: Path, project: str) -> dict | None:
-    """The W&B run recorded in `folder` for `project`, if any."""
+    """The W&B run recorded in `folder` for `project`, if any (a garbled record is none: the new run's id
+    replaces it). A link, a fifo or a device in its place is an ELFError naming it (`check_own`)."""
+    path = folder / ID_FILE
+    check_own(path, "the id of the run's W&B run")
+    if not os.path.lexists(path):
+        return None
     try:
-        info = jsonio.read_json(folder / ID_FILE, max_bytes=jsonio.RECORD_BYTES, own=True)
+        info = jsonio.read_json(path, max_bytes=jsonio.RECORD_BYTES, own=True)
     except ELFError:
         return None
     return info if isinstance(info, dict) and info.get("project") == project and info.get("id") else None
@@ -65,9 +70,10 @@ def _stored(folder: Path, project: str) -> dict | None:
 
 def wandb_dir(folder: Path) -> Path:
     """The folder W&B writes its own files under (in a `wandb` folder): $WANDB_DIR where it is set, as W&B
-    itself reads it, else the run folder."""
+    itself reads it, else the run folder, whose `wandb` folder is then made (never a link: `own_folder`)."""
     chosen = os.environ.get("WANDB_DIR")
     if not chosen:
+        own_folder(folder / "wandb", "the run's W&B files")
         return folder
     path = Path(chosen).expanduser()
     try:

@@ -1,5 +1,7 @@
-"""Files that are never half-written: atomic writes, the one rule for what may stand at an output path, full
-disks, JSON reading with one-line errors, and the folder lock and hold of a command's output folder."""
+"""Files that are never half-written: atomic writes, appends to a run's own log, the one rule for what may stand
+at an output path and where elflow keeps a file of its own (`check_own`), full disks, bounded reads of its own
+files with one-line errors, and the folder lock and hold of a command's output folder. With elflow.util.jsonio
+this is the one reader and writer of every file of a run."""
 
 from __future__ import annotations
 
@@ -189,10 +191,11 @@ def read_json(path: str | os.PathLike, what: str = "", kind: type = dict, own: b
     return jsonio.read_json(path, what, kind, max_bytes=jsonio.RECORD_BYTES, own=own)
 
 
-def utf8_lines(path: str | os.PathLike) -> list[str]:
-    """The lines of a UTF-8 text file (split at "\\n"; the final newline ends the last line). A file that is
-    not UTF-8 (latin-1 text, a binary file) is an ELFError naming the line and the byte."""
-    data = Path(path).read_bytes()
+def utf8_lines(path: str | os.PathLike, max_bytes: int = jsonio.MAX_JSON_BYTES) -> list[str]:
+    """The lines of a UTF-8 text file of at most `max_bytes` (split at "\\n"; the final newline ends the last
+    line), read by the bounded reader. A file that is not UTF-8 (latin-1 text, a binary file) is an ELFError
+    naming the line and the byte."""
+    data = jsonio.read_limited(path, max_bytes)
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -206,13 +209,72 @@ def utf8_lines(path: str | os.PathLike) -> list[str]:
     return lines
 
 
-def sha256_file(path: str | os.PathLike) -> str:
-    """The hex sha256 of a file, read in 1 MiB chunks."""
+def sha256_file(path: str | os.PathLike, own: bool = False) -> str:
+    """The hex sha256 of a regular file, read in 1 MiB chunks (`jsonio.open_regular`: never a fifo or a
+    device; with `own`, never through a symbolic link)."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with jsonio.open_regular(path, own=own) as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+def read_own_text(path: str | os.PathLike, max_bytes: int, what: str = "") -> str:
+    """The UTF-8 text of a file elflow wrote and owns (a lock, a sweep's CSV), by the bounded reader: a regular
+    file of at most `max_bytes`, never through a link, never a fifo or a device; ELFError naming it otherwise."""
+    data = jsonio.read_limited(path, max_bytes, what, own=True)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ELFError(f"{path}: corrupted (not UTF-8 text: byte 0x{data[e.start]:02x} at offset {e.start}); "
+                       "elflow wrote it as UTF-8: move it away, then run again") from None
+
+
+def not_own(path: str | os.PathLike, folder: bool = False) -> str | None:
+    """What stands at `path` where elflow keeps a file (or, with `folder`, a folder) of its own, when it is
+    something else: "a symbolic link (to T)", "a fifo", "a folder", "a file", ...; None where nothing stands
+    there or the right kind does."""
+    try:
+        st = os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    if stat.S_ISLNK(st.st_mode):
+        try:
+            return f"a symbolic link (to {os.readlink(path)})"
+        except OSError:
+            return "a symbolic link"
+    if (stat.S_ISDIR if folder else stat.S_ISREG)(st.st_mode):
+        return None
+    for test, kind in (*_KINDS, (stat.S_ISDIR, "a folder"), (stat.S_ISREG, "a file")):
+        if test(st.st_mode):
+            return kind
+    return "not a regular file"
+
+
+def check_own(path: str | os.PathLike, what: str, folder: bool = False) -> None:
+    """ELFError naming `path` (where elflow keeps `what`) when something other than a regular file (a folder,
+    with `folder`) stands there: a symbolic link (elflow never reads or writes its own files through one), a
+    fifo, a device, a socket."""
+    kind = not_own(path, folder)
+    if kind is not None:
+        want = "folders only as folders" if folder else "files only as regular files"
+        raise ELFError(f"{path}: {kind} where elflow keeps {what}; refused (elflow reads and writes its own {want}, "
+                       "never through links): move it away, then run again")
+
+
+def own_folder(path: str | os.PathLike, what: str) -> Path:
+    """`path`, a folder elflow writes its own files in (a run's tb/, wandb/), made where missing: a symbolic
+    link or anything else but a folder there is an ELFError naming it (`check_own`)."""
+    path = Path(path)
+    check_own(path, what, folder=True)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        if disk_full(e):
+            raise NoSpace(path) from None
+        raise ELFError(f"{path}: cannot make {what} there ({e.strerror or e})") from None
+    check_own(path, what, folder=True)  # made meanwhile by another program
+    return path
 
 
 def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
@@ -391,7 +453,7 @@ class FolderLock:
     def _stale(self, holder: dict | None) -> bool:
         if holder is None:  # empty or garbled: a holder killed while writing it, unless it is being written now
             try:
-                return time.time() - self.path.stat().st_mtime > 10
+                return time.time() - os.lstat(self.path).st_mtime > 10
             except FileNotFoundError:
                 return True
         if holder.get("host") != self.info["host"]:
@@ -410,6 +472,7 @@ class FolderLock:
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, file_mode())
             except FileExistsError:
+                check_own(self.path, "the lock of the folder")
                 holder = self._holder()
                 if self._stale(holder):
                     try:
@@ -433,6 +496,21 @@ class FolderLock:
             self.held = True
             return self
         raise ELFError(f"cannot take the lock {self.path}: other commands keep taking it")
+
+    @classmethod
+    def text(cls, folder: str | os.PathLike) -> str | None:
+        """The text of the lock of `folder` (None where there is none), by the bounded reader: a regular file
+        only (`read_own_text`), never a link, a fifo or a device."""
+        path = Path(folder) / cls.NAME
+        if not os.path.lexists(path):
+            return None
+        check_own(path, "the lock of the folder")
+        try:
+            return read_own_text(path, jsonio.RECORD_BYTES, "the lock of the folder")
+        except ELFError:
+            if not os.path.lexists(path):  # released meanwhile
+                return None
+            raise
 
     def _refusal(self, holder: dict | None) -> str:
         if holder is None:

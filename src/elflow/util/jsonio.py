@@ -9,11 +9,13 @@ JSONL file) for anything it refuses. Files a run, a checkpoint, a model folder o
     jsonl_lines(path, what)             (line number, raw bytes) of each line of a JSONL file, for a reader that
                                         parses them elsewhere (a worker process)
     read_limited(path, max_bytes)       the bytes of a regular file, bounded (the reads above use it)
+    open_regular(path)                  a regular file opened for reading, for a reader that streams it
     json_safe(value)                    a copy of a value as plain JSON data (NaN and Infinity as null)
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -137,11 +139,10 @@ def read_limited(path: str | os.PathLike, max_bytes: int, what: str = "", own: b
     except OSError as e:
         raise ELFError(f"{name}: cannot be read ({e.strerror or e})") from None
     if own and stat.S_ISLNK(st.st_mode):
-        raise ELFError(f"{name}: a symbolic link where elflow wrote a file; refused (elflow reads its own files "
-                       "only as regular files, never through links)")
+        raise ELFError(_link_refusal(name))
     kind = _kind_of(st.st_mode)
     if kind is not None:
-        raise ELFError(f"{name}: {kind}, not a regular file; refused")
+        raise ELFError(_kind_refusal(name, kind, own))
     if st.st_size > max_bytes:
         raise ELFError(f"{name}: {st.st_size:,} bytes, more than the {max_bytes:,} elflow reads from such a file")
     try:
@@ -151,7 +152,7 @@ def read_limited(path: str | os.PathLike, max_bytes: int, what: str = "", own: b
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(f.fileno())
         if not stat.S_ISREG(st.st_mode):  # swapped after the check
-            raise ELFError(f"{name}: not a regular file; refused")
+            raise ELFError(_kind_refusal(name, "not a regular file", own))
         data = f.read(min(max_bytes, st.st_size) + 1)  # one byte more than it holds: a file that grew shows
     if len(data) > max_bytes:
         raise ELFError(f"{name}: more than the {max_bytes:,} bytes elflow reads from such a file")
@@ -183,25 +184,45 @@ def _json_type(py: str) -> str:
             "NoneType": "null", "bool": "true/false"}.get(py, py)
 
 
-def _open_regular(path, name: str, max_bytes: int | None):
-    """`path` opened for reading in binary, which must be a regular file of at most `max_bytes` (None: any
-    size); never blocks on a fifo."""
+def open_regular(path: str | os.PathLike, what: str = "", max_bytes: int | None = None, own: bool = False):
+    """`path` opened for reading in binary, which must be a regular file of at most `max_bytes` (None: any size,
+    for a reader that streams it); never blocks on a fifo. With `own` (a file elflow wrote and owns) a symbolic
+    link is refused too. One ELFError naming the file otherwise."""
+    name = _name(path, what)
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | (getattr(os, "O_NOFOLLOW", 0) if own else 0)
+    if own and os.path.islink(path):
+        raise ELFError(_link_refusal(name))
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        fd = os.open(path, flags)
     except FileNotFoundError:
         raise ELFError(f"{name}: missing") from None
     except OSError as e:
+        if own and e.errno == errno.ELOOP:  # made a link after the check
+            raise ELFError(_link_refusal(name)) from None
         raise ELFError(f"{name}: cannot be read ({e.strerror or e})") from None
     f = os.fdopen(fd, "rb")
     st = os.fstat(fd)
     kind = _kind_of(st.st_mode) or (None if stat.S_ISREG(st.st_mode) else "not a regular file")
     if kind is not None:
         f.close()
-        raise ELFError(f"{name}: {kind}, not a regular file; refused")
+        raise ELFError(_kind_refusal(name, kind, own))
     if max_bytes is not None and st.st_size > max_bytes:
         f.close()
         raise ELFError(f"{name}: {st.st_size:,} bytes, more than the {max_bytes:,} elflow reads from such a file")
     return f
+
+
+def _kind_refusal(name: str, kind: str, own: bool) -> str:
+    kind = kind if kind == "not a regular file" else f"{kind}, not a regular file"
+    if own:
+        return (f"{name}: {kind}; refused (elflow reads its own files only as regular files): move it away, then "
+                "run again")
+    return f"{name}: {kind}; refused: pass a regular file"
+
+
+def _link_refusal(name: str) -> str:
+    return (f"{name}: a symbolic link where elflow wrote a file; refused (elflow reads its own files only as "
+            "regular files, never through links): move it away, then run again")
 
 
 def jsonl_lines(path: str | os.PathLike, what: str = "", *, max_line_bytes: int = MAX_LINE_BYTES,
@@ -214,7 +235,7 @@ def jsonl_lines(path: str | os.PathLike, what: str = "", *, max_line_bytes: int 
     lines included, so a caller has the file's hash without reading it twice."""
     name = _name(path, what)
     read = 0
-    with _open_regular(path, name, max_bytes) as f:
+    with open_regular(path, what, max_bytes) as f:
         number = 0
         while True:
             raw = f.readline(max_line_bytes + 1)
@@ -280,6 +301,7 @@ __all__ = [
     "iter_jsonl",
     "json_safe",
     "jsonl_lines",
+    "open_regular",
     "parse",
     "read_json",
     "read_limited",

@@ -1,0 +1,346 @@
+"""The training config (elflow.config.TrainConfig): its typed parts (recipe, model, short_run, distillation)
+given whole or as dicts of their fields, a bad field one ELFError naming its flag; the settings a run.json
+stores (`TrainConfig.stored`); the defaults filled in by `resolved`; the ranges and combinations `validate`
+refuses; the named configs of --defaults; what a --resume may not change (`resume_conflicts`), what a
+continued run keeps (`kept_from`) and the one-flag check of elflow distill (`check_setting`)."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from elflow.config import TrainConfig, check_setting, kept_from, resume_conflicts
+from elflow.flow import Recipe
+from elflow.model import NetworkOverrides, ShortRunOptions
+from elflow.runs.migrate import document
+from elflow.runs.record import Distillation
+from elflow.util.devices import resolve_dtype
+from elflow.util.errors import ELFError
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+RUN_FILES = sorted(FIXTURES.glob("*/**/run.json"))  # the runs of earlier elflows: legacy/ and record2/
+RELEASED_CONDITIONAL_DECODE_NOISE = 1.0  # the paper's decode corruption for (source, target) pairs
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the typed parts
+
+
+def test_the_parts_default_to_the_released_recipe_the_presets_network_and_no_options():
+    cfg = TrainConfig()
+    assert cfg.recipe is None and cfg.distillation is None
+    assert cfg.model == NetworkOverrides() and cfg.model.given() == {}
+    assert cfg.short_run == ShortRunOptions() and not cfg.short_run.active
+
+
+def test_the_flow_recipe_is_the_released_one_of_the_runs_kind_unless_one_is_given():
+    assert TrainConfig().flow_recipe() == Recipe()
+    conditional = TrainConfig(source_length=8).flow_recipe()
+    assert conditional.decode_noise_scale == RELEASED_CONDITIONAL_DECODE_NOISE != Recipe().decode_noise_scale
+    assert conditional.replace(decode_noise_scale=Recipe().decode_noise_scale) == Recipe()  # nothing else differs
+    given = Recipe(t_std=0.5)
+    assert TrainConfig(recipe=given, source_length=8).flow_recipe() is given  # a recipe given whole is kept
+
+
+def test_each_part_given_as_a_dict_of_its_fields_is_read_into_its_type():
+    """A recipe's fields are overrides of the released recipe of the run's kind; the others are their types'
+    fields, {} (or None) the type's defaults, and an empty distillation none."""
+    assert TrainConfig(recipe={"t_std": 0.5}).recipe == Recipe(t_std=0.5)
+    assert TrainConfig(recipe={"t_std": 0.5}, source_length=8).recipe == \
+        Recipe(t_std=0.5, decode_noise_scale=RELEASED_CONDITIONAL_DECODE_NOISE)
+    assert TrainConfig(recipe={"decode_noise_scale": 2.0}, source_length=8).recipe.decode_noise_scale == 2.0
+    assert TrainConfig(model={"depth": 3, "heads": 2}).model == NetworkOverrides(depth=3, heads=2)
+    assert TrainConfig(short_run={"skip": "gated"}).short_run == ShortRunOptions(skip="gated")
+    assert TrainConfig(short_run=None).short_run == ShortRunOptions()
+    assert TrainConfig(distillation={"student_steps": 4, "teacher_steps": 16}).distillation == \
+        Distillation("pd", 4, 16)
+    assert TrainConfig(distillation={}).distillation is None
+
+
+def test_the_parts_are_stored_whole_and_read_back_equal():
+    cfg = TrainConfig(preset="tiny", recipe={"t_std": 0.5}, model={"depth": 3}, short_run={"skip": "gated"},
+                      distillation={"objective": "flow-map", "student_steps": 4})
+    d = json.loads(json.dumps(cfg.to_dict()))
+    assert d["recipe"] == {**Recipe().to_dict(), "t_std": 0.5}
+    assert d["model"] == {**{k: None for k in NetworkOverrides().to_dict()}, "depth": 3}
+    assert d["short_run"] == {"skip": "gated", "time_scale": 1.0, "head_modulation": False, "table_readout": 0.0}
+    assert d["distillation"] == {"objective": "flow-map", "student_steps": 4, "teacher_steps": None}
+    assert TrainConfig.from_dict(d) == cfg
+    assert TrainConfig().to_dict()["recipe"] is None and TrainConfig().to_dict()["distillation"] is None
+
+
+# (id, the part given, the error: a field of a flag names the flag)
+BAD_PARTS = [
+    ("time-scale-negative", dict(short_run={"time_scale": -1.0}), "--time-scale must be a number > 0, got -1.0"),
+    ("time-scale-a-string", dict(short_run={"time_scale": "x"}), "--time-scale must be a number, got 'x'"),
+    ("table-readout-negative", dict(short_run={"table_readout": -1}), "--table-readout must be a number >= 0, got -1"),
+    ("skip-unknown", dict(short_run={"skip": "residual"}),
+     "the short-run options do not fit together: skip must be one of none, gaussian, gated, got 'residual'"),
+    ("short-run-unknown-field", dict(short_run={"colour": 1}),
+     "the short-run options do not fit together: ShortRunOptions: unknown fields ['colour']"),
+    ("t-std-0", dict(recipe={"t_std": 0.0}), "--t-std must be a number in (0, 10], got 0.0"),
+    ("t-std-a-string", dict(recipe={"t_std": "a"}), "--t-std must be a number, got 'a'"),
+    ("decode-prob-above-1", dict(recipe={"decode_prob": 1.5}), "--decode-prob must be a number in [0, 1], got 1.5"),
+    ("recipe-unknown-field", dict(recipe={"noise": 2.0}), "the run's recipe cannot be read: Recipe: unknown fields "
+                                                          "['noise']"),
+    ("omega-range-reversed", dict(recipe={"omega_low": 3.0, "omega_high": 1.0}),
+     "the run's recipe cannot be read: the recipe's constants are out of range: omega range [3.0, 1.0]"),
+    ("depth-0", dict(model={"depth": 0}), "--depth must be a number >= 1, got 0"),
+    ("depth-a-fraction", dict(model={"depth": 2.5}), "--depth must be a number, got 2.5"),
+    ("heads-true", dict(model={"heads": True}), "--heads must be a number, got True"),
+    ("model-unknown-field", dict(model={"colour": 2}),
+     "the run's network settings cannot be read: NetworkOverrides: unknown fields ['colour']"),
+    ("distillation-objective", dict(distillation={"objective": "x"}),
+     "the run's distillation cannot be read: objective must be one of pd, flow-map, got 'x'"),
+    ("distillation-student-0", dict(distillation={"student_steps": 0}),
+     "the run's distillation cannot be read: student_steps must be an integer >= 1 or null, got 0"),
+]
+
+
+@pytest.mark.parametrize("part, words", [c[1:] for c in BAD_PARTS], ids=[c[0] for c in BAD_PARTS])
+def test_a_bad_field_of_a_part_is_one_error_naming_its_flag(part, words):
+    with pytest.raises(ELFError) as e:
+        TrainConfig(**part)
+    assert str(e.value).startswith(words), str(e.value)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the settings a run.json stores
+
+
+@pytest.mark.parametrize("path", RUN_FILES, ids=lambda p: str(p.parent.relative_to(FIXTURES)))
+def test_the_settings_of_every_earlier_run_read_and_write_back_as_stored(path):
+    settings = document(json.loads(path.read_text()), str(path))["train"]
+    cfg = TrainConfig.stored(settings, str(path))
+    assert cfg.to_dict() == settings
+    assert isinstance(cfg.recipe, Recipe) and isinstance(cfg.short_run, ShortRunOptions)
+    assert cfg.model.depth == 1  # every fixture's network has one block (--depth 1)
+
+
+def test_stored_training_settings_hold_every_setting_and_name_what_is_wrong(trained):
+    from elflow.runs.stored import run_file
+
+    settings = run_file(trained)["train"]
+    assert TrainConfig.stored(settings, "run.json").to_dict() == settings
+    with pytest.raises(ELFError, match="run.json: its training settings lack 'seed'"):
+        TrainConfig.stored({k: v for k, v in settings.items() if k != "seed"}, "run.json")
+    with pytest.raises(ELFError, match=r"unknown settings \['colour'\]"):
+        TrainConfig.stored({**settings, "colour": 1}, "run.json")
+    with pytest.raises(ELFError, match="run.json: --time-scale must be a number > 0"):
+        TrainConfig.stored({**settings, "short_run": {**settings["short_run"], "time_scale": -1.0}}, "run.json")
+
+
+def test_stored_settings_that_are_no_object_or_lack_several_name_the_first_three():
+    settings = TrainConfig(preset="tiny").resolved().to_dict()
+    with pytest.raises(ELFError, match=r"^run.json: its training settings must be a JSON object, got list$"):
+        TrainConfig.stored([settings], "run.json")
+    with pytest.raises(ELFError) as e:
+        TrainConfig.stored({k: v for k, v in settings.items() if k not in ("seed", "batch", "lr", "keep")},
+                           "run.json")
+    assert str(e.value).startswith("run.json: its training settings lack 'batch', 'lr', 'seed'; a run.json of this "
+                                   "version holds every setting")  # the first three in the order of the settings
+
+
+@pytest.mark.parametrize("change, words", [
+    (dict(batch=0), "run.json: its setting 'batch' must be a number from 1 to 1,048,576"),
+    (dict(optimizer="sgd"), "run.json: its setting 'optimizer' must be one of muon, adamw, got 'sgd'"),
+    (dict(compile="yes"), "run.json: its setting 'compile' must be true or false, got 'yes'"),
+    (dict(method="ar", predict="v"), "run.json: --predict applies to ELF runs only, not to --method ar"),
+    (dict(distillation={"objective": "x"}), "run.json: the run's distillation cannot be read"),
+], ids=["batch", "optimizer", "compile", "method", "distillation"])
+def test_a_stored_setting_out_of_range_names_the_file_and_the_setting(change, words):
+    settings = TrainConfig(preset="tiny").resolved().to_dict()
+    with pytest.raises(ELFError) as e:
+        TrainConfig.stored({**settings, **change}, "run.json")
+    assert str(e.value).startswith(words), str(e.value)
+
+
+def test_from_dict_takes_defaults_for_what_is_missing_and_refuses_the_unknown_only_when_strict():
+    assert TrainConfig.from_dict({"seed": 3}) == TrainConfig(seed=3)
+    assert TrainConfig.from_dict({"seed": 3, "muon_scale": "fan"}) == TrainConfig(seed=3)  # a setting now gone
+    with pytest.raises(ValueError, match=r"unknown settings \['muon_scale'\]"):
+        TrainConfig.from_dict({"seed": 3, "muon_scale": "fan"}, strict=True)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# resolved: the defaults that follow from the preset
+
+
+def test_resolved_fills_in_each_presets_defaults():
+    tiny = TrainConfig(preset="tiny").resolved()
+    assert (tiny.space, tiny.space_dim, tiny.ema_decay, tiny.length) == ("random-table:minilm", 32, 0.995, 32)
+    assert tiny.lr == pytest.approx(1e-3 * 32 / 256) and tiny.recipe == Recipe() and tiny.dtype == "auto"
+    assert tiny.space_stream is not None  # a table drawn from the seed records its draw
+    demo = TrainConfig(preset="demo").resolved()
+    assert (demo.space, demo.space_dim, demo.space_stream, demo.ema_decay, demo.length) == \
+        ("minilm", None, None, 0.995, 64)
+    paper = TrainConfig(preset="elf-b", batch=512).resolved()
+    assert (paper.space, paper.ema_decay, paper.length) == ("t5-small", 0.9999, 1024)
+    assert paper.lr == pytest.approx(2e-3)  # 1e-3 x 512 / 256
+    assert TrainConfig(preset="tiny", optimizer="adamw").resolved().lr == pytest.approx(5e-5 * 32 / 256)
+    assert TrainConfig(preset="tiny", source_length=4).resolved().recipe.decode_noise_scale == \
+        RELEASED_CONDITIONAL_DECODE_NOISE
+
+
+def test_resolved_keeps_what_was_given_and_changes_nothing_twice():
+    given = TrainConfig(preset="tiny", space="learned-table:minilm", space_dim=16, space_stream=1, ema_decay=0.9,
+                        length=20, lr=0.01, dtype="fp32", recipe={"t_std": 0.5})
+    r = given.resolved("cpu")
+    assert (r.space, r.space_dim, r.space_stream, r.ema_decay, r.length, r.lr, r.dtype) == \
+        ("learned-table:minilm", 16, 1, 0.9, 20, 0.01, "fp32")
+    assert r.recipe == Recipe(t_std=0.5) and r.resolved("cpu") == r
+    assert TrainConfig(preset="tiny", space="token-table:minilm").resolved().space_stream is None  # no draw
+
+
+def test_resolved_on_a_device_reads_dtype_auto_as_what_it_picks_there():
+    picked = TrainConfig(preset="tiny").resolved("cpu").dtype
+    assert picked in ("fp32", "bf16") and picked == resolve_dtype("auto", "cpu")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# validate
+
+
+# (id, settings, the error as a flag, the error for a stored run.json)
+INVALID = [
+    ("unknown-preset", dict(preset="huge"), "--preset: unknown preset 'huge'; choose one of tiny, demo",
+     "run.json: its setting 'preset': unknown preset 'huge'"),
+    ("bool-not-bool", dict(compile="yes"), "--compile must be true or false, got 'yes'",
+     "run.json: its setting 'compile' must be true or false"),
+    ("string-not-string", dict(data=3), "--data must be a string, got 3", "run.json: its setting 'data' must be a "
+                                                                          "string"),
+    ("flag-of-its-own", dict(text_field=3), "--field must be a string, got 3",
+     "run.json: its setting 'text_field' must be a string"),
+    ("not-a-choice", dict(optimizer="sgd"), "--optimizer must be one of muon, adamw, got 'sgd'",
+     "run.json: its setting 'optimizer' must be one of"),
+    ("batch-0", dict(batch=0), "--batch must be a number from 1 to 1,048,576 (the paper's batch is 512), got 0",
+     "run.json: its setting 'batch' must be a number from 1"),
+    ("lr-nan", dict(lr=float("nan")), "--lr must be a number > 0, got nan", "run.json: its setting 'lr' must be"),
+    ("seed-negative", dict(seed=-1), "--seed must be a number from 0 to 4294967295, got -1",
+     "run.json: its setting 'seed' must be"),
+    ("ema-decay-1", dict(ema_decay=1.0), "--ema-decay must be a number in [0, 1), got 1.0",
+     "run.json: its setting 'ema_decay' must be"),
+    ("elf-flag-on-a-baseline", dict(method="ar", predict="v"), "--predict applies to ELF runs only, not to --method ar",
+     "run.json: --predict applies to ELF runs only"),
+    ("recipe-on-a-baseline", dict(method="ar", recipe={"t_std": 0.5}),
+     "--t-std applies to ELF runs only, not to --method ar", "run.json: --t-std applies to ELF runs only"),
+    ("muon-setting-with-adamw", dict(optimizer="adamw", adam_heads=True),
+     "--adam-heads sets up Muon; it does not apply to --optimizer adamw",
+     "run.json: its setting 'adam_heads' sets up Muon"),
+    ("table-readout-without-token-vectors", dict(space="minilm", short_run={"table_readout": 1.0}),
+     "--table-readout 1: the table readout needs a space with one vector per token",
+     "run.json: its setting 'table_readout' 1: the table readout needs"),
+    ("fixed-slot-without-pairs", dict(source_slot="fixed"),
+     "--source-slot fixed lays out (source, target) pairs; it needs --source-length",
+     "run.json: its setting 'source_slot' fixed lays out (source, target) pairs"),
+    ("source-leaving-no-target", dict(source_length=16, length=16),
+     "--source-length 16 leaves no room for a target in --length 16",
+     "run.json: its setting 'source_length' 16 leaves no room for a target"),
+]
+
+
+@pytest.mark.parametrize("settings, as_flag, as_stored", [c[1:] for c in INVALID], ids=[c[0] for c in INVALID])
+def test_validate_names_the_first_setting_out_of_range_as_its_flag_or_its_stored_name(settings, as_flag, as_stored):
+    cfg = TrainConfig(**settings)
+    with pytest.raises(ELFError) as e:
+        cfg.validate()
+    assert str(e.value).startswith(as_flag), str(e.value)
+    with pytest.raises(ELFError) as e:
+        cfg.validate(stored="run.json")
+    assert str(e.value).startswith(as_stored), str(e.value)
+
+
+@pytest.mark.parametrize("settings", [
+    dict(), dict(preset="tiny"), dict(space="token-table:minilm", short_run={"table_readout": 1.0}),
+    dict(source_length=15, length=16, source_slot="fixed"), dict(method="ar"), dict(optimizer="adamw"),
+], ids=["defaults", "tiny", "table-readout-over-a-table", "fixed-slot-pairs", "baseline", "adamw"])
+def test_validate_passes_settings_that_fit_together(settings):
+    assert TrainConfig(**settings).validate() is None
+    assert TrainConfig(**settings).resolved().validate() is None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# named configs (--defaults)
+
+
+def test_a_named_config_derives_its_cadence_from_its_length_unless_given():
+    quick = TrainConfig.named("quickstart", steps=100)
+    assert (quick.ckpt_every, quick.sample_every) == (25, 25)
+    assert quick.short_run == ShortRunOptions(skip="gated", time_scale=1000.0, head_modulation=True,
+                                              table_readout=1.0)
+    assert TrainConfig.named("quickstart", steps=100, ckpt_every=7).ckpt_every == 7
+    xsum = TrainConfig.named("xsum")
+    assert (xsum.task, xsum.preset, xsum.space, xsum.layout) == ("xsum", "elf-b", "t5-small", "document")
+    assert xsum.source_length < xsum.length
+    assert xsum.flow_recipe().decode_noise_scale == RELEASED_CONDITIONAL_DECODE_NOISE
+    assert TrainConfig.named(None, seed=4) == TrainConfig(seed=4)
+    with pytest.raises(ELFError, match="unknown --defaults 'nope'; choose one of quickstart, wmt14-de-en, xsum"):
+        TrainConfig.named("nope")
+
+
+def test_the_network_fields_are_the_overrides_and_variants_with_the_recipes_constants_a_head_reads():
+    cfg = TrainConfig(model={"depth": 3}, bottleneck=8)
+    assert cfg.network_fields(Recipe()) == {"depth": 3, "bottleneck": 8, "predict": "x", "conditioning": "tokens",
+                                            "decoder": "shared"}
+    v = TrainConfig(predict="v").network_fields(Recipe(self_cond_prob=0.0, noise_scale=1.5))
+    assert v == {"predict": "v", "conditioning": "tokens", "decoder": "shared", "self_cond": False,
+                 "noise_scale": 1.5, "t_eps": Recipe().t_eps}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# what a resume may change, and what a continued run keeps
+
+
+def test_resume_conflicts_name_each_setting_that_may_not_change():
+    stored = TrainConfig(preset="tiny", lr=0.003, dtype="fp32")
+    assert resume_conflicts(stored, stored) == []
+    mutable = dict(steps=99, micro_batch=2, log_every=3, ckpt_every=4, keep=0, sample_every=5, sample_steps=8,
+                   dist_timeout=10.0, tensorboard=True, wandb="p", wandb_run="r")
+    assert resume_conflicts(stored, stored.replace(**mutable)) == []
+    assert resume_conflicts(stored, stored.replace(seed=3, lr=0.5)) == ["lr: 0.003 -> 0.5", "seed: 0 -> 3"]
+    assert resume_conflicts(stored, stored.replace(short_run=ShortRunOptions(skip="gated"))) == [
+        f"short_run: {ShortRunOptions().to_dict()!r} -> {ShortRunOptions(skip='gated').to_dict()!r}"]
+
+
+def test_resume_conflicts_compare_the_resolved_settings():
+    """A default that resolves to the stored value is no change; dtype auto is what it picks on the device."""
+    stored = TrainConfig(preset="tiny", batch=32).resolved()
+    assert resume_conflicts(stored, TrainConfig(preset="tiny", batch=32)) == []  # lr, space, length: the same
+    fp32 = stored.replace(dtype="fp32")
+    assert resume_conflicts(fp32, fp32.replace(dtype="auto")) == ["dtype: 'fp32' -> 'auto'"]
+    picked = resolve_dtype("auto", "cpu")
+    assert resume_conflicts(fp32, fp32.replace(dtype="auto"), "cpu") == \
+        ([] if picked == "fp32" else [f"dtype: 'fp32' -> {picked!r}"])
+
+
+def test_a_continued_run_keeps_the_stepping_of_the_run_it_continues():
+    stored = TrainConfig(update_rule="torch-fan", lr_schedule="one-ahead", seed=7, lr=0.1)
+    cfg = TrainConfig(seed=3, steps=9)
+    kept = kept_from(stored, cfg)
+    assert (kept.update_rule, kept.lr_schedule) == ("torch-fan", "one-ahead")
+    assert kept.replace(update_rule=cfg.update_rule, lr_schedule=cfg.lr_schedule) == cfg  # the rest is cfg's
+
+
+# ----------------------------------------------------------------------------------------------------------
+# check_setting: one setting given as a flag by a command that builds the config itself
+
+
+@pytest.mark.parametrize("name, value, words", [
+    ("lr", -1.0, "--lr must be a number > 0, got -1.0"),
+    ("lr", float("inf"), "--lr must be a number > 0, got inf"),
+    ("batch", 0, "--batch must be a number from 1 to 1,048,576 (the paper's batch is 512), got 0"),
+    ("batch", True, "--batch must be a number from 1 to 1,048,576 (the paper's batch is 512), got True"),
+    ("ema_decay", 1.0, "--ema-decay must be a number in [0, 1), got 1.0"),
+    ("seed", 2**32, "--seed must be a number from 0 to 4294967295, got 4294967296"),
+    ("warmup", "10", "--warmup must be a number >= 0, got '10'"),
+], ids=["lr-negative", "lr-inf", "batch-0", "batch-true", "ema-decay-1", "seed-too-large", "warmup-a-string"])
+def test_check_setting_refuses_a_value_out_of_the_settings_range(name, value, words):
+    with pytest.raises(ELFError) as e:
+        check_setting(name, value)
+    assert str(e.value) == words
+
+
+def test_check_setting_passes_a_value_in_range_none_and_settings_without_a_range():
+    for name, value in (("lr", 3e-3), ("batch", 1), ("ema_decay", 0.0), ("seed", 2**32 - 1), ("lr", None),
+                        ("data", "anything"), ("optimizer", "adamw")):
+        assert check_setting(name, value) is None

@@ -1,0 +1,282 @@
+"""The run record (elflow.runs.record): a stored record reads into its typed parts and writes back as it was
+stored; every way a stored record is malformed is one ELFError naming the file and the field; the checks
+across its parts (`RunRecord.check`); the validation of its parts Task, Distillation and ParamCounts."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from elflow.model import ShortRunOptions
+from elflow.runs.migrate import document
+from elflow.runs.record import RECORD_VERSION, Distillation, ParamCounts, RunRecord, Task
+from elflow.util.errors import ELFError
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+RUN_FILES = sorted(FIXTURES.glob("*/**/run.json"))  # the runs of earlier elflows: legacy/ and record2/
+
+# what each fixture's make.sh trained (a run and its stopped copy alike): method, task, distillation and the
+# network's own parameter count (None: not stated there); every network has 16 positions and trained at 16
+MADE = {
+    "elf": ("elf", None, None, 8286),
+    "cond": ("elf", Task(8), None, 8286),
+    "ar": ("ar", None, None, 8084),
+    "mdlm": ("mdlm", None, None, 8084),
+    "pd/2-step": ("elf", None, Distillation("pd", 2, 4), 8286),
+    "pd/1-step": ("elf", None, Distillation("pd", 1, 4), 8286),
+    "fm": ("elf", None, Distillation("flow-map", 4, None), None),
+}
+
+
+def made_as(path: Path) -> str:
+    """The run of MADE that the fixture's run.json at `path` is (a stopped copy is its run)."""
+    rel = path.parent.relative_to(FIXTURES)
+    return "/".join((rel.parts[1].removesuffix("-stopped"), *rel.parts[2:]))
+
+
+def stored(path: Path) -> dict:
+    """The record of a fixture's run.json, in today's layout."""
+    return document(json.loads(path.read_text()), str(path))["record"]
+
+
+def fixture_record(run: str) -> dict:
+    return stored(FIXTURES / "record2" / run / "run.json")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the stored form
+
+
+def test_every_fixture_run_is_one_of_the_runs_its_make_sh_trained():
+    assert RUN_FILES and {made_as(p) for p in RUN_FILES} == set(MADE)
+
+
+@pytest.mark.parametrize("path", RUN_FILES, ids=lambda p: str(p.parent.relative_to(FIXTURES)))
+def test_a_stored_record_reads_into_its_parts_and_writes_back_as_stored(path):
+    doc = stored(path)
+    record = RunRecord.from_dict(doc, str(path))
+    method, task, distillation, params = MADE[made_as(path)]
+    assert (record.method, record.task, record.distillation) == (method, task, distillation)
+    assert record.length == record.network.max_length == 16 and record.version == RECORD_VERSION
+    assert record.conditional == (task is not None) and record.distilled == (distillation is not None)
+    assert record.source_length == (task.source_length if task else None) and record.source_slot == "packed"
+    assert type(record.sampling).__name__ == ("SamplingSettings" if method == "elf" else "BaselineSampling")
+    if params is not None:
+        assert record.params == ParamCounts(params, record.params.elf, "total")
+    assert record.to_dict() == doc  # every part written back as stored
+    assert RunRecord.from_dict(json.loads(json.dumps(record.to_dict()))) == record
+
+
+def test_a_record_written_by_todays_training_reads_back_equal(trained):
+    """The tiny run of helpers.tiny_config: ELF on plain text, 16 positions, neither distilled nor matched."""
+    doc = json.loads((trained / "run.json").read_text())["record"]
+    record = RunRecord.from_dict(doc, "run.json")
+    assert (record.method, record.length, record.task, record.distillation) == ("elf", 16, None, None)
+    assert record.params.model == record.params.elf and record.params.match == "total"
+    assert record.to_dict() == doc and doc["version"] == RECORD_VERSION
+
+
+def test_short_run_options_are_stored_only_when_they_change_the_network():
+    plain = RunRecord.from_dict(fixture_record("elf"))
+    assert not plain.options.active and "options" not in plain.to_dict()
+    options = ShortRunOptions(skip="gaussian", time_scale=1000.0, head_modulation=True)
+    changed = plain.replace(options=options)
+    assert changed.to_dict()["options"] == {"skip": "gaussian", "time_scale": 1000.0, "head_modulation": True,
+                                            "table_readout": 0.0}
+    assert RunRecord.from_dict(changed.to_dict()) == changed and changed.options == options
+
+
+# ----------------------------------------------------------------------------------------------------------
+# a malformed record: one line naming the file and the field
+
+
+def _without(d: dict, key: str) -> dict:
+    """`d` without `key`, or, for "part.field", without that field of its part."""
+    part, _, field = key.partition(".")
+    if not field:
+        return {k: v for k, v in d.items() if k != key}
+    return {**d, part: {k: v for k, v in d[part].items() if k != field}}
+
+
+def _with(d: dict, key: str, value) -> dict:
+    """`d` with `key` (or "part.field") set to `value`."""
+    part, _, field = key.partition(".")
+    return {**d, key: value} if not field else {**d, part: {**d[part], field: value}}
+
+
+# (id, base run, make(record) -> what is stored instead, the words of the error after "r.json: ")
+REFUSED = [
+    ("not-an-object", "elf", lambda d: [d], "the record must be a JSON object, got list"),
+    ("null", "elf", lambda d: None, "the record must be a JSON object, got NoneType"),
+    ("an-earlier-version", "elf", lambda d: _with(d, "version", 3), "its record's field 'version' must be 4, got 3"),
+    ("a-newer-version", "elf", lambda d: _with(d, "version", 5), "its record's field 'version' must be 4, got 5"),
+    ("version-true", "elf", lambda d: _with(d, "version", True), "its record's field 'version' must be 4, got True"),
+    ("no-version", "elf", lambda d: _without(d, "version"), "its record's field 'version' must be 4, got None"),
+    ("unknown-fields", "elf", lambda d: {**d, "colour": 1, "b": 2}, "its record has unknown fields ['b', 'colour']"),
+    *[(f"no-{name}", "elf", lambda d, name=name: _without(d, name), f"its record lacks the field {name!r}")
+      for name in ("method", "network", "space", "length", "recipe", "task", "sampling", "distillation", "params")],
+    # a conditional record that lost its task would read as an unconditional model, and one that lost its recipe
+    # would take the text recipe: refused like any other field
+    ("cond-no-task", "cond", lambda d: _without(d, "task"), "its record lacks the field 'task'"),
+    ("cond-no-recipe", "cond", lambda d: _without(d, "recipe"), "its record lacks the field 'recipe'"),
+    # a part that lacks one of the fields its type writes
+    *[(f"no-{key}", run, lambda d, key=key: _without(d, key),
+       f"its record's field {key.split('.')[0]!r}: it lacks {key!r}; a record of this version holds every field")
+      for run, key in (("elf", "network.predict"), ("ar", "network.vocab_size"), ("elf", "recipe.t_std"),
+                       ("elf", "sampling.steps"), ("ar", "sampling.temperature"), ("cond", "task.source_slot"),
+                       ("pd/1-step", "distillation.teacher_steps"), ("elf", "params.match"))],
+    ("options-in-part", "elf", lambda d: {**d, "options": {"time_scale": 1000.0}},
+     "its record's field 'options': it lacks 'options.skip', 'options.head_modulation', 'options.table_readout'"),
+    # a part that cannot be read
+    ("unknown-method", "elf", lambda d: _with(d, "method", "gpt"),
+     "its record's field 'method': unknown method 'gpt'; choose one of elf, ar, mdlm"),
+    ("network-a-string", "elf", lambda d: _with(d, "network", "x"),
+     "its record's field 'network' cannot be read (expected a JSON object, got str)"),
+    ("length-0", "elf", lambda d: _with(d, "length", 0),
+     "its record's field 'length' cannot be read (expected an integer >= 1, got 0)"),
+    ("length-true", "elf", lambda d: _with(d, "length", True),
+     "its record's field 'length' cannot be read (expected an integer >= 1, got True)"),
+    ("length-a-string", "elf", lambda d: _with(d, "length", "16"),
+     "its record's field 'length' cannot be read (expected an integer >= 1, got '16')"),
+    ("space-a-string", "elf", lambda d: _with(d, "space", "x"),
+     "its record's field 'space' cannot be read (a space spec is a JSON object, got str)"),
+    ("space-of-no-kind", "elf", lambda d: _with(d, "space", {}), "its record's field 'space' cannot be read ('kind'"),
+    ("recipe-a-list", "elf", lambda d: _with(d, "recipe", [1]),
+     "its record's field 'recipe' cannot be read (expected a JSON object, got list)"),
+    ("recipe-out-of-range", "elf", lambda d: _with(d, "recipe.t_std", -1.0),
+     "its record's field 'recipe' cannot be read (the recipe's constants are out of range: t_std -1.0"),
+    ("task-a-string", "elf", lambda d: _with(d, "task", "x"),
+     "its record's field 'task' cannot be read (expected a JSON object, got str)"),
+    ("task-source-length-0", "cond", lambda d: _with(d, "task.source_length", 0),
+     "its record's field 'task' cannot be read (source_length must be an integer >= 1, got 0)"),
+    ("sampling-unknown-field", "elf", lambda d: _with(d, "sampling.colour", 1),
+     "its record's field 'sampling' cannot be read (SamplingSettings: unknown fields ['colour'])"),
+    ("distillation-objective", "pd/1-step", lambda d: _with(d, "distillation.objective", "x"),
+     "its record's field 'distillation' cannot be read (objective must be one of pd, flow-map, got 'x')"),
+    ("params-negative", "elf", lambda d: _with(d, "params.model", -1),
+     "its record's field 'params' cannot be read (model must be an integer >= 0, got -1)"),
+    # parts that disagree (RunRecord.check, and the method's and sampler's own checks)
+    ("length-beyond-the-network", "elf", lambda d: _with(d, "length", 17),
+     "its record's field 'length' disagrees with the rest of the record: 17 positions, more than the network's 16"),
+    ("source-leaving-no-target", "cond", lambda d: _with(d, "task.source_length", 16),
+     "its record's field 'task' disagrees with the rest of the record: a source of 16 tokens leaves no target in "
+     "16 positions"),
+    ("a-distilled-baseline", "ar", lambda d: _with(d, "distillation", {"objective": "pd", "student_steps": 1,
+                                                                        "teacher_steps": 2}),
+     "its record's field 'distillation' disagrees with the rest of the record: a model of --method ar is never "
+     "distilled"),
+    ("a-conditional-baseline", "ar", lambda d: _with(d, "task", fixture_record("cond")["task"]),
+     "its record's field 'network': a ar model has no conditional task and no short-run options"),
+    ("sampling-of-another-baseline", "ar", lambda d: _with(d, "sampling.method", "mdlm"),
+     "its record's field 'network': sampling settings of 'mdlm', not of 'ar'"),
+    ("a-flow-map-network-without-its-distillation", "elf", lambda d: _with(d, "network.target_time", True),
+     "its record's field 'network': target_time True while the model is not a flow-map student"),
+    ("self-conditioning-without-its-recipe", "elf", lambda d: _with(d, "recipe.self_cond_prob", 0.0),
+     "its record's field 'network': self_cond True while the recipe's self_cond_prob is 0.0"),
+    ("sampling-steps-0", "elf", lambda d: _with(d, "sampling.steps", 0),
+     "its record's field 'sampling': steps must be an integer from 1 to"),
+]
+
+
+@pytest.mark.parametrize("run, make, words", [c[1:] for c in REFUSED], ids=[c[0] for c in REFUSED])
+def test_a_malformed_record_is_one_line_naming_the_file_and_the_field(run, make, words):
+    with pytest.raises(ELFError) as e:
+        RunRecord.from_dict(make(fixture_record(run)), "r.json")
+    assert str(e.value).startswith(f"r.json: {words}"), str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_an_error_names_the_record_itself_when_no_file_is_given():
+    with pytest.raises(ELFError, match=r"^the record: its record's field 'length' cannot be read"):
+        RunRecord.from_dict({**fixture_record("elf"), "length": 0})
+
+
+def test_the_parts_that_default_when_absent_are_read_as_their_defaults():
+    """A record may leave out its short-run options (written only when active): the paper's network."""
+    record = RunRecord.from_dict(_without(fixture_record("elf"), "options"))
+    assert record.options == ShortRunOptions()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# check: the parts of a record built in code
+
+
+def test_check_passes_a_consistent_record_and_names_the_first_part_that_disagrees():
+    elf, cond, ar = (RunRecord.from_dict(fixture_record(run)) for run in ("elf", "cond", "ar"))
+    for record in (elf, cond, ar):
+        assert record.check("x") is None
+    with pytest.raises(ELFError, match=r"^x: its record's field 'length' disagrees .*: 32 positions, more than "
+                                       r"the network's 16$"):
+        elf.replace(length=32).check("x")
+    with pytest.raises(ELFError, match="a source of 15 tokens leaves no target in 15 positions"):
+        cond.replace(task=Task(15), length=15).check("x")
+    assert cond.replace(task=Task(15)).check("x") is None  # 15 of 16 positions: one target token
+    with pytest.raises(ELFError, match="field 'distillation' disagrees .*--method ar is never distilled"):
+        ar.replace(distillation=Distillation("flow-map")).check("x")
+    assert elf.replace(network=elf.network.replace(target_time=True),
+                       distillation=Distillation("flow-map", 4)).check("x") is None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the typed parts: Task, Distillation, ParamCounts
+
+
+def test_a_task_holds_a_source_length_a_slot_a_named_task_and_its_fields():
+    task = Task(8, "fixed", "xsum", "document", "summary")
+    assert task.to_dict() == {"source_length": 8, "source_slot": "fixed", "name": "xsum",
+                              "source_field": "document", "target_field": "summary"}
+    assert Task.from_dict(task.to_dict()) == task
+    assert Task(1) == Task.from_dict({"source_length": 1}) and Task(1).source_slot == "packed"
+    with pytest.raises(ValueError, match="unknown fields"):
+        Task.from_dict({"source_length": 8, "slot": "fixed"})
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(source_length=0), "source_length must be an integer >= 1, got 0"),
+    (dict(source_length=True), "source_length must be an integer >= 1, got True"),
+    (dict(source_length=8.0), "source_length must be an integer >= 1, got 8.0"),
+    (dict(source_length=8, source_slot="middle"), "source_slot must be one of packed, fixed, got 'middle'"),
+    (dict(source_length=8, name="poetry"), "name must be one of wmt14-de-en, xsum or null, got 'poetry'"),
+    (dict(source_length=8, source_field=""), "source_field must be a field name, got ''"),
+    (dict(source_length=8, target_field=3), "target_field must be a field name, got 3"),
+], ids=["length-0", "length-true", "length-float", "slot", "name", "empty-source-field", "target-field-number"])
+def test_a_task_refuses_what_no_layout_has(kw, words):
+    with pytest.raises(ValueError) as e:
+        Task(**kw)
+    assert str(e.value) == words
+
+
+def test_a_distillation_is_progressive_or_a_flow_map_with_its_step_counts():
+    assert Distillation() == Distillation("pd", None, None)  # a released student of unknown rounds
+    assert Distillation.from_dict({"objective": "flow-map", "student_steps": 4}) == Distillation("flow-map", 4)
+    assert Distillation("pd", 1, 4).to_dict() == {"objective": "pd", "student_steps": 1, "teacher_steps": 4}
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(objective="consistency"), "objective must be one of pd, flow-map, got 'consistency'"),
+    (dict(student_steps=0), "student_steps must be an integer >= 1 or null, got 0"),
+    (dict(student_steps=2.0), "student_steps must be an integer >= 1 or null, got 2.0"),
+    (dict(teacher_steps=True), "teacher_steps must be an integer >= 1 or null, got True"),
+    (dict(teacher_steps=-4), "teacher_steps must be an integer >= 1 or null, got -4"),
+], ids=["objective", "student-0", "student-float", "teacher-true", "teacher-negative"])
+def test_a_distillation_refuses_an_objective_or_a_step_count_it_cannot_have(kw, words):
+    with pytest.raises(ValueError) as e:
+        Distillation(**kw)
+    assert str(e.value) == words
+
+
+def test_parameter_counts_are_counts_with_how_a_baseline_was_matched():
+    assert ParamCounts(0, 0) == ParamCounts(0, 0, "total")
+    assert ParamCounts.from_dict({"model": 8084, "elf": 8478, "match": "trunk"}).match == "trunk"
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(model=-1, elf=1), "model must be an integer >= 0, got -1"),
+    (dict(model=1, elf=True), "elf must be an integer >= 0, got True"),
+    (dict(model=1.5, elf=1), "model must be an integer >= 0, got 1.5"),
+    (dict(model=1, elf=1, match="all"), "match must be one of total, trunk, got 'all'"),
+], ids=["model-negative", "elf-true", "model-float", "match"])
+def test_parameter_counts_refuse_what_is_no_count(kw, words):
+    with pytest.raises(ValueError) as e:
+        ParamCounts(**kw)
+    assert str(e.value) == words
