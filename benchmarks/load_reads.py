@@ -91,12 +91,16 @@ def probe(src: str, run: Path, what: str = "sample") -> dict:
         done = subprocess.run([sys.executable, "-c", PROBE if what == "sample" else RESUME_PROBE, str(target)],
                               capture_output=True, text=True,
                               env={**os.environ, "PYTHONPATH": src, "HF_HUB_OFFLINE": "1"})
+        if done.returncode != 0:
+            sys.exit(f"load_reads.py: {what} with {src} failed:\n{done.stderr[-2000:]}")
+        return _counted(json.loads(done.stdout.splitlines()[-1]), ckpt)
     finally:
         if what == "resume":
             shutil.rmtree(target, ignore_errors=True)
-    if done.returncode != 0:
-        sys.exit(f"load_reads.py: {what} with {src} failed:\n{done.stderr[-2000:]}")
-    seen = json.loads(done.stdout.splitlines()[-1])
+
+
+def _counted(seen: dict, ckpt: Path) -> dict:
+    """The opens and bytes of the files of the checkpoint folder `ckpt` that `seen` (a probe's output) lists."""
     files = {}
     for path in seen["opened"]:
         p = Path(path)

@@ -145,3 +145,22 @@ def test_sample_with_standard_output_closed_or_its_reader_gone_writes_quietly(ca
     code, _, err = cli(capsys, ["sample", trained, "--num", "2", "--steps", "1", "--out", out])
     assert code == 0 and "error" not in err and visible(err)[-2:] == [f"wrote 2 samples to {out}", ""], err
     assert len(out.read_text().splitlines()) == 2
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly(monkeypatch, capsys):
+    """`elflow train --print-config | head -1`: when standard output's reader has gone, writing raises
+    BrokenPipeError; the command ends with exit 0 and no error line (as `sample` does)."""
+    import io
+
+    from elflow.cli import main
+
+    class Gone(io.StringIO):
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def fileno(self):
+            raise io.UnsupportedOperation("no descriptor")
+
+    monkeypatch.setattr("sys.stdout", Gone())
+    assert main(["train", "--preset", "tiny", "--print-config"]) == 0
+    assert "error" not in capsys.readouterr().err

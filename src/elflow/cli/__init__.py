@@ -17,7 +17,7 @@ import warnings
 import elflow  # the package itself, always loaded first: its version
 from elflow.util.distributed import peer_lost
 from elflow.util.errors import ELFError, check_seed
-from elflow.util.files import disk_full
+from elflow.util.files import disk_full, stdout_to_nowhere
 
 # name -> (module, one-line help). Order is the order shown by `elflow --help`.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -123,6 +123,10 @@ def main(argv: list[str] | None = None) -> int:
         end_bars()
         say(args.command, f"error: {e}")
         return 2
+    except BrokenPipeError:  # the reader of standard output went away (`| head`): nothing more to show
+        end_bars()
+        stdout_to_nowhere()
+        return 0
     except OSError as e:  # a system failure outside elflow's checks: one line, not a traceback
         end_bars()
         where = f": {e.filename}" if e.filename else ""

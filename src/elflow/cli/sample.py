@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -17,7 +16,7 @@ from elflow.runs.outputs import Outputs
 from elflow.util.devices import check_device
 from elflow.util.distributed import DIST_TIMEOUT_HELP, DIST_TIMEOUT_MINUTES, check_dist_timeout, process_group
 from elflow.util.errors import ELFError
-from elflow.util.files import atomic_write_json
+from elflow.util.files import atomic_write_json, stdout_to_nowhere
 
 
 def add_arguments(p) -> None:
@@ -172,17 +171,8 @@ def print_results(lines: list[str], written: str) -> None:
             print(line)
         sys.stdout.flush()
     except BrokenPipeError:
-        _stdout_to_nowhere()
+        stdout_to_nowhere()
     except OSError as e:
-        _stdout_to_nowhere()
+        stdout_to_nowhere()
         raise ELFError(f"{written}, but standard output cannot be written ({e.strerror or e}), so the texts were "
                        "not printed; --quiet prints none") from None
-
-
-def _stdout_to_nowhere() -> None:
-    try:
-        fd = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(fd, sys.stdout.fileno())
-        os.close(fd)
-    except (OSError, ValueError, AttributeError):  # a stream without a descriptor of its own
-        pass

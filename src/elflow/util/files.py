@@ -12,6 +12,7 @@ import json
 import os
 import socket
 import stat
+import sys
 import tempfile
 import time
 from contextlib import contextmanager
@@ -588,3 +589,14 @@ class FolderHold:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.close(exc_type is None)
+
+
+def stdout_to_nowhere() -> None:
+    """Standard output led to /dev/null: its reader went away (a pipe into `head`) or it cannot be written, so
+    that nothing fails again when Python flushes it at exit."""
+    try:
+        fd = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(fd, sys.stdout.fileno())
+        os.close(fd)
+    except (OSError, ValueError, AttributeError):  # a stream without a descriptor of its own
+        pass
