@@ -297,6 +297,12 @@ class TrainConfig(Record):
                 self.distillation = Distillation.from_dict(self.distillation) if self.distillation else None
             except (ValueError, TypeError) as e:
                 raise ELFError(f"the run's distillation cannot be read: {e}") from None
+        for name, typ, optional in (("recipe", Recipe, True), ("model", NetworkOverrides, False),
+                                    ("short_run", ShortRunOptions, False), ("distillation", Distillation, True)):
+            value = getattr(self, name)
+            if not isinstance(value, typ) and not (optional and value is None):
+                raise ELFError(f"the run's {name} must be a JSON object of {typ.__name__} fields, got "
+                               f"{type(value).__name__}")
 
     @classmethod
     def from_dict(cls, d: dict, strict: bool = False) -> "TrainConfig":
@@ -388,7 +394,7 @@ class TrainConfig(Record):
         def name(flag_name: str) -> str:
             return f"--{flag_name.replace('_', '-')}" if stored is None else f"{stored}: its setting {flag_name!r}"
 
-        if self.preset not in PRESETS:
+        if not isinstance(self.preset, str) or self.preset not in PRESETS:
             raise ELFError(f"{name('preset')}: unknown preset {self.preset!r}; choose one of {', '.join(PRESETS)}")
         for f in fields(self):
             v, meta = getattr(self, f.name), f.metadata

@@ -23,10 +23,14 @@ class ARSampling:
     top_p: float = 1.0
 
     def __post_init__(self):
-        if not self.temperature > 0:
-            raise ELFError(f"AR sampling: temperature must be > 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ELFError(f"AR sampling: top_p must lie in (0, 1], got {self.top_p}")
+        if not _number(self.temperature) or not self.temperature > 0:
+            raise ELFError(f"AR sampling: temperature must be > 0, got {self.temperature!r}")
+        if not _number(self.top_p) or not 0 < self.top_p <= 1:
+            raise ELFError(f"AR sampling: top_p must lie in (0, 1], got {self.top_p!r}")
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 SETTINGS = ARSampling

@@ -37,6 +37,9 @@ def trunk_params(model) -> int:
     return num_params(model) - sum(num_params(m) for m in (model.embed, model.lm_head) if m is not None)
 
 
+_KIND_WORDS = {str: "a name", int: "a whole number", float: "a finite number"}
+
+
 @dataclass(frozen=True)
 class BaselineSampling:
     """How to sample a baseline: AR takes temperature and top_p, MDLM steps and temperature; seed and
@@ -57,6 +60,15 @@ class BaselineSampling:
         unknown = sorted(set(d) - {f.name for f in fields(cls)})
         if unknown:
             raise ValueError(f"BaselineSampling: unknown fields {unknown}")
+        for key, kind, optional in (("method", str, False), ("steps", int, True), ("temperature", float, False),
+                                    ("top_p", float, True), ("seed", int, False), ("batch_size", int, False)):
+            v = d.get(key)
+            if v is None and (optional or key not in d):
+                continue
+            numeric = kind is not str and not isinstance(v, bool) and isinstance(v, (int, float))
+            if kind is str and not isinstance(v, str) or kind is not str and not numeric or \
+                    kind is int and not isinstance(v, int) or kind is float and not math.isfinite(v):
+                raise ValueError(f"BaselineSampling: {key} must be {_KIND_WORDS[kind]}, got {v!r}")
         return cls(**d)
 
     def replace(self, **kw) -> "BaselineSampling":

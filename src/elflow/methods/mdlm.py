@@ -35,10 +35,11 @@ class MDLMSampling:
     temperature: float = 1.0
 
     def __post_init__(self):
-        if not isinstance(self.steps, int) or self.steps < 1:
+        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
             raise ELFError(f"MDLM sampling: steps must be an integer >= 1, got {self.steps!r}")
-        if not self.temperature > 0:
-            raise ELFError(f"MDLM sampling: temperature must be > 0, got {self.temperature}")
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) or \
+                not self.temperature > 0:
+            raise ELFError(f"MDLM sampling: temperature must be > 0, got {self.temperature!r}")
 
 
 SETTINGS = MDLMSampling

@@ -30,7 +30,7 @@ from elflow.methods import get_method
 from elflow.methods.baseline import MATCHES, BaselineSampling
 from elflow.methods.token_net import TokenLMConfig
 from elflow.model import ELFConfig, ShortRunOptions
-from elflow.space import SpaceSpec
+from elflow.space import SpaceSpec, drawn_table
 from elflow.util.errors import ELFError, Record
 
 RECORD_VERSION = 4  # the layout of today's record; elflow.runs.migrate reads the earlier ones
@@ -172,8 +172,9 @@ class RunRecord:
         if missing:
             raise ELFError(f"{where}: its record lacks the field {missing[0]!r}")
 
-        def part(name, make):
+        def part(name, make, typ=None):
             try:
+                _required(name, d.get(name), typ)
                 value = make(d.get(name))
                 _complete(name, d.get(name), value)
                 return value
@@ -183,17 +184,19 @@ class RunRecord:
                 raise ELFError(f"{where}: its record's field {name!r} cannot be read ({e})") from None
 
         method = part("method", get_method)
+        network_type = ELFConfig if method.name == "elf" else TokenLMConfig
         record = cls(
             method=method.name,
-            network=part("network", method.network_config),
+            network=part("network", method.network_config, network_type),
             space=part("space", SpaceSpec.from_dict),
             length=part("length", _positive_int),
-            recipe=part("recipe", lambda v: Recipe.from_dict(_obj(v or {}))),
-            options=part("options", lambda v: ShortRunOptions.from_dict(_obj(v or {}))),
-            task=part("task", lambda v: None if v is None else Task.from_dict(_obj(v))),
-            sampling=part("sampling", lambda v: method.sampling_type.from_dict(_obj(v))),
-            distillation=part("distillation", lambda v: None if v is None else Distillation.from_dict(_obj(v))),
-            params=part("params", lambda v: None if v is None else ParamCounts.from_dict(_obj(v))),
+            recipe=part("recipe", lambda v: Recipe.from_dict(_obj(v or {})), Recipe),
+            options=part("options", lambda v: ShortRunOptions.from_dict(_obj(v or {})), ShortRunOptions),
+            task=part("task", lambda v: None if v is None else Task.from_dict(_obj(v)), Task),
+            sampling=part("sampling", lambda v: method.sampling_type.from_dict(_obj(v)), method.sampling_type),
+            distillation=part("distillation", lambda v: None if v is None else Distillation.from_dict(_obj(v)),
+                              Distillation),
+            params=part("params", lambda v: None if v is None else ParamCounts.from_dict(_obj(v)), ParamCounts),
         )
         record.check(where)
         return record
@@ -203,12 +206,17 @@ class RunRecord:
         def bad(name, what):
             raise ELFError(f"{where}: its record's field {name!r} disagrees with the rest of the record: {what}")
 
+        method = get_method(self.method)
         check_sampling = getattr(self.sampling, "check", None)
-        if check_sampling is not None:
-            try:
+        try:
+            if check_sampling is not None:
                 check_sampling(self.recipe)
-            except ELFError as e:
-                raise ELFError(f"{where}: its record's field 'sampling': {e}") from None
+            if isinstance(self.sampling, BaselineSampling):  # a baseline's settings, read by its own sampler
+                if self.sampling.method != method.name:
+                    raise ELFError(f"sampling settings of {self.sampling.method!r}, not of {method.name!r}")
+                method.sampler_settings(self.sampling)
+        except ELFError as e:
+            raise ELFError(f"{where}: its record's field 'sampling': {e}") from None
         try:
             get_method(self.method).check_record(self)
         except ELFError as e:
@@ -221,12 +229,31 @@ class RunRecord:
             bad("distillation", f"a model of --method {self.method} is never distilled")
 
 
+# what a drawn table's stored spec holds besides its kind and base: it is rebuilt from them and checked by its id
+DRAWN_TABLE_FIELDS = ("dim", "seed", "stream", "id")
+
+
+def _required(name: str, stored, typ) -> None:
+    """Before a stored part is read: the fields of its type that have no default of None (those its `to_dict`
+    always writes) are all there; a missing one is an ELFError naming it, not a default filled in."""
+    if typ is None or not isinstance(stored, dict):
+        return
+    missing = [f.name for f in fields(typ) if f.name not in stored and f.default is not None]
+    if missing:
+        raise ELFError(f"it lacks {', '.join(repr(f'{name}.{m}') for m in missing[:3])}; a record of this version "
+                       "holds every field (restore the file as elflow wrote it)")
+
+
 def _complete(name: str, stored, value) -> None:
-    """A stored part holds every field its type writes (`to_dict`): a missing one is an ELFError naming it (a
-    record of an earlier version gains its new fields in elflow.runs.migrate, never from today's defaults)."""
+    """A stored part holds every field its type writes (`to_dict`; a drawn table's space, its DRAWN_TABLE_FIELDS
+    too): a missing one is an ELFError naming it (a record of an earlier version gains its new fields in
+    elflow.runs.migrate, never from today's defaults)."""
     if value is None or not hasattr(value, "to_dict") or not isinstance(stored, dict):
         return
-    missing = [k for k in value.to_dict() if k not in stored]
+    written = list(value.to_dict())
+    if isinstance(value, SpaceSpec) and drawn_table(stored):
+        written += [k for k in DRAWN_TABLE_FIELDS if k not in written]
+    missing = [k for k in written if k not in stored]
     if missing:
         raise ELFError(f"it lacks {', '.join(repr(f'{name}.{m}') for m in missing[:3])}; a record of this version "
                        "holds every field (restore the file as elflow wrote it)")
