@@ -344,3 +344,14 @@ def test_check_setting_passes_a_value_in_range_none_and_settings_without_a_range
     for name, value in (("lr", 3e-3), ("batch", 1), ("ema_decay", 0.0), ("seed", 2**32 - 1), ("lr", None),
                         ("data", "anything"), ("optimizer", "adamw")):
         assert check_setting(name, value) is None
+
+
+def test_the_training_settings_hold_no_dict():
+    """Every part of TrainConfig is typed: the recipe, the short-run options, the network settings and the
+    distillation are the record's own types, never a dict of overrides."""
+    from dataclasses import fields
+
+    assert not [f.name for f in fields(TrainConfig) if "dict" in str(f.type)]
+    parts = {f.name: str(f.type) for f in fields(TrainConfig)}
+    assert parts["recipe"] == "Recipe | None" and parts["short_run"] == "ShortRunOptions"
+    assert parts["model"] == "NetworkOverrides" and parts["distillation"] == "Distillation | None"
