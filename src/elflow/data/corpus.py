@@ -536,8 +536,16 @@ def calibration_for(spec):
         length = int(spec.get("calibrate_length", 64))
         if space.max_length is not None:
             length = min(length, space.max_length)
-        return measure_scale(space, calibration_sample(spec.get("calibrate_on", "builtin"), space, length,
-                                                       int(spec.get("calibrate_sequences", 256))))
+        source = spec.get("calibrate_on", "builtin")
+        try:
+            sample = calibration_sample(source, space, length, int(spec.get("calibrate_sequences", 256)))
+        except ELFError as e:
+            if str(source) not in BUILTIN_NAMES:
+                raise
+            raise ELFError(f"the space's latent scale ('auto') is measured on the built-in corpus, which is not "
+                           f"available here ({str(e).split('. ')[0]}); give the scale instead, with --latent-std "
+                           f"(0.2 for T5's space, as released), or make the corpus available") from None
+        return measure_scale(space, sample)
 
     return calibrate
 
