@@ -168,7 +168,7 @@ REFUSED = [
     ("a-conditional-baseline", "ar", lambda d: _with(d, "task", fixture_record("cond")["task"]),
      "its record's field 'network': a ar model has no conditional task and no short-run options"),
     ("sampling-of-another-baseline", "ar", lambda d: _with(d, "sampling.method", "mdlm"),
-     "its record's field 'network': sampling settings of 'mdlm', not of 'ar'"),
+     "its record's field 'sampling': sampling settings of 'mdlm', not of 'ar'"),
     ("a-flow-map-network-without-its-distillation", "elf", lambda d: _with(d, "network.target_time", True),
      "its record's field 'network': target_time True while the model is not a flow-map student"),
     ("self-conditioning-without-its-recipe", "elf", lambda d: _with(d, "recipe.self_cond_prob", 0.0),

@@ -184,10 +184,9 @@ class RunRecord:
                 raise ELFError(f"{where}: its record's field {name!r} cannot be read ({e})") from None
 
         method = part("method", get_method)
-        network_type = ELFConfig if method.name == "elf" else TokenLMConfig
         record = cls(
             method=method.name,
-            network=part("network", method.network_config, network_type),
+            network=part("network", method.network_config, method.config_type),
             space=part("space", SpaceSpec.from_dict),
             length=part("length", _positive_int),
             recipe=part("recipe", lambda v: Recipe.from_dict(_obj(v or {})), Recipe),

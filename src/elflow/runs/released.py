@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from elflow.data.tasks import PAIR_TASKS
 from elflow.model import ELFConfig, build_network
 from elflow.runs.checkpoint import load_weights
 from elflow.util.errors import ELFError
@@ -81,9 +82,14 @@ RELEASED_SPACE = {"kind": "t5", "name": "t5-small", "latent_std": 0.2}  # the re
 
 
 # the released conditional and distilled models: their layout (their sampling defaults follow from their kind)
+def _task_layout(task: str) -> dict:
+    """A released conditional model's layout: its task's (elflow.data.tasks.PAIR_TASKS)."""
+    return {"task": task, **{k: PAIR_TASKS[task][k] for k in ("length", "source_length")}}
+
+
 RELEASES = {
-    "ELF-B-de-en-torch": {"task": "wmt14-de-en", "length": 128, "source_length": 64},
-    "ELF-B-xsum-torch": {"task": "xsum", "length": 1088, "source_length": 1024},
+    "ELF-B-de-en-torch": _task_layout("wmt14-de-en"),
+    "ELF-B-xsum-torch": _task_layout("xsum"),
     "ELF-B-PD-owt-torch": {"distilled": True},
 }
 
