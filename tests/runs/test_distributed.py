@@ -6,7 +6,6 @@ import os
 import socket
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -116,8 +115,8 @@ def test_a_run_folder_that_the_nodes_do_not_share_is_refused(setup, tmp_path):
 def test_a_micro_batch_that_does_not_split_over_the_ranks_is_refused_with_the_flag_to_give(tiny_t5_dir,
                                                                                            tiny_corpus_file):
     cfg = tiny_config(tiny_t5_dir, tiny_corpus_file, batch=8)
-    def run_file_of(micro, world):  # what runs.record.run_file gives: the record, and the ranks it started on
-        return {"record": types.SimpleNamespace(train=cfg.replace(micro_batch=micro)), "world_size": world}
+    def run_file_of(micro, world):  # what runs.stored.run_file gives: the stored settings, the ranks it started on
+        return {"train": cfg.replace(micro_batch=micro).to_dict(), "world_size": world}
 
     stored = run_file_of(4, 2)
     assert micro_batch_for(cfg, 1, stored) == 4  # the stored micro-batch, two accumulation steps
