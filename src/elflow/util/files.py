@@ -192,24 +192,6 @@ def read_json(path: str | os.PathLike, what: str = "", kind: type = dict, own: b
     return jsonio.read_json(path, what, kind, max_bytes=jsonio.RECORD_BYTES, own=own)
 
 
-def utf8_lines(path: str | os.PathLike, max_bytes: int = jsonio.MAX_JSON_BYTES) -> list[str]:
-    """The lines of a UTF-8 text file of at most `max_bytes` (split at "\\n"; the final newline ends the last
-    line), read by the bounded reader. A file that is not UTF-8 (latin-1 text, a binary file) is an ELFError
-    naming the line and the byte."""
-    data = jsonio.read_limited(path, max_bytes)
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = data.count(b"\n", 0, e.start) + 1
-        raise ELFError(f"{path}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); elflow reads "
-                       "UTF-8: convert the file (iconv -f latin1 -t utf-8), or pass a text file, not a binary "
-                       "one") from None
-    lines = text.split("\n")
-    if lines and lines[-1] == "":
-        lines.pop()
-    return lines
-
-
 def sha256_file(path: str | os.PathLike, own: bool = False) -> str:
     """The hex sha256 of a regular file, read in 1 MiB chunks (`jsonio.open_regular`: never a fifo or a
     device; with `own`, never through a symbolic link)."""
