@@ -280,34 +280,29 @@ class TrainConfig(Record):
                 raise ELFError(f"{flag} must be a number, got {v!r}")
             if check and not check[0](v):
                 raise ELFError(f"{flag} must be a number {check[1]}, got {v!r}")
-        if isinstance(self.recipe, dict):
-            try:
-                self.recipe = recipe_for(self.recipe, conditional=bool(self.source_length))
-            except (ValueError, TypeError) as e:
-                raise ELFError(f"the run's recipe cannot be read: {e}") from None
-        if isinstance(self.model, dict):
-            try:
-                self.model = NetworkOverrides.from_dict(self.model)
-            except (ValueError, TypeError) as e:
-                raise ELFError(f"the run's network settings cannot be read: {e}") from None
-        if self.short_run is None or isinstance(self.short_run, dict):
-            self.short_run = options_of(self.short_run)
-        if isinstance(self.distillation, dict):
-            try:
-                self.distillation = Distillation.from_dict(self.distillation) if self.distillation else None
-            except (ValueError, TypeError) as e:
-                raise ELFError(f"the run's distillation cannot be read: {e}") from None
-        for name, typ, optional in (("recipe", Recipe, True), ("model", NetworkOverrides, False),
-                                    ("short_run", ShortRunOptions, False), ("distillation", Distillation, True)):
+        if self.short_run is None:  # the paper's network
+            self.short_run = ShortRunOptions()
+        # (setting, its type, None allowed, what it is called, how a dict of its fields is read)
+        for name, typ, optional, words, read in (
+                ("recipe", Recipe, True, "recipe", lambda d: recipe_for(d, conditional=bool(self.source_length))),
+                ("model", NetworkOverrides, False, "network settings", NetworkOverrides.from_dict),
+                ("short_run", ShortRunOptions, False, "short-run options", options_of),
+                ("distillation", Distillation, True, "distillation", lambda d: Distillation.from_dict(d) if d else None)):
             value = getattr(self, name)
+            if isinstance(value, dict):
+                try:
+                    value = read(value)
+                except (ValueError, TypeError) as e:
+                    raise ELFError(f"the run's {words} cannot be read: {e}") from None
+                setattr(self, name, value)
             if not isinstance(value, typ) and not (optional and value is None):
                 raise ELFError(f"the run's {name} must be a JSON object of {typ.__name__} fields, got "
                                f"{type(value).__name__}")
 
     @classmethod
     def from_dict(cls, d: dict, strict: bool = False) -> "TrainConfig":
-        """From a dict of settings (a stored run's: `stored`); missing keys take their defaults; keys it does not know are a ValueError naming them when `strict` (a
-        record of today's layout), else ignored (an earlier layout's settings that are gone)."""
+        """From a dict of settings (a stored run's: `stored`); missing keys take their defaults; keys it does not
+        know are a ValueError naming them when `strict`, else ignored."""
         names = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - names)
         if strict and unknown:

@@ -237,10 +237,7 @@ def _required(name: str, stored, typ) -> None:
     always writes) are all there; a missing one is an ELFError naming it, not a default filled in."""
     if typ is None or not isinstance(stored, dict):
         return
-    missing = [f.name for f in fields(typ) if f.name not in stored and f.default is not None]
-    if missing:
-        raise ELFError(f"it lacks {', '.join(repr(f'{name}.{m}') for m in missing[:3])}; a record of this version "
-                       "holds every field (restore the file as elflow wrote it)")
+    _refuse_missing(name, [f.name for f in fields(typ) if f.name not in stored and f.default is not None])
 
 
 def _complete(name: str, stored, value) -> None:
@@ -252,7 +249,11 @@ def _complete(name: str, stored, value) -> None:
     written = list(value.to_dict())
     if isinstance(value, SpaceSpec) and drawn_table(stored):
         written += [k for k in DRAWN_TABLE_FIELDS if k not in written]
-    missing = [k for k in written if k not in stored]
+    _refuse_missing(name, [k for k in written if k not in stored])
+
+
+def _refuse_missing(name: str, missing: list[str]) -> None:
+    """ELFError naming the first fields of the part `name` that a stored record lacks (none: nothing)."""
     if missing:
         raise ELFError(f"it lacks {', '.join(repr(f'{name}.{m}') for m in missing[:3])}; a record of this version "
                        "holds every field (restore the file as elflow wrote it)")
