@@ -430,23 +430,24 @@ def print_warning(msg: str) -> None:
     print(msg, file=sys.stderr)
 
 
-def newest_usable(run_dir: str | os.PathLike, need_optimizer: bool = True) -> tuple[Path | None, list[str]]:
-    """(the newest checkpoint of a run that passes verification, why each newer one does not). A checkpoint
-    removed while it was read (`--keep` of a training that runs) is passed over without a word."""
+def newest_usable(run_dir: str | os.PathLike, need_optimizer: bool = True,
+                  contents: bool = True) -> tuple[Path | None, dict | None, list[str]]:
+    """(the newest checkpoint of a run that passes verification (`verify_checkpoint`, with `contents` or not),
+    its state.json, why each newer one does not). A checkpoint removed while it was read (`--keep` of a training
+    that runs) is passed over without a word."""
     bad = []
     for ckpt in reversed(list_checkpoints(run_dir)):
         try:
-            verify_checkpoint(ckpt, need_optimizer)
-            return ckpt, bad
+            return ckpt, verify_checkpoint(ckpt, need_optimizer, contents), bad
         except ELFError as e:
             if ckpt.exists():
                 bad.append(str(e))
-    return None, bad
+    return None, None, bad
 
 
 def latest_checkpoint(run_dir: str | os.PathLike, warn=print_warning, need_optimizer: bool = True) -> Path | None:
     """The newest checkpoint that passes verification; bad ones are reported (on stderr) and skipped."""
-    ckpt, bad = newest_usable(run_dir, need_optimizer)
+    ckpt, _, bad = newest_usable(run_dir, need_optimizer)
     for why in bad:
         warn(f"warning: skipping a bad checkpoint: {why}")
     return ckpt
@@ -460,7 +461,7 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     if path.is_dir() and (path / REPLACED).is_dir():
         bring_back_replaced(path)
     if path.is_dir() and (path / CHECKPOINTS).is_dir():
-        ckpt, bad = newest_usable(path, need_optimizer=False)
+        ckpt, _, bad = newest_usable(path, need_optimizer=False)
         if ckpt is None:
             if bad:
                 raise ELFError(f"{path}: none of its checkpoints can be read ({'; '.join(bad)})")

@@ -17,11 +17,11 @@ from elflow.data.corpus import BUILTIN_NAMES
 from elflow.runs.checkpoint import (
     holds_set_aside,
     list_checkpoints,
+    newest_usable,
     recover_replaced,
     remove_stale_temporaries,
     restore_aside,
     set_aside,
-    verify_checkpoint,
 )
 from elflow.runs.folder import (
     CHECKPOINTS,
@@ -261,15 +261,8 @@ def resume_point(out: Path) -> tuple[Path | None, dict | None]:
     recorded sizes, and whose record is the one of run.json. Their contents are checked as they are loaded, once
     (`load_checkpoint`). (None, None) for a run that saved none yet; ELFError when it saved some and none can
     be resumed, or for a checkpoint of another model than run.json describes (an edited run.json)."""
-    bad = []
-    for ckpt in reversed(list_checkpoints(out)):
-        try:
-            state = verify_checkpoint(ckpt, need_optimizer=True, contents=False)
-            break
-        except ELFError as e:
-            if ckpt.exists():
-                bad.append(str(e))
-    else:
+    ckpt, state, bad = newest_usable(out, need_optimizer=True, contents=False)
+    if ckpt is None:
         if list_checkpoints(out):
             raise ELFError(f"{out}: no checkpoint can be resumed ({'; '.join(bad)}); nothing was changed. Restore "
                            "the files, or start the run again with --overwrite")
