@@ -240,7 +240,7 @@ def build_folder(path, hub_id: str, folder: Path, num_samples: int = CARD_SAMPLE
               file=sys.stderr)
     write_model_folder(files, folder)
     samples, shown = [], {}
-    train = training_settings(ckpt)
+    train = config["train"] or {}  # the run's settings, as the folder keeps them
     net, space = load_for_sampling(folder, device=device)
     record = net.record
     if num_samples > 0:
