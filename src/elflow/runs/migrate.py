@@ -209,9 +209,9 @@ def _3_to_4(doc: dict, where: str) -> dict:
     """Version 4's record describes the model alone: the training settings move out of it, beside it, with
     their parts whole (`train_3_to_4`)."""
     record = dict(doc["record"])
+    train = record.pop("train", None)
     try:
-        out = {**doc, "record": {**record, "version": 4}, "train": train_3_to_4(record.pop("train", None))}
-        out["record"].pop("train", None)
+        out = {**doc, "record": {**record, "version": 4}, "train": train_3_to_4(train)}
         if "stage_of" in doc:
             out["stage_of"] = train_3_to_4(doc["stage_of"])
     except (ValueError, TypeError) as e:
