@@ -157,26 +157,7 @@ def distill(teacher, out, student_steps=(16, 8, 4, 2, 1), teacher_steps: int = 6
     # under torchrun: one group for all rounds; rank 0 alone reads and writes OUT
     group = _process_group(cfg.dist_timeout)
     main = group is None or dist.get_rank() == 0
-    hold = FolderHold(out, "elflow distill") if main else None
-    status = [None]
-    if main:
-        try:
-            hold.open()  # held for the whole distillation: a second command on OUT is refused
-            fresh = _prepare_out(out, manifest, resume, overwrite)
-            if fresh:
-                atomic_write_json(out / DISTILL_MANIFEST, manifest)
-            status = [fresh]
-        except ELFError as e:
-            hold.close(False)
-            status = [e]
-    if group is not None:
-        dist.broadcast_object_list(status, src=0)
-    if isinstance(status[0], ELFError):
-        if group is not None:
-            dist.destroy_process_group()
-        raise status[0]
-    fresh = status[0]
-
+    hold, fresh = _claim(out, manifest, resume, overwrite, group, main)
     rounds, left, ok = {}, stop_after, False
     try:
         for i, n in enumerate(steps):
@@ -211,6 +192,31 @@ def distill(teacher, out, student_steps=(16, 8, 4, 2, 1), teacher_steps: int = 6
         if group is not None:
             dist.destroy_process_group()
     return rounds
+
+
+def _claim(out: Path, manifest: dict, resume: bool, overwrite: bool, group, main: bool):
+    """(the hold on OUT, whether the distillation starts afresh): rank 0 takes OUT for the whole distillation
+    (a second command on it is refused) and writes the manifest of a fresh one; every rank learns the outcome,
+    and an ELFError of rank 0's is raised on every rank."""
+    hold = FolderHold(out, "elflow distill") if main else None
+    status = [None]
+    if main:
+        try:
+            hold.open()
+            fresh = _prepare_out(out, manifest, resume, overwrite)
+            if fresh:
+                atomic_write_json(out / DISTILL_MANIFEST, manifest)
+            status = [fresh]
+        except ELFError as e:
+            hold.close(False)
+            status = [e]
+    if group is not None:
+        dist.broadcast_object_list(status, src=0)
+    if isinstance(status[0], ELFError):
+        if group is not None:
+            dist.destroy_process_group()
+        raise status[0]
+    return hold, status[0]
 
 
 def distill_flow_map(teacher, out, steps: int = 1000, sample_steps: int = FLOW_MAP_STEPS, warmup_frac: float = 0.1,

@@ -266,6 +266,27 @@ def generate(net, space, num: int, settings: SamplingSettings = SamplingSettings
     `drop_source`: the source-dropped model of a conditional network, as training drops a source: the
     source positions hold zeros for every pass, the readout's included (guidance 0 alone drops the source
     from the denoiser's passes only; the readout still sees it)."""
+    recipe, length = _checked(net, space, num, settings, length, sources, prompt, suffix, trajectory, part, recipe)
+    from tqdm.auto import tqdm
+
+    if sources is not None and source_length and part[0] == 0:
+        warn_sources_cut(space, sources, source_length)
+    records = []
+    batches = list(generation_batches(num, settings.batch_size, settings.seed, part))
+    bar = tqdm(total=sum(bs for _, _, bs, _ in batches), desc="sample", unit="text", disable=not progress,
+               file=sys.stderr)
+    for b, start, bs, seed in batches:
+        batch_sources = sources[start:start + bs] if sources is not None else None
+        records += _batch(net, space, settings, recipe, length, start, bs, seed, batch_sources, source_length,
+                          prompt, suffix, source_slot, drop_source, trajectory if b == 0 else None)
+        bar.update(bs)
+    bar.close()
+    return records
+
+
+def _checked(net, space, num, settings, length, sources, prompt, suffix, trajectory, part, recipe):
+    """`generate`'s arguments checked (ELFError naming the first that is wrong) and the size of the work
+    against this machine: (the recipe it samples with, the length)."""
     check_generate_args(net, space, settings, sources, prompt, suffix, part)
     if recipe is None:
         record = getattr(net, "record", None)
@@ -291,56 +312,51 @@ def generate(net, space, num: int, settings: SamplingSettings = SamplingSettings
                        trajectory_steps=len(trajectory or ()), guided=known and settings.guidance != 1,
                        table_readout=bool(getattr(getattr(net, "options", None), "table_readout", 0)),
                        device=next(net.parameters()).device)
-    from tqdm.auto import tqdm
+    return recipe, length
 
-    if sources is not None and source_length and part[0] == 0:
-        warn_sources_cut(space, sources, source_length)
+
+def _batch(net, space, settings, recipe, length, start, bs, seed, batch_sources, source_length, prompt, suffix,
+           source_slot, drop_source, trajectory) -> list[dict]:
+    """The records of one batch of `generate` (rows start .. start + bs, drawn from a generator seeded by
+    `seed`); with `trajectory`, each with the readouts of the sampler's guesses at those steps."""
     device = next(net.parameters()).device
+    g = torch.Generator(device=device).manual_seed(seed)
+    cond = conditioning(space, length, bs, batch_sources, source_length, prompt, suffix, device, source_slot)
+    known_ids, known_mask, known = cond if cond is not None else (None, None, None)
+    if drop_source and known is not None:
+        known = torch.zeros_like(known)
+    src_len = known_mask.sum(1) if batch_sources is not None else None
+    keep_n = length - source_length if batch_sources is not None else None
+    seen = {}
+
+    def keep(i, t, z, x):  # the readout of this step's guess; at the last step of z, which is the sample
+        if i in trajectory:
+            seen[i] = (float(t), decode_tokens(net, z if i == settings.steps - 1 else x, settings.omega))
+
+    def given(ids):  # known tokens are given, not generated
+        return ids if known_mask is None else torch.where(known_mask, known_ids, ids)
+
+    with autocast(device, settings.dtype):
+        ids, _ = generate_tokens(net, bs, length, settings.steps, settings.sampler, settings.gamma,
+                                 settings.omega, settings.grid, settings.guidance, known, known_mask, g,
+                                 recipe, device=device, callback=keep if trajectory else None)
+    held = [[] for _ in range(bs)] if known_mask is None else [r.nonzero().flatten().tolist() for r in known_mask]
+    readouts = []  # per recorded step, per row: (ids, shown positions, text)
+    for i, (t, guess) in sorted(seen.items()):
+        guess = given(guess)
+        shown = _shown(guess, known_mask, src_len, keep_n, space.eos_id)
+        readouts.append((i, t, guess.cpu().tolist(), shown, _texts(space, guess, shown)))
+    ids = given(ids)
+    shown = _shown(ids, known_mask, src_len, keep_n, space.eos_id)
     records = []
-    batches = list(generation_batches(num, settings.batch_size, settings.seed, part))
-    bar = tqdm(total=sum(bs for _, _, bs, _ in batches), desc="sample", unit="text", disable=not progress,
-               file=sys.stderr)
-    for b, start, bs, seed in batches:
-        g = torch.Generator(device=device).manual_seed(seed)
-        batch_sources = sources[start:start + bs] if sources is not None else None
-        cond = conditioning(space, length, bs, batch_sources, source_length, prompt, suffix, device, source_slot)
-        known_ids, known_mask, known = cond if cond is not None else (None, None, None)
-        if drop_source and known is not None:
-            known = torch.zeros_like(known)
-        src_len = known_mask.sum(1) if batch_sources is not None else None
-        keep_n = length - source_length if batch_sources is not None else None
-        seen = {}
-
-        def keep(i, t, z, x):  # the readout of this step's guess; at the last step of z, which is the sample
-            if b == 0 and i in trajectory:
-                seen[i] = (float(t), decode_tokens(net, z if i == settings.steps - 1 else x, settings.omega))
-
-        def given(ids):  # known tokens are given, not generated
-            return ids if known_mask is None else torch.where(known_mask, known_ids, ids)
-
-        with autocast(device, settings.dtype):
-            ids, _ = generate_tokens(net, bs, length, settings.steps, settings.sampler, settings.gamma,
-                                     settings.omega, settings.grid, settings.guidance, known, known_mask, g,
-                                     recipe, device=device,
-                                     callback=keep if trajectory else None)
-        held = [[] for _ in range(bs)] if known_mask is None else [r.nonzero().flatten().tolist() for r in known_mask]
-        readouts = []  # per recorded step, per row: (ids, shown positions, text)
-        for i, (t, guess) in sorted(seen.items()):
-            guess = given(guess)
-            shown = _shown(guess, known_mask, src_len, keep_n, space.eos_id)
-            readouts.append((i, t, guess.cpu().tolist(), shown, _texts(space, guess, shown)))
-        ids = given(ids)
-        shown = _shown(ids, known_mask, src_len, keep_n, space.eos_id)
-        for j, text in enumerate(_texts(space, ids, shown)):
-            rec = {"index": start + j, "text": text}
-            if batch_sources is not None:
-                rec["source"] = batch_sources[j]
-            if readouts:
-                rec["trajectory"] = [{"step": i, "t": t, "ids": rows[j], "shown": cols[j], "known": held[j],
-                                      "text": texts[j]} for i, t, rows, cols, texts in readouts]
-            records.append(rec)
-        bar.update(bs)
-    bar.close()
+    for j, text in enumerate(_texts(space, ids, shown)):
+        rec = {"index": start + j, "text": text}
+        if batch_sources is not None:
+            rec["source"] = batch_sources[j]
+        if readouts:
+            rec["trajectory"] = [{"step": i, "t": t, "ids": rows[j], "shown": cols[j], "known": held[j],
+                                  "text": texts[j]} for i, t, rows, cols, texts in readouts]
+        records.append(rec)
     return records
 
 

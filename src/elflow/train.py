@@ -307,83 +307,40 @@ def train_loop(setup: Setup, out: Path, start: int, quiet: bool = False, stop_af
     reading was not finite; every checkpoint's step is one, so a resumed run logs the lines of an
     uninterrupted one), and before samples; a step that was not finite stops the run there, before anything
     of it is saved."""
-    cfg, world, rank, device, micro = setup.cfg, setup.world, setup.rank, setup.device, setup.micro
-    is_main = rank == 0
-    # the trained pass as a module's forward (the space's encode inside it), for torch.compile and DDP
-    model = TrainedPass(setup.method, setup.net, setup.space, setup.recipe)
-    if cfg.compile:
-        model = torch.compile(model)
-    if world > 1:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        # the batch is on the device already and the draw's discrete choices stay on the CPU: no device_ids,
-        # so DDP moves no input; the only buffers are constant (RoPE tables, a frozen encoder's): no
-        # per-forward broadcast (forward counts differ by rank)
-        model = DDP(model, device_ids=None, broadcast_buffers=False)
+    cfg, world, device = setup.cfg, setup.world, setup.device
+    model = trained_module(setup)
     params = [p for _, p in setup.named]
-    log = RunLogger(out, setup.steps, start, is_main, cfg.tensorboard, show=not quiet, tracker=tracker)
-    tokens_per_step = cfg.batch * setup.length
-    totals, n_logged, t_log = {}, 0, time.perf_counter()
-    last_good, checked = None, start  # the last checkpoint written; the last step known to be finite
-    before = f"{checkpoint_dir(out, start)} (the one this run resumed from)" if start else \
-        "none (no checkpoint was saved yet)"
+    log = RunLogger(out, setup.steps, start, setup.rank == 0, cfg.tensorboard, show=not quiet, tracker=tracker)
+    window = LogWindow(setup, log, start, out)
     end = setup.steps if stop_after is None else min(setup.steps, start + stop_after)
     summary = {"start_step": start}
     t_start = time.perf_counter()
     ok = False
-    batches = Prefetch(setup.batches, end - start, micro, setup.accum, pin=device.type == "cuda")
-
-    def stop_if_nonfinite(nonfinite, done):
-        nonlocal checked
-        if nonfinite is not None and nonfinite.item():
-            what = f"at step {done}" if done == checked + 1 else f"in steps {checked + 1}..{done}"
-            raise ELFError(f"non-finite loss or gradient {what}; stopping without saving. The last good "
-                           f"checkpoint is {last_good or before}; try a lower --lr "
-                           "or --dtype fp32, then --resume.")
-        checked = done
-
+    batches = Prefetch(setup.batches, end - start, micro=setup.micro, accum=setup.accum, pin=device.type == "cuda")
     try:
         for step in range(start, end):
             setup.optimizer.set_lr(setup.lr_at(step))
             shards, position = next(batches)
-            m = train_step(model, shards, setup.optimizer, setup.ema, step, cfg.seed, rank * setup.accum, setup.dtype,
-                           cfg.grad_clip, world, device, params)
-            for k, v in m.items():
-                totals[k] = totals[k] + v if k in totals else v
-            n_logged += 1
+            window.add(train_step(model, shards, setup.optimizer, setup.ema, step, cfg.seed, setup.rank * setup.accum,
+                                  setup.dtype, cfg.grad_clip, world, device, params))
             done = step + 1
             # a checkpoint's step is a logging step too: the log's intervals restart where a resume starts
             logging = done % cfg.log_every == 0 or done % cfg.ckpt_every == 0 or done == end
-            if time_limit is not None and done < end and (world == 1 or logging):
-                over = time.perf_counter() - t_start >= time_limit
-                if world > 1:  # every rank stops at the same step
-                    flag = torch.tensor([float(over)], device=device)
-                    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-                    over = bool(flag.item())
-                if over:
-                    end, logging = done, True
+            if time_limit is not None and done < end and (world == 1 or logging) and \
+                    time_is_up(t_start, time_limit, world, device):
+                end, logging = done, True
             saving = done % cfg.ckpt_every == 0 or done == end
             sampling = bool(cfg.sample_every) and done % cfg.sample_every == 0 and log.wants_samples
             if logging:
-                if world > 1:
-                    totals = _reduce(totals, world)
-                stop_if_nonfinite(totals.pop("nonfinite"), done)
-                rec = summarize(totals, n_logged, setup.method)
-                dt = time.perf_counter() - t_log
-                rec.update(step=done, lr=setup.lr_at(step),
-                           tokens_per_s=tokens_per_step * n_logged / dt, elapsed=dt)
-                log.log({"kind": "train", **rec})
-                log.advance(n_logged, {"loss": f"{rec['loss']:.3f}", "tok/s": f"{rec['tokens_per_s']:.0f}"})
-                summary["last"] = rec
-                totals, n_logged, t_log = {}, 0, time.perf_counter()
+                summary["last"] = window.write(done, setup.lr_at(step))
             elif sampling and world == 1:  # read before anything of these steps leaves the loop
-                stop_if_nonfinite(totals["nonfinite"], done)
+                window.check_finite(done)
             if sampling:
                 show_samples(setup, log, done)
-            if saving and is_main:
-                last_good = save(out, done, setup, position)
+            if saving and setup.rank == 0:
+                window.last_good = save(out, done, setup, position)
                 if on_checkpoint is not None:
-                    on_checkpoint(last_good)
+                    on_checkpoint(window.last_good)
                 plot_losses(out)
             if world > 1 and saving:
                 dist.barrier()
@@ -399,6 +356,74 @@ def train_loop(setup: Setup, out: Path, start: int, quiet: bool = False, stop_af
         log.close(ok)
     summary.update(end_step=end, out=str(out))
     return summary
+
+
+def trained_module(setup: Setup) -> torch.nn.Module:
+    """The trained pass as a module's forward (the space's encode inside it), compiled with --compile and
+    wrapped in DDP under several ranks."""
+    model = TrainedPass(setup.method, setup.net, setup.space, setup.recipe)
+    if setup.cfg.compile:
+        model = torch.compile(model)
+    if setup.world > 1:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        # the batch is on the device already and the draw's discrete choices stay on the CPU: no device_ids,
+        # so DDP moves no input; the only buffers are constant (RoPE tables, a frozen encoder's): no
+        # per-forward broadcast (forward counts differ by rank)
+        model = DDP(model, device_ids=None, broadcast_buffers=False)
+    return model
+
+
+def time_is_up(t_start: float, time_limit: float, world: int, device) -> bool:
+    """Whether `time_limit` seconds have passed since `t_start`; under several ranks, whether they have on any
+    rank (every rank stops at the same step)."""
+    over = time.perf_counter() - t_start >= time_limit
+    if world > 1:
+        flag = torch.tensor([float(over)], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        over = bool(flag.item())
+    return over
+
+
+class LogWindow:
+    """The steps since the last log line: their metrics summed on the device, read (and reduced over ranks)
+    when the line is written; the last step known to be finite and the last checkpoint written, for the
+    message that stops a run at a non-finite step."""
+
+    def __init__(self, setup: Setup, log: RunLogger, start: int, out: Path):
+        self.setup, self.log = setup, log
+        self.totals, self.n, self.t0 = {}, 0, time.perf_counter()
+        self.checked, self.last_good = start, None
+        self.before = f"{checkpoint_dir(out, start)} (the one this run resumed from)" if start else \
+            "none (no checkpoint was saved yet)"
+
+    def add(self, metrics: dict) -> None:
+        for k, v in metrics.items():
+            self.totals[k] = self.totals[k] + v if k in self.totals else v
+        self.n += 1
+
+    def check_finite(self, done: int, nonfinite=None) -> None:
+        """Stop the run (ELFError) if any step since the last check was not finite."""
+        nonfinite = self.totals["nonfinite"] if nonfinite is None else nonfinite
+        if nonfinite.item():
+            what = f"at step {done}" if done == self.checked + 1 else f"in steps {self.checked + 1}..{done}"
+            raise ELFError(f"non-finite loss or gradient {what}; stopping without saving. The last good "
+                           f"checkpoint is {self.last_good or self.before}; try a lower --lr "
+                           "or --dtype fp32, then --resume.")
+        self.checked = done
+
+    def write(self, done: int, lr: float) -> dict:
+        """The log line of the steps since the last one (after the finiteness check); a new window starts."""
+        setup = self.setup
+        totals = _reduce(self.totals, setup.world) if setup.world > 1 else self.totals
+        self.check_finite(done, totals.pop("nonfinite"))
+        rec = summarize(totals, self.n, setup.method)
+        dt = time.perf_counter() - self.t0
+        rec.update(step=done, lr=lr, tokens_per_s=setup.cfg.batch * setup.length * self.n / dt, elapsed=dt)
+        self.log.log({"kind": "train", **rec})
+        self.log.advance(self.n, {"loss": f"{rec['loss']:.3f}", "tok/s": f"{rec['tokens_per_s']:.0f}"})
+        self.totals, self.n, self.t0 = {}, 0, time.perf_counter()
+        return rec
 
 
 def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwrite: bool = False,

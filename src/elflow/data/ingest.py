@@ -107,17 +107,7 @@ def prepare_store(source, space, out, *, pairs: bool = False, layout: str = PACK
     for entry, why in skipped_files(path) if path is not None else []:
         _warn(f"warning: skipping {entry}: {why}, not a regular file")
     created = not out.exists()
-    try:
-        lock = store_lock(out, wait=False)
-    except OSError as e:
-        if created:
-            shutil.rmtree(out, ignore_errors=True)
-        if disk_full(e):
-            raise ELFError(f"no space left on the device of {out}; free some space or {advice}: nothing was "
-                           "written") from None
-        raise
-    if lock is None:
-        raise ELFError(f"{out} is being written by another `elflow prepare`; wait for it, or choose another --out")
+    lock = _lock(out, created, advice)
     writer, replacing, unknown, read = None, False, 0, None
     try:
         finish_swap(out)  # a replacement that an earlier prepare left unfinished
@@ -137,20 +127,8 @@ def prepare_store(source, space, out, *, pairs: bool = False, layout: str = PACK
         if cheap_part(after) != before:
             raise origin_changed(source, _change(before, after))
         read.close(how)
-        manifest = {
-            "layout": "pairs" if pairs else layout,
-            "tokenizer": {"id": space.tokenizer_id, "space": space_name or getattr(space, "name", None),
-                          "vocab_size": int(space.vocab_size), "eos_id": int(space.eos_id),
-                          "pad_id": int(space.pad_id)},
-            "source": {"name": str(source), "fingerprint": after, "fields": list(fields), "split": split,
-                       "on_bad": on_bad, "max_documents": max_documents, "skipped_bytes": read.skipped,
-                       "pretokenized": bool(how.get("pretokenized"))},
-            **({"source_length": source_length} if pairs else {}),
-            "build": {"workers": workers, "chunk_bytes": chunk_bytes, "seconds": round(time.time() - t0, 3),
-                      "main_cpu_seconds": round(time.process_time() - cpu0, 3),
-                      "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                      "elflow": _version()},
-        }
+        manifest = _manifest(source, space, space_name, pairs, layout, fields, after, split, on_bad, max_documents,
+                             read, how, source_length, workers, chunk_bytes, t0, cpu0)
         unknown = writer.finish(manifest, count_id=_unknown_id(space))
         written, writer = writer.tokens, None
         if replacing:
@@ -178,6 +156,43 @@ def prepare_store(source, space, out, *, pairs: bool = False, layout: str = PACK
               "is named above); the store holds the rest")
     _report_useless(source, space_name or getattr(space, "name", None), store, read.text_bytes, unknown)
     return store
+
+
+def _lock(out: Path, created: bool, advice: str):
+    """The store folder's lock, taken without waiting: another `elflow prepare` writing `out`, or a full disk
+    (the folder removed again if this prepare created it), is one ELFError."""
+    try:
+        lock = store_lock(out, wait=False)
+    except OSError as e:
+        if created:
+            shutil.rmtree(out, ignore_errors=True)
+        if disk_full(e):
+            raise ELFError(f"no space left on the device of {out}; free some space or {advice}: nothing was "
+                           "written") from None
+        raise
+    if lock is None:
+        raise ELFError(f"{out} is being written by another `elflow prepare`; wait for it, or choose another --out")
+    return lock
+
+
+def _manifest(source, space, space_name, pairs, layout, fields, fingerprint, split, on_bad, max_documents, read, how,
+              source_length, workers, chunk_bytes, t0, cpu0) -> dict:
+    """The store's manifest: its layout, the tokenizer, where the text came from (its fingerprint as read) and
+    how the store was built."""
+    return {
+        "layout": "pairs" if pairs else layout,
+        "tokenizer": {"id": space.tokenizer_id, "space": space_name or getattr(space, "name", None),
+                      "vocab_size": int(space.vocab_size), "eos_id": int(space.eos_id),
+                      "pad_id": int(space.pad_id)},
+        "source": {"name": str(source), "fingerprint": fingerprint, "fields": list(fields), "split": split,
+                   "on_bad": on_bad, "max_documents": max_documents, "skipped_bytes": read.skipped,
+                   "pretokenized": bool(how.get("pretokenized"))},
+        **({"source_length": source_length} if pairs else {}),
+        "build": {"workers": workers, "chunk_bytes": chunk_bytes, "seconds": round(time.time() - t0, 3),
+                  "main_cpu_seconds": round(time.process_time() - cpu0, 3),
+                  "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                  "elflow": _version()},
+    }
 
 
 def _clean_up(out: Path, writer, created: bool, replacing: bool) -> str:

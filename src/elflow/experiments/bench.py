@@ -306,25 +306,7 @@ def bench(mode: str, preset: str = "tiny", depth=None, hidden=None, heads=None, 
           breakdown: bool = False, seed: int = 0, threads: int | None = None,
           vocab_size: int | None = None) -> dict:
     """Run one benchmark and return its record (its fields: docs/performance.md)."""
-    if mode not in MODES:
-        raise ELFError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
-    if preset not in PRESETS:
-        raise ELFError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
-    if dtype not in AUTOCAST_DTYPES:
-        raise ELFError(f"--dtype must be one of {', '.join(AUTOCAST_DTYPES)}, got {dtype!r}")
-    for name, v in (("batch", batch), ("iters", iters), ("accum", accum), ("steps", steps)):
-        if v < 1:
-            raise ELFError(f"--{name} must be >= 1, got {v}")
-    if warmup < 0:
-        raise ELFError(f"--warmup must be >= 0, got {warmup}")
-    if peak_size is not None and peak_size < 1:
-        raise ELFError(f"--peak-size must be >= 1, got {peak_size}")
-    if space not in ("standin", "none"):
-        raise ELFError(f"--space must be standin or none, got {space!r}")
-    if ns_dtype not in RUN_DTYPES:
-        raise ELFError(f"--ns-dtype must be one of {', '.join(RUN_DTYPES)}, got {ns_dtype!r}")
-    if ns_method not in NS_METHODS:
-        raise ELFError(f"--ns-method must be one of {', '.join(NS_METHODS)}, got {ns_method!r}")
+    _check_args(mode, preset, dtype, batch, iters, accum, steps, warmup, peak_size, space, ns_dtype, ns_method)
     if threads:  # (0 or None: torch's own count)
         torch.set_num_threads(check_count(threads, "--threads", MAX_THREADS, "more threads than cores only slow it"))
     device = torch.device(device or default_device())
@@ -347,104 +329,18 @@ def bench(mode: str, preset: str = "tiny", depth=None, hidden=None, heads=None, 
         torch.cuda.reset_peak_memory_stats(device)
     peak = matmul_peak(device, torch.bfloat16 if dtype == "bf16" else torch.float32, peak_size)
     g = torch.Generator(device=device).manual_seed(seed)
-    C = cfg.dim
     rec = {"mode": mode, "preset": preset, "config": cfg.to_dict(), "device": device.type,
            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "threads": torch.get_num_threads(), "dtype": dtype, "compile": compile, "batch": B, "length": L,
            "params": net.num_params(), "flop_formula": FLOP_FORMULA}
-    extra: dict = {}
-
+    timing = dict(device=device, dtype=dtype, warmup=warmup, iters=iters, g=g, B=B, L=L)
     if mode == "forward":
-        net.eval()
-        z = torch.randn(B, L, C, device=device, generator=g)
-        x_prev = torch.randn(B, L, C, device=device, generator=g)
-        t, w = torch.rand(B, device=device, generator=g), torch.full((B,), 3.0, device=device)
-
-        @torch.no_grad()
-        def fn():
-            with autocast(device, dtype):
-                model(z, t, w, x_prev)
-        times = _timed(fn, device, warmup, iters)
-        tokens = B * L
-        flops = B * pass_flops(cfg, L, "x")
-        extra["flops_breakdown"] = {"network": flops}
-
+        times, tokens, flops, extra = _bench_forward(model, net, cfg, **timing)
     elif mode == "sample":
-        net.eval()
-
-        def fn():
-            with autocast(device, dtype):
-                generate_tokens(model, B, L, steps=steps,
-                                generator=g, device=device)
-        times = _timed(fn, device, warmup, iters)
-        tokens = B * L
-        flops = B * (steps * pass_flops(cfg, L, "x") + pass_flops(cfg, L, "logits"))
-        extra["flops_breakdown"] = {"denoise_passes": B * steps * pass_flops(cfg, L, "x"),
-                                    "decode_pass": B * pass_flops(cfg, L, "logits")}
-        extra["sampling_steps"] = steps
-
-    else:  # train
-
-        sp = (StandInSpace if space == "standin" else NoSpace)(C, cfg.vocab_size, L, device)
-        net.train()
-        recipe = Recipe()
-        nsd = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16}[ns_dtype]
-        heads = [n for n, _ in net.named_parameters() if adam_heads and n.startswith(HEAD_PREFIXES)]
-        opt = ELFOptimizer(list(net.named_parameters()), lr=1e-4, adam=heads, ns_dtype=nsd, ns_method=ns_method)
-        ema = EMA(net, EMA_DECAY)
-        params = [p for p in net.parameters() if p.requires_grad]
-        tok = torch.randint(0, cfg.vocab_size, (accum, B, L), device=device, generator=g)
-        shards = [{"tokens": tok[a]} for a in range(accum)]
-        counter = iter(range(10 ** 9))
-        done_steps: list[int] = []
-
-        elf = get_method("elf")
-        trained = TrainedPass(elf, net, sp, recipe)
-        trained = torch.compile(trained) if compile else trained  # what the trainer compiles
-
-        def fn(m=trained, o=opt, e=ema):
-            s = next(counter)
-            done_steps.append(s)
-            train_step(m, shards, o, e, s, seed, 0, dtype, 1.0, 1, device, params)
-        times = _timed(fn, device, warmup, iters)
-        timed_steps = done_steps[warmup:]
-        # the pass mix of the timed steps' actual draws
-        sc_rows = dec_rows = 0
-        for s in timed_steps:
-            for a in range(accum):
-                gd, gc = shard_generators(seed, s, a, device)
-                d = draw_training_noise((B, L, C), recipe, generator=gd, cpu_generator=gc, device=device)
-                sc_rows += int(d.self_cond.sum())
-                dec_rows += int(d.decode.sum())
-        n = len(timed_steps)
-        net_f = train_step_flops(cfg, L, B * accum * n, sc_rows, dec_rows)
-        muon_shapes = [tuple(p.shape) for name, p in net.named_parameters() if name in opt.muon_names]
-        fb = {k: v / n for k, v in net_f.items()}
-        fb["encoder"] = B * accum * encoder_flops(sp, L)
-        fb["newton_schulz"] = newton_schulz_flops(muon_shapes, method=opt.ns_method)
-        flops = sum(fb.values())
-        tokens = B * accum * L
-        extra.update(flops_breakdown=fb, accum=accum, tokens_per_optimizer_step=tokens, space=space,
-                     grad_checkpoint=grad_checkpoint, adam_heads=adam_heads, ns_dtype=ns_dtype,
-                     ns_method=opt.ns_method, ns_dtype_resolved=str(opt.ns_dtype).removeprefix("torch."),
-                     selfcond_rows=sc_rows / n, decode_rows=dec_rows / n,
-                     network_passes_per_token=(B * accum * n + sc_rows) / (B * accum * n),
-                     reference_recipe=reference_recipe_flops(cfg, L))
-        if breakdown:  # one more step with every phase synced and timed
-            timer = _Timer(device)
-            timed = TrainedPass(elf, _TimedNet(net, timer), sp, recipe)
-            sp.encode = timer.wrap("encoder", sp.encode)
-            opt.step = timer.wrap("optimizer", opt.step)
-            ema.update = timer.wrap("ema", ema.update)
-            t0 = time.perf_counter()
-            fn(timed, opt, ema)
-            _sync(device)
-            total = time.perf_counter() - t0
-            sec = dict(timer.seconds)
-            sec["backward_and_rest"] = total - sum(sec.values())  # backward, loss arithmetic, grad clip
-            sec["total"] = total
-            extra["breakdown_seconds"] = sec
-
+        times, tokens, flops, extra = _bench_sample(model, net, cfg, steps, **timing)
+    else:
+        times, tokens, flops, extra = _bench_train(net, cfg, space, accum, adam_heads, ns_dtype, ns_method, compile,
+                                                   seed, breakdown, grad_checkpoint, **timing)
     mean = statistics.fmean(times)
     mem, mem_kind = _peak_memory(device)
     rec.update({
@@ -457,3 +353,120 @@ def bench(mode: str, preset: str = "tiny", depth=None, hidden=None, heads=None, 
     })
     rec.update(extra)
     return rec
+
+
+def _check_args(mode, preset, dtype, batch, iters, accum, steps, warmup, peak_size, space, ns_dtype, ns_method):
+    """`bench`'s settings, checked before anything is built (ELFError naming the first that is wrong)."""
+    if mode not in MODES:
+        raise ELFError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+    if preset not in PRESETS:
+        raise ELFError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    if dtype not in AUTOCAST_DTYPES:
+        raise ELFError(f"--dtype must be one of {', '.join(AUTOCAST_DTYPES)}, got {dtype!r}")
+    for name, v in (("batch", batch), ("iters", iters), ("accum", accum), ("steps", steps)):
+        if v < 1:
+            raise ELFError(f"--{name} must be >= 1, got {v}")
+    if warmup < 0:
+        raise ELFError(f"--warmup must be >= 0, got {warmup}")
+    if peak_size is not None and peak_size < 1:
+        raise ELFError(f"--peak-size must be >= 1, got {peak_size}")
+    if space not in ("standin", "none"):
+        raise ELFError(f"--space must be standin or none, got {space!r}")
+    if ns_dtype not in RUN_DTYPES:
+        raise ELFError(f"--ns-dtype must be one of {', '.join(RUN_DTYPES)}, got {ns_dtype!r}")
+    if ns_method not in NS_METHODS:
+        raise ELFError(f"--ns-method must be one of {', '.join(NS_METHODS)}, got {ns_method!r}")
+
+
+def _bench_forward(model, net, cfg, device, dtype, warmup, iters, g, B, L):
+    """One denoising pass of a batch: (times, tokens, flops, extra fields)."""
+    net.eval()
+    C = cfg.dim
+    z = torch.randn(B, L, C, device=device, generator=g)
+    x_prev = torch.randn(B, L, C, device=device, generator=g)
+    t, w = torch.rand(B, device=device, generator=g), torch.full((B,), 3.0, device=device)
+
+    @torch.no_grad()
+    def fn():
+        with autocast(device, dtype):
+            model(z, t, w, x_prev)
+    times = _timed(fn, device, warmup, iters)
+    flops = B * pass_flops(cfg, L, "x")
+    return times, B * L, flops, {"flops_breakdown": {"network": flops}}
+
+
+def _bench_sample(model, net, cfg, steps, device, dtype, warmup, iters, g, B, L):
+    """Sampling a batch in `steps` steps and its readout: (times, tokens, flops, extra fields)."""
+    net.eval()
+
+    def fn():
+        with autocast(device, dtype):
+            generate_tokens(model, B, L, steps=steps, generator=g, device=device)
+    times = _timed(fn, device, warmup, iters)
+    flops = B * (steps * pass_flops(cfg, L, "x") + pass_flops(cfg, L, "logits"))
+    extra = {"flops_breakdown": {"denoise_passes": B * steps * pass_flops(cfg, L, "x"),
+                                 "decode_pass": B * pass_flops(cfg, L, "logits")}, "sampling_steps": steps}
+    return times, B * L, flops, extra
+
+
+def _bench_train(net, cfg, space, accum, adam_heads, ns_dtype, ns_method, compile, seed, breakdown, grad_checkpoint,
+                 device, dtype, warmup, iters, g, B, L):
+    """Optimiser steps of the trainer's own step function: (times, tokens, flops, extra fields), the FLOPs
+    from the timed steps' actual draws (their self-conditioning and decode rows)."""
+    sp = (StandInSpace if space == "standin" else NoSpace)(cfg.dim, cfg.vocab_size, L, device)
+    net.train()
+    recipe = Recipe()
+    nsd = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16}[ns_dtype]
+    heads = [n for n, _ in net.named_parameters() if adam_heads and n.startswith(HEAD_PREFIXES)]
+    opt = ELFOptimizer(list(net.named_parameters()), lr=1e-4, adam=heads, ns_dtype=nsd, ns_method=ns_method)
+    ema = EMA(net, EMA_DECAY)
+    params = [p for p in net.parameters() if p.requires_grad]
+    tok = torch.randint(0, cfg.vocab_size, (accum, B, L), device=device, generator=g)
+    shards = [{"tokens": tok[a]} for a in range(accum)]
+    counter = iter(range(10 ** 9))
+    done_steps: list[int] = []
+    elf = get_method("elf")
+    trained = TrainedPass(elf, net, sp, recipe)
+    trained = torch.compile(trained) if compile else trained  # what the trainer compiles
+
+    def fn(m=trained, o=opt, e=ema):
+        s = next(counter)
+        done_steps.append(s)
+        train_step(m, shards, o, e, s, seed, 0, dtype, 1.0, 1, device, params)
+    times = _timed(fn, device, warmup, iters)
+    timed_steps = done_steps[warmup:]
+    sc_rows = dec_rows = 0  # the pass mix of the timed steps' actual draws
+    for s in timed_steps:
+        for a in range(accum):
+            gd, gc = shard_generators(seed, s, a, device)
+            d = draw_training_noise((B, L, cfg.dim), recipe, generator=gd, cpu_generator=gc, device=device)
+            sc_rows += int(d.self_cond.sum())
+            dec_rows += int(d.decode.sum())
+    n = len(timed_steps)
+    net_f = train_step_flops(cfg, L, B * accum * n, sc_rows, dec_rows)
+    muon_shapes = [tuple(p.shape) for name, p in net.named_parameters() if name in opt.muon_names]
+    fb = {k: v / n for k, v in net_f.items()}
+    fb["encoder"] = B * accum * encoder_flops(sp, L)
+    fb["newton_schulz"] = newton_schulz_flops(muon_shapes, method=opt.ns_method)
+    tokens = B * accum * L
+    extra = dict(flops_breakdown=fb, accum=accum, tokens_per_optimizer_step=tokens, space=space,
+                 grad_checkpoint=grad_checkpoint, adam_heads=adam_heads, ns_dtype=ns_dtype,
+                 ns_method=opt.ns_method, ns_dtype_resolved=str(opt.ns_dtype).removeprefix("torch."),
+                 selfcond_rows=sc_rows / n, decode_rows=dec_rows / n,
+                 network_passes_per_token=(B * accum * n + sc_rows) / (B * accum * n),
+                 reference_recipe=reference_recipe_flops(cfg, L))
+    if breakdown:  # one more step with every phase synced and timed
+        timer = _Timer(device)
+        timed = TrainedPass(elf, _TimedNet(net, timer), sp, recipe)
+        sp.encode = timer.wrap("encoder", sp.encode)
+        opt.step = timer.wrap("optimizer", opt.step)
+        ema.update = timer.wrap("ema", ema.update)
+        t0 = time.perf_counter()
+        fn(timed, opt, ema)
+        _sync(device)
+        total = time.perf_counter() - t0
+        sec = dict(timer.seconds)
+        sec["backward_and_rest"] = total - sum(sec.values())  # backward, loss arithmetic, grad clip
+        sec["total"] = total
+        extra["breakdown_seconds"] = sec
+    return times, tokens, sum(fb.values()), extra
