@@ -114,6 +114,13 @@ def size_default(preset: str, key: str):
     return SIZE_DEFAULTS.get(preset, PAPER_SIZE_DEFAULTS)[key]
 
 
+def _kind_help(key: str) -> str:
+    """A sampling default by kind of model, in words, from SAMPLING_DEFAULTS."""
+    text, cond = (SAMPLING_DEFAULTS[kind][key] for kind in ("text", "conditional"))
+    return f"its kind's: {text:g} for text, {cond:g} for a conditional model" if key != "sampler" else \
+        f"its kind's: {text} for text, {cond} for a conditional model"
+
+
 def _size_help(key: str, show=str) -> str:
     """A setting's default by size, in words, from SIZE_DEFAULTS."""
     own = [f"{show(v[key])} for {name}" for name, v in SIZE_DEFAULTS.items() if v[key] is not None]
@@ -222,12 +229,18 @@ class TrainConfig(Record):
     keep: int = setting(3, "newest checkpoints kept; 0 keeps all of them", check=AT_LEAST_0, mutable=True)
     sample_every: int = setting(0, "print samples of the EMA model every N steps (0: never)", check=AT_LEAST_0,
                                 mutable=True)
-    sample_steps: int = setting(SAMPLING_DEFAULTS["text"]["steps"], "sampling steps of those samples",
-                                check=SAMPLING_RANGES["steps"], mutable=True)
-    sample_sampler: str = setting(SAMPLING_DEFAULTS["text"]["sampler"], "sampler of those samples", choices=SAMPLERS,
-                                  mutable=True)
-    sample_omega: float = setting(SAMPLING_DEFAULTS["text"]["omega"], "guidance scale of those samples",
-                                  check=SAMPLING_RANGES["omega"], mutable=True)
+    # the model's own sampling defaults (its record's `sampling`, which its previews, `elflow sample` and
+    # `elflow eval` use), where given; not given, those of its kind (elflow.generate.default_sampling)
+    sample_steps: int | None = setting(None, "the model's default sampling steps (stored in its record: its "
+                                             "previews, elflow sample and elflow eval use them)",
+                                       default_help=_kind_help("steps") + ", a distilled student's own",
+                                       check=SAMPLING_RANGES["steps"], mutable=True)
+    sample_sampler: str | None = setting(None, "the model's default sampler (stored likewise)", choices=SAMPLERS,
+                                         default_help=_kind_help("sampler") + ", map for a flow-map student",
+                                         mutable=True)
+    sample_omega: float | None = setting(None, "the model's default self-conditioning guidance scale omega (stored "
+                                               "likewise)", default_help=_kind_help("omega"),
+                                         check=SAMPLING_RANGES["omega"], mutable=True)
     tensorboard: bool = setting(False, "also log to TensorBoard (RUN/tb)", mutable=True)
     wandb: str | None = setting(None, "also log to this Weights & Biases project: the metrics records, the run's "
                                       "settings and the samples shown during training (needs `pip install "
@@ -356,6 +369,12 @@ class TrainConfig(Record):
             top.update(noise_scale=recipe.noise_scale, t_eps=recipe.t_eps)
         return {**self.model.given(), **{k: v for k, v in top.items() if v is not None}}
 
+    def sampling_given(self) -> dict:
+        """The model's sampling defaults given by --sample-steps / --sample-sampler / --sample-omega, as the
+        fields of its record's sampling they set."""
+        given = {"steps": self.sample_steps, "sampler": self.sample_sampler, "omega": self.sample_omega}
+        return {k: v for k, v in given.items() if v is not None}
+
     def flow_recipe(self) -> Recipe:
         """The run's flow recipe: the one given, else the released recipe of its kind (flow.recipe_for)."""
         return self.recipe if self.recipe is not None else recipe_for({}, conditional=bool(self.source_length))
@@ -440,8 +459,7 @@ RUN_DEFAULTS: dict[str, tuple[dict, dict]] = {
     # (elflow.model.ShortRunOptions)
     "quickstart": (
         dict(preset="demo", data="builtin", space="random-table:minilm", length=64, batch=32, steps=250, lr=3e-3,
-             warmup=50, ema_decay=0.95, adam_heads=True, dtype="auto", log_every=10, keep=2, sample_sampler="vc",
-             sample_steps=64,
+             warmup=50, ema_decay=0.95, adam_heads=True, dtype="auto", log_every=10, keep=2,
              short_run={"skip": "gated", "time_scale": 1000.0, "head_modulation": True, "table_readout": 1.0}),
         dict(ckpt_every=lambda v: max(v["steps"] // 4, 1), sample_every=lambda v: max(v["steps"] // 4, 1)),
     ),

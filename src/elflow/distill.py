@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from elflow.config import TrainConfig, check_setting, kept_from
 from elflow.data.datasets import check_not_relative
-from elflow.flow import FLOW_MAP_STEPS, MAX_MAP_STEPS, distilled_defaults
+from elflow.flow import FLOW_MAP_STEPS, MAX_MAP_STEPS
 from elflow.methods.lmd import MapMethod
 from elflow.methods.pd import PDMethod, check_schedule
 from elflow.model import PRESETS
@@ -250,7 +250,7 @@ def distill_flow_map(teacher, out, steps: int = 1000, sample_steps: int = FLOW_M
                        "whose one network denoises and decodes")
     cfg = _base_config(record, origin, overrides)
     cfg = replace(cfg, model=cfg.model.replace(target_time=True), steps=steps, epochs=None, warmup_frac=warmup_frac,
-                  ema_decay=ema_decay, init_from=origin.path, sample_sampler="map", sample_steps=sample_steps,
+                  ema_decay=ema_decay, init_from=origin.path,
                   distillation=Distillation("flow-map", sample_steps, None))
     if lr is not None:
         cfg = replace(cfg, lr=lr)
@@ -322,10 +322,11 @@ def warn_still_at_start(ema_decay: float, steps: int) -> None:
 
 
 def _round_config(cfg, n: int, teacher_steps: int, init: str, out: Path, folder: str):
-    s = distilled_defaults(n)
+    """A round's settings: its student starts from `init` and samples as its kind does (its record's sampling
+    defaults follow its step count)."""
     name = f"{cfg.wandb_run or out.resolve().name}/{folder}" if cfg.wandb else cfg.wandb_run
     return replace(cfg, init_from=init, distillation=Distillation("pd", n, teacher_steps),
-                   sample_steps=s["steps"], sample_sampler=s["sampler"], sample_omega=s["omega"], wandb_run=name)
+                   wandb_run=name)
 
 
 ROUND_DIR = re.compile(r"\d+-step|round-\d+")

@@ -50,7 +50,7 @@ from elflow.runs.stored import checkpoint_state, record_of_state, write_run
 from elflow.runs.tracking import Tracker, require_wandb
 from elflow.schedule import lr_at
 from elflow.space import SpaceSpec, build_space, check_compatible, space_spec
-from elflow.util.budget import check_training
+from elflow.util.budget import check_previews, check_training
 from elflow.util.devices import (
     autocast,
     check_device,
@@ -189,7 +189,7 @@ def set_up(cfg: TrainConfig, method: Method, rank: int, world: int, device, cach
                            **cfg.network_fields(recipe))
     except (TypeError, ValueError) as e:
         raise ELFError(f"the network settings do not fit together: {e}") from None
-    check_training(cfg, shape, space, recipe, method, micro, len(train_set), device)  # before the network
+    check_training(cfg, shape, space, recipe, method, micro, device)  # before the network
     net, params = method.build(cfg, shape, space, train_set, recipe, device)
     if decoder_from is not None:
         attach_decoder(net, decoder_from, space)
@@ -205,6 +205,8 @@ def set_up(cfg: TrainConfig, method: Method, rank: int, world: int, device, cach
     setup = Setup(cfg, method, params, rank, world, device, micro, accum, length, resolve_dtype(cfg.dtype, device),
                   space, net, recipe, named, optimizer, ema, batches, steps, warmup)
     setup.record = run_record(setup)
+    # (an autoregressive sampler takes one pass per position)
+    check_previews(steps, cfg.sample_every, getattr(setup.record.sampling, "steps", None) or length)
     return setup
 
 
@@ -272,14 +274,25 @@ def save(out: Path, step: int, setup: Setup, data_position: dict | None = None) 
 
 def run_record(setup: Setup) -> RunRecord:
     """The run's description, made once from its config and what set-up built: the network, the space, the
-    recipe, the task, the distillation and the sampling defaults of its kind."""
+    recipe, the task, the distillation and the sampling defaults of its kind, with those given
+    (--sample-steps, --sample-sampler, --sample-omega) on top."""
     cfg = setup.cfg
     config, options = setup.method.network_of(setup.net)
     task = Task(cfg.source_length, cfg.source_slot, cfg.task, cfg.source_field, cfg.target_field) \
         if cfg.source_length else None
-    return RunRecord(setup.method.name, config, SpaceSpec.of_space(setup.space), setup.length, setup.recipe,
-                     options or ShortRunOptions(), task, None, cfg.distillation,
-                     ParamCounts.from_dict(setup.params)).with_default_sampling()
+    record = RunRecord(setup.method.name, config, SpaceSpec.of_space(setup.space), setup.length, setup.recipe,
+                       options or ShortRunOptions(), task, None, cfg.distillation,
+                       ParamCounts.from_dict(setup.params)).with_default_sampling()
+    given = cfg.sampling_given()
+    if not given:
+        return record
+    stored = record.sampling.to_dict()
+    for key in given:
+        if key not in stored:
+            raise ELFError(f"--sample-{key} does not apply to a model of --method {record.method}; leave it out")
+    record = record.replace(sampling=type(record.sampling).from_dict({**stored, **given}))
+    record.check("the run's sampling settings")
+    return record
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -546,4 +559,5 @@ def train_one(cfg: TrainConfig, out: Path, method: Method, resume: bool, overwri
 
 
 def show_samples(setup: Setup, log, step, num: int = 2):
-    log.samples(step, setup.method.preview(setup.net, setup.ema, setup.space, num, setup.length, setup.cfg))
+    log.samples(step, setup.method.preview(setup.net, setup.ema, setup.space, num, setup.length, setup.record,
+                                           setup.cfg.seed))

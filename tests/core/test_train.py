@@ -65,6 +65,26 @@ def test_run_folder_contents_and_metrics(uninterrupted):
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in recs)
 
 
+def test_the_sample_settings_given_are_the_models_sampling_defaults(uninterrupted, tmp_path, tiny_t5_dir,
+                                                                    tiny_corpus_file):
+    """--sample-steps / --sample-sampler / --sample-omega are written into the record's sampling (what previews,
+    `elflow sample` and `elflow eval` use), on top of the defaults of the model's kind; none given, the record
+    holds its kind's defaults; a setting the method's sampler has not is refused before anything is written."""
+    from elflow.generate import default_sampling
+    from elflow.runs.stored import read_record
+
+    run, cache, _ = uninterrupted
+    assert read_record(run).sampling == default_sampling()  # a text model's
+    given = tmp_path / "given"
+    train(cfg_for(tiny_t5_dir, tiny_corpus_file, steps=1, ckpt_every=1, sample_steps=5, sample_sampler="ode",
+                  sample_omega=2.0), given, cache_dir=cache, quiet=True)
+    assert read_record(given).sampling == default_sampling().replace(steps=5, sampler="ode", omega=2.0)
+    with pytest.raises(ELFError, match="--sample-omega does not apply to a model of --method ar"):
+        train(cfg_for(tiny_t5_dir, tiny_corpus_file, method="ar", steps=1, sample_omega=2.0), tmp_path / "ar",
+              cache_dir=cache, quiet=True)
+    assert not (tmp_path / "ar").exists()
+
+
 @pytest.mark.slow
 def test_resume_continues_exactly(uninterrupted, tmp_path, tiny_t5_dir, tiny_corpus_file):
     full, cache, _ = uninterrupted
@@ -439,14 +459,16 @@ def test_samples_printed_during_training_come_from_the_ema_weights(method, optio
     from elflow.runs.load import load_for_sampling
 
     run = tmp_path / "run"
+    steps = {} if method == "ar" else {"sample_steps": 3}  # an autoregressive sampler takes no steps
     cfg = cfg_for(tiny_t5_dir, tiny_corpus_file, method=method, short_run=options, steps=2, ckpt_every=2,
-                  sample_every=2, sample_steps=3)
+                  sample_every=2, **steps)
     train(cfg, run, cache_dir=tmp_path / "cache", quiet=False)
     out = capsys.readouterr()
     printed = [line.split(": ", 1)[1] for line in (out.out + out.err).splitlines() if "[step 2] sample" in line]
     assert len(printed) == 2
     if method == "elf":
         net, space = load_for_sampling(run, device="cpu")
+        assert net.record.sampling.steps == 3  # the previews sample as the model does
         ids, _ = generate_tokens(net, 2, 16, 3, "sde", omega=3.0, generator=torch.Generator().manual_seed(1))
         assert printed == [t[:300] for t in space.decode(ids)]
 

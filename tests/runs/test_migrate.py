@@ -20,7 +20,7 @@ def stored(folder: Path, run: str) -> dict:
 
 
 def test_the_chain_reaches_todays_version_one_step_at_a_time():
-    assert RECORD_VERSION == 4 and sorted(migrate.STEPS) == [1, 2, 3]
+    assert RECORD_VERSION == 5 and sorted(migrate.STEPS) == [1, 2, 3, 4]
 
 
 def test_a_version_2_run_file_gains_the_schedule_its_runs_used_and_its_settings_move_out_of_the_record():
@@ -30,8 +30,10 @@ def test_a_version_2_run_file_gains_the_schedule_its_runs_used_and_its_settings_
     assert new["record"]["version"] == RECORD_VERSION and "train" not in new["record"]
     assert new["train"]["lr_schedule"] == "one-ahead"
     parts = ("lr_schedule", "recipe", "model", "short_run", "distillation")  # the parts, whole (3 -> 4)
-    assert {k: v for k, v in new["train"].items() if k not in parts} == \
-        {k: v for k, v in old["record"]["train"].items() if k not in parts}  # nothing else moves
+    assert {k: new["train"][k] for k in migrate.SAMPLE_SETTINGS} == dict.fromkeys(migrate.SAMPLE_SETTINGS)  # 4 -> 5
+    moved = parts + migrate.SAMPLE_SETTINGS
+    assert {k: v for k, v in new["train"].items() if k not in moved} == \
+        {k: v for k, v in old["record"]["train"].items() if k not in moved}  # nothing else moves
     assert {k: v for k, v in new["record"].items() if k != "version"} == \
         {k: v for k, v in old["record"].items() if k not in ("train", "version")}
     assert {k: v for k, v in new.items() if k not in ("record", "train")} == \
@@ -46,7 +48,10 @@ def test_each_step_changes_only_what_its_version_lacked():
     v4 = migrate.STEPS[3](v3, "x")
     assert v4["record"]["version"] == 4 and "train" not in v4["record"]
     assert v4["train"] == migrate.train_3_to_4(v3["record"]["train"])
-    assert document(v3, "x") == v4 == document(v2, "x")  # the chain from any version ends at the same document
+    v5 = migrate.STEPS[4](v4, "x")
+    assert v5["record"] == {**v4["record"], "version": 5}  # the record as it was: its model samples the same
+    assert v5["train"] == {**v4["train"], **dict.fromkeys(migrate.SAMPLE_SETTINGS)}  # the previews' settings go
+    assert document(v4, "x") == v5 == document(v3, "x") == document(v2, "x")  # any version ends at the same
 
 
 def test_a_version_1_run_file_becomes_a_record_with_its_settings_beside_it():

@@ -108,10 +108,13 @@ def _with(d: dict, key: str, value) -> dict:
 REFUSED = [
     ("not-an-object", "elf", lambda d: [d], "the record must be a JSON object, got list"),
     ("null", "elf", lambda d: None, "the record must be a JSON object, got NoneType"),
-    ("an-earlier-version", "elf", lambda d: _with(d, "version", 3), "its record's field 'version' must be 4, got 3"),
-    ("a-newer-version", "elf", lambda d: _with(d, "version", 5), "its record's field 'version' must be 4, got 5"),
-    ("version-true", "elf", lambda d: _with(d, "version", True), "its record's field 'version' must be 4, got True"),
-    ("no-version", "elf", lambda d: _without(d, "version"), "its record's field 'version' must be 4, got None"),
+    ("an-earlier-version", "elf", lambda d: _with(d, "version", 3),
+     f"its record's field 'version' must be {RECORD_VERSION}, got 3"),
+    ("a-newer-version", "elf", lambda d: _with(d, "version", RECORD_VERSION + 1),
+     f"its record's field 'version' must be {RECORD_VERSION}, got {RECORD_VERSION + 1}"),
+    ("version-true", "elf", lambda d: _with(d, "version", True),
+     f"its record's field 'version' must be {RECORD_VERSION}, got True"),
+    ("no-version", "elf", lambda d: _without(d, "version"), f"its record's field 'version' must be {RECORD_VERSION}, got None"),
     ("unknown-fields", "elf", lambda d: {**d, "colour": 1, "b": 2}, "its record has unknown fields ['b', 'colour']"),
     *[(f"no-{name}", "elf", lambda d, name=name: _without(d, name), f"its record lacks the field {name!r}")
       for name in ("method", "network", "space", "length", "recipe", "task", "sampling", "distillation", "params")],

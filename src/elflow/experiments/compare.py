@@ -192,8 +192,8 @@ def _compare(cfg, out, steps, minutes, num, judge, elf_steps, omegas, ar_tempera
                         "loss": (summary.get("last") or {}).get("loss")}
 
     vocab = corpus_vocabulary(tokens_space.decode(train_set.tokens[: min(len(train_set), 4000)]))
-    # each method's curve: the knobs it runs over, and the ones held fixed
-    grids = {"elf": ({"steps": elf_steps, "omega": omegas}, {"sampler": cfg.sample_sampler}),
+    # each method's curve: the knobs it runs over, and the ones held fixed (ELF's sampler: the trained model's own)
+    grids = {"elf": ({"steps": elf_steps, "omega": omegas}, {"sampler": read_record(out / "elf").sampling.sampler}),
              "ar": ({"temperature": ar_temperatures}, {}), "mdlm": ({"steps": mdlm_steps}, {})}
     real = tokens_space.decode(val_set.tokens[:num])
     references = tokens_space.decode(val_set.tokens[num:2 * num])  # another held-out half: MAUVE's real text

@@ -32,12 +32,12 @@ from elflow.util.devices import default_device
 from elflow.util.errors import ELFError
 from elflow.util.files import FolderLock, atomic_write, atomic_write_json, check_own, read_json
 
-# the quickstart's run: the "quickstart" settings of TrainConfig (its steps, batch, length and the sampler of
-# its final samples), and the guidance of those samples
+# the quickstart's run: the "quickstart" settings of TrainConfig (its steps, batch and length); the demo model
+# samples with the velocity-corrected sampler in 64 steps at omega 3 (its record's sampling defaults: its
+# previews, its report and `elflow sample` use them)
 QUICKSTART = RUN_DEFAULTS["quickstart"][0]
 DEMO_STEPS, DEMO_BATCH, DEMO_LENGTH = QUICKSTART["steps"], QUICKSTART["batch"], QUICKSTART["length"]
-DEMO_SAMPLER, DEMO_SAMPLE_STEPS = QUICKSTART["sample_sampler"], QUICKSTART["sample_steps"]
-DEMO_OMEGA = 3.0
+DEMO_SAMPLER, DEMO_SAMPLE_STEPS, DEMO_OMEGA = "vc", 64, 3.0
 
 
 COND_STEPS = 500  # the conditional demonstration's: where the copy task's held-out BLEU levels off (RESULTS.md, 10)

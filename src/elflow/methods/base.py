@@ -108,7 +108,9 @@ class Method:
     def summarize(self, sums: dict) -> dict:
         return {}
 
-    def preview(self, net, ema, space, num: int, length: int, cfg) -> list[str]:
+    def preview(self, net, ema, space, num: int, length: int, record, seed: int) -> list[str]:
+        """`num` samples of the EMA weights as the run's record says it samples (its `sampling`), drawn from
+        one generator seeded by `seed`."""
         raise NotImplementedError
 
     # -- sampling -----------------------------------------------------------------------------------------

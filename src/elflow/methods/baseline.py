@@ -164,11 +164,10 @@ class TokenMethod(Method):
         return {"loss_per_token": t["nll_sum"] / t["nll_n"] if t["nll_n"] else None}
 
     @torch.no_grad()
-    def preview(self, net, ema, space, num, length, cfg) -> list[str]:
+    def preview(self, net, ema, space, num, length, record, seed) -> list[str]:
         sampler_net = self.network(net.config, space).to(next(net.parameters()).device)
         ema.copy_to(sampler_net)
-        given = {"steps": cfg.sample_steps} if "steps" in self.knobs else {}
-        return self.texts(sampler_net, space, num, length, self.sampling_settings(None, **given), cfg.seed)
+        return self.texts(sampler_net, space, num, length, record.sampling, seed)
 
     # -- sampling -----------------------------------------------------------------------------------------
     def sampling_settings(self, record=None, seed=None, batch_size=None, **given) -> BaselineSampling:

@@ -202,16 +202,15 @@ class ELFMethod(Method):
         return rec
 
     @torch.no_grad()
-    def preview(self, net, ema, space, num, length, cfg) -> list[str]:
-        """`num` samples of the EMA weights with the run's sample_* settings and noise scale, from one generator
-        seeded by the run's seed."""
+    def preview(self, net, ema, space, num, length, record, seed) -> list[str]:
         device = next(net.parameters()).device
         sampler_net = build_network(net.config, net.options).to(device)
         ema.copy_to(sampler_net)
         sampler_net.eval()
-        g = torch.Generator(device=device).manual_seed(cfg.seed)
-        tokens, _ = generate_tokens(sampler_net, num, length, cfg.sample_steps, cfg.sample_sampler,
-                                    omega=cfg.sample_omega, generator=g, recipe=cfg.flow_recipe())
+        g = torch.Generator(device=device).manual_seed(seed)
+        s = record.sampling
+        tokens, _ = generate_tokens(sampler_net, num, length, s.steps, s.sampler, s.gamma, s.omega, s.grid,
+                                    generator=g, recipe=record.recipe)
         return space.decode(tokens.cpu())
 
     # -- sampling -----------------------------------------------------------------------------------------

@@ -1,9 +1,9 @@
 """Every stored layout elflow reads, made today's by one linear chain of small steps, version N -> N + 1.
 
 A stored document is a run's run.json, a checkpoint's state.json or a model folder's config.json (an earlier
-model folder's JSON files merged into one: elflow.runs.model_folder). Today's layout (version 4) holds
+model folder's JSON files merged into one: elflow.runs.model_folder). Today's layout (version 5) holds
 
-    "record"   the model's description (elflow.runs.record.RunRecord.to_dict), version 4
+    "record"   the model's description (elflow.runs.record.RunRecord.to_dict), version 5
     "train"    run.json: the training settings (elflow.config.TrainConfig.to_dict); None for a model that was
                not trained by elflow (a converted release)
 
@@ -14,6 +14,8 @@ Earlier versions:
        "params", "short_run", "settings", "train")
     2  the record, with the training settings inside it ("record"."train")
     3  version 2 with the learning-rate schedule's warm-up start (train.lr_schedule)
+    4  the training settings beside the record; their sample_steps / sample_sampler / sample_omega set the
+       training previews alone, apart from the record's sampling defaults
 
 Each step fills in exactly what its version lacked, with the value that the code of that version used (never
 today's default), so that an older run samples the same texts and resumes bit for bit. The authors' released
@@ -171,7 +173,7 @@ def _record_1(doc: dict) -> tuple[RunRecord, dict | None]:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# 2 -> 3 -> 4
+# 2 -> 3 -> 4 -> 5
 def _2_to_3(doc: dict, where: str) -> dict:
     """Version 3 records the learning-rate schedule's warm-up start (train.lr_schedule). Version 2 runs stepped
     at lr (k + 1) / W: "one-ahead"."""
@@ -219,8 +221,25 @@ def _3_to_4(doc: dict, where: str) -> dict:
     return out
 
 
+SAMPLE_SETTINGS = ("sample_steps", "sample_sampler", "sample_omega")
+
+
+def _4_to_5(doc: dict, where: str) -> dict:
+    """From version 5 the --sample-* settings are the model's sampling defaults, written into its record's
+    sampling, which its previews read. Version 4's set the previews alone, and its record holds the defaults
+    its model samples with: they become "not given" (None), so that the record stays as it is."""
+    def settings(train):
+        return {**train, **{k: None for k in SAMPLE_SETTINGS if k in train}} if isinstance(train, dict) else train
+
+    out = {**doc, "record": {**doc["record"], "version": 5}}
+    for key in ("train", "stage_of"):
+        if key in doc:
+            out[key] = settings(doc[key])
+    return out
+
+
 # version -> the step that makes a document of that version one version newer
-STEPS = {1: _1_to_2, 2: _2_to_3, 3: _3_to_4}
+STEPS = {1: _1_to_2, 2: _2_to_3, 3: _3_to_4, 4: _4_to_5}
 assert sorted(STEPS) == list(range(PRE_RECORD, RECORD_VERSION)), "the chain must reach today's version"
 
 

@@ -33,7 +33,7 @@ from elflow.model import ELFConfig, ShortRunOptions
 from elflow.space import SpaceSpec, drawn_table
 from elflow.util.errors import ELFError, Record
 
-RECORD_VERSION = 4  # the layout of today's record; elflow.runs.migrate reads the earlier ones
+RECORD_VERSION = 5  # the layout of today's record; elflow.runs.migrate reads the earlier ones
 DISTILL_OBJECTIVES = ("pd", "flow-map")  # progressive distillation; one flow-map student for every step count
 
 

@@ -28,10 +28,10 @@ API (bytes are Python ints: no size overflows)
         cells x --num), check_seeds(seeds, num) (eval's --seeds x --num), check_previews(steps, every,
         sample_steps) (a training run's previews)
     elf_training(config, *, rows, length, ...) -> Estimate, check_training(cfg, shape, space, recipe, method,
-        micro, data_rows, device=None) -> Estimate
+        micro, device=None) -> Estimate
         (d) a training step's peak: weights, gradients, optimiser state, EMA, the activations at the
         micro-batch, the frozen encoder's and a distillation teacher's passes; check_training reads them from
-        a run's set-up (elflow.train.set_up) and bounds its previews
+        a run's set-up (elflow.train.set_up)
 
 Example (a command's check, before it builds or writes anything):
 
@@ -385,7 +385,7 @@ def check_elf_sampling(config, *, steps: int, batch_size: int, num: int, length:
     flag of another name by its own (train's previews):
 
         check_elf_sampling(net.config, steps=settings.steps, ..., flags={"steps": "steps in m/sampling.json"})
-        check_elf_sampling(config, steps=args.sample_steps, batch_size=n, num=n, params=elf_params(config),
+        check_elf_sampling(config, steps=record.sampling.steps, batch_size=n, num=n, params=elf_params(config),
                            flags={"steps": "--sample-steps", "num": "--sample-num"}, device=device)
 
     A distillation teacher's steps alone: check_sampling_steps(args.teacher_steps, "--teacher-steps")."""
@@ -411,7 +411,8 @@ def check_total(factors, limit: int, unit: str, why: str, hint: str) -> int:
 
 def check_previews(steps: int, every: int, sample_steps: int, samples: int = PREVIEW_SAMPLES) -> int:
     """The network passes of a training run's previews (`steps` // `every` previews of `samples` samples drawn
-    in `sample_steps` steps) within MAX_PREVIEW_PASSES; none when `every` is 0."""
+    in `sample_steps` steps: the model's default sampling steps, --sample-steps where given) within
+    MAX_PREVIEW_PASSES; none when `every` is 0."""
     if not every:
         return 0
     previews = int(steps) // int(every)
@@ -527,14 +528,11 @@ def _training_hint(parts: dict, step: dict) -> str:
             "--grad-checkpoint keeps less of each block")
 
 
-def check_training(cfg, shape, space, recipe, method, micro: int, data_rows: int, device=None) -> Estimate:
-    """A training run's previews bounded (`check_previews`) and its step's memory checked against `device`,
-    before its network is built: `cfg` the run's TrainConfig, `shape` the ELF network's config, `space` the
-    embedding space (built: its frozen encoder's weights are taken already, its pass is counted), `recipe` the
-    flow recipe, `method` the training method (a distillation's holds its `teacher`, loaded), `micro` the rows
-    of a forward/backward pass, `data_rows` the rows of the training split (the steps of an --epochs run)."""
-    steps = cfg.steps if cfg.epochs is None else max(1, math.ceil(cfg.epochs * max(1, data_rows // cfg.batch)))
-    check_previews(steps, cfg.sample_every, cfg.sample_steps)
+def check_training(cfg, shape, space, recipe, method, micro: int, device=None) -> Estimate:
+    """A training step's memory checked against `device`, before its network is built: `cfg` the run's
+    TrainConfig, `shape` the ELF network's config, `space` the embedding space (built: its frozen encoder's
+    weights are taken already, its pass is counted), `recipe` the flow recipe, `method` the training method (a
+    distillation's holds its `teacher`, loaded), `micro` the rows of a forward/backward pass."""
     trainable = sum(p.numel() for p in space.parameters() if p.requires_grad) if hasattr(space, "parameters") else 0
     encoder = getattr(space, "encoder", None)
     teacher = getattr(method, "teacher", None)
