@@ -534,13 +534,34 @@ def _check_tensor(x, name: str, ndim: int, device=None) -> torch.Tensor:
     return x
 
 
-def check_integrate_args(net, z0, grid, sampler, gamma, omega, guidance, known, known_mask) -> None:
+def check_network_dtype(net, who: str) -> None:
+    """A network's floating-point weights are float32: elflow samples fp32 weights (bf16 runs through autocast,
+    settings.dtype / --dtype bf16); a network converted with .half(), .bfloat16() or .double() is one ELFError."""
+    p = next((p for p in net.parameters() if p.is_floating_point()), None) if isinstance(net, torch.nn.Module) \
+        else None
+    if p is not None and p.dtype != torch.float32:
+        raise ELFError(f"{who}: the network's weights are {str(p.dtype).removeprefix('torch.')}; elflow samples "
+                       "float32 weights (for bf16, sample with dtype bf16, which autocasts): convert it with "
+                       "net.float()")
+
+
+def check_integrate_args(net, z0, grid, sampler, gamma, omega, guidance, known, known_mask, generator=None,
+                         recipe=None, callback=None) -> None:
     """`integrate`'s arguments, checked once before its loop (one host read each of z0, the grid and the known
     values, none per step): ELFError naming the first that is wrong. z0 a floating-point (B, L, C) tensor of
     finite values on the network's device (C its width and L within its length where it has them); the grid a
     1-D tensor of at least two finite times in [0, 1], never falling; a sampler of SAMPLERS; gamma and guidance
     within SAMPLING_RANGES, omega too or a (B,) tensor; known (B, L, C) finite values with known_mask (B, L),
-    both or neither."""
+    both or neither; net and callback callables, generator a torch.Generator, recipe a Recipe."""
+    if not callable(net):
+        raise ELFError(f"integrate: net must be a network (a callable net(z, t, omega, x_prev)), got "
+                       f"{type(net).__name__}")
+    check_network_dtype(net, "integrate")
+    for name, value, ok, what in (("generator", generator, isinstance(generator, torch.Generator), "a torch.Generator"),
+                                  ("recipe", recipe, isinstance(recipe, Recipe), "a Recipe (elflow.flow.Recipe)"),
+                                  ("callback", callback, callable(callback), "a callable")):
+        if value is not None and not ok:
+            raise ELFError(f"integrate: {name} must be None or {what}, got {type(value).__name__}")
     device = _net_device(net)
     _check_tensor(z0, "z0", 3, device)
     if not z0.is_floating_point():
@@ -604,7 +625,8 @@ def integrate(net, z0: torch.Tensor, grid: torch.Tensor, *, sampler: str = TEXT_
     Every argument is checked once first (`check_integrate_args`); no host sync inside the loop; the noise
     buffer is allocated once.
     """
-    check_integrate_args(net, z0, grid, sampler, gamma, omega, guidance, known, known_mask)
+    check_integrate_args(net, z0, grid, sampler, gamma, omega, guidance, known, known_mask, generator, recipe,
+                         callback)
     n = grid.numel() - 1
     B = z0.shape[0]
     grid = grid.to(z0.device, torch.float32)

@@ -23,6 +23,7 @@ from elflow.flow import (
     SAMPLING_DEFAULTS,
     SAMPLING_RANGES,
     Recipe,
+    check_network_dtype,
     check_sampling_args,
     decode_tokens,
     distilled_defaults,
@@ -216,10 +217,11 @@ def gather_records(records: list[dict], world: int) -> list[dict]:
     return sorted(records, key=lambda r: r["index"])
 
 
-def check_generate_args(net, space, settings, sources, prompt, suffix, part) -> None:
+def check_generate_args(net, space, settings, sources, prompt, suffix, part, recipe=None, trajectory=None) -> None:
     """What `generate` is given, checked before anything is drawn (ELFError naming the first that is wrong): an
-    ELF network (a module with its config) whose weights are on cpu or cuda, its embedding space (of the
-    network's width), SamplingSettings, sources a list of texts, prompt and suffix texts, part (rank, ranks)."""
+    ELF network (a module with its config) whose float32 weights are on cpu or cuda, its embedding space (of the
+    network's width), SamplingSettings, sources a list of texts, prompt and suffix texts, part (rank, ranks), a
+    Recipe or None, trajectory None or a collection of steps."""
     config = getattr(net, "config", None)
     if not isinstance(net, torch.nn.Module) or not isinstance(getattr(config, "dim", None), int):
         raise ELFError(f"generate: net must be an ELF network (elflow.load or load_for_sampling gives one), got "
@@ -228,6 +230,11 @@ def check_generate_args(net, space, settings, sources, prompt, suffix, part) -> 
     if p is None or p.device.type not in ("cpu", "cuda"):
         raise ELFError(f"generate: the network's weights are on {p.device if p is not None else 'no device'}; "
                        "elflow samples on cpu or cuda (net.to('cpu'))")
+    check_network_dtype(net, "generate")
+    if recipe is not None and not isinstance(recipe, Recipe):
+        raise ELFError(f"generate: recipe must be None (the network's own) or a Recipe, got {type(recipe).__name__}")
+    if trajectory is not None and not isinstance(trajectory, (set, frozenset, list, tuple)):
+        raise ELFError(f"generate: trajectory must be None or a set of sampling steps, got {type(trajectory).__name__}")
     if not all(hasattr(space, a) for a in ("tokenizer", "tokenize", "encode", "eos_id", "dim")):
         raise ELFError(f"generate: space must be the network's embedding space (load_for_sampling gives it), got "
                        f"{type(space).__name__}")
@@ -287,7 +294,7 @@ def generate(net, space, num: int, settings: SamplingSettings = SamplingSettings
 def _checked(net, space, num, settings, length, sources, prompt, suffix, trajectory, part, recipe):
     """`generate`'s arguments checked (ELFError naming the first that is wrong) and the size of the work
     against this machine: (the recipe it samples with, the length)."""
-    check_generate_args(net, space, settings, sources, prompt, suffix, part)
+    check_generate_args(net, space, settings, sources, prompt, suffix, part, recipe, trajectory)
     if recipe is None:
         record = getattr(net, "record", None)
         recipe = record.recipe if record is not None else Recipe()

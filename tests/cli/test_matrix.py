@@ -8,19 +8,32 @@ work begun (each case runs under an alarm). A value from the bad lists that a co
 listed in ACCEPTED with the reason it is not bad there (seed 0 is a seed, --keep 0 keeps every checkpoint);
 those are not run here (they start the command's work; their meaning is tested with the command). Every other
 value is refused, before any model work, so the whole matrix is fast.
+
+The same contract over the rest of what a command meets: the environment (torchrun's variables where no
+torchrun started the process, an ELFLOW_CACHE or HF_HOME that cannot be one), its streams (standard output
+closed, full or read by no one, standard input that never ends: a result is never lost in silence), a run whose
+own files were replaced by what elflow never wrote (each file, each kind of replacement, each command that reads
+it), distillation outputs holding another program's file at any depth (never deleted), and the Python API
+(every argument of elflow.load, load_for_sampling, generate and integrate, of a wrong type or value: one
+ELFError). Cases that are not bad input where they land are listed with the reason; known faults of modules
+this file does not fix are strict xfails naming the function and what goes wrong.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
+import shutil
 import signal
 import stat
+import subprocess
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from helpers import assert_not_an_integer, assert_one_error, make_fifo, reference_dir
+from helpers import assert_not_an_integer, assert_one_error, make_fifo, reference_dir, tree_state
 
 from elflow.cli import COMMANDS, build_parser, main
 
@@ -433,3 +446,694 @@ def test_a_bad_file_is_refused(capsys, world, place, cmd, slot, extra, suffix, k
     f = place / f"input{suffix}"
     f.write_bytes(BAD_FILES[kind])
     assert_refused(capsys, world, [cmd] + place_in(world.base(cmd), slot, f, extra))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the environment: torchrun's variables where no torchrun started the process, a cache that cannot be one
+
+
+TORCHRUN_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE",
+                      "GROUP_RANK", "TORCHELASTIC_RUN_ID")
+RANK_0_OF_2 = dict(WORLD_SIZE="2", RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+
+
+def _rank_0_of_2(**changes) -> dict:
+    """What torchrun sets for rank 0 of two processes, with `changes` (None: the variable unset)."""
+    return {k: v for k, v in {**RANK_0_OF_2, **changes}.items() if v is not None}
+
+
+# class -> (the variables set, every other torchrun variable unset; the variable the line must name)
+BAD_TORCHRUN = {
+    "world-size-without-rank": ({"WORLD_SIZE": "2"}, "RANK"),
+    "world-size-zero": ({"WORLD_SIZE": "0"}, "WORLD_SIZE"),
+    "world-size-a-word": ({"WORLD_SIZE": "two"}, "WORLD_SIZE"),
+    "rank-a-word": (_rank_0_of_2(RANK="abc"), "RANK"),
+    "rank-past-the-group": (_rank_0_of_2(RANK="2"), "RANK"),
+    "local-rank-negative": (_rank_0_of_2(LOCAL_RANK="-1"), "LOCAL_RANK"),
+    "no-master-addr": (_rank_0_of_2(MASTER_ADDR=None), "MASTER_ADDR"),
+    "no-master-port": (_rank_0_of_2(MASTER_PORT=None), "MASTER_PORT"),
+    "master-port-zero": (_rank_0_of_2(MASTER_PORT="0"), "MASTER_PORT"),
+    "master-port-past-65535": (_rank_0_of_2(MASTER_PORT="70000"), "MASTER_PORT"),
+}
+# accepted: WORLD_SIZE unset, empty or 1 is one process, whatever else is set (util.distributed.torchrun_env)
+ONE_PROCESS = {
+    "rank-alone": {"RANK": "abc"},
+    "local-rank-alone": {"LOCAL_RANK": "-1"},
+    "master-alone": {"MASTER_ADDR": "", "MASTER_PORT": "http"},
+    "world-size-one": {"WORLD_SIZE": "1", "RANK": "5", "LOCAL_RANK": "x"},
+    "world-size-empty": {"WORLD_SIZE": "", "RANK": "1"},
+}
+# commands that never form a torchrun group: they run in one process whatever torchrun's variables hold
+NO_GROUP = {
+    "prepare": "tokenizes on one machine; a store is one folder",
+    "view": "renders one page",
+    "train-judge": "trains its small judge in one process",
+    "train-encoder": "trains its small encoder in one process",
+    "sweep": "samples and judges each cell in one process",
+    "push": "uploads from one process",
+    "convert": "converts one file",
+    "bench": "times one device",
+    "toy": "the 2-D toy runs on one CPU",
+    "schedules": "draws one figure",
+}
+
+
+@pytest.fixture
+def torchrun_unset(monkeypatch):
+    for name in TORCHRUN_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+@pytest.mark.parametrize("kind", sorted(BAD_TORCHRUN))
+@pytest.mark.parametrize("cmd", [c for c in COMMANDS if c not in NO_GROUP])
+def test_torchrun_variables_without_torchrun_are_refused(capsys, world, clean_out, torchrun_unset, cmd, kind):
+    """Every command that forms a torchrun group (itself, or through the training it runs) reads torchrun's
+    variables before any work: a partial or bad set is one line naming the variable, not a batch split by a
+    WORLD_SIZE no group stands behind, nor a wait for ranks that never come."""
+    env, named = BAD_TORCHRUN[kind]
+    for k, v in env.items():
+        torchrun_unset.setenv(k, v)
+    assert_refused(capsys, world, [cmd] + world.base(cmd), named, "torchrun")
+
+
+@pytest.mark.parametrize("kind", sorted(ONE_PROCESS))
+def test_torchrun_variables_of_one_process_are_not_read(torchrun_unset, kind):
+    """WORLD_SIZE unset, empty or 1 is one process, whatever the other variables hold: nothing of them is read,
+    and `train` on a machine with a GPU trains on cuda:0, not on a LOCAL_RANK that no torchrun set."""
+    import torch
+
+    from elflow.cli.train import run_device
+    from elflow.util.distributed import torchrun_env
+
+    for k, v in ONE_PROCESS[kind].items():
+        torchrun_unset.setenv(k, v)
+    assert torchrun_env() is None
+    torchrun_unset.setattr(torch.cuda, "is_available", lambda: True)
+    assert run_device(None) == torch.device("cuda", 0)
+
+
+def test_the_tables_of_the_environment_name_real_commands():
+    assert set(NO_GROUP) < set(COMMANDS)
+    assert set(CACHE_UNUSED) < set(CACHE_COMMANDS) and set(CACHE_COMMANDS) <= set(COMMANDS)
+
+
+def without_flag(argv: list[str], flag: str) -> list[str]:
+    """argv without `flag` and its value."""
+    argv = list(argv)
+    if flag in argv:
+        i = argv.index(flag)
+        del argv[i:i + 2]
+    return argv
+
+
+def _unwritable_folder(d: Path) -> Path:
+    """A folder nothing can be written in: a read-only one; for root, who writes in any folder of an ordinary
+    file system, /sys (sysfs takes no new files from anyone)."""
+    if os.geteuid() == 0:
+        return Path("/sys")
+    folder = _folder(d / "read-only")
+    folder.chmod(0o555)
+    return folder
+
+
+# class -> make(place) -> the value of ELFLOW_CACHE
+BAD_CACHES = {
+    "a-file": lambda d: _elsewhere(d, "file"),
+    "a-fifo": lambda d: make_fifo(d / "pipe"),
+    "a-device": lambda d: "/dev/null",
+    "a-dangling-link": lambda d: _link(d / "dangling", d / "nothing-here"),
+    "under-a-file": lambda d: _elsewhere(d, "file") / "cache",
+    "an-unwritable-folder": _unwritable_folder,
+    "under-an-unwritable-folder": lambda d: _unwritable_folder(d) / "cache",
+}
+# accepted: a cache folder whose parents are missing is made with them (util.files.writable_cache)
+CACHE_ACCEPTED = {"missing-parents": "the cache folder is made with the parents it lacks"}
+CACHE_COMMANDS = [c for c in COMMANDS
+                  if "--cache-dir" in {s for a in build_parser(only=c).subcommands[c]._actions for s in a.option_strings}]
+CACHE_UNUSED = {  # commands whose base command line keeps nothing in the cache
+    "prepare": "its input is a file: the cache holds only the built-in corpus, which it does not read",
+    "eval": "it judges a samples file with a judge folder, --no-heldout: nothing is cached",
+    "train-encoder": "it trains on a file: the cache holds only the built-in corpus, which it does not read",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(BAD_CACHES))
+@pytest.mark.parametrize("cmd", [c for c in CACHE_COMMANDS if c not in CACHE_UNUSED])
+def test_a_bad_elflow_cache_is_refused(capsys, world, place, monkeypatch, cmd, kind):
+    """ELFLOW_CACHE (the cache of every command that takes --cache-dir, when the flag is left out) that names
+    what cannot be a cache folder is one line naming it and both ways to choose another, before anything is
+    downloaded or trained; the file or device it names is left as it is."""
+    monkeypatch.setenv("ELFLOW_CACHE", str(BAD_CACHES[kind](place)))
+    argv = [cmd] + without_flag(world.base(cmd), "--cache-dir")
+    assert_refused(capsys, world, argv, "the cache folder", "--cache-dir or ELFLOW_CACHE")
+
+
+def test_a_cache_folder_whose_parents_are_missing_is_made(capsys, world, place, monkeypatch):
+    """The value CACHE_ACCEPTED holds, tried once: ELFLOW_CACHE under folders that do not exist yet is made
+    with them, and the command runs."""
+    assert set(CACHE_ACCEPTED).isdisjoint(BAD_CACHES)
+    cache = place / "not" / "yet" / "cache"
+    monkeypatch.setenv("ELFLOW_CACHE", str(cache))
+    code, err = run_case(capsys, world, ["train"] + without_flag(world.base("train"), "--cache-dir"))
+    assert code == 0, err
+    assert (cache / "stores").is_dir()
+
+
+def cli_process(argv, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, env=None, close_stdout=False,
+                timeout: int = LIMIT_S) -> tuple[int, str, bytes]:
+    """(exit code, stderr, stdout) of `python -m elflow.cli ARGV` in a fresh process: its standard output and
+    input as given (`close_stdout`: started with descriptor 1 closed, as `>&-` does), its environment this one's
+    with `env` on top (None: unset), killed after `timeout` s."""
+    full = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src"), "OMP_NUM_THREADS": "1"}
+    for k, v in (env or {}).items():
+        if v is None:
+            full.pop(k, None)
+        else:
+            full[k] = str(v)
+    r = subprocess.run([sys.executable, "-m", "elflow.cli", *map(str, argv)], stdout=stdout, stdin=stdin,
+                       stderr=subprocess.PIPE, env=full, timeout=timeout,
+                       preexec_fn=(lambda: os.close(1)) if close_stdout else None)
+    return r.returncode, r.stderr.decode(errors="replace"), r.stdout or b""
+
+
+HUB_ID = "embedded-language-flows/ELF-B-owt-torch"  # read offline (HF_HUB_OFFLINE): from the hub's cache only
+BAD_HF_HOMES = {
+    "a-file": lambda d: _elsewhere(d, "file"),
+    "an-unwritable-folder": _unwritable_folder,
+}
+
+
+@pytest.mark.parametrize("kind", sorted(BAD_HF_HOMES))
+def test_a_bad_hf_home_is_one_line_where_the_hub_is_read(world, tmp_path, kind):
+    """HF_HOME (the hub's cache and token, read when a command is given a hub id) that is a file or a folder
+    nothing can be written in: `sample HUB_ID` is one line naming the hub id, exit 2; the file is left as it is.
+    (HF_HOME is read when huggingface_hub is imported: each case is a process of its own.)"""
+    home = BAD_HF_HOMES[kind](tmp_path)
+    before = tree_state(tmp_path)
+    out = tmp_path / "s.jsonl"
+    code, err, _ = cli_process(["sample", HUB_ID, "--num", "1", "--device", "cpu", "--out", out],
+                               env={"HF_HOME": home, "HF_HUB_OFFLINE": "1"})
+    assert_one_error(code, err, "sample", HUB_ID)
+    assert tree_state(tmp_path) == before
+
+
+# ----------------------------------------------------------------------------------------------------------
+# streams: standard output closed, full, or read by no one; standard input that never ends
+
+
+def _option_strings(cmd: str) -> set[str]:
+    return {s for a in build_parser(only=cmd).subcommands[cmd]._actions for s in a.option_strings}
+
+
+# (command, the flag that sends its result to standard output, the flag left out for it): every --json and
+# --print-config of every command, and sample, which prints the texts it writes unless --quiet
+PRINTERS = [(cmd, flag, None) for cmd in COMMANDS for flag in ("--json", "--print-config")
+            if flag in _option_strings(cmd)] + [("sample", None, "--quiet")]
+STREAM_ACCEPTED = {  # (command, stream class) -> why it is not lost output there
+    ("sample", "closed"): "its texts are written to --out; with standard output closed they are not printed, as "
+                          "with --quiet (cli.sample.print_results)",
+}
+
+
+def printing(world: World, cmd: str, flag, drop) -> list[str]:
+    return [cmd] + [a for a in world.base(cmd) if a != drop] + ([flag] if flag else [])
+
+
+def _full_stdout(d: Path):
+    return open("/dev/full", "w")
+
+
+def _gone_stdout(d: Path):
+    r, w = os.pipe()
+    os.close(r)  # the reader went away (a pipe into `head` that has ended)
+    return os.fdopen(w, "w")
+
+
+STDOUTS = {"closed": lambda d: None, "full": _full_stdout, "reader-gone": _gone_stdout}
+
+
+@pytest.mark.parametrize("cmd, flag, drop, stream", [(*p, s) for p in PRINTERS for s in sorted(STDOUTS)
+                                                     if (p[0], s) not in STREAM_ACCEPTED], ids=str)
+def test_a_result_on_a_stdout_that_cannot_take_it_is_never_lost_in_silence(capsys, world, clean_out, monkeypatch,
+                                                                           tmp_path, cmd, flag, drop, stream):
+    """A command whose result goes to standard output: a closed one (sys.stdout None, as Python starts with
+    descriptor 1 closed) is refused before any work; a full one (/dev/full) is one line saying the result
+    was not printed, after what was written; a reader that went away (`| head`) ends the printing without a word,
+    exit 0 by design (util.files.stdout_to_nowhere). Never a traceback, and nothing left to fail when the
+    interpreter flushes standard output at exit."""
+    argv = printing(world, cmd, flag, drop)
+    out = STDOUTS[stream](tmp_path)
+    if stream == "closed":
+        monkeypatch.setattr(sys, "stdout", None)
+        assert_refused(capsys, world, argv, "standard output", "closed")
+        return
+    monkeypatch.setattr(sys, "stdout", out)
+    try:
+        code, err = run_case(capsys, world, argv)
+        out.flush()  # what the interpreter does at exit: it must find nothing it cannot write
+    finally:
+        out.close()
+    assert "Traceback" not in err and "Exception ignored" not in err, err
+    if stream == "reader-gone":
+        assert code == 0 and "error" not in err, err
+    else:
+        errors = [x for x in err.splitlines() if "error" in x.lower()]
+        assert_one_error(code, "\n".join(errors), cmd, "standard output cannot be written", "not printed")
+
+
+def test_every_stream_exception_is_a_printing_command():
+    for cmd, stream in STREAM_ACCEPTED:
+        assert cmd in {c for c, _, _ in PRINTERS} and stream in STDOUTS
+
+
+def _stdin_that_never_ends(d: Path) -> int:
+    """A fifo opened for reading and writing: a read of it waits forever (its one writer is the reader)."""
+    return os.open(make_fifo(d / "stdin"), os.O_RDWR)
+
+
+# (standard output, standard input) of a real process: each stdout class once, with each stdin class
+PROCESS_STREAMS = [("closed", "fifo"), ("full", "/dev/null"), ("reader-gone", "fifo")]
+
+
+@pytest.mark.parametrize("stream, stdin", PROCESS_STREAMS)
+def test_a_process_with_its_streams_redirected_ends_with_the_truth(tmp_path, stream, stdin):
+    """`train --print-config` started as a process of its own, standard output closed, full or read by no one,
+    standard input /dev/null or a fifo that never ends: it ends within the limit (nothing reads standard
+    input), with one line where the result was lost (exit 2) and nothing but exit 0 where the reader went away;
+    never a traceback, never Python's `Exception ignored` when it flushes standard output at exit."""
+    fds = []
+    stdin_fd = _stdin_that_never_ends(tmp_path) if stdin == "fifo" else os.open(os.devnull, os.O_RDONLY)
+    fds.append(stdin_fd)
+    out = {"closed": None, "full": open("/dev/full", "wb"), "reader-gone": None}[stream]
+    if stream == "reader-gone":
+        r, w = os.pipe()
+        os.close(r)
+        fds.append(w)
+        out = w
+    try:
+        code, err, _ = cli_process(["train", "--preset", "tiny", "--print-config"], stdout=out, stdin=stdin_fd,
+                                   close_stdout=stream == "closed")
+    finally:
+        for fd in fds:
+            os.close(fd)
+        if stream == "full":
+            out.close()
+    assert "Traceback" not in err and "Exception ignored" not in err, err
+    if stream == "reader-gone":
+        assert code == 0 and err == "", err
+    else:
+        assert_one_error(code, err, "train", "standard output")
+
+
+def test_sample_with_stdout_closed_writes_its_samples_whole(capsys, world, monkeypatch, tmp_path):
+    """The case STREAM_ACCEPTED holds: with standard output closed, `sample` writes its samples file whole,
+    prints nothing, says on standard error what it wrote, exit 0."""
+    out = tmp_path / "s.jsonl"
+    monkeypatch.setattr(sys, "stdout", None)
+    code, err = run_case(capsys, world, ["sample", world.run, "--num", "2", "--steps", "1", "--device", "cpu",
+                                         "--out", out])
+    assert code == 0 and "Traceback" not in err and f"wrote 2 samples to {out}" in err, err
+    records = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["index"] for r in records if "index" in r] == [0, 1], records
+
+
+# ----------------------------------------------------------------------------------------------------------
+# a run's own files, edited: each replaced by what elflow never wrote, read by each command that reads runs
+
+
+CKPT = "checkpoints/step_0000002"  # the world's run has one checkpoint
+RUN_FILES_EDITED = {"run.json": "run.json", "state.json": f"{CKPT}/state.json",
+                    "state.sha256": f"{CKPT}/state.sha256", "optimizer.pt": f"{CKPT}/optimizer.pt",
+                    "model.safetensors": f"{CKPT}/model.safetensors", "ema.safetensors": f"{CKPT}/ema.safetensors",
+                    "metrics.jsonl": "metrics.jsonl", "lock": ".lock"}
+
+
+def _as_link_outside(p: Path, outside: Path, data: bytes) -> None:
+    target = outside / f"copy-of-{p.name}"
+    target.write_bytes(data)  # the same bytes, outside the run: only the link is wrong
+    p.symlink_to(target)
+
+
+EDITS = {  # class -> edit(path, a folder outside the run, the file's bytes), the path already removed
+    "link-outside": _as_link_outside,
+    "link-to-dev-zero": lambda p, outside, data: p.symlink_to("/dev/zero"),
+    "fifo": lambda p, outside, data: make_fifo(p),
+    "folder": lambda p, outside, data: p.mkdir(),
+    "empty": lambda p, outside, data: p.write_bytes(b""),
+    "truncated": lambda p, outside, data: p.write_bytes(data[:len(data) // 2]),
+}
+LOCK_BYTES = b'{"pid": 1, "host": "elsewhere", "command": "elflow train"}\n'  # the lock a run holds while written
+
+
+def run_readers(run: Path, out: Path, cache: Path, judge: Path) -> dict[str, list]:
+    """Each command that reads a run, on `run`, writing under `out`."""
+    return {
+        "sample": ["sample", run, "--num", "1", "--steps", "1", "--device", "cpu", "--quiet", "--out",
+                   out / "s.jsonl"],
+        "resume": ["train", "--resume", "--out", run, "--steps", "3", "--cache-dir", cache, "--quiet"],
+        "distill": ["distill", run, "--out", out / "d", "--student-steps", "1", "--teacher-steps", "2",
+                    "--steps-per-round", "1", "--batch", "2", "--dtype", "fp32", "--cache-dir", cache, "--quiet"],
+        "eval": ["eval", "--checkpoint", run, "--judge", judge, "--device", "cpu", "--no-heldout", "--num", "2",
+                 "--steps", "1", "--cache-dir", cache, "--out", out / "e"],
+        "push": ["push", run, "me/model", "--dry-run", "--samples", "1", "--device", "cpu", "--out", out / "p"],
+    }
+
+
+READERS = ("sample", "resume", "distill", "eval", "push")
+SAMPLING = ("sample", "eval")
+NOT_READ = {  # (file, command) -> why the command does not read that file (the case is not run)
+    **{("run.json", c): "sampling reads the newest checkpoint, whose state.json holds the model's record; "
+                        "run.json holds the training settings" for c in SAMPLING},
+    **{("optimizer.pt", c): "the optimiser's state is read by a resume, and checked whole by push, only"
+       for c in ("sample", "eval", "distill")},
+    **{("model.safetensors", c): "sampling and teaching read the EMA weights" for c in ("sample", "eval", "distill")},
+    **{("metrics.jsonl", c): "the training log is read by a resume and by push only"
+       for c in ("sample", "eval", "distill")},
+    **{("lock", c): "a command that reads a run takes no lock on it; one that writes it does"
+       for c in ("sample", "eval", "distill", "push")},
+}
+EDIT_ACCEPTED = {  # (file, class, command) -> why the edit is not bad input there
+    **{("metrics.jsonl", k, c): "a log cut short (as by a crash mid-write) is read up to its last whole line"
+       for k in ("empty", "truncated") for c in ("resume", "push")},
+}
+EDIT_XFAIL = {  # (file, class, command) -> what goes wrong
+}
+
+
+EDIT_CASES = [pytest.param(f, k, c, marks=[pytest.mark.xfail(strict=True, reason=EDIT_XFAIL[f, k, c])]
+                           if (f, k, c) in EDIT_XFAIL else [])
+              for f in RUN_FILES_EDITED for k in EDITS for c in READERS
+              if (f, c) not in NOT_READ and (f, k, c) not in EDIT_ACCEPTED]
+
+
+@pytest.fixture
+def edited_run(world, tmp_path):
+    """A copy of the world's run in a case folder of its own, with a folder `outside` beside it."""
+    run = tmp_path / "run"
+    shutil.copytree(world.run, run)
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "out").mkdir()
+    return run
+
+
+@pytest.mark.parametrize("name, kind, cmd", EDIT_CASES, ids=str)
+def test_a_run_file_that_elflow_did_not_write_is_refused_by_every_reader(capsys, world, edited_run, name, kind, cmd):
+    """A run's own file (its record, a checkpoint's files, its log, its lock) replaced by a link (to a copy
+    outside, to /dev/zero), a fifo, a folder, an empty or a truncated file: every command that reads it refuses
+    in one line naming it, before any work, under the alarm (a fifo is never opened to wait on, a device never
+    read); nothing in the run or outside it changes."""
+    case = edited_run.parent
+    path = edited_run / RUN_FILES_EDITED[name]
+    data = path.read_bytes() if path.is_file() else LOCK_BYTES
+    if os.path.lexists(path):
+        path.unlink()
+    EDITS[kind](path, case / "outside", data)
+    argv = run_readers(edited_run, case / "out", world.cache, world.judge)[cmd]
+    before, kids = tree_state(case), set(children())
+    code, err = run_case(capsys, world, argv)
+    errors = [x for x in err.splitlines() if "error" in x.lower()]
+    command = "train" if cmd == "resume" else cmd
+    assert_one_error(code, "\n".join(errors), command, path.name)
+    assert tree_state(case) == before
+    assert set(children()) <= kids
+
+
+def test_every_run_file_exception_is_a_real_case():
+    cases = {(f, k, c) for f in RUN_FILES_EDITED for k in EDITS for c in READERS}
+    assert {(f, c) for f, c in NOT_READ} <= {(f, c) for f, _, c in cases}
+    assert set(EDIT_ACCEPTED) <= cases and set(EDIT_XFAIL) <= cases
+
+
+# ----------------------------------------------------------------------------------------------------------
+# nested run folders: a progressive distillation's rounds and a flow-map student, holding another's file
+
+
+class Distilled:
+    """A progressive distillation of two rounds (OUT/2-step, OUT/1-step) and a flow-map student, distilled
+    from the world's run once, with copies to put each back in place (at the same path: a distillation's
+    records name its folders) after a case."""
+
+    def __init__(self, world: World, root: Path):
+        self.world = world
+        self.argv = {
+            "pd": ["distill", world.run, "--student-steps", "2,1", "--teacher-steps", "2", "--steps-per-round", "1",
+                   "--batch", "2", "--dtype", "fp32", "--cache-dir", world.cache, "--quiet"],
+            "flow-map": ["distill", world.run, "--objective", "flow-map", "--steps", "1", "--student-steps", "2",
+                         "--batch", "2", "--dtype", "fp32", "--cache-dir", world.cache, "--quiet"],
+        }
+        self.out = {kind: root / kind for kind in self.argv}
+        self.kept = {kind: root / f"{kind}.kept" for kind in self.argv}
+        for kind, argv in self.argv.items():
+            assert main([str(a) for a in argv + ["--out", self.out[kind]]]) == 0
+            shutil.copytree(self.out[kind], self.kept[kind], symlinks=True)
+
+    def put_back(self, kind: str) -> Path:
+        shutil.rmtree(self.out[kind], ignore_errors=True)
+        shutil.copytree(self.kept[kind], self.out[kind], symlinks=True)
+        return self.out[kind]
+
+
+@pytest.fixture(scope="module")
+def distilled(world, tmp_path_factory):
+    return Distilled(world, tmp_path_factory.mktemp("distilled"))
+
+
+FOREIGN_AT = {  # output -> where another program's file is put, from the top down
+    "pd": ["", "2-step", "1-step/checkpoints/step_0000001"],
+    "flow-map": ["", "checkpoints", "checkpoints/step_0000001"],
+}
+RESUMING = {"pd": [], "flow-map": ["--steps", "3", "--keep", "1"]}  # a flow-map resume that prunes its checkpoints
+def _nested_case(kind, where, flag):
+    return pytest.param(kind, where, flag, id=f"{kind}-{where or 'top'}-{flag[2:]}")
+
+
+@pytest.mark.parametrize("kind, where, flag", [_nested_case(k, w, f) for k, places in FOREIGN_AT.items()
+                                               for w in places for f in ("--overwrite", "--resume")])
+def test_a_file_of_another_inside_nested_run_folders_is_never_deleted(capsys, world, distilled, kind, where, flag):
+    """`distill --overwrite` on an output holding a file it did not write, at any depth (the output's top, a
+    round's folder, its checkpoints): refused in one line naming that file, nothing changed. `--resume` writes
+    only what the run writes (new checkpoints, its log) and prunes only its own checkpoints: the file is never
+    deleted (kept where it is, or the resume refused in one line naming it)."""
+    out = distilled.put_back(kind)
+    foreign = out / where / "notes.txt"
+    foreign.write_text("mine")
+    argv = distilled.argv[kind] + ["--out", out, flag] + (RESUMING[kind] if flag == "--resume" else [])
+    before = tree_state(out)
+    code, err = run_case(capsys, world, argv)
+    assert "Traceback" not in err, err
+    if flag == "--overwrite" or code != 0:
+        errors = [x for x in err.splitlines() if "error" in x.lower()]
+        assert_one_error(code, "\n".join(errors), "distill", str(foreign.parent), "notes.txt")
+        assert tree_state(out) == before
+    assert foreign.is_file() and foreign.read_text() == "mine", f"{foreign} was deleted"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the Python API: every argument of the public entries, of a wrong type or value
+
+
+API_BAD = {  # class -> a value no argument of these entries takes (unless API_ACCEPTED says why it does)
+    "object": object(),
+    "text": "nonsense",
+    "negative": -1,
+    "nan": float("nan"),
+    "huge": 10**12,
+    "list": [1, 2],
+    "empty-tuple": (),
+    "meta-tensor": "meta-tensor",  # made in the test: torch is imported by then
+}
+
+
+def _api_entries():
+    import elflow
+    from elflow.flow import integrate
+    from elflow.generate import generate
+    from elflow.runs.load import load_for_sampling
+
+    return {"elflow.load": elflow.load, "load_for_sampling": load_for_sampling, "generate": generate,
+            "integrate": integrate}
+
+
+API_PARAMS = [(entry, p) for entry, fn in _api_entries().items() for p in inspect.signature(fn).parameters]
+FLAG = "a flag: any value is read by its truth value, as Python reads one"
+API_ACCEPTED = {  # (entry, argument) or (entry, argument, class) -> why the value is not bad there (not run)
+    ("generate", "progress"): FLAG,
+    ("generate", "drop_source"): FLAG,
+    ("generate", "source_length"): "read with sources only (none here)",
+    ("generate", "source_slot"): "read with sources only (none here)",
+    ("generate", "prompt", "text"): "a text is a prompt",
+    ("generate", "suffix", "text"): "a text is a suffix",
+    ("generate", "part", "list"): "[1, 2] is rank 1 of 2 ranks, as (1, 2)",
+    ("generate", "trajectory", "empty-tuple"): "no step recorded",
+}
+API_XFAIL: dict = {}  # (entry, argument) -> what goes wrong: a raw Python error instead of an ELFError
+API_XFAIL_VALUES: dict = {}  # (entry, argument, class) -> what goes wrong
+
+
+def _api_case(entry, param, kind):
+    reason = API_XFAIL.get((entry, param)) or API_XFAIL_VALUES.get((entry, param, kind))
+    return pytest.param(entry, param, kind, marks=[pytest.mark.xfail(strict=True, reason=reason)] if reason else [],
+                        id=f"{entry}-{param}-{kind}")
+
+
+@pytest.fixture(scope="module")
+def api(world):
+    """entry -> (the function, arguments of a good call): the world's run, loaded once."""
+    import torch
+
+    from elflow.flow import time_grid
+    from elflow.generate import SamplingSettings
+    from elflow.runs.load import load_for_sampling
+
+    net, space = load_for_sampling(str(world.run), device="cpu")
+    entries = _api_entries()
+    good = {
+        "elflow.load": dict(path_or_hub_id=str(world.run), device="cpu"),
+        "load_for_sampling": dict(path_or_hub_id=str(world.run), device="cpu"),
+        "generate": dict(net=net, space=space, num=1, settings=SamplingSettings(steps=1), progress=False),
+        "integrate": dict(net=net, z0=torch.randn(1, 4, net.config.dim), grid=time_grid(2), sampler="sde"),
+    }
+    return {e: (entries[e], good[e]) for e in entries}, net, space
+
+
+@pytest.mark.parametrize("entry, param, kind", [
+    _api_case(e, p, k) for e, p in API_PARAMS for k in API_BAD
+    if (e, p) not in API_ACCEPTED and (e, p, k) not in API_ACCEPTED])
+def test_a_bad_argument_of_the_python_api_is_one_elferror(api, entry, param, kind):
+    """elflow.load, load_for_sampling, generate and integrate, each argument (read from their signatures: one
+    added later is tried too) given a value of a wrong type or range: an ELFError of one line, never a raw
+    Python or torch error from deep inside."""
+    import torch
+
+    from elflow.util.errors import ELFError
+
+    fn, good = api[0][entry]
+    value = torch.zeros(2, device="meta") if kind == "meta-tensor" else API_BAD[kind]
+    with pytest.raises(ELFError) as e:
+        with alarm(LIMIT_S):
+            fn(**{**good, param: value})
+    assert "\n" not in str(e.value).strip(), str(e.value)
+
+
+def test_every_api_exception_is_a_real_argument():
+    params = set(API_PARAMS)
+    for key in [*API_ACCEPTED, *API_XFAIL, *API_XFAIL_VALUES]:
+        assert key[:2] in params and (len(key) == 2 or key[2] in API_BAD), key
+
+
+NET_DTYPES = ("float16", "bfloat16", "float64")
+
+
+@pytest.mark.parametrize("dtype", NET_DTYPES)
+@pytest.mark.parametrize("entry", ["generate", "integrate"])
+def test_a_network_in_another_dtype_is_one_elferror(api, entry, dtype):
+    """A network whose weights were converted to another dtype (elflow samples fp32 weights, with autocast for
+    bf16): one ELFError naming the dtype, never a matmul's dtype error."""
+    import copy
+
+    import torch
+
+    from elflow.util.errors import ELFError
+
+    (fn, good), net = api[0][entry], api[1]
+    with pytest.raises(ELFError):
+        fn(**{**good, "net": copy.deepcopy(net).to(getattr(torch, dtype))})
+
+
+def _number():
+    from hypothesis import strategies as st
+
+    return st.one_of(st.integers(-3, 4), st.sampled_from([0, 10**12, -(10**12), True]), st.none(), st.text(max_size=2),
+                     st.floats(allow_nan=True, allow_infinity=True))
+
+
+def test_any_sampling_settings_sample_or_are_one_elferror(api):
+    """SamplingSettings of any numbers (negative, zero, huge, NaN, inf, a bool, a text, None) for each knob:
+    generate gives one record, or refuses with one ELFError line; never a raw error, never a hang."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from elflow.generate import SamplingSettings, generate
+    from elflow.util.errors import ELFError
+
+    _, net, space = api
+
+    @settings(max_examples=30, deadline=None, database=None)
+    @given(st.fixed_dictionaries({}, optional={k: _number() for k in ("steps", "gamma", "omega", "guidance", "seed",
+                                                                         "batch_size")}))
+    def check(knobs):
+        try:
+            with alarm(LIMIT_S):
+                records = generate(net, space, 1, SamplingSettings(**knobs), progress=False)
+        except ELFError as e:
+            assert "\n" not in str(e).strip()
+            return
+        assert len(records) == 1 and isinstance(records[0]["text"], str)
+
+    check()
+
+
+def test_any_z0_and_grid_integrate_or_are_one_elferror(api):
+    """integrate's z0 of any shape, dtype and values (NaN, inf, empty, integers, complex, meta) and any time grid
+    (reversed, not monotone, out of [0, 1], NaN, one point, 2-D): a result of z0's shape with finite values, or
+    one ELFError line."""
+    import torch
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from elflow.flow import integrate
+    from elflow.util.errors import ELFError
+
+    _, net, _ = api
+    dim = net.config.dim
+    dtypes = st.sampled_from(["float32", "float16", "bfloat16", "float64", "int64", "bool", "complex64"])
+    times = st.one_of(st.floats(-0.5, 1.5), st.sampled_from([float("nan"), float("inf"), -float("inf")]))
+
+    @settings(max_examples=40, deadline=None, database=None)
+    @given(batch=st.integers(0, 2), length=st.integers(0, 20), width=st.sampled_from([dim - 1, dim, dim + 1]),
+           dtype=dtypes, fill=st.sampled_from([None, float("nan"), float("inf")]), meta=st.booleans(),
+           grid=st.one_of(st.lists(times, max_size=5), st.lists(st.floats(0, 1), min_size=2, max_size=5).map(sorted)),
+           flat=st.booleans())
+    def check(batch, length, width, dtype, fill, meta, grid, flat):
+        z0 = torch.randn(batch, length, width) if fill is None else torch.full((batch, length, width), fill)
+        z0 = z0.to(getattr(torch, dtype)) if not meta else torch.empty(batch, length, width, device="meta")
+        g = torch.tensor(grid, dtype=torch.float32)
+        g = g[None] if not flat and g.numel() else g
+        try:
+            with alarm(LIMIT_S):
+                z, x = integrate(net, z0, g, sampler="sde", generator=torch.Generator().manual_seed(0))
+        except ELFError as e:
+            assert "\n" not in str(e).strip()
+            return
+        assert z.shape == z0.shape and bool(torch.isfinite(z).all()) and bool(torch.isfinite(x).all())
+
+    check()
+
+
+def test_any_load_arguments_load_or_are_one_elferror(world):
+    """elflow.load of the world's run with any device (a name, a number, meta, a GPU this machine lacks) and any
+    max_length (zero, negative, huge, fractional, a bool, a text): the network, at least as long as asked, or one
+    ELFError line."""
+    import torch
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    import elflow
+    from elflow.util.errors import ELFError
+
+    devices = st.sampled_from([None, "cpu", "meta", "cuda:3", "tpu", "", 5, torch.device("meta"), torch.device("cpu")])
+    lengths = st.one_of(st.none(), st.integers(-3, 40), st.sampled_from([10**12, 2.5, True, "16"]))
+
+    @settings(max_examples=25, deadline=None, database=None)
+    @given(device=devices, max_length=lengths)
+    def check(device, max_length):
+        try:
+            with alarm(LIMIT_S):
+                net = elflow.load(str(world.run), device=device, max_length=max_length)
+        except ELFError as e:
+            assert "\n" not in str(e).strip()
+            return
+        assert net.config.max_length >= (max_length or 0) and next(net.parameters()).device.type == "cpu"
+
+    check()

@@ -10,6 +10,7 @@ from elflow.model import PRESETS
 from elflow.newton_schulz import NS_METHODS
 from elflow.util.budget import MAX_THREADS, check_sampling_steps
 from elflow.util.devices import AUTOCAST_DTYPES, RUN_DTYPES, check_device
+from elflow.util.files import check_stdout_open, print_result
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -47,6 +48,8 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
+    if args.json:
+        check_stdout_open("--json")
     check_sampling_steps(args.steps)
     check_counts(args, threads=(MAX_THREADS, "more threads than cores only slow it"))
     args.device = check_device(args.device)
@@ -55,7 +58,7 @@ def run(args) -> int:
                 args.grad_checkpoint, args.adam_heads, args.ns_dtype, args.ns_method, args.peak_size,
                 args.breakdown, args.seed, args.threads, args.vocab_size)
     if args.json:
-        print(json.dumps(rec))
+        print_result(json.dumps(rec))
         return 0
     print(f"{rec['mode']} {rec['preset']} B={rec['batch']} L={rec['length']} {rec['dtype']} on {rec['device_name']} "
           f"({rec['threads']} threads)")

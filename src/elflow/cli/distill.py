@@ -11,6 +11,7 @@ from elflow.runs.tracking import require_wandb
 from elflow.schedule import EMA_DECAY
 from elflow.util.budget import LENGTH_BOUND, TRAINING_STEPS_BOUND
 from elflow.util.devices import RUN_DTYPES
+from elflow.util.distributed import torchrun_env
 from elflow.util.errors import ELFError
 
 PD_TEACHER_STEPS = 64  # the released distillation's teacher steps
@@ -71,6 +72,7 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
+    torchrun_env()  # torchrun's variables, checked before the batch is split by WORLD_SIZE
     if args.wandb:
         require_wandb()
     for name in ("batch", "micro_batch", "log_every", "ckpt_every"):

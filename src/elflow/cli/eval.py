@@ -40,7 +40,7 @@ from elflow.util.budget import LENGTH_BOUND, SAMPLES_BOUND, check_seeds
 from elflow.util.devices import check_device
 from elflow.util.distributed import DIST_TIMEOUT_HELP, DIST_TIMEOUT_MINUTES, check_dist_timeout, process_group
 from elflow.util.errors import ELFError
-from elflow.util.files import FolderHold, atomic_write_json
+from elflow.util.files import FolderHold, atomic_write_json, check_stdout_open, print_result
 
 
 def _heldout(args, checkpoint, num: int, judge, main: bool = True) -> dict | None:
@@ -243,7 +243,7 @@ def _emit(report: dict, path: Path, args, summary: str, outputs: Outputs, writer
     clean = jsonio.json_safe(report)
     outputs.write({**(writers or {}), path: lambda p, overwrite: atomic_write_json(p, clean, overwrite)})
     if args.json:
-        print(json.dumps(clean))
+        print_result(json.dumps(clean), f"wrote the report {path}")
     else:
         print(summary)
         print(f"report: {path}")
@@ -396,6 +396,8 @@ def _conditional_task(args, task, metric, net, space, settings, sources, refs, s
 
 
 def run(args) -> int:
+    if args.json:
+        check_stdout_open("--json")
     check_sampling_flags(args)
     _check_flags(args)
     check_dist_timeout(args.dist_timeout)

@@ -11,6 +11,7 @@ from elflow.experiments.toy_distill import TABLE_STEPS, distillation_table, ener
 from elflow.flow import SAMPLERS, SAMPLING_RANGES
 from elflow.runs.outputs import check_out
 from elflow.util.errors import ELFError
+from elflow.util.files import check_stdout_open, print_result
 
 # sizes past which a run cannot fit in a few minutes and a few hundred MB, refused before any work
 MAX_NUM = 1_000_000  # samples per step count: each keeps its whole path for the figure
@@ -78,6 +79,8 @@ def check_sizes(args) -> None:
 
 
 def run(args) -> int:
+    if args.json:
+        check_stdout_open("--json")
     check_sizes(args)
     check_scales(args, gamma=SAMPLING_RANGES["gamma"])
     check_out(args.out, args.overwrite)
@@ -113,7 +116,7 @@ def run(args) -> int:
     plot_toy(mix, figure, args.out, f"{args.clusters}-cluster {args.layout}: {args.sampler} sampling with {models}, "
                                     "from the same starting noise", args.overwrite)
     if args.json:
-        print(json.dumps({**out, "figure": str(args.out)}))
+        print_result(json.dumps({**out, "figure": str(args.out)}), f"wrote {args.out}")
     else:
         print(f"wrote {args.out}")
     return 0

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -15,9 +14,9 @@ from elflow.config import RUN_DEFAULTS, TrainConfig, mutable_flags, resume_confl
 from elflow.runs.claim import absolute_paths, relocated, stored_config
 from elflow.train import train
 from elflow.util.devices import check_device
-from elflow.util.distributed import on_rank0, process_group
+from elflow.util.distributed import on_rank0, process_group, torchrun_env
 from elflow.util.errors import ELFError
-from elflow.util.files import check_output
+from elflow.util.files import check_output, check_stdout_open, print_result
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -69,10 +68,12 @@ def config_from_args(args) -> TrainConfig:
 
 
 def run_device(device: str | None):
-    """The device this process trains on: --device, else its rank's GPU under torchrun, else the default."""
+    """The device this process trains on: --device, else its rank's GPU under torchrun (LOCAL_RANK, checked by
+    torchrun_env; one process reads none of torchrun's variables), else the default."""
     device = check_device(device)
     if device is None and torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        group = torchrun_env()
+        return torch.device("cuda", group[2] if group is not None else 0)
     return torch.device(device or "cpu")
 
 
@@ -91,12 +92,14 @@ def _group_timeout(args) -> float | None:
 
 
 def run(args) -> int:
+    if getattr(args, "print_config", False):
+        check_stdout_open("--print-config")
     # first the group, so that rank 0 alone reads a stored run and every rank hears what it found
     with process_group(check_device(getattr(args, "device", None)), _group_timeout(args)) as (rank, world, _):
         cfg = on_rank0(lambda: config_from_args(args), rank, world)
         if getattr(args, "print_config", False):
             if rank == 0:
-                print(json.dumps(cfg.to_dict(), indent=2))
+                print_result(json.dumps(cfg.to_dict(), indent=2))
             return 0
         out = args.out if hasattr(args, "out") else f"runs/{cfg.preset}"
         check_output(out, folder=True)  # an empty --out is an error, not the current folder

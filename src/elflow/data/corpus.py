@@ -24,7 +24,7 @@ from elflow.data.layout import pack
 from elflow.data.tasks import PAIR_PRESETS, PAIR_TASKS, task_pairs
 from elflow.util import jsonio
 from elflow.util.errors import ELFError
-from elflow.util.files import atomic_write_text, cache_root
+from elflow.util.files import atomic_write_text, cache_root, writable_cache
 from elflow.util.files import sha256_file as _sha256_file
 from elflow.util.hub import hub_offline, hub_reachable, hub_unavailable_reason
 from elflow.util.jsonio import BadJSON, size_text  # noqa: F401  (size_text: read from here too)
@@ -136,7 +136,7 @@ def builtin_corpus(cache_dir: str | os.PathLike | None = None) -> Path:
     out = root / f"{SHAKESPEARE_FOLDER}-clean{CLEAN_VERSION}"
     if (out / "manifest.json").is_file():
         return out
-    root.mkdir(parents=True, exist_ok=True)
+    writable_cache(root, "the built-in corpus")
     archive = root / SHAKESPEARE_ARCHIVE
     if not archive.is_file():
         with tempfile.TemporaryDirectory(dir=root, prefix=".download-") as tmp:

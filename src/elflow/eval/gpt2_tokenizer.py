@@ -14,7 +14,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from elflow.util.errors import ELFError
-from elflow.util.files import atomic_write, cache_root
+from elflow.util.files import atomic_write, cache_root, writable_cache
 
 EOS_TOKEN = "<|endoftext|>"
 
@@ -47,6 +47,7 @@ def fetch_gpt2_ranks(cache: str | os.PathLike | None = None) -> Path:
     target = cache_root(cache) / "gpt2.tiktoken"
     if target.exists() and _sha256(target.read_bytes()) == RANKS_SHA256:
         return target
+    writable_cache(target.parent, "the GPT-2 BPE ranks")  # before the download
     with tempfile.TemporaryDirectory(prefix="elflow-whisper-") as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", f"openai-whisper=={WHISPER_VERSION}", "-d", tmp]
         proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -165,6 +166,7 @@ def build_gpt2_tokenizer(cache_dir: str | os.PathLike | None = None):
             tokenizer_file=str(built), bos_token=EOS_TOKEN, eos_token=EOS_TOKEN, unk_token=EOS_TOKEN,
             pad_token=EOS_TOKEN, model_max_length=1024, clean_up_tokenization_spaces=False,
         )
+    writable_cache(cache, "the GPT-2 tokenizer")
     tok = tokenizer_from_ranks(load_ranks(fetch_gpt2_ranks(cache)))
     if tok.eos_token_id != GPT2_EOS_ID or len(tok) != GPT2_EOS_ID + 1:
         raise ELFError(f"the GPT-2 tokenizer built from {RANKS_MEMBER} has {len(tok)} tokens, expected 50257")

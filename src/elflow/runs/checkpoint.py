@@ -187,7 +187,7 @@ def split_space_state(model_sd: dict) -> tuple[dict, dict]:
 def remove_stale_temporaries(run_dir: str | os.PathLike) -> list[Path]:
     """Remove the temporary folders of saves that were killed mid-way (`.tmp-step_*`); returns them."""
     root = Path(run_dir) / CHECKPOINTS
-    stale = [p for p in root.glob(".tmp-step_*") if p.is_dir()] if root.is_dir() else []
+    stale = [p for p in root.glob(TEMPORARY + "*") if p.is_dir()] if root.is_dir() else []
     for p in stale:
         shutil.rmtree(p, ignore_errors=True)
     return stale
@@ -200,8 +200,40 @@ def save_checkpoint(run_dir: str | os.PathLike, model_sd: dict, ema_sd: dict, op
     final = write_checkpoint(Path(run_dir) / CHECKPOINTS / step_dir(state["step"]), model_sd, ema_sd,
                              optimizer_state, state, space_sd)
     for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
+        other = foreign_in(old)
+        if other is not None:  # --keep removes checkpoints of elflow's own files only
+            print_warning(f"warning: {old} is kept, not pruned by --keep: it holds {other.name}, which elflow did not "
+                          "write; move that file out to let the checkpoint go")
+            continue
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+CHECKPOINT_FILES = (STATE_FILE, STATE_HASH, MODEL_WEIGHTS, EMA_WEIGHTS, SPACE_WEIGHTS, OPTIMIZER_STATE)
+TEMPORARY = ".tmp-step_"  # the prefix of a save's folder before it is renamed into place
+
+
+def foreign_in(ckpt: Path) -> Path | None:
+    """The first entry of a checkpoint folder that elflow does not write there (CHECKPOINT_FILES are all it
+    writes); None when there is none."""
+    return next((f for f in sorted(ckpt.iterdir()) if f.name not in CHECKPOINT_FILES), None)
+
+
+def foreign_in_checkpoints(run_dir: str | os.PathLike) -> Path | None:
+    """The first path under a run's checkpoints/ that elflow did not write: anything but checkpoint folders
+    (step_N, holding CHECKPOINT_FILES alone) and the temporary folders of saves; None when there is none."""
+    root = Path(run_dir) / CHECKPOINTS
+    if not root.is_dir() or root.is_symlink():
+        return None  # a checkpoints/ that is no folder is the run's own checks' to refuse
+    for p in sorted(root.iterdir()):
+        if p.is_symlink() or not p.is_dir():
+            return p
+        if p.name.startswith(TEMPORARY):
+            continue
+        found = foreign_in(p) if STEP_DIR.fullmatch(p.name) else p
+        if found is not None:
+            return found
+    return None
 
 
 def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:

@@ -15,6 +15,7 @@ from pathlib import Path
 from elflow.config import TrainConfig, mutable_flags, resume_conflicts
 from elflow.data.corpus import BUILTIN_NAMES
 from elflow.runs.checkpoint import (
+    foreign_in_checkpoints,
     holds_set_aside,
     list_checkpoints,
     newest_usable,
@@ -120,9 +121,11 @@ def check_only_own(out: Path, own, whose: str, rule: str) -> None:
         return
     allowed = {*own, FolderLock.NAME, REPLACED, DECODER_STAGE}
     foreign = sorted(p.name for p in out.iterdir() if p.name not in allowed)
-    if foreign:
-        shown = ", ".join(foreign[:4]) + (f" and {len(foreign) - 4} more" if len(foreign) > 4 else "")
-        raise ELFError(f"{out} holds {shown}, which {whose} did not write; {rule} and never removes or mixes with "
+    inner = foreign_in_checkpoints(out) if CHECKPOINTS in own else None
+    if foreign or inner is not None:
+        where, names = (out, foreign) if foreign else (inner.parent, [inner.name])
+        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        raise ELFError(f"{where} holds {shown}, which {whose} did not write; {rule} and never removes or mixes with "
                        "other files: move them out of the folder, or choose another --out")
 
 
@@ -130,11 +133,16 @@ def check_own_files(out: Path) -> None:
     """The run's own files and folders in `out` (those a resume reads or writes) are what elflow wrote: a
     regular file, a real folder (tb/, wandb/). A symbolic link (which would lead the run's writes out of the
     folder), a fifo (a read that never ends) or a device (one that never stops) is one ELFError naming it
-    (`check_own`), before any work. checkpoints/ is read and written by elflow.runs.checkpoint's own checks."""
+    (`check_own`), before any work; checkpoints/ holds checkpoint folders of elflow's files alone (a resume
+    prunes them with --keep), and anything else there is one ELFError naming it."""
     for name in (RUN_FILE, METRICS_FILE, LOSS_PLOT, REPORT_FILE, SAMPLES_FILE, ID_FILE):
         check_own(out / name, f"the run's {name}")
     for name in (TENSORBOARD, WANDB_FOLDER):
         check_own(out / name, f"the run's {name}/ folder", folder=True)
+    inner = foreign_in_checkpoints(out)
+    if inner is not None:
+        raise ELFError(f"{inner.parent} holds {inner.name}, which the run did not write; a resume writes and prunes "
+                       "(--keep) only its own checkpoints: move it out of the run folder")
 
 
 def check_run_dir(out: Path, cfg: TrainConfig, resume: bool, overwrite: bool, device=None) -> None:

@@ -238,6 +238,7 @@ def build_folder(path, hub_id: str, folder: Path, num_samples: int = CARD_SAMPLE
         print(f"warning: the model's embedding space reads the local encoder folder {name}, which is not uploaded; "
               "whoever loads the model needs that folder at the same path",
               file=sys.stderr)
+    metrics = run_metrics(_run_folder(ckpt), config.get("step"))  # read before anything is written
     write_model_folder(files, folder)
     samples, shown = [], {}
     train = config["train"] or {}  # the run's settings, as the folder keeps them
@@ -257,8 +258,7 @@ def build_folder(path, hub_id: str, folder: Path, num_samples: int = CARD_SAMPLE
                 raise ELFError(f"{path}: the model gives only empty texts ({num_samples} of {num_samples} samples); "
                                "nothing is published")
         shown = {k: v for k, v in settings.to_dict().items() if k not in ("batch_size", "method", "dtype")}
-    card = model_card(hub_id, record, config.get("step"), run_metrics(_run_folder(ckpt), config.get("step")),
-                      samples, shown, train)
+    card = model_card(hub_id, record, config.get("step"), metrics, samples, shown, train)
     atomic_write_text(folder / "README.md", card)
     return folder
 

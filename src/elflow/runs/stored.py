@@ -87,9 +87,9 @@ def training_settings(path: str | os.PathLike) -> dict:
             raise ELFError(f"{where}: its field 'train' must be a JSON object, got {type(settings).__name__}")
         return settings or {}
     run = path.parent.parent
-    if path.parent.name != CHECKPOINTS or not (run / RUN_FILE).is_file():
+    if path.parent.name != CHECKPOINTS or not os.path.lexists(run / RUN_FILE):
         return {}
-    return run_file(run)["train"] or {}
+    return run_file(run)["train"] or {}  # a run.json that is no file elflow wrote is refused by its reader
 
 
 def own_files_added(folder: str | os.PathLike, *names: str) -> None:

@@ -268,6 +268,25 @@ def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "elflow"
 
 
+def writable_cache(root: str | os.PathLike, what: str) -> Path:
+    """`root` (a folder of the cache, `cache_root`), made where missing, once it is known that `what` is to be
+    written there: a folder this process can write in, or an ELFError naming it (a file, a fifo, a device or a
+    dangling link where the folder should be, a folder that cannot be written) and how to choose another."""
+    root = Path(root)
+    advice = "choose another cache folder with --cache-dir or ELFLOW_CACHE"
+    if os.path.lexists(root) and not root.is_dir():
+        raise ELFError(f"the cache folder {root} is {not_own(root, folder=True) or 'not a folder'}, not a folder, "
+                       f"and {what} is to be kept there; {advice}")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe_writable(root)
+    except OSError as e:
+        full = "no space left on its device" if disk_full(e) else e.strerror or str(e)
+        raise ELFError(f"the cache folder {root} cannot be written ({full}), and {what} is to be kept there; "
+                       f"{advice}") from None
+    return root
+
+
 # ----------------------------------------------------------------------------------------------------------
 # output paths
 def probe_writable(folder: Path) -> None:
@@ -582,3 +601,31 @@ def stdout_to_nowhere() -> None:
         os.close(fd)
     except (OSError, ValueError, AttributeError):  # a stream without a descriptor of its own
         pass
+
+
+def check_stdout_open(flag: str) -> None:
+    """A command whose result goes to standard output (`flag`: --json, --print-config) refused before any work
+    when standard output is closed (`>&-`, which leaves Python's sys.stdout None): the result would go nowhere."""
+    if sys.stdout is None:
+        raise ELFError(f"{flag} prints the result on standard output, which is closed; run the command with standard "
+                       f"output open (a file, a pipe), or leave {flag} out")
+
+
+def print_result(text: str, done: str = "") -> None:
+    """`text` on standard output, flushed: a command's result (--json, --print-config). A reader that went away
+    (a pipe into `head`) ends the printing without a word, as for every command; any other failure (a closed
+    standard output, /dev/full) is one ELFError saying that the result was not printed, after `done` (what the
+    command wrote, if anything). Standard output then leads nowhere, so that nothing fails again at exit."""
+    before = f"{done}, but " if done else ""
+    if sys.stdout is None:
+        raise ELFError(f"{before}standard output is closed, so the result was not printed; run the command with "
+                       "standard output open (a file, a pipe)")
+    try:
+        print(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        stdout_to_nowhere()
+    except OSError as e:
+        stdout_to_nowhere()
+        raise ELFError(f"{before}standard output cannot be written ({e.strerror or e}), so the result was not "
+                       "printed") from None
