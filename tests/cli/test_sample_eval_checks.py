@@ -59,6 +59,19 @@ def test_sample_needs_no_optimizer_and_warns_beyond_the_trained_length(capsys, r
     assert isinstance(rec["text"], str) and rec["length"] == 24
 
 
+def test_sample_warns_when_the_default_length_is_beyond_the_trained_one(capsys, run_copy, tmp_path):
+    for ck in list_checkpoints(run_copy):  # a network of 16 positions whose record says it trained on 8
+        state = json.loads((ck / "state.json").read_text())
+        state["record"]["length"] = 8
+        write_state(ck, state)
+    out = tmp_path / "s.jsonl"
+    code, _, err = cli(capsys, ["sample", run_copy, "--steps", "2", "--num", "1", "--quiet", "--out", out])
+    assert code == 0, err
+    assert "warning: the default --length, the network's 16 positions, is longer than the 8 positions the model " \
+           "was trained on" in err
+    assert json.loads(out.read_text())["length"] == 16
+
+
 def test_sample_paths_that_are_not_checkpoints(capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     notes = tmp_path / "notes.txt"

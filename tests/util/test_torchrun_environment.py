@@ -121,3 +121,38 @@ def test_sample_and_eval_take_a_dist_timeout_in_range(capsys, tmp_path, trained,
     argv = command(name, tmp_path, trained, tiny_t5_dir, tiny_corpus_file, cache, tiny_t5_judge_dir)
     code, _, err = cli(capsys, [*argv, "--dist-timeout", flag_value])
     assert_one_error(code, err, name, "--dist-timeout must be a number of minutes")
+
+
+def test_sigterm_stops_a_rank_0_that_waits_for_its_peers(tmp_path, trained):
+    """A rendezvous waits inside torch's C++ code: SIGTERM ends the wait at once (not when --dist-timeout, here
+    10 minutes, runs out), with the one line of a stopped command, and nothing written."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    port = free_port()
+    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port)}
+    argv = [sys.executable, "-m", "elflow.cli", *map(str, sample_args(trained, tmp_path / "s.jsonl")),
+            "--dist-timeout", "10"]
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:  # until rank 0's rendezvous listens
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.2)
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(1)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert err.strip().splitlines()[-1].startswith("elflow sample: stopped by SIGTERM"), err
+    assert not (tmp_path / "s.jsonl").exists()

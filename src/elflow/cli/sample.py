@@ -93,8 +93,11 @@ def _sample(args, rank: int, world: int, device):
         if value is not None:
             require(method, feature, flag, args.checkpoint)
     trained = record.length
-    if args.length is not None and args.length > trained:
-        print(f"warning: --length {args.length} is longer than the {trained} positions the model was trained on; "
+    length = args.length or net.config.max_length
+    if length > trained:
+        given = f"--length {length}" if args.length is not None else \
+            f"the default --length, the network's {length} positions,"
+        print(f"warning: {given} is longer than the {trained} positions the model was trained on; "
               "expect poorer samples", file=sys.stderr)
     known, refs = {}, None  # what the samples hold fixed
     if args.source is not None:

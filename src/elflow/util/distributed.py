@@ -99,6 +99,29 @@ def _reach_rank0(addr: str, port: int, rank: int, world: int, seconds: float) ->
             time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
 
 
+def interruptible(fn):
+    """fn() in a helper thread while the calling thread waits for it in short slices, so that SIGTERM and Ctrl-C
+    stop the command at once: a rendezvous waits inside torch's C++ code, where Python runs no signal handler
+    until it returns (up to --dist-timeout later). fn's result, or its exception raised here."""
+    import threading
+
+    done = {}
+
+    def work():
+        try:
+            done["value"] = fn()
+        except BaseException as e:  # noqa: BLE001  (raised again in the waiting thread)
+            done["error"] = e
+
+    helper = threading.Thread(target=work, name="elflow-rendezvous", daemon=True)
+    helper.start()
+    while helper.is_alive():
+        helper.join(0.2)
+    if "error" in done:
+        raise done["error"]
+    return done.get("value")
+
+
 def _join(backend: str, env, minutes: float, **kw) -> None:
     """init_process_group under torchrun's variables `env`, bounded by `minutes`; one ELFError when the group
     does not form (a rank that never comes, a port in use)."""
@@ -109,8 +132,16 @@ def _join(backend: str, env, minutes: float, **kw) -> None:
     rank, world, _, addr, port = env
     if rank > 0:
         _reach_rank0(addr, port, rank, world, minutes * 60)
-    try:
+
+    def form():
+        if "device_id" in kw:  # the current GPU is the calling thread's own
+            import torch
+
+            torch.cuda.set_device(kw["device_id"])
         dist.init_process_group(backend, timeout=datetime.timedelta(minutes=minutes), **kw)
+
+    try:
+        interruptible(form)
     except (RuntimeError, ValueError) as e:  # torch's DistError family, a bad rendezvous value
         text = " ".join(str(e).split())[:200]
         taken = "address already in use" in text.lower()
