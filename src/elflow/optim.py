@@ -391,5 +391,6 @@ def check_optimizer_state(optimizer: ELFOptimizer, states, named, where, step: i
             _check_part(opt, saved, names, f"its optimiser {k + 1} of {len(parts)}, " if len(parts) > 1 else "", step)
     except _Misfit as e:
         ckpt = os.path.dirname(str(where)) or "."
-        raise ELFError(f"{where}: {e}; the run cannot resume from it. Resume from an earlier checkpoint (move this "
-                       f"one aside), or start a new run from its weights with --init-from {ckpt}") from None
+        raise ELFError(f"{where}: {e}; the run cannot resume from it. If run.json's optimiser settings were edited "
+                       "(optimizer, update_rule, adam_heads), restore run.json; else resume from an earlier checkpoint "
+                       f"(move this one aside), or start a new run from its weights with --init-from {ckpt}") from None

@@ -236,6 +236,7 @@ def restore(setup: Setup, ckpt: Path | None, state: dict | None = None, quiet: b
                        "resume from the checkpoint before it") from None
     check_same_store(blob["state"].get("data_store"), setup.batches.dataset, ckpt / STATE_FILE)
     stored = record_of_state(blob["state"], str(ckpt / STATE_FILE))
+    check_same_model(setup.record, stored, ckpt)
     if stored.space.id:
         check_compatible(stored.space.id, setup.space)
     try:
@@ -257,6 +258,24 @@ def restore(setup: Setup, ckpt: Path | None, state: dict | None = None, quiet: b
     if setup.rank == 0 and not quiet:
         print(f"resuming from {ckpt} (step {start})", file=sys.stderr)
     return start
+
+
+# what a resume may change of the record: the sampling defaults follow --sample-* (mutable); the parameter
+# counts follow from the network
+RESUME_MAY_CHANGE = ("sampling", "params", "version")
+
+
+def check_same_model(made: RunRecord, stored: RunRecord, ckpt: Path) -> None:
+    """The model a resumed run's settings (run.json's "train") make is the one its checkpoint holds (its space
+    by its id): one line naming the first parts that differ (an edited run.json), before any weight is loaded."""
+    a, b = stored.to_dict(), made.to_dict()
+    # a space by its identity (its spec may name its files by another path: a run resumed from elsewhere)
+    a["space"], b["space"] = (stored.space.id, made.space.id) if stored.space.id else (None, None)
+    diff = [f"{k}: {a.get(k)!r:.60} -> {b.get(k)!r:.60}" for k in sorted(set(a) | set(b))
+            if k not in RESUME_MAY_CHANGE and a.get(k) != b.get(k)]
+    if diff:
+        raise ELFError(f"{ckpt.parent.parent / RUN_FILE}: its training settings make another model than its checkpoint "
+                       f"{ckpt.name} holds ({'; '.join(diff[:3])}); run.json was edited: restore it")
 
 
 def save(out: Path, step: int, setup: Setup, data_position: dict | None = None) -> Path:

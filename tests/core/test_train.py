@@ -85,6 +85,34 @@ def test_the_sample_settings_given_are_the_models_sampling_defaults(uninterrupte
     assert not (tmp_path / "ar").exists()
 
 
+@pytest.mark.parametrize("edit, words", [
+    (lambda t: t["recipe"].update(noise_scale=3.0), "its training settings make another model than its checkpoint "
+                                                    "step_0000006 holds (recipe: "),
+    (lambda t: t.update(latent_std="2.5"), "its training settings make another model than its checkpoint "
+                                           "step_0000006 holds (space: "),
+    (lambda t: t.update(update_rule="torch-fan"), "If run.json's optimiser settings were edited"),
+], ids=["recipe", "space-scale", "update-rule"])
+def test_a_resume_from_edited_training_settings_names_run_json(uninterrupted, tmp_path, capsys, edit, words):
+    """run.json's training settings edited so that they make another model than the checkpoint holds (another
+    recipe, another space) or another optimiser: the resume is one line that says run.json was edited, before
+    anything is changed, never a run that continues with the edited value or a message blaming the checkpoint."""
+    import shutil
+
+    from elflow.cli import main
+
+    run = tmp_path / "run"
+    shutil.copytree(uninterrupted[0], run)
+    doc = json.loads((run / "run.json").read_text())
+    edit(doc["train"])
+    (run / "run.json").write_text(json.dumps(doc))
+    before = sorted((p.relative_to(run), p.stat().st_mtime_ns) for p in run.rglob("*") if p.is_file())
+    assert main(["train", "--out", str(run), "--resume", "--steps", "8", "--quiet",
+                 "--cache-dir", str(uninterrupted[1])]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and words in err[0] and "run.json" in err[0], err
+    assert sorted((p.relative_to(run), p.stat().st_mtime_ns) for p in run.rglob("*") if p.is_file()) == before
+
+
 @pytest.mark.slow
 def test_resume_continues_exactly(uninterrupted, tmp_path, tiny_t5_dir, tiny_corpus_file):
     full, cache, _ = uninterrupted
