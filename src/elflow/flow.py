@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from elflow.util.budget import MAX_SAMPLING_STEPS  # a sampler of more steps is refused
-from elflow.util.errors import ELFError, Record
+from elflow.util.devices import AUTOCAST_DTYPES
+from elflow.util.errors import ELFError, Record, check_seed
 
 # the released recipe (OpenWebText, and the conditional tasks where said)
 NOISE_SCALE = 2.0  # eps ~ N(0, NOISE_SCALE^2) on the path; z0 of the sampler
@@ -513,6 +514,51 @@ def check_sampling_args(steps: int, gamma: float, omega: float, guidance: float 
     if not recipe.omega_low <= omega <= recipe.omega_high:
         warnings.warn(f"omega {omega} lies outside the range the model was trained on "
                       f"[{recipe.omega_low}, {recipe.omega_high}]; results may be poor", stacklevel=2)
+
+
+# the settings a model samples with (its record's "sampling"), beside the checks they go through
+@dataclass(frozen=True)
+class SamplingSettings(Record):
+    """How to sample: the step count, the step kind and its back-off gamma, the self-conditioning guidance
+    omega, the source guidance (conditional models), the time grid's kind, the seed, the batch size and the
+    autocast precision. The path's constants (noise scale, t_eps) and the logit-normal grid's distribution are
+    the model's own, its recipe's (elflow.flow.Recipe)."""
+
+    steps: int = SAMPLING_DEFAULTS["text"]["steps"]
+    sampler: str = SAMPLING_DEFAULTS["text"]["sampler"]
+    gamma: float = SAMPLING_DEFAULTS["text"]["gamma"]
+    omega: float = SAMPLING_DEFAULTS["text"]["omega"]
+    guidance: float = SAMPLING_DEFAULTS["text"]["guidance"]
+    grid: str = DEFAULT_GRID
+    seed: int = 0
+    batch_size: int = 8
+    dtype: str = "fp32"
+
+    def check(self, recipe: Recipe | None = None) -> "SamplingSettings":
+        """The settings if every one is usable (ELFError naming the first that is not); a warning for an
+        omega outside the range `recipe` trained on."""
+        try:
+            check_sampling_args(self.steps, self.gamma, self.omega, self.guidance, self.sampler,
+                                recipe or Recipe())
+        except ValueError as e:
+            raise ELFError(str(e)) from None
+        ok, what = SAMPLING_RANGES["batch_size"]
+        if not ok(self.batch_size):
+            raise ELFError(f"the batch size must be {what}, got {self.batch_size!r}")
+        check_seed(self.seed)
+        if self.grid not in GRIDS:
+            raise ELFError(f"grid must be one of {', '.join(GRIDS)}, got {self.grid!r}")
+        if self.dtype not in AUTOCAST_DTYPES:
+            raise ELFError(f"dtype must be one of {', '.join(AUTOCAST_DTYPES)}, got {self.dtype!r}")
+        return self
+
+    def tag(self) -> str:
+        """A file-name tag of the settings that tell sample sets apart."""
+        return (f"{self.sampler}_steps{self.steps}_omega{self.omega:g}"
+                + (f"_gamma{self.gamma:g}" if self.sampler != "ode" else ""))
+
+    def describe(self) -> str:
+        return f"{self.sampler}, {self.steps} steps, omega {self.omega:g}"
 
 
 def _net_device(net):

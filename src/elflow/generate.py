@@ -1,4 +1,5 @@
-"""From a network to texts: the sampler's settings and the one text generator.
+"""From a network to texts: the one text generator (the settings it takes, elflow.flow.SamplingSettings, are
+imported here too).
 
 Knows nothing of training: a loaded model (elflow.runs.load) and its space are all it needs. A conditional
 model's source, a prompt (fixed at the start) and a suffix (fixed at the end) take one path: their positions
@@ -10,73 +11,26 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from pathlib import Path
 
 import torch
 
 from elflow.data.layout import PACKED, encoder_mask, pair_layout, warn_sources_cut
 from elflow.flow import (
-    DEFAULT_GRID,
     DISTILLED_STEPS,
-    GRIDS,
     SAMPLING_DEFAULTS,
-    SAMPLING_RANGES,
     Recipe,
+    SamplingSettings,
     check_network_dtype,
-    check_sampling_args,
     decode_tokens,
     distilled_defaults,
     generate_tokens,
 )
 from elflow.util.budget import check_elf_sampling
-from elflow.util.devices import AUTOCAST_DTYPES, autocast
-from elflow.util.errors import ELFError, Record, check_seed
+from elflow.util.devices import autocast
+from elflow.util.errors import ELFError
 from elflow.util.files import atomic_write
-
-
-@dataclass(frozen=True)
-class SamplingSettings(Record):
-    """How to sample: the step count, the step kind and its back-off gamma, the self-conditioning guidance
-    omega, the source guidance (conditional models), the time grid's kind, the seed, the batch size and the
-    autocast precision. The path's constants (noise scale, t_eps) and the logit-normal grid's distribution are
-    the model's own, its recipe's (elflow.flow.Recipe)."""
-
-    steps: int = SAMPLING_DEFAULTS["text"]["steps"]
-    sampler: str = SAMPLING_DEFAULTS["text"]["sampler"]
-    gamma: float = SAMPLING_DEFAULTS["text"]["gamma"]
-    omega: float = SAMPLING_DEFAULTS["text"]["omega"]
-    guidance: float = SAMPLING_DEFAULTS["text"]["guidance"]
-    grid: str = DEFAULT_GRID
-    seed: int = 0
-    batch_size: int = 8
-    dtype: str = "fp32"
-
-    def check(self, recipe: Recipe | None = None) -> "SamplingSettings":
-        """The settings if every one is usable (ELFError naming the first that is not); a warning for an
-        omega outside the range `recipe` trained on."""
-        try:
-            check_sampling_args(self.steps, self.gamma, self.omega, self.guidance, self.sampler,
-                                recipe or Recipe())
-        except ValueError as e:
-            raise ELFError(str(e)) from None
-        ok, what = SAMPLING_RANGES["batch_size"]
-        if not ok(self.batch_size):
-            raise ELFError(f"the batch size must be {what}, got {self.batch_size!r}")
-        check_seed(self.seed)
-        if self.grid not in GRIDS:
-            raise ELFError(f"grid must be one of {', '.join(GRIDS)}, got {self.grid!r}")
-        if self.dtype not in AUTOCAST_DTYPES:
-            raise ELFError(f"dtype must be one of {', '.join(AUTOCAST_DTYPES)}, got {self.dtype!r}")
-        return self
-
-    def tag(self) -> str:
-        """A file-name tag of the settings that tell sample sets apart."""
-        return (f"{self.sampler}_steps{self.steps}_omega{self.omega:g}"
-                + (f"_gamma{self.gamma:g}" if self.sampler != "ode" else ""))
-
-    def describe(self) -> str:
-        return f"{self.sampler}, {self.steps} steps, omega {self.omega:g}"
 
 
 def default_sampling(conditional: bool = False, distilled_steps: int | None = None,

@@ -32,7 +32,6 @@ LAYERS = [
     ["config", "runs.migrate"],
     ["runs.checkpoint"],
     ["runs.released", "runs.model_folder", "runs.log"],
-    ["runs.locate"],
     ["runs.stored"],
     ["runs.load"],
     ["runs.stages", "runs.push"],

@@ -62,6 +62,54 @@ def test_a_run_loads_reading_each_file_it_uses_once(trained):
     assert not training & set(seen["modules"]), training & set(seen["modules"])  # no training code, nor its spec
 
 
+def module_calls(fn, *args, **kw) -> set[tuple[str, str]]:
+    """(caller module, called module) of every call `fn` makes from one elflow module into another (elflow.util
+    aside: helpers any module may call), seen by a profile hook."""
+    import sys
+
+    edges, stack = set(), []
+
+    def module(frame):
+        name = frame.f_globals.get("__name__", "")
+        return name if name.startswith("elflow") and not name.startswith("elflow.util") else None
+
+    def hook(frame, event, arg):
+        if event == "call":
+            here = None if frame.f_code.co_name == "<module>" else module(frame)
+            caller = next((m for m in reversed(stack) if m is not None), None)
+            if here is not None and caller is not None and here != caller:
+                edges.add((caller, here))
+            stack.append(here)
+        elif event == "return" and stack:
+            stack.pop()
+
+    sys.setprofile(hook)
+    try:
+        fn(*args, **kw)
+    finally:
+        sys.setprofile(None)
+    return edges
+
+
+LOAD_MODULES = 10  # read the record (stored, checkpoint, record) -> the space (space, encoders) -> the network
+# (methods, methods.elf, model; the record's parts: flow) -> the weights, from load
+
+
+def test_loading_goes_one_way_through_few_modules(trained):
+    """load_for_sampling's calls between elflow modules go one way: no module calls back into one that called it,
+    directly or through others (the graph of module calls has no cycle), through at most LOAD_MODULES modules."""
+    import graphlib
+
+    from elflow.runs.load import load_for_sampling
+
+    edges = module_calls(load_for_sampling, str(trained), device="cpu")
+    modules = {m for edge in edges for m in edge}
+    assert len(modules) <= LOAD_MODULES, sorted(modules)
+    callers = {m: {a for a, b in edges if b == m} for m in modules}
+    order = list(graphlib.TopologicalSorter(callers).static_order())  # CycleError: a call back
+    assert order[0] == "elflow.runs.load"
+
+
 @pytest.fixture(scope="module")
 def learned_table_run(tmp_path_factory, tiny_t5_dir, tiny_corpus_file, cache):
     from helpers import tiny_config

@@ -43,6 +43,7 @@ from elflow.runs.folder import (
     step_dir,
 )
 from elflow.runs.migrate import document
+from elflow.runs.record import RECORD_VERSION
 from elflow.util.errors import ELFError, first_line
 from elflow.util.files import FolderLock, NoSpace, atomic_write_text, disk_full, file_mode, folder_mode
 from elflow.util.files import sha256_file as _sha256
@@ -296,7 +297,9 @@ def read_state(ckpt: Path) -> dict:
         if key in state and state[key] is not None and not isinstance(state[key], dict):
             raise ELFError(f"{state_path}: corrupted ({key!r} must be a JSON object, got "
                            f"{type(state[key]).__name__})")
-    return document(state, str(state_path))
+    record = state.get("record")
+    current = isinstance(record, dict) and record.get("version") == RECORD_VERSION
+    return state if current else document(state, str(state_path))  # an earlier layout becomes today's
 
 
 def listed_files(files, where, what: str) -> dict:

@@ -8,7 +8,7 @@ about how it was trained (the training settings are elflow.config.TrainConfig, s
     space         the embedding space's spec and id (elflow.space.SpaceSpec)
     length        the sequence length it was trained at
     task          None, or a conditional model's layout (`Task`: source length, slot, task, fields)
-    sampling      its generation defaults (ELF: elflow.generate.SamplingSettings; a baseline: BaselineSampling)
+    sampling      its generation defaults (ELF: elflow.flow.SamplingSettings; a baseline: BaselineSampling)
     distillation  None, or how a student was distilled (`Distillation`)
     params        None (a released model), or its parameter counts (`ParamCounts`)
 
@@ -24,8 +24,7 @@ from dataclasses import dataclass, field, fields, replace
 
 from elflow.data.layout import PACKED, SOURCE_SLOTS
 from elflow.data.tasks import PAIR_TASKS
-from elflow.flow import Recipe
-from elflow.generate import SamplingSettings
+from elflow.flow import Recipe, SamplingSettings
 from elflow.methods import get_method
 from elflow.methods.baseline import MATCHES, BaselineSampling
 from elflow.methods.token_net import TokenLMConfig
