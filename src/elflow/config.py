@@ -114,6 +114,15 @@ def size_default(preset: str, key: str):
     return SIZE_DEFAULTS.get(preset, PAPER_SIZE_DEFAULTS)[key]
 
 
+def _preset_help(key: str) -> str:
+    """A network setting's default by size, in words, from model.PRESETS: the value most sizes take, and the
+    sizes that take another."""
+    values = {name: getattr(c, key) for name, c in PRESETS.items()}
+    common = max(set(values.values()), key=list(values.values()).count)
+    own = [f"{v} for {name}" for name, v in values.items() if v != common]
+    return "the preset's: " + ", ".join(own + [f"{common} otherwise"])
+
+
 def _kind_help(key: str) -> str:
     """A sampling default by kind of model, in words, from SAMPLING_DEFAULTS."""
     text, cond = (SAMPLING_DEFAULTS[kind][key] for kind in ("text", "conditional"))
@@ -147,7 +156,7 @@ class TrainConfig(Record):
                                           "DiT's adaLN-Zero modulation in every block (no prefix)",
                                 choices=CONDITIONINGS)
     bottleneck: int | None = setting(None, "ELF: width of the input bottleneck (32 / 128 / 512 in the paper)",
-                                     default_help="the preset's: 128, 16 for tiny", check=AT_LEAST_1)
+                                     default_help=_preset_help("bottleneck"), check=AT_LEAST_1)
     decoder: str = setting("shared", "ELF: who reads out tokens: the denoiser itself in decode mode, or a separate "
                                      "network trained first on noisy embeddings (then frozen while the denoiser "
                                      "trains; both stored as one model)", choices=DECODERS)
@@ -173,7 +182,9 @@ class TrainConfig(Record):
                                       "learned-table[:BASE]",
                                 default_help=_size_help("space"))
     space_dim: int | None = setting(None, "vector size of a random-table / learned-table space",
-                                    default_help="32 for tiny's default space, else the base encoder's",
+                                    default_help=", ".join(f"{v['space_dim']} for {name}'s default space"
+                                                           for name, v in SIZE_DEFAULTS.items() if v["space_dim"])
+                                                 + ", else the base encoder's",
                                     check=AT_LEAST_1)
     space_seed: int = setting(0, "seed of a random-table / learned-table space's vectors", check=SEED)
     space_stream: int | None = setting(None, "the draw of a random-table / learned-table space's vectors "

@@ -355,3 +355,18 @@ def test_the_training_settings_hold_no_dict():
     parts = {f.name: str(f.type) for f in fields(TrainConfig)}
     assert parts["recipe"] == "Recipe | None" and parts["short_run"] == "ShortRunOptions"
     assert parts["model"] == "NetworkOverrides" and parts["distillation"] == "Distillation | None"
+
+
+def test_the_run_defaults_by_size_name_network_sizes_and_the_help_says_them():
+    """SIZE_DEFAULTS holds the run settings of sizes elflow.model.PRESETS names (the shapes live there alone), and
+    the help of a setting whose default follows the size says the values those tables hold."""
+    from dataclasses import fields
+
+    from elflow.config import SIZE_DEFAULTS, TrainConfig
+    from elflow.model import PRESETS
+
+    assert set(SIZE_DEFAULTS) <= set(PRESETS)
+    helps = {f.name: f.metadata["default_help"] for f in fields(TrainConfig)}
+    assert f"{PRESETS['tiny'].bottleneck} for tiny" in helps["bottleneck"]
+    assert f"{PRESETS['elf-b'].bottleneck} otherwise" in helps["bottleneck"]
+    assert f"{SIZE_DEFAULTS['tiny']['space_dim']} for tiny's default space" in helps["space_dim"]
