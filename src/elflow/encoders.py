@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 from elflow.util.errors import ELFError
+from elflow.util.files import not_own
 from elflow.util.hub import hub_local_only, hub_unavailable_reason
 from elflow.util.jsonio import RECORD_BYTES, read_limited
 
@@ -67,11 +68,28 @@ def _hub_error(name: str, what: str, err: Exception) -> ELFError:
     )
 
 
+def _check_config_file(folder: Path) -> None:
+    """ELFError naming what the folder's config.json is, when something other than a regular file (or a link to
+    one) stands there: a fifo, a device, a folder, a link to one of these or to nothing."""
+    cfg = folder / "config.json"
+    kind = not_own(cfg)
+    if kind is None:
+        return
+    if cfg.is_symlink():
+        if cfg.is_file():
+            return
+        target = not_own(cfg.resolve()) if cfg.exists() else None
+        kind = f"{kind}, which leads to {target}" if target else f"{kind}, which leads nowhere"
+    raise ELFError(f"folder {folder} is not an encoder folder: its config.json is {kind}, and it must be a "
+                   "regular file. Put the encoder's own config.json there (model.save_pretrained(folder) writes it)")
+
+
 def load_tokenizer(target: str, local: bool, name: str):
     from transformers import AutoTokenizer
 
     if local:
         folder = Path(target)
+        _check_config_file(folder)
         if not (folder / "config.json").is_file() and not any(
             (folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "spiece.model", "vocab.txt")
         ):
@@ -93,6 +111,8 @@ def load_tokenizer(target: str, local: bool, name: str):
 def load_config(target: str, local: bool, name: str):
     from transformers import AutoConfig
 
+    if local:
+        _check_config_file(Path(target))
     if local and not (Path(target) / "config.json").is_file():
         raise ELFError(f"folder {target} is not an encoder folder: config.json is missing. Save a model there "
                        "with model.save_pretrained(folder)")

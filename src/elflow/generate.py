@@ -212,7 +212,7 @@ def generate(net, space, num: int, settings: SamplingSettings = SamplingSettings
              sources: list[str] | None = None, source_length: int | None = None, prompt: str | None = None,
              suffix: str | None = None, progress: bool = True, trajectory: set[int] | None = None,
              part: tuple[int, int] = (0, 1), drop_source: bool = False, source_slot: str = PACKED,
-             recipe: Recipe | None = None) -> list[dict]:
+             recipe: Recipe | None = None, flags: dict | None = None) -> list[dict]:
     """`num` samples as records {"index", "text"} (+ "source"). With `trajectory` (sampling steps), each record
     of the first batch also holds "trajectory": the decode readout of the sampler's guess at those steps (at
     the last step, of the sample itself), a list of {"step", "t" (the time the guess was made at), "ids" (the
@@ -226,8 +226,10 @@ def generate(net, space, num: int, settings: SamplingSettings = SamplingSettings
     record's; default: the released recipe, or the record of a network loaded by elflow.load).
     `drop_source`: the source-dropped model of a conditional network, as training drops a source: the
     source positions hold zeros for every pass, the readout's included (guidance 0 alone drops the source
-    from the denoiser's passes only; the readout still sees it)."""
-    recipe, length = _checked(net, space, num, settings, length, sources, prompt, suffix, trajectory, part, recipe)
+    from the denoiser's passes only; the readout still sees it). `flags`: where each count of the size check
+    comes from, for its message (elflow.util.budget.elf_sampling; default: the flags --steps, --batch, ...)."""
+    recipe, length = _checked(net, space, num, settings, length, sources, prompt, suffix, trajectory, part, recipe,
+                              flags)
     from tqdm.auto import tqdm
 
     if sources is not None and source_length and part[0] == 0:
@@ -245,7 +247,7 @@ def generate(net, space, num: int, settings: SamplingSettings = SamplingSettings
     return records
 
 
-def _checked(net, space, num, settings, length, sources, prompt, suffix, trajectory, part, recipe):
+def _checked(net, space, num, settings, length, sources, prompt, suffix, trajectory, part, recipe, flags=None):
     """`generate`'s arguments checked (ELFError naming the first that is wrong) and the size of the work
     against this machine: (the recipe it samples with, the length)."""
     check_generate_args(net, space, settings, sources, prompt, suffix, part, recipe, trajectory)
@@ -272,7 +274,7 @@ def _checked(net, space, num, settings, length, sources, prompt, suffix, traject
     check_elf_sampling(net.config, steps=settings.steps, batch_size=settings.batch_size, num=num, length=length,
                        trajectory_steps=len(trajectory or ()), guided=known and settings.guidance != 1,
                        table_readout=bool(getattr(getattr(net, "options", None), "table_readout", 0)),
-                       device=next(net.parameters()).device)
+                       flags=flags, device=next(net.parameters()).device)
     return recipe, length
 
 

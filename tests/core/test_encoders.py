@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -301,6 +302,28 @@ def test_folder_that_is_not_an_encoder(tmp_path, tiny_t5_dir):
                                                  "n_embd": 32, "n_layer": 1, "n_head": 2, "vocab_size": 300}))
     with pytest.raises(ELFError, match="decoder-only"):
         build_space(str(gpt))
+
+
+def test_a_config_json_that_is_not_a_regular_file_is_named_for_what_it_is(tmp_path, tiny_t5_dir):
+    device = tmp_path / "device"
+    device.mkdir()
+    (device / "config.json").symlink_to(os.devnull)
+    with pytest.raises(ELFError, match=r"its config.json is a symbolic link \(to /dev/null\), which leads to a "
+                                       r"character device, and it must be a regular file"):
+        build_space(str(device))
+    fifo = tmp_path / "fifo"
+    fifo.mkdir()
+    os.mkfifo(fifo / "config.json")
+    for f in tiny_t5_dir.iterdir():  # with the tokenizer files beside it too
+        if f.name != "config.json" and f.suffix != ".safetensors":
+            (fifo / f.name).write_bytes(f.read_bytes())
+    with pytest.raises(ELFError, match="its config.json is a fifo, and it must be a regular file"):
+        build_space({"kind": "t5", "name": str(fifo)})
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    for f in tiny_t5_dir.iterdir():  # a link to a regular file, as in the hub's cache, is read through
+        (linked / f.name).symlink_to(f)
+    assert build_space({"kind": "t5", "name": str(linked), "latent_std": 0.5}).dim > 0
 
 
 def test_bad_specs(tiny_t5_dir):

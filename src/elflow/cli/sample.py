@@ -11,6 +11,7 @@ from elflow.eval.scoring import check_sampled
 from elflow.experiments.viewer import trajectory_document, write_page
 from elflow.generate import gather_records, write_samples
 from elflow.methods import get_method, require, settings_from_args
+from elflow.runs.folder import MODEL_CONFIG, STATE_FILE
 from elflow.runs.load import load_for_sampling
 from elflow.runs.outputs import Outputs
 from elflow.util.devices import check_device
@@ -120,7 +121,7 @@ def _sample(args, rank: int, world: int, device):
             raise ELFError(f"--trajectory steps must lie in 1..{n} (sampling with {n} steps), got {bad}")
         known["trajectory"] = {s - 1 for s in args.trajectory} if args.trajectory else set(range(n))  # 0-based
     records = method.generate(net, space, args.num, settings, args.length, progress=not args.quiet and rank == 0,
-                              part=(rank, world), **known)
+                              part=(rank, world), flags=_stored_counts(args, net.origin), **known)
     records = gather_records(records, world)
     for r, ref in zip(records, refs or []):
         if ref is not None:
@@ -128,6 +129,17 @@ def _sample(args, rank: int, world: int, device):
     meta = {**settings.to_dict(), "length": args.length or net.config.max_length, "ema": not args.raw_weights,
             "checkpoint": str(args.checkpoint), **{k: known[k] for k in ("prompt", "suffix") if k in known}}
     return records, meta, space
+
+
+def _stored_counts(args, origin) -> dict:
+    """The counts of the sampling's size check that no flag gave, named by the stored field they come from
+    (elflow.util.budget.elf_sampling's `flags`)."""
+    path = Path(origin.path)
+    where = {"checkpoint": path / STATE_FILE, "model-folder": path / MODEL_CONFIG}.get(origin.kind, path)
+    stored = {"steps": "record.sampling.steps", "batch": "record.sampling.batch_size",
+              "length": "record.network.max_length"}
+    return {{"batch": "batch_size"}.get(k, k): f"{field} in {where}" for k, field in stored.items()
+            if getattr(args, k, None) is None}
 
 
 def _write(args, outputs: Outputs, records, meta, space, traj_path, page_path) -> int:

@@ -263,12 +263,13 @@ def no_space(e: BaseException, out: Path) -> ELFError:
                     "then run again with --resume")
 
 
-def resume_point(out: Path) -> tuple[Path | None, dict | None]:
+def resume_point(out: Path, stored: dict | None = None) -> tuple[Path | None, dict | None]:
     """(the checkpoint a --resume continues from, its state.json), chosen before anything is built or read: the
     newest whose state.json reads and whose listed files (its optimiser state too) are regular files of their
     recorded sizes, and whose record is the one of run.json. Their contents are checked as they are loaded, once
     (`load_checkpoint`). (None, None) for a run that saved none yet; ELFError when it saved some and none can
-    be resumed, or for a checkpoint of another model than run.json describes (an edited run.json)."""
+    be resumed, or for a checkpoint of another model than run.json describes (an edited run.json). `stored`:
+    run.json as `run_file` read it already (None: read it here)."""
     ckpt, state, bad = newest_usable(out, need_optimizer=True, contents=False)
     if ckpt is None:
         if list_checkpoints(out):
@@ -278,7 +279,7 @@ def resume_point(out: Path) -> tuple[Path | None, dict | None]:
     for why in bad:
         print(f"warning: skipping a bad checkpoint: {why}", file=sys.stderr)
     held = record_of_state(state, str(ckpt / STATE_FILE)).to_dict()
-    described = run_file(out)["record"].to_dict()
+    described = (stored or run_file(out))["record"].to_dict()
     diff = [f"{k}: {held[k]!r:.60} -> {described[k]!r:.60}" for k in held if held[k] != described.get(k)]
     if diff:
         raise ELFError(f"{out / 'run.json'} describes another model than its checkpoint {ckpt.name} holds "
@@ -354,7 +355,7 @@ def claim_run(folder: RunFolder, cfg: TrainConfig, world: int, resume: bool, ove
     if before and before != micro:
         print(f"warning: continuing with --micro-batch {micro} instead of the run's {before}: from here on the "
               "run draws other noise than an uninterrupted run would", file=sys.stderr)
-    ckpt, state = resume_point(out) if resume else (None, None)
+    ckpt, state = resume_point(out, stored) if resume else (None, None)
     if state is not None:
         check_steps_left(out, state["step"], cfg)
     check_writable(out)
