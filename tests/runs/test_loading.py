@@ -19,16 +19,21 @@ def hook(event, args):
         opened.append(os.fsdecode(args[0]))
 
 sys.addaudithook(hook)
-from elflow.runs.load import load_for_sampling
-watching[0] = True
-net, space = load_for_sampling(sys.argv[1], device="cpu")
+if len(sys.argv) > 2:  # `elflow sample RUN ...` into the file sys.argv[2] (the CLI's parsers import every command's)
+    from elflow.cli import main
+    watching[0] = True
+    assert main(["sample", sys.argv[1], "--num", "1", "--steps", "2", "--quiet", "--out", sys.argv[2]]) == 0
+else:
+    from elflow.runs.load import load_for_sampling
+    watching[0] = True
+    net, space = load_for_sampling(sys.argv[1], device="cpu")
 watching[0] = False
 print(json.dumps({"opened": opened, "modules": sorted(m for m in sys.modules if m.startswith("elflow"))}))
 """
 
 
-def probe(path: Path) -> dict:
-    done = subprocess.run([sys.executable, "-c", PROBE, str(path)], capture_output=True, text=True, timeout=300,
+def probe(path: Path, *more: str) -> dict:
+    done = subprocess.run([sys.executable, "-c", PROBE, str(path), *more], capture_output=True, text=True, timeout=300,
                           env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.splitlines()[-1])
@@ -108,6 +113,15 @@ def test_loading_goes_one_way_through_few_modules(trained):
     callers = {m: {a for a, b in edges if b == m} for m in modules}
     order = list(graphlib.TopologicalSorter(callers).static_order())  # CycleError: a call back
     assert order[0] == "elflow.runs.load"
+
+
+def test_elflow_sample_reads_each_file_it_uses_once(trained, tmp_path):
+    """`elflow sample RUN` reaches its JSONL line reading what loading reads, once each: no second read of the
+    record, never the optimiser state."""
+    seen = probe(trained, str(tmp_path / "s.jsonl"))
+    newest = sorted((trained / "checkpoints").iterdir())[-1]
+    assert reads_in(seen, newest) == {"ema.safetensors": 1, "state.json": 1, "state.sha256": 1}
+    assert (tmp_path / "s.jsonl").read_text().count("\n") == 1
 
 
 @pytest.fixture(scope="module")
