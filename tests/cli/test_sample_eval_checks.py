@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from elflow.config import TrainConfig
 from elflow.runs.checkpoint import list_checkpoints, write_state
 from elflow.train import train
-from elflow.util import devices, files
+from elflow.util import budget, devices, files
 from elflow.util.errors import ELFError
 
 # ----------------------------------------------------------------------------------------------------------
@@ -70,6 +70,20 @@ def test_sample_warns_when_the_default_length_is_beyond_the_trained_one(capsys, 
     assert "warning: the default --length, the network's 16 positions, is longer than the 8 positions the model " \
            "was trained on" in err
     assert json.loads(out.read_text())["length"] == 16
+
+
+def test_the_size_check_names_the_stored_counts_no_flag_gave(capsys, run_copy, tmp_path, monkeypatch):
+    for ck in list_checkpoints(run_copy):
+        state = json.loads((ck / "state.json").read_text())
+        state["record"]["sampling"]["batch_size"] = 10**9
+        write_state(ck, state)
+    monkeypatch.setattr(budget, "available_memory", lambda device=None: (2**30, "available on this machine"))
+    state_file = list_checkpoints(run_copy)[-1] / "state.json"
+    out = tmp_path / "s.jsonl"
+    code, _, err = cli(capsys, ["sample", run_copy, "--steps", "1", "--num", "20000", "--quiet", "--out", out])
+    line = assert_one_error(code, err, "sample", f"sampling at --steps 1, record.sampling.batch_size of {state_file} "
+                            f"= 1000000000, --num 20000, record.network.max_length of {state_file} = 16 needs about")
+    assert "--batch 1000000000" not in line and not out.exists()
 
 
 def test_sample_paths_that_are_not_checkpoints(capsys, tmp_path, monkeypatch):

@@ -113,6 +113,25 @@ def test_a_resume_from_edited_training_settings_names_run_json(uninterrupted, tm
     assert sorted((p.relative_to(run), p.stat().st_mtime_ns) for p in run.rglob("*") if p.is_file()) == before
 
 
+def test_a_resume_refused_for_an_edited_run_json_warns_of_nothing_it_read_there(uninterrupted, tmp_path, capsys):
+    """run.json's stored sampling omega edited outside the trained range: the resume is refused in one line,
+    with no warning about the edited value of a run that does not go on."""
+    import shutil
+
+    from elflow.cli import main
+
+    run = tmp_path / "run"
+    shutil.copytree(uninterrupted[0], run)
+    doc = json.loads((run / "run.json").read_text())
+    doc["record"]["sampling"]["omega"] = 7.0
+    (run / "run.json").write_text(json.dumps(doc))
+    assert main(["train", "--out", str(run), "--resume", "--steps", "8", "--quiet",
+                 "--cache-dir", str(uninterrupted[1])]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "describes another model than its checkpoint step_0000006" in err[0], err
+    assert "sampling" in err[0] and "restore it" in err[0]
+
+
 @pytest.mark.slow
 def test_resume_continues_exactly(uninterrupted, tmp_path, tiny_t5_dir, tiny_corpus_file):
     full, cache, _ = uninterrupted

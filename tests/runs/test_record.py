@@ -124,7 +124,9 @@ REFUSED = [
     ("cond-no-recipe", "cond", lambda d: _without(d, "recipe"), "its record lacks the field 'recipe'"),
     # a part that lacks one of the fields its type writes
     *[(f"no-{key}", run, lambda d, key=key: _without(d, key),
-       f"its record's field {key.split('.')[0]!r}: it lacks {key!r}; a record of this version holds every field")
+       f"its record's field {key.split('.')[0]!r}"
+       + (f" is not a network of its method {run!r}" if key.startswith("network.") else "")
+       + f": it lacks {key!r}; a record of this version holds every field")
       for run, key in (("elf", "network.predict"), ("ar", "network.vocab_size"), ("elf", "recipe.t_std"),
                        ("elf", "sampling.steps"), ("ar", "sampling.temperature"), ("cond", "task.source_slot"),
                        ("pd/1-step", "distillation.teacher_steps"), ("elf", "params.match"))],
@@ -134,7 +136,12 @@ REFUSED = [
     ("unknown-method", "elf", lambda d: _with(d, "method", "gpt"),
      "its record's field 'method': unknown method 'gpt'; choose one of elf, ar, mdlm"),
     ("network-a-string", "elf", lambda d: _with(d, "network", "x"),
-     "its record's field 'network' cannot be read (expected a JSON object, got str)"),
+     "its record's field 'network' cannot be read as a network of its method 'elf' (expected a JSON object, got "
+     "str)"),
+    # a method that is not the network's: the network is read as the method's, and named so
+    *[(f"{run}-record-of-method-{other}", run, lambda d, other=other: _with(d, "method", other),
+       f"its record's field 'network' is not a network of its method {other!r}: it lacks 'network.")
+      for run, other in (("elf", "ar"), ("elf", "mdlm"), ("ar", "elf"))],
     ("length-0", "elf", lambda d: _with(d, "length", 0),
      "its record's field 'length' cannot be read (expected an integer >= 1, got 0)"),
     ("length-true", "elf", lambda d: _with(d, "length", True),

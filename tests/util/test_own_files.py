@@ -132,6 +132,7 @@ def test_check_own_names_what_stands_where_elflow_keeps_its_own(folder, name, fo
     with pytest.raises(ELFError) as e:
         check_own(path, f"the run's {name}", folder=folder_wanted)
     assert str(e.value).startswith(f"{path}: ") and says in str(e.value) and f"the run's {name}" in str(e.value)
+    assert ("never through links" in str(e.value)) == (says == "symbolic link")  # named only for a link
 
 
 def test_nothing_or_the_right_kind_passes(folder):

@@ -132,14 +132,14 @@ def _sample(args, rank: int, world: int, device):
 
 
 def _stored_counts(args, origin) -> dict:
-    """The counts of the sampling's size check that no flag gave, named by the stored field they come from
-    (elflow.util.budget.elf_sampling's `flags`)."""
+    """The counts of the sampling's size check that no flag gave, named by where they come from: the stored
+    record's field and its file, or a released model's defaults (elflow.util.budget.elf_sampling's `flags`)."""
     path = Path(origin.path)
-    where = {"checkpoint": path / STATE_FILE, "model-folder": path / MODEL_CONFIG}.get(origin.kind, path)
-    stored = {"steps": "record.sampling.steps", "batch": "record.sampling.batch_size",
-              "length": "record.network.max_length"}
-    return {{"batch": "batch_size"}.get(k, k): f"{field} in {where}" for k, field in stored.items()
-            if getattr(args, k, None) is None}
+    file = {"checkpoint": path / STATE_FILE, "model-folder": path / MODEL_CONFIG}.get(origin.format)
+    counts = (("steps", "steps", "sampling.steps", "steps"), ("batch", "batch_size", "sampling.batch_size", "batch"),
+              ("length", "length", "network.max_length", "length"))
+    return {key: f"record.{field} of {file}" if file else f"the released model's {what} ({path})"
+            for flag, key, field, what in counts if getattr(args, flag, None) is None}
 
 
 def _write(args, outputs: Outputs, records, meta, space, traj_path, page_path) -> int:

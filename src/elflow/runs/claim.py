@@ -9,6 +9,7 @@ import os
 import shutil
 import sys
 import time
+import warnings
 from dataclasses import replace
 from pathlib import Path
 
@@ -233,11 +234,19 @@ def stored_config(out: Path) -> TrainConfig:
         src = out / REPLACED
     if in_first_stage(src):  # a --decoder separate run still in its decoder stage: the stage holds its config
         path = src / DECODER_STAGE / RUN_FILE
-        return checked(run_file(path.parent)["stage_of"], path)
+        return checked(_quietly_read(path.parent)["stage_of"], path)
     path = src / RUN_FILE
     if not path.exists():
         raise ELFError(f"{out} holds no run to resume; check --out, or start the run without --resume")
-    return checked(run_file(src)["train"], path)
+    return checked(_quietly_read(src)["train"], path)
+
+
+def _quietly_read(folder: Path) -> dict:
+    """`run_file(folder)` without the warnings of its record (its sampling settings), which are shown where the
+    record is used (`claim_run`), after the checks that may refuse it."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return run_file(folder)
 
 
 def checked(stored: dict | None, path) -> TrainConfig:
@@ -347,18 +356,21 @@ def claim_run(folder: RunFolder, cfg: TrainConfig, world: int, resume: bool, ove
     folder.open()
     check_run_dir(out, cfg, resume, overwrite, device)
     folder.fresh = not resume and not (out / RUN_FILE).exists()
-    stored = None
+    stored, read_warnings = None, []
     if resume and (out / RUN_FILE).exists():
-        stored = run_file(out)
+        with warnings.catch_warnings(record=True) as read_warnings:  # shown once the resume is not refused
+            stored = run_file(out)
     micro = micro_batch_for(cfg, world, stored)
     before = (stored["train"] or {}).get("micro_batch") if stored else None
-    if before and before != micro:
-        print(f"warning: continuing with --micro-batch {micro} instead of the run's {before}: from here on the "
-              "run draws other noise than an uninterrupted run would", file=sys.stderr)
     ckpt, state = resume_point(out, stored) if resume else (None, None)
     if state is not None:
         check_steps_left(out, state["step"], cfg)
     check_writable(out)
+    for w in read_warnings:
+        warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+    if before and before != micro:
+        print(f"warning: continuing with --micro-batch {micro} instead of the run's {before}: from here on the "
+              "run draws other noise than an uninterrupted run would", file=sys.stderr)
     return {"micro_batch": micro, "checkpoint": None if ckpt is None else ckpt.name, "state": state,
             "lock": FolderLock.text(out), "host": socket.gethostname()}
 

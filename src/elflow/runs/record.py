@@ -171,21 +171,23 @@ class RunRecord:
         if missing:
             raise ELFError(f"{where}: its record lacks the field {missing[0]!r}")
 
-        def part(name, make, typ=None):
+        def part(name, make, typ=None, of=""):
             try:
                 _required(name, d.get(name), typ)
                 value = make(d.get(name))
                 _complete(name, d.get(name), value)
                 return value
             except ELFError as e:
-                raise ELFError(f"{where}: its record's field {name!r}: {e}") from None
+                raise ELFError(f"{where}: its record's field {name!r}{f' is not {of}' if of else ''}: {e}") from None
             except (ValueError, TypeError, KeyError, AttributeError, OverflowError) as e:
-                raise ELFError(f"{where}: its record's field {name!r} cannot be read ({e})") from None
+                raise ELFError(f"{where}: its record's field {name!r} cannot be read{f' as {of}' if of else ''} "
+                               f"({e})") from None
 
         method = part("method", get_method)
         record = cls(
             method=method.name,
-            network=part("network", method.network_config, method.config_type),
+            network=part("network", method.network_config, method.config_type,
+                         f"a network of its method {method.name!r}"),
             space=part("space", SpaceSpec.from_dict),
             length=part("length", _positive_int),
             recipe=part("recipe", lambda v: Recipe.from_dict(_obj(v or {})), Recipe),

@@ -362,7 +362,11 @@ def elf_sampling(config, *, steps: int, batch_size: int, num: int, length: int |
             "trajectory": trajectory_steps * rows * length * (TRAJECTORY_BYTES_PER_TOKEN + LONG)}
     names = [("steps", steps), ("batch_size", batch), ("num", num), ("length", length)]
     default = {"steps": "--steps", "batch_size": "--batch", "num": "--num", "length": "--length"}
-    shown = " ".join(f"{flags.get(k, default[k])} {v}" for k, v in names if flags.get(k, default[k]))
+    given = [(flags.get(k, default[k]), v) for k, v in names if flags.get(k, default[k])]
+    # a flag as written (--steps 8); a count that no flag gave, named by where it comes from (its stored field)
+    stored = any(not name.startswith("-") for name, _ in given)
+    shown = (", " if stored else " ").join(f"{name} {v}" if name.startswith("-") else f"{name} = {v}"
+                                           for name, v in given)
     if trajectory_steps:
         shown += f" ({trajectory_steps} recorded steps)"
     return Estimate("sampling", shown, merge(kept, trunk, decode), "choose a smaller batch (--batch), fewer samples "

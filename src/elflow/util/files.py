@@ -241,8 +241,9 @@ def check_own(path: str | os.PathLike, what: str, folder: bool = False) -> None:
     kind = not_own(path, folder)
     if kind is not None:
         want = "folders only as folders" if folder else "files only as regular files"
-        raise ELFError(f"{path}: {kind} where elflow keeps {what}; refused (elflow reads and writes its own {want}, "
-                       "never through links): move it away, then run again")
+        links = ", never through links" if kind.startswith("a symbolic link") else ""
+        raise ELFError(f"{path}: {kind} where elflow keeps {what}; refused (elflow reads and writes its own {want}"
+                       f"{links}): move it away, then run again")
 
 
 def own_folder(path: str | os.PathLike, what: str) -> Path:
