@@ -652,7 +652,7 @@ PRINTERS = [(cmd, flag, None) for cmd in COMMANDS for flag in ("--json", "--prin
             if flag in _option_strings(cmd)] + [("sample", None, "--quiet")]
 STREAM_ACCEPTED = {  # (command, stream class) -> why it is not lost output there
     ("sample", "closed"): "its texts are written to --out; with standard output closed they are not printed, as "
-                          "with --quiet (cli.sample.print_results)",
+                          "with --quiet (util.files.print_result, closed_ok)",
 }
 
 

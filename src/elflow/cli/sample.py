@@ -17,7 +17,7 @@ from elflow.runs.outputs import Outputs
 from elflow.util.devices import check_device
 from elflow.util.distributed import DIST_TIMEOUT_HELP, DIST_TIMEOUT_MINUTES, check_dist_timeout, process_group
 from elflow.util.errors import ELFError
-from elflow.util.files import atomic_write_json, stdout_to_nowhere
+from elflow.util.files import atomic_write_json, print_result
 
 
 def add_arguments(p) -> None:
@@ -168,26 +168,9 @@ def _write(args, outputs: Outputs, records, meta, space, traj_path, page_path) -
     if not args.quiet:
         shown += [f"--- sample {r['index']}\n{r['text']}" for r in records]
     written = f"wrote {len(records)} samples to {args.out}"
-    print_results(shown, written + (f" and their trajectory to {traj_path}" if traj_path is not None else ""))
+    if shown:  # (standard output closed: the texts are in --out, as with --quiet)
+        print_result("\n".join(shown), written + (f" and their trajectory to {traj_path}" if traj_path else ""),
+                     "the texts", "--quiet prints none", closed_ok=True)
     for line in said + [written]:
         print(line, file=sys.stderr)
     return 0
-
-
-def print_results(lines: list[str], written: str) -> None:
-    """`lines` on standard output, flushed, after the outputs are written (`written` says what they are). A
-    reader that has gone (a pipe into `head`) ends the printing without a word; any other failure (a full
-    disk, /dev/full) is one ELFError saying what was written. Standard output then leads nowhere, so that
-    nothing fails again at exit."""
-    if sys.stdout is None:  # closed when the command started
-        return
-    try:
-        for line in lines:
-            print(line)
-        sys.stdout.flush()
-    except BrokenPipeError:
-        stdout_to_nowhere()
-    except OSError as e:
-        stdout_to_nowhere()
-        raise ELFError(f"{written}, but standard output cannot be written ({e.strerror or e}), so the texts were "
-                       "not printed; --quiet prints none") from None

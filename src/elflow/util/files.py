@@ -612,15 +612,21 @@ def check_stdout_open(flag: str) -> None:
                        f"output open (a file, a pipe), or leave {flag} out")
 
 
-def print_result(text: str, done: str = "") -> None:
-    """`text` on standard output, flushed: a command's result (--json, --print-config). A reader that went away
-    (a pipe into `head`) ends the printing without a word, as for every command; any other failure (a closed
-    standard output, /dev/full) is one ELFError saying that the result was not printed, after `done` (what the
-    command wrote, if anything). Standard output then leads nowhere, so that nothing fails again at exit."""
+def print_result(text: str, done: str = "", what: str = "the result", hint: str = "",
+                 closed_ok: bool = False) -> None:
+    """`text` on standard output, flushed: a command's result (--json, --print-config; `what` it is). A reader
+    that went away (a pipe into `head`) ends the printing without a word, as for every command; any other
+    failure (a closed standard output, /dev/full) is one ELFError saying that it was not printed, after `done`
+    (what the command wrote, if anything), with `hint` (what to do). `closed_ok`: a standard output closed when
+    the command started prints nothing, without a word (the result is in the files `done` names). Standard
+    output then leads nowhere, so that nothing fails again at exit."""
     before = f"{done}, but " if done else ""
+    after = f"; {hint}" if hint else ""
     if sys.stdout is None:
-        raise ELFError(f"{before}standard output is closed, so the result was not printed; run the command with "
-                       "standard output open (a file, a pipe)")
+        if closed_ok:
+            return
+        raise ELFError(f"{before}standard output is closed, so {what} was not printed; run the command with "
+                       f"standard output open (a file, a pipe){after}")
     try:
         print(text)
         sys.stdout.flush()
@@ -628,5 +634,5 @@ def print_result(text: str, done: str = "") -> None:
         stdout_to_nowhere()
     except OSError as e:
         stdout_to_nowhere()
-        raise ELFError(f"{before}standard output cannot be written ({e.strerror or e}), so the result was not "
-                       "printed") from None
+        raise ELFError(f"{before}standard output cannot be written ({e.strerror or e}), so {what} "
+                       f"{'were' if what.endswith('s') else 'was'} not printed{after}") from None
