@@ -171,11 +171,12 @@ def gather_records(records: list[dict], world: int) -> list[dict]:
     return sorted(records, key=lambda r: r["index"])
 
 
-def check_generate_args(net, space, settings, sources, prompt, suffix, part, recipe=None, trajectory=None) -> None:
+def check_generate_args(net, space, settings, sources, prompt, suffix, part, recipe=None, trajectory=None,
+                        flags=None) -> None:
     """What `generate` is given, checked before anything is drawn (ELFError naming the first that is wrong): an
     ELF network (a module with its config) whose float32 weights are on cpu or cuda, its embedding space (of the
     network's width), SamplingSettings, sources a list of texts, prompt and suffix texts, part (rank, ranks), a
-    Recipe or None, trajectory None or a collection of steps."""
+    Recipe or None, trajectory None or a collection of steps, flags None or a dict of names."""
     config = getattr(net, "config", None)
     if not isinstance(net, torch.nn.Module) or not isinstance(getattr(config, "dim", None), int):
         raise ELFError(f"generate: net must be an ELF network (elflow.load or load_for_sampling gives one), got "
@@ -187,6 +188,10 @@ def check_generate_args(net, space, settings, sources, prompt, suffix, part, rec
     check_network_dtype(net, "generate")
     if recipe is not None and not isinstance(recipe, Recipe):
         raise ELFError(f"generate: recipe must be None (the network's own) or a Recipe, got {type(recipe).__name__}")
+    if flags is not None and not (isinstance(flags, dict) and all(isinstance(k, str) and isinstance(v, str)
+                                                                  for k, v in flags.items())):
+        raise ELFError(f"generate: flags must be None or a dict of names (count -> where it comes from), got "
+                       f"{type(flags).__name__}")
     if trajectory is not None and not isinstance(trajectory, (set, frozenset, list, tuple)):
         raise ELFError(f"generate: trajectory must be None or a set of sampling steps, got {type(trajectory).__name__}")
     if not all(hasattr(space, a) for a in ("tokenizer", "tokenize", "encode", "eos_id", "dim")):
@@ -250,7 +255,7 @@ def generate(net, space, num: int, settings: SamplingSettings = SamplingSettings
 def _checked(net, space, num, settings, length, sources, prompt, suffix, trajectory, part, recipe, flags=None):
     """`generate`'s arguments checked (ELFError naming the first that is wrong) and the size of the work
     against this machine: (the recipe it samples with, the length)."""
-    check_generate_args(net, space, settings, sources, prompt, suffix, part, recipe, trajectory)
+    check_generate_args(net, space, settings, sources, prompt, suffix, part, recipe, trajectory, flags)
     if recipe is None:
         record = getattr(net, "record", None)
         recipe = record.recipe if record is not None else Recipe()
