@@ -180,7 +180,9 @@ def _compare(cfg, out, steps, minutes, num, judge, elf_steps, omegas, ar_tempera
     info = {}
     for method in METHOD_NAMES:
         printer(f"training {method} ({f'{steps} steps' if steps is not None else f'{minutes:g} min'})")
-        summary = train(replace(cfg, method=method), out / method, overwrite=overwrite, quiet=quiet,
+        # the sampling defaults given are ELF's; a baseline keeps those its sampler takes (MDLM's steps)
+        unused = {f"sample_{k}": None for k in ("steps", "sampler", "omega") if k not in get_method(method).knobs}
+        summary = train(replace(cfg, method=method, **unused), out / method, overwrite=overwrite, quiet=quiet,
                         cache_dir=cache_dir, device=device, command=f"elflow compare ({method})",
                         time_limit=minutes * 60 if minutes is not None else None)
         record = read_record(out / method)
