@@ -159,9 +159,9 @@ OPEN_SCRIPT = r"""
 import json, resource, sys, time
 t0 = time.perf_counter()
 import torch
-from elflow.data import Batches
-from elflow.encoders import build_space
-from elflow.ingest import build_dataset
+from elflow.data.batches import Batches
+from elflow.space import build_space
+from elflow.data.datasets import build_dataset
 def rss(key="RssAnon"):
     return int(open("/proc/self/status").read().split(key + ":")[1].split()[0]) * 1024
 space = build_space({"kind": "tokens", "of": {"kind": "hf", "name": "minilm"}})
@@ -189,9 +189,9 @@ print(json.dumps(out))
 
 ROWS_SCRIPT = r"""
 import json, sys, time
-from elflow.data import Batches
-from elflow.encoders import build_space
-from elflow.ingest import build_dataset
+from elflow.data.batches import Batches
+from elflow.space import build_space
+from elflow.data.datasets import build_dataset
 def rss(key="RssAnon"):
     return int(open("/proc/self/status").read().split(key + ":")[1].split()[0]) * 1024
 space = build_space({"kind": "tokens", "of": {"kind": "hf", "name": "minilm"}})

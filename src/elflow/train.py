@@ -42,11 +42,11 @@ from elflow.runs.claim import (
     stored_files,
 )
 from elflow.runs.folder import CHECKPOINTS, OPTIMIZER_STATE, RUN_FILE, STATE_FILE, checkpoint_dir, run_files
-from elflow.runs.load import check_init_compatible, load_init_weights
+from elflow.runs.load import check_init_compatible, load_init_weights, record_of_state
 from elflow.runs.log import RunLogger, describe_start, plot_losses, tracked_settings, trim_metrics
 from elflow.runs.record import ParamCounts, RunRecord, Task
 from elflow.runs.stages import DECODER_STAGE, attach_decoder, decoder_stage
-from elflow.runs.stored import checkpoint_state, record_of_state, write_run
+from elflow.runs.stored import checkpoint_state, write_run
 from elflow.runs.tracking import Tracker, require_wandb
 from elflow.schedule import lr_at
 from elflow.space import SpaceSpec, build_space, check_compatible, space_spec

@@ -226,8 +226,8 @@ def full_distillation(teacher_run, tmp_path_factory):
 
 @pytest.mark.slow
 def test_rounds_are_ordinary_runs_with_few_step_sampling_defaults(full_distillation, teacher_run):
+    from elflow.runs.load import read_record
     from elflow.runs.record import Distillation
-    from elflow.runs.stored import read_record
 
     out, rounds = full_distillation
     assert list(rounds) == [2, 1] and rounds[2] == out / "2-step" and rounds[1] == out / "1-step"

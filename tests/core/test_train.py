@@ -71,7 +71,7 @@ def test_the_sample_settings_given_are_the_models_sampling_defaults(uninterrupte
     `elflow sample` and `elflow eval` use), on top of the defaults of the model's kind; none given, the record
     holds its kind's defaults; a setting the method's sampler has not is refused before anything is written."""
     from elflow.generate import default_sampling
-    from elflow.runs.stored import read_record
+    from elflow.runs.load import read_record
 
     run, cache, _ = uninterrupted
     assert read_record(run).sampling == default_sampling()  # a text model's

@@ -302,7 +302,7 @@ def test_compare_trains_three_matched_methods_and_judges_them(tmp_path, tiny_t5_
         assert info[name]["steps"] == 3 and info[name]["tokens"] == 3 * 4 * 16
         assert json.loads((tmp_path / name / "run.json").read_text())["record"]["method"] == name
     with torch.device("meta"):
-        from elflow.runs.stored import read_record
+        from elflow.runs.load import read_record
 
         elf_trunk = ELF(read_record(tmp_path / "elf").network).num_params(exclude_decode_head=True)
     for name in ("ar", "mdlm"):

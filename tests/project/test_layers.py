@@ -19,7 +19,7 @@ LAYERS = [
     ["util.budget"],
     ["model", "newton_schulz", "runs.tracking", "schedule"],
     ["optim", "flow", "runs.folder", "data.tasks", "data.layout", "data.integrity", "data.store_folder"],
-    ["encoders", "flowmap", "data.corpus", "data.store", "data.batches"],
+    ["flowmap", "data.corpus", "data.store", "data.batches"],
     ["space", "data.origins"],
     ["data.reading", "data.workers"],
     ["data.ingest"],

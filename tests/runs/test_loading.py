@@ -96,8 +96,8 @@ def module_calls(fn, *args, **kw) -> set[tuple[str, str]]:
     return edges
 
 
-LOAD_MODULES = 10  # read the record (stored, checkpoint, record) -> the space (space, encoders) -> the network
-# (methods, methods.elf, model; the record's parts: flow) -> the weights, from load
+LOAD_MODULES = 8  # find the model and read its record and weights (load; checkpoint, record) -> the space (space)
+# -> the network (methods, methods.elf, model; the record's parts: flow) -> the weights, checked (load)
 
 
 def test_loading_goes_one_way_through_few_modules(trained):

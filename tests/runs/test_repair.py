@@ -151,7 +151,7 @@ def test_temporaries_of_a_killed_writer_are_removed(capsys, trained, tmp_path):
 
 def test_a_checkpoint_removed_while_it_is_read_gives_way_to_the_next(capsys, run_copy, tmp_path, monkeypatch,
                                                                        tiny_t5_dir):
-    import elflow.runs.stored as loader
+    import elflow.runs.load as loader
 
     readout_without_specials(run_copy, tiny_t5_dir)  # a tiny model may end every sample at once
 

@@ -11,7 +11,8 @@ from elflow.config import TrainConfig
 from elflow.data.datasets import run_data
 from elflow.eval.metrics import generative_perplexity, read_references, summary_of
 from elflow.generate import gather_records, write_samples
-from elflow.runs.stored import read_model_parts, training_settings
+from elflow.runs.load import read_model_parts
+from elflow.runs.stored import training_settings
 from elflow.space import build_space, tokenizer_spec
 from elflow.util import jsonio
 from elflow.util.errors import ELFError

@@ -21,10 +21,9 @@ from elflow.eval.scoring import sample_and_score
 from elflow.experiments.figures import plot_tradeoff
 from elflow.methods import METHOD_NAMES, get_method
 from elflow.runs.folder import METRICS_FILE
-from elflow.runs.load import load_for_sampling
+from elflow.runs.load import load_for_sampling, read_record
 from elflow.runs.log import read_metrics
 from elflow.runs.outputs import check_out
-from elflow.runs.stored import read_record
 from elflow.space import build_space, space_spec, tokenizer_spec
 from elflow.train import train
 from elflow.util import jsonio

@@ -3,7 +3,7 @@
     run/checkpoints/step_0001000/
         model.safetensors      the trained weights            ema.safetensors   the EMA weights (sampling)
         space.safetensors      a learned space's parameters   optimizer.pt      optimiser and RNG states
-        state.json             step, data position and store, the model's record (elflow.runs.stored), and
+        state.json             step, data position and store, the model's record (elflow.runs.stored writes it), and
                                the sha256 of every other file state.sha256      the sha256 of state.json
 
 A checkpoint is written under a temporary name and renamed, verified file by file when read, and never

@@ -39,8 +39,9 @@ from elflow.runs.folder import (
     TENSORBOARD,
     WANDB_FOLDER,
 )
+from elflow.runs.load import record_of_state
 from elflow.runs.stages import in_first_stage
-from elflow.runs.stored import record_of_state, run_file
+from elflow.runs.stored import run_file
 from elflow.runs.tracking import ID_FILE
 from elflow.space import TABLE_KINDS
 from elflow.util.errors import ELFError

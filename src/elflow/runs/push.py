@@ -16,11 +16,11 @@ from elflow.data.corpus import read_sources
 from elflow.methods import get_method
 from elflow.runs.checkpoint import check_tensors, load_checkpoint, resolve_checkpoint
 from elflow.runs.folder import CHECKPOINTS, EMA_WEIGHTS, MODEL_CONFIG, REPORT_FILE, STATE_FILE
-from elflow.runs.load import load_for_sampling
+from elflow.runs.load import load_for_sampling, record_of_state
 from elflow.runs.log import LOSS_NAMES, training_records
 from elflow.runs.model_folder import MODEL_FORMAT
 from elflow.runs.record import RunRecord
-from elflow.runs.stored import record_of_state, training_settings
+from elflow.runs.stored import training_settings
 from elflow.util.errors import ELFError
 from elflow.util.files import atomic_write, atomic_write_json, atomic_write_text, check_output, read_json, sha256_file
 from elflow.util.hub import hub_offline, hub_reachable

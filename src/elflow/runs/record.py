@@ -13,7 +13,7 @@ about how it was trained (the training settings are elflow.config.TrainConfig, s
     params        None (a released model), or its parameter counts (`ParamCounts`)
 
 This module holds the types alone. The files that store a record (run.json, a checkpoint's state.json, a model
-folder's config.json) are read by elflow.runs.stored, after elflow.runs.migrate has turned an earlier layout
+folder's config.json) are read by elflow.runs.load, after elflow.runs.migrate has turned an earlier layout
 into today's; `RunRecord.from_dict` reads today's layout only. A record that is malformed or whose parts
 disagree is one line naming the field.
 """
