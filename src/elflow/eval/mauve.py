@@ -197,7 +197,10 @@ def mauve_from_features(p_features, q_features, *, num_buckets: int | str = "aut
                                       mauve_scaling_factor=SCALING)
     finally:
         faiss.omp_set_num_threads(before)
-    if np.array_equal(out.p_hist, out.q_hist):  # equal histograms: the curve is the corner (1, 1), the area 1
+    # the same features (the same multiset of rows), or equal histograms: the curve is the corner (1, 1), the
+    # area 1. The first is checked on the features, since PCA's SVD (before k-means) can round copies of one row
+    # apart on some processors and so split equal sets into unequal histograms
+    if same_rows(p, q) or np.array_equal(out.p_hist, out.q_hist):
         score = star = 1.0
     else:
         score, star = curve_area(out.divergence_curve), curve_area(_smoothed_curve(out, len(p), len(q)))
@@ -205,6 +208,11 @@ def mauve_from_features(p_features, q_features, *, num_buckets: int | str = "aut
             "texts": (len(p), len(q)),
             "clusters": int(out.num_buckets), "seed": seed, "kmeans_num_redo": kmeans_num_redo,
             "kmeans_max_iter": kmeans_max_iter}
+
+
+def same_rows(p: np.ndarray, q: np.ndarray) -> bool:
+    """Whether two (n, H) arrays hold the same rows, each as often, in any order."""
+    return p.shape == q.shape and np.array_equal(p[np.lexsort(p.T[::-1])], q[np.lexsort(q.T[::-1])])
 
 
 def mauve_score(p_texts, q_texts, model, tokenizer, *, num_buckets: int | str = "auto", seed: int = 25,
