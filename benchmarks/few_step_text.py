@@ -5,10 +5,11 @@ already in --out (so a stopped run continues where it stopped):
 
   teacher    `elflow quickstart --out OUT/teacher --steps T`: the demo preset on the built-in Shakespeare corpus
   judge      `elflow train-judge --out OUT/judge --steps J --seed 0 --device cpu`: one offline judge for every row
-  references 2 x --num rows of the teacher's held-out split (`elflow.eval.scoring.heldout_texts`): the first
-             half is MAUVE's reference set for every row, the second half is scored as a row ("held-out text");
-             both sets are held out and disjoint, so a --num the split cannot give twice (the quickstart's
-             split holds 418 rows: --num 209 at most) is refused before the first stage, with the count
+  references rows of the teacher's held-out split (`elflow.eval.scoring.heldout_texts`): the first --num are
+             MAUVE's reference set for every row, the next --num (or as many as the split has left, at least
+             MIN_TEXTS) are scored as a row ("held-out text"); both sets are held out and disjoint. The
+             quickstart's split holds 418 rows: --num 256 leaves 162 for the held-out row, and a --num that
+             leaves fewer than MIN_TEXTS is refused before the first stage, with the count
   per seed s:
     PD       `elflow distill OUT/teacher --objective pd --student-steps 16,8,4,2,1 --teacher-steps 16
               --steps-per-round R --batch B --micro-batch B --lr LR --ema-decay E --seed s --out OUT/pd-s<s>`
@@ -51,6 +52,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from elflow.eval.mauve import MIN_TEXTS  # the fewest texts MAUVE scores a side: the held-out row's least
 
 ROOT = Path(__file__).resolve().parent.parent
 ELFLOW = [sys.executable, "-m", "elflow.cli"]  # the `elflow` command, also where it is not installed
@@ -250,7 +253,7 @@ def main(argv=None) -> int:
 
     if not args.report_only and not (out / "refs.jsonl").is_file():  # before any training: enough held-out rows?
         held_rows = heldout_rows(out / "teacher")
-        if held_rows < 2 * args.num:
+        if held_rows < args.num + MIN_TEXTS:
             sys.exit(too_few_rows(held_rows, args.num))
 
     def stage(name: str, cmd: list[str], done, kind: str | None = None) -> str | None:
@@ -293,11 +296,12 @@ def main(argv=None) -> int:
         from elflow.eval.scoring import heldout_texts
 
         texts, what = heldout_texts(str(teacher), 2 * args.num)
-        if len(texts) < 2 * args.num:
+        if len(texts) < args.num + MIN_TEXTS:
             sys.exit(too_few_rows(len(texts), args.num))
-        real.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts[args.num:2 * args.num]))
+        held = texts[args.num:2 * args.num]
+        real.write_text("".join(json.dumps({"text": t}) + "\n" for t in held))
         refs.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts[:args.num]))
-        state["references"] = f"first {args.num} of {what}; the held-out row: the next {args.num}"
+        state["references"] = f"first {args.num} of {what}; the held-out row: the next {len(held)}"
         save(state_file, state)
 
     evals = out / "eval"
@@ -420,8 +424,9 @@ def heldout_rows(teacher: Path) -> int:
 
 def too_few_rows(rows: int, num: int) -> str:
     """The refusal of a --num whose reference set and held-out row do not fit in the held-out split."""
-    return (f"few_step_text: the teacher's held-out split holds {rows} rows; --num {num} needs {2 * num} (a "
-            f"reference set and a scored held-out row of {num} each, disjoint): pass --num {rows // 2} or fewer")
+    return (f"few_step_text: the teacher's held-out split holds {rows} rows; --num {num} needs {num + MIN_TEXTS} "
+            f"(a reference set of {num} and a scored held-out row of at least {MIN_TEXTS}, disjoint): pass --num "
+            f"{rows - MIN_TEXTS} or fewer")
 
 
 def fm_batch_for(args, teacher: Path, rounds: list[int], total: int, state: dict) -> int:
