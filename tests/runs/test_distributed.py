@@ -150,7 +150,10 @@ def test_sampling_on_two_ranks_writes_the_file_of_one_process(setup, tmp_path):
 
 def test_evaluation_on_two_ranks_samples_and_judges_as_one_process(setup, tiny_t5_judge_dir, tmp_path):
     """`eval --checkpoint` under torchrun: sharded sampling (the same samples file) and a sharded judge (the same
-    per-seed numbers: each sample's NLL comes from one rank)."""
+    per-seed numbers: each sample's NLL comes from one rank). The NLLs agree to float32 rounding, not bit for bit:
+    a rank judges its samples in batches of other neighbours, with other padding, and on some processors the
+    batched kernels round a row differently beside other rows (measured on an AVX2-only AMD EPYC: 1e-9 of the
+    sum)."""
     _, full = setup
     args = ["eval", "--checkpoint", str(full), "--judge", str(tiny_t5_judge_dir), "--num-samples", "7",
             "--batch", "2", "--batch-size", "2", "--steps", "4", "--seeds", "0", "1", "--device", "cpu", "--json", "--out"]
@@ -161,4 +164,4 @@ def test_evaluation_on_two_ranks_samples_and_judges_as_one_process(setup, tiny_t
     one, two = (json.loads((tmp_path / n / "report.json").read_text()) for n in ("one", "two"))
     for a, b in zip(one["per_seed"], two["per_seed"]):
         assert a["num_samples"] == b["num_samples"] == 7 and a["num_tokens"] == b["num_tokens"] > 0
-        assert a["nll_sum"] == pytest.approx(b["nll_sum"], rel=1e-12) and a["gen_ppl"] == pytest.approx(b["gen_ppl"])
+        assert a["nll_sum"] == pytest.approx(b["nll_sum"], rel=1e-6) and a["gen_ppl"] == pytest.approx(b["gen_ppl"])
