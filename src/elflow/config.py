@@ -202,7 +202,7 @@ class TrainConfig(Record):
                                             "other noise", default_help="batch / ranks at the run's start",
                                       check=ROWS, mutable=True)
     steps: int = setting(1000, "optimiser steps (the schedule's length)", check=STEPS, mutable=True)
-    lr: float | None = setting(None, "learning rate", default_help="1e-3 x batch / 256; AdamW 5e-5 x batch / 256",
+    lr: float | None = setting(None, "learning rate", default_help=f"{MUON_BLR:g} x batch / 256; AdamW {ADAMW_BLR:g} x batch / 256",
                                check=POSITIVE)
     warmup: int = setting(100, "linear warm-up steps", check=AT_LEAST_0)
     lr_decay: str = setting("constant", "after the warm-up: constant (the paper's) or a cosine decay to 0 at "

@@ -10,6 +10,7 @@ from elflow.experiments.compare import DEFAULT_MINUTES, JUDGE_DEFAULTS, compare
 from elflow.flow import SAMPLING_RANGES
 from elflow.methods.baseline import KNOB_RANGES, MATCHES
 from elflow.model import PRESETS
+from elflow.schedule import MUON_BLR
 from elflow.util.budget import MAX_SAMPLING_STEPS, MAX_TRAINING_STEPS, SAMPLES_BOUND, TRAINING_STEPS_BOUND
 from elflow.util.errors import ELFError
 
@@ -28,8 +29,8 @@ def add_arguments(p) -> None:
     b.add_argument("--length", type=int, default=64, help="sequence length")
     b.add_argument("--batch", type=int, default=32, help="rows per optimiser step")
     b.add_argument("--lr", type=float, default=None,
-                   help=f"learning rate (default: the quickstart's {quick['lr']:g} for the demo preset, else 1e-3 x "
-                        "batch / 256)")
+                   help=f"learning rate (default: the quickstart's {quick['lr']:g} for the demo preset, else "
+                        f"{MUON_BLR:g} x batch / 256)")
     b.add_argument("--match", choices=MATCHES, default="total",
                    help="match ELF's parameter count in all, or without token tables and decode head")
     b.add_argument("--seed", type=int, default=0, help="seed of training and sampling")

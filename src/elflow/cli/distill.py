@@ -8,7 +8,7 @@ from elflow.config import check_setting
 from elflow.distill import distill, distill_flow_map
 from elflow.flow import FLOW_MAP_STEPS
 from elflow.runs.tracking import require_wandb
-from elflow.schedule import EMA_DECAY
+from elflow.schedule import EMA_DECAY, MUON_BLR
 from elflow.util.budget import LENGTH_BOUND, TRAINING_STEPS_BOUND
 from elflow.util.devices import RUN_DTYPES
 from elflow.util.distributed import torchrun_env
@@ -48,7 +48,7 @@ def add_arguments(p) -> None:
                    help="folder of the rounds, one run folder per student: OUT/<N>-step")
     p.add_argument("--batch", type=int, default=None, help="global batch (default: the teacher's)")
     p.add_argument("--micro-batch", type=int, default=None, help="rows per forward/backward (accumulation)")
-    p.add_argument("--lr", type=float, default=None, help="learning rate (default 1e-3 * batch / 256)")
+    p.add_argument("--lr", type=float, default=None, help=f"learning rate (default {MUON_BLR:g} x batch / 256)")
     p.add_argument("--ema-decay", type=float, default=EMA_DECAY, help=f"EMA decay of each round's student "
                                                                      f"(default {EMA_DECAY})")
     p.add_argument("--warmup-frac", type=float, default=0.1, help="warm-up as a fraction of each round")
