@@ -6,7 +6,7 @@ from pathlib import Path
 
 from elflow.cli.common import check_counts, check_scales
 from elflow.config import RUN_DEFAULTS, TrainConfig
-from elflow.experiments.compare import DEFAULT_MINUTES, JUDGE_DEFAULTS, compare
+from elflow.experiments.compare import DEFAULT_MINUTES, GRID_DEFAULTS, JUDGE_DEFAULTS, compare
 from elflow.flow import SAMPLING_RANGES
 from elflow.methods.baseline import KNOB_RANGES, MATCHES
 from elflow.model import PRESETS
@@ -39,11 +39,15 @@ def add_arguments(p) -> None:
     g.add_argument("--minutes", type=float, default=None,
                    help=f"budget: this many minutes of training each (default {DEFAULT_MINUTES:g})")
     s = p.add_argument_group("sampling and judging")
-    s.add_argument("--num", type=int, default=32, help="samples per setting")
-    s.add_argument("--elf-steps", type=int, nargs="+", default=[16, 32], help="ELF sampling steps")
-    s.add_argument("--omega", type=float, nargs="+", default=[1.0, 3.0], help="ELF guidance scales")
-    s.add_argument("--temperature", type=float, nargs="+", default=[0.7, 0.85, 1.0], help="AR temperatures")
-    s.add_argument("--mdlm-steps", type=int, nargs="+", default=[16, 64], help="MDLM sampling steps")
+    s.add_argument("--num", type=int, default=GRID_DEFAULTS["num"], help="samples per setting")
+    s.add_argument("--elf-steps", type=int, nargs="+", default=list(GRID_DEFAULTS["elf_steps"]),
+                   help="ELF sampling steps")
+    s.add_argument("--omega", type=float, nargs="+", default=list(GRID_DEFAULTS["omegas"]),
+                   help="ELF guidance scales")
+    s.add_argument("--temperature", type=float, nargs="+", default=list(GRID_DEFAULTS["ar_temperatures"]),
+                   help="AR temperatures")
+    s.add_argument("--mdlm-steps", type=int, nargs="+", default=list(GRID_DEFAULTS["mdlm_steps"]),
+                   help="MDLM sampling steps")
     s.add_argument("--judge", default=None, help="a judge folder or hub id (default: a small judge trained once on "
                    "the training split and cached)")
     s.add_argument("--judge-steps", type=int, default=JUDGE_DEFAULTS["steps"], help="training steps of that judge")

@@ -125,8 +125,15 @@ def _cells(grid: dict, fixed: dict) -> list[tuple[str, dict]]:
             for values in itertools.product(*grid.values())]
 
 
-def compare(cfg, out, steps: int | None = None, minutes: float | None = None, num: int = 32, judge=None,
-            elf_steps=(16, 32), omegas=(1.0, 3.0), ar_temperatures=(0.7, 0.85, 1.0), mdlm_steps=(16, 64),
+# the sampling grid of each method (`compare`'s defaults, and the CLI's): samples per setting, ELF's steps and
+# guidance scales, AR's temperatures, MDLM's steps
+GRID_DEFAULTS = {"num": 32, "elf_steps": (16, 32), "omegas": (1.0, 3.0), "ar_temperatures": (0.7, 0.85, 1.0),
+                 "mdlm_steps": (16, 64)}
+
+
+def compare(cfg, out, steps: int | None = None, minutes: float | None = None, num: int = GRID_DEFAULTS["num"],
+            judge=None, elf_steps=GRID_DEFAULTS["elf_steps"], omegas=GRID_DEFAULTS["omegas"],
+            ar_temperatures=GRID_DEFAULTS["ar_temperatures"], mdlm_steps=GRID_DEFAULTS["mdlm_steps"],
             seed: int = 0, cache_dir=None, device=None, overwrite: bool = False, judge_settings: dict | None = None,
             quiet: bool = True, printer=print) -> dict:
     """Train ELF, AR and MDLM from `cfg` (a train.TrainConfig; its `method` is ignored) for one budget and judge
