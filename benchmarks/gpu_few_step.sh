@@ -4,8 +4,8 @@
 #   A  benchmarks/few_step_cond.py: PD and flow-map students of the conditional demonstration's model, BLEU on
 #      held-out lines at 1, 2, 4 and 8 steps, three distillation seeds, the jump diagnostic
 #   B  benchmarks/few_step_text.py: the unconditional students of the quickstart model (250 steps) judged by a
-#      250-step judge, 200 samples a side (the model's held-out split holds 418 rows: 200 MAUVE references and
-#      200 scored as held-out text, disjoint); MAUVE's features kept in mauve_features.npz (mauve-text is not
+#      250-step judge, 256 samples a side (the model's held-out split holds 418 rows: 256 MAUVE references, the
+#      other 162 scored as held-out text, disjoint); MAUVE's features kept in mauve_features.npz (mauve-text is not
 #      needed there: `few_step_text.py --report-only --mauve-from` computes MAUVE from them elsewhere)
 #
 # A and B run side by side (the demo network leaves a GPU mostly idle: each step is a few thousand small
@@ -51,7 +51,7 @@ case "$SIZE" in
           --ema-decay 0.95 --heldout 512 --sample-batch 512 --eval-steps 1 2 4 8 --teacher-full-steps 64
           --diag-lines 128 --diag-grid 64)
     TEXT=(--teacher-train-steps 250 --judge-steps 250 --seeds 0 1 --steps-per-round 30 --batch 32 --fm-batch match
-          --lr 1e-3 --ema-decay 0.95 --num 200 --sample-batch 200 --eval-steps 1 2 4 8 --teacher-full-steps 32) ;;
+          --lr 1e-3 --ema-decay 0.95 --num 256 --sample-batch 256 --eval-steps 1 2 4 8 --teacher-full-steps 32) ;;
   tiny)
     export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
     COND=(--teacher-train-steps 6 --teacher-batch 8 --seeds 0 1 --student-steps 2,1 --teacher-steps 4
