@@ -33,10 +33,11 @@ row, as `elflow eval --mauve` computes it from the same features. --device runs 
 training and every evaluation there; --teacher-via train trains the teacher with `elflow train --defaults
 quickstart` (the quickstart's model without its report); --deadline stops starting stages at a unix time.
 
-The run reported in docs/few_step.md (a shared 2-core CPU, under load from other jobs):
+The run reported in docs/few_step.md (a 2-core AMD EPYC, idle; run with --seeds 0 1, then again with --seeds
+0 1 2, which added seed 2):
 
-    OMP_NUM_THREADS=2 python benchmarks/few_step_text.py --out /tmp/fs --teacher-train-steps 100 \\
-        --judge-steps 80 --steps-per-round 5 --batch 4 --ema-decay 0.5 --num 48 --seeds 0 1 --teacher-full-steps 0 \\
+    OMP_NUM_THREADS=2 python benchmarks/few_step_text.py --out W --teacher-train-steps 250 --judge-steps 250 \\
+        --steps-per-round 5 --batch 4 --ema-decay 0.5 --num 256 --seeds 0 1 2 --teacher-full-steps 0 \\
         --results benchmarks/results/few_step_text --copy-png docs/few_step.png
 """
 
