@@ -62,11 +62,6 @@ def map_and_time_derivative(net: MapNet, z: torch.Tensor, s: torch.Tensor, t: to
         return torch.func.jvp(in_t, (t,), (torch.ones_like(t),))
 
 
-def teacher_velocity(teacher: Teacher, z: torch.Tensor, t: torch.Tensor, t_eps: float = T_EPS) -> torch.Tensor:
-    """v_T(z, t) = (x_T(z, t) - z) / max(1 - t, t_eps), the teacher's velocity as its sampler reads it."""
-    return (teacher(z, t) - z) / (1 - per_row(t, z)).clamp_min(t_eps)
-
-
 def lmd_residual(net: MapNet, teacher: Teacher, z: torch.Tensor, s: torch.Tensor, t: torch.Tensor,
                  t_eps: float = T_EPS) -> torch.Tensor:
     """The Lagrangian map distillation residual, shape of z:
@@ -82,16 +77,6 @@ def lmd_residual(net: MapNet, teacher: Teacher, z: torch.Tensor, s: torch.Tensor
     with torch.no_grad():
         gap = teacher(X, t).to(X.dtype) - X  # (1 - t) v_T(X, t), unclipped
     return ((1 - t_) * dX - gap) / (1 - t_).clamp_min(t_eps)
-
-
-def diagonal_residual(net: MapNet, teacher: Teacher, z: torch.Tensor, s: torch.Tensor,
-                      t_eps: float = T_EPS) -> torch.Tensor:
-    """u(z, s, s) - v_T(z, s) = (x_hat(z, s, s) - sg[x_T(z, s)]) / max(1 - s, t_eps): the map's slope at t = s
-    against the teacher's velocity, one plain forward pass (lmd_residual at t = s gives the same numbers
-    through the jvp)."""
-    with torch.no_grad():
-        x_t = teacher(z, s)
-    return (net(z, s, s) - x_t.to(z.dtype)) / (1 - per_row(s, z)).clamp_min(t_eps)
 
 
 def lmd_loss(net: MapNet, teacher: Teacher, z: torch.Tensor, s: torch.Tensor, t: torch.Tensor,

@@ -9,17 +9,24 @@ import pytest
 import torch
 
 from elflow.experiments.toy import ring_mixture
-from elflow.flow import euler_step, integrate
-from elflow.flowmap import (
-    diagonal_residual,
-    draw_time_pairs,
-    flow_map,
-    lmd_loss,
-    lmd_residual,
-    map_and_time_derivative,
-    teacher_velocity,
-)
+from elflow.flow import T_EPS, euler_step, integrate, per_row
+from elflow.flowmap import draw_time_pairs, flow_map, lmd_loss, lmd_residual, map_and_time_derivative
 from elflow.util.errors import ELFError
+
+
+def teacher_velocity(teacher, z, t, t_eps: float = T_EPS):
+    """v_T(z, t) = (x_T(z, t) - z) / max(1 - t, t_eps): the teacher's velocity as its sampler reads it, written
+    out here as the target lmd_residual must match."""
+    return (teacher(z, t) - z) / (1 - per_row(t, z)).clamp_min(t_eps)
+
+
+def diagonal_residual(net, teacher, z, s, t_eps: float = T_EPS):
+    """u(z, s, s) - v_T(z, s) = (x_hat(z, s, s) - x_T(z, s)) / max(1 - s, t_eps) in one plain forward pass: a
+    second form of lmd_residual at t = s, which takes it through the jvp."""
+    with torch.no_grad():
+        x_t = teacher(z, s)
+    return (net(z, s, s) - x_t.to(z.dtype)) / (1 - per_row(s, z)).clamp_min(t_eps)
+
 
 SIGMA = 2.0  # the path's noise scale
 
