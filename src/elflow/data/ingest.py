@@ -87,13 +87,7 @@ def prepare_store(source, space, out, *, pairs: bool = False, layout: str = PACK
     how many bytes of bad input were skipped (--on-bad skip)."""
     from tqdm.auto import tqdm
 
-    check_on_bad(on_bad)
-    if layout not in LAYOUTS:
-        raise ELFError(f"layout must be 'packed' or 'document', got {layout!r}")
-    if chunk_bytes < 1:
-        raise ELFError(f"the chunk size must be at least 1 byte, got {chunk_bytes}")
-    if workers is not None:
-        workers = check_workers(int(workers))
+    workers = _check_args(on_bad, layout, chunk_bytes, workers)
     out = Path(out).expanduser()
     _check_out(out, source, overwrite, cache_dir)
     t0, cpu0 = time.time(), time.process_time()
@@ -156,6 +150,16 @@ def prepare_store(source, space, out, *, pairs: bool = False, layout: str = PACK
               "is named above); the store holds the rest")
     _report_useless(source, space_name or getattr(space, "name", None), store, read.text_bytes, unknown)
     return store
+
+
+def _check_args(on_bad: str, layout: str, chunk_bytes: int, workers) -> int | None:
+    """prepare_store's settings checked (ELFError naming the first that is wrong); the worker count, capped."""
+    check_on_bad(on_bad)
+    if layout not in LAYOUTS:
+        raise ELFError(f"layout must be 'packed' or 'document', got {layout!r}")
+    if chunk_bytes < 1:
+        raise ELFError(f"the chunk size must be at least 1 byte, got {chunk_bytes}")
+    return check_workers(int(workers)) if workers is not None else None
 
 
 def _lock(out: Path, created: bool, advice: str):
