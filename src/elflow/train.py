@@ -44,7 +44,7 @@ from elflow.runs.claim import (
 from elflow.runs.folder import CHECKPOINTS, OPTIMIZER_STATE, RUN_FILE, STATE_FILE, checkpoint_dir, run_files
 from elflow.runs.load import check_init_compatible, load_init_weights, record_of_state
 from elflow.runs.log import RunLogger, describe_start, plot_losses, tracked_settings, trim_metrics
-from elflow.runs.record import ParamCounts, RunRecord, Task
+from elflow.runs.record import ParamCounts, RunRecord, Task, differences
 from elflow.runs.stages import DECODER_STAGE, attach_decoder, decoder_stage
 from elflow.runs.stored import checkpoint_state, write_run
 from elflow.runs.tracking import Tracker, require_wandb
@@ -271,8 +271,7 @@ def check_same_model(made: RunRecord, stored: RunRecord, ckpt: Path) -> None:
     a, b = stored.to_dict(), made.to_dict()
     # a space by its identity (its spec may name its files by another path: a run resumed from elsewhere)
     a["space"], b["space"] = (stored.space.id, made.space.id) if stored.space.id else (None, None)
-    diff = [f"{k}: {a.get(k)!r:.60} -> {b.get(k)!r:.60}" for k in sorted(set(a) | set(b))
-            if k not in RESUME_MAY_CHANGE and a.get(k) != b.get(k)]
+    diff = differences(a, b, skip=RESUME_MAY_CHANGE)
     if diff:
         raise ELFError(f"{ckpt.parent.parent / RUN_FILE}: its training settings make another model than its checkpoint "
                        f"{ckpt.name} holds ({'; '.join(diff[:3])}); run.json was edited: restore it")

@@ -40,6 +40,7 @@ from elflow.runs.folder import (
     WANDB_FOLDER,
 )
 from elflow.runs.load import record_of_state
+from elflow.runs.record import differences
 from elflow.runs.stages import in_first_stage
 from elflow.runs.stored import run_file
 from elflow.runs.tracking import ID_FILE
@@ -290,7 +291,7 @@ def resume_point(out: Path, stored: dict | None = None) -> tuple[Path | None, di
         print(f"warning: skipping a bad checkpoint: {why}", file=sys.stderr)
     held = record_of_state(state, str(ckpt / STATE_FILE)).to_dict()
     described = (stored or run_file(out))["record"].to_dict()
-    diff = [f"{k}: {held[k]!r:.60} -> {described[k]!r:.60}" for k in held if held[k] != described.get(k)]
+    diff = differences(held, described)
     if diff:
         raise ELFError(f"{out / 'run.json'} describes another model than its checkpoint {ckpt.name} holds "
                        f"({'; '.join(diff)}); run.json was edited or replaced: restore it")

@@ -233,6 +233,13 @@ class RunRecord:
 DRAWN_TABLE_FIELDS = ("dim", "seed", "stream", "id")
 
 
+def differences(a: dict, b: dict, skip=()) -> list[str]:
+    """The fields in which two records (as `to_dict` gives them) differ, but those in `skip`, in name order, each
+    as "field: a -> b" with both values cut at 60 characters: what a refused resume names."""
+    return [f"{k}: {a.get(k)!r:.60} -> {b.get(k)!r:.60}" for k in sorted(set(a) | set(b))
+            if k not in skip and a.get(k) != b.get(k)]
+
+
 def _required(name: str, stored, typ) -> None:
     """Before a stored part is read: the fields of its type that have no default of None (those its `to_dict`
     always writes) are all there; a missing one is an ELFError naming it, not a default filled in."""
