@@ -1,5 +1,5 @@
-"""The training config: `TrainConfig` (how a run trains, besides the network's shape; a part of the run's
-record), the named configs of `--defaults` (RUN_DEFAULTS) and what --resume may change. Words: a "preset" is a
+"""The training config: `TrainConfig` (a run's settings as given: what the model is, which its record holds
+once it is made, and how it trains, which run.json stores beside the record), the named configs of `--defaults` (RUN_DEFAULTS) and what --resume may change. Words: a "preset" is a
 network size (elflow.model.PRESETS, --preset); "defaults" a named training config (--defaults).
 elflow.cli.train_flags makes `elflow train`'s flags from its fields."""
 
@@ -24,7 +24,7 @@ from elflow.model import (
     options_of,
 )
 from elflow.newton_schulz import NS_METHODS
-from elflow.runs.record import Distillation
+from elflow.runs.record import Distillation, RunRecord, Task, held_settings
 from elflow.schedule import (
     ADAMW_BLR,
     EMA_DECAY,
@@ -138,7 +138,9 @@ def _size_help(key: str, show=str) -> str:
 
 @dataclass
 class TrainConfig(Record):
-    """Everything a run needs besides the network shape; stored in run.json and in every checkpoint.
+    """Everything a run is given (its flags): the settings that describe the model, which its record holds once
+    it is made (elflow.runs.record.RunRecord.settings), and how it trains, which run.json stores beside the
+    record (`beside`; `of_run` reads the two back into one TrainConfig).
 
     `None` means "the preset's default" and is filled in by `resolved()`."""
 
@@ -269,8 +271,8 @@ class TrainConfig(Record):
                                "released layout); 'fixed', at --source-length in every row, the source's slot "
                                "padded, so a target token sits at a fixed distance from the source token it "
                                "copies", choices=SOURCE_SLOTS)
-    source_field: str = setting("input", "the source field of pair records")
-    target_field: str = setting("output", "the target field of pair records")
+    source_field: str = setting(Task.source_field, "the source field of pair records")
+    target_field: str = setting(Task.target_field, "the target field of pair records")
     epochs: float | None = setting(None, "the run's length in passes over the data (replaces --steps)",
                                    check=EPOCHS)
     warmup_frac: float | None = setting(None, "the warm-up as a fraction of the run (replaces --warmup)", check=UNIT)
@@ -353,6 +355,27 @@ class TrainConfig(Record):
             raise ELFError(f"{where}: {e}") from None
         cfg.validate(stored=where)
         return cfg
+
+    @classmethod
+    def of_run(cls, record: RunRecord, train, where) -> "TrainConfig":
+        """A run's training settings from what its run.json (or model folder) stores: its record, which holds
+        the settings that describe the model (RunRecord.settings), and the settings stored beside it (`beside`),
+        each read from the one place it is stored. ELFError naming `where` for settings beside the record that
+        restate one it holds, or that are missing, unknown or out of range (`stored`)."""
+        if not isinstance(train, dict):
+            raise ELFError(f"{where}: its training settings must be a JSON object, got {type(train).__name__}")
+        restated = [k for k in held_settings(record.method) if k in train]
+        if restated:
+            raise ELFError(f"{where}: its training settings hold {', '.join(map(repr, restated[:3]))}, which its "
+                           "record holds; a run.json of this version stores each once (restore the file as elflow "
+                           "wrote it)")
+        return cls.stored({**train, **record.settings()}, where)
+
+    def beside(self, record: RunRecord) -> dict:
+        """The settings run.json stores beside `record` (the run's, made from these settings): those the record
+        does not hold (`held_settings`), as `to_dict` writes them."""
+        held = held_settings(record.method)
+        return {k: v for k, v in self.to_dict().items() if k not in held}
 
     @classmethod
     def named(cls, name: str | None, **overrides) -> "TrainConfig":
@@ -546,7 +569,19 @@ def resume_conflicts(stored: TrainConfig, cfg: TrainConfig, device=None) -> list
     """'name: stored -> new' for every setting that differs and may not change on resume (dtype "auto" read
     as what it picks on `device`, if given)."""
     a, b = stored.resolved(device).to_dict(), cfg.resolved(device).to_dict()
-    return [f"{k}: {a[k]!r} -> {b[k]!r}" for k in a if k not in MUTABLE and a[k] != b[k]]
+    held = held_settings(stored.method)
+    return [f"{k}: {a[k]!r} -> {b[k]!r}" for k in a if k not in MUTABLE and a[k] != b[k]
+            and not (k in held and _not_given(a[k], b[k]))]
+
+
+def _not_given(stored, given) -> bool:
+    """Whether a setting the record holds (stored whole, as the record has it) is kept by `given`: not given
+    (None), or a part whose fields are each the stored one's or not given (a network setting left to the
+    preset)."""
+    if given is None:
+        return True
+    return isinstance(stored, dict) and isinstance(given, dict) and set(given) <= set(stored) and \
+        all(v is None or v == stored[k] for k, v in given.items())
 
 
 def check_setting(name: str, value) -> None:

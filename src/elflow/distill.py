@@ -85,6 +85,8 @@ KEPT = ("preset", "data", "text_field", "on_bad", "space", "latent_std", "length
 def _base_config(record, origin, overrides: dict) -> TrainConfig:
     """The rounds' TrainConfig: the teacher's stored data and network settings, then the overrides."""
     stored = training_settings(origin.path) if origin.format in ("checkpoint", "model-folder") else {}
+    if stored:  # with those its record holds
+        stored = TrainConfig.of_run(record, stored, origin.path).to_dict()
     base = {k: stored[k] for k in KEPT if k in stored}
     scale = record.space.latent_std
     if isinstance(scale, (int, float)) and base.get("space") is not None:

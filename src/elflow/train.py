@@ -551,7 +551,7 @@ def train_one(cfg: TrainConfig, out: Path, method: Method, resume: bool, overwri
             files = (*stored_files(out), *files)
 
         def write_meta():
-            write_run(out, setup.record, setup.cfg.to_dict(), files, world_size=world,
+            write_run(out, setup.record, setup.cfg.beside(setup.record), files, world_size=world,
                       **({"stage_of": stage_of.to_dict()} if stage_of else {}))
 
         try:

@@ -54,9 +54,9 @@ def key_paths(doc, prefix=()) -> list[tuple]:
 def read(doc) -> None:
     """What a reader does with a stored document: today's layout, its record, its training settings."""
     today = document(doc, WHERE)
-    RunRecord.from_dict(today.get("record"), WHERE)
+    record = RunRecord.from_dict(today.get("record"), WHERE)
     if today.get("train") is not None:
-        TrainConfig.stored(today["train"], WHERE)
+        TrainConfig.of_run(record, today["train"], WHERE)
 
 
 def edited(doc: dict, path: tuple, value, delete: bool) -> dict:

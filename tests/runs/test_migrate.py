@@ -8,7 +8,7 @@ import pytest
 
 from elflow.runs import migrate
 from elflow.runs.migrate import RECORD_VERSION, document
-from elflow.runs.record import RunRecord
+from elflow.runs.record import RunRecord, held_settings
 from elflow.util.errors import ELFError
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
@@ -19,8 +19,15 @@ def stored(folder: Path, run: str) -> dict:
     return json.loads((folder / run / "run.json").read_text())
 
 
+def up_to(doc: dict, version: int) -> dict:
+    """`doc` migrated to `version` (not further), one step at a time."""
+    while migrate.version_of(doc, "x") < version:
+        doc = migrate.STEPS[migrate.version_of(doc, "x")](doc, "x")
+    return doc
+
+
 def test_the_chain_reaches_todays_version_one_step_at_a_time():
-    assert RECORD_VERSION == 5 and sorted(migrate.STEPS) == [1, 2, 3, 4]
+    assert RECORD_VERSION == 6 and sorted(migrate.STEPS) == [1, 2, 3, 4, 5]
 
 
 def test_a_version_2_run_file_gains_the_schedule_its_runs_used_and_its_settings_move_out_of_the_record():
@@ -28,12 +35,10 @@ def test_a_version_2_run_file_gains_the_schedule_its_runs_used_and_its_settings_
     assert old["record"]["version"] == 2 and "lr_schedule" not in old["record"]["train"]
     new = document(old, "run.json")
     assert new["record"]["version"] == RECORD_VERSION and "train" not in new["record"]
-    assert new["train"]["lr_schedule"] == "one-ahead"
-    parts = ("lr_schedule", "recipe", "model", "short_run", "distillation")  # the parts, whole (3 -> 4)
-    assert {k: new["train"][k] for k in migrate.SAMPLE_SETTINGS} == dict.fromkeys(migrate.SAMPLE_SETTINGS)  # 4 -> 5
-    moved = parts + migrate.SAMPLE_SETTINGS
-    assert {k: v for k, v in new["train"].items() if k not in moved} == \
-        {k: v for k, v in old["record"]["train"].items() if k not in moved}  # nothing else moves
+    held = held_settings(new["record"]["method"])
+    # beside the record: the settings it does not hold (5 -> 6), as they were, and the schedule (2 -> 3)
+    assert new["train"] == {**{k: v for k, v in old["record"]["train"].items() if k not in held},
+                            "lr_schedule": "one-ahead"}
     assert {k: v for k, v in new["record"].items() if k != "version"} == \
         {k: v for k, v in old["record"].items() if k not in ("train", "version")}
     assert {k: v for k, v in new.items() if k not in ("record", "train")} == \
@@ -51,7 +56,30 @@ def test_each_step_changes_only_what_its_version_lacked():
     v5 = migrate.STEPS[4](v4, "x")
     assert v5["record"] == {**v4["record"], "version": 5}  # the record as it was: its model samples the same
     assert v5["train"] == {**v4["train"], **dict.fromkeys(migrate.SAMPLE_SETTINGS)}  # the previews' settings go
-    assert document(v4, "x") == v5 == document(v3, "x") == document(v2, "x")  # any version ends at the same
+    v6 = migrate.STEPS[5](v5, "x")
+    assert v6["record"] == {**v5["record"], "version": 6}
+    assert v6["train"] == {k: v for k, v in v5["train"].items() if k not in held_settings("elf")}
+    assert document(v5, "x") == v6 == document(v4, "x") == document(v3, "x") == document(v2, "x")
+
+
+@pytest.mark.parametrize("root", [LEGACY, RECORD2], ids=["legacy", "record2"])
+def test_version_5_settings_that_restate_the_record_say_what_it_holds_or_leave_it_to_the_run(root):
+    """What 5 -> 6 drops loses nothing: every version-5 copy of a setting the record holds is the record's value,
+    or was not given (None: the kind's sampling default, the preset's network setting), which the record
+    resolved; the record's settings and those beside it make one valid TrainConfig."""
+    from elflow.config import TrainConfig, _not_given
+
+    runs = sorted(f.parent for f in root.rglob("run.json") if "expected" not in f.parts)
+    assert len(runs) >= 10
+    for run in runs:
+        v5 = up_to(json.loads((run / "run.json").read_text()), 5)
+        record = RunRecord.from_dict({**v5["record"], "version": RECORD_VERSION})
+        held = record.settings()
+        assert set(held) == set(held_settings(record.method))
+        for k in held:
+            assert v5["train"][k] == held[k] or _not_given(held[k], v5["train"][k]), (run, k)
+        cfg = TrainConfig.of_run(record, document(v5, "x")["train"], "x")
+        assert {k: v for k, v in cfg.to_dict().items() if k in held} == held  # each read from the record
 
 
 def test_a_version_1_run_file_becomes_a_record_with_its_settings_beside_it():
@@ -111,14 +139,14 @@ def test_version_3_settings_gain_their_parts_whole_as_that_version_read_them():
     from elflow.flow import Recipe, recipe_for
     from elflow.model import ShortRunOptions
 
-    cond = document(stored(RECORD2, "cond"), "x")
+    cond = up_to(stored(RECORD2, "cond"), 4)
     old = stored(RECORD2, "cond")["record"]
     assert cond["train"]["recipe"] == recipe_for(old["train"]["recipe"], conditional=True).to_dict() == \
-        RunRecord.from_dict(cond["record"]).recipe.to_dict()
+        RunRecord.from_dict(document(cond, "x")["record"]).recipe.to_dict()
     assert Recipe.from_dict(cond["train"]["recipe"]).decode_noise_scale == 1.0
     assert cond["train"]["distillation"] is None and old["train"]["distillation"] == {}
     assert cond["train"]["short_run"] == ShortRunOptions.from_dict(old["train"]["short_run"]).to_dict()
-    fm = document(stored(RECORD2, "fm"), "x")["train"]["distillation"]
+    fm = up_to(stored(RECORD2, "fm"), 4)["train"]["distillation"]
     assert fm == {"objective": "flow-map", "student_steps": 4, "teacher_steps": None}
-    pd = document(stored(RECORD2 / "pd", "1-step"), "x")["train"]["distillation"]
+    pd = up_to(stored(RECORD2 / "pd", "1-step"), 4)["train"]["distillation"]
     assert pd == {"objective": "pd", "student_steps": 1, "teacher_steps": 4}

@@ -47,11 +47,11 @@ def heldout_texts(checkpoint, num: int, cache_dir=None) -> tuple[list[str], str]
     if not settings:
         raise ELFError("the model records no training data elflow can read")
     record = stored.record
-    cfg = TrainConfig.stored(settings, f"{checkpoint}'s run.json").resolved()
+    cfg = TrainConfig.of_run(record, settings, f"{checkpoint}'s run.json").resolved()
     if cfg.source_length:
         raise ELFError("a conditional model's held-out text is a task's references (--task)")
     space = build_space(tokenizer_spec(record.space.build_spec()))
-    length = cfg.length or record.length
+    length = cfg.length
     try:
         _, val = run_data(cfg, space, length, cache_dir)
     except (ELFError, OSError) as e:

@@ -236,11 +236,13 @@ def stored_config(out: Path) -> TrainConfig:
         src = out / REPLACED
     if in_first_stage(src):  # a --decoder separate run still in its decoder stage: the stage holds its config
         path = src / DECODER_STAGE / RUN_FILE
-        return checked(_quietly_read(path.parent)["stage_of"], path)
+        stage_of = _quietly_read(path.parent)["stage_of"]
+        return checked(lambda: TrainConfig.stored(stage_of, path), stage_of, path)
     path = src / RUN_FILE
     if not path.exists():
         raise ELFError(f"{out} holds no run to resume; check --out, or start the run without --resume")
-    return checked(_quietly_read(src)["train"], path)
+    run = _quietly_read(src)
+    return checked(lambda: TrainConfig.of_run(run["record"], run["train"], path), run["train"], path)
 
 
 def _quietly_read(folder: Path) -> dict:
@@ -251,12 +253,12 @@ def _quietly_read(folder: Path) -> dict:
         return run_file(folder)
 
 
-def checked(stored: dict | None, path) -> TrainConfig:
-    """Stored training settings (run.json's), read, resolved and checked; ELFError naming `path` and the
-    stored setting."""
+def checked(read, stored: dict | None, path) -> TrainConfig:
+    """Stored training settings (`stored`, run.json's), read (`read()`), resolved and checked; ELFError naming
+    `path` and the stored setting."""
     if stored is None:
         raise ELFError(f"{path}: holds no training config (a converted or released model); it cannot be resumed")
-    cfg = TrainConfig.stored(stored, path)
+    cfg = read()
     try:
         cfg = cfg.resolved()
     except (ValueError, KeyError, TypeError) as e:

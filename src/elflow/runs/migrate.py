@@ -1,11 +1,14 @@
 """Every stored layout elflow reads, made today's by one linear chain of small steps, version N -> N + 1.
 
 A stored document is a run's run.json, a checkpoint's state.json or a model folder's config.json (an earlier
-model folder's JSON files merged into one: elflow.runs.model_folder). Today's layout (version 5) holds
+model folder's JSON files merged into one: elflow.runs.model_folder). Today's layout (version 6) holds
 
-    "record"   the model's description (elflow.runs.record.RunRecord.to_dict), version 5
-    "train"    run.json: the training settings (elflow.config.TrainConfig.to_dict); None for a model that was
-               not trained by elflow (a converted release)
+    "record"   the model's description (elflow.runs.record.RunRecord.to_dict), version 6
+    "train"    run.json and a model folder: the training settings the record does not hold
+               (elflow.config.TrainConfig.beside); None for a model that was not trained by elflow (a converted
+               release)
+    "stage_of" the first stage of a --decoder separate run: the whole run's settings (TrainConfig.to_dict),
+               which has no record yet
 
 beside the document's own fields (a checkpoint's step, data position and store; run.json's files and ranks).
 Earlier versions:
@@ -16,6 +19,7 @@ Earlier versions:
     3  version 2 with the learning-rate schedule's warm-up start (train.lr_schedule)
     4  the training settings beside the record; their sample_steps / sample_sampler / sample_omega set the
        training previews alone, apart from the record's sampling defaults
+    5  the training settings whole beside the record, restating what it holds (length, task, recipe, ...)
 
 Each step fills in exactly what its version lacked, with the value that the code of that version used (never
 today's default), so that an older run samples the same texts and resumes bit for bit. The authors' released
@@ -30,7 +34,7 @@ from elflow.data.layout import PACKED
 from elflow.flow import recipe_for
 from elflow.methods import get_method
 from elflow.model import NetworkOverrides, ShortRunOptions
-from elflow.runs.record import RECORD_VERSION, Distillation, ParamCounts, RunRecord, Task
+from elflow.runs.record import RECORD_VERSION, Distillation, ParamCounts, RunRecord, Task, held_settings
 from elflow.space import SpaceSpec, drawn_table
 from elflow.util.errors import ELFError
 
@@ -238,8 +242,25 @@ def _4_to_5(doc: dict, where: str) -> dict:
     return out
 
 
+def _5_to_6(doc: dict, where: str) -> dict:
+    """From version 6 the training settings beside the record hold only what the record does not: version 5's
+    copies of the settings the record holds (`held_settings`: the length, the task, the recipe, an ELF
+    network's settings, ...) go, and the record's values stand for them. Where the two said different things
+    (a --decoder separate run's recipe, which the record holds as trained: decode_prob 0), the record's is the
+    one the model was trained with. A first stage's settings of the whole run ("stage_of") stay whole."""
+    out = {**doc, "record": {**doc["record"], "version": 6}}
+    train = doc.get("train")
+    if isinstance(train, dict):
+        try:
+            held = held_settings(doc["record"].get("method"))
+        except (ELFError, TypeError):  # no method it knows: the record's reader names the field
+            return out
+        out["train"] = {k: v for k, v in train.items() if k not in held}
+    return out
+
+
 # version -> the step that makes a document of that version one version newer
-STEPS = {1: _1_to_2, 2: _2_to_3, 3: _3_to_4, 4: _4_to_5}
+STEPS = {1: _1_to_2, 2: _2_to_3, 3: _3_to_4, 4: _4_to_5, 5: _5_to_6}
 assert sorted(STEPS) == list(range(PRE_RECORD, RECORD_VERSION)), "the chain must reach today's version"
 
 

@@ -12,6 +12,10 @@ about how it was trained (the training settings are elflow.config.TrainConfig, s
     distillation  None, or how a student was distilled (`Distillation`)
     params        None (a released model), or its parameter counts (`ParamCounts`)
 
+A record also answers the training settings it holds (`RunRecord.settings`, named as elflow.config.TrainConfig
+names them: HELD_SETTINGS, and ELF_NETWORK_SETTINGS for an ELF network): run.json stores those once, here, and
+the training settings beside the record hold the rest (TrainConfig.beside / TrainConfig.of_run).
+
 This module holds the types alone. The files that store a record (run.json, a checkpoint's state.json, a model
 folder's config.json) are read by elflow.runs.load, after elflow.runs.migrate has turned an earlier layout
 into today's; `RunRecord.from_dict` reads today's layout only. A record that is malformed or whose parts
@@ -28,11 +32,11 @@ from elflow.flow import Recipe, SamplingSettings
 from elflow.methods import get_method
 from elflow.methods.baseline import MATCHES, BaselineSampling
 from elflow.methods.token_net import TokenLMConfig
-from elflow.model import ELFConfig, ShortRunOptions
+from elflow.model import ELFConfig, NetworkOverrides, ShortRunOptions
 from elflow.space import SpaceSpec, drawn_table
 from elflow.util.errors import ELFError, Record
 
-RECORD_VERSION = 5  # the layout of today's record; elflow.runs.migrate reads the earlier ones
+RECORD_VERSION = 6  # the layout of today's record; elflow.runs.migrate reads the earlier ones
 DISTILL_OBJECTIVES = ("pd", "flow-map")  # progressive distillation; one flow-map student for every step count
 
 
@@ -96,6 +100,21 @@ class ParamCounts(Record):
             raise ValueError(f"match must be one of {', '.join(MATCHES)}, got {self.match!r}")
 
 
+# the training settings (elflow.config.TrainConfig's fields) every record holds: the model's method and how a
+# baseline was sized, its length and task, its flow recipe, its distillation and its sampling defaults
+HELD_SETTINGS = ("method", "match", "length", "task", "source_length", "source_slot", "source_field", "target_field",
+                 "recipe", "distillation", "sample_steps", "sample_sampler", "sample_omega")
+# and those an ELF network's record holds besides (a baseline's record holds its own network, not the ELF
+# network it is sized against, whose settings stay with its training settings)
+ELF_NETWORK_SETTINGS = ("predict", "conditioning", "bottleneck", "decoder", "model", "short_run")
+SAMPLE_FIELDS = ("steps", "sampler", "omega")  # the sampling defaults a run sets (--sample-steps, ...)
+
+
+def held_settings(method: str) -> tuple[str, ...]:
+    """The training settings the record of a model of `method` holds."""
+    return HELD_SETTINGS + (ELF_NETWORK_SETTINGS if get_method(method).config_type is ELFConfig else ())
+
+
 # the fields every stored record holds (`options` only where one is on: absent, the paper's network)
 STORED_FIELDS = ("method", "network", "space", "length", "recipe", "task", "sampling", "distillation", "params")
 
@@ -137,6 +156,26 @@ class RunRecord:
         """The settings this model samples with: its stored defaults, the flags `given` on top (None: not
         given); a progressively distilled student's sampler settings follow the step count."""
         return get_method(self.method).sampling_settings(self, **given)
+
+    def settings(self) -> dict:
+        """The training settings this record holds (`held_settings`), as elflow.config.TrainConfig names and
+        stores them: a run's training settings are these and the ones stored beside the record. The network
+        settings are the network's own fields (the preset's and the ones given alike); a model without a task
+        reads pairs by Task's default fields."""
+        task = self.task or Task(1)
+        sampling = self.sampling.to_dict()
+        out = {"method": self.method, "match": self.params.match if self.params else ParamCounts.match,
+               "length": self.length, "task": task.name, "source_length": self.source_length,
+               "source_slot": task.source_slot, "source_field": task.source_field, "target_field": task.target_field,
+               "recipe": self.recipe.to_dict(),
+               "distillation": self.distillation.to_dict() if self.distillation else None,
+               **{f"sample_{k}": sampling.get(k) for k in SAMPLE_FIELDS}}
+        if isinstance(self.network, ELFConfig):
+            net = self.network.to_dict()
+            out.update({k: net[k] for k in ELF_NETWORK_SETTINGS if k in net},
+                       model={f.name: net.get(f.name) for f in fields(NetworkOverrides)},
+                       short_run=self.options.to_dict())
+        return out
 
     def replace(self, **kw) -> "RunRecord":
         return replace(self, **kw)
@@ -279,4 +318,4 @@ def _positive_int(v) -> int:
     return v
 
 
-__all__ = ["RunRecord", "Task", "Distillation", "ParamCounts", "RECORD_VERSION", "DISTILL_OBJECTIVES"]
+__all__ = ["RunRecord", "Task", "Distillation", "ParamCounts", "RECORD_VERSION", "DISTILL_OBJECTIVES", "held_settings"]

@@ -1,8 +1,9 @@
 """The files that store a run, written here alone: run.json and the state.json of each checkpoint (the weights
 beside it are elflow.runs.checkpoint's); reading a model of any format is elflow.runs.load's.
 
-    RUN/run.json                  {"format", "record" (RunRecord), "train" (TrainConfig's settings), "files" (the
-                                  run's own files), "world_size", "stage_of" (a first stage's run settings)}
+    RUN/run.json                  {"format", "record" (RunRecord), "train" (the training settings the record does
+                                  not hold: TrainConfig.beside), "files" (the run's own files), "world_size",
+                                  "stage_of" (a first stage's: the whole run's settings, TrainConfig.to_dict)}
     RUN/checkpoints/step_N/state.json
                                   {"format", "step", "data_position", "data_store", "world_size", "record",
                                    "files" (each file's sha256 and size)}: what the checkpoint holds; the record
@@ -12,7 +13,8 @@ beside it are elflow.runs.checkpoint's); reading a model of any format is elflow
 
 Every stored document goes through elflow.runs.migrate first (an earlier layout becomes today's), then
 `RunRecord.from_dict`. The training settings are handed on as the stored dict (`run_file`'s "train"): the
-trainer reads them into an elflow.config.TrainConfig, and nothing that loads a model to sample imports it.
+trainer reads them with the record into an elflow.config.TrainConfig (TrainConfig.of_run), and nothing that
+loads a model to sample imports it.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from pathlib import Path
 from elflow.runs.folder import CHECKPOINTS, MODEL_CONFIG, RUN_FILE, RUN_FILES
 from elflow.runs.migrate import document
 from elflow.runs.model_folder import is_model_folder
-from elflow.runs.record import RunRecord
+from elflow.runs.record import RunRecord, held_settings
 from elflow.util.errors import ELFError
 from elflow.util.files import atomic_write_json, read_json
 
@@ -34,10 +36,14 @@ CHECKPOINT_FORMAT = "elflow-checkpoint-2"  # a checkpoint's state.json
 # ----------------------------------------------------------------------------------------------------------
 # run.json
 def write_run(folder: str | os.PathLike, record: RunRecord, train: dict, files=RUN_FILES, **extra) -> Path:
-    """run.json of a run folder: the record, the training settings (`train`: TrainConfig.to_dict()), the names
+    """run.json of a run folder: the record, the training settings it does not hold (`train`:
+    TrainConfig.beside(record)), the names
     of the files the run writes there (`files`: those of runs.folder.run_files, with the ones it wrote before on
     a resume), and `extra` (how the run runs: world_size, stage_of), written atomically."""
     path = Path(folder) / RUN_FILE
+    restated = [k for k in held_settings(record.method) if k in train]
+    if restated:
+        raise ValueError(f"write_run: the training settings restate {restated} of the record")
     listed = [n for n in RUN_FILES if n in files]
     atomic_write_json(path, {"format": RUN_FORMAT, "record": record.to_dict(), "train": train, "files": listed,
                              **extra})
@@ -63,9 +69,10 @@ def run_file(folder: str | os.PathLike) -> dict:
 
 
 def training_settings(path: str | os.PathLike) -> dict:
-    """The training settings of a model, as stored: those of the run a checkpoint folder (RUN/checkpoints/step_N)
-    belongs to (its run.json's), or a model folder's (its config.json's); {} for a checkpoint read alone (a
-    converted release, a copied checkpoint) or a model that elflow did not train."""
+    """The training settings of a model stored beside its record (TrainConfig.of_run reads them with it): those of
+    the run a checkpoint folder (RUN/checkpoints/step_N) belongs to (its run.json's), or a model folder's (its
+    config.json's); {} for a checkpoint read alone (a converted release, a copied checkpoint) or a model that
+    elflow did not train."""
     path = Path(path)
     if is_model_folder(path):
         where = str(path / MODEL_CONFIG)
