@@ -1,10 +1,12 @@
 """The training config (elflow.config.TrainConfig): its typed parts (recipe, model, short_run, distillation)
 given whole or as dicts of their fields, a bad field one ELFError naming its flag; the settings a run.json
-stores (`TrainConfig.stored`); the defaults filled in by `resolved`; the ranges and combinations `validate`
+stores beside its record, each once (`TrainConfig.beside`, read back with the record by `TrainConfig.of_run`;
+whole: `TrainConfig.stored`); the defaults filled in by `resolved`; the ranges and combinations `validate`
 refuses; the named configs of --defaults; what a --resume may not change (`resume_conflicts`), what a
 continued run keeps (`kept_from`) and the one-flag check of elflow distill (`check_setting`)."""
 
 import json
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -13,7 +15,7 @@ from elflow.config import TrainConfig, check_setting, kept_from, resume_conflict
 from elflow.flow import Recipe
 from elflow.model import NetworkOverrides, ShortRunOptions
 from elflow.runs.migrate import document
-from elflow.runs.record import Distillation
+from elflow.runs.record import Distillation, RunRecord, held_settings
 from elflow.util.devices import resolve_dtype
 from elflow.util.errors import ELFError
 
@@ -109,18 +111,54 @@ def test_a_bad_field_of_a_part_is_one_error_naming_its_flag(part, words):
 
 
 @pytest.mark.parametrize("path", RUN_FILES, ids=lambda p: str(p.parent.relative_to(FIXTURES)))
-def test_the_settings_of_every_earlier_run_read_and_write_back_as_stored(path):
-    settings = document(json.loads(path.read_text()), str(path))["train"]
-    cfg = TrainConfig.stored(settings, str(path))
-    assert cfg.to_dict() == settings
+def test_the_settings_of_every_earlier_run_read_with_its_record_and_write_back_as_stored(path):
+    doc = document(json.loads(path.read_text()), str(path))
+    record = RunRecord.from_dict(doc["record"], str(path))
+    cfg = TrainConfig.of_run(record, doc["train"], str(path))
+    assert cfg.beside(record) == doc["train"]  # what run.json stores beside the record, as stored
+    assert {k: v for k, v in cfg.to_dict().items() if k in held_settings(record.method)} == record.settings()
     assert isinstance(cfg.recipe, Recipe) and isinstance(cfg.short_run, ShortRunOptions)
     assert cfg.model.depth == 1  # every fixture's network has one block (--depth 1)
+
+
+def test_run_json_stores_each_setting_once_the_record_the_model_and_beside_it_how_it_trained(
+        trained, tiny_t5_dir, tiny_corpus_file):
+    from helpers import tiny_config
+
+    from elflow.runs.stored import run_file
+
+    doc = json.loads((trained / "run.json").read_text())
+    held = held_settings(doc["record"]["method"])
+    assert not set(doc["train"]) & set(held)  # none restated
+    assert set(doc["train"]) | set(held) == {f.name for f in fields(TrainConfig)}  # and none missing
+    stored = run_file(trained)
+    cfg = TrainConfig.of_run(stored["record"], stored["train"], "run.json")
+    given = tiny_config(tiny_t5_dir, tiny_corpus_file).resolved()
+    for k in ("length", "preset", "steps", "seed", "batch", "lr"):  # the run's own settings, from either place
+        assert getattr(cfg, k) == getattr(given, k), k
+    assert cfg.model.depth == stored["record"].network.depth and cfg.recipe == stored["record"].recipe
+
+
+def test_settings_beside_the_record_that_restate_it_are_refused_naming_them(trained):
+    from elflow.runs.stored import run_file, write_run
+
+    stored = run_file(trained)
+    record = stored["record"]
+    with pytest.raises(ELFError, match=r"^run.json: its training settings hold 'length', which its record holds"):
+        TrainConfig.of_run(record, {**stored["train"], "length": 64}, "run.json")
+    with pytest.raises(ELFError, match="run.json: its training settings lack 'seed'"):
+        TrainConfig.of_run(record, {k: v for k, v in stored["train"].items() if k != "seed"}, "run.json")
+    with pytest.raises(ELFError, match=r"^run.json: its training settings must be a JSON object, got list$"):
+        TrainConfig.of_run(record, [], "run.json")
+    with pytest.raises(ValueError, match="restate"):  # the one writer stores each setting once
+        write_run(trained.parent / "elsewhere", record, {**stored["train"], "recipe": record.recipe.to_dict()})
 
 
 def test_stored_training_settings_hold_every_setting_and_name_what_is_wrong(trained):
     from elflow.runs.stored import run_file
 
-    settings = run_file(trained)["train"]
+    stored = run_file(trained)
+    settings = TrainConfig.of_run(stored["record"], stored["train"], "run.json").to_dict()
     assert TrainConfig.stored(settings, "run.json").to_dict() == settings
     with pytest.raises(ELFError, match="run.json: its training settings lack 'seed'"):
         TrainConfig.stored({k: v for k, v in settings.items() if k != "seed"}, "run.json")
@@ -300,6 +338,17 @@ def test_resume_conflicts_name_each_setting_that_may_not_change():
     assert resume_conflicts(stored, stored.replace(seed=3, lr=0.5)) == ["lr: 0.003 -> 0.5", "seed: 0 -> 3"]
     assert resume_conflicts(stored, stored.replace(short_run=ShortRunOptions(skip="gated"))) == [
         f"short_run: {ShortRunOptions().to_dict()!r} -> {ShortRunOptions(skip='gated').to_dict()!r}"]
+
+
+def test_on_resume_a_setting_the_record_holds_that_is_not_given_keeps_the_stored_one():
+    """The settings the record holds are read back whole (a network setting as the network has it): a command
+    that leaves one to the preset (None) keeps it; one given otherwise is a change."""
+    stored = TrainConfig(preset="tiny", bottleneck=16, model=NetworkOverrides(depth=1, hidden=64, heads=2)).resolved()
+    assert resume_conflicts(stored, stored.replace(bottleneck=None, model=NetworkOverrides(depth=1))) == []
+    assert resume_conflicts(stored, stored.replace(model=NetworkOverrides(depth=2))) == [
+        f"model: {stored.model.to_dict()!r} -> {NetworkOverrides(depth=2).to_dict()!r}"]
+    assert resume_conflicts(stored, stored.replace(bottleneck=8)) == ["bottleneck: 16 -> 8"]
+    assert resume_conflicts(stored, stored.replace(seed=None)) == ["seed: 0 -> None"]  # not held: as stored
 
 
 def test_resume_conflicts_compare_the_resolved_settings():

@@ -1,9 +1,9 @@
 """A model folder: what `elflow push` uploads (and `push --dry-run` writes), and `elflow.load` reads back.
 
     model.safetensors    the EMA weights of the network     space.safetensors   a learned space's parameters
-    config.json          {"format", "record" (the model's RunRecord), "train" (the training settings of its run,
-                         elflow.config.TrainConfig's; null where it had none), "step", "files": the sha256 and size of
-                         each weight file}
+    config.json          {"format", "record" (the model's RunRecord), "train" (the training settings of its run
+                         beside the record, as its run.json stores them; null where it had none), "step", "files":
+                         the sha256 and size of each weight file}
     README.md            the model card (elflow.runs.push)
 
 Folders of the earlier layout (MODEL_FORMAT_1: config.json with the network config, recipe.json, space.json,
