@@ -574,10 +574,11 @@ def run(args) -> int:
                    "--sample-every", "0", "--ckpt-every", str(args.teacher_train_steps), "--device", device,
                    "--out", str(teacher), "--quiet", *cache]
         r.run("teacher", "teacher", cmd)
-    record = load(teacher / "run.json")["record"]
+    stored = load(teacher / "run.json")
+    record = stored["record"]
     if not record.get("task", {}).get("source_length"):
         raise Stop(f"{teacher} is not a conditional model (trained on pairs)")
-    stored_data = (record.get("train") or {}).get("data")
+    stored_data = (stored.get("train") or {}).get("data")
     if stored_data and Path(stored_data).name != pairs_file.name:
         raise Stop(f"{teacher} was trained on {stored_data}, not on the {args.task} task's {pairs_file.name}: its "
                    "held-out lines would not be held out")

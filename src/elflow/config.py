@@ -337,9 +337,9 @@ class TrainConfig(Record):
 
     @classmethod
     def stored(cls, d, where) -> "TrainConfig":
-        """The training settings a run.json stores (today's layout: elflow.runs.migrate makes an earlier one
-        so): every setting present and none unknown, each checked (`validate`); ELFError naming `where` and
-        the setting."""
+        """A run's whole settings as stored (a first stage's "stage_of", or those `of_run` puts together from a
+        run.json of today's layout: elflow.runs.migrate makes an earlier one so): every setting present and
+        none unknown, each checked (`validate`); ELFError naming `where` and the setting."""
         if not isinstance(d, dict):
             raise ELFError(f"{where}: its training settings must be a JSON object, got {type(d).__name__}")
         names = [f.name for f in fields(cls)]

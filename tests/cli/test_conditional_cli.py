@@ -310,8 +310,8 @@ def test_quickstart_conditional_trains_in_stages_and_draws_its_bleu_curve(tmp_pa
     rows = {r["model"]: r["bleu"] for r in report["rows"]}
     assert rows["copy the source"] == pytest.approx(100.0)
     assert report["curve"][-1]["bleu"] == pytest.approx(rows["guidance 2"])
-    stored = json.loads((out / "run.json").read_text())["train"]
-    assert stored["source_slot"] == "fixed" and not ShortRunOptions.from_dict(stored["short_run"]).active
+    stored = json.loads((out / "run.json").read_text())["record"]
+    assert stored["task"]["source_slot"] == "fixed" and not ShortRunOptions.from_dict(stored.get("options", {})).active
     assert (out / "bleu.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # run again with --resume: the run is finished, so nothing is trained or measured again
     curve = (out / "curve.json").read_text()

@@ -114,7 +114,7 @@ def test_each_option_trains_saves_loads_and_samples(name, base_args, tmp_path):
     if name == "recipe":
         from elflow.flow import Recipe
 
-        assert stored["recipe"] == Recipe(noise_scale=1.5, t_mean=-0.5, t_std=1.2, decode_prob=0.4, omega_low=1.0,
+        assert net.record.recipe.to_dict() == Recipe(noise_scale=1.5, t_mean=-0.5, t_std=1.2, decode_prob=0.4, omega_low=1.0,
                                           omega_high=3.0).to_dict()
         assert net.record.recipe.noise_scale == 1.5
     if name == "no-self-cond":
@@ -163,8 +163,10 @@ def test_a_separate_decoder_trains_in_two_stages_and_is_one_model(base_args, tmp
     run = tmp_path / "sep"
     assert main(args + ["--steps", "4", "--decoder", "separate", "--decoder-steps", "2", "--ckpt-every", "2",
                         "--out", str(run)]) == 0
-    stage = json.loads((run / "decoder" / "run.json").read_text())["train"]
-    assert stage["decoder"] == "shared" and stage["steps"] == 2 and stage["recipe"]["decode_prob"] == 1.0
+    stage = json.loads((run / "decoder" / "run.json").read_text())
+    assert stage["record"]["network"]["decoder"] == "shared" and stage["train"]["steps"] == 2 and \
+        stage["record"]["recipe"]["decode_prob"] == 1.0
+    assert json.loads((run / "run.json").read_text())["record"]["recipe"]["decode_prob"] == 0.0  # all denoise
     first = load_file(run / "decoder" / "checkpoints" / "step_0000002" / "ema.safetensors")
     for step in (2, 4):
         for part in ("model", "ema"):

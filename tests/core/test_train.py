@@ -86,12 +86,13 @@ def test_the_sample_settings_given_are_the_models_sampling_defaults(uninterrupte
 
 
 @pytest.mark.parametrize("edit, words", [
-    (lambda t: t["recipe"].update(noise_scale=3.0), "its training settings make another model than its checkpoint "
-                                                    "step_0000006 holds (recipe: "),
-    (lambda t: t.update(latent_std="2.5"), "its training settings make another model than its checkpoint "
-                                           "step_0000006 holds (space: "),
-    (lambda t: t.update(update_rule="torch-fan"), "If run.json's optimiser settings were edited"),
-], ids=["recipe", "space-scale", "update-rule"])
+    (lambda d: d["record"]["recipe"].update(noise_scale=3.0), "describes another model than its checkpoint "
+                                                              "step_0000006 holds (recipe: "),
+    (lambda d: d["train"].update(length=8), "its training settings hold 'length', which its record holds"),
+    (lambda d: d["train"].update(latent_std="2.5"), "its training settings make another model than its checkpoint "
+                                                    "step_0000006 holds (space: "),
+    (lambda d: d["train"].update(update_rule="torch-fan"), "If run.json's optimiser settings were edited"),
+], ids=["recipe", "restated", "space-scale", "update-rule"])
 def test_a_resume_from_edited_training_settings_names_run_json(uninterrupted, tmp_path, capsys, edit, words):
     """run.json's training settings edited so that they make another model than the checkpoint holds (another
     recipe, another space) or another optimiser: the resume is one line that says run.json was edited, before
@@ -103,7 +104,7 @@ def test_a_resume_from_edited_training_settings_names_run_json(uninterrupted, tm
     run = tmp_path / "run"
     shutil.copytree(uninterrupted[0], run)
     doc = json.loads((run / "run.json").read_text())
-    edit(doc["train"])
+    edit(doc)
     (run / "run.json").write_text(json.dumps(doc))
     before = sorted((p.relative_to(run), p.stat().st_mtime_ns) for p in run.rglob("*") if p.is_file())
     assert main(["train", "--out", str(run), "--resume", "--steps", "8", "--quiet",

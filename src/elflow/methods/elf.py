@@ -75,7 +75,8 @@ class ELFMethod(Method):
     def check(self, cfg) -> None:
         check_network(cfg.predict, cfg.conditioning, options_of(cfg.short_run))
         if cfg.separate_decoder:
-            if cfg.recipe is not None and cfg.recipe.decode_prob != Recipe().decode_prob:
+            # (0, every row denoising, is what the record of such a run holds: its settings read back)
+            if cfg.recipe is not None and cfg.recipe.decode_prob not in (Recipe().decode_prob, 0.0):
                 raise ELFError("--decode-prob does not go with --decoder separate: its decoder trains alone "
                                "(--decoder-steps) and its denoiser never decodes")
             if cfg.decoder_from and cfg.decoder_steps:
