@@ -82,7 +82,7 @@ def test_sources_of_varied_lengths_are_copied_in_the_fixed_slot(varied):
     targets read back at their positions), and the model copies as well as with sources of one length (in
     the released layout the same run reads about 60% of the target tokens: benchmarks/RESULTS.md, section 10)."""
     task, run, records = varied
-    assert json.loads((run / "run.json").read_text())["train"]["source_slot"] == "fixed"
+    assert json.loads((run / "run.json").read_text())["record"]["task"]["source_slot"] == "fixed"
     check_learned(task, run, records)
 
 
@@ -108,7 +108,7 @@ def test_the_final_state_holds_the_data_not_the_starting_noise(trained):
     plain Gaussian skip, `--skip gaussian`, keeps 0.14 of z0 on these tasks: benchmarks/RESULTS.md,
     section 10)."""
     task, run, records = trained
-    assert json.loads((run / "run.json").read_text())["train"]["short_run"]["skip"] == "gated"
+    assert json.loads((run / "run.json").read_text())["record"]["options"]["skip"] == "gated"
     net, space = load_for_sampling(run)
     recipe = net.record.recipe
     s = settings_for(net.record, seed=0)

@@ -239,8 +239,9 @@ def test_rounds_are_ordinary_runs_with_few_step_sampling_defaults(full_distillat
         assert record.distillation == Distillation("pd", n, 2)
         assert record.sampling.to_dict() == {**record.sampling.to_dict(), **distilled_defaults(n)}
         # the round's record is its own, with the teacher's recipe
-        stored = json.loads((out / f"{n}-step" / "run.json").read_text())["train"]
-        assert stored["distillation"] == {"objective": "pd", "student_steps": n, "teacher_steps": 2}
+        stored = json.loads((out / f"{n}-step" / "run.json").read_text())
+        assert stored["record"]["distillation"] == {"objective": "pd", "student_steps": n, "teacher_steps": 2}
+        assert "distillation" not in stored["train"]  # once: in the record
         assert record.recipe == teacher.recipe
     run1 = json.loads((out / "1-step" / "run.json").read_text())["train"]
     run2 = json.loads((out / "2-step" / "run.json").read_text())["train"]
