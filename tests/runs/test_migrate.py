@@ -12,7 +12,7 @@ from elflow.runs.record import RunRecord, held_settings
 from elflow.util.errors import ELFError
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
-RECORD2, LEGACY = FIXTURES / "record2", FIXTURES / "legacy"
+RECORD2, LEGACY, RECORD5 = FIXTURES / "record2", FIXTURES / "legacy", FIXTURES / "record5"
 
 
 def stored(folder: Path, run: str) -> dict:
@@ -62,11 +62,12 @@ def test_each_step_changes_only_what_its_version_lacked():
     assert document(v5, "x") == v6 == document(v4, "x") == document(v3, "x") == document(v2, "x")
 
 
-@pytest.mark.parametrize("root", [LEGACY, RECORD2], ids=["legacy", "record2"])
+@pytest.mark.parametrize("root", [LEGACY, RECORD2, RECORD5], ids=["legacy", "record2", "record5"])
 def test_version_5_settings_that_restate_the_record_say_what_it_holds_or_leave_it_to_the_run(root):
     """What 5 -> 6 drops loses nothing: every version-5 copy of a setting the record holds is the record's value,
     or was not given (None: the kind's sampling default, the preset's network setting), which the record
-    resolved; the record's settings and those beside it make one valid TrainConfig."""
+    resolved; the record's settings and those beside it make one valid TrainConfig. record5's runs were written
+    in version 5 by its own code; the others reach it through the chain."""
     from elflow.config import TrainConfig, _not_given
 
     runs = sorted(f.parent for f in root.rglob("run.json") if "expected" not in f.parts)

@@ -13,7 +13,7 @@ from elflow.runs.record import RECORD_VERSION, Distillation, ParamCounts, RunRec
 from elflow.util.errors import ELFError
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
-RUN_FILES = sorted(FIXTURES.glob("*/**/run.json"))  # the runs of earlier elflows: legacy/ and record2/
+RUN_FILES = sorted(FIXTURES.glob("*/**/run.json"))  # the runs of earlier elflows: legacy/, record2/, record5/
 
 # what each fixture's make.sh trained (a run and its stopped copy alike): method, task, distillation and the
 # network's own parameter count (None: not stated there); every network has 16 positions and trained at 16
