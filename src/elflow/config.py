@@ -1,6 +1,7 @@
 """The training config: `TrainConfig` (a run's settings as given: what the model is, which its record holds
-once it is made, and how it trains, which run.json stores beside the record), the named configs of `--defaults` (RUN_DEFAULTS) and what --resume may change. Words: a "preset" is a
-network size (elflow.model.PRESETS, --preset); "defaults" a named training config (--defaults).
+once it is made, and how it trains, which run.json stores beside the record), the named configs of `--defaults`
+(RUN_DEFAULTS) and what --resume may change. Words: a "preset" is a network size (elflow.model.PRESETS,
+--preset); "defaults" a named training config (--defaults).
 elflow.cli.train_flags makes `elflow train`'s flags from its fields."""
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from elflow.model import (
     options_of,
 )
 from elflow.newton_schulz import NS_METHODS
-from elflow.runs.record import Distillation, RunRecord, Task, held_settings
+from elflow.runs.record import Distillation, RunRecord, Task, held_settings, restated
 from elflow.schedule import (
     ADAMW_BLR,
     EMA_DECAY,
@@ -364,9 +365,9 @@ class TrainConfig(Record):
         restate one it holds, or that are missing, unknown or out of range (`stored`)."""
         if not isinstance(train, dict):
             raise ELFError(f"{where}: its training settings must be a JSON object, got {type(train).__name__}")
-        restated = [k for k in held_settings(record.method) if k in train]
-        if restated:
-            raise ELFError(f"{where}: its training settings hold {', '.join(map(repr, restated[:3]))}, which its "
+        twice = restated(record.method, train)
+        if twice:
+            raise ELFError(f"{where}: its training settings hold {', '.join(map(repr, twice[:3]))}, which its "
                            "record holds; a run.json of this version stores each once (restore the file as elflow "
                            "wrote it)")
         return cls.stored({**train, **record.settings()}, where)

@@ -236,13 +236,12 @@ def stored_config(out: Path) -> TrainConfig:
         src = out / REPLACED
     if in_first_stage(src):  # a --decoder separate run still in its decoder stage: the stage holds its config
         path = src / DECODER_STAGE / RUN_FILE
-        stage_of = _quietly_read(path.parent)["stage_of"]
-        return checked(lambda: TrainConfig.stored(stage_of, path), stage_of, path)
+        return checked(_quietly_read(path.parent)["stage_of"], path)
     path = src / RUN_FILE
     if not path.exists():
         raise ELFError(f"{out} holds no run to resume; check --out, or start the run without --resume")
     run = _quietly_read(src)
-    return checked(lambda: TrainConfig.of_run(run["record"], run["train"], path), run["train"], path)
+    return checked(run["train"], path, run["record"])
 
 
 def _quietly_read(folder: Path) -> dict:
@@ -253,12 +252,13 @@ def _quietly_read(folder: Path) -> dict:
         return run_file(folder)
 
 
-def checked(read, stored: dict | None, path) -> TrainConfig:
-    """Stored training settings (`stored`, run.json's), read (`read()`), resolved and checked; ELFError naming
-    `path` and the stored setting."""
+def checked(stored: dict | None, path, record=None) -> TrainConfig:
+    """Stored training settings, read, resolved and checked: those beside `record` in run.json
+    (`TrainConfig.of_run`), or, without a record, a first stage's whole settings (`TrainConfig.stored`);
+    ELFError naming `path` and the stored setting."""
     if stored is None:
         raise ELFError(f"{path}: holds no training config (a converted or released model); it cannot be resumed")
-    cfg = read()
+    cfg = TrainConfig.stored(stored, path) if record is None else TrainConfig.of_run(record, stored, path)
     try:
         cfg = cfg.resolved()
     except (ValueError, KeyError, TypeError) as e:

@@ -115,6 +115,12 @@ def held_settings(method: str) -> tuple[str, ...]:
     return HELD_SETTINGS + (ELF_NETWORK_SETTINGS if get_method(method).config_type is ELFConfig else ())
 
 
+def restated(method: str, settings: dict) -> list[str]:
+    """The settings of `settings` (training settings stored beside a record) that the record of a model of
+    `method` holds: what run.json may not store twice."""
+    return [k for k in held_settings(method) if k in settings]
+
+
 # the fields every stored record holds (`options` only where one is on: absent, the paper's network)
 STORED_FIELDS = ("method", "network", "space", "length", "recipe", "task", "sampling", "distillation", "params")
 
@@ -318,4 +324,5 @@ def _positive_int(v) -> int:
     return v
 
 
-__all__ = ["RunRecord", "Task", "Distillation", "ParamCounts", "RECORD_VERSION", "DISTILL_OBJECTIVES", "held_settings"]
+__all__ = ["RunRecord", "Task", "Distillation", "ParamCounts", "RECORD_VERSION", "DISTILL_OBJECTIVES", "held_settings",
+           "restated"]

@@ -25,7 +25,7 @@ from pathlib import Path
 from elflow.runs.folder import CHECKPOINTS, MODEL_CONFIG, RUN_FILE, RUN_FILES
 from elflow.runs.migrate import document
 from elflow.runs.model_folder import is_model_folder
-from elflow.runs.record import RunRecord, held_settings
+from elflow.runs.record import RunRecord, restated
 from elflow.util.errors import ELFError
 from elflow.util.files import atomic_write_json, read_json
 
@@ -37,13 +37,13 @@ CHECKPOINT_FORMAT = "elflow-checkpoint-2"  # a checkpoint's state.json
 # run.json
 def write_run(folder: str | os.PathLike, record: RunRecord, train: dict, files=RUN_FILES, **extra) -> Path:
     """run.json of a run folder: the record, the training settings it does not hold (`train`:
-    TrainConfig.beside(record)), the names
-    of the files the run writes there (`files`: those of runs.folder.run_files, with the ones it wrote before on
-    a resume), and `extra` (how the run runs: world_size, stage_of), written atomically."""
+    TrainConfig.beside(record)), the names of the files the run writes there (`files`: those of
+    runs.folder.run_files, with the ones it wrote before on a resume), and `extra` (how the run runs:
+    world_size, stage_of), written atomically."""
     path = Path(folder) / RUN_FILE
-    restated = [k for k in held_settings(record.method) if k in train]
-    if restated:
-        raise ValueError(f"write_run: the training settings restate {restated} of the record")
+    twice = restated(record.method, train)
+    if twice:
+        raise ValueError(f"write_run: the training settings restate {twice} of the record")
     listed = [n for n in RUN_FILES if n in files]
     atomic_write_json(path, {"format": RUN_FORMAT, "record": record.to_dict(), "train": train, "files": listed,
                              **extra})
