@@ -354,14 +354,14 @@ def layout_documents(docs_ids: list[list[int]], length: int, pad_id: int, eos_id
     return tokens, mask, real
 
 
-def as_layout_1(doc: dict, train: dict | None = None) -> dict:
+def as_layout_1(doc: dict, train: dict | None = None, record: dict | None = None) -> dict:
     """A run.json or a checkpoint's state.json of today's layout, written as elflow wrote it before the run
     record: the record's parts at the top level ("train", "model", "space", "space_id", "method", "params",
     "short_run") and, in a checkpoint, the model's layout as "settings". A checkpoint of that layout held the
-    run's training settings too: `train`, run.json's."""
-    rec = doc["record"]
+    run's record and training settings too: `record` and `train`, run.json's."""
+    rec = doc.get("record", record)
     train = doc.get("train", train)
-    out = {k: v for k, v in doc.items() if k not in ("record", "format", "train")}
+    out = {k: v for k, v in doc.items() if k not in ("record", "format", "train", "version", "model_sha256")}
     if "step" in doc:
         out["format"] = "elflow-checkpoint-1"
     space = dict(rec["space"])
@@ -383,6 +383,28 @@ def as_layout_1(doc: dict, train: dict | None = None) -> dict:
     if isinstance(out.get("files"), dict):  # the sha256 of each file, without its size
         out["files"] = {k: v["sha256"] if isinstance(v, dict) else v for k, v in out["files"].items()}
     return out
+
+
+def edit_record(run: Path, change) -> Path:
+    """`run` with its run.json's record changed by `change` (a function of the record's dict, changed in place),
+    and every checkpoint's state.json resealed to the changed record's digest where it reads as a record: the
+    model as a crafted run would describe it, which the checkpoint then holds."""
+    import json
+
+    from elflow.runs.checkpoint import list_checkpoints, write_state
+    from elflow.runs.record import RunRecord
+
+    doc = json.loads((run / "run.json").read_text())
+    change(doc["record"])
+    (run / "run.json").write_text(json.dumps(doc))
+    try:
+        digest = RunRecord.from_dict(doc["record"]).digest()
+    except (ELFError, ValueError, TypeError):
+        return run  # a record that does not read: its reader refuses it before any checkpoint is compared
+    for ck in list_checkpoints(run):
+        state = json.loads((ck / "state.json").read_text())
+        write_state(ck, {**state, "model_sha256": digest})
+    return run
 
 
 def readout_without_specials(folder, tokenizer_dir) -> None:

@@ -42,7 +42,7 @@ from elflow.runs.claim import (
     stored_files,
 )
 from elflow.runs.folder import CHECKPOINTS, OPTIMIZER_STATE, RUN_FILE, STATE_FILE, checkpoint_dir, run_files
-from elflow.runs.load import check_init_compatible, load_init_weights, record_of_state
+from elflow.runs.load import check_init_compatible, checkpoint_record, load_init_weights
 from elflow.runs.log import RunLogger, describe_start, plot_losses, tracked_settings, trim_metrics
 from elflow.runs.record import ParamCounts, RunRecord, Task, differences
 from elflow.runs.stages import DECODER_STAGE, attach_decoder, decoder_stage
@@ -235,7 +235,7 @@ def restore(setup: Setup, ckpt: Path | None, state: dict | None = None, quiet: b
         raise ELFError(f"{e}; nothing was changed: restore the file, or move {ckpt.name} out of {ckpt.parent} to "
                        "resume from the checkpoint before it") from None
     check_same_store(blob["state"].get("data_store"), setup.batches.dataset, ckpt / STATE_FILE)
-    stored = record_of_state(blob["state"], str(ckpt / STATE_FILE))
+    stored = checkpoint_record(ckpt, blob["state"])
     check_same_model(setup.record, stored, ckpt)
     if stored.space.id:
         check_compatible(stored.space.id, setup.space)
@@ -260,18 +260,14 @@ def restore(setup: Setup, ckpt: Path | None, state: dict | None = None, quiet: b
     return start
 
 
-# what a resume may change of the record: the sampling defaults follow --sample-* (mutable); the parameter
-# counts follow from the network
-RESUME_MAY_CHANGE = ("sampling", "params", "version")
-
-
 def check_same_model(made: RunRecord, stored: RunRecord, ckpt: Path) -> None:
-    """The model a resumed run's settings (run.json's "train") make is the one its checkpoint holds (its space
-    by its id): one line naming the first parts that differ (an edited run.json), before any weight is loaded."""
-    a, b = stored.to_dict(), made.to_dict()
-    # a space by its identity (its spec may name its files by another path: a run resumed from elsewhere)
-    a["space"], b["space"] = (stored.space.id, made.space.id) if stored.space.id else (None, None)
-    diff = differences(a, b, skip=RESUME_MAY_CHANGE)
+    """The model a resumed run's settings (run.json's "train") make is the one its checkpoint holds (their
+    `RunRecord.identity`; a space stored without an id is not compared): one line naming the first parts that
+    differ (an edited run.json), before any weight is loaded."""
+    a, b = stored.identity(), made.identity()
+    if a["space"] is None:
+        b["space"] = None
+    diff = differences(a, b)
     if diff:
         raise ELFError(f"{ckpt.parent.parent / RUN_FILE}: its training settings make another model than its checkpoint "
                        f"{ckpt.name} holds ({'; '.join(diff[:3])}); run.json was edited: restore it")

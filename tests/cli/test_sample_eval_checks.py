@@ -12,6 +12,7 @@ from helpers import (
     assert_bit_identical,
     assert_one_error,
     cli,
+    edit_record,
     readout_without_specials,
     snapshot,
     tiny_config,
@@ -60,10 +61,7 @@ def test_sample_needs_no_optimizer_and_warns_beyond_the_trained_length(capsys, r
 
 
 def test_sample_warns_when_the_default_length_is_beyond_the_trained_one(capsys, run_copy, tmp_path):
-    for ck in list_checkpoints(run_copy):  # a network of 16 positions whose record says it trained on 8
-        state = json.loads((ck / "state.json").read_text())
-        state["record"]["length"] = 8
-        write_state(ck, state)
+    edit_record(run_copy, lambda r: r.update(length=8))  # a network of 16 positions whose record says it trained on 8
     out = tmp_path / "s.jsonl"
     code, _, err = cli(capsys, ["sample", run_copy, "--steps", "2", "--num", "1", "--quiet", "--out", out])
     assert code == 0, err
@@ -73,12 +71,9 @@ def test_sample_warns_when_the_default_length_is_beyond_the_trained_one(capsys, 
 
 
 def test_the_size_check_names_the_stored_counts_no_flag_gave(capsys, run_copy, tmp_path, monkeypatch):
-    for ck in list_checkpoints(run_copy):
-        state = json.loads((ck / "state.json").read_text())
-        state["record"]["sampling"]["batch_size"] = 10**9
-        write_state(ck, state)
+    edit_record(run_copy, lambda r: r["sampling"].update(batch_size=10**9))
     monkeypatch.setattr(budget, "available_memory", lambda device=None: (2**30, "available on this machine"))
-    state_file = list_checkpoints(run_copy)[-1] / "state.json"
+    state_file = run_copy / "run.json"  # the file that holds the record
     out = tmp_path / "s.jsonl"
     code, _, err = cli(capsys, ["sample", run_copy, "--steps", "1", "--num", "20000", "--quiet", "--out", out])
     line = assert_one_error(code, err, "sample", f"sampling at --steps 1, record.sampling.batch_size of {state_file} "

@@ -22,6 +22,7 @@ from helpers import (
 from safetensors.torch import load_file
 
 from elflow.runs.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
+from elflow.runs.stored import run_file
 from elflow.train import train
 from elflow.util.errors import ELFError
 
@@ -53,8 +54,9 @@ def test_run_folder_contents_and_metrics(uninterrupted):
     run, _, summary = uninterrupted
     assert [p.name for p in list_checkpoints(run)] == ["step_0000003", "step_0000006"]
     ck = load_checkpoint(latest_checkpoint(run))
-    st = ck["state"]
-    assert st["step"] == 6 and st["record"]["network"]["dim"] == 32 and st["record"]["space"]["id"].startswith("t5:")
+    st, record = ck["state"], run_file(run)["record"]  # the record is run.json's; state.json names it by digest
+    assert st["step"] == 6 and "record" not in st and st["model_sha256"] == record.digest()
+    assert record.network.dim == 32 and record.space.id.startswith("t5:")
     assert st["data_position"] and (run / "loss.png").exists()
     recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == [1, 2, 3, 4, 5, 6]
@@ -87,7 +89,7 @@ def test_the_sample_settings_given_are_the_models_sampling_defaults(uninterrupte
 
 @pytest.mark.parametrize("edit, words", [
     (lambda d: d["record"]["recipe"].update(noise_scale=3.0), "describes another model than its checkpoint "
-                                                              "step_0000006 holds (recipe: "),
+                                                              "step_0000006 holds (not the model it was saved"),
     (lambda d: d["train"].update(length=8), "its training settings hold 'length', which its record holds"),
     (lambda d: d["train"].update(latent_std="2.5"), "its training settings make another model than its checkpoint "
                                                     "step_0000006 holds (space: "),
@@ -115,8 +117,8 @@ def test_a_resume_from_edited_training_settings_names_run_json(uninterrupted, tm
 
 
 def test_a_resume_refused_for_an_edited_run_json_warns_of_nothing_it_read_there(uninterrupted, tmp_path, capsys):
-    """run.json's stored sampling omega edited outside the trained range: the resume is refused in one line,
-    with no warning about the edited value of a run that does not go on."""
+    """run.json's stored sampling omega edited outside the trained range, and its recipe edited: the resume is
+    refused in one line, with no warning about the edited omega of a run that does not go on."""
     import shutil
 
     from elflow.cli import main
@@ -125,12 +127,13 @@ def test_a_resume_refused_for_an_edited_run_json_warns_of_nothing_it_read_there(
     shutil.copytree(uninterrupted[0], run)
     doc = json.loads((run / "run.json").read_text())
     doc["record"]["sampling"]["omega"] = 7.0
+    doc["record"]["recipe"]["noise_scale"] = 3.0
     (run / "run.json").write_text(json.dumps(doc))
     assert main(["train", "--out", str(run), "--resume", "--steps", "8", "--quiet",
                  "--cache-dir", str(uninterrupted[1])]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "describes another model than its checkpoint step_0000006" in err[0], err
-    assert "sampling" in err[0] and "restore it" in err[0]
+    assert "omega" not in err[0] and "restore it" in err[0]
 
 
 @pytest.mark.slow
@@ -399,9 +402,9 @@ def test_a_random_table_run_stored_without_a_stream_keeps_its_table(tmp_path, ti
                       short_run={"table_readout": 1.0}, space_stream=1, data=str(tiny_corpus_file))
     old = tmp_path / "old"
     train(cfg, old, quiet=True, cache_dir=tmp_path / "cache")
-    settings = json.loads((old / "run.json").read_text())["train"]
+    settings, record = (json.loads((old / "run.json").read_text())[k] for k in ("train", "record"))
     for f in [old / "run.json", *old.glob("checkpoints/*/state.json")]:  # what an elflow without streams wrote
-        d = as_layout_1(json.loads(f.read_text()), settings)
+        d = as_layout_1(json.loads(f.read_text()), settings, record)
         d["train"].pop("space_stream")
         if "space" in d:
             d["space"].pop("stream")

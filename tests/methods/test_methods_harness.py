@@ -16,6 +16,7 @@ from elflow.methods.token_net import TokenLMConfig
 from elflow.model import ELF, get_config, num_params
 from elflow.runs.checkpoint import list_checkpoints
 from elflow.runs.load import load_for_sampling, load_init_weights
+from elflow.runs.record import RunRecord
 from elflow.train import train
 from elflow.util.errors import ELFError
 
@@ -51,18 +52,18 @@ def judge_dir(tiny_t5_judge_dir):
 @pytest.mark.parametrize("method", ["ar", "mdlm"])
 def test_a_baseline_run_records_its_method_shape_and_matched_size(baseline_runs, method, tiny_t5_dir):
     run = baseline_runs[method]
-    meta = json.loads((run / "run.json").read_text())["record"]
-    state = json.loads((run / "checkpoints" / "step_0000004" / "state.json").read_text())["record"]
-    settings = json.loads((run / "run.json").read_text())["train"]
-    assert meta["method"] == state["method"] == method and "method" not in settings  # stored once: the record's
-    shape = TokenLMConfig(**state["network"])
+    meta, settings = (json.loads((run / "run.json").read_text())[k] for k in ("record", "train"))
+    state = json.loads((run / "checkpoints" / "step_0000004" / "state.json").read_text())
+    assert meta["method"] == method and "method" not in settings  # stored once: the record's
+    assert "record" not in state and state["model_sha256"] == RunRecord.from_dict(meta).digest()
+    shape = TokenLMConfig(**meta["network"])
     net = MODULES[method].build(shape, type("V", (), {"vocab_size": 300})())
     elf = get_config("tiny", dim=32, vocab_size=300, max_length=16)  # the tiny T5's width and vocabulary
     with torch.device("meta"):
         target = ELF(elf).num_params()
     assert meta["params"] == {"model": num_params(net), "elf": target, "match": "total"}
     assert abs(num_params(net) - target) / target <= 0.05
-    assert state["space"]["kind"] == "tokens" and state["space"]["of"]["name"] == str(tiny_t5_dir)
+    assert meta["space"]["kind"] == "tokens" and meta["space"]["of"]["name"] == str(tiny_t5_dir)
     recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == [1, 2, 3, 4] and all(r["loss_per_token"] > 0 for r in recs)
 
@@ -132,9 +133,9 @@ def test_sample_cli_draws_with_the_baselines_own_sampler(baseline_runs, method, 
     assert [r["index"] for r in recs] == [0, 1, 2] and all(r["method"] == method and r["seed"] == 5 for r in recs)
     # the same draws by hand: the EMA weights, the module's sampler, the generator of batch 0 of seed 5 (seeded
     # 5 x 100,003 + 0, as every sampler seeds its batches: generate.generation_batches), the tokenizer
-    state = json.loads((baseline_runs[method] / "checkpoints" / "step_0000004" / "state.json").read_text())
+    stored = json.loads((baseline_runs[method] / "run.json").read_text())
     module = MODULES[method]
-    net = module.build(TokenLMConfig(**state["record"]["network"]), type("V", (), {"vocab_size": 300})())
+    net = module.build(TokenLMConfig(**stored["record"]["network"]), type("V", (), {"vocab_size": 300})())
     net.load_state_dict(load_file(baseline_runs[method] / "checkpoints" / "step_0000004" / "ema.safetensors"))
     settings = (ar.ARSampling(temperature=0.8, top_p=0.9) if method == "ar" else mdlm.MDLMSampling(steps=4))
     ids = module.generate_tokens(net.eval(), 3, 16, settings, torch.Generator().manual_seed(5 * 100_003)).tolist()

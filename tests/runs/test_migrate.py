@@ -27,7 +27,7 @@ def up_to(doc: dict, version: int) -> dict:
 
 
 def test_the_chain_reaches_todays_version_one_step_at_a_time():
-    assert RECORD_VERSION == 6 and sorted(migrate.STEPS) == [1, 2, 3, 4, 5]
+    assert RECORD_VERSION == 7 and sorted(migrate.STEPS) == [1, 2, 3, 4, 5, 6]
 
 
 def test_a_version_2_run_file_gains_the_schedule_its_runs_used_and_its_settings_move_out_of_the_record():
@@ -59,7 +59,10 @@ def test_each_step_changes_only_what_its_version_lacked():
     v6 = migrate.STEPS[5](v5, "x")
     assert v6["record"] == {**v5["record"], "version": 6}
     assert v6["train"] == {k: v for k, v in v5["train"].items() if k not in held_settings("elf")}
-    assert document(v5, "x") == v6 == document(v4, "x") == document(v3, "x") == document(v2, "x")
+    v7 = migrate.STEPS[6](v6, "x")
+    assert v7 == {**v6, "record": {**v6["record"], "version": 7}}  # its version alone: run.json keeps its record
+    assert document(v6, "x") == v7 == document(v5, "x") == document(v4, "x") == document(v3, "x") == \
+        document(v2, "x")
 
 
 @pytest.mark.parametrize("root", [LEGACY, RECORD2, RECORD5], ids=["legacy", "record2", "record5"])
@@ -116,6 +119,29 @@ def test_a_record_of_today_passes_unchanged_and_what_is_no_document_is_one_line(
                        ({"model": {}}, "no \"model\" or \"space\"")):
         with pytest.raises(ELFError, match=words):
             document(odd, "x")
+
+
+def test_a_checkpoint_of_today_names_its_model_by_digest_and_one_of_version_6_keeps_the_record_it_carries(trained):
+    """Today's state.json holds no record: it says its version itself and names the model by the digest of
+    run.json's record. A version-6 state.json (record5's, taken to 6 by the chain; it carries the record) reads
+    with its record's version alone changed, the record as it was."""
+    from elflow.runs.checkpoint import list_checkpoints
+    from elflow.runs.stored import run_file
+
+    state = json.loads((list_checkpoints(trained)[-1] / "state.json").read_text())
+    assert "record" not in state and state["version"] == RECORD_VERSION
+    assert state["model_sha256"] == run_file(trained)["record"].digest()
+    assert document(state, "state.json") == state
+    old = up_to(json.loads(sorted(RECORD5.rglob("state.json"))[0].read_text()), 6)
+    assert old["record"]["version"] == 6
+    new = document(old, "state.json")
+    assert new == {**old, "record": {**old["record"], "version": RECORD_VERSION}}
+    RunRecord.from_dict(new["record"])
+    for bad in (True, 6, "7", None):
+        with pytest.raises(ELFError, match="'version' must be an integer from 7"):
+            document({**state, "version": bad}, "state.json")
+    with pytest.raises(ELFError, match="newer elflow"):
+        document({**state, "version": RECORD_VERSION + 1}, "state.json")
 
 
 def test_a_new_run_records_todays_version_and_the_released_schedule(trained):

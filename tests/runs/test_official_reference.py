@@ -1,6 +1,8 @@
 """elflow's network reproduces the authors' released PyTorch port exactly (their reference vectors, tests/reference)."""
 
 
+import json
+
 import pytest
 import torch
 from helpers import elflow_to_official, reference_dir
@@ -103,14 +105,23 @@ def test_wrong_shape_is_refused(ref):
 
 
 @torch.no_grad()
-def test_convert_writes_an_elflow_checkpoint_with_the_same_network(ref, tmp_path):
+def test_convert_writes_an_elflow_run_with_the_same_network(ref, tmp_path):
     from elflow import load as load_network
     from elflow.cli import main
+    from elflow.runs.stored import run_file
 
     out = tmp_path / "converted"
+    out.mkdir()  # an empty folder is written into
     assert main(["convert", str(REF / "checkpoint_7"), str(out), "--max-length", "16"]) == 0
-    assert (out / "model.safetensors").exists() and (out / "ema.safetensors").exists()
+    ckpt = out / "checkpoints" / "step_0000007"
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoints", "run.json"]
+    assert (ckpt / "model.safetensors").exists() and (ckpt / "ema.safetensors").exists()
+    assert not (ckpt / "optimizer.pt").exists()  # it samples, it does not resume
+    stored = run_file(out)
+    assert stored["train"] is None and stored["record"].network.max_length == 16
+    assert json.loads((out / "run.json").read_text())["converted_from"] == str(REF / "checkpoint_7")
     net = load_network(out)
+    assert net.record == stored["record"] and load_network(ckpt).record == stored["record"]
     assert close(net(ref["in.z"], ref["in.t"], ref["in.w"], x_prev=ref["in.x_prev"]), ref["out.denoise_sc"]) < TOL
     import elflow
 

@@ -6,12 +6,11 @@ from elflow.cli.common import check_counts
 from elflow.runs.load import convert_released
 from elflow.runs.outputs import check_out
 from elflow.util.budget import LENGTH_BOUND
-from elflow.util.errors import ELFError
 
 
 def add_arguments(p) -> None:
     p.add_argument("checkpoint", help="the released checkpoint_<step> file, or a folder holding one")
-    p.add_argument("out", help="the elflow checkpoint folder to write")
+    p.add_argument("out", help="the elflow run folder to write (its run.json and checkpoints/step_N)")
     p.add_argument("--max-length", type=int, default=None,
                    help="longest sequence the converted model samples (default: its release's, else 1024)")
 
@@ -19,9 +18,6 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     check_counts(args, max_length=LENGTH_BOUND)
     out = check_out(args.out, folder=True)
-    if out.is_dir() and any(out.iterdir()):
-        raise ELFError(f"{out} exists and is not empty; the converted checkpoint goes into a new folder: choose "
-                       "another out")
     out = convert_released(args.checkpoint, out, args.max_length)
     print(f"wrote {out}")
     return 0

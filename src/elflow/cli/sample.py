@@ -11,7 +11,6 @@ from elflow.eval.scoring import check_sampled
 from elflow.experiments.viewer import trajectory_document, write_page
 from elflow.generate import gather_records, write_samples
 from elflow.methods import get_method, require, settings_from_args
-from elflow.runs.folder import MODEL_CONFIG, STATE_FILE
 from elflow.runs.load import load_for_sampling
 from elflow.runs.outputs import Outputs
 from elflow.util.devices import check_device
@@ -134,8 +133,7 @@ def _sample(args, rank: int, world: int, device):
 def _stored_counts(args, origin) -> dict:
     """The counts of the sampling's size check that no flag gave, named by where they come from: the stored
     record's field and its file, or a released model's defaults (elflow.util.budget.elf_sampling's `flags`)."""
-    path = Path(origin.path)
-    file = {"checkpoint": path / STATE_FILE, "model-folder": path / MODEL_CONFIG}.get(origin.format)
+    path, file = Path(origin.path), origin.record_file
     counts = (("steps", "steps", "sampling.steps", "steps"), ("batch", "batch_size", "sampling.batch_size", "batch"),
               ("length", "length", "network.max_length", "length"))
     return {key: f"record.{field} of {file}" if file else f"the released model's {what} ({path})"

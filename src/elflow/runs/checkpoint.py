@@ -3,8 +3,9 @@
     run/checkpoints/step_0001000/
         model.safetensors      the trained weights            ema.safetensors   the EMA weights (sampling)
         space.safetensors      a learned space's parameters   optimizer.pt      optimiser and RNG states
-        state.json             step, data position and store, the model's record (elflow.runs.stored writes it), and
-                               the sha256 of every other file state.sha256      the sha256 of state.json
+        state.json             step, data position and store, the digest of the model's record (which is the run's
+                               run.json's), and the sha256 of every other file (elflow.runs.stored writes it)
+        state.sha256           the sha256 of state.json
 
 A checkpoint is written under a temporary name and renamed, verified file by file when read, and never
 unpickled (optimizer.pt loads with weights_only=True). The state.json of an earlier elflow is read as today's
@@ -43,7 +44,7 @@ from elflow.runs.folder import (
     step_dir,
 )
 from elflow.runs.migrate import document
-from elflow.runs.record import RECORD_VERSION
+from elflow.runs.record import is_current
 from elflow.util.errors import ELFError, first_line
 from elflow.util.files import FolderLock, NoSpace, atomic_write_text, disk_full, file_mode, folder_mode
 from elflow.util.files import sha256_file as _sha256
@@ -262,7 +263,7 @@ def is_elflow_folder(path: Path) -> bool:
 PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 
 
-STATE_BYTES = RECORD_BYTES  # state.json: a record and a data position
+STATE_BYTES = RECORD_BYTES  # state.json: a data position (and, of an earlier elflow, a record)
 
 
 def read_state(ckpt: Path) -> dict:
@@ -297,9 +298,11 @@ def read_state(ckpt: Path) -> dict:
         if key in state and state[key] is not None and not isinstance(state[key], dict):
             raise ELFError(f"{state_path}: corrupted ({key!r} must be a JSON object, got "
                            f"{type(state[key]).__name__})")
-    record = state.get("record")
-    current = isinstance(record, dict) and record.get("version") == RECORD_VERSION
-    return state if current else document(state, str(state_path))  # an earlier layout becomes today's
+    state = state if is_current(state) else document(state, str(state_path))  # an earlier layout becomes today's
+    if "record" not in state and not (isinstance(state.get("model_sha256"), str)
+                                      and re.fullmatch(r"[0-9a-f]{64}", state["model_sha256"])):
+        raise ELFError(f"{state_path}: corrupted (\"model_sha256\" must be the sha256 of the model's record)")
+    return state
 
 
 def listed_files(files, where, what: str) -> dict:

@@ -35,11 +35,10 @@ from elflow.runs.folder import (
     RUN_FILE,
     RUN_FILES,
     SAMPLES_FILE,
-    STATE_FILE,
     TENSORBOARD,
     WANDB_FOLDER,
 )
-from elflow.runs.load import record_of_state
+from elflow.runs.load import checkpoint_record
 from elflow.runs.record import differences
 from elflow.runs.stages import in_first_stage
 from elflow.runs.stored import run_file
@@ -291,9 +290,8 @@ def resume_point(out: Path, stored: dict | None = None) -> tuple[Path | None, di
         return None, None
     for why in bad:
         print(f"warning: skipping a bad checkpoint: {why}", file=sys.stderr)
-    held = record_of_state(state, str(ckpt / STATE_FILE)).to_dict()
-    described = (stored or run_file(out))["record"].to_dict()
-    diff = differences(held, described)
+    described = (stored or run_file(out))["record"]
+    diff = differences(checkpoint_record(ckpt, state, described).to_dict(), described.to_dict())
     if diff:
         raise ELFError(f"{out / 'run.json'} describes another model than its checkpoint {ckpt.name} holds "
                        f"({'; '.join(diff)}); run.json was edited or replaced: restore it")

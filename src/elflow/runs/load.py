@@ -6,7 +6,7 @@ the space the record describes -> build the network the record describes -> load
     load_for_sampling(path, ...)    -> (that network, its embedding space)
     read_record(path_or_hub_id)     -> its RunRecord alone; read_model / read_model_parts: the record and weights
     load_init_weights(path)         -> (record, weights, origin) a run starts from (--init-from, a teacher)
-    convert_released(src, out)      -> an elflow checkpoint folder of a released checkpoint (`elflow convert`)
+    convert_released(src, out)      -> an elflow run folder of a released checkpoint (`elflow convert`)
 
 Formats: an elflow run folder (its newest good checkpoint), a checkpoint folder or a model folder (what
 `elflow push` uploads), a released checkpoint_<step> file or a folder holding one, or a hub id of either.
@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import stat
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,10 +38,10 @@ from elflow.runs.checkpoint import (
     resolve_checkpoint,
     write_checkpoint,
 )
-from elflow.runs.folder import CHECKPOINTS, MODEL_CONFIG, MODEL_WEIGHTS, STATE_FILE
+from elflow.runs.folder import CHECKPOINTS, MODEL_CONFIG, MODEL_WEIGHTS, RUN_FILE, STATE_FILE, step_dir
 from elflow.runs.migrate import document, released_record
 from elflow.runs.model_folder import is_model_folder, load_listed, read_model_folder_files
-from elflow.runs.record import RunRecord
+from elflow.runs.record import RunRecord, is_current
 from elflow.runs.released import (
     RELEASED_LENGTH,
     RELEASED_SPACE,
@@ -48,10 +50,11 @@ from elflow.runs.released import (
     read_released_checkpoint,
     release_settings,
 )
-from elflow.runs.stored import checkpoint_state
+from elflow.runs.stored import checkpoint_state, write_run
 from elflow.space import EmbeddingSpace, build_space, check_compatible, learned, with_encoder
 from elflow.util.devices import check_device, default_device
 from elflow.util.errors import ELFError, first_line
+from elflow.util.files import folder_mode, read_json
 from elflow.util.hub import hub_offline, hub_reachable, hub_unavailable_reason
 from elflow.util.jsonio import open_regular
 
@@ -160,12 +163,14 @@ def locate(path_or_hub_id) -> Located:
 @dataclass(frozen=True)
 class Origin:
     """Where a loaded model's weights came from: the checkpoint folder, model folder or released file, its
-    format (KINDS), its step (None where unknown) and whether the weights are the EMA's."""
+    format (KINDS), its step (None where unknown), whether the weights are the EMA's, and the file that holds
+    its record."""
 
     path: str
     format: str
     step: int | None = None
     ema: bool = True
+    record_file: str | None = None  # the file its record was read from (None: a released model's weights)
 
 
 @dataclass(frozen=True)
@@ -215,7 +220,7 @@ def _read_located(found, use_ema: bool, weights: bool) -> StoredModel:
         where = str(found.path / MODEL_CONFIG)
         record = RunRecord.from_dict(document(config, where)["record"], where)
         sd = load_listed(found.path, files, MODEL_WEIGHTS, where) if weights else None
-        return StoredModel(record, sd, {}, Origin(str(found.path), found.kind, config.get("step"), True))
+        return StoredModel(record, sd, {}, Origin(str(found.path), found.kind, config.get("step"), True, where))
     if found.kind == "checkpoint":
         return _read_checkpoint(found, use_ema, weights)
     which = "ema_params1" if use_ema else "params"
@@ -228,15 +233,17 @@ def _read_located(found, use_ema: bool, weights: bool) -> StoredModel:
 
 
 def _read_checkpoint(found, use_ema: bool, weights: bool) -> StoredModel:
-    """The first of a run's checkpoints (newest first) that reads whole: its state.json once, then each weight
-    file it needs once (the EMA's, or the trained weights; model.safetensors for a learned space's parameters
-    too); never optimizer.pt."""
-    bad = []
+    """The first of a run's checkpoints (newest first) that reads whole: the run's record once, its state.json
+    once, then each weight file it needs once (the EMA's, or the trained weights; model.safetensors for a
+    learned space's parameters too); never optimizer.pt."""
+    bad, described = [], None
     for ckpt in found.candidates or (found.path,):
         try:
             state = read_state(ckpt)
-            record = record_of_state(state, str(ckpt / STATE_FILE))
-            origin = Origin(str(ckpt), found.kind, state.get("step"), use_ema)
+            if described is None and "record" not in state:
+                described = run_record_of(ckpt)
+            record = checkpoint_record(ckpt, state, described)
+            origin = Origin(str(ckpt), found.kind, state.get("step"), use_ema, str(record_file(ckpt, state)))
             if not weights:
                 return StoredModel(record, None, {}, origin)
             # a learned table's parameters: space.safetensors, or inside model.safetensors (the other layout)
@@ -255,9 +262,37 @@ def _read_checkpoint(found, use_ema: bool, weights: bool) -> StoredModel:
     raise ELFError(f"{found.given}: none of its checkpoints can be read ({'; '.join(bad) or 'all vanished'})")
 
 
-def record_of_state(state: dict, where: str) -> RunRecord:
-    """The record of a checkpoint's state.json as `read_state` gives it (today's layout)."""
-    return RunRecord.from_dict(state.get("record"), where)
+def run_record_of(ckpt: Path) -> RunRecord:
+    """The record of the run a checkpoint folder belongs to (RUN/checkpoints/step_N -> RUN/run.json's): a
+    checkpoint's state.json names its model by the record's digest alone."""
+    run = ckpt.parent.parent
+    if ckpt.parent.name != CHECKPOINTS or not os.path.lexists(run / RUN_FILE):
+        raise ELFError(f"{ckpt}: a checkpoint read without its run: the model it holds is described by its run's "
+                       f"{RUN_FILE} (RUN/{RUN_FILE} beside RUN/{CHECKPOINTS}/{ckpt.name}), which is not there; load it "
+                       f"from its run folder, or copy the run's {RUN_FILE} with it")
+    where = str(run / RUN_FILE)
+    doc = read_json(run / RUN_FILE)
+    return RunRecord.from_dict((doc if is_current(doc) else document(doc, where)).get("record"), where)
+
+
+def record_file(ckpt: Path, state: dict) -> Path:
+    """The file that holds the record of a checkpoint's model: its run's run.json, or the state.json of a
+    checkpoint of an earlier elflow, which carries its own."""
+    return ckpt / STATE_FILE if state.get("record") is not None else ckpt.parent.parent / RUN_FILE
+
+
+def checkpoint_record(ckpt: Path, state: dict, described: RunRecord | None = None) -> RunRecord:
+    """The record of the model a checkpoint holds (`state`: its state.json as `read_state` gives it): the one a
+    checkpoint of an earlier elflow carries, else its run's (`described`, or read: `run_record_of`), which must
+    be the one its weights were saved with (state.json's "model_sha256", `RunRecord.digest`)."""
+    if state.get("record") is not None:
+        return RunRecord.from_dict(state["record"], str(record_file(ckpt, state)))
+    described = run_record_of(ckpt) if described is None else described
+    if described.digest() != state["model_sha256"]:
+        raise ELFError(f"{record_file(ckpt, state)} describes another model than its checkpoint {ckpt.name} holds "
+                       "(not the model it was saved with: its record's digest differs from the checkpoint's "
+                       "model_sha256); run.json was edited or replaced: restore it")
+    return described
 
 
 def check_load_args(path_or_hub_id, device, use_ema, max_length) -> str | None:
@@ -379,8 +414,13 @@ def method_of(path) -> str:
 
 
 def convert_released(src: str | os.PathLike, out: str | os.PathLike, max_length: int | None = None) -> Path:
-    """A released checkpoint -> an elflow checkpoint folder (safetensors + its record) that samples, not
-    resumes. The layout and sampling defaults of a released conditional or distilled model are kept."""
+    """A released checkpoint -> an elflow run folder (OUT/run.json with its record, and OUT/checkpoints/step_N
+    with its weights as safetensors) that samples, not resumes. The layout and sampling defaults of a released
+    conditional or distilled model are kept. Returns the run folder."""
+    out = Path(out)
+    if os.path.lexists(out) and not (out.is_dir() and not out.is_symlink() and not any(out.iterdir())):
+        raise ELFError(f"{out} exists and is not an empty folder; the converted model goes into a new folder: "
+                       "choose another out")
     f = find_released_file(src)
     record, ema, origin = read_model(f, use_ema=True)
     if max_length:
@@ -389,7 +429,23 @@ def convert_released(src: str | os.PathLike, out: str | os.PathLike, max_length:
     try:
         params = read_released_checkpoint(f, which="params")
     except ELFError as e:
-        raise ELFError(f"{f}: its trained weights cannot be read ({first_line(e)})") from None
+        raise ELFError(f"{f}: its trained weights cannot be read ({first_line(e)}); nothing was written") from None
     net = get_method("elf").build_network(record)
     load_weights(net, ema, f)  # refuses weights that fit no network
-    return write_checkpoint(out, params, ema, None, checkpoint_state(record, origin.step or 0, converted_from=str(f)))
+    return _write_converted(out, record, params, ema, origin.step or 0, f)
+
+
+def _write_converted(out: Path, record: RunRecord, params: dict, ema: dict, step: int, source: Path) -> Path:
+    """The run folder of a converted release, built under a temporary sibling name and renamed into place (an
+    empty `out` is replaced), so that no half-written folder is ever read."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out.parent))
+    try:
+        os.chmod(tmp, folder_mode())
+        write_checkpoint(tmp / CHECKPOINTS / step_dir(step), params, ema, None, checkpoint_state(record, step))
+        write_run(tmp, record, None, files=(RUN_FILE, CHECKPOINTS), converted_from=str(source))
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

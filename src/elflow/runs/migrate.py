@@ -1,14 +1,16 @@
 """Every stored layout elflow reads, made today's by one linear chain of small steps, version N -> N + 1.
 
 A stored document is a run's run.json, a checkpoint's state.json or a model folder's config.json (an earlier
-model folder's JSON files merged into one: elflow.runs.model_folder). Today's layout (version 6) holds
+model folder's JSON files merged into one: elflow.runs.model_folder). Today's layout (version 7) holds
 
-    "record"   the model's description (elflow.runs.record.RunRecord.to_dict), version 6
+    "record"   run.json and a model folder: the model's description (elflow.runs.record.RunRecord.to_dict)
     "train"    run.json and a model folder: the training settings the record does not hold
                (elflow.config.TrainConfig.beside); None for a model that was not trained by elflow (a converted
                release)
     "stage_of" the first stage of a --decoder separate run: the whole run's settings (TrainConfig.to_dict),
                which has no record yet
+    "version"  a checkpoint's state.json, which holds no record: the version it was written in; it names its
+               model by the record's digest ("model_sha256", RunRecord.digest), the record being run.json's
 
 beside the document's own fields (a checkpoint's step, data position and store; run.json's files and ranks).
 Earlier versions:
@@ -20,6 +22,7 @@ Earlier versions:
     4  the training settings beside the record; their sample_steps / sample_sampler / sample_omega set the
        training previews alone, apart from the record's sampling defaults
     5  the training settings whole beside the record, restating what it holds (length, task, recipe, ...)
+    6  every checkpoint's state.json carrying the model's record too, as the one in its run's run.json
 
 Each step fills in exactly what its version lacked, with the value that the code of that version used (never
 today's default), so that an older run samples the same texts and resumes bit for bit. The authors' released
@@ -59,7 +62,7 @@ def document(doc, where: str) -> dict:
 
 def version_of(doc: dict, where: str) -> int:
     if "record" not in doc:
-        return PRE_RECORD
+        return _own_version(doc, where) if "version" in doc else PRE_RECORD
     record = doc["record"]
     if not isinstance(record, dict):
         raise ELFError(f"{where}: the record must be a JSON object, got {type(record).__name__}")
@@ -67,6 +70,17 @@ def version_of(doc: dict, where: str) -> int:
     if isinstance(version, bool) or not isinstance(version, int) or version < 2:
         raise ELFError(f"{where}: its record's field 'version' must be an integer from 2 to {RECORD_VERSION}, got "
                        f"{version!r}")
+    return version
+
+
+FIRST_OWN_VERSION = 7  # the first version whose state.json holds no record: it says its version itself
+
+
+def _own_version(doc: dict, where: str) -> int:
+    version = doc["version"]
+    if isinstance(version, bool) or not isinstance(version, int) or version < FIRST_OWN_VERSION:
+        raise ELFError(f"{where}: its field 'version' must be an integer from {FIRST_OWN_VERSION} to "
+                       f"{RECORD_VERSION}, got {version!r}")
     return version
 
 
@@ -259,8 +273,16 @@ def _5_to_6(doc: dict, where: str) -> dict:
     return out
 
 
+def _6_to_7(doc: dict, where: str) -> dict:
+    """From version 7 a checkpoint's state.json names its model by the record's digest and the record is its
+    run's run.json alone. A checkpoint of version 6 keeps the record it carries: the one description it has
+    when it is read alone (a converted release, a checkpoint copied out of its run), the one its run.json is
+    checked against where it is read in its run. Every other document changes its version alone."""
+    return {**doc, "record": {**doc["record"], "version": 7}}
+
+
 # version -> the step that makes a document of that version one version newer
-STEPS = {1: _1_to_2, 2: _2_to_3, 3: _3_to_4, 4: _4_to_5, 5: _5_to_6}
+STEPS = {1: _1_to_2, 2: _2_to_3, 3: _3_to_4, 4: _4_to_5, 5: _5_to_6, 6: _6_to_7}
 assert sorted(STEPS) == list(range(PRE_RECORD, RECORD_VERSION)), "the chain must reach today's version"
 
 

@@ -15,8 +15,8 @@ from safetensors.torch import save
 from elflow.data.corpus import read_sources
 from elflow.methods import get_method
 from elflow.runs.checkpoint import check_tensors, load_checkpoint, resolve_checkpoint
-from elflow.runs.folder import CHECKPOINTS, EMA_WEIGHTS, MODEL_CONFIG, REPORT_FILE, STATE_FILE
-from elflow.runs.load import load_for_sampling, record_of_state
+from elflow.runs.folder import CHECKPOINTS, EMA_WEIGHTS, MODEL_CONFIG, REPORT_FILE
+from elflow.runs.load import checkpoint_record, load_for_sampling
 from elflow.runs.log import LOSS_NAMES, training_records
 from elflow.runs.model_folder import MODEL_FORMAT
 from elflow.runs.record import RunRecord
@@ -33,7 +33,7 @@ def model_folder_files(path: str | os.PathLike) -> dict[str, object]:
     blob = load_checkpoint(ckpt, with_optimizer=False)
     if not blob["ema"]:
         raise ELFError(f"{ckpt} holds no EMA weights; a model folder holds the EMA weights that sample")
-    record = record_of_state(blob["state"], str(ckpt / STATE_FILE))
+    record = checkpoint_record(ckpt, blob["state"])
     check_tensors(blob["ema"], ckpt / EMA_WEIGHTS)  # a model that cannot sample is not published
     config = {"format": MODEL_FORMAT, "record": record.to_dict(), "train": training_settings(ckpt) or None,
               "step": blob["state"].get("step")}

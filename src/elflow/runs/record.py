@@ -24,6 +24,8 @@ disagree is one line naming the field.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass, field, fields, replace
 
 from elflow.data.layout import PACKED, SOURCE_SLOTS
@@ -36,7 +38,7 @@ from elflow.model import ELFConfig, NetworkOverrides, ShortRunOptions
 from elflow.space import SpaceSpec, drawn_table
 from elflow.util.errors import ELFError, Record
 
-RECORD_VERSION = 6  # the layout of today's record; elflow.runs.migrate reads the earlier ones
+RECORD_VERSION = 7  # the layout of today's stored documents; elflow.runs.migrate reads the earlier ones
 DISTILL_OBJECTIVES = ("pd", "flow-map")  # progressive distillation; one flow-map student for every step count
 
 
@@ -121,6 +123,20 @@ def restated(method: str, settings: dict) -> list[str]:
     return [k for k in held_settings(method) if k in settings]
 
 
+def is_current(doc) -> bool:
+    """Whether a stored document (run.json, a checkpoint's state.json, a model folder's config.json) is of
+    today's layout, which its readers take as it is; any other goes through elflow.runs.migrate.document."""
+    if not isinstance(doc, dict):
+        return False
+    record = doc.get("record")
+    version = record.get("version") if isinstance(record, dict) else None if "record" in doc else doc.get("version")
+    return type(version) is int and version == RECORD_VERSION
+
+
+# what a resumed run may change of its record: the sampling defaults follow --sample-*, the parameter counts
+# follow from the network, the version from the code that writes it
+MAY_CHANGE = ("sampling", "params", "version")
+
 # the fields every stored record holds (`options` only where one is on: absent, the paper's network)
 STORED_FIELDS = ("method", "network", "space", "length", "recipe", "task", "sampling", "distillation", "params")
 
@@ -185,6 +201,20 @@ class RunRecord:
 
     def replace(self, **kw) -> "RunRecord":
         return replace(self, **kw)
+
+    def identity(self) -> dict:
+        """What fixes the meaning of the model's weights: the stored record but for the parts a resumed run may
+        change (`MAY_CHANGE`), its space by its id (a spec may name its files by another path: a run moved
+        elsewhere), or by nothing where it has none."""
+        d = {k: v for k, v in self.to_dict().items() if k not in MAY_CHANGE}
+        d["space"] = self.space.id
+        return d
+
+    def digest(self) -> str:
+        """The sha256 of `identity`: what a checkpoint's state.json records of the model its weights belong to,
+        so that a run.json edited or replaced after the save is refused rather than read."""
+        text = json.dumps(self.identity(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()
 
     def with_default_sampling(self) -> "RunRecord":
         """The record with its method's generation defaults for a model of its kind."""

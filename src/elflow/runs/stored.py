@@ -5,10 +5,11 @@ beside it are elflow.runs.checkpoint's); reading a model of any format is elflow
                                   not hold: TrainConfig.beside), "files" (the run's own files), "world_size",
                                   "stage_of" (a first stage's: the whole run's settings, TrainConfig.to_dict)}
     RUN/checkpoints/step_N/state.json
-                                  {"format", "step", "data_position", "data_store", "world_size", "record",
-                                   "files" (each file's sha256 and size)}: what the checkpoint holds; the record
-                                  travels with the weights, so that a checkpoint folder read alone (a converted
-                                  release, a copied checkpoint) says what it is
+                                  {"format", "version", "step", "data_position", "data_store", "world_size",
+                                   "model_sha256" (RunRecord.digest of the model its weights belong to), "files"
+                                  (each file's sha256 and size)}: what changes from one checkpoint to the next; the
+                                  model's description is its run's run.json (a checkpoint of an earlier elflow
+                                  carried its own "record", which is read where it is)
     MODEL/config.json             a model folder's (elflow.runs.model_folder)
 
 Every stored document goes through elflow.runs.migrate first (an earlier layout becomes today's), then
@@ -25,12 +26,12 @@ from pathlib import Path
 from elflow.runs.folder import CHECKPOINTS, MODEL_CONFIG, RUN_FILE, RUN_FILES
 from elflow.runs.migrate import document
 from elflow.runs.model_folder import is_model_folder
-from elflow.runs.record import RunRecord, restated
+from elflow.runs.record import RECORD_VERSION, RunRecord, restated
 from elflow.util.errors import ELFError
 from elflow.util.files import atomic_write_json, read_json
 
 RUN_FORMAT = "elflow-run-2"  # run.json
-CHECKPOINT_FORMAT = "elflow-checkpoint-2"  # a checkpoint's state.json
+CHECKPOINT_FORMAT = "elflow-checkpoint-3"  # a checkpoint's state.json
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -41,7 +42,7 @@ def write_run(folder: str | os.PathLike, record: RunRecord, train: dict, files=R
     runs.folder.run_files, with the ones it wrote before on a resume), and `extra` (how the run runs:
     world_size, stage_of), written atomically."""
     path = Path(folder) / RUN_FILE
-    twice = restated(record.method, train)
+    twice = restated(record.method, train or {})
     if twice:
         raise ValueError(f"write_run: the training settings restate {twice} of the record")
     listed = [n for n in RUN_FILES if n in files]
@@ -108,13 +109,13 @@ def own_files(doc: dict, where: str) -> tuple[str, ...]:
 
 # ----------------------------------------------------------------------------------------------------------
 # a checkpoint's state.json
-def checkpoint_state(record: RunRecord, step: int, data_position=None, data_store=None, world_size: int = 1,
-                     **origin) -> dict:
-    """The state.json of a checkpoint, but for the files' hashes, which the checkpoint's writer adds as it writes
-    them (elflow.runs.checkpoint.write_checkpoint): the one function that makes it. `origin`: converted_from,
-    for a converted release."""
-    return {"format": CHECKPOINT_FORMAT, "step": step, "data_position": data_position, "data_store": data_store,
-            "world_size": world_size, "record": record.to_dict(), **origin}
+def checkpoint_state(record: RunRecord, step: int, data_position=None, data_store=None,
+                     world_size: int = 1) -> dict:
+    """The state.json of a checkpoint of the model `record` describes, but for the files' hashes, which the
+    checkpoint's writer adds as it writes them (elflow.runs.checkpoint.write_checkpoint): the one function
+    that makes it. It names the model by its digest alone: the record is run.json's."""
+    return {"format": CHECKPOINT_FORMAT, "version": RECORD_VERSION, "step": step, "data_position": data_position,
+            "data_store": data_store, "world_size": world_size, "model_sha256": record.digest()}
 
 
 __all__ = ["run_file", "write_run", "own_files", "training_settings", "own_files_added", "checkpoint_state",
