@@ -61,6 +61,7 @@ def test_a_run_loads_reading_each_file_it_uses_once(trained):
     seen = probe(trained)
     newest = sorted((trained / "checkpoints").iterdir())[-1]
     assert reads_in(seen, newest) == {"ema.safetensors": 1, "state.json": 1, "state.sha256": 1}
+    assert reads_in(seen, trained) == {"run.json": 1}  # the record, once
     older = [p for p in seen["opened"] if "step_0000003" in p]
     assert not older, f"an older checkpoint was read: {older}"
     training = {"elflow.optim", "elflow.train", "elflow.config", "elflow.schedule", "elflow.runs.claim"}
@@ -143,6 +144,51 @@ def test_a_learned_space_comes_from_the_same_read_as_the_weights(learned_table_r
     ckpt = learned_table_run / "checkpoints" / "step_0000002"
     assert reads_in(seen, ckpt) == {"ema.safetensors": 1, "space.safetensors": 1, "state.json": 1,
                                     "state.sha256": 1}
+
+
+def test_the_record_is_run_json_s_and_a_checkpoint_names_it_by_its_digest(trained, tmp_path):
+    """A checkpoint's state.json holds no record: it names the model by the digest of run.json's. The sampling
+    defaults, which a resume may change, are outside the digest: every checkpoint samples with the run's. A
+    run.json whose record was edited after the save (another recipe) is refused in one line naming it."""
+    import shutil
+
+    from elflow.runs.load import read_record
+    from elflow.runs.record import RunRecord
+    from elflow.util.errors import ELFError
+
+    run = tmp_path / "run"
+    shutil.copytree(trained, run)
+    doc = json.loads((run / "run.json").read_text())
+    for state in run.glob("checkpoints/*/state.json"):
+        stored = json.loads(state.read_text())
+        assert "record" not in stored and stored["model_sha256"] == RunRecord.from_dict(doc["record"]).digest()
+    doc["record"]["sampling"]["steps"] = 3
+    (run / "run.json").write_text(json.dumps(doc))
+    assert read_record(run).sampling.steps == 3
+    assert read_record(run / "checkpoints" / "step_0000003").sampling.steps == 3
+    doc["record"]["recipe"]["noise_scale"] = 3.0
+    (run / "run.json").write_text(json.dumps(doc))
+    with pytest.raises(ELFError, match=r"run\.json describes another model than its checkpoint step_0000006 holds"):
+        read_record(run)
+
+
+def test_a_checkpoint_copied_out_of_its_run_says_where_its_record_is(trained, tmp_path):
+    """A checkpoint folder read without its run: one line saying that its model is described by the run's
+    run.json, which is not beside it; put back as RUN/checkpoints/step_N beside that run.json, it loads."""
+    import shutil
+
+    from elflow.runs.load import load_for_sampling
+    from elflow.util.errors import ELFError
+
+    alone = tmp_path / "step_0000006"
+    shutil.copytree(trained / "checkpoints" / alone.name, alone)
+    with pytest.raises(ELFError, match=r"step_0000006: a checkpoint read without its run: .* run\.json"):
+        load_for_sampling(alone, device="cpu")
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    shutil.copy(trained / "run.json", tmp_path / "run")
+    shutil.move(alone, tmp_path / "run" / "checkpoints")
+    net, _ = load_for_sampling(tmp_path / "run" / "checkpoints" / alone.name, device="cpu")
+    assert net.origin.step == 6 and net.origin.record_file == str(tmp_path / "run" / "run.json")
 
 
 def test_a_damaged_newest_checkpoint_gives_way_to_the_one_before(trained, tmp_path, capsys):

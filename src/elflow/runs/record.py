@@ -16,9 +16,9 @@ A record also answers the training settings it holds (`RunRecord.settings`, name
 names them: HELD_SETTINGS, and ELF_NETWORK_SETTINGS for an ELF network): run.json stores those once, here, and
 the training settings beside the record hold the rest (TrainConfig.beside / TrainConfig.of_run).
 
-This module holds the types alone. The files that store a record (run.json, a checkpoint's state.json, a model
-folder's config.json) are read by elflow.runs.load, after elflow.runs.migrate has turned an earlier layout
-into today's; `RunRecord.from_dict` reads today's layout only. A record that is malformed or whose parts
+This module holds the types alone. The files that store a record (run.json, a model folder's config.json; a
+checkpoint's state.json names it by its digest, `RunRecord.digest`) are read by elflow.runs.load, after
+elflow.runs.migrate has turned an earlier layout into today's; `RunRecord.from_dict` reads today's layout only. A record that is malformed or whose parts
 disagree is one line naming the field.
 """
 
