@@ -715,7 +715,7 @@ TABLE = [
                note="the authors' tiny reference checkpoint and the tiny T5 folder"),
           Runs(("samples.jsonl",))),
     shown("released.md", "convert path/to/checkpoint_95000 runs/elf-b-converted", as_shown("path/to/checkpoint_95000"),
-          Runs(("runs/elf-b-converted/model.safetensors", "runs/elf-b-converted/ema.safetensors"))),
+          Runs(("runs/elf-b-converted/run.json", "runs/elf-b-converted/checkpoints/step_*/ema.safetensors"))),
     # evaluation
     shown("README.md", "eval samples.jsonl --judge gpt2-large", tiny("samples.jsonl"), Runs(("samples.eval.json",))),
     shown("README.md", "train-judge --out runs/judge", tiny("GPT-2 ranks"),
