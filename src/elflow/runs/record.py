@@ -18,8 +18,8 @@ the training settings beside the record hold the rest (TrainConfig.beside / Trai
 
 This module holds the types alone. The files that store a record (run.json, a model folder's config.json; a
 checkpoint's state.json names it by its digest, `RunRecord.digest`) are read by elflow.runs.load, after
-elflow.runs.migrate has turned an earlier layout into today's; `RunRecord.from_dict` reads today's layout only. A record that is malformed or whose parts
-disagree is one line naming the field.
+elflow.runs.migrate has turned an earlier layout into today's; `RunRecord.from_dict` reads today's layout
+only. A record that is malformed or whose parts disagree is one line naming the field.
 """
 
 from __future__ import annotations
@@ -128,8 +128,10 @@ def is_current(doc) -> bool:
     today's layout, which its readers take as it is; any other goes through elflow.runs.migrate.document."""
     if not isinstance(doc, dict):
         return False
-    record = doc.get("record")
-    version = record.get("version") if isinstance(record, dict) else None if "record" in doc else doc.get("version")
+    if "record" in doc:  # run.json, a model folder, an earlier checkpoint: the record's version
+        version = doc["record"].get("version") if isinstance(doc["record"], dict) else None
+    else:  # today's state.json says its own
+        version = doc.get("version")
     return type(version) is int and version == RECORD_VERSION
 
 
