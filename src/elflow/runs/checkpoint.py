@@ -247,6 +247,13 @@ def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def run_of(ckpt: Path) -> Path | None:
+    """The run folder a checkpoint folder belongs to (RUN for RUN/checkpoints/step_N, beside RUN/run.json); None
+    for a checkpoint read without its run (a copied checkpoint, an earlier converted release)."""
+    run = ckpt.parent.parent
+    return run if ckpt.parent.name == CHECKPOINTS and os.path.lexists(run / RUN_FILE) else None
+
+
 def is_elflow_checkpoint(path: Path) -> bool:
     return path.is_dir() and (path / STATE_FILE).exists() and (path / MODEL_WEIGHTS).exists()
 
@@ -261,6 +268,7 @@ def is_elflow_folder(path: Path) -> bool:
 
 
 PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+SHA256 = re.compile(r"[0-9a-f]{64}")  # a sha256 digest as state.json records it
 
 
 STATE_BYTES = RECORD_BYTES  # state.json: a data position (and, of an earlier elflow, a record)
@@ -300,7 +308,7 @@ def read_state(ckpt: Path) -> dict:
                            f"{type(state[key]).__name__})")
     state = state if is_current(state) else document(state, str(state_path))  # an earlier layout becomes today's
     if "record" not in state and not (isinstance(state.get("model_sha256"), str)
-                                      and re.fullmatch(r"[0-9a-f]{64}", state["model_sha256"])):
+                                      and SHA256.fullmatch(state["model_sha256"])):
         raise ELFError(f"{state_path}: corrupted (\"model_sha256\" must be the sha256 of the model's record)")
     return state
 
@@ -317,7 +325,7 @@ def listed_files(files, where, what: str) -> dict:
                            f"{what} folder (nothing outside it is read)")
         digest, size = (v, None) if isinstance(v, str) else (
             (v.get("sha256"), v.get("bytes")) if isinstance(v, dict) else (None, None))
-        if not isinstance(digest, str) or not re.fullmatch(r"[0-9a-f]{64}", digest) or size is not None and (
+        if not isinstance(digest, str) or not SHA256.fullmatch(digest) or size is not None and (
                 isinstance(size, bool) or not isinstance(size, int) or size < 0):
             raise ELFError(f"{where}: corrupted (\"files\" must map {name} to its sha256 and size)")
         out[name] = {"sha256": digest, "bytes": size}

@@ -36,6 +36,7 @@ from elflow.runs.checkpoint import (
     newest_first,
     read_state,
     resolve_checkpoint,
+    run_of,
     write_checkpoint,
 )
 from elflow.runs.folder import CHECKPOINTS, MODEL_CONFIG, MODEL_WEIGHTS, RUN_FILE, STATE_FILE, step_dir
@@ -265,8 +266,8 @@ def _read_checkpoint(found, use_ema: bool, weights: bool) -> StoredModel:
 def run_record_of(ckpt: Path) -> RunRecord:
     """The record of the run a checkpoint folder belongs to (RUN/checkpoints/step_N -> RUN/run.json's): a
     checkpoint's state.json names its model by the record's digest alone."""
-    run = ckpt.parent.parent
-    if ckpt.parent.name != CHECKPOINTS or not os.path.lexists(run / RUN_FILE):
+    run = run_of(ckpt)
+    if run is None:
         raise ELFError(f"{ckpt}: a checkpoint read without its run: the model it holds is described by its run's "
                        f"{RUN_FILE} (RUN/{RUN_FILE} beside RUN/{CHECKPOINTS}/{ckpt.name}), which is not there; load it "
                        f"from its run folder, or copy the run's {RUN_FILE} with it")

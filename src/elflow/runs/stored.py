@@ -23,7 +23,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from elflow.runs.folder import CHECKPOINTS, MODEL_CONFIG, RUN_FILE, RUN_FILES
+from elflow.runs.checkpoint import run_of
+from elflow.runs.folder import MODEL_CONFIG, RUN_FILE, RUN_FILES
 from elflow.runs.migrate import document
 from elflow.runs.model_folder import is_model_folder
 from elflow.runs.record import RECORD_VERSION, RunRecord, restated
@@ -81,8 +82,8 @@ def training_settings(path: str | os.PathLike) -> dict:
         if settings is not None and not isinstance(settings, dict):
             raise ELFError(f"{where}: its field 'train' must be a JSON object, got {type(settings).__name__}")
         return settings or {}
-    run = path.parent.parent
-    if path.parent.name != CHECKPOINTS or not os.path.lexists(run / RUN_FILE):
+    run = run_of(path)
+    if run is None:
         return {}
     return run_file(run)["train"] or {}  # a run.json that is no file elflow wrote is refused by its reader
 
