@@ -165,7 +165,7 @@ def fixed_slot(tmp_path_factory, tiny_t5_dir, cache) -> Path:
             s = " ".join(rng.choice(words) for _ in range(rng.randint(1, 3)))
             f.write(json.dumps({"input": s, "output": s}) + "\n")
     run = folder / "run"
-    cfg = tiny_config(tiny_t5_dir, pairs, source_length=4, source_slot="fixed", steps=2, ckpt_every=2)
+    cfg = tiny_config(tiny_t5_dir, pairs, task={"source_length": 4, "source_slot": "fixed"}, steps=2, ckpt_every=2)
     train(cfg, run, cache_dir=cache, quiet=True)
     return run
 

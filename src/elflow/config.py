@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields, replace
+from typing import NamedTuple
 
 from elflow.data.layout import LAYOUTS, PACKED, SOURCE_SLOTS
 from elflow.data.tasks import PAIR_TASKS
@@ -25,7 +26,7 @@ from elflow.model import (
     options_of,
 )
 from elflow.newton_schulz import NS_METHODS
-from elflow.runs.record import Distillation, RunRecord, Task, held_settings, restated
+from elflow.runs.record import Distillation, RunRecord, SamplingDefaults, Task, held_settings, restated
 from elflow.schedule import (
     ADAMW_BLR,
     EMA_DECAY,
@@ -243,18 +244,6 @@ class TrainConfig(Record):
     keep: int = setting(3, "newest checkpoints kept; 0 keeps all of them", check=AT_LEAST_0, mutable=True)
     sample_every: int = setting(0, "print samples of the EMA model every N steps (0: never)", check=AT_LEAST_0,
                                 mutable=True)
-    # the model's own sampling defaults (its record's `sampling`, which its previews, `elflow sample` and
-    # `elflow eval` use), where given; not given, those of its kind (elflow.generate.default_sampling)
-    sample_steps: int | None = setting(None, "the model's default sampling steps (stored in its record: its "
-                                             "previews, elflow sample and elflow eval use them)",
-                                       default_help=_kind_help("steps") + ", a distilled student's own",
-                                       check=SAMPLING_RANGES["steps"], mutable=True)
-    sample_sampler: str | None = setting(None, "the model's default sampler (stored likewise)", choices=SAMPLERS,
-                                         default_help=_kind_help("sampler") + ", map for a flow-map student",
-                                         mutable=True)
-    sample_omega: float | None = setting(None, "the model's default self-conditioning guidance scale omega (stored "
-                                               "likewise)", default_help=_kind_help("omega"),
-                                         check=SAMPLING_RANGES["omega"], mutable=True)
     tensorboard: bool = setting(False, "also log to TensorBoard (RUN/tb)", mutable=True)
     wandb: str | None = setting(None, "also log to this Weights & Biases project: the metrics records, the run's "
                                       "settings and the samples shown during training (needs `pip install "
@@ -263,17 +252,6 @@ class TrainConfig(Record):
                                 mutable=True, flag="--wandb")
     wandb_run: str | None = setting(None, "the W&B run's display name", default_help="the run folder's name",
                                     mutable=True)
-    task: str | None = setting(None, "a named conditional task, stored with the model (set by --defaults "
-                               "wmt14-de-en / xsum)", choices=tuple(PAIR_TASKS))
-    source_length: int | None = setting(None, "train on (source, target) pairs whose sources take up to this many "
-                                        "tokens; --data is then a .jsonl of pairs, a named task or a hub pair set",
-                                        default_help="none: plain text", check=AT_LEAST_1)
-    source_slot: str = setting(PACKED, "where a pair's target starts: 'packed', right after its source (the "
-                               "released layout); 'fixed', at --source-length in every row, the source's slot "
-                               "padded, so a target token sits at a fixed distance from the source token it "
-                               "copies", choices=SOURCE_SLOTS)
-    source_field: str = setting(Task.source_field, "the source field of pair records")
-    target_field: str = setting(Task.target_field, "the target field of pair records")
     epochs: float | None = setting(None, "the run's length in passes over the data (replaces --steps)",
                                    check=EPOCHS)
     warmup_frac: float | None = setting(None, "the warm-up as a fraction of the run (replaces --warmup)", check=UNIT)
@@ -288,6 +266,14 @@ class TrainConfig(Record):
     short_run: ShortRunOptions = setting(help="the network's options for short runs (elflow.model.ShortRunOptions; "
                                               "the short-run flags set its fields)", cli=False,
                                          default_factory=ShortRunOptions)
+    task: Task | None = setting(None, "a conditional model's layout (elflow.runs.record.Task; --source-length "
+                                      "and the pair flags set its fields)", default_help="none: plain text",
+                                cli=False)
+    # the model's own sampling defaults (its record's `sampling`, which its previews, `elflow sample` and
+    # `elflow eval` use), where given; not given, those of its kind (elflow.generate.default_sampling)
+    sampling: SamplingDefaults = setting(help="the model's sampling defaults (elflow.runs.record.SamplingDefaults; "
+                                              "--sample-steps, --sample-sampler and --sample-omega set its fields)",
+                                         cli=False, mutable=True, default_factory=SamplingDefaults)
     distillation: Distillation | None = setting(None, "how the students of a distillation are trained "
                                                       "(elflow.runs.record.Distillation; set by elflow distill)",
                                                 cli=False)
@@ -296,22 +282,20 @@ class TrainConfig(Record):
         """The typed parts may be given as dicts of their fields (a stored run, RUN_DEFAULTS, the recipe and
         short-run flags): each is read into its type here, its fields' ranges checked first (ELFError naming the
         flag)."""
-        for key, (typ, _, check, _) in NESTED_FLAGS.items():
+        for key, nested in NESTED_FLAGS.items():
             part = getattr(self, key[0])
             v = part.get(key[1]) if isinstance(part, dict) else None
-            if v is None:
-                continue
-            flag = "--" + key[1].replace("_", "-")
-            if typ in (int, float) and (isinstance(v, bool) or not isinstance(v, (int, float))) or \
-                    typ is int and not isinstance(v, int):
-                raise ELFError(f"{flag} must be a number, got {v!r}")
-            if check and not check[0](v):
-                raise ELFError(f"{flag} must be a number {check[1]}, got {v!r}")
+            if v is not None:
+                nested.check_value(v)
         if self.short_run is None:  # the paper's network
             self.short_run = ShortRunOptions()
+        if self.sampling is None:  # none given
+            self.sampling = SamplingDefaults()
         # (setting, its type, None allowed, what it is called, how a dict of its fields is read)
         for name, typ, optional, words, read in (
-                ("recipe", Recipe, True, "recipe", lambda d: recipe_for(d, conditional=bool(self.source_length))),
+                ("task", Task, True, "task", _task_of),
+                ("sampling", SamplingDefaults, False, "sampling defaults", SamplingDefaults.from_dict),
+                ("recipe", Recipe, True, "recipe", lambda d: recipe_for(d, conditional=self.conditional)),
                 ("model", NetworkOverrides, False, "network settings", NetworkOverrides.from_dict),
                 ("short_run", ShortRunOptions, False, "short-run options", options_of),
                 ("distillation", Distillation, True, "distillation", lambda d: Distillation.from_dict(d) if d else None)):
@@ -404,15 +388,14 @@ class TrainConfig(Record):
             top.update(noise_scale=recipe.noise_scale, t_eps=recipe.t_eps)
         return {**self.model.given(), **{k: v for k, v in top.items() if v is not None}}
 
-    def sampling_given(self) -> dict:
-        """The model's sampling defaults given by --sample-steps / --sample-sampler / --sample-omega, as the
-        fields of its record's sampling they set."""
-        given = {"steps": self.sample_steps, "sampler": self.sample_sampler, "omega": self.sample_omega}
-        return {k: v for k, v in given.items() if v is not None}
-
     def flow_recipe(self) -> Recipe:
         """The run's flow recipe: the one given, else the released recipe of its kind (flow.recipe_for)."""
-        return self.recipe if self.recipe is not None else recipe_for({}, conditional=bool(self.source_length))
+        return self.recipe if self.recipe is not None else recipe_for({}, conditional=self.conditional)
+
+    @property
+    def conditional(self) -> bool:
+        """Whether the run trains on (source, target) pairs (it has a task)."""
+        return self.task is not None
 
     @property
     def separate_decoder(self) -> bool:
@@ -479,11 +462,9 @@ class TrainConfig(Record):
             raise ELFError(f"{name('table_readout')} {readout:g}: the table readout needs a space with one vector per "
                            f"token ({' or '.join(FIXED_TABLE_KINDS)}), and {name('space')} {self.space} has none: "
                            f"pass {name('table_readout')} 0, or choose such a space")
-        if self.source_slot != PACKED and not self.source_length:
-            raise ELFError(f"{name('source_slot')} {self.source_slot} lays out (source, target) pairs; it needs "
-                           f"{name('source_length')}")
-        if self.source_length is not None and self.length is not None and self.source_length >= self.length:
-            raise ELFError(f"{name('source_length')} {self.source_length} leaves no room for a target in "
+        if self.task is not None and self.length is not None and self.task.source_length >= self.length:
+            source = "--source-length" if stored is None else f"{stored}: its setting 'task.source_length'"
+            raise ELFError(f"{source} {self.task.source_length} leaves no room for a target in "
                            f"{name('length')} {self.length}; use a longer length or a shorter source length")
 
 
@@ -500,30 +481,93 @@ RUN_DEFAULTS: dict[str, tuple[dict, dict]] = {
     ),
     # the paper's conditional tasks: ELF-B in T5-small's space, warm-up 5,000 (and, as every conditional run,
     # decode corruption 1.0: flow.recipe_for)
-    **{name: (dict(preset="elf-b", space="t5-small", task=name, data=t["data"], length=t["length"],
-                   source_length=t["source_length"], warmup=t["warmup"], layout="document"), {})
+    **{name: (dict(preset="elf-b", space="t5-small", task={"name": name, "source_length": t["source_length"]},
+                   data=t["data"], length=t["length"], warmup=t["warmup"], layout="document"), {})
        for name, t in PAIR_TASKS.items()},
 }
 
 
-# flags that set one key of a dict setting: (setting, key) -> (type, help, check, default help)
-NESTED_FLAGS: dict[tuple[str, str], tuple] = {
-    ("model", "depth"): (int, "transformer blocks", AT_LEAST_1, "the preset's"),
-    ("model", "hidden"): (int, "hidden width", AT_LEAST_1, "the preset's"),
-    ("model", "heads"): (int, "attention heads", AT_LEAST_1, "the preset's"),
-    ("short_run", "skip"): (SKIPS, "denoise head: none = the released networks' x = head(h); gaussian = the data's "
-                        "per-dimension Gaussian posterior mean + posterior std x head(h), a network that starts as "
-                        "that baseline denoiser; gated = the same with its pass-through of z gated by the network "
-                        "(elflow.model.ShortRunOptions)", None, "the preset's"),
-    ("short_run", "time_scale"): (float, "factor on t before its sinusoid features (1 in the released networks, whose "
-                                     "features then barely change over t in [0, 0.1]; DiT uses 1000)", POSITIVE,
-                              "the preset's"),
-    ("short_run", "head_modulation"): (bool, "scale and shift the denoise head's input by t (DiT's final layer; "
-                                         "absent from the released networks)", None, "the preset's"),
-    ("short_run", "table_readout"): (float, "weight w of the readout's table match: the decode logits gain "
-                                        "w z . R_k / sqrt(C), R_k token k's own vector in the space (table spaces "
-                                        "only; 0 in the released networks)", AT_LEAST_0, "the preset's"),
-}
+class NestedFlag(NamedTuple):
+    """A flag that sets one field of a typed part of TrainConfig: the field's type (a tuple: its choices), its
+    help, its range check (predicate, description) or None, its default in words, and its flag where that is
+    not --<field>."""
+
+    type: object
+    help: str
+    check: tuple | None
+    default_help: str
+    flag: str | None = None
+
+    def check_value(self, v) -> None:
+        """ELFError naming the flag when `v` is not a value of the field."""
+        typ, check, flag = self.type, self.check, self.flag
+        if isinstance(typ, tuple):
+            if v not in typ:
+                raise ELFError(f"{flag} must be one of {', '.join(typ)}, got {v!r}")
+            return
+        if typ is str and not isinstance(v, str):
+            raise ELFError(f"{flag} must be a string, got {v!r}")
+        if typ in (int, float) and (isinstance(v, bool) or not isinstance(v, (int, float))) or \
+                typ is int and not isinstance(v, int):
+            raise ELFError(f"{flag} must be a {'whole ' if typ is int else ''}number, got {v!r}")
+        if check and not check[0](v):
+            what = check[1]
+            raise ELFError(f"{flag} must be {what if what.startswith(('a ', 'an ')) else 'a number ' + what}, got {v!r}")
+
+
+def _nested(part: str, field_name: str, typ, help: str, check=None, default_help: str = "the preset's",
+            flag: str | None = None) -> tuple[tuple[str, str], NestedFlag]:
+    return (part, field_name), NestedFlag(typ, help, check, default_help,
+                                          flag or "--" + field_name.replace("_", "-"))
+
+
+def _task_of(d: dict) -> Task | None:
+    """A run's task from the fields its flags give (--source-length, --source-slot, --task, --source-field,
+    --target-field); ELFError when a pair flag comes without --source-length."""
+    given = {k: v for k, v in d.items() if v is not None}
+    if not given:
+        return None
+    if "source_length" not in given:
+        flags = ", ".join(NESTED_FLAGS["task", k].flag for k in given)
+        raise ELFError(f"{flags} lay{'s' if len(given) == 1 else ''} out (source, target) pairs; give "
+                       "--source-length too (the most tokens a source takes)")
+    return Task.from_dict(given)
+
+
+# flags that set one field of a typed part: (part, field) -> NestedFlag
+NESTED_FLAGS: dict[tuple[str, str], NestedFlag] = dict((
+    _nested("model", "depth", int, "transformer blocks", AT_LEAST_1),
+    _nested("model", "hidden", int, "hidden width", AT_LEAST_1),
+    _nested("model", "heads", int, "attention heads", AT_LEAST_1),
+    _nested("short_run", "skip", SKIPS, "denoise head: none = the released networks' x = head(h); gaussian = the "
+            "data's per-dimension Gaussian posterior mean + posterior std x head(h), a network that starts as that "
+            "baseline denoiser; gated = the same with its pass-through of z gated by the network "
+            "(elflow.model.ShortRunOptions)"),
+    _nested("short_run", "time_scale", float, "factor on t before its sinusoid features (1 in the released "
+            "networks, whose features then barely change over t in [0, 0.1]; DiT uses 1000)", POSITIVE),
+    _nested("short_run", "head_modulation", bool, "scale and shift the denoise head's input by t (DiT's final "
+            "layer; absent from the released networks)"),
+    _nested("short_run", "table_readout", float, "weight w of the readout's table match: the decode logits gain "
+            "w z . R_k / sqrt(C), R_k token k's own vector in the space (table spaces only; 0 in the released "
+            "networks)", AT_LEAST_0),
+    _nested("task", "source_length", int, "train on (source, target) pairs whose sources take up to this many "
+            "tokens; --data is then a .jsonl of pairs, a named task or a hub pair set", AT_LEAST_1,
+            "none: plain text"),
+    _nested("task", "source_slot", SOURCE_SLOTS, "where a pair's target starts: 'packed', right after its source "
+            "(the released layout); 'fixed', at --source-length in every row, the source's slot padded, so a "
+            "target token sits at a fixed distance from the source token it copies", None, PACKED),
+    _nested("task", "name", tuple(PAIR_TASKS), "a named conditional task, stored with the model (set by "
+            "--defaults wmt14-de-en / xsum)", None, "none", flag="--task"),
+    _nested("task", "source_field", str, "the source field of pair records", None, Task.source_field),
+    _nested("task", "target_field", str, "the target field of pair records", None, Task.target_field),
+    _nested("sampling", "steps", int, "the model's default sampling steps (stored in its record: its previews, "
+            "elflow sample and elflow eval use them)", SAMPLING_RANGES["steps"],
+            _kind_help("steps") + ", a distilled student's own", flag="--sample-steps"),
+    _nested("sampling", "sampler", SAMPLERS, "the model's default sampler (stored likewise)", None,
+            _kind_help("sampler") + ", map for a flow-map student", flag="--sample-sampler"),
+    _nested("sampling", "omega", float, "the model's default self-conditioning guidance scale omega (stored "
+            "likewise)", SAMPLING_RANGES["omega"], _kind_help("omega"), flag="--sample-omega"),
+))
 
 
 # the recipe's flags (one per constant of elflow.flow.Recipe): their help; their ranges are RECIPE_RANGES and
@@ -552,8 +596,8 @@ def _recipe_default(name: str) -> str:
     return f"{value:g}, as released"
 
 
-NESTED_FLAGS.update({("recipe", name): (float, text, RECIPE_RANGES[name], _recipe_default(name))
-                     for name, text in RECIPE_HELP.items()})
+NESTED_FLAGS.update(_nested("recipe", name, float, text, RECIPE_RANGES[name], _recipe_default(name))
+                    for name, text in RECIPE_HELP.items())
 
 
 MUTABLE = tuple(f.name for f in fields(TrainConfig) if f.metadata.get("mutable"))
@@ -604,4 +648,7 @@ def flag_of(f) -> str:
 
 
 def mutable_flags() -> str:
-    return ", ".join("--" + k.replace("_", "-") for k in MUTABLE)
+    """The flags --resume may change: those of the mutable settings, a typed part's by its fields' flags."""
+    flags = [[n.flag for (part, _), n in NESTED_FLAGS.items() if part == k] or ["--" + k.replace("_", "-")]
+             for k in MUTABLE]
+    return ", ".join(f for group in flags for f in group)

@@ -78,8 +78,8 @@ SAME_ON_RESUME = ("preset", "model", "short_run", "data", "space", "latent_std",
 
 # the teacher's training config a distillation keeps (its data and how it is read, its network and run)
 KEPT = ("preset", "data", "text_field", "on_bad", "space", "latent_std", "length", "layout", "batch", "micro_batch",
-        "adam_heads", "ns_method", "grad_clip", "dtype", "compile", "model", "task", "source_length", "source_slot",
-        "source_field", "target_field", "space_dim", "space_seed", "space_stream", "val_fraction", "recipe")
+        "adam_heads", "ns_method", "grad_clip", "dtype", "compile", "model", "task", "space_dim", "space_seed",
+        "space_stream", "val_fraction", "recipe")
 
 
 def _base_config(record, origin, overrides: dict) -> TrainConfig:

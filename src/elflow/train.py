@@ -44,7 +44,7 @@ from elflow.runs.claim import (
 from elflow.runs.folder import CHECKPOINTS, OPTIMIZER_STATE, RUN_FILE, STATE_FILE, checkpoint_dir, run_files
 from elflow.runs.load import check_init_compatible, checkpoint_record, load_init_weights
 from elflow.runs.log import RunLogger, describe_start, plot_losses, tracked_settings, trim_metrics
-from elflow.runs.record import ParamCounts, RunRecord, Task, differences
+from elflow.runs.record import ParamCounts, RunRecord, differences
 from elflow.runs.stages import DECODER_STAGE, attach_decoder, decoder_stage
 from elflow.runs.stored import checkpoint_state, write_run
 from elflow.runs.tracking import Tracker, require_wandb
@@ -292,12 +292,10 @@ def run_record(setup: Setup) -> RunRecord:
     (--sample-steps, --sample-sampler, --sample-omega) on top."""
     cfg = setup.cfg
     config, options = setup.method.network_of(setup.net)
-    task = Task(cfg.source_length, cfg.source_slot, cfg.task, cfg.source_field, cfg.target_field) \
-        if cfg.source_length else None
     record = RunRecord(setup.method.name, config, SpaceSpec.of_space(setup.space), setup.length, setup.recipe,
-                       options or ShortRunOptions(), task, None, cfg.distillation,
+                       options or ShortRunOptions(), cfg.task, None, cfg.distillation,
                        ParamCounts.from_dict(setup.params)).with_default_sampling()
-    given = cfg.sampling_given()
+    given = cfg.sampling.given()
     if not given:
         return record
     stored = record.sampling.to_dict()

@@ -28,13 +28,15 @@ def test_quickstart_settings_are_one_named_preset(capsys):
 
     from elflow.experiments.quickstart import demo_config
     from elflow.model import ShortRunOptions
+    from elflow.runs.record import SamplingDefaults
 
     args = SimpleNamespace(length=64, batch=32, steps=250, lr=None, space=None, seed=0, sample_steps=64, sampler="vc",
                            omega=3.0)
     cfg = demo_config(args)
     expected = dict(preset="demo", data="builtin", space="random-table:minilm", length=64, batch=32, steps=250,
                     lr=3e-3, warmup=50, ema_decay=0.95, adam_heads=True, dtype="auto", seed=0, log_every=10,
-                    ckpt_every=62, keep=2, sample_every=62, sample_steps=64, sample_sampler="vc", sample_omega=3.0,
+                    ckpt_every=62, keep=2, sample_every=62,
+                    sampling=SamplingDefaults(steps=64, sampler="vc", omega=3.0),
                     short_run=ShortRunOptions(skip="gated", time_scale=1000.0, head_modulation=True,
                                               table_readout=1.0),
                     recipe=None)
@@ -46,7 +48,7 @@ def test_quickstart_settings_are_one_named_preset(capsys):
 
     from elflow.cli.train import run_device
 
-    plain = replace(cfg, sample_steps=None, sample_sampler=None, sample_omega=None)
+    plain = replace(cfg, sampling=SamplingDefaults())
     assert json.loads(out) == plain.resolved(run_device(None)).to_dict()  # dtype auto: what it picks here
     # --lr and --space replace the preset's and nothing else (a space without fixed token vectors also drops
     # the table readout); the preset itself is not changed

@@ -142,7 +142,7 @@ def test_a_sweep_or_an_eval_whose_samples_in_all_are_past_the_bound_is_refused_b
 
 
 def test_no_nan_in_train_config_checks():
-    for bad in (dict(lr=math.nan), dict(grad_clip=math.inf), dict(sample_omega=math.nan)):
+    for bad in (dict(lr=math.nan), dict(grad_clip=math.inf), dict(sampling={"omega": math.nan})):
         with pytest.raises(ELFError):
             TrainConfig(**bad).resolved().validate()
 

@@ -37,20 +37,20 @@ def test_the_parts_default_to_the_released_recipe_the_presets_network_and_no_opt
 
 def test_the_flow_recipe_is_the_released_one_of_the_runs_kind_unless_one_is_given():
     assert TrainConfig().flow_recipe() == Recipe()
-    conditional = TrainConfig(source_length=8).flow_recipe()
+    conditional = TrainConfig(task={"source_length": 8}).flow_recipe()
     assert conditional.decode_noise_scale == RELEASED_CONDITIONAL_DECODE_NOISE != Recipe().decode_noise_scale
     assert conditional.replace(decode_noise_scale=Recipe().decode_noise_scale) == Recipe()  # nothing else differs
     given = Recipe(t_std=0.5)
-    assert TrainConfig(recipe=given, source_length=8).flow_recipe() is given  # a recipe given whole is kept
+    assert TrainConfig(recipe=given, task={"source_length": 8}).flow_recipe() is given  # a recipe given whole is kept
 
 
 def test_each_part_given_as_a_dict_of_its_fields_is_read_into_its_type():
     """A recipe's fields are overrides of the released recipe of the run's kind; the others are their types'
     fields, {} (or None) the type's defaults, and an empty distillation none."""
     assert TrainConfig(recipe={"t_std": 0.5}).recipe == Recipe(t_std=0.5)
-    assert TrainConfig(recipe={"t_std": 0.5}, source_length=8).recipe == \
+    assert TrainConfig(recipe={"t_std": 0.5}, task={"source_length": 8}).recipe == \
         Recipe(t_std=0.5, decode_noise_scale=RELEASED_CONDITIONAL_DECODE_NOISE)
-    assert TrainConfig(recipe={"decode_noise_scale": 2.0}, source_length=8).recipe.decode_noise_scale == 2.0
+    assert TrainConfig(recipe={"decode_noise_scale": 2.0}, task={"source_length": 8}).recipe.decode_noise_scale == 2.0
     assert TrainConfig(model={"depth": 3, "heads": 2}).model == NetworkOverrides(depth=3, heads=2)
     assert TrainConfig(short_run={"skip": "gated"}).short_run == ShortRunOptions(skip="gated")
     assert TrainConfig(short_run=None).short_run == ShortRunOptions()
@@ -76,8 +76,7 @@ BAD_PARTS = [
     ("time-scale-negative", dict(short_run={"time_scale": -1.0}), "--time-scale must be a number > 0, got -1.0"),
     ("time-scale-a-string", dict(short_run={"time_scale": "x"}), "--time-scale must be a number, got 'x'"),
     ("table-readout-negative", dict(short_run={"table_readout": -1}), "--table-readout must be a number >= 0, got -1"),
-    ("skip-unknown", dict(short_run={"skip": "residual"}),
-     "the short-run options do not fit together: skip must be one of none, gaussian, gated, got 'residual'"),
+    ("skip-unknown", dict(short_run={"skip": "residual"}), "--skip must be one of none, gaussian, gated, got 'residual'"),
     ("short-run-unknown-field", dict(short_run={"colour": 1}),
      "the short-run options do not fit together: ShortRunOptions: unknown fields ['colour']"),
     ("t-std-0", dict(recipe={"t_std": 0.0}), "--t-std must be a number in (0, 10], got 0.0"),
@@ -87,9 +86,25 @@ BAD_PARTS = [
                                                           "['noise']"),
     ("omega-range-reversed", dict(recipe={"omega_low": 3.0, "omega_high": 1.0}),
      "the run's recipe cannot be read: the recipe's constants are out of range: omega range [3.0, 1.0]"),
+    ("source-length-0", dict(task={"source_length": 0}), "--source-length must be a number >= 1, got 0"),
+    ("source-slot-unknown", dict(task={"source_length": 4, "source_slot": "middle"}),
+     "--source-slot must be one of packed, fixed, got 'middle'"),
+    ("task-unknown", dict(task={"source_length": 4, "name": "poetry"}),
+     "--task must be one of wmt14-de-en, xsum, got 'poetry'"),
+    ("source-field-a-number", dict(task={"source_length": 4, "source_field": 3}), "--source-field must be a string, got 3"),
+    ("pair-flags-without-source-length", dict(task={"source_slot": "fixed", "name": "xsum"}),
+     "--source-slot, --task lay out (source, target) pairs; give --source-length too"),
+    ("task-unknown-field", dict(task={"source_length": 4, "slot": "fixed"}),
+     "the run's task cannot be read: Task: unknown fields ['slot']"),
+    ("sample-steps-0", dict(sampling={"steps": 0}), "--sample-steps must be an integer from 1 to 10,000"),
+    ("sample-sampler-unknown", dict(sampling={"sampler": "euler"}),
+     "--sample-sampler must be one of ode, sde, vc, map, got 'euler'"),
+    ("sample-omega-nan", dict(sampling={"omega": float("nan")}), "--sample-omega must be a number from 0 to 100, got nan"),
+    ("sampling-unknown-field", dict(sampling={"gamma": 1.0}),
+     "the run's sampling defaults cannot be read: SamplingDefaults: unknown fields ['gamma']"),
     ("depth-0", dict(model={"depth": 0}), "--depth must be a number >= 1, got 0"),
-    ("depth-a-fraction", dict(model={"depth": 2.5}), "--depth must be a number, got 2.5"),
-    ("heads-true", dict(model={"heads": True}), "--heads must be a number, got True"),
+    ("depth-a-fraction", dict(model={"depth": 2.5}), "--depth must be a whole number, got 2.5"),
+    ("heads-true", dict(model={"heads": True}), "--heads must be a whole number, got True"),
     ("model-unknown-field", dict(model={"colour": 2}),
      "the run's network settings cannot be read: NetworkOverrides: unknown fields ['colour']"),
     ("distillation-objective", dict(distillation={"objective": "x"}),
@@ -216,7 +231,7 @@ def test_resolved_fills_in_each_presets_defaults():
     assert (paper.space, paper.ema_decay, paper.length) == ("t5-small", 0.9999, 1024)
     assert paper.lr == pytest.approx(2e-3)  # 1e-3 x 512 / 256
     assert TrainConfig(preset="tiny", optimizer="adamw").resolved().lr == pytest.approx(5e-5 * 32 / 256)
-    assert TrainConfig(preset="tiny", source_length=4).resolved().recipe.decode_noise_scale == \
+    assert TrainConfig(preset="tiny", task={"source_length": 4}).resolved().recipe.decode_noise_scale == \
         RELEASED_CONDITIONAL_DECODE_NOISE
 
 
@@ -268,12 +283,9 @@ INVALID = [
     ("table-readout-without-token-vectors", dict(space="minilm", short_run={"table_readout": 1.0}),
      "--table-readout 1: the table readout needs a space with one vector per token",
      "run.json: its setting 'table_readout' 1: the table readout needs"),
-    ("fixed-slot-without-pairs", dict(source_slot="fixed"),
-     "--source-slot fixed lays out (source, target) pairs; it needs --source-length",
-     "run.json: its setting 'source_slot' fixed lays out (source, target) pairs"),
-    ("source-leaving-no-target", dict(source_length=16, length=16),
+    ("source-leaving-no-target", dict(task={"source_length": 16}, length=16),
      "--source-length 16 leaves no room for a target in --length 16",
-     "run.json: its setting 'source_length' 16 leaves no room for a target"),
+     "run.json: its setting 'task.source_length' 16 leaves no room for a target"),
 ]
 
 
@@ -290,7 +302,7 @@ def test_validate_names_the_first_setting_out_of_range_as_its_flag_or_its_stored
 
 @pytest.mark.parametrize("settings", [
     dict(), dict(preset="tiny"), dict(space="token-table:minilm", short_run={"table_readout": 1.0}),
-    dict(source_length=15, length=16, source_slot="fixed"), dict(method="ar"), dict(optimizer="adamw"),
+    dict(task={"source_length": 15, "source_slot": "fixed"}, length=16), dict(method="ar"), dict(optimizer="adamw"),
 ], ids=["defaults", "tiny", "table-readout-over-a-table", "fixed-slot-pairs", "baseline", "adamw"])
 def test_validate_passes_settings_that_fit_together(settings):
     assert TrainConfig(**settings).validate() is None
@@ -308,8 +320,8 @@ def test_a_named_config_derives_its_cadence_from_its_length_unless_given():
                                               table_readout=1.0)
     assert TrainConfig.named("quickstart", steps=100, ckpt_every=7).ckpt_every == 7
     xsum = TrainConfig.named("xsum")
-    assert (xsum.task, xsum.preset, xsum.space, xsum.layout) == ("xsum", "elf-b", "t5-small", "document")
-    assert xsum.source_length < xsum.length
+    assert (xsum.task.name, xsum.preset, xsum.space, xsum.layout) == ("xsum", "elf-b", "t5-small", "document")
+    assert xsum.task.source_length < xsum.length
     assert xsum.flow_recipe().decode_noise_scale == RELEASED_CONDITIONAL_DECODE_NOISE
     assert TrainConfig.named(None, seed=4) == TrainConfig(seed=4)
     with pytest.raises(ELFError, match="unknown --defaults 'nope'; choose one of quickstart, wmt14-de-en, xsum"):
@@ -332,7 +344,7 @@ def test_the_network_fields_are_the_overrides_and_variants_with_the_recipes_cons
 def test_resume_conflicts_name_each_setting_that_may_not_change():
     stored = TrainConfig(preset="tiny", lr=0.003, dtype="fp32")
     assert resume_conflicts(stored, stored) == []
-    mutable = dict(steps=99, micro_batch=2, log_every=3, ckpt_every=4, keep=0, sample_every=5, sample_steps=8,
+    mutable = dict(steps=99, micro_batch=2, log_every=3, ckpt_every=4, keep=0, sample_every=5, sampling={"steps": 8},
                    dist_timeout=10.0, tensorboard=True, wandb="p", wandb_run="r")
     assert resume_conflicts(stored, stored.replace(**mutable)) == []
     assert resume_conflicts(stored, stored.replace(seed=3, lr=0.5)) == ["lr: 0.003 -> 0.5", "seed: 0 -> 3"]

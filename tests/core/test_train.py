@@ -78,11 +78,11 @@ def test_the_sample_settings_given_are_the_models_sampling_defaults(uninterrupte
     run, cache, _ = uninterrupted
     assert read_record(run).sampling == default_sampling()  # a text model's
     given = tmp_path / "given"
-    train(cfg_for(tiny_t5_dir, tiny_corpus_file, steps=1, ckpt_every=1, sample_steps=5, sample_sampler="ode",
-                  sample_omega=2.0), given, cache_dir=cache, quiet=True)
+    train(cfg_for(tiny_t5_dir, tiny_corpus_file, steps=1, ckpt_every=1,
+                  sampling={"steps": 5, "sampler": "ode", "omega": 2.0}), given, cache_dir=cache, quiet=True)
     assert read_record(given).sampling == default_sampling().replace(steps=5, sampler="ode", omega=2.0)
     with pytest.raises(ELFError, match="--sample-omega does not apply to a model of --method ar"):
-        train(cfg_for(tiny_t5_dir, tiny_corpus_file, method="ar", steps=1, sample_omega=2.0), tmp_path / "ar",
+        train(cfg_for(tiny_t5_dir, tiny_corpus_file, method="ar", steps=1, sampling={"omega": 2.0}), tmp_path / "ar",
               cache_dir=cache, quiet=True)
     assert not (tmp_path / "ar").exists()
 
@@ -510,7 +510,7 @@ def test_samples_printed_during_training_come_from_the_ema_weights(method, optio
     from elflow.runs.load import load_for_sampling
 
     run = tmp_path / "run"
-    steps = {} if method == "ar" else {"sample_steps": 3}  # an autoregressive sampler takes no steps
+    steps = {} if method == "ar" else {"sampling": {"steps": 3}}  # an autoregressive sampler takes no steps
     cfg = cfg_for(tiny_t5_dir, tiny_corpus_file, method=method, short_run=options, steps=2, ckpt_every=2,
                   sample_every=2, **steps)
     train(cfg, run, cache_dir=tmp_path / "cache", quiet=False)

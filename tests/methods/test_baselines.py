@@ -291,7 +291,7 @@ def test_compare_trains_three_matched_methods_and_judges_them(tmp_path, tiny_t5_
     judge = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=320, n_positions=64,
                                        bos_token_id=1, eos_token_id=1)).eval()
     cfg = TrainConfig(preset="tiny", data=str(tiny_corpus_file), space=f"t5:{tiny_t5_dir}", length=16, batch=4,
-                      warmup=1, ema_decay=0.9, log_every=1, ckpt_every=3, dtype="fp32", seed=1, sample_sampler="vc",
+                      warmup=1, ema_decay=0.9, log_every=1, ckpt_every=3, dtype="fp32", seed=1, sampling={"sampler": "vc"},
                       match="trunk")
     lines = []
     res = compare(cfg, tmp_path, steps=3, num=4, judge=(judge, tok), elf_steps=(4,), omegas=(1.0,),

@@ -344,7 +344,7 @@ class World:
             return self._train("stopped_wandb", stop_after=1, wandb="my-project")
 
     def cond(self) -> Path:
-        return self._train("cond", data=self.get("pairs.jsonl"), source_length=4)
+        return self._train("cond", data=self.get("pairs.jsonl"), task={"source_length": 4})
 
     def ar(self) -> Path:
         return self._train("ar", readable=False, method="ar")

@@ -27,7 +27,13 @@ def up_to(doc: dict, version: int) -> dict:
 
 
 def test_the_chain_reaches_todays_version_one_step_at_a_time():
-    assert RECORD_VERSION == 7 and sorted(migrate.STEPS) == [1, 2, 3, 4, 5, 6]
+    assert RECORD_VERSION == 8 and sorted(migrate.STEPS) == [1, 2, 3, 4, 5, 6, 7]
+
+
+def held_by_7(method: str) -> tuple[str, ...]:
+    """The settings a record of versions 6 and 7 held, as the training settings named them then: today's, with
+    the task and the sampling defaults as the flat settings they were."""
+    return (*held_settings(method), *migrate.FLAT_TASK, *migrate.FLAT_SAMPLING)
 
 
 def test_a_version_2_run_file_gains_the_schedule_its_runs_used_and_its_settings_move_out_of_the_record():
@@ -35,7 +41,7 @@ def test_a_version_2_run_file_gains_the_schedule_its_runs_used_and_its_settings_
     assert old["record"]["version"] == 2 and "lr_schedule" not in old["record"]["train"]
     new = document(old, "run.json")
     assert new["record"]["version"] == RECORD_VERSION and "train" not in new["record"]
-    held = held_settings(new["record"]["method"])
+    held = held_by_7(new["record"]["method"])
     # beside the record: the settings it does not hold (5 -> 6), as they were, and the schedule (2 -> 3)
     assert new["train"] == {**{k: v for k, v in old["record"]["train"].items() if k not in held},
                             "lr_schedule": "one-ahead"}
@@ -55,14 +61,16 @@ def test_each_step_changes_only_what_its_version_lacked():
     assert v4["train"] == migrate.train_3_to_4(v3["record"]["train"])
     v5 = migrate.STEPS[4](v4, "x")
     assert v5["record"] == {**v4["record"], "version": 5}  # the record as it was: its model samples the same
-    assert v5["train"] == {**v4["train"], **dict.fromkeys(migrate.SAMPLE_SETTINGS)}  # the previews' settings go
+    assert v5["train"] == {**v4["train"], **dict.fromkeys(migrate.FLAT_SAMPLING)}  # the previews' settings go
     v6 = migrate.STEPS[5](v5, "x")
     assert v6["record"] == {**v5["record"], "version": 6}
-    assert v6["train"] == {k: v for k, v in v5["train"].items() if k not in held_settings("elf")}
+    assert v6["train"] == {k: v for k, v in v5["train"].items() if k not in held_by_7("elf")}
     v7 = migrate.STEPS[6](v6, "x")
     assert v7 == {**v6, "record": {**v6["record"], "version": 7}}  # its version alone: run.json keeps its record
-    assert document(v6, "x") == v7 == document(v5, "x") == document(v4, "x") == document(v3, "x") == \
-        document(v2, "x")
+    v8 = migrate.STEPS[7](v7, "x")
+    assert v8 == {**v7, "record": {**v7["record"], "version": 8}}  # no first stage's settings: its version alone
+    assert document(v7, "x") == v8 == document(v6, "x") == document(v5, "x") == document(v4, "x") == \
+        document(v3, "x") == document(v2, "x")
 
 
 @pytest.mark.parametrize("root", [LEGACY, RECORD2, RECORD5], ids=["legacy", "record2", "record5"])
@@ -80,8 +88,9 @@ def test_version_5_settings_that_restate_the_record_say_what_it_holds_or_leave_i
         record = RunRecord.from_dict({**v5["record"], "version": RECORD_VERSION})
         held = record.settings()
         assert set(held) == set(held_settings(record.method))
+        copies = migrate.train_7_to_8(v5["train"])  # the flat task and sampling settings as the parts they became
         for k in held:
-            assert v5["train"][k] == held[k] or _not_given(held[k], v5["train"][k]), (run, k)
+            assert copies[k] == held[k] or _not_given(held[k], copies[k]), (run, k)
         cfg = TrainConfig.of_run(record, document(v5, "x")["train"], "x")
         assert {k: v for k, v in cfg.to_dict().items() if k in held} == held  # each read from the record
 
@@ -177,3 +186,29 @@ def test_version_3_settings_gain_their_parts_whole_as_that_version_read_them():
     assert fm == {"objective": "flow-map", "student_steps": 4, "teacher_steps": None}
     pd = up_to(stored(RECORD2 / "pd", "1-step"), 4)["train"]["distillation"]
     assert pd == {"objective": "pd", "student_steps": 1, "teacher_steps": 4}
+
+
+def test_version_7_whole_settings_gain_the_task_and_sampling_parts_from_their_flat_settings():
+    """A first stage's whole settings ("stage_of") of version 7 held the task and the sampling defaults as flat
+    settings; 7 -> 8 makes them the typed parts today's TrainConfig holds, each field from the flat setting it
+    was, so that the stored settings read back as the config that wrote them. Today's state.json of version 7
+    changes its own version alone."""
+    from elflow.config import TrainConfig
+
+    for cfg in (TrainConfig(preset="tiny", sampling={"steps": 12, "omega": 2.0}),
+                TrainConfig(preset="tiny", task={"source_length": 4, "source_slot": "fixed", "name": "xsum",
+                                                 "target_field": "summary"}, length=16)):
+        today = cfg.to_dict()
+        flat = {k: v for k, v in today.items() if k not in ("task", "sampling")}  # as version 7 wrote it
+        task = today["task"] or {"source_length": None, "source_slot": "packed", "name": None,
+                                 "source_field": "input", "target_field": "output"}
+        flat.update(source_length=task["source_length"], source_slot=task["source_slot"], task=task["name"],
+                    source_field=task["source_field"], target_field=task["target_field"],
+                    **{f"sample_{k}": v for k, v in today["sampling"].items()})
+        v7 = {**document(stored(RECORD2, "elf"), "x"), "stage_of": flat}
+        v7["record"] = {**v7["record"], "version": 7}
+        new = document(v7, "run.json")
+        assert new["stage_of"] == today and new["record"] == {**v7["record"], "version": RECORD_VERSION}
+        assert TrainConfig.stored(new["stage_of"], "run.json") == cfg
+    state = {"format": "elflow-checkpoint-3", "version": 7, "step": 2, "model_sha256": "0" * 64, "files": {}}
+    assert document(state, "state.json") == {**state, "version": RECORD_VERSION}

@@ -17,7 +17,7 @@ def test_a_run_logs_its_records_settings_and_samples_and_resume_continues_it(tmp
                                                                              tiny_corpus_file, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     run, cache = tmp_path / "run", tmp_path / "cache"
-    cfg = tiny_config(tiny_t5_dir, tiny_corpus_file, wandb="elflow-test", sample_every=3, sample_steps=4)
+    cfg = tiny_config(tiny_t5_dir, tiny_corpus_file, wandb="elflow-test", sample_every=3, sampling={"steps": 4})
     train(cfg, run, cache_dir=cache, quiet=True, stop_after=3)
     train(cfg, run, resume=True, cache_dir=cache, quiet=True)
 

@@ -54,7 +54,7 @@ def config_from_args(args) -> TrainConfig:
         stored = relocated(stored_config(check_output(out, folder=True)), given)  # its paths read from here
         merged = {**stored.to_dict()}
         for k, v in given.items():
-            merged[k] = {**merged[k], **v} if isinstance(v, dict) else v
+            merged[k] = {**(merged[k] or {}), **v} if isinstance(v, dict) else v
         cfg = absolute_paths(TrainConfig(**merged).resolved())
         diff = resume_conflicts(stored, cfg, run_device(getattr(args, "device", None)))
         if diff:

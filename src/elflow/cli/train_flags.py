@@ -54,15 +54,16 @@ def add_config_arguments(p) -> None:
         else:
             kw["metavar"] = flag_of(f)[2:].upper().replace("-", "_")
         cfg_group.add_argument(flag_of(f), **kw)
-    for (key, sub), (typ, text, _, default_text) in NESTED_FLAGS.items():
+    for (key, sub), nested in NESTED_FLAGS.items():
+        typ = nested.type
         if isinstance(typ, tuple):
             kind = {"choices": typ}
         elif typ is bool:
             kind = {"type": _true_or_false, "metavar": "true|false"}
         else:
-            kind = {"type": typ, "metavar": sub.upper()}
-        cfg_group.add_argument("--" + sub.replace("_", "-"), default=S, dest=f"{key}.{sub}", **kind,
-                               help=with_default(text, default_text))
+            kind = {"type": typ, "metavar": nested.flag[2:].upper().replace("-", "_")}
+        cfg_group.add_argument(nested.flag, default=S, dest=f"{key}.{sub}", **kind,
+                               help=with_default(nested.help, nested.default_help))
     cfg_group.add_argument("--muon-scale", default=S, dest="muon_scale", type=_replaced_muon_scale, help=S)
     cfg_group.add_argument("--defaults", default=S, choices=tuple(RUN_DEFAULTS),
                            help=with_default("start from a named training config, elflow.config.RUN_DEFAULTS "

@@ -210,10 +210,11 @@ def build_pairs(source, space, source_length: int = 64, length: int = 128, val_f
 def run_data(cfg, space, length: int, cache_dir=None):
     """(training split, held-out split) of a run's data (its settings `cfg`, an elflow.config.TrainConfig) in
     `space`: (source, target) pairs or text, rows read from the data's token store."""
-    if cfg.source_length:
-        return build_pairs(cfg.data, space, cfg.source_length, length, val_fraction=cfg.val_fraction,
-                           seed=cfg.seed, cache_dir=cache_dir, source_field=cfg.source_field,
-                           target_field=cfg.target_field, on_bad=cfg.on_bad, source_slot=cfg.source_slot)
+    task = cfg.task
+    if task is not None:
+        return build_pairs(cfg.data, space, task.source_length, length, val_fraction=cfg.val_fraction,
+                           seed=cfg.seed, cache_dir=cache_dir, source_field=task.source_field,
+                           target_field=task.target_field, on_bad=cfg.on_bad, source_slot=task.source_slot)
     return build_dataset(cfg.data, space, length, layout=cfg.layout, val_fraction=cfg.val_fraction,
                          seed=cfg.seed, cache_dir=cache_dir, field=cfg.text_field, on_bad=cfg.on_bad)
 

@@ -48,7 +48,7 @@ def heldout_texts(checkpoint, num: int, cache_dir=None) -> tuple[list[str], str]
         raise ELFError("the model records no training data elflow can read")
     record = stored.record
     cfg = TrainConfig.of_run(record, settings, f"{checkpoint}'s run.json").resolved()
-    if cfg.source_length:
+    if cfg.conditional:
         raise ELFError("a conditional model's held-out text is a task's references (--task)")
     space = build_space(tokenizer_spec(record.space.build_spec()))
     length = cfg.length

@@ -57,7 +57,7 @@ def preset_overrides(args) -> dict:
 def demo_config(args):
     """The "quickstart" settings preset of TrainConfig, with this command's flags on top."""
     given = dict(length=args.length, batch=args.batch, steps=args.steps, seed=args.seed,
-                 sample_steps=args.sample_steps, sample_sampler=args.sampler, sample_omega=args.omega)
+                 sampling={"steps": args.sample_steps, "sampler": args.sampler, "omega": args.omega})
     return TrainConfig.named("quickstart", **given, **preset_overrides(args))
 
 
@@ -120,8 +120,8 @@ def conditional_config(args, pairs_file: Path):
     """The conditional demonstration's settings: the quickstart's, trained on pairs in the fixed source slot,
     with the released network (no short-run option: on the copy task each of them slows learning,
     benchmarks/RESULTS.md, section 10, and without the Gaussian skip no guess passes z's noise on)."""
-    given = dict(data=str(pairs_file), source_length=COND_SOURCE, length=COND_LENGTH, batch=args.batch,
-                 steps=args.steps, seed=args.seed, sample_every=0, source_slot="fixed",
+    given = dict(data=str(pairs_file), task={"source_length": COND_SOURCE, "source_slot": "fixed"},
+                 length=COND_LENGTH, batch=args.batch, steps=args.steps, seed=args.seed, sample_every=0,
                  ckpt_every=max(args.steps // COND_STAGES, 1))
     return TrainConfig.named("quickstart", **given, **{**preset_overrides(args),
                                                       "short_run": ShortRunOptions().to_dict()})

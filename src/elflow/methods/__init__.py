@@ -47,7 +47,7 @@ def require(method: Method, feature: str, what: str, path=None) -> None:
 
 # the run settings that need a feature of the method: (setting, its flag, the feature); a setting counts as
 # used when it differs from its default
-RUN_FEATURES = (("source_length", "--source-length", "pairs"), ("task", "--task", "pairs"),
+RUN_FEATURES = (("task", "--source-length", "pairs"),
                 ("init_from", "--init-from", "init-from"), ("grad_checkpoint", "--grad-checkpoint", "grad-checkpoint"),
                 *((name, "--" + name.replace("_", "-"), "flow") for name in
                   ("predict", "conditioning", "bottleneck", "decoder", "decoder_steps", "decoder_from")))
@@ -60,7 +60,7 @@ def _used(cfg, name: str):
     if name == "recipe":
         if value is None:
             return None
-        released = recipe_for({}, conditional=bool(cfg.source_length)).to_dict()
+        released = recipe_for({}, conditional=cfg.conditional).to_dict()
         return next((k for k, v in value.to_dict().items() if v != released[k]), None)
     default = next(f for f in fields(cfg) if f.name == name)
     return name if value != (None if default.default is MISSING else default.default) else None

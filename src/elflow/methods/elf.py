@@ -81,7 +81,7 @@ class ELFMethod(Method):
                                "(--decoder-steps) and its denoiser never decodes")
             if cfg.decoder_from and cfg.decoder_steps:
                 raise ELFError("--decoder-steps trains a decoder, --decoder-from takes a trained one: pass one of them")
-            if cfg.distillation or cfg.source_length:
+            if cfg.distillation or cfg.conditional:
                 raise ELFError("--decoder separate trains unconditional models from scratch (no --source-length, no "
                                "distillation)")
             if cfg.epochs is not None and not (cfg.decoder_steps or cfg.decoder_from):
@@ -92,7 +92,7 @@ class ELFMethod(Method):
         elif cfg.decoder_steps or cfg.decoder_from:
             raise ELFError(f"--{'decoder-steps' if cfg.decoder_steps else 'decoder-from'} needs --decoder separate")
         if cfg.recipe is not None and cfg.recipe.source_drop_prob != Recipe().source_drop_prob and \
-                not cfg.source_length:
+                not cfg.conditional:
             raise ELFError("--source-drop-prob applies to runs on (source, target) pairs (--source-length)")
 
     def build(self, cfg, shape, space, data, recipe, device):

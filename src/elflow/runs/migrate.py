@@ -1,7 +1,7 @@
 """Every stored layout elflow reads, made today's by one linear chain of small steps, version N -> N + 1.
 
 A stored document is a run's run.json, a checkpoint's state.json or a model folder's config.json (an earlier
-model folder's JSON files merged into one: elflow.runs.model_folder). Today's layout (version 7) holds
+model folder's JSON files merged into one: elflow.runs.model_folder). Today's layout (version 8) holds
 
     "record"   run.json and a model folder: the model's description (elflow.runs.record.RunRecord.to_dict)
     "train"    run.json and a model folder: the training settings the record does not hold
@@ -23,6 +23,9 @@ Earlier versions:
        training previews alone, apart from the record's sampling defaults
     5  the training settings whole beside the record, restating what it holds (length, task, recipe, ...)
     6  every checkpoint's state.json carrying the model's record too, as the one in its run's run.json
+    7  a first stage's whole settings ("stage_of") with the task and the sampling defaults as flat settings
+       (source_length, source_slot, task, source_field, target_field; sample_steps, sample_sampler,
+       sample_omega), not as the typed parts the record holds
 
 Each step fills in exactly what its version lacked, with the value that the code of that version used (never
 today's default), so that an older run samples the same texts and resumes bit for bit. The authors' released
@@ -239,7 +242,11 @@ def _3_to_4(doc: dict, where: str) -> dict:
     return out
 
 
-SAMPLE_SETTINGS = ("sample_steps", "sample_sampler", "sample_omega")
+# the task and the sampling defaults as settings of their own, up to version 7: the setting -> the field of the
+# typed part (elflow.runs.record.Task, SamplingDefaults) that holds it from version 8
+FLAT_TASK = {"source_length": "source_length", "source_slot": "source_slot", "task": "name",
+             "source_field": "source_field", "target_field": "target_field"}
+FLAT_SAMPLING = {"sample_steps": "steps", "sample_sampler": "sampler", "sample_omega": "omega"}
 
 
 def _4_to_5(doc: dict, where: str) -> dict:
@@ -247,7 +254,7 @@ def _4_to_5(doc: dict, where: str) -> dict:
     sampling, which its previews read. Version 4's set the previews alone, and its record holds the defaults
     its model samples with: they become "not given" (None), so that the record stays as it is."""
     def settings(train):
-        return {**train, **{k: None for k in SAMPLE_SETTINGS if k in train}} if isinstance(train, dict) else train
+        return {**train, **{k: None for k in FLAT_SAMPLING if k in train}} if isinstance(train, dict) else train
 
     out = {**doc, "record": {**doc["record"], "version": 5}}
     for key in ("train", "stage_of"):
@@ -266,7 +273,7 @@ def _5_to_6(doc: dict, where: str) -> dict:
     train = doc.get("train")
     if isinstance(train, dict):
         try:
-            held = held_settings(doc["record"].get("method"))
+            held = (*held_settings(doc["record"].get("method")), *FLAT_TASK, *FLAT_SAMPLING)
         except (ELFError, TypeError):  # no method it knows: the record's reader names the field
             return out
         out["train"] = {k: v for k, v in train.items() if k not in held}
@@ -281,8 +288,34 @@ def _6_to_7(doc: dict, where: str) -> dict:
     return {**doc, "record": {**doc["record"], "version": 7}}
 
 
+def train_7_to_8(train):
+    """Version 8's whole training settings hold the task (None: plain text) and the sampling defaults as the
+    typed parts the record holds, each field from the flat setting it was; a task's fields not stored take the
+    values version 7 read pairs by (Task's defaults)."""
+    if not isinstance(train, dict):
+        return train
+    train = dict(train)
+    flat = {FLAT_TASK[k]: train.pop(k) for k in list(train) if k in FLAT_TASK}
+    task = {f.name: flat.get(f.name, f.default) for f in fields(Task)}
+    train["task"] = task if flat.get("source_length") else None
+    train["sampling"] = {FLAT_SAMPLING[k]: train.pop(k) for k in list(train) if k in FLAT_SAMPLING}
+    return train
+
+
+def _7_to_8(doc: dict, where: str) -> dict:
+    """From version 8 a run's whole settings hold its task and sampling defaults as typed parts (`train_7_to_8`);
+    version 7 stored them flat in a first stage's "stage_of" alone (the settings beside a record hold neither:
+    the record does). Every other document changes its version alone: today's state.json its own."""
+    if "record" not in doc:
+        return {**doc, "version": 8}
+    out = {**doc, "record": {**doc["record"], "version": 8}}
+    if "stage_of" in doc:
+        out["stage_of"] = train_7_to_8(doc["stage_of"])
+    return out
+
+
 # version -> the step that makes a document of that version one version newer
-STEPS = {1: _1_to_2, 2: _2_to_3, 3: _3_to_4, 4: _4_to_5, 5: _5_to_6, 6: _6_to_7}
+STEPS = {1: _1_to_2, 2: _2_to_3, 3: _3_to_4, 4: _4_to_5, 5: _5_to_6, 6: _6_to_7, 7: _7_to_8}
 assert sorted(STEPS) == list(range(PRE_RECORD, RECORD_VERSION)), "the chain must reach today's version"
 
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, fields, replace
 
 from elflow.data.layout import PACKED, SOURCE_SLOTS
 from elflow.data.tasks import PAIR_TASKS
-from elflow.flow import Recipe, SamplingSettings
+from elflow.flow import SAMPLERS, SAMPLING_RANGES, Recipe, SamplingSettings
 from elflow.methods import get_method
 from elflow.methods.baseline import MATCHES, BaselineSampling
 from elflow.methods.token_net import TokenLMConfig
@@ -38,7 +38,7 @@ from elflow.model import ELFConfig, NetworkOverrides, ShortRunOptions
 from elflow.space import SpaceSpec, drawn_table
 from elflow.util.errors import ELFError, Record
 
-RECORD_VERSION = 7  # the layout of today's stored documents; elflow.runs.migrate reads the earlier ones
+RECORD_VERSION = 8  # the layout of today's stored documents; elflow.runs.migrate reads the earlier ones
 DISTILL_OBJECTIVES = ("pd", "flow-map")  # progressive distillation; one flow-map student for every step count
 
 
@@ -63,6 +63,29 @@ class Task(Record):
         for f in ("source_field", "target_field"):
             if not isinstance(getattr(self, f), str) or not getattr(self, f):
                 raise ValueError(f"{f} must be a field name, got {getattr(self, f)!r}")
+
+
+@dataclass(frozen=True)
+class SamplingDefaults(Record):
+    """The generation defaults a run gives its model (--sample-steps, --sample-sampler, --sample-omega), each
+    None where not given: the record's `sampling` is then its kind's (its method's `default_sampling`)."""
+
+    steps: int | None = None
+    sampler: str | None = None
+    omega: float | None = None
+
+    def __post_init__(self):
+        for name in ("steps", "omega"):
+            v = getattr(self, name)
+            ok, what = SAMPLING_RANGES[name]
+            if v is not None and not ok(v):
+                raise ValueError(f"{name} must be {what} or null, got {v!r}")
+        if self.sampler is not None and self.sampler not in SAMPLERS:
+            raise ValueError(f"sampler must be one of {', '.join(SAMPLERS)} or null, got {self.sampler!r}")
+
+    def given(self) -> dict:
+        """The defaults given, as the fields of a record's sampling they set."""
+        return {k: v for k, v in self.to_dict().items() if v is not None}
 
 
 @dataclass(frozen=True)
@@ -104,12 +127,10 @@ class ParamCounts(Record):
 
 # the training settings (elflow.config.TrainConfig's fields) every record holds: the model's method and how a
 # baseline was sized, its length and task, its flow recipe, its distillation and its sampling defaults
-HELD_SETTINGS = ("method", "match", "length", "task", "source_length", "source_slot", "source_field", "target_field",
-                 "recipe", "distillation", "sample_steps", "sample_sampler", "sample_omega")
+HELD_SETTINGS = ("method", "match", "length", "task", "recipe", "distillation", "sampling")
 # and those an ELF network's record holds besides (a baseline's record holds its own network, not the ELF
 # network it is sized against, whose settings stay with its training settings)
 ELF_NETWORK_SETTINGS = ("predict", "conditioning", "bottleneck", "decoder", "model", "short_run")
-SAMPLE_FIELDS = ("steps", "sampler", "omega")  # the sampling defaults a run sets (--sample-steps, ...)
 
 
 def held_settings(method: str) -> tuple[str, ...]:
@@ -184,16 +205,14 @@ class RunRecord:
     def settings(self) -> dict:
         """The training settings this record holds (`held_settings`), as elflow.config.TrainConfig names and
         stores them: a run's training settings are these and the ones stored beside the record. The network
-        settings are the network's own fields (the preset's and the ones given alike); a model without a task
-        reads pairs by Task's default fields."""
-        task = self.task or Task(1)
+        settings are the network's own fields (the preset's and the ones given alike); the sampling defaults
+        those of the record's sampling that a run may set (SamplingDefaults)."""
         sampling = self.sampling.to_dict()
         out = {"method": self.method, "match": self.params.match if self.params else ParamCounts.match,
-               "length": self.length, "task": task.name, "source_length": self.source_length,
-               "source_slot": task.source_slot, "source_field": task.source_field, "target_field": task.target_field,
+               "length": self.length, "task": self.task.to_dict() if self.task else None,
                "recipe": self.recipe.to_dict(),
                "distillation": self.distillation.to_dict() if self.distillation else None,
-               **{f"sample_{k}": sampling.get(k) for k in SAMPLE_FIELDS}}
+               "sampling": {f.name: sampling.get(f.name) for f in fields(SamplingDefaults)}}
         if isinstance(self.network, ELFConfig):
             net = self.network.to_dict()
             out.update({k: net[k] for k in ELF_NETWORK_SETTINGS if k in net},
@@ -356,5 +375,5 @@ def _positive_int(v) -> int:
     return v
 
 
-__all__ = ["RunRecord", "Task", "Distillation", "ParamCounts", "RECORD_VERSION", "DISTILL_OBJECTIVES", "held_settings",
+__all__ = ["RunRecord", "Task", "SamplingDefaults", "Distillation", "ParamCounts", "RECORD_VERSION", "DISTILL_OBJECTIVES", "held_settings",
            "restated"]
