@@ -124,8 +124,8 @@ def train_config(name: str, steps: int | None = None):
     train = dict(c.get("train", {}))
     over = preset_overrides(argparse.Namespace(space=train.get("space"), lr=train.get("lr")))
     options = {**QUICKSTART_MODEL, **over.pop("short_run", {}), **c.get("short_run", {})}
-    cfg = TrainConfig.named("quickstart", data=str(pairs_file(c["task"])), source_length=SOURCE_LENGTH,
-                            length=LENGTH, steps=steps or c.get("steps", STEPS), seed=0, sample_every=0, keep=0,
+    task = {"source_length": SOURCE_LENGTH, "source_slot": train.pop("source_slot", "packed")}
+    cfg = TrainConfig.named("quickstart", data=str(pairs_file(c["task"])), task=task, length=LENGTH, steps=steps or c.get("steps", STEPS), seed=0, sample_every=0, keep=0,
                             **{**over, **train, "short_run": options})
     return cfg.resolved()
 
@@ -195,13 +195,12 @@ def sample_variant(loaded, space, held, steps=64, sampler="ode", guidance=2.0, o
     """Generate for the held-out sources as `generate.generate` does (same seeds and draws), keeping z0 and
     the final state, and score the target tokens."""
     from elflow.eval.metrics import bleu
-    from elflow.flow import Recipe, generate_tokens, time_grid
+    from elflow.flow import generate_tokens, time_grid
     from elflow.generate import conditioning, extract_targets
 
-    net = loaded.net
+    net = loaded
     table = net.readout_table if options(net).table_readout else None
-    recipe = Recipe.from_dict(loaded.recipe)
-    slot = loaded.settings.get("source_slot", "packed")
+    recipe, slot = net.record.recipe, net.record.source_slot
     ids_ref, known_ref, target, x_ref, _ = reference_batch(space, held, slot=slot)
     keep = LENGTH - SOURCE_LENGTH
     out_ids, texts, noise_hits, noise_n, num, den, last_t = [], [], 0, 0, 0.0, 0.0, []
@@ -244,11 +243,10 @@ def oracles(loaded, space, held, ts=(0.3, 0.5, 0.7, 0.9, 0.95), seed=0) -> dict:
     """The readout of clean targets; the readout of the denoiser's guess from the noised target (with and
     without the source) beside the readout of the noised input; the network's inputs and guess at the known
     positions as training builds them against the sampler."""
-    from elflow.flow import Draw, Recipe, elf_loss, integrate, row_index
+    from elflow.flow import Draw, elf_loss, integrate, row_index
 
-    net = loaded.net
-    recipe = Recipe.from_dict(loaded.recipe)
-    slot = loaded.settings.get("source_slot", "packed")
+    net = loaded
+    recipe, slot = net.record.recipe, net.record.source_slot
     ids, known, target, x, valid = reference_batch(space, held, slot=slot)
     N, L, C = x.shape
     ones = torch.ones(N)
@@ -342,7 +340,7 @@ def measure(name: str, variants, num: int) -> dict:
     for v in variants:
         if v in res["variants"]:
             continue
-        if v.endswith("noreadout") and not options(loaded.net).table_readout:
+        if v.endswith("noreadout") and not options(loaded).table_readout:
             continue
         t0, cpu0 = time.time(), time.process_time()
         r = sample_variant(loaded, space, held, **VARIANTS[v])
@@ -372,7 +370,7 @@ def paired_config(seed: int):
     from elflow.config import TrainConfig
 
     cfg = TrainConfig.named("quickstart", data=str(pairs_file("shuffle")), space="minilm", short_run=RELEASED_MODEL,
-                            source_length=SOURCE_LENGTH, length=LENGTH, steps=PAIRED_STEPS, seed=seed,
+                            task={"source_length": SOURCE_LENGTH}, length=LENGTH, steps=PAIRED_STEPS, seed=seed,
                             sample_every=0, keep=1)
     return cfg.resolved()
 
@@ -431,7 +429,6 @@ def seeds(seed_list) -> dict:
     """Train the paired setting with each seed on the batches of seed 0, and measure each run's EMA weights
     on the same held-out rows."""
     from elflow.data.datasets import build_pairs
-    from elflow.flow import Recipe
     from elflow.runs.load import load_for_sampling
 
     res = {}
@@ -451,7 +448,7 @@ def seeds(seed_list) -> dict:
         wall, cpu = time.time() - t0, time.process_time() - cpu0
         loaded, space = load_for_sampling(out, device="cpu")
         _, val = build_pairs(cfg.data, space, SOURCE_LENGTH, LENGTH, val_fraction=cfg.val_fraction, seed=0)
-        fig = held_out_figures(loaded.net, space, val, Recipe.from_dict(loaded.recipe))
+        fig = held_out_figures(loaded, space, val, loaded.record.recipe)
         res[key] = {**fig, "train_wall_s": wall, "train_cpu_s": cpu, "loadavg": os.getloadavg(), "cpu": cpu_model(),
                     "torch_threads": torch.get_num_threads(), "dtype": cfg.dtype}
         path.write_text(json.dumps(res[key], indent=1))

@@ -61,7 +61,7 @@ def config(task: str, steps: int, seed: int, update_rule: str, cache_dir) -> Tra
                   dtype="fp32", update_rule=update_rule, sample_every=0)
     if task == "cond":
         pairs = task_pairs_file("shuffle", cache_dir=cache_dir)[2]
-        return TrainConfig(data=str(pairs), length=48, source_length=24, **common).resolved()
+        return TrainConfig(data=str(pairs), length=48, task={"source_length": 24}, **common).resolved()
     return TrainConfig(data="builtin", length=64, **common).resolved()
 
 

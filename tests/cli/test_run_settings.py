@@ -81,6 +81,27 @@ def test_one_short_run_flag_over_the_quickstart_keeps_its_other_options(capsys):
     assert json.loads(out)["short_run"] == ShortRunOptions(skip="gaussian").to_dict()
 
 
+def test_the_pair_and_sampling_flags_set_the_fields_of_the_task_and_sampling_parts(capsys):
+    """--source-length, --source-slot, --task, --source-field, --target-field set the fields of the run's task
+    (elflow.runs.record.Task, the record's own part) and --sample-* those of its sampling defaults; a flag over
+    --defaults xsum changes its field alone; no pair flag: no task."""
+    code, out, err = cli(capsys, ["train", "--preset", "tiny", "--length", "16", "--source-length", "6",
+                                  "--source-slot", "fixed", "--target-field", "summary", "--sample-steps", "9",
+                                  "--sample-omega", "2", "--print-config"])
+    assert code == 0, err
+    printed = json.loads(out)
+    assert printed["task"] == {"source_length": 6, "source_slot": "fixed", "name": None, "source_field": "input",
+                               "target_field": "summary"}
+    assert printed["sampling"] == {"steps": 9, "sampler": None, "omega": 2.0}
+    assert not {"source_length", "source_slot", "sample_steps", "sample_omega"} & set(printed)  # each once
+    code, out, err = cli(capsys, ["train", "--defaults", "xsum", "--source-slot", "fixed", "--print-config"])
+    assert code == 0, err
+    assert json.loads(out)["task"] == {"source_length": 1024, "source_slot": "fixed", "name": "xsum",
+                                       "source_field": "input", "target_field": "output"}
+    code, out, err = cli(capsys, ["train", "--preset", "tiny", "--print-config"])
+    assert code == 0 and json.loads(out)["task"] is None, err
+
+
 def test_a_config_with_options_and_round_records_among_other_settings_reads_as_the_same_run():
     """Short-run options stored among the network settings and a distillation round's record among the
     recipe's constants are read into their own settings (elflow.runs.migrate.train_1_to_2, the chain's step

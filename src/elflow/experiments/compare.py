@@ -9,7 +9,7 @@ import json
 import math
 import os
 import shutil
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 from elflow.data.datasets import build_dataset
@@ -24,6 +24,7 @@ from elflow.runs.folder import METRICS_FILE
 from elflow.runs.load import load_for_sampling, read_record
 from elflow.runs.log import read_metrics
 from elflow.runs.outputs import check_out
+from elflow.runs.record import SamplingDefaults
 from elflow.space import build_space, space_spec, tokenizer_spec
 from elflow.train import train
 from elflow.util import jsonio
@@ -187,8 +188,8 @@ def _compare(cfg, out, steps, minutes, num, judge, elf_steps, omegas, ar_tempera
     for method in METHOD_NAMES:
         printer(f"training {method} ({f'{steps} steps' if steps is not None else f'{minutes:g} min'})")
         # the sampling defaults given are ELF's; a baseline keeps those its sampler takes (MDLM's steps)
-        unused = {f"sample_{k}": None for k in ("steps", "sampler", "omega") if k not in get_method(method).knobs}
-        summary = train(replace(cfg, method=method, **unused), out / method, overwrite=overwrite, quiet=quiet,
+        unused = {f.name: None for f in fields(SamplingDefaults) if f.name not in get_method(method).knobs}
+        summary = train(replace(cfg, method=method, sampling=cfg.sampling.replace(**unused)), out / method, overwrite=overwrite, quiet=quiet,
                         cache_dir=cache_dir, device=device, command=f"elflow compare ({method})",
                         time_limit=minutes * 60 if minutes is not None else None)
         record = read_record(out / method)
