@@ -91,6 +91,13 @@ EPOCHS = (lambda v: math.isfinite(v) and 0 < v <= MAX_EPOCHS, f"in (0, {MAX_EPOC
 MINUTES = (lambda v: math.isfinite(v) and 0 < v <= 7 * 24 * 60, "in (0, 10,080] (a week)")
 
 
+def out_of_range(flag: str, what: str, value) -> ELFError:
+    """The one-line error of a setting whose value fails its range check (`what`: the check's description, a
+    range such as ">= 1", or a whole phrase such as "an integer from 1 to ...")."""
+    must = what if what.startswith(("a ", "an ")) else f"a number {what}"
+    return ELFError(f"{flag} must be {must}, got {value!r}")
+
+
 def setting(default=None, help: str = "", *, default_help: str | None = None, choices=None, check=None,
             flag: str | None = None, mutable: bool = False, cli: bool = True, default_factory=None):
     """A TrainConfig field with what the CLI needs: help, choices, a value check (predicate, description),
@@ -446,8 +453,7 @@ class TrainConfig(Record):
             if meta.get("check"):
                 ok, what = meta["check"]
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or not ok(v):
-                    must = what if what.startswith(("a ", "an ")) else f"a number {what}"
-                    raise ELFError(f"{flag} must be {must}, got {v!r}")
+                    raise out_of_range(flag, what, v)
         try:
             check_run(self)
         except ELFError as e:
@@ -463,7 +469,8 @@ class TrainConfig(Record):
                            f"token ({' or '.join(FIXED_TABLE_KINDS)}), and {name('space')} {self.space} has none: "
                            f"pass {name('table_readout')} 0, or choose such a space")
         if self.task is not None and self.length is not None and self.task.source_length >= self.length:
-            source = "--source-length" if stored is None else f"{stored}: its setting 'task.source_length'"
+            source = NESTED_FLAGS["task", "source_length"].flag if stored is None else \
+                f"{stored}: its setting 'task.source_length'"
             raise ELFError(f"{source} {self.task.source_length} leaves no room for a target in "
                            f"{name('length')} {self.length}; use a longer length or a shorter source length")
 
@@ -511,8 +518,7 @@ class NestedFlag(NamedTuple):
                 typ is int and not isinstance(v, int):
             raise ELFError(f"{flag} must be a {'whole ' if typ is int else ''}number, got {v!r}")
         if check and not check[0](v):
-            what = check[1]
-            raise ELFError(f"{flag} must be {what if what.startswith(('a ', 'an ')) else 'a number ' + what}, got {v!r}")
+            raise out_of_range(flag, check[1], v)
 
 
 def _nested(part: str, field_name: str, typ, help: str, check=None, default_help: str = "the preset's",
@@ -530,7 +536,7 @@ def _task_of(d: dict) -> Task | None:
     if "source_length" not in given:
         flags = ", ".join(NESTED_FLAGS["task", k].flag for k in given)
         raise ELFError(f"{flags} lay{'s' if len(given) == 1 else ''} out (source, target) pairs; give "
-                       "--source-length too (the most tokens a source takes)")
+                       f"{NESTED_FLAGS['task', 'source_length'].flag} too (the most tokens a source takes)")
     return Task.from_dict(given)
 
 
@@ -639,7 +645,7 @@ def check_setting(name: str, value) -> None:
         return
     ok, what = f.metadata["check"]
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
-        raise ELFError(f"{flag_of(f)} must be a number {what}, got {value!r}")
+        raise out_of_range(flag_of(f), what, value)
 
 
 def flag_of(f) -> str:

@@ -189,8 +189,8 @@ def _compare(cfg, out, steps, minutes, num, judge, elf_steps, omegas, ar_tempera
         printer(f"training {method} ({f'{steps} steps' if steps is not None else f'{minutes:g} min'})")
         # the sampling defaults given are ELF's; a baseline keeps those its sampler takes (MDLM's steps)
         unused = {f.name: None for f in fields(SamplingDefaults) if f.name not in get_method(method).knobs}
-        summary = train(replace(cfg, method=method, sampling=cfg.sampling.replace(**unused)), out / method, overwrite=overwrite, quiet=quiet,
-                        cache_dir=cache_dir, device=device, command=f"elflow compare ({method})",
+        summary = train(replace(cfg, method=method, sampling=cfg.sampling.replace(**unused)), out / method,
+                        overwrite=overwrite, quiet=quiet, cache_dir=cache_dir, device=device, command=f"elflow compare ({method})",
                         time_limit=minutes * 60 if minutes is not None else None)
         record = read_record(out / method)
         network = record.network.to_dict()

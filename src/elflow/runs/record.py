@@ -375,5 +375,5 @@ def _positive_int(v) -> int:
     return v
 
 
-__all__ = ["RunRecord", "Task", "SamplingDefaults", "Distillation", "ParamCounts", "RECORD_VERSION", "DISTILL_OBJECTIVES", "held_settings",
-           "restated"]
+__all__ = ["RunRecord", "Task", "SamplingDefaults", "Distillation", "ParamCounts", "RECORD_VERSION",
+           "DISTILL_OBJECTIVES", "held_settings", "restated"]
