@@ -22,7 +22,7 @@ ALLOWED = {
     # the machine's own files
     ("util/devices.py", "cpu_flags", "open"): "/proc/cpuinfo",
     ("util/devices.py", "device_name", "open"): "/proc/cpuinfo",
-    ("util/budget.py", "_cpu_available", "open"): "/proc and the cgroup's cpu files",
+    ("util/budget.py", "_machine_file", "open"): "/proc and the process's cgroup files",
     ("eval/mauve.py", "_quiet_native_stderr", "open"): "os.devnull",
     # corpora: a user's text, and the built-in corpus unpacked into a temporary folder of the cache
     ("data/corpus.py", "_extract_works", "tarfile.open"): "the built-in corpus's downloaded archive",

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from elflow.methods.baseline import TokenMethod, draw_categorical
 from elflow.methods.token_net import TokenLMConfig, TokenTransformer, fit_token_lm
 from elflow.model import apply_rope
-from elflow.util.budget import LONG, Estimate, check_fits, held, merge, tensor, transformer_pass
+from elflow.util.budget import DOUBLE, LONG, Estimate, buffers, check_fits, merge, tensor, transformer_pass
 from elflow.util.errors import ELFError
 
 
@@ -144,7 +144,7 @@ def generate_tokens(model: TokenTransformer, batch: int, length: int, settings: 
     c, V = model.config, model.out_vocab  # the key/value cache, a one-position pass, its logits and draw
     check_fits(Estimate("AR sampling", f"--batch {batch} --length {length}", merge(
         {"key/value cache": 2 * c.depth * tensor(batch, length, c.hidden), "ids": tensor(batch, length, element=LONG),
-         "draws": held(tensor(batch, V), 2 * tensor(batch, V) + 4 * tensor(batch, V, element=LONG))},
+         "draws": buffers(*2 * [tensor(batch, V)], *4 * [tensor(batch, V, element=DOUBLE)])},
         transformer_pass(batch, 1, c.hidden, c.depth, c.heads, c.mlp_hidden, vocab=V)),
         "choose a smaller --batch or --length"), device)
     cache = _Cache(model, batch, length, device, model.embed.weight.dtype)

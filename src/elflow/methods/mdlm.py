@@ -12,12 +12,12 @@ import torch.nn.functional as F
 from elflow.methods.baseline import TokenMethod, draw_categorical
 from elflow.methods.token_net import TokenLMConfig, TokenTransformer, fit_token_lm
 from elflow.util.budget import (
-    LONG,
+    DOUBLE,
     MAX_SAMPLING_STEPS,
     Estimate,
+    buffers,
     check_count,
     check_fits,
-    held,
     merge,
     tensor,
     transformer_pass,
@@ -136,7 +136,7 @@ def generate_tokens(model: TokenTransformer, batch: int, length: int, settings: 
     n = min(batch * length, math.ceil(mean + 6 * math.sqrt(mean) + 8))
     check_fits(Estimate("MDLM sampling", f"--batch {batch} --length {length} --steps {settings.steps}", merge(
         transformer_pass(batch, length, c.hidden, c.depth, c.heads, c.mlp_hidden, vocab=V),
-        {"draws": held(tensor(n, V), tensor(n, V) + 2 * tensor(n, V, element=LONG))}),
+        {"draws": buffers(tensor(n, V), tensor(n, V, element=DOUBLE), tensor(n, V, element=DOUBLE))}),
         "choose a smaller --batch or --length"), device)
     m = mask_id(model)
     x = torch.full((batch, length), m, dtype=torch.long, device=device)

@@ -397,7 +397,9 @@ def check_tensors(sd: dict, where) -> None:
 
 def load_weights(net: torch.nn.Module, sd: dict, where) -> None:
     """Load `sd` into `net`, every tensor checked first: the names and shapes of the network, floating-point
-    values, all finite. One ELFError naming `where` and the first tensor that is not."""
+    values, all finite. One ELFError naming `where` and the first tensor that is not. A network built on the
+    meta device (no initial weights: elflow.runs.load) takes the tensors themselves, each in its parameter's
+    dtype; then nothing of it may be left on the meta device."""
     expected = net.state_dict()
     missing = [k for k in expected if k not in sd]
     unexpected = [k for k in sd if k not in expected]
@@ -409,7 +411,13 @@ def load_weights(net: torch.nn.Module, sd: dict, where) -> None:
         if tuple(w.shape) != tuple(v.shape):
             raise ELFError(f"{where}: weight {k} has shape {tuple(w.shape)}, the network's is {tuple(v.shape)}")
     check_tensors(sd, where)
-    net.load_state_dict(sd)
+    if not any(t.is_meta for t in (*net.parameters(), *net.buffers())):
+        net.load_state_dict(sd)
+        return
+    net.load_state_dict({k: sd[k].to(v.dtype) for k, v in expected.items()}, assign=True)
+    empty = [k for k, t in (*net.named_parameters(), *net.named_buffers()) if t.is_meta]
+    if empty:  # (a tensor no weight file holds, left unmade: a fault of the network's definition)
+        raise RuntimeError(f"{type(net).__name__} built on the meta device leaves {empty[:4]} unmade after loading")
 
 
 UNLISTED = (MODEL_WEIGHTS, EMA_WEIGHTS, SPACE_WEIGHTS, OPTIMIZER_STATE)

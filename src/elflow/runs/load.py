@@ -325,7 +325,8 @@ def _network(path_or_hub_id, stored: StoredModel, device, use_ema: bool, max_len
     if not stored.weights:
         raise ELFError(f"{path_or_hub_id} holds no {'EMA ' if use_ema else ''}weights"
                        + ("; pass --raw-weights to use the trained ones" if use_ema else ""))
-    net = get_method(stored.record.method).build_network(stored.record, max_length)
+    with torch.device("meta"):  # no initial weights: the stored ones replace them next
+        net = get_method(stored.record.method).build_network(stored.record, max_length)
     load_weights(net, stored.weights, stored.origin.path)
     net = net.to(device).eval()
     net.record, net.origin = stored.record, stored.origin

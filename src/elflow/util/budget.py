@@ -10,9 +10,10 @@ API (bytes are Python ints: no size overflows)
         (a) a network pass's peak bytes by part (activations, attention, logits), no-grad or forward + backward
     elf_sampling(config, *, steps, batch_size, num, length, trajectory_steps, ...) -> Estimate
         (b) an ELF sampling call (elflow.generate.generate): its counts bounded, then its peak
-    tensor(*shape, element=4), weights(params, copies), training_weights(params, largest), held(each, total)
+    tensor(*shape, element=4), weights(params, copies), training_weights(params, largest), held(each, total),
+    buffers(*sizes)
         (c) the bytes of tensors, of parameters (with gradients and optimiser states), of buffers made again
-        and again; elf_params(config) and block_params(width, heads, mlp) count parameters by formula
+        and again (of one size, or each of its own); elf_params(config) and block_params(width, heads, mlp) count parameters by formula
     Estimate(what, flags, parts, hint), merge(*parts) -> dict
         one call's estimate: what it is, the flags that set its size, its parts in bytes (summed), what to do
     check_fits(estimate, device=None) -> Estimate
@@ -57,7 +58,8 @@ from elflow.util.devices import human_bytes, resolve_dtype
 from elflow.util.errors import ELFError
 
 FLOAT = 4  # bytes of an fp32 element: every estimate counts in fp32
-LONG = 8  # bytes of an int64 (token ids) or a float64 element
+LONG = 8  # bytes of an int64 (token ids)
+DOUBLE = 8  # bytes of a float64 element (a sampler's categorical weights and their CDF)
 ALLOCATOR_SLACK = 2.0  # buffers made and freed again and again: peak RSS / live tensor bytes measured 1.2-1.8
 HEAP_BLOCK = 32 * 2**20  # glibc's largest heap block: larger ones are mapped apart and go back when freed
 
@@ -135,6 +137,13 @@ def held(each: int, total: int) -> int:
     return int(total if each > HEAP_BLOCK else ALLOCATOR_SLACK * total)
 
 
+def buffers(*sizes: int) -> int:
+    """The memory that buffers of these sizes (bytes), live together and made again at each step, take from
+    the machine: each counted by its own size, `held` (a float64 copy of an fp32 buffer can be mapped apart
+    where the fp32 one stays in the heap)."""
+    return sum(held(n, n) for n in sizes)
+
+
 def weights(params: int, copies: int = 1) -> int:
     """Bytes of `params` fp32 parameters held `copies` times (weights, gradients, optimiser states, an EMA)."""
     return FLOAT * int(params) * copies
@@ -192,6 +201,7 @@ def transformer_pass(batch: int, length: int, width: int, depth: int, heads: int
         backward pass.
     logits: `logit_rows` (default: batch) x `logit_length` (default: length) x `vocab` in fp32; with
         `backward` the log-softmax, its gradient and the logits' gradient too (four copies).
+    BLAS workspace: on a CPU, what the BLAS may hold while it computes the logits (`blas_workspace`).
     """
     mlp = int(width * 8 // 3) if mlp is None else mlp
     tokens = batch * length
@@ -204,7 +214,15 @@ def transformer_pass(batch: int, length: int, width: int, depth: int, heads: int
     logits = tensor(rows, length if logit_length is None else logit_length, vocab) * (4 if backward else 1)
     live = FLOAT * tokens * per_token
     return {"activations": live if gpu else held(tensor(tokens, width), live), "attention": attention,
-            "logits": logits}
+            "logits": logits, "BLAS workspace": 0 if gpu or not vocab else blas_workspace(width, vocab)}
+
+
+def blas_workspace(k: int, n: int) -> int:
+    """What a CPU BLAS may hold while it multiplies rows by a (k, n) fp32 weight, the readout's: it depends on
+    the processor (MKL packs its operands in blocks sized for the instruction set it picks: 11 MB measured for
+    1,024 rows by (384, 30,522) on an AVX512-BF16 EPYC, none with MKL_CBWR=COMPATIBLE; on an AMX Xeon that
+    readout's peak was 18 MB above an estimate without it). Counted as the larger: one copy of the weight."""
+    return tensor(k, n)
 
 
 @dataclass(frozen=True)
@@ -244,37 +262,92 @@ def merge(*parts: dict) -> dict:
 
 # ----------------------------------------------------------------------------------------------------------
 # the memory of a device
-def _cpu_available() -> tuple[int | None, str]:
-    """Bytes of RAM this process can still take: MemAvailable, within its cgroup's limit and its address-space
-    and data limits; None where none of them can be read."""
-    found = []
+def _machine_file(root: str, path: str) -> str | None:
+    """The text of one of the machine's small files (/proc, /sys/fs/cgroup) under `root`; None where it cannot
+    be read."""
     try:
-        with open("/proc/meminfo") as f:
-            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if line.split()[1:]}
-        if "MemAvailable" in info:
-            found.append((info["MemAvailable"], "available on this machine"))
-    except (OSError, ValueError, IndexError):
-        pass
-    v1 = "/sys/fs/cgroup/memory/memory."
-    for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                         (v1 + "limit_in_bytes", v1 + "usage_in_bytes")):
-        try:
-            with open(limit) as f, open(usage) as g:
-                cap, used = f.read().strip(), int(g.read().strip())
-            if cap.isdigit() and int(cap) < 2**60:
-                found.append((max(int(cap) - used, 0), "left under this process's memory limit (cgroup)"))
-                break
-        except (OSError, ValueError):
+        with open(os.path.join(root, path.lstrip("/"))) as f:
+            return f.read(1 << 20)
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def _keyed(text: str | None) -> dict:
+    """'key value [kB]' lines (/proc/meminfo with ':' after the key, memory.stat without) -> {key: bytes}."""
+    out = {}
+    for line in (text or "").splitlines():
+        parts = line.replace(":", " ").split()
+        if len(parts) >= 2 and parts[1].isdigit():
+            out[parts[0]] = int(parts[1]) * (1024 if parts[2:3] == ["kB"] else 1)
+    return out
+
+
+def _number(text: str | None) -> int | None:
+    """A cgroup limit or usage file's number; None for 'max', an unreadable file or a limit past any machine."""
+    text = (text or "").strip()
+    return int(text) if text.isdigit() and int(text) < 2**60 else None
+
+
+def _cgroup_dirs(root: str) -> list[tuple[str, str]]:
+    """The folders of this process's own memory cgroups, from /proc/self/cgroup placed by /proc/self/mountinfo
+    (a cgroup v2 tree, or v1's memory hierarchy), innermost first, each up to its mount's top (a parent's limit
+    binds too): [(folder, "v1" or "v2")]."""
+    mounts = []  # (fstype, mounted cgroup path, mount point, super options)
+    for line in (_machine_file(root, "/proc/self/mountinfo") or "").splitlines():
+        head, _, tail = line.partition(" - ")
+        head, tail = head.split(), tail.split()
+        if len(head) >= 5 and len(tail) >= 3 and tail[0] in ("cgroup", "cgroup2"):
+            mounts.append((tail[0], head[3], head[4], tail[2].split(",")))
+    found = []
+    for line in (_machine_file(root, "/proc/self/cgroup") or "").splitlines():
+        parts = line.strip().split(":", 2)
+        if len(parts) != 3:
             continue
+        _, controllers, path = parts
+        version = "v2" if controllers == "" else "v1" if "memory" in controllers.split(",") else None
+        for fstype, top, point, opts in mounts:
+            if version == "v2" and fstype != "cgroup2" or version == "v1" and (fstype != "cgroup" or "memory" not in
+                                                                             opts) or version is None:
+                continue
+            rel = os.path.relpath(path, top) if path.startswith(top) else None
+            if rel is None or rel.startswith(".."):
+                continue
+            levels = [] if rel == "." else rel.split("/")
+            found += [(os.path.join(point, *levels[:n]), version) for n in range(len(levels), -1, -1)]
+            break
+    return found
+
+
+def _cgroup_left(root: str) -> int | None:
+    """Bytes the tightest of this process's memory cgroups can still give: its limit less what it uses, the
+    reclaimable page cache (inactive_file) counted as free as the kernel does; None where no limit is set."""
+    left = []
+    for folder, version in _cgroup_dirs(root):
+        name = {"v2": ("memory.max", "memory.current"), "v1": ("memory.limit_in_bytes", "memory.usage_in_bytes")}
+        cap, used = (_number(_machine_file(root, os.path.join(folder, f))) for f in name[version])
+        if cap is None or used is None:
+            continue
+        stat = _keyed(_machine_file(root, os.path.join(folder, "memory.stat")))
+        cache = stat.get("inactive_file", stat.get("total_inactive_file", 0))
+        left.append(max(cap - max(used - cache, 0), 0))
+    return min(left) if left else None
+
+
+def _cpu_available(root: str = "/") -> tuple[int | None, str]:
+    """Bytes of RAM this process can still take: the machine's MemAvailable (which counts reclaimable page cache
+    as free), within what its own cgroups (v1 or v2, /proc/self/cgroup) leave and within its address-space and
+    data limits; None where none of them can be read. `root`: where /proc and /sys are (a test's crafted tree)."""
+    found = []
+    info = _keyed(_machine_file(root, "/proc/meminfo"))
+    if "MemAvailable" in info:
+        found.append((info["MemAvailable"], "available on this machine"))
+    cgroup = _cgroup_left(root)
+    if cgroup is not None:
+        found.append((cgroup, "left under this process's memory limit (cgroup)"))
     try:
         import resource
 
-        status = {}
-        with open("/proc/self/status") as f:
-            for line in f:
-                key, _, rest = line.partition(":")
-                if key in ("VmSize", "VmData") and rest.split():
-                    status[key] = int(rest.split()[0]) * 1024
+        status = _keyed(_machine_file(root, "/proc/self/status"))
         for rlimit, key in ((resource.RLIMIT_AS, "VmSize"), (resource.RLIMIT_DATA, "VmData")):
             soft = resource.getrlimit(rlimit)[0]
             if soft != resource.RLIM_INFINITY and key in status:
@@ -354,7 +427,8 @@ def elf_sampling(config, *, steps: int, batch_size: int, num: int, length: int |
     C, V, H = config.dim, config.vocab_size, config.hidden
     trunk = transformer_pass(rows, length + prefix, H, config.depth, config.heads, mlp)
     decode = {"logits": tensor(rows, length, V) * (2 if table_readout else 1) + tensor(rows, length, element=LONG),
-              "decode head": tensor(rows, length + prefix, H) + 2 * tensor(rows, length, C)}
+              "decode head": tensor(rows, length + prefix, H) + 2 * tensor(rows, length, C),
+              "BLAS workspace": blas_workspace(C, V)}
     kept = {"weights": weights(params),
             "sampler buffers": held(tensor(rows, length, C), (2 if guided else 1) * 6 * tensor(rows, length, C))
             + tensor(steps + 1),
