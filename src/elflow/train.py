@@ -545,6 +545,8 @@ def train_one(cfg: TrainConfig, out: Path, method: Method, resume: bool, overwri
             files = (*stored_files(out), *files)
 
         def write_meta():
+            if claim["state"] is not None and (out / RUN_FILE).exists():  # a resume: reading never makes it worse
+                folder.keep_earlier_run(claim["state"]["step"])
             write_run(out, setup.record, setup.cfg.beside(setup.record), files, world_size=world,
                       **({"stage_of": stage_of.to_dict()} if stage_of else {}))
 

@@ -210,3 +210,39 @@ def test_the_fixture_is_unchanged(fixture):
     assert present == set(listed), f"added: {sorted(present - set(listed))}, missing: {sorted(set(listed) - present)}"
     changed = [n for n, d in listed.items() if hashlib.sha256((root / n).read_bytes()).hexdigest() != d]
     assert not changed, f"changed: {changed}"
+
+
+KILLED_BEFORE_FIRST_CHECKPOINT = """
+import os, signal, sys
+import elflow.train
+elflow.train.train_loop = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)  # run.json is written by now
+from elflow.cli import main
+main(sys.argv[1:])
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fixture", list(FIXTURES))
+@pytest.mark.parametrize("name", ["elf", "cond", "ar", "mdlm"])
+def test_a_resume_killed_before_its_first_checkpoint_leaves_a_run_that_resumes(fixture, name, tmp_path, monkeypatch,
+                                                                             fixture_threads):
+    """SIGKILL after a resume rewrote an older run's run.json (today's layout, absolute paths) and before its
+    first checkpoint: the next command puts run.json back as it was, and the run resumes to the complete run."""
+    import subprocess
+    import sys
+
+    from elflow.cli import main
+
+    fixture_threads(fixture)
+    root = copy_fixture(tmp_path / fixture, fixture)
+    monkeypatch.chdir(root)
+    run = root / f"{name}-stopped"
+    before = (run / "run.json").read_bytes()
+    argv = ["train", "--out", run.name, "--resume", "--quiet", "--device", "cpu", "--cache-dir", str(tmp_path / "c")]
+    killed = subprocess.run([sys.executable, "-c", KILLED_BEFORE_FIRST_CHECKPOINT, *argv], cwd=root, timeout=600,
+                            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src")})
+    assert killed.returncode == -9
+    assert (run / "run.json").read_bytes() != before and (run / ".run-before-resume.json").is_file()
+    assert main(argv) == 0
+    assert not (run / ".run-before-resume.json").exists()
+    assert_same_checkpoint(checkpoint(run, 4), checkpoint(FIXTURES[fixture] / name, 4), fixture)

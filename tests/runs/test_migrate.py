@@ -52,6 +52,17 @@ def test_a_version_2_run_file_gains_the_schedule_its_runs_used_and_its_settings_
     RunRecord.from_dict(new["record"])
 
 
+def test_a_setting_an_earlier_version_never_stored_is_refused_not_kept():
+    """A version-2 run.json that holds train.lr_schedule (which version 3 added) was not written by elflow:
+    keeping its value would resume the run on another schedule than it was trained with."""
+    old = stored(RECORD2, "elf")
+    edited = {**old, "record": {**old["record"], "train": {**old["record"]["train"], "lr_schedule": "released"}}}
+    with pytest.raises(ELFError) as e:
+        document(edited, "elf-stopped/run.json")
+    assert str(e.value) == ("elf-stopped/run.json: its training settings hold 'lr_schedule', which a run of version "
+                            "2 never stored (it was added in version 3); restore the file as elflow wrote it")
+
+
 def test_each_step_changes_only_what_its_version_lacked():
     v2 = stored(RECORD2, "cond")
     v3 = migrate.STEPS[2](v2, "x")

@@ -20,6 +20,7 @@ from helpers import (
 )
 
 from elflow.runs.checkpoint import list_checkpoints
+from elflow.util.errors import ELFError
 
 # ----------------------------------------------------------------------------------------------------------
 # state that is repaired, not refused
@@ -182,3 +183,26 @@ def test_an_unwritable_checkpoints_folder_is_found_before_training(capsys, run_c
         assert tree_state(run_copy) == before
     finally:
         subprocess.run(["chattr", "-i", str(ck)], check=False)
+
+
+def test_run_json_kept_before_a_resume_comes_back_only_when_no_later_checkpoint_landed(tmp_path):
+    """What a resume leaves when killed: before its first checkpoint the earlier run.json comes back; once a
+    checkpoint past the one it resumed from has landed, the resume's own run.json stands."""
+    from elflow.runs.claim import keep_earlier_run, recover_earlier_run
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_0000002").mkdir(parents=True)
+    (run / "run.json").write_text('{"earlier": true}')
+    keep_earlier_run(run, 2)
+    (run / "run.json").write_text('{"rewritten": true}')
+    assert recover_earlier_run(run) is True
+    assert (run / "run.json").read_text() == '{"earlier": true}' and not (run / ".run-before-resume.json").exists()
+    keep_earlier_run(run, 2)
+    (run / "run.json").write_text('{"rewritten": true}')
+    (run / "checkpoints" / "step_0000004").mkdir()
+    assert recover_earlier_run(run) is False
+    assert (run / "run.json").read_text() == '{"rewritten": true}' and not (run / ".run-before-resume.json").exists()
+    assert recover_earlier_run(run) is False  # nothing kept: nothing to do
+    (run / ".run-before-resume.json").write_text('{"step": "two"}')
+    with pytest.raises(ELFError, match="corrupted"):
+        recover_earlier_run(run)

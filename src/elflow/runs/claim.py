@@ -28,6 +28,7 @@ from elflow.runs.checkpoint import (
 from elflow.runs.folder import (
     CHECKPOINTS,
     DECODER_STAGE,
+    EARLIER_RUN,
     LOSS_PLOT,
     METRICS_FILE,
     REPLACED,
@@ -35,6 +36,7 @@ from elflow.runs.folder import (
     RUN_FILE,
     RUN_FILES,
     SAMPLES_FILE,
+    STEP_DIR,
     TENSORBOARD,
     WANDB_FOLDER,
 )
@@ -45,7 +47,19 @@ from elflow.runs.stored import run_file
 from elflow.runs.tracking import ID_FILE
 from elflow.space import TABLE_KINDS
 from elflow.util.errors import ELFError
-from elflow.util.files import FolderHold, FolderLock, NoSpace, check_output, check_own, probe_writable, resolved
+from elflow.util.files import (
+    FolderHold,
+    FolderLock,
+    NoSpace,
+    atomic_write_json,
+    atomic_write_text,
+    check_output,
+    check_own,
+    probe_writable,
+    read_json,
+    resolved,
+)
+from elflow.util.jsonio import RECORD_BYTES, read_limited
 
 
 class RunFolder:
@@ -70,29 +84,69 @@ class RunFolder:
             print(f"removed {p}, left by a save that was interrupted", file=sys.stderr)
 
     def recover(self) -> None:
-        """A replacement interrupted before the new run's first checkpoint: the old run comes back."""
+        """A replacement interrupted before the new run's first checkpoint: the old run comes back; so does the
+        run.json a resume rewrote before it was stopped short of its first checkpoint."""
         if recover_replaced(self.out, lambda d: bool(list_checkpoints(d))) == "restored":
             print(f"restored the run in {self.out} that an interrupted --overwrite was replacing", file=sys.stderr)
+        if recover_earlier_run(self.out):
+            print(f"restored {self.out / RUN_FILE} as it was before a resume that stopped before its first "
+                  "checkpoint rewrote it", file=sys.stderr)
+
+    def keep_earlier_run(self, step: int) -> None:
+        """Before a resume from checkpoint `step` rewrites run.json: its bytes kept beside it, with the step,
+        until the resume's first checkpoint lands (`commit`)."""
+        keep_earlier_run(self.out, step)
 
     def set_aside(self) -> None:
         """Move the run's own files (never other files) out of the way of the new run."""
         set_aside(self.out)
 
     def commit(self) -> None:
-        """The new run has a checkpoint: the replaced run is dropped."""
+        """The new run has a checkpoint: the replaced run, and run.json as it was before a resume, are dropped."""
         if holds_set_aside(self.out):
             shutil.rmtree(self.aside)
+        if os.path.lexists(self.out / EARLIER_RUN):
+            os.unlink(self.out / EARLIER_RUN)
+
 
     def close(self, ok: bool) -> None:
         if self.hold.lock is None:  # the folder was never ours (another command holds it)
             return
         try:
+            if not ok:
+                recover_earlier_run(self.out)
             if not ok and holds_set_aside(self.out):
                 restore_aside(self.out)
             elif not ok and self.fresh and not list_checkpoints(self.out):
                 remove_run_files(self.out)  # a run that failed before its first checkpoint leaves no run behind
         finally:
             self.hold.close(ok)
+
+
+
+def keep_earlier_run(out: Path, step: int) -> None:
+    """run.json's bytes and the checkpoint step a resume starts from, written atomically to EARLIER_RUN."""
+    text = read_limited(out / RUN_FILE, RECORD_BYTES, own=True).decode("utf-8")
+    atomic_write_json(out / EARLIER_RUN, {"step": int(step), "run.json": text})
+
+
+def recover_earlier_run(out: Path) -> bool:
+    """EARLIER_RUN left by a resume that was stopped: where no checkpoint newer than the one it resumed from
+    landed, run.json is put back as it was (True); else the resume's own run.json stands and it goes."""
+    path = out / EARLIER_RUN
+    if not os.path.lexists(path):
+        return False
+    kept = read_json(path, "run.json as it was before a resume", own=True)
+    step, text = kept.get("step"), kept.get("run.json")
+    if type(step) is not int or not isinstance(text, str):
+        raise ELFError(f"{path}: corrupted (it keeps run.json as it was before a resume, as {{\"step\", "
+                       "\"run.json\"}}); restore it, or remove it if run.json describes the newest checkpoint")
+    newest = list_checkpoints(out)
+    restore = not newest or int(STEP_DIR.fullmatch(newest[-1].name).group(1)) <= step
+    if restore:
+        atomic_write_text(out / RUN_FILE, text)
+    os.unlink(path)
+    return restore
 
 
 def remove_run_files(out: Path) -> None:

@@ -9,6 +9,8 @@ elflow.runs.checkpoint's.
     RUN/report.json, samples.jsonl    what `elflow quickstart` writes of its run
     RUN/decoder/                      the first stage of a --decoder separate run
     RUN/.replaced-run/                a run that --overwrite set aside until the new run's first checkpoint
+    RUN/.run-before-resume.json       run.json as it was before a resume rewrote it, kept (with the step the
+                                      resume started from) until the resume's first checkpoint has landed
     OUT/distill.json                  a distillation's manifest, beside its rounds OUT/<N>-step
 """
 
@@ -29,6 +31,7 @@ REPORT_FILE = "report.json"
 SAMPLES_FILE = "samples.jsonl"
 DECODER_STAGE = "decoder"
 REPLACED = ".replaced-run"
+EARLIER_RUN = ".run-before-resume.json"
 DISTILL_MANIFEST = "distill.json"
 
 STATE_FILE = "state.json"
@@ -44,7 +47,7 @@ STEP_DIR = re.compile(r"step_(\d+)")
 # the names a run's own files and folders may have: what --overwrite may set aside (and nothing else); run.json
 # lists those a run writes (`run_files`, and what a command adds to a run: `runs.record.own_files_added`)
 RUN_FILES = (RUN_FILE, METRICS_FILE, LOSS_PLOT, CHECKPOINTS, TENSORBOARD, REPORT_FILE, SAMPLES_FILE, WANDB_FOLDER,
-             ID_FILE)
+             ID_FILE, EARLIER_RUN)
 
 
 def run_files(tensorboard: bool = False, wandb: bool = False) -> tuple[str, ...]:

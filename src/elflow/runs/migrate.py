@@ -195,11 +195,21 @@ def _record_1(doc: dict) -> tuple[RunRecord, dict | None]:
 
 # ----------------------------------------------------------------------------------------------------------
 # 2 -> 3 -> 4 -> 5
+def _new_setting(train: dict, name: str, version: int, where: str) -> dict:
+    """`train` before a step adds its setting `name`, first stored in `version`: a file of an earlier version
+    that holds it was not written by elflow, and its value is refused rather than kept."""
+    if name in train:
+        raise ELFError(f"{where}: its training settings hold {name!r}, which a run of version {version - 1} never "
+                       f"stored (it was added in version {version}); restore the file as elflow wrote it")
+    return train
+
+
 def _2_to_3(doc: dict, where: str) -> dict:
     """Version 3 records the learning-rate schedule's warm-up start (train.lr_schedule). Version 2 runs stepped
     at lr (k + 1) / W: "one-ahead"."""
     def schedule(train):
-        return {"lr_schedule": "one-ahead", **train} if isinstance(train, dict) else train
+        return {**_new_setting(train, "lr_schedule", 3, where), "lr_schedule": "one-ahead"} \
+            if isinstance(train, dict) else train
 
     out = {**doc, "record": {**doc["record"], "train": schedule(doc["record"].get("train")), "version": 3}}
     if "stage_of" in doc:
