@@ -26,11 +26,10 @@ from elflow.runs.claim import (
     check_only_own,
     local_path,
     micro_batch_for,
-    run_folders_holding,
     stored_config,
     stored_files,
 )
-from elflow.runs.folder import DISTILL_MANIFEST, REPLACED, REPORT_FILE, RUN_FILE, STATE_FILE
+from elflow.runs.folder import DISTILL_MANIFEST, REPLACED, REPORT_FILE, RUN_FILE, STATE_FILE, run_folders_holding
 from elflow.runs.load import load_init_weights
 from elflow.runs.log import training_records
 from elflow.runs.outputs import check_out

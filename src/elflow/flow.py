@@ -568,15 +568,15 @@ def _net_device(net):
     return p.device if p is not None else None
 
 
-def _check_tensor(x, name: str, ndim: int, device=None) -> torch.Tensor:
+def _check_tensor(x, name: str, ndim: int, device=None, who: str = "integrate") -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
-        raise ELFError(f"integrate: {name} must be a torch.Tensor, got {type(x).__name__}")
+        raise ELFError(f"{who}: {name} must be a torch.Tensor, got {type(x).__name__}")
     if x.device.type == "meta":
-        raise ELFError(f"integrate: {name} is on the meta device, which holds no values; make it on cpu or cuda")
+        raise ELFError(f"{who}: {name} is on the meta device, which holds no values; make it on cpu or cuda")
     if device is not None and x.device != device:
-        raise ELFError(f"integrate: {name} is on {x.device}, the network on {device}; move it there")
+        raise ELFError(f"{who}: {name} is on {x.device}, the network on {device}; move it there")
     if x.ndim != ndim or x.numel() == 0:
-        raise ELFError(f"integrate: {name} must be a non-empty {ndim}-D tensor, got shape {tuple(x.shape)}")
+        raise ELFError(f"{who}: {name} must be a non-empty {ndim}-D tensor, got shape {tuple(x.shape)}")
     return x
 
 
@@ -589,6 +589,22 @@ def check_network_dtype(net, who: str) -> None:
         raise ELFError(f"{who}: the network's weights are {str(p.dtype).removeprefix('torch.')}; elflow samples "
                        "float32 weights (for bf16, sample with dtype bf16, which autocasts): convert it with "
                        "net.float()")
+
+
+def check_omega(omega, rows: int, device, who: str) -> None:
+    """The self-conditioning guidance scale a sampler or the readout takes: a number within
+    SAMPLING_RANGES["omega"], or a (rows,) tensor on `device` whose every value is; ELFError naming `who`."""
+    ok, what = SAMPLING_RANGES["omega"]
+    if not isinstance(omega, torch.Tensor):
+        if not ok(omega):
+            raise ELFError(f"{who}: omega must be {what}, got {omega!r}")
+        return
+    _check_tensor(omega, "omega", 1, device, who)
+    values = omega.detach().to("cpu", torch.float64)
+    if omega.shape[0] != rows or not bool(torch.isfinite(values).all()) or not ok(float(values.min())) or \
+            not ok(float(values.max())):
+        raise ELFError(f"{who}: an omega tensor must hold {rows} values (one per row), each {what}, got shape "
+                       f"{tuple(omega.shape)} and values from {float(values.min()):g} to {float(values.max()):g}")
 
 
 def check_integrate_args(net, z0, grid, sampler, gamma, omega, guidance, known, known_mask, generator=None,
@@ -621,16 +637,11 @@ def check_integrate_args(net, z0, grid, sampler, gamma, omega, guidance, known, 
         raise ELFError(f"integrate: z0 has {z0.shape[1]} positions, more than the {length} the network covers")
     if sampler not in SAMPLERS:
         raise ELFError(f"integrate: unknown sampler {sampler!r}; choose one of {', '.join(SAMPLERS)}")
-    for name, value in (("gamma", gamma), ("guidance", guidance)) + ((("omega", omega),)
-                                                                     if not isinstance(omega, torch.Tensor) else ()):
+    for name, value in (("gamma", gamma), ("guidance", guidance)):
         ok, what = SAMPLING_RANGES[name]
         if not ok(value):
             raise ELFError(f"integrate: {name} must be {what}, got {value!r}")
-    if isinstance(omega, torch.Tensor):
-        _check_tensor(omega, "omega", 1, z0.device)
-        if omega.shape[0] != z0.shape[0] or not bool(torch.isfinite(omega).all()):
-            raise ELFError(f"integrate: an omega tensor must hold {z0.shape[0]} finite values (one per row of z0), "
-                           f"got shape {tuple(omega.shape)}")
+    check_omega(omega, z0.shape[0], z0.device, "integrate")
     _check_tensor(grid, "grid", 1)
     times = grid.detach().to("cpu", torch.float64)
     if times.numel() < 2 or not bool(torch.isfinite(times).all()) or times.min() < 0 or times.max() > 1 \
@@ -647,6 +658,9 @@ def check_integrate_args(net, z0, grid, sampler, gamma, omega, guidance, known, 
                            f"{tuple(z0.shape[:2])}, got {tuple(known.shape)} and {tuple(known_mask.shape)}")
         if not known.is_floating_point() or not bool(torch.isfinite(known).all()):
             raise ELFError("integrate: known must hold finite floating-point values")
+        if known_mask.dtype != torch.bool and not bool(((known_mask == 0) | (known_mask == 1)).all()):
+            raise ELFError("integrate: known_mask must be a bool tensor (True where a position is held fixed), or "
+                           "hold only 0 and 1; a position is held or not, never in part")
     if not bool(torch.isfinite(z0).all()):
         raise ELFError("integrate: z0 holds NaN or infinite values; start from finite noise (noise_scale * randn)")
 
@@ -722,7 +736,10 @@ def integrate(net, z0: torch.Tensor, grid: torch.Tensor, *, sampler: str = TEXT_
 
 
 def decode_tokens(net, z: torch.Tensor, omega) -> torch.Tensor:
-    """The single decode pass (t = 1, zero self-conditioning slot, mode tokens on): (B, L, C) -> ids (B, L)."""
+    """The single decode pass (t = 1, zero self-conditioning slot, mode tokens on): (B, L, C) -> ids (B, L).
+    omega: a number or a (B,) tensor within SAMPLING_RANGES (ELFError otherwise)."""
+    _check_tensor(z, "z", 3, who="decode_tokens")
+    check_omega(omega, z.shape[0], z.device, "decode_tokens")
     w = omega if isinstance(omega, torch.Tensor) else torch.full((z.shape[0],), float(omega), device=z.device)
     return net.decode(z, w).argmax(-1)
 

@@ -338,3 +338,11 @@ def write_samples(path, records: list[dict], settings: dict, overwrite: bool = T
         for r in records:
             f.write(json.dumps({**r, **settings}) + "\n")
     return path
+
+
+def check_sampled(texts: list[str], model: str, outcome: str = "nothing is written") -> None:
+    """A sample set in which every text is empty gives no score (no Gen-PPL, no MAUVE, a BLEU of nothing): one
+    line saying that `model` gave only empty texts, and `outcome` (what became of the output)."""
+    if not any(t.strip() for t in texts):
+        raise ELFError(f"{model} gives only empty texts (all {len(texts)} samples are empty: a model that ends "
+                       f"every sample at once, or weights that are not finite); there is nothing to score: {outcome}")

@@ -25,6 +25,15 @@ SKIPS = ("none", "gaussian", "gated")  # the short-run skip of z into the guess
 MAX_MLP_RATIO = 64.0  # a SwiGLU wider than 64 x the hidden width is no network anyone trains
 
 
+MAX_SHAPE = 2**31 - 1  # a network's sizes (depth, width, heads, length, vocabulary): ELF-L has 32 blocks of 1,280
+
+
+def _short(v) -> str:
+    """A stored value in an error line, cut to 40 characters (a depth of 10^100 is 101 digits)."""
+    text = repr(v)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 class TransformerShape:
     """What every transformer config here derives from its hidden width, heads and MLP ratio, and the checks of
     the fields they share."""
@@ -36,8 +45,9 @@ class TransformerShape:
         name = type(self).__name__
         for f in sizes:
             v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name}.{f} must be an integer >= 1, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_SHAPE:
+                raise ValueError(f"{name}.{f} must be an integer >= 1 and at most {MAX_SHAPE:,} (far past any "
+                                 f"network), got {_short(v)}")
         r = self.mlp_ratio
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not (math.isfinite(r) and 0 < r <= MAX_MLP_RATIO):
             raise ValueError(f"{name}.mlp_ratio must be a number in (0, {MAX_MLP_RATIO:g}], got {r!r}")

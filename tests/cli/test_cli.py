@@ -42,3 +42,12 @@ def test_an_unknown_flag_is_one_line_naming_the_subcommands_help(capsys):
                            "(`elflow sample --help` lists the flags)")
     code, _, err = cli(capsys, ["toy", "--no-such-flag"])
     assert_one_error(code, err, "toy", "unrecognized arguments: --no-such-flag", "`elflow toy --help`")
+
+
+def test_the_top_level_help_names_both_distillation_objectives(capsys):
+    from elflow.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "progressive distillation" in out and "--objective flow-map" in out

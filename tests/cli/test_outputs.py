@@ -183,3 +183,11 @@ def test_an_output_that_appears_while_sampling_is_kept(capsys, tmp_path, trained
     code, _, err = cli(capsys, sample_args(trained, out, "--overwrite"))  # with --overwrite it is replaced
     assert code == 0, err
     assert json.loads(out.read_text().splitlines()[0])["index"] == 0
+
+
+def test_a_file_output_given_as_a_folder_path_is_one_line_and_writes_nothing(capsys, tmp_path, trained):
+    """sample --out p10.jsonl/ wrote the file p10.jsonl and reported the slash path, which does not exist."""
+    out = f"{tmp_path / 'p10.jsonl'}/"
+    code, _, err = cli(capsys, sample_args(trained, out))
+    assert_one_error(code, err, "sample", f"--out {out} ends with /, the path of a folder; this output is a file")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

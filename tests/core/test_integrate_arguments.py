@@ -48,8 +48,12 @@ BAD = {
     "guidance-inf": (dict(guidance=INF), ["guidance must be"]),
     "omega-nan": (dict(omega=NAN), ["omega must be"]),
     "omega-a-string": (dict(omega="3"), ["omega must be"]),
-    "omega-tensor-of-another-batch": (dict(omega=torch.ones(3)), ["omega tensor must hold 2 finite values"]),
-    "omega-tensor-nan": (dict(omega=torch.full((2,), NAN)), ["omega tensor must hold 2 finite values"]),
+    "omega-tensor-of-another-batch": (dict(omega=torch.ones(3)), ["omega tensor must hold 2 values (one per row)"]),
+    "omega-tensor-nan": (dict(omega=torch.full((2,), NAN)), ["omega tensor must hold 2 values", "each a number "
+                                                                                               "from 0 to 100"]),
+    "omega-tensor-negative": (dict(omega=torch.full((2,), -5.0)), ["values from -5 to -5"]),
+    "known-mask-soft": (dict(known=z(2, 8, 32), known_mask=torch.full((2, 8), 0.5)),
+                        ["known_mask must be a bool tensor", "only 0 and 1"]),
     "known-without-its-mask": (dict(known=z(2, 8, 32)), ["known and known_mask go together"]),
     "known-of-another-shape": (dict(known=z(2, 4, 32), known_mask=torch.ones(2, 4, dtype=torch.bool)),
                                ["known must have z0's shape (2, 8, 32)"]),
@@ -68,6 +72,23 @@ def test_a_bad_argument_is_one_line_naming_it(net, case):
     assert "\n" not in line and line.startswith("integrate: "), line
     for w in words:
         assert w in line, (w, line)
+
+
+@pytest.mark.parametrize("omega, words", [(NAN, "omega must be a number from 0 to 100, got nan"),
+                                          (-5.0, "omega must be a number from 0 to 100, got -5.0"),
+                                          (torch.tensor([3.0, NAN]), "an omega tensor must hold 2 values"),
+                                          (torch.ones(3), "an omega tensor must hold 2 values")])
+def test_the_readout_checks_omega_as_the_sampler_does(net, omega, words):
+    """decode_tokens with omega NaN returned token 0 everywhere, and took -5: the one omega check refuses both."""
+    from elflow.flow import decode_tokens
+
+    with pytest.raises(ELFError) as e, torch.no_grad():
+        decode_tokens(net, z(2, 8, 32), omega)
+    assert str(e.value).startswith("decode_tokens: ") and words in str(e.value)
+    with torch.no_grad():  # 0 and 1 in a mask of another dtype are a mask; a bool mask as before
+        assert decode_tokens(net, z(2, 8, 32), 3.0).shape == (2, 8)
+        for mask in (torch.ones(2, 8), torch.ones(2, 8, dtype=torch.long), torch.ones(2, 8, dtype=torch.bool)):
+            integrate(net, z(2, 8, 32), time_grid(2, "uniform"), known=z(2, 8, 32), known_mask=mask)
 
 
 def test_what_it_took_before_still_samples(net):

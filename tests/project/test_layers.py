@@ -217,6 +217,24 @@ assert len(texts) == 2
 """)
     assert "elflow.runs.load" in modules and "elflow.generate" in modules  # it did load and generate
     assert not modules & {"elflow.train", "elflow.cli", "elflow.data.batches"}, sorted(modules)
+    # and the command: `elflow sample RUN` imports no training code while it runs either
+    modules = loaded_modules(f"""
+from elflow.cli import main
+assert main(["sample", {str(run)!r}, "--num", "2", "--steps", "2", "--quiet", "--out", {str(tmp_path / "s.jsonl")!r}]) == 0
+""")
+    assert "elflow.cli.sample" in modules and not modules & TRAINING_CODE, sorted(modules & TRAINING_CODE)
+
+
+TRAINING_CODE = {"elflow.config", "elflow.train", "elflow.optim", "elflow.schedule", "elflow.newton_schulz",
+                 "elflow.runs.claim", "elflow.distill", "elflow.data.batches"}
+
+
+def test_the_sample_command_imports_no_training_code():
+    """`elflow sample RUN` reads a stored model: the training config, the trainer, the optimiser, its schedule
+    and the run folder's lifecycle (runs.claim) are never imported, whatever the command's helpers import."""
+    modules = loaded_modules("import elflow.cli.sample")
+    assert "elflow.runs.load" in modules and "elflow.generate" in modules
+    assert not modules & TRAINING_CODE, sorted(modules & TRAINING_CODE)
 
 
 def test_every_output_path_is_checked_by_the_one_output_check():

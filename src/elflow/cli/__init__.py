@@ -27,7 +27,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("elflow.cli.train", "train an ELF model, or an AR / MDLM baseline (alone or under torchrun)"),
     "sample": ("elflow.cli.sample", "generate text from a run, a checkpoint or a released model"),
     "view": ("elflow.cli.view", "a sampling trajectory (sample --trajectory) as one self-contained HTML page"),
-    "distill": ("elflow.cli.distill", "progressive distillation into few-step students (16 -> 8 -> 4 -> 2 -> 1)"),
+    "distill": ("elflow.cli.distill", "few-step students: progressive distillation (16 -> 8 -> 4 -> 2 -> 1), or "
+                                     "one flow-map student for every step count (--objective flow-map)"),
     "eval": ("elflow.cli.eval", "generative perplexity and entropy, BLEU, ROUGE"),
     "train-judge": ("elflow.cli.train_judge", "train a small offline autoregressive judge"),
     "train-encoder": ("elflow.cli.train_encoder", "train a small T5 encoder from scratch by span corruption (a space)"),

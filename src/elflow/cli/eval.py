@@ -28,8 +28,8 @@ from elflow.eval.metrics import (
     rouge,
     summary_of,
 )
-from elflow.eval.scoring import check_sampled, heldout_texts, judged_heldout, read_real_texts, sample_and_score
-from elflow.generate import write_samples
+from elflow.eval.scoring import heldout_texts, judged_heldout, read_real_texts, sample_and_score
+from elflow.generate import check_sampled, write_samples
 from elflow.methods import get_method, settings_from_args
 from elflow.runs.folder import REPORT_FILE
 from elflow.runs.load import load_for_sampling

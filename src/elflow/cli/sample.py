@@ -7,9 +7,8 @@ from pathlib import Path
 
 from elflow.cli.common import add_sampling_arguments, check_samples_out, check_sampling_flags
 from elflow.data.corpus import read_sources
-from elflow.eval.scoring import check_sampled
 from elflow.experiments.viewer import trajectory_document, write_page
-from elflow.generate import gather_records, write_samples
+from elflow.generate import check_sampled, gather_records, write_samples
 from elflow.methods import get_method, require, settings_from_args
 from elflow.runs.load import load_for_sampling
 from elflow.runs.outputs import Outputs

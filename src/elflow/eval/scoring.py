@@ -109,14 +109,6 @@ def judged_heldout(texts: list[str], judge_name: str, judge, settings: dict, cac
     return {**res, "cached": False}
 
 
-def check_sampled(texts: list[str], model: str, outcome: str = "nothing is written") -> None:
-    """A sample set in which every text is empty gives no score (no Gen-PPL, no MAUVE, a BLEU of nothing): one
-    line saying that `model` gave only empty texts, and `outcome` (what became of the output)."""
-    if not any(t.strip() for t in texts):
-        raise ELFError(f"{model} gives only empty texts (all {len(texts)} samples are empty: a model that ends "
-                       f"every sample at once, or weights that are not finite); there is nothing to score: {outcome}")
-
-
 def read_real_texts(path, field: str = "text", flag: str = "--references") -> list[str]:
     """The real texts MAUVE compares samples with: the non-blank texts of `path` (a .jsonl file's `field`, or one
     text per line); a file without any is one line naming it (before any judging)."""

@@ -39,6 +39,7 @@ from elflow.runs.folder import (
     STEP_DIR,
     TENSORBOARD,
     WANDB_FOLDER,
+    run_folders_holding,
 )
 from elflow.runs.load import checkpoint_record
 from elflow.runs.record import differences
@@ -451,13 +452,6 @@ def check_writable(out: Path) -> None:
             except OSError as e:
                 raise ELFError(f"{folder}: cannot write in it ({e.strerror or e}); nothing was trained. Make it "
                                "writable, then run again") from None
-
-
-def run_folders_holding(path) -> list[Path]:
-    """The run folders (folders with a run.json) that `path` is or lies in, innermost first, resolved: a run
-    folder, a checkpoint folder's run, a run nested in another's folder and that one too."""
-    path = resolved(path)
-    return [p for p in (path, *path.parents) if (p / RUN_FILE).is_file()]
 
 
 def check_not_inside(out, path, flag: str) -> None:

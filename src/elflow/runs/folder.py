@@ -20,6 +20,7 @@ import re
 from pathlib import Path
 
 from elflow.runs.tracking import ID_FILE
+from elflow.util.files import resolved
 
 RUN_FILE = "run.json"
 METRICS_FILE = "metrics.jsonl"
@@ -64,3 +65,10 @@ def step_dir(step: int) -> str:
 
 def checkpoint_dir(run: str | Path, step: int) -> Path:
     return Path(run) / CHECKPOINTS / step_dir(step)
+
+
+def run_folders_holding(path) -> list[Path]:
+    """The run folders (folders with a run.json) that `path` is or lies in, innermost first, resolved: a run
+    folder, a checkpoint folder's run, a run nested in another's folder and that one too."""
+    path = resolved(path)
+    return [p for p in (path, *path.parents) if (p / RUN_FILE).is_file()]

@@ -13,8 +13,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from elflow.runs.claim import run_folders_holding
-from elflow.runs.folder import RUN_FILE
+from elflow.runs.folder import RUN_FILE, run_folders_holding
 from elflow.util.errors import ELFError
 from elflow.util.files import check_output, resolved
 

@@ -357,6 +357,9 @@ def check_output(path: str | os.PathLike, overwrite: bool = False, flag: str = "
     inside it is the command's decision."""
     if str(path) == "":
         raise ELFError(f"{flag} is empty; pass a path")
+    if not folder and os.fspath(path).endswith(os.sep):  # Path() would drop the slash and write a file there
+        raise ELFError(f"{flag} {os.fspath(path)} ends with {os.sep}, the path of a folder; this output is a file: "
+                       "pass a file name (without the trailing slash)")
     path = Path(path).expanduser()
     if len(os.fsencode(path.name)) > NAME_MAX:
         raise ELFError(f"{flag} {path}: the name is {len(os.fsencode(path.name))} bytes long, more than the "
