@@ -84,15 +84,15 @@ def conditioning(space, length: int, batch: int, sources: list[str] | None = Non
         if not source_length:
             raise ELFError("this model was not trained on pairs: a source means nothing to it; "
                            "to continue a text, pass --prompt")
-        src_ids = space.tokenize(sources, eos=False)
+        src_ids = space.tokenize(sources, eos=False, max_tokens=source_length)  # cut where the layout cuts
         empty = [i for i, s in enumerate(src_ids) if not s]
         if empty:
             raise ELFError(f"source {empty[0] + 1} is empty (after tokenization); every row needs a source")
         lay = pair_layout(src_ids, [[] for _ in src_ids], length, source_length, pad, source_slot)
         ids, known_mask = lay["ids"], lay["source_mask"]
     else:
-        head = space.tokenize([prompt], eos=False)[0] if prompt else []
-        tail = space.tokenize([suffix], eos=False)[0] if suffix else []
+        head = space.tokenize([prompt], eos=False, max_tokens=length)[0] if prompt else []  # (more is refused)
+        tail = space.tokenize([suffix], eos=False, max_tokens=length)[0] if suffix else []
         if prompt is not None and not head or suffix is not None and not tail:
             raise ELFError("the prompt or suffix is empty after tokenization")
         if len(head) + len(tail) >= length:

@@ -79,11 +79,25 @@ def pair_layout(sources: list[list[int]], targets: list[list[int]], length: int,
             "encoder_mask": encoder_mask(source_mask, valid)}
 
 
+PIECE = 1 << 16  # characters a tokenizer call sees when a long text's tokens are counted
+
+
+def count_tokens(space, text: str) -> int:
+    """How many ids `text` has (no EOS), tokenized piece by piece, each piece cut just before whitespace as
+    training cuts long texts (elflow.data.origins.cut_pieces), so that no word is split: the tokenizer holds one
+    piece at a time, whatever the text's length."""
+    from elflow.data.origins import CUT_TEXT, cut_pieces
+
+    return sum(len(ids) for piece in cut_pieces(text, PIECE, CUT_TEXT, 16 * PIECE)
+               for ids in space.tokenize([piece], eos=False))
+
+
 def warn_sources_cut(space, sources: list[str], source_length: int) -> int:
     """One warning (once per command: elflow.cli shows a text once) for the sources longer than the model's
     `source_length` tokens, which are cut to that many as training cuts them: how many, and how many tokens
     go. Returns the number of sources cut."""
-    cut = [n for n in map(len, space.tokenize(sources, eos=False)) if n > source_length]
+    firsts = space.tokenize(sources, eos=False, max_tokens=source_length + 1)  # the cut ones hold one more
+    cut = [count_tokens(space, text) for text, ids in zip(sources, firsts) if len(ids) > source_length]
     if cut:
         many = len(cut) != 1
         warnings.warn(f"{len(cut)} of {len(sources)} source{'s' if len(sources) != 1 else ''} "
