@@ -246,3 +246,26 @@ def test_a_resume_killed_before_its_first_checkpoint_leaves_a_run_that_resumes(f
     assert main(argv) == 0
     assert not (run / ".run-before-resume.json").exists()
     assert_same_checkpoint(checkpoint(run, 4), checkpoint(FIXTURES[fixture] / name, 4), fixture)
+
+
+def test_an_older_checkpoint_samples_with_its_run_s_current_defaults(tmp_path):
+    """A resume with --sample-steps 3 --sample-omega 2 changes run.json's record: every checkpoint of the run
+    samples with them, also one of an earlier layout whose state.json carries its own record (with the
+    defaults of its save). Read without its run, such a checkpoint keeps its own."""
+    import elflow
+    from elflow.runs.load import read_record
+
+    root = copy_fixture(tmp_path / "record2", "record2")  # (the first layout's run.json holds no record)
+    run = root / "elf-stopped"
+    doc = json.loads((run / "run.json").read_text())
+    record = doc["record"]
+    record["sampling"] = {**record["sampling"], "steps": 3, "omega": 2.0}
+    (run / "run.json").write_text(json.dumps(doc))
+    ckpt = checkpoint(run, 2)
+    assert "record" in json.loads((ckpt / "state.json").read_text())  # one of an earlier layout
+    for path in (run, ckpt):
+        sampling = read_record(str(path)).sampling
+        assert (sampling.steps, sampling.omega) == (3, 2.0), path
+    alone = tmp_path / "alone"
+    shutil.copytree(ckpt, alone)
+    assert elflow.load(str(alone)).record.sampling.steps == 32

@@ -121,13 +121,37 @@ def test_a_version_1_run_file_becomes_a_record_with_its_settings_beside_it():
 def test_a_version_1_model_folder_and_a_converted_checkpoint_read_as_records():
     from elflow.runs.model_folder import read_model_folder_files
 
-    doc, _ = read_model_folder_files(LEGACY / "model-folder")
+    doc, _, _ = read_model_folder_files(LEGACY / "model-folder")
     assert "record" not in doc
     RunRecord.from_dict(document(doc, "config.json")["record"])
     state = json.loads((LEGACY / "converted" / "state.json").read_text())
     new = document(state, "state.json")
     assert new["train"] is None and new["converted_from"] == state["train"]["converted_from"]
     assert new["data_store"] is None  # not recorded then: a resume compares nothing
+
+
+@pytest.mark.parametrize("name, edit, words", [
+    ("sampling.json", lambda d: {**d, "sampling": {**d["sampling"], "steps": 0}},
+     "sampling.json: its record's field 'sampling': steps must be an integer from 1 to"),
+    ("sampling.json", lambda d: {**d, "sampling": {**d["sampling"], "omega": 500.0}},
+     "sampling.json: its record's field 'sampling': omega must be a number from 0 to 100"),
+    ("recipe.json", lambda d: {**d, "colour": "red"},
+     "recipe.json: unknown fields ['colour'] (a model folder of this layout holds recipe, train there)"),
+    ("space.json", lambda d: {**d, "extra": 1}, "space.json: unknown fields ['extra']"),
+])
+def test_a_first_layout_model_folder_s_bad_file_is_named_by_its_own_name(tmp_path, name, edit, words):
+    """A first-layout model folder keeps its parts in four files: a bad value or an unknown field is one line
+    naming the file that holds it (not config.json, which held neither)."""
+    import shutil
+
+    import elflow
+
+    folder = tmp_path / "model-folder"
+    shutil.copytree(LEGACY / "model-folder", folder)
+    (folder / name).write_text(json.dumps(edit(json.loads((folder / name).read_text()))))
+    with pytest.raises(ELFError) as e:
+        elflow.load(str(folder))
+    assert str(e.value).startswith(f"{folder / name.split(':')[0]}: ") and words in str(e.value), str(e.value)
 
 
 def test_a_record_of_today_passes_unchanged_and_what_is_no_document_is_one_line():

@@ -217,9 +217,9 @@ def _read_located(found, use_ema: bool, weights: bool) -> StoredModel:
     if found.kind == "model-folder":
         if not use_ema:
             raise ELFError(f"{found.path} is a model folder: it holds the EMA weights only")
-        config, files = read_model_folder_files(found.path)
+        config, files, stored_in = read_model_folder_files(found.path)
         where = str(found.path / MODEL_CONFIG)
-        record = RunRecord.from_dict(document(config, where)["record"], where)
+        record = RunRecord.from_dict(document(config, where)["record"], where, stored_in)
         sd = load_listed(found.path, files, MODEL_WEIGHTS, where) if weights else None
         return StoredModel(record, sd, {}, Origin(str(found.path), found.kind, config.get("step"), True, where))
     if found.kind == "checkpoint":
@@ -276,6 +276,17 @@ def run_record_of(ckpt: Path) -> RunRecord:
     return RunRecord.from_dict((doc if is_current(doc) else document(doc, where)).get("record"), where)
 
 
+def _run_record_if_readable(ckpt: Path) -> RunRecord | None:
+    """The record of a checkpoint's run, or None where the checkpoint is read without its run or its run.json
+    cannot be read (a checkpoint of an earlier elflow, which carries its own, is read all the same)."""
+    if run_of(ckpt) is None:
+        return None
+    try:
+        return run_record_of(ckpt)
+    except ELFError:
+        return None
+
+
 def record_file(ckpt: Path, state: dict) -> Path:
     """The file that holds the record of a checkpoint's model: its run's run.json, or the state.json of a
     checkpoint of an earlier elflow, which carries its own."""
@@ -284,10 +295,14 @@ def record_file(ckpt: Path, state: dict) -> Path:
 
 def checkpoint_record(ckpt: Path, state: dict, described: RunRecord | None = None) -> RunRecord:
     """The record of the model a checkpoint holds (`state`: its state.json as `read_state` gives it): the one a
-    checkpoint of an earlier elflow carries, else its run's (`described`, or read: `run_record_of`), which must
-    be the one its weights were saved with (state.json's "model_sha256", `RunRecord.digest`)."""
-    if state.get("record") is not None:
-        return RunRecord.from_dict(state["record"], str(record_file(ckpt, state)))
+    checkpoint of an earlier elflow carries (with its run's sampling defaults when its run describes the same
+    model: every checkpoint of a run samples with the run's current defaults), else its run's (`described`, or
+    read: `run_record_of`), which must be the one its weights were saved with (state.json's "model_sha256",
+    `RunRecord.digest`)."""
+    if state.get("record") is not None:  # its own, with the run's current sampling defaults where it is the run's
+        own = RunRecord.from_dict(state["record"], str(record_file(ckpt, state)))
+        run = described if described is not None else _run_record_if_readable(ckpt)
+        return own.replace(sampling=run.sampling) if run is not None and run.digest() == own.digest() else own
     described = run_record_of(ckpt) if described is None else described
     if described.digest() != state["model_sha256"]:
         raise ELFError(f"{record_file(ckpt, state)} describes another model than its checkpoint {ckpt.name} holds "

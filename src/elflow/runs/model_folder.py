@@ -43,23 +43,38 @@ def is_model_folder(path: Path) -> bool:
         return False
 
 
-def read_model_folder_files(folder: Path) -> tuple[dict, dict]:
-    """(document, files) of a model folder: config.json (with "record"), or an earlier folder's JSON files merged
-    into one document of version 1 (elflow.runs.migrate reads either); files maps each weight file to its
-    recorded {"sha256", "bytes"} (bytes None where an earlier folder recorded none)."""
+# what each JSON file of the first layout holds
+FIELDS_1 = {MODEL_CONFIG: ("format", "method", "model", "short_run", "params", "step", "files"),
+            "recipe.json": ("recipe", "train"), "space.json": ("space", "space_id"),
+            "sampling.json": ("length", "sampling")}
+# the record's parts each first-layout file held (the rest: config.json), for an error that names the file
+PARTS_1 = {"recipe.json": ("recipe",), "space.json": ("space",), "sampling.json": ("length", "task", "sampling")}
+
+
+def read_model_folder_files(folder: Path) -> tuple[dict, dict, dict]:
+    """(document, files, stored_in) of a model folder: config.json (with "record"), or an earlier folder's JSON
+    files merged into one document of version 1 (elflow.runs.migrate reads either); files maps each weight file
+    to its recorded {"sha256", "bytes"} (bytes None where an earlier folder recorded none); stored_in names the
+    file each part of the record came from where it is not config.json (RunRecord.from_dict). A field that no
+    file of its layout holds is refused, naming the file."""
     config = model_json(folder, MODEL_CONFIG)
     files = listed_files(config.get("files"), folder / MODEL_CONFIG, "model")
     if "model.safetensors" not in files:
         raise ELFError(f"{folder / MODEL_CONFIG}: corrupted (its \"files\" do not list model.safetensors)")
     if config.get("format") == MODEL_FORMAT:
-        return config, files
+        return config, files, {}
     recipe, space, sampling = (model_json(folder, n) for n in MODEL_JSON_1[1:])
+    for name, doc in zip(MODEL_JSON_1, (config, recipe, space, sampling)):
+        unknown = sorted(set(doc) - set(FIELDS_1[name]))
+        if unknown:
+            raise ELFError(f"{folder / name}: unknown fields {unknown} (a model folder of this layout holds "
+                           f"{', '.join(FIELDS_1[name])} there); restore the file as elflow wrote it")
     if "space" not in space:
         raise ELFError(f"{folder / 'space.json'}: no space description")
     doc = {"method": config.get("method", "elf"), **{k: config[k] for k in NETWORK_KEYS if k in config},
            "params": config.get("params"), "step": config.get("step"), "train": recipe.get("train", {}),
            "space": space["space"], "space_id": space.get("space_id"), "settings": sampling}
-    return doc, files
+    return doc, files, {part: str(folder / name) for name, parts in PARTS_1.items() for part in parts}
 
 
 def load_listed(folder: Path, files: dict, name: str, where: str) -> dict:

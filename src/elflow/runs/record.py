@@ -251,10 +251,11 @@ class RunRecord:
                 "params": self.params.to_dict() if self.params else None}
 
     @classmethod
-    def from_dict(cls, d, where: str = "the record") -> "RunRecord":
+    def from_dict(cls, d, where: str = "the record", stored_in: dict | None = None) -> "RunRecord":
         """A record of today's layout (elflow.runs.migrate turns an earlier one into it), checked part by
         part: one ELFError naming `where` and the field for anything that is malformed, missing or disagrees
-        with another part."""
+        with another part; `stored_in` names the file a part came from where it is not `where` (a model folder
+        of the first layout kept its sampling defaults in sampling.json)."""
         if not isinstance(d, dict):
             raise ELFError(f"{where}: the record must be a JSON object, got {type(d).__name__}")
         version = d.get("version")
@@ -267,6 +268,8 @@ class RunRecord:
         if missing:
             raise ELFError(f"{where}: its record lacks the field {missing[0]!r}")
 
+        file = (stored_in or {}).get
+
         def part(name, make, typ=None, of=""):
             try:
                 _required(name, d.get(name), typ)
@@ -274,10 +277,11 @@ class RunRecord:
                 _complete(name, d.get(name), value)
                 return value
             except ELFError as e:
-                raise ELFError(f"{where}: its record's field {name!r}{f' is not {of}' if of else ''}: {e}") from None
+                raise ELFError(f"{file(name, where)}: its record's field {name!r}{f' is not {of}' if of else ''}: "
+                               f"{e}") from None
             except (ValueError, TypeError, KeyError, AttributeError, OverflowError) as e:
-                raise ELFError(f"{where}: its record's field {name!r} cannot be read{f' as {of}' if of else ''} "
-                               f"({e})") from None
+                raise ELFError(f"{file(name, where)}: its record's field {name!r} cannot be read"
+                               f"{f' as {of}' if of else ''} ({e})") from None
 
         method = part("method", get_method)
         record = cls(
@@ -294,13 +298,17 @@ class RunRecord:
                               Distillation),
             params=part("params", lambda v: None if v is None else ParamCounts.from_dict(_obj(v)), ParamCounts),
         )
-        record.check(where)
+        record.check(where, stored_in)
         return record
 
-    def check(self, where: str = "the record") -> None:
-        """ELFError naming the first field that disagrees with another part of the record."""
+    def check(self, where: str = "the record", stored_in: dict | None = None) -> None:
+        """ELFError naming the first field that disagrees with another part of the record (and the file that
+        holds it: `stored_in`, as in `from_dict`)."""
+        file = (stored_in or {}).get
+
         def bad(name, what):
-            raise ELFError(f"{where}: its record's field {name!r} disagrees with the rest of the record: {what}")
+            raise ELFError(f"{file(name, where)}: its record's field {name!r} disagrees with the rest of the record: "
+                           f"{what}")
 
         method = get_method(self.method)
         check_sampling = getattr(self.sampling, "check", None)
@@ -312,7 +320,7 @@ class RunRecord:
                     raise ELFError(f"sampling settings of {self.sampling.method!r}, not of {method.name!r}")
                 method.sampler_settings(self.sampling)
         except ELFError as e:
-            raise ELFError(f"{where}: its record's field 'sampling': {e}") from None
+            raise ELFError(f"{file('sampling', where)}: its record's field 'sampling': {e}") from None
         try:
             get_method(self.method).check_record(self)
         except ELFError as e:
