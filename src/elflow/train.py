@@ -303,7 +303,7 @@ def run_record(setup: Setup) -> RunRecord:
         if key not in stored:
             raise ELFError(f"--sample-{key} does not apply to a model of --method {record.method}; leave it out")
     record = record.replace(sampling=type(record.sampling).from_dict({**stored, **given}))
-    record.check("the run's sampling settings")
+    record.check("the run's sampling settings", {"sampling": " ".join(f"--sample-{k} {v}" for k, v in given.items())})
     return record
 
 

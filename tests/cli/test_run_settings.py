@@ -123,3 +123,17 @@ def test_a_config_with_options_and_round_records_among_other_settings_reads_as_t
     assert TrainConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(ValueError, match="unknown fields"):
         Recipe.from_dict({"noise": 2.0})
+
+
+def test_the_map_sampler_as_a_plain_model_s_default_names_the_flag_and_the_sampling(capsys, tmp_path, tiny_t5_dir,
+                                                                                    tiny_corpus_file):
+    """--sample-sampler map on a model that is no flow-map student: one line naming the flag and the sampling
+    defaults at fault (not the network), before the run folder is made."""
+    from helpers import assert_one_error, new_run_args
+
+    out = tmp_path / "run"
+    code, _, err = cli(capsys, [*new_run_args(tiny_t5_dir, tiny_corpus_file, tmp_path / "cache", out),
+                                "--sample-sampler", "map"])
+    line = assert_one_error(code, err, "train", "--sample-sampler map: its record's field 'sampling': its sampling "
+                                                "defaults jump with the map sampler, which needs a flow-map student")
+    assert "'network'" not in line and not out.exists()

@@ -141,7 +141,10 @@ class ELFMethod(Method):
             raise ELFError(f"target_time {net.target_time} while the model is {'' if flow_map else 'not '}a flow-map "
                            "student")
         if record.sampling.sampler == "map" and not net.target_time:
-            raise ELFError("its sampling defaults jump with the map sampler, which needs a flow-map student")
+            e = ELFError("its sampling defaults jump with the map sampler, which needs a flow-map student (elflow "
+                         "distill --objective flow-map); choose sde, ode or vc")
+            e.field = "sampling"  # (the sampling defaults are at fault, not the network)
+            raise e
 
     def default_sampling(self, record):
         d = record.distillation

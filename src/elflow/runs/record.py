@@ -323,8 +323,9 @@ class RunRecord:
             raise ELFError(f"{file('sampling', where)}: its record's field 'sampling': {e}") from None
         try:
             get_method(self.method).check_record(self)
-        except ELFError as e:
-            raise ELFError(f"{where}: its record's field 'network': {e}") from None
+        except ELFError as e:  # the network's, unless the method says which field is at fault
+            name = getattr(e, "field", "network")
+            raise ELFError(f"{file(name, where)}: its record's field {name!r}: {e}") from None
         if self.length > self.network.max_length:
             bad("length", f"{self.length} positions, more than the network's {self.network.max_length}")
         if self.task is not None and self.task.source_length >= self.length:
