@@ -74,6 +74,10 @@ import sys
 import time
 from pathlib import Path
 
+from script_args import DECAY, GUIDANCE, RATE, ROWS, SAMPLES, SAMPLING_STEPS, STEPS, check, main_of, parser
+
+from elflow.util.errors import ELFError
+
 ROOT = Path(__file__).resolve().parent.parent
 ELFLOW = [sys.executable, "-m", "elflow.cli"]  # the `elflow` command, also where it is not installed
 ROUNDS = "16,8,4,2,1"
@@ -81,7 +85,7 @@ MODELS = (("teacher", "teacher"), ("PD", "pd"), ("flow map", "fm"))
 EMPTY = "gives only empty texts"  # elflow eval's refusal of a sample set without a word
 
 
-class Stop(Exception):
+class Stop(ELFError):
     """Bad input or a failed stage: one line, exit 2."""
 
 
@@ -429,8 +433,8 @@ class Runner:
 
 
 # ----------------------------------------------------------------------------------------------------------
-def parse_args(argv):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    ap = parser("few_step_cond", __doc__)
     ap.add_argument("--out", default="runs/few_step_cond", help="work folder (runs, samples, eval reports)")
     ap.add_argument("--results", default="benchmarks/results/few_step_cond", help="results.json and the PNG")
     ap.add_argument("--copy-png", default=None, help="also copy the PNG here (e.g. docs/few_step_cond.png)")
@@ -479,47 +483,56 @@ def parse_args(argv):
     ap.add_argument("--report-only", action="store_true",
                     help="only gather results.json and the plot from what --out holds (its eval reports, loss logs, "
                          "state.json, teacher/run.json and heldout.jsonl; no checkpoint is read)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def parse_args(argv):
+    """The command line, every flag checked (script_args.check) before any stage: Stop naming the first bad one."""
+    args = build_parser().parse_args(argv)
     if args.deadline is None and os.environ.get("FEW_STEP_DEADLINE"):
         try:
             args.deadline = float(os.environ["FEW_STEP_DEADLINE"])
         except ValueError:
             raise Stop(f"FEW_STEP_DEADLINE must be a unix time in seconds, got {os.environ['FEW_STEP_DEADLINE']!r}")
+    check(args, counts={"teacher_train_steps": STEPS, "teacher_batch": ROWS, "teacher_steps": SAMPLING_STEPS,
+                        "steps_per_round": STEPS, "batch": ROWS, "fm_steps": STEPS, "fm_batch": ROWS,
+                        "heldout": SAMPLES, "sample_batch": ROWS, "diag_lines": SAMPLES,
+                        "diag_grid": SAMPLING_STEPS, "eval_steps": SAMPLING_STEPS,
+                        "teacher_full_steps": (*SAMPLING_STEPS, 0),
+                        "verdict_seeds": (1000, "one seed has no spread; the verdict reads a few a side", 2)},
+          scales={"lr": RATE, "ema_decay": DECAY, "guidance": GUIDANCE, "probe_guidance": GUIDANCE},
+          seeds=("seeds", "probe_seeds"), folders=("out", "results"), files=("copy_png",))
+    if args.teacher is not None:
+        check_teacher(Path(args.teacher))
     try:
         args.rounds = [int(x) for x in args.student_steps.split(",")]
     except ValueError:
         raise Stop(f"--student-steps must be integers such as {ROUNDS}, got {args.student_steps!r}") from None
     if args.rounds[-1] != 1 or any(b >= a for a, b in zip(args.rounds, args.rounds[1:])):
         raise Stop(f"--student-steps must fall strictly and end at 1, got {args.student_steps}")
-    for name in ("teacher_train_steps", "teacher_batch", "teacher_steps", "steps_per_round", "batch", "heldout",
-                 "sample_batch", "diag_lines", "diag_grid", "fm_steps", "fm_batch"):
-        v = getattr(args, name)
-        if v is not None and v < 1:
-            raise Stop(f"--{name.replace('_', '-')} must be >= 1, got {v}")
-    if any(k < 1 for k in args.eval_steps) or args.teacher_full_steps < 0:
-        raise Stop("--eval-steps must be >= 1 and --teacher-full-steps >= 0")
     if args.diag_grid & (args.diag_grid - 1):
         raise Stop(f"--diag-grid must be a power of 2, got {args.diag_grid}")
-    if not args.lr > 0 or not 0 <= args.ema_decay < 1:
-        raise Stop("--lr must be > 0 and --ema-decay in [0, 1)")
-    if args.verdict_seeds < 2:
-        raise Stop(f"--verdict-seeds must be >= 2 (one seed has no spread), got {args.verdict_seeds}")
     if len(set(args.seeds)) != len(args.seeds):
         raise Stop(f"--seeds must be distinct, got {args.seeds}")
     if args.probe_seeds is None:
         args.probe_seeds = args.seeds[:1]
     args.probe_guidance = [g for g in args.probe_guidance if g != args.guidance]
-    if any(not 0 <= g <= 100 for g in [args.guidance, *args.probe_guidance]):
-        raise Stop("--guidance and --probe-guidance must lie in [0, 100]")
     return args
 
 
+def check_teacher(teacher: Path) -> None:
+    """--teacher: an elflow run of a conditional model (trained on pairs), read before any stage."""
+    if not (teacher / "run.json").is_file():
+        raise Stop(f"--teacher {teacher} holds no elflow run (no run.json)")
+    from elflow.runs.load import read_record
+
+    if not read_record(str(teacher)).conditional:
+        raise Stop(f"--teacher {teacher} is not a conditional model (trained on pairs): train one with "
+                   "--source-length, or leave --teacher out to train OUT/teacher")
+
+
 def main(argv=None) -> int:
-    try:
-        return run(parse_args(argv))
-    except Stop as e:
-        print(f"few_step_cond: {e}", file=sys.stderr)
-        return 2
+    return main_of("few_step_cond", lambda: run(parse_args(argv)))
 
 
 def run(args) -> int:
@@ -576,7 +589,7 @@ def run(args) -> int:
         r.run("teacher", "teacher", cmd)
     stored = load(teacher / "run.json")
     record = stored["record"]
-    if not record.get("task", {}).get("source_length"):
+    if not (record.get("task") or {}).get("source_length"):
         raise Stop(f"{teacher} is not a conditional model (trained on pairs)")
     stored_data = (stored.get("train") or {}).get("data")
     if stored_data and Path(stored_data).name != pairs_file.name:

@@ -54,7 +54,10 @@ import sys
 import time
 from pathlib import Path
 
+from script_args import DECAY, RATE, ROWS, SAMPLES, SAMPLING_STEPS, STEPS, check, main_of, parser
+
 from elflow.eval.mauve import MIN_TEXTS  # the fewest texts MAUVE scores a side: the held-out row's least
+from elflow.util.errors import ELFError
 
 ROOT = Path(__file__).resolve().parent.parent
 ELFLOW = [sys.executable, "-m", "elflow.cli"]  # the `elflow` command, also where it is not installed
@@ -149,8 +152,8 @@ def last_losses(run_dir: Path) -> dict | None:
     return None if last is None else {k: last.get(k) for k in ("step", "loss", "elapsed")}
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    ap = parser("few_step_text", __doc__)
     ap.add_argument("--out", default="runs/few_step", help="work folder (runs, samples, eval reports)")
     ap.add_argument("--results", default="benchmarks/results/few_step_text", help="results.json and the PNG")
     ap.add_argument("--copy-png", default=None, help="also copy the PNG here (e.g. docs/few_step.png)")
@@ -193,33 +196,55 @@ def main(argv=None) -> int:
                     help="run `elflow eval` in this process (no start-up per row); trainings always run apart")
     ap.add_argument("--deadline", type=float, default=None,
                     help="unix time after which no stage starts (default: $FEW_STEP_DEADLINE if set)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def parse_args(argv):
+    """The command line, every flag checked (script_args.check) before any stage: ELFError naming the first bad
+    one."""
+    args = build_parser().parse_args(argv)
     if args.deadline is None and os.environ.get("FEW_STEP_DEADLINE"):
         try:
             args.deadline = float(os.environ["FEW_STEP_DEADLINE"])
         except ValueError:
-            sys.exit(f"few_step_text: FEW_STEP_DEADLINE must be a unix time in seconds, got "
-                     f"{os.environ['FEW_STEP_DEADLINE']!r}")
+            raise ELFError(f"FEW_STEP_DEADLINE must be a unix time in seconds, got "
+                           f"{os.environ['FEW_STEP_DEADLINE']!r}") from None
     if args.mauve_from and not args.report_only:
-        sys.exit("few_step_text: --mauve-from adds MAUVE to gathered results: pass it with --report-only")
+        raise ELFError("--mauve-from adds MAUVE to gathered results: pass it with --report-only")
     if args.mauve_from and not Path(args.mauve_from).is_file():
-        sys.exit(f"few_step_text: --mauve-from {args.mauve_from}: no such file")
+        raise ELFError(f"--mauve-from {args.mauve_from}: no such file")
     if args.fm_batch not in (None, "match"):
         try:
             args.fm_batch = int(args.fm_batch)
         except ValueError:
-            sys.exit(f"few_step_text: --fm-batch must be an integer or 'match', got {args.fm_batch!r}")
-    for name in ("num", "batch", "steps_per_round", "judge_steps", "teacher_train_steps", "sample_batch"):
-        v = getattr(args, name)
-        if v is not None and v < 1:
-            sys.exit(f"few_step_text: --{name.replace('_', '-')} must be >= 1, got {v}")
+            raise ELFError(f"--fm-batch must be an integer or 'match', got {args.fm_batch!r}") from None
+    try:
+        rounds = [int(x) for x in args.student_steps.split(",")]
+    except ValueError:
+        raise ELFError(f"--student-steps must be integers such as 16,8,4,2,1, got {args.student_steps!r}") from None
+    args.student_rounds = rounds
+    check(args, counts={"num": SAMPLES, "batch": ROWS, "steps_per_round": STEPS, "total_steps": STEPS,
+                        "judge_steps": STEPS, "teacher_train_steps": STEPS, "sample_batch": ROWS,
+                        "teacher_steps": SAMPLING_STEPS, "eval_steps": SAMPLING_STEPS, "student_rounds": SAMPLING_STEPS,
+                        "teacher_full_steps": (*SAMPLING_STEPS, 0),
+                        **({"fm_batch": ROWS} if isinstance(args.fm_batch, int) else {})},
+          scales={"lr": RATE, "ema_decay": DECAY}, seeds=("seeds",), folders=("out", "results"),
+          files=("copy_png", "features"))
+    return args
+
+
+def main(argv=None) -> int:
+    return main_of("few_step_text", lambda: run_stages(parse_args(argv)))
+
+
+def run_stages(args) -> int:
     import torch
 
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     for flag, dev in (("--device", args.device), ("--judge-device", args.judge_device)):
         if dev.startswith("cuda") and not torch.cuda.is_available():
-            sys.exit(f"few_step_text: {flag} {dev}: this machine has no CUDA device; pass {flag} cpu")
+            raise ELFError(f"{flag} {dev}: this machine has no CUDA device; pass {flag} cpu")
     env = dict(os.environ)
     if args.device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""  # `elflow distill` takes the GPU when it sees one
