@@ -157,3 +157,33 @@ def test_the_folder_teaches_a_distillation_logged_to_wandb(pushed, tmp_path, mon
         recs = [r for r in recs if r["kind"] == "train"]
         assert recs and [h["_step"] for h in logged["history"]] == [r["step"] for r in recs]
         assert logged["history"][-1]["loss"] == pytest.approx(recs[-1]["loss"])
+
+
+def test_a_dry_run_folder_appears_whole_or_not_at_all(pushed, tmp_path, monkeypatch):
+    """The model folder is built under a temporary name and renamed into place with its card: while it is
+    built nothing stands at --out (a kill there leaves no folder that loads as a whole model without its
+    card), and a failure leaves nothing at all."""
+    from elflow.runs import push as push_module
+
+    run, _ = pushed
+    out = tmp_path / "folder"
+    seen = []
+    card = push_module.model_card
+
+    def model_card(*a, **k):
+        seen.append(out.exists())  # the weights and config.json are written by now
+        return card(*a, **k)
+
+    monkeypatch.setattr(push_module, "model_card", model_card)
+    push_module.push(str(run), "someone/x", out=out, dry_run=True, num_samples=0, device="cpu", progress=False)
+    assert seen == [False] and {p.name for p in out.iterdir()} == FILES
+    assert [p.name for p in tmp_path.iterdir()] == ["folder"]  # no temporary left beside it
+
+    def broken(*a, **k):
+        raise RuntimeError("stopped while writing the card")
+
+    monkeypatch.setattr(push_module, "model_card", broken)
+    with pytest.raises(RuntimeError):
+        push_module.push(str(run), "someone/x", out=tmp_path / "other", dry_run=True, num_samples=0, device="cpu",
+                         progress=False)
+    assert [p.name for p in tmp_path.iterdir()] == ["folder"]

@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import stat
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,7 +53,7 @@ from elflow.runs.stored import checkpoint_state, write_run
 from elflow.space import EmbeddingSpace, build_space, check_compatible, learned, with_encoder
 from elflow.util.devices import check_device, default_device
 from elflow.util.errors import ELFError, first_line
-from elflow.util.files import folder_mode, read_json
+from elflow.util.files import folder_in_place, read_json
 from elflow.util.hub import hub_offline, hub_reachable, hub_unavailable_reason
 from elflow.util.jsonio import open_regular
 
@@ -455,14 +453,7 @@ def convert_released(src: str | os.PathLike, out: str | os.PathLike, max_length:
 def _write_converted(out: Path, record: RunRecord, params: dict, ema: dict, step: int, source: Path) -> Path:
     """The run folder of a converted release, built under a temporary sibling name and renamed into place (an
     empty `out` is replaced), so that no half-written folder is ever read."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out.parent))
-    try:
-        os.chmod(tmp, folder_mode())
+    with folder_in_place(out) as tmp:
         write_checkpoint(tmp / CHECKPOINTS / step_dir(step), params, ema, None, checkpoint_state(record, step))
         write_run(tmp, record, None, files=(RUN_FILE, CHECKPOINTS), converted_from=str(source))
-        os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out

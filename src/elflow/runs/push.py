@@ -22,7 +22,15 @@ from elflow.runs.model_folder import MODEL_FORMAT
 from elflow.runs.record import RunRecord
 from elflow.runs.stored import training_settings
 from elflow.util.errors import ELFError
-from elflow.util.files import atomic_write, atomic_write_json, atomic_write_text, check_output, read_json, sha256_file
+from elflow.util.files import (
+    atomic_write,
+    atomic_write_json,
+    atomic_write_text,
+    check_output,
+    folder_in_place,
+    read_json,
+    sha256_file,
+)
 from elflow.util.hub import hub_offline, hub_reachable
 
 
@@ -320,7 +328,11 @@ def push(path, hub_id: str, private: bool = False, revision: str | None = None, 
                            "uploaded)")
     folder = out if out is not None else Path(tempfile.mkdtemp(prefix="elflow-push-"))
     try:
-        build_folder(path, hub_id, folder, num_samples, device, progress)
+        if out is not None:  # the model folder appears whole, its card included, or not at all
+            with folder_in_place(out) as tmp:
+                build_folder(path, hub_id, tmp, num_samples, device, progress)
+        else:
+            build_folder(path, hub_id, folder, num_samples, device, progress)
         files = sorted(p.name for p in folder.iterdir())
         url = None
         if not dry_run:

@@ -154,6 +154,25 @@ def place(tmp: str | os.PathLike, path: str | os.PathLike, overwrite: bool) -> N
     os.unlink(tmp)
 
 
+@contextmanager
+def folder_in_place(out: str | os.PathLike):
+    """A whole folder written at once: the block fills a temporary sibling (yielded), which is renamed to `out`
+    when the block ends (an empty folder at `out` is replaced) and removed if it fails, so that no reader ever
+    meets a half-written folder at `out`."""
+    import shutil
+
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out.parent))
+    try:
+        os.chmod(tmp, folder_mode())
+        yield tmp
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def atomic_write_text(path, text: str, overwrite: bool = True) -> None:
     with atomic_write(path, "w", overwrite) as f:
         f.write(text)
