@@ -51,7 +51,8 @@ def test_overwrite_failing_before_its_first_checkpoint_restores_the_old_run(
     monkeypatch.setattr(ckpt_mod, "save_file", full_disk)
     code, _, err = cli(capsys, ["train", *tiny_flags(tiny_t5_dir, tiny_corpus_file, cache, seed=7), "--out", run_copy,
                                 "--overwrite"])
-    assert_one_error(code, err, "train", "no space left on device", "last good checkpoint: none")
+    assert_one_error(code, err, "train", "no space left on device", "no checkpoint was written, so there is nothing "
+                     "to resume: free some space, then run the same command again (without --resume)")
     assert snapshot(run_copy) == before
 
     # once the new run has written a checkpoint the old one is gone

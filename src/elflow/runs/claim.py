@@ -324,10 +324,12 @@ def checked(stored: dict | None, path, record=None) -> TrainConfig:
 def no_space(e: BaseException, out: Path) -> ELFError:
     """The one-line error of a full disk while writing the run in `out`, naming its last good checkpoint."""
     good = list_checkpoints(out)
-    last = f"step {int(good[-1].name[5:])}" if good else "none"
     where = e.path if isinstance(e, NoSpace) else (getattr(e, "filename", None) or out)
-    return ELFError(f"no space left on device: {where}; last good checkpoint: {last}; free some space, "
-                    "then run again with --resume")
+    if not good:  # nothing to resume from: a new run's files go with it
+        return ELFError(f"no space left on device: {where}; no checkpoint was written, so there is nothing to "
+                        "resume: free some space, then run the same command again (without --resume)")
+    return ELFError(f"no space left on device: {where}; last good checkpoint: step {int(good[-1].name[5:])}; "
+                    "free some space, then run again with --resume")
 
 
 def resume_point(out: Path, stored: dict | None = None) -> tuple[Path | None, dict | None]:
