@@ -109,3 +109,25 @@ def test_a_read_only_cache_is_one_line_naming_it(capsys, tmp_path, space_flag, s
     assert_one_error(code, err, "train", f"the cache folder {small_store_fs / 'cache'} cannot be written (Read-only file system)",
               "--cache-dir or ELFLOW_CACHE")
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_store_being_written_by_another_prepare_says_so(capsys, tmp_path, space_flag, overwrite):
+    """A second prepare into a folder whose store another prepare is writing (its .prepare.lock held, only
+    .partial files there): one line saying so, not 'already holds a token store; pass --overwrite', which
+    would then be refused too; nothing changes."""
+    from elflow.data.store_folder import LOCK, file_lock
+
+    out = tmp_path / "store"
+    corpus = tmp_path / "c.txt"
+    corpus.write_text(words(200))
+    holder = file_lock(out / LOCK)
+    (out / "ids.partial").write_bytes(b"\0" * 8)
+    before = snapshot_with_folders(out)
+    try:
+        code, _, err = cli(capsys, ["prepare", corpus, "--space", space_flag, "--out", out, "--quiet",
+                                    *(["--overwrite"] if overwrite else [])])
+    finally:
+        holder.close()
+    assert_one_error(code, err, "prepare", f"--out {out}: another elflow prepare is writing a token store there now")
+    assert snapshot_with_folders(out) == before

@@ -29,7 +29,7 @@ from elflow.data.store import (
     is_store,
     store_lock,
 )
-from elflow.data.store_folder import finish_swap, holds_store_files, swap_in
+from elflow.data.store_folder import finish_swap, holds_store_files, locked_by_other, swap_in
 from elflow.data.workers import available_cores, check_workers, ordered_results
 from elflow.util.errors import ELFError
 from elflow.util.files import NoSpace, disk_full
@@ -59,6 +59,9 @@ def _check_out(out: Path, source, overwrite: bool, cache_dir) -> None:
     path = resolve_origin(source, cache_dir)
     if path is not None and (out.resolve() == path.resolve() or path.resolve() in out.resolve().parents):
         raise ELFError(f"--out {out} lies inside the source {path}; write the store somewhere else")
+    if out.is_dir() and locked_by_other(out):  # a store being written (--overwrite is refused then too)
+        raise ELFError(f"--out {out}: another elflow prepare is writing a token store there now; wait for it to "
+                       "end (its store is then ready to use), or choose another --out")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         what = "a token store" if is_store(out) else "files"
         raise ELFError(f"--out {out} already holds {what}; pass --overwrite to replace the store (only a store's "
