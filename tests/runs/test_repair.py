@@ -206,3 +206,30 @@ def test_run_json_kept_before_a_resume_comes_back_only_when_no_later_checkpoint_
     (run / ".run-before-resume.json").write_text('{"step": "two"}')
     with pytest.raises(ELFError, match="corrupted"):
         recover_earlier_run(run)
+
+
+def test_a_signal_during_a_held_writer_comes_once_it_is_done():
+    """A SIGTERM that arrives while torch.save writes a checkpoint's optimizer.pt used to interrupt its zip
+    writer mid-record, whose clean-up then failed with a raw RuntimeError ("unexpected pos") in place of the
+    stop: the signal is held until the write is done, then delivered."""
+    import io
+    import os
+    import signal
+
+    import torch
+
+    from elflow.util.files import signals_held
+
+    got = []
+    previous = signal.signal(signal.SIGTERM, lambda *_: got.append("SIGTERM"))
+    try:
+        buffer = io.BytesIO()
+        with signals_held():
+            os.kill(os.getpid(), signal.SIGTERM)
+            torch.save({"m": torch.zeros(1000)}, buffer)
+            assert got == []  # held
+        assert got == ["SIGTERM"]  # delivered once the block ended
+        buffer.seek(0)
+        assert torch.load(buffer, weights_only=True)["m"].shape == (1000,)  # the write is whole
+    finally:
+        signal.signal(signal.SIGTERM, previous)

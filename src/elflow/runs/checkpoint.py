@@ -46,7 +46,7 @@ from elflow.runs.folder import (
 from elflow.runs.migrate import document
 from elflow.runs.record import is_current
 from elflow.util.errors import ELFError, first_line
-from elflow.util.files import FolderLock, NoSpace, atomic_write_text, disk_full, file_mode, folder_mode
+from elflow.util.files import FolderLock, NoSpace, atomic_write_text, disk_full, file_mode, folder_mode, signals_held
 from elflow.util.files import sha256_file as _sha256
 from elflow.util.jsonio import RECORD_BYTES, parse, read_limited
 
@@ -144,8 +144,8 @@ def write_checkpoint(folder: str | os.PathLike, model_sd: dict, ema_sd: dict, op
             save_file(contig(space_sd), tmp / SPACE_WEIGHTS)
             names.append(SPACE_WEIGHTS)
         if optimizer_state is not None:
-            with open(tmp / OPTIMIZER_STATE, "wb") as f:  # a Python file: its OSError is the cause torch reports
-                torch.save(optimizer_state, f)
+            with open(tmp / OPTIMIZER_STATE, "wb") as f, signals_held():  # (a Python file: its OSError is the
+                torch.save(optimizer_state, f)  # cause torch reports; a signal comes once the zip is whole)
             names.append(OPTIMIZER_STATE)
         files = {name: {"sha256": _sha256(tmp / name), "bytes": (tmp / name).stat().st_size} for name in names}
         write_state(tmp, {**state, "files": files})

@@ -10,6 +10,7 @@ import functools
 import hashlib
 import json
 import os
+import signal
 import socket
 import stat
 import sys
@@ -152,6 +153,29 @@ def place(tmp: str | os.PathLike, path: str | os.PathLike, overwrite: bool) -> N
         os.replace(tmp, path)
         return
     os.unlink(tmp)
+
+
+@contextmanager
+def signals_held(signums=(signal.SIGTERM, signal.SIGINT)):
+    """SIGTERM and SIGINT held back while the block runs and raised again, to their own handlers, when it ends:
+    around a writer that an exception raised mid-call leaves in a state whose clean-up fails with an error of
+    its own (torch.save's zip writer: "unexpected pos"), so that the signal's own exception comes right after
+    the call, with its one line. Outside the main thread (where Python runs no handler) the block runs as it
+    is."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending = []
+    before = {s: signal.signal(s, lambda signum, frame: pending.append(signum)) for s in signums}
+    try:
+        yield
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+        for s in dict.fromkeys(pending):
+            signal.raise_signal(s)
 
 
 @contextmanager
