@@ -14,8 +14,9 @@ from pathlib import Path
 from elflow.eval.judge import load_judge
 from elflow.eval.mauve import mauve_against
 from elflow.eval.metrics import judge_score
-from elflow.eval.scoring import check_sampled, sample_and_score
+from elflow.eval.scoring import sample_and_score
 from elflow.experiments.figures import plot_tradeoff
+from elflow.generate import check_sampled
 from elflow.methods import get_method
 from elflow.runs.load import load_for_sampling
 from elflow.util.errors import ELFError
