@@ -15,6 +15,9 @@ from pathlib import Path
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if os.environ.get("PYTEST_XDIST_WORKER"):  # one worker per core (pyproject's -n): each computes on one thread,
+    os.environ["OMP_NUM_THREADS"] = "1"  # its child processes too, so that the workers never oversubscribe
+    os.environ["MKL_NUM_THREADS"] = "1"
 
 try:  # run from a checkout without `pip install -e .`
     import elflow  # noqa: F401

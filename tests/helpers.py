@@ -360,7 +360,7 @@ def as_layout_1(doc: dict, train: dict | None = None, record: dict | None = None
     "short_run") and, in a checkpoint, the model's layout as "settings". A checkpoint of that layout held the
     run's record and training settings too: `record` and `train`, run.json's."""
     rec = doc.get("record", record)
-    train = doc.get("train", train)
+    train = {k: v for k, v in doc.get("train", train).items() if k != "lr_schedule"}  # (stored from version 3 on)
     out = {k: v for k, v in doc.items() if k not in ("record", "format", "train", "version", "model_sha256")}
     if "step" in doc:
         out["format"] = "elflow-checkpoint-1"

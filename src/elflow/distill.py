@@ -30,11 +30,10 @@ from elflow.runs.claim import (
     stored_files,
 )
 from elflow.runs.folder import DISTILL_MANIFEST, REPLACED, REPORT_FILE, RUN_FILE, STATE_FILE, run_folders_holding
-from elflow.runs.load import load_init_weights
+from elflow.runs.load import build_loaded, load_init_weights
 from elflow.runs.log import training_records
 from elflow.runs.outputs import check_out
 from elflow.runs.record import Distillation
-from elflow.runs.released import build_from_state_dict
 from elflow.runs.stored import training_settings
 from elflow.schedule import EMA_DECAY
 from elflow.train import train
@@ -57,11 +56,7 @@ def load_teacher(path, length: int | None = None, device=None, check=None):
     record, sd, origin = load_init_weights(path, need="distill")
     if check is not None:
         check(record, origin)
-    cfg = record.network
-    if length and length > cfg.max_length:
-        cfg = cfg.replace(max_length=length)
-    net = build_from_state_dict(sd, config=cfg, options=record.options, where=origin.path)
-    net = net.to(device or "cpu").eval()
+    net = build_loaded(record, sd, origin.path, length).to(device or "cpu").eval()
     net.requires_grad_(False)
     return net, record, origin
 

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import json
 import sys
+import warnings
 from dataclasses import fields
 from pathlib import Path
 
 import torch
 
-from elflow.data.layout import PACKED, encoder_mask, pair_layout, warn_sources_cut
+from elflow.data.layout import PACKED, encoder_mask, pair_layout
+from elflow.data.origins import CUT_TEXT, cut_pieces
 from elflow.flow import (
     DISTILLED_STEPS,
     SAMPLING_DEFAULTS,
@@ -67,6 +69,32 @@ def settings_for(record, **given) -> SamplingSettings:
     if bad:
         raise ELFError(f"unknown sampling setting {bad[0]!r}; the settings are {', '.join(sorted(names))}")
     return stored.replace(**{k: v for k, v in given.items() if v is not None and k in names}).check(record.recipe)
+
+
+PIECE = 1 << 16  # characters a tokenizer call sees when a long text's tokens are counted
+
+
+def count_tokens(space, text: str) -> int:
+    """How many ids `text` has (no EOS), tokenized piece by piece, each piece cut just before whitespace as
+    training cuts long texts (elflow.data.origins.cut_pieces), so that no word is split: the tokenizer holds one
+    piece at a time, whatever the text's length."""
+    return sum(len(ids) for piece in cut_pieces(text, PIECE, CUT_TEXT, 16 * PIECE)
+               for ids in space.tokenize([piece], eos=False))
+
+
+def warn_sources_cut(space, sources: list[str], source_length: int) -> int:
+    """One warning (once per command: elflow.cli shows a text once) for the sources longer than the model's
+    `source_length` tokens, which are cut to that many as training cuts them: how many, and how many tokens
+    go. Returns the number of sources cut."""
+    firsts = space.tokenize(sources, eos=False, max_tokens=source_length + 1)  # the cut ones hold one more
+    cut = [count_tokens(space, text) for text, ids in zip(sources, firsts) if len(ids) > source_length]
+    if cut:
+        many = len(cut) != 1
+        warnings.warn(f"{len(cut)} of {len(sources)} source{'s' if len(sources) != 1 else ''} "
+                      f"{'are' if many else 'is'} longer than the {source_length} source tokens this model was "
+                      f"trained with and {'were' if many else 'was'} cut to {source_length} "
+                      f"({sum(cut) - len(cut) * source_length} of {sum(cut)} tokens dropped)", stacklevel=2)
+    return len(cut)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -25,7 +25,8 @@ SKIPS = ("none", "gaussian", "gated")  # the short-run skip of z into the guess
 MAX_MLP_RATIO = 64.0  # a SwiGLU wider than 64 x the hidden width is no network anyone trains
 
 
-MAX_SHAPE = 2**31 - 1  # a network's sizes (depth, width, heads, length, vocabulary): ELF-L has 32 blocks of 1,280
+MAX_SHAPE = 2**40  # a network's sizes (depth, width, heads, length, vocabulary): ELF-L has 32 blocks of 1,280;
+# below this bound the memory check refuses what does not fit, naming the flags; past it no size is a network's
 
 
 def _short(v) -> str:

@@ -77,14 +77,12 @@ SIZES = [  # (mode, flag, value, what the one line says): every flag that sets m
     *[("forward", f, "0", f"{f} must be >= 1, got 0") for f in ("--batch", "--length", "--iters", "--peak-size")],
     ("sample", "--steps", "0", "--steps must be an integer from 1 to 10,000"),
     ("train", "--accum", "0", "--accum must be >= 1, got 0"),
-    *[("forward", f, "0", f"ELFConfig.{f[2:].replace('-', '_')} must be an integer >= 1 and at most 2,147,483,647 (far past any "
-                           "network), got 0") for f in ("--depth", "--hidden")],
+    *[("forward", f, "0", f"ELFConfig.{f[2:].replace('-', '_')} must be an integer >= 1 and at most 1,099,511,627,776 (far "
+                           "past any network), got 0") for f in ("--depth", "--hidden")],
     *[("forward", f, "-3", f"{f} must be >= 1, got -3") for f in ("--batch", "--length", "--iters", "--peak-size")],
     ("forward", "--warmup", "-1", "--warmup must be >= 0, got -1"),
     ("forward", "--threads", "-3", "--threads must be an integer from 1 to 4,096"),
-    ("forward", "--batch", BIG, "needs about"),
-    *[("forward", f, BIG, f"ELFConfig.{k} must be an integer >= 1 and at most 2,147,483,647") for f, k in
-      (("--length", "max_length"), ("--depth", "depth"), ("--hidden", "hidden"), ("--vocab-size", "vocab_size"))],
+    *[("forward", f, BIG, "needs about") for f in ("--batch", "--length", "--depth", "--hidden", "--vocab-size")],
     ("train", "--batch", BIG, "bench train at --batch 1000000000000 --accum 1 --length 32"),
     ("sample", "--batch", BIG, "bench sample at --steps 32 --batch 1000000000000 --length 32"),
     ("sample", "--steps", BIG, "--steps must be an integer from 1 to 10,000"),

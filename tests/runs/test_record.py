@@ -185,7 +185,8 @@ REFUSED = [
      "its record's field 'network': self_cond True while the recipe's self_cond_prob is 0.0"),
     ("network-depth-10^100", "elf", lambda d: _with(d, "network.depth", 10**100),
      "its record's field 'network' cannot be read as a network of its method 'elf' (ELFConfig.depth must be an "
-     "integer >= 1 and at most 2,147,483,647 (far past any network), got 1000000000000000000000000000000000000...)"),
+     "integer >= 1 and at most 1,099,511,627,776 (far past any network), got "
+     "1000000000000000000000000000000000000...)"),
     ("sampling-steps-0", "elf", lambda d: _with(d, "sampling.steps", 0),
      "its record's field 'sampling': steps must be an integer from 1 to"),
 ]

@@ -3,8 +3,6 @@ pairs in the released or the fixed source slot, and the encoder mask that hides 
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
 from elflow.util.errors import ELFError
@@ -77,31 +75,3 @@ def pair_layout(sources: list[list[int]], targets: list[list[int]], length: int,
     source_mask, valid = pos < src_len[:, None], pos < row_len[:, None]
     return {"ids": ids, "source_mask": source_mask, "valid": valid,
             "encoder_mask": encoder_mask(source_mask, valid)}
-
-
-PIECE = 1 << 16  # characters a tokenizer call sees when a long text's tokens are counted
-
-
-def count_tokens(space, text: str) -> int:
-    """How many ids `text` has (no EOS), tokenized piece by piece, each piece cut just before whitespace as
-    training cuts long texts (elflow.data.origins.cut_pieces), so that no word is split: the tokenizer holds one
-    piece at a time, whatever the text's length."""
-    from elflow.data.origins import CUT_TEXT, cut_pieces
-
-    return sum(len(ids) for piece in cut_pieces(text, PIECE, CUT_TEXT, 16 * PIECE)
-               for ids in space.tokenize([piece], eos=False))
-
-
-def warn_sources_cut(space, sources: list[str], source_length: int) -> int:
-    """One warning (once per command: elflow.cli shows a text once) for the sources longer than the model's
-    `source_length` tokens, which are cut to that many as training cuts them: how many, and how many tokens
-    go. Returns the number of sources cut."""
-    firsts = space.tokenize(sources, eos=False, max_tokens=source_length + 1)  # the cut ones hold one more
-    cut = [count_tokens(space, text) for text, ids in zip(sources, firsts) if len(ids) > source_length]
-    if cut:
-        many = len(cut) != 1
-        warnings.warn(f"{len(cut)} of {len(sources)} source{'s' if len(sources) != 1 else ''} "
-                      f"{'are' if many else 'is'} longer than the {source_length} source tokens this model was "
-                      f"trained with and {'were' if many else 'was'} cut to {source_length} "
-                      f"({sum(cut) - len(cut) * source_length} of {sum(cut)} tokens dropped)", stacklevel=2)
-    return len(cut)

@@ -123,7 +123,10 @@ class ELFMethod(Method):
     def build_network(self, record, max_length=None):
         config = record.network
         if max_length and max_length > config.max_length:
-            config = config.replace(max_length=max_length)
+            try:
+                config = config.replace(max_length=max_length)
+            except ValueError as e:
+                raise ELFError(f"max_length {max_length}: {e}") from None
         check_network_memory(config, record.options)
         return build_network(config, record.options)
 

@@ -116,6 +116,8 @@ class RunFolder:
         try:
             if not ok:
                 recover_earlier_run(self.out)
+            elif os.path.lexists(self.out / EARLIER_RUN):  # a resume that ended well: its run.json stands
+                os.unlink(self.out / EARLIER_RUN)
             if not ok and holds_set_aside(self.out):
                 restore_aside(self.out)
             elif not ok and self.fresh and not list_checkpoints(self.out):

@@ -338,11 +338,19 @@ def _network(path_or_hub_id, stored: StoredModel, device, use_ema: bool, max_len
     if not stored.weights:
         raise ELFError(f"{path_or_hub_id} holds no {'EMA ' if use_ema else ''}weights"
                        + ("; pass --raw-weights to use the trained ones" if use_ema else ""))
-    with torch.device("meta"):  # no initial weights: the stored ones replace them next
-        net = get_method(stored.record.method).build_network(stored.record, max_length)
-    load_weights(net, stored.weights, stored.origin.path)
-    net = net.to(device).eval()
+    net = build_loaded(stored.record, stored.weights, stored.origin.path, max_length).to(device).eval()
     net.record, net.origin = stored.record, stored.origin
+    return net
+
+
+def build_loaded(record: RunRecord, weights: dict, where, max_length: int | None = None) -> torch.nn.Module:
+    """The network `record` describes (its method's builder, its memory checked) holding `weights`, checked
+    as every loader checks them (`load_weights`): built on the meta device, without initial weights, which
+    the stored tensors replace. `max_length` widens its position table. The one builder of a stored model:
+    sampling, evaluation and a distillation's teacher."""
+    with torch.device("meta"):
+        net = get_method(record.method).build_network(record, max_length)
+    load_weights(net, weights, where)
     return net
 
 
