@@ -1,6 +1,7 @@
 """Loading an ELF-B-sized run to sample, or resuming it: which files are opened, how many bytes are read, and
 how long it takes, for two checkouts of elflow on the same run folder (each in its own interpreter; Python's
-audit hook sees every open).
+audit hook sees every open); a load to sample also against one verified read of the run's EMA file (read,
+hashed and parsed, in a fresh process too): `load_over_ema_read`, whose target is at most 1.5.
 
     python benchmarks/load_reads.py --before /tmp/elflow-before/src --out /tmp/load-bench \\
         --results benchmarks/results/load_reads.json
@@ -48,6 +49,18 @@ seconds = time.perf_counter() - t0
 watching[0] = False
 print(json.dumps({"opened": opened, "seconds": seconds,
                   "optim_imported": "elflow.optim" in sys.modules, "train_imported": "elflow.train" in sys.modules}))
+"""
+
+EMA_PROBE = r"""
+import json, sys, time
+from pathlib import Path
+from elflow.runs.checkpoint import load_tensors, read_state
+ckpt = max((Path(sys.argv[1]) / "checkpoints").iterdir())
+entry = read_state(ckpt)["files"]["ema.safetensors"]
+t0 = time.perf_counter()
+tensors = load_tensors(ckpt / "ema.safetensors", entry["sha256"], entry["bytes"])  # read, hashed, parsed
+seconds = time.perf_counter() - t0
+print(json.dumps({"seconds": seconds, "tensors": len(tensors)}))
 """
 
 RESUME_PROBE = r"""
@@ -132,6 +145,14 @@ def main() -> None:
         result[name] = {**best, "seconds_all": [round(r["seconds"], 3) for r in runs]}
     result["bytes_ratio"] = result["before"]["bytes_read"] / max(result["after"]["bytes_read"], 1)
     result["time_ratio"] = result["before"]["seconds"] / result["after"]["seconds"]
+    if args.what == "sample":  # against one verified read of the EMA file, in a fresh process too (target <= 1.5)
+        reads = []
+        for _ in range(args.repeats):
+            done = subprocess.run([sys.executable, "-c", EMA_PROBE, str(run)], capture_output=True, text=True,
+                                  check=True, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+            reads.append(json.loads(done.stdout.splitlines()[-1])["seconds"])
+        result["ema_read_seconds"] = round(min(reads), 3)
+        result["load_over_ema_read"] = {k: round(result[k]["seconds"] / min(reads), 2) for k in ("before", "after")}
     text = json.dumps(result, indent=1)
     print(text)
     if args.results:

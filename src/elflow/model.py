@@ -283,15 +283,12 @@ class RMSNorm(nn.Module):
 
 def rope_tables(length: int, head_dim: int, num_prefix: int, theta: float = 10000.0):
     """cos/sin tables (num_prefix + length, head_dim) for interleaved-pair RoPE: pair (2i, 2i+1) of text token j
-    turns by j theta^(-2i/d); the prefix tokens are not rotated (cos 1, sin 0). Made on the CPU whatever the
-    default device: a network built on the meta device to be loaded next (elflow.runs.load) keeps its tables,
-    which no weight file holds."""
-    cpu = {"dtype": torch.float64, "device": "cpu"}
-    freqs = theta ** (-torch.arange(0, head_dim, 2, **cpu) / head_dim)  # (d/2,)
-    angles = torch.arange(length, **cpu)[:, None] * freqs[None, :]  # (L, d/2)
+    turns by j theta^(-2i/d); the prefix tokens are not rotated (cos 1, sin 0)."""
+    freqs = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)  # (d/2,)
+    angles = torch.arange(length, dtype=torch.float64)[:, None] * freqs[None, :]  # (L, d/2)
     angles = angles.repeat_interleave(2, dim=-1)  # (L, d)
-    cos = torch.cat([torch.ones(num_prefix, head_dim, **cpu), angles.cos()])
-    sin = torch.cat([torch.zeros(num_prefix, head_dim, **cpu), angles.sin()])
+    cos = torch.cat([torch.ones(num_prefix, head_dim, dtype=torch.float64), angles.cos()])
+    sin = torch.cat([torch.zeros(num_prefix, head_dim, dtype=torch.float64), angles.sin()])
     return cos.float(), sin.float()
 
 
@@ -548,6 +545,13 @@ class ELF(nn.Module):
                     mean = mean - self.skip_gate(h) * (mean - self.skip_mean)
                 out = mean + std * out
             return prediction_to_x(c.predict, out, z.float(), t.to(h.device), c.noise_scale, c.t_eps)
+
+    def reset_buffers(self) -> None:
+        """The RoPE tables, which no weight file holds, made again on the weights' device (a network built on
+        the meta device and then given its stored weights: elflow.runs.checkpoint.load_weights)."""
+        c = self.config
+        cos, sin = rope_tables(c.max_length, c.head_dim, c.num_prefix, c.rope_theta)
+        self.rope_cos, self.rope_sin = (t.to(self.x_head.weight.device) for t in (cos, sin))
 
     def logits_head(self, h: torch.Tensor) -> torch.Tensor:
         with torch.autocast(h.device.type, enabled=False):

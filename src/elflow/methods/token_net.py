@@ -65,6 +65,12 @@ class TokenTransformer(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         self.reset_parameters()
 
+    def reset_buffers(self) -> None:
+        """The RoPE tables, which no weight file holds, made again on the weights' device (see ELF's)."""
+        c = self.config
+        cos, sin = rope_tables(c.max_length, c.head_dim, 0, c.rope_theta)
+        self.rope_cos, self.rope_sin = (t.to(self.embed.weight.device) for t in (cos, sin))
+
     @torch.no_grad()
     def reset_parameters(self) -> None:
         nn.init.normal_(self.embed.weight, std=0.02)

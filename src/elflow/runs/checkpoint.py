@@ -399,7 +399,8 @@ def load_weights(net: torch.nn.Module, sd: dict, where) -> None:
     """Load `sd` into `net`, every tensor checked first: the names and shapes of the network, floating-point
     values, all finite. One ELFError naming `where` and the first tensor that is not. A network built on the
     meta device (no initial weights: elflow.runs.load) takes the tensors themselves, each in its parameter's
-    dtype; then nothing of it may be left on the meta device."""
+    dtype, and makes its other buffers again (a module's `reset_buffers`); then nothing of it may be left on
+    the meta device."""
     expected = net.state_dict()
     missing = [k for k in expected if k not in sd]
     unexpected = [k for k in sd if k not in expected]
@@ -415,6 +416,9 @@ def load_weights(net: torch.nn.Module, sd: dict, where) -> None:
         net.load_state_dict(sd)
         return
     net.load_state_dict({k: sd[k].to(v.dtype) for k, v in expected.items()}, assign=True)
+    for module in net.modules():  # the buffers no weight file holds, made again (`reset_buffers`)
+        if hasattr(module, "reset_buffers") and any(t.is_meta for t in module.buffers(recurse=False)):
+            module.reset_buffers()
     empty = [k for k, t in (*net.named_parameters(), *net.named_buffers()) if t.is_meta]
     if empty:  # (a tensor no weight file holds, left unmade: a fault of the network's definition)
         raise RuntimeError(f"{type(net).__name__} built on the meta device leaves {empty[:4]} unmade after loading")
