@@ -103,20 +103,33 @@ def tiny_corpus_file(tmp_path_factory) -> Path:
 # a tiny trained run, shared by the tests of one module (each module trains its own)
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("cache")
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory, tiny_t5_dir, tiny_corpus_file, cache) -> Path:
-    """An uninterrupted 6-step run of the tiny preset with checkpoints at steps 3 and 6."""
+@pytest.fixture(scope="session")
+def trained_once(tmp_path_factory, tiny_t5_dir, tiny_corpus_file) -> Path:
+    """The tiny run `trained` copies, trained once per test process: ROOT/run and the cache it prepared its
+    store in, ROOT/cache."""
     from helpers import tiny_config
 
     from elflow.train import train
 
+    root = tmp_path_factory.mktemp("trained_once")
+    train(tiny_config(tiny_t5_dir, tiny_corpus_file), root / "run", cache_dir=root / "cache", quiet=True)
+    return root
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory, trained_once) -> Path:
+    """A module's own cache, holding the store `trained` was prepared from (as if the module had trained it)."""
+    folder = tmp_path_factory.mktemp("cache")
+    shutil.copytree(trained_once / "cache", folder, dirs_exist_ok=True)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, trained_once, cache) -> Path:
+    """An uninterrupted 6-step run of the tiny preset with checkpoints at steps 3 and 6: a module's own copy of
+    the one run trained for the test process (training is deterministic: the copy is the run it would train)."""
     run = tmp_path_factory.mktemp("trained") / "run"
-    train(tiny_config(tiny_t5_dir, tiny_corpus_file), run, cache_dir=cache, quiet=True)
+    shutil.copytree(trained_once / "run", run)
     return run
 
 

@@ -1,6 +1,7 @@
 """Small helpers shared by the tests: the reference vectors' folder, a tiny run's settings, a checkpoint's weights,
 a small file system to fill."""
 
+import os
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -607,3 +608,25 @@ def vocabulary(space, n: int = 12) -> list[str]:
     one = [w for w in words if len(space.tokenize([f"{w} {w}"], eos=False)[0]) == 2]
     assert len(one) >= n, f"the tokenizer has {len(one)} one-token words"
     return one[:n]
+
+
+# The fast suite runs a few cases of every class (FAST_DRAWS each, a fixed draw); the rest carry the slow mark, so
+# that `python -m pytest -m slow` runs them all. ELFLOW_MATRIX_DRAWS=0 runs every case in the fast suite.
+FAST_DRAWS = int(os.environ.get("ELFLOW_MATRIX_DRAWS", "2"))
+
+
+def drawn(cases: list, class_of, ids=None) -> list:
+    """`cases` (tuples of parameters) as pytest params: in each class (`class_of(case)`) FAST_DRAWS of them, drawn
+    with a fixed seed, run in the fast suite and the others are marked slow (every case when FAST_DRAWS is 0);
+    `ids` names each: a function of the case, or a list."""
+    import random
+
+    classes: dict = {}
+    for i, case in enumerate(cases):
+        classes.setdefault(class_of(case), []).append(i)
+    rng, fast = random.Random(0), set()
+    for members in classes.values():
+        fast.update(members if FAST_DRAWS <= 0 else rng.sample(members, min(FAST_DRAWS, len(members))))
+    return [pytest.param(*case, marks=() if i in fast else (pytest.mark.slow,),
+                         id=ids[i] if isinstance(ids, list) else ids(case) if ids else None)
+            for i, case in enumerate(cases)]

@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers import cli, one_error, sampled_trajectory, tree_state
+from helpers import cli, drawn, one_error, sampled_trajectory, tree_state
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -104,7 +104,8 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("command,setup,needles", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("command,setup,needles", drawn([c[1:] for c in CASES], lambda case: case[0],
+                                                        [c[0] for c in CASES]))  # two of each command; all: slow
 def test_one_line_and_nothing_written(capsys, tmp_path, trained_with_trajectory, tiny_t5_dir, tiny_corpus_file, cache,
                                       command, setup, needles):
     run = tmp_path / "run"

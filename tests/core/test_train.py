@@ -630,8 +630,10 @@ def test_a_new_run_that_fails_before_its_first_checkpoint_leaves_no_run(tmp_path
 # the learning-rate schedule and the logged branch losses, as the authors' code has them
 
 
-@pytest.mark.parametrize("kw, warmup", [(dict(warmup=3), 3), (dict(warmup=1), 1),
-                                        (dict(warmup_frac=0.5, lr_decay="cosine"), 3)])
+@pytest.mark.parametrize("kw, warmup", [(dict(warmup=3), 3),  # the other two: the slow suite's
+                                        pytest.param(dict(warmup=1), 1, marks=pytest.mark.slow),
+                                        pytest.param(dict(warmup_frac=0.5, lr_decay="cosine"), 3,
+                                                     marks=pytest.mark.slow)])
 def test_each_optimiser_step_runs_at_the_released_rate(kw, warmup, tmp_path, tiny_t5_dir, tiny_corpus_file):
     """Under accumulation (2 micro-batches a step) and across a resume, step k (from 0) runs at lr k / W in the
     warm-up (W = ceil(0.5 x 5) = 3 for the fraction), then lr or the cosine to 0 at the last step; the first step

@@ -11,6 +11,7 @@ from helpers import (
     cli,
     cli_under_memory_limit,
     distill_args,
+    drawn,
     edit_record,
     new_run_args,
     resume_args,
@@ -251,8 +252,11 @@ STATE_CASES = [
 SLOW_STATE_CASES = {"sample-length-beyond-memory"}  # (it sizes a 10-million-position sampling)
 
 
+# two cases of each command in the fast suite (helpers.drawn), every case under -m slow
 @pytest.mark.parametrize("command,setup,needles", [
-    pytest.param(*c[1:], id=c[0], marks=pytest.mark.slow if c[0] in SLOW_STATE_CASES else ()) for c in STATE_CASES])
+    p if c[0] not in SLOW_STATE_CASES else pytest.param(*c[1:], id=c[0], marks=pytest.mark.slow)
+    for c, p in zip(STATE_CASES, drawn([c[1:] for c in STATE_CASES], lambda case: case[0],
+                                       [c[0] for c in STATE_CASES]))])
 def test_bad_run_state_seeds_sizes_and_encodings_are_one_line(capsys, tmp_path, trained, tiny_t5_dir,
                                                                tiny_corpus_file, cache, monkeypatch, command, setup,
                                                                needles):

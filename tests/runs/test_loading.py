@@ -219,6 +219,7 @@ print(json.dumps({"code": code, "opened": opened}))
 """
 
 
+@pytest.mark.slow  # a whole resume in a fresh interpreter (18 s on 2 cores)
 def test_a_resume_reads_each_file_of_its_checkpoint_once(trained, cache, tmp_path):
     """--resume chooses its checkpoint from state.json and the files' sizes, then loads each file once, checked
     on the bytes read: weights, EMA and optimiser state one open each."""
