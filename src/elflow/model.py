@@ -283,7 +283,11 @@ class RMSNorm(nn.Module):
 
 def rope_tables(length: int, head_dim: int, num_prefix: int, theta: float = 10000.0):
     """cos/sin tables (num_prefix + length, head_dim) for interleaved-pair RoPE: pair (2i, 2i+1) of text token j
-    turns by j theta^(-2i/d); the prefix tokens are not rotated (cos 1, sin 0)."""
+    turns by j theta^(-2i/d); the prefix tokens are not rotated (cos 1, sin 0). Under the meta device (a network
+    counted, or built to be loaded: `ELF.reset_buffers` makes them then) they are empty tensors of their shape:
+    the meta device's arange goes through torch's reference kernels, whose first use imports torch._dynamo."""
+    if torch.empty(0).is_meta:
+        return torch.empty(num_prefix + length, head_dim), torch.empty(num_prefix + length, head_dim)
     freqs = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)  # (d/2,)
     angles = torch.arange(length, dtype=torch.float64)[:, None] * freqs[None, :]  # (L, d/2)
     angles = angles.repeat_interleave(2, dim=-1)  # (L, d)
@@ -431,7 +435,8 @@ class ELF(nn.Module):
         cos, sin = rope_tables(c.max_length, c.head_dim, c.num_prefix, c.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self.reset_parameters()
+        if not self.x_head.weight.is_meta:  # (on the meta device there is nothing to draw: weights are loaded next)
+            self.reset_parameters()
         # built after the initialisation draws, so that every network draws the same initial weights
         if o.skip == "gated":  # a(h), the gate on the skip's pass-through of z, zero-initialised
             self.skip_gate = nn.utils.skip_init(nn.Linear, c.hidden, c.dim)

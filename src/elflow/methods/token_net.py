@@ -63,7 +63,8 @@ class TokenTransformer(nn.Module):
         cos, sin = rope_tables(c.max_length, c.head_dim, 0, c.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self.reset_parameters()
+        if not self.embed.weight.is_meta:  # (on the meta device there is nothing to draw: weights are loaded next)
+            self.reset_parameters()
 
     def reset_buffers(self) -> None:
         """The RoPE tables, which no weight file holds, made again on the weights' device (see ELF's)."""
