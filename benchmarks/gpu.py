@@ -64,7 +64,8 @@ def exactness(device) -> dict:
         net = nets[where]
         sp = copy.deepcopy(space).to(dev)
         sp.table = space.table.to(dev)
-        d = dataclasses.replace(draw, **{f.name: getattr(draw, f.name).to(dev) for f in dataclasses.fields(draw)})
+        d = dataclasses.replace(draw, **{f.name: getattr(draw, f.name).to(dev) for f in dataclasses.fields(draw)
+                                         if getattr(draw, f.name) is not None})  # (a flow map's target: none)
         d = dataclasses.replace(d, decode_rows=row_index(draw.decode, dev), self_cond_rows=row_index(draw.self_cond, dev))
         opt = ELFOptimizer(list(net.named_parameters()), lr=1e-2, ns_dtype=torch.float32)
         loss, _ = TrainedPass(get_method("elf"), net, sp, Recipe())({"tokens": tokens.to(dev)}, d)
