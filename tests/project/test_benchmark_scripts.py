@@ -99,3 +99,21 @@ def test_every_accepted_value_is_a_real_flag_of_a_script():
              if action.option_strings}
     assert set(ACCEPTED) <= flags, set(ACCEPTED) - flags
     assert all(isinstance(script(name).build_parser(), argparse.ArgumentParser) for name in SCRIPTS)
+
+
+def test_the_gpu_benchmark_s_cpu_dry_run_passes_every_stage(tmp_path):
+    """`python benchmarks/gpu.py --dry-run`, the command a GPU session runs first at tiny sizes on the CPU: every
+    stage ends with its figures, none with an error (its exactness stage broke once on a draw field of None)."""
+    import json
+    import os
+    import subprocess
+
+    out = tmp_path / "dry.json"
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "gpu.py"), "--dry-run", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(BENCHMARKS.parent / "src")})
+    assert done.returncode == 0, done.stderr[-2000:]
+    text = out.read_text()
+    assert '"error"' not in text, text[:2000]
+    result = json.loads(text)
+    assert result["exactness"]["loss_rel_diff"] == 0.0
