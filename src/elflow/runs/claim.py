@@ -109,7 +109,6 @@ class RunFolder:
         if os.path.lexists(self.out / EARLIER_RUN):
             os.unlink(self.out / EARLIER_RUN)
 
-
     def close(self, ok: bool) -> None:
         if self.hold.lock is None:  # the folder was never ours (another command holds it)
             return
@@ -124,7 +123,6 @@ class RunFolder:
                 remove_run_files(self.out)  # a run that failed before its first checkpoint leaves no run behind
         finally:
             self.hold.close(ok)
-
 
 
 def keep_earlier_run(out: Path, step: int) -> None:
