@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from elflow.data.layout import PACKED, encoder_mask, pair_layout
-from elflow.data.origins import CUT_TEXT, cut_pieces
+from elflow.data.origins import CUT_TEXT, PIECE_CHARS, RUN_CHARS, cut_pieces
 from elflow.flow import (
     DISTILLED_STEPS,
     SAMPLING_DEFAULTS,
@@ -71,14 +71,11 @@ def settings_for(record, **given) -> SamplingSettings:
     return stored.replace(**{k: v for k, v in given.items() if v is not None and k in names}).check(record.recipe)
 
 
-PIECE = 1 << 16  # characters a tokenizer call sees when a long text's tokens are counted
-
-
 def count_tokens(space, text: str) -> int:
     """How many ids `text` has (no EOS), tokenized piece by piece, each piece cut just before whitespace as
-    training cuts long texts (elflow.data.origins.cut_pieces), so that no word is split: the tokenizer holds one
+    training cuts long texts (elflow.data.reading.tokenize's pieces, elflow.data.origins.cut_pieces), so that no word is split: the tokenizer holds one
     piece at a time, whatever the text's length."""
-    return sum(len(ids) for piece in cut_pieces(text, PIECE, CUT_TEXT, 16 * PIECE)
+    return sum(len(ids) for piece in cut_pieces(text, PIECE_CHARS, CUT_TEXT, RUN_CHARS)
                for ids in space.tokenize([piece], eos=False))
 
 

@@ -58,6 +58,16 @@ class TransformerShape:
         if self.mlp_hidden < 1:
             raise ValueError(f"{name}: mlp_ratio {r} gives a SwiGLU of no width at hidden {self.hidden}")
 
+    def widened(self, max_length: int | None):
+        """This config with its position table widened to `max_length` where that is longer (a stored network
+        loaded for longer samples); ELFError for a length it refuses."""
+        if not max_length or max_length <= self.max_length:
+            return self
+        try:
+            return self.replace(max_length=max_length)
+        except ValueError as e:
+            raise ELFError(f"max_length {max_length}: {e}") from None
+
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads

@@ -55,6 +55,7 @@ def test_the_first_tokens_of_a_long_text_are_its_whole_tokenization_cut_and_coun
     """A source is cut where the layout cuts it: its first n ids, read from a prefix of the text, equal the
     whole text's first n; a long text's count, tokenized piece by piece, equals the whole text's."""
     from elflow import generate
+    from elflow.data.origins import PIECE_CHARS
 
     words = ("the king of love and the lord of night, good sweet heart! " * 3000).strip()  # ~180 KB, one line
     whole = t5_space.tokenize([words], eos=False)[0]
@@ -64,7 +65,7 @@ def test_the_first_tokens_of_a_long_text_are_its_whole_tokenization_cut_and_coun
         assert t5_space.tokenize([words, "the king"], max_tokens=n) == [whole[:n] + [t5_space.eos_id],
                                                                           king[:n] + [t5_space.eos_id]]
     assert t5_space.tokenize(["short"], eos=False, max_tokens=500) == t5_space.tokenize(["short"], eos=False)
-    assert generate.count_tokens(t5_space, words) == len(whole) and len(words) > 2 * generate.PIECE
+    assert generate.count_tokens(t5_space, words) == len(whole) and len(words) > 2 * PIECE_CHARS
 
 
 def test_decode_cuts_at_first_eos_and_skips_specials(t5_space):

@@ -39,6 +39,8 @@ NEWLINE = b"\n"
 
 
 CUT_TEXT = re.compile(r"(?<=[!-~])[ \t\n\r\f\v]")
+PIECE_CHARS = 1 << 16  # the length of the pieces a tokenizer call sees (cut before whitespace)
+RUN_CHARS = 1 << 20  # the longest piece: a run without whitespace longer than this is cut
 
 
 # ----------------------------------------------------------------------------------------------------

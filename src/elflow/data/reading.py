@@ -26,6 +26,8 @@ from elflow.data.corpus import (
 )
 from elflow.data.origins import (
     CUT_TEXT,
+    PIECE_CHARS,
+    RUN_CHARS,
     OriginHashes,
     cut_pieces,
     file_pieces,
@@ -35,8 +37,6 @@ from elflow.data.origins import (
 )
 from elflow.util.errors import ELFError
 
-PIECE_CHARS = 1 << 16  # the length of the pieces a tokenizer call sees (cut before whitespace)
-RUN_CHARS = 1 << 20  # the longest piece: a run without whitespace longer than this is cut
 GROUP_CHARS = 1 << 18  # text per tokenizer call
 
 

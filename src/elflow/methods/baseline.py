@@ -128,12 +128,7 @@ class TokenMethod(Method):
     sampling_type = BaselineSampling
 
     def build_network(self, record, max_length=None):
-        config = record.network
-        if max_length and max_length > config.max_length:
-            try:
-                config = config.replace(max_length=max_length)
-            except ValueError as e:
-                raise ELFError(f"max_length {max_length}: {e}") from None
+        config = record.network.widened(max_length)
         return self.network(config, _Vocabulary(config.vocab_size))
 
     def check_record(self, record) -> None:

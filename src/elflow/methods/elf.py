@@ -121,12 +121,7 @@ class ELFMethod(Method):
         return net.config, net.options
 
     def build_network(self, record, max_length=None):
-        config = record.network
-        if max_length and max_length > config.max_length:
-            try:
-                config = config.replace(max_length=max_length)
-            except ValueError as e:
-                raise ELFError(f"max_length {max_length}: {e}") from None
+        config = record.network.widened(max_length)
         check_network_memory(config, record.options)
         return build_network(config, record.options)
 

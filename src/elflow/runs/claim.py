@@ -36,10 +36,10 @@ from elflow.runs.folder import (
     RUN_FILE,
     RUN_FILES,
     SAMPLES_FILE,
-    STEP_DIR,
     TENSORBOARD,
     WANDB_FOLDER,
     run_folders_holding,
+    step_of,
 )
 from elflow.runs.load import checkpoint_record
 from elflow.runs.record import differences
@@ -106,6 +106,10 @@ class RunFolder:
         """The new run has a checkpoint: the replaced run, and run.json as it was before a resume, are dropped."""
         if holds_set_aside(self.out):
             shutil.rmtree(self.aside)
+        self.drop_earlier_run()
+
+    def drop_earlier_run(self) -> None:
+        """run.json as it was before a resume goes: the resume's own run.json stands."""
         if os.path.lexists(self.out / EARLIER_RUN):
             os.unlink(self.out / EARLIER_RUN)
 
@@ -115,8 +119,8 @@ class RunFolder:
         try:
             if not ok:
                 recover_earlier_run(self.out)
-            elif os.path.lexists(self.out / EARLIER_RUN):  # a resume that ended well: its run.json stands
-                os.unlink(self.out / EARLIER_RUN)
+            else:  # a resume that ended well (even without a new checkpoint)
+                self.drop_earlier_run()
             if not ok and holds_set_aside(self.out):
                 restore_aside(self.out)
             elif not ok and self.fresh and not list_checkpoints(self.out):
@@ -143,7 +147,7 @@ def recover_earlier_run(out: Path) -> bool:
         raise ELFError(f"{path}: corrupted (it keeps run.json as it was before a resume, as {{\"step\", "
                        "\"run.json\"}}); restore it, or remove it if run.json describes the newest checkpoint")
     newest = list_checkpoints(out)
-    restore = not newest or int(STEP_DIR.fullmatch(newest[-1].name).group(1)) <= step
+    restore = not newest or step_of(newest[-1]) <= step
     if restore:
         atomic_write_text(out / RUN_FILE, text)
     os.unlink(path)
@@ -328,7 +332,7 @@ def no_space(e: BaseException, out: Path) -> ELFError:
     if not good:  # nothing to resume from: a new run's files go with it
         return ELFError(f"no space left on device: {where}; no checkpoint was written, so there is nothing to "
                         "resume: free some space, then run the same command again (without --resume)")
-    return ELFError(f"no space left on device: {where}; last good checkpoint: step {int(good[-1].name[5:])}; "
+    return ELFError(f"no space left on device: {where}; last good checkpoint: step {step_of(good[-1])}; "
                     "free some space, then run again with --resume")
 
 

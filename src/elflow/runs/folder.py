@@ -63,6 +63,11 @@ def step_dir(step: int) -> str:
     return f"step_{step:07d}"
 
 
+def step_of(folder: Path) -> int:
+    """The step of a checkpoint folder (step_NNNNNNN)."""
+    return int(STEP_DIR.fullmatch(Path(folder).name).group(1))
+
+
 def checkpoint_dir(run: str | Path, step: int) -> Path:
     return Path(run) / CHECKPOINTS / step_dir(step)
 

@@ -8,6 +8,7 @@ import os
 import shutil
 import sys
 import tempfile
+from contextlib import nullcontext
 from pathlib import Path
 
 from safetensors.torch import save
@@ -328,11 +329,9 @@ def push(path, hub_id: str, private: bool = False, revision: str | None = None, 
                            "uploaded)")
     folder = out if out is not None else Path(tempfile.mkdtemp(prefix="elflow-push-"))
     try:
-        if out is not None:  # the model folder appears whole, its card included, or not at all
-            with folder_in_place(out) as tmp:
-                build_folder(path, hub_id, tmp, num_samples, device, progress)
-        else:
-            build_folder(path, hub_id, folder, num_samples, device, progress)
+        # --out: the model folder appears whole, its card included, or not at all
+        with folder_in_place(out) if out is not None else nullcontext(folder) as target:
+            build_folder(path, hub_id, target, num_samples, device, progress)
         files = sorted(p.name for p in folder.iterdir())
         url = None
         if not dry_run:

@@ -13,7 +13,8 @@ API (bytes are Python ints: no size overflows)
     tensor(*shape, element=4), weights(params, copies), training_weights(params, largest), held(each, total),
     buffers(*sizes)
         (c) the bytes of tensors, of parameters (with gradients and optimiser states), of buffers made again
-        and again (of one size, or each of its own); elf_params(config) and block_params(width, heads, mlp) count parameters by formula
+        and again (of one size, or each of its own); elf_params(config) and block_params(width, heads, mlp)
+        count parameters by formula
     Estimate(what, flags, parts, hint), merge(*parts) -> dict
         one call's estimate: what it is, the flags that set its size, its parts in bytes (summed), what to do
     check_fits(estimate, device=None) -> Estimate
@@ -305,10 +306,11 @@ def _cgroup_dirs(root: str) -> list[tuple[str, str]]:
             continue
         _, controllers, path = parts
         version = "v2" if controllers == "" else "v1" if "memory" in controllers.split(",") else None
+        if version is None:  # a v1 hierarchy of another controller
+            continue
         for fstype, top, point, opts in mounts:
-            if version == "v2" and fstype != "cgroup2" or version == "v1" and (fstype != "cgroup" or "memory" not in
-                                                                             opts) or version is None:
-                continue
+            if not (fstype == "cgroup2" if version == "v2" else fstype == "cgroup" and "memory" in opts):
+                continue  # another hierarchy than this line's
             rel = os.path.relpath(path, top) if path.startswith(top) else None
             if rel is None or rel.startswith(".."):
                 continue
@@ -318,13 +320,15 @@ def _cgroup_dirs(root: str) -> list[tuple[str, str]]:
     return found
 
 
+CGROUP_FILES = {"v2": ("memory.max", "memory.current"), "v1": ("memory.limit_in_bytes", "memory.usage_in_bytes")}
+
+
 def _cgroup_left(root: str) -> int | None:
     """Bytes the tightest of this process's memory cgroups can still give: its limit less what it uses, the
     reclaimable page cache (inactive_file) counted as free as the kernel does; None where no limit is set."""
     left = []
     for folder, version in _cgroup_dirs(root):
-        name = {"v2": ("memory.max", "memory.current"), "v1": ("memory.limit_in_bytes", "memory.usage_in_bytes")}
-        cap, used = (_number(_machine_file(root, os.path.join(folder, f))) for f in name[version])
+        cap, used = (_number(_machine_file(root, os.path.join(folder, f))) for f in CGROUP_FILES[version])
         if cap is None or used is None:
             continue
         stat = _keyed(_machine_file(root, os.path.join(folder, "memory.stat")))
