@@ -9,6 +9,7 @@ import re
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -16,11 +17,7 @@ import torch.distributed as dist
 from elflow.config import TrainConfig, check_setting, kept_from
 from elflow.data.datasets import check_not_relative
 from elflow.flow import FLOW_MAP_STEPS, MAX_MAP_STEPS
-from elflow.methods.lmd import MapMethod
-from elflow.methods.pd import PDMethod, check_schedule
-from elflow.model import PRESETS
-from elflow.runs.checkpoint import list_checkpoints, read_state, recover_replaced, set_aside
-from elflow.runs.claim import (
+from elflow.lifecycle.claim import (
     absolute_paths,
     check_not_inside,
     check_only_own,
@@ -29,11 +26,15 @@ from elflow.runs.claim import (
     stored_config,
     stored_files,
 )
+from elflow.lifecycle.outputs import check_out
+from elflow.methods.lmd import MapMethod
+from elflow.methods.pd import PDMethod, check_schedule
+from elflow.model import PRESETS
+from elflow.runs.checkpoint import list_checkpoints, recover_replaced, set_aside
 from elflow.runs.folder import DISTILL_MANIFEST, REPLACED, REPORT_FILE, RUN_FILE, STATE_FILE, run_folders_holding
-from elflow.runs.load import build_loaded, load_init_weights
+from elflow.runs.load import Origin, build_loaded, load_init_weights
 from elflow.runs.log import training_records
-from elflow.runs.outputs import check_out
-from elflow.runs.record import Distillation
+from elflow.runs.record import Distillation, RunRecord
 from elflow.runs.stored import training_settings
 from elflow.schedule import EMA_DECAY
 from elflow.train import train
@@ -49,19 +50,39 @@ def _teacher_device():
     return torch.device("cpu")
 
 
-def load_teacher(path, length: int | None = None, device=None, check=None):
-    """(frozen network, its record, origin): the EMA weights of a run or checkpoint (its trained weights, with a
-    warning, where it stored no EMA), in eval mode and without gradients. `check(record, origin)` runs once the
-    weights are read, before the network is built."""
+class Teacher(NamedTuple):
+    """A distillation's teacher, read once (`read_teacher`): its record, its EMA weights (its trained weights,
+    with a warning, where it stored no EMA), where they came from, its training settings with those its record
+    holds ({} for a model stored without them) and the token store its checkpoint was trained on (None
+    unrecorded). The teacher's network and the first student's starting weights are made from these weights;
+    nothing of the teacher is read again, so that a run still training, whose checkpoint `--keep` prunes
+    meanwhile, is distilled from the checkpoint that was read."""
+
+    record: RunRecord
+    weights: dict
+    origin: Origin
+    settings: dict
+    data_store: dict | None
+
+    def network(self, length: int, device) -> torch.nn.Module:
+        """The frozen network of the teacher's weights (its positions widened to `length` where that is longer),
+        in eval mode."""
+        net = build_loaded(self.record, self.weights, self.origin.path, length).to(device).eval()
+        return net.requires_grad_(False)
+
+    @property
+    def start(self) -> tuple:
+        """(record, weights, origin): what a student started from the teacher loads (elflow.train.start_from)."""
+        return self.record, self.weights, self.origin
+
+
+def read_teacher(path) -> Teacher:
+    """The teacher at `path` (a run, checkpoint or model folder), each of its files read once."""
     record, sd, origin = load_init_weights(path, need="distill")
-    if check is not None:
-        check(record, origin)
-    net = build_loaded(record, sd, origin.path, length).to(device or "cpu").eval()
-    net.requires_grad_(False)
-    return net, record, origin
-
-
-
+    stored = training_settings(origin.path) if origin.format in ("checkpoint", "model-folder") else {}
+    if stored:  # with those its record holds
+        stored = TrainConfig.of_run(record, stored, origin.path).to_dict()
+    return Teacher(record, sd, origin, stored, origin.data_store)
 
 
 # settings a resumed distillation must share with the stored one
@@ -76,12 +97,10 @@ KEPT = ("preset", "data", "text_field", "on_bad", "space", "latent_std", "length
         "space_stream", "val_fraction", "recipe")
 
 
-def _base_config(record, origin, overrides: dict) -> TrainConfig:
+def _base_config(teacher: Teacher, overrides: dict) -> TrainConfig:
     """The rounds' TrainConfig: the teacher's stored data and network settings, then the overrides."""
-    stored = training_settings(origin.path) if origin.format in ("checkpoint", "model-folder") else {}
-    if stored:  # with those its record holds
-        stored = TrainConfig.of_run(record, stored, origin.path).to_dict()
-    base = {k: stored[k] for k in KEPT if k in stored}
+    record, origin = teacher.record, teacher.origin
+    base = {k: teacher.settings[k] for k in KEPT if k in teacher.settings}
     scale = record.space.latent_std
     if isinstance(scale, (int, float)) and base.get("space") is not None:
         base["latent_std"] = repr(float(scale))  # the teacher's resolved scale: no re-estimate, the same space
@@ -90,8 +109,7 @@ def _base_config(record, origin, overrides: dict) -> TrainConfig:
         raise ELFError(f"{origin.path} stores no training data settings (a converted or released model); pass "
                        "--data and --space")
     if overrides.get("data") is None and origin.format == "checkpoint":  # the teacher's data, as recorded
-        state = Path(origin.path) / STATE_FILE
-        check_not_relative(base["data"], read_state(Path(origin.path)).get("data_store"), state)
+        check_not_relative(base["data"], teacher.data_store, Path(origin.path) / STATE_FILE)
     if base.get("preset") not in PRESETS:
         base["preset"] = "elf-b"  # every shape field is set from the teacher below
     shape = {k: v for k, v in record.network.to_dict().items() if k not in ("dim", "vocab_size", "max_length")}
@@ -136,16 +154,17 @@ def distill(teacher, out, student_steps=(16, 8, 4, 2, 1), teacher_steps: int = 6
     _check_out(out, [teacher])
 
     device = _teacher_device()
-    teacher_net, record, origin = load_teacher(teacher, device=device, check=_memory_check(overrides, device, False))
-    cfg = _base_config(record, origin, overrides)
+    read = read_teacher(teacher)
+    record, origin = read.record, read.origin
+    cfg = _base_config(read, overrides)
     cfg.steps = steps_per_round or cfg.steps
     cfg.epochs = None if steps_per_round else epochs
     cfg.warmup_frac = warmup_frac
     cfg.ema_decay = ema_decay
     if lr is not None:
         cfg.lr = lr
-    if cfg.length > teacher_net.config.max_length:
-        teacher_net = load_teacher(teacher, cfg.length, device)[0]
+    _check_memory(read, cfg, device, tangents=False)
+    teacher_net = read.network(cfg.length, device)
 
     manifest = {"format": "elflow-distill-1", "teacher": local_path(origin.path), "teacher_space_id": record.space.id,
                 "teacher_ema": origin.ema, "student_steps": steps, "teacher_steps": teacher_steps,
@@ -169,8 +188,8 @@ def distill(teacher, out, student_steps=(16, 8, 4, 2, 1), teacher_steps: int = 6
             said = f"round {i + 1} of {len(steps)}, the {n}-step student ({rdir})"
             if main and not quiet:
                 print(f"{said}: training", file=sys.stderr)
-            summary = train(rcfg, rdir, resume=again, cache_dir=cache_dir, quiet=quiet,
-                            stop_after=left, method=PDMethod(teacher_net, n, teacher_steps))
+            summary = train(rcfg, rdir, resume=again, cache_dir=cache_dir, quiet=quiet, stop_after=left,
+                            method=PDMethod(teacher_net, n, teacher_steps), init=read.start if i == 0 else None)
             rounds[n] = rdir
             if left is not None:
                 left -= summary["end_step"] - summary["start_step"]
@@ -237,45 +256,43 @@ def distill_flow_map(teacher, out, steps: int = 1000, sample_steps: int = FLOW_M
                        "folder of its own, outside any run: choose another --out")
     _check_out(out, [teacher])
     device = _teacher_device()
-    teacher_net, record, origin = load_teacher(teacher, device=device, check=_memory_check(overrides, device, True))
+    read = read_teacher(teacher)
+    record, origin = read.record, read.origin
     if record.distillation is not None:
         raise ELFError(f"{teacher} is a distilled student ({record.distillation.objective}); a flow-map student is "
                        "distilled from an undistilled ELF model")
     if record.network.decoder == "separate":
         raise ELFError(f"{teacher} reads out with a separate decoder; a flow-map student is distilled from a model "
                        "whose one network denoises and decodes")
-    cfg = _base_config(record, origin, overrides)
+    cfg = _base_config(read, overrides)
     cfg = replace(cfg, model=cfg.model.replace(target_time=True), steps=steps, epochs=None, warmup_frac=warmup_frac,
                   ema_decay=ema_decay, init_from=origin.path,
                   distillation=Distillation("flow-map", sample_steps, None))
     if lr is not None:
         cfg = replace(cfg, lr=lr)
-    if cfg.length > teacher_net.config.max_length:
-        teacher_net = load_teacher(teacher, cfg.length, device)[0]
+    _check_memory(read, cfg, device, tangents=True)
+    teacher_net = read.network(cfg.length, device)
     if resume and (out / RUN_FILE).exists():
         cfg = kept_from(stored_config(out), cfg)
     train(cfg, out, resume=resume, overwrite=overwrite, cache_dir=cache_dir, quiet=quiet, stop_after=stop_after,
-          method=MapMethod(teacher_net), command="elflow distill --objective flow-map")
+          method=MapMethod(teacher_net), command="elflow distill --objective flow-map", init=read.start)
     return out
 
 
-def _memory_check(overrides: dict, device, tangents: bool):
-    """The check a distillation makes once its teacher's weights are read, before any network is built: the
-    teacher's network and its no-grad passes, and a student's training step (elflow.util.budget.elf_training;
-    `tangents` for a flow-map student), at the students' micro-batch and length, refused in one line when they
-    do not fit `device` (the space's encoder is counted once it is built, in elflow.train.set_up)."""
-    def check(record, origin) -> None:
-        cfg = _base_config(record, origin, overrides)
-        shape = record.network.replace(max_length=max(cfg.length, record.network.max_length))
-        micro = micro_batch_for(cfg, world_size())
-        recipe = cfg.flow_recipe()
-        flags = f"--batch {cfg.batch}" + (f" --micro-batch {micro}" if micro != cfg.batch else "")
-        check_fits(elf_training(shape, rows=micro, length=cfg.length, decode_share=recipe.decode_prob,
-                                self_cond_share=recipe.self_cond_prob, checkpointing=bool(cfg.grad_checkpoint),
-                                tangents=tangents, teacher=shape, teacher_weights=weights(elf_params(shape)),
-                                **precision(device, cfg.dtype), what=f"distilling {origin.path}",
-                                flags=f"{flags} --length {cfg.length}"), device)
-    return check
+def _check_memory(teacher: Teacher, cfg: TrainConfig, device, tangents: bool) -> None:
+    """Before any network is built: the teacher's network and its no-grad passes, and a student's training step
+    (elflow.util.budget.elf_training; `tangents` for a flow-map student), at the students' micro-batch and
+    length (`cfg`), refused in one line when they do not fit `device` (the space's encoder is counted once it is
+    built, in elflow.train.set_up)."""
+    shape = teacher.record.network.widened(cfg.length)
+    micro = micro_batch_for(cfg, world_size())
+    recipe = cfg.flow_recipe()
+    flags = f"--batch {cfg.batch}" + (f" --micro-batch {micro}" if micro != cfg.batch else "")
+    check_fits(elf_training(shape, rows=micro, length=cfg.length, decode_share=recipe.decode_prob,
+                            self_cond_share=recipe.self_cond_prob, checkpointing=bool(cfg.grad_checkpoint),
+                            tangents=tangents, teacher=shape, teacher_weights=weights(elf_params(shape)),
+                            **precision(device, cfg.dtype), what=f"distilling {teacher.origin.path}",
+                            flags=f"{flags} --length {cfg.length}"), device)
 
 
 def _process_group(timeout_minutes: float):

@@ -6,7 +6,7 @@
 A global batch of `cfg.batch` rows is cut into shards of `micro_batch` rows: rank r runs shards r*A .. r*A+A-1
 (A accumulation steps). Each shard draws its noise from generators seeded by (seed, step, shard), so a run's
 numbers depend on the global batch alone, and a resume needs no generator state to continue exactly. Rank 0
-decides about the run folder (elflow.runs.claim) and alone logs and saves.
+decides about the run folder (elflow.lifecycle.claim) and alone logs and saves.
 """
 
 from __future__ import annotations
@@ -27,11 +27,7 @@ from elflow.data.batches import Batches, Prefetch
 from elflow.data.corpus import calibration_for
 from elflow.data.datasets import check_recorded_store, check_same_store, run_data, store_record
 from elflow.flow import Recipe
-from elflow.methods import Method, TrainedPass, get_method
-from elflow.model import ShortRunOptions, get_config
-from elflow.optim import EMA, ELFOptimizer, check_optimizer_state
-from elflow.runs.checkpoint import load_checkpoint, save_checkpoint
-from elflow.runs.claim import (
+from elflow.lifecycle.claim import (
     RunFolder,
     absolute_paths,
     check_run_dir,
@@ -41,11 +37,15 @@ from elflow.runs.claim import (
     shared_folder_check,
     stored_files,
 )
+from elflow.lifecycle.stages import DECODER_STAGE, attach_decoder, decoder_stage
+from elflow.methods import Method, TrainedPass, get_method
+from elflow.model import ShortRunOptions, get_config
+from elflow.optim import EMA, ELFOptimizer, check_optimizer_state
+from elflow.runs.checkpoint import load_checkpoint, save_checkpoint
 from elflow.runs.folder import CHECKPOINTS, OPTIMIZER_STATE, RUN_FILE, STATE_FILE, checkpoint_dir, run_files
 from elflow.runs.load import check_init_compatible, checkpoint_record, load_init_weights
 from elflow.runs.log import RunLogger, describe_start, plot_losses, tracked_settings, trim_metrics
 from elflow.runs.record import ParamCounts, RunRecord, differences
-from elflow.runs.stages import DECODER_STAGE, attach_decoder, decoder_stage
 from elflow.runs.stored import checkpoint_state, write_run
 from elflow.runs.tracking import Tracker, require_wandb
 from elflow.schedule import lr_at
@@ -210,9 +210,11 @@ def set_up(cfg: TrainConfig, method: Method, rank: int, world: int, device, cach
     return setup
 
 
-def start_from(setup: Setup, path, quiet: bool = False) -> None:
-    """Load stored weights into a fresh run (`--init-from`): its EMA starts from them; the optimiser is new."""
-    record, init_sd, origin = load_init_weights(path, warn=lambda m: setup.rank == 0 and print(m, file=sys.stderr))
+def start_from(setup: Setup, path, quiet: bool = False, read: tuple | None = None) -> None:
+    """Load stored weights into a fresh run (`--init-from`): its EMA starts from them; the optimiser is new.
+    `read`: (record, weights, origin) of `path` as the caller has read them already (a distillation's teacher),
+    so that they are not read again."""
+    record, init_sd, origin = read or load_init_weights(path, warn=lambda m: setup.rank == 0 and print(m, file=sys.stderr))
     check_init_compatible(path, record, setup.net, setup.space)
     new = set(setup.net.state_dict()) - set(init_sd)
     if new and all(k.startswith("target_embed.") for k in new):  # a flow map from its teacher: the new input stays 0
@@ -453,11 +455,13 @@ class LogWindow:
 
 def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwrite: bool = False,
           cache_dir=None, quiet: bool = False, stop_after: int | None = None, device: str | None = None,
-          command: str = "elflow train", method: Method | None = None, time_limit: float | None = None) -> dict:
+          command: str = "elflow train", method: Method | None = None, time_limit: float | None = None,
+          init: tuple | None = None) -> dict:
     """Train; returns a summary dict (rank 0). `stop_after` ends the process's work after that many steps
     of this invocation (for tests and time-boxed runs) while keeping the schedule of `cfg.steps`;
     `time_limit` (seconds) ends it after the first step past it (a wall-clock budget). `method` trains with
-    another method object than the config's (a distillation round's elflow.methods.pd.PDMethod).
+    another method object than the config's (a distillation round's elflow.methods.pd.PDMethod); `init` the
+weights `cfg.init_from` names, already read (`start_from`).
 
     Everything is checked before the run folder changes; --overwrite sets the old run aside and drops it
     only once the new run's first checkpoint is written (it comes back if the new run fails before). A
@@ -494,12 +498,12 @@ def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwr
                     if stop_after <= 0:
                         return stage
         return train_one(cfg, out, method, resume, overwrite, cache_dir, quiet, stop_after, device, command,
-                         time_limit, decoder_from=decoder_from)
+                         time_limit, decoder_from=decoder_from, init=init)
 
 
 def train_one(cfg: TrainConfig, out: Path, method: Method, resume: bool, overwrite: bool, cache_dir, quiet: bool,
               stop_after: int | None, device: str | None, command: str, time_limit: float | None,
-              decoder_from: Path | None = None, stage_of: TrainConfig | None = None) -> dict:
+              decoder_from: Path | None = None, stage_of: TrainConfig | None = None, init: tuple | None = None) -> dict:
     """One run in one folder (`train`'s body for each stage). `stage_of`: the settings of the run whose first
     stage this is, stored with the stage (what --resume reads while the run is in that stage)."""
     owns_group = not dist.is_initialized()
@@ -521,13 +525,13 @@ def train_one(cfg: TrainConfig, out: Path, method: Method, resume: bool, overwri
                   f"{lr_at(cfg.steps - 1, cfg.lr, cfg.warmup, schedule=cfg.lr_schedule):.3g}, never reaching {cfg.lr:.3g}", file=sys.stderr)
         setup = set_up(cfg, method, rank, world, dev, cache_dir, decoder_from)
         if not resume and cfg.init_from:  # read before a replaced run is set aside (it may be the one in --out)
-            start_from(setup, cfg.init_from, quiet)
+            start_from(setup, cfg.init_from, quiet, init)
         if overwrite and (out / RUN_FILE).exists():
             on_rank0(folder.set_aside, rank, world)
         ckpt = out / CHECKPOINTS / claim["checkpoint"] if claim["checkpoint"] else None
         start = restore(setup, ckpt, claim["state"], quiet)
         if resume and start == 0 and cfg.init_from:
-            start_from(setup, cfg.init_from, quiet)
+            start_from(setup, cfg.init_from, quiet, init)
         if resume and rank == 0:
             trim_metrics(out, start)
         if rank == 0 and not quiet:

@@ -187,7 +187,7 @@ def test_a_separate_decoder_trains_in_two_stages_and_is_one_model(base_args, tmp
     b = load_file(part / "checkpoints" / "step_0000004" / "ema.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # the same decoder, the same run
 
-    from elflow.runs.claim import stored_config
+    from elflow.lifecycle.claim import stored_config
     from elflow.train import train
 
     stopped = tmp_path / "stopped"  # stopped inside the first stage, resumed from the command line

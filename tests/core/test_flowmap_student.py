@@ -158,3 +158,33 @@ def test_pd_flags_are_refused_and_a_resume_names_the_setting_it_would_change(tea
         code = distil(teacher_run, out, "--steps", "6", flag, value, "--resume")
         assert_one_error(code, capsys.readouterr().err, "distill", "holds a different run", named)
     assert tree_state(out) == before
+
+
+def test_a_teacher_still_training_is_read_once_so_a_pruned_checkpoint_does_not_matter(teacher_run, tmp_path,
+                                                                                        monkeypatch):
+    """A distillation reads its teacher once: a teacher run that is still training may prune (--keep) the very
+    checkpoint that was read before the students start; both objectives go on from the weights read, and the
+    student is the one a distillation of the untouched teacher makes, bit for bit."""
+    import elflow.distill as distill_module
+
+    real = distill_module.read_teacher
+
+    def read_then_prune(path):
+        read = real(path)
+        shutil.rmtree(read.origin.path)  # what --keep of the training run does meanwhile
+        return read
+
+    kw = dict(cache_dir=teacher_run[1], quiet=True, ckpt_every=1)
+    untouched = distill_module.distill(teacher_run[0], tmp_path / "pd0", student_steps=(1,), teacher_steps=2,
+                                       steps_per_round=1, **kw)[1]
+    monkeypatch.setattr(distill_module, "read_teacher", read_then_prune)
+    for objective in ("flow-map", "pd"):
+        teacher = tmp_path / f"teacher-{objective}"
+        shutil.copytree(teacher_run[0], teacher)
+        if objective == "flow-map":
+            distill_module.distill_flow_map(teacher, tmp_path / "fm", steps=1, **kw)
+            continue
+        pruned = distill_module.distill(teacher, tmp_path / "pd", student_steps=(1,), teacher_steps=2,
+                                        steps_per_round=1, **kw)[1]
+        for a, b in zip(checkpoint_weights(untouched, 1), checkpoint_weights(pruned, 1)):
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -487,7 +487,7 @@ def test_gaussian_skip_run_carries_the_training_moments(tmp_path, tiny_t5_dir, t
     assert lrs[2] == max(lrs) and all(a > b for a, b in zip(lrs[2:], lrs[3:]))
     assert lrs[-1] == pytest.approx(lrs[2] * (1 + math.cos(math.pi * 3 / 4)) / 2)
     # stopped after step 3 and resumed: the same weights as the uninterrupted run
-    from elflow.runs.claim import stored_config
+    from elflow.lifecycle.claim import stored_config
 
     cfg = stored_config(run)  # the run's settings: its record's and those beside it
     part = tmp_path / "part"

@@ -1,6 +1,6 @@
 """The package's layers: each module imports only from layers below its own, so there is no import cycle and
-the tree reads bottom up (util -> network and method -> space and data -> methods -> runs -> train -> eval ->
-experiments -> cli). The network imports nothing of elflow but the error type; loading a model and generating
+the tree reads bottom up (util -> network and method -> space and data -> methods -> runs (a run's files) ->
+config -> lifecycle (what a run does with them) -> train -> eval -> experiments -> cli). The network imports nothing of elflow but the error type; loading a model and generating
 from it import neither the trainer nor its batches; argparse lives in elflow.cli alone."""
 
 import ast
@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "src" / "elflow"
 # bottom to top; a module may import from strictly lower layers only. Modules are named by their path in the
 # package ("runs.load"); a package's __init__ by the package's name ("methods").
 LAYERS = [
-    ["util.errors", "util", "data", "runs", "eval", "experiments"],  # (the packages' docstrings)
+    ["util.errors", "util", "data", "runs", "lifecycle", "eval", "experiments"],  # (the packages' docstrings)
     ["util.jsonio"],
     ["util.files", "util.devices", "util.distributed", "util.hub"],
     ["util.budget"],
@@ -29,14 +29,15 @@ LAYERS = [
     ["methods.ar", "methods.mdlm", "methods.pd", "methods.lmd"],
     ["methods"],
     ["runs.record"],
-    ["config", "runs.migrate"],
+    ["runs.migrate"],
     ["runs.checkpoint"],
     ["runs.released", "runs.model_folder", "runs.log"],
     ["runs.stored"],
     ["runs.load"],
-    ["runs.stages", "runs.push"],
-    ["runs.claim"],
-    ["train", "runs.outputs"],
+    ["config", "lifecycle.outputs"],
+    ["lifecycle.stages", "lifecycle.push"],
+    ["lifecycle.claim"],
+    ["train"],
     ["distill", "eval.gpt2_tokenizer", "eval.metrics", "eval.diagnostics"],
     ["eval.mauve"],
     ["eval.judge"],
@@ -226,23 +227,23 @@ assert main(["sample", {str(run)!r}, "--num", "2", "--steps", "2", "--quiet", "-
 
 
 TRAINING_CODE = {"elflow.config", "elflow.train", "elflow.optim", "elflow.schedule", "elflow.newton_schulz",
-                 "elflow.runs.claim", "elflow.distill", "elflow.data.batches"}
+                 "elflow.lifecycle.claim", "elflow.distill", "elflow.data.batches"}
 
 
 def test_the_sample_command_imports_no_training_code():
     """`elflow sample RUN` reads a stored model: the training config, the trainer, the optimiser, its schedule
-    and the run folder's lifecycle (runs.claim) are never imported, whatever the command's helpers import."""
+    and the run folder's lifecycle (lifecycle.claim) are never imported, whatever the command's helpers import."""
     modules = loaded_modules("import elflow.cli.sample")
     assert "elflow.runs.load" in modules and "elflow.generate" in modules
     assert not modules & TRAINING_CODE, sorted(modules & TRAINING_CODE)
 
 
 def test_every_output_path_is_checked_by_the_one_output_check():
-    """Outside runs.outputs, util.files.check_output is called only where the path is a run's own folder (train,
-    whose folder rules are runs.claim's; a flow-map student's run in distill, refused inside any other run) or is
+    """Outside lifecycle.outputs, util.files.check_output is called only where the path is a run's own folder (train,
+    whose folder rules are lifecycle.claim's; a flow-map student's run in distill, refused inside any other run) or is
     checked again (push's library call, after the command's
     check_out): every other command's outputs get the run rule with the file rule."""
     callers = {name for name, src in package_sources().items()
                if any(isinstance(n, ast.Call) and getattr(n.func, "id", getattr(n.func, "attr", None)) == "check_output"
                       for n in ast.walk(ast.parse(src)))}
-    assert callers <= {"util.files", "runs.outputs", "cli.train", "runs.claim", "runs.push", "distill"}, callers
+    assert callers <= {"util.files", "lifecycle.outputs", "cli.train", "lifecycle.claim", "lifecycle.push", "distill"}, callers

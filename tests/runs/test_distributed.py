@@ -13,7 +13,7 @@ import torch
 from helpers import checkpoint_weights, free_port, tiny_config
 
 from elflow.cli import main
-from elflow.runs.claim import micro_batch_for
+from elflow.lifecycle.claim import micro_batch_for
 from elflow.util.errors import ELFError
 
 pytestmark = pytest.mark.slow  # multi-process / learning runs: `python -m pytest -m slow`

@@ -27,7 +27,7 @@ def pushed(tmp_path_factory, tiny_t5_dir, tiny_corpus_file):
 
 @pytest.mark.slow
 def test_a_space_on_a_local_encoder_folder_is_named_in_a_warning(pushed, tiny_t5_dir, capsys):
-    from elflow.runs.push import local_encoders
+    from elflow.lifecycle.push import local_encoders
 
     spec = json.loads((pushed[1] / "config.json").read_text())["record"]["space"]
     assert local_encoders(spec) == [str(tiny_t5_dir)]
@@ -76,7 +76,7 @@ def test_the_card_names_the_runs_settings(pushed):
 def test_the_cards_install_line_and_imports_work(pushed):
     """No elflow package is on PyPI: the card installs it from its source (the repository recorded in the
     package's metadata, else a checkout), links no package index, and its Python imports run."""
-    from elflow.runs.push import install_lines, source_url
+    from elflow.lifecycle.push import install_lines, source_url
 
     card = (pushed[1] / "README.md").read_text()
     assert "pypi.org" not in card and not any(line.startswith("pip install elflow") for line in card.splitlines())
@@ -163,7 +163,7 @@ def test_a_dry_run_folder_appears_whole_or_not_at_all(pushed, tmp_path, monkeypa
     """The model folder is built under a temporary name and renamed into place with its card: while it is
     built nothing stands at --out (a kill there leaves no folder that loads as a whole model without its
     card), and a failure leaves nothing at all."""
-    from elflow.runs import push as push_module
+    from elflow.lifecycle import push as push_module
 
     run, _ = pushed
     out = tmp_path / "folder"

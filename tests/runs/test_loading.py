@@ -64,7 +64,7 @@ def test_a_run_loads_reading_each_file_it_uses_once(trained):
     assert reads_in(seen, trained) == {"run.json": 1}  # the record, once
     older = [p for p in seen["opened"] if "step_0000003" in p]
     assert not older, f"an older checkpoint was read: {older}"
-    training = {"elflow.optim", "elflow.train", "elflow.config", "elflow.schedule", "elflow.runs.claim"}
+    training = {"elflow.optim", "elflow.train", "elflow.config", "elflow.schedule", "elflow.lifecycle.claim"}
     assert not training & set(seen["modules"]), training & set(seen["modules"])  # no training code, nor its spec
 
 

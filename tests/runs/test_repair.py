@@ -188,7 +188,7 @@ def test_an_unwritable_checkpoints_folder_is_found_before_training(capsys, run_c
 def test_run_json_kept_before_a_resume_comes_back_only_when_no_later_checkpoint_landed(tmp_path):
     """What a resume leaves when killed: before its first checkpoint the earlier run.json comes back; once a
     checkpoint past the one it resumed from has landed, the resume's own run.json stands."""
-    from elflow.runs.claim import keep_earlier_run, recover_earlier_run
+    from elflow.lifecycle.claim import keep_earlier_run, recover_earlier_run
 
     run = tmp_path / "run"
     (run / "checkpoints" / "step_0000002").mkdir(parents=True)

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from elflow.cli.common import check_counts
+from elflow.lifecycle.outputs import check_out
 from elflow.runs.load import convert_released
-from elflow.runs.outputs import check_out
 from elflow.util.budget import LENGTH_BOUND
 
 

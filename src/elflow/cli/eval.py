@@ -30,10 +30,10 @@ from elflow.eval.metrics import (
 )
 from elflow.eval.scoring import heldout_texts, judged_heldout, read_real_texts, sample_and_score
 from elflow.generate import check_sampled, write_samples
+from elflow.lifecycle.outputs import Outputs, check_out, default_folder, own_run
 from elflow.methods import get_method, settings_from_args
 from elflow.runs.folder import REPORT_FILE
 from elflow.runs.load import load_for_sampling
-from elflow.runs.outputs import Outputs, check_out, default_folder, own_run
 from elflow.runs.tracking import Tracker, require_wandb
 from elflow.util import jsonio
 from elflow.util.budget import LENGTH_BOUND, SAMPLES_BOUND, check_seeds

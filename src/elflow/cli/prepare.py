@@ -5,7 +5,7 @@ from __future__ import annotations
 from elflow.data.ingest import prepare_store
 from elflow.data.layout import LAYOUTS, PACKED
 from elflow.data.workers import check_workers
-from elflow.runs.outputs import check_out
+from elflow.lifecycle.outputs import check_out
 from elflow.space import build_space, space_spec, tokenizer_spec
 from elflow.util.errors import ELFError
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import sys
 
-from elflow.runs.outputs import check_out
-from elflow.runs.push import CARD_SAMPLES, push
+from elflow.lifecycle.outputs import check_out
+from elflow.lifecycle.push import CARD_SAMPLES, push
 from elflow.util.budget import check_count
 from elflow.util.devices import check_device
 

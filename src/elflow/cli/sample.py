@@ -9,9 +9,9 @@ from elflow.cli.common import add_sampling_arguments, check_samples_out, check_s
 from elflow.data.corpus import read_sources
 from elflow.experiments.viewer import trajectory_document, write_page
 from elflow.generate import check_sampled, gather_records, write_samples
+from elflow.lifecycle.outputs import Outputs
 from elflow.methods import get_method, require, settings_from_args
 from elflow.runs.load import load_for_sampling
-from elflow.runs.outputs import Outputs
 from elflow.util.devices import check_device
 from elflow.util.distributed import DIST_TIMEOUT_HELP, DIST_TIMEOUT_MINUTES, check_dist_timeout, process_group
 from elflow.util.errors import ELFError

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from elflow.experiments.schedules import EXPECTED, check_schedules, plot_schedules, schedule_statistics
-from elflow.runs.outputs import check_out
+from elflow.lifecycle.outputs import check_out
 from elflow.util.errors import ELFError
 
 

@@ -12,10 +12,10 @@ from elflow.eval.metrics import PROTOCOL_ALIASES, PROTOCOLS
 from elflow.eval.scoring import heldout_texts, read_real_texts
 from elflow.experiments.sweep import _FLOAT, COLUMNS, plot_sweep, read_csv, run_sweep
 from elflow.flow import DEFAULT_GRID, GRIDS, SAMPLERS, SAMPLING_RANGES
+from elflow.lifecycle.outputs import check_out, default_folder, own_run
 from elflow.methods import get_method
 from elflow.methods.baseline import KNOB_RANGES
 from elflow.runs.load import method_of
-from elflow.runs.outputs import check_out, default_folder, own_run
 from elflow.runs.tracking import Tracker, require_wandb
 from elflow.util.budget import check_sweep
 from elflow.util.devices import AUTOCAST_DTYPES, check_device

@@ -9,7 +9,7 @@ from elflow.experiments import toy_distill
 from elflow.experiments.toy import grid_mixture, plot_toy, ring_mixture, run_toy
 from elflow.experiments.toy_distill import TABLE_STEPS, distillation_table, energy_floor, energy_rows
 from elflow.flow import SAMPLERS, SAMPLING_RANGES
-from elflow.runs.outputs import check_out
+from elflow.lifecycle.outputs import check_out
 from elflow.util.errors import ELFError
 from elflow.util.files import check_stdout_open, print_result
 

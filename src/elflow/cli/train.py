@@ -11,7 +11,7 @@ import torch
 
 from elflow.cli.train_flags import add_config_arguments, given_config, with_default
 from elflow.config import RUN_DEFAULTS, TrainConfig, mutable_flags, resume_conflicts
-from elflow.runs.claim import absolute_paths, relocated, stored_config
+from elflow.lifecycle.claim import absolute_paths, relocated, stored_config
 from elflow.train import train
 from elflow.util.devices import check_device
 from elflow.util.distributed import on_rank0, process_group, torchrun_env

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from elflow.experiments.encoder_train import check_encoder_training, train_encoder
-from elflow.runs.outputs import check_out
+from elflow.lifecycle.outputs import check_out
 from elflow.util.devices import check_device
 from elflow.util.errors import ELFError
 from elflow.util.files import FolderHold

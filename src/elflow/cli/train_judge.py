@@ -7,7 +7,7 @@ import math
 
 from elflow.data.corpus import check_documents
 from elflow.eval.judge import NOT_GPT2_NOTE, JudgeConfig, check_judge_training, train_judge
-from elflow.runs.outputs import check_out
+from elflow.lifecycle.outputs import check_out
 from elflow.util.devices import check_device
 from elflow.util.errors import ELFError
 from elflow.util.files import FolderHold

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 from elflow.experiments.viewer import read_trajectory, write_page
-from elflow.runs.outputs import check_out
+from elflow.lifecycle.outputs import check_out
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -18,9 +18,9 @@ from elflow.eval.mauve import MIN_TEXTS, mauve_against
 from elflow.eval.scoring import sample_and_score
 from elflow.experiments.compare import cached_judge, judge_texts, row_documents
 from elflow.experiments.encoder_train import train_encoder
+from elflow.lifecycle.outputs import check_out
 from elflow.methods import get_method
 from elflow.runs.load import load_for_sampling
-from elflow.runs.outputs import check_out
 from elflow.space import build_space, space_spec, tokenizer_spec
 from elflow.train import train
 from elflow.util import jsonio

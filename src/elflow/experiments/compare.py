@@ -19,11 +19,11 @@ from elflow.eval.mauve import MIN_TEXTS, mauve_against
 from elflow.eval.metrics import generative_perplexity
 from elflow.eval.scoring import sample_and_score
 from elflow.experiments.figures import plot_tradeoff
+from elflow.lifecycle.outputs import check_out
 from elflow.methods import METHOD_NAMES, get_method
 from elflow.runs.folder import METRICS_FILE
 from elflow.runs.load import load_for_sampling, read_record
 from elflow.runs.log import read_metrics
-from elflow.runs.outputs import check_out
 from elflow.runs.record import SamplingDefaults
 from elflow.space import build_space, space_spec, tokenizer_spec
 from elflow.train import train

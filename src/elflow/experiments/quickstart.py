@@ -18,10 +18,10 @@ from elflow.eval.metrics import bleu
 from elflow.eval.scoring import sample_and_score
 from elflow.flow import distilled_defaults
 from elflow.generate import generate, settings_for
+from elflow.lifecycle.claim import check_run_dir, stored_config
 from elflow.methods import get_method
 from elflow.model import ShortRunOptions
 from elflow.runs.checkpoint import latest_checkpoint, read_state
-from elflow.runs.claim import check_run_dir, stored_config
 from elflow.runs.folder import REPORT_FILE, RUN_FILE, SAMPLES_FILE
 from elflow.runs.load import load_for_sampling
 from elflow.runs.log import plot_losses

@@ -1,5 +1,5 @@
 """The names of the files and folders a run, a checkpoint and a model folder hold: the one place they are
-spelled. What may be done with a run folder is elflow.runs.claim's; how a checkpoint is written and read,
+spelled. What may be done with a run folder is elflow.lifecycle.claim's; how a checkpoint is written and read,
 elflow.runs.checkpoint's.
 
     RUN/run.json                      the run's record (elflow.runs.record) and how it runs

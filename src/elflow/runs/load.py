@@ -170,6 +170,7 @@ class Origin:
     step: int | None = None
     ema: bool = True
     record_file: str | None = None  # the file its record was read from (None: a released model's weights)
+    data_store: dict | None = None  # a checkpoint's: the token store it was trained on, as its state.json says
 
 
 @dataclass(frozen=True)
@@ -242,7 +243,8 @@ def _read_checkpoint(found, use_ema: bool, weights: bool) -> StoredModel:
             if described is None and "record" not in state:
                 described = run_record_of(ckpt)
             record = checkpoint_record(ckpt, state, described)
-            origin = Origin(str(ckpt), found.kind, state.get("step"), use_ema, str(record_file(ckpt, state)))
+            origin = Origin(str(ckpt), found.kind, state.get("step"), use_ema, str(record_file(ckpt, state)),
+                            state.get("data_store"))
             if not weights:
                 return StoredModel(record, None, {}, origin)
             # a learned table's parameters: space.safetensors, or inside model.safetensors (the other layout)

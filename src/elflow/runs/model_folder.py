@@ -4,7 +4,7 @@
     config.json          {"format", "record" (the model's RunRecord), "train" (the training settings of its run
                          beside the record, as its run.json stores them; null where it had none), "step", "files":
                          the sha256 and size of each weight file}
-    README.md            the model card (elflow.runs.push)
+    README.md            the model card (elflow.lifecycle.push)
 
 Folders of the earlier layout (MODEL_FORMAT_1: config.json with the network config, recipe.json, space.json,
 sampling.json) are read too: their files are merged into one document of version 1, which elflow.runs.migrate

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from elflow.config import TrainConfig, mutable_flags, resume_conflicts
 from elflow.data.corpus import BUILTIN_NAMES
+from elflow.lifecycle.stages import in_first_stage
 from elflow.runs.checkpoint import (
     foreign_in_checkpoints,
     holds_set_aside,
@@ -43,7 +44,6 @@ from elflow.runs.folder import (
 )
 from elflow.runs.load import checkpoint_record
 from elflow.runs.record import differences
-from elflow.runs.stages import in_first_stage
 from elflow.runs.stored import run_file
 from elflow.runs.tracking import ID_FILE
 from elflow.space import TABLE_KINDS
