@@ -13,7 +13,7 @@ from typing import NamedTuple
 from elflow.data.layout import LAYOUTS, PACKED, SOURCE_SLOTS
 from elflow.data.tasks import PAIR_TASKS
 from elflow.flow import RECIPE_RANGES, SAMPLERS, SAMPLING_DEFAULTS, SAMPLING_RANGES, Recipe, recipe_for
-from elflow.methods import METHOD_NAMES, check_run
+from elflow.methods import METHOD_NAMES, check_run, get_method
 from elflow.methods.baseline import MATCHES
 from elflow.model import (
     CONDITIONINGS,
@@ -21,12 +21,13 @@ from elflow.model import (
     PREDICTIONS,
     PRESETS,
     SKIPS,
+    ELFConfig,
     NetworkOverrides,
     ShortRunOptions,
     options_of,
 )
 from elflow.newton_schulz import NS_METHODS
-from elflow.runs.record import Distillation, RunRecord, SamplingDefaults, Task, held_settings, restated
+from elflow.runs.record import Distillation, ParamCounts, RunRecord, SamplingDefaults, Task
 from elflow.schedule import (
     ADAMW_BLR,
     EMA_DECAY,
@@ -145,10 +146,42 @@ def _size_help(key: str, show=str) -> str:
     return ", ".join(own) + f", {show(PAPER_SIZE_DEFAULTS[key])} otherwise"
 
 
+# the settings of TrainConfig a run's record holds, whatever its method: its method and how a baseline was sized,
+# its length and task, its flow recipe, its distillation and its sampling defaults (`record_settings`)
+HELD_SETTINGS = ("method", "match", "length", "task", "recipe", "distillation", "sampling")
+# and those an ELF network's record holds besides (a baseline's record holds its own network, not the ELF
+# network it is sized against, whose settings stay with its training settings)
+ELF_NETWORK_SETTINGS = ("predict", "conditioning", "bottleneck", "decoder", "model", "short_run")
+
+
+def held_settings(method: str) -> tuple[str, ...]:
+    """The settings the record of a model of `method` holds."""
+    return HELD_SETTINGS + (ELF_NETWORK_SETTINGS if get_method(method).config_type is ELFConfig else ())
+
+
+def record_settings(record: RunRecord) -> dict:
+    """The settings `record` holds (`held_settings`), as TrainConfig names and stores them: a run's settings
+    are these and the ones stored beside its record. The network settings are the network's own fields (the
+    preset's and the ones given alike); the sampling defaults those of the record's sampling that a run may set
+    (SamplingDefaults)."""
+    sampling = record.sampling.to_dict()
+    out = {"method": record.method, "match": record.params.match if record.params else ParamCounts.match,
+           "length": record.length, "task": record.task.to_dict() if record.task else None,
+           "recipe": record.recipe.to_dict(),
+           "distillation": record.distillation.to_dict() if record.distillation else None,
+           "sampling": {f.name: sampling.get(f.name) for f in fields(SamplingDefaults)}}
+    if isinstance(record.network, ELFConfig):
+        net = record.network.to_dict()
+        out.update({k: net[k] for k in ELF_NETWORK_SETTINGS if k in net},
+                   model={f.name: net.get(f.name) for f in fields(NetworkOverrides)},
+                   short_run=record.options.to_dict())
+    return out
+
+
 @dataclass
 class TrainConfig(Record):
     """Everything a run is given (its flags): the settings that describe the model, which its record holds once
-    it is made (elflow.runs.record.RunRecord.settings), and how it trains, which run.json stores beside the
+    it is made (`record_settings`), and how it trains, which run.json stores beside the
     record (`beside`; `of_run` reads the two back into one TrainConfig).
 
     `None` means "the preset's default" and is filled in by `resolved()`."""
@@ -351,17 +384,17 @@ class TrainConfig(Record):
     @classmethod
     def of_run(cls, record: RunRecord, train, where) -> "TrainConfig":
         """A run's training settings from what its run.json (or model folder) stores: its record, which holds
-        the settings that describe the model (RunRecord.settings), and the settings stored beside it (`beside`),
+        the settings that describe the model (`record_settings`), and the settings stored beside it (`beside`),
         each read from the one place it is stored. ELFError naming `where` for settings beside the record that
         restate one it holds, or that are missing, unknown or out of range (`stored`)."""
         if not isinstance(train, dict):
             raise ELFError(f"{where}: its training settings must be a JSON object, got {type(train).__name__}")
-        twice = restated(record.method, train)
+        twice = [k for k in held_settings(record.method) if k in train]
         if twice:
             raise ELFError(f"{where}: its training settings hold {', '.join(map(repr, twice[:3]))}, which its "
                            "record holds; a run.json of this version stores each once (restore the file as elflow "
                            "wrote it)")
-        return cls.stored({**train, **record.settings()}, where)
+        return cls.stored({**train, **record_settings(record)}, where)
 
     def beside(self, record: RunRecord) -> dict:
         """The settings run.json stores beside `record` (the run's, made from these settings): those the record

@@ -6,9 +6,10 @@ from pathlib import Path
 
 import pytest
 
+from elflow.config import held_settings, record_settings
 from elflow.runs import migrate
 from elflow.runs.migrate import RECORD_VERSION, document
-from elflow.runs.record import RunRecord, held_settings
+from elflow.runs.record import RunRecord
 from elflow.util.errors import ELFError
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
@@ -97,7 +98,7 @@ def test_version_5_settings_that_restate_the_record_say_what_it_holds_or_leave_i
     for run in runs:
         v5 = up_to(json.loads((run / "run.json").read_text()), 5)
         record = RunRecord.from_dict({**v5["record"], "version": RECORD_VERSION})
-        held = record.settings()
+        held = record_settings(record)
         assert set(held) == set(held_settings(record.method))
         copies = migrate.train_7_to_8(v5["train"])  # the flat task and sampling settings as the parts they became
         for k in held:
@@ -116,6 +117,20 @@ def test_a_version_1_run_file_becomes_a_record_with_its_settings_beside_it():
     assert new["train"]["update_rule"] == {"fan": "torch-fan", "released": "torch-head-transposed"}[
         old["train"]["muon_scale"]] and new["train"]["lr_schedule"] == "one-ahead"
     assert "muon_scale" not in new["train"] and new["world_size"] == old["world_size"]
+
+
+def test_the_run_s_checkpointing_a_version_1_network_held_goes_in_the_chain_and_today_s_record_refuses_it():
+    """Version 1 stored --grad-checkpoint (a setting of the run) among the network's fields: the step to version 2
+    drops it there; a record of today's layout whose network holds it was not written by elflow."""
+    old = stored(LEGACY, "elf")
+    old["model"] = {**old["model"], "grad_checkpoint": True}
+    record = RunRecord.from_dict(document(old, "run.json")["record"])
+    plain = RunRecord.from_dict(document(stored(LEGACY, "elf"), "run.json")["record"])
+    assert record.network.to_dict() == plain.network.to_dict()
+    today = record.to_dict()
+    today["network"]["grad_checkpoint"] = True
+    with pytest.raises(ELFError, match="field 'network'.*grad_checkpoint"):
+        RunRecord.from_dict(today, "run.json")
 
 
 def test_a_version_1_model_folder_and_a_converted_checkpoint_read_as_records():

@@ -112,11 +112,6 @@ class ELFMethod(Method):
     config_type = ELFConfig
     sampling_type = SamplingSettings
 
-    def network_config(self, d):
-        if not isinstance(d, dict):
-            raise ValueError(f"expected a JSON object, got {type(d).__name__}")
-        return ELFConfig.from_dict({k: v for k, v in d.items() if k not in RUN_ONLY})
-
     def network_of(self, net):
         return net.config, net.options
 
@@ -229,8 +224,6 @@ METHOD = ELFMethod()
 
 # ----------------------------------------------------------------------------------------------------------
 # the network's size
-RUN_ONLY = ("grad_checkpoint",)  # a setting of the run that earlier elflows stored with the network config
-
 
 def network_bytes(config: ELFConfig, options: ShortRunOptions | None = None) -> int:
     """The fp32 bytes of the weights and buffers of a network, counted without memory: one block is built on

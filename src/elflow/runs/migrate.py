@@ -39,8 +39,8 @@ from dataclasses import fields
 from elflow.data.layout import PACKED
 from elflow.flow import recipe_for
 from elflow.methods import get_method
-from elflow.model import NetworkOverrides, ShortRunOptions
-from elflow.runs.record import RECORD_VERSION, Distillation, ParamCounts, RunRecord, Task, held_settings
+from elflow.model import ELFConfig, NetworkOverrides, ShortRunOptions
+from elflow.runs.record import RECORD_VERSION, Distillation, ParamCounts, RunRecord, Task
 from elflow.space import SpaceSpec, drawn_table
 from elflow.util.errors import ELFError
 
@@ -93,6 +93,7 @@ def _own_version(doc: dict, where: str) -> int:
 LEGACY_MUON_SCALES = {"fan": "torch-fan", "released": "torch-head-transposed"}
 SHORT_RUN_FIELDS = tuple(f.name for f in fields(ShortRunOptions))
 ROUND_RECORD = ("distilled_steps", "teacher_steps", "sampling")
+RUN_ONLY = ("grad_checkpoint",)  # a setting of the run that version 1 stored with the network ("model")
 
 
 def train_1_to_2(train):
@@ -133,7 +134,7 @@ def space_1_to_2(space: dict) -> dict:
 
 def _1_to_2(doc: dict, where: str) -> dict:
     """Version 1 -> 2: the record, built from the parts stored at the top level; the network's short-run
-    options under "short_run", a drawn table's space with its stream (1), "data_store" None where it was not
+    options under "short_run" and without the run's activation checkpointing (`RUN_ONLY`), a drawn table's space with its stream (1), "data_store" None where it was not
     recorded (a resume then compares nothing)."""
     for key in ("train", "model", "space", "settings", "short_run"):
         if key in doc and doc[key] is not None and not isinstance(doc[key], dict):
@@ -157,7 +158,7 @@ def _1_to_2(doc: dict, where: str) -> dict:
 
 def _record_1(doc: dict) -> tuple[RunRecord, dict | None]:
     method = get_method(doc.get("method", "elf"))
-    model = dict(doc["model"])
+    model = {k: v for k, v in doc["model"].items() if k not in RUN_ONLY}
     options = {k: model.pop(k) for k in SHORT_RUN_FIELDS if k in model}
     options = {**options, **(doc.get("short_run") or {})}
     space = space_1_to_2(doc["space"])
@@ -273,19 +274,25 @@ def _4_to_5(doc: dict, where: str) -> dict:
     return out
 
 
+# the training settings a record of version 6 holds (of every method; and an ELF network's besides)
+HELD_IN_6 = ("method", "match", "length", "task", "recipe", "distillation", "sampling")
+ELF_HELD_IN_6 = ("predict", "conditioning", "bottleneck", "decoder", "model", "short_run")
+
+
 def _5_to_6(doc: dict, where: str) -> dict:
     """From version 6 the training settings beside the record hold only what the record does not: version 5's
-    copies of the settings the record holds (`held_settings`: the length, the task, the recipe, an ELF
-    network's settings, ...) go, and the record's values stand for them. Where the two said different things
+    copies of the settings the record holds (HELD_IN_6: the length, the task, the recipe, an ELF network's
+    settings, ...) go, and the record's values stand for them. Where the two said different things
     (a --decoder separate run's recipe, which the record holds as trained: decode_prob 0), the record's is the
     one the model was trained with. A first stage's settings of the whole run ("stage_of") stay whole."""
     out = {**doc, "record": {**doc["record"], "version": 6}}
     train = doc.get("train")
     if isinstance(train, dict):
         try:
-            held = (*held_settings(doc["record"].get("method")), *FLAT_TASK, *FLAT_SAMPLING)
+            elf = get_method(doc["record"].get("method")).config_type is ELFConfig
         except (ELFError, TypeError):  # no method it knows: the record's reader names the field
             return out
+        held = (*HELD_IN_6, *(ELF_HELD_IN_6 if elf else ()), *FLAT_TASK, *FLAT_SAMPLING)
         out["train"] = {k: v for k, v in train.items() if k not in held}
     return out
 

@@ -12,10 +12,6 @@ about how it was trained (the training settings are elflow.config.TrainConfig, s
     distillation  None, or how a student was distilled (`Distillation`)
     params        None (a released model), or its parameter counts (`ParamCounts`)
 
-A record also answers the training settings it holds (`RunRecord.settings`, named as elflow.config.TrainConfig
-names them: HELD_SETTINGS, and ELF_NETWORK_SETTINGS for an ELF network): run.json stores those once, here, and
-the training settings beside the record hold the rest (TrainConfig.beside / TrainConfig.of_run).
-
 This module holds the types alone. The files that store a record (run.json, a model folder's config.json; a
 checkpoint's state.json names it by its digest, `RunRecord.digest`) are read by elflow.runs.load, after
 elflow.runs.migrate has turned an earlier layout into today's; `RunRecord.from_dict` reads today's layout
@@ -34,7 +30,7 @@ from elflow.flow import SAMPLERS, SAMPLING_RANGES, Recipe, SamplingSettings
 from elflow.methods import get_method
 from elflow.methods.baseline import MATCHES, BaselineSampling
 from elflow.methods.token_net import TokenLMConfig
-from elflow.model import ELFConfig, NetworkOverrides, ShortRunOptions
+from elflow.model import ELFConfig, ShortRunOptions
 from elflow.space import SpaceSpec, drawn_table
 from elflow.util.errors import ELFError, Record
 
@@ -125,25 +121,6 @@ class ParamCounts(Record):
             raise ValueError(f"match must be one of {', '.join(MATCHES)}, got {self.match!r}")
 
 
-# the training settings (elflow.config.TrainConfig's fields) every record holds: the model's method and how a
-# baseline was sized, its length and task, its flow recipe, its distillation and its sampling defaults
-HELD_SETTINGS = ("method", "match", "length", "task", "recipe", "distillation", "sampling")
-# and those an ELF network's record holds besides (a baseline's record holds its own network, not the ELF
-# network it is sized against, whose settings stay with its training settings)
-ELF_NETWORK_SETTINGS = ("predict", "conditioning", "bottleneck", "decoder", "model", "short_run")
-
-
-def held_settings(method: str) -> tuple[str, ...]:
-    """The training settings the record of a model of `method` holds."""
-    return HELD_SETTINGS + (ELF_NETWORK_SETTINGS if get_method(method).config_type is ELFConfig else ())
-
-
-def restated(method: str, settings: dict) -> list[str]:
-    """The settings of `settings` (training settings stored beside a record) that the record of a model of
-    `method` holds: what run.json may not store twice."""
-    return [k for k in held_settings(method) if k in settings]
-
-
 def is_current(doc) -> bool:
     """Whether a stored document (run.json, a checkpoint's state.json, a model folder's config.json) is of
     today's layout, which its readers take as it is; any other goes through elflow.runs.migrate.document."""
@@ -201,24 +178,6 @@ class RunRecord:
         """The settings this model samples with: its stored defaults, the flags `given` on top (None: not
         given); a progressively distilled student's sampler settings follow the step count."""
         return get_method(self.method).sampling_settings(self, **given)
-
-    def settings(self) -> dict:
-        """The training settings this record holds (`held_settings`), as elflow.config.TrainConfig names and
-        stores them: a run's training settings are these and the ones stored beside the record. The network
-        settings are the network's own fields (the preset's and the ones given alike); the sampling defaults
-        those of the record's sampling that a run may set (SamplingDefaults)."""
-        sampling = self.sampling.to_dict()
-        out = {"method": self.method, "match": self.params.match if self.params else ParamCounts.match,
-               "length": self.length, "task": self.task.to_dict() if self.task else None,
-               "recipe": self.recipe.to_dict(),
-               "distillation": self.distillation.to_dict() if self.distillation else None,
-               "sampling": {f.name: sampling.get(f.name) for f in fields(SamplingDefaults)}}
-        if isinstance(self.network, ELFConfig):
-            net = self.network.to_dict()
-            out.update({k: net[k] for k in ELF_NETWORK_SETTINGS if k in net},
-                       model={f.name: net.get(f.name) for f in fields(NetworkOverrides)},
-                       short_run=self.options.to_dict())
-        return out
 
     def replace(self, **kw) -> "RunRecord":
         return replace(self, **kw)
@@ -385,4 +344,4 @@ def _positive_int(v) -> int:
 
 
 __all__ = ["RunRecord", "Task", "SamplingDefaults", "Distillation", "ParamCounts", "RECORD_VERSION",
-           "DISTILL_OBJECTIVES", "held_settings", "restated"]
+           "DISTILL_OBJECTIVES"]

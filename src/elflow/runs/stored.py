@@ -27,7 +27,7 @@ from elflow.runs.checkpoint import run_of
 from elflow.runs.folder import MODEL_CONFIG, RUN_FILE, RUN_FILES
 from elflow.runs.migrate import document
 from elflow.runs.model_folder import is_model_folder
-from elflow.runs.record import RECORD_VERSION, RunRecord, restated
+from elflow.runs.record import RECORD_VERSION, RunRecord
 from elflow.util.errors import ELFError
 from elflow.util.files import atomic_write_json, read_json
 
@@ -43,9 +43,6 @@ def write_run(folder: str | os.PathLike, record: RunRecord, train: dict, files=R
     runs.folder.run_files, with the ones it wrote before on a resume), and `extra` (how the run runs:
     world_size, stage_of), written atomically."""
     path = Path(folder) / RUN_FILE
-    twice = restated(record.method, train or {})
-    if twice:
-        raise ValueError(f"write_run: the training settings restate {twice} of the record")
     listed = [n for n in RUN_FILES if n in files]
     atomic_write_json(path, {"format": RUN_FORMAT, "record": record.to_dict(), "train": train, "files": listed,
                              **extra})
