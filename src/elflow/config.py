@@ -92,11 +92,36 @@ EPOCHS = (lambda v: math.isfinite(v) and 0 < v <= MAX_EPOCHS, f"in (0, {MAX_EPOC
 MINUTES = (lambda v: math.isfinite(v) and 0 < v <= 7 * 24 * 60, "in (0, 10,080] (a week)")
 
 
-def out_of_range(flag: str, what: str, value) -> ELFError:
+def out_of_range(flag: str, what: str, value, whole: bool = False) -> ELFError:
     """The one-line error of a setting whose value fails its range check (`what`: the check's description, a
-    range such as ">= 1", or a whole phrase such as "an integer from 1 to ...")."""
-    must = what if what.startswith(("a ", "an ")) else f"a number {what}"
+    range such as ">= 1", or a whole phrase such as "an integer from 1 to ..."; `whole`: a whole number)."""
+    must = what if what.startswith(("a ", "an ")) else f"a {'whole ' if whole else ''}number {what}".rstrip()
     return ELFError(f"{flag} must be {must}, got {value!r}")
+
+
+# a field's declared type (as the dataclass holds it: a string) -> the type of its values; None: a typed part
+KINDS = {"bool": bool, "str": str, "str | None": str, "int": int, "int | None": int, "float": float,
+         "float | None": float}
+
+
+def check_value(flag: str, kind, v, choices=None, check=None) -> None:
+    """The one check of a setting's value against its declaration (a TrainConfig field's `setting`, a typed
+    part's field's NestedFlag): its type (`kind`: bool, str, int or float), its choices, its range (`check`: a
+    predicate and its description). ELFError naming `flag` (the flag, or the stored file's setting)."""
+    if kind is bool:
+        if not isinstance(v, bool):
+            raise ELFError(f"{flag} must be true or false, got {v!r}")
+    elif choices:
+        if v not in choices:
+            raise ELFError(f"{flag} must be one of {', '.join(choices)}, got {v!r}")
+    elif kind is str:
+        if not isinstance(v, str):
+            raise ELFError(f"{flag} must be a string, got {v!r}")
+    elif kind in (int, float):
+        number = isinstance(v, (int, float)) and not isinstance(v, bool)
+        if not number or kind is int and not isinstance(v, int) or check and not check[0](v):
+            whole = kind is int and number and not isinstance(v, int)  # 2.5 for a count
+            raise out_of_range(flag, "" if whole else check[1] if check else "", v, whole)
 
 
 def setting(default=None, help: str = "", *, default_help: str | None = None, choices=None, check=None,
@@ -470,23 +495,9 @@ class TrainConfig(Record):
             raise ELFError(f"{name('preset')}: unknown preset {self.preset!r}; choose one of {', '.join(PRESETS)}")
         for f in fields(self):
             v, meta = getattr(self, f.name), f.metadata
-            flag = name(f.name) if stored is not None else flag_of(f)
-            if v is None:
-                continue
-            if f.type == "bool" and not isinstance(v, bool):
-                raise ELFError(f"{flag} must be true or false, got {v!r}")
-            if f.type in ("str", "str | None") and not isinstance(v, str):
-                raise ELFError(f"{flag} must be a string, got {v!r}")
-            if f.type in ("int", "int | None") and isinstance(v, float):
-                raise ELFError(f"{flag} must be a whole number, got {v!r}")
-            if isinstance(v, (bool, Record)):
-                continue
-            if meta.get("choices") and v not in meta["choices"]:
-                raise ELFError(f"{flag} must be one of {', '.join(meta['choices'])}, got {v!r}")
-            if meta.get("check"):
-                ok, what = meta["check"]
-                if isinstance(v, bool) or not isinstance(v, (int, float)) or not ok(v):
-                    raise out_of_range(flag, what, v)
+            if v is not None and f.type in KINDS:
+                check_value(name(f.name) if stored is not None else flag_of(f), KINDS[f.type], v, meta.get("choices"),
+                            meta.get("check"))
         try:
             check_run(self)
         except ELFError as e:
@@ -539,19 +550,10 @@ class NestedFlag(NamedTuple):
     flag: str | None = None
 
     def check_value(self, v) -> None:
-        """ELFError naming the flag when `v` is not a value of the field."""
-        typ, check, flag = self.type, self.check, self.flag
-        if isinstance(typ, tuple):
-            if v not in typ:
-                raise ELFError(f"{flag} must be one of {', '.join(typ)}, got {v!r}")
-            return
-        if typ is str and not isinstance(v, str):
-            raise ELFError(f"{flag} must be a string, got {v!r}")
-        if typ in (int, float) and (isinstance(v, bool) or not isinstance(v, (int, float))) or \
-                typ is int and not isinstance(v, int):
-            raise ELFError(f"{flag} must be a {'whole ' if typ is int else ''}number, got {v!r}")
-        if check and not check[0](v):
-            raise out_of_range(flag, check[1], v)
+        """ELFError naming the flag when `v` is not a value of the field (`check_value`)."""
+        typ = self.type
+        check_value(self.flag, str if isinstance(typ, tuple) else typ, v, typ if isinstance(typ, tuple) else None,
+                    self.check)
 
 
 def _nested(part: str, field_name: str, typ, help: str, check=None, default_help: str = "the preset's",
@@ -669,16 +671,13 @@ def _not_given(stored, given) -> bool:
 
 
 def check_setting(name: str, value) -> None:
-    """One TrainConfig setting given as a flag by a command that builds the config itself (elflow distill): its
-    range from the setting's own definition; ELFError naming the flag."""
+    """One TrainConfig setting given as a flag by a command that builds the config itself (elflow distill),
+    checked by its own declaration (`check_value`); ELFError naming the flag."""
     f = next((f for f in fields(TrainConfig) if f.name == name), None)
     if f is None:
         raise ValueError(f"TrainConfig has no setting {name!r}")
-    if value is None or not f.metadata.get("check"):
-        return
-    ok, what = f.metadata["check"]
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
-        raise out_of_range(flag_of(f), what, value)
+    if value is not None:
+        check_value(flag_of(f), KINDS[f.type], value, f.metadata.get("choices"), f.metadata.get("check"))
 
 
 def flag_of(f) -> str:

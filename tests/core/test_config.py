@@ -74,13 +74,13 @@ def test_the_parts_are_stored_whole_and_read_back_equal():
 # (id, the part given, the error: a field of a flag names the flag)
 BAD_PARTS = [
     ("time-scale-negative", dict(short_run={"time_scale": -1.0}), "--time-scale must be a number > 0, got -1.0"),
-    ("time-scale-a-string", dict(short_run={"time_scale": "x"}), "--time-scale must be a number, got 'x'"),
+    ("time-scale-a-string", dict(short_run={"time_scale": "x"}), "--time-scale must be a number > 0, got 'x'"),
     ("table-readout-negative", dict(short_run={"table_readout": -1}), "--table-readout must be a number >= 0, got -1"),
     ("skip-unknown", dict(short_run={"skip": "residual"}), "--skip must be one of none, gaussian, gated, got 'residual'"),
     ("short-run-unknown-field", dict(short_run={"colour": 1}),
      "the short-run options do not fit together: ShortRunOptions: unknown fields ['colour']"),
     ("t-std-0", dict(recipe={"t_std": 0.0}), "--t-std must be a number in (0, 10], got 0.0"),
-    ("t-std-a-string", dict(recipe={"t_std": "a"}), "--t-std must be a number, got 'a'"),
+    ("t-std-a-string", dict(recipe={"t_std": "a"}), "--t-std must be a number in (0, 10], got 'a'"),
     ("decode-prob-above-1", dict(recipe={"decode_prob": 1.5}), "--decode-prob must be a number in [0, 1], got 1.5"),
     ("recipe-unknown-field", dict(recipe={"noise": 2.0}), "the run's recipe cannot be read: Recipe: unknown fields "
                                                           "['noise']"),
@@ -104,7 +104,7 @@ BAD_PARTS = [
      "the run's sampling defaults cannot be read: SamplingDefaults: unknown fields ['gamma']"),
     ("depth-0", dict(model={"depth": 0}), "--depth must be a number >= 1, got 0"),
     ("depth-a-fraction", dict(model={"depth": 2.5}), "--depth must be a whole number, got 2.5"),
-    ("heads-true", dict(model={"heads": True}), "--heads must be a whole number, got True"),
+    ("heads-true", dict(model={"heads": True}), "--heads must be a number >= 1, got True"),
     ("model-unknown-field", dict(model={"colour": 2}),
      "the run's network settings cannot be read: NetworkOverrides: unknown fields ['colour']"),
     ("distillation-objective", dict(distillation={"objective": "x"}),

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import fields
 
-from elflow.config import NESTED_FLAGS, RUN_DEFAULTS, TrainConfig, flag_of
+from elflow.config import KINDS, NESTED_FLAGS, RUN_DEFAULTS, TrainConfig, flag_of
 
 
 def _true_or_false(text: str) -> bool:
@@ -23,10 +23,6 @@ def _replaced_muon_scale(text: str):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# the flags: one per TrainConfig field and nested key, each defaulting to "not given" so that --resume can
-# tell what the command line changes
-_TYPES = {"str": str, "str | None": str, "int": int, "int | None": int, "float": float, "float | None": float}
-
 
 def with_default(text: str, default_text) -> str:
     """A flag's help text ending in its default, once."""
@@ -48,7 +44,7 @@ def add_config_arguments(p) -> None:
             kw["help"] = with_default(meta["help"], "on" if f.default else "off")
             cfg_group.add_argument(flag_of(f), action=argparse.BooleanOptionalAction, **kw)
             continue
-        kw["type"] = _TYPES[f.type]
+        kw["type"] = KINDS[f.type]
         if meta.get("choices"):
             kw["choices"] = meta["choices"]
         else:
