@@ -22,8 +22,6 @@ def _replaced_muon_scale(text: str):
         "released was --update-rule torch-head-transposed")
 
 
-# ----------------------------------------------------------------------------------------------------------
-
 def with_default(text: str, default_text) -> str:
     """A flag's help text ending in its default, once."""
     return f"{text} (default: {default_text})".replace("%", "%%")
