@@ -191,7 +191,7 @@ def machine() -> dict:
 
 
 # where every configuration starts: the quickstart's settings before this study (round 1's `base`)
-STUDY_BASE = dict(space="minilm", lr=1e-3, ema_decay=0.98, model={}, short_run={}, recipe={})
+STUDY_BASE = dict(space="minilm", lr=1e-3, ema_decay=0.98, network={}, short_run={}, recipe={})
 
 
 def train_config(spec: dict, steps: int, seed: int = 0):
@@ -210,8 +210,14 @@ def train_config(spec: dict, steps: int, seed: int = 0):
             raise SystemExit(f"TrainConfig has no field {k!r}")
         setattr(cfg, k, v)
     cfg.recipe = {**cfg.recipe, **spec.get("recipe", {})}
-    # a configuration's "model" holds network settings and short-run options alike: from_dict sorts them
-    cfg = type(cfg).from_dict({**cfg.to_dict(), "model": {**cfg.model, **spec.get("model", {})}})
+    # a configuration's "model" holds network settings and short-run options alike: each goes to its part
+    model = spec.get("model", {})
+    from elflow.model import ShortRunOptions
+
+    options = {k: v for k, v in model.items() if k in ShortRunOptions.__dataclass_fields__}
+    network = {k: v for k, v in model.items() if k not in options}
+    cfg = type(cfg).from_dict({**cfg.to_dict(), "network": {**cfg.network, **network},
+                               "short_run": {**cfg.short_run, **options}})
     cfg.sample_every = 0
     cfg.ckpt_every = n
     cfg.keep = 1

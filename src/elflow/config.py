@@ -176,7 +176,7 @@ def _size_help(key: str, show=str) -> str:
 HELD_SETTINGS = ("method", "match", "length", "task", "recipe", "distillation", "sampling")
 # and those an ELF network's record holds besides (a baseline's record holds its own network, not the ELF
 # network it is sized against, whose settings stay with its training settings)
-ELF_NETWORK_SETTINGS = ("predict", "conditioning", "bottleneck", "decoder", "model", "short_run")
+ELF_NETWORK_SETTINGS = ("network", "short_run")
 
 
 def held_settings(method: str) -> tuple[str, ...]:
@@ -197,8 +197,7 @@ def record_settings(record: RunRecord) -> dict:
            "sampling": {f.name: sampling.get(f.name) for f in fields(SamplingDefaults)}}
     if isinstance(record.network, ELFConfig):
         net = record.network.to_dict()
-        out.update({k: net[k] for k in ELF_NETWORK_SETTINGS if k in net},
-                   model={f.name: net.get(f.name) for f in fields(NetworkOverrides)},
+        out.update(network={f.name: net.get(f.name) for f in fields(NetworkOverrides)},
                    short_run=record.options.to_dict())
     return out
 
@@ -218,17 +217,6 @@ class TrainConfig(Record):
                           choices=tuple(PRESETS))
     match: str = setting("total", "baselines: match the ELF network's parameter count in all, or without the "
                                   "token tables and ELF's decode head (trunk)", choices=MATCHES)
-    predict: str = setting("x", "ELF: what the denoise head outputs, the clean embeddings x, the velocity v or the "
-                                "noise eps; the loss is the v-space MSE whatever the target (the output turned "
-                                "into v), and sampling turns it into x likewise", choices=PREDICTIONS)
-    conditioning: str = setting("tokens", "ELF: how t, omega and the mode reach the network: prefix tokens, or "
-                                          "DiT's adaLN-Zero modulation in every block (no prefix)",
-                                choices=CONDITIONINGS)
-    bottleneck: int | None = setting(None, "ELF: width of the input bottleneck (32 / 128 / 512 in the paper)",
-                                     default_help=_preset_help("bottleneck"), check=AT_LEAST_1)
-    decoder: str = setting("shared", "ELF: who reads out tokens: the denoiser itself in decode mode, or a separate "
-                                     "network trained first on noisy embeddings (then frozen while the denoiser "
-                                     "trains; both stored as one model)", choices=DECODERS)
     decoder_steps: int | None = setting(None, "--decoder separate: optimiser steps of the decoder's stage, trained "
                                               "into OUT/decoder before the denoiser's --steps",
                                         default_help="a quarter of --steps, so the decoder sees a quarter of the "
@@ -325,9 +313,11 @@ class TrainConfig(Record):
     recipe: Recipe | None = setting(None, "the flow recipe (elflow.flow.Recipe; the recipe flags set its fields)",
                                     default_help="the released recipe of the run's kind (flow.recipe_for)",
                                     cli=False)
-    model: NetworkOverrides = setting(help="the network settings beside the preset's (--depth, --hidden, --heads; "
-                                           "a distillation's students: the teacher's shape)", cli=False,
-                                      default_factory=lambda: NetworkOverrides())
+    network: NetworkOverrides = setting(help="the network, its fields not given the preset's (elflow.model."
+                                             "NetworkOverrides; --depth, --hidden, --heads, --bottleneck, --predict, "
+                                             "--conditioning and --decoder set its fields; a distillation's "
+                                             "students: the teacher's shape)", cli=False,
+                                        default_factory=lambda: NetworkOverrides())
     short_run: ShortRunOptions = setting(help="the network's options for short runs (elflow.model.ShortRunOptions; "
                                               "the short-run flags set its fields)", cli=False,
                                          default_factory=ShortRunOptions)
@@ -361,7 +351,7 @@ class TrainConfig(Record):
                 ("task", Task, True, "task", _task_of),
                 ("sampling", SamplingDefaults, False, "sampling defaults", SamplingDefaults.from_dict),
                 ("recipe", Recipe, True, "recipe", lambda d: recipe_for(d, conditional=self.conditional)),
-                ("model", NetworkOverrides, False, "network settings", NetworkOverrides.from_dict),
+                ("network", NetworkOverrides, False, "network settings", NetworkOverrides.from_dict),
                 ("short_run", ShortRunOptions, False, "short-run options", options_of),
                 ("distillation", Distillation, True, "distillation", lambda d: Distillation.from_dict(d) if d else None)):
             value = getattr(self, name)
@@ -442,16 +432,18 @@ class TrainConfig(Record):
         return cls(**values)
 
     def network_fields(self, recipe) -> dict:
-        """The ELFConfig fields the run sets besides its preset and its space: --depth / --hidden / --heads and
-        the network's variants; a network without self-conditioning for self_cond_prob 0; the path's constants
-        (`recipe`'s) for a v- or eps-head, which reads them."""
-        top = {"bottleneck": self.bottleneck, "predict": self.predict, "conditioning": self.conditioning,
-               "decoder": self.decoder}
+        """The ELFConfig fields the run sets besides its preset and its space: those given (`network`), and those
+        that follow from the rest of the run: a network without self-conditioning for self_cond_prob 0, the
+        path's constants (`recipe`'s) for a v- or eps-head, which reads them, and a flow-map student's target
+        time."""
+        derived = {}
         if not recipe.self_conditioned:
-            top["self_cond"] = False
-        if self.predict != "x":
-            top.update(noise_scale=recipe.noise_scale, t_eps=recipe.t_eps)
-        return {**self.model.given(), **{k: v for k, v in top.items() if v is not None}}
+            derived["self_cond"] = False
+        if self.network.predict not in (None, "x"):
+            derived.update(noise_scale=recipe.noise_scale, t_eps=recipe.t_eps)
+        if self.distillation is not None and self.distillation.objective == "flow-map":
+            derived["target_time"] = True
+        return {**self.network.given(), **derived}
 
     def flow_recipe(self) -> Recipe:
         """The run's flow recipe: the one given, else the released recipe of its kind (flow.recipe_for)."""
@@ -464,7 +456,7 @@ class TrainConfig(Record):
 
     @property
     def separate_decoder(self) -> bool:
-        return self.decoder == "separate"
+        return self.network.decoder == "separate"
 
     def resolved(self, device=None) -> "TrainConfig":
         """The same run with every preset-dependent default filled in; with a `device`, `dtype` "auto" becomes
@@ -498,6 +490,13 @@ class TrainConfig(Record):
             if v is not None and f.type in KINDS:
                 check_value(name(f.name) if stored is not None else flag_of(f), KINDS[f.type], v, meta.get("choices"),
                             meta.get("check"))
+        for (part, key), nested in NESTED_FLAGS.items():  # the typed parts' fields, however they were given
+            v = getattr(getattr(self, part), key, None)
+            if v is not None:
+                try:
+                    nested.check_value(v)
+                except ELFError as e:
+                    raise ELFError(f"{stored}: {e}" if stored is not None else str(e)) from None
         try:
             check_run(self)
         except ELFError as e:
@@ -577,9 +576,19 @@ def _task_of(d: dict) -> Task | None:
 
 # flags that set one field of a typed part: (part, field) -> NestedFlag
 NESTED_FLAGS: dict[tuple[str, str], NestedFlag] = dict((
-    _nested("model", "depth", int, "transformer blocks", AT_LEAST_1),
-    _nested("model", "hidden", int, "hidden width", AT_LEAST_1),
-    _nested("model", "heads", int, "attention heads", AT_LEAST_1),
+    _nested("network", "depth", int, "transformer blocks", AT_LEAST_1),
+    _nested("network", "hidden", int, "hidden width", AT_LEAST_1),
+    _nested("network", "heads", int, "attention heads", AT_LEAST_1),
+    _nested("network", "bottleneck", int, "ELF: width of the input bottleneck (32 / 128 / 512 in the paper)",
+            AT_LEAST_1, _preset_help("bottleneck")),
+    _nested("network", "predict", PREDICTIONS, "ELF: what the denoise head outputs, the clean embeddings x, the "
+            "velocity v or the noise eps; the loss is the v-space MSE whatever the target (the output turned into "
+            "v), and sampling turns it into x likewise", None, "x"),
+    _nested("network", "conditioning", CONDITIONINGS, "ELF: how t, omega and the mode reach the network: prefix "
+            "tokens, or DiT's adaLN-Zero modulation in every block (no prefix)", None, "tokens"),
+    _nested("network", "decoder", DECODERS, "ELF: who reads out tokens: the denoiser itself in decode mode, or a "
+            "separate network trained first on noisy embeddings (then frozen while the denoiser trains; both "
+            "stored as one model)", None, "shared"),
     _nested("short_run", "skip", SKIPS, "denoise head: none = the released networks' x = head(h); gaussian = the "
             "data's per-dimension Gaussian posterior mean + posterior std x head(h), a network that starts as that "
             "baseline denoiser; gated = the same with its pass-through of z gated by the network "

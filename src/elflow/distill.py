@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import re
 import sys
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -29,7 +29,7 @@ from elflow.lifecycle.claim import (
 from elflow.lifecycle.outputs import check_out
 from elflow.methods.lmd import MapMethod
 from elflow.methods.pd import PDMethod, check_schedule
-from elflow.model import PRESETS
+from elflow.model import PRESETS, NetworkOverrides
 from elflow.runs.checkpoint import list_checkpoints, recover_replaced, set_aside
 from elflow.runs.folder import DISTILL_MANIFEST, REPLACED, REPORT_FILE, RUN_FILE, STATE_FILE, run_folders_holding
 from elflow.runs.load import Origin, build_loaded, load_init_weights
@@ -85,15 +85,15 @@ def read_teacher(path) -> Teacher:
     return Teacher(record, sd, origin, stored, origin.data_store)
 
 
-# settings a resumed distillation must share with the stored one
-SAME_ON_RESUME = ("preset", "model", "short_run", "data", "space", "latent_std", "length", "layout", "batch", "steps",
-                  "epochs",
+# settings a resumed distillation must share with the stored one (the students' network is the teacher's, which
+# the manifest names, and each round's run checks its own record on resume)
+SAME_ON_RESUME = ("preset", "short_run", "data", "space", "latent_std", "length", "layout", "batch", "steps", "epochs",
                   "seed", "lr", "ema_decay", "warmup_frac")
 
 
 # the teacher's training config a distillation keeps (its data and how it is read, its network and run)
 KEPT = ("preset", "data", "text_field", "on_bad", "space", "latent_std", "length", "layout", "batch", "micro_batch",
-        "adam_heads", "ns_method", "grad_clip", "dtype", "compile", "model", "task", "space_dim", "space_seed",
+        "adam_heads", "ns_method", "grad_clip", "dtype", "compile", "network", "task", "space_dim", "space_seed",
         "space_stream", "val_fraction", "recipe")
 
 
@@ -104,7 +104,8 @@ def _base_config(teacher: Teacher, overrides: dict) -> TrainConfig:
     scale = record.space.latent_std
     if isinstance(scale, (int, float)) and base.get("space") is not None:
         base["latent_std"] = repr(float(scale))  # the teacher's resolved scale: no re-estimate, the same space
-    base.update({k: v for k, v in overrides.items() if v is not None})
+    predict = overrides.get("predict")  # (the students' network is the teacher's: checked below)
+    base.update({k: v for k, v in overrides.items() if v is not None and k != "predict"})
     if "data" not in base or "space" not in base:
         raise ELFError(f"{origin.path} stores no training data settings (a converted or released model); pass "
                        "--data and --space")
@@ -112,16 +113,11 @@ def _base_config(teacher: Teacher, overrides: dict) -> TrainConfig:
         check_not_relative(base["data"], teacher.data_store, Path(origin.path) / STATE_FILE)
     if base.get("preset") not in PRESETS:
         base["preset"] = "elf-b"  # every shape field is set from the teacher below
-    shape = {k: v for k, v in record.network.to_dict().items() if k not in ("dim", "vocab_size", "max_length")}
-    if overrides.get("predict") not in (None, shape.get("predict", "x")):
-        raise ELFError(f"--predict {overrides['predict']}: the students start from the teacher's weights, whose head "
-                       f"predicts {shape.get('predict', 'x')}; distil with --predict {shape.get('predict', 'x')}")
-    for key in ("predict", "conditioning", "decoder", "bottleneck"):  # the network's variants are run settings
-        if key in shape:
-            base[key] = shape.pop(key)
-    if not shape.get("target_time"):  # a student of progressive distillation has no target time; a teacher
-        shape.pop("target_time", None)  # recorded before the field existed stored none, and resumes alike
-    base["model"] = shape
+    shape = record.network
+    if predict not in (None, shape.predict):
+        raise ELFError(f"--predict {predict}: the students start from the teacher's weights, whose head predicts "
+                       f"{shape.predict}; distil with --predict {shape.predict}")
+    base["network"] = {f.name: getattr(shape, f.name) for f in fields(NetworkOverrides)}  # the teacher's shape
     base["short_run"] = record.options.to_dict() if record.options.active else {}  # students of the teacher's kind
     base["length"] = base.get("length") or record.length
     base["sample_every"] = 0
@@ -265,7 +261,7 @@ def distill_flow_map(teacher, out, steps: int = 1000, sample_steps: int = FLOW_M
         raise ELFError(f"{teacher} reads out with a separate decoder; a flow-map student is distilled from a model "
                        "whose one network denoises and decodes")
     cfg = _base_config(read, overrides)
-    cfg = replace(cfg, model=cfg.model.replace(target_time=True), steps=steps, epochs=None, warmup_frac=warmup_frac,
+    cfg = replace(cfg, steps=steps, epochs=None, warmup_frac=warmup_frac,
                   ema_decay=ema_decay, init_from=origin.path,
                   distillation=Distillation("flow-map", sample_steps, None))
     if lr is not None:

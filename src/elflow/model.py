@@ -188,23 +188,24 @@ class ShortRunOptions(Record):
 
 @dataclass(frozen=True)
 class NetworkOverrides(Record):
-    """The network settings a run gives beside its preset's shape (None: the preset's): --depth, --hidden,
-    --heads, and a distillation student's copy of its teacher's shape. The network's variants (bottleneck,
-    predict, conditioning, decoder) are settings of their own; its `dim`, `vocab_size` and `max_length` come
-    from the space and the data."""
+    """The network a run asks for, unresolved: each field an ELFConfig field, None for the preset's (--depth,
+    --hidden, --heads, --bottleneck, --predict, --conditioning, --decoder; a distillation student's copy of its
+    teacher's shape). What the rest of the run fixes is not among them: `dim`, `vocab_size` and `max_length`
+    come from the space and the length, and self-conditioning, the path's constants and the target time from
+    the recipe and the distillation (elflow.config.TrainConfig.network_fields)."""
 
     depth: int | None = None
     hidden: int | None = None
     heads: int | None = None
+    bottleneck: int | None = None
     mlp_ratio: float | None = None
     time_tokens: int | None = None
     omega_tokens: int | None = None
     mode_tokens: int | None = None
     rope_theta: float | None = None
-    self_cond: bool | None = None
-    target_time: bool | None = None
-    noise_scale: float | None = None
-    t_eps: float | None = None
+    predict: str | None = None
+    conditioning: str | None = None
+    decoder: str | None = None
 
     def given(self) -> dict:
         """The settings given (not None), as ELFConfig fields."""

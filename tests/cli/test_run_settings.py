@@ -105,9 +105,9 @@ def test_the_pair_and_sampling_flags_set_the_fields_of_the_task_and_sampling_par
 def test_a_config_with_options_and_round_records_among_other_settings_reads_as_the_same_run():
     """Short-run options stored among the network settings and a distillation round's record among the
     recipe's constants are read into their own settings (elflow.runs.migrate.train_1_to_2, the chain's step
-    from version 1); the recipe refuses keys it does not know."""
+    from version 1, and train_8_to_9, which makes the network settings one part); the recipe refuses keys it does not know."""
     from elflow.flow import Recipe
-    from elflow.runs.migrate import train_1_to_2
+    from elflow.runs.migrate import train_1_to_2, train_8_to_9
 
     stored = TrainConfig(preset="tiny").to_dict()
     stored.update(model={"depth": 3, "skip": "gaussian", "table_readout": 1.0}, short_run={}, distillation={},
@@ -116,8 +116,9 @@ def test_a_config_with_options_and_round_records_among_other_settings_reads_as_t
     from elflow.model import NetworkOverrides, ShortRunOptions
     from elflow.runs.record import Distillation
 
-    cfg = TrainConfig.from_dict(train_1_to_2(json.loads(json.dumps(stored))))
-    assert cfg.model == NetworkOverrides(depth=3)
+    del stored["network"]  # (version 1's network settings: "model", the part it became from version 9)
+    cfg = TrainConfig.from_dict(train_8_to_9(train_1_to_2(json.loads(json.dumps(stored)))))
+    assert cfg.network == NetworkOverrides(depth=3)
     assert cfg.short_run == ShortRunOptions(skip="gaussian", table_readout=1.0)
     assert cfg.recipe == Recipe(decode_noise_scale=1.0) and cfg.distillation == Distillation("pd", 4, 16)
     assert TrainConfig.from_dict(cfg.to_dict()) == cfg

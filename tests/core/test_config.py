@@ -31,7 +31,7 @@ RELEASED_CONDITIONAL_DECODE_NOISE = 1.0  # the paper's decode corruption for (so
 def test_the_parts_default_to_the_released_recipe_the_presets_network_and_no_options():
     cfg = TrainConfig()
     assert cfg.recipe is None and cfg.distillation is None
-    assert cfg.model == NetworkOverrides() and cfg.model.given() == {}
+    assert cfg.network == NetworkOverrides() and cfg.network.given() == {}
     assert cfg.short_run == ShortRunOptions() and not cfg.short_run.active
 
 
@@ -51,7 +51,7 @@ def test_each_part_given_as_a_dict_of_its_fields_is_read_into_its_type():
     assert TrainConfig(recipe={"t_std": 0.5}, task={"source_length": 8}).recipe == \
         Recipe(t_std=0.5, decode_noise_scale=RELEASED_CONDITIONAL_DECODE_NOISE)
     assert TrainConfig(recipe={"decode_noise_scale": 2.0}, task={"source_length": 8}).recipe.decode_noise_scale == 2.0
-    assert TrainConfig(model={"depth": 3, "heads": 2}).model == NetworkOverrides(depth=3, heads=2)
+    assert TrainConfig(network={"depth": 3, "heads": 2}).network == NetworkOverrides(depth=3, heads=2)
     assert TrainConfig(short_run={"skip": "gated"}).short_run == ShortRunOptions(skip="gated")
     assert TrainConfig(short_run=None).short_run == ShortRunOptions()
     assert TrainConfig(distillation={"student_steps": 4, "teacher_steps": 16}).distillation == \
@@ -60,11 +60,11 @@ def test_each_part_given_as_a_dict_of_its_fields_is_read_into_its_type():
 
 
 def test_the_parts_are_stored_whole_and_read_back_equal():
-    cfg = TrainConfig(preset="tiny", recipe={"t_std": 0.5}, model={"depth": 3}, short_run={"skip": "gated"},
+    cfg = TrainConfig(preset="tiny", recipe={"t_std": 0.5}, network={"depth": 3}, short_run={"skip": "gated"},
                       distillation={"objective": "flow-map", "student_steps": 4})
     d = json.loads(json.dumps(cfg.to_dict()))
     assert d["recipe"] == {**Recipe().to_dict(), "t_std": 0.5}
-    assert d["model"] == {**{k: None for k in NetworkOverrides().to_dict()}, "depth": 3}
+    assert d["network"] == {**{k: None for k in NetworkOverrides().to_dict()}, "depth": 3}
     assert d["short_run"] == {"skip": "gated", "time_scale": 1.0, "head_modulation": False, "table_readout": 0.0}
     assert d["distillation"] == {"objective": "flow-map", "student_steps": 4, "teacher_steps": None}
     assert TrainConfig.from_dict(d) == cfg
@@ -102,10 +102,10 @@ BAD_PARTS = [
     ("sample-omega-nan", dict(sampling={"omega": float("nan")}), "--sample-omega must be a number from 0 to 100, got nan"),
     ("sampling-unknown-field", dict(sampling={"gamma": 1.0}),
      "the run's sampling defaults cannot be read: SamplingDefaults: unknown fields ['gamma']"),
-    ("depth-0", dict(model={"depth": 0}), "--depth must be a number >= 1, got 0"),
-    ("depth-a-fraction", dict(model={"depth": 2.5}), "--depth must be a whole number, got 2.5"),
-    ("heads-true", dict(model={"heads": True}), "--heads must be a number >= 1, got True"),
-    ("model-unknown-field", dict(model={"colour": 2}),
+    ("depth-0", dict(network={"depth": 0}), "--depth must be a number >= 1, got 0"),
+    ("depth-a-fraction", dict(network={"depth": 2.5}), "--depth must be a whole number, got 2.5"),
+    ("heads-true", dict(network={"heads": True}), "--heads must be a number >= 1, got True"),
+    ("model-unknown-field", dict(network={"colour": 2}),
      "the run's network settings cannot be read: NetworkOverrides: unknown fields ['colour']"),
     ("distillation-objective", dict(distillation={"objective": "x"}),
      "the run's distillation cannot be read: objective must be one of pd, flow-map, got 'x'"),
@@ -133,7 +133,7 @@ def test_the_settings_of_every_earlier_run_read_with_its_record_and_write_back_a
     assert cfg.beside(record) == doc["train"]  # what run.json stores beside the record, as stored
     assert {k: v for k, v in cfg.to_dict().items() if k in held_settings(record.method)} == record_settings(record)
     assert isinstance(cfg.recipe, Recipe) and isinstance(cfg.short_run, ShortRunOptions)
-    assert cfg.model.depth == 1  # every fixture's network has one block (--depth 1)
+    assert cfg.network.depth == 1  # every fixture's network has one block (--depth 1)
 
 
 def test_run_json_stores_each_setting_once_the_record_the_model_and_beside_it_how_it_trained(
@@ -151,7 +151,7 @@ def test_run_json_stores_each_setting_once_the_record_the_model_and_beside_it_ho
     given = tiny_config(tiny_t5_dir, tiny_corpus_file).resolved()
     for k in ("length", "preset", "steps", "seed", "batch", "lr"):  # the run's own settings, from either place
         assert getattr(cfg, k) == getattr(given, k), k
-    assert cfg.model.depth == stored["record"].network.depth and cfg.recipe == stored["record"].recipe
+    assert cfg.network.depth == stored["record"].network.depth and cfg.recipe == stored["record"].recipe
 
 
 def test_settings_beside_the_record_that_restate_it_are_refused_naming_them(trained):
@@ -196,7 +196,7 @@ def test_stored_settings_that_are_no_object_or_lack_several_name_the_first_three
     (dict(batch=0), "run.json: its setting 'batch' must be a number from 1 to 1,048,576"),
     (dict(optimizer="sgd"), "run.json: its setting 'optimizer' must be one of muon, adamw, got 'sgd'"),
     (dict(compile="yes"), "run.json: its setting 'compile' must be true or false, got 'yes'"),
-    (dict(method="ar", predict="v"), "run.json: --predict applies to ELF runs only, not to --method ar"),
+    (dict(method="ar", network={"predict": "v"}), "run.json: --predict applies to ELF runs only, not to --method ar"),
     (dict(distillation={"objective": "x"}), "run.json: the run's distillation cannot be read"),
 ], ids=["batch", "optimizer", "compile", "method", "distillation"])
 def test_a_stored_setting_out_of_range_names_the_file_and_the_setting(change, words):
@@ -271,7 +271,7 @@ INVALID = [
      "run.json: its setting 'seed' must be"),
     ("ema-decay-1", dict(ema_decay=1.0), "--ema-decay must be a number in [0, 1), got 1.0",
      "run.json: its setting 'ema_decay' must be"),
-    ("elf-flag-on-a-baseline", dict(method="ar", predict="v"), "--predict applies to ELF runs only, not to --method ar",
+    ("elf-flag-on-a-baseline", dict(method="ar", network={"predict": "v"}), "--predict applies to ELF runs only, not to --method ar",
      "run.json: --predict applies to ELF runs only"),
     ("recipe-on-a-baseline", dict(method="ar", recipe={"t_std": 0.5}),
      "--t-std applies to ELF runs only, not to --method ar", "run.json: --t-std applies to ELF runs only"),
@@ -327,12 +327,12 @@ def test_a_named_config_derives_its_cadence_from_its_length_unless_given():
 
 
 def test_the_network_fields_are_the_overrides_and_variants_with_the_recipes_constants_a_head_reads():
-    cfg = TrainConfig(model={"depth": 3}, bottleneck=8)
-    assert cfg.network_fields(Recipe()) == {"depth": 3, "bottleneck": 8, "predict": "x", "conditioning": "tokens",
-                                            "decoder": "shared"}
-    v = TrainConfig(predict="v").network_fields(Recipe(self_cond_prob=0.0, noise_scale=1.5))
-    assert v == {"predict": "v", "conditioning": "tokens", "decoder": "shared", "self_cond": False,
-                 "noise_scale": 1.5, "t_eps": Recipe().t_eps}
+    cfg = TrainConfig(network={"depth": 3, "bottleneck": 8})
+    assert cfg.network_fields(Recipe()) == {"depth": 3, "bottleneck": 8}
+    v = TrainConfig(network={"predict": "v"}).network_fields(Recipe(self_cond_prob=0.0, noise_scale=1.5))
+    assert v == {"predict": "v", "self_cond": False, "noise_scale": 1.5, "t_eps": Recipe().t_eps}
+    student = TrainConfig(distillation=Distillation("flow-map", 4, None)).network_fields(Recipe())
+    assert student == {"target_time": True}  # a flow-map student's target time follows from its distillation
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -353,11 +353,11 @@ def test_resume_conflicts_name_each_setting_that_may_not_change():
 def test_on_resume_a_setting_the_record_holds_that_is_not_given_keeps_the_stored_one():
     """The settings the record holds are read back whole (a network setting as the network has it): a command
     that leaves one to the preset (None) keeps it; one given otherwise is a change."""
-    stored = TrainConfig(preset="tiny", bottleneck=16, model=NetworkOverrides(depth=1, hidden=64, heads=2)).resolved()
-    assert resume_conflicts(stored, stored.replace(bottleneck=None, model=NetworkOverrides(depth=1))) == []
-    assert resume_conflicts(stored, stored.replace(model=NetworkOverrides(depth=2))) == [
-        f"model: {stored.model.to_dict()!r} -> {NetworkOverrides(depth=2).to_dict()!r}"]
-    assert resume_conflicts(stored, stored.replace(bottleneck=8)) == ["bottleneck: 16 -> 8"]
+    stored = TrainConfig(preset="tiny", network=NetworkOverrides(depth=1, hidden=64, heads=2, bottleneck=16)).resolved()
+    assert resume_conflicts(stored, stored.replace(network=NetworkOverrides(depth=1))) == []
+    for given in (NetworkOverrides(depth=2), NetworkOverrides(bottleneck=8)):
+        assert resume_conflicts(stored, stored.replace(network=given)) == [
+            f"network: {stored.network.to_dict()!r} -> {given.to_dict()!r}"]
     assert resume_conflicts(stored, stored.replace(seed=None)) == ["seed: 0 -> None"]  # not held: as stored
 
 
@@ -413,7 +413,7 @@ def test_the_training_settings_hold_no_dict():
     assert not [f.name for f in fields(TrainConfig) if "dict" in str(f.type)]
     parts = {f.name: str(f.type) for f in fields(TrainConfig)}
     assert parts["recipe"] == "Recipe | None" and parts["short_run"] == "ShortRunOptions"
-    assert parts["model"] == "NetworkOverrides" and parts["distillation"] == "Distillation | None"
+    assert parts["network"] == "NetworkOverrides" and parts["distillation"] == "Distillation | None"
 
 
 def test_the_run_defaults_by_size_name_network_sizes_and_the_help_says_them():
@@ -425,7 +425,9 @@ def test_the_run_defaults_by_size_name_network_sizes_and_the_help_says_them():
     from elflow.model import PRESETS
 
     assert set(SIZE_DEFAULTS) <= set(PRESETS)
+    from elflow.config import NESTED_FLAGS
+
     helps = {f.name: f.metadata["default_help"] for f in fields(TrainConfig)}
-    assert f"{PRESETS['tiny'].bottleneck} for tiny" in helps["bottleneck"]
-    assert f"{PRESETS['elf-b'].bottleneck} otherwise" in helps["bottleneck"]
+    assert f"{PRESETS['tiny'].bottleneck} for tiny" in NESTED_FLAGS["network", "bottleneck"].default_help
+    assert f"{PRESETS['elf-b'].bottleneck} otherwise" in NESTED_FLAGS["network", "bottleneck"].default_help
     assert f"{SIZE_DEFAULTS['tiny']['space_dim']} for tiny's default space" in helps["space_dim"]

@@ -65,7 +65,7 @@ def test_a_tiny_report_end_to_end_is_cached_and_resumes(tmp_path, tiny_corpus_fi
     and a plot per claim; a rerun trains nothing and measures nothing again."""
     claims = [
         Claim("net", "tokens vs adaln", "prefix tokens match adaLN", (Variant("tokens"), Variant(
-            "adaln", {"conditioning": "adaln", "short_run": {}})), (Finding("tokens", "adaln", "loss", kind="matches"),)),
+            "adaln", {"network": {"conditioning": "adaln"}, "short_run": {}})), (Finding("tokens", "adaln", "loss", kind="matches"),)),
         Claim("omega", "omega", "omega 3 lowers perplexity", (Variant("w1", sampling={"omega": 1.0, "steps": 2}),
                                                               Variant("w3", sampling={"omega": 3.0, "steps": 2})),
               (Finding("w3", "w1", "gen_ppl"),)),

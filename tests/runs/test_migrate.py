@@ -28,13 +28,15 @@ def up_to(doc: dict, version: int) -> dict:
 
 
 def test_the_chain_reaches_todays_version_one_step_at_a_time():
-    assert RECORD_VERSION == 8 and sorted(migrate.STEPS) == [1, 2, 3, 4, 5, 6, 7]
+    assert RECORD_VERSION == 9 and sorted(migrate.STEPS) == [1, 2, 3, 4, 5, 6, 7, 8]
 
 
 def held_by_7(method: str) -> tuple[str, ...]:
-    """The settings a record of versions 6 and 7 held, as the training settings named them then: today's, with
-    the task and the sampling defaults as the flat settings they were."""
-    return (*held_settings(method), *migrate.FLAT_TASK, *migrate.FLAT_SAMPLING)
+    """The settings a record of versions 6 and 7 held, as the training settings named them then: the task and
+    the sampling defaults as the flat settings they were, an ELF network's as flat settings and "model"."""
+    held = ("method", "match", "length", "task", "recipe", "distillation", "sampling", *migrate.FLAT_TASK,
+            *migrate.FLAT_SAMPLING)
+    return held + (("predict", "conditioning", "bottleneck", "decoder", "model", "short_run") if method == "elf" else ())
 
 
 def test_a_version_2_run_file_gains_the_schedule_its_runs_used_and_its_settings_move_out_of_the_record():
@@ -81,7 +83,9 @@ def test_each_step_changes_only_what_its_version_lacked():
     assert v7 == {**v6, "record": {**v6["record"], "version": 7}}  # its version alone: run.json keeps its record
     v8 = migrate.STEPS[7](v7, "x")
     assert v8 == {**v7, "record": {**v7["record"], "version": 8}}  # no first stage's settings: its version alone
-    assert document(v7, "x") == v8 == document(v6, "x") == document(v5, "x") == document(v4, "x") == \
+    v9 = migrate.STEPS[8](v8, "x")
+    assert v9 == {**v8, "record": {**v8["record"], "version": 9}}  # an ELF run's settings hold no network setting
+    assert document(v7, "x") == v9 == document(v8, "x") == document(v6, "x") == document(v5, "x") == document(v4, "x") == \
         document(v3, "x") == document(v2, "x")
 
 
@@ -100,7 +104,8 @@ def test_version_5_settings_that_restate_the_record_say_what_it_holds_or_leave_i
         record = RunRecord.from_dict({**v5["record"], "version": RECORD_VERSION})
         held = record_settings(record)
         assert set(held) == set(held_settings(record.method))
-        copies = migrate.train_7_to_8(v5["train"])  # the flat task and sampling settings as the parts they became
+        # the flat task, sampling and network settings as the parts they became
+        copies = migrate.train_8_to_9(migrate.train_7_to_8(v5["train"]))
         for k in held:
             assert copies[k] == held[k] or _not_given(held[k], copies[k]), (run, k)
         cfg = TrainConfig.of_run(record, document(v5, "x")["train"], "x")
@@ -262,3 +267,24 @@ def test_version_7_whole_settings_gain_the_task_and_sampling_parts_from_their_fl
         assert TrainConfig.stored(new["stage_of"], "run.json") == cfg
     state = {"format": "elflow-checkpoint-3", "version": 7, "step": 2, "model_sha256": "0" * 64, "files": {}}
     assert document(state, "state.json") == {**state, "version": RECORD_VERSION}
+
+
+def test_version_8_network_settings_become_one_part_beside_a_baseline_s_record_and_in_a_first_stage():
+    """Version 9 holds the network a run asks for as one part: a baseline's settings (sized against an ELF
+    network) and a first stage's whole settings gain "network" from version 8's flat settings and "model", less
+    the fields that follow from the recipe and the distillation; an ELF run's settings hold none of them."""
+    from elflow.config import TrainConfig
+
+    v8 = up_to(stored(RECORD5, "ar"), 8)
+    flat = {k: v8["train"][k] for k in ("bottleneck", "predict", "conditioning", "decoder")}
+    v9 = migrate.STEPS[8](v8, "x")
+    assert v9["record"] == {**v8["record"], "version": 9}
+    assert not {"model", *flat} & set(v9["train"])
+    derived = ("self_cond", "target_time", "noise_scale", "t_eps")
+    assert v9["train"]["network"] == {**{k: v for k, v in v8["train"]["model"].items() if k not in derived}, **flat}
+    cfg = TrainConfig.of_run(RunRecord.from_dict(v9["record"]), v9["train"], "x")
+    assert cfg.network.depth == v8["train"]["model"]["depth"] and cfg.network.predict == flat["predict"]
+    stage = {**v8["train"], "model": {"depth": 2, "self_cond": False, "noise_scale": 1.5}, "predict": "v"}
+    assert migrate.train_8_to_9(stage)["network"] == {"depth": 2, **flat, "predict": "v"}
+    elf = up_to(stored(RECORD5, "elf"), 8)
+    assert migrate.STEPS[8](elf, "x")["train"] == elf["train"]

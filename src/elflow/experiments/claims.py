@@ -106,7 +106,7 @@ def _predict_variants():
     out = []
     for dim in (64, 256, 384):
         for target in ("x", "v", "eps"):
-            out.append(Variant(f"{target}@{dim}", {**_PLAIN, "predict": target, "space_dim": dim}))
+            out.append(Variant(f"{target}@{dim}", {**_PLAIN, "network": {"predict": target}, "space_dim": dim}))
     return tuple(out)
 
 
@@ -118,8 +118,8 @@ CLAIMS = (
           + (Finding("v@64", "x@64", "gen_ppl", kind="matches"), Finding("x@384", "v@384", "gen_ppl"))),
     Claim("bottleneck", "bottleneck width 32 / 128 / 512",
           "128 balances 32 (lower perplexity, lower diversity) and 512 (the reverse)",
-          (Variant("b32", {"bottleneck": 32}), Variant("b128", {"bottleneck": 128}),
-           Variant("b512", {"bottleneck": 512})),
+          (Variant("b32", {"network": {"bottleneck": 32}}), Variant("b128", {"network": {"bottleneck": 128}}),
+           Variant("b512", {"network": {"bottleneck": 512}})),
           (Finding("b32", "b128", "gen_ppl"), Finding("b32", "b128", "entropy"),
            Finding("b512", "b128", "gen_ppl", "higher"), Finding("b512", "b128", "entropy", "higher"))),
     Claim("space", "the embedding space",
@@ -134,7 +134,7 @@ CLAIMS = (
            Finding("minilm", "t5-scratch", "gen_ppl"), Finding("t5-scratch", "learned-table", "gen_ppl"))),
     Claim("decoder", "shared against separate decoder",
           "one network that denoises and decodes matches a separate decoder, with one training stage (Figure 5b)",
-          (Variant("shared"), Variant("separate", {"decoder": "separate"})),
+          (Variant("shared"), Variant("separate", {"network": {"decoder": "separate"}})),
           (Finding("shared", "separate", "gen_ppl", kind="matches"),
            Finding("shared", "separate", "decode_acc", "higher", kind="matches"))),
     Claim("sampler", "SDE against ODE at few steps; gamma",
@@ -166,7 +166,7 @@ CLAIMS = (
            Finding("decode0.2-ode", "decode0.4-ode", "gen_ppl"))),
     Claim("conditioning", "prefix tokens against adaLN-Zero",
           "prefix tokens match or beat adaLN-Zero with fewer parameters (D.4)",
-          (Variant("tokens"), Variant("adaln", {**_ADALN, "conditioning": "adaln"})),
+          (Variant("tokens"), Variant("adaln", {**_ADALN, "network": {"conditioning": "adaln"}})),
           (Finding("tokens", "adaln", "gen_ppl", kind="matches"), Finding("tokens", "adaln", "loss", kind="matches"))),
     Claim("optimizer", "Muon against AdamW",
           "Muon beats AdamW (D.5)",

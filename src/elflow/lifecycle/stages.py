@@ -34,6 +34,7 @@ def decoder_stage(cfg: TrainConfig) -> TrainConfig:
     (decode_prob 1) for --decoder-steps (a quarter of --steps by default), warmed up over the same share of
     its steps; it becomes the frozen decoder of the second stage."""
     steps = cfg.decoder_steps or max(1, math.ceil(cfg.steps / 4))
-    return replace(cfg, decoder="shared", decoder_steps=None, decoder_from=None, steps=steps, epochs=None,
+    return replace(cfg, network=cfg.network.replace(decoder="shared"), decoder_steps=None, decoder_from=None,
+                   steps=steps, epochs=None,
                    warmup=math.ceil(cfg.warmup * steps / cfg.steps) if cfg.warmup_frac is None else cfg.warmup,
                    recipe=cfg.flow_recipe().replace(decode_prob=1.0), sample_every=0)

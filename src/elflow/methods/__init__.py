@@ -9,6 +9,7 @@ from elflow.flow import recipe_for
 from elflow.methods import ar, elf, mdlm
 from elflow.methods.base import Method, TrainedPass
 from elflow.methods.baseline import MATCHES, BaselineSampling, trunk_params
+from elflow.model import ELFConfig
 from elflow.util.errors import ELFError
 
 __all__ = ["METHODS", "METHOD_NAMES", "MATCHES", "Method", "TrainedPass", "BaselineSampling", "get_method",
@@ -49,13 +50,23 @@ def require(method: Method, feature: str, what: str, path=None) -> None:
 # used when it differs from its default
 RUN_FEATURES = (("task", "--source-length", "pairs"),
                 ("init_from", "--init-from", "init-from"), ("grad_checkpoint", "--grad-checkpoint", "grad-checkpoint"),
-                *((name, "--" + name.replace("_", "-"), "flow") for name in
-                  ("predict", "conditioning", "bottleneck", "decoder", "decoder_steps", "decoder_from")))
+                *((name, "--" + name.split(".")[-1].replace("_", "-"), "flow") for name in
+                  ("network.predict", "network.conditioning", "network.bottleneck", "network.decoder",
+                   "decoder_steps", "decoder_from")))
+
+
+# the ELF network's variants as a network without them has them (any bottleneck given is one)
+VARIANT_DEFAULTS = {k: getattr(ELFConfig, k) for k in ("predict", "conditioning", "decoder")}
 
 
 def _used(cfg, name: str):
-    """The flag-like name of a setting of `cfg` that differs from its default, else None; the recipe names
-    its first field that differs from the released recipe of the run's kind."""
+    """The flag-like name of a setting of `cfg` that differs from its default, else None (a network variant:
+    given, and not the one a network without it has); the recipe names its first field that differs from the released
+    recipe of the run's kind."""
+    if name.startswith("network."):
+        key = name.split(".")[1]
+        value = getattr(cfg.network, key)
+        return key if value not in (None, VARIANT_DEFAULTS.get(key)) else None
     value = getattr(cfg, name)
     if name == "recipe":
         if value is None:

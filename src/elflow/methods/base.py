@@ -53,12 +53,6 @@ class Method:
     config_type: type = object  # the network config's type
     sampling_type: type = object  # the sampling settings' type
 
-    def network_config(self, d: dict):
-        """The network config of a stored dict (ValueError / ELFError for one that is malformed)."""
-        if not isinstance(d, dict):
-            raise ValueError(f"expected a JSON object, got {type(d).__name__}")
-        return self.config_type.from_dict(d)
-
     def network_of(self, net) -> tuple[object, object]:
         """(the network's config, its options: None for a method without any) as a record stores them."""
         return net.config, None

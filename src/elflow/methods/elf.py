@@ -73,7 +73,8 @@ class ELFMethod(Method):
 
     # -- the run ----------------------------------------------------------------------------------------------
     def check(self, cfg) -> None:
-        check_network(cfg.predict, cfg.conditioning, options_of(cfg.short_run))
+        check_network(cfg.network.predict or ELFConfig.predict, cfg.network.conditioning or ELFConfig.conditioning,
+                      options_of(cfg.short_run))
         if cfg.separate_decoder:
             # (0, every row denoising, is what the record of such a run holds: its settings read back)
             if cfg.recipe is not None and cfg.recipe.decode_prob not in (Recipe().decode_prob, 0.0):

@@ -1,7 +1,7 @@
 """Every stored layout elflow reads, made today's by one linear chain of small steps, version N -> N + 1.
 
 A stored document is a run's run.json, a checkpoint's state.json or a model folder's config.json (an earlier
-model folder's JSON files merged into one: elflow.runs.model_folder). Today's layout (version 8) holds
+model folder's JSON files merged into one: elflow.runs.model_folder). Today's layout (version 9) holds
 
     "record"   run.json and a model folder: the model's description (elflow.runs.record.RunRecord.to_dict)
     "train"    run.json and a model folder: the training settings the record does not hold
@@ -26,6 +26,9 @@ Earlier versions:
     7  a first stage's whole settings ("stage_of") with the task and the sampling defaults as flat settings
        (source_length, source_slot, task, source_field, target_field; sample_steps, sample_sampler,
        sample_omega), not as the typed parts the record holds
+    8  training settings that describe the network (a baseline's, sized against an ELF network; a first
+       stage's) as flat settings (bottleneck, predict, conditioning, decoder) beside its other fields
+       ("model"), which held self-conditioning, the path's constants and the target time too
 
 Each step fills in exactly what its version lacked, with the value that the code of that version used (never
 today's default), so that an older run samples the same texts and resumes bit for bit. The authors' released
@@ -39,7 +42,7 @@ from dataclasses import fields
 from elflow.data.layout import PACKED
 from elflow.flow import recipe_for
 from elflow.methods import get_method
-from elflow.model import ELFConfig, NetworkOverrides, ShortRunOptions
+from elflow.model import ELFConfig, ShortRunOptions
 from elflow.runs.record import RECORD_VERSION, Distillation, ParamCounts, RunRecord, Task
 from elflow.space import SpaceSpec, drawn_table
 from elflow.util.errors import ELFError
@@ -170,7 +173,7 @@ def _record_1(doc: dict) -> tuple[RunRecord, dict | None]:
         settings = {k: (train or {}).get(k) for k in ("length", "source_length", "source_slot", "task")}
         settings = {k: v for k, v in settings.items() if v is not None}
     settings = dict(settings)
-    network = method.network_config(model)
+    network = method.config_type.from_dict(model)
     source_length = settings.get("source_length")
     task = None
     if source_length:
@@ -218,6 +221,11 @@ def _2_to_3(doc: dict, where: str) -> dict:
     return out
 
 
+# the network settings beside the preset's that versions 4 to 8 stored whole ("model")
+MODEL_FIELDS_4 = ("depth", "hidden", "heads", "mlp_ratio", "time_tokens", "omega_tokens", "mode_tokens", "rope_theta",
+                  "self_cond", "target_time", "noise_scale", "t_eps")
+
+
 def train_3_to_4(train):
     """Version 4's training settings hold the record's typed parts whole: the recipe (version 3 stored the
     flags' overrides of the released recipe of the run's kind), the network settings beside the preset's, the
@@ -230,7 +238,10 @@ def train_3_to_4(train):
     if isinstance(train.get("recipe"), dict):
         train["recipe"] = recipe_for(train["recipe"], conditional=conditional).to_dict()
     if isinstance(train.get("model"), dict):
-        train["model"] = NetworkOverrides.from_dict(train["model"]).to_dict()
+        unknown = sorted(set(train["model"]) - set(MODEL_FIELDS_4))
+        if unknown:
+            raise ValueError(f"model: unknown fields {unknown}")
+        train["model"] = {k: train["model"].get(k) for k in MODEL_FIELDS_4}
     if isinstance(train.get("short_run"), dict):
         train["short_run"] = ShortRunOptions.from_dict(train["short_run"]).to_dict()
     if isinstance(train.get("distillation"), dict):
@@ -331,8 +342,41 @@ def _7_to_8(doc: dict, where: str) -> dict:
     return out
 
 
+# the flat settings of the network up to version 8, and the fields of "model" that follow from the recipe and the
+# distillation from version 9 (elflow.config.TrainConfig.network_fields)
+FLAT_NETWORK = ("bottleneck", "predict", "conditioning", "decoder")
+DERIVED_NETWORK = ("self_cond", "target_time", "noise_scale", "t_eps")
+
+
+def train_8_to_9(train):
+    """Version 9's training settings describe the network as one part ("network"): version 8's "model" without
+    the fields that follow from the recipe and the distillation, with the flat network settings as its fields.
+    Settings that hold none of them (an ELF run's, whose record holds its network) stay as they are."""
+    if not isinstance(train, dict) or not any(k in train for k in ("model", *FLAT_NETWORK)):
+        return train
+    train = dict(train)
+    model = train.pop("model", None) or {}
+    network = {k: v for k, v in model.items() if k not in DERIVED_NETWORK} if isinstance(model, dict) else model
+    if isinstance(network, dict):
+        network.update({k: train.pop(k) for k in FLAT_NETWORK if k in train})
+    train["network"] = network
+    return train
+
+
+def _8_to_9(doc: dict, where: str) -> dict:
+    """From version 9 the training settings hold the network as one part (`train_8_to_9`): those beside a
+    baseline's record and a first stage's whole settings; every other document changes its version alone."""
+    if "record" not in doc:
+        return {**doc, "version": 9}
+    out = {**doc, "record": {**doc["record"], "version": 9}}
+    for key in ("train", "stage_of"):
+        if key in doc:
+            out[key] = train_8_to_9(doc[key])
+    return out
+
+
 # version -> the step that makes a document of that version one version newer
-STEPS = {1: _1_to_2, 2: _2_to_3, 3: _3_to_4, 4: _4_to_5, 5: _5_to_6, 6: _6_to_7, 7: _7_to_8}
+STEPS = {1: _1_to_2, 2: _2_to_3, 3: _3_to_4, 4: _4_to_5, 5: _5_to_6, 6: _6_to_7, 7: _7_to_8, 8: _8_to_9}
 assert sorted(STEPS) == list(range(PRE_RECORD, RECORD_VERSION)), "the chain must reach today's version"
 
 

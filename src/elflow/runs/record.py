@@ -34,7 +34,7 @@ from elflow.model import ELFConfig, ShortRunOptions
 from elflow.space import SpaceSpec, drawn_table
 from elflow.util.errors import ELFError, Record
 
-RECORD_VERSION = 8  # the layout of today's stored documents; elflow.runs.migrate reads the earlier ones
+RECORD_VERSION = 9  # the layout of today's stored documents; elflow.runs.migrate reads the earlier ones
 DISTILL_OBJECTIVES = ("pd", "flow-map")  # progressive distillation; one flow-map student for every step count
 
 
@@ -245,7 +245,7 @@ class RunRecord:
         method = part("method", get_method)
         record = cls(
             method=method.name,
-            network=part("network", method.network_config, method.config_type,
+            network=part("network", lambda v: method.config_type.from_dict(_obj(v)), method.config_type,
                          f"a network of its method {method.name!r}"),
             space=part("space", SpaceSpec.from_dict),
             length=part("length", _positive_int),
