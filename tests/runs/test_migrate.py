@@ -13,7 +13,7 @@ from elflow.runs.record import RunRecord
 from elflow.util.errors import ELFError
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
-RECORD2, LEGACY, RECORD5 = FIXTURES / "record2", FIXTURES / "legacy", FIXTURES / "record5"
+RECORD2, LEGACY, RECORD5, RECORD8 = (FIXTURES / name for name in ("record2", "legacy", "record5", "record8"))
 
 
 def stored(folder: Path, run: str) -> dict:
@@ -275,7 +275,8 @@ def test_version_8_network_settings_become_one_part_beside_a_baseline_s_record_a
     the fields that follow from the recipe and the distillation; an ELF run's settings hold none of them."""
     from elflow.config import TrainConfig
 
-    v8 = up_to(stored(RECORD5, "ar"), 8)
+    v8 = stored(RECORD8, "ar")  # written by version 8's own code
+    assert migrate.version_of(v8, "x") == 8
     flat = {k: v8["train"][k] for k in ("bottleneck", "predict", "conditioning", "decoder")}
     v9 = migrate.STEPS[8](v8, "x")
     assert v9["record"] == {**v8["record"], "version": 9}
@@ -286,5 +287,9 @@ def test_version_8_network_settings_become_one_part_beside_a_baseline_s_record_a
     assert cfg.network.depth == v8["train"]["model"]["depth"] and cfg.network.predict == flat["predict"]
     stage = {**v8["train"], "model": {"depth": 2, "self_cond": False, "noise_scale": 1.5}, "predict": "v"}
     assert migrate.train_8_to_9(stage)["network"] == {"depth": 2, **flat, "predict": "v"}
-    elf = up_to(stored(RECORD5, "elf"), 8)
-    assert migrate.STEPS[8](elf, "x")["train"] == elf["train"]
+    for run in ("elf", "cond", "fm", "pd/1-step"):
+        elf = stored(RECORD8, run)
+        assert migrate.STEPS[8](elf, "x")["train"] == elf["train"]
+    for state in RECORD8.rglob("state.json"):  # a checkpoint's state.json: its version alone
+        v8 = json.loads(state.read_text())
+        assert migrate.STEPS[8](v8, "x") == {**v8, "version": 9}
