@@ -516,13 +516,14 @@ def check_sampling_args(steps: int, gamma: float, omega: float, guidance: float 
                       f"[{recipe.omega_low}, {recipe.omega_high}]; results may be poor", stacklevel=2)
 
 
-# the settings a model samples with (its record's "sampling"), beside the checks they go through
+# a model's generation defaults (its record's "sampling"), and the settings one call samples with
 @dataclass(frozen=True)
-class SamplingSettings(Record):
-    """How to sample: the step count, the step kind and its back-off gamma, the self-conditioning guidance
-    omega, the source guidance (conditional models), the time grid's kind, the seed, the batch size and the
-    autocast precision. The path's constants (noise scale, t_eps) and the logit-normal grid's distribution are
-    the model's own, its recipe's (elflow.flow.Recipe)."""
+class GenerationDefaults(Record):
+    """A model's generation defaults, as its record stores them: the step count, the step kind and its back-off
+    gamma, the self-conditioning guidance omega, the source guidance (conditional models) and the time grid's
+    kind. The path's constants (noise scale, t_eps) and the logit-normal grid's distribution are the model's
+    own, its recipe's (elflow.flow.Recipe); the seed, the batch size and the precision are the caller's
+    (`SamplingSettings`)."""
 
     steps: int = SAMPLING_DEFAULTS["text"]["steps"]
     sampler: str = SAMPLING_DEFAULTS["text"]["sampler"]
@@ -530,24 +531,35 @@ class SamplingSettings(Record):
     omega: float = SAMPLING_DEFAULTS["text"]["omega"]
     guidance: float = SAMPLING_DEFAULTS["text"]["guidance"]
     grid: str = DEFAULT_GRID
-    seed: int = 0
-    batch_size: int = 8
-    dtype: str = "fp32"
 
-    def check(self, recipe: Recipe | None = None) -> "SamplingSettings":
-        """The settings if every one is usable (ELFError naming the first that is not); a warning for an
+    def check(self, recipe: Recipe | None = None):
+        """These settings if every one is usable (ELFError naming the first that is not); a warning for an
         omega outside the range `recipe` trained on."""
         try:
             check_sampling_args(self.steps, self.gamma, self.omega, self.guidance, self.sampler,
                                 recipe or Recipe())
         except ValueError as e:
             raise ELFError(str(e)) from None
+        if self.grid not in GRIDS:
+            raise ELFError(f"grid must be one of {', '.join(GRIDS)}, got {self.grid!r}")
+        return self
+
+
+@dataclass(frozen=True)
+class SamplingSettings(GenerationDefaults):
+    """How one call samples: a model's generation defaults (or others given), the seed, the batch size and the
+    autocast precision."""
+
+    seed: int = 0
+    batch_size: int = 8
+    dtype: str = "fp32"
+
+    def check(self, recipe: Recipe | None = None) -> "SamplingSettings":
+        super().check(recipe)
         ok, what = SAMPLING_RANGES["batch_size"]
         if not ok(self.batch_size):
             raise ELFError(f"the batch size must be {what}, got {self.batch_size!r}")
         check_seed(self.seed)
-        if self.grid not in GRIDS:
-            raise ELFError(f"grid must be one of {', '.join(GRIDS)}, got {self.grid!r}")
         if self.dtype not in AUTOCAST_DTYPES:
             raise ELFError(f"dtype must be one of {', '.join(AUTOCAST_DTYPES)}, got {self.dtype!r}")
         return self

@@ -22,6 +22,7 @@ from elflow.data.origins import CUT_TEXT, PIECE_CHARS, RUN_CHARS, cut_pieces
 from elflow.flow import (
     DISTILLED_STEPS,
     SAMPLING_DEFAULTS,
+    GenerationDefaults,
     Recipe,
     SamplingSettings,
     check_network_dtype,
@@ -36,7 +37,7 @@ from elflow.util.files import atomic_write
 
 
 def default_sampling(conditional: bool = False, distilled_steps: int | None = None,
-                     self_conditioned: bool = True, flow_map_steps: int | None = None) -> SamplingSettings:
+                     self_conditioned: bool = True, flow_map_steps: int | None = None) -> GenerationDefaults:
     """The settings a kind of model samples with when no flag is given: a text model's, a conditional model's,
     a progressively distilled model's few-step ones (at its step count), a flow-map student's jumps (at its
     default step count, on a uniform grid), and omega 1 for a network without self-conditioning (nothing for
@@ -48,7 +49,7 @@ def default_sampling(conditional: bool = False, distilled_steps: int | None = No
         values.update(SAMPLING_DEFAULTS["flow-map"], steps=int(flow_map_steps))
     if not self_conditioned:
         values["omega"] = 1.0
-    return SamplingSettings(**values)
+    return GenerationDefaults(**values)
 
 
 # the sampling flags an ELF model's sampler takes (besides --seed and --batch)
@@ -59,7 +60,7 @@ def settings_for(record, **given) -> SamplingSettings:
     """A model's sampler settings (its record's, elflow.runs.record.RunRecord): its stored defaults with the
     values `given` on top (None = not given); a progressively distilled model's sampler, gamma and omega follow
     the step count it samples with."""
-    stored = record.sampling
+    stored = SamplingSettings(**record.sampling.to_dict())
     pd = record.distillation if record.distillation and record.distillation.objective == "pd" else None
     if pd is not None:
         n = given.get("steps") or pd.student_steps or DISTILLED_STEPS

@@ -71,14 +71,17 @@ def test_sample_warns_when_the_default_length_is_beyond_the_trained_one(capsys, 
 
 
 def test_the_size_check_names_the_stored_counts_no_flag_gave(capsys, run_copy, tmp_path, monkeypatch):
-    edit_record(run_copy, lambda r: r["sampling"].update(batch_size=10**9))
-    monkeypatch.setattr(budget, "available_memory", lambda device=None: (2**30, "available on this machine"))
+    """A count no flag gave is named by where it comes from: the record's field and its file, or the batch size's
+    default (the caller's, never stored)."""
+    monkeypatch.setattr(budget, "available_memory", lambda device=None: (700 * 2**10, "available on this machine"))
     state_file = run_copy / "run.json"  # the file that holds the record
     out = tmp_path / "s.jsonl"
-    code, _, err = cli(capsys, ["sample", run_copy, "--steps", "1", "--num", "20000", "--quiet", "--out", out])
-    line = assert_one_error(code, err, "sample", f"sampling at --steps 1, record.sampling.batch_size of {state_file} "
-                            f"= 1000000000, --num 20000, record.network.max_length of {state_file} = 16 needs about")
-    assert "--batch 1000000000" not in line and not out.exists()
+    code, _, err = cli(capsys, ["sample", run_copy, "--num", "20000", "--quiet", "--out", out])
+    steps = json.loads(state_file.read_text())["record"]["sampling"]["steps"]
+    line = assert_one_error(code, err, "sample", f"sampling at record.sampling.steps of {state_file} = {steps}, the "
+                            f"default --batch = 8, --num 20000, record.network.max_length of {state_file} = 16 needs "
+                            "about")
+    assert "--batch 8" not in line and not out.exists()
 
 
 def test_sample_paths_that_are_not_checkpoints(capsys, tmp_path, monkeypatch):

@@ -20,6 +20,13 @@ def stored(folder: Path, run: str) -> dict:
     return json.loads((folder / run / "run.json").read_text())
 
 
+def without_callers(record: dict) -> dict:
+    """A stored record as version 9 holds it: its sampling without the seed, batch size and precision, which
+    are the caller's from version 9."""
+    return {**record, "sampling": {k: v for k, v in record["sampling"].items()
+                                   if k not in ("seed", "batch_size", "dtype")}}
+
+
 def up_to(doc: dict, version: int) -> dict:
     """`doc` migrated to `version` (not further), one step at a time."""
     while migrate.version_of(doc, "x") < version:
@@ -49,7 +56,7 @@ def test_a_version_2_run_file_gains_the_schedule_its_runs_used_and_its_settings_
     assert new["train"] == {**{k: v for k, v in old["record"]["train"].items() if k not in held},
                             "lr_schedule": "one-ahead"}
     assert {k: v for k, v in new["record"].items() if k != "version"} == \
-        {k: v for k, v in old["record"].items() if k not in ("train", "version")}
+        without_callers({k: v for k, v in old["record"].items() if k not in ("train", "version")})
     assert {k: v for k, v in new.items() if k not in ("record", "train")} == \
         {k: v for k, v in old.items() if k != "record"}
     RunRecord.from_dict(new["record"])
@@ -83,8 +90,8 @@ def test_each_step_changes_only_what_its_version_lacked():
     assert v7 == {**v6, "record": {**v6["record"], "version": 7}}  # its version alone: run.json keeps its record
     v8 = migrate.STEPS[7](v7, "x")
     assert v8 == {**v7, "record": {**v7["record"], "version": 8}}  # no first stage's settings: its version alone
-    v9 = migrate.STEPS[8](v8, "x")
-    assert v9 == {**v8, "record": {**v8["record"], "version": 9}}  # an ELF run's settings hold no network setting
+    v9 = migrate.STEPS[8](v8, "x")  # an ELF run's settings hold no network setting: its record's sampling alone
+    assert v9 == {**v8, "record": {**without_callers(v8["record"]), "version": 9}}
     assert document(v7, "x") == v9 == document(v8, "x") == document(v6, "x") == document(v5, "x") == document(v4, "x") == \
         document(v3, "x") == document(v2, "x")
 
@@ -101,7 +108,7 @@ def test_version_5_settings_that_restate_the_record_say_what_it_holds_or_leave_i
     assert len(runs) >= 10
     for run in runs:
         v5 = up_to(json.loads((run / "run.json").read_text()), 5)
-        record = RunRecord.from_dict({**v5["record"], "version": RECORD_VERSION})
+        record = RunRecord.from_dict({**without_callers(v5["record"]), "version": RECORD_VERSION})
         held = record_settings(record)
         assert set(held) == set(held_settings(record.method))
         # the flat task, sampling and network settings as the parts they became
@@ -199,7 +206,7 @@ def test_a_checkpoint_of_today_names_its_model_by_digest_and_one_of_version_6_ke
     old = up_to(json.loads(sorted(RECORD5.rglob("state.json"))[0].read_text()), 6)
     assert old["record"]["version"] == 6
     new = document(old, "state.json")
-    assert new == {**old, "record": {**old["record"], "version": RECORD_VERSION}}
+    assert new == {**old, "record": {**without_callers(old["record"]), "version": RECORD_VERSION}}
     RunRecord.from_dict(new["record"])
     for bad in (True, 6, "7", None):
         with pytest.raises(ELFError, match="'version' must be an integer from 7"):
@@ -279,7 +286,8 @@ def test_version_8_network_settings_become_one_part_beside_a_baseline_s_record_a
     assert migrate.version_of(v8, "x") == 8
     flat = {k: v8["train"][k] for k in ("bottleneck", "predict", "conditioning", "decoder")}
     v9 = migrate.STEPS[8](v8, "x")
-    assert v9["record"] == {**v8["record"], "version": 9}
+    assert v9["record"] == {**without_callers(v8["record"]), "version": 9}
+    assert v8["record"]["sampling"]["seed"] == 0 and v8["record"]["sampling"]["batch_size"] == 16  # the defaults
     assert not {"model", *flat} & set(v9["train"])
     derived = ("self_cond", "target_time", "noise_scale", "t_eps")
     assert v9["train"]["network"] == {**{k: v for k, v in v8["train"]["model"].items() if k not in derived}, **flat}
@@ -290,6 +298,11 @@ def test_version_8_network_settings_become_one_part_beside_a_baseline_s_record_a
     for run in ("elf", "cond", "fm", "pd/1-step"):
         elf = stored(RECORD8, run)
         assert migrate.STEPS[8](elf, "x")["train"] == elf["train"]
+    for path in RECORD8.rglob("run.json"):  # what 8 -> 9 drops of a record's sampling: every one at its default
+        sampling = json.loads(path.read_text())["record"]["sampling"]
+        elf = "method" not in sampling
+        assert (sampling["seed"], sampling["batch_size"], sampling.get("dtype", "fp32")) == (0, 8 if elf else 16,
+                                                                                           "fp32"), path
     for state in RECORD8.rglob("state.json"):  # a checkpoint's state.json: its version alone
         v8 = json.loads(state.read_text())
         assert migrate.STEPS[8](v8, "x") == {**v8, "version": 9}

@@ -131,12 +131,13 @@ def _sample(args, rank: int, world: int, device):
 
 def _stored_counts(args, origin) -> dict:
     """The counts of the sampling's size check that no flag gave, named by where they come from: the stored
-    record's field and its file, or a released model's defaults (elflow.util.budget.elf_sampling's `flags`)."""
+    record's field and its file, or a released model's defaults, and the batch size's default, which is the
+    caller's (elflow.util.budget.elf_sampling's `flags`)."""
     path, file = Path(origin.path), origin.record_file
-    counts = (("steps", "steps", "sampling.steps", "steps"), ("batch", "batch_size", "sampling.batch_size", "batch"),
-              ("length", "length", "network.max_length", "length"))
-    return {key: f"record.{field} of {file}" if file else f"the released model's {what} ({path})"
-            for flag, key, field, what in counts if getattr(args, flag, None) is None}
+    counts = (("steps", "steps", "sampling.steps", "steps"), ("length", "length", "network.max_length", "length"))
+    named = {key: f"record.{field} of {file}" if file else f"the released model's {what} ({path})"
+             for flag, key, field, what in counts if getattr(args, flag, None) is None}
+    return {**named, **({"batch_size": "the default --batch"} if getattr(args, "batch", None) is None else {})}
 
 
 def _write(args, outputs: Outputs, records, meta, space, traj_path, page_path) -> int:

@@ -38,19 +38,21 @@ def trunk_params(model) -> int:
 
 
 _KIND_WORDS = {str: "a name", int: "a whole number", float: "a finite number"}
+BATCH = 16  # samples per batch where the caller gives none
 
 
 @dataclass(frozen=True)
 class BaselineSampling:
     """How to sample a baseline: AR takes temperature and top_p, MDLM steps and temperature; seed and
-    batch_size as for ELF (one generator per call, seeded by `seed`)."""
+    batch_size as for ELF (one generator per call, seeded by `seed`), the caller's: a record's generation
+    defaults hold neither (None)."""
 
     method: str
     steps: int | None = None
     temperature: float = 1.0
     top_p: float | None = None
-    seed: int = 0
-    batch_size: int = 16
+    seed: int | None = None
+    batch_size: int | None = None
 
     def to_dict(self) -> dict:
         return {k: v for k, v in asdict(self).items() if v is not None}
@@ -61,7 +63,7 @@ class BaselineSampling:
         if unknown:
             raise ValueError(f"BaselineSampling: unknown fields {unknown}")
         for key, kind, optional in (("method", str, False), ("steps", int, True), ("temperature", float, False),
-                                    ("top_p", float, True), ("seed", int, False), ("batch_size", int, False)):
+                                    ("top_p", float, True), ("seed", int, True), ("batch_size", int, True)):
             v = d.get(key)
             if v is None and (optional or key not in d):
                 continue
@@ -172,8 +174,8 @@ class TokenMethod(Method):
         self.check_knobs(given)
         stored = record.sampling if record is not None else self.default_sampling(None)
         values = {k: getattr(stored, k) if given.get(k) is None else given[k] for k in self.defaults}
-        s = BaselineSampling(self.name, **values, seed=stored.seed if seed is None else seed,
-                             batch_size=stored.batch_size if batch_size is None else batch_size)
+        s = BaselineSampling(self.name, **values, seed=0 if seed is None else seed,
+                             batch_size=BATCH if batch_size is None else batch_size)
         self.sampler_settings(s)  # checks the values
         if isinstance(s.batch_size, bool) or not isinstance(s.batch_size, int) or s.batch_size < 1:
             raise ELFError(f"the batch size must be an integer >= 1, got {s.batch_size!r}")

@@ -26,7 +26,7 @@ from elflow.flow import (
     time_bin,
     time_bin_labels,
 )
-from elflow.generate import ELF_KNOBS, SamplingSettings, default_sampling, generate, settings_for
+from elflow.generate import ELF_KNOBS, GenerationDefaults, default_sampling, generate, settings_for
 from elflow.methods.base import FEATURES, Method
 from elflow.model import ELFConfig, ShortRunOptions, build_network, check_network, options_of
 from elflow.space import latent_moments, learned, token_vectors
@@ -111,7 +111,7 @@ class ELFMethod(Method):
 
     # -- the network as a record stores it -------------------------------------------------------------
     config_type = ELFConfig
-    sampling_type = SamplingSettings
+    sampling_type = GenerationDefaults
 
     def network_of(self, net):
         return net.config, net.options

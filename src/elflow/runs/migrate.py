@@ -363,12 +363,23 @@ def train_8_to_9(train):
     return train
 
 
+# what a record's sampling held up to version 8 that is the caller's from version 9
+CALLERS_SAMPLING = ("seed", "batch_size", "dtype")
+
+
 def _8_to_9(doc: dict, where: str) -> dict:
     """From version 9 the training settings hold the network as one part (`train_8_to_9`): those beside a
-    baseline's record and a first stage's whole settings; every other document changes its version alone."""
+    baseline's record and a first stage's whole settings; and a record's sampling holds the model's generation
+    defaults alone, the seed, batch size and precision it held being the caller's (CALLERS_SAMPLING, which every
+    version-8 record held at their defaults: 0, the method's batch, fp32). A state.json changes its version
+    alone."""
     if "record" not in doc:
         return {**doc, "version": 9}
-    out = {**doc, "record": {**doc["record"], "version": 9}}
+    record = doc["record"]
+    sampling = record.get("sampling")
+    if isinstance(sampling, dict):
+        record = {**record, "sampling": {k: v for k, v in sampling.items() if k not in CALLERS_SAMPLING}}
+    out = {**doc, "record": {**record, "version": 9}}
     for key in ("train", "stage_of"):
         if key in doc:
             out[key] = train_8_to_9(doc[key])

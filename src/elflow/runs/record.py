@@ -8,7 +8,8 @@ about how it was trained (the training settings are elflow.config.TrainConfig, s
     space         the embedding space's spec and id (elflow.space.SpaceSpec)
     length        the sequence length it was trained at
     task          None, or a conditional model's layout (`Task`: source length, slot, task, fields)
-    sampling      its generation defaults (ELF: elflow.flow.SamplingSettings; a baseline: BaselineSampling)
+    sampling      its generation defaults (ELF: elflow.flow.GenerationDefaults; a baseline: BaselineSampling); the
+                  seed, the batch size and the precision are the caller's
     distillation  None, or how a student was distilled (`Distillation`)
     params        None (a released model), or its parameter counts (`ParamCounts`)
 
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field, fields, replace
 
 from elflow.data.layout import PACKED, SOURCE_SLOTS
 from elflow.data.tasks import PAIR_TASKS
-from elflow.flow import SAMPLERS, SAMPLING_RANGES, Recipe, SamplingSettings
+from elflow.flow import SAMPLERS, SAMPLING_RANGES, GenerationDefaults, Recipe
 from elflow.methods import get_method
 from elflow.methods.baseline import MATCHES, BaselineSampling
 from elflow.methods.token_net import TokenLMConfig
@@ -152,7 +153,7 @@ class RunRecord:
     recipe: Recipe = field(default_factory=Recipe)
     options: ShortRunOptions = field(default_factory=ShortRunOptions)
     task: Task | None = None
-    sampling: SamplingSettings | BaselineSampling | None = None
+    sampling: GenerationDefaults | BaselineSampling | None = None
     distillation: Distillation | None = None
     params: ParamCounts | None = None
     version: int = RECORD_VERSION
