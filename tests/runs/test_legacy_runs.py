@@ -248,6 +248,58 @@ def test_a_resume_killed_before_its_first_checkpoint_leaves_a_run_that_resumes(f
     assert_same_checkpoint(checkpoint(run, 4), checkpoint(FIXTURES[fixture] / name, 4), fixture)
 
 
+# SIGKILL at the Nth rename of a command (ELFLOW_KILL_AT = N): every file the trainer writes lands by a rename
+# (an atomic write, a checkpoint's folder, a run set aside), so these are the moments its folder changes
+KILLED_AT_RENAME = """
+import os, signal, sys
+import torch
+if os.environ.get("ELFLOW_THREADS"):  # the fixture's own (THREADS), for the checkpoints this process writes
+    torch.set_num_threads(int(os.environ["ELFLOW_THREADS"]))
+n, seen = int(os.environ["ELFLOW_KILL_AT"]), [0]
+def counted(real):
+    def rename(*a, **k):
+        seen[0] += 1
+        if seen[0] == n:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(*a, **k)
+    return rename
+os.replace, os.rename = counted(os.replace), counted(os.rename)
+from elflow.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fixture", list(FIXTURES))
+def test_a_resume_killed_at_any_of_its_writes_leaves_a_run_that_resumes(fixture, tmp_path, monkeypatch,
+                                                                       fixture_threads):
+    """SIGKILL at each rename a resume of an older run makes, one fresh copy of the stopped run per rename, from
+    its first (the earlier run.json kept) to its last: each time, the next command resumes the run to the
+    complete run's last checkpoint bit for bit."""
+    import itertools
+    import subprocess
+    import sys
+
+    from elflow.cli import main
+
+    fixture_threads(fixture)
+    src = str(Path(__file__).resolve().parents[2] / "src")
+    for n in itertools.count(1):
+        root = copy_fixture(tmp_path / f"{fixture}-{n}", fixture)
+        monkeypatch.chdir(root)
+        argv = ["train", "--out", "elf-stopped", "--resume", "--quiet", "--device", "cpu", "--cache-dir",
+                str(tmp_path / "c")]
+        killed = subprocess.run([sys.executable, "-c", KILLED_AT_RENAME, *argv], cwd=root, timeout=600,
+                                env={**os.environ, "PYTHONPATH": src, "ELFLOW_KILL_AT": str(n),
+                                     "ELFLOW_THREADS": str(THREADS[fixture] or "")})
+        if killed.returncode == 0:  # past the resume's last rename: it ran whole
+            break
+        assert killed.returncode == -9, n
+        assert main(argv) == 0, n
+        assert_same_checkpoint(checkpoint(root / "elf-stopped", 4), checkpoint(FIXTURES[fixture] / "elf", 4), fixture)
+    assert n > 5  # (the earlier run.json kept, run.json, each checkpoint's files and folder, ...)
+
+
 def test_an_older_checkpoint_samples_with_its_run_s_current_defaults(tmp_path):
     """A resume with --sample-steps 3 --sample-omega 2 changes run.json's record: every checkpoint of the run
     samples with them, also one of an earlier layout whose state.json carries its own record (with the
