@@ -664,13 +664,14 @@ def resume_conflicts(stored: TrainConfig, cfg: TrainConfig, device=None) -> list
     """'name: stored -> new' for every setting that differs and may not change on resume (dtype "auto" read
     as what it picks on `device`, if given)."""
     a, b = stored.resolved(device).to_dict(), cfg.resolved(device).to_dict()
-    held = held_settings(stored.method)
+    held = (*held_settings(stored.method), "network")  # (a network field not given is the stored one's, always)
     return [f"{k}: {a[k]!r} -> {b[k]!r}" for k in a if k not in MUTABLE and a[k] != b[k]
             and not (k in held and _not_given(a[k], b[k]))]
 
 
 def _not_given(stored, given) -> bool:
-    """Whether a setting the record holds (stored whole, as the record has it) is kept by `given`: not given
+    """Whether a setting the record holds (stored whole, as the record has it), or the network a run asked for,
+    is kept by `given`: not given
     (None), or a part whose fields are each the stored one's or not given (a network setting left to the
     preset)."""
     if given is None:

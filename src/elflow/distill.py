@@ -101,6 +101,8 @@ def _base_config(teacher: Teacher, overrides: dict) -> TrainConfig:
     """The rounds' TrainConfig: the teacher's stored data and network settings, then the overrides."""
     record, origin = teacher.record, teacher.origin
     base = {k: teacher.settings[k] for k in KEPT if k in teacher.settings}
+    base.setdefault("recipe", record.recipe.to_dict())  # (a teacher stored without its settings: its record's)
+    base.setdefault("task", record.task.to_dict() if record.task else None)
     scale = record.space.latent_std
     if isinstance(scale, (int, float)) and base.get("space") is not None:
         base["latent_std"] = repr(float(scale))  # the teacher's resolved scale: no re-estimate, the same space
@@ -152,6 +154,9 @@ def distill(teacher, out, student_steps=(16, 8, 4, 2, 1), teacher_steps: int = 6
     device = _teacher_device()
     read = read_teacher(teacher)
     record, origin = read.record, read.origin
+    if record.network.target_time:
+        raise ELFError(f"{teacher} is a flow-map student; progressive distillation starts from a model that "
+                       "samples step by step (an undistilled model, or a progressive student)")
     cfg = _base_config(read, overrides)
     cfg.steps = steps_per_round or cfg.steps
     cfg.epochs = None if steps_per_round else epochs
@@ -186,6 +191,7 @@ def distill(teacher, out, student_steps=(16, 8, 4, 2, 1), teacher_steps: int = 6
                 print(f"{said}: training", file=sys.stderr)
             summary = train(rcfg, rdir, resume=again, cache_dir=cache_dir, quiet=quiet, stop_after=left,
                             method=PDMethod(teacher_net, n, teacher_steps), init=read.start if i == 0 else None)
+            read = read._replace(weights={})  # the teacher's network holds what it needs of them
             rounds[n] = rdir
             if left is not None:
                 left -= summary["end_step"] - summary["start_step"]

@@ -434,3 +434,18 @@ def test_the_run_defaults_by_size_name_network_sizes_and_the_help_says_them():
     assert f"{PRESETS['tiny'].bottleneck} for tiny" in NESTED_FLAGS["network", "bottleneck"].default_help
     assert f"{PRESETS['elf-b'].bottleneck} otherwise" in NESTED_FLAGS["network", "bottleneck"].default_help
     assert f"{SIZE_DEFAULTS['tiny']['space_dim']} for tiny's default space" in helps["space_dim"]
+
+
+def test_a_baseline_of_version_8_resumes_with_its_network_left_to_the_preset():
+    """Version 8 stored a baseline's network variants at their values (predict x, ...): a command that leaves
+    them to the preset keeps them, as it keeps an ELF record's; another network is a change."""
+    path = FIXTURES / "record8" / "ar-stopped" / "run.json"
+    doc = document(json.loads(path.read_text()), str(path))
+    stored = TrainConfig.of_run(RunRecord.from_dict(doc["record"], str(path)), doc["train"], str(path))
+    assert stored.network.predict == "x"
+    net = stored.network
+    given = stored.replace(network=NetworkOverrides(depth=net.depth, hidden=net.hidden, heads=net.heads))
+    assert resume_conflicts(stored, given) == []
+    wider = NetworkOverrides(depth=net.depth, hidden=2 * net.hidden, heads=net.heads)
+    assert resume_conflicts(stored, given.replace(network=wider)) == [
+        f"network: {stored.network.to_dict()!r} -> {wider.to_dict()!r}"]

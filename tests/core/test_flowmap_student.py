@@ -121,7 +121,9 @@ def test_distill_flow_map_makes_one_student_that_samples_at_any_step_count(teach
     # a student does not teach a student
     code = main(["distill", str(out), "--objective", "flow-map", "--steps", "2", "--out", str(tmp_path / "again")])
     assert_one_error(code, capsys.readouterr().err, "distill", "distilled student")
-    assert not (tmp_path / "again").exists()
+    code = main(["distill", str(out), "--student-steps", "1", "--teacher-steps", "2", "--out", str(tmp_path / "pd")])
+    assert_one_error(code, capsys.readouterr().err, "distill", "is a flow-map student; progressive distillation")
+    assert not (tmp_path / "again").exists() and not (tmp_path / "pd").exists()
 
 
 @pytest.mark.slow

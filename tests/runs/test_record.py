@@ -296,3 +296,12 @@ def test_parameter_counts_refuse_what_is_no_count(kw, words):
     with pytest.raises(ValueError) as e:
         ParamCounts(**kw)
     assert str(e.value) == words
+
+
+def test_a_baseline_record_holds_no_seed_or_batch_size():
+    """A model's generation defaults hold no seed or batch size, a baseline's as an ELF model's (the caller's)."""
+    record = fixture_record("ar")
+    assert not {"seed", "batch_size"} & set(record["sampling"])
+    for key, value in (("seed", 5), ("batch_size", 4)):
+        with pytest.raises(ELFError, match=f"generation defaults hold no {key} .the caller's., got {value}"):
+            RunRecord.from_dict({**record, "sampling": {**record["sampling"], key: value}}, "r.json")

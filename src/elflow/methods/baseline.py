@@ -136,6 +136,10 @@ class TokenMethod(Method):
     def check_record(self, record) -> None:
         if record.sampling.method != self.name:
             raise ELFError(f"sampling settings of {record.sampling.method!r}, not of {self.name!r}")
+        kept = [k for k in ("seed", "batch_size") if getattr(record.sampling, k) is not None]
+        if kept:
+            raise ELFError(f"a model's generation defaults hold no {kept[0]} (the caller's), got "
+                           f"{getattr(record.sampling, kept[0])!r}")
         self.sampler_settings(record.sampling)
         if record.task is not None or record.options.active:
             raise ELFError(f"a {self.name} model has no conditional task and no short-run options")
@@ -208,8 +212,9 @@ class TokenMethod(Method):
         """`num` samples as records {"index", "text"} (the format of generate.generate); `part`: one rank's."""
         if isinstance(num, bool) or not isinstance(num, int) or num < 1:
             raise ELFError(f"the number of samples must be an integer >= 1, got {num!r}")
-        return self.records(net, space, num, length or net.config.max_length, settings, settings.seed,
-                            settings.batch_size, part)
+        return self.records(net, space, num, length or net.config.max_length, settings,
+                            0 if settings.seed is None else settings.seed,
+                            BATCH if settings.batch_size is None else settings.batch_size, part)
 
 
 @dataclass(frozen=True)
