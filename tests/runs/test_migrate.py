@@ -165,6 +165,8 @@ def test_a_version_1_model_folder_and_a_converted_checkpoint_read_as_records():
     ("recipe.json", lambda d: {**d, "colour": "red"},
      "recipe.json: unknown fields ['colour'] (a model folder of this layout holds recipe, train there)"),
     ("space.json", lambda d: {**d, "extra": 1}, "space.json: unknown fields ['extra']"),
+    ("recipe.json", lambda d: {**d, "recipe": {**d["recipe"], "colour": 1}},
+     "recipe.json: its \"recipe\" differs from its train.recipe, which this layout holds the same"),
 ])
 def test_a_first_layout_model_folder_s_bad_file_is_named_by_its_own_name(tmp_path, name, edit, words):
     """A first-layout model folder keeps its parts in four files: a bad value or an unknown field is one line

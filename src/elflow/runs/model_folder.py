@@ -71,8 +71,12 @@ def read_model_folder_files(folder: Path) -> tuple[dict, dict, dict]:
                            f"{', '.join(FIELDS_1[name])} there); restore the file as elflow wrote it")
     if "space" not in space:
         raise ELFError(f"{folder / 'space.json'}: no space description")
+    train = recipe.get("train", {})
+    if isinstance(train, dict) and recipe.get("recipe", {}) != (train.get("recipe") or {}):  # written the same
+        raise ELFError(f"{folder / 'recipe.json'}: its \"recipe\" differs from its train.recipe, which this layout "
+                       "holds the same; restore the file as elflow wrote it")
     doc = {"method": config.get("method", "elf"), **{k: config[k] for k in NETWORK_KEYS if k in config},
-           "params": config.get("params"), "step": config.get("step"), "train": recipe.get("train", {}),
+           "params": config.get("params"), "step": config.get("step"), "train": train,
            "space": space["space"], "space_id": space.get("space_id"), "settings": sampling}
     return doc, files, {part: str(folder / name) for name, parts in PARTS_1.items() for part in parts}
 
