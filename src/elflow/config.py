@@ -196,9 +196,7 @@ def record_settings(record: RunRecord) -> dict:
            "distillation": record.distillation.to_dict() if record.distillation else None,
            "sampling": {f.name: sampling.get(f.name) for f in fields(SamplingDefaults)}}
     if isinstance(record.network, ELFConfig):
-        net = record.network.to_dict()
-        out.update(network={f.name: net.get(f.name) for f in fields(NetworkOverrides)},
-                   short_run=record.options.to_dict())
+        out.update(network=NetworkOverrides.of(record.network).to_dict(), short_run=record.options.to_dict())
     return out
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import re
 import sys
-from dataclasses import fields, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -53,8 +53,8 @@ def _teacher_device():
 class Teacher(NamedTuple):
     """A distillation's teacher, read once (`read_teacher`): its record, its EMA weights (its trained weights,
     with a warning, where it stored no EMA), where they came from, its training settings with those its record
-    holds ({} for a model stored without them) and the token store its checkpoint was trained on (None
-    unrecorded). The teacher's network and the first student's starting weights are made from these weights;
+    holds ({} for a model stored without them; the token store its checkpoint was trained on is its origin's).
+    The teacher's network and the first student's starting weights are made from these weights;
     nothing of the teacher is read again, so that a run still training, whose checkpoint `--keep` prunes
     meanwhile, is distilled from the checkpoint that was read."""
 
@@ -62,7 +62,6 @@ class Teacher(NamedTuple):
     weights: dict
     origin: Origin
     settings: dict
-    data_store: dict | None
 
     def network(self, length: int, device) -> torch.nn.Module:
         """The frozen network of the teacher's weights (its positions widened to `length` where that is longer),
@@ -82,7 +81,7 @@ def read_teacher(path) -> Teacher:
     stored = training_settings(origin.path) if origin.format in ("checkpoint", "model-folder") else {}
     if stored:  # with those its record holds
         stored = TrainConfig.of_run(record, stored, origin.path).to_dict()
-    return Teacher(record, sd, origin, stored, origin.data_store)
+    return Teacher(record, sd, origin, stored)
 
 
 # settings a resumed distillation must share with the stored one (the students' network is the teacher's, which
@@ -112,14 +111,14 @@ def _base_config(teacher: Teacher, overrides: dict) -> TrainConfig:
         raise ELFError(f"{origin.path} stores no training data settings (a converted or released model); pass "
                        "--data and --space")
     if overrides.get("data") is None and origin.format == "checkpoint":  # the teacher's data, as recorded
-        check_not_relative(base["data"], teacher.data_store, Path(origin.path) / STATE_FILE)
+        check_not_relative(base["data"], origin.data_store, Path(origin.path) / STATE_FILE)
     if base.get("preset") not in PRESETS:
         base["preset"] = "elf-b"  # every shape field is set from the teacher below
     shape = record.network
     if predict not in (None, shape.predict):
         raise ELFError(f"--predict {predict}: the students start from the teacher's weights, whose head predicts "
                        f"{shape.predict}; distil with --predict {shape.predict}")
-    base["network"] = {f.name: getattr(shape, f.name) for f in fields(NetworkOverrides)}  # the teacher's shape
+    base["network"] = NetworkOverrides.of(shape).to_dict()  # the teacher's shape
     base["short_run"] = record.options.to_dict() if record.options.active else {}  # students of the teacher's kind
     base["length"] = base.get("length") or record.length
     base["sample_every"] = 0

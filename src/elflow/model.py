@@ -7,7 +7,7 @@ are the released network. docs/method.md reads out the layers, shapes and varian
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn as nn
@@ -206,6 +206,11 @@ class NetworkOverrides(Record):
     predict: str | None = None
     conditioning: str | None = None
     decoder: str | None = None
+
+    @classmethod
+    def of(cls, config: "ELFConfig") -> "NetworkOverrides":
+        """A built network's config as the settings that ask for it, every field given."""
+        return cls(**{f.name: getattr(config, f.name) for f in fields(cls)})
 
     def given(self) -> dict:
         """The settings given (not None), as ELFConfig fields."""

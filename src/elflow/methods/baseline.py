@@ -57,6 +57,12 @@ class BaselineSampling:
     def to_dict(self) -> dict:
         return {k: v for k, v in asdict(self).items() if v is not None}
 
+    def for_call(self, seed=None, batch_size=None) -> "BaselineSampling":
+        """These settings with a call's seed and batch size: those given, else its own, else 0 and BATCH."""
+        seed = self.seed if seed is None else seed
+        batch_size = self.batch_size if batch_size is None else batch_size
+        return replace(self, seed=0 if seed is None else seed, batch_size=BATCH if batch_size is None else batch_size)
+
     @classmethod
     def from_dict(cls, d: dict) -> "BaselineSampling":
         unknown = sorted(set(d) - {f.name for f in fields(cls)})
@@ -178,8 +184,7 @@ class TokenMethod(Method):
         self.check_knobs(given)
         stored = record.sampling if record is not None else self.default_sampling(None)
         values = {k: getattr(stored, k) if given.get(k) is None else given[k] for k in self.defaults}
-        s = BaselineSampling(self.name, **values, seed=0 if seed is None else seed,
-                             batch_size=BATCH if batch_size is None else batch_size)
+        s = BaselineSampling(self.name, **values).for_call(seed, batch_size)
         self.sampler_settings(s)  # checks the values
         if isinstance(s.batch_size, bool) or not isinstance(s.batch_size, int) or s.batch_size < 1:
             raise ELFError(f"the batch size must be an integer >= 1, got {s.batch_size!r}")
@@ -212,9 +217,9 @@ class TokenMethod(Method):
         """`num` samples as records {"index", "text"} (the format of generate.generate); `part`: one rank's."""
         if isinstance(num, bool) or not isinstance(num, int) or num < 1:
             raise ELFError(f"the number of samples must be an integer >= 1, got {num!r}")
-        return self.records(net, space, num, length or net.config.max_length, settings,
-                            0 if settings.seed is None else settings.seed,
-                            BATCH if settings.batch_size is None else settings.batch_size, part)
+        settings = settings.for_call()
+        return self.records(net, space, num, length or net.config.max_length, settings, settings.seed,
+                            settings.batch_size, part)
 
 
 @dataclass(frozen=True)
