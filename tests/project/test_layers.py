@@ -16,7 +16,7 @@ LAYERS = [
     ["util.errors", "util", "data", "runs", "lifecycle", "eval", "experiments"],  # (the packages' docstrings)
     ["util.jsonio"],
     ["util.files", "util.devices", "util.distributed", "util.hub"],
-    ["util.budget"],
+    ["util.budget", "encoders"],
     ["model", "newton_schulz", "runs.tracking", "schedule"],
     ["optim", "flow", "runs.folder", "data.tasks", "data.layout", "data.integrity", "data.store_folder"],
     ["flowmap", "data.corpus", "data.store", "data.batches"],
