@@ -439,11 +439,10 @@ def heldout_rows(teacher: Path) -> int:
     try:
         from elflow.config import TrainConfig
         from elflow.data.datasets import run_data
-        from elflow.space import build_space, space_spec, tokenizer_spec
+        from elflow.space import build_space, tokenizer_spec
 
         cfg = TrainConfig.named("quickstart").resolved()
-        spec = space_spec(cfg.space, cfg.latent_std, cfg.space_dim, cfg.space_seed, cfg.space_stream)
-        return len(run_data(cfg, build_space(tokenizer_spec(spec)), cfg.length)[1])
+        return len(run_data(cfg, build_space(tokenizer_spec(cfg.space)), cfg.length)[1])
     except (ELFError, OSError) as e:
         sys.exit(f"few_step_text: the teacher's held-out split cannot be read: {e}")
 

@@ -104,9 +104,9 @@ CONFIGS: dict[str, dict] = {
     # ---- round 2, all at the full budget (250 x 32 x 64) from `combined` (random table, lr 3e-3, EMA 0.95):
     # lower-dimensional random tables (no rank floor: dim <= width; no input compression: dim <= bottleneck)
     "rt128": {"group": "round2", "note": "random-table 128-dim, lr 3e-3, EMA 0.95", "steps": 250,
-              "train": {"space": "random-table:minilm", "space_dim": 128, "lr": 3e-3, "ema_decay": 0.95}},
+              "train": {"space": {"kind": "random-table", "name": "minilm", "dim": 128}, "lr": 3e-3, "ema_decay": 0.95}},
     "rt64": {"group": "round2", "note": "random-table 64-dim, lr 3e-3, EMA 0.95", "steps": 250,
-             "train": {"space": "random-table:minilm", "space_dim": 64, "lr": 3e-3, "ema_decay": 0.95}},
+             "train": {"space": {"kind": "random-table", "name": "minilm", "dim": 64}, "lr": 3e-3, "ema_decay": 0.95}},
     # the network options for short runs (Gaussian skip, time scale, head modulation), the time draw, the
     # decode branch (corruption scale, share of rows) and the lr decay
     "rt-skip": {"group": "round2", "note": "random-table, lr 3e-3, EMA 0.95, Gaussian skip", "steps": 250,
@@ -390,13 +390,13 @@ def rank_floors(spaces=("minilm", "random-table:minilm"), length: int = 64, rows
     v-space loss multiplies that by 1 / max(1 - t, t_eps)^2, whose mean over t uniform in [0.5, 1) is 76."""
     from elflow.data.datasets import build_dataset
     from elflow.flow import Recipe
-    from elflow.space import build_space, space_spec
+    from elflow.space import build_space
 
     t_eps = Recipe().t_eps
     weight = ((1 / t_eps - 1 / 0.5) + t_eps / t_eps ** 2) / 0.5  # mean of max(1 - t, t_eps)^-2, t ~ U[0.5, 1)
     out = []
     for name in spaces:
-        space = build_space(space_spec(name, None))
+        space = build_space(name)
         _, val = build_dataset("builtin", space, length, val_fraction=0.02, seed=0, cache_dir=cache_dir)
         x = space.encode(val.tokens[:rows]).reshape(-1, space.dim).double()
         x = x - x.mean(0)

@@ -259,10 +259,10 @@ def main(argv=None):
     if not 0 < args.lr < 1:
         p.error(f"--lr must be in (0, 1), got {args.lr}")
     from elflow.data.datasets import build_dataset  # the frozen space and the token rows: elflow's
-    from elflow.space import build_space, space_spec
+    from elflow.space import build_space
 
     torch.manual_seed(args.seed)
-    space = build_space(space_spec("random-table:minilm", None))  # a frozen random table over MiniLM's tokenizer, x ~ N(0, 1)
+    space = build_space("random-table:minilm")  # a frozen random table over MiniLM's tokenizer, x ~ N(0, 1)
     rows = build_dataset("builtin", space, 64)[0].tokens  # (N, 64) packed rows of Shakespeare
     c = Config(dim=space.dim, vocab_size=space.vocab_size)
     net = ELF(c)

@@ -7,7 +7,7 @@ elflow.cli.train_flags makes `elflow train`'s flags from its fields."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import NamedTuple
 
 from elflow.data.layout import LAYOUTS, PACKED, SOURCE_SLOTS
@@ -39,7 +39,16 @@ from elflow.schedule import (
     UPDATE_RULES,
     base_lr,
 )
-from elflow.space import FIXED_TABLE_KINDS, TABLE_STREAM, drawn_table, fixed_vectors
+from elflow.space import (
+    DRAWN_TABLE_KINDS,
+    FIXED_TABLE_KINDS,
+    TABLE_STREAM,
+    SpaceSpec,
+    drawn_table,
+    fixed_vectors,
+    parse_space,
+    space_name,
+)
 from elflow.util.budget import LENGTH_BOUND, MAX_BATCH, MAX_LENGTH, MAX_TRAINING_STEPS, TRAINING_STEPS_BOUND
 from elflow.util.devices import RUN_DTYPES, resolve_dtype
 from elflow.util.distributed import DIST_TIMEOUT_MINUTES
@@ -106,8 +115,8 @@ KINDS = {"bool": bool, "str": str, "str | None": str, "int": int, "int | None": 
 
 def check_value(flag: str, kind, v, choices=None, check=None) -> None:
     """The one check of a setting's value against its declaration (a TrainConfig field's `setting`, a typed
-    part's field's NestedFlag): its type (`kind`: bool, str, int or float), its choices, its range (`check`: a
-    predicate and its description). ELFError naming `flag` (the flag, or the stored file's setting)."""
+    part's field's NestedFlag): its type (`kind`: bool, str, int or float; None: any its check accepts), its
+    choices, its range (`check`: a predicate and its description). ELFError naming `flag` (the flag, or the stored file's setting)."""
     if kind is bool:
         if not isinstance(v, bool):
             raise ELFError(f"{flag} must be true or false, got {v!r}")
@@ -122,6 +131,8 @@ def check_value(flag: str, kind, v, choices=None, check=None) -> None:
         if not number or kind is int and not isinstance(v, int) or check and not check[0](v):
             whole = kind is int and number and not isinstance(v, int)  # 2.5 for a count
             raise out_of_range(flag, "" if whole else check[1] if check else "", v, whole)
+    elif check and not check[0](v):  # a value of several types (a number or a word), its range check alone
+        raise out_of_range(flag, check[1], v)
 
 
 def setting(default=None, help: str = "", *, default_help: str | None = None, choices=None, check=None,
@@ -149,6 +160,20 @@ def size_default(preset: str, key: str):
     return SIZE_DEFAULTS.get(preset, PAPER_SIZE_DEFAULTS)[key]
 
 
+def default_space(preset: str) -> dict:
+    """The fields of a size's default space (SIZE_DEFAULTS)."""
+    dim = size_default(preset, "space_dim")
+    return {**parse_space(size_default(preset, "space")), **({"dim": dim} if dim is not None else {})}
+
+
+def read_latent_std(text: str):
+    """--latent-std's value: a number, or the word given ('auto', 'table'; another is refused by its check)."""
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
 def _preset_help(key: str) -> str:
     """A network setting's default by size, in words, from model.PRESETS: the value most sizes take, and the
     sizes that take another."""
@@ -174,9 +199,9 @@ def _size_help(key: str, show=str) -> str:
 # the settings of TrainConfig a run's record holds, whatever its method: its method and how a baseline was sized,
 # its length and task, its flow recipe, its distillation and its sampling defaults (`record_settings`)
 HELD_SETTINGS = ("method", "match", "length", "task", "recipe", "distillation", "sampling")
-# and those an ELF network's record holds besides (a baseline's record holds its own network, not the ELF
-# network it is sized against, whose settings stay with its training settings)
-ELF_NETWORK_SETTINGS = ("network", "short_run")
+# and those an ELF network's record holds besides (a baseline's record holds its own network and its tokenizer,
+# not the ELF network and space it is sized against, whose settings stay with its training settings)
+ELF_NETWORK_SETTINGS = ("network", "short_run", "space")
 
 
 def held_settings(method: str) -> tuple[str, ...]:
@@ -188,7 +213,8 @@ def record_settings(record: RunRecord) -> dict:
     """The settings `record` holds (`held_settings`), as TrainConfig names and stores them: a run's settings
     are these and the ones stored beside its record. The network settings are the network's own fields (the
     preset's and the ones given alike); the sampling defaults those of the record's sampling that a run may set
-    (SamplingDefaults)."""
+    (SamplingDefaults); the space the record's, without its id (the built space's, which a run checks its own
+    against)."""
     sampling = record.sampling.to_dict()
     out = {"method": record.method, "match": record.params.match if record.params else ParamCounts.match,
            "length": record.length, "task": record.task.to_dict() if record.task else None,
@@ -196,7 +222,8 @@ def record_settings(record: RunRecord) -> dict:
            "distillation": record.distillation.to_dict() if record.distillation else None,
            "sampling": {f.name: sampling.get(f.name) for f in fields(SamplingDefaults)}}
     if isinstance(record.network, ELFConfig):
-        out.update(network=NetworkOverrides.of(record.network).to_dict(), short_run=record.options.to_dict())
+        out.update(network=NetworkOverrides.of(record.network).to_dict(), short_run=record.options.to_dict(),
+                   space=asdict(replace(record.space, id=None)))
     return out
 
 
@@ -232,20 +259,6 @@ class TrainConfig(Record):
     text_field: str = setting("text", "the text field of .jsonl / hub records", flag="--field")
     on_bad: str = setting("stop", "empty, binary or non-UTF-8 files and bad jsonl lines: stop with an error, or "
                                   "skip them with a warning", choices=("stop", "skip"))
-    space: str | None = setting(None, "embedding space: minilm (offline), t5-small, t5:PATH, hf:PATH, or a table "
-                                      "over a base encoder's vocabulary: token-table[:BASE], random-table[:BASE], "
-                                      "learned-table[:BASE]",
-                                default_help=_size_help("space"))
-    space_dim: int | None = setting(None, "vector size of a random-table / learned-table space",
-                                    default_help=", ".join(f"{v['space_dim']} for {name}'s default space"
-                                                           for name, v in SIZE_DEFAULTS.items() if v["space_dim"])
-                                                 + ", else the base encoder's",
-                                    check=AT_LEAST_1)
-    space_seed: int = setting(0, "seed of a random-table / learned-table space's vectors", check=SEED)
-    space_stream: int | None = setting(None, "the draw of a random-table / learned-table space's vectors "
-                                             "(encoders.table_generator)", cli=False)
-    latent_std: str | None = setting(None, "divide encoder outputs by this: a number, 'auto' (estimated on a "
-                                           "sample) or 'table' (a table's own std)", default_help="the space's")
     length: int | None = setting(None, "sequence length L", default_help="the preset's", check=LENGTH)
     layout: str = setting(PACKED, "packed: documents run on across rows; document: one document per row",
                           choices=LAYOUTS)
@@ -316,6 +329,9 @@ class TrainConfig(Record):
                                              "--conditioning and --decoder set its fields; a distillation's "
                                              "students: the teacher's shape)", cli=False,
                                         default_factory=lambda: NetworkOverrides())
+    space: SpaceSpec | None = setting(None, "the embedding space (elflow.space.SpaceSpec; --space, --space-dim, "
+                                            "--space-seed and --latent-std set its fields)",
+                                      default_help="the preset's (SIZE_DEFAULTS)", cli=False)
     short_run: ShortRunOptions = setting(help="the network's options for short runs (elflow.model.ShortRunOptions; "
                                               "the short-run flags set its fields)", cli=False,
                                          default_factory=ShortRunOptions)
@@ -344,8 +360,11 @@ class TrainConfig(Record):
             self.short_run = ShortRunOptions()
         if self.sampling is None:  # none given
             self.sampling = SamplingDefaults()
+        if isinstance(self.space, str):  # a --space value: the space it names
+            self.space = parse_space(self.space)
         # (setting, its type, None allowed, what it is called, how a dict of its fields is read)
         for name, typ, optional, words, read in (
+                ("space", SpaceSpec, True, "space", self._space_of),
                 ("task", Task, True, "task", _task_of),
                 ("sampling", SamplingDefaults, False, "sampling defaults", SamplingDefaults.from_dict),
                 ("recipe", Recipe, True, "recipe", lambda d: recipe_for(d, conditional=self.conditional)),
@@ -362,6 +381,12 @@ class TrainConfig(Record):
             if not isinstance(value, typ) and not (optional and value is None):
                 raise ELFError(f"the run's {name} must be a JSON object of {typ.__name__} fields, got "
                                f"{type(value).__name__}")
+
+    def _space_of(self, d: dict) -> SpaceSpec:
+        """The space of the fields given; a space whose kind is not given is the preset's with those fields."""
+        if d.get("kind") is None:
+            d = {**default_space(self.preset), **{k: v for k, v in d.items() if v is not None}}
+        return SpaceSpec.from_dict(d)
 
     @classmethod
     def from_dict(cls, d: dict, strict: bool = False) -> "TrainConfig":
@@ -459,16 +484,12 @@ class TrainConfig(Record):
     def resolved(self, device=None) -> "TrainConfig":
         """The same run with every preset-dependent default filled in; with a `device`, `dtype` "auto" becomes
         the precision it picks there."""
-        space, space_dim = self.space, self.space_dim
-        if space is None:
-            space = size_default(self.preset, "space")
-            if space_dim is None:
-                space_dim = size_default(self.preset, "space_dim")
+        space = self.space or SpaceSpec.from_dict(default_space(self.preset))
+        if drawn_table(space):  # a table drawn from the space seed, on the stream of today's draws
+            space = replace(space, seed=space.seed or 0, stream=space.stream or TABLE_STREAM)
         preset = PRESETS.get(self.preset)
-        drawn = drawn_table(space)  # a table drawn from the space seed
         dtype = resolve_dtype(self.dtype, device) if device is not None else self.dtype
-        return replace(self, space=space, space_dim=space_dim, dtype=dtype, recipe=self.flow_recipe(),
-                       space_stream=(self.space_stream or TABLE_STREAM) if drawn else None,
+        return replace(self, space=space, dtype=dtype, recipe=self.flow_recipe(),
                        ema_decay=self.ema_decay if self.ema_decay is not None else size_default(self.preset,
                                                                                                  "ema_decay"),
                        length=self.length if self.length is not None else (preset.max_length if preset else None),
@@ -504,11 +525,16 @@ class TrainConfig(Record):
                 if getattr(self, attr) != next(f for f in fields(self) if f.name == attr).default:
                     raise ELFError(f"{name(attr)} sets up Muon; it does not apply to --optimizer adamw")
         readout = self.short_run.table_readout
-        if readout > 0 and self.space is not None and \
-                not fixed_vectors(self.space):
-            raise ELFError(f"{name('table_readout')} {readout:g}: the table readout needs a space with one vector per "
-                           f"token ({' or '.join(FIXED_TABLE_KINDS)}), and {name('space')} {self.space} has none: "
-                           f"pass {name('table_readout')} 0, or choose such a space")
+        if self.space is not None:
+            if readout > 0 and not fixed_vectors(self.space):
+                raise ELFError(f"{name('table_readout')} {readout:g}: the table readout needs a space with one vector "
+                               f"per token ({' or '.join(FIXED_TABLE_KINDS)}), and {name('space')} "
+                               f"{space_name(self.space)} has none: pass {name('table_readout')} 0, or choose such a "
+                               "space")
+            if self.space.dim is not None and not drawn_table(self.space):
+                dim = NESTED_FLAGS["space", "dim"].flag if stored is None else f"{stored}: its setting 'space.dim'"
+                raise ELFError(f"{dim} applies to {' and '.join(DRAWN_TABLE_KINDS)} spaces, not to "
+                               f"{space_name(self.space)}")
         if self.task is not None and self.length is not None and self.task.source_length >= self.length:
             source = NESTED_FLAGS["task", "source_length"].flag if stored is None else \
                 f"{stored}: its setting 'task.source_length'"
@@ -522,14 +548,14 @@ RUN_DEFAULTS: dict[str, tuple[dict, dict]] = {
     # over MiniLM's tokenizer, lr 3e-3, EMA 0.95, and the network's options for short runs
     # (elflow.model.ShortRunOptions)
     "quickstart": (
-        dict(preset="demo", data="builtin", space="random-table:minilm", length=64, batch=32, steps=250, lr=3e-3,
+        dict(preset="demo", data="builtin", space=parse_space("random-table:minilm"), length=64, batch=32, steps=250, lr=3e-3,
              warmup=50, ema_decay=0.95, adam_heads=True, dtype="auto", log_every=10, keep=2,
              short_run={"skip": "gated", "time_scale": 1000.0, "head_modulation": True, "table_readout": 1.0}),
         dict(ckpt_every=lambda v: max(v["steps"] // 4, 1), sample_every=lambda v: max(v["steps"] // 4, 1)),
     ),
     # the paper's conditional tasks: ELF-B in T5-small's space, warm-up 5,000 (and, as every conditional run,
     # decode corruption 1.0: flow.recipe_for)
-    **{name: (dict(preset="elf-b", space="t5-small", task={"name": name, "source_length": t["source_length"]},
+    **{name: (dict(preset="elf-b", space=parse_space("t5-small"), task={"name": name, "source_length": t["source_length"]},
                    data=t["data"], length=t["length"], warmup=t["warmup"], layout="document"), {})
        for name, t in PAIR_TASKS.items()},
 }
@@ -545,18 +571,20 @@ class NestedFlag(NamedTuple):
     check: tuple | None
     default_help: str
     flag: str | None = None
+    fields: object = None  # the flag's value -> the fields it sets (one flag naming several); None: its own
 
     def check_value(self, v) -> None:
-        """ELFError naming the flag when `v` is not a value of the field (`check_value`)."""
+        """ELFError naming the flag when `v` is not a value of the field (`check_value`; a type that is a
+        function reads the flag's text, and the field's values pass its range check alone)."""
         typ = self.type
-        check_value(self.flag, str if isinstance(typ, tuple) else typ, v, typ if isinstance(typ, tuple) else None,
-                    self.check)
+        kind = str if isinstance(typ, tuple) else typ if typ in (bool, str, int, float) else None
+        check_value(self.flag, kind, v, typ if isinstance(typ, tuple) else None, self.check)
 
 
 def _nested(part: str, field_name: str, typ, help: str, check=None, default_help: str = "the preset's",
-            flag: str | None = None) -> tuple[tuple[str, str], NestedFlag]:
+            flag: str | None = None, fields=None) -> tuple[tuple[str, str], NestedFlag]:
     return (part, field_name), NestedFlag(typ, help, check, default_help,
-                                          flag or "--" + field_name.replace("_", "-"))
+                                          flag or "--" + field_name.replace("_", "-"), fields)
 
 
 def _task_of(d: dict) -> Task | None:
@@ -587,6 +615,19 @@ NESTED_FLAGS: dict[tuple[str, str], NestedFlag] = dict((
     _nested("network", "decoder", DECODERS, "ELF: who reads out tokens: the denoiser itself in decode mode, or a "
             "separate network trained first on noisy embeddings (then frozen while the denoiser trains; both "
             "stored as one model)", None, "shared"),
+    _nested("space", "kind", str, "embedding space: minilm (offline), t5-small, t5:PATH, hf:PATH, or a table over "
+            "a base encoder's vocabulary: token-table[:BASE], random-table[:BASE], learned-table[:BASE]", None,
+            _size_help("space"), flag="--space", fields=parse_space),
+    _nested("space", "dim", int, "vector size of a random-table / learned-table space", AT_LEAST_1,
+            ", ".join(f"{v['space_dim']} for {name}'s default space" for name, v in SIZE_DEFAULTS.items()
+                      if v["space_dim"]) + ", else the base encoder's", flag="--space-dim"),
+    _nested("space", "seed", int, "seed of a random-table / learned-table space's vectors", SEED, "0",
+            flag="--space-seed"),
+    _nested("space", "latent_std", read_latent_std, "divide encoder outputs by this: a number, 'auto' (estimated on a "
+            "sample) or 'table' (a table's own std)", (lambda v: v in ("auto", "table") or isinstance(v, (int, float)) and
+                                                       not isinstance(v, bool) and _positive(v),
+                                                       "a positive number, 'auto' or 'table'"),
+            "the space's", flag="--latent-std"),
     _nested("short_run", "skip", SKIPS, "denoise head: none = the released networks' x = head(h); gaussian = the "
             "data's per-dimension Gaussian posterior mean + posterior std x head(h), a network that starts as that "
             "baseline denoiser; gated = the same with its pass-through of z gated by the network "
@@ -659,23 +700,23 @@ def kept_from(stored: TrainConfig, cfg: TrainConfig) -> TrainConfig:
 
 
 def resume_conflicts(stored: TrainConfig, cfg: TrainConfig, device=None) -> list[str]:
-    """'name: stored -> new' for every setting that differs and may not change on resume (dtype "auto" read
-    as what it picks on `device`, if given)."""
+    """'name: stored -> new' for every setting that differs and may not change on resume, a typed part's by its
+    fields ('network.depth: 2 -> 3'); dtype "auto" read as what it picks on `device`, if given. A setting the
+    record holds (and the network a run asks for), or a field of one, that is not given (None) is the stored
+    one."""
     a, b = stored.resolved(device).to_dict(), cfg.resolved(device).to_dict()
-    held = (*held_settings(stored.method), "network")  # (a network field not given is the stored one's, always)
-    return [f"{k}: {a[k]!r} -> {b[k]!r}" for k in a if k not in MUTABLE and a[k] != b[k]
-            and not (k in held and _not_given(a[k], b[k]))]
-
-
-def _not_given(stored, given) -> bool:
-    """Whether a setting the record holds (stored whole, as the record has it), or the network a run asked for,
-    is kept by `given`: not given
-    (None), or a part whose fields are each the stored one's or not given (a network setting left to the
-    preset)."""
-    if given is None:
-        return True
-    return isinstance(stored, dict) and isinstance(given, dict) and set(given) <= set(stored) and \
-        all(v is None or v == stored[k] for k, v in given.items())
+    held = (*held_settings(stored.method), "network")
+    out = []
+    for k in a:
+        kept = k in held
+        if k in MUTABLE or a[k] == b[k] or kept and b[k] is None:
+            continue
+        if isinstance(a[k], dict) and isinstance(b[k], dict):
+            out += [f"{k}.{f}: {a[k].get(f)!r} -> {v!r}" for f, v in b[k].items()
+                    if v != a[k].get(f) and not (kept and v is None)]
+        else:
+            out.append(f"{k}: {a[k]!r} -> {b[k]!r}")
+    return out
 
 
 def check_setting(name: str, value) -> None:

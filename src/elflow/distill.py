@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from elflow.config import TrainConfig, check_setting, kept_from
+from elflow.config import TrainConfig, check_setting, kept_from, read_latent_std
 from elflow.data.datasets import check_not_relative
 from elflow.flow import FLOW_MAP_STEPS, MAX_MAP_STEPS
 from elflow.lifecycle.claim import (
@@ -37,6 +37,7 @@ from elflow.runs.log import training_records
 from elflow.runs.record import Distillation, RunRecord
 from elflow.runs.stored import training_settings
 from elflow.schedule import EMA_DECAY
+from elflow.space import parse_space, space_name
 from elflow.train import train
 from elflow.util.budget import check_fits, elf_params, elf_training, precision, weights
 from elflow.util.distributed import setup_distributed, world_size
@@ -86,30 +87,38 @@ def read_teacher(path) -> Teacher:
 
 # settings a resumed distillation must share with the stored one (the students' network is the teacher's, which
 # the manifest names, and each round's run checks its own record on resume)
-SAME_ON_RESUME = ("preset", "short_run", "data", "space", "latent_std", "length", "layout", "batch", "steps", "epochs",
-                  "seed", "lr", "ema_decay", "warmup_frac")
+SAME_ON_RESUME = ("preset", "short_run", "data", "space", "length", "layout", "batch", "steps", "epochs", "seed", "lr",
+                  "ema_decay", "warmup_frac")
+
+
+def _same_on_resume(cfg: TrainConfig) -> dict:
+    """What a distillation's manifest holds of its rounds' settings (SAME_ON_RESUME), the space by its --space
+    value (each round's run checks the rest of its space on resume)."""
+    d = cfg.to_dict()
+    return {k: space_name(d[k]) if k == "space" and d[k] else d[k] for k in SAME_ON_RESUME}
 
 
 # the teacher's training config a distillation keeps (its data and how it is read, its network and run)
-KEPT = ("preset", "data", "text_field", "on_bad", "space", "latent_std", "length", "layout", "batch", "micro_batch",
-        "adam_heads", "ns_method", "grad_clip", "dtype", "compile", "network", "task", "space_dim", "space_seed",
-        "space_stream", "val_fraction", "recipe")
+KEPT = ("preset", "data", "text_field", "on_bad", "length", "layout", "batch", "micro_batch", "adam_heads", "ns_method",
+        "grad_clip", "dtype", "compile", "network", "task", "val_fraction", "recipe")
 
 
 def _base_config(teacher: Teacher, overrides: dict) -> TrainConfig:
     """The rounds' TrainConfig: the teacher's stored data and network settings, then the overrides."""
+    overrides = dict(overrides)
     record, origin = teacher.record, teacher.origin
     base = {k: teacher.settings[k] for k in KEPT if k in teacher.settings}
     base.setdefault("recipe", record.recipe.to_dict())  # (a teacher stored without its settings: its record's)
     base.setdefault("task", record.task.to_dict() if record.task else None)
-    scale = record.space.latent_std
-    if isinstance(scale, (int, float)) and base.get("space") is not None:
-        base["latent_std"] = repr(float(scale))  # the teacher's resolved scale: no re-estimate, the same space
+    # the teacher's space as built (its scale resolved: no re-estimate), its encoder or kind replaced by --space
+    given, scale = overrides.pop("space", None), overrides.pop("latent_std", None)
+    base["space"] = {**replace(record.space, id=None).to_dict(), **(parse_space(given) if given else {}),
+                     **({"latent_std": read_latent_std(scale)} if scale is not None else {})}
     predict = overrides.get("predict")  # (the students' network is the teacher's: checked below)
     base.update({k: v for k, v in overrides.items() if v is not None and k != "predict"})
-    if "data" not in base or "space" not in base:
+    if "data" not in base:
         raise ELFError(f"{origin.path} stores no training data settings (a converted or released model); pass "
-                       "--data and --space")
+                       "--data")
     if overrides.get("data") is None and origin.format == "checkpoint":  # the teacher's data, as recorded
         check_not_relative(base["data"], origin.data_store, Path(origin.path) / STATE_FILE)
     if base.get("preset") not in PRESETS:
@@ -168,7 +177,7 @@ def distill(teacher, out, student_steps=(16, 8, 4, 2, 1), teacher_steps: int = 6
 
     manifest = {"format": "elflow-distill-1", "teacher": local_path(origin.path), "teacher_space_id": record.space.id,
                 "teacher_ema": origin.ema, "student_steps": steps, "teacher_steps": teacher_steps,
-                "train": {k: cfg.to_dict()[k] for k in SAME_ON_RESUME}}
+                "train": _same_on_resume(cfg)}
     # under torchrun: one group for all rounds; rank 0 alone reads and writes OUT
     group = _process_group(cfg.dist_timeout)
     main = group is None or dist.get_rank() == 0
@@ -403,7 +412,7 @@ def _prepare_out(out: Path, manifest: dict, resume: bool, overwrite: bool) -> bo
         stored = {**stored, "teacher": local_path(stored.get("teacher"))}  # (a path recorded relative: from here)
         diff = [k for k in ("teacher", "student_steps", "teacher_steps") if stored.get(k) != manifest[k]]
         try:  # options read where they are stored, paths from here
-            train = absolute_paths(TrainConfig.from_dict(stored.get("train", {}))).to_dict()
+            train = _same_on_resume(absolute_paths(TrainConfig.from_dict(stored.get("train", {}))))
         except (TypeError, ValueError, AttributeError) as e:
             raise ELFError(f"{stored_path}: corrupted ({type(e).__name__}: {e})") from None
         diff += [f"train.{k}" for k in SAME_ON_RESUME if train[k] != manifest["train"][k]]

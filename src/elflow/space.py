@@ -448,19 +448,7 @@ def _normalise_spec(spec) -> dict:
     if isinstance(spec, SpaceSpec):
         return spec.build_spec()
     if isinstance(spec, str):
-        s = spec.strip()
-        if s in TABLE_KINDS:
-            return {"kind": s, "name": DEFAULT_ENCODER}
-        if s == "minilm":
-            return {"kind": "hf", "name": "minilm"}
-        if s.startswith("t5:"):
-            return {"kind": "t5", "name": s[3:]}
-        if s.startswith("hf:"):
-            return {"kind": "hf", "name": s[3:]}
-        base = Path(s).name.lower()
-        if base.startswith(("t5-", "t5_", "google-t5", "google/t5")) or s.lower().startswith("google-t5/t5"):
-            return {"kind": "t5", "name": s}
-        return {"kind": "hf", "name": s}
+        return parse_space(spec)
     if not isinstance(spec, dict):
         raise ELFError(f"an embedding space spec must be a name or a dict, got {type(spec).__name__}")
     spec = dict(spec)
@@ -471,31 +459,33 @@ def _normalise_spec(spec) -> dict:
     return spec
 
 
-def space_spec(name: str, latent_std, dim: int | None = None, seed: int = 0, stream: int | None = None) -> dict:
-    """--space value -> a build_space spec: minilm, t5-small (or any T5 hub id / folder), t5:PATH, hf:PATH,
-    or a non-contextual table over a base encoder's vocabulary: token-table[:BASE], random-table[:BASE],
-    learned-table[:BASE] (random and learned tables take --space-dim, --space-seed and the draw's stream,
-    TABLE_STREAM unless given)."""
-    kind, sep, base = name.partition(":")
-    spec = {"kind": kind, "name": base} if sep and kind in TABLE_KINDS else _normalise_spec(name)
-    if spec["kind"] in DRAWN_TABLE_KINDS:
-        spec.update(seed=seed, stream=stream or TABLE_STREAM, **({"dim": dim} if dim is not None else {}))
-    elif dim is not None:
-        raise ELFError(f"--space-dim applies to random-table and learned-table spaces, not to {name!r}")
-    if latent_std is not None:
-        try:
-            spec["latent_std"] = latent_std if latent_std in ("auto", "table") else float(latent_std)
-        except ValueError:
-            raise ELFError(f"--latent-std must be a number, 'auto' or 'table', got {latent_std!r}") from None
-    return spec
+def parse_space(text: str) -> dict:
+    """The kind and encoder a --space value names ({"kind", "name"}): minilm, t5-small (or any T5 hub id or
+    folder), t5:PATH, hf:PATH, another hub id or folder (an encoder through AutoModel), or a non-contextual table
+    over a base encoder's vocabulary: token-table[:BASE], random-table[:BASE], learned-table[:BASE]."""
+    s = text.strip()
+    kind, sep, base = s.partition(":")
+    if kind in TABLE_KINDS:
+        return {"kind": kind, "name": base if sep else DEFAULT_ENCODER}
+    if s == "minilm":
+        return {"kind": "hf", "name": "minilm"}
+    if sep and kind in ENCODER_KINDS:
+        return {"kind": kind, "name": base}
+    low = s.lower()
+    if Path(s).name.lower().startswith(("t5-", "t5_", "google-t5", "google/t5")) or low.startswith("google-t5/t5"):
+        return {"kind": "t5", "name": s}
+    return {"kind": "hf", "name": s}
+
+
+def space_name(spec) -> str:
+    """The --space value that names `spec`'s kind and encoder (a SpaceSpec or a dict): `parse_space`'s inverse."""
+    kind, name = (spec.kind, spec.name) if isinstance(spec, SpaceSpec) else (spec.get("kind"), spec.get("name", ""))
+    bare = name if kind not in TABLE_KINDS else None
+    return bare if bare is not None and parse_space(bare) == {"kind": kind, "name": name} else f"{kind}:{name}"
 
 
 def space_kind(space) -> str:
     """The kind of a space: of a --space value ("random-table:minilm"), a spec or a built space."""
-    if isinstance(space, str):
-        kind, sep, _ = space.partition(":")
-        if sep and kind in TABLE_KINDS:
-            return kind
     return _normalise_spec(space)["kind"]
 
 

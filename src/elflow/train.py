@@ -49,7 +49,7 @@ from elflow.runs.record import ParamCounts, RunRecord, differences
 from elflow.runs.stored import checkpoint_state, write_run
 from elflow.runs.tracking import Tracker, require_wandb
 from elflow.schedule import lr_at
-from elflow.space import SpaceSpec, build_space, check_compatible, space_spec
+from elflow.space import SpaceSpec, build_space, check_compatible
 from elflow.util.budget import check_previews, check_training
 from elflow.util.devices import (
     autocast,
@@ -175,7 +175,7 @@ def set_up(cfg: TrainConfig, method: Method, rank: int, world: int, device, cach
     micro = micro_batch_for(cfg, world)
     accum = cfg.batch // (world * micro)
     torch.manual_seed(cfg.seed)
-    spec = space_spec(cfg.space, cfg.latent_std, cfg.space_dim, cfg.space_seed, cfg.space_stream)
+    spec = cfg.space.build_spec()
     space = build_space(method.space_spec(spec), device=device, calibration=calibration_for(spec))
     length = cfg.length
     if space.max_length is not None and length > space.max_length:

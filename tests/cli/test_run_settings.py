@@ -7,6 +7,7 @@ import pytest
 from helpers import cli
 
 from elflow.config import TrainConfig
+from elflow.space import SpaceSpec, space_name
 
 # ----------------------------------------------------------------------------------------------------------
 # the run settings: one description
@@ -16,11 +17,11 @@ def test_print_config_resolves_the_preset_defaults(capsys):
     code, out, err = cli(capsys, ["train", "--preset", "tiny", "--print-config"])
     assert code == 0, err
     cfg = json.loads(out)
-    assert cfg["space"] == "random-table:minilm" and cfg["space_dim"] == 32
+    assert SpaceSpec.from_dict(cfg["space"]) == SpaceSpec("random-table", "minilm", dim=32, seed=0, stream=2)
     assert cfg["ema_decay"] == 0.995 and cfg["length"] == 32 and cfg["lr"] == pytest.approx(1e-3 * 32 / 256)
     code, out, _ = cli(capsys, ["train", "--preset", "elf-b", "--batch", "512", "--print-config"])
     cfg = json.loads(out)
-    assert cfg["space"] == "t5-small" and cfg["ema_decay"] == 0.9999 and cfg["lr"] == pytest.approx(2e-3)
+    assert space_name(cfg["space"]) == "t5-small" and cfg["ema_decay"] == 0.9999 and cfg["lr"] == pytest.approx(2e-3)
 
 
 def test_quickstart_settings_are_one_named_preset(capsys):
@@ -33,7 +34,7 @@ def test_quickstart_settings_are_one_named_preset(capsys):
     args = SimpleNamespace(length=64, batch=32, steps=250, lr=None, space=None, seed=0, sample_steps=64, sampler="vc",
                            omega=3.0)
     cfg = demo_config(args)
-    expected = dict(preset="demo", data="builtin", space="random-table:minilm", length=64, batch=32, steps=250,
+    expected = dict(preset="demo", data="builtin", space=SpaceSpec("random-table", "minilm"), length=64, batch=32, steps=250,
                     lr=3e-3, warmup=50, ema_decay=0.95, adam_heads=True, dtype="auto", seed=0, log_every=10,
                     ckpt_every=62, keep=2, sample_every=62,
                     sampling=SamplingDefaults(steps=64, sampler="vc", omega=3.0),
@@ -53,11 +54,11 @@ def test_quickstart_settings_are_one_named_preset(capsys):
     # --lr and --space replace the preset's and nothing else (a space without fixed token vectors also drops
     # the table readout); the preset itself is not changed
     mine = demo_config(SimpleNamespace(**{**vars(args), "lr": 1e-3, "space": "token-table:minilm"}))
-    assert (mine.lr, mine.space) == (1e-3, "token-table:minilm")
+    assert (mine.lr, space_name(mine.space)) == (1e-3, "token-table:minilm")
     assert {k: v for k, v in mine.to_dict().items() if k not in ("lr", "space")} == \
         {k: v for k, v in cfg.to_dict().items() if k not in ("lr", "space")}
     mine = demo_config(SimpleNamespace(**{**vars(args), "space": "minilm"}))
-    assert mine.short_run == cfg.short_run.replace(table_readout=0.0) and mine.space == "minilm"
+    assert mine.short_run == cfg.short_run.replace(table_readout=0.0) and space_name(mine.space) == "minilm"
     assert {k: v for k, v in mine.to_dict().items() if k not in ("short_run", "space")} == \
         {k: v for k, v in cfg.to_dict().items() if k not in ("short_run", "space")}
     assert demo_config(args).short_run.skip == "gated"  # the options are a frozen part: the preset's stay

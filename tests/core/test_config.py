@@ -16,6 +16,7 @@ from elflow.flow import Recipe
 from elflow.model import NetworkOverrides, ShortRunOptions
 from elflow.runs.migrate import document
 from elflow.runs.record import Distillation, RunRecord
+from elflow.space import TABLE_STREAM, SpaceSpec, parse_space, space_name
 from elflow.util.devices import resolve_dtype
 from elflow.util.errors import ELFError
 
@@ -222,14 +223,13 @@ def test_from_dict_takes_defaults_for_what_is_missing_and_refuses_the_unknown_on
 
 def test_resolved_fills_in_each_presets_defaults():
     tiny = TrainConfig(preset="tiny").resolved()
-    assert (tiny.space, tiny.space_dim, tiny.ema_decay, tiny.length) == ("random-table:minilm", 32, 0.995, 32)
+    assert (tiny.space, tiny.ema_decay, tiny.length) == \
+        (SpaceSpec("random-table", "minilm", dim=32, seed=0, stream=TABLE_STREAM), 0.995, 32)  # its draw recorded
     assert tiny.lr == pytest.approx(1e-3 * 32 / 256) and tiny.recipe == Recipe() and tiny.dtype == "auto"
-    assert tiny.space_stream is not None  # a table drawn from the seed records its draw
     demo = TrainConfig(preset="demo").resolved()
-    assert (demo.space, demo.space_dim, demo.space_stream, demo.ema_decay, demo.length) == \
-        ("minilm", None, None, 0.995, 64)
+    assert (demo.space, demo.ema_decay, demo.length) == (SpaceSpec("hf", "minilm"), 0.995, 64)
     paper = TrainConfig(preset="elf-b", batch=512).resolved()
-    assert (paper.space, paper.ema_decay, paper.length) == ("t5-small", 0.9999, 1024)
+    assert (space_name(paper.space), paper.ema_decay, paper.length) == ("t5-small", 0.9999, 1024)
     assert paper.lr == pytest.approx(2e-3)  # 1e-3 x 512 / 256
     assert TrainConfig(preset="tiny", optimizer="adamw").resolved().lr == pytest.approx(5e-5 * 32 / 256)
     assert TrainConfig(preset="tiny", task={"source_length": 4}).resolved().recipe.decode_noise_scale == \
@@ -237,13 +237,25 @@ def test_resolved_fills_in_each_presets_defaults():
 
 
 def test_resolved_keeps_what_was_given_and_changes_nothing_twice():
-    given = TrainConfig(preset="tiny", space="learned-table:minilm", space_dim=16, space_stream=1, ema_decay=0.9,
-                        length=20, lr=0.01, dtype="fp32", recipe={"t_std": 0.5})
+    given = TrainConfig(preset="tiny", space={"kind": "learned-table", "name": "minilm", "dim": 16, "stream": 1},
+                        ema_decay=0.9, length=20, lr=0.01, dtype="fp32", recipe={"t_std": 0.5})
     r = given.resolved("cpu")
-    assert (r.space, r.space_dim, r.space_stream, r.ema_decay, r.length, r.lr, r.dtype) == \
-        ("learned-table:minilm", 16, 1, 0.9, 20, 0.01, "fp32")
+    assert (r.space, r.ema_decay, r.length, r.lr, r.dtype) == \
+        (SpaceSpec("learned-table", "minilm", dim=16, seed=0, stream=1), 0.9, 20, 0.01, "fp32")
     assert r.recipe == Recipe(t_std=0.5) and r.resolved("cpu") == r
-    assert TrainConfig(preset="tiny", space="token-table:minilm").resolved().space_stream is None  # no draw
+    assert TrainConfig(preset="tiny", space="token-table:minilm").resolved().space.stream is None  # no draw
+    # a space whose kind is not given is the size's own, with the fields given
+    assert TrainConfig(preset="tiny", space={"seed": 3}).space == SpaceSpec("random-table", "minilm", dim=32, seed=3)
+
+
+@pytest.mark.parametrize("text", ["minilm", "t5-small", "google-t5/t5-large", "t5:/models/mine", "hf:/models/enc",
+                                  "/models/enc", "random-table:minilm", "token-table:t5-small", "learned-table",
+                                  "hf:t5-small", "t5:minilm"])
+def test_a_space_value_names_the_spec_it_parses_to(text):
+    """space_name is parse_space's inverse: the value it writes parses to the same kind and encoder."""
+    spec = parse_space(text)
+    assert parse_space(space_name(spec)) == spec
+    assert space_name(SpaceSpec.from_dict(spec)) == space_name(spec)
 
 
 def test_resolved_on_a_device_reads_dtype_auto_as_what_it_picks_there():
@@ -321,7 +333,8 @@ def test_a_named_config_derives_its_cadence_from_its_length_unless_given():
                                               table_readout=1.0)
     assert TrainConfig.named("quickstart", steps=100, ckpt_every=7).ckpt_every == 7
     xsum = TrainConfig.named("xsum")
-    assert (xsum.task.name, xsum.preset, xsum.space, xsum.layout) == ("xsum", "elf-b", "t5-small", "document")
+    assert (xsum.task.name, xsum.preset, space_name(xsum.space), xsum.layout) == ("xsum", "elf-b", "t5-small",
+                                                                                   "document")
     assert xsum.task.source_length < xsum.length
     assert xsum.flow_recipe().decode_noise_scale == RELEASED_CONDITIONAL_DECODE_NOISE
     assert TrainConfig.named(None, seed=4) == TrainConfig(seed=4)
@@ -350,7 +363,10 @@ def test_resume_conflicts_name_each_setting_that_may_not_change():
     assert resume_conflicts(stored, stored.replace(**mutable)) == []
     assert resume_conflicts(stored, stored.replace(seed=3, lr=0.5)) == ["lr: 0.003 -> 0.5", "seed: 0 -> 3"]
     assert resume_conflicts(stored, stored.replace(short_run=ShortRunOptions(skip="gated"))) == [
-        f"short_run: {ShortRunOptions().to_dict()!r} -> {ShortRunOptions(skip='gated').to_dict()!r}"]
+        "short_run.skip: 'none' -> 'gated'"]
+    assert resume_conflicts(stored, stored.replace(space={"dim": 16})) == ["space.dim: 32 -> 16"]
+    assert resume_conflicts(stored, stored.replace(space={"kind": "hf", "name": "minilm"})) == [
+        "space.kind: 'random-table' -> 'hf'"]
 
 
 def test_on_resume_a_setting_the_record_holds_that_is_not_given_keeps_the_stored_one():
@@ -358,9 +374,13 @@ def test_on_resume_a_setting_the_record_holds_that_is_not_given_keeps_the_stored
     that leaves one to the preset (None) keeps it; one given otherwise is a change."""
     stored = TrainConfig(preset="tiny", network=NetworkOverrides(depth=1, hidden=64, heads=2, bottleneck=16)).resolved()
     assert resume_conflicts(stored, stored.replace(network=NetworkOverrides(depth=1))) == []
-    for given in (NetworkOverrides(depth=2), NetworkOverrides(bottleneck=8)):
-        assert resume_conflicts(stored, stored.replace(network=given)) == [
-            f"network: {stored.network.to_dict()!r} -> {given.to_dict()!r}"]
+    assert resume_conflicts(stored, stored.replace(network=NetworkOverrides(depth=2))) == ["network.depth: 1 -> 2"]
+    assert resume_conflicts(stored, stored.replace(network=NetworkOverrides(bottleneck=8))) == [
+        "network.bottleneck: 16 -> 8"]
+    space = stored.space  # a space field not given is the stored one's; one given otherwise is a change
+    assert resume_conflicts(stored, stored.replace(space=SpaceSpec(space.kind, space.name))) == []
+    assert resume_conflicts(stored, stored.replace(space=SpaceSpec(space.kind, space.name, seed=4))) == [
+        "space.seed: 0 -> 4"]
     assert resume_conflicts(stored, stored.replace(seed=None)) == ["seed: 0 -> None"]  # not held: as stored
 
 
@@ -433,7 +453,9 @@ def test_the_run_defaults_by_size_name_network_sizes_and_the_help_says_them():
     helps = {f.name: f.metadata["default_help"] for f in fields(TrainConfig)}
     assert f"{PRESETS['tiny'].bottleneck} for tiny" in NESTED_FLAGS["network", "bottleneck"].default_help
     assert f"{PRESETS['elf-b'].bottleneck} otherwise" in NESTED_FLAGS["network", "bottleneck"].default_help
-    assert f"{SIZE_DEFAULTS['tiny']['space_dim']} for tiny's default space" in helps["space_dim"]
+    assert f"{SIZE_DEFAULTS['tiny']['space_dim']} for tiny's default space" in NESTED_FLAGS["space", "dim"].default_help
+    assert f"{SIZE_DEFAULTS['tiny']['space']} for tiny" in NESTED_FLAGS["space", "kind"].default_help
+    assert "the preset's" in helps["space"]
 
 
 def test_a_baseline_of_version_8_resumes_with_its_network_left_to_the_preset():
@@ -447,5 +469,4 @@ def test_a_baseline_of_version_8_resumes_with_its_network_left_to_the_preset():
     given = stored.replace(network=NetworkOverrides(depth=net.depth, hidden=net.hidden, heads=net.heads))
     assert resume_conflicts(stored, given) == []
     wider = NetworkOverrides(depth=net.depth, hidden=2 * net.hidden, heads=net.heads)
-    assert resume_conflicts(stored, given.replace(network=wider)) == [
-        f"network: {stored.network.to_dict()!r} -> {wider.to_dict()!r}"]
+    assert resume_conflicts(stored, given.replace(network=wider)) == [f"network.hidden: {net.hidden} -> {2 * net.hidden}"]

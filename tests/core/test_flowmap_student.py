@@ -155,7 +155,7 @@ def test_pd_flags_are_refused_and_a_resume_names_the_setting_it_would_change(tea
     before = tree_state(out)
     code = distil(teacher_run, out, "--steps", "6", "--teacher-steps", "4", "--resume")
     assert_one_error(code, capsys.readouterr().err, "distill", "--teacher-steps 4", "drop --teacher-steps")
-    for flag, value, named in (("--lr", "0.01", "lr: "), ("--student-steps", "8", "'student_steps': 8"),
+    for flag, value, named in (("--lr", "0.01", "lr: "), ("--student-steps", "8", "distillation.student_steps: 4 -> 8"),
                                ("--warmup-frac", "0.5", "warmup_frac: 0.1 -> 0.5")):
         code = distil(teacher_run, out, "--steps", "6", flag, value, "--resume")
         assert_one_error(code, capsys.readouterr().err, "distill", "holds a different run", named)

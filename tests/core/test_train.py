@@ -91,10 +91,12 @@ def test_the_sample_settings_given_are_the_models_sampling_defaults(uninterrupte
     (lambda d: d["record"]["recipe"].update(noise_scale=3.0), "describes another model than its checkpoint "
                                                               "step_0000006 holds (not the model it was saved"),
     (lambda d: d["train"].update(length=8), "its training settings hold 'length', which its record holds"),
-    (lambda d: d["train"].update(latent_std="2.5"), "its training settings make another model than its checkpoint "
-                                                    "step_0000006 holds (space: "),
+    (lambda d: d["record"]["space"].update(latent_std=2.5), "make another model than its checkpoint "
+                                                             "step_0000006 holds (space: "),
+    (lambda d: d["train"].update(space={"kind": "hf", "name": "minilm"}), "its training settings hold 'space', which "
+                                                                          "its record holds"),
     (lambda d: d["train"].update(update_rule="torch-fan"), "If run.json's optimiser settings were edited"),
-], ids=["recipe", "restated", "space-scale", "update-rule"])
+], ids=["recipe", "restated", "space-scale", "space-restated", "update-rule"])
 def test_a_resume_from_edited_training_settings_names_run_json(uninterrupted, tmp_path, capsys, edit, words):
     """run.json's training settings edited so that they make another model than the checkpoint holds (another
     recipe, another space) or another optimiser: the resume is one line that says run.json was edited, before
@@ -398,14 +400,14 @@ def test_a_random_table_run_stored_without_a_stream_keeps_its_table(tmp_path, ti
     base = ["--preset", "tiny", "--data", str(tiny_corpus_file), "--length", "16", "--batch", "4", "--warmup",
             "1", "--ckpt-every", "2", "--dtype", "fp32", "--quiet", "--cache-dir", str(tmp_path / "cache"),
             "--space", f"random-table:{tiny_t5_dir}", "--table-readout", "1"]
-    cfg = tiny_config(tiny_t5_dir, tiny_corpus_file, space=f"random-table:{tiny_t5_dir}", steps=2, ckpt_every=2,
-                      short_run={"table_readout": 1.0}, space_stream=1, data=str(tiny_corpus_file))
+    cfg = tiny_config(tiny_t5_dir, tiny_corpus_file, steps=2, ckpt_every=2, short_run={"table_readout": 1.0},
+                      data=str(tiny_corpus_file), space={"kind": "random-table", "name": str(tiny_t5_dir), "stream": 1})
     old = tmp_path / "old"
     train(cfg, old, quiet=True, cache_dir=tmp_path / "cache")
     settings, record = (json.loads((old / "run.json").read_text())[k] for k in ("train", "record"))
     for f in [old / "run.json", *old.glob("checkpoints/*/state.json")]:  # what an elflow without streams wrote
         d = as_layout_1(json.loads(f.read_text()), settings, record)
-        d["train"].pop("space_stream")
+        d["train"].pop("space_stream", None)  # (a baseline's; an ELF run's space is its record's)
         if "space" in d:
             d["space"].pop("stream")
             assert d["space_id"].endswith(":seed0")
@@ -416,7 +418,7 @@ def test_a_random_table_run_stored_without_a_stream_keeps_its_table(tmp_path, ti
     assert space.stream == 1 and torch.equal(space.table, first_draws)
     assert torch.equal(net.readout_table, space.table[:net.config.vocab_size])
     assert main(["train", "--out", str(old), "--resume", "--steps", "4", "--quiet"]) == 0
-    assert json.loads((old / "run.json").read_text())["train"]["space_stream"] == 1
+    assert json.loads((old / "run.json").read_text())["record"]["space"]["stream"] == 1
     assert main(["train", *base, "--steps", "2", "--out", str(tmp_path / "new")]) == 0
     _, fresh = load_for_sampling(tmp_path / "new")
     assert fresh.stream == 2 and not torch.allclose(fresh.table, space.table)

@@ -30,6 +30,7 @@ from helpers import (
 )
 
 from elflow.cli import COMMANDS, build_parser
+from elflow.space import parse_space
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -300,7 +301,8 @@ class World:
         from elflow.train import train
 
         run = self.root / name
-        cfg = tiny_config(self.t5, kw.pop("data", self.corpus), steps=2, ckpt_every=1, warmup=1, latent_std="0.2",
+        space = {**parse_space(kw.pop("space", f"t5:{self.t5}")), "latent_std": 0.2}
+        cfg = tiny_config(self.t5, kw.pop("data", self.corpus), steps=2, ckpt_every=1, warmup=1, space=space,
                           val_fraction=0.1, **kw)
         train(cfg, run, cache_dir=self.cache, quiet=True, stop_after=stop_after)
         if readable:

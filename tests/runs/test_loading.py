@@ -97,7 +97,8 @@ def module_calls(fn, *args, **kw) -> set[tuple[str, str]]:
     return edges
 
 
-LOAD_MODULES = 8  # find the model and read its record and weights (load; checkpoint, record) -> the space (space)
+LOAD_MODULES = 9  # find the model and read its record and weights (load; checkpoint, record) -> the space (space,
+# encoders)
 # -> the network (methods, methods.elf, model; the record's parts: flow) -> the weights, checked (load)
 
 
@@ -132,7 +133,7 @@ def learned_table_run(tmp_path_factory, tiny_t5_dir, tiny_corpus_file, cache):
     from elflow.train import train
 
     run = tmp_path_factory.mktemp("learned") / "run"
-    train(tiny_config(tiny_t5_dir, tiny_corpus_file, space=f"learned-table:{tiny_t5_dir}", space_dim=8, steps=2,
+    train(tiny_config(tiny_t5_dir, tiny_corpus_file, space={"kind": "learned-table", "name": str(tiny_t5_dir), "dim": 8}, steps=2,
                       ckpt_every=2), run, cache_dir=cache, quiet=True)
     return run
 

@@ -35,7 +35,7 @@ def up_to(doc: dict, version: int) -> dict:
 
 
 def test_the_chain_reaches_todays_version_one_step_at_a_time():
-    assert RECORD_VERSION == 9 and sorted(migrate.STEPS) == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert RECORD_VERSION == 10 and sorted(migrate.STEPS) == [1, 2, 3, 4, 5, 6, 7, 8, 9]
 
 
 def held_by_7(method: str) -> tuple[str, ...]:
@@ -53,8 +53,9 @@ def test_a_version_2_run_file_gains_the_schedule_its_runs_used_and_its_settings_
     assert new["record"]["version"] == RECORD_VERSION and "train" not in new["record"]
     held = held_by_7(new["record"]["method"])
     # beside the record: the settings it does not hold (5 -> 6), as they were, and the schedule (2 -> 3)
-    assert new["train"] == {**{k: v for k, v in old["record"]["train"].items() if k not in held},
-                            "lr_schedule": "one-ahead"}
+    # (and from version 10 an ELF record holds the space its flat settings named)
+    assert new["train"] == {**{k: v for k, v in old["record"]["train"].items()
+                               if k not in held and k not in migrate.FLAT_SPACE}, "lr_schedule": "one-ahead"}
     assert {k: v for k, v in new["record"].items() if k != "version"} == \
         without_callers({k: v for k, v in old["record"].items() if k not in ("train", "version")})
     assert {k: v for k, v in new.items() if k not in ("record", "train")} == \
@@ -92,7 +93,10 @@ def test_each_step_changes_only_what_its_version_lacked():
     assert v8 == {**v7, "record": {**v7["record"], "version": 8}}  # no first stage's settings: its version alone
     v9 = migrate.STEPS[8](v8, "x")  # an ELF run's settings hold no network setting: its record's sampling alone
     assert v9 == {**v8, "record": {**without_callers(v8["record"]), "version": 9}}
-    assert document(v7, "x") == v9 == document(v8, "x") == document(v6, "x") == document(v5, "x") == document(v4, "x") == \
+    v10 = migrate.STEPS[9](v9, "x")  # an ELF record holds the space: the flat space settings beside it go
+    assert v10 == {**v9, "record": {**v9["record"], "version": 10},
+                   "train": {k: v for k, v in v9["train"].items() if k not in migrate.FLAT_SPACE}}
+    assert document(v9, "x") == v10 == document(v7, "x") == document(v8, "x") == document(v6, "x") == document(v5, "x") == document(v4, "x") == \
         document(v3, "x") == document(v2, "x")
 
 
@@ -102,7 +106,7 @@ def test_version_5_settings_that_restate_the_record_say_what_it_holds_or_leave_i
     or was not given (None: the kind's sampling default, the preset's network setting), which the record
     resolved; the record's settings and those beside it make one valid TrainConfig. record5's runs were written
     in version 5 by its own code; the others reach it through the chain."""
-    from elflow.config import TrainConfig, _not_given
+    from elflow.config import TrainConfig
 
     runs = sorted(f.parent for f in root.rglob("run.json") if "expected" not in f.parts)
     assert len(runs) >= 10
@@ -112,9 +116,11 @@ def test_version_5_settings_that_restate_the_record_say_what_it_holds_or_leave_i
         held = record_settings(record)
         assert set(held) == set(held_settings(record.method))
         # the flat task, sampling and network settings as the parts they became
-        copies = migrate.train_8_to_9(migrate.train_7_to_8(v5["train"]))
+        copies = migrate.train_9_to_10(migrate.train_8_to_9(migrate.train_7_to_8(v5["train"])))
         for k in held:
-            assert copies[k] == held[k] or _not_given(held[k], copies[k]), (run, k)
+            given = copies[k]  # (a field not given, None, is the record's)
+            assert given is None or given == held[k] or isinstance(given, dict) and \
+                all(v is None or v == held[k][f] for f, v in given.items()), (run, k)
         cfg = TrainConfig.of_run(record, document(v5, "x")["train"], "x")
         assert {k: v for k, v in cfg.to_dict().items() if k in held} == held  # each read from the record
 
@@ -293,7 +299,8 @@ def test_version_8_network_settings_become_one_part_beside_a_baseline_s_record_a
     assert not {"model", *flat} & set(v9["train"])
     derived = ("self_cond", "target_time", "noise_scale", "t_eps")
     assert v9["train"]["network"] == {**{k: v for k, v in v8["train"]["model"].items() if k not in derived}, **flat}
-    cfg = TrainConfig.of_run(RunRecord.from_dict(v9["record"]), v9["train"], "x")
+    today = document(v8, "x")
+    cfg = TrainConfig.of_run(RunRecord.from_dict(today["record"]), today["train"], "x")
     assert cfg.network.depth == v8["train"]["model"]["depth"] and cfg.network.predict == flat["predict"]
     stage = {**v8["train"], "model": {"depth": 2, "self_cond": False, "noise_scale": 1.5}, "predict": "v"}
     assert migrate.train_8_to_9(stage)["network"] == {"depth": 2, **flat, "predict": "v"}
@@ -308,3 +315,37 @@ def test_version_8_network_settings_become_one_part_beside_a_baseline_s_record_a
     for state in RECORD8.rglob("state.json"):  # a checkpoint's state.json: its version alone
         v8 = json.loads(state.read_text())
         assert migrate.STEPS[8](v8, "x") == {**v8, "version": 9}
+
+
+def test_version_9_flat_space_settings_become_the_space_a_record_holds_or_one_part():
+    """Version 10 holds the space a run asks for as one part (elflow.space.SpaceSpec's fields): an ELF record
+    holds the space built from version 9's flat settings, which go; a baseline's settings (its record holds the
+    tokenizer alone) and a first stage's whole settings hold the part, each field from the flat setting it was."""
+    from elflow.config import TrainConfig
+    from elflow.space import SpaceSpec
+
+    for run in ("elf", "cond", "fm", "pd/1-step", "ar", "mdlm"):
+        v9 = migrate.STEPS[8](stored(RECORD8, run), "x")
+        flat = {k: v9["train"][k] for k in migrate.FLAT_SPACE}
+        v10 = migrate.STEPS[9](v9, "x")
+        assert v10["record"] == {**v9["record"], "version": 10}
+        assert not set(migrate.FLAT_SPACE) - {"space"} & set(v10["train"])
+        cfg = TrainConfig.of_run(RunRecord.from_dict(v10["record"]), v10["train"], "x")
+        kind, _, name = flat["space"].partition(":")
+        std = None if flat["latent_std"] is None else float(flat["latent_std"])
+        asked = SpaceSpec(kind, name, std, dim=flat["space_dim"], seed=flat["space_seed"], stream=flat["space_stream"])
+        if run in ("ar", "mdlm"):  # beside a baseline's record: the space it asked for, as asked
+            assert cfg.space == asked
+        else:  # an ELF record's: the space built from it, the fields asked for among its own
+            assert all(v is None or getattr(cfg.space, k) == v for k, v in asked.to_dict().items()), run
+            assert "space" not in v10["train"]
+    stage = {"preset": "tiny", "space": "t5:/enc", "space_dim": None, "space_seed": 0, "space_stream": None,
+             "latent_std": "auto"}
+    assert migrate.train_9_to_10(stage)["space"] == {**SpaceSpec("t5", "/enc", "auto").__dict__}
+    unnamed = migrate.train_9_to_10({**stage, "space": None, "space_dim": 16, "latent_std": None})
+    assert unnamed["space"] == {"dim": 16, "seed": 0}  # the preset's space, with what was given
+    assert TrainConfig(preset="tiny", space=unnamed["space"]).resolved().space == \
+        SpaceSpec("random-table", "minilm", dim=16, seed=0, stream=2)
+    for state in RECORD8.rglob("state.json"):  # a checkpoint's state.json: its version alone
+        v9 = migrate.STEPS[8](json.loads(state.read_text()), "x")
+        assert migrate.STEPS[9](v9, "x") == {**v9, "version": 10}

@@ -6,7 +6,7 @@ from elflow.data.ingest import prepare_store
 from elflow.data.layout import LAYOUTS, PACKED
 from elflow.data.workers import check_workers
 from elflow.lifecycle.outputs import check_out
-from elflow.space import build_space, space_spec, tokenizer_spec
+from elflow.space import build_space, tokenizer_spec
 from elflow.util.errors import ELFError
 
 
@@ -56,7 +56,7 @@ def run(args) -> int:
     if args.source_length is not None and args.source_length < 1:
         raise ELFError(f"--source-length must be at least 1, got {args.source_length}")
     out = check_out(args.out, folder=True)
-    space = build_space(tokenizer_spec(space_spec(args.space, None)))
+    space = build_space(tokenizer_spec(args.space))
     pairs = args.source_length is not None
     store = prepare_store(args.source, space, out, pairs=pairs, layout=args.layout, source_length=args.source_length,
                           field=args.field, source_field=args.source_field, target_field=args.target_field,

@@ -71,7 +71,9 @@ def given_config(args, base: dict | None = None) -> dict:
     dict given whole on the command line, else of `base`'s (the --defaults preset's values: `--skip gated`
     over the quickstart keeps its other short-run options), else of an empty one."""
     given = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)}
-    for key, sub in NESTED_FLAGS:
+    for (key, sub), nested in NESTED_FLAGS.items():
         if hasattr(args, f"{key}.{sub}"):
-            given.setdefault(key, dict((base or {}).get(key) or {}))[sub] = getattr(args, f"{key}.{sub}")
+            value = getattr(args, f"{key}.{sub}")
+            part = given.setdefault(key, dict((base or {}).get(key) or {}))
+            part.update(nested.fields(value) if nested.fields else {sub: value})
     return given

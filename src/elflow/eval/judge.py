@@ -16,10 +16,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from elflow.data.datasets import text_store
+from elflow.encoders import tokenizer_fingerprint
 from elflow.eval.gpt2_tokenizer import build_gpt2_tokenizer
 from elflow.eval.metrics import DTYPES
 from elflow.model import Block, RMSNorm, TransformerShape, rope_tables
-from elflow.encoders import tokenizer_fingerprint
 from elflow.util.budget import (
     MAX_TRAINING_STEPS,
     Estimate,

@@ -21,7 +21,7 @@ from elflow.experiments.encoder_train import train_encoder
 from elflow.lifecycle.outputs import check_out
 from elflow.methods import get_method
 from elflow.runs.load import load_for_sampling
-from elflow.space import build_space, space_spec, tokenizer_spec
+from elflow.space import build_space, parse_space, tokenizer_spec
 from elflow.train import train
 from elflow.util import jsonio
 from elflow.util.errors import ELFError
@@ -106,7 +106,8 @@ def _predict_variants():
     out = []
     for dim in (64, 256, 384):
         for target in ("x", "v", "eps"):
-            out.append(Variant(f"{target}@{dim}", {**_PLAIN, "network": {"predict": target}, "space_dim": dim}))
+            out.append(Variant(f"{target}@{dim}", {**_PLAIN, "network": {"predict": target},
+                                                           "space": {**parse_space("random-table:minilm"), "dim": dim}}))
     return tuple(out)
 
 
@@ -290,7 +291,7 @@ class Harness:
     def judge(self):
         if self._judge is None:
             cfg = self.config(Variant("base"), 0)
-            tokens = build_space(tokenizer_spec(space_spec(cfg.space, cfg.latent_std, cfg.space_dim, cfg.space_seed)))
+            tokens = build_space(tokenizer_spec(cfg.resolved().space))
             train_set, val_set = build_dataset(cfg.data, tokens, cfg.length, layout=cfg.layout,
                                                val_fraction=cfg.val_fraction, seed=0, cache_dir=self.cache_dir,
                                                field=cfg.text_field, on_bad=cfg.on_bad)

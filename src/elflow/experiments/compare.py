@@ -25,7 +25,7 @@ from elflow.runs.folder import METRICS_FILE
 from elflow.runs.load import load_for_sampling, read_record
 from elflow.runs.log import read_metrics
 from elflow.runs.record import SamplingDefaults
-from elflow.space import build_space, space_spec, tokenizer_spec
+from elflow.space import build_space, tokenizer_spec
 from elflow.train import train
 from elflow.util import jsonio
 from elflow.util.devices import check_device
@@ -171,8 +171,7 @@ def _compare(cfg, out, steps, minutes, num, judge, elf_steps, omegas, ar_tempera
     budget = {"steps": steps} if steps is not None else {"minutes": minutes}
     # the space's tokenizer alone serves the data, the judge's text and the held-out text
 
-    tokens_space = build_space(tokenizer_spec(space_spec(cfg.space, cfg.latent_std, cfg.space_dim, cfg.space_seed,
-                                                         cfg.space_stream)))
+    tokens_space = build_space(tokenizer_spec(cfg.space))
     train_set, val_set = build_dataset(cfg.data, tokens_space, cfg.length, layout=cfg.layout,
                                        val_fraction=cfg.val_fraction, seed=cfg.seed, cache_dir=cache_dir,
                                        field=cfg.text_field, on_bad=cfg.on_bad)

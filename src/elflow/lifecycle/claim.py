@@ -46,7 +46,7 @@ from elflow.runs.load import checkpoint_record
 from elflow.runs.record import differences
 from elflow.runs.stored import run_file
 from elflow.runs.tracking import ID_FILE
-from elflow.space import TABLE_KINDS
+from elflow.space import SpaceSpec
 from elflow.util.errors import ELFError
 from elflow.util.files import (
     FolderHold,
@@ -249,17 +249,12 @@ def local_path(value: str | None) -> str | None:
     return os.path.abspath(path) if os.path.lexists(path) else value
 
 
-def _space_path(space: str | None) -> str | None:
-    """--space with the encoder folder it names written absolute (t5:PATH, hf:PATH, KIND:BASE or a bare folder);
-    "minilm" and the table kinds are names."""
-    if not space:
+def _space_path(space: SpaceSpec | None) -> SpaceSpec | None:
+    """The space with the encoder folder it names (its encoder's, or a table's base) written absolute; "minilm"
+    and hub ids are names."""
+    if space is None or space.name == "minilm" or not os.path.isdir(os.path.expanduser(space.name)):
         return space
-    kind, sep, rest = space.partition(":")
-    if sep and kind in ("t5", "hf", *TABLE_KINDS):
-        return f"{kind}:{_space_path(rest)}" if rest else space
-    if space == "minilm" or space in TABLE_KINDS or not os.path.isdir(os.path.expanduser(space)):
-        return space
-    return os.path.abspath(os.path.expanduser(space))
+    return replace(space, name=os.path.abspath(os.path.expanduser(space.name)))
 
 
 def absolute_paths(cfg: TrainConfig) -> TrainConfig:

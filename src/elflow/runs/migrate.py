@@ -1,7 +1,7 @@
 """Every stored layout elflow reads, made today's by one linear chain of small steps, version N -> N + 1.
 
 A stored document is a run's run.json, a checkpoint's state.json or a model folder's config.json (an earlier
-model folder's JSON files merged into one: elflow.runs.model_folder). Today's layout (version 9) holds
+model folder's JSON files merged into one: elflow.runs.model_folder). Today's layout (version 10) holds
 
     "record"   run.json and a model folder: the model's description (elflow.runs.record.RunRecord.to_dict)
     "train"    run.json and a model folder: the training settings the record does not hold
@@ -29,6 +29,8 @@ Earlier versions:
     8  training settings that describe the network (a baseline's, sized against an ELF network; a first
        stage's) as flat settings (bottleneck, predict, conditioning, decoder) beside its other fields
        ("model"), which held self-conditioning, the path's constants and the target time too
+    9  the space as five flat training settings (space, space_dim, space_seed, space_stream, latent_std), stored
+       beside an ELF record that holds the space built from them
 
 Each step fills in exactly what its version lacked, with the value that the code of that version used (never
 today's default), so that an older run samples the same texts and resumes bit for bit. The authors' released
@@ -37,14 +39,14 @@ checkpoints carry no record: `released_record` is their one entry into today's. 
 
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import MISSING, fields
 
 from elflow.data.layout import PACKED
 from elflow.flow import recipe_for
 from elflow.methods import get_method
 from elflow.model import ELFConfig, ShortRunOptions
 from elflow.runs.record import RECORD_VERSION, Distillation, ParamCounts, RunRecord, Task
-from elflow.space import SpaceSpec, drawn_table
+from elflow.space import SpaceSpec, drawn_table, parse_space
 from elflow.util.errors import ELFError
 
 PRE_RECORD = 1  # the version of a document that holds no "record"
@@ -297,15 +299,20 @@ def _5_to_6(doc: dict, where: str) -> dict:
     (a --decoder separate run's recipe, which the record holds as trained: decode_prob 0), the record's is the
     one the model was trained with. A first stage's settings of the whole run ("stage_of") stay whole."""
     out = {**doc, "record": {**doc["record"], "version": 6}}
-    train = doc.get("train")
-    if isinstance(train, dict):
-        try:
-            elf = get_method(doc["record"].get("method")).config_type is ELFConfig
-        except (ELFError, TypeError):  # no method it knows: the record's reader names the field
-            return out
+    train, elf = doc.get("train"), _elf_record(doc)
+    if isinstance(train, dict) and elf is not None:
         held = (*HELD_IN_6, *(ELF_HELD_IN_6 if elf else ()), *FLAT_TASK, *FLAT_SAMPLING)
         out["train"] = {k: v for k, v in train.items() if k not in held}
     return out
+
+
+def _elf_record(doc: dict) -> bool | None:
+    """Whether a document's record is of a method with an ELF network (whose record holds the network), or None
+    for a method this elflow does not know (the record's reader names the field)."""
+    try:
+        return get_method(doc["record"].get("method")).config_type is ELFConfig
+    except (ELFError, TypeError):
+        return None
 
 
 def _6_to_7(doc: dict, where: str) -> dict:
@@ -387,7 +394,57 @@ def _8_to_9(doc: dict, where: str) -> dict:
 
 
 # version -> the step that makes a document of that version one version newer
-STEPS = {1: _1_to_2, 2: _2_to_3, 3: _3_to_4, 4: _4_to_5, 5: _5_to_6, 6: _6_to_7, 7: _7_to_8, 8: _8_to_9}
+# the space as flat training settings up to version 9
+FLAT_SPACE = ("space", "space_dim", "space_seed", "space_stream", "latent_std")
+
+
+def train_9_to_10(train):
+    """Version 10's training settings hold the space as one part ("space", elflow.space.SpaceSpec's fields) where
+    version 9 held it flat: the kind and encoder its --space value names; a drawn table's seed, stream and vector
+    size; the latent std, a number where version 9 stored one as text."""
+    if not isinstance(train, dict) or not any(k in train for k in FLAT_SPACE) or isinstance(train.get("space"), dict):
+        return train
+    train = dict(train)
+    flat = {k: train.pop(k) for k in FLAT_SPACE if k in train}
+    name, std = flat.get("space"), flat.get("latent_std")
+    part = parse_space(name) if isinstance(name, str) else {}
+    if not part or drawn_table(part):
+        part.update(dim=flat.get("space_dim"), seed=flat.get("space_seed"), stream=flat.get("space_stream"))
+    elif flat.get("space_dim") is not None:  # (refused by the run's checks, as version 9 refused it)
+        part["dim"] = flat["space_dim"]
+    if isinstance(std, str) and std not in ("auto", "table"):
+        try:
+            std = float(std)
+        except ValueError:  # (refused by the run's checks, naming the setting)
+            pass
+    part["latent_std"] = std
+    given = {k: v for k, v in part.items() if v is not None}
+    if "kind" not in given:  # no space named: the preset's, with the fields given (as TrainConfig reads it)
+        train["space"] = given or None
+    else:  # as TrainConfig writes a space: every field
+        train["space"] = {f.name: part.get(f.name, None if f.default is MISSING else f.default)
+                          for f in fields(SpaceSpec)}
+    return train
+
+
+def _9_to_10(doc: dict, where: str) -> dict:
+    """From version 10 an ELF record's space is the one its run's settings name: the flat space settings beside it
+    go (the record's space is the one built from them), and the whole settings of a first stage and those beside
+    a baseline's record (which holds the tokenizer alone) hold the space as one part (`train_9_to_10`). A
+    state.json changes its version alone."""
+    if "record" not in doc:
+        return {**doc, "version": 10}
+    out = {**doc, "record": {**doc["record"], "version": 10}}
+    if "stage_of" in doc:
+        out["stage_of"] = train_9_to_10(doc["stage_of"])
+    train, elf = doc.get("train"), _elf_record(doc)
+    if isinstance(train, dict) and elf is not None:
+        out["train"] = {k: v for k, v in train.items() if k not in FLAT_SPACE} if elf else train_9_to_10(train)
+    return out
+
+
+STEPS = {1: _1_to_2, 2: _2_to_3, 3: _3_to_4, 4: _4_to_5, 5: _5_to_6, 6: _6_to_7, 7: _7_to_8, 8: _8_to_9,
+         9: _9_to_10}
 assert sorted(STEPS) == list(range(PRE_RECORD, RECORD_VERSION)), "the chain must reach today's version"
 
 

@@ -35,7 +35,7 @@ from elflow.model import ELFConfig, ShortRunOptions
 from elflow.space import SpaceSpec, drawn_table
 from elflow.util.errors import ELFError, Record
 
-RECORD_VERSION = 9  # the layout of today's stored documents; elflow.runs.migrate reads the earlier ones
+RECORD_VERSION = 10  # the layout of today's stored documents; elflow.runs.migrate reads the earlier ones
 DISTILL_OBJECTIVES = ("pd", "flow-map")  # progressive distillation; one flow-map student for every step count
 
 
