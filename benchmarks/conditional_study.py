@@ -16,7 +16,7 @@ with a few network options changed; each trained run is then measured on held-ou
   x-guess from the target noised to time t (t = 0.5 ... 0.95), with and without the source, beside the
   readout of the noised input itself; the inputs and the guess of the network at the known (source)
   positions as training builds them (`flow.elf_loss`, captured) against those the sampler builds
-  (`flow.integrate`), from the same noised target.
+  (`sampler.integrate`), from the same noised target.
 
     PYTHONPATH=src python benchmarks/conditional_study.py train copy-qs copy-released copy-minilm
     PYTHONPATH=src python benchmarks/conditional_study.py measure copy-qs --variants all
@@ -195,8 +195,9 @@ def sample_variant(loaded, space, held, steps=64, sampler="ode", guidance=2.0, o
     """Generate for the held-out sources as `generate.generate` does (same seeds and draws), keeping z0 and
     the final state, and score the target tokens."""
     from elflow.eval.metrics import bleu
-    from elflow.flow import generate_tokens, time_grid
+    from elflow.flow import time_grid
     from elflow.generate import conditioning, extract_targets
+    from elflow.sampler import generate_tokens
 
     net = loaded
     table = net.readout_table if options(net).table_readout else None
@@ -243,7 +244,8 @@ def oracles(loaded, space, held, ts=(0.3, 0.5, 0.7, 0.9, 0.95), seed=0) -> dict:
     """The readout of clean targets; the readout of the denoiser's guess from the noised target (with and
     without the source) beside the readout of the noised input; the network's inputs and guess at the known
     positions as training builds them against the sampler."""
-    from elflow.flow import Draw, elf_loss, integrate, row_index
+    from elflow.flow import Draw, elf_loss, row_index
+    from elflow.sampler import integrate
 
     net = loaded
     recipe, slot = net.record.recipe, net.record.source_slot
@@ -276,7 +278,7 @@ def oracles(loaded, space, held, ts=(0.3, 0.5, 0.7, 0.9, 0.95), seed=0) -> dict:
             row["mse_baseline"] = ((base - x).pow(2).mean(-1) * target).sum().item() / target.sum().item()
         guesses[f"t={t}"] = row
 
-    # known positions: what training's elf_loss feeds the network against what flow.integrate feeds it
+    # known positions: what training's elf_loss feeds the network against what sampler.integrate feeds it
     t = 0.5
     seen = {}
 

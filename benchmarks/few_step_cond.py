@@ -228,7 +228,7 @@ def jump_lengths(den: int) -> list[float]:
 # the jump diagnostic
 def one_jump(net, z, t: float, t_next: float, slot, omega, guidance: float, keep, known, t_eps: float,
              target: bool):
-    """One step from (z, t) to t_next as elflow's samplers take it (elflow.flow.integrate): a flow map's jump
+    """One step from (z, t) to t_next as elflow's samplers take it (elflow.sampler.integrate): a flow map's jump
     (`target`) or an Euler step, with source guidance `guidance` (a second pass with the source dropped) and
     the known positions held."""
     import torch
@@ -254,9 +254,9 @@ def diagnose(teacher_dir: Path, fm_dir: Path | None, pd_dirs: dict, sources: lis
     own single Euler steps (the same for every distillation seed)."""
     import torch
 
-    from elflow.flow import integrate
     from elflow.generate import conditioning
     from elflow.runs.load import load_for_sampling
+    from elflow.sampler import integrate
 
     teacher, space = load_for_sampling(str(teacher_dir), device=device)
     rec = teacher.record

@@ -31,11 +31,12 @@ from pathlib import Path
 import torch
 
 from elflow.experiments.bench import NoSpace, bench, matmul_peak, pass_flops
-from elflow.flow import Recipe, draw_training_noise, generate_tokens, row_index
+from elflow.flow import Recipe, draw_training_noise, row_index
 from elflow.methods import get_method
 from elflow.methods.base import TrainedPass
 from elflow.model import ELF, get_config
 from elflow.optim import EMA, ELFOptimizer
+from elflow.sampler import generate_tokens
 from elflow.train import shard_generators, train_step
 from elflow.util.devices import use_tf32
 

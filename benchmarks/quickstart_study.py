@@ -335,7 +335,7 @@ def binned_loss(net, space, dataset, recipe, moments, rows: int = 128, batch: in
 def draw_samples(net, space, recipe, num: int, length: int, steps: int = 32, sampler: str = "vc",
                  omega: float = 3.0, seed: int = 0, batch_size: int = 16) -> list[str]:
     """`generate.generate`'s draws (batch b seeded by seed * 100003 + b) with the run's recipe."""
-    from elflow.flow import generate_tokens
+    from elflow.sampler import generate_tokens
 
     texts = []
     for b, start in enumerate(range(0, num, batch_size)):

@@ -6,12 +6,28 @@ elflow.cli.train_flags makes `elflow train`'s flags from its fields."""
 
 from __future__ import annotations
 
-import math
-from dataclasses import asdict, dataclass, field, fields, replace
-from typing import NamedTuple
+from dataclasses import asdict, dataclass, fields, replace
 
 from elflow.data.layout import LAYOUTS, PACKED, SOURCE_SLOTS
 from elflow.data.tasks import PAIR_TASKS
+from elflow.declare import (
+    AT_LEAST_0,
+    AT_LEAST_1,
+    EPOCHS,
+    KINDS,
+    LENGTH,
+    MINUTES,
+    POSITIVE,
+    ROWS,
+    SEED,
+    STEPS,
+    UNIT,
+    NestedFlag,
+    check_value,
+    nested_flag,
+    positive,
+    setting,
+)
 from elflow.flow import RECIPE_RANGES, SAMPLERS, SAMPLING_DEFAULTS, SAMPLING_RANGES, Recipe, recipe_for
 from elflow.methods import METHOD_NAMES, check_run, get_method
 from elflow.methods.baseline import MATCHES
@@ -49,102 +65,9 @@ from elflow.space import (
     parse_space,
     space_name,
 )
-from elflow.util.budget import LENGTH_BOUND, MAX_BATCH, MAX_LENGTH, MAX_TRAINING_STEPS, TRAINING_STEPS_BOUND
 from elflow.util.devices import RUN_DTYPES, resolve_dtype
 from elflow.util.distributed import DIST_TIMEOUT_MINUTES
-from elflow.util.errors import SEED_MAX, ELFError, Record
-
-MAX_EPOCHS = 1_000_000  # passes over the data: the paper's runs make a few
-
-
-def _positive(v) -> bool:
-    return math.isfinite(v) and v > 0
-
-
-def _at_least(lo):
-    return lambda v: math.isfinite(v) and v >= lo
-
-
-POSITIVE = (_positive, "> 0")
-
-
-AT_LEAST_0 = (_at_least(0), ">= 0")
-
-
-AT_LEAST_1 = (_at_least(1), ">= 1")
-
-
-UNIT = (lambda v: 0 <= v < 1, "in [0, 1)")
-
-
-SEED = (lambda v: isinstance(v, int) and 0 <= v <= SEED_MAX, f"from 0 to {SEED_MAX}")
-
-
-PROBABILITY = (lambda v: 0 <= v <= 1, "in [0, 1]")
-
-
-ANY = (math.isfinite, "(finite)")
-
-
-LENGTH = (lambda v: 1 <= v <= MAX_LENGTH, f"from 1 to {MAX_LENGTH:,} ({LENGTH_BOUND[1]})")
-
-
-ROWS = (lambda v: 1 <= v <= MAX_BATCH, f"from 1 to {MAX_BATCH:,} (the paper's batch is 512)")
-
-
-STEPS = (lambda v: 1 <= v <= MAX_TRAINING_STEPS, f"from 1 to {MAX_TRAINING_STEPS:,} ({TRAINING_STEPS_BOUND[1]})")
-
-
-EPOCHS = (lambda v: math.isfinite(v) and 0 < v <= MAX_EPOCHS, f"in (0, {MAX_EPOCHS:,}]")
-
-
-MINUTES = (lambda v: math.isfinite(v) and 0 < v <= 7 * 24 * 60, "in (0, 10,080] (a week)")
-
-
-def out_of_range(flag: str, what: str, value, whole: bool = False) -> ELFError:
-    """The one-line error of a setting whose value fails its range check (`what`: the check's description, a
-    range such as ">= 1", or a whole phrase such as "an integer from 1 to ..."; `whole`: a whole number)."""
-    must = what if what.startswith(("a ", "an ")) else f"a {'whole ' if whole else ''}number {what}".rstrip()
-    return ELFError(f"{flag} must be {must}, got {value!r}")
-
-
-# a field's declared type (as the dataclass holds it: a string) -> the type of its values; None: a typed part
-KINDS = {"bool": bool, "str": str, "str | None": str, "int": int, "int | None": int, "float": float,
-         "float | None": float}
-
-
-def check_value(flag: str, kind, v, choices=None, check=None) -> None:
-    """The one check of a setting's value against its declaration (a TrainConfig field's `setting`, a typed
-    part's field's NestedFlag): its type (`kind`: bool, str, int or float; None: any its check accepts), its
-    choices, its range (`check`: a predicate and its description). ELFError naming `flag` (the flag, or the stored file's setting)."""
-    if kind is bool:
-        if not isinstance(v, bool):
-            raise ELFError(f"{flag} must be true or false, got {v!r}")
-    elif choices:
-        if v not in choices:
-            raise ELFError(f"{flag} must be one of {', '.join(choices)}, got {v!r}")
-    elif kind is str:
-        if not isinstance(v, str):
-            raise ELFError(f"{flag} must be a string, got {v!r}")
-    elif kind in (int, float):
-        number = isinstance(v, (int, float)) and not isinstance(v, bool)
-        if not number or kind is int and not isinstance(v, int) or check and not check[0](v):
-            whole = kind is int and number and not isinstance(v, int)  # 2.5 for a count
-            raise out_of_range(flag, "" if whole else check[1] if check else "", v, whole)
-    elif check and not check[0](v):  # a value of several types (a number or a word), its range check alone
-        raise out_of_range(flag, check[1], v)
-
-
-def setting(default=None, help: str = "", *, default_help: str | None = None, choices=None, check=None,
-            flag: str | None = None, mutable: bool = False, cli: bool = True, default_factory=None):
-    """A TrainConfig field with what the CLI needs: help, choices, a value check (predicate, description),
-    its flag name if not --<name>, and whether `--resume` may change it (`mutable`)."""
-    meta = {"help": help, "default_help": default_help, "choices": choices, "check": check, "flag": flag,
-            "mutable": mutable, "cli": cli}
-    if default_factory is not None:
-        return field(default_factory=default_factory, metadata=meta)
-    return field(default=default, metadata=meta)
-
+from elflow.util.errors import ELFError, Record
 
 # the run defaults that follow from the network's size (--preset), where a size has its own: tiny is a 32-dim
 # random table over the MiniLM tokenizer (no encoder to run), so that it is cheap end to end; the small sizes
@@ -164,6 +87,11 @@ def default_space(preset: str) -> dict:
     """The fields of a size's default space (SIZE_DEFAULTS)."""
     dim = size_default(preset, "space_dim")
     return {**parse_space(size_default(preset, "space")), **({"dim": dim} if dim is not None else {})}
+
+
+# --latent-std: a positive number, or a word for a scale the space finds itself
+LATENT_STD = (lambda v: v in ("auto", "table") or isinstance(v, (int, float)) and not isinstance(v, bool) and
+              positive(v), "a positive number, 'auto' or 'table'")
 
 
 def read_latent_std(text: str):
@@ -196,17 +124,14 @@ def _size_help(key: str, show=str) -> str:
     return ", ".join(own) + f", {show(PAPER_SIZE_DEFAULTS[key])} otherwise"
 
 
-# the settings of TrainConfig a run's record holds, whatever its method: its method and how a baseline was sized,
-# its length and task, its flow recipe, its distillation and its sampling defaults (`record_settings`)
-HELD_SETTINGS = ("method", "match", "length", "task", "recipe", "distillation", "sampling")
-# and those an ELF network's record holds besides (a baseline's record holds its own network and its tokenizer,
-# not the ELF network and space it is sized against, whose settings stay with its training settings)
-ELF_NETWORK_SETTINGS = ("network", "short_run", "space")
-
-
+# what a run's record holds of its settings, declared with each field (`setting(held=...)`): "record", held by
+# every record (its method and how a baseline was sized, its length and task, its flow recipe, its distillation
+# and its sampling defaults); "elf", held by an ELF network's record (a baseline's record holds its own network
+# and its tokenizer, not the ELF network and space it is sized against, which stay with its training settings)
 def held_settings(method: str) -> tuple[str, ...]:
     """The settings the record of a model of `method` holds."""
-    return HELD_SETTINGS + (ELF_NETWORK_SETTINGS if get_method(method).config_type is ELFConfig else ())
+    held = ("record", "elf") if get_method(method).config_type is ELFConfig else ("record",)
+    return tuple(f.name for f in fields(TrainConfig) if f.metadata.get("held") in held)
 
 
 def record_settings(record: RunRecord) -> dict:
@@ -236,12 +161,13 @@ class TrainConfig(Record):
     `None` means "the preset's default" and is filled in by `resolved()`."""
 
     method: str = setting("elf", "what to train: ELF, or a token-level baseline over the same space's tokens: an "
-                                 "autoregressive LM (ar) or a masked diffusion LM (mdlm)", choices=METHOD_NAMES)
+                                 "autoregressive LM (ar) or a masked diffusion LM (mdlm)", choices=METHOD_NAMES,
+                          held="record")
     preset: str = setting("demo", "the network's size, a name of elflow.model.PRESETS (a baseline: the parameter "
                                   "count of this ELF network); --defaults is a named set of run settings",
                           choices=tuple(PRESETS))
     match: str = setting("total", "baselines: match the ELF network's parameter count in all, or without the "
-                                  "token tables and ELF's decode head (trunk)", choices=MATCHES)
+                                  "token tables and ELF's decode head (trunk)", choices=MATCHES, held="record")
     decoder_steps: int | None = setting(None, "--decoder separate: optimiser steps of the decoder's stage, trained "
                                               "into OUT/decoder before the denoiser's --steps",
                                         default_help="a quarter of --steps, so the decoder sees a quarter of the "
@@ -259,7 +185,7 @@ class TrainConfig(Record):
     text_field: str = setting("text", "the text field of .jsonl / hub records", flag="--field")
     on_bad: str = setting("stop", "empty, binary or non-UTF-8 files and bad jsonl lines: stop with an error, or "
                                   "skip them with a warning", choices=("stop", "skip"))
-    length: int | None = setting(None, "sequence length L", default_help="the preset's", check=LENGTH)
+    length: int | None = setting(None, "sequence length L", default_help="the preset's", check=LENGTH, held="record")
     layout: str = setting(PACKED, "packed: documents run on across rows; document: one document per row",
                           choices=LAYOUTS)
     batch: int = setting(32, "global batch: rows per optimiser step over all ranks", check=ROWS)
@@ -323,29 +249,29 @@ class TrainConfig(Record):
                                     "fresh optimiser, EMA and step 0)", flag="--init-from")
     recipe: Recipe | None = setting(None, "the flow recipe (elflow.flow.Recipe; the recipe flags set its fields)",
                                     default_help="the released recipe of the run's kind (flow.recipe_for)",
-                                    cli=False)
+                                    cli=False, held="record")
     network: NetworkOverrides = setting(help="the network, its fields not given the preset's (elflow.model."
                                              "NetworkOverrides; --depth, --hidden, --heads, --bottleneck, --predict, "
                                              "--conditioning and --decoder set its fields; a distillation's "
                                              "students: the teacher's shape)", cli=False,
-                                        default_factory=lambda: NetworkOverrides())
+                                        default_factory=lambda: NetworkOverrides(), held="elf")
     space: SpaceSpec | None = setting(None, "the embedding space (elflow.space.SpaceSpec; --space, --space-dim, "
                                             "--space-seed and --latent-std set its fields)",
-                                      default_help="the preset's (SIZE_DEFAULTS)", cli=False)
+                                      default_help="the preset's (SIZE_DEFAULTS)", cli=False, held="elf")
     short_run: ShortRunOptions = setting(help="the network's options for short runs (elflow.model.ShortRunOptions; "
                                               "the short-run flags set its fields)", cli=False,
-                                         default_factory=ShortRunOptions)
+                                         default_factory=ShortRunOptions, held="elf")
     task: Task | None = setting(None, "a conditional model's layout (elflow.runs.record.Task; --source-length "
                                       "and the pair flags set its fields)", default_help="none: plain text",
-                                cli=False)
+                                cli=False, held="record")
     # the model's own sampling defaults (its record's `sampling`, which its previews, `elflow sample` and
     # `elflow eval` use), where given; not given, those of its kind (elflow.generate.default_sampling)
     sampling: SamplingDefaults = setting(help="the model's sampling defaults (elflow.runs.record.SamplingDefaults; "
                                               "--sample-steps, --sample-sampler and --sample-omega set its fields)",
-                                         cli=False, mutable=True, default_factory=SamplingDefaults)
+                                         cli=False, mutable=True, default_factory=SamplingDefaults, held="record")
     distillation: Distillation | None = setting(None, "how the students of a distillation are trained "
                                                       "(elflow.runs.record.Distillation; set by elflow distill)",
-                                                cli=False)
+                                                cli=False, held="record")
 
     def __post_init__(self):
         """The typed parts may be given as dicts of their fields (a stored run, RUN_DEFAULTS, the recipe and
@@ -548,43 +474,19 @@ RUN_DEFAULTS: dict[str, tuple[dict, dict]] = {
     # over MiniLM's tokenizer, lr 3e-3, EMA 0.95, and the network's options for short runs
     # (elflow.model.ShortRunOptions)
     "quickstart": (
-        dict(preset="demo", data="builtin", space=parse_space("random-table:minilm"), length=64, batch=32, steps=250, lr=3e-3,
+        dict(preset="demo", data="builtin", space=parse_space("random-table:minilm"), length=64, batch=32, steps=250,
+             lr=3e-3,
              warmup=50, ema_decay=0.95, adam_heads=True, dtype="auto", log_every=10, keep=2,
              short_run={"skip": "gated", "time_scale": 1000.0, "head_modulation": True, "table_readout": 1.0}),
         dict(ckpt_every=lambda v: max(v["steps"] // 4, 1), sample_every=lambda v: max(v["steps"] // 4, 1)),
     ),
     # the paper's conditional tasks: ELF-B in T5-small's space, warm-up 5,000 (and, as every conditional run,
     # decode corruption 1.0: flow.recipe_for)
-    **{name: (dict(preset="elf-b", space=parse_space("t5-small"), task={"name": name, "source_length": t["source_length"]},
+    **{name: (dict(preset="elf-b", space=parse_space("t5-small"),
+                   task={"name": name, "source_length": t["source_length"]},
                    data=t["data"], length=t["length"], warmup=t["warmup"], layout="document"), {})
        for name, t in PAIR_TASKS.items()},
 }
-
-
-class NestedFlag(NamedTuple):
-    """A flag that sets one field of a typed part of TrainConfig: the field's type (a tuple: its choices), its
-    help, its range check (predicate, description) or None, its default in words, and its flag where that is
-    not --<field>."""
-
-    type: object
-    help: str
-    check: tuple | None
-    default_help: str
-    flag: str | None = None
-    fields: object = None  # the flag's value -> the fields it sets (one flag naming several); None: its own
-
-    def check_value(self, v) -> None:
-        """ELFError naming the flag when `v` is not a value of the field (`check_value`; a type that is a
-        function reads the flag's text, and the field's values pass its range check alone)."""
-        typ = self.type
-        kind = str if isinstance(typ, tuple) else typ if typ in (bool, str, int, float) else None
-        check_value(self.flag, kind, v, typ if isinstance(typ, tuple) else None, self.check)
-
-
-def _nested(part: str, field_name: str, typ, help: str, check=None, default_help: str = "the preset's",
-            flag: str | None = None, fields=None) -> tuple[tuple[str, str], NestedFlag]:
-    return (part, field_name), NestedFlag(typ, help, check, default_help,
-                                          flag or "--" + field_name.replace("_", "-"), fields)
 
 
 def _task_of(d: dict) -> Task | None:
@@ -602,60 +504,58 @@ def _task_of(d: dict) -> Task | None:
 
 # flags that set one field of a typed part: (part, field) -> NestedFlag
 NESTED_FLAGS: dict[tuple[str, str], NestedFlag] = dict((
-    _nested("network", "depth", int, "transformer blocks", AT_LEAST_1),
-    _nested("network", "hidden", int, "hidden width", AT_LEAST_1),
-    _nested("network", "heads", int, "attention heads", AT_LEAST_1),
-    _nested("network", "bottleneck", int, "ELF: width of the input bottleneck (32 / 128 / 512 in the paper)",
-            AT_LEAST_1, _preset_help("bottleneck")),
-    _nested("network", "predict", PREDICTIONS, "ELF: what the denoise head outputs, the clean embeddings x, the "
-            "velocity v or the noise eps; the loss is the v-space MSE whatever the target (the output turned into "
-            "v), and sampling turns it into x likewise", None, "x"),
-    _nested("network", "conditioning", CONDITIONINGS, "ELF: how t, omega and the mode reach the network: prefix "
-            "tokens, or DiT's adaLN-Zero modulation in every block (no prefix)", None, "tokens"),
-    _nested("network", "decoder", DECODERS, "ELF: who reads out tokens: the denoiser itself in decode mode, or a "
-            "separate network trained first on noisy embeddings (then frozen while the denoiser trains; both "
-            "stored as one model)", None, "shared"),
-    _nested("space", "kind", str, "embedding space: minilm (offline), t5-small, t5:PATH, hf:PATH, or a table over "
-            "a base encoder's vocabulary: token-table[:BASE], random-table[:BASE], learned-table[:BASE]", None,
-            _size_help("space"), flag="--space", fields=parse_space),
-    _nested("space", "dim", int, "vector size of a random-table / learned-table space", AT_LEAST_1,
-            ", ".join(f"{v['space_dim']} for {name}'s default space" for name, v in SIZE_DEFAULTS.items()
-                      if v["space_dim"]) + ", else the base encoder's", flag="--space-dim"),
-    _nested("space", "seed", int, "seed of a random-table / learned-table space's vectors", SEED, "0",
-            flag="--space-seed"),
-    _nested("space", "latent_std", read_latent_std, "divide encoder outputs by this: a number, 'auto' (estimated on a "
-            "sample) or 'table' (a table's own std)", (lambda v: v in ("auto", "table") or isinstance(v, (int, float)) and
-                                                       not isinstance(v, bool) and _positive(v),
-                                                       "a positive number, 'auto' or 'table'"),
-            "the space's", flag="--latent-std"),
-    _nested("short_run", "skip", SKIPS, "denoise head: none = the released networks' x = head(h); gaussian = the "
-            "data's per-dimension Gaussian posterior mean + posterior std x head(h), a network that starts as that "
-            "baseline denoiser; gated = the same with its pass-through of z gated by the network "
-            "(elflow.model.ShortRunOptions)"),
-    _nested("short_run", "time_scale", float, "factor on t before its sinusoid features (1 in the released "
-            "networks, whose features then barely change over t in [0, 0.1]; DiT uses 1000)", POSITIVE),
-    _nested("short_run", "head_modulation", bool, "scale and shift the denoise head's input by t (DiT's final "
-            "layer; absent from the released networks)"),
-    _nested("short_run", "table_readout", float, "weight w of the readout's table match: the decode logits gain "
-            "w z . R_k / sqrt(C), R_k token k's own vector in the space (table spaces only; 0 in the released "
-            "networks)", AT_LEAST_0),
-    _nested("task", "source_length", int, "train on (source, target) pairs whose sources take up to this many "
-            "tokens; --data is then a .jsonl of pairs, a named task or a hub pair set", AT_LEAST_1,
-            "none: plain text"),
-    _nested("task", "source_slot", SOURCE_SLOTS, "where a pair's target starts: 'packed', right after its source "
-            "(the released layout); 'fixed', at --source-length in every row, the source's slot padded, so a "
-            "target token sits at a fixed distance from the source token it copies", None, PACKED),
-    _nested("task", "name", tuple(PAIR_TASKS), "a named conditional task, stored with the model (set by "
-            "--defaults wmt14-de-en / xsum)", None, "none", flag="--task"),
-    _nested("task", "source_field", str, "the source field of pair records", None, Task.source_field),
-    _nested("task", "target_field", str, "the target field of pair records", None, Task.target_field),
-    _nested("sampling", "steps", int, "the model's default sampling steps (stored in its record: its previews, "
-            "elflow sample and elflow eval use them)", SAMPLING_RANGES["steps"],
-            _kind_help("steps") + ", a distilled student's own", flag="--sample-steps"),
-    _nested("sampling", "sampler", SAMPLERS, "the model's default sampler (stored likewise)", None,
-            _kind_help("sampler") + ", map for a flow-map student", flag="--sample-sampler"),
-    _nested("sampling", "omega", float, "the model's default self-conditioning guidance scale omega (stored "
-            "likewise)", SAMPLING_RANGES["omega"], _kind_help("omega"), flag="--sample-omega"),
+    nested_flag("network", "depth", int, "transformer blocks", AT_LEAST_1),
+    nested_flag("network", "hidden", int, "hidden width", AT_LEAST_1),
+    nested_flag("network", "heads", int, "attention heads", AT_LEAST_1),
+    nested_flag("network", "bottleneck", int, "ELF: width of the input bottleneck (32 / 128 / 512 in the paper)",
+                AT_LEAST_1, _preset_help("bottleneck")),
+    nested_flag("network", "predict", PREDICTIONS, "ELF: what the denoise head outputs, the clean embeddings x, the "
+                "velocity v or the noise eps; the loss is the v-space MSE whatever the target (the output turned into "
+                "v), and sampling turns it into x likewise", None, "x"),
+    nested_flag("network", "conditioning", CONDITIONINGS, "ELF: how t, omega and the mode reach the network: prefix "
+                "tokens, or DiT's adaLN-Zero modulation in every block (no prefix)", None, "tokens"),
+    nested_flag("network", "decoder", DECODERS, "ELF: who reads out tokens: the denoiser itself in decode mode, or a "
+                "separate network trained first on noisy embeddings (then frozen while the denoiser trains; both "
+                "stored as one model)", None, "shared"),
+    nested_flag("space", "kind", str, "embedding space: minilm (offline), t5-small, t5:PATH, hf:PATH, or a table over "
+                "a base encoder's vocabulary: token-table[:BASE], random-table[:BASE], learned-table[:BASE]", None,
+                _size_help("space"), flag="--space", fields=parse_space),
+    nested_flag("space", "dim", int, "vector size of a random-table / learned-table space", AT_LEAST_1,
+                ", ".join(f"{v['space_dim']} for {name}'s default space" for name, v in SIZE_DEFAULTS.items()
+                          if v["space_dim"]) + ", else the base encoder's", flag="--space-dim"),
+    nested_flag("space", "seed", int, "seed of a random-table / learned-table space's vectors", SEED, "0",
+                flag="--space-seed"),
+    nested_flag("space", "latent_std", read_latent_std, "divide encoder outputs by this: a number, 'auto' "
+                    "(estimated on a sample) or 'table' (a table's own std)", LATENT_STD, "the space's",
+                    flag="--latent-std"),
+    nested_flag("short_run", "skip", SKIPS, "denoise head: none = the released networks' x = head(h); gaussian = the "
+                "data's per-dimension Gaussian posterior mean + posterior std x head(h), a network that starts as that "
+                "baseline denoiser; gated = the same with its pass-through of z gated by the network "
+                "(elflow.model.ShortRunOptions)"),
+    nested_flag("short_run", "time_scale", float, "factor on t before its sinusoid features (1 in the released "
+                "networks, whose features then barely change over t in [0, 0.1]; DiT uses 1000)", POSITIVE),
+    nested_flag("short_run", "head_modulation", bool, "scale and shift the denoise head's input by t (DiT's final "
+                "layer; absent from the released networks)"),
+    nested_flag("short_run", "table_readout", float, "weight w of the readout's table match: the decode logits gain "
+                "w z . R_k / sqrt(C), R_k token k's own vector in the space (table spaces only; 0 in the released "
+                "networks)", AT_LEAST_0),
+    nested_flag("task", "source_length", int, "train on (source, target) pairs whose sources take up to this many "
+                "tokens; --data is then a .jsonl of pairs, a named task or a hub pair set", AT_LEAST_1,
+                "none: plain text"),
+    nested_flag("task", "source_slot", SOURCE_SLOTS, "where a pair's target starts: 'packed', right after its source "
+                "(the released layout); 'fixed', at --source-length in every row, the source's slot padded, so a "
+                "target token sits at a fixed distance from the source token it copies", None, PACKED),
+    nested_flag("task", "name", tuple(PAIR_TASKS), "a named conditional task, stored with the model (set by "
+                "--defaults wmt14-de-en / xsum)", None, "none", flag="--task"),
+    nested_flag("task", "source_field", str, "the source field of pair records", None, Task.source_field),
+    nested_flag("task", "target_field", str, "the target field of pair records", None, Task.target_field),
+    nested_flag("sampling", "steps", int, "the model's default sampling steps (stored in its record: its previews, "
+                "elflow sample and elflow eval use them)", SAMPLING_RANGES["steps"],
+                _kind_help("steps") + ", a distilled student's own", flag="--sample-steps"),
+    nested_flag("sampling", "sampler", SAMPLERS, "the model's default sampler (stored likewise)", None,
+                _kind_help("sampler") + ", map for a flow-map student", flag="--sample-sampler"),
+    nested_flag("sampling", "omega", float, "the model's default self-conditioning guidance scale omega (stored "
+                "likewise)", SAMPLING_RANGES["omega"], _kind_help("omega"), flag="--sample-omega"),
 ))
 
 
@@ -685,7 +585,7 @@ def _recipe_default(name: str) -> str:
     return f"{value:g}, as released"
 
 
-NESTED_FLAGS.update(_nested("recipe", name, float, text, RECIPE_RANGES[name], _recipe_default(name))
+NESTED_FLAGS.update(nested_flag("recipe", name, float, text, RECIPE_RANGES[name], _recipe_default(name))
                     for name, text in RECIPE_HELP.items())
 
 

@@ -7,7 +7,7 @@ teacher, in elflow's conventions (x-prediction, t = 0 noise, t = 1 data):
                (the identity at t = s; at t = 1 it lands on x_hat; as t -> s, dX/dt -> the velocity of x_hat(z, s, s))
     teacher    v_T(z, t) = (x_T(z, t) - z) / (1 - t),  x_T the frozen teacher's x-prediction
     LMD        r = dX/dt (z_s, s, t) - sg[v_T(X(z_s, s, t), t)],  dX/dt exact, by forward-mode autodiff in t
-    sample     z_{k+1} = X(z_k, t_k, t_{k+1}) over any grid 0 = t_0 < ... < t_K = 1 (elflow.flow.integrate, its
+    sample     z_{k+1} = X(z_k, t_k, t_{k+1}) over any grid 0 = t_0 < ... < t_K = 1 (elflow.sampler.integrate, its
                "map" step)
 
 The map is the Euler step of the network's x for the target time (elflow.flow.euler_step), the one jump from a

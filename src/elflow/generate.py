@@ -1,4 +1,4 @@
-"""From a network to texts: the one text generator (the settings it takes, elflow.flow.SamplingSettings, are
+"""From a network to texts: the one text generator (the settings it takes, elflow.sampler.SamplingSettings, are
 imported here too).
 
 Knows nothing of training: a loaded model (elflow.runs.load) and its space are all it needs. A conditional
@@ -19,17 +19,8 @@ import torch
 
 from elflow.data.layout import PACKED, encoder_mask, pair_layout
 from elflow.data.origins import CUT_TEXT, PIECE_CHARS, RUN_CHARS, cut_pieces
-from elflow.flow import (
-    DISTILLED_STEPS,
-    SAMPLING_DEFAULTS,
-    GenerationDefaults,
-    Recipe,
-    SamplingSettings,
-    check_network_dtype,
-    decode_tokens,
-    distilled_defaults,
-    generate_tokens,
-)
+from elflow.flow import DISTILLED_STEPS, SAMPLING_DEFAULTS, Recipe, distilled_defaults
+from elflow.sampler import GenerationDefaults, SamplingSettings, check_network_dtype, decode_tokens, generate_tokens
 from elflow.util.budget import check_elf_sampling
 from elflow.util.devices import autocast
 from elflow.util.errors import ELFError

@@ -248,26 +248,26 @@ def test_a_released_distilled_model_samples_with_the_few_step_defaults(tmp_path,
 def test_sampling_starts_from_the_noise_scale_the_model_was_trained_with(uncond_run):
     """A model trained with another noise scale samples from z0 = noise_scale N(0, 1) with its own scale: the
     recipe of its record."""
-    import elflow.flow as flow
+    import elflow.sampler as sampler
 
     net, space = load_for_sampling(uncond_run, device="cpu")
     assert net.record.recipe.noise_scale == 2.0
     net.record = net.record.replace(recipe=net.record.recipe.replace(noise_scale=1.0))
     s = net.record.sampling_settings(steps=2)
     seen = {}
-    real = flow.integrate
+    real = sampler.integrate
 
     def spy(net, z0, grid, **kw):
         seen["std"], seen["scale"] = z0.std().item(), kw["recipe"].noise_scale
         return real(net, z0, grid, **kw)
 
-    flow.integrate, saved = spy, flow.integrate
+    sampler.integrate, saved = spy, sampler.integrate
     try:
         from elflow.generate import generate
 
         generate(net, space, 8, s, progress=False)
     finally:
-        flow.integrate = saved
+        sampler.integrate = saved
     assert seen["scale"] == 1.0 and 0.8 < seen["std"] < 1.2
 
 

@@ -953,9 +953,9 @@ API_BAD = {  # class -> a value no argument of these entries takes (unless API_A
 
 def _api_entries():
     import elflow
-    from elflow.flow import integrate
     from elflow.generate import generate
     from elflow.runs.load import load_for_sampling
+    from elflow.sampler import integrate
 
     return {"elflow.load": elflow.load, "load_for_sampling": load_for_sampling, "generate": generate,
             "integrate": integrate}
@@ -1088,7 +1088,7 @@ def test_any_z0_and_grid_integrate_or_are_one_elferror(api):
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    from elflow.flow import integrate
+    from elflow.sampler import integrate
     from elflow.util.errors import ELFError
 
     _, net, _ = api

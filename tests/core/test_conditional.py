@@ -9,9 +9,9 @@ from helpers import reference_dir
 from safetensors.torch import load_file
 
 from elflow.data.layout import encoder_mask, pair_layout
-from elflow.flow import decode_tokens, integrate
 from elflow.generate import extract_targets
 from elflow.runs.released import build_from_state_dict, released_to_elflow
+from elflow.sampler import decode_tokens, integrate
 
 REF = reference_dir("authors_cond_distill.safetensors", "authors_cond_distill.json", "official_tiny.safetensors")
 EOS = 1

@@ -12,9 +12,9 @@ import torch
 from helpers import vocabulary
 
 from elflow.cli import main
-from elflow.flow import generate_tokens
 from elflow.generate import conditioning, generate, settings_for
 from elflow.runs.load import load_for_sampling
+from elflow.sampler import generate_tokens
 from elflow.space import build_space
 
 pytestmark = pytest.mark.slow  # multi-process / learning runs: `python -m pytest -m slow`

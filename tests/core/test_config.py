@@ -21,7 +21,7 @@ from elflow.util.devices import resolve_dtype
 from elflow.util.errors import ELFError
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
-RUN_FILES = sorted(FIXTURES.glob("*/**/run.json"))  # the runs of earlier elflows: legacy/, record2/, record5/, record8/
+RUN_FILES = sorted(FIXTURES.glob("*/**/run.json"))  # the runs of earlier elflows: legacy/, record2/, ..., record9/
 RELEASED_CONDITIONAL_DECODE_NOISE = 1.0  # the paper's decode corruption for (source, target) pairs
 
 

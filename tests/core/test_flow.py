@@ -6,9 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from elflow.flow import Recipe, draw_training_noise, elf_loss, euler_step, generate_tokens, integrate, time_grid
+from elflow.flow import Recipe, draw_training_noise, elf_loss, euler_step, time_grid
 from elflow.methods.elf import step_sums as step_metrics
 from elflow.model import ELF, get_config
+from elflow.sampler import generate_tokens, integrate
 
 
 def tiny_net(seed=0):
@@ -307,7 +308,7 @@ def test_sampling_loop_has_no_host_sync_no_buffer_per_step_and_one_decode_pass(m
     """No tensor -> Python conversion (a host sync on a GPU) and no random or grid buffer allocated per step
     (the arguments' check before the loop reads a few values once, as many at 3 steps as at 9); one network pass
     per step and a single decode pass at the end."""
-    import elflow.flow as flow
+    import elflow.sampler as loop_module
 
     net = tiny_net().eval()
     passes = []
@@ -334,7 +335,7 @@ def test_sampling_loop_has_no_host_sync_no_buffer_per_step_and_one_decode_pass(m
             state["buffers"] += state["in_loop"]
             return _original(*a, **k)
         monkeypatch.setattr(torch, name, counted)
-    loop = flow.integrate
+    loop = loop_module.integrate
 
     def watched(*a, **k):
         state["in_loop"] = True
@@ -342,7 +343,7 @@ def test_sampling_loop_has_no_host_sync_no_buffer_per_step_and_one_decode_pass(m
             return loop(*a, **k)
         finally:
             state["in_loop"] = False
-    monkeypatch.setattr(flow, "integrate", watched)
+    monkeypatch.setattr(loop_module, "integrate", watched)
     buffers, syncs = {}, {}
     for steps in (3, 9):
         passes.clear()

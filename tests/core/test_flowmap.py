@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from elflow.experiments.toy import ring_mixture
-from elflow.flow import T_EPS, euler_step, integrate, per_row
+from elflow.flow import T_EPS, euler_step, per_row
 from elflow.flowmap import draw_time_pairs, flow_map, lmd_loss, lmd_residual, map_and_time_derivative
+from elflow.sampler import integrate
 from elflow.util.errors import ELFError
 
 

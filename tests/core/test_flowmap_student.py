@@ -11,10 +11,11 @@ from helpers import assert_one_error, checkpoint_weights, readout_without_specia
 
 import elflow
 from elflow.cli import main
-from elflow.flow import Recipe, euler_step, integrate, time_grid
+from elflow.flow import Recipe, euler_step, time_grid
 from elflow.flowmap import map_and_time_derivative
 from elflow.methods.lmd import draw_map_noise, map_loss
 from elflow.model import ELF, get_config
+from elflow.sampler import integrate
 
 
 def pair():

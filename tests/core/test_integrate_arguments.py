@@ -1,4 +1,4 @@
-"""flow.integrate checks what it is given once, before its loop: a bad argument is one ELFError line naming it,
+"""sampler.integrate checks what it is given once, before its loop: a bad argument is one ELFError line naming it,
 never a raw torch error deep in the network, a NaN result or an integration run backwards."""
 
 import math
@@ -8,8 +8,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from elflow.flow import integrate, time_grid
+from elflow.flow import time_grid
 from elflow.model import ELF, get_config
+from elflow.sampler import integrate
 from elflow.util.errors import ELFError
 
 
@@ -80,7 +81,7 @@ def test_a_bad_argument_is_one_line_naming_it(net, case):
                                           (torch.ones(3), "an omega tensor must hold 2 values")])
 def test_the_readout_checks_omega_as_the_sampler_does(net, omega, words):
     """decode_tokens with omega NaN returned token 0 everywhere, and took -5: the one omega check refuses both."""
-    from elflow.flow import decode_tokens
+    from elflow.sampler import decode_tokens
 
     with pytest.raises(ELFError) as e, torch.no_grad():
         decode_tokens(net, z(2, 8, 32), omega)

@@ -507,9 +507,9 @@ def test_samples_printed_during_training_come_from_the_ema_weights(method, optio
                                                                     tiny_corpus_file, capsys):
     """--sample-every prints samples of the EMA weights with the method's own sampler (an ELF network of the
     run's own kind, short-run options included): for ELF, the texts the saved EMA weights give through the
-    loader and flow.generate_tokens with the run's sample settings and seed."""
-    from elflow.flow import generate_tokens
+    loader and sampler.generate_tokens with the run's sample settings and seed."""
     from elflow.runs.load import load_for_sampling
+    from elflow.sampler import generate_tokens
 
     run = tmp_path / "run"
     steps = {} if method == "ar" else {"sampling": {"steps": 3}}  # an autoregressive sampler takes no steps

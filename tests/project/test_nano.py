@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from elflow.flow import Draw, Recipe, elf_loss, generate_tokens
+from elflow.flow import Draw, Recipe, elf_loss
 from elflow.model import ELF, get_config
+from elflow.sampler import generate_tokens
 
 NANO = Path(__file__).resolve().parents[2] / "examples" / "nano_elf.py"
 

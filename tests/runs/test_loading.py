@@ -97,9 +97,9 @@ def module_calls(fn, *args, **kw) -> set[tuple[str, str]]:
     return edges
 
 
-LOAD_MODULES = 9  # find the model and read its record and weights (load; checkpoint, record) -> the space (space,
-# encoders)
-# -> the network (methods, methods.elf, model; the record's parts: flow) -> the weights, checked (load)
+LOAD_MODULES = 10  # find the model and read its record and weights (load; checkpoint, record) -> the space (space,
+# encoders) -> the network (methods, methods.elf, model; the record's parts: flow, sampler) -> the weights, checked
+# (load)
 
 
 def test_loading_goes_one_way_through_few_modules(trained):

@@ -13,7 +13,8 @@ from elflow.runs.record import RunRecord
 from elflow.util.errors import ELFError
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
-RECORD2, LEGACY, RECORD5, RECORD8 = (FIXTURES / name for name in ("record2", "legacy", "record5", "record8"))
+RECORD2, LEGACY, RECORD5, RECORD8, RECORD9 = (FIXTURES / name for name in ("record2", "legacy", "record5", "record8",
+                                                                          "record9"))
 
 
 def stored(folder: Path, run: str) -> dict:
@@ -324,8 +325,9 @@ def test_version_9_flat_space_settings_become_the_space_a_record_holds_or_one_pa
     from elflow.config import TrainConfig
     from elflow.space import SpaceSpec
 
-    for run in ("elf", "cond", "fm", "pd/1-step", "ar", "mdlm"):
-        v9 = migrate.STEPS[8](stored(RECORD8, run), "x")
+    for run in ("elf", "cond", "fm", "pd/1-step", "ar", "mdlm", "ar-stopped", "pd-stopped/2-step"):
+        v9 = stored(RECORD9, run)  # written by version 9's own code
+        assert migrate.version_of(v9, "x") == 9
         flat = {k: v9["train"][k] for k in migrate.FLAT_SPACE}
         v10 = migrate.STEPS[9](v9, "x")
         assert v10["record"] == {**v9["record"], "version": 10}
@@ -334,7 +336,7 @@ def test_version_9_flat_space_settings_become_the_space_a_record_holds_or_one_pa
         kind, _, name = flat["space"].partition(":")
         std = None if flat["latent_std"] is None else float(flat["latent_std"])
         asked = SpaceSpec(kind, name, std, dim=flat["space_dim"], seed=flat["space_seed"], stream=flat["space_stream"])
-        if run in ("ar", "mdlm"):  # beside a baseline's record: the space it asked for, as asked
+        if v9["record"]["method"] in ("ar", "mdlm"):  # beside a baseline's record: the space it asked for, as asked
             assert cfg.space == asked
         else:  # an ELF record's: the space built from it, the fields asked for among its own
             assert all(v is None or getattr(cfg.space, k) == v for k, v in asked.to_dict().items()), run
@@ -346,6 +348,8 @@ def test_version_9_flat_space_settings_become_the_space_a_record_holds_or_one_pa
     assert unnamed["space"] == {"dim": 16, "seed": 0}  # the preset's space, with what was given
     assert TrainConfig(preset="tiny", space=unnamed["space"]).resolved().space == \
         SpaceSpec("random-table", "minilm", dim=16, seed=0, stream=2)
-    for state in RECORD8.rglob("state.json"):  # a checkpoint's state.json: its version alone
-        v9 = migrate.STEPS[8](json.loads(state.read_text()), "x")
-        assert migrate.STEPS[9](v9, "x") == {**v9, "version": 10}
+    for state in RECORD9.rglob("state.json"):  # a checkpoint's state.json: its version alone
+        v9 = json.loads(state.read_text())
+        assert v9["version"] == 9 and migrate.STEPS[9](v9, "x") == {**v9, "version": 10}
+    folder = json.loads((RECORD9 / "model-folder" / "config.json").read_text())  # a model folder's, as a run's
+    assert "space" not in migrate.STEPS[9](folder, "x")["train"]

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 import elflow
-from elflow.flow import integrate, time_grid
+from elflow.flow import time_grid
 from elflow.generate import SamplingSettings, generate
 from elflow.runs.load import load, load_for_sampling
+from elflow.sampler import integrate
 from elflow.util.errors import ELFError
 
 

@@ -13,8 +13,8 @@ from elflow.runs.record import RECORD_VERSION, Distillation, ParamCounts, RunRec
 from elflow.util.errors import ELFError
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
-# the runs earlier elflows trained (legacy/, record2/, record5/, record8/); a release converted by version 8 has
-# a run.json too, which core/test_config.py reads
+# the runs earlier elflows trained (legacy/, record2/, record5/, record8/, record9/); a release converted by version 8
+# has a run.json too, which core/test_config.py reads
 RUN_FILES = sorted(p for p in FIXTURES.glob("*/**/run.json") if p.parent.name != "converted")
 
 # what each fixture's make.sh trained (a run and its stopped copy alike): method, task, distillation and the

@@ -352,7 +352,7 @@ print(json.dumps({"measured": measured, "estimate": estimate.total, "parts": est
 
 CASES = {
     "elf-sampling": """
-from elflow.flow import generate_tokens
+from elflow.sampler import generate_tokens
 from elflow.model import ELF, get_config
 from elflow.util.budget import elf_sampling
 cfg = get_config("tiny", hidden=128, heads=4)
@@ -362,7 +362,7 @@ call = lambda: torch.no_grad()(generate_tokens)(net, 256, 32, steps=2)
 estimate = elf_sampling(cfg, steps=2, batch_size=256, num=256, length=32)
 """,
     "elf-sampling-readout": """
-from elflow.flow import generate_tokens
+from elflow.sampler import generate_tokens
 from elflow.model import ELF, get_config
 from elflow.util.budget import elf_sampling
 cfg = get_config("demo", depth=2, hidden=128, heads=2)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import fields
 
-from elflow.config import KINDS, NESTED_FLAGS, RUN_DEFAULTS, TrainConfig, flag_of
+from elflow.config import NESTED_FLAGS, RUN_DEFAULTS, TrainConfig, flag_of
+from elflow.declare import KINDS
 
 
 def _true_or_false(text: str) -> bool:

@@ -11,13 +11,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from elflow.flow import Recipe, draw_training_noise, generate_tokens
+from elflow.flow import Recipe, draw_training_noise
 from elflow.methods import get_method
 from elflow.methods.base import TrainedPass
 from elflow.methods.elf import HEAD_PREFIXES
 from elflow.model import ELF, PRESETS, ELFConfig, get_config
 from elflow.newton_schulz import NS_METHODS, method_for
 from elflow.optim import EMA, ELFOptimizer
+from elflow.sampler import generate_tokens
 from elflow.schedule import EMA_DECAY
 from elflow.train import shard_generators, train_step
 from elflow.util.budget import (

@@ -9,8 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
-from elflow.flow import NOISE_SCALE, T_EPS, Recipe, integrate, time_grid
+from elflow.flow import NOISE_SCALE, T_EPS, Recipe, time_grid
 from elflow.methods.pd import pd_target
+from elflow.sampler import integrate
 from elflow.util.files import atomic_write
 
 
@@ -93,7 +94,7 @@ def run_toy(mixture: GaussianMixture, steps_list=(1, 2, 4, 8, 16), num: int = 44
 @torch.no_grad()
 def sample_map(map_net, z0: torch.Tensor, grid: torch.Tensor, callback=None):
     """(z_final, the last x_hat) of the flow map `map_net(z, s, t) -> x_hat` from z0 (B, 1, 2) over the time grid:
-    flow.integrate's "map" step, one jump z_{k+1} = X(z_k, t_k, t_{k+1}) per interval (the slot and omega unused)."""
+    sampler.integrate's "map" step, one jump z_{k+1} = X(z_k, t_k, t_{k+1}) per interval (the slot and omega unused)."""
     return integrate(lambda z, t, omega, x_prev, target: map_net(z, t, target), z0, grid, sampler="map",
                      callback=callback)
 

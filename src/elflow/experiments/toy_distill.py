@@ -20,8 +20,9 @@ from elflow.experiments.toy import (
     sample_map,
     train_toy_teacher,
 )
-from elflow.flow import T_EPS, Recipe, integrate, time_grid
+from elflow.flow import T_EPS, Recipe, time_grid
 from elflow.flowmap import DIAGONAL_SHARE, draw_time_pairs, lmd_loss
+from elflow.sampler import integrate
 
 ENERGY_SAMPLES = 4000  # samples of each model (and of the mixture) in an energy distance
 TABLE_STEPS = (1, 2, 4, 16, 64)  # step counts of the exact denoiser, the teacher and the flow map

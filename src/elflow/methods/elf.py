@@ -22,13 +22,13 @@ from elflow.flow import (
     Recipe,
     draw_training_noise,
     elf_loss,
-    generate_tokens,
     time_bin,
     time_bin_labels,
 )
 from elflow.generate import ELF_KNOBS, GenerationDefaults, default_sampling, generate, settings_for
 from elflow.methods.base import FEATURES, Method
 from elflow.model import ELFConfig, ShortRunOptions, build_network, check_network, options_of
+from elflow.sampler import generate_tokens
 from elflow.space import latent_moments, learned, token_vectors
 from elflow.util.budget import Estimate, check_fits
 from elflow.util.errors import ELFError

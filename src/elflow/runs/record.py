@@ -8,7 +8,7 @@ about how it was trained (the training settings are elflow.config.TrainConfig, s
     space         the embedding space's spec and id (elflow.space.SpaceSpec)
     length        the sequence length it was trained at
     task          None, or a conditional model's layout (`Task`: source length, slot, task, fields)
-    sampling      its generation defaults (ELF: elflow.flow.GenerationDefaults; a baseline: BaselineSampling); the
+    sampling      its generation defaults (ELF: elflow.sampler.GenerationDefaults; a baseline: BaselineSampling); the
                   seed, the batch size and the precision are the caller's
     distillation  None, or how a student was distilled (`Distillation`)
     params        None (a released model), or its parameter counts (`ParamCounts`)
@@ -27,11 +27,12 @@ from dataclasses import dataclass, field, fields, replace
 
 from elflow.data.layout import PACKED, SOURCE_SLOTS
 from elflow.data.tasks import PAIR_TASKS
-from elflow.flow import SAMPLERS, SAMPLING_RANGES, GenerationDefaults, Recipe
+from elflow.flow import SAMPLERS, SAMPLING_RANGES, Recipe
 from elflow.methods import get_method
 from elflow.methods.baseline import MATCHES, BaselineSampling
 from elflow.methods.token_net import TokenLMConfig
 from elflow.model import ELFConfig, ShortRunOptions
+from elflow.sampler import GenerationDefaults
 from elflow.space import SpaceSpec, drawn_table
 from elflow.util.errors import ELFError, Record
 
