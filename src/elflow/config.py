@@ -38,7 +38,6 @@ from elflow.model import (
     PRESETS,
     SKIPS,
     ELFConfig,
-    NetworkOverrides,
     ShortRunOptions,
     options_of,
 )
@@ -81,6 +80,37 @@ PAPER_SIZE_DEFAULTS = {"space": "t5-small", "space_dim": None, "ema_decay": EMA_
 
 def size_default(preset: str, key: str):
     return SIZE_DEFAULTS.get(preset, PAPER_SIZE_DEFAULTS)[key]
+
+
+@dataclass(frozen=True)
+class NetworkOverrides(Record):
+    """The network a run asks for, unresolved: each field an ELFConfig field, None for the preset's (--depth,
+    --hidden, --heads, --bottleneck, --predict, --conditioning, --decoder; a distillation student's copy of its
+    teacher's shape). What the rest of the run fixes is not among them: `dim`, `vocab_size` and `max_length`
+    come from the space and the length, and self-conditioning, the path's constants and the target time from
+    the recipe and the distillation (elflow.config.TrainConfig.network_fields)."""
+
+    depth: int | None = None
+    hidden: int | None = None
+    heads: int | None = None
+    bottleneck: int | None = None
+    mlp_ratio: float | None = None
+    time_tokens: int | None = None
+    omega_tokens: int | None = None
+    mode_tokens: int | None = None
+    rope_theta: float | None = None
+    predict: str | None = None
+    conditioning: str | None = None
+    decoder: str | None = None
+
+    @classmethod
+    def of(cls, config: "ELFConfig") -> "NetworkOverrides":
+        """A built network's config as the settings that ask for it, every field given."""
+        return cls(**{f.name: getattr(config, f.name) for f in fields(cls)})
+
+    def given(self) -> dict:
+        """The settings given (not None), as ELFConfig fields."""
+        return {k: v for k, v in self.to_dict().items() if v is not None}
 
 
 def default_space(preset: str) -> dict:
@@ -250,7 +280,7 @@ class TrainConfig(Record):
     recipe: Recipe | None = setting(None, "the flow recipe (elflow.flow.Recipe; the recipe flags set its fields)",
                                     default_help="the released recipe of the run's kind (flow.recipe_for)",
                                     cli=False, held="record")
-    network: NetworkOverrides = setting(help="the network, its fields not given the preset's (elflow.model."
+    network: NetworkOverrides = setting(help="the network, its fields not given the preset's (elflow.config."
                                              "NetworkOverrides; --depth, --hidden, --heads, --bottleneck, --predict, "
                                              "--conditioning and --decoder set its fields; a distillation's "
                                              "students: the teacher's shape)", cli=False,

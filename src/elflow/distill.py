@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from elflow.config import TrainConfig, check_setting, kept_from, read_latent_std
+from elflow.config import NetworkOverrides, TrainConfig, check_setting, kept_from, read_latent_std
 from elflow.data.datasets import check_not_relative
 from elflow.flow import FLOW_MAP_STEPS, MAX_MAP_STEPS
 from elflow.lifecycle.claim import (
@@ -29,7 +29,7 @@ from elflow.lifecycle.claim import (
 from elflow.lifecycle.outputs import check_out
 from elflow.methods.lmd import MapMethod
 from elflow.methods.pd import PDMethod, check_schedule
-from elflow.model import PRESETS, NetworkOverrides
+from elflow.model import PRESETS
 from elflow.runs.checkpoint import list_checkpoints, recover_replaced, set_aside
 from elflow.runs.folder import DISTILL_MANIFEST, REPLACED, REPORT_FILE, RUN_FILE, STATE_FILE, run_folders_holding
 from elflow.runs.load import Origin, build_loaded, load_init_weights

@@ -7,7 +7,7 @@ are the released network. docs/method.md reads out the layers, shapes and varian
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -184,37 +184,6 @@ class ShortRunOptions(Record):
     @property
     def active(self) -> bool:
         return self != ShortRunOptions()
-
-
-@dataclass(frozen=True)
-class NetworkOverrides(Record):
-    """The network a run asks for, unresolved: each field an ELFConfig field, None for the preset's (--depth,
-    --hidden, --heads, --bottleneck, --predict, --conditioning, --decoder; a distillation student's copy of its
-    teacher's shape). What the rest of the run fixes is not among them: `dim`, `vocab_size` and `max_length`
-    come from the space and the length, and self-conditioning, the path's constants and the target time from
-    the recipe and the distillation (elflow.config.TrainConfig.network_fields)."""
-
-    depth: int | None = None
-    hidden: int | None = None
-    heads: int | None = None
-    bottleneck: int | None = None
-    mlp_ratio: float | None = None
-    time_tokens: int | None = None
-    omega_tokens: int | None = None
-    mode_tokens: int | None = None
-    rope_theta: float | None = None
-    predict: str | None = None
-    conditioning: str | None = None
-    decoder: str | None = None
-
-    @classmethod
-    def of(cls, config: "ELFConfig") -> "NetworkOverrides":
-        """A built network's config as the settings that ask for it, every field given."""
-        return cls(**{f.name: getattr(config, f.name) for f in fields(cls)})
-
-    def given(self) -> dict:
-        """The settings given (not None), as ELFConfig fields."""
-        return {k: v for k, v in self.to_dict().items() if v is not None}
 
 
 def options_of(options) -> ShortRunOptions:

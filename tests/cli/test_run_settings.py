@@ -114,7 +114,8 @@ def test_a_config_with_options_and_round_records_among_other_settings_reads_as_t
     stored.update(model={"depth": 3, "skip": "gaussian", "table_readout": 1.0}, short_run={}, distillation={},
                   recipe={"decode_noise_scale": 1.0, "distilled_steps": 4, "teacher_steps": 16,
                           "sampling": {"steps": 4, "sampler": "sde", "gamma": 1.5, "omega": 2.5}})
-    from elflow.model import NetworkOverrides, ShortRunOptions
+    from elflow.config import NetworkOverrides
+    from elflow.model import ShortRunOptions
     from elflow.runs.record import Distillation
 
     del stored["network"]  # (version 1's network settings: "model", the part it became from version 9)

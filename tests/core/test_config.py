@@ -11,9 +11,17 @@ from pathlib import Path
 
 import pytest
 
-from elflow.config import TrainConfig, check_setting, held_settings, kept_from, record_settings, resume_conflicts
+from elflow.config import (
+    NetworkOverrides,
+    TrainConfig,
+    check_setting,
+    held_settings,
+    kept_from,
+    record_settings,
+    resume_conflicts,
+)
 from elflow.flow import Recipe
-from elflow.model import NetworkOverrides, ShortRunOptions
+from elflow.model import ShortRunOptions
 from elflow.runs.migrate import document
 from elflow.runs.record import Distillation, RunRecord
 from elflow.space import TABLE_STREAM, SpaceSpec, parse_space, space_name
