@@ -241,14 +241,18 @@ def check() -> dict:
 
     from safetensors.torch import load_file
 
-    from elflow.model import ELF, get_config
-    from elflow.runs.released import build_from_state_dict, released_to_elflow
+    from elflow.model import ELF, build_network, get_config
+    from elflow.runs.checkpoint import load_weights
+    from elflow.runs.released import infer_config, released_to_elflow
 
     ref = load_file(Path(__file__).resolve().parents[1] / "tests" / "reference" / "official_tiny.safetensors")
     params = {k[len("params."):]: v for k, v in ref.items() if k.startswith("params.")}
     ours = AuthorsELF(32, 16, 64, 4, 4, 100, bottleneck_dim=16).eval()
     ours.load_state_dict(params, strict=True)
-    net = build_from_state_dict(released_to_elflow(params), max_length=16).eval()
+    sd = released_to_elflow(params)
+    net = build_network(infer_config(sd, max_length=16))
+    load_weights(net, sd, "the released weights")
+    net.eval()
     z, xp, t, w = ref["in.z"], ref["in.x_prev"], ref["in.t"], ref["in.w"]
     zd, td, wd = ref["in.z_decode"], ref["in.t_decode"], ref["in.w_decode"]
     gate = ref["in.decoder_step_active_mixed"]

@@ -630,3 +630,15 @@ def drawn(cases: list, class_of, ids=None) -> list:
     return [pytest.param(*case, marks=() if i in fast else (pytest.mark.slow,),
                          id=ids[i] if isinstance(ids, list) else ids(case) if ids else None)
             for i, case in enumerate(cases)]
+
+
+def built_from(sd: dict, config=None, options=None):
+    """The network of elflow-named weights (its shape inferred from them unless `config` is given), the weights
+    checked as every loader checks them (elflow.runs.checkpoint.load_weights)."""
+    from elflow.model import build_network
+    from elflow.runs.checkpoint import load_weights
+    from elflow.runs.released import infer_config
+
+    net = build_network(config or infer_config(sd, max_length=16), options)
+    load_weights(net, sd, "the weights")
+    return net

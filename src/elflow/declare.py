@@ -35,7 +35,7 @@ AT_LEAST_1 = (_at_least(1), ">= 1")
 UNIT = (lambda v: 0 <= v < 1, "in [0, 1)")
 
 
-SEED = (lambda v: isinstance(v, int) and 0 <= v <= SEED_MAX, f"from 0 to {SEED_MAX}")
+SEED = (lambda v: isinstance(v, int) and 0 <= v <= SEED_MAX, f"an integer from 0 to {SEED_MAX}")
 
 
 PROBABILITY = (lambda v: 0 <= v <= 1, "in [0, 1]")

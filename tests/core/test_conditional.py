@@ -5,12 +5,12 @@ import json
 
 import pytest
 import torch
-from helpers import reference_dir
+from helpers import built_from, reference_dir
 from safetensors.torch import load_file
 
 from elflow.data.layout import encoder_mask, pair_layout
 from elflow.generate import extract_targets
-from elflow.runs.released import build_from_state_dict, released_to_elflow
+from elflow.runs.released import released_to_elflow
 from elflow.sampler import decode_tokens, integrate
 
 REF = reference_dir("authors_cond_distill.safetensors", "authors_cond_distill.json", "official_tiny.safetensors")
@@ -31,7 +31,7 @@ def cases():
 def net():
     w = load_file(REF / "official_tiny.safetensors")
     sd = released_to_elflow({k[len("params."):]: v for k, v in w.items() if k.startswith("params.")})
-    return build_from_state_dict(sd, max_length=16).eval()
+    return built_from(sd).eval()
 
 
 def test_pair_layout_equals_the_authors_collator(ref, cases):

@@ -290,7 +290,7 @@ INVALID = [
     ("batch-0", dict(batch=0), "--batch must be a number from 1 to 1,048,576 (the paper's batch is 512), got 0",
      "run.json: its setting 'batch' must be a number from 1"),
     ("lr-nan", dict(lr=float("nan")), "--lr must be a number > 0, got nan", "run.json: its setting 'lr' must be"),
-    ("seed-negative", dict(seed=-1), "--seed must be a number from 0 to 4294967295, got -1",
+    ("seed-negative", dict(seed=-1), "--seed must be an integer from 0 to 4294967295, got -1",
      "run.json: its setting 'seed' must be"),
     ("ema-decay-1", dict(ema_decay=1.0), "--ema-decay must be a number in [0, 1), got 1.0",
      "run.json: its setting 'ema_decay' must be"),
@@ -421,7 +421,7 @@ def test_a_continued_run_keeps_the_stepping_of_the_run_it_continues():
     ("batch", 0, "--batch must be a number from 1 to 1,048,576 (the paper's batch is 512), got 0"),
     ("batch", True, "--batch must be a number from 1 to 1,048,576 (the paper's batch is 512), got True"),
     ("ema_decay", 1.0, "--ema-decay must be a number in [0, 1), got 1.0"),
-    ("seed", 2**32, "--seed must be a number from 0 to 4294967295, got 4294967296"),
+    ("seed", 2**32, "--seed must be an integer from 0 to 4294967295, got 4294967296"),
     ("warmup", "10", "--warmup must be a number >= 0, got '10'"),
 ], ids=["lr-negative", "lr-inf", "batch-0", "batch-true", "ema-decay-1", "seed-too-large", "warmup-a-string"])
 def test_check_setting_refuses_a_value_out_of_the_settings_range(name, value, words):

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import cli, reference_dir
+from helpers import built_from, cli, reference_dir
 from safetensors.torch import load_file
 
 import elflow
@@ -22,11 +22,11 @@ TOL = 1e-5
 
 @pytest.fixture(scope="module")
 def official_net():
-    from elflow.runs.released import build_from_state_dict, released_to_elflow
+    from elflow.runs.released import released_to_elflow
 
     ref = load_file(REF / "official_tiny.safetensors")
     sd = released_to_elflow({k[len("params."):]: v for k, v in ref.items() if k.startswith("params.")})
-    return build_from_state_dict(sd, max_length=16).eval()
+    return built_from(sd).eval()
 
 
 @pytest.fixture(scope="module")

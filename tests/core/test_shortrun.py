@@ -6,12 +6,11 @@ import math
 
 import pytest
 import torch
-from helpers import tiny_network
+from helpers import built_from, tiny_network
 
 from elflow.methods.elf import METHOD
 from elflow.model import ELF, ShortRunOptions, build_network, gaussian_posterior, get_config
 from elflow.runs.migrate import SHORT_RUN_FIELDS
-from elflow.runs.released import build_from_state_dict
 from elflow.util.errors import ELFError
 
 
@@ -47,12 +46,12 @@ def test_a_network_stored_with_its_options_among_its_config_loads_with_the_same_
     cfg = METHOD.config_type.from_dict(stored)
     assert cfg == net.config and options == net.options
     assert METHOD.config_type.from_dict(net.config.to_dict()) == cfg
-    again = build_from_state_dict(net.state_dict(), config=cfg, options=options)
+    again = built_from(net.state_dict(), cfg, options)
     z, t, w = torch.randn(2, 5, 32), torch.tensor([0.2, 0.9]), torch.ones(2)
     with torch.no_grad():
         assert torch.equal(again(z, t, w), net(z, t, w)) and torch.equal(again.decode(z, w), net.decode(z, w))
     with pytest.raises(ELFError, match="unexpected"):  # the options' tensors do not fit the paper's network
-        build_from_state_dict(net.state_dict(), config=cfg)
+        built_from(net.state_dict(), cfg)
 
 
 def test_gaussian_posterior_equals_a_regression_on_samples():

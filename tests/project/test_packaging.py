@@ -107,7 +107,7 @@ def test_the_installed_wheel_trains_and_samples_outside_the_source_tree(fresh_en
     assert str(ROOT / "src") not in path
     assert run_in(env, work, "elflow", "--version").strip() == f"elflow {elflow.__version__}"
     config = json.loads(run_in(env, work, "elflow", "train", "--preset", "tiny", "--print-config"))
-    assert config["preset"] == "tiny" and config["space"].startswith("random-table:minilm")
+    assert config["preset"] == "tiny" and (config["space"]["kind"], config["space"]["name"]) == ("random-table", "minilm")
     (work / "corpus.txt").write_text(tiny_corpus_text(200))
     run_in(env, work, "elflow", "train", "--preset", "tiny", "--data", "corpus.txt", "--steps", "2", "--warmup", "1",
            "--batch", "4", "--length", "16", "--ckpt-every", "2", "--out", "run", "--cache-dir", "cache", "--quiet")

@@ -5,15 +5,16 @@ import json
 
 import pytest
 import torch
-from helpers import elflow_to_official, reference_dir
+from helpers import built_from, elflow_to_official, reference_dir
 from safetensors.torch import load_file
 
-from elflow.runs.released import build_from_state_dict, infer_config, read_released_checkpoint, released_to_elflow
+from elflow.runs.released import read_released_checkpoint, released_to_elflow
 from elflow.util.errors import ELFError
 
 REF = reference_dir("official_tiny.safetensors", "checkpoint_7")
 
 TOL = 1e-5
+
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +25,7 @@ def ref():
 @pytest.fixture(scope="module")
 def net(ref):
     sd = released_to_elflow({k[len("params."):]: v for k, v in ref.items() if k.startswith("params.")})
-    return build_from_state_dict(sd, max_length=16).eval()
+    return built_from(sd).eval()
 
 
 def close(a, b):
@@ -69,7 +70,7 @@ def test_mixed_per_row_gate(net, ref):
 def test_plain_input_without_self_conditioning(ref):
     sd = released_to_elflow({k[len("params."):]: v for k, v in ref.items() if k.startswith("params.")})
     sd = {k: v for k, v in sd.items() if not k.startswith("self_cond_proj")}
-    plain = build_from_state_dict(sd, max_length=16).eval()
+    plain = built_from(sd).eval()
     assert not plain.config.self_cond
     assert close(plain(ref["in.z"], ref["in.t"], ref["in.w"]), ref["out.denoise_plain_c"]) < TOL
 
@@ -77,7 +78,7 @@ def test_plain_input_without_self_conditioning(ref):
 @torch.no_grad()
 def test_released_checkpoint_file_uses_ema(ref):
     sd = read_released_checkpoint(REF / "checkpoint_7")
-    net = build_from_state_dict(sd, max_length=16).eval()
+    net = built_from(sd).eval()
     assert close(net(ref["in.z"], ref["in.t"], ref["in.w"], x_prev=ref["in.x_prev"]), ref["out.denoise_sc"]) < TOL
     # a folder resolves to its checkpoint_<N>
     assert read_released_checkpoint(REF).keys() == sd.keys()
@@ -101,7 +102,7 @@ def test_wrong_shape_is_refused(ref):
     sd = released_to_elflow({k[len("params."):]: v for k, v in ref.items() if k.startswith("params.")})
     sd["blocks.1.mlp.w3.weight"] = torch.zeros(64, 99)
     with pytest.raises(ELFError):
-        build_from_state_dict(sd, max_length=16, config=infer_config(sd, max_length=16))
+        built_from(sd)
 
 
 @torch.no_grad()

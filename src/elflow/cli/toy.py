@@ -10,6 +10,7 @@ from elflow.experiments.toy import grid_mixture, plot_toy, ring_mixture, run_toy
 from elflow.experiments.toy_distill import TABLE_STEPS, distillation_table, energy_floor, energy_rows
 from elflow.flow import SAMPLERS, SAMPLING_RANGES
 from elflow.lifecycle.outputs import check_out
+from elflow.util.budget import check_toy
 from elflow.util.errors import ELFError
 from elflow.util.files import check_stdout_open, print_result
 
@@ -48,7 +49,7 @@ def add_arguments(p) -> None:
 
 
 def check_sizes(args) -> None:
-    """ELFError, one line, for sizes that cannot fit (before any work)."""
+    """ELFError, one line, for counts past their bounds or sizes that cannot fit (before any work)."""
     if args.num < 1 or args.clusters < 1 or min(args.steps) < 1:
         raise ELFError("--num, --clusters and every --steps value must be >= 1")
     if args.num > MAX_NUM:
@@ -76,6 +77,7 @@ def check_sizes(args) -> None:
     if work > MAX_WORK:
         raise ELFError(f"the exact denoiser would run {work:,} sample-steps x clusters, above the limit of "
                        f"{MAX_WORK:,} (about two CPU-minutes); lower --num, --steps or --clusters")
+    check_toy(args.num, args.steps, args.clusters, args.layout)  # and what they hold, against the memory
 
 
 def run(args) -> int:

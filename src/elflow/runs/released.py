@@ -16,8 +16,7 @@ from pathlib import Path
 import torch
 
 from elflow.data.tasks import PAIR_TASKS
-from elflow.model import ELFConfig, build_network
-from elflow.runs.checkpoint import load_weights
+from elflow.model import ELFConfig
 from elflow.util.errors import ELFError
 from elflow.util.files import read_json
 from elflow.util.jsonio import open_regular
@@ -66,16 +65,6 @@ def read_released_checkpoint(path: str | os.PathLike, which: str = "ema_params1"
     if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
         raise ELFError(f"{path}: '{which}' is not a dict of tensors")
     return released_to_elflow(dict(sd))
-
-
-def build_from_state_dict(sd: dict[str, torch.Tensor], max_length: int = RELEASED_LENGTH, heads: int | None = None,
-                          config: ELFConfig | None = None, options=None, where: str = "the weights"):
-    """An ELF network holding these (elflow-named) weights, its shape inferred unless `config` is given; the
-    weights checked as every loader checks them (elflow.runs.checkpoint.load_weights)."""
-    config = config or infer_config(sd, max_length=max_length, heads=heads)
-    net = build_network(config, options)
-    load_weights(net, sd, where)
-    return net
 
 
 RELEASED_SPACE = {"kind": "t5", "name": "t5-small", "latent_std": 0.2}  # the released models' space

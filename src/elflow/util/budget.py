@@ -24,7 +24,7 @@ API (bytes are Python ints: no size overflows)
     check_elf_sampling(config, *, steps, batch_size, num, ..., device=None) -> Estimate
         elf_sampling checked against the device; its docstring shows the calls from a loaded model
     check_toy(num, steps, clusters, layout="ring", device=None) -> Estimate
-        `elflow toy`'s counts and memory
+        `elflow toy`'s memory
     check_total(factors, limit, unit, why, hint) -> int
         a product of counts held under its bound, one line naming each factor: check_sweep(grid, num) (a sweep's
         cells x --num), check_seeds(seeds, num) (eval's --seeds x --num), check_previews(steps, every,
@@ -76,8 +76,6 @@ MAX_MICRO_BATCHES = 65_536  # gradient accumulation: ELF-B's 512 rows in micro-b
 MAX_THREADS = 4_096  # CPU threads: the largest machines have a few hundred cores
 MAX_MATMUL_SIZE = 65_536  # the matmul peak's square side: 2,048 on a CPU and 8,192 on a GPU by default
 MAX_DRAWS = 1_000_000_000  # Monte-Carlo draws of a schedule: 200,000 give its statistics to three decimals
-MAX_TOY_SAMPLES = 100_000  # the toy draws one path per sample in each panel: 44 by default, thousands are a blot
-MAX_TOY_CLUSTERS = 10_000  # beyond 60 clusters on the toy's ring (std 0.1, radius 1.9) neighbours touch
 # Bounds of products of counts, each factor within its own bound: the work of a whole command
 MAX_PREVIEW_PASSES = 2_000_000  # a run's previews, in network passes of one row: ELF-B's 95,000 steps previewed
 # every 1,000 steps with 64 sampling steps of 2 samples take 12,160
@@ -641,20 +639,14 @@ def precision(device, dtype: str) -> dict:
 # ----------------------------------------------------------------------------------------------------------
 # the toy
 def check_toy(num: int, steps, clusters: int, layout: str = "ring", device=None) -> Estimate:
-    """`elflow toy`'s counts (--num, each --steps, --clusters) and memory: for each step count, the path and the
-    guesses of every sample (steps + 1 points of 2 coordinates), the exact denoiser's (num x clusters)
-    float64 buffers, and one line per sample in each panel of the figure."""
-    num = check_count(num, "--num", MAX_TOY_SAMPLES, "one path per sample is drawn in each panel")
-    steps = [check_count(n, "--steps", MAX_SAMPLING_STEPS, "the figure's step counts are 1 to 16") for n in steps]
-    side = check_count(clusters, "--clusters", MAX_TOY_CLUSTERS, "the figure must tell its clusters apart")
-    k = side * side if layout == "grid" else side
-    if k > MAX_TOY_CLUSTERS:
-        raise ELFError(f"--clusters {side} makes a {side} x {side} grid of {k:,} clusters, more than "
-                       f"{MAX_TOY_CLUSTERS:,} (the figure must tell its clusters apart); choose a smaller --clusters")
+    """`elflow toy`'s memory (its counts are bounded by its command, elflow.cli.toy): for each step count, the
+    path and the guesses of every sample (steps + 1 points of 2 coordinates), the exact denoiser's
+    (num x clusters) float64 buffers, and one line per sample in each panel of the figure."""
+    k = clusters * clusters if layout == "grid" else clusters
     paths = sum(2 * tensor(n + 1, num, 2) for n in steps)
     denoiser = {"denoiser": held(tensor(num, k, 2, element=LONG), 6 * tensor(num, k, 2, element=LONG))}
     kept = {"paths": paths, "figure": FIGURE_BYTES + PLOT_LINE_BYTES * num * len(steps),
             "clusters": tensor(k, 2, element=LONG)}
-    flags = f"--num {num} --steps {' '.join(map(str, steps))} --clusters {side}"
+    flags = f"--num {num} --steps {' '.join(map(str, steps))} --clusters {clusters}"
     return check_fits(Estimate("the toy", flags, merge(kept, denoiser),
                                "choose a smaller --num, fewer --steps or fewer --clusters"), device)
