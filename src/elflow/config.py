@@ -25,7 +25,6 @@ from elflow.declare import (
     NestedFlag,
     check_value,
     nested_flag,
-    positive,
     setting,
 )
 from elflow.flow import RECIPE_RANGES, SAMPLERS, SAMPLING_DEFAULTS, SAMPLING_RANGES, Recipe, recipe_for
@@ -61,8 +60,10 @@ from elflow.space import (
     SpaceSpec,
     drawn_table,
     fixed_vectors,
+    latent_std_of,
     parse_space,
     space_name,
+    usable_latent_std,
 )
 from elflow.util.devices import RUN_DTYPES, resolve_dtype
 from elflow.util.distributed import DIST_TIMEOUT_MINUTES
@@ -119,17 +120,7 @@ def default_space(preset: str) -> dict:
     return {**parse_space(size_default(preset, "space")), **({"dim": dim} if dim is not None else {})}
 
 
-# --latent-std: a positive number, or a word for a scale the space finds itself
-LATENT_STD = (lambda v: v in ("auto", "table") or isinstance(v, (int, float)) and not isinstance(v, bool) and
-              positive(v), "a positive number, 'auto' or 'table'")
-
-
-def read_latent_std(text: str):
-    """--latent-std's value: a number, or the word given ('auto', 'table'; another is refused by its check)."""
-    try:
-        return float(text)
-    except ValueError:
-        return text
+LATENT_STD = (usable_latent_std, "a positive number, 'auto' or 'table'")  # --latent-std
 
 
 def _preset_help(key: str) -> str:
@@ -555,7 +546,7 @@ NESTED_FLAGS: dict[tuple[str, str], NestedFlag] = dict((
                           if v["space_dim"]) + ", else the base encoder's", flag="--space-dim"),
     nested_flag("space", "seed", int, "seed of a random-table / learned-table space's vectors", SEED, "0",
                 flag="--space-seed"),
-    nested_flag("space", "latent_std", read_latent_std, "divide encoder outputs by this: a number, 'auto' "
+    nested_flag("space", "latent_std", latent_std_of, "divide encoder outputs by this: a number, 'auto' "
                     "(estimated on a sample) or 'table' (a table's own std)", LATENT_STD, "the space's",
                     flag="--latent-std"),
     nested_flag("short_run", "skip", SKIPS, "denoise head: none = the released networks' x = head(h); gaussian = the "

@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from elflow.config import NetworkOverrides, TrainConfig, check_setting, kept_from, read_latent_std
+from elflow.config import NetworkOverrides, TrainConfig, check_setting, kept_from
 from elflow.data.datasets import check_not_relative
 from elflow.flow import FLOW_MAP_STEPS, MAX_MAP_STEPS
 from elflow.lifecycle.claim import (
@@ -37,7 +37,7 @@ from elflow.runs.log import training_records
 from elflow.runs.record import Distillation, RunRecord
 from elflow.runs.stored import training_settings
 from elflow.schedule import EMA_DECAY
-from elflow.space import parse_space, space_name
+from elflow.space import latent_std_of, parse_space, space_name
 from elflow.train import train
 from elflow.util.budget import check_fits, elf_params, elf_training, precision, weights
 from elflow.util.distributed import setup_distributed, world_size
@@ -113,7 +113,7 @@ def _base_config(teacher: Teacher, overrides: dict) -> TrainConfig:
     # the teacher's space as built (its scale resolved: no re-estimate), its encoder or kind replaced by --space
     given, scale = overrides.pop("space", None), overrides.pop("latent_std", None)
     base["space"] = {**replace(record.space, id=None).to_dict(), **(parse_space(given) if given else {}),
-                     **({"latent_std": read_latent_std(scale)} if scale is not None else {})}
+                     **({"latent_std": latent_std_of(scale)} if scale is not None else {})}
     predict = overrides.get("predict")  # (the students' network is the teacher's: checked below)
     base.update({k: v for k, v in overrides.items() if v is not None and k != "predict"})
     if "data" not in base:

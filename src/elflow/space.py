@@ -393,7 +393,7 @@ class SpaceSpec:
         if not isinstance(name, str) or (kind != "tokens" and not name):
             raise ValueError(f"'name' must name an encoder or tokenizer, got {name!r}")
         std = d.get("latent_std")
-        if std is not None and std not in ("auto", "table") and not _positive_number(std):
+        if std is not None and not usable_latent_std(std):
             raise ValueError(f"'latent_std' must be a positive number, 'auto' or 'table', got {std!r}")
         shift = d.get("shift", 0.0)
         if not _number(shift):
@@ -440,6 +440,23 @@ def _positive_number(v) -> bool:
     return _number(v) and v > 0
 
 
+LATENT_STD_WORDS = ("auto", "table")  # a scale the space finds itself: measured on a sample, or its table's own
+
+
+def usable_latent_std(v) -> bool:
+    """Whether `v` is a latent std a space takes: a positive number, or one of LATENT_STD_WORDS."""
+    return v in LATENT_STD_WORDS or _positive_number(v)
+
+
+def latent_std_of(text: str):
+    """A latent std given as text (--latent-std, a stored setting of version 9): the number it writes, else the
+    text itself (a word of LATENT_STD_WORDS; another is refused by `usable_latent_std`)."""
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
 # ----------------------------------------------------------------------------------------------------
 # Building from a spec
 def _normalise_spec(spec) -> dict:
@@ -465,6 +482,9 @@ def parse_space(text: str) -> dict:
     over a base encoder's vocabulary: token-table[:BASE], random-table[:BASE], learned-table[:BASE]."""
     s = text.strip()
     kind, sep, base = s.partition(":")
+    if sep and not base and kind in (*TABLE_KINDS, *ENCODER_KINDS):
+        hint = f"as in {kind}:minilm, or leave the colon out" if kind in TABLE_KINDS else f"as in {kind}:t5-small"
+        raise ELFError(f"--space {text!r} names no encoder after its colon; give its folder or hub id, {hint}")
     if kind in TABLE_KINDS:
         return {"kind": kind, "name": base if sep else DEFAULT_ENCODER}
     if s == "minilm":

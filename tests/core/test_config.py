@@ -24,7 +24,7 @@ from elflow.flow import Recipe
 from elflow.model import ShortRunOptions
 from elflow.runs.migrate import document
 from elflow.runs.record import Distillation, RunRecord
-from elflow.space import TABLE_STREAM, SpaceSpec, parse_space, space_name
+from elflow.space import TABLE_STREAM, SpaceSpec, latent_std_of, parse_space, space_name
 from elflow.util.devices import resolve_dtype
 from elflow.util.errors import ELFError
 
@@ -264,6 +264,25 @@ def test_a_space_value_names_the_spec_it_parses_to(text):
     spec = parse_space(text)
     assert parse_space(space_name(spec)) == spec
     assert space_name(SpaceSpec.from_dict(spec)) == space_name(spec)
+
+
+@pytest.mark.parametrize("text, hint", [("random-table:", "as in random-table:minilm, or leave the colon out"),
+                                        ("t5:", "as in t5:t5-small")])
+def test_a_space_value_that_names_no_encoder_after_its_colon_is_one_line(text, hint):
+    with pytest.raises(ELFError) as e:
+        TrainConfig(space=text)
+    assert str(e.value) == f"--space {text!r} names no encoder after its colon; give its folder or hub id, {hint}"
+
+
+def test_a_latent_std_is_read_and_checked_by_one_declaration():
+    """The flag's text, a stored number and version 9's text alike: a positive number, 'auto' or 'table'."""
+    assert [latent_std_of(t) for t in ("0.2", "auto", "table", "big")] == [0.2, "auto", "table", "big"]
+    for bad in (0.0, -1, float("nan"), float("inf"), "big", True):
+        with pytest.raises(ELFError, match="--latent-std must be a positive number, 'auto' or 'table'"):
+            TrainConfig(space={"latent_std": bad})
+        with pytest.raises(ValueError, match="'latent_std' must be a positive number"):
+            SpaceSpec.from_dict({"kind": "hf", "name": "minilm", "latent_std": bad})
+    assert TrainConfig(space={"latent_std": 0.5}).space.latent_std == 0.5
 
 
 def test_resolved_on_a_device_reads_dtype_auto_as_what_it_picks_there():

@@ -39,14 +39,14 @@ checkpoints carry no record: `released_record` is their one entry into today's. 
 
 from __future__ import annotations
 
-from dataclasses import MISSING, fields
+from dataclasses import asdict, fields
 
 from elflow.data.layout import PACKED
 from elflow.flow import recipe_for
 from elflow.methods import get_method
 from elflow.model import ELFConfig, ShortRunOptions
 from elflow.runs.record import RECORD_VERSION, Distillation, ParamCounts, RunRecord, Task
-from elflow.space import SpaceSpec, drawn_table, parse_space
+from elflow.space import SpaceSpec, drawn_table, latent_std_of, parse_space
 from elflow.util.errors import ELFError
 
 PRE_RECORD = 1  # the version of a document that holds no "record"
@@ -412,18 +412,12 @@ def train_9_to_10(train):
         part.update(dim=flat.get("space_dim"), seed=flat.get("space_seed"), stream=flat.get("space_stream"))
     elif flat.get("space_dim") is not None:  # (refused by the run's checks, as version 9 refused it)
         part["dim"] = flat["space_dim"]
-    if isinstance(std, str) and std not in ("auto", "table"):
-        try:
-            std = float(std)
-        except ValueError:  # (refused by the run's checks, naming the setting)
-            pass
-    part["latent_std"] = std
+    part["latent_std"] = latent_std_of(std) if isinstance(std, str) else std  # (another word: refused by the checks)
     given = {k: v for k, v in part.items() if v is not None}
     if "kind" not in given:  # no space named: the preset's, with the fields given (as TrainConfig reads it)
         train["space"] = given or None
     else:  # as TrainConfig writes a space: every field
-        train["space"] = {f.name: part.get(f.name, None if f.default is MISSING else f.default)
-                          for f in fields(SpaceSpec)}
+        train["space"] = asdict(SpaceSpec(**part))
     return train
 
 
