@@ -110,6 +110,23 @@ def _edited_optimizer(run: Path, change) -> Path:
     return run
 
 
+def _edited_ema(run: Path, change) -> Path:
+    """Every checkpoint of `run` with its EMA weights changed by `change` (the dict of tensors), resealed."""
+    from safetensors.torch import save_file
+
+    for ck in list_checkpoints(run):
+        sd = load_file(ck / "ema.safetensors")
+        change(sd)
+        save_file(sd, ck / "ema.safetensors")
+        _rehash_files(ck)
+    return run
+
+
+def _one_value(sd: dict, value: float) -> None:
+    """The last entry of the largest weight set to `value`."""
+    sd[max(sd, key=lambda k: sd[k].numel())].view(-1)[-1] = value
+
+
 def _oblong_matrix(states) -> dict:
     """The stored state of the first Muon matrix that is not square."""
     return next(s for s in states[0]["state"].values() if s["m"].ndim == 2 and s["m"].shape[0] != s["m"].shape[1])
@@ -195,6 +212,12 @@ STATE_CASES = [
     ("resume-a-pickled-optimizer", "train",
      lambda t, r, t5, c, k: resume_args(_pickled_optimizer(r), k, "--steps", "8"),
      ["optimizer.pt: cannot be read with weights_only=True", "never unpickles"]),
+    ("sample-an-ema-weight-nan", "sample",
+     lambda t, r, t5, c, k: sample_args(_edited_ema(r, lambda sd: _one_value(sd, float("nan"))), t / "s.jsonl"),
+     ["step_0000006: weight ", "holds NaN or infinite values; the model cannot sample"]),
+    ("sample-an-ema-weight-minus-inf", "sample",
+     lambda t, r, t5, c, k: sample_args(_edited_ema(r, lambda sd: _one_value(sd, -float("inf"))), t / "s.jsonl"),
+     ["step_0000006: weight ", "holds NaN or infinite values; the model cannot sample"]),
     ("resume-an-optimizer-state-with-a-nan-momentum", "train",
      lambda t, r, t5, c, k: resume_args(_edited_optimizer(r, lambda s: s[0]["state"][0]["m"].fill_(float("nan"))),
                                         k, "--steps", "8"),

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 # run in a fresh interpreter: which files it opens (Python's audit hook sees every open) and which elflow
 # modules it imported, as JSON on stdout
@@ -253,3 +254,27 @@ def test_a_resume_whose_newest_checkpoint_is_damaged_says_what_to_do(trained, ca
     err = capsys.readouterr().err
     assert "step_0000006/ema.safetensors: corrupted" in err and "move step_0000006 out of" in err, err
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != "lock"} == before
+
+
+def test_the_finiteness_check_of_loaded_weights_agrees_with_a_value_by_value_check():
+    """`all_finite` (a sum where it proves the answer) against torch.isfinite on every value: any NaN or
+    infinity among finite values of each dtype, and sums that overflow while every value is finite."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from elflow.runs.checkpoint import all_finite
+
+    dtypes = st.sampled_from([torch.float16, torch.bfloat16, torch.float32, torch.float64])
+    values = st.lists(st.one_of(st.floats(-1e6, 1e6), st.sampled_from([float("nan"), float("inf"), -float("inf"),
+                                                                       3e38, -3e38, 65504.0])), max_size=40)
+
+    @settings(max_examples=300, deadline=None, derandomize=True)
+    @given(values, dtypes)
+    def agrees(vals, dtype):
+        w = torch.tensor(vals, dtype=torch.float64).to(dtype)
+        assert all_finite(w) == bool(torch.isfinite(w).all())
+
+    agrees()
+    assert all_finite(torch.full((4,), 3e38, dtype=torch.bfloat16))  # finite values, an infinite fp32 sum
+    assert all_finite(torch.full((100_000,), 65504.0, dtype=torch.float16))
+    assert not all_finite(torch.tensor([1.0, float("inf"), -float("inf")]))

@@ -390,9 +390,23 @@ def check_tensors(sd: dict, where) -> None:
         if not isinstance(w, torch.Tensor) or not w.is_floating_point():
             raise ELFError(f"{where}: weight {k} holds {getattr(w, 'dtype', type(w).__name__)} values, not "
                            "floating-point weights; refused")
-        if not torch.isfinite(w).all():
+        if not all_finite(w):
             raise ELFError(f"{where}: weight {k} holds NaN or infinite values; the model cannot sample (a training "
                            "that diverged, or a damaged file)")
+
+
+SUMMED = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.float32: torch.float32,
+          torch.float64: torch.float64}
+
+
+def all_finite(w: torch.Tensor) -> bool:
+    """Whether every value of `w` is finite, in one read of it where it can: a NaN or an infinity makes the sum
+    NaN or infinite, so a finite sum proves every value finite; a sum that overflows (or a dtype not summed)
+    is decided value by value."""
+    wide = SUMMED.get(w.dtype)
+    if wide is not None and bool(torch.isfinite(w.sum(dtype=wide))):
+        return True
+    return bool(torch.isfinite(w).all())
 
 
 def load_weights(net: torch.nn.Module, sd: dict, where) -> None:
