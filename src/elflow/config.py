@@ -8,34 +8,14 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields, replace
 
-from elflow.data.layout import LAYOUTS, PACKED, SOURCE_SLOTS
+from elflow.data.layout import LAYOUTS, PACKED
 from elflow.data.tasks import PAIR_TASKS
-from elflow.declare import (
-    AT_LEAST_0,
-    AT_LEAST_1,
-    EPOCHS,
-    KINDS,
-    LENGTH,
-    MINUTES,
-    POSITIVE,
-    ROWS,
-    SEED,
-    STEPS,
-    UNIT,
-    NestedFlag,
-    check_value,
-    nested_flag,
-    setting,
-)
-from elflow.flow import RECIPE_RANGES, SAMPLERS, SAMPLING_DEFAULTS, SAMPLING_RANGES, Recipe, recipe_for
+from elflow.declare import EPOCHS, LENGTH, MINUTES, ROWS, STEPS, NestedFlag, nested_flag, setting
+from elflow.flow import RECIPE_RANGES, SAMPLING_DEFAULTS, Recipe, recipe_for
 from elflow.methods import METHOD_NAMES, check_run, get_method
 from elflow.methods.baseline import MATCHES
 from elflow.model import (
-    CONDITIONINGS,
-    DECODERS,
-    PREDICTIONS,
     PRESETS,
-    SKIPS,
     ELFConfig,
     ShortRunOptions,
     options_of,
@@ -63,11 +43,10 @@ from elflow.space import (
     latent_std_of,
     parse_space,
     space_name,
-    usable_latent_std,
 )
 from elflow.util.devices import RUN_DTYPES, resolve_dtype
 from elflow.util.distributed import DIST_TIMEOUT_MINUTES
-from elflow.util.errors import ELFError, Record
+from elflow.util.errors import AT_LEAST_0, AT_LEAST_1, KINDS, POSITIVE, SEED, UNIT, ELFError, Record, check_value
 
 # the run defaults that follow from the network's size (--preset), where a size has its own: tiny is a 32-dim
 # random table over the MiniLM tokenizer (no encoder to run), so that it is cheap end to end; the small sizes
@@ -114,13 +93,13 @@ class NetworkOverrides(Record):
         return {k: v for k, v in self.to_dict().items() if v is not None}
 
 
+NetworkOverrides.DECLARED = {f.name: ELFConfig.DECLARED[f.name] for f in fields(NetworkOverrides)}  # ELFConfig's own
+
+
 def default_space(preset: str) -> dict:
     """The fields of a size's default space (SIZE_DEFAULTS)."""
     dim = size_default(preset, "space_dim")
     return {**parse_space(size_default(preset, "space")), **({"dim": dim} if dim is not None else {})}
-
-
-LATENT_STD = (usable_latent_std, "a positive number, 'auto' or 'table'")  # --latent-std
 
 
 def _preset_help(key: str) -> str:
@@ -523,60 +502,74 @@ def _task_of(d: dict) -> Task | None:
     return Task.from_dict(given)
 
 
+def part_flag(part: str, name: str, help: str, default_help: str = "the preset's", flag: str | None = None,
+              sets=None, typ=None) -> tuple[tuple[str, str], NestedFlag]:
+    """The flag that sets the field `name` of the typed part `part` (a TrainConfig field, PART_TYPES): its
+    range and choices are those the part's type declares (its DECLARED), its type the field's own unless `typ`
+    reads the flag's text; `sets`: a function of the flag's value giving the fields it sets."""
+    cls = PART_TYPES[part]
+    check, choices = cls.DECLARED.get(name, (None, None))
+    if typ is None:
+        typ = tuple(choices) if choices else KINDS[next(f.type for f in fields(cls) if f.name == name)]
+    return nested_flag(part, name, typ, help, check, default_help, flag, sets)
+
+
+# the typed parts of TrainConfig that flags set one field of
+PART_TYPES = {"network": NetworkOverrides, "space": SpaceSpec, "short_run": ShortRunOptions, "task": Task,
+              "sampling": SamplingDefaults}
+
+
 # flags that set one field of a typed part: (part, field) -> NestedFlag
 NESTED_FLAGS: dict[tuple[str, str], NestedFlag] = dict((
-    nested_flag("network", "depth", int, "transformer blocks", AT_LEAST_1),
-    nested_flag("network", "hidden", int, "hidden width", AT_LEAST_1),
-    nested_flag("network", "heads", int, "attention heads", AT_LEAST_1),
-    nested_flag("network", "bottleneck", int, "ELF: width of the input bottleneck (32 / 128 / 512 in the paper)",
-                AT_LEAST_1, _preset_help("bottleneck")),
-    nested_flag("network", "predict", PREDICTIONS, "ELF: what the denoise head outputs, the clean embeddings x, the "
-                "velocity v or the noise eps; the loss is the v-space MSE whatever the target (the output turned into "
-                "v), and sampling turns it into x likewise", None, "x"),
-    nested_flag("network", "conditioning", CONDITIONINGS, "ELF: how t, omega and the mode reach the network: prefix "
-                "tokens, or DiT's adaLN-Zero modulation in every block (no prefix)", None, "tokens"),
-    nested_flag("network", "decoder", DECODERS, "ELF: who reads out tokens: the denoiser itself in decode mode, or a "
-                "separate network trained first on noisy embeddings (then frozen while the denoiser trains; both "
-                "stored as one model)", None, "shared"),
-    nested_flag("space", "kind", str, "embedding space: minilm (offline), t5-small, t5:PATH, hf:PATH, or a table over "
-                "a base encoder's vocabulary: token-table[:BASE], random-table[:BASE], learned-table[:BASE]", None,
-                _size_help("space"), flag="--space", fields=parse_space),
-    nested_flag("space", "dim", int, "vector size of a random-table / learned-table space", AT_LEAST_1,
-                ", ".join(f"{v['space_dim']} for {name}'s default space" for name, v in SIZE_DEFAULTS.items()
-                          if v["space_dim"]) + ", else the base encoder's", flag="--space-dim"),
-    nested_flag("space", "seed", int, "seed of a random-table / learned-table space's vectors", SEED, "0",
-                flag="--space-seed"),
-    nested_flag("space", "latent_std", latent_std_of, "divide encoder outputs by this: a number, 'auto' "
-                    "(estimated on a sample) or 'table' (a table's own std)", LATENT_STD, "the space's",
-                    flag="--latent-std"),
-    nested_flag("short_run", "skip", SKIPS, "denoise head: none = the released networks' x = head(h); gaussian = the "
-                "data's per-dimension Gaussian posterior mean + posterior std x head(h), a network that starts as that "
-                "baseline denoiser; gated = the same with its pass-through of z gated by the network "
-                "(elflow.model.ShortRunOptions)"),
-    nested_flag("short_run", "time_scale", float, "factor on t before its sinusoid features (1 in the released "
-                "networks, whose features then barely change over t in [0, 0.1]; DiT uses 1000)", POSITIVE),
-    nested_flag("short_run", "head_modulation", bool, "scale and shift the denoise head's input by t (DiT's final "
-                "layer; absent from the released networks)"),
-    nested_flag("short_run", "table_readout", float, "weight w of the readout's table match: the decode logits gain "
-                "w z . R_k / sqrt(C), R_k token k's own vector in the space (table spaces only; 0 in the released "
-                "networks)", AT_LEAST_0),
-    nested_flag("task", "source_length", int, "train on (source, target) pairs whose sources take up to this many "
-                "tokens; --data is then a .jsonl of pairs, a named task or a hub pair set", AT_LEAST_1,
-                "none: plain text"),
-    nested_flag("task", "source_slot", SOURCE_SLOTS, "where a pair's target starts: 'packed', right after its source "
-                "(the released layout); 'fixed', at --source-length in every row, the source's slot padded, so a "
-                "target token sits at a fixed distance from the source token it copies", None, PACKED),
-    nested_flag("task", "name", tuple(PAIR_TASKS), "a named conditional task, stored with the model (set by "
-                "--defaults wmt14-de-en / xsum)", None, "none", flag="--task"),
-    nested_flag("task", "source_field", str, "the source field of pair records", None, Task.source_field),
-    nested_flag("task", "target_field", str, "the target field of pair records", None, Task.target_field),
-    nested_flag("sampling", "steps", int, "the model's default sampling steps (stored in its record: its previews, "
-                "elflow sample and elflow eval use them)", SAMPLING_RANGES["steps"],
-                _kind_help("steps") + ", a distilled student's own", flag="--sample-steps"),
-    nested_flag("sampling", "sampler", SAMPLERS, "the model's default sampler (stored likewise)", None,
-                _kind_help("sampler") + ", map for a flow-map student", flag="--sample-sampler"),
-    nested_flag("sampling", "omega", float, "the model's default self-conditioning guidance scale omega (stored "
-                "likewise)", SAMPLING_RANGES["omega"], _kind_help("omega"), flag="--sample-omega"),
+    part_flag("network", "depth", "transformer blocks"),
+    part_flag("network", "hidden", "hidden width"),
+    part_flag("network", "heads", "attention heads"),
+    part_flag("network", "bottleneck", "ELF: width of the input bottleneck (32 / 128 / 512 in the paper)",
+              _preset_help("bottleneck")),
+    part_flag("network", "predict", "ELF: what the denoise head outputs, the clean embeddings x, the velocity v or "
+              "the noise eps; the loss is the v-space MSE whatever the target (the output turned into v), and "
+              "sampling turns it into x likewise", "x"),
+    part_flag("network", "conditioning", "ELF: how t, omega and the mode reach the network: prefix tokens, or DiT's "
+              "adaLN-Zero modulation in every block (no prefix)", "tokens"),
+    part_flag("network", "decoder", "ELF: who reads out tokens: the denoiser itself in decode mode, or a separate "
+              "network trained first on noisy embeddings (then frozen while the denoiser trains; both stored as one "
+              "model)", "shared"),
+    part_flag("space", "kind", "embedding space: minilm (offline), t5-small, t5:PATH, hf:PATH, or a table over a "
+              "base encoder's vocabulary: token-table[:BASE], random-table[:BASE], learned-table[:BASE]",
+              _size_help("space"), "--space", parse_space, str),
+    part_flag("space", "dim", "vector size of a random-table / learned-table space",
+              ", ".join(f"{v['space_dim']} for {name}'s default space" for name, v in SIZE_DEFAULTS.items()
+                        if v["space_dim"]) + ", else the base encoder's", "--space-dim"),
+    part_flag("space", "seed", "seed of a random-table / learned-table space's vectors", "0", "--space-seed"),
+    part_flag("space", "latent_std", "divide encoder outputs by this: a number, 'auto' (estimated on a sample) or "
+              "'table' (a table's own std)", "the space's", "--latent-std", typ=latent_std_of),
+    part_flag("short_run", "skip", "denoise head: none = the released networks' x = head(h); gaussian = the data's "
+              "per-dimension Gaussian posterior mean + posterior std x head(h), a network that starts as that "
+              "baseline denoiser; gated = the same with its pass-through of z gated by the network "
+              "(elflow.model.ShortRunOptions)"),
+    part_flag("short_run", "time_scale", "factor on t before its sinusoid features (1 in the released networks, "
+              "whose features then barely change over t in [0, 0.1]; DiT uses 1000)"),
+    part_flag("short_run", "head_modulation", "scale and shift the denoise head's input by t (DiT's final layer; "
+              "absent from the released networks)"),
+    part_flag("short_run", "table_readout", "weight w of the readout's table match: the decode logits gain "
+              "w z . R_k / sqrt(C), R_k token k's own vector in the space (table spaces only; 0 in the released "
+              "networks)"),
+    part_flag("task", "source_length", "train on (source, target) pairs whose sources take up to this many tokens; "
+              "--data is then a .jsonl of pairs, a named task or a hub pair set", "none: plain text"),
+    part_flag("task", "source_slot", "where a pair's target starts: 'packed', right after its source (the released "
+              "layout); 'fixed', at --source-length in every row, the source's slot padded, so a target token sits "
+              "at a fixed distance from the source token it copies", PACKED),
+    part_flag("task", "name", "a named conditional task, stored with the model (set by --defaults wmt14-de-en / "
+              "xsum)", "none", "--task"),
+    part_flag("task", "source_field", "the source field of pair records", Task.source_field),
+    part_flag("task", "target_field", "the target field of pair records", Task.target_field),
+    part_flag("sampling", "steps", "the model's default sampling steps (stored in its record: its previews, elflow "
+              "sample and elflow eval use them)", _kind_help("steps") + ", a distilled student's own",
+              "--sample-steps"),
+    part_flag("sampling", "sampler", "the model's default sampler (stored likewise)",
+              _kind_help("sampler") + ", map for a flow-map student", "--sample-sampler"),
+    part_flag("sampling", "omega", "the model's default self-conditioning guidance scale omega (stored likewise)",
+              _kind_help("omega"), "--sample-omega"),
 ))
 
 

@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from elflow.util.errors import ELFError, Record
+from elflow.util.errors import AT_LEAST_0, POSITIVE, ELFError, Record
 
 PREDICTIONS = ("x", "v", "eps")  # what the denoise head outputs
 CONDITIONINGS = ("tokens", "adaln")  # how t, omega and the mode reach the blocks
@@ -29,34 +29,29 @@ MAX_SHAPE = 2**40  # a network's sizes (depth, width, heads, length, vocabulary)
 # below this bound the memory check refuses what does not fit, naming the flags; past it no size is a network's
 
 
-def _short(v) -> str:
-    """A stored value in an error line, cut to 40 characters (a depth of 10^100 is 101 digits)."""
-    text = repr(v)
-    return text if len(text) <= 40 else text[:37] + "..."
+SIZE = (lambda v: 1 <= v <= MAX_SHAPE, f"from 1 to {MAX_SHAPE:,} (far past any network)")
+
+
+# the fields every transformer config here shares: (range, choices), checked by Record.check_declared
+SHAPE_DECLARED = {
+    **{f: (SIZE, None) for f in ("depth", "hidden", "heads", "vocab_size", "max_length")},
+    "mlp_ratio": ((lambda v: math.isfinite(v) and 0 < v <= MAX_MLP_RATIO, f"in (0, {MAX_MLP_RATIO:g}]"), None),
+    # a base <= 1 gives every position the same angle
+    "rope_theta": ((lambda v: math.isfinite(v) and v > 1, "> 1"), None),
+}
 
 
 class TransformerShape:
     """What every transformer config here derives from its hidden width, heads and MLP ratio, and the checks of
     the fields they share."""
 
-    def check_shape(self, sizes) -> None:
-        """ValueError naming the first field of `sizes` that is no integer >= 1 (bools refused), an MLP ratio
-        that is no number in (0, 64], or a RoPE base that is no finite number > 1 (a base <= 1 gives every
-        position the same angle)."""
-        name = type(self).__name__
-        for f in sizes:
-            v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_SHAPE:
-                raise ValueError(f"{name}.{f} must be an integer >= 1 and at most {MAX_SHAPE:,} (far past any "
-                                 f"network), got {_short(v)}")
-        r = self.mlp_ratio
-        if isinstance(r, bool) or not isinstance(r, (int, float)) or not (math.isfinite(r) and 0 < r <= MAX_MLP_RATIO):
-            raise ValueError(f"{name}.mlp_ratio must be a number in (0, {MAX_MLP_RATIO:g}], got {r!r}")
-        theta = self.rope_theta
-        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not (math.isfinite(theta) and theta > 1):
-            raise ValueError(f"{name}.rope_theta must be a finite number > 1, got {theta!r}")
+    def check_shape(self) -> None:
+        """ValueError naming the first field its declaration refuses (DECLARED, `check_declared`), or an MLP
+        ratio that leaves the SwiGLU no width."""
+        self.check_declared(f"{type(self).__name__}.")
         if self.mlp_hidden < 1:
-            raise ValueError(f"{name}: mlp_ratio {r} gives a SwiGLU of no width at hidden {self.hidden}")
+            raise ValueError(f"{type(self).__name__}: mlp_ratio {self.mlp_ratio} gives a SwiGLU of no width at "
+                             f"hidden {self.hidden}")
 
     def widened(self, max_length: int | None):
         """This config with its position table widened to `max_length` where that is longer (a stored network
@@ -103,22 +98,17 @@ class ELFConfig(Record, TransformerShape):
     noise_scale: float | None = None
     t_eps: float | None = None
 
+    DECLARED = {**SHAPE_DECLARED, "dim": (SIZE, None), "bottleneck": (SIZE, None),
+                **{f: (AT_LEAST_0, None) for f in ("time_tokens", "omega_tokens", "mode_tokens")},
+                "self_cond": (None, None), "target_time": (None, None), "predict": (None, PREDICTIONS),
+                "conditioning": (None, CONDITIONINGS), "decoder": (None, DECODERS)}
+
     def __post_init__(self):
-        self.check_shape(("depth", "hidden", "heads", "dim", "vocab_size", "max_length", "bottleneck"))
-        for f in ("time_tokens", "omega_tokens", "mode_tokens"):
-            v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"ELFConfig.{f} must be an integer >= 0, got {v!r}")
-        for f in ("self_cond", "target_time"):
-            if not isinstance(getattr(self, f), bool):
-                raise ValueError(f"ELFConfig.{f} must be true or false, got {getattr(self, f)!r}")
+        self.check_shape()
         if self.hidden % self.heads:
             raise ValueError(f"ELFConfig: hidden {self.hidden} is not divisible by heads {self.heads}")
         if (self.hidden // self.heads) % 2:
             raise ValueError(f"ELFConfig: head dim {self.hidden // self.heads} must be even for RoPE pairs")
-        for f, choices in (("predict", PREDICTIONS), ("conditioning", CONDITIONINGS), ("decoder", DECODERS)):
-            if getattr(self, f) not in choices:
-                raise ValueError(f"ELFConfig.{f} must be one of {', '.join(choices)}, got {getattr(self, f)!r}")
         if self.predict == "x":  # nothing reads them: stored configs that carry them compare equal
             object.__setattr__(self, "noise_scale", None)
             object.__setattr__(self, "t_eps", None)
@@ -170,16 +160,11 @@ class ShortRunOptions(Record):
     head_modulation: bool = False
     table_readout: float = 0.0
 
+    DECLARED = {"skip": (None, SKIPS), "time_scale": (POSITIVE, None), "head_modulation": (None, None),
+                "table_readout": (AT_LEAST_0, None)}
+
     def __post_init__(self):
-        if self.skip not in SKIPS:
-            raise ValueError(f"skip must be one of {', '.join(SKIPS)}, got {self.skip!r}")
-        if not (isinstance(self.time_scale, (int, float)) and math.isfinite(self.time_scale) and self.time_scale > 0):
-            raise ValueError(f"time_scale must be a positive number, got {self.time_scale}")
-        if not isinstance(self.head_modulation, bool):
-            raise ValueError(f"head_modulation must be true or false, got {self.head_modulation!r}")
-        if not (isinstance(self.table_readout, (int, float)) and math.isfinite(self.table_readout)
-                and self.table_readout >= 0):
-            raise ValueError(f"table_readout must be a number >= 0, got {self.table_readout}")
+        self.check_declared()
 
     @property
     def active(self) -> bool:

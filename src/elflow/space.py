@@ -9,8 +9,7 @@ The encoders and tokenizers themselves are loaded by elflow.encoders.
 from __future__ import annotations
 
 import hashlib
-import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -26,7 +25,7 @@ from elflow.encoders import (
     tokenizer_fingerprint,
 )
 from elflow.util.budget import Estimate, check_fits
-from elflow.util.errors import ELFError
+from elflow.util.errors import AT_LEAST_1, FINITE, SEED, ELFError, Record, positive
 
 # ----------------------------------------------------------------------------------------------------
 # Embedding spaces
@@ -361,8 +360,21 @@ class TokenizerSpace(EmbeddingSpace):
 
 # ----------------------------------------------------------------------------------------------------
 # The spec stored with a model
+LATENT_STD_WORDS = ("auto", "table")  # a scale the space finds itself: measured on a sample, or its table's own
+
+
+def usable_latent_std(v) -> bool:
+    """Whether `v` is a latent std a space takes: a positive number, or one of LATENT_STD_WORDS."""
+    return v in LATENT_STD_WORDS or isinstance(v, (int, float)) and not isinstance(v, bool) and positive(v)
+
+
+LATENT_STD = (usable_latent_std, "a positive number, 'auto' or 'table'")  # --latent-std, a stored space's
+
+
+
+
 @dataclass(frozen=True)
-class SpaceSpec:
+class SpaceSpec(Record):
     """A space as a model stores it: what `build_space` rebuilds it from, and the id of the space it was
     trained in (checked against the space built). kind: one of KINDS; name: the encoder or tokenizer (hub id,
     folder or "minilm"; a tokens space names none, its base is `of`); latent_std: a number, "auto" or "table";
@@ -378,6 +390,9 @@ class SpaceSpec:
     of: dict | None = None
     id: str | None = None
 
+    DECLARED = {"latent_std": (LATENT_STD, None), "shift": (FINITE, None), "dim": (AT_LEAST_1, None),
+                "seed": (SEED, None), "stream": (None, TABLE_STREAMS)}
+
     @classmethod
     def from_dict(cls, d, space_id: str | None = None) -> "SpaceSpec":
         """The spec of a stored dict (a built space's `config()`), checked field by field: ValueError naming the
@@ -389,21 +404,9 @@ class SpaceSpec:
             raise ValueError(f"unknown fields {unknown}")
         kind, name = d.get("kind"), d.get("name", "")
         if kind not in KINDS:
-            raise ValueError(f"'kind' must be one of {', '.join(KINDS)}, got {kind!r}")
+            raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
         if not isinstance(name, str) or (kind != "tokens" and not name):
             raise ValueError(f"'name' must name an encoder or tokenizer, got {name!r}")
-        std = d.get("latent_std")
-        if std is not None and not usable_latent_std(std):
-            raise ValueError(f"'latent_std' must be a positive number, 'auto' or 'table', got {std!r}")
-        shift = d.get("shift", 0.0)
-        if not _number(shift):
-            raise ValueError(f"'shift' must be a finite number, got {shift!r}")
-        for key, low in (("dim", 1), ("seed", 0)):
-            v = d.get(key)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < low):
-                raise ValueError(f"{key!r} must be an integer >= {low}, got {v!r}")
-        if d.get("stream") is not None and d["stream"] not in TABLE_STREAMS:
-            raise ValueError(f"'stream' must be one of {TABLE_STREAMS}, got {d['stream']!r}")
         of = d.get("of")
         if kind == "tokens":
             if not isinstance(of, dict):
@@ -414,7 +417,10 @@ class SpaceSpec:
         sid = d.get("id", space_id)
         if sid is not None and not isinstance(sid, str):
             raise ValueError(f"'id' must be a string, got {sid!r}")
-        return cls(kind, name, std, float(shift), d.get("dim"), d.get("seed"), d.get("stream"), of, sid)
+        spec = cls(kind, name, d.get("latent_std"), d.get("shift", 0.0), d.get("dim"), d.get("seed"), d.get("stream"),
+                   of, sid)
+        spec.check_declared()
+        return replace(spec, shift=float(spec.shift))
 
     def to_dict(self) -> dict:
         """The stored form: the fields that are set (a tokens space without its empty name)."""
@@ -430,22 +436,6 @@ class SpaceSpec:
     def of_space(cls, space: "EmbeddingSpace") -> "SpaceSpec":
         """The spec of a built space, with its id."""
         return cls.from_dict(space.config(), space.space_id)
-
-
-def _number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _positive_number(v) -> bool:
-    return _number(v) and v > 0
-
-
-LATENT_STD_WORDS = ("auto", "table")  # a scale the space finds itself: measured on a sample, or its table's own
-
-
-def usable_latent_std(v) -> bool:
-    """Whether `v` is a latent std a space takes: a positive number, or one of LATENT_STD_WORDS."""
-    return v in LATENT_STD_WORDS or _positive_number(v)
 
 
 def latent_std_of(text: str):

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 
 from elflow.config import (
+    NESTED_FLAGS,
+    PART_TYPES,
     NetworkOverrides,
     TrainConfig,
     check_setting,
@@ -21,9 +23,9 @@ from elflow.config import (
     resume_conflicts,
 )
 from elflow.flow import Recipe
-from elflow.model import ShortRunOptions
+from elflow.model import ELFConfig, ShortRunOptions
 from elflow.runs.migrate import document
-from elflow.runs.record import Distillation, RunRecord
+from elflow.runs.record import Distillation, RunRecord, SamplingDefaults, Task
 from elflow.space import TABLE_STREAM, SpaceSpec, latent_std_of, parse_space, space_name
 from elflow.util.devices import resolve_dtype
 from elflow.util.errors import ELFError
@@ -95,7 +97,7 @@ BAD_PARTS = [
                                                           "['noise']"),
     ("omega-range-reversed", dict(recipe={"omega_low": 3.0, "omega_high": 1.0}),
      "the run's recipe cannot be read: the recipe's constants are out of range: omega range [3.0, 1.0]"),
-    ("source-length-0", dict(task={"source_length": 0}), "--source-length must be a number >= 1, got 0"),
+    ("source-length-0", dict(task={"source_length": 0}), "--source-length must be an integer >= 1, got 0"),
     ("source-slot-unknown", dict(task={"source_length": 4, "source_slot": "middle"}),
      "--source-slot must be one of packed, fixed, got 'middle'"),
     ("task-unknown", dict(task={"source_length": 4, "name": "poetry"}),
@@ -111,9 +113,9 @@ BAD_PARTS = [
     ("sample-omega-nan", dict(sampling={"omega": float("nan")}), "--sample-omega must be a number from 0 to 100, got nan"),
     ("sampling-unknown-field", dict(sampling={"gamma": 1.0}),
      "the run's sampling defaults cannot be read: SamplingDefaults: unknown fields ['gamma']"),
-    ("depth-0", dict(network={"depth": 0}), "--depth must be a number >= 1, got 0"),
-    ("depth-a-fraction", dict(network={"depth": 2.5}), "--depth must be a whole number, got 2.5"),
-    ("heads-true", dict(network={"heads": True}), "--heads must be a number >= 1, got True"),
+    ("depth-0", dict(network={"depth": 0}), "--depth must be an integer from 1 to 1,099,511,627,776 (far past any network), got 0"),
+    ("depth-a-fraction", dict(network={"depth": 2.5}), "--depth must be an integer from 1 to 1,099,511,627,776 (far past any network), got 2.5"),
+    ("heads-true", dict(network={"heads": True}), "--heads must be an integer from 1 to 1,099,511,627,776 (far past any network), got True"),
     ("model-unknown-field", dict(network={"colour": 2}),
      "the run's network settings cannot be read: NetworkOverrides: unknown fields ['colour']"),
     ("distillation-objective", dict(distillation={"objective": "x"}),
@@ -205,7 +207,7 @@ def test_stored_settings_that_are_no_object_or_lack_several_name_the_first_three
 
 
 @pytest.mark.parametrize("change, words", [
-    (dict(batch=0), "run.json: its setting 'batch' must be a number from 1 to 1,048,576"),
+    (dict(batch=0), "run.json: its setting 'batch' must be an integer from 1 to 1,048,576"),
     (dict(optimizer="sgd"), "run.json: its setting 'optimizer' must be one of muon, adamw, got 'sgd'"),
     (dict(compile="yes"), "run.json: its setting 'compile' must be true or false, got 'yes'"),
     (dict(method="ar", network={"predict": "v"}), "run.json: --predict applies to ELF runs only, not to --method ar"),
@@ -280,9 +282,47 @@ def test_a_latent_std_is_read_and_checked_by_one_declaration():
     for bad in (0.0, -1, float("nan"), float("inf"), "big", True):
         with pytest.raises(ELFError, match="--latent-std must be a positive number, 'auto' or 'table'"):
             TrainConfig(space={"latent_std": bad})
-        with pytest.raises(ValueError, match="'latent_std' must be a positive number"):
+        with pytest.raises(ValueError, match="latent_std must be a positive number"):
             SpaceSpec.from_dict({"kind": "hf", "name": "minilm", "latent_std": bad})
     assert TrainConfig(space={"latent_std": 0.5}).space.latent_std == 0.5
+
+
+# the other fields a network needs around a probe of one (heads that divide the width into even heads, a
+# path's constants for a v or eps head)
+AROUND = {"hidden": {"heads": 1}, "heads": {"hidden": 2**34}, "predict": {"noise_scale": 1.0, "t_eps": 0.05}}
+
+
+# how a stored part is read, for each typed part a flag sets a field of
+STORED_PARTS = {
+    "network": lambda field, v: ELFConfig(**{**AROUND.get(field, {}), field: v}),
+    "space": lambda field, v: SpaceSpec.from_dict({"kind": "random-table", "name": "minilm", field: v}),
+    "short_run": lambda field, v: ShortRunOptions(**{field: v}),
+    "task": lambda field, v: Task(**{"source_length": 8, field: v}),
+    "sampling": lambda field, v: SamplingDefaults(**{field: v}),
+}
+
+
+def _refused(check, *args) -> bool:
+    try:
+        check(*args)
+    except (ELFError, ValueError):
+        return True
+    return False
+
+
+@pytest.mark.parametrize("key", [k for k in NESTED_FLAGS if k[0] in PART_TYPES and k[1] in PART_TYPES[k[0]].DECLARED],
+                         ids="{0[0]}.{0[1]}".format)
+def test_a_part_field_is_declared_once_and_its_flag_and_its_stored_reader_agree(key):
+    """A field's range and choices are its part type's declaration, which its flag reads: the flag and the stored
+    part's reader refuse the same values (a seed past 2^32 was once refused by --space-seed and taken from a
+    stored space)."""
+    part, field = key
+    flag = NESTED_FLAGS[key]
+    check, choices = PART_TYPES[part].DECLARED[field]
+    assert flag.check is check and (not choices or flag.type == tuple(choices))
+    probes = [0, -1, 2.5, True, "4", "x", 2**33, 2**41, 10**100, float("nan"), -float("inf"), *(choices or ())]
+    for v in probes:
+        assert _refused(flag.check_value, v) == _refused(STORED_PARTS[part], field, v), (key, v)
 
 
 def test_resolved_on_a_device_reads_dtype_auto_as_what_it_picks_there():
@@ -306,8 +346,8 @@ INVALID = [
      "run.json: its setting 'text_field' must be a string"),
     ("not-a-choice", dict(optimizer="sgd"), "--optimizer must be one of muon, adamw, got 'sgd'",
      "run.json: its setting 'optimizer' must be one of"),
-    ("batch-0", dict(batch=0), "--batch must be a number from 1 to 1,048,576 (the paper's batch is 512), got 0",
-     "run.json: its setting 'batch' must be a number from 1"),
+    ("batch-0", dict(batch=0), "--batch must be an integer from 1 to 1,048,576 (the paper's batch is 512), got 0",
+     "run.json: its setting 'batch' must be an integer from 1"),
     ("lr-nan", dict(lr=float("nan")), "--lr must be a number > 0, got nan", "run.json: its setting 'lr' must be"),
     ("seed-negative", dict(seed=-1), "--seed must be an integer from 0 to 4294967295, got -1",
      "run.json: its setting 'seed' must be"),
@@ -437,11 +477,11 @@ def test_a_continued_run_keeps_the_stepping_of_the_run_it_continues():
 @pytest.mark.parametrize("name, value, words", [
     ("lr", -1.0, "--lr must be a number > 0, got -1.0"),
     ("lr", float("inf"), "--lr must be a number > 0, got inf"),
-    ("batch", 0, "--batch must be a number from 1 to 1,048,576 (the paper's batch is 512), got 0"),
-    ("batch", True, "--batch must be a number from 1 to 1,048,576 (the paper's batch is 512), got True"),
+    ("batch", 0, "--batch must be an integer from 1 to 1,048,576 (the paper's batch is 512), got 0"),
+    ("batch", True, "--batch must be an integer from 1 to 1,048,576 (the paper's batch is 512), got True"),
     ("ema_decay", 1.0, "--ema-decay must be a number in [0, 1), got 1.0"),
     ("seed", 2**32, "--seed must be an integer from 0 to 4294967295, got 4294967296"),
-    ("warmup", "10", "--warmup must be a number >= 0, got '10'"),
+    ("warmup", "10", "--warmup must be an integer >= 0, got '10'"),
 ], ids=["lr-negative", "lr-inf", "batch-0", "batch-true", "ema-decay-1", "seed-too-large", "warmup-a-string"])
 def test_check_setting_refuses_a_value_out_of_the_settings_range(name, value, words):
     with pytest.raises(ELFError) as e:

@@ -77,7 +77,7 @@ SIZES = [  # (mode, flag, value, what the one line says): every flag that sets m
     *[("forward", f, "0", f"{f} must be >= 1, got 0") for f in ("--batch", "--length", "--iters", "--peak-size")],
     ("sample", "--steps", "0", "--steps must be an integer from 1 to 10,000"),
     ("train", "--accum", "0", "--accum must be >= 1, got 0"),
-    *[("forward", f, "0", f"ELFConfig.{f[2:].replace('-', '_')} must be an integer >= 1 and at most 1,099,511,627,776 (far "
+    *[("forward", f, "0", f"ELFConfig.{f[2:].replace('-', '_')} must be an integer from 1 to 1,099,511,627,776 (far "
                            "past any network), got 0") for f in ("--depth", "--hidden")],
     *[("forward", f, "-3", f"{f} must be >= 1, got -3") for f in ("--batch", "--length", "--iters", "--peak-size")],
     ("forward", "--warmup", "-1", "--warmup must be >= 0, got -1"),

@@ -200,7 +200,7 @@ STATE_CASES = [
      ["run.json", "\"train\" must be a JSON object"]),
     ("resume-run-json-batch-text", "train",
      lambda t, r, t5, c, k: (_edit_json(r / "run.json", "train.batch", "four"), resume_args(r, k))[-1],
-     ["run.json: its setting 'batch' must be a number from 1 to", "'four'"]),
+     ["run.json: its setting 'batch' must be an integer from 1 to", "'four'"]),
     ("quickstart-report-only-run-json-garbage", "quickstart",
      lambda t, r, t5, c, k: ((r / "run.json").write_text("garbage"), ["quickstart", "--report-only", "--out", r])[-1],
      ["run.json: corrupted or truncated"]),

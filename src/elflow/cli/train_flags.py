@@ -7,7 +7,7 @@ import argparse
 from dataclasses import fields
 
 from elflow.config import NESTED_FLAGS, RUN_DEFAULTS, TrainConfig, flag_of
-from elflow.declare import KINDS
+from elflow.util.errors import KINDS
 
 
 def _true_or_false(text: str) -> bool:

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from elflow.model import Block, RMSNorm, TransformerShape, num_params, rope_tables
+from elflow.model import SHAPE_DECLARED, Block, RMSNorm, TransformerShape, num_params, rope_tables
 from elflow.util.budget import Estimate, check_fits
 from elflow.util.errors import Record
 
@@ -29,10 +29,10 @@ class TokenLMConfig(Record, TransformerShape):
     rope_theta: float = 10000.0
     tie_embeddings: bool = False  # read out with the input table (its first out_vocab rows)
 
+    DECLARED = {**SHAPE_DECLARED, "tie_embeddings": (None, None)}
+
     def __post_init__(self):
-        self.check_shape(("depth", "hidden", "heads", "vocab_size", "max_length"))
-        if not isinstance(self.tie_embeddings, bool):
-            raise ValueError(f"TokenLMConfig.tie_embeddings must be true or false, got {self.tie_embeddings!r}")
+        self.check_shape()
         if self.hidden % self.heads or (self.hidden // self.heads) % 2:
             raise ValueError(f"TokenLMConfig: hidden {self.hidden} must split into {self.heads} heads of even size")
 

@@ -34,7 +34,7 @@ from elflow.methods.token_net import TokenLMConfig
 from elflow.model import ELFConfig, ShortRunOptions
 from elflow.sampler import GenerationDefaults
 from elflow.space import SpaceSpec, drawn_table
-from elflow.util.errors import ELFError, Record
+from elflow.util.errors import AT_LEAST_0, AT_LEAST_1, ELFError, Record
 
 RECORD_VERSION = 10  # the layout of today's stored documents; elflow.runs.migrate reads the earlier ones
 DISTILL_OBJECTIVES = ("pd", "flow-map")  # progressive distillation; one flow-map student for every step count
@@ -51,13 +51,11 @@ class Task(Record):
     source_field: str = "input"
     target_field: str = "output"
 
+    DECLARED = {"source_length": (AT_LEAST_1, None), "source_slot": (None, SOURCE_SLOTS),
+                "name": (None, tuple(PAIR_TASKS))}  # (the fields' names: a name each, below)
+
     def __post_init__(self):
-        if isinstance(self.source_length, bool) or not isinstance(self.source_length, int) or self.source_length < 1:
-            raise ValueError(f"source_length must be an integer >= 1, got {self.source_length!r}")
-        if self.source_slot not in SOURCE_SLOTS:
-            raise ValueError(f"source_slot must be one of {', '.join(SOURCE_SLOTS)}, got {self.source_slot!r}")
-        if self.name is not None and self.name not in PAIR_TASKS:
-            raise ValueError(f"name must be one of {', '.join(PAIR_TASKS)} or null, got {self.name!r}")
+        self.check_declared()
         for f in ("source_field", "target_field"):
             if not isinstance(getattr(self, f), str) or not getattr(self, f):
                 raise ValueError(f"{f} must be a field name, got {getattr(self, f)!r}")
@@ -72,14 +70,11 @@ class SamplingDefaults(Record):
     sampler: str | None = None
     omega: float | None = None
 
+    DECLARED = {"steps": (SAMPLING_RANGES["steps"], None), "sampler": (None, SAMPLERS),
+                "omega": (SAMPLING_RANGES["omega"], None)}
+
     def __post_init__(self):
-        for name in ("steps", "omega"):
-            v = getattr(self, name)
-            ok, what = SAMPLING_RANGES[name]
-            if v is not None and not ok(v):
-                raise ValueError(f"{name} must be {what} or null, got {v!r}")
-        if self.sampler is not None and self.sampler not in SAMPLERS:
-            raise ValueError(f"sampler must be one of {', '.join(SAMPLERS)} or null, got {self.sampler!r}")
+        self.check_declared()
 
     def given(self) -> dict:
         """The defaults given, as the fields of a record's sampling they set."""
@@ -96,13 +91,11 @@ class Distillation(Record):
     student_steps: int | None = None
     teacher_steps: int | None = None
 
+    DECLARED = {"objective": (None, DISTILL_OBJECTIVES), "student_steps": (AT_LEAST_1, None),
+                "teacher_steps": (AT_LEAST_1, None)}
+
     def __post_init__(self):
-        if self.objective not in DISTILL_OBJECTIVES:
-            raise ValueError(f"objective must be one of {', '.join(DISTILL_OBJECTIVES)}, got {self.objective!r}")
-        for f in ("student_steps", "teacher_steps"):
-            v = getattr(self, f)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise ValueError(f"{f} must be an integer >= 1 or null, got {v!r}")
+        self.check_declared()
 
 
 @dataclass(frozen=True)
@@ -114,13 +107,10 @@ class ParamCounts(Record):
     elf: int
     match: str = "total"
 
+    DECLARED = {"model": (AT_LEAST_0, None), "elf": (AT_LEAST_0, None), "match": (None, MATCHES)}
+
     def __post_init__(self):
-        for f in ("model", "elf"):
-            v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"{f} must be an integer >= 0, got {v!r}")
-        if self.match not in MATCHES:
-            raise ValueError(f"match must be one of {', '.join(MATCHES)}, got {self.match!r}")
+        self.check_declared()
 
 
 def is_current(doc) -> bool:
