@@ -33,8 +33,6 @@ def _number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-SETTINGS = ARSampling
-
 
 def build(config: TokenLMConfig, space) -> TokenTransformer:
     """A causal TokenTransformer over space.vocab_size ids plus the row-start id."""

@@ -119,7 +119,7 @@ class TokenMethod(Method):
         raise NotImplementedError
 
     def sampler_settings(self, s: BaselineSampling):
-        """The module's own settings object (its SETTINGS) from BaselineSampling."""
+        """The method's own sampling settings (ARSampling, MDLMSampling) from BaselineSampling."""
         raise NotImplementedError
 
     # -- the run ----------------------------------------------------------------------------------------------

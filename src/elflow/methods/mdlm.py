@@ -42,8 +42,6 @@ class MDLMSampling:
             raise ELFError(f"MDLM sampling: temperature must be > 0, got {self.temperature!r}")
 
 
-SETTINGS = MDLMSampling
-
 
 def build(config: TokenLMConfig, space) -> TokenTransformer:
     """A bidirectional TokenTransformer over space.vocab_size ids plus the mask id (read-out included)."""

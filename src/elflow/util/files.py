@@ -458,8 +458,6 @@ def disk_full(e: BaseException) -> bool:
     return False
 
 
-no_space_error = disk_full
-
 
 # ----------------------------------------------------------------------------------------------------------
 # a folder's lock
