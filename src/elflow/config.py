@@ -204,7 +204,7 @@ class TrainConfig(Record):
     lr_schedule: str = setting("released", "where the warm-up starts: released (step k from 0 at lr k / W, as the "
                                            "authors' code; the first step only fills the optimiser's moments) or "
                                            "one-ahead (lr (k + 1) / W: the schedule of earlier elflow runs, which "
-                                           "keep it when resumed)", choices=LR_SCHEDULES, cli=False)
+                                           "keep it when resumed)", choices=LR_SCHEDULES, cli=False, kept=True)
     ema_decay: float | None = setting(None, "EMA decay of the weights used for sampling",
                                       default_help=_size_help("ema_decay"), check=UNIT)
     adam_heads: bool = setting(False, "optimise output heads and embedders with Adam instead of Muon "
@@ -214,7 +214,7 @@ class TrainConfig(Record):
                                      "large matrices), by-shape (spectral where it pays); auto: by-shape for fp32 "
                                      "Newton-Schulz on CPUs, iterate on GPUs", choices=NS_METHODS)
     update_rule: str = setting("released", "how Muon and Adam step the weights: " + "; ".join(
-        f"{k}: {v}" for k, v in UPDATE_RULE_HELP.items()), choices=UPDATE_RULES)
+        f"{k}: {v}" for k, v in UPDATE_RULE_HELP.items()), choices=UPDATE_RULES, kept=True)
     grad_clip: float = setting(1.0, "gradient-norm clipping (0: none)", check=AT_LEAST_0)
     dtype: str = setting("auto", "autocast precision; auto: bf16 on GPUs and CPUs with native bf16 matmuls, "
                                  "else fp32, stored resolved with the run (--print-config shows what it picks on "
@@ -605,7 +605,7 @@ NESTED_FLAGS.update(nested_flag("recipe", name, float, text, RECIPE_RANGES[name]
 
 MUTABLE = tuple(f.name for f in fields(TrainConfig) if f.metadata.get("mutable"))
 # how a run steps that a newer elflow does otherwise: a run that continues keeps its own
-KEPT_FROM_EARLIER = ("update_rule", "lr_schedule")
+KEPT_FROM_EARLIER = tuple(f.name for f in fields(TrainConfig) if f.metadata.get("kept"))
 
 
 def kept_from(stored: TrainConfig, cfg: TrainConfig) -> TrainConfig:
