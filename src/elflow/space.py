@@ -371,8 +371,6 @@ def usable_latent_std(v) -> bool:
 LATENT_STD = (usable_latent_std, "a positive number, 'auto' or 'table'")  # --latent-std, a stored space's
 
 
-
-
 @dataclass(frozen=True)
 class SpaceSpec(Record):
     """A space as a model stores it: what `build_space` rebuilds it from, and the id of the space it was
@@ -406,7 +404,7 @@ class SpaceSpec(Record):
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
         if not isinstance(name, str) or (kind != "tokens" and not name):
-            raise ValueError(f"'name' must name an encoder or tokenizer, got {name!r}")
+            raise ValueError(f"name must name an encoder or tokenizer, got {name!r}")
         of = d.get("of")
         if kind == "tokens":
             if not isinstance(of, dict):
@@ -416,7 +414,7 @@ class SpaceSpec(Record):
             raise ValueError(f"'of' belongs to a tokens space, not to a {kind} space")
         sid = d.get("id", space_id)
         if sid is not None and not isinstance(sid, str):
-            raise ValueError(f"'id' must be a string, got {sid!r}")
+            raise ValueError(f"id must be a string, got {sid!r}")
         spec = cls(kind, name, d.get("latent_std"), d.get("shift", 0.0), d.get("dim"), d.get("seed"), d.get("stream"),
                    of, sid)
         spec.check_declared()

@@ -33,7 +33,6 @@ def _number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-
 def build(config: TokenLMConfig, space) -> TokenTransformer:
     """A causal TokenTransformer over space.vocab_size ids plus the row-start id."""
     cfg = config.replace(vocab_size=space.vocab_size)

@@ -42,7 +42,6 @@ class MDLMSampling:
             raise ELFError(f"MDLM sampling: temperature must be > 0, got {self.temperature!r}")
 
 
-
 def build(config: TokenLMConfig, space) -> TokenTransformer:
     """A bidirectional TokenTransformer over space.vocab_size ids plus the mask id (read-out included)."""
     cfg = config.replace(vocab_size=space.vocab_size)

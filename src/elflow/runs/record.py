@@ -52,7 +52,7 @@ class Task(Record):
     target_field: str = "output"
 
     DECLARED = {"source_length": (AT_LEAST_1, None), "source_slot": (None, SOURCE_SLOTS),
-                "name": (None, tuple(PAIR_TASKS))}  # (the fields' names: a name each, below)
+                "name": (None, tuple(PAIR_TASKS))}  # (source_field, target_field: a non-empty name each, below)
 
     def __post_init__(self):
         self.check_declared()

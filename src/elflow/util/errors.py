@@ -34,7 +34,6 @@ AT_LEAST_1 = (_at_least(1), ">= 1")
 UNIT = (lambda v: 0 <= v < 1, "in [0, 1)")
 
 
-
 FINITE = (math.isfinite, "a finite number")
 
 

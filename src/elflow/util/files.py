@@ -458,7 +458,6 @@ def disk_full(e: BaseException) -> bool:
     return False
 
 
-
 # ----------------------------------------------------------------------------------------------------------
 # a folder's lock
 def _process_start(pid: int) -> str | None:
