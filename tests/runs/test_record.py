@@ -153,6 +153,11 @@ REFUSED = [
     ("space-a-string", "elf", lambda d: _with(d, "space", "x"),
      "its record's field 'space' cannot be read (a space spec is a JSON object, got str)"),
     ("space-of-no-kind", "elf", lambda d: _with(d, "space", {}), "its record's field 'space' cannot be read (kind must be one of"),
+    ("space-stream-true", "elf", lambda d: _with(d, "space.stream", True),
+     "its record's field 'space' cannot be read (stream must be one of 1, 2 or null, got True)"),
+    ("space-seed-past-2^32", "elf", lambda d: _with(d, "space.seed", 2**32),
+     "its record's field 'space' cannot be read (seed must be an integer from 0 to 4294967295 or null, got "
+     "4294967296)"),
     ("recipe-a-list", "elf", lambda d: _with(d, "recipe", [1]),
      "its record's field 'recipe' cannot be read (expected a JSON object, got list)"),
     ("recipe-out-of-range", "elf", lambda d: _with(d, "recipe.t_std", -1.0),

@@ -70,7 +70,7 @@ def check_value(flag: str, kind, v, choices=None, check=None) -> None:
         if not isinstance(v, bool):
             raise ELFError(f"{flag} must be true or false, got {v!r}")
     elif choices:
-        if v not in choices:
+        if not any(v == c and type(v) is type(c) for c in choices):  # (True is no 1, 1.0 no 1)
             raise ELFError(f"{flag} must be one of {', '.join(map(str, choices))}, got {v!r}")
     elif kind is str:
         if not isinstance(v, str):
