@@ -174,14 +174,14 @@ class TrainConfig(Record):
                                                      "denoiser's rows, as the decode branch does", check=AT_LEAST_1)
     decoder_from: str | None = setting(None, "--decoder separate: take the decoder from this run instead of training "
                                              "it (a decode-only run: elflow train --decode-prob 1, same shape and "
-                                             "space)", flag="--decoder-from")
+                                             "space)", flag="--decoder-from", path=True)
     optimizer: str = setting("muon", "Muon on matrices with Adam on the rest (the paper's), or AdamW on every "
                                      "parameter", choices=OPTIMIZERS)
     weight_decay: float = setting(0.0, "decoupled weight decay of the optimiser (0 in the paper's recipe)",
                                   check=AT_LEAST_0)
     data: str = setting("builtin", "a token store made by `elflow prepare`, or 'builtin' (Shakespeare), a .txt "
                                    "file or folder, a .jsonl file or a hub dataset name (prepared once into a "
-                                   "store in the cache)")
+                                   "store in the cache)", path=True)
     text_field: str = setting("text", "the text field of .jsonl / hub records", flag="--field")
     on_bad: str = setting("stop", "empty, binary or non-UTF-8 files and bad jsonl lines: stop with an error, or "
                                   "skip them with a warning", choices=("stop", "skip"))
@@ -246,7 +246,7 @@ class TrainConfig(Record):
                                    check=EPOCHS)
     warmup_frac: float | None = setting(None, "the warm-up as a fraction of the run (replaces --warmup)", check=UNIT)
     init_from: str | None = setting(None, "start from the weights of this run or checkpoint (its EMA weights; a "
-                                    "fresh optimiser, EMA and step 0)", flag="--init-from")
+                                    "fresh optimiser, EMA and step 0)", flag="--init-from", path=True)
     recipe: Recipe | None = setting(None, "the flow recipe (elflow.flow.Recipe; the recipe flags set its fields)",
                                     default_help="the released recipe of the run's kind (flow.recipe_for)",
                                     cli=False, held="record")

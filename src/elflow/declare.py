@@ -33,14 +33,15 @@ MINUTES = (lambda v: math.isfinite(v) and 0 < v <= 7 * 24 * 60, "in (0, 10,080] 
 
 def setting(default=None, help: str = "", *, default_help: str | None = None, choices=None, check=None,
             flag: str | None = None, mutable: bool = False, cli: bool = True, default_factory=None,
-            held: str | None = None, kept: bool = False):
+            held: str | None = None, kept: bool = False, path: bool = False):
     """A TrainConfig field with what the CLI needs: help, choices, a value check (predicate, description),
     its flag name if not --<name>, whether `--resume` may change it (`mutable`), which records hold it
     (`held`: "record", every record; "elf", an ELF network's; None, none: it is stored beside the record) and
     whether a run that continues keeps its stored value where a newer elflow's default differs (`kept`: how
-    it steps, elflow.config.kept_from)."""
+    it steps, elflow.config.kept_from), and whether it names a file or folder (`path`: a run records it
+    absolute, elflow.lifecycle.claim.absolute_paths)."""
     meta = {"help": help, "default_help": default_help, "choices": choices, "check": check, "flag": flag,
-            "mutable": mutable, "cli": cli, "held": held, "kept": kept}
+            "mutable": mutable, "cli": cli, "held": held, "kept": kept, "path": path}
     if default_factory is not None:
         return field(default_factory=default_factory, metadata=meta)
     return field(default=default, metadata=meta)

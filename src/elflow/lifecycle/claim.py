@@ -10,7 +10,7 @@ import shutil
 import sys
 import time
 import warnings
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 from elflow.config import TrainConfig, mutable_flags, resume_conflicts
@@ -236,7 +236,7 @@ def check_run_dir(out: Path, cfg: TrainConfig, resume: bool, overwrite: bool, de
 
 # ----------------------------------------------------------------------------------------------------------
 # the paths a run records: absolute, so that they name the same files from any working folder
-PATH_SETTINGS = ("data", "init_from", "decoder_from")  # settings that name a file or folder, or a hub name
+PATH_SETTINGS = tuple(f.name for f in fields(TrainConfig) if f.metadata.get("path"))  # (or a hub name)
 
 
 def local_path(value: str | None) -> str | None:

@@ -135,6 +135,5 @@ def first_line(e: BaseException, width: int = 200) -> str:
 def check_seed(seed, flag: str = "--seed") -> int:
     """A seed elflow can use everywhere (every derived generator seed stays in torch's range): an integer in
     0 .. 2**32 - 1."""
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= SEED_MAX:
-        raise ELFError(f"{flag} must be an integer from 0 to {SEED_MAX}, got {seed!r}")
+    check_value(flag, int, seed, check=SEED)
     return seed
