@@ -6,12 +6,11 @@ was given: a flag, a stored file, a Python call)."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import field
 from typing import NamedTuple
 
 from elflow.util.budget import LENGTH_BOUND, MAX_BATCH, MAX_LENGTH, MAX_TRAINING_STEPS, TRAINING_STEPS_BOUND
-from elflow.util.errors import check_value
+from elflow.util.errors import check_value, finite
 
 MAX_EPOCHS = 1_000_000  # passes over the data: the paper's runs make a few
 
@@ -25,10 +24,10 @@ ROWS = (lambda v: 1 <= v <= MAX_BATCH, f"from 1 to {MAX_BATCH:,} (the paper's ba
 STEPS = (lambda v: 1 <= v <= MAX_TRAINING_STEPS, f"from 1 to {MAX_TRAINING_STEPS:,} ({TRAINING_STEPS_BOUND[1]})")
 
 
-EPOCHS = (lambda v: math.isfinite(v) and 0 < v <= MAX_EPOCHS, f"in (0, {MAX_EPOCHS:,}]")
+EPOCHS = (lambda v: finite(v) and 0 < v <= MAX_EPOCHS, f"in (0, {MAX_EPOCHS:,}]")
 
 
-MINUTES = (lambda v: math.isfinite(v) and 0 < v <= 7 * 24 * 60, "in (0, 10,080] (a week)")
+MINUTES = (lambda v: finite(v) and 0 < v <= 7 * 24 * 60, "in (0, 10,080] (a week)")
 
 
 def setting(default=None, help: str = "", *, default_help: str | None = None, choices=None, check=None,

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from elflow.util.budget import MAX_SAMPLING_STEPS  # a sampler of more steps is refused
-from elflow.util.errors import Record
+from elflow.util.errors import Record, finite, short_repr
 
 # the released recipe (OpenWebText, and the conditional tasks where said)
 NOISE_SCALE = 2.0  # eps ~ N(0, NOISE_SCALE^2) on the path; z0 of the sampler
@@ -40,7 +40,7 @@ CONDITIONAL_DECODE_NOISE_SCALE = 1.0  # 1 for a conditional model (translation, 
 
 
 def _finite(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and finite(v)
 
 
 # the range of each constant of the recipe: (check, what it must be); the one statement of these ranges, which
@@ -83,7 +83,7 @@ class Recipe(Record):
     t_std: float = T_STD
 
     def __post_init__(self):
-        bad = [f"{k} {v!r} (must be {RECIPE_RANGES[k][1]})" for k, v in self.to_dict().items()
+        bad = [f"{k} {short_repr(v)} (must be {RECIPE_RANGES[k][1]})" for k, v in self.to_dict().items()
                if not RECIPE_RANGES[k][0](v)]
         if not bad and not self.omega_low <= self.omega_high:
             bad.append(f"omega range [{self.omega_low}, {self.omega_high}] (needs 0 <= omega_low <= omega_high)")
@@ -162,7 +162,7 @@ def _count(v, low: int, high: int | None = None) -> bool:
 
 
 def _non_negative(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and finite(v) and v >= 0
 
 
 def _scale(v) -> bool:

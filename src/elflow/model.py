@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from elflow.util.errors import AT_LEAST_0, POSITIVE, ELFError, Record
+from elflow.util.errors import AT_LEAST_0, POSITIVE, ELFError, Record, finite
 
 PREDICTIONS = ("x", "v", "eps")  # what the denoise head outputs
 CONDITIONINGS = ("tokens", "adaln")  # how t, omega and the mode reach the blocks
@@ -35,9 +35,9 @@ SIZE = (lambda v: 1 <= v <= MAX_SHAPE, f"from 1 to {MAX_SHAPE:,} (far past any n
 # the fields every transformer config here shares: (range, choices), checked by Record.check_declared
 SHAPE_DECLARED = {
     **{f: (SIZE, None) for f in ("depth", "hidden", "heads", "vocab_size", "max_length")},
-    "mlp_ratio": ((lambda v: math.isfinite(v) and 0 < v <= MAX_MLP_RATIO, f"in (0, {MAX_MLP_RATIO:g}]"), None),
-    # a base <= 1 gives every position the same angle
-    "rope_theta": ((lambda v: math.isfinite(v) and v > 1, "> 1"), None),
+    "mlp_ratio": ((lambda v: finite(v) and 0 < v <= MAX_MLP_RATIO, f"in (0, {MAX_MLP_RATIO:g}]"), None),
+    # a base <= 1 gives every position the same angle; one past 1e30 no float table holds
+    "rope_theta": ((lambda v: finite(v) and 1 < v <= 1e30, "in (1, 1e30]"), None),
 }
 
 

@@ -310,3 +310,18 @@ def test_a_baseline_record_holds_no_seed_or_batch_size():
     for key, value in (("seed", 5), ("batch_size", 4)):
         with pytest.raises(ELFError, match=f"generation defaults hold no {key} .the caller's., got {value}"):
             RunRecord.from_dict({**record, "sampling": {**record["sampling"], key: value}}, "r.json")
+
+
+def test_a_huge_stored_value_is_cut_in_its_one_error_line():
+    """A field's value of a million characters (or digits) is shown by its first ones, whatever the check that
+    refuses it (a choice, a type, a range); a range check takes an integer too long for a float."""
+    cases = [("network.predict", "x" * 10**6, "ELFConfig.predict must be one of x, v, eps, got 'xxx"),
+             ("network.self_cond", "y" * 10**6, "ELFConfig.self_cond must be true or false, got 'yyy"),
+             ("space.dim", -10**60, "dim must be an integer >= 1 or null, got -1000"),
+             ("space.dim", -10**10**5, "dim must be an integer >= 1 or null, got an integer of about 100,001 digits"),
+             ("network.rope_theta", 10**400, "ELFConfig.rope_theta must be a number in (1, 1e30], got 1000"),
+             ("recipe.t_mean", 10**400, "t_mean 1000000000000000000000000000000000000... (must be from -10 to 10)")]
+    for key, value, words in cases:
+        with pytest.raises(ELFError) as e:
+            RunRecord.from_dict(_with(fixture_record("elf"), key, value))
+        assert words in str(e.value) and len(str(e.value)) < 400, str(e.value)[:500]

@@ -14,12 +14,17 @@ class ELFError(Exception):
 
 # ----------------------------------------------------------------------------------------------------------
 # a value's range: (predicate, description); the predicate sees a number of the declared type
+def finite(v) -> bool:
+    """Whether a number is finite (an integer always is, however long: math.isfinite would overflow on it)."""
+    return isinstance(v, int) or math.isfinite(v)
+
+
 def positive(v) -> bool:
-    return math.isfinite(v) and v > 0
+    return finite(v) and v > 0
 
 
 def _at_least(lo):
-    return lambda v: math.isfinite(v) and v >= lo
+    return lambda v: finite(v) and v >= lo
 
 
 POSITIVE = (positive, "> 0")
@@ -34,7 +39,7 @@ AT_LEAST_1 = (_at_least(1), ">= 1")
 UNIT = (lambda v: 0 <= v < 1, "in [0, 1)")
 
 
-FINITE = (math.isfinite, "a finite number")
+FINITE = (finite, "a finite number")
 
 
 SEED_MAX = 2**32 - 1
@@ -48,39 +53,47 @@ KINDS = {"bool": bool, "str": str, "str | None": str, "int": int, "int | None": 
          "float | None": float}
 
 
-def out_of_range(flag: str, what: str, value, whole: bool = False) -> ELFError:
+def out_of_range(flag: str, what: str, value, whole: bool = False, null: bool = False) -> ELFError:
     """The one-line error of a value outside its range (`what`: the range's description, such as ">= 1", or a
-    whole phrase such as "a positive number"; `whole`: the value must be an integer)."""
+    whole phrase such as "a positive number"; `whole`: the value must be an integer; `null`: it may be null)."""
     must = what if what.startswith(("a ", "an ")) else f"{'an integer' if whole else 'a number'} {what}".rstrip()
-    return ELFError(f"{flag} must be {must}, got {short_repr(value)}")
+    return _refused(flag, must, value, null)
+
+
+def _refused(flag: str, must: str, value, null: bool) -> ELFError:
+    return ELFError(f"{flag} must be {must}{' or null' if null else ''}, got {short_repr(value)}")
 
 
 def short_repr(v) -> str:
-    """A value in an error line, cut to 40 characters (a depth of 10^100 is 101 digits)."""
-    text = repr(v)
+    """A value in an error line, cut to 40 characters (a depth of 10^100 is 101 digits; an integer too long for
+    Python to write out is told by its size)."""
+    try:
+        text = repr(v)
+    except ValueError:  # (more digits than int -> str converts)
+        return f"an integer of about {int(v.bit_length() * math.log10(2)) + 1:,} digits"
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def check_value(flag: str, kind, v, choices=None, check=None) -> None:
+def check_value(flag: str, kind, v, choices=None, check=None, null: bool = False) -> None:
     """The one check of a value against its declaration (a TrainConfig field's `setting`, a typed part's
     field's NestedFlag, a record type's DECLARED): its type (`kind`: bool, str, int or float; None: any its
     check accepts), its choices, its range (`check`: a predicate and its description). ELFError naming `flag`
-    (the flag, the stored file's setting, or the field)."""
+    (the flag, the stored file's setting, or the field) and, where `null`, that it may be null too."""
     if kind is bool:
         if not isinstance(v, bool):
-            raise ELFError(f"{flag} must be true or false, got {v!r}")
+            raise _refused(flag, "true or false", v, null)
     elif choices:
         if not any(v == c and type(v) is type(c) for c in choices):  # (True is no 1, 1.0 no 1)
-            raise ELFError(f"{flag} must be one of {', '.join(map(str, choices))}, got {v!r}")
+            raise _refused(flag, f"one of {', '.join(map(str, choices))}", v, null)
     elif kind is str:
         if not isinstance(v, str):
-            raise ELFError(f"{flag} must be a string, got {v!r}")
+            raise _refused(flag, "a string", v, null)
     elif kind in (int, float):
         number = isinstance(v, (int, float)) and not isinstance(v, bool)
         if not number or kind is int and not isinstance(v, int) or check and not check[0](v):
-            raise out_of_range(flag, check[1] if check else "", v, kind is int)
+            raise out_of_range(flag, check[1] if check else "", v, kind is int, null)
     elif check and not check[0](v):  # a value of several types (a number or a word), its range check alone
-        raise out_of_range(flag, check[1], v)
+        raise out_of_range(flag, check[1], v, null=null)
 
 
 class Record:
@@ -96,16 +109,13 @@ class Record:
         (`check_value`)."""
         types = {f.name: f.type for f in fields(self)}
         for name, (check, choices) in self.DECLARED.items():
-            v = getattr(self, name)
-            if v is None and "None" in types[name]:
+            v, null = getattr(self, name), "None" in types[name]
+            if v is None and null:
                 continue
             try:
-                check_value(prefix + name, KINDS.get(types[name]), v, choices, check)
-            except ELFError as e:  # (its words, and null where the field may be null)
-                said = str(e)
-                if "None" in types[name]:
-                    said = said.replace(", got ", " or null, got ", 1)
-                raise ValueError(said) from None
+                check_value(prefix + name, KINDS.get(types[name]), v, choices, check, null)
+            except ELFError as e:
+                raise ValueError(str(e)) from None
 
     def to_dict(self) -> dict:
         return asdict(self)
