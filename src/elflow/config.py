@@ -382,17 +382,9 @@ class TrainConfig(Record):
 
     def network_fields(self, recipe) -> dict:
         """The ELFConfig fields the run sets besides its preset and its space: those given (`network`), and those
-        that follow from the rest of the run: a network without self-conditioning for self_cond_prob 0, the
-        path's constants (`recipe`'s) for a v- or eps-head, which reads them, and a flow-map student's target
-        time."""
-        derived = {}
-        if not recipe.self_conditioned:
-            derived["self_cond"] = False
-        if self.network.predict not in (None, "x"):
-            derived.update(noise_scale=recipe.noise_scale, t_eps=recipe.t_eps)
-        if self.distillation is not None and self.distillation.objective == "flow-map":
-            derived["target_time"] = True
-        return {**self.network.given(), **derived}
+        that follow from the rest of the run as a record derives them (elflow.methods.elf's `derive`: its
+        self-conditioning, the path's constants and the target time, from `recipe` and the distillation)."""
+        return {**self.network.given(), **get_method("elf").derive(recipe, self.distillation)}
 
     def flow_recipe(self) -> Recipe:
         """The run's flow recipe: the one given, else the released recipe of its kind (flow.recipe_for)."""

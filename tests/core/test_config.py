@@ -31,7 +31,7 @@ from elflow.util.devices import resolve_dtype
 from elflow.util.errors import ELFError
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
-RUN_FILES = sorted(FIXTURES.glob("*/**/run.json"))  # the runs of earlier elflows: legacy/, record2/, ..., record9/
+RUN_FILES = sorted(FIXTURES.glob("*/**/run.json"))  # the runs of earlier elflows: legacy/, record2/, ..., record10/
 RELEASED_CONDITIONAL_DECODE_NOISE = 1.0  # the paper's decode corruption for (source, target) pairs
 
 
@@ -410,12 +410,14 @@ def test_a_named_config_derives_its_cadence_from_its_length_unless_given():
 
 
 def test_the_network_fields_are_the_overrides_and_variants_with_the_recipes_constants_a_head_reads():
+    # (an x head's config drops the path constants: it reads none)
+    released = {"self_cond": True, "target_time": False, "noise_scale": Recipe().noise_scale, "t_eps": Recipe().t_eps}
     cfg = TrainConfig(network={"depth": 3, "bottleneck": 8})
-    assert cfg.network_fields(Recipe()) == {"depth": 3, "bottleneck": 8}
+    assert cfg.network_fields(Recipe()) == {"depth": 3, "bottleneck": 8, **released}
     v = TrainConfig(network={"predict": "v"}).network_fields(Recipe(self_cond_prob=0.0, noise_scale=1.5))
-    assert v == {"predict": "v", "self_cond": False, "noise_scale": 1.5, "t_eps": Recipe().t_eps}
+    assert v == {"predict": "v", **released, "self_cond": False, "noise_scale": 1.5}
     student = TrainConfig(distillation=Distillation("flow-map", 4, None)).network_fields(Recipe())
-    assert student == {"target_time": True}  # a flow-map student's target time follows from its distillation
+    assert student == {**released, "target_time": True}  # a flow-map student's target time: its distillation's
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ WHERE = "edited.json"
 
 def _stored() -> list[dict]:
     docs = []
-    for root in ("legacy", "record2", "record5", "record8", "record9"):
+    for root in ("legacy", "record2", "record5", "record8", "record9", "record10"):
         for name in ("run.json", "state.json"):
             for f in sorted((FIXTURES / root).rglob(name)):
                 doc = json.loads(f.read_text())

@@ -13,8 +13,8 @@ from elflow.runs.record import RunRecord
 from elflow.util.errors import ELFError
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
-RECORD2, LEGACY, RECORD5, RECORD8, RECORD9 = (FIXTURES / name for name in ("record2", "legacy", "record5", "record8",
-                                                                          "record9"))
+RECORD2, LEGACY, RECORD5, RECORD8, RECORD9, RECORD10 = (FIXTURES / name for name in (
+    "record2", "legacy", "record5", "record8", "record9", "record10"))
 
 
 def stored(folder: Path, run: str) -> dict:
@@ -28,6 +28,16 @@ def without_callers(record: dict) -> dict:
                                    if k not in ("seed", "batch_size", "dtype")}}
 
 
+DERIVED = ("self_cond", "target_time", "noise_scale", "t_eps")  # an ELF network's, from version 11 not stored
+
+
+def without_derived(record: dict) -> dict:
+    """A stored record as version 11 holds it: an ELF network without the fields that follow from the rest."""
+    if record["method"] != "elf":
+        return record
+    return {**record, "network": {k: v for k, v in record["network"].items() if k not in DERIVED}}
+
+
 def up_to(doc: dict, version: int) -> dict:
     """`doc` migrated to `version` (not further), one step at a time."""
     while migrate.version_of(doc, "x") < version:
@@ -36,7 +46,7 @@ def up_to(doc: dict, version: int) -> dict:
 
 
 def test_the_chain_reaches_todays_version_one_step_at_a_time():
-    assert RECORD_VERSION == 10 and sorted(migrate.STEPS) == [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    assert RECORD_VERSION == 11 and sorted(migrate.STEPS) == [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
 
 
 def held_by_7(method: str) -> tuple[str, ...]:
@@ -57,8 +67,8 @@ def test_a_version_2_run_file_gains_the_schedule_its_runs_used_and_its_settings_
     # (and from version 10 an ELF record holds the space its flat settings named)
     assert new["train"] == {**{k: v for k, v in old["record"]["train"].items()
                                if k not in held and k not in migrate.FLAT_SPACE}, "lr_schedule": "one-ahead"}
-    assert {k: v for k, v in new["record"].items() if k != "version"} == \
-        without_callers({k: v for k, v in old["record"].items() if k not in ("train", "version")})
+    assert {k: v for k, v in new["record"].items() if k != "version"} == without_derived(
+        without_callers({k: v for k, v in old["record"].items() if k not in ("train", "version")}))
     assert {k: v for k, v in new.items() if k not in ("record", "train")} == \
         {k: v for k, v in old.items() if k != "record"}
     RunRecord.from_dict(new["record"])
@@ -97,7 +107,9 @@ def test_each_step_changes_only_what_its_version_lacked():
     v10 = migrate.STEPS[9](v9, "x")  # an ELF record holds the space: the flat space settings beside it go
     assert v10 == {**v9, "record": {**v9["record"], "version": 10},
                    "train": {k: v for k, v in v9["train"].items() if k not in migrate.FLAT_SPACE}}
-    assert document(v9, "x") == v10 == document(v7, "x") == document(v8, "x") == document(v6, "x") == document(v5, "x") == document(v4, "x") == \
+    v11 = migrate.STEPS[10](v10, "x")  # an ELF network's derived fields go
+    assert v11 == {**v10, "record": {**without_derived(v10["record"]), "version": 11}}
+    assert document(v10, "x") == document(v9, "x") == v11 == document(v7, "x") == document(v8, "x") == document(v6, "x") == document(v5, "x") == document(v4, "x") == \
         document(v3, "x") == document(v2, "x")
 
 
@@ -113,7 +125,7 @@ def test_version_5_settings_that_restate_the_record_say_what_it_holds_or_leave_i
     assert len(runs) >= 10
     for run in runs:
         v5 = up_to(json.loads((run / "run.json").read_text()), 5)
-        record = RunRecord.from_dict({**without_callers(v5["record"]), "version": RECORD_VERSION})
+        record = RunRecord.from_dict({**without_derived(without_callers(v5["record"])), "version": RECORD_VERSION})
         held = record_settings(record)
         assert set(held) == set(held_settings(record.method))
         # the flat task, sampling and network settings as the parts they became
@@ -332,7 +344,7 @@ def test_version_9_flat_space_settings_become_the_space_a_record_holds_or_one_pa
         v10 = migrate.STEPS[9](v9, "x")
         assert v10["record"] == {**v9["record"], "version": 10}
         assert not set(migrate.FLAT_SPACE) - {"space"} & set(v10["train"])
-        cfg = TrainConfig.of_run(RunRecord.from_dict(v10["record"]), v10["train"], "x")
+        cfg = TrainConfig.of_run(RunRecord.from_dict(migrate.STEPS[10](v10, "x")["record"]), v10["train"], "x")
         kind, _, name = flat["space"].partition(":")
         std = None if flat["latent_std"] is None else float(flat["latent_std"])
         asked = SpaceSpec(kind, name, std, dim=flat["space_dim"], seed=flat["space_seed"], stream=flat["space_stream"])
@@ -353,3 +365,48 @@ def test_version_9_flat_space_settings_become_the_space_a_record_holds_or_one_pa
         assert v9["version"] == 9 and migrate.STEPS[9](v9, "x") == {**v9, "version": 10}
     folder = json.loads((RECORD9 / "model-folder" / "config.json").read_text())  # a model folder's, as a run's
     assert "space" not in migrate.STEPS[9](folder, "x")["train"]
+
+
+RUNS_10 = ("elf", "cond", "fm", "pd/1-step", "pd/2-step", "ar", "mdlm", "elf-stopped", "fm-stopped", "converted",
+           "model-folder")
+
+
+def stored_10(run: str) -> dict:
+    return json.loads((RECORD10 / run / ("config.json" if run == "model-folder" else "run.json")).read_text())
+
+
+@pytest.mark.parametrize("run", RUNS_10)
+def test_version_10_networks_lose_the_fields_that_follow_from_the_recipe_and_the_distillation(run):
+    """Version 11's ELF record does not store self_cond, target_time, noise_scale and t_eps: the record sets them
+    from its recipe and distillation. Each run version 10's own code wrote reads back with the very values it
+    stored, and names its model by the same digest as the state.json of its checkpoints, which that code wrote."""
+    v10 = stored_10(run)
+    assert migrate.version_of(v10, "x") == 10
+    v11 = migrate.STEPS[10](v10, "x")
+    assert v11 == {**v10, "record": {**without_derived(v10["record"]), "version": 11}}
+    record = RunRecord.from_dict(v11["record"])
+    assert record.network.to_dict() == v10["record"]["network"]  # derived as version 10 stored them
+    assert record.to_dict() == v11["record"]
+    for state in (RECORD10 / run).rglob("state.json"):
+        v10_state = json.loads(state.read_text())
+        assert migrate.STEPS[10](v10_state, "x") == {**v10_state, "version": 11}
+        if "model_sha256" in v10_state and state.parent.parent.parent == RECORD10 / run:
+            assert record.digest() == v10_state["model_sha256"], state
+
+
+@pytest.mark.parametrize("run, key, value, words", [
+    ("elf", "network.self_cond", False, "self_cond False while the recipe's self_cond_prob is 0.5"),
+    ("elf", "recipe.self_cond_prob", 0.0, "self_cond True while the recipe's self_cond_prob is 0.0"),
+    ("elf", "network.target_time", True, "target_time True while the model is not a flow-map student"),
+    ("fm", "network.target_time", False, "target_time False while the model is a flow-map student"),
+    ("elf", "network.predict", "v", "a v-predicting head with noise_scale None and t_eps None, while the recipe's "
+                                    "are 2.0 and 0.05"),
+])
+def test_a_version_10_network_whose_stored_fields_disagree_with_the_rest_is_refused_as_version_10_refused_it(
+        run, key, value, words):
+    doc = stored_10(run)
+    part, field = key.split(".")
+    doc["record"][part][field] = value
+    with pytest.raises(ELFError) as e:
+        document(doc, "r.json")
+    assert str(e.value) == f"r.json: its record's field 'network': {words}"

@@ -13,7 +13,7 @@ from elflow.runs.record import RECORD_VERSION, Distillation, ParamCounts, RunRec
 from elflow.util.errors import ELFError
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
-# the runs earlier elflows trained (legacy/, record2/, record5/, record8/, record9/); a release converted by version 8
+# the runs earlier elflows trained (legacy/, record2/, ..., record10/); a release converted by version 8
 # has a run.json too, which core/test_config.py reads
 RUN_FILES = sorted(p for p in FIXTURES.glob("*/**/run.json") if p.parent.name != "converted")
 
@@ -186,10 +186,12 @@ REFUSED = [
      "its record's field 'network': a ar model has no conditional task and no short-run options"),
     ("sampling-of-another-baseline", "ar", lambda d: _with(d, "sampling.method", "mdlm"),
      "its record's field 'sampling': sampling settings of 'mdlm', not of 'ar'"),
-    ("a-flow-map-network-without-its-distillation", "elf", lambda d: _with(d, "network.target_time", True),
-     "its record's field 'network': target_time True while the model is not a flow-map student"),
-    ("self-conditioning-without-its-recipe", "elf", lambda d: _with(d, "recipe.self_cond_prob", 0.0),
-     "its record's field 'network': self_cond True while the recipe's self_cond_prob is 0.0"),
+    # a field that follows from the rest (a version-10 record that stored one disagreeing: test_migrate.py)
+    ("a-network-storing-its-target-time", "elf", lambda d: _with(d, "network.target_time", True),
+     "its record's field 'network' is not a network of its method 'elf': it holds 'target_time', which follows "
+     "from the recipe and the distillation (a record of version 11 does not store it)"),
+    ("a-network-storing-self-conditioning", "elf", lambda d: _with(d, "network.self_cond", False),
+     "its record's field 'network' is not a network of its method 'elf': it holds 'self_cond', which follows"),
     ("network-depth-10^100", "elf", lambda d: _with(d, "network.depth", 10**100),
      "its record's field 'network' cannot be read as a network of its method 'elf' (ELFConfig.depth must be an "
      "integer from 1 to 1,099,511,627,776 (far past any network), got "
@@ -236,6 +238,27 @@ def test_check_passes_a_consistent_record_and_names_the_first_part_that_disagree
         ar.replace(distillation=Distillation("flow-map")).check("x")
     assert elf.replace(network=elf.network.replace(target_time=True),
                        distillation=Distillation("flow-map", 4)).check("x") is None
+
+
+def test_a_record_sets_the_network_fields_that_follow_from_its_recipe_and_distillation():
+    """Self-conditioning follows from the recipe's self_cond_prob, a v- or eps-head's path constants from the
+    recipe, a flow map's target time from the distillation: a record sets them whatever network it is given,
+    stores none of them, and reads back equal; its digest is of the network in full."""
+    elf = RunRecord.from_dict(fixture_record("elf"))
+    assert elf.network.self_cond and not elf.network.target_time and elf.network.noise_scale is None
+    plain = elf.replace(recipe=elf.recipe.replace(self_cond_prob=0.0))
+    assert plain.network.self_cond is False
+    fm = elf.replace(distillation=Distillation("flow-map", 4))
+    assert fm.network.target_time is True
+    assert fm.replace(network=fm.network.replace(target_time=False)).network.target_time is True
+    v = elf.replace(network=elf.network.replace(predict="v", noise_scale=9.0, t_eps=0.5))
+    assert (v.network.noise_scale, v.network.t_eps) == (elf.recipe.noise_scale, elf.recipe.t_eps)
+    for record in (plain, fm, v):
+        stored = record.to_dict()
+        assert not {"self_cond", "target_time", "noise_scale", "t_eps"} & set(stored["network"])
+        assert RunRecord.from_dict(json.loads(json.dumps(stored))) == record
+        assert record.identity()["network"] == record.network.to_dict()
+    assert len({r.digest() for r in (elf, plain, fm, v)}) == 4
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -316,7 +339,7 @@ def test_a_huge_stored_value_is_cut_in_its_one_error_line():
     """A field's value of a million characters (or digits) is shown by its first ones, whatever the check that
     refuses it (a choice, a type, a range); a range check takes an integer too long for a float."""
     cases = [("network.predict", "x" * 10**6, "ELFConfig.predict must be one of x, v, eps, got 'xxx"),
-             ("network.self_cond", "y" * 10**6, "ELFConfig.self_cond must be true or false, got 'yyy"),
+             ("network.conditioning", "y" * 10**6, "ELFConfig.conditioning must be one of tokens, adaln, got 'yyy"),
              ("space.dim", -10**60, "dim must be an integer >= 1 or null, got -1000"),
              ("space.dim", -10**10**5, "dim must be an integer >= 1 or null, got an integer of about 100,001 digits"),
              ("network.rope_theta", 10**400, "ELFConfig.rope_theta must be a number in (1, 1e30], got 1000"),

@@ -61,6 +61,13 @@ class Method:
         """The (untrained) network a record describes; `max_length` widens its position table."""
         raise NotImplementedError
 
+    derived: tuple[str, ...] = ()  # the network config's fields that follow from the rest of a record
+
+    def derive(self, recipe, distillation) -> dict:
+        """The values of the `derived` fields for a model of this recipe and distillation (None: none): a record
+        stores none of them, and sets them on its network from its other parts."""
+        return {}
+
     def check_record(self, record) -> None:
         """ELFError for a record whose network, options, recipe and sampling settings do not fit together."""
 

@@ -121,20 +121,18 @@ class ELFMethod(Method):
         check_network_memory(config, record.options)
         return build_network(config, record.options)
 
+    # self-conditioning follows from the recipe's self_cond_prob, the path's constants (read by a v- or eps-head
+    # alone: an x head holds None) from the recipe, and a flow map's target time from the distillation objective
+    derived = ("self_cond", "target_time", "noise_scale", "t_eps")
+
+    def derive(self, recipe, distillation) -> dict:
+        return {"self_cond": recipe.self_conditioned, "noise_scale": recipe.noise_scale, "t_eps": recipe.t_eps,
+                "target_time": distillation is not None and distillation.objective == "flow-map"}
+
     def check_record(self, record) -> None:
-        net, recipe = record.network, record.recipe
-        check_network(net.predict, net.conditioning, record.options)
-        if net.self_cond != recipe.self_conditioned:
-            raise ELFError(f"self_cond {net.self_cond} while the recipe's self_cond_prob is {recipe.self_cond_prob}")
-        if net.predict != "x" and (net.noise_scale, net.t_eps) != (recipe.noise_scale, recipe.t_eps):
-            raise ELFError(f"a {net.predict}-predicting head with noise_scale {net.noise_scale} and t_eps "
-                           f"{net.t_eps}, while the recipe's are {recipe.noise_scale} and {recipe.t_eps}")
-        record.sampling.check(recipe)
-        flow_map = bool(record.distillation and record.distillation.objective == "flow-map")
-        if net.target_time != flow_map:
-            raise ELFError(f"target_time {net.target_time} while the model is {'' if flow_map else 'not '}a flow-map "
-                           "student")
-        if record.sampling.sampler == "map" and not net.target_time:
+        check_network(record.network.predict, record.network.conditioning, record.options)
+        record.sampling.check(record.recipe)
+        if record.sampling.sampler == "map" and not record.network.target_time:
             e = ELFError("its sampling defaults jump with the map sampler, which needs a flow-map student (elflow "
                          "distill --objective flow-map); choose sde, ode or vc")
             e.field = "sampling"  # (the sampling defaults are at fault, not the network)

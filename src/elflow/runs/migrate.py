@@ -1,7 +1,7 @@
 """Every stored layout elflow reads, made today's by one linear chain of small steps, version N -> N + 1.
 
 A stored document is a run's run.json, a checkpoint's state.json or a model folder's config.json (an earlier
-model folder's JSON files merged into one: elflow.runs.model_folder). Today's layout (version 10) holds
+model folder's JSON files merged into one: elflow.runs.model_folder). Today's layout (version 11) holds
 
     "record"   run.json and a model folder: the model's description (elflow.runs.record.RunRecord.to_dict)
     "train"    run.json and a model folder: the training settings the record does not hold
@@ -31,6 +31,8 @@ Earlier versions:
        ("model"), which held self-conditioning, the path's constants and the target time too
     9  the space as five flat training settings (space, space_dim, space_seed, space_stream, latent_std), stored
        beside an ELF record that holds the space built from them
+    10 an ELF record's network storing the fields that follow from its recipe and distillation (self_cond,
+       target_time, noise_scale, t_eps), each checked against them when read
 
 Each step fills in exactly what its version lacked, with the value that the code of that version used (never
 today's default), so that an older run samples the same texts and resumes bit for bit. The authors' released
@@ -42,7 +44,7 @@ from __future__ import annotations
 from dataclasses import asdict, fields
 
 from elflow.data.layout import PACKED
-from elflow.flow import recipe_for
+from elflow.flow import Recipe, recipe_for
 from elflow.methods import get_method
 from elflow.model import ELFConfig, ShortRunOptions
 from elflow.runs.record import RECORD_VERSION, Distillation, ParamCounts, RunRecord, Task
@@ -147,7 +149,7 @@ def _1_to_2(doc: dict, where: str) -> dict:
     if "model" not in doc or "space" not in doc:
         raise ELFError(f"{where}: corrupted (it describes no network: no \"model\" or \"space\")")
     try:
-        record, train = _record_1(doc)
+        record, train, network = _record_1(doc)
     except ELFError as e:
         raise ELFError(f"{where}: {e}") from None
     except (ValueError, TypeError, KeyError, AttributeError, OverflowError) as e:
@@ -158,10 +160,12 @@ def _1_to_2(doc: dict, where: str) -> dict:
         rest.setdefault("converted_from", doc["train"]["converted_from"])
     if "stage_of" in rest:
         rest["stage_of"] = train_1_to_2(rest["stage_of"])
-    return {"data_store": None, **rest, "record": {**record.to_dict(), "train": train, "version": 2}}
+    # (the network as version 1 stored it, derived fields included: step 10 -> 11 checks them against the rest)
+    return {"data_store": None, **rest, "record": {**record.to_dict(), "network": network.to_dict(), "train": train,
+                                                   "version": 2}}
 
 
-def _record_1(doc: dict) -> tuple[RunRecord, dict | None]:
+def _record_1(doc: dict) -> tuple[RunRecord, dict | None, object]:
     method = get_method(doc.get("method", "elf"))
     model = {k: v for k, v in doc["model"].items() if k not in RUN_ONLY}
     options = {k: model.pop(k) for k in SHORT_RUN_FIELDS if k in model}
@@ -196,7 +200,7 @@ def _record_1(doc: dict) -> tuple[RunRecord, dict | None]:
     stored = settings.get("sampling") or {}
     if stored:
         sampling = sampling.replace(**{k: v for k, v in stored.items() if k in sampling.to_dict()})
-    return record.replace(sampling=sampling), train
+    return record.replace(sampling=sampling), train, network
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -437,8 +441,49 @@ def _9_to_10(doc: dict, where: str) -> dict:
     return out
 
 
+def _10_to_11(doc: dict, where: str) -> dict:
+    """From version 11 an ELF record's network does not store the fields that follow from its recipe and
+    distillation (the method's `derived`): the record sets them. Version 10 stored them and refused a record
+    whose values disagreed with the rest; such a record is refused here, in the words version 10 used, and one
+    whose recipe or distillation cannot be read is left to the record's reader to name. A state.json changes its
+    version alone (its model's digest is of the network in full: `RunRecord.identity`)."""
+    if "record" not in doc:
+        return {**doc, "version": 11}
+    record = {**doc["record"], "version": 11}
+    network = record.get("network")
+    if _elf_record(doc) and isinstance(network, dict):
+        elf = get_method("elf")
+        try:
+            derived = elf.derive(Recipe.from_dict(record.get("recipe") or {}), None if record.get("distillation")
+                                 is None else Distillation.from_dict(record["distillation"]))
+        except (ELFError, ValueError, TypeError, AttributeError):
+            derived = None
+        if derived is not None:
+            if network.get("predict", "x") == "x":  # (an x head reads no path constants: version 10 ignored them)
+                derived.update(noise_scale=network.get("noise_scale"), t_eps=network.get("t_eps"))
+            _check_derived(network, derived, record, where)
+        record["network"] = {k: v for k, v in network.items() if k not in elf.derived}
+    return {**doc, "record": record}
+
+
+def _check_derived(network: dict, derived: dict, record: dict, where: str) -> None:
+    """ELFError for a version-10 network whose stored derived fields disagree with its recipe and distillation."""
+    def refuse(what):
+        raise ELFError(f"{where}: its record's field 'network': {what}")
+
+    recipe = Recipe.from_dict(record.get("recipe") or {})
+    if "self_cond" in network and network["self_cond"] != derived["self_cond"]:
+        refuse(f"self_cond {network['self_cond']} while the recipe's self_cond_prob is {recipe.self_cond_prob}")
+    if any(k in network and network[k] != derived[k] for k in ("noise_scale", "t_eps")):
+        refuse(f"a {network.get('predict')}-predicting head with noise_scale {network.get('noise_scale')} and t_eps "
+               f"{network.get('t_eps')}, while the recipe's are {recipe.noise_scale} and {recipe.t_eps}")
+    if "target_time" in network and network["target_time"] != derived["target_time"]:
+        refuse(f"target_time {network['target_time']} while the model is {'' if derived['target_time'] else 'not '}"
+               "a flow-map student")
+
+
 STEPS = {1: _1_to_2, 2: _2_to_3, 3: _3_to_4, 4: _4_to_5, 5: _5_to_6, 6: _6_to_7, 7: _7_to_8, 8: _8_to_9,
-         9: _9_to_10}
+         9: _9_to_10, 10: _10_to_11}
 assert sorted(STEPS) == list(range(PRE_RECORD, RECORD_VERSION)), "the chain must reach today's version"
 
 

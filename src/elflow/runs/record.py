@@ -2,7 +2,9 @@
 about how it was trained (the training settings are elflow.config.TrainConfig, stored beside it in run.json).
 
     method        "elf", or a token baseline ("ar", "mdlm")
-    network       the method's network config (ELF: elflow.model.ELFConfig; a baseline: TokenLMConfig)
+    network       the method's network config (ELF: elflow.model.ELFConfig; a baseline: TokenLMConfig); the
+                  fields that follow from the other parts (the method's `derived`: ELF's self-conditioning,
+                  path constants and target time) are set from them here, and not stored
     options       ELF's short-run options (elflow.model.ShortRunOptions; inactive for the released network)
     recipe        the flow recipe it was trained with (elflow.flow.Recipe): path, noise, training times
     space         the embedding space's spec and id (elflow.space.SpaceSpec)
@@ -36,7 +38,7 @@ from elflow.sampler import GenerationDefaults
 from elflow.space import SpaceSpec, drawn_table
 from elflow.util.errors import AT_LEAST_0, AT_LEAST_1, ELFError, Record
 
-RECORD_VERSION = 10  # the layout of today's stored documents; elflow.runs.migrate reads the earlier ones
+RECORD_VERSION = 11  # the layout of today's stored documents; elflow.runs.migrate reads the earlier ones
 DISTILL_OBJECTIVES = ("pd", "flow-map")  # progressive distillation; one flow-map student for every step count
 
 
@@ -149,6 +151,12 @@ class RunRecord:
     params: ParamCounts | None = None
     version: int = RECORD_VERSION
 
+    def __post_init__(self):
+        # the network's derived fields follow from the recipe and the distillation: consistent by construction
+        derived = get_method(self.method).derive(self.recipe, self.distillation)
+        if any(getattr(self.network, k) != v for k, v in derived.items()):
+            object.__setattr__(self, "network", self.network.replace(**derived))
+
     # -- what the record says -------------------------------------------------------------------------
     @property
     def conditional(self) -> bool:
@@ -177,9 +185,11 @@ class RunRecord:
     def identity(self) -> dict:
         """What fixes the meaning of the model's weights: the stored record but for the parts a resumed run may
         change (`MAY_CHANGE`), its space by its id (a spec may name its files by another path: a run moved
-        elsewhere), or by nothing where it has none."""
+        elsewhere), or by nothing where it has none, and its network in full, derived fields included (as
+        records stored it up to version 10: a checkpoint's digest is the same whichever version wrote it)."""
         d = {k: v for k, v in self.to_dict().items() if k not in MAY_CHANGE}
         d["space"] = self.space.id
+        d["network"] = self.network.to_dict()
         return d
 
     def digest(self) -> str:
@@ -194,7 +204,9 @@ class RunRecord:
 
     # -- stored form ----------------------------------------------------------------------------------
     def to_dict(self) -> dict:
-        return {"version": self.version, "method": self.method, "network": self.network.to_dict(),
+        derived = get_method(self.method).derived
+        network = {k: v for k, v in self.network.to_dict().items() if k not in derived}
+        return {"version": self.version, "method": self.method, "network": network,
                 **({"options": self.options.to_dict()} if self.options.active else {}),
                 "recipe": self.recipe.to_dict(), "space": self.space.to_dict(), "length": self.length,
                 "task": self.task.to_dict() if self.task else None, "sampling": self.sampling.to_dict(),
@@ -221,11 +233,11 @@ class RunRecord:
 
         file = (stored_in or {}).get
 
-        def part(name, make, typ=None, of=""):
+        def part(name, make, typ=None, of="", derived=()):
             try:
-                _required(name, d.get(name), typ)
+                _required(name, d.get(name), typ, derived)
                 value = make(d.get(name))
-                _complete(name, d.get(name), value)
+                _complete(name, d.get(name), value, derived)
                 return value
             except ELFError as e:
                 raise ELFError(f"{file(name, where)}: its record's field {name!r}{f' is not {of}' if of else ''}: "
@@ -235,18 +247,28 @@ class RunRecord:
                                f"{f' as {of}' if of else ''} ({e})") from None
 
         method = part("method", get_method)
+        recipe = part("recipe", lambda v: Recipe.from_dict(_obj(v or {})), Recipe)
+        distillation = part("distillation", lambda v: None if v is None else Distillation.from_dict(_obj(v)),
+                            Distillation)
+
+        def network(v):
+            stored = [k for k in method.derived if k in _obj(v)]
+            if stored:
+                raise ELFError(f"it holds {stored[0]!r}, which follows from the recipe and the distillation (a record "
+                               f"of version {RECORD_VERSION} does not store it); restore the file as elflow wrote it")
+            return method.config_type.from_dict({**v, **method.derive(recipe, distillation)})
+
         record = cls(
             method=method.name,
-            network=part("network", lambda v: method.config_type.from_dict(_obj(v)), method.config_type,
-                         f"a network of its method {method.name!r}"),
+            network=part("network", network, method.config_type, f"a network of its method {method.name!r}",
+                         method.derived),
             space=part("space", SpaceSpec.from_dict),
             length=part("length", _positive_int),
-            recipe=part("recipe", lambda v: Recipe.from_dict(_obj(v or {})), Recipe),
+            recipe=recipe,
             options=part("options", lambda v: ShortRunOptions.from_dict(_obj(v or {})), ShortRunOptions),
             task=part("task", lambda v: None if v is None else Task.from_dict(_obj(v)), Task),
             sampling=part("sampling", lambda v: method.sampling_type.from_dict(_obj(v)), method.sampling_type),
-            distillation=part("distillation", lambda v: None if v is None else Distillation.from_dict(_obj(v)),
-                              Distillation),
+            distillation=distillation,
             params=part("params", lambda v: None if v is None else ParamCounts.from_dict(_obj(v)), ParamCounts),
         )
         record.check(where, stored_in)
@@ -296,21 +318,23 @@ def differences(a: dict, b: dict, skip=()) -> list[str]:
             if k not in skip and a.get(k) != b.get(k)]
 
 
-def _required(name: str, stored, typ) -> None:
+def _required(name: str, stored, typ, derived=()) -> None:
     """Before a stored part is read: the fields of its type that have no default of None (those its `to_dict`
-    always writes) are all there; a missing one is an ELFError naming it, not a default filled in."""
+    always writes), but those `derived` from the other parts, are all there; a missing one is an ELFError naming
+    it, not a default filled in."""
     if typ is None or not isinstance(stored, dict):
         return
-    _refuse_missing(name, [f.name for f in fields(typ) if f.name not in stored and f.default is not None])
+    _refuse_missing(name, [f.name for f in fields(typ)
+                           if f.name not in stored and f.default is not None and f.name not in derived])
 
 
-def _complete(name: str, stored, value) -> None:
-    """A stored part holds every field its type writes (`to_dict`; a drawn table's space, its DRAWN_TABLE_FIELDS
-    too): a missing one is an ELFError naming it (a record of an earlier version gains its new fields in
-    elflow.runs.migrate, never from today's defaults)."""
+def _complete(name: str, stored, value, derived=()) -> None:
+    """A stored part holds every field its type writes (`to_dict`, but the fields `derived` from the other parts;
+    a drawn table's space, its DRAWN_TABLE_FIELDS too): a missing one is an ELFError naming it (a record of an
+    earlier version gains its new fields in elflow.runs.migrate, never from today's defaults)."""
     if value is None or not hasattr(value, "to_dict") or not isinstance(stored, dict):
         return
-    written = list(value.to_dict())
+    written = [k for k in value.to_dict() if k not in derived]
     if isinstance(value, SpaceSpec) and drawn_table(stored):
         written += [k for k in DRAWN_TABLE_FIELDS if k not in written]
     _refuse_missing(name, [k for k in written if k not in stored])
