@@ -131,6 +131,24 @@ def test_convert_writes_an_elflow_run_with_the_same_network(ref, tmp_path):
     assert close(direct(ref["in.z"], ref["in.t"], ref["in.w"]), ref["out.denoise_nosc"]) < TOL
 
 
+def test_a_release_without_self_conditioning_loads_with_a_recipe_that_never_self_conditions(ref, tmp_path):
+    """Weights without the self-conditioning input were trained with self_cond_prob 0: the record of such a
+    release says so (its network's self_cond follows from its recipe), and the network reproduces the authors'
+    plain output; it samples with omega 1 by default (nothing for omega to guide by without self-conditioning)."""
+    import elflow
+
+    ckpt = torch.load(REF / "checkpoint_7", weights_only=True)
+    plain = {which: {k: v for k, v in ckpt[which].items() if not k.startswith("self_cond_proj")}
+             for which in ("params", "ema_params1")}
+    assert plain["params"].keys() < ckpt["params"].keys()
+    (tmp_path / "release").mkdir()
+    torch.save(plain, tmp_path / "release" / "checkpoint_7")
+    net = elflow.load(tmp_path / "release" / "checkpoint_7", max_length=16)
+    assert net.record.recipe.self_cond_prob == 0.0 and not net.config.self_cond
+    assert net.record.sampling.omega == 1.0
+    assert close(net(ref["in.z"], ref["in.t"], ref["in.w"]), ref["out.denoise_plain_c"]) < TOL
+
+
 def test_files_that_are_not_checkpoints_are_refused(tmp_path):
     import pickle
 

@@ -495,6 +495,8 @@ def released_record(network, settings: dict, space: dict) -> RunRecord:
     source_length = settings.get("source_length")
     task = Task(source_length, PACKED, settings.get("task")) if source_length else None
     distillation = Distillation("pd", None, None) if settings.get("distilled") else None
-    base = RunRecord("elf", network, SpaceSpec.from_dict(space), settings.get("length", network.max_length),
-                     recipe_for({}, conditional=task is not None), task=task, distillation=distillation)
+    # (weights without the self-conditioning input were trained without it: the recipe the record derives it from)
+    recipe = recipe_for({} if network.self_cond else {"self_cond_prob": 0.0}, conditional=task is not None)
+    base = RunRecord("elf", network, SpaceSpec.from_dict(space), settings.get("length", network.max_length), recipe,
+                     task=task, distillation=distillation)
     return base.with_default_sampling()
