@@ -261,6 +261,39 @@ def test_a_record_sets_the_network_fields_that_follow_from_its_recipe_and_distil
     assert len({r.digest() for r in (elf, plain, fm, v)}) == 4
 
 
+def test_any_record_derives_its_network_as_the_method_says_and_reads_back_from_json_with_the_same_digest():
+    """For any recipe (self-conditioned or not, any path constants), head and distillation: the record's network
+    holds `derive`'s values whatever network it was given with, the stored form holds none of them, and it
+    reads back from JSON equal, with the digest of its network in full."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from elflow.methods import get_method
+
+    elf = RunRecord.from_dict(fixture_record("elf"))
+    unit = st.floats(0.0, 1.0, allow_nan=False)
+
+    @settings(max_examples=60, deadline=None)
+    @given(self_cond_prob=unit, noise_scale=st.floats(0.01, 10.0), t_eps=st.floats(0.001, 0.5),
+           predict=st.sampled_from(("x", "v", "eps")), given_self_cond=st.booleans(), given_target=st.booleans(),
+           distillation=st.sampled_from((None, Distillation("pd", 2, 4), Distillation("flow-map", 4))))
+    def check(self_cond_prob, noise_scale, t_eps, predict, given_self_cond, given_target, distillation):
+        recipe = elf.recipe.replace(self_cond_prob=self_cond_prob, noise_scale=noise_scale, t_eps=t_eps)
+        network = elf.network.replace(predict=predict, self_cond=given_self_cond, target_time=given_target,
+                                      noise_scale=1.0, t_eps=0.1)
+        record = elf.replace(recipe=recipe, network=network, distillation=distillation)
+        net = record.network
+        assert net.self_cond == (self_cond_prob > 0)
+        assert net.target_time == (distillation is not None and distillation.objective == "flow-map")
+        assert (net.noise_scale, net.t_eps) == ((None, None) if predict == "x" else (noise_scale, t_eps))
+        stored = json.loads(json.dumps(record.to_dict()))
+        assert not set(get_method("elf").derived) & set(stored["network"])
+        back = RunRecord.from_dict(stored)
+        assert back == record and back.digest() == record.digest()
+
+    check()
+
+
 # ----------------------------------------------------------------------------------------------------------
 # the typed parts: Task, Distillation, ParamCounts
 
