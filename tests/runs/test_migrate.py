@@ -401,8 +401,9 @@ def test_version_10_networks_lose_the_fields_that_follow_from_the_recipe_and_the
     ("fm", "network.target_time", False, "target_time False while the model is a flow-map student"),
     ("elf", "network.predict", "v", "a v-predicting head with noise_scale None and t_eps None, while the recipe's "
                                     "are 2.0 and 0.05"),
+    ("elf", "network.self_cond", 1, "self_cond 1 while the recipe's self_cond_prob is 0.5"),  # not a bool
 ])
-def test_a_version_10_network_whose_stored_fields_disagree_with_the_rest_is_refused_as_version_10_refused_it(
+def test_a_version_10_network_whose_stored_fields_disagree_with_the_rest_is_refused_naming_the_field(
         run, key, value, words):
     doc = stored_10(run)
     part, field = key.split(".")
@@ -410,3 +411,18 @@ def test_a_version_10_network_whose_stored_fields_disagree_with_the_rest_is_refu
     with pytest.raises(ELFError) as e:
         document(doc, "r.json")
     assert str(e.value) == f"r.json: its record's field 'network': {words}"
+
+
+def test_a_version_10_network_that_lacks_a_derived_field_or_a_record_without_its_recipe_is_refused_naming_it():
+    doc = stored_10("elf")
+    del doc["record"]["network"]["target_time"]
+    with pytest.raises(ELFError) as e:
+        document(doc, "r.json")
+    assert str(e.value) == ("r.json: its record's field 'network' is not a network of its method 'elf': it lacks "
+                            "'network.target_time'; a record of this version holds every field (restore the file "
+                            "as elflow wrote it)")
+    doc = stored_10("elf")
+    del doc["record"]["recipe"]
+    with pytest.raises(ELFError) as e:
+        RunRecord.from_dict(document(doc, "r.json")["record"], "r.json")
+    assert str(e.value) == "r.json: its record lacks the field 'recipe'"

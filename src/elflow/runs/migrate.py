@@ -443,10 +443,11 @@ def _9_to_10(doc: dict, where: str) -> dict:
 
 def _10_to_11(doc: dict, where: str) -> dict:
     """From version 11 an ELF record's network does not store the fields that follow from its recipe and
-    distillation (the method's `derived`): the record sets them. Version 10 stored them and refused a record
-    whose values disagreed with the rest; such a record is refused here, in the words version 10 used, and one
-    whose recipe or distillation cannot be read is left to the record's reader to name. A state.json changes its
-    version alone (its model's digest is of the network in full: `RunRecord.identity`)."""
+    distillation (the method's `derived`): the record sets them. Version 10 stored every one of them and refused
+    a record whose values disagreed with the rest: such a record (or one that lacks one) is refused here, naming
+    the field; one whose recipe or distillation is missing or cannot be read is left to the record's reader to
+    name. A state.json changes its version alone (its model's digest is of the network in full:
+    `RunRecord.identity`)."""
     if "record" not in doc:
         return {**doc, "version": 11}
     record = {**doc["record"], "version": 11}
@@ -454,32 +455,35 @@ def _10_to_11(doc: dict, where: str) -> dict:
     if _elf_record(doc) and isinstance(network, dict):
         elf = get_method("elf")
         try:
-            derived = elf.derive(Recipe.from_dict(record.get("recipe") or {}), None if record.get("distillation")
-                                 is None else Distillation.from_dict(record["distillation"]))
-        except (ELFError, ValueError, TypeError, AttributeError):
-            derived = None
-        if derived is not None:
-            if network.get("predict", "x") == "x":  # (an x head reads no path constants: version 10 ignored them)
-                derived.update(noise_scale=network.get("noise_scale"), t_eps=network.get("t_eps"))
-            _check_derived(network, derived, record, where)
+            recipe = Recipe.from_dict(record["recipe"])
+            distillation = None if record["distillation"] is None else Distillation.from_dict(record["distillation"])
+        except (KeyError, ELFError, ValueError, TypeError, AttributeError):
+            recipe = None
+        if recipe is not None:
+            _check_derived(network, elf.derive(recipe, distillation), recipe, where)
         record["network"] = {k: v for k, v in network.items() if k not in elf.derived}
     return {**doc, "record": record}
 
 
-def _check_derived(network: dict, derived: dict, record: dict, where: str) -> None:
-    """ELFError for a version-10 network whose stored derived fields disagree with its recipe and distillation."""
+def _check_derived(network: dict, derived: dict, recipe: Recipe, where: str) -> None:
+    """ELFError for a version-10 network that lacks one of the derived fields or whose stored values disagree
+    with its recipe and distillation (an x head's path constants excepted: it never read them)."""
     def refuse(what):
         raise ELFError(f"{where}: its record's field 'network': {what}")
 
-    recipe = Recipe.from_dict(record.get("recipe") or {})
-    if "self_cond" in network and network["self_cond"] != derived["self_cond"]:
-        refuse(f"self_cond {network['self_cond']} while the recipe's self_cond_prob is {recipe.self_cond_prob}")
-    if any(k in network and network[k] != derived[k] for k in ("noise_scale", "t_eps")):
-        refuse(f"a {network.get('predict')}-predicting head with noise_scale {network.get('noise_scale')} and t_eps "
-               f"{network.get('t_eps')}, while the recipe's are {recipe.noise_scale} and {recipe.t_eps}")
-    if "target_time" in network and network["target_time"] != derived["target_time"]:
-        refuse(f"target_time {network['target_time']} while the model is {'' if derived['target_time'] else 'not '}"
-               "a flow-map student")
+    missing = [k for k in derived if k not in network]
+    if missing:
+        raise ELFError(f"{where}: its record's field 'network' is not a network of its method 'elf': it lacks "
+                       f"'network.{missing[0]}'; a record of this version holds every field (restore the file as "
+                       "elflow wrote it)")
+    if network["self_cond"] is not derived["self_cond"]:  # (a bool, as version 10 read it: not 1 or "true")
+        refuse(f"self_cond {network['self_cond']!r:.40} while the recipe's self_cond_prob is {recipe.self_cond_prob}")
+    if network.get("predict", "x") != "x" and any(network[k] != derived[k] for k in ("noise_scale", "t_eps")):
+        refuse(f"a {network.get('predict')!s:.20}-predicting head with noise_scale {network['noise_scale']!r:.40} and "
+               f"t_eps {network['t_eps']!r:.40}, while the recipe's are {recipe.noise_scale} and {recipe.t_eps}")
+    if network["target_time"] is not derived["target_time"]:
+        refuse(f"target_time {network['target_time']!r:.40} while the model is "
+               f"{'' if derived['target_time'] else 'not '}a flow-map student")
 
 
 STEPS = {1: _1_to_2, 2: _2_to_3, 3: _3_to_4, 4: _4_to_5, 5: _5_to_6, 6: _6_to_7, 7: _7_to_8, 8: _8_to_9,
